@@ -1,0 +1,586 @@
+"""Python mirror of the wire schema owned by the Rust ``ipc`` crate (``router/crates/ipc/src/wire.rs``).
+
+GENERATED FILE, DO NOT EDIT. Regenerate with::
+
+    cargo run -p deltaserve-ipc --bin ipc-schema -- gen-py
+
+A Rust test fails when this file is stale, and ``tests/test_wire_golden.py`` decodes and re-encodes
+the golden frames written by Rust byte-identically.
+
+Framing: a frame is the msgpack 2-array ``[KIND, body]``; ``body`` is the struct's fields as a
+positional array in declaration order (nested structs are nested arrays). Evolution is
+append-only: fields missing at the end of a body take their defaults, extra trailing fields from a
+newer peer are ignored. ``SCHEMA_HASH`` is computed here from ``SCHEMA_TEXT`` at import, so a stale
+mirror announces a hash the router refuses.
+
+Messages: StepPlan=2, StepOutput=3, Hello=1, Shutdown=4, WorkerError=5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional, Union
+
+import msgpack
+
+__all__ = [
+    "SCHEMA_TEXT",
+    "SCHEMA_HASH",
+    "SamplingParams",
+    "NewRequest",
+    "RunningRequest",
+    "StepPlan",
+    "TokenLogprob",
+    "RequestOutput",
+    "StepTiming",
+    "StepOutput",
+    "ModelInfo",
+    "KvCapacity",
+    "Hello",
+    "Shutdown",
+    "WorkerError",
+    "Message",
+    "encode",
+    "decode",
+]
+
+#: Canonical schema text, identical to Rust's `ipc::schema::schema_text()`.
+SCHEMA_TEXT = (
+    "SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>}\n"
+    "NewRequest=0{req_id:u64,token_ids:Vec<u32>,num_prompt_tokens:u32,num_computed_tokens:u32,num_scheduled_tokens:u32,block_ids:Vec<u32>,sampling:SamplingParams}\n"
+    "RunningRequest=0{req_id:u64,num_scheduled_tokens:u32,new_block_ids:Vec<u32>}\n"
+    "StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>}\n"
+    "TokenLogprob=0{token_id:u32,logprob:f64}\n"
+    "RequestOutput=0{req_id:u64,token_id:Option<u32>,logprob:Option<f64>,top_logprobs:Vec<TokenLogprob>}\n"
+    "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64}\n"
+    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming}\n"
+    "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
+    "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
+    "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
+    "Shutdown=4{reason:String}\n"
+    "WorkerError=5{step_id:u64,message:String,fatal:bool,req_ids:Vec<u64>}"
+)
+
+
+def _fnv1a64(text: str) -> str:
+    """FNV-1a 64-bit hash of ``text``'s UTF-8 bytes as 16 lowercase hex digits (same as Rust)."""
+    h = 0xCBF29CE484222325
+    for b in text.encode("utf-8"):
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+#: Hash of ``SCHEMA_TEXT``, computed here; the worker sends it in ``Hello``.
+SCHEMA_HASH: str = _fnv1a64(SCHEMA_TEXT)
+
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick the next token of one request. `temperature == 0` means greedy."""
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: Softmax temperature; 0 selects the arg-max token (greedy).
+    temperature: float = 0.0
+    #: Nucleus sampling mass in (0, 1]; 1 disables it.
+    top_p: float = 0.0
+    #: Keep only the k most likely tokens; 0 disables it.
+    top_k: int = 0
+    #: Per-request seed: the draw for output token i uses a generator seeded from (seed, i),
+    #: so a seeded request samples the same tokens whatever else is in its batch.
+    seed: Optional[int] = None
+    #: Return the sampled token's logprob plus this many top alternatives; `None` for none.
+    logprobs: Optional[int] = None
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [float(self.temperature), float(self.top_p), self.top_k, self.seed, self.logprobs]
+
+    @classmethod
+    def from_wire(cls, a: list) -> SamplingParams:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 5:
+            return cls(a[0], a[1], a[2], a[3], a[4])
+        m = cls()
+        if n > 0:
+            m.temperature = a[0]
+        if n > 1:
+            m.top_p = a[1]
+        if n > 2:
+            m.top_k = a[2]
+        if n > 3:
+            m.seed = a[3]
+        if n > 4:
+            m.logprobs = a[4]
+        return m
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request the worker has not seen (or has released, e.g. after preemption): sent in full."""
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: Router-assigned id, unique for the life of the router.
+    req_id: int = 0
+    #: Every token known so far: the prompt, plus tokens generated before a preemption.
+    token_ids: list[int] = field(default_factory=list)
+    #: Number of the original prompt's tokens at the front of `token_ids`; output token i is
+    #: `token_ids[num_prompt_tokens + i]`, which seeds the sampler deterministically.
+    num_prompt_tokens: int = 0
+    #: Leading tokens whose KV is already in the cache (0 unless a prefix was shared).
+    num_computed_tokens: int = 0
+    #: Tokens to compute this step, starting at `num_computed_tokens` (a prefill chunk).
+    num_scheduled_tokens: int = 0
+    #: KV pages, in order, that hold this request's tokens.
+    block_ids: list[int] = field(default_factory=list)
+    #: How to sample once the whole sequence is computed.
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.req_id, self.token_ids, self.num_prompt_tokens, self.num_computed_tokens, self.num_scheduled_tokens, self.block_ids, self.sampling.to_wire()]
+
+    @classmethod
+    def from_wire(cls, a: list) -> NewRequest:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 7:
+            return cls(a[0], a[1], a[2], a[3], a[4], a[5], SamplingParams.from_wire(a[6]))
+        m = cls()
+        if n > 0:
+            m.req_id = a[0]
+        if n > 1:
+            m.token_ids = a[1]
+        if n > 2:
+            m.num_prompt_tokens = a[2]
+        if n > 3:
+            m.num_computed_tokens = a[3]
+        if n > 4:
+            m.num_scheduled_tokens = a[4]
+        if n > 5:
+            m.block_ids = a[5]
+        if n > 6:
+            m.sampling = SamplingParams.from_wire(a[6])
+        return m
+
+
+@dataclass(slots=True)
+class RunningRequest:
+    """A request already on the worker: only what changed since the last step."""
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: The request's id.
+    req_id: int = 0
+    #: Tokens to compute this step: 1 in decode (the token sampled last step), more while a
+    #: chunked prefill continues.
+    num_scheduled_tokens: int = 0
+    #: KV pages appended to the request's block table this step.
+    new_block_ids: list[int] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.req_id, self.num_scheduled_tokens, self.new_block_ids]
+
+    @classmethod
+    def from_wire(cls, a: list) -> RunningRequest:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 3:
+            return cls(a[0], a[1], a[2])
+        m = cls()
+        if n > 0:
+            m.req_id = a[0]
+        if n > 1:
+            m.num_scheduled_tokens = a[1]
+        if n > 2:
+            m.new_block_ids = a[2]
+        return m
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One iteration of continuous batching, decided by the router's scheduler."""
+
+    KIND: ClassVar[int] = 2  # frame kind
+
+    #: Monotonic step number; the worker echoes it in its `StepOutput`.
+    step_id: int = 0
+    #: Requests sent in full (first time on the worker, or resumed after preemption).
+    new_requests: list[NewRequest] = field(default_factory=list)
+    #: Requests continuing from an earlier step, as diffs.
+    running: list[RunningRequest] = field(default_factory=list)
+    #: Requests whose worker-side state must be dropped before this step (finished, aborted or
+    #: preempted); their KV pages already belong to the router again.
+    released: list[int] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.step_id, [x0.to_wire() for x0 in self.new_requests], [x0.to_wire() for x0 in self.running], self.released]
+
+    @classmethod
+    def from_wire(cls, a: list) -> StepPlan:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 4:
+            return cls(a[0], [NewRequest.from_wire(x0) for x0 in a[1]], [RunningRequest.from_wire(x0) for x0 in a[2]], a[3])
+        m = cls()
+        if n > 0:
+            m.step_id = a[0]
+        if n > 1:
+            m.new_requests = [NewRequest.from_wire(x0) for x0 in a[1]]
+        if n > 2:
+            m.running = [RunningRequest.from_wire(x0) for x0 in a[2]]
+        if n > 3:
+            m.released = a[3]
+        return m
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One alternative token with its log-probability."""
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    token_id: int = 0
+    logprob: float = 0.0
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.token_id, float(self.logprob)]
+
+    @classmethod
+    def from_wire(cls, a: list) -> TokenLogprob:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 2:
+            return cls(a[0], a[1])
+        m = cls()
+        if n > 0:
+            m.token_id = a[0]
+        if n > 1:
+            m.logprob = a[1]
+        return m
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one scheduled request produced in a step."""
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: The request's id.
+    req_id: int = 0
+    #: The sampled token; `None` when the step computed only part of a chunked prefill.
+    token_id: Optional[int] = None
+    #: Log-probability of `token_id` (only when the request asked for logprobs).
+    logprob: Optional[float] = None
+    #: The most likely alternatives, most likely first (only when asked for).
+    top_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.req_id, self.token_id, (None if self.logprob is None else float(self.logprob)), [x0.to_wire() for x0 in self.top_logprobs]]
+
+    @classmethod
+    def from_wire(cls, a: list) -> RequestOutput:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 4:
+            return cls(a[0], a[1], a[2], [TokenLogprob.from_wire(x0) for x0 in a[3]])
+        m = cls()
+        if n > 0:
+            m.req_id = a[0]
+        if n > 1:
+            m.token_id = a[1]
+        if n > 2:
+            m.logprob = a[2]
+        if n > 3:
+            m.top_logprobs = [TokenLogprob.from_wire(x0) for x0 in a[3]]
+        return m
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """Where a step's time went, measured on the worker's monotonic clock."""
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: From the previous `StepOutput` being written to this plan being decoded: the router's
+    #: scheduling plus both IPC hops. This is the overhead the router is judged on.
+    gap_us: int = 0
+    #: The model forward pass and sampling.
+    forward_us: int = 0
+    #: From this plan being decoded to its output being encoded.
+    total_us: int = 0
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.gap_us, self.forward_us, self.total_us]
+
+    @classmethod
+    def from_wire(cls, a: list) -> StepTiming:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 3:
+            return cls(a[0], a[1], a[2])
+        m = cls()
+        if n > 0:
+            m.gap_us = a[0]
+        if n > 1:
+            m.forward_us = a[1]
+        if n > 2:
+            m.total_us = a[2]
+        return m
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """The worker's answer to one `StepPlan`."""
+
+    KIND: ClassVar[int] = 3  # frame kind
+
+    #: The plan's `step_id`.
+    step_id: int = 0
+    #: One entry per scheduled request, in no particular order.
+    outputs: list[RequestOutput] = field(default_factory=list)
+    #: Timing of this step.
+    timing: StepTiming = field(default_factory=StepTiming)
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire()]
+
+    @classmethod
+    def from_wire(cls, a: list) -> StepOutput:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 3:
+            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]))
+        m = cls()
+        if n > 0:
+            m.step_id = a[0]
+        if n > 1:
+            m.outputs = [RequestOutput.from_wire(x0) for x0 in a[1]]
+        if n > 2:
+            m.timing = StepTiming.from_wire(a[2])
+        return m
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the router needs to know about the loaded model."""
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: HF architecture name, e.g. `LlamaForCausalLM`.
+    architecture: str = ""
+    vocab_size: int = 0
+    #: Longest sequence (prompt + output) the model accepts.
+    max_model_len: int = 0
+    num_layers: int = 0
+    hidden_size: int = 0
+    #: Tokens that end generation (from `generation_config.json` / `config.json`).
+    eos_token_ids: list[int] = field(default_factory=list)
+    #: Compute dtype actually used, e.g. `float32`, `bfloat16`.
+    dtype: str = ""
+    #: Torch device, e.g. `cpu` or `cuda:0`.
+    device: str = ""
+    num_params: int = 0
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.architecture, self.vocab_size, self.max_model_len, self.num_layers, self.hidden_size, self.eos_token_ids, self.dtype, self.device, self.num_params]
+
+    @classmethod
+    def from_wire(cls, a: list) -> ModelInfo:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 9:
+            return cls(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8])
+        m = cls()
+        if n > 0:
+            m.architecture = a[0]
+        if n > 1:
+            m.vocab_size = a[1]
+        if n > 2:
+            m.max_model_len = a[2]
+        if n > 3:
+            m.num_layers = a[3]
+        if n > 4:
+            m.hidden_size = a[4]
+        if n > 5:
+            m.eos_token_ids = a[5]
+        if n > 6:
+            m.dtype = a[6]
+        if n > 7:
+            m.device = a[7]
+        if n > 8:
+            m.num_params = a[8]
+        return m
+
+
+@dataclass(slots=True)
+class KvCapacity:
+    """The paged KV cache the worker allocated; the router does the accounting over it."""
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: Tokens per page.
+    block_size: int = 0
+    #: Pages in the pool.
+    num_blocks: int = 0
+    #: Bytes of one page across all layers (K and V).
+    bytes_per_block: int = 0
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.block_size, self.num_blocks, self.bytes_per_block]
+
+    @classmethod
+    def from_wire(cls, a: list) -> KvCapacity:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 3:
+            return cls(a[0], a[1], a[2])
+        m = cls()
+        if n > 0:
+            m.block_size = a[0]
+        if n > 1:
+            m.num_blocks = a[1]
+        if n > 2:
+            m.bytes_per_block = a[2]
+        return m
+
+
+@dataclass(slots=True)
+class Hello:
+    """First frame a worker sends, once its model and KV cache are ready."""
+
+    KIND: ClassVar[int] = 1  # frame kind
+
+    #: `schema_hash()` as computed by the worker's copy of the schema.
+    schema_hash: str = ""
+    #: The worker's process id.
+    pid: int = 0
+    model: ModelInfo = field(default_factory=ModelInfo)
+    kv: KvCapacity = field(default_factory=KvCapacity)
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.schema_hash, self.pid, self.model.to_wire(), self.kv.to_wire()]
+
+    @classmethod
+    def from_wire(cls, a: list) -> Hello:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 4:
+            return cls(a[0], a[1], ModelInfo.from_wire(a[2]), KvCapacity.from_wire(a[3]))
+        m = cls()
+        if n > 0:
+            m.schema_hash = a[0]
+        if n > 1:
+            m.pid = a[1]
+        if n > 2:
+            m.model = ModelInfo.from_wire(a[2])
+        if n > 3:
+            m.kv = KvCapacity.from_wire(a[3])
+        return m
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Asks the worker to exit cleanly."""
+
+    KIND: ClassVar[int] = 4  # frame kind
+
+    reason: str = ""
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.reason]
+
+    @classmethod
+    def from_wire(cls, a: list) -> Shutdown:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 1:
+            return cls(a[0])
+        m = cls()
+        if n > 0:
+            m.reason = a[0]
+        return m
+
+
+@dataclass(slots=True)
+class WorkerError:
+    """A failure the worker reports instead of a `StepOutput`."""
+
+    KIND: ClassVar[int] = 5  # frame kind
+
+    #: The step that failed (0 when outside a step).
+    step_id: int = 0
+    message: str = ""
+    #: Fatal: the worker exits after sending this and must be restarted. Recoverable: only
+    #: the listed requests failed; the worker keeps serving.
+    fatal: bool = False
+    #: Requests that failed (all of the step's requests when the whole step failed).
+    req_ids: list[int] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.step_id, self.message, self.fatal, self.req_ids]
+
+    @classmethod
+    def from_wire(cls, a: list) -> WorkerError:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 4:
+            return cls(a[0], a[1], a[2], a[3])
+        m = cls()
+        if n > 0:
+            m.step_id = a[0]
+        if n > 1:
+            m.message = a[1]
+        if n > 2:
+            m.fatal = a[2]
+        if n > 3:
+            m.req_ids = a[3]
+        return m
+
+
+#: Every top-level message (the structs with a non-zero ``KIND``).
+Message = Union[StepPlan, StepOutput, Hello, Shutdown, WorkerError]
+
+_BY_KIND: dict[int, type] = {2: StepPlan, 3: StepOutput, 1: Hello, 4: Shutdown, 5: WorkerError}
+_KINDS = "StepPlan=2, StepOutput=3, Hello=1, Shutdown=4, WorkerError=5"
+_packb = msgpack.packb
+_unpackb = msgpack.unpackb
+
+
+def encode(msg: Message) -> bytes:
+    """One frame: ``msgpack([msg.KIND, msg.to_wire()])``, byte-identical to Rust's ``codec::encode``."""
+    return _packb([msg.KIND, msg.to_wire()], use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    """Decodes one frame into its message; raises ``ValueError`` saying what is wrong with a bad frame."""
+    try:
+        obj = _unpackb(frame, raw=False)
+    except Exception as e:  # msgpack raises several types for malformed input
+        raise ValueError(f"bad frame: not one msgpack value ({e})") from e
+    if type(obj) is not list or len(obj) != 2:
+        raise ValueError(f"bad frame: expected a msgpack array [kind, body], got {type(obj).__name__}")
+    kind, body = obj
+    cls = _BY_KIND.get(kind) if type(kind) is int else None
+    if cls is None:
+        raise ValueError(f"unknown message kind {kind!r}: expected one of {_KINDS}")
+    if type(body) is not list:
+        raise ValueError(f"bad {cls.__name__} frame: body is {type(body).__name__}, expected an array")
+    try:
+        return cls.from_wire(body)
+    except (TypeError, IndexError, AttributeError, ValueError) as e:
+        raise ValueError(f"cannot decode {cls.__name__} body (kind {kind}): {e}") from e

@@ -1,0 +1,151 @@
+//! Fixed example messages, one per frame kind: the source of the golden frames in
+//! `tests/golden/` and of codec tests here and in other crates.
+//!
+//! The values are chosen to exercise every msgpack form both encoders must agree on: integers in
+//! each width (fixint, uint8/16/32/64), floats that are not exact in binary (0.7), `Some` and
+//! `None` options, empty and non-empty vectors (including arrays of more than 15 elements, which
+//! need the array16 form), and unicode strings long enough to need str8 and str16.
+//! Changing a value changes the golden bytes; regenerate them with `DELTASERVE_BLESS=1`.
+
+use crate::schema::schema_hash;
+use crate::wire::{
+    Hello, KvCapacity, ModelInfo, NewRequest, RequestOutput, RunningRequest, SamplingParams,
+    Shutdown, StepOutput, StepPlan, StepTiming, TokenLogprob, WorkerError,
+};
+
+/// A plan with one sampled and one greedy new request, two running requests and two releases.
+pub fn step_plan() -> StepPlan {
+    StepPlan {
+        step_id: 12_345_678_901,
+        new_requests: vec![
+            NewRequest {
+                req_id: 1 << 40,
+                token_ids: vec![1, 127, 128, 255, 256, 65_535, 65_536, 151_643],
+                num_prompt_tokens: 6,
+                num_computed_tokens: 0,
+                num_scheduled_tokens: 8,
+                block_ids: (0..20).map(|i| i * 977).collect(),
+                sampling: SamplingParams {
+                    temperature: 0.7,
+                    top_p: 0.95,
+                    top_k: 50,
+                    seed: Some((1 << 63) + 5),
+                    logprobs: Some(5),
+                },
+            },
+            NewRequest {
+                req_id: 7,
+                token_ids: vec![42],
+                num_prompt_tokens: 1,
+                num_computed_tokens: 0,
+                num_scheduled_tokens: 1,
+                block_ids: vec![3],
+                sampling: SamplingParams {
+                    temperature: 0.0,
+                    top_p: 1.0,
+                    top_k: 0,
+                    seed: None,
+                    logprobs: None,
+                },
+            },
+        ],
+        running: vec![
+            RunningRequest {
+                req_id: 3,
+                num_scheduled_tokens: 1,
+                new_block_ids: vec![],
+            },
+            RunningRequest {
+                req_id: u64::MAX,
+                num_scheduled_tokens: 512,
+                new_block_ids: vec![70_000, 70_001],
+            },
+        ],
+        released: vec![2, 1 << 33],
+    }
+}
+
+/// An output with a sampled token plus logprobs, a plain token, and an unfinished prefill chunk.
+pub fn step_output() -> StepOutput {
+    StepOutput {
+        step_id: 12_345_678_901,
+        outputs: vec![
+            RequestOutput {
+                req_id: 1 << 40,
+                token_id: Some(151_643),
+                logprob: Some(-0.25),
+                top_logprobs: vec![
+                    TokenLogprob {
+                        token_id: 151_643,
+                        logprob: -0.25,
+                    },
+                    TokenLogprob {
+                        token_id: 13,
+                        logprob: -1.7,
+                    },
+                ],
+            },
+            RequestOutput {
+                req_id: 7,
+                token_id: Some(0),
+                logprob: None,
+                top_logprobs: vec![],
+            },
+            RequestOutput {
+                req_id: 3,
+                token_id: None,
+                logprob: None,
+                top_logprobs: vec![],
+            },
+        ],
+        timing: StepTiming {
+            gap_us: 87,
+            forward_us: 12_345,
+            total_us: 70_000,
+        },
+    }
+}
+
+/// The handshake of a worker serving a SmolLM2-sized model on a GPU.
+pub fn hello() -> Hello {
+    Hello {
+        schema_hash: schema_hash(),
+        pid: 4_242_424,
+        model: ModelInfo {
+            architecture: "LlamaForCausalLM".into(),
+            vocab_size: 49_152,
+            max_model_len: 8_192,
+            num_layers: 30,
+            hidden_size: 576,
+            eos_token_ids: vec![0, 2],
+            dtype: "bfloat16".into(),
+            device: "cuda:0".into(),
+            num_params: 134_515_008,
+        },
+        kv: KvCapacity {
+            block_size: 16,
+            num_blocks: 70_000,
+            bytes_per_block: 5_000_000_000,
+        },
+    }
+}
+
+/// A shutdown with a short unicode reason.
+pub fn shutdown() -> Shutdown {
+    Shutdown {
+        reason: "router stopping — 再见 👋".into(),
+    }
+}
+
+/// A recoverable error naming 20 requests (array16) with a message longer than 255 bytes (str16).
+pub fn worker_error() -> WorkerError {
+    WorkerError {
+        step_id: 255,
+        message: format!(
+            "CUDA out of memory while loading adapter «zh-助手»: {}",
+            "Δ".repeat(120)
+        ),
+        fatal: false,
+        req_ids: (0..20).map(|i| 1_000_000_007 * i).collect(),
+    }
+}

@@ -1,0 +1,235 @@
+//! The wire schema between the router and its Python workers: the one owner of every type that
+//! crosses a process boundary.
+//!
+//! # Framing
+//!
+//! Every message is one msgpack value: a 2-array `[kind, body]`, where `kind` is a positive fixint
+//! (the message's [`WireStruct::KIND`]) and `body` is the struct encoded as a msgpack *array* of its
+//! fields in declaration order (rmp-serde's compact form). So every frame starts with the bytes
+//! `0x92 <kind>`, and the body is the rest:
+//!
+//! ```text
+//!  0x92 | kind (1 byte) | body: [field0, field1, ...]   (nested structs are nested arrays)
+//! ```
+//!
+//! # Evolution
+//!
+//! Append-only: a new field goes last and has a default, so a frame from an older peer still
+//! decodes (every struct is `#[serde(default)]`). Renaming, reordering or retyping a field changes
+//! [`schema_hash`](crate::schema::schema_hash), and the worker handshake refuses a peer whose hash differs.
+//!
+//! # The Python mirror
+//!
+//! `pyworker/deltaserve/wire.py` is generated from [`SCHEMA`] by `ipc-schema gen-py` (see
+//! `src/bin/ipc-schema.rs`); a test fails when the checked-in file is stale. Golden frames written
+//! by this crate's tests are decoded and re-encoded byte-identically by `tests/test_wire_golden.py`.
+//!
+//! Only unsigned integers, `f64`, `bool`, `String`, `Vec`, `Option` and other wire structs appear
+//! here, so both encoders produce the same bytes (smallest int form, float64, str8/16/32).
+
+use serde::{Deserialize, Serialize};
+
+/// Defines the wire structs and, from the same token trees, the [`SCHEMA`] table that the schema
+/// hash and the Python generator read. One definition, so the two can never disagree.
+macro_rules! wire_structs {
+    ($(
+        $(#[doc = $doc:literal])*
+        struct $name:ident = $kind:literal {
+            $( $(#[doc = $fdoc:literal])* $field:ident : $ty:ty ),* $(,)?
+        }
+    )*) => {
+        $(
+            $(#[doc = $doc])*
+            #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+            #[serde(default)]
+            pub struct $name {
+                $( $(#[doc = $fdoc])* pub $field: $ty, )*
+            }
+
+            impl WireStruct for $name {
+                const NAME: &'static str = stringify!($name);
+                const KIND: u8 = $kind;
+            }
+        )*
+
+        /// Every wire struct in declaration order: `(name, kind, [(field, type)])`.
+        /// `kind` is 0 for structs that are only ever nested inside a message.
+        pub const SCHEMA: &[(&str, u8, &[(&str, &str)])] = &[
+            $( (stringify!($name), $kind, &[ $( (stringify!($field), stringify!($ty)) ),* ]), )*
+        ];
+
+        /// The `///` docs of every wire struct, parallel to [`SCHEMA`]:
+        /// `(name, struct doc, [(field, field doc)])`, each doc one line per `///` line (empty when
+        /// undocumented). Not part of the schema hash; the Python generator copies them so the
+        /// mirror explains its fields too.
+        pub const SCHEMA_DOCS: &[(&str, &str, &[(&str, &str)])] = &[
+            $( (
+                stringify!($name),
+                concat!($($doc, "\n",)*),
+                &[ $( (stringify!($field), concat!($($fdoc, "\n",)*)) ),* ],
+            ), )*
+        ];
+    };
+}
+
+/// Implemented by every wire struct. `KIND` is non-zero for top-level messages.
+pub trait WireStruct: Serialize + for<'de> Deserialize<'de> {
+    /// The struct's name in the schema.
+    const NAME: &'static str;
+    /// Frame kind for top-level messages, 0 for nested-only structs.
+    const KIND: u8;
+}
+
+wire_structs! {
+    /// How to pick the next token of one request. `temperature == 0` means greedy.
+    struct SamplingParams = 0 {
+        /// Softmax temperature; 0 selects the arg-max token (greedy).
+        temperature: f64,
+        /// Nucleus sampling mass in (0, 1]; 1 disables it.
+        top_p: f64,
+        /// Keep only the k most likely tokens; 0 disables it.
+        top_k: u32,
+        /// Per-request seed: the draw for output token i uses a generator seeded from (seed, i),
+        /// so a seeded request samples the same tokens whatever else is in its batch.
+        seed: Option<u64>,
+        /// Return the sampled token's logprob plus this many top alternatives; `None` for none.
+        logprobs: Option<u32>,
+    }
+
+    /// A request the worker has not seen (or has released, e.g. after preemption): sent in full.
+    struct NewRequest = 0 {
+        /// Router-assigned id, unique for the life of the router.
+        req_id: u64,
+        /// Every token known so far: the prompt, plus tokens generated before a preemption.
+        token_ids: Vec<u32>,
+        /// Number of the original prompt's tokens at the front of `token_ids`; output token i is
+        /// `token_ids[num_prompt_tokens + i]`, which seeds the sampler deterministically.
+        num_prompt_tokens: u32,
+        /// Leading tokens whose KV is already in the cache (0 unless a prefix was shared).
+        num_computed_tokens: u32,
+        /// Tokens to compute this step, starting at `num_computed_tokens` (a prefill chunk).
+        num_scheduled_tokens: u32,
+        /// KV pages, in order, that hold this request's tokens.
+        block_ids: Vec<u32>,
+        /// How to sample once the whole sequence is computed.
+        sampling: SamplingParams,
+    }
+
+    /// A request already on the worker: only what changed since the last step.
+    struct RunningRequest = 0 {
+        /// The request's id.
+        req_id: u64,
+        /// Tokens to compute this step: 1 in decode (the token sampled last step), more while a
+        /// chunked prefill continues.
+        num_scheduled_tokens: u32,
+        /// KV pages appended to the request's block table this step.
+        new_block_ids: Vec<u32>,
+    }
+
+    /// One iteration of continuous batching, decided by the router's scheduler.
+    struct StepPlan = 2 {
+        /// Monotonic step number; the worker echoes it in its `StepOutput`.
+        step_id: u64,
+        /// Requests sent in full (first time on the worker, or resumed after preemption).
+        new_requests: Vec<NewRequest>,
+        /// Requests continuing from an earlier step, as diffs.
+        running: Vec<RunningRequest>,
+        /// Requests whose worker-side state must be dropped before this step (finished, aborted or
+        /// preempted); their KV pages already belong to the router again.
+        released: Vec<u64>,
+    }
+
+    /// One alternative token with its log-probability.
+    struct TokenLogprob = 0 {
+        token_id: u32,
+        logprob: f64,
+    }
+
+    /// What one scheduled request produced in a step.
+    struct RequestOutput = 0 {
+        /// The request's id.
+        req_id: u64,
+        /// The sampled token; `None` when the step computed only part of a chunked prefill.
+        token_id: Option<u32>,
+        /// Log-probability of `token_id` (only when the request asked for logprobs).
+        logprob: Option<f64>,
+        /// The most likely alternatives, most likely first (only when asked for).
+        top_logprobs: Vec<TokenLogprob>,
+    }
+
+    /// Where a step's time went, measured on the worker's monotonic clock.
+    struct StepTiming = 0 {
+        /// From the previous `StepOutput` being written to this plan being decoded: the router's
+        /// scheduling plus both IPC hops. This is the overhead the router is judged on.
+        gap_us: u64,
+        /// The model forward pass and sampling.
+        forward_us: u64,
+        /// From this plan being decoded to its output being encoded.
+        total_us: u64,
+    }
+
+    /// The worker's answer to one `StepPlan`.
+    struct StepOutput = 3 {
+        /// The plan's `step_id`.
+        step_id: u64,
+        /// One entry per scheduled request, in no particular order.
+        outputs: Vec<RequestOutput>,
+        /// Timing of this step.
+        timing: StepTiming,
+    }
+
+    /// What the router needs to know about the loaded model.
+    struct ModelInfo = 0 {
+        /// HF architecture name, e.g. `LlamaForCausalLM`.
+        architecture: String,
+        vocab_size: u32,
+        /// Longest sequence (prompt + output) the model accepts.
+        max_model_len: u32,
+        num_layers: u32,
+        hidden_size: u32,
+        /// Tokens that end generation (from `generation_config.json` / `config.json`).
+        eos_token_ids: Vec<u32>,
+        /// Compute dtype actually used, e.g. `float32`, `bfloat16`.
+        dtype: String,
+        /// Torch device, e.g. `cpu` or `cuda:0`.
+        device: String,
+        num_params: u64,
+    }
+
+    /// The paged KV cache the worker allocated; the router does the accounting over it.
+    struct KvCapacity = 0 {
+        /// Tokens per page.
+        block_size: u32,
+        /// Pages in the pool.
+        num_blocks: u32,
+        /// Bytes of one page across all layers (K and V).
+        bytes_per_block: u64,
+    }
+
+    /// First frame a worker sends, once its model and KV cache are ready.
+    struct Hello = 1 {
+        /// `schema_hash()` as computed by the worker's copy of the schema.
+        schema_hash: String,
+        /// The worker's process id.
+        pid: u32,
+        model: ModelInfo,
+        kv: KvCapacity,
+    }
+
+    /// Asks the worker to exit cleanly.
+    struct Shutdown = 4 {
+        reason: String,
+    }
+
+    /// A failure the worker reports instead of a `StepOutput`.
+    struct WorkerError = 5 {
+        /// The step that failed (0 when outside a step).
+        step_id: u64,
+        message: String,
+        /// Fatal: the worker exits after sending this and must be restarted. Recoverable: only
+        /// the listed requests failed; the worker keeps serving.
+        fatal: bool,
+        /// Requests that failed (all of the step's requests when the whole step failed).
+        req_ids: Vec<u64>,
+    }
+}

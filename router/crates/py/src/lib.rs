@@ -1,0 +1,283 @@
+//! `deltaserve._native`: the private Python extension. Conversion only: every behaviour lives in
+//! the `deltaserve-ipc` crate, and this file turns its types and errors into Python ones.
+//!
+//! # Exports (typed in `pyworker/deltaserve/_native.pyi`)
+//!
+//! - `schema_hash()`, `schema_text()`: the Rust side of the wire schema, so Python tests can
+//!   check the generated mirror against it.
+//! - `WorkerLink(ipc_dir)`: the worker's half of a link ([`IpcDir::worker_side`]).
+//! - `RouterLink(ipc_dir, create=True, capacity=DEFAULT_CAPACITY)`: the router's half
+//!   ([`IpcDir::router_side`]), so Python tests and tools can play the router.
+//! - `DEFAULT_CAPACITY`: the ring size the router uses unless told otherwise.
+//!
+//! Blocking calls release the GIL and wake at least every [`SIGNAL_CHECK`] to run Python signal
+//! handlers, so Ctrl-C interrupts a worker blocked in `recv`.
+//!
+//! Errors: files and shared state (`IpcError::Io`, `BadRing`, `Corrupt`) raise `OSError` (with
+//! errno where the OS gave one, so e.g. a missing ring is `FileNotFoundError`); bad arguments
+//! (`FrameTooLarge`, `BadCapacity`) raise `ValueError`; a bounded `send` that found the ring full
+//! for its whole timeout raises `TimeoutError`.
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use deltaserve_ipc::channel::{IpcDir, Receiver, Sender, DEFAULT_CAPACITY};
+use deltaserve_ipc::schema;
+use deltaserve_ipc::IpcError;
+use pyo3::exceptions::{PyOSError, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+/// Longest a blocking call stays without the GIL before checking for Python signals.
+const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+
+/// Maps a transport error to the Python exception the stub documents.
+fn py_err(e: IpcError) -> PyErr {
+    let msg = e.to_string();
+    match &e {
+        IpcError::FrameTooLarge { .. } | IpcError::BadCapacity { .. } => PyValueError::new_err(msg),
+        IpcError::Io { source, .. } => match source.raw_os_error() {
+            // OSError(errno, msg) picks the matching subclass (FileNotFoundError, ...).
+            Some(errno) => PyOSError::new_err((errno, msg)),
+            None => PyOSError::new_err(msg),
+        },
+        IpcError::BadRing { .. } | IpcError::Corrupt { .. } => PyOSError::new_err(msg),
+    }
+}
+
+/// `timeout_s` from Python: `None` waits forever; negative or NaN is refused.
+fn timeout(timeout_s: Option<f64>) -> PyResult<Option<Duration>> {
+    match timeout_s {
+        None => Ok(None),
+        Some(t) => Duration::try_from_secs_f64(t).map(Some).map_err(|_| {
+            PyValueError::new_err(format!("timeout_s must be a finite number >= 0, got {t}"))
+        }),
+    }
+}
+
+/// Locks without caring about poisoning: a panic inside ring code is already reported as a
+/// Python exception, and the ring state itself lives in shared memory, not behind the lock.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Both halves of one side of a link. Each half has its own lock so one Python thread may block
+/// in `recv` while another sends.
+struct Link {
+    /// The outgoing direction.
+    tx: Mutex<Sender>,
+    /// The incoming direction.
+    rx: Mutex<Receiver>,
+    /// The link directory, for `repr` and the `ipc_dir` property.
+    dir: String,
+    /// Largest frame `send` accepts.
+    max_frame_len: usize,
+}
+
+impl Link {
+    fn new(dir: String, tx: Sender, rx: Receiver) -> Link {
+        let max_frame_len = tx.max_frame_len();
+        Link {
+            tx: Mutex::new(tx),
+            rx: Mutex::new(rx),
+            dir,
+            max_frame_len,
+        }
+    }
+
+    fn send(&self, py: Python<'_>, data: &[u8], timeout_s: Option<f64>) -> PyResult<()> {
+        let deadline = timeout(timeout_s)?.map(|t| Instant::now() + t);
+        // Fast path with the GIL held: room in the ring and nobody else sending.
+        if let Ok(mut tx) = self.tx.try_lock() {
+            if tx.try_send(data).map_err(py_err)? {
+                return Ok(());
+            }
+        }
+        loop {
+            let slice = match deadline {
+                None => SIGNAL_CHECK,
+                Some(d) => d
+                    .saturating_duration_since(Instant::now())
+                    .min(SIGNAL_CHECK),
+            };
+            // The lock is taken without the GIL, so a thread blocked here never holds the GIL.
+            let sent = py
+                .detach(|| lock(&self.tx).send_timeout(data, Some(slice)))
+                .map_err(py_err)?;
+            if sent {
+                return Ok(());
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(PyTimeoutError::new_err(format!(
+                    "send: the ring in {} stayed full for {:.3}s: the peer is not reading",
+                    self.dir,
+                    timeout_s.unwrap_or_default()
+                )));
+            }
+        }
+    }
+
+    fn recv<'py>(
+        &self,
+        py: Python<'py>,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let deadline = timeout(timeout_s)?.map(|t| Instant::now() + t);
+        let mut buf = Vec::new();
+        if let Ok(mut rx) = self.rx.try_lock() {
+            if let Some(frame) = rx.try_recv().map_err(py_err)? {
+                return Ok(Some(PyBytes::new(py, &frame)));
+            }
+        }
+        loop {
+            let slice = match deadline {
+                None => SIGNAL_CHECK,
+                Some(d) => d
+                    .saturating_duration_since(Instant::now())
+                    .min(SIGNAL_CHECK),
+            };
+            let got = py
+                .detach(|| lock(&self.rx).recv_into(&mut buf, Some(slice)))
+                .map_err(py_err)?;
+            if got {
+                return Ok(Some(PyBytes::new(py, &buf)));
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// The worker's half of a router↔worker link: receives `StepPlan`/`Shutdown` frames, sends
+/// `Hello`/`StepOutput`/`WorkerError` frames.
+#[pyclass(frozen, module = "deltaserve._native")]
+struct WorkerLink {
+    /// The opened half.
+    link: Link,
+}
+
+#[pymethods]
+impl WorkerLink {
+    /// Opens the worker's half of the link in `ipc_dir` (created by the router).
+    #[new]
+    fn new(ipc_dir: &str) -> PyResult<Self> {
+        let (rx, tx) = IpcDir::at(ipc_dir).worker_side().map_err(py_err)?;
+        Ok(WorkerLink {
+            link: Link::new(ipc_dir.to_string(), tx, rx),
+        })
+    }
+
+    /// Sends one frame, waiting while the ring is full (`timeout_s=None`: as long as it takes).
+    #[pyo3(signature = (data, timeout_s=None))]
+    fn send(&self, py: Python<'_>, data: &[u8], timeout_s: Option<f64>) -> PyResult<()> {
+        self.link.send(py, data, timeout_s)
+    }
+
+    /// The next frame, waiting at most `timeout_s` seconds (`None`: forever); `None` on timeout.
+    #[pyo3(signature = (timeout_s=None))]
+    fn recv<'py>(
+        &self,
+        py: Python<'py>,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        self.link.recv(py, timeout_s)
+    }
+
+    /// The link directory this half was opened on.
+    #[getter]
+    fn ipc_dir(&self) -> &str {
+        &self.link.dir
+    }
+
+    /// Largest frame `send` accepts.
+    #[getter]
+    fn max_frame_len(&self) -> usize {
+        self.link.max_frame_len
+    }
+
+    fn __repr__(&self) -> String {
+        format!("WorkerLink({:?})", self.link.dir)
+    }
+}
+
+/// The router's half of a link, for tests and tools that play the router from Python.
+#[pyclass(frozen, module = "deltaserve._native")]
+struct RouterLink {
+    /// The opened half.
+    link: Link,
+}
+
+#[pymethods]
+impl RouterLink {
+    /// Opens the router's half; with `create`, first creates `ipc_dir` and its four files.
+    #[new]
+    #[pyo3(signature = (ipc_dir, create=true, capacity=DEFAULT_CAPACITY))]
+    fn new(ipc_dir: &str, create: bool, capacity: usize) -> PyResult<Self> {
+        let dir = if create {
+            IpcDir::create(ipc_dir, capacity).map_err(py_err)?
+        } else {
+            IpcDir::at(ipc_dir)
+        };
+        let (tx, rx) = dir.router_side().map_err(py_err)?;
+        Ok(RouterLink {
+            link: Link::new(ipc_dir.to_string(), tx, rx),
+        })
+    }
+
+    /// Sends one frame, waiting while the ring is full (`timeout_s=None`: as long as it takes).
+    #[pyo3(signature = (data, timeout_s=None))]
+    fn send(&self, py: Python<'_>, data: &[u8], timeout_s: Option<f64>) -> PyResult<()> {
+        self.link.send(py, data, timeout_s)
+    }
+
+    /// The next frame, waiting at most `timeout_s` seconds (`None`: forever); `None` on timeout.
+    #[pyo3(signature = (timeout_s=None))]
+    fn recv<'py>(
+        &self,
+        py: Python<'py>,
+        timeout_s: Option<f64>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        self.link.recv(py, timeout_s)
+    }
+
+    /// The link directory this half was opened on.
+    #[getter]
+    fn ipc_dir(&self) -> &str {
+        &self.link.dir
+    }
+
+    /// Largest frame `send` accepts.
+    #[getter]
+    fn max_frame_len(&self) -> usize {
+        self.link.max_frame_len
+    }
+
+    fn __repr__(&self) -> String {
+        format!("RouterLink({:?})", self.link.dir)
+    }
+}
+
+/// The schema hash as computed by the Rust `ipc` crate.
+#[pyfunction]
+fn schema_hash() -> String {
+    schema::schema_hash()
+}
+
+/// The canonical schema text the hash is computed from.
+#[pyfunction]
+fn schema_text() -> String {
+    schema::schema_text()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(schema_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(schema_text, m)?)?;
+    m.add_class::<WorkerLink>()?;
+    m.add_class::<RouterLink>()?;
+    m.add("DEFAULT_CAPACITY", DEFAULT_CAPACITY)?;
+    Ok(())
+}
