@@ -1,0 +1,125 @@
+//! [`SchedulerConfig`]: the scheduler's one typed config object (pool geometry and per-step
+//! limits), with its defaults and validation.
+
+use crate::error::SchedError;
+
+/// Default for [`SchedulerConfig::max_num_seqs`].
+pub const DEFAULT_MAX_NUM_SEQS: usize = 256;
+/// Default for [`SchedulerConfig::max_num_batched_tokens`].
+pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
+
+/// Limits the scheduler works within. The pool geometry comes from the worker's handshake
+/// (`KvCapacity`), the per-step limits from the operator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens per KV page: page `i` of a request's block table holds its tokens
+    /// `[i * block_size, (i + 1) * block_size)`.
+    pub block_size: u32,
+    /// Pages in the worker's KV pool; page ids are `0..num_blocks`.
+    pub num_blocks: u32,
+    /// Most requests that may be running (resident on the worker) at once; bounds the batch.
+    pub max_num_seqs: usize,
+    /// Token budget of one step: prefill chunks plus decode tokens, summed over the batch.
+    pub max_num_batched_tokens: usize,
+    /// Longest sequence (prompt + output) a request may reach; longer requests are refused.
+    pub max_model_len: u32,
+}
+
+impl SchedulerConfig {
+    /// A config with the pool geometry and context limit given, and default per-step limits
+    /// ([`DEFAULT_MAX_NUM_SEQS`], [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]).
+    pub fn new(block_size: u32, num_blocks: u32, max_model_len: u32) -> Self {
+        Self {
+            block_size,
+            num_blocks,
+            max_num_seqs: DEFAULT_MAX_NUM_SEQS,
+            max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_model_len,
+        }
+    }
+
+    /// Checks that every limit is usable: all of them non-zero, and small enough that token
+    /// counts fit the `u32` fields of the wire plan.
+    pub fn validate(&self) -> Result<(), SchedError> {
+        let bad = |field: &'static str, value: u64, why: &str| SchedError::InvalidConfig {
+            field,
+            value,
+            reason: why.to_string(),
+        };
+        if self.block_size == 0 {
+            return Err(bad("block_size", 0, "must be at least 1 token per page"));
+        }
+        if self.num_blocks == 0 {
+            return Err(bad(
+                "num_blocks",
+                0,
+                "the KV pool must hold at least one page",
+            ));
+        }
+        if self.max_num_seqs == 0 {
+            return Err(bad(
+                "max_num_seqs",
+                0,
+                "must allow at least one running request",
+            ));
+        }
+        if self.max_num_batched_tokens == 0 {
+            return Err(bad(
+                "max_num_batched_tokens",
+                0,
+                "each step needs a token budget of at least 1",
+            ));
+        }
+        if self.max_num_batched_tokens > u32::MAX as usize {
+            return Err(bad(
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens as u64,
+                "must fit in u32 (the wire's token counts)",
+            ));
+        }
+        if self.max_model_len == 0 {
+            return Err(bad("max_model_len", 0, "must allow at least one token"));
+        }
+        Ok(())
+    }
+
+    /// Pages needed to hold `tokens` tokens: `ceil(tokens / block_size)`.
+    pub fn blocks_for(&self, tokens: u64) -> u64 {
+        tokens.div_ceil(self.block_size as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_fields_are_rejected_by_name() {
+        let ok = SchedulerConfig::new(16, 64, 512);
+        assert!(ok.validate().is_ok());
+        type Breaker = fn(&mut SchedulerConfig);
+        let cases: [(&str, Breaker); 5] = [
+            ("block_size", |c| c.block_size = 0),
+            ("num_blocks", |c| c.num_blocks = 0),
+            ("max_num_seqs", |c| c.max_num_seqs = 0),
+            ("max_num_batched_tokens", |c| c.max_num_batched_tokens = 0),
+            ("max_model_len", |c| c.max_model_len = 0),
+        ];
+        for (name, breaker) in cases {
+            let mut c = ok.clone();
+            breaker(&mut c);
+            let err = c.validate().unwrap_err();
+            assert!(err.to_string().contains(name), "{name}: {err}");
+            assert_eq!(err.error_type(), "invalid_config");
+        }
+    }
+
+    #[test]
+    fn blocks_for_rounds_up() {
+        let c = SchedulerConfig::new(16, 64, 512);
+        assert_eq!(c.blocks_for(0), 0);
+        assert_eq!(c.blocks_for(1), 1);
+        assert_eq!(c.blocks_for(16), 1);
+        assert_eq!(c.blocks_for(17), 2);
+    }
+}

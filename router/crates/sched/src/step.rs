@@ -1,0 +1,149 @@
+//! What crosses the scheduler's API: [`SeqRequest`] in, [`ScheduledStep`] out, worker results
+//! back in as `(id, Option<token>)` pairs, [`SeqUpdate`]s out, plus [`SchedStats`]. These map
+//! one-to-one onto the ipc crate's `StepPlan` / `StepOutput`, which the engine converts; this
+//! crate does not depend on the wire.
+
+/// A request as the scheduler needs it: tokens and stopping rules, nothing about sampling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqRequest {
+    /// Caller-assigned id, unique among live requests (the router's request id).
+    pub id: u64,
+    /// Prompt token ids; must be non-empty.
+    pub prompt: Vec<u32>,
+    /// Most output tokens to generate; the request finishes with [`FinishReason::Length`] there.
+    pub max_tokens: u32,
+    /// Sampling one of these ends the request with [`FinishReason::Eos`] (unless `ignore_eos`).
+    pub eos_token_ids: Vec<u32>,
+    /// Generate exactly `max_tokens` tokens even when an EOS id is sampled (benchmarks).
+    pub ignore_eos: bool,
+    /// The caller's clock at arrival. Orders requests (FCFS admission, preemption victims);
+    /// ties are broken by the order of `add_request` calls. Never read as wall time.
+    pub arrival: u64,
+}
+
+/// A request sent to the worker in full: its first step there, or its first after preemption.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduledNew {
+    /// The request's id.
+    pub id: u64,
+    /// Every token known so far: the prompt followed by the tokens generated before any
+    /// preemption (those are recomputed, not regenerated).
+    pub token_ids: Vec<u32>,
+    /// Length of the original prompt at the front of `token_ids`.
+    pub num_prompt_tokens: u32,
+    /// Leading tokens already in the cache; always 0 here (no prefix sharing yet).
+    pub num_computed_tokens: u32,
+    /// Tokens to compute this step, from `num_computed_tokens` (the first prefill chunk).
+    pub num_scheduled_tokens: u32,
+    /// The request's whole block table for now: enough pages for the scheduled tokens.
+    pub block_ids: Vec<u32>,
+}
+
+/// A request already on the worker: only what changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduledRunning {
+    /// The request's id.
+    pub id: u64,
+    /// Tokens to compute this step: 1 in decode (last step's sample), more for a prefill chunk.
+    pub num_scheduled_tokens: u32,
+    /// Pages appended to its block table this step (often none).
+    pub new_block_ids: Vec<u32>,
+}
+
+/// One step of continuous batching, as [`crate::Scheduler::schedule`] formed it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ScheduledStep {
+    /// Number of this step, counting from 1; 0 for an empty step (nothing was formed).
+    pub step_id: u64,
+    /// Requests sent in full (first time on the worker, or resumed after preemption).
+    pub new: Vec<ScheduledNew>,
+    /// Diffs for requests already on the worker, in arrival order.
+    pub running: Vec<ScheduledRunning>,
+    /// Ids whose worker-side state must be dropped before this step runs: finished, aborted or
+    /// preempted since the previous non-empty step. Their pages are already free again.
+    pub released: Vec<u64>,
+    /// Ids preempted while forming this step (a subset of `released`), for logs and metrics.
+    pub preempted: Vec<u64>,
+}
+
+impl ScheduledStep {
+    /// True when no request is scheduled, so there is nothing to send to the worker. Pending
+    /// releases are then kept for the next non-empty step.
+    pub fn is_empty(&self) -> bool {
+        self.new.is_empty() && self.running.is_empty()
+    }
+
+    /// Tokens this step computes, over all scheduled requests (never above the budget).
+    pub fn num_scheduled_tokens(&self) -> usize {
+        self.new
+            .iter()
+            .map(|n| n.num_scheduled_tokens as usize)
+            .sum::<usize>()
+            + self
+                .running
+                .iter()
+                .map(|r| r.num_scheduled_tokens as usize)
+                .sum::<usize>()
+    }
+
+    /// Requests this step schedules.
+    pub fn num_requests(&self) -> usize {
+        self.new.len() + self.running.len()
+    }
+}
+
+/// Why the scheduler ended a request. Stop strings and aborts are the caller's decisions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// Generated `max_tokens` tokens.
+    Length,
+    /// Sampled one of its EOS ids (checked before the length limit).
+    Eos,
+}
+
+impl FinishReason {
+    /// Stable lower-case label (`"length"`, `"eos"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Eos => "eos",
+        }
+    }
+}
+
+/// One sampled token appended to a request by [`crate::Scheduler::update`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqUpdate {
+    /// The request's id.
+    pub id: u64,
+    /// The token appended to its output.
+    pub token: u32,
+    /// Set when this token ended the request; its pages are already free and its id will be in
+    /// the next step's `released`.
+    pub finished: Option<FinishReason>,
+}
+
+/// Counters for metrics and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SchedStats {
+    /// Requests waiting for admission (new or preempted).
+    pub waiting: usize,
+    /// Requests resident on the worker.
+    pub running: usize,
+    /// KV pages free.
+    pub free_blocks: u32,
+    /// KV pages owned by running requests.
+    pub used_blocks: u32,
+    /// KV pages in the pool.
+    pub total_blocks: u32,
+    /// Preemptions since start (cumulative).
+    pub num_preemptions: u64,
+    /// Non-empty steps formed since start.
+    pub steps: u64,
+    /// Ids waiting to be sent in a step's `released`.
+    pub pending_released: usize,
+    /// Requests ended by the scheduler (length / EOS) or by [`crate::Scheduler::finish`].
+    pub num_finished: u64,
+    /// Requests ended by [`crate::Scheduler::abort`].
+    pub num_aborted: u64,
+}

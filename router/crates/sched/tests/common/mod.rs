@@ -1,0 +1,260 @@
+//! Test harness shared by the scheduler's integration tests: request/config builders, a tiny
+//! seeded PRNG, and `FakeWorker`, which applies plans the way the Python worker does and
+//! asserts the worker-side contract (pages never shared, chunks contiguous, tables cover them).
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+
+use deltaserve_sched::{ScheduledStep, Scheduler, SchedulerConfig, SeqRequest};
+
+/// A config with the given geometry and limits.
+pub fn cfg(
+    block_size: u32,
+    num_blocks: u32,
+    max_num_seqs: usize,
+    budget: usize,
+    max_model_len: u32,
+) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size,
+        num_blocks,
+        max_num_seqs,
+        max_num_batched_tokens: budget,
+        max_model_len,
+    }
+}
+
+/// A request with a recognisable prompt (`id * 1000 + i`), no EOS ids, arrival = id.
+pub fn req(id: u64, prompt_len: usize, max_tokens: u32) -> SeqRequest {
+    SeqRequest {
+        id,
+        prompt: (0..prompt_len as u32)
+            .map(|i| id as u32 * 1000 + i)
+            .collect(),
+        max_tokens,
+        eos_token_ids: Vec::new(),
+        ignore_eos: false,
+        arrival: id,
+    }
+}
+
+/// SplitMix64: a tiny deterministic PRNG for the property-style tests.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next_u64() % (hi - lo + 1)
+    }
+    /// True with probability `pct` percent.
+    pub fn pct(&mut self, pct: u64) -> bool {
+        self.next_u64() % 100 < pct
+    }
+}
+
+/// The fake sampler: output token `pos` of request `id` (deterministic, so a recomputed request
+/// would sample the same thing, and tests can predict outputs).
+pub fn sample_token(id: u64, pos: usize) -> u32 {
+    (id as u32).wrapping_mul(7919).wrapping_add(pos as u32 * 31) % 50 + 1
+}
+
+/// What the worker keeps per request.
+#[derive(Debug, Clone)]
+pub struct WorkerReq {
+    /// prompt ++ outputs, as the worker knows them.
+    pub tokens: Vec<u32>,
+    /// Prompt length.
+    pub num_prompt: u32,
+    /// Tokens whose KV is computed.
+    pub computed: u32,
+    /// Block table.
+    pub blocks: Vec<u32>,
+    /// The last step's chunk and whether it sampled, so a dropped output can be undone.
+    pub last: Option<(u32, bool)>,
+}
+
+/// Applies plans like the real worker and checks the contract.
+#[derive(Debug, Clone)]
+pub struct FakeWorker {
+    pub cfg: SchedulerConfig,
+    pub reqs: BTreeMap<u64, WorkerReq>,
+    /// Page -> worker-side request holding it.
+    pub pages: BTreeMap<u32, u64>,
+}
+
+impl FakeWorker {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        Self {
+            cfg,
+            reqs: BTreeMap::new(),
+            pages: BTreeMap::new(),
+        }
+    }
+
+    /// Runs one step: drops `released`, takes `new` in full, applies `running` diffs, computes
+    /// each chunk and samples with `sample` where a chunk reaches the end. Panics on any
+    /// contract violation.
+    pub fn run(
+        &mut self,
+        step: &ScheduledStep,
+        sample: &mut dyn FnMut(u64, usize) -> u32,
+    ) -> Vec<(u64, Option<u32>)> {
+        assert!(!step.is_empty(), "an empty step must not be sent");
+        assert!(step.step_id > 0);
+        for id in &step.preempted {
+            assert!(
+                step.released.contains(id),
+                "preempted {id} not in released {:?}",
+                step.released
+            );
+        }
+        assert!(
+            step.num_scheduled_tokens() <= self.cfg.max_num_batched_tokens,
+            "step {} schedules {} tokens > budget {}",
+            step.step_id,
+            step.num_scheduled_tokens(),
+            self.cfg.max_num_batched_tokens
+        );
+        for id in &step.released {
+            let r = self
+                .reqs
+                .remove(id)
+                .unwrap_or_else(|| panic!("released {id} is not on the worker"));
+            for p in r.blocks {
+                self.pages.remove(&p);
+            }
+        }
+        for r in self.reqs.values_mut() {
+            r.last = None;
+        }
+        let mut out = Vec::new();
+        for n in &step.new {
+            assert!(
+                !self.reqs.contains_key(&n.id),
+                "new {} is already on the worker",
+                n.id
+            );
+            assert_eq!(n.num_computed_tokens, 0);
+            assert!(n.num_prompt_tokens as usize <= n.token_ids.len());
+            self.reqs.insert(
+                n.id,
+                WorkerReq {
+                    tokens: n.token_ids.clone(),
+                    num_prompt: n.num_prompt_tokens,
+                    computed: 0,
+                    blocks: Vec::new(),
+                    last: None,
+                },
+            );
+            self.claim(n.id, &n.block_ids);
+            out.push(self.compute(n.id, n.num_scheduled_tokens, sample));
+        }
+        for r in &step.running {
+            assert!(
+                self.reqs.contains_key(&r.id),
+                "running {} is not on the worker",
+                r.id
+            );
+            self.claim(r.id, &r.new_block_ids);
+            out.push(self.compute(r.id, r.num_scheduled_tokens, sample));
+        }
+        assert!(
+            self.reqs.len() <= self.cfg.max_num_seqs,
+            "{} requests on the worker",
+            self.reqs.len()
+        );
+        out
+    }
+
+    fn claim(&mut self, id: u64, pages: &[u32]) {
+        for &p in pages {
+            assert!(p < self.cfg.num_blocks, "page {p} out of range");
+            if let Some(other) = self.pages.insert(p, id) {
+                panic!("page {p} given to {id} while request {other} still holds it on the worker");
+            }
+            self.reqs.get_mut(&id).unwrap().blocks.push(p);
+        }
+    }
+
+    fn compute(
+        &mut self,
+        id: u64,
+        n: u32,
+        sample: &mut dyn FnMut(u64, usize) -> u32,
+    ) -> (u64, Option<u32>) {
+        let bs = self.cfg.block_size as usize;
+        let r = self.reqs.get_mut(&id).unwrap();
+        assert!(n >= 1, "request {id} scheduled 0 tokens");
+        let end = r.computed + n;
+        assert!(
+            end as usize <= r.tokens.len(),
+            "request {id}: chunk to {end} past {} known tokens",
+            r.tokens.len()
+        );
+        assert!(
+            r.blocks.len() * bs >= end as usize,
+            "request {id}: {} pages cannot hold {end} tokens",
+            r.blocks.len()
+        );
+        assert!(r.tokens.len() <= self.cfg.max_model_len as usize);
+        r.computed = end;
+        if end as usize == r.tokens.len() {
+            let pos = r.tokens.len() - r.num_prompt as usize;
+            let t = sample(id, pos);
+            r.tokens.push(t);
+            r.last = Some((n, true));
+            (id, Some(t))
+        } else {
+            r.last = Some((n, false));
+            (id, None)
+        }
+    }
+
+    /// Undoes the last step for `id`, as if its output never reached the scheduler.
+    pub fn rollback(&mut self, id: u64) {
+        let r = self.reqs.get_mut(&id).unwrap();
+        let (n, sampled) = r.last.take().expect("request ran in the last step");
+        r.computed -= n;
+        if sampled {
+            r.tokens.pop();
+        }
+    }
+
+    /// Token ids the worker holds for `id`.
+    pub fn tokens(&self, id: u64) -> &[u32] {
+        &self.reqs[&id].tokens
+    }
+}
+
+/// Drives `s` with the fake worker until nothing is unfinished (panics after `limit` steps);
+/// returns every update in order.
+pub fn run_to_completion(
+    s: &mut Scheduler,
+    w: &mut FakeWorker,
+    limit: usize,
+) -> Vec<deltaserve_sched::SeqUpdate> {
+    let mut all = Vec::new();
+    for _ in 0..limit {
+        if !s.has_unfinished() {
+            return all;
+        }
+        let step = s.schedule();
+        assert!(
+            !step.is_empty(),
+            "unfinished requests but an empty step: {:?}",
+            s.stats()
+        );
+        let outs = w.run(&step, &mut sample_token);
+        all.extend(s.update(&outs));
+        s.check_invariants().unwrap();
+    }
+    panic!("not finished after {limit} steps: {:?}", s.stats());
+}
