@@ -1,0 +1,110 @@
+"""``ForwardBatch``: one step's ragged batch, flattened, as the model consumes it.
+
+Sequences are laid end to end in token order (no padding on the token axis)::
+
+    seq 0: 5 prompt tokens (prefill) | seq 1: 1 token (decode) | seq 2: 3 tokens (chunk)
+    input_ids       [t t t t t | t | t t t]                      T = 9
+    query_start_loc [0, 5, 6, 9]                                 B + 1
+    positions       [0 1 2 3 4 | 17 | 8 9 10]                    num_computed_before + i
+    seq_lens        [5, 18, 11]                                  context after this step
+    slot_mapping    block_table[pos // bs] * bs + pos % bs       where each token's K/V goes
+    logits_indices  rows whose logits are wanted (last row of each sampling sequence)
+
+The executor builds one per step (``ForwardBatch.build``); tests and benchmarks use the same builder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened ragged batch of one forward step (see the module docstring for the layout)."""
+
+    input_ids: torch.Tensor
+    """LongTensor [T]: every scheduled token, sequence after sequence."""
+    positions: torch.Tensor
+    """LongTensor [T]: absolute position of each token in its sequence (RoPE, causal mask)."""
+    query_start_loc: torch.Tensor
+    """IntTensor [B+1]: cumulative tokens per sequence; sequence b owns rows [qsl[b], qsl[b+1])."""
+    seq_lens: torch.Tensor
+    """IntTensor [B]: context length of each sequence after this step (computed + scheduled)."""
+    block_tables: torch.Tensor
+    """IntTensor [B, max_blocks]: page ids per sequence in position order, padded with 0."""
+    slot_mapping: torch.Tensor
+    """LongTensor [T]: flat KV slot (page * block_size + offset) each token's K/V is written to."""
+    logits_indices: torch.Tensor
+    """LongTensor [S]: rows of the T tokens whose logits the forward returns, in this order."""
+    max_seq_len: int
+    """max(seq_lens) as a Python int: width of the gathered context (no device sync needed)."""
+    max_query_len: int
+    """Most tokens any one sequence has this step: height of the padded query block."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        seqs: list[tuple[list[int], int, list[int], bool]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """Build from ``(token_ids_this_step, num_computed_before, block_table, wants_logits)`` per sequence.
+
+        ``block_table`` lists the sequence's pages in position order and must cover
+        ``num_computed_before + len(token_ids_this_step)`` tokens.
+        """
+        if not seqs:
+            raise ValueError("ForwardBatch.build: empty batch")
+        if block_size < 1:
+            raise ValueError(f"ForwardBatch.build: block_size must be >= 1, got {block_size}")
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        max_blocks = 1
+        for i, (tokens, computed, table, wants_logits) in enumerate(seqs):
+            n = len(tokens)
+            if n == 0:
+                raise ValueError(f"ForwardBatch.build: sequence {i} schedules no tokens")
+            if computed < 0:
+                raise ValueError(f"ForwardBatch.build: sequence {i} has num_computed_before={computed} < 0")
+            total = computed + n
+            need = -(-total // block_size)
+            if len(table) < need:
+                raise ValueError(
+                    f"ForwardBatch.build: sequence {i} needs {need} pages for {total} tokens "
+                    f"(block_size {block_size}) but its block table has {len(table)}"
+                )
+            input_ids.extend(tokens)
+            for pos in range(computed, total):
+                positions.append(pos)
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(total)
+            if wants_logits:
+                logits_idx.append(qsl[-1] - 1)
+            max_blocks = max(max_blocks, len(table))
+        tables = [list(t) + [0] * (max_blocks - len(t)) for _, _, t, _ in seqs]
+        return cls(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=device),
+            max_seq_len=max(seq_lens),
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seqs))),
+        )

@@ -1,0 +1,44 @@
+"""Shared pytest fixtures: tiny HF checkpoints (with real tokenizers) built once per session.
+
+``tiny_llama`` is the default model for tests across the project; the others cover the
+architecture table (Llama-3 rope scaling, Mistral sliding window, Qwen2 q/k/v bias, tied
+embeddings). Each fixture is a ``pathlib.Path`` to an HF directory (see helpers/tiny_models.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models_dir: Path) -> Path:
+    return make_tiny_model(tiny_models_dir, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3(tiny_models_dir: Path) -> Path:
+    return make_tiny_model(tiny_models_dir, "llama3")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tiny_models_dir: Path) -> Path:
+    return make_tiny_model(tiny_models_dir, "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_models_dir: Path) -> Path:
+    return make_tiny_model(tiny_models_dir, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied(tiny_models_dir: Path) -> Path:
+    return make_tiny_model(tiny_models_dir, "llama", tie_word_embeddings=True)

@@ -1,0 +1,1 @@
+"""Test helpers shared across test files (tiny HF checkpoints with real tokenizers)."""
