@@ -1,0 +1,420 @@
+"""The executor: applies one ``StepPlan`` to the worker's state, runs one forward pass, samples.
+
+It owns the model, the paged KV cache and per-request state; it never decides policy (the router
+does). One step::
+
+    StepPlan ─ validate (whole plan, nothing mutated) ──> PlanError on any bad reference
+        │
+        ├─ drop released ─ register new_requests (full state) ─ append running.new_block_ids
+        ├─ ForwardBatch.build: every scheduled request computes tokens
+        │      [num_computed, num_computed + num_scheduled_tokens); it wants logits only when that
+        │      reaches the end of its known tokens (a partial prefill chunk does not)
+        ├─ DecoderLM.forward(batch, kv) -> logits [rows wanting logits, V]
+        ├─ Sampler.sample -> token ids (+ logprobs); each sampled token is appended to its request,
+        │      so next step's ``num_scheduled_tokens = 1`` computes it
+        └─> StepOutput (token_id None for partial prefill chunks), timing.forward_us
+
+Per-request state machine (worker side)::
+
+    (absent) ──NewRequest──> held ──RunningRequest*──> held ──released──> (absent)
+                               └── a failed step (PlanError) also drops the step's requests ──┘
+
+KV sizing (``kv_cache_bytes == 0``, "auto"): on CPU a fixed 256 MiB (RAM is not the scarce
+resource there and the CPU path is for tests and demos). On CUDA, as in vLLM:
+``gpu_memory_utilization × total − (memory in use after loading the weights) − (activation peak
+of one profiling forward over max_num_batched_tokens tokens)``; the first two come from
+``torch.cuda.mem_get_info`` (so other processes on the GPU count), the last from
+``max_memory_allocated`` around the profiling run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deltaserve import wire
+from deltaserve.model.arch import ModelConfig
+from deltaserve.model.batch import ForwardBatch
+from deltaserve.model.kv_cache import PagedKVCache
+from deltaserve.model.loader import load_model
+
+from .config import WorkerConfig
+from .sampler import Sampler
+
+log = logging.getLogger("deltaserve.worker")
+
+#: Auto KV budget on CPU.
+CPU_KV_BYTES = 256 << 20
+#: Most sequences the profiling run puts in one batch (a typical scheduler max_num_seqs).
+PROFILE_MAX_SEQS = 256
+
+
+class PlanError(ValueError):
+    """A StepPlan refers to something the worker does not hold or cannot do.
+
+    Recoverable: the executor's state is untouched; ``req_ids`` are the offending requests.
+    """
+
+    def __init__(self, message: str, req_ids: list[int]) -> None:
+        super().__init__(message)
+        #: The requests the problems were found in (empty when the plan as a whole is bad).
+        self.req_ids = req_ids
+
+
+@dataclass
+class RequestState:
+    """What the worker keeps for one request between steps."""
+
+    #: Router-assigned id.
+    req_id: int
+    #: Every known token: prompt, then outputs (the last one possibly not yet computed).
+    token_ids: list[int]
+    #: Prompt tokens at the front of ``token_ids``; output i is ``token_ids[num_prompt_tokens + i]``.
+    num_prompt_tokens: int
+    #: Leading tokens whose K/V is in the cache.
+    num_computed: int
+    #: KV pages in position order.
+    block_table: list[int]
+    #: How to sample this request's tokens.
+    sampling: wire.SamplingParams
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu`` / ``cuda`` / ``cuda:N`` -> a concrete torch.device (``cuda`` gets its index)."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"--device {name}: CUDA is not available in this process")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise RuntimeError(f"--device {name}: only {torch.cuda.device_count()} CUDA devices")
+        device = torch.device("cuda", index)
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, cfg: ModelConfig) -> torch.dtype:
+    """``auto`` = float32 on CPU; on CUDA the checkpoint's half type, else bfloat16."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.float16 if cfg.torch_dtype == "float16" else torch.bfloat16
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Executor:
+    """Model + KV cache + per-request state; turns StepPlans into StepOutputs."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str = "auto",
+        block_size: int = 16,
+        kv_cache_bytes: int = 0,
+        gpu_memory_utilization: float = 0.90,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        started = time.monotonic()
+        self.model_dir = Path(model_dir)
+        """Where the weights came from (logged, reported)."""
+        self.device = resolve_device(device)
+        """Where the model, KV cache and logits live."""
+        self.config = ModelConfig.from_model_dir(self.model_dir)
+        """The model's resolved shape (vocab, layers, heads...)."""
+        self.dtype = resolve_dtype(dtype, self.device, self.config)
+        """Compute and KV dtype."""
+        self.block_size = block_size
+        """Tokens per KV page; must equal the router's accounting unit."""
+        self.max_num_batched_tokens = max_num_batched_tokens
+        """Most tokens one step computes (sizes the activation reserve)."""
+        self.model = load_model(self.model_dir, self.device, self.dtype)
+        """The decoder: ``forward(ForwardBatch, PagedKVCache) -> float32 logits``."""
+        self.load_seconds = time.monotonic() - started
+        """Wall time to load the weights."""
+        self.sampler = Sampler(self.device, seed)
+        """Token sampling with the worker-global generator."""
+        budget = self._kv_budget(kv_cache_bytes, gpu_memory_utilization)
+        self.kv = PagedKVCache.for_budget(self.config, block_size, budget, self.dtype, self.device)
+        """The paged KV pool; the router allocates its pages."""
+        self.bytes_per_block = PagedKVCache.bytes_per_block(
+            self.config.num_layers, block_size, self.config.num_kv_heads, self.config.head_dim, self.dtype
+        )
+        """Bytes of one page across all layers (reported in Hello)."""
+        limits = [self.config.max_position_embeddings, self.kv.num_blocks * block_size]
+        if max_model_len is not None:
+            limits.append(max_model_len)
+        self.max_model_len = min(limits)
+        """Longest prompt + output a request may reach on this worker."""
+        self.requests: dict[int, RequestState] = {}
+        """Requests the worker holds, by req_id."""
+        log.info(
+            "loaded %s (%s, %d layers, vocab %d) on %s as %s in %.1f s; KV pool %d blocks x %d tokens "
+            "(%.1f MiB, %d bytes/block); max_model_len %d",
+            self.model_dir, self.config.architecture, self.config.num_layers, self.config.vocab_size,
+            self.device, dtype_name(self.dtype), self.load_seconds, self.kv.num_blocks, block_size,
+            self.kv.num_blocks * self.bytes_per_block / (1 << 20), self.bytes_per_block, self.max_model_len,
+        )
+
+    @classmethod
+    def from_config(cls, cfg: WorkerConfig) -> "Executor":
+        """Builds the executor a ``python -m deltaserve.worker`` command line describes."""
+        return cls(
+            cfg.model,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            block_size=cfg.block_size,
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+            seed=cfg.seed,
+        )
+
+    # ------------------------------------------------------------------ handshake
+
+    def hello(self, schema_hash: str) -> wire.Hello:
+        """The first frame: what the router needs to know about the model and the KV pool."""
+        cfg = self.config
+        return wire.Hello(
+            schema_hash=schema_hash,
+            pid=os.getpid(),
+            model=wire.ModelInfo(
+                architecture=cfg.architecture,
+                vocab_size=cfg.vocab_size,
+                max_model_len=self.max_model_len,
+                num_layers=cfg.num_layers,
+                hidden_size=cfg.hidden_size,
+                eos_token_ids=list(cfg.eos_token_ids),
+                dtype=dtype_name(self.dtype),
+                device=str(self.device),
+                num_params=sum(p.numel() for p in self.model.parameters()),
+            ),
+            kv=wire.KvCapacity(
+                block_size=self.block_size,
+                num_blocks=self.kv.num_blocks,
+                bytes_per_block=self.bytes_per_block,
+            ),
+        )
+
+    # ------------------------------------------------------------------ KV sizing
+
+    def _kv_budget(self, kv_cache_bytes: int, gpu_memory_utilization: float) -> int:
+        """Bytes for the KV pool: the explicit setting, or auto (see the module docstring)."""
+        if kv_cache_bytes > 0:
+            return kv_cache_bytes
+        if self.device.type != "cuda":
+            return CPU_KV_BYTES
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_after_weights = total - free
+        activation = self._profile_activation_bytes()
+        budget = int(gpu_memory_utilization * total) - used_after_weights - activation
+        log.info(
+            "auto KV budget: %.2f x %.0f MiB total - %.0f MiB in use after weights - %.0f MiB activations "
+            "(profiled, %d tokens) = %.0f MiB",
+            gpu_memory_utilization, total / (1 << 20), used_after_weights / (1 << 20), activation / (1 << 20),
+            self.max_num_batched_tokens, budget / (1 << 20),
+        )
+        if budget <= 0:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: {gpu_memory_utilization} x {total} bytes - "
+                f"{used_after_weights} in use - {activation} activations = {budget}; raise "
+                "--gpu-memory-utilization, lower --max-num-batched-tokens, or set --kv-cache-bytes"
+            )
+        return budget
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self) -> int:
+        """Peak extra CUDA memory of the worst steps we expect, measured by running them.
+
+        Two shapes, max of both: one long prefill (attention over the whole context), and
+        ``max_num_batched_tokens`` spread over up to PROFILE_MAX_SEQS sequences that all want
+        logits and logprobs (the logits and sampler buffers). The scratch KV is subtracted.
+        """
+        cfg = self.config
+        tokens = self.max_num_batched_tokens
+        long_len = min(tokens, cfg.max_position_embeddings)
+        num_seqs = min(PROFILE_MAX_SEQS, tokens)
+        shapes = [[long_len] * max(1, tokens // long_len), [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]]
+        peak = 0
+        for lengths in shapes:
+            blocks_per_seq = [-(-n // self.block_size) for n in lengths]
+            scratch = PagedKVCache(
+                cfg.num_layers, sum(blocks_per_seq), self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                self.dtype, self.device,
+            )
+            seqs, first = [], 0
+            for n, nb in zip(lengths, blocks_per_seq):
+                seqs.append(([0] * n, 0, list(range(first, first + nb)), True))
+                first += nb
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            batch = ForwardBatch.build(seqs, self.block_size, self.device)
+            logits = self.model.forward(batch, scratch)
+            params = [wire.SamplingParams(temperature=1.0, top_p=0.9, top_k=0, seed=None, logprobs=20)] * len(seqs)
+            self.sampler.sample(logits, params, [0] * len(seqs))
+            torch.cuda.synchronize(self.device)
+            peak = max(peak, torch.cuda.max_memory_allocated(self.device) - before)
+            del batch, logits, scratch
+        torch.cuda.empty_cache()
+        return peak
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, plan: wire.StepPlan) -> wire.StepOutput:
+        """Applies ``plan``, runs one forward and returns what every scheduled request produced.
+
+        Raises PlanError (state untouched) when the plan is inconsistent with the worker's state.
+        """
+        self._validate(plan)
+        for req_id in plan.released:
+            self.requests.pop(req_id, None)
+        for new in plan.new_requests:
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                num_computed=new.num_computed_tokens,
+                block_table=list(new.block_ids),
+                sampling=new.sampling,
+            )
+        for run in plan.running:
+            self.requests[run.req_id].block_table.extend(run.new_block_ids)
+
+        scheduled: list[tuple[RequestState, int]] = [
+            (self.requests[n.req_id], n.num_scheduled_tokens) for n in plan.new_requests if n.num_scheduled_tokens > 0
+        ] + [(self.requests[r.req_id], r.num_scheduled_tokens) for r in plan.running]
+        if not scheduled:
+            return wire.StepOutput(step_id=plan.step_id, outputs=[], timing=wire.StepTiming(gap_us=0, forward_us=0, total_us=0))
+
+        started = time.perf_counter()
+        seqs = []
+        samplers: list[RequestState] = []
+        for state, n in scheduled:
+            end = state.num_computed + n
+            wants_logits = end == len(state.token_ids)
+            seqs.append((state.token_ids[state.num_computed:end], state.num_computed, state.block_table, wants_logits))
+            if wants_logits:
+                samplers.append(state)
+        with torch.inference_mode():
+            batch = ForwardBatch.build(seqs, self.block_size, self.device)
+            logits = self.model.forward(batch, self.kv)
+            sampled = None
+            if samplers:
+                sampled = self.sampler.sample(
+                    logits,
+                    [s.sampling for s in samplers],
+                    [len(s.token_ids) - s.num_prompt_tokens for s in samplers],
+                )
+        forward_us = int((time.perf_counter() - started) * 1e6)
+
+        row_of = {state.req_id: j for j, state in enumerate(samplers)}
+        outputs = []
+        for state, n in scheduled:
+            state.num_computed += n
+            j = row_of.get(state.req_id)
+            if j is None or sampled is None:  # a partial prefill chunk: nothing to sample yet
+                outputs.append(wire.RequestOutput(req_id=state.req_id, token_id=None, logprob=None, top_logprobs=[]))
+                continue
+            token = sampled.token_ids[j]
+            state.token_ids.append(token)
+            outputs.append(
+                wire.RequestOutput(
+                    req_id=state.req_id,
+                    token_id=token,
+                    logprob=sampled.logprobs[j],
+                    top_logprobs=[wire.TokenLogprob(token_id=t, logprob=lp) for t, lp in sampled.top_logprobs[j]],
+                )
+            )
+        return wire.StepOutput(
+            step_id=plan.step_id, outputs=outputs, timing=wire.StepTiming(gap_us=0, forward_us=forward_us, total_us=0)
+        )
+
+    def drop_step_requests(self, plan: wire.StepPlan) -> list[int]:
+        """After a failed step: forgets every request the plan released or scheduled.
+
+        The router is told these requests failed (``WorkerError.req_ids``), so it will not send them
+        as running again; a retry comes back as a NewRequest. Returns the scheduled ones' ids.
+        """
+        failed = [n.req_id for n in plan.new_requests] + [r.req_id for r in plan.running]
+        for req_id in list(plan.released) + failed:
+            self.requests.pop(req_id, None)
+        return list(dict.fromkeys(failed))
+
+    def _validate(self, plan: wire.StepPlan) -> None:
+        """Checks every reference in ``plan`` against the state; raises PlanError listing all problems."""
+        problems: list[str] = []
+        bad: list[int] = []
+
+        def fail(req_id: int, what: str) -> None:
+            problems.append(f"request {req_id}: {what}")
+            if req_id not in bad:
+                bad.append(req_id)
+
+        vocab, num_blocks, bs = self.config.vocab_size, self.kv.num_blocks, self.block_size
+
+        def check_blocks(req_id: int, blocks: list[int], needed_tokens: int, have: int) -> None:
+            out_of_pool = [b for b in blocks if not 0 <= b < num_blocks]
+            if out_of_pool:
+                fail(req_id, f"block ids {out_of_pool[:4]} outside the pool of {num_blocks} blocks")
+            if (have + len(blocks)) * bs < needed_tokens:
+                fail(req_id, f"{have + len(blocks)} blocks of {bs} tokens cannot hold {needed_tokens} tokens")
+
+        released = set(plan.released)
+        held_after_release = set(self.requests) - released
+        new_ids: set[int] = set()
+        for new in plan.new_requests:
+            rid = new.req_id
+            if rid in held_after_release or rid in new_ids:
+                fail(rid, "sent as new but the worker already holds it (release it first)")
+            new_ids.add(rid)
+            n_tokens = len(new.token_ids)
+            if n_tokens == 0:
+                fail(rid, "has no tokens")
+            bad_tokens = [t for t in new.token_ids if not 0 <= t < vocab]
+            if bad_tokens:
+                fail(rid, f"token ids {bad_tokens[:4]} outside the vocab size {vocab}")
+            if n_tokens > self.max_model_len:
+                fail(rid, f"{n_tokens} tokens exceed max_model_len {self.max_model_len}")
+            if new.num_prompt_tokens > n_tokens:
+                fail(rid, f"num_prompt_tokens {new.num_prompt_tokens} > {n_tokens} known tokens")
+            end = new.num_computed_tokens + new.num_scheduled_tokens
+            if end > n_tokens:
+                fail(rid, f"schedules tokens up to {end} but only {n_tokens} are known")
+            check_blocks(rid, list(new.block_ids), end, 0)
+            if new.sampling.temperature < 0 or not 0.0 <= new.sampling.top_p <= 1.0:
+                fail(rid, f"bad sampling params {new.sampling}")
+
+        running_ids: set[int] = set()
+        for run in plan.running:
+            rid = run.req_id
+            state = self.requests.get(rid)
+            if state is None or rid in released or rid in new_ids:
+                fail(rid, "scheduled as running but the worker does not hold it")
+                continue
+            if rid in running_ids:
+                fail(rid, "scheduled twice in one step")
+            running_ids.add(rid)
+            if run.num_scheduled_tokens < 1:
+                fail(rid, "running with num_scheduled_tokens 0")
+            end = state.num_computed + run.num_scheduled_tokens
+            if end > len(state.token_ids):
+                fail(rid, f"schedules tokens up to {end} but only {len(state.token_ids)} are known")
+            check_blocks(rid, list(run.new_block_ids), end, len(state.block_table))
+
+        if problems:
+            raise PlanError(f"step {plan.step_id}: bad plan: " + "; ".join(problems), bad)

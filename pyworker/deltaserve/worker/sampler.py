@@ -1,0 +1,155 @@
+"""Batched token sampling: float32 logits ``[S, V]`` + per-row params -> token ids (+ logprobs).
+
+Pipeline for one batch (each stage runs only when some row needs it)::
+
+    logits [S, V] ──┬─ greedy rows (temperature 0) ─────────────── argmax ──────────────┐
+                    ├─ sampling rows: / temperature ─ top-k/top-p mask (one sort) ─ softmax
+                    │     └─ draw: argmax(p / q), q ~ Exp(1)  (the "exponential race",     │
+                    │        equivalent to a multinomial draw; q from the worker-global    │
+                    │        generator, or per seeded row from Generator(hash(seed, i)))   │
+                    └─ logprob rows: log_softmax(unmodified logits) ─ sampled + top-n ─────┴─> SampleResult
+
+Determinism: a seeded row draws its noise from a generator seeded with ``hash(seed, i)`` where
+``i`` is the index of the output token being drawn, and every other stage is row-local, so a seeded
+request samples the same tokens whatever else is in its batch (and after a preemption and resume).
+
+Logprobs are the log-softmax of the *unmodified* logits (no temperature, top-k or top-p): the
+OpenAI API reports the model's own distribution, and so do vLLM's default (``raw_logprobs``) and
+TGI. A greedy or top-k-filtered token therefore still gets its true model probability.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from deltaserve import wire
+
+
+@dataclass
+class SampleResult:
+    """What the sampler produced for each row, in row order."""
+
+    #: The chosen token per row.
+    token_ids: list[int]
+    #: Logprob of the chosen token under the unmodified distribution; None where not requested.
+    logprobs: list[float | None]
+    #: Top-n ``(token_id, logprob)`` alternatives per row, most likely first; empty where not requested.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+def seed_for(seed: int, index: int) -> int:
+    """The generator seed for output token ``index`` of a request seeded with ``seed``.
+
+    A cryptographic hash keeps streams of neighbouring (seed, index) pairs unrelated; 63 bits so
+    every torch version accepts it.
+    """
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class Sampler:
+    """Samples one token per row; holds the worker-global generator for unseeded requests."""
+
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        #: Device the logits live on; generators must match it.
+        self.device = torch.device(device)
+        #: Worker-global stream for requests without a seed (seeded from ``--seed``).
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[wire.SamplingParams],
+        output_index: list[int],
+    ) -> SampleResult:
+        """Samples one token per row of ``logits``.
+
+        Shape: logits [S, V] float32; params and output_index have length S. ``output_index[r]``
+        is the index of the output token row r draws (seeds the per-request generator).
+        """
+        num_rows, vocab = logits.shape
+        if len(params) != num_rows or len(output_index) != num_rows:
+            raise ValueError(f"sampler got {num_rows} logit rows but {len(params)} params / {len(output_index)} indices")
+        logits = logits.float()
+        chosen = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+
+        greedy = [r for r, p in enumerate(params) if p.temperature <= 0.0]
+        sampled = [r for r, p in enumerate(params) if p.temperature > 0.0]
+        if greedy:
+            if len(greedy) == num_rows:
+                chosen = logits.argmax(dim=-1)
+            else:
+                rows = torch.tensor(greedy, device=logits.device)
+                chosen[rows] = logits[rows].argmax(dim=-1)
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            chosen[rows] = self._sample_rows(logits[rows], [params[r] for r in sampled], [output_index[r] for r in sampled])
+
+        token_ids = chosen.tolist()
+        result = SampleResult(token_ids=token_ids, logprobs=[None] * num_rows, top_logprobs=[[] for _ in range(num_rows)])
+        want = [r for r, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            rows = torch.tensor(want, device=logits.device)
+            logprobs = torch.log_softmax(logits[rows], dim=-1)
+            picked = logprobs.gather(1, chosen[rows].unsqueeze(1)).squeeze(1).tolist()
+            max_n = min(max(int(params[r].logprobs or 0) for r in want), vocab)
+            top_vals, top_ids = (logprobs.topk(max_n, dim=-1, sorted=True) if max_n > 0 else (None, None))
+            top_vals_l = top_vals.tolist() if top_vals is not None else None
+            top_ids_l = top_ids.tolist() if top_ids is not None else None
+            for j, r in enumerate(want):
+                result.logprobs[r] = float(picked[j])
+                n = min(int(params[r].logprobs or 0), vocab)
+                if n > 0 and top_ids_l is not None and top_vals_l is not None:
+                    result.top_logprobs[r] = list(zip(top_ids_l[j][:n], (float(v) for v in top_vals_l[j][:n])))
+        return result
+
+    def _sample_rows(self, logits: torch.Tensor, params: list[wire.SamplingParams], output_index: list[int]) -> torch.Tensor:
+        """Random draw for rows with temperature > 0. Shape: logits [R, V] -> token ids [R]."""
+        num_rows, vocab = logits.shape
+        device = logits.device
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        scaled = logits / temps.unsqueeze(1)
+
+        top_k = [int(p.top_k) if 0 < p.top_k < vocab else 0 for p in params]
+        top_p = [float(p.top_p) if 0.0 < p.top_p < 1.0 else 1.0 for p in params]
+        truncate = any(top_k) or any(v < 1.0 for v in top_p)
+        if truncate:
+            # Work in sorted order (one stable sort serves both filters); map back at the end.
+            scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
+            positions = torch.arange(vocab, device=device).unsqueeze(0)
+            if any(top_k):
+                k = torch.tensor([k or vocab for k in top_k], device=device).unsqueeze(1)
+                scaled = scaled.masked_fill(positions >= k, float("-inf"))
+            if any(v < 1.0 for v in top_p):
+                p = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)
+                probs_sorted = torch.softmax(scaled, dim=-1)
+                mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+                # Keep the smallest prefix whose mass reaches p; the first token always stays.
+                scaled = scaled.masked_fill((mass_before >= p) & (positions > 0), float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, prm in enumerate(params) if prm.seed is None]
+        if unseeded:
+            if len(unseeded) == num_rows:
+                noise.exponential_(generator=self.generator)
+            else:
+                draw = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self.generator)
+                noise[torch.tensor(unseeded, device=device)] = draw
+        for j, prm in enumerate(params):
+            if prm.seed is not None:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(seed_for(int(prm.seed), output_index[j]))
+                noise[j].exponential_(generator=gen)
+        # argmax(p / q) with q ~ Exp(1) picks token t with probability p_t (exponential race).
+        # The clamp keeps a (measure-zero) q == 0 from turning a masked p == 0 into 0/0 = nan.
+        picked = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+        if truncate:
+            picked = order.gather(1, picked.unsqueeze(1)).squeeze(1)
+        return picked

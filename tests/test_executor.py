@@ -1,0 +1,493 @@
+"""Executor on a tiny Llama: plans built as the router builds them, against HF transformers.
+
+``MiniRouter`` below plays the router's part (page allocation, chunked prefill, decode diffs,
+release after finishing, preemption + resume) so the tests exercise the real plan protocol.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve import wire
+from deltaserve.worker.executor import Executor, PlanError
+
+GREEDY = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=None)
+KV_BYTES = 2 << 20
+
+
+@pytest.fixture(scope="module")
+def executor_factory(tiny_llama: Path):
+    def make(**kw) -> Executor:
+        kw.setdefault("kv_cache_bytes", KV_BYTES)
+        return Executor(tiny_llama, device="cpu", dtype="float32", block_size=4, **kw)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), generation_config=gen, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+@dataclass
+class Req:
+    req_id: int
+    prompt: list[int]
+    max_new: int
+    sampling: wire.SamplingParams
+    tokens: list[int] = field(default_factory=list)  # prompt + outputs
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    sent: bool = False
+    outputs: list[int] = field(default_factory=list)
+    num_prompt: int = 0
+
+
+class MiniRouter:
+    """Builds StepPlans the way the router's scheduler does (pages, chunks, diffs, releases)."""
+
+    def __init__(self, executor: Executor, chunk: int = 1 << 30, seed: int = 0) -> None:
+        self.ex = executor
+        self.chunk = chunk
+        self.bs = executor.block_size
+        self.free = list(range(executor.kv.num_blocks))
+        random.Random(seed).shuffle(self.free)  # non-contiguous block tables
+        self.active: dict[int, Req] = {}
+        self.to_release: list[int] = []
+        self.step_id = 0
+
+    def add(self, req_id: int, prompt: list[int], max_new: int, sampling: wire.SamplingParams = GREEDY) -> Req:
+        r = Req(req_id, list(prompt), max_new, sampling, tokens=list(prompt), num_prompt=len(prompt))
+        self.active[req_id] = r
+        return r
+
+    def preempt(self, req_id: int) -> None:
+        """Drop the request's KV; it comes back as a NewRequest with all its tokens."""
+        r = self.active[req_id]
+        self.free.extend(r.blocks)
+        r.blocks, r.computed, r.sent = [], 0, False
+        self.to_release.append(req_id)
+
+    def plan(self) -> wire.StepPlan:
+        self.step_id += 1
+        new, running = [], []
+        for r in self.active.values():
+            n = min(self.chunk, len(r.tokens) - r.computed)
+            need = -(-(r.computed + n) // self.bs) - len(r.blocks)
+            added = [self.free.pop() for _ in range(max(0, need))]
+            r.blocks.extend(added)
+            if not r.sent:
+                new.append(wire.NewRequest(
+                    req_id=r.req_id, token_ids=list(r.tokens), num_prompt_tokens=r.num_prompt,
+                    num_computed_tokens=r.computed, num_scheduled_tokens=n, block_ids=list(r.blocks),
+                    sampling=r.sampling,
+                ))
+                r.sent = True
+            else:
+                running.append(wire.RunningRequest(req_id=r.req_id, num_scheduled_tokens=n, new_block_ids=added))
+            r.computed += n
+        plan = wire.StepPlan(step_id=self.step_id, new_requests=new, running=running, released=self.to_release)
+        self.to_release = []
+        return plan
+
+    def apply(self, out: wire.StepOutput) -> None:
+        assert out.step_id == self.step_id
+        for o in out.outputs:
+            r = self.active[o.req_id]
+            if o.token_id is None:
+                assert r.computed < len(r.tokens), "a request that reached its end must sample"
+                continue
+            assert r.computed == len(r.tokens)
+            r.tokens.append(o.token_id)
+            r.outputs.append(o.token_id)
+            if len(r.outputs) >= r.max_new:
+                self.free.extend(r.blocks)
+                del self.active[o.req_id]
+                self.to_release.append(o.req_id)
+
+    def step(self) -> wire.StepOutput:
+        out = self.ex.step(self.plan())
+        self.apply(out)
+        return out
+
+    def run(self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int] | None = None) -> dict[int, list[int]]:
+        done: dict[int, Req] = {}
+        pending = dict(reqs)
+        steps = 0
+        while pending or self.active:
+            for rid in [rid for rid in pending if (arrivals or {}).get(rid, 0) <= steps]:
+                prompt, n = pending.pop(rid)
+                done[rid] = self.add(rid, prompt, n)
+            if self.active:
+                self.step()
+            steps += 1
+            assert steps < 10_000
+        return {rid: r.outputs for rid, r in done.items()}
+
+
+def prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_greedy_matches_hf_generate(executor_factory, hf_model) -> None:
+    ex = executor_factory()
+    for i, prompt in enumerate(prompts(3, ex.config.vocab_size, seed=1, lo=5, hi=30)):
+        got = MiniRouter(ex).run({i: (prompt, 12)})[i]
+        assert got == hf_greedy(hf_model, prompt, 12), f"prompt {i}"
+
+
+def test_chunked_prefill_in_three_steps_gives_the_same_tokens(executor_factory) -> None:
+    ex = executor_factory()
+    prompt = prompts(1, ex.config.vocab_size, seed=2, lo=20, hi=20)[0]
+    whole = MiniRouter(ex).run({1: (prompt, 8)})[1]
+    router = MiniRouter(executor_factory(), chunk=7)
+    router.add(2, prompt, 8)
+    first, second, third = router.step(), router.step(), router.step()
+    assert [o.token_id for o in first.outputs] == [None] and [o.token_id for o in second.outputs] == [None]
+    assert third.outputs[0].token_id == whole[0]
+    while router.active:
+        router.step()
+    # Chunk size 7 applies to prefill only; decode schedules 1 token per step.
+    assert router.step_id == 3 + 7
+    rerun = MiniRouter(executor_factory(), chunk=7).run({2: (prompt, 8)})[2]
+    assert rerun == whole
+
+
+def test_batch_of_16_matches_each_alone(executor_factory) -> None:
+    ex = executor_factory()
+    ps = prompts(16, ex.config.vocab_size, seed=3, lo=1, hi=37)
+    alone = {i: MiniRouter(ex).run({i: (p, 6 + i % 5)})[i] for i, p in enumerate(ps)}
+    # Staggered arrivals and a prefill chunk: steps mix new prefills, chunks and decodes.
+    batched = MiniRouter(executor_factory(), chunk=9, seed=5).run(
+        {i: (p, 6 + i % 5) for i, p in enumerate(ps)}, arrivals={i: i // 3 for i in range(16)}
+    )
+    assert batched == alone
+
+
+def test_released_requests_are_dropped(executor_factory) -> None:
+    ex = executor_factory()
+    router = MiniRouter(ex)
+    router.add(7, [5, 6, 7, 8, 9], 3)
+    router.step()
+    assert 7 in ex.requests
+    router.preempt(7)
+    del router.active[7]
+    ex.step(wire.StepPlan(step_id=99, new_requests=[], running=[], released=router.to_release))
+    assert 7 not in ex.requests
+    with pytest.raises(PlanError, match="does not hold"):
+        ex.step(wire.StepPlan(step_id=100, running=[wire.RunningRequest(req_id=7, num_scheduled_tokens=1, new_block_ids=[])]))
+
+
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, wire.SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=42, logprobs=None)]
+)
+def test_resumed_request_continues_identically(executor_factory, sampling) -> None:
+    prompt = prompts(1, executor_factory().config.vocab_size, seed=4, lo=11, hi=11)[0]
+    expected = _outputs_of(executor_factory(), prompt, sampling)
+    # A different global seed must not matter for seeded or greedy requests.
+    router = MiniRouter(executor_factory(seed=1))
+    req = router.add(1, prompt, 12, sampling)
+    while len(req.outputs) < 5:
+        router.step()
+    router.preempt(1)  # next plan releases it and re-sends it in full (prompt + 5 outputs)
+    plan = router.plan()
+    assert plan.released == [1] and plan.new_requests[0].token_ids == prompt + req.outputs
+    assert plan.new_requests[0].num_prompt_tokens == len(prompt)
+    router.apply(router.ex.step(plan))
+    while router.active:
+        router.step()
+    assert req.outputs == expected
+
+
+def _outputs_of(ex: Executor, prompt: list[int], sampling: wire.SamplingParams) -> list[int]:
+    router = MiniRouter(ex)
+    req = router.add(1, prompt, 12, sampling)
+    while router.active:
+        router.step()
+    return req.outputs
+
+
+def test_logprobs_reach_the_output(executor_factory, hf_model) -> None:
+    ex = executor_factory()
+    prompt = [10, 20, 30, 40]
+    params = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=3)
+    out = ex.step(wire.StepPlan(step_id=1, new_requests=[wire.NewRequest(
+        req_id=1, token_ids=prompt, num_prompt_tokens=4, num_computed_tokens=0, num_scheduled_tokens=4,
+        block_ids=[0], sampling=params)]))
+    (o,) = out.outputs
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    assert o.token_id == int(ref.argmax())
+    assert o.logprob == pytest.approx(float(ref.max()), abs=1e-4)
+    assert [t.token_id for t in o.top_logprobs] == ref.topk(3).indices.tolist()
+    assert out.timing.forward_us > 0
+
+
+def snapshot(ex: Executor) -> dict:
+    return copy.deepcopy(ex.requests)
+
+
+def test_bad_plans_raise_and_leave_state_unchanged(executor_factory) -> None:
+    ex = executor_factory()
+    router = MiniRouter(ex)
+    router.add(1, [4, 5, 6, 7, 8, 9], 20)
+    router.step()
+    router.step()
+    before = snapshot(ex)
+    vocab, pool = ex.config.vocab_size, ex.kv.num_blocks
+
+    def new(req_id=2, tokens=(3, 4, 5), computed=0, scheduled=3, blocks=(pool - 1,)):
+        return wire.NewRequest(req_id=req_id, token_ids=list(tokens), num_prompt_tokens=len(tokens),
+                               num_computed_tokens=computed, num_scheduled_tokens=scheduled,
+                               block_ids=list(blocks), sampling=GREEDY)
+
+    ok_running = wire.RunningRequest(req_id=1, num_scheduled_tokens=1, new_block_ids=[])
+    cases = {
+        "unknown running": ([], [wire.RunningRequest(req_id=77, num_scheduled_tokens=1, new_block_ids=[])], "does not hold"),
+        "block outside pool": ([new(blocks=[pool])], [ok_running], "outside the pool"),
+        "token >= vocab": ([new(tokens=[3, vocab, 5])], [ok_running], "outside the vocab size"),
+        "scheduled beyond known (new)": ([new(scheduled=4)], [ok_running], "only 3 are known"),
+        "scheduled beyond known (running)": ([], [wire.RunningRequest(req_id=1, num_scheduled_tokens=2, new_block_ids=[])], "only 8 are known"),
+        "too few blocks": ([new(tokens=list(range(3, 12)), scheduled=9, blocks=[pool - 1])], [ok_running], "cannot hold"),
+        "duplicate new": ([new(req_id=1)], [], "already holds"),
+    }
+    for name, (news, runs, match) in cases.items():
+        with pytest.raises(PlanError, match=match) as info:
+            ex.step(wire.StepPlan(step_id=50, new_requests=news, running=runs, released=[]))
+        assert info.value.req_ids, name
+        assert snapshot(ex) == before, f"{name}: state changed"
+    # A good plan still works afterwards, and continues where the request was.
+    out = ex.step(wire.StepPlan(step_id=51, running=[ok_running]))
+    assert out.outputs[0].req_id == 1 and out.outputs[0].token_id is not None
+
+
+def test_failed_step_drops_its_requests(executor_factory) -> None:
+    ex = executor_factory()
+    router = MiniRouter(ex)
+    router.add(1, [4, 5, 6], 20)
+    router.step()
+    plan = wire.StepPlan(step_id=9, running=[wire.RunningRequest(req_id=1, num_scheduled_tokens=5, new_block_ids=[])])
+    with pytest.raises(PlanError):
+        ex.step(plan)
+    assert ex.drop_step_requests(plan) == [1]
+    assert ex.requests == {}
+
+
+def test_hello_reports_model_and_kv(executor_factory, tiny_llama: Path) -> None:
+    ex = executor_factory()
+    hello = ex.hello("abc")
+    assert hello.schema_hash == "abc"
+    assert hello.model.vocab_size == ex.config.vocab_size and hello.model.dtype == "float32"
+    assert hello.model.device == "cpu" and hello.model.num_layers == ex.config.num_layers
+    assert hello.model.num_params == sum(p.numel() for p in ex.model.parameters())
+    assert hello.kv.block_size == 4
+    assert hello.kv.num_blocks * hello.kv.bytes_per_block <= KV_BYTES < (hello.kv.num_blocks + 1) * hello.kv.bytes_per_block
+    assert hello.model.max_model_len == min(512, hello.kv.num_blocks * 4)
+    assert executor_factory(max_model_len=100).hello("x").model.max_model_len == 100
+    small = executor_factory(kv_cache_bytes=hello.kv.bytes_per_block * 10)
+    assert small.hello("x").model.max_model_len == 40 and small.kv.num_blocks == 10
+    assert wire.decode(wire.encode(hello)) == hello
+
+
+# ---------------------------------------------------------------------------------------- worker loop
+
+
+class FakeLink:
+    """In-process stand-in for WorkerLink: frames in from a list, frames out to a list."""
+
+    def __init__(self, inbound: list[bytes]) -> None:
+        self.inbound = list(inbound)
+        self.sent: list[object] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(wire.decode(data))
+
+    def recv(self, timeout_s: float | None = None) -> bytes | None:
+        return self.inbound.pop(0) if self.inbound else None
+
+
+def test_loop_serves_reports_plan_errors_and_shuts_down(executor_factory) -> None:
+    from deltaserve.worker.loop import WorkerLoop
+
+    ex = executor_factory()
+    good = wire.StepPlan(step_id=1, new_requests=[wire.NewRequest(
+        req_id=5, token_ids=[3, 4, 5], num_prompt_tokens=3, num_computed_tokens=0, num_scheduled_tokens=3,
+        block_ids=[0], sampling=GREEDY)])
+    bad = wire.StepPlan(step_id=2, running=[wire.RunningRequest(req_id=5, num_scheduled_tokens=9, new_block_ids=[])])
+    again = wire.StepPlan(step_id=3, new_requests=[wire.NewRequest(
+        req_id=6, token_ids=[7], num_prompt_tokens=1, num_computed_tokens=0, num_scheduled_tokens=1,
+        block_ids=[1], sampling=GREEDY)])
+    frames = [wire.encode(good), b"\x01garbage", wire.encode(bad), wire.encode(again),
+              wire.encode(wire.Shutdown(reason="test"))]
+    link = FakeLink(frames)
+    assert WorkerLoop(ex, link).run() == 0
+    hello, out1, err_frame, err_plan, out3 = link.sent
+    assert isinstance(hello, wire.Hello) and hello.schema_hash == wire.SCHEMA_HASH
+    assert isinstance(out1, wire.StepOutput) and out1.step_id == 1 and out1.outputs[0].token_id is not None
+    assert out1.timing.total_us >= out1.timing.forward_us > 0 and out1.timing.gap_us >= 0
+    assert isinstance(err_frame, wire.WorkerError) and not err_frame.fatal and err_frame.step_id == 0
+    assert isinstance(err_plan, wire.WorkerError) and not err_plan.fatal
+    assert err_plan.step_id == 2 and err_plan.req_ids == [5] and "request 5" in err_plan.message
+    assert 5 not in ex.requests  # failed requests are forgotten; the router re-sends them in full
+    assert isinstance(out3, wire.StepOutput) and out3.step_id == 3
+
+
+def test_loop_reports_unexpected_errors_as_fatal(executor_factory, monkeypatch) -> None:
+    from deltaserve.worker.loop import EXIT_FATAL, WorkerLoop
+
+    ex = executor_factory()
+
+    def boom(plan):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(ex, "step", boom)
+    plan = wire.StepPlan(step_id=4, running=[wire.RunningRequest(req_id=1, num_scheduled_tokens=1, new_block_ids=[])])
+    link = FakeLink([wire.encode(plan), wire.encode(wire.Shutdown(reason="never reached"))])
+    assert WorkerLoop(ex, link).run() == EXIT_FATAL
+    err = link.sent[-1]
+    assert isinstance(err, wire.WorkerError) and err.fatal and err.step_id == 4 and err.req_ids == [1]
+    assert "illegal memory access" in err.message and "Traceback" in err.message
+
+
+def _worker_cmd(model: Path, ipc_dir: Path, *extra: str) -> tuple[list[str], dict[str, str]]:
+    import os
+    import sys
+
+    import deltaserve
+
+    env = dict(os.environ)
+    src = str(Path(deltaserve.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([src] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    cmd = [sys.executable, "-m", "deltaserve.worker", "--model", str(model), "--ipc-dir", str(ipc_dir),
+           "--device", "cpu", "--dtype", "float32", "--block-size", "4", "--kv-cache-bytes", str(KV_BYTES),
+           "--num-threads", "1", *extra]
+    return cmd, env
+
+
+def _recv(link, timeout: float = 120.0):
+    frame = link.recv(timeout_s=timeout)
+    assert frame is not None, "worker sent nothing"
+    return wire.decode(frame)
+
+
+def test_worker_process_end_to_end(tiny_llama: Path, tmp_path: Path, executor_factory) -> None:
+    import subprocess
+
+    native = pytest.importorskip("deltaserve._native", reason="deltaserve._native is not built (maturin develop)")
+    ipc = tmp_path / "ipc"
+    link = native.RouterLink(str(ipc))
+    cmd, env = _worker_cmd(tiny_llama, ipc)
+    log_path = tmp_path / "worker.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, stderr=log_file, stdout=log_file)
+    try:
+        hello = _recv(link)
+        assert isinstance(hello, wire.Hello), hello
+        assert hello.schema_hash == wire.SCHEMA_HASH == native.schema_hash()
+        assert hello.pid == proc.pid
+        assert hello.kv.block_size == 4 and hello.kv.num_blocks == KV_BYTES // hello.kv.bytes_per_block
+        assert hello.model.vocab_size > 0 and hello.model.device == "cpu"
+
+        # Same plans through the in-process executor give the reference tokens.
+        prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+        reference = MiniRouter(executor_factory()).run({1: (prompt, 5)})[1]
+        router = MiniRouter(executor_factory())
+        req = router.add(1, prompt, 5)
+        while router.active:
+            plan = router.plan()
+            link.send(wire.encode(plan))
+            out = _recv(link)
+            assert isinstance(out, wire.StepOutput) and out.step_id == plan.step_id, out
+            assert out.timing.total_us > 0
+            router.apply(out)
+        assert req.outputs == reference
+
+        link.send(wire.encode(wire.StepPlan(step_id=77, running=[
+            wire.RunningRequest(req_id=12345, num_scheduled_tokens=1, new_block_ids=[])])))
+        err = _recv(link)
+        assert isinstance(err, wire.WorkerError) and not err.fatal and err.req_ids == [12345] and err.step_id == 77
+
+        # Still serving after the recoverable error.
+        link.send(wire.encode(wire.StepPlan(step_id=78, new_requests=[wire.NewRequest(
+            req_id=2, token_ids=[5, 6], num_prompt_tokens=2, num_computed_tokens=0, num_scheduled_tokens=2,
+            block_ids=[0], sampling=GREEDY)])))
+        out = _recv(link)
+        assert isinstance(out, wire.StepOutput) and out.step_id == 78 and out.outputs[0].token_id is not None
+
+        link.send(wire.encode(wire.Shutdown(reason="test over")))
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        print(log_path.read_text())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in state  # reparented zombie nobody reaps: exited all the same
+
+
+def test_worker_exits_when_its_parent_dies(tiny_llama: Path, tmp_path: Path) -> None:
+    import shlex
+    import subprocess
+    import time
+
+    native = pytest.importorskip("deltaserve._native", reason="deltaserve._native is not built (maturin develop)")
+    ipc = tmp_path / "ipc"
+    link = native.RouterLink(str(ipc))
+    cmd, env = _worker_cmd(tiny_llama, ipc)
+    # An intermediate shell is the worker's parent; it exits as soon as the worker has started.
+    shell = subprocess.Popen(["sh", "-c", " ".join(map(shlex.quote, cmd)) + " 2>/dev/null &"], env=env)
+    assert shell.wait(timeout=30) == 0
+    hello = _recv(link)
+    assert isinstance(hello, wire.Hello)
+    deadline = time.monotonic() + 20
+    while not _gone(hello.pid):
+        assert time.monotonic() < deadline, "worker outlived its parent"
+        time.sleep(0.2)
+
+
+def test_worker_config_flags_env_and_validation(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
+    from deltaserve.worker.config import ConfigError, WorkerConfig
+
+    base = ["--model", str(tiny_llama), "--ipc-dir", str(tmp_path)]
+    cfg = WorkerConfig.from_args(base + ["--device", "cuda:1", "--max-model-len", "64"])
+    assert (cfg.device, cfg.max_model_len, cfg.block_size, cfg.kv_cache_bytes) == ("cuda:1", 64, 16, 0)
+    monkeypatch.setenv("DELTASERVE_WORKER_BLOCK_SIZE", "32")
+    assert WorkerConfig.from_args(base).block_size == 32
+    assert WorkerConfig.from_args(base + ["--block-size", "8"]).block_size == 8  # the flag wins
+    for bad, match in [
+        (["--device", "tpu"], "--device"),
+        (["--dtype", "int8"], "--dtype"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--kv-cache-bytes", "-1"], "--kv-cache-bytes"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            WorkerConfig.from_args(base + bad)
+    with pytest.raises(ConfigError, match="no config.json"):
+        WorkerConfig.from_args(["--model", str(tmp_path), "--ipc-dir", str(tmp_path)])
+    monkeypatch.setenv("DELTASERVE_WORKER_BLOCK_SIZE", "big")
+    with pytest.raises(ConfigError, match="DELTASERVE_WORKER_BLOCK_SIZE"):
+        WorkerConfig.from_args(base)
