@@ -1,0 +1,241 @@
+//! `POST /v1/chat/completions`: messages rendered with the model's chat template, answered as a
+//! `chat.completion`, or streamed as `chat.completion.chunk`s:
+//!
+//! ```text
+//!  data: {"choices":[{"delta":{"role":"assistant","content":""},"finish_reason":null}]}
+//!  data: {"choices":[{"delta":{"content":"Hel"},"finish_reason":null}]}   one per piece of text
+//!  data: {"choices":[{"delta":{},"finish_reason":"stop"}]}
+//!  data: {"choices":[],"usage":{...}}                                     if include_usage
+//!  data: [DONE]
+//! ```
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::stream::{self, StreamExt};
+
+use super::completions::sse_response;
+use super::error::{ApiError, ApiJson};
+use super::openai::{
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Usage,
+};
+use super::{model_context, response_id, sse_done, sse_json, unix_now, Backend, Piece, Pieces, TokenRecord};
+use crate::text::tokenizer::TextTokenizer;
+use crate::validate::validate_chat;
+
+/// The handler.
+pub async fn chat_completions<B: Backend>(
+    State(backend): State<B>,
+    ApiJson(req): ApiJson<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    let v = validate_chat(&req, &model_context(&backend))?;
+    let with_logprobs = v.request.sampling.logprobs.is_some();
+    let rx = backend.generate(v.request).await?;
+    let writer = ChatWriter {
+        id: response_id("chatcmpl"),
+        created: unix_now(),
+        model: backend.model().name.clone(),
+        tokenizer: with_logprobs.then(|| backend.tokenizer().clone()),
+    };
+    let mut pieces = Pieces::new(rx);
+    if !v.stream {
+        let mut text = String::new();
+        let mut tokens = Vec::new();
+        loop {
+            match pieces.next().await {
+                Some(Piece::Text { text: t, tokens: mut ts }) => {
+                    text.push_str(&t);
+                    tokens.append(&mut ts);
+                }
+                Some(Piece::Finished { reason, prompt_tokens, completion_tokens, tokens: mut ts }) => {
+                    tokens.append(&mut ts);
+                    return Ok(Json(ChatCompletionResponse {
+                        id: writer.id.clone(),
+                        object: "chat.completion",
+                        created: writer.created,
+                        model: writer.model.clone(),
+                        choices: vec![ChatChoice {
+                            index: 0,
+                            message: AssistantMessage { role: "assistant", content: text },
+                            logprobs: writer.logprobs(&tokens),
+                            finish_reason: reason.as_str(),
+                        }],
+                        usage: Usage::new(prompt_tokens, completion_tokens),
+                    })
+                    .into_response());
+                }
+                Some(Piece::Failed(e)) => return Err(e),
+                None => unreachable!("Pieces ends with Finished or Failed"),
+            }
+        }
+    }
+    let include_usage = v.include_usage;
+    let first = vec![sse_json(&writer.chunk(
+        ChatDelta { role: Some("assistant"), content: Some(String::new()) },
+        None,
+        None,
+    ))];
+    let rest = stream::unfold((pieces, writer), move |(mut pieces, writer)| async move {
+        let events: Vec<Event> = match pieces.next().await? {
+            Piece::Text { text, tokens } => {
+                let delta = ChatDelta { role: None, content: Some(text) };
+                vec![sse_json(&writer.chunk(delta, writer.logprobs(&tokens), None))]
+            }
+            Piece::Finished { reason, prompt_tokens, completion_tokens, tokens } => {
+                let logprobs = writer.logprobs(&tokens);
+                let mut out = vec![sse_json(&writer.chunk(ChatDelta::default(), logprobs, Some(reason.as_str())))];
+                if include_usage {
+                    let mut usage = writer.chunk(ChatDelta::default(), None, None);
+                    usage.choices.clear();
+                    usage.usage = Some(Usage::new(prompt_tokens, completion_tokens));
+                    out.push(sse_json(&usage));
+                }
+                out.push(sse_done());
+                out
+            }
+            Piece::Failed(e) => vec![sse_json(&e.to_body())],
+        };
+        Some((events, (pieces, writer)))
+    });
+    Ok(sse_response(stream::iter([first]).chain(rest)))
+}
+
+/// Builds the chat objects of one response.
+struct ChatWriter {
+    /// The response id.
+    id: String,
+    /// When the request was accepted.
+    created: u64,
+    /// The served model's name.
+    model: String,
+    /// Present when the request asked for logprobs (to spell tokens).
+    tokenizer: Option<Arc<TextTokenizer>>,
+}
+
+impl ChatWriter {
+    fn chunk(&self, delta: ChatDelta, logprobs: Option<ChatLogprobs>, finish_reason: Option<&'static str>) -> ChatCompletionChunk {
+        ChatCompletionChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.model.clone(),
+            choices: vec![ChatChunkChoice { index: 0, delta, logprobs, finish_reason }],
+            usage: None,
+        }
+    }
+
+    /// Logprobs of `tokens` in the chat format, when asked for.
+    fn logprobs(&self, tokens: &[TokenRecord]) -> Option<ChatLogprobs> {
+        let tok = self.tokenizer.as_ref()?;
+        let content = tokens
+            .iter()
+            .map(|t| {
+                let token = tok.token_text(t.token_id);
+                ChatTokenLogprob {
+                    bytes: token.as_bytes().to_vec(),
+                    token,
+                    logprob: t.logprob,
+                    top_logprobs: t
+                        .top_logprobs
+                        .iter()
+                        .map(|a| {
+                            let token = tok.token_text(a.token_id);
+                            ChatTopLogprob { bytes: token.as_bytes().to_vec(), token, logprob: a.logprob }
+                        })
+                        .collect(),
+                }
+            })
+            .collect();
+        Some(ChatLogprobs { content })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    use crate::api::fake::FakeBackend;
+    use crate::api::router_with;
+    use crate::api::test_http::*;
+    use crate::engine::FinishReason;
+
+    const HELLO: &str = r#"{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]"#;
+
+    #[tokio::test]
+    async fn non_streaming_chat_response() {
+        let fake = FakeBackend::new(FakeBackend::tokens(&["Hi", " there"], FinishReason::Stop));
+        let (status, _, body) = post_json(router_with(fake.clone()), "/v1/chat/completions", &format!("{HELLO}}}")).await;
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+        assert_eq!(v["object"], "chat.completion");
+        assert_eq!(
+            v["choices"],
+            json!([{"index": 0, "message": {"role": "assistant", "content": "Hi there"}, "logprobs": null, "finish_reason": "stop"}])
+        );
+        assert_eq!(v["usage"], json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}));
+        let prompt = fake.requests.lock().unwrap()[0].prompt_token_ids.clone();
+        assert_eq!(fake.tokenizer.decode(&prompt).unwrap(), "<|im_start|>user\nhi\n<|im_start|>assistant\n");
+    }
+
+    #[tokio::test]
+    async fn chat_logprobs_format() {
+        let fake = FakeBackend::new(FakeBackend::tokens(&["Hi"], FinishReason::Stop));
+        let body = format!(r#"{HELLO}, "logprobs": true, "top_logprobs": 1}}"#);
+        let (status, _, body) = post_json(router_with(fake.clone()), "/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let entry = &v["choices"][0]["logprobs"]["content"][0];
+        let token = fake.tokenizer.token_text(10);
+        assert_eq!(entry["token"], json!(token));
+        assert_eq!(entry["bytes"], json!(token.as_bytes()));
+        assert_eq!(entry["logprob"], json!(-0.0));
+        assert_eq!(entry["top_logprobs"][1]["token"], json!(fake.tokenizer.token_text(100)));
+        assert_eq!(entry["top_logprobs"][1]["logprob"], json!(-3.0));
+    }
+
+    #[tokio::test]
+    async fn streaming_chat_chunks() {
+        let fake = FakeBackend::new(FakeBackend::tokens(&["Hi", "", "!"], FinishReason::Length));
+        let body = format!(r#"{HELLO}, "stream": true, "stream_options": {{"include_usage": true}}}}"#);
+        let (status, _, body) = post_json(router_with(fake), "/v1/chat/completions", &body).await;
+        assert_eq!(status, 200);
+        let data = sse_data(&body);
+        assert_eq!(data.last().unwrap(), "[DONE]");
+        let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+        let deltas: Vec<_> = chunks.iter().map(|c| c["choices"][0]["delta"].clone()).collect();
+        assert_eq!(
+            deltas,
+            vec![json!({"role": "assistant", "content": ""}), json!({"content": "Hi"}), json!({"content": "!"}), json!({}), Value::Null]
+        );
+        assert_eq!(chunks[3]["choices"][0]["finish_reason"], "length");
+        assert!(chunks[..3].iter().all(|c| c["choices"][0]["finish_reason"].is_null()));
+        assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+        assert_eq!(chunks[4]["usage"], json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}));
+        assert_eq!(chunks[4]["choices"], json!([]));
+    }
+
+    #[tokio::test]
+    async fn chat_validation_errors() {
+        let app = router_with(FakeBackend::new(FakeBackend::tokens(&["a"], FinishReason::Stop)));
+        let cases = [
+            (r#"{"messages": [{"content": "x"}]}"#, Some("messages[0]"), "missing field `role`"),
+            (r#"{"messages": "hi"}"#, Some("messages"), "invalid type"),
+            (r#"{"messages": [{"role": "user", "content": 3}]}"#, Some("messages[0].content"), "content parts"),
+            (r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100}"#, Some("max_tokens"), "context of 64"),
+            (r#"{"messages": [{"role": "user", "content": "x"}], "n": 3}"#, Some("n"), "n: 1"),
+        ];
+        for (body, param, needle) in cases {
+            let (status, _, text) = post_json(app.clone(), "/v1/chat/completions", body).await;
+            assert_eq!(status, 400, "{body}: {text}");
+            let (kind, p, message) = error_fields(&text);
+            assert_eq!(kind, "invalid_request_error");
+            assert_eq!(p.as_deref(), param, "{message}");
+            assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+        }
+    }
+}

@@ -1,0 +1,420 @@
+//! The client-facing HTTP layer: OpenAI-compatible endpoints (JSON and SSE), the WebSocket
+//! streaming endpoint, health and metrics.
+//!
+//! # Layout
+//!
+//! ```text
+//!  router() ─┬─ POST /v1/completions       completions.rs ─┐
+//!            ├─ POST /v1/chat/completions  chat.rs ────────┤  ApiJson body → validate → Backend::generate
+//!            ├─ GET  /v1/ws                ws.rs ──────────┘  → events → JSON | SSE chunks | WS messages
+//!            ├─ GET  /v1/models            models.rs
+//!            └─ GET  /health /ready /metrics   health.rs
+//!  openai.rs: request/response types      error.rs: ApiError (every failure), ApiJson extractor
+//! ```
+//!
+//! Handlers are generic over [`Backend`], the engine interface they use; [`router`] serves the
+//! real [`EngineHandle`], tests serve a scripted fake. Cancellation is by ownership: a response
+//! stream owns its request's event receiver, so a client that goes away drops the stream, which
+//! drops the receiver, which the engine notices (STYLE.md #14).
+
+pub mod chat;
+pub mod completions;
+pub mod error;
+pub mod health;
+pub mod models;
+pub mod openai;
+pub mod ws;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::DefaultBodyLimit;
+use axum::http::{Method, Uri};
+use axum::response::sse::Event;
+use axum::routing::{get, post};
+use axum::Router;
+use deltaserve_ipc::wire::TokenLogprob;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::engine::{EngineError, EngineHandle, EngineMetrics, FinishReason, GenerateEvent, GenerateRequest, ServedModel};
+use crate::text::chat_template::ChatTemplate;
+use crate::text::tokenizer::TextTokenizer;
+use crate::validate::ModelContext;
+use error::ApiError;
+
+/// Largest request body (and WebSocket message) accepted; larger ones get a 413 JSON error.
+pub const MAX_BODY_BYTES: usize = 8 << 20;
+
+/// What the API needs from the engine. [`EngineHandle`] is the implementation that serves.
+pub trait Backend: Clone + Send + Sync + 'static {
+    /// Queues a request; its events arrive on the receiver, and dropping it cancels.
+    fn generate(
+        &self,
+        req: GenerateRequest,
+    ) -> impl Future<Output = Result<UnboundedReceiver<GenerateEvent>, EngineError>> + Send;
+    /// The served model.
+    fn model(&self) -> &ServedModel;
+    /// Its tokenizer.
+    fn tokenizer(&self) -> &Arc<TextTokenizer>;
+    /// Its chat template, if any.
+    fn chat_template(&self) -> Option<&Arc<ChatTemplate>>;
+    /// Whether requests can be served now.
+    fn is_ready(&self) -> bool;
+    /// Engine counters for `/metrics`.
+    fn metrics(&self) -> impl Future<Output = EngineMetrics> + Send;
+}
+
+impl Backend for EngineHandle {
+    fn generate(
+        &self,
+        req: GenerateRequest,
+    ) -> impl Future<Output = Result<UnboundedReceiver<GenerateEvent>, EngineError>> + Send {
+        EngineHandle::generate(self, req)
+    }
+    fn model(&self) -> &ServedModel {
+        EngineHandle::model(self)
+    }
+    fn tokenizer(&self) -> &Arc<TextTokenizer> {
+        EngineHandle::tokenizer(self)
+    }
+    fn chat_template(&self) -> Option<&Arc<ChatTemplate>> {
+        EngineHandle::chat_template(self)
+    }
+    fn is_ready(&self) -> bool {
+        EngineHandle::is_ready(self)
+    }
+    fn metrics(&self) -> impl Future<Output = EngineMetrics> + Send {
+        EngineHandle::metrics(self)
+    }
+}
+
+/// Every route, serving `engine`.
+pub fn router(engine: EngineHandle) -> Router {
+    router_with(engine)
+}
+
+/// Every route, serving any [`Backend`] (tests use a scripted one).
+pub fn router_with<B: Backend>(backend: B) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions::completions::<B>))
+        .route("/v1/chat/completions", post(chat::chat_completions::<B>))
+        .route("/v1/models", get(models::list_models::<B>))
+        .route("/v1/ws", get(ws::ws_upgrade::<B>))
+        .route("/health", get(health::health))
+        .route("/ready", get(health::ready::<B>))
+        .route("/metrics", get(health::metrics::<B>))
+        .fallback(|uri: Uri| async move { ApiError::RouteNotFound(uri.path().to_string()) })
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            ApiError::MethodNotAllowed(format!("{method} {}", uri.path()))
+        })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(backend)
+}
+
+/// Validation's view of a backend.
+pub(crate) fn model_context<B: Backend>(b: &B) -> ModelContext<'_> {
+    ModelContext { model: b.model(), tokenizer: b.tokenizer(), chat_template: b.chat_template().map(|t| &**t) }
+}
+
+/// A response id: `prefix-` + 24 hex digits, unique within the process and across restarts.
+pub(crate) fn response_id(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    format!("{prefix}-{nanos:016x}{:08x}", n as u32)
+}
+
+/// Unix seconds now.
+pub(crate) fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// One generated token as the response builders see it.
+#[derive(Debug, Clone)]
+pub(crate) struct TokenRecord {
+    /// The token id.
+    pub token_id: u32,
+    /// The text this token released (may be empty).
+    pub text: String,
+    /// Its logprob, when asked for.
+    pub logprob: Option<f64>,
+    /// Alternatives, when asked for.
+    pub top_logprobs: Vec<TokenLogprob>,
+}
+
+/// A unit of output for a response: text with the tokens that produced it, or the end.
+#[derive(Debug)]
+pub(crate) enum Piece {
+    /// Non-empty text, and every token since the previous piece (tokens that released no text
+    /// ride along with the next one that does).
+    Text { text: String, tokens: Vec<TokenRecord> },
+    /// The request ended; `tokens` are those that released no text since the last piece.
+    Finished { reason: FinishReason, prompt_tokens: u32, completion_tokens: u32, tokens: Vec<TokenRecord> },
+    /// The request failed.
+    Failed(ApiError),
+}
+
+/// Groups a request's events into [`Piece`]s. Owns the receiver: dropping this cancels.
+pub(crate) struct Pieces {
+    /// The request's events.
+    rx: UnboundedReceiver<GenerateEvent>,
+    /// Tokens whose text was empty, waiting for the next piece.
+    pending: Vec<TokenRecord>,
+    /// A `Finished` or `Failed` piece was returned.
+    ended: bool,
+}
+
+impl Pieces {
+    pub(crate) fn new(rx: UnboundedReceiver<GenerateEvent>) -> Self {
+        Self { rx, pending: Vec::new(), ended: false }
+    }
+
+    /// The next piece; `None` after the last.
+    pub(crate) async fn next(&mut self) -> Option<Piece> {
+        if self.ended {
+            return None;
+        }
+        loop {
+            let piece = match self.rx.recv().await {
+                Some(GenerateEvent::Token { token_id, text, logprob, top_logprobs }) => {
+                    let empty = text.is_empty();
+                    self.pending.push(TokenRecord { token_id, text, logprob, top_logprobs });
+                    if empty {
+                        continue;
+                    }
+                    let tokens = std::mem::take(&mut self.pending);
+                    let text = tokens.iter().map(|t| t.text.as_str()).collect();
+                    return Some(Piece::Text { text, tokens });
+                }
+                Some(GenerateEvent::Finished { reason, prompt_tokens, completion_tokens }) => Piece::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    tokens: std::mem::take(&mut self.pending),
+                },
+                Some(GenerateEvent::Error { message }) => Piece::Failed(ApiError::Internal(message)),
+                None => Piece::Failed(ApiError::Internal("the engine ended the request without a result".into())),
+            };
+            self.ended = true;
+            return Some(piece);
+        }
+    }
+}
+
+/// An SSE event carrying `value` as JSON.
+pub(crate) fn sse_json<T: serde::Serialize>(value: &T) -> Event {
+    Event::default().data(serde_json::to_string(value).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}")))
+}
+
+/// The `data: [DONE]` terminator of OpenAI streams.
+pub(crate) fn sse_done() -> Event {
+    Event::default().data("[DONE]")
+}
+
+/// Test doubles shared by the API tests.
+#[cfg(test)]
+pub(crate) mod fake {
+    use std::sync::Mutex;
+
+    use tokio::sync::mpsc;
+
+    use super::*;
+    use crate::text::test_support::tiny_tokenizer;
+
+    /// What the fake engine does with one request.
+    #[derive(Clone)]
+    pub enum Script {
+        /// Send these events, then keep the sender (so the request stays open unless they end it).
+        Events(Vec<GenerateEvent>),
+        /// Refuse the request.
+        Refuse(EngineError),
+    }
+
+    /// A scripted engine: replies to every `generate` with its script, records the requests,
+    /// and keeps the senders so tests can see when a client's receiver was dropped.
+    #[derive(Clone)]
+    pub struct FakeBackend {
+        pub model: Arc<ServedModel>,
+        pub tokenizer: Arc<TextTokenizer>,
+        pub template: Option<Arc<ChatTemplate>>,
+        pub ready: bool,
+        pub script: Arc<Mutex<Script>>,
+        pub requests: Arc<Mutex<Vec<GenerateRequest>>>,
+        pub senders: Arc<Mutex<Vec<mpsc::UnboundedSender<GenerateEvent>>>>,
+    }
+
+    /// The ChatML template used by the API tests.
+    pub const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    impl FakeBackend {
+        pub fn new(script: Script) -> Self {
+            Self {
+                model: Arc::new(ServedModel { name: "tiny".into(), max_model_len: 64, vocab_size: 300, created: 1_700_000_000 }),
+                tokenizer: tiny_tokenizer(),
+                template: Some(Arc::new(ChatTemplate::new(CHATML.into(), None, None).unwrap())),
+                ready: true,
+                script: Arc::new(Mutex::new(script)),
+                requests: Arc::default(),
+                senders: Arc::default(),
+            }
+        }
+
+        /// A script producing `texts` as tokens (ids 10, 11, ...) then `Finished`.
+        pub fn tokens(texts: &[&str], reason: FinishReason) -> Script {
+            let mut events: Vec<GenerateEvent> = texts
+                .iter()
+                .enumerate()
+                .map(|(i, t)| GenerateEvent::Token {
+                    token_id: 10 + i as u32,
+                    text: t.to_string(),
+                    logprob: Some(-0.5 * i as f64),
+                    top_logprobs: vec![TokenLogprob { token_id: 10 + i as u32, logprob: -0.5 * i as f64 }, TokenLogprob { token_id: 100, logprob: -3.0 }],
+                })
+                .collect();
+            events.push(GenerateEvent::Finished { reason, prompt_tokens: 3, completion_tokens: texts.len() as u32 });
+            Script::Events(events)
+        }
+
+        /// True when every request's receiver has been dropped (the client went away).
+        pub fn all_cancelled(&self) -> bool {
+            self.senders.lock().unwrap().iter().all(|s| s.is_closed())
+        }
+    }
+
+    impl Backend for FakeBackend {
+        fn generate(
+            &self,
+            req: GenerateRequest,
+        ) -> impl Future<Output = Result<UnboundedReceiver<GenerateEvent>, EngineError>> + Send {
+            let script = self.script.lock().unwrap().clone();
+            self.requests.lock().unwrap().push(req);
+            let senders = self.senders.clone();
+            async move {
+                match script {
+                    Script::Refuse(e) => Err(e),
+                    Script::Events(events) => {
+                        let (tx, rx) = mpsc::unbounded_channel();
+                        for e in events {
+                            let _ = tx.send(e);
+                        }
+                        senders.lock().unwrap().push(tx);
+                        Ok(rx)
+                    }
+                }
+            }
+        }
+        fn model(&self) -> &ServedModel {
+            &self.model
+        }
+        fn tokenizer(&self) -> &Arc<TextTokenizer> {
+            &self.tokenizer
+        }
+        fn chat_template(&self) -> Option<&Arc<ChatTemplate>> {
+            self.template.as_ref()
+        }
+        fn is_ready(&self) -> bool {
+            self.ready
+        }
+        async fn metrics(&self) -> EngineMetrics {
+            EngineMetrics { requests_running: 2, kv_blocks_free: 7, kv_blocks_total: 10, ..Default::default() }
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_http {
+    //! Drives the router in memory.
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    /// Sends a request; returns the status, headers and body text.
+    pub async fn send(
+        router: axum::Router,
+        method: &str,
+        path: &str,
+        content_type: Option<&str>,
+        body: impl Into<Body>,
+    ) -> (StatusCode, axum::http::HeaderMap, String) {
+        let mut req = Request::builder().method(method).uri(path);
+        if let Some(ct) = content_type {
+            req = req.header("content-type", ct);
+        }
+        let response = router.oneshot(req.body(body.into()).unwrap()).await.unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, headers, String::from_utf8(bytes.to_vec()).unwrap())
+    }
+
+    /// POSTs a JSON body.
+    pub async fn post_json(router: axum::Router, path: &str, body: &str) -> (StatusCode, axum::http::HeaderMap, String) {
+        send(router, "POST", path, Some("application/json"), body.to_string()).await
+    }
+
+    /// Parses `body` as OpenAI's error JSON; returns (type, param, message).
+    pub fn error_fields(body: &str) -> (String, Option<String>, String) {
+        let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
+        let e = &v["error"];
+        (
+            e["type"].as_str().unwrap().to_string(),
+            e["param"].as_str().map(str::to_string),
+            e["message"].as_str().unwrap().to_string(),
+        )
+    }
+
+    /// The `data:` payloads of an SSE body, checking the framing.
+    pub fn sse_data(body: &str) -> Vec<String> {
+        assert!(body.ends_with("\n\n"), "{body:?}");
+        body.split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("bad SSE event {e:?}")).to_string())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fake::FakeBackend;
+    use super::test_http::*;
+    use super::*;
+
+    #[tokio::test]
+    async fn unknown_route_method_and_huge_body_are_json_errors() {
+        let app = router_with(FakeBackend::new(FakeBackend::tokens(&["a"], FinishReason::Stop)));
+        let (status, _, body) = send(app.clone(), "GET", "/v2/nothing", None, "").await;
+        assert_eq!(status, 404);
+        assert_eq!(error_fields(&body).0, "not_found_error");
+        let (status, _, body) = send(app.clone(), "GET", "/v1/completions", None, "").await;
+        assert_eq!(status, 405);
+        assert!(error_fields(&body).2.contains("GET /v1/completions"));
+        let huge = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(MAX_BODY_BYTES + 1));
+        let (status, _, body) = post_json(app, "/v1/completions", &huge).await;
+        assert_eq!(status, 413);
+        assert_eq!(error_fields(&body).0, "request_too_large");
+    }
+
+    #[tokio::test]
+    async fn pieces_attach_textless_tokens_to_the_next_text() {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        for (id, text) in [(1, ""), (2, "ab"), (3, ""), (4, "")] {
+            tx.send(GenerateEvent::Token { token_id: id, text: text.into(), logprob: None, top_logprobs: vec![] }).unwrap();
+        }
+        tx.send(GenerateEvent::Finished { reason: FinishReason::Length, prompt_tokens: 1, completion_tokens: 4 }).unwrap();
+        let mut pieces = Pieces::new(rx);
+        let Some(Piece::Text { text, tokens }) = pieces.next().await else { panic!() };
+        assert_eq!((text.as_str(), tokens.len()), ("ab", 2));
+        let Some(Piece::Finished { reason, tokens, .. }) = pieces.next().await else { panic!() };
+        assert_eq!((reason, tokens.len()), (FinishReason::Length, 2));
+        assert!(pieces.next().await.is_none());
+        // A sender dropped without a last event is a failure, not a hang.
+        drop(tx);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<GenerateEvent>();
+        drop(tx);
+        let Some(Piece::Failed(e)) = Pieces::new(rx).next().await else { panic!() };
+        assert_eq!(e.status(), 500);
+    }
+}

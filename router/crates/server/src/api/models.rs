@@ -1,0 +1,45 @@
+//! `GET /v1/models`: the OpenAI model list (the served model).
+
+use axum::extract::State;
+use axum::Json;
+
+use super::openai::{ModelCard, ModelList};
+use super::Backend;
+
+/// The handler.
+pub async fn list_models<B: Backend>(State(backend): State<B>) -> Json<ModelList> {
+    let model = backend.model();
+    Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: model.name.clone(),
+            object: "model",
+            created: model.created,
+            owned_by: "deltaserve",
+            max_model_len: model.max_model_len,
+        }],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use crate::api::fake::FakeBackend;
+    use crate::api::router_with;
+    use crate::api::test_http::send;
+    use crate::engine::FinishReason;
+
+    #[tokio::test]
+    async fn lists_the_served_model() {
+        let app = router_with(FakeBackend::new(FakeBackend::tokens(&[], FinishReason::Stop)));
+        let (status, _, body) = send(app, "GET", "/v1/models", None, "").await;
+        assert_eq!(status, 200);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            v,
+            json!({"object": "list", "data": [{"id": "tiny", "object": "model", "created": 1_700_000_000u64,
+                   "owned_by": "deltaserve", "max_model_len": 64}]})
+        );
+    }
+}

@@ -1,0 +1,307 @@
+//! The OpenAI wire types: request bodies (deserialized leniently: unknown fields are ignored,
+//! `null` means absent, union-typed fields stay `serde_json::Value` so `validate` can say
+//! exactly what is wrong) and response bodies, streaming chunks included.
+//!
+//! Request fields are checked and turned into an engine request in `crate::validate`; the
+//! response builders live in `completions.rs` / `chat.rs`.
+
+use serde::{Deserialize, Serialize, Serializer};
+use serde_json::Value;
+
+use crate::text::chat_template::ChatMessage;
+
+/// `stream_options` of a streaming request.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` (and empty `choices`) before `[DONE]`.
+    pub include_usage: Option<bool>,
+}
+
+/// Body of `POST /v1/completions`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct CompletionRequest {
+    /// Served model name; absent means the served model.
+    pub model: Option<String>,
+    /// A string, an array of token ids, or a one-element array of either (one prompt only).
+    pub prompt: Option<Value>,
+    /// Most tokens to generate (default 16).
+    pub max_tokens: Option<i64>,
+    /// Softmax temperature in [0, 2] (default 1; 0 is greedy).
+    pub temperature: Option<f64>,
+    /// Nucleus mass in (0, 1] (default 1).
+    pub top_p: Option<f64>,
+    /// Top-k cut-off; -1 or 0 disables it (extension, as in vLLM).
+    pub top_k: Option<i64>,
+    /// Seed for reproducible sampling.
+    pub seed: Option<u64>,
+    /// A stop string or up to 4 of them.
+    pub stop: Option<Value>,
+    /// Stream the answer as server-sent events.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Return this many top alternatives per token (0..=5) with the sampled token's logprob.
+    pub logprobs: Option<i64>,
+    /// Echo the prompt back: not supported (400 when true).
+    pub echo: Option<bool>,
+    /// Choices per prompt: only 1 is supported.
+    pub n: Option<i64>,
+    /// Not supported unless 0.
+    pub presence_penalty: Option<f64>,
+    /// Not supported unless 0.
+    pub frequency_penalty: Option<f64>,
+    /// Keep generating past EOS (extension, for benchmarks).
+    pub ignore_eos: Option<bool>,
+}
+
+/// Body of `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct ChatCompletionRequest {
+    /// Served model name; absent means the served model.
+    pub model: Option<String>,
+    /// The conversation, rendered with the model's chat template.
+    pub messages: Option<Vec<ChatMessage>>,
+    /// Most tokens to generate (default: the rest of the context).
+    pub max_tokens: Option<i64>,
+    /// Newer name of `max_tokens`; wins when both are given.
+    pub max_completion_tokens: Option<i64>,
+    /// Softmax temperature in [0, 2] (default 1; 0 is greedy).
+    pub temperature: Option<f64>,
+    /// Nucleus mass in (0, 1] (default 1).
+    pub top_p: Option<f64>,
+    /// Top-k cut-off; -1 or 0 disables it (extension).
+    pub top_k: Option<i64>,
+    /// Seed for reproducible sampling.
+    pub seed: Option<u64>,
+    /// A stop string or up to 4 of them.
+    pub stop: Option<Value>,
+    /// Stream the answer as server-sent events.
+    pub stream: Option<bool>,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Return the sampled tokens' logprobs.
+    pub logprobs: Option<bool>,
+    /// With `logprobs`, this many alternatives per token (0..=20).
+    pub top_logprobs: Option<i64>,
+    /// Choices per request: only 1 is supported.
+    pub n: Option<i64>,
+    /// Not supported unless 0.
+    pub presence_penalty: Option<f64>,
+    /// Not supported unless 0.
+    pub frequency_penalty: Option<f64>,
+    /// Keep generating past EOS (extension, for benchmarks).
+    pub ignore_eos: Option<bool>,
+}
+
+/// Token counts of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens in the prompt (after the chat template).
+    pub prompt_tokens: u32,
+    /// Tokens generated.
+    pub completion_tokens: u32,
+    /// Their sum.
+    pub total_tokens: u32,
+}
+
+impl Usage {
+    /// Usage from the two counts.
+    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    }
+}
+
+/// A `text_completion` object: the whole answer, or (streaming) one chunk of it.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionResponse {
+    /// `cmpl-…`, the same for every chunk of a stream.
+    pub id: String,
+    /// Always `text_completion`.
+    pub object: &'static str,
+    /// Unix seconds when the request was accepted.
+    pub created: u64,
+    /// The served model's name.
+    pub model: String,
+    /// One choice (empty in the usage-only last chunk of a stream).
+    pub choices: Vec<CompletionChoice>,
+    /// Token counts (non-streaming, or the usage chunk of a stream).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// One completion choice.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    /// Always 0 (`n` is 1).
+    pub index: u32,
+    /// Generated text (of this chunk, when streaming).
+    pub text: String,
+    /// Per-token logprobs, when asked for.
+    pub logprobs: Option<CompletionLogprobs>,
+    /// `stop` | `length` | `abort`; `null` until the last chunk.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// Logprobs in the legacy completions format, one entry per token in every list.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CompletionLogprobs {
+    /// Each token's text.
+    pub tokens: Vec<String>,
+    /// Each sampled token's logprob.
+    pub token_logprobs: Vec<Option<f64>>,
+    /// Each position's most likely alternatives, token text → logprob.
+    pub top_logprobs: Vec<TopLogprobMap>,
+    /// Character offset of each token's text in the generated text.
+    pub text_offset: Vec<usize>,
+}
+
+/// Alternatives at one position, serialized as a JSON object in likelihood order (first entry
+/// wins when two tokens have the same text).
+#[derive(Debug, Clone, Default)]
+pub struct TopLogprobMap(pub Vec<(String, f64)>);
+
+impl Serialize for TopLogprobMap {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seen = std::collections::HashSet::new();
+        s.collect_map(self.0.iter().filter(|(t, _)| seen.insert(t.as_str())).map(|(t, l)| (t, l)))
+    }
+}
+
+/// A `chat.completion` object.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletionResponse {
+    /// `chatcmpl-…`.
+    pub id: String,
+    /// Always `chat.completion`.
+    pub object: &'static str,
+    /// Unix seconds when the request was accepted.
+    pub created: u64,
+    /// The served model's name.
+    pub model: String,
+    /// One choice.
+    pub choices: Vec<ChatChoice>,
+    /// Token counts.
+    pub usage: Usage,
+}
+
+/// One chat choice.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    /// Always 0.
+    pub index: u32,
+    /// The assistant's answer.
+    pub message: AssistantMessage,
+    /// Per-token logprobs, when asked for.
+    pub logprobs: Option<ChatLogprobs>,
+    /// `stop` | `length` | `abort`.
+    pub finish_reason: &'static str,
+}
+
+/// The generated message.
+#[derive(Debug, Clone, Serialize)]
+pub struct AssistantMessage {
+    /// Always `assistant`.
+    pub role: &'static str,
+    /// The generated text.
+    pub content: String,
+}
+
+/// Logprobs in the chat format.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatLogprobs {
+    /// One entry per generated token.
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+/// One generated token with its alternatives (chat format).
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatTokenLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its logprob (`null` if the worker did not report one).
+    pub logprob: Option<f64>,
+    /// UTF-8 bytes of `token`.
+    pub bytes: Vec<u8>,
+    /// The most likely alternatives.
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+/// One alternative token (chat format).
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatTopLogprob {
+    /// The token's text.
+    pub token: String,
+    /// Its logprob.
+    pub logprob: f64,
+    /// UTF-8 bytes of `token`.
+    pub bytes: Vec<u8>,
+}
+
+/// A `chat.completion.chunk` (streaming).
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletionChunk {
+    /// `chatcmpl-…`, the same for every chunk.
+    pub id: String,
+    /// Always `chat.completion.chunk`.
+    pub object: &'static str,
+    /// Unix seconds when the request was accepted.
+    pub created: u64,
+    /// The served model's name.
+    pub model: String,
+    /// One choice (empty in the usage-only last chunk).
+    pub choices: Vec<ChatChunkChoice>,
+    /// Token counts, in the usage chunk only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// The choice of one chat chunk.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunkChoice {
+    /// Always 0.
+    pub index: u32,
+    /// What this chunk adds.
+    pub delta: ChatDelta,
+    /// Logprobs of the tokens whose text this chunk carries, when asked for.
+    pub logprobs: Option<ChatLogprobs>,
+    /// Set in the last chunk.
+    pub finish_reason: Option<&'static str>,
+}
+
+/// Incremental message content.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatDelta {
+    /// `assistant` in the first chunk only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    /// Text added by this chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    /// Always `list`.
+    pub object: &'static str,
+    /// The served models.
+    pub data: Vec<ModelCard>,
+}
+
+/// One served model.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    /// The name to put in `model`.
+    pub id: String,
+    /// Always `model`.
+    pub object: &'static str,
+    /// Unix seconds the server started.
+    pub created: u64,
+    /// Always `deltaserve`.
+    pub owned_by: &'static str,
+    /// Longest prompt + output accepted (vLLM's extension, which clients use for budgeting).
+    pub max_model_len: u32,
+}

@@ -1,0 +1,510 @@
+//! Request validation: from an OpenAI request body to an engine [`GenerateRequest`], or an
+//! [`ApiError`] that says which field is wrong and why.
+//!
+//! ```text
+//!  CompletionRequest ─┐  check_model → sampling fields → prompt (tokenize | token ids)  ┐
+//!                     ├─────────────────────────────────────────────────────────────────┼─▶ Validated
+//!  ChatCompletionReq ─┘  check_model → sampling fields → messages → template → tokenize ┘   (lengths vs context)
+//! ```
+//!
+//! All checks run before the engine sees the request, so every refusal is a 4xx with `param`.
+
+use deltaserve_ipc::wire::SamplingParams;
+use serde_json::Value;
+
+use crate::api::error::ApiError;
+use crate::api::openai::{ChatCompletionRequest, CompletionRequest, StreamOptions};
+use crate::engine::{GenerateRequest, ServedModel};
+use crate::text::chat_template::{json_kind, ChatTemplate};
+use crate::text::tokenizer::TextTokenizer;
+use crate::text::TextError;
+
+/// Default `max_tokens` of `/v1/completions` (OpenAI's).
+pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
+/// Most stop strings per request (OpenAI's limit).
+pub const MAX_STOP_STRINGS: usize = 4;
+/// Most `logprobs` alternatives on `/v1/completions`.
+pub const MAX_COMPLETION_LOGPROBS: i64 = 5;
+/// Most `top_logprobs` on `/v1/chat/completions`.
+pub const MAX_CHAT_TOP_LOGPROBS: i64 = 20;
+
+/// A request ready for the engine, plus how to answer it.
+#[derive(Debug, Clone)]
+pub struct Validated {
+    /// What the engine runs.
+    pub request: GenerateRequest,
+    /// Answer as server-sent events.
+    pub stream: bool,
+    /// Streaming: send a usage chunk before `[DONE]`.
+    pub include_usage: bool,
+}
+
+/// The served model's limits and text tools, as validation needs them.
+pub struct ModelContext<'a> {
+    /// Name, context length and vocabulary size.
+    pub model: &'a ServedModel,
+    /// To tokenize prompts.
+    pub tokenizer: &'a TextTokenizer,
+    /// To render chat messages; `None` when the model has no chat template.
+    pub chat_template: Option<&'a ChatTemplate>,
+}
+
+/// Sampling-related fields common to both endpoints.
+struct CommonFields<'a> {
+    model: Option<&'a str>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<i64>,
+    seed: Option<u64>,
+    stop: Option<&'a Value>,
+    n: Option<i64>,
+    presence_penalty: Option<f64>,
+    frequency_penalty: Option<f64>,
+    stream: Option<bool>,
+    stream_options: Option<&'a StreamOptions>,
+    ignore_eos: Option<bool>,
+}
+
+/// A `model` field other than the served name is a 404. Absent means the served model.
+pub fn check_model(requested: Option<&str>, served: &ServedModel) -> Result<(), ApiError> {
+    match requested {
+        None => Ok(()),
+        Some(name) if name == served.name => Ok(()),
+        Some(name) => Err(ApiError::ModelNotFound(name.to_string())),
+    }
+}
+
+/// Validates a `/v1/completions` body.
+pub fn validate_completion(req: &CompletionRequest, ctx: &ModelContext<'_>) -> Result<Validated, ApiError> {
+    let common = CommonFields {
+        model: req.model.as_deref(),
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k,
+        seed: req.seed,
+        stop: req.stop.as_ref(),
+        n: req.n,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        stream: req.stream,
+        stream_options: req.stream_options.as_ref(),
+        ignore_eos: req.ignore_eos,
+    };
+    check_model(common.model, ctx.model)?;
+    if req.echo == Some(true) {
+        return Err(ApiError::invalid("echo", "`echo` is not supported"));
+    }
+    let logprobs = match req.logprobs {
+        None => None,
+        Some(k) if (0..=MAX_COMPLETION_LOGPROBS).contains(&k) => Some(k as u32),
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("`logprobs` must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {k}"),
+            ))
+        }
+    };
+    let mut partial = common_fields(&common, logprobs)?;
+    let prompt = req.prompt.as_ref().ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
+    let prompt_ids = completion_prompt(prompt, ctx)?;
+    let max_tokens = max_tokens(req.max_tokens, "max_tokens", Some(DEFAULT_COMPLETION_MAX_TOKENS), prompt_ids.len(), "prompt", ctx)?;
+    partial.request.prompt_token_ids = prompt_ids;
+    partial.request.max_tokens = max_tokens;
+    Ok(partial)
+}
+
+/// Validates a `/v1/chat/completions` body (renders and tokenizes the conversation).
+pub fn validate_chat(req: &ChatCompletionRequest, ctx: &ModelContext<'_>) -> Result<Validated, ApiError> {
+    let common = CommonFields {
+        model: req.model.as_deref(),
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k,
+        seed: req.seed,
+        stop: req.stop.as_ref(),
+        n: req.n,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        stream: req.stream,
+        stream_options: req.stream_options.as_ref(),
+        ignore_eos: req.ignore_eos,
+    };
+    check_model(common.model, ctx.model)?;
+    let logprobs = match (req.logprobs, req.top_logprobs) {
+        (Some(true), k) => match k.unwrap_or(0) {
+            k @ 0..=MAX_CHAT_TOP_LOGPROBS => Some(k as u32),
+            k => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    format!("`top_logprobs` must be between 0 and {MAX_CHAT_TOP_LOGPROBS}, got {k}"),
+                ))
+            }
+        },
+        (_, Some(_)) => {
+            return Err(ApiError::invalid("top_logprobs", "`top_logprobs` requires `logprobs: true`"))
+        }
+        (_, None) => None,
+    };
+    let mut partial = common_fields(&common, logprobs)?;
+    let messages = req.messages.as_deref().ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` must not be empty"));
+    }
+    let template = ctx.chat_template.ok_or_else(|| {
+        ApiError::invalid(
+            "messages",
+            format!("the model `{}` has no chat template; use /v1/completions with a `prompt`", ctx.model.name),
+        )
+    })?;
+    let text = template.render(messages, true).map_err(|e| match e {
+        TextError::Template(m) => ApiError::invalid("messages", m),
+        other => ApiError::Internal(other.to_string()),
+    })?;
+    // The template already wrote BOS and the like as text: no extra special tokens.
+    let prompt_ids = ctx.tokenizer.encode(&text, false).map_err(|e| ApiError::Internal(e.to_string()))?;
+    if prompt_ids.is_empty() {
+        return Err(ApiError::invalid("messages", "the rendered conversation is empty"));
+    }
+    let (value, param) = match (req.max_completion_tokens, req.max_tokens) {
+        (Some(v), _) => (Some(v), "max_completion_tokens"),
+        (None, v) => (v, "max_tokens"),
+    };
+    let max_tokens = max_tokens(value, param, None, prompt_ids.len(), "messages", ctx)?;
+    partial.request.prompt_token_ids = prompt_ids;
+    partial.request.max_tokens = max_tokens;
+    Ok(partial)
+}
+
+/// Checks the shared fields; the prompt and `max_tokens` are filled in by the caller.
+fn common_fields(f: &CommonFields<'_>, logprobs: Option<u32>) -> Result<Validated, ApiError> {
+    let temperature = f.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid("temperature", format!("`temperature` must be between 0 and 2, got {temperature}")));
+    }
+    let top_p = f.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid("top_p", format!("`top_p` must be in (0, 1], got {top_p}")));
+    }
+    let top_k = match f.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k >= 1 => u32::try_from(k).unwrap_or(u32::MAX),
+        Some(k) => {
+            return Err(ApiError::invalid("top_k", format!("`top_k` must be -1 or 0 (off) or at least 1, got {k}")))
+        }
+    };
+    if let Some(n) = f.n.filter(|&n| n != 1) {
+        return Err(ApiError::invalid("n", format!("only `n: 1` is supported, got {n}")));
+    }
+    for (name, value) in [("presence_penalty", f.presence_penalty), ("frequency_penalty", f.frequency_penalty)] {
+        if let Some(v) = value.filter(|&v| v != 0.0) {
+            return Err(ApiError::invalid(name, format!("`{name}` is not supported (only 0), got {v}")));
+        }
+    }
+    let stop = stop_strings(f.stop)?;
+    let stream = f.stream.unwrap_or(false);
+    Ok(Validated {
+        request: GenerateRequest {
+            prompt_token_ids: Vec::new(),
+            max_tokens: 0,
+            sampling: SamplingParams { temperature, top_p, top_k, seed: f.seed, logprobs },
+            stop,
+            ignore_eos: f.ignore_eos.unwrap_or(false),
+        },
+        stream,
+        include_usage: stream && f.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+    })
+}
+
+/// `stop`: null, a string, or an array of up to [`MAX_STOP_STRINGS`] non-empty strings.
+fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let strings = match stop {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            if items.len() > MAX_STOP_STRINGS {
+                return Err(ApiError::invalid(
+                    "stop",
+                    format!("at most {MAX_STOP_STRINGS} stop strings are allowed, got {}", items.len()),
+                ));
+            }
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(s) => Ok(s.clone()),
+                    other => Err(ApiError::invalid("stop", format!("stop[{i}] must be a string, got {}", json_kind(other)))),
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "stop",
+                format!("`stop` must be a string or an array of strings, got {}", json_kind(other)),
+            ))
+        }
+    };
+    if strings.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+    }
+    Ok(strings)
+}
+
+/// The prompt of `/v1/completions` as token ids.
+fn completion_prompt(prompt: &Value, ctx: &ModelContext<'_>) -> Result<Vec<u32>, ApiError> {
+    let ids = match prompt {
+        Value::String(text) => encode_prompt(text, ctx)?,
+        Value::Array(items) if items.is_empty() => return Err(ApiError::invalid("prompt", "`prompt` must not be empty")),
+        Value::Array(items) if items.iter().all(Value::is_number) => token_ids(items, "prompt", ctx.model.vocab_size)?,
+        Value::Array(items) if items.len() == 1 => match &items[0] {
+            Value::String(text) => encode_prompt(text, ctx)?,
+            Value::Array(ids) => token_ids(ids, "prompt[0]", ctx.model.vocab_size)?,
+            other => return Err(prompt_type_error(other)),
+        },
+        Value::Array(items) if items.iter().all(|v| v.is_string() || v.is_array()) => {
+            return Err(ApiError::invalid("prompt", "batched prompts are not supported; send one prompt per request"))
+        }
+        other => return Err(prompt_type_error(other)),
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid("prompt", "`prompt` must not be empty"));
+    }
+    Ok(ids)
+}
+
+fn prompt_type_error(v: &Value) -> ApiError {
+    ApiError::invalid(
+        "prompt",
+        format!("`prompt` must be a string or an array of token ids, got {}", match v {
+            Value::Array(_) => "an array mixing types",
+            other => json_kind(other),
+        }),
+    )
+}
+
+fn encode_prompt(text: &str, ctx: &ModelContext<'_>) -> Result<Vec<u32>, ApiError> {
+    if text.is_empty() {
+        return Err(ApiError::invalid("prompt", "`prompt` must not be empty"));
+    }
+    ctx.tokenizer.encode(text, true).map_err(|e| ApiError::Internal(e.to_string()))
+}
+
+/// Token ids given by the client: integers below the vocabulary size.
+fn token_ids(items: &[Value], param: &str, vocab_size: u32) -> Result<Vec<u32>, ApiError> {
+    if items.is_empty() {
+        return Err(ApiError::invalid("prompt", "`prompt` must not be empty"));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, v)| match v.as_u64() {
+            Some(id) if id < vocab_size as u64 => Ok(id as u32),
+            _ => Err(ApiError::invalid(
+                "prompt",
+                format!("{param}[{i}] = {v} is not a valid token id (integers from 0 to {})", vocab_size.saturating_sub(1)),
+            )),
+        })
+        .collect()
+}
+
+/// Resolves `max_tokens` against the context: an explicit value must be ≥ 1 and fit; the
+/// default (`None` = the rest of the context) is cut to what fits.
+fn max_tokens(
+    requested: Option<i64>,
+    param: &str,
+    default: Option<u32>,
+    prompt_len: usize,
+    prompt_param: &str,
+    ctx: &ModelContext<'_>,
+) -> Result<u32, ApiError> {
+    let context = ctx.model.max_model_len as usize;
+    if prompt_len >= context {
+        return Err(ApiError::invalid(
+            prompt_param,
+            format!(
+                "the prompt has {prompt_len} tokens, but the model's context is {context} tokens, which leaves no room to generate"
+            ),
+        ));
+    }
+    let room = (context - prompt_len) as u32;
+    match requested {
+        None => Ok(default.map_or(room, |d| d.min(room))),
+        Some(m) if m < 1 => Err(ApiError::invalid(param, format!("`{param}` must be at least 1, got {m}"))),
+        Some(m) if m as u64 > room as u64 => Err(ApiError::invalid(
+            param,
+            format!(
+                "the prompt ({prompt_len} tokens) + `{param}` ({m}) = {} tokens exceeds the model's context of {context} tokens; \
+                 `{param}` can be at most {room}",
+                prompt_len as u64 + m as u64
+            ),
+        )),
+        Some(m) => Ok(m as u32),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::error::parse_json;
+    use crate::text::test_support::tiny_tokenizer;
+
+    fn served() -> ServedModel {
+        ServedModel { name: "tiny".into(), max_model_len: 64, vocab_size: 300, created: 1 }
+    }
+
+    const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+    fn completion(body: &str) -> Result<Validated, ApiError> {
+        let tok = tiny_tokenizer();
+        let model = served();
+        let req: CompletionRequest = parse_json(body.as_bytes())?;
+        validate_completion(&req, &ModelContext { model: &model, tokenizer: &tok, chat_template: None })
+    }
+
+    fn chat(body: &str, with_template: bool) -> Result<Validated, ApiError> {
+        let tok = tiny_tokenizer();
+        let model = served();
+        let template = ChatTemplate::new(CHATML.into(), None, None).unwrap();
+        let req: ChatCompletionRequest = parse_json(body.as_bytes())?;
+        let ctx = ModelContext { model: &model, tokenizer: &tok, chat_template: with_template.then_some(&template) };
+        validate_chat(&req, &ctx)
+    }
+
+    /// Asserts a 400 on `param` whose message contains every one of `needles`.
+    #[track_caller]
+    fn assert_invalid(result: Result<Validated, ApiError>, param: &str, needles: &[&str]) {
+        let err = result.expect_err("expected a validation error");
+        assert_eq!(err.status().as_u16(), 400, "{err:?}");
+        assert_eq!(err.error_type(), "invalid_request_error");
+        let ApiError::InvalidRequest { message, param: p } = &err else { panic!("{err:?}") };
+        assert_eq!(p.as_deref(), Some(param), "{message}");
+        for n in needles {
+            assert!(message.contains(n), "{message:?} lacks {n:?}");
+        }
+    }
+
+    #[test]
+    fn completion_defaults() {
+        let v = completion(r#"{"model": "tiny", "prompt": "the", "stop": null, "n": null, "max_tokens": null}"#).unwrap();
+        assert_eq!(v.request.max_tokens, 16);
+        assert_eq!(v.request.sampling, SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: None, logprobs: None });
+        assert_eq!(v.request.prompt_token_ids[0], tiny_tokenizer().token_to_id("<s>").unwrap(), "BOS added");
+        assert!(v.request.stop.is_empty() && !v.request.ignore_eos && !v.stream && !v.include_usage);
+        // Extra fields, nulls and the `user` field are ignored.
+        let v = completion(
+            r#"{"prompt": "x", "user": "u", "temperature": null, "logit_bias": {}, "stream": true,
+                "stream_options": {"include_usage": true}, "top_k": -1, "seed": 7, "logprobs": 2, "stop": ["a", "b"], "ignore_eos": true}"#,
+        )
+        .unwrap();
+        assert!(v.stream && v.include_usage && v.request.ignore_eos);
+        assert_eq!(v.request.sampling.seed, Some(7));
+        assert_eq!(v.request.sampling.logprobs, Some(2));
+        assert_eq!(v.request.stop, vec!["a", "b"]);
+    }
+
+    #[test]
+    fn completion_prompt_forms() {
+        let v = completion(r#"{"prompt": [1, 2, 299]}"#).unwrap();
+        assert_eq!(v.request.prompt_token_ids, vec![1, 2, 299]);
+        let v = completion(r#"{"prompt": [[5, 6]]}"#).unwrap();
+        assert_eq!(v.request.prompt_token_ids, vec![5, 6]);
+        let v = completion(r#"{"prompt": ["the"]}"#).unwrap();
+        assert_eq!(v.request.prompt_token_ids, tiny_tokenizer().encode("the", true).unwrap());
+        assert_invalid(completion(r#"{"prompt": ["a", "b"]}"#), "prompt", &["batched prompts are not supported"]);
+        assert_invalid(completion(r#"{"prompt": [[1], [2]]}"#), "prompt", &["batched"]);
+        assert_invalid(completion(r#"{"prompt": ""}"#), "prompt", &["must not be empty"]);
+        assert_invalid(completion(r#"{"prompt": []}"#), "prompt", &["must not be empty"]);
+        assert_invalid(completion(r#"{"prompt": [1, 300]}"#), "prompt", &["prompt[1] = 300", "0 to 299"]);
+        assert_invalid(completion(r#"{"prompt": [1, -2]}"#), "prompt", &["prompt[1] = -2"]);
+        assert_invalid(completion(r#"{"prompt": 5}"#), "prompt", &["a number"]);
+        assert_invalid(completion(r#"{"prompt": [1, "a"]}"#), "prompt", &["mixing"]);
+        assert_invalid(completion(r#"{"model": "tiny"}"#), "prompt", &["required"]);
+    }
+
+    #[test]
+    fn sampling_field_rejections() {
+        let cases: &[(&str, &str, &[&str])] = &[
+            (r#""temperature": 2.5"#, "temperature", &["between 0 and 2", "2.5"]),
+            (r#""temperature": -0.1"#, "temperature", &["between 0 and 2"]),
+            (r#""top_p": 0"#, "top_p", &["(0, 1]"]),
+            (r#""top_p": 1.5"#, "top_p", &["(0, 1]"]),
+            (r#""top_k": -2"#, "top_k", &["-2"]),
+            (r#""n": 2"#, "n", &["n: 1", "2"]),
+            (r#""presence_penalty": 0.5"#, "presence_penalty", &["not supported"]),
+            (r#""echo": true"#, "echo", &["not supported"]),
+            (r#""logprobs": 6"#, "logprobs", &["between 0 and 5", "6"]),
+            (r#""stop": ["a", "b", "c", "d", "e"]"#, "stop", &["at most 4", "5"]),
+            (r#""stop": ["a", 3]"#, "stop", &["stop[1] must be a string", "a number"]),
+            (r##""stop": """##, "stop", &["must not be empty"]),
+            (r#""stop": {}"#, "stop", &["an object"]),
+            (r#""max_tokens": 0"#, "max_tokens", &["at least 1", "0"]),
+            (r#""max_tokens": -5"#, "max_tokens", &["at least 1"]),
+        ];
+        for (field, param, needles) in cases {
+            assert_invalid(completion(&format!(r#"{{"prompt": "x", {field}}}"#)), param, needles);
+        }
+        // Wrong JSON types are 400s naming the field, before validation.
+        let err = completion(r#"{"prompt": "x", "seed": -1}"#).unwrap_err();
+        let ApiError::InvalidRequest { param, message } = err else { panic!() };
+        assert_eq!(param.as_deref(), Some("seed"), "{message}");
+        let err = completion(r#"{"prompt": "x", "stream": "yes"}"#).unwrap_err();
+        assert!(err.to_string().contains("stream"), "{err}");
+    }
+
+    #[test]
+    fn context_length_checks() {
+        // 64-token context, 2-token prompt.
+        assert_eq!(completion(r#"{"prompt": [7, 8], "max_tokens": 62}"#).unwrap().request.max_tokens, 62);
+        assert_invalid(
+            completion(r#"{"prompt": [7, 8], "max_tokens": 63}"#),
+            "max_tokens",
+            &["2 tokens", "63", "65", "context of 64", "at most 62"],
+        );
+        let long: Vec<u32> = (0..64).collect();
+        assert_invalid(
+            completion(&format!(r#"{{"prompt": {long:?}}}"#)),
+            "prompt",
+            &["64 tokens", "context is 64"],
+        );
+        // The default 16 is cut to what fits.
+        let near: Vec<u32> = (0..60).collect();
+        assert_eq!(completion(&format!(r#"{{"prompt": {near:?}}}"#)).unwrap().request.max_tokens, 4);
+    }
+
+    #[test]
+    fn unknown_model_is_404() {
+        let err = completion(r#"{"model": "other", "prompt": "x"}"#).unwrap_err();
+        assert_eq!(err.status().as_u16(), 404);
+        assert!(err.to_string().contains("`other`") && err.to_string().contains("GET /v1/models"));
+        let err = chat(r#"{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}"#, true).unwrap_err();
+        assert_eq!(err.status().as_u16(), 404);
+    }
+
+    #[test]
+    fn chat_renders_and_limits() {
+        let tok = tiny_tokenizer();
+        let v = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 3}"#, true).unwrap();
+        assert_eq!(tok.decode(&v.request.prompt_token_ids).unwrap(), "<|im_start|>user\nhi\n<|im_start|>assistant\n");
+        assert_eq!(v.request.prompt_token_ids.len() + v.request.max_tokens as usize, 64, "default: rest of context");
+        assert_eq!(v.request.sampling.logprobs, Some(3));
+        let v = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "max_completion_tokens": 5}"#, true).unwrap();
+        assert_eq!(v.request.max_tokens, 5);
+        assert_invalid(chat(r#"{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}"#, true), "max_completion_tokens", &["at least 1"]);
+        assert_invalid(chat(r#"{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}"#, true), "top_logprobs", &["requires `logprobs: true`"]);
+        assert_invalid(chat(r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}"#, true), "top_logprobs", &["between 0 and 20"]);
+        assert_invalid(chat(r#"{"messages": []}"#, true), "messages", &["must not be empty"]);
+        assert_invalid(chat(r#"{"model": "tiny"}"#, true), "messages", &["required"]);
+        assert_invalid(chat(r#"{"messages": [{"role": "user", "content": "x"}]}"#, false), "messages", &["no chat template", "/v1/completions"]);
+        assert_invalid(
+            chat(r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#, true),
+            "messages",
+            &["messages[0].content", "image_url"],
+        );
+        let big = "x".repeat(70);
+        assert_invalid(chat(&format!(r#"{{"messages": [{{"role": "user", "content": "{big}"}}]}}"#), true), "messages", &["context is 64"]);
+        // A message without a role is a JSON-shape error naming the path.
+        let err = chat(r#"{"messages": [{"content": "x"}]}"#, true).unwrap_err();
+        let ApiError::InvalidRequest { param, message } = err else { panic!() };
+        assert_eq!(param.as_deref(), Some("messages[0]"));
+        assert!(message.contains("missing field `role`"), "{message}");
+    }
+}
