@@ -330,3 +330,24 @@ def test_random_model_shapes_and_determinism(tiny_qwen2: Path) -> None:
     with torch.no_grad():
         out = a(ForwardBatch.build([([5, 6, 7], 0, [1], True)], 4), kv)
     assert out.shape == (1, cfg.vocab_size) and out.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_random_weights_marker_loads_real_shapes(tmp_path):
+    """A config.json + random-weights.json directory loads with random weights of the config's shapes."""
+    import json
+
+    from deltaserve.model.loader import load_model
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "random-weights.json").write_text(json.dumps({"seed": 3, "std": 0.5}))
+    a = load_model(tmp_path)
+    b = load_model(tmp_path)
+    assert a.model.layers[1].mlp.down_proj.weight.shape == (32, 64)
+    assert torch.equal(a.lm_head.weight, b.lm_head.weight), "same seed, same weights"
+    assert 0.3 < a.lm_head.weight.std().item() < 0.7
+    (tmp_path / "random-weights.json").unlink()
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_model(tmp_path)

@@ -10,6 +10,10 @@ Loading, in order, failing early with a message that names the offending file or
 4. build the module on the meta device, materialise it on the target device (no CPU copy on
    CUDA), and copy each tensor in, casting to the chosen dtype;
 5. tie ``lm_head`` to ``embed_tokens`` when the config says so or the checkpoint has no lm_head.
+
+A directory with a ``random-weights.json`` (``{"seed": 0, "std": 0.02}``) and no weight files is
+loaded with ``random_model`` instead: real shapes, random values. Benchmarks use it to run real
+model shapes (Llama-2-7B...) on machines that real checkpoints cannot reach.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from .decoder import DecoderLM
 
 log = logging.getLogger(__name__)
 
+RANDOM_WEIGHTS_FILE = "random-weights.json"
+"""Marker file: serve the config's shapes with random weights (benchmarks only)."""
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _DTYPES = {
     "float32": torch.float32,
@@ -80,6 +86,11 @@ def load_model(
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     dtype = resolve_dtype(cfg, device, dtype)
+    random_spec = model_dir / RANDOM_WEIGHTS_FILE
+    if random_spec.is_file() and not any(model_dir.glob("*.safetensors")):
+        spec = json.loads(random_spec.read_text())
+        log.warning("%s: no weights, drawing random ones (%s) for benchmarking", model_dir, spec)
+        return random_model(cfg, device, dtype, seed=int(spec.get("seed", 0)), std=float(spec.get("std", 0.02)))
     files = checkpoint_files(model_dir)
 
     with torch.device("meta"):
