@@ -1,0 +1,77 @@
+"""Shared pieces of the benchmarks: model shapes, the device-to-device copy bandwidth that every
+memory floor is measured against, and the JSON result files (device, commit, shapes)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+# Real shapes (random weights: real checkpoints cannot reach the GPU machine).
+SHAPES: dict[str, dict] = {
+    "llama-2-7b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
+        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2,
+    },
+}
+
+
+def write_random_model_dir(shape: str, out: Path, seed: int = 0) -> Path:
+    """An HF-style directory whose weights the loader draws at random (``random-weights.json``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
+    (out / "random-weights.json").write_text(json.dumps({"seed": seed, "std": 0.02}))
+    return out
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize(device)
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / seconds
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("DELTASERVE_COMMIT", "unknown")
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def write_result(experiment: str, payload: dict, out_dir: Path | None = None) -> Path:
+    """Writes ``<experiment>-<device>-<date>.json`` with the device, commit and date added."""
+    device = payload.get("device", "cpu").replace(" ", "_")
+    date = _dt.date.today().isoformat()
+    out_dir = out_dir or RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{experiment}-{device}-{date}.json"
+    payload = {"experiment": experiment, "commit": git_commit(), "date": date, **payload}
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return path

@@ -1,0 +1,117 @@
+"""Decode-step time through the real worker executor, next to its memory floor.
+
+Llama-2-7B shape, random fp16 weights, KV length 512 per request. For each batch size the
+executor gets the StepPlans the router would send: B requests whose first 512 tokens are already
+in the KV cache (``num_computed_tokens = 512``, so no prefill is needed to reach that length),
+then decode steps of one token each. Timed: ``Executor.step`` (batch building, forward, sampling,
+results back on the host), median of the timed steps.
+
+Floors, each from the device-to-device copy bandwidth measured in the same run:
+  weight floor = weight bytes / bandwidth
+  memory floor = (weight bytes + KV bytes the step reads) / bandwidth
+
+    python3 bench/decode_step.py [--batches 1,8,32,64,128,256] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import copy_bandwidth, device_name, write_random_model_dir, write_result  # noqa: E402
+from deltaserve import wire  # noqa: E402
+from deltaserve.worker.executor import Executor  # noqa: E402
+
+
+def bench_batch(ex: Executor, batch: int, ctx: int, steps: int, warmup: int, first_id: int) -> list[float]:
+    bs = ex.block_size
+    blocks_per_req = (ctx + steps + warmup + 1 + bs - 1) // bs
+    assert batch * blocks_per_req <= ex.kv.num_blocks, "KV pool too small for this batch"
+    greedy = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=None)
+    g = torch.Generator().manual_seed(batch)
+    new = []
+    for i in range(batch):
+        tokens = torch.randint(3, ex.config.vocab_size, (ctx + 1,), generator=g).tolist()
+        blocks = list(range(i * blocks_per_req, (i + 1) * blocks_per_req))
+        new.append(wire.NewRequest(req_id=first_id + i, token_ids=tokens, num_prompt_tokens=ctx + 1,
+                                   num_computed_tokens=ctx, num_scheduled_tokens=1, block_ids=blocks,
+                                   sampling=greedy))
+    ids = [r.req_id for r in new]
+    step_id = first_id * 1000
+    ex.step(wire.StepPlan(step_id=step_id, new_requests=new, running=[], released=[]))
+    times = []
+    for s in range(warmup + steps):
+        plan = wire.StepPlan(step_id=step_id + s + 1, new_requests=[],
+                             running=[wire.RunningRequest(req_id=r, num_scheduled_tokens=1, new_block_ids=[])
+                                      for r in ids], released=[])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ex.step(plan)  # returns host-side token ids: the step is complete when it returns
+        t1 = time.perf_counter()
+        if s >= warmup:
+            times.append(t1 - t0)
+    ex.step(wire.StepPlan(step_id=step_id + warmup + steps + 1, new_requests=[], running=[], released=ids))
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="llama-2-7b")
+    p.add_argument("--batches", default="1,8,32,64,128,256")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    device = torch.device("cuda:0")
+    bw = copy_bandwidth(device)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_random_model_dir(args.shape, Path(tmp) / args.shape)
+        ctx_tokens = args.ctx + args.steps + args.warmup + 2
+        cfg_kv_per_token = None
+        ex = Executor(model_dir, device="cuda:0", dtype="float16", block_size=16,
+                      kv_cache_bytes=0, gpu_memory_utilization=0.92)
+        c = ex.config
+        kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2  # K and V, fp16
+        weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+        rows = []
+        for b in batches:
+            if b * ((ctx_tokens + 15) // 16) > ex.kv.num_blocks:
+                print(f"batch {b}: KV pool of {ex.kv.num_blocks} blocks too small, skipped", flush=True)
+                continue
+            times = bench_batch(ex, b, args.ctx, args.steps, args.warmup, first_id=len(rows) * 10000 + 1)
+            step = statistics.median(times)
+            kv_bytes = b * (args.ctx + 1) * kv_per_token
+            weight_floor = weight_bytes / bw
+            mem_floor = (weight_bytes + kv_bytes) / bw
+            row = {"batch": b, "step_ms": step * 1e3, "step_ms_min": min(times) * 1e3,
+                   "weight_floor_ms": weight_floor * 1e3, "memory_floor_ms": mem_floor * 1e3,
+                   "ratio_to_weight_floor": step / weight_floor, "ratio_to_memory_floor": step / mem_floor,
+                   "tokens_per_s": b / step}
+            rows.append(row)
+            print(f"batch {b:4d}: {row['step_ms']:8.2f} ms  weight floor {row['weight_floor_ms']:.2f} ms "
+                  f"({row['ratio_to_weight_floor']:.2f}x)  memory floor {row['memory_floor_ms']:.2f} ms "
+                  f"({row['ratio_to_memory_floor']:.2f}x)", flush=True)
+        del cfg_kv_per_token
+    path = write_result("decode_step", {
+        "device": device_name(device), "shape": args.shape, "dtype": "float16", "kv_len": args.ctx,
+        "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
+        "attention": "torch reference (gather + SDPA)", "cuda_graphs": False,
+        "timed_steps": args.steps, "rows": rows,
+    }, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
