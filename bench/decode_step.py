@@ -53,7 +53,8 @@ def bench_batch(ex: Executor, batch: int, ctx: int, steps: int, warmup: int, fir
         plan = wire.StepPlan(step_id=step_id + s + 1, new_requests=[],
                              running=[wire.RunningRequest(req_id=r, num_scheduled_tokens=1, new_block_ids=[])
                                       for r in ids], released=[])
-        torch.cuda.synchronize()
+        if ex.device.type == "cuda":
+            torch.cuda.synchronize(ex.device)
         t0 = time.perf_counter()
         ex.step(plan)  # returns host-side token ids: the step is complete when it returns
         t1 = time.perf_counter()
