@@ -27,8 +27,11 @@ class WorkerLink:
     frames (encode/decode them with ``deltaserve.wire``).
     """
 
-    def __init__(self, ipc_dir: str) -> None:
-        """Opens ``to_worker.ring``/``.bell`` (incoming) and ``from_worker.ring``/``.bell`` (outgoing)."""
+    def __init__(self, ipc_dir: str, spin_us: int = 0) -> None:
+        """Opens ``to_worker.ring``/``.bell`` (incoming) and ``from_worker.ring``/``.bell`` (outgoing).
+
+        ``recv`` polls the ring for ``spin_us`` microseconds before sleeping on the doorbell.
+        """
 
     def send(self, data: bytes, timeout_s: Optional[float] = None) -> None:
         """Sends one frame, waiting while the ring is full (``None``: as long as it takes).

@@ -59,6 +59,13 @@ class WorkerConfig:
         default=None, metadata=_doc("Cap on prompt + output tokens (default: the model's and the KV pool's limit).")
     )
     seed: int = field(default=0, metadata=_doc("Seed of the worker-global generator used by unseeded requests."))
+    recv_spin_us: int = field(
+        default=2000,
+        metadata=_doc(
+            "Microseconds recv polls the ring before sleeping on the doorbell; the next plan usually "
+            "arrives within a few hundred after an output, and polling skips the pipe wake-up."
+        ),
+    )
     num_threads: int = field(
         default=0, metadata=_doc("CPU threads for torch ops; 0 = the CPUs this process may run on.")
     )
@@ -86,6 +93,8 @@ class WorkerConfig:
             raise ConfigError(f"--max-model-len {self.max_model_len}: expected >= 1")
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads {self.num_threads}: expected >= 0 (0 = all available CPUs)")
+        if not 0 <= self.recv_spin_us <= 1_000_000:
+            raise ConfigError(f"--recv-spin-us {self.recv_spin_us}: expected 0..1000000 microseconds")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level {self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
         return self

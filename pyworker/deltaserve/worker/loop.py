@@ -163,7 +163,7 @@ def serve(cfg: WorkerConfig) -> int:
     from deltaserve._native import WorkerLink
 
     configure_process(cfg)
-    link = WorkerLink(str(cfg.ipc_dir))
+    link = WorkerLink(str(cfg.ipc_dir), spin_us=cfg.recv_spin_us)
     try:
         executor = Executor.from_config(cfg)
     except Exception as e:  # noqa: BLE001 - cannot serve: tell the router why, then exit

@@ -152,8 +152,14 @@ impl Doorbell {
         }
     }
 
-    /// Reads every pending byte.
-    fn drain(&self) -> Result<()> {
+    /// The FIFO's file descriptor, for callers that wait on it in their own event loop (e.g.
+    /// tokio's `AsyncFd`); they must call [`drain`](Self::drain) once it is readable.
+    pub fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Reads every pending byte without blocking, so the next wait sleeps until the next ring.
+    pub fn drain(&self) -> Result<()> {
         let mut buf = [0u8; 64];
         loop {
             // SAFETY: reads at most `buf.len()` bytes into a valid buffer from our open fd.

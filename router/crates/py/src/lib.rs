@@ -72,16 +72,19 @@ struct Link {
     dir: String,
     /// Largest frame `send` accepts.
     max_frame_len: usize,
+    /// How long `recv` polls the ring before sleeping on the doorbell (zero: not at all).
+    spin: Duration,
 }
 
 impl Link {
-    fn new(dir: String, tx: Sender, rx: Receiver) -> Link {
+    fn new(dir: String, tx: Sender, rx: Receiver, spin: Duration) -> Link {
         let max_frame_len = tx.max_frame_len();
         Link {
             tx: Mutex::new(tx),
             rx: Mutex::new(rx),
             dir,
             max_frame_len,
+            spin,
         }
     }
 
@@ -130,6 +133,18 @@ impl Link {
                 return Ok(Some(PyBytes::new(py, &frame)));
             }
         }
+        if !self.spin.is_zero() {
+            let spin = match deadline {
+                None => self.spin,
+                Some(d) => d.saturating_duration_since(Instant::now()).min(self.spin),
+            };
+            let got = py
+                .detach(|| lock(&self.rx).spin_into(&mut buf, spin))
+                .map_err(py_err)?;
+            if got {
+                return Ok(Some(PyBytes::new(py, &buf)));
+            }
+        }
         loop {
             let slice = match deadline {
                 None => SIGNAL_CHECK,
@@ -161,12 +176,15 @@ struct WorkerLink {
 
 #[pymethods]
 impl WorkerLink {
-    /// Opens the worker's half of the link in `ipc_dir` (created by the router).
+    /// Opens the worker's half of the link in `ipc_dir` (created by the router). `recv` first
+    /// polls the ring for `spin_us` microseconds (the worker expects the next plan right after it
+    /// sends an output), then sleeps on the doorbell.
     #[new]
-    fn new(ipc_dir: &str) -> PyResult<Self> {
+    #[pyo3(signature = (ipc_dir, spin_us=0))]
+    fn new(ipc_dir: &str, spin_us: u64) -> PyResult<Self> {
         let (rx, tx) = IpcDir::at(ipc_dir).worker_side().map_err(py_err)?;
         Ok(WorkerLink {
-            link: Link::new(ipc_dir.to_string(), tx, rx),
+            link: Link::new(ipc_dir.to_string(), tx, rx, Duration::from_micros(spin_us)),
         })
     }
 
@@ -223,7 +241,7 @@ impl RouterLink {
         };
         let (tx, rx) = dir.router_side().map_err(py_err)?;
         Ok(RouterLink {
-            link: Link::new(ipc_dir.to_string(), tx, rx),
+            link: Link::new(ipc_dir.to_string(), tx, rx, Duration::ZERO),
         })
     }
 

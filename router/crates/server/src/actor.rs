@@ -98,7 +98,7 @@ pub(crate) struct Actor {
 /// What woke the actor up.
 enum Wake {
     Command(Option<Command>),
-    Worker(Option<Result<FromWorker, String>>),
+    Worker(Result<FromWorker, String>),
     Exited(String),
 }
 
@@ -165,19 +165,18 @@ impl Actor {
             match wake {
                 Wake::Command(None) => break,
                 Wake::Command(Some(cmd)) => self.on_command(cmd),
-                Wake::Worker(Some(Ok(FromWorker::StepOutput(out)))) => self.on_step_output(out),
-                Wake::Worker(Some(Ok(FromWorker::WorkerError(err)))) => {
+                Wake::Worker(Ok(FromWorker::StepOutput(out))) => self.on_step_output(out),
+                Wake::Worker(Ok(FromWorker::WorkerError(err))) => {
                     if err.fatal {
                         self.worker_lost(&format!("worker reported a fatal error: {}", err.message));
                     } else {
                         self.step_failed(&err.message);
                     }
                 }
-                Wake::Worker(Some(Ok(FromWorker::Hello(_)))) => {
+                Wake::Worker(Ok(FromWorker::Hello(_))) => {
                     self.worker_lost("worker sent a second Hello");
                 }
-                Wake::Worker(Some(Err(e))) => self.worker_lost(&format!("worker link broke: {e}")),
-                Wake::Worker(None) => self.worker_lost("worker link closed"),
+                Wake::Worker(Err(e)) => self.worker_lost(&format!("worker link broke: {e}")),
                 Wake::Exited(status) => self.worker_lost(&format!("worker exited ({status})")),
             }
         }
@@ -381,7 +380,7 @@ impl Actor {
     fn worker_lost(&mut self, why: &str) {
         tracing::error!(worker = self.index, "{why}; failing its requests and restarting it");
         self.ready.store(false, Ordering::Release);
-        self.worker = None; // kills the process (kill_on_drop) and stops its reader
+        self.worker = None; // kills the process (kill_on_drop)
         self.in_flight = None;
         let ids: Vec<u64> = self.live.keys().copied().collect();
         for id in ids {
