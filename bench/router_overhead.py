@@ -138,6 +138,7 @@ def main() -> None:
         "max_tokens": args.max_tokens, "errors": errors, "wall_s": wall,
         "steps": m["deltaserve_steps_total"], "tokens": m["deltaserve_tokens_generated_total"],
         "gap_us_p50": m["deltaserve_step_gap_us_p50"], "gap_us_p99": m["deltaserve_step_gap_us_p99"],
+        "router_us_p50": m["deltaserve_step_router_us_p50"], "router_us_p99": m["deltaserve_step_router_us_p99"],
         "output_tokens_per_s": m["deltaserve_tokens_generated_total"] / wall,
     }
     print(json.dumps(result, indent=1))

@@ -49,7 +49,11 @@ struct Args {
     #[arg(long, env = "DELTASERVE_MAX_NUM_SEQS", default_value_t = 256)]
     max_num_seqs: usize,
     /// Token budget of one step (prefill chunks plus decode tokens).
-    #[arg(long, env = "DELTASERVE_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
+    #[arg(
+        long,
+        env = "DELTASERVE_MAX_NUM_BATCHED_TOKENS",
+        default_value_t = 2048
+    )]
     max_num_batched_tokens: usize,
     /// Cap on prompt + output tokens (default: the model's limit, bounded by the KV pool).
     #[arg(long, env = "DELTASERVE_MAX_MODEL_LEN")]
@@ -78,7 +82,12 @@ async fn demo_model_dir(python: &PathBuf) -> anyhow::Result<PathBuf> {
         );
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let path = stdout.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim();
+    let path = stdout
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .trim();
     if path.is_empty() {
         bail!("deltaserve.demo_model printed no path");
     }
@@ -105,8 +114,7 @@ async fn shutdown_signal() {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -26,17 +26,17 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use deltaserve_ipc::codec::{self, FromWorker};
 use deltaserve_ipc::wire::{self, SamplingParams, StepOutput, StepPlan};
 use deltaserve_sched::{FinishReason as SchedFinish, Scheduler, SchedulerConfig, SeqRequest};
 use tokio::sync::mpsc;
 
-use crate::engine::{Command, EngineMetrics, FinishReason, GenerateEvent};
+use crate::engine::{ActorRef, Command, EngineMetrics, FinishReason, GenerateEvent};
 use crate::text::detok::DetokStream;
 use crate::text::tokenizer::TextTokenizer;
-use crate::worker::{WorkerProcess, WorkerSpec};
+use crate::worker::{SpinWindow, WorkerProcess, WorkerSpec};
 
 /// How many recent step gaps the percentile metrics look at.
 const GAP_WINDOW: usize = 4096;
@@ -74,7 +74,35 @@ struct Counters {
     preemptions: u64,
     restarts: u64,
     /// Recent `gap_us` values reported by the worker.
-    gaps: VecDeque<u64>,
+    gaps: Window,
+    /// Recent router shares of the gap: output decoded → next plan sent, in microseconds.
+    router_us: Window,
+}
+
+/// The last [`GAP_WINDOW`] samples of a latency, for percentiles.
+#[derive(Default)]
+struct Window(VecDeque<u64>);
+
+impl Window {
+    fn push(&mut self, v: u64) {
+        if self.0.len() == GAP_WINDOW {
+            self.0.pop_front();
+        }
+        self.0.push_back(v);
+    }
+
+    /// Percentiles `ps` (each in 0..=1) by nearest rank; 0 when empty.
+    fn percentiles<const N: usize>(&self, ps: [f64; N]) -> [u64; N] {
+        let mut v: Vec<u64> = self.0.iter().copied().collect();
+        v.sort_unstable();
+        ps.map(|p| {
+            if v.is_empty() {
+                0
+            } else {
+                v[((v.len() - 1) as f64 * p).round() as usize]
+            }
+        })
+    }
 }
 
 /// One worker's actor.
@@ -92,6 +120,11 @@ pub(crate) struct Actor {
     next_id: u64,
     /// The step sent to the worker and not answered yet, with the ids it scheduled.
     in_flight: Option<(u64, Vec<u64>)>,
+    /// When the step in flight was sent.
+    sent_at: Instant,
+    /// Moving average of a step's round trip (plan sent → output back), in seconds; sets when
+    /// the receiver starts polling instead of sleeping.
+    step_secs: f64,
     counters: Counters,
 }
 
@@ -103,20 +136,25 @@ enum Wake {
 }
 
 impl Actor {
-    /// Builds the actor around an already handshaken worker.
+    /// Builds the actor around an already handshaken worker, and the reference the engine
+    /// handle keeps to it.
     pub(crate) fn new(
         index: usize,
         spec: WorkerSpec,
         limits: SchedLimits,
         tokenizer: Arc<TextTokenizer>,
         worker: WorkerProcess,
-        commands: mpsc::UnboundedReceiver<Command>,
-        outstanding: Arc<AtomicUsize>,
-        ready: Arc<AtomicBool>,
-    ) -> anyhow::Result<Self> {
+    ) -> anyhow::Result<(Self, ActorRef)> {
         let sched = Scheduler::new(sched_config(&worker, &limits))?;
-        ready.store(true, Ordering::Release);
-        Ok(Self {
+        let (tx, commands) = mpsc::unbounded_channel();
+        let outstanding = Arc::new(AtomicUsize::new(0));
+        let ready = Arc::new(AtomicBool::new(true));
+        let handle = ActorRef {
+            tx,
+            outstanding: outstanding.clone(),
+            ready: ready.clone(),
+        };
+        let actor = Self {
             index,
             spec,
             limits,
@@ -129,8 +167,11 @@ impl Actor {
             live: BTreeMap::new(),
             next_id: 1,
             in_flight: None,
+            sent_at: Instant::now(),
+            step_secs: 0.0,
             counters: Counters::default(),
-        })
+        };
+        Ok((actor, handle))
     }
 
     /// Runs until every handle is gone, then shuts the worker down.
@@ -151,11 +192,12 @@ impl Actor {
             if self.in_flight.is_none() {
                 self.launch_step();
             }
+            let spin = self.spin_window();
             let wake = {
                 let worker = self.worker.as_mut().expect("worker present");
                 tokio::select! {
                     cmd = self.commands.recv() => Wake::Command(cmd),
-                    msg = worker.from_worker.recv() => Wake::Worker(msg),
+                    msg = worker.from_worker.recv(spin) => Wake::Worker(msg),
                     status = worker.child.wait() => Wake::Exited(match status {
                         Ok(s) => s.to_string(),
                         Err(e) => e.to_string(),
@@ -168,7 +210,10 @@ impl Actor {
                 Wake::Worker(Ok(FromWorker::StepOutput(out))) => self.on_step_output(out),
                 Wake::Worker(Ok(FromWorker::WorkerError(err))) => {
                     if err.fatal {
-                        self.worker_lost(&format!("worker reported a fatal error: {}", err.message));
+                        self.worker_lost(&format!(
+                            "worker reported a fatal error: {}",
+                            err.message
+                        ));
                     } else {
                         self.step_failed(&err.message);
                     }
@@ -208,11 +253,14 @@ impl Actor {
                     arrival: id,
                 };
                 if let Err(e) = self.sched.add_request(seq) {
-                    let _ = events.send(GenerateEvent::Error { message: e.to_string() });
+                    let _ = events.send(GenerateEvent::Error {
+                        message: e.to_string(),
+                    });
                     self.outstanding.fetch_sub(1, Ordering::Relaxed);
                     return;
                 }
-                let detok = DetokStream::new(self.tokenizer.clone(), &req.prompt_token_ids, req.stop);
+                let detok =
+                    DetokStream::new(self.tokenizer.clone(), &req.prompt_token_ids, req.stop);
                 self.live.insert(
                     id,
                     Live {
@@ -264,7 +312,11 @@ impl Actor {
                     num_computed_tokens: n.num_computed_tokens,
                     num_scheduled_tokens: n.num_scheduled_tokens,
                     block_ids: n.block_ids,
-                    sampling: self.live.get(&n.id).map(|l| l.sampling.clone()).unwrap_or_default(),
+                    sampling: self
+                        .live
+                        .get(&n.id)
+                        .map(|l| l.sampling.clone())
+                        .unwrap_or_default(),
                 }
             })
             .collect();
@@ -294,6 +346,23 @@ impl Actor {
         }
         self.counters.steps += 1;
         self.in_flight = Some((plan.step_id, ids));
+        self.sent_at = Instant::now();
+    }
+
+    /// When to poll for the step in flight instead of sleeping (GPU workers only: a CPU worker
+    /// needs every core for its forward pass). The window opens at 85% of the usual step time
+    /// and stays open for 30% of it (0.2 to 3 ms).
+    fn spin_window(&self) -> Option<SpinWindow> {
+        if self.in_flight.is_none() || self.spec.device == "cpu" || self.step_secs <= 0.0 {
+            return None;
+        }
+        let from = self.sent_at + Duration::from_secs_f64(self.step_secs * 0.85);
+        let open = Duration::from_secs_f64(self.step_secs * 0.3)
+            .clamp(Duration::from_micros(200), Duration::from_millis(3));
+        Some(SpinWindow {
+            from,
+            until: from + open,
+        })
     }
 
     fn on_step_output(&mut self, out: StepOutput) {
@@ -304,11 +373,15 @@ impl Actor {
                 return;
             }
         }
+        let received = Instant::now();
+        let took = (received - self.sent_at).as_secs_f64();
+        self.step_secs = if self.step_secs == 0.0 {
+            took
+        } else {
+            0.8 * self.step_secs + 0.2 * took
+        };
         self.in_flight = None;
-        if self.counters.gaps.len() == GAP_WINDOW {
-            self.counters.gaps.pop_front();
-        }
-        self.counters.gaps.push_back(out.timing.gap_us);
+        self.counters.gaps.push(out.timing.gap_us);
 
         // Requests ended since the step was sent are no longer the scheduler's: skip them.
         let sampled: Vec<(u64, Option<u32>)> = out
@@ -321,11 +394,18 @@ impl Actor {
 
         // Keep the worker busy before doing the per-token work.
         self.launch_step();
+        if self.in_flight.is_some() {
+            self.counters
+                .router_us
+                .push(received.elapsed().as_micros() as u64);
+        }
 
         let by_id: HashMap<u64, &wire::RequestOutput> =
             out.outputs.iter().map(|o| (o.req_id, o)).collect();
         for u in updates {
-            let Some(live) = self.live.get_mut(&u.id) else { continue };
+            let Some(live) = self.live.get_mut(&u.id) else {
+                continue;
+            };
             live.completion_tokens += 1;
             self.counters.tokens += 1;
             let step_text = live.detok.push(u.token);
@@ -364,27 +444,41 @@ impl Actor {
     /// A recoverable failure of the step in flight: its requests fail, the others go on.
     fn step_failed(&mut self, message: &str) {
         let Some((step_id, ids)) = self.in_flight.take() else {
-            self.worker_lost(&format!("worker reported an error outside a step: {message}"));
+            self.worker_lost(&format!(
+                "worker reported an error outside a step: {message}"
+            ));
             return;
         };
         tracing::warn!(worker = self.index, step_id, "step failed: {message}");
         for id in ids {
             if self.live.contains_key(&id) {
                 self.sched.abort(id);
-                self.fail(id, format!("the worker failed this request's step: {message}"));
+                self.fail(
+                    id,
+                    format!("the worker failed this request's step: {message}"),
+                );
             }
         }
     }
 
     /// The worker is gone or unusable: fail everything, mark unready, and restart it.
     fn worker_lost(&mut self, why: &str) {
-        tracing::error!(worker = self.index, "{why}; failing its requests and restarting it");
+        tracing::error!(
+            worker = self.index,
+            "{why}; failing its requests and restarting it"
+        );
         self.ready.store(false, Ordering::Release);
         self.worker = None; // kills the process (kill_on_drop)
         self.in_flight = None;
         let ids: Vec<u64> = self.live.keys().copied().collect();
         for id in ids {
-            self.fail(id, format!("worker {} failed ({why}); the request was dropped", self.index));
+            self.fail(
+                id,
+                format!(
+                    "worker {} failed ({why}); the request was dropped",
+                    self.index
+                ),
+            );
         }
     }
 
@@ -409,7 +503,9 @@ impl Actor {
 
     /// Ends a request: a `Finished` event (`Some(reason)`), or silently when the client is gone.
     fn end(&mut self, id: u64, reason: Option<FinishReason>) {
-        let Some(live) = self.live.remove(&id) else { return };
+        let Some(live) = self.live.remove(&id) else {
+            return;
+        };
         match reason {
             Some(reason) => {
                 self.counters.finished += 1;
@@ -426,7 +522,9 @@ impl Actor {
 
     /// Ends a request with an `Error` event.
     fn fail(&mut self, id: u64, message: String) {
-        let Some(live) = self.live.remove(&id) else { return };
+        let Some(live) = self.live.remove(&id) else {
+            return;
+        };
         self.counters.aborted += 1;
         let _ = live.events.send(GenerateEvent::Error { message });
         self.outstanding.fetch_sub(1, Ordering::Relaxed);
@@ -434,15 +532,8 @@ impl Actor {
 
     fn metrics(&self) -> EngineMetrics {
         let stats = self.sched.stats();
-        let mut gaps: Vec<u64> = self.counters.gaps.iter().copied().collect();
-        gaps.sort_unstable();
-        let pct = |p: f64| -> u64 {
-            if gaps.is_empty() {
-                0
-            } else {
-                gaps[((gaps.len() - 1) as f64 * p).round() as usize]
-            }
-        };
+        let [gap_p50, gap_p99] = self.counters.gaps.percentiles([0.5, 0.99]);
+        let [router_p50, router_p99] = self.counters.router_us.percentiles([0.5, 0.99]);
         EngineMetrics {
             requests_waiting: stats.waiting as u64,
             requests_running: stats.running as u64,
@@ -453,8 +544,10 @@ impl Actor {
             requests_finished_total: self.counters.finished,
             requests_aborted_total: self.counters.aborted,
             tokens_generated_total: self.counters.tokens,
-            step_gap_us_p50: pct(0.5),
-            step_gap_us_p99: pct(0.99),
+            step_gap_us_p50: gap_p50,
+            step_gap_us_p99: gap_p99,
+            step_router_us_p50: router_p50,
+            step_router_us_p99: router_p99,
             worker_restarts_total: self.counters.restarts,
         }
     }
@@ -467,9 +560,14 @@ impl Actor {
             self.fail(id, "the server is shutting down".into());
         }
         if let Some(mut worker) = self.worker.take() {
-            let frame = codec::encode(&wire::Shutdown { reason: "router shutdown".into() });
+            let frame = codec::encode(&wire::Shutdown {
+                reason: "router shutdown".into(),
+            });
             let _ = worker.to_worker.send(&frame);
-            if tokio::time::timeout(Duration::from_secs(10), worker.child.wait()).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(10), worker.child.wait())
+                .await
+                .is_err()
+            {
                 let _ = worker.child.start_kill();
             }
         }

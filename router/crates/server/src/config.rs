@@ -45,13 +45,19 @@ impl ServerConfig {
             ));
         }
         if !self.model_dir.join("tokenizer.json").is_file() {
-            return Err(format!("--model {}: no tokenizer.json there", self.model_dir.display()));
+            return Err(format!(
+                "--model {}: no tokenizer.json there",
+                self.model_dir.display()
+            ));
         }
         if self.devices.is_empty() {
             return Err("--devices: give `cpu` or CUDA device ids like `0,1`".into());
         }
         if self.block_size == 0 || !self.block_size.is_power_of_two() || self.block_size > 256 {
-            return Err(format!("--block-size {}: must be a power of two in 1..=256", self.block_size));
+            return Err(format!(
+                "--block-size {}: must be a power of two in 1..=256",
+                self.block_size
+            ));
         }
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
             return Err(format!(
@@ -87,9 +93,9 @@ pub fn parse_devices(spec: &str) -> Result<Vec<String>, String> {
             out.push("cpu".to_string());
         } else {
             let id = part.strip_prefix("cuda:").unwrap_or(part);
-            let n: u32 = id
-                .parse()
-                .map_err(|_| format!("--devices: `{part}` is neither `cpu` nor a CUDA device id"))?;
+            let n: u32 = id.parse().map_err(|_| {
+                format!("--devices: `{part}` is neither `cpu` nor a CUDA device id")
+            })?;
             out.push(format!("cuda:{n}"));
         }
     }
@@ -97,7 +103,10 @@ pub fn parse_devices(spec: &str) -> Result<Vec<String>, String> {
         return Err("--devices is empty".into());
     }
     let mut seen = std::collections::HashSet::new();
-    if let Some(dup) = out.iter().find(|d| d.as_str() != "cpu" && !seen.insert(d.as_str())) {
+    if let Some(dup) = out
+        .iter()
+        .find(|d| d.as_str() != "cpu" && !seen.insert(d.as_str()))
+    {
         return Err(format!("--devices: {dup} is listed twice"));
     }
     Ok(out)

@@ -122,6 +122,11 @@ pub struct EngineMetrics {
     pub step_gap_us_p50: u64,
     /// 99th percentile of the same gap.
     pub step_gap_us_p99: u64,
+    /// Median of the router's share of that gap: from a step's output being decoded to the next
+    /// plan being sent (largest over workers).
+    pub step_router_us_p50: u64,
+    /// 99th percentile of the router's share.
+    pub step_router_us_p99: u64,
     /// Worker restarts since start.
     pub worker_restarts_total: u64,
 }
@@ -133,7 +138,9 @@ pub(crate) enum Command {
         req: GenerateRequest,
         events: mpsc::UnboundedSender<GenerateEvent>,
     },
-    Metrics { reply: oneshot::Sender<EngineMetrics> },
+    Metrics {
+        reply: oneshot::Sender<EngineMetrics>,
+    },
 }
 
 /// One worker's actor, as the handle sees it.
@@ -213,9 +220,15 @@ impl EngineHandle {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         actor.outstanding.fetch_add(1, Ordering::Relaxed);
-        if actor.tx.send(Command::Generate { req, events: tx }).is_err() {
+        if actor
+            .tx
+            .send(Command::Generate { req, events: tx })
+            .is_err()
+        {
             actor.outstanding.fetch_sub(1, Ordering::Relaxed);
-            return Err(EngineError::Unavailable("the engine is shutting down".into()));
+            return Err(EngineError::Unavailable(
+                "the engine is shutting down".into(),
+            ));
         }
         Ok(rx)
     }
@@ -237,7 +250,10 @@ impl EngineHandle {
 
     /// True when every worker is up.
     pub fn is_ready(&self) -> bool {
-        self.inner.actors.iter().all(|a| a.ready.load(Ordering::Acquire))
+        self.inner
+            .actors
+            .iter()
+            .all(|a| a.ready.load(Ordering::Acquire))
     }
 
     /// Counters summed over workers (gap percentiles: the largest over workers).
@@ -261,6 +277,8 @@ impl EngineHandle {
                 total.worker_restarts_total += m.worker_restarts_total;
                 total.step_gap_us_p50 = total.step_gap_us_p50.max(m.step_gap_us_p50);
                 total.step_gap_us_p99 = total.step_gap_us_p99.max(m.step_gap_us_p99);
+                total.step_router_us_p50 = total.step_router_us_p50.max(m.step_router_us_p50);
+                total.step_router_us_p99 = total.step_router_us_p99.max(m.step_router_us_p99);
             }
         }
         total

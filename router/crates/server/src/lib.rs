@@ -24,17 +24,15 @@ pub mod worker;
 mod actor;
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 
 use crate::actor::{Actor, SchedLimits};
 use crate::config::ServerConfig;
-use crate::engine::{ActorRef, EngineHandle, ServedModel};
+use crate::engine::{EngineHandle, ServedModel};
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
 use crate::worker::{WorkerProcess, WorkerSpec};
@@ -67,7 +65,10 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         })
         .collect();
     let started = futures_util::future::join_all(
-        specs.iter().enumerate().map(|(i, spec)| WorkerProcess::spawn(spec, i)),
+        specs
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| WorkerProcess::spawn(spec, i)),
     )
     .await;
     let mut workers = Vec::new();
@@ -90,9 +91,16 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
     }
     let model = ServedModel {
         name: cfg.model_name(),
-        max_model_len: workers.iter().map(|w| w.hello.model.max_model_len).min().unwrap_or(0),
+        max_model_len: workers
+            .iter()
+            .map(|w| w.hello.model.max_model_len)
+            .min()
+            .unwrap_or(0),
         vocab_size: workers[0].hello.model.vocab_size,
-        created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
     };
     let limits = SchedLimits {
         max_num_seqs: cfg.max_num_seqs,
@@ -100,23 +108,17 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
     };
     let mut actors = Vec::new();
     for (i, (worker, spec)) in workers.into_iter().zip(specs).enumerate() {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let outstanding = Arc::new(AtomicUsize::new(0));
-        let ready = Arc::new(AtomicBool::new(false));
-        let actor = Actor::new(
-            i,
-            spec,
-            limits.clone(),
-            tokenizer.clone(),
-            worker,
-            rx,
-            outstanding.clone(),
-            ready.clone(),
-        )?;
+        let (actor, handle) = Actor::new(i, spec, limits.clone(), tokenizer.clone(), worker)?;
         tokio::spawn(actor.run());
-        actors.push(ActorRef { tx, outstanding, ready });
+        actors.push(handle);
     }
-    Ok(EngineHandle::new(actors, model, tokenizer, chat_template, cfg.max_queued_per_worker))
+    Ok(EngineHandle::new(
+        actors,
+        model,
+        tokenizer,
+        chat_template,
+        cfg.max_queued_per_worker,
+    ))
 }
 
 /// Serves the API on `listener` until `shutdown` resolves, then stops the workers.
@@ -129,7 +131,9 @@ pub async fn run(
     let addr = listener.local_addr()?;
     tracing::info!("serving {} on http://{addr}", engine.model().name);
     let app = api::router(engine);
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await?;
     // Dropping the last handle (held by the router) ends the actors, which stop their workers;
     // give them a moment to do it cleanly.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;

@@ -75,7 +75,10 @@ pub fn check_model(requested: Option<&str>, served: &ServedModel) -> Result<(), 
 }
 
 /// Validates a `/v1/completions` body.
-pub fn validate_completion(req: &CompletionRequest, ctx: &ModelContext<'_>) -> Result<Validated, ApiError> {
+pub fn validate_completion(
+    req: &CompletionRequest,
+    ctx: &ModelContext<'_>,
+) -> Result<Validated, ApiError> {
     let common = CommonFields {
         model: req.model.as_deref(),
         temperature: req.temperature,
@@ -105,16 +108,29 @@ pub fn validate_completion(req: &CompletionRequest, ctx: &ModelContext<'_>) -> R
         }
     };
     let mut partial = common_fields(&common, logprobs)?;
-    let prompt = req.prompt.as_ref().ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
+    let prompt = req
+        .prompt
+        .as_ref()
+        .ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
     let prompt_ids = completion_prompt(prompt, ctx)?;
-    let max_tokens = max_tokens(req.max_tokens, "max_tokens", Some(DEFAULT_COMPLETION_MAX_TOKENS), prompt_ids.len(), "prompt", ctx)?;
+    let max_tokens = max_tokens(
+        req.max_tokens,
+        "max_tokens",
+        Some(DEFAULT_COMPLETION_MAX_TOKENS),
+        prompt_ids.len(),
+        "prompt",
+        ctx,
+    )?;
     partial.request.prompt_token_ids = prompt_ids;
     partial.request.max_tokens = max_tokens;
     Ok(partial)
 }
 
 /// Validates a `/v1/chat/completions` body (renders and tokenizes the conversation).
-pub fn validate_chat(req: &ChatCompletionRequest, ctx: &ModelContext<'_>) -> Result<Validated, ApiError> {
+pub fn validate_chat(
+    req: &ChatCompletionRequest,
+    ctx: &ModelContext<'_>,
+) -> Result<Validated, ApiError> {
     let common = CommonFields {
         model: req.model.as_deref(),
         temperature: req.temperature,
@@ -136,24 +152,38 @@ pub fn validate_chat(req: &ChatCompletionRequest, ctx: &ModelContext<'_>) -> Res
             k => {
                 return Err(ApiError::invalid(
                     "top_logprobs",
-                    format!("`top_logprobs` must be between 0 and {MAX_CHAT_TOP_LOGPROBS}, got {k}"),
+                    format!(
+                        "`top_logprobs` must be between 0 and {MAX_CHAT_TOP_LOGPROBS}, got {k}"
+                    ),
                 ))
             }
         },
         (_, Some(_)) => {
-            return Err(ApiError::invalid("top_logprobs", "`top_logprobs` requires `logprobs: true`"))
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "`top_logprobs` requires `logprobs: true`",
+            ))
         }
         (_, None) => None,
     };
     let mut partial = common_fields(&common, logprobs)?;
-    let messages = req.messages.as_deref().ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
+    let messages = req
+        .messages
+        .as_deref()
+        .ok_or_else(|| ApiError::invalid("messages", "`messages` is required"))?;
     if messages.is_empty() {
-        return Err(ApiError::invalid("messages", "`messages` must not be empty"));
+        return Err(ApiError::invalid(
+            "messages",
+            "`messages` must not be empty",
+        ));
     }
     let template = ctx.chat_template.ok_or_else(|| {
         ApiError::invalid(
             "messages",
-            format!("the model `{}` has no chat template; use /v1/completions with a `prompt`", ctx.model.name),
+            format!(
+                "the model `{}` has no chat template; use /v1/completions with a `prompt`",
+                ctx.model.name
+            ),
         )
     })?;
     let text = template.render(messages, true).map_err(|e| match e {
@@ -161,9 +191,15 @@ pub fn validate_chat(req: &ChatCompletionRequest, ctx: &ModelContext<'_>) -> Res
         other => ApiError::Internal(other.to_string()),
     })?;
     // The template already wrote BOS and the like as text: no extra special tokens.
-    let prompt_ids = ctx.tokenizer.encode(&text, false).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let prompt_ids = ctx
+        .tokenizer
+        .encode(&text, false)
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
     if prompt_ids.is_empty() {
-        return Err(ApiError::invalid("messages", "the rendered conversation is empty"));
+        return Err(ApiError::invalid(
+            "messages",
+            "the rendered conversation is empty",
+        ));
     }
     let (value, param) = match (req.max_completion_tokens, req.max_tokens) {
         (Some(v), _) => (Some(v), "max_completion_tokens"),
@@ -179,25 +215,43 @@ pub fn validate_chat(req: &ChatCompletionRequest, ctx: &ModelContext<'_>) -> Res
 fn common_fields(f: &CommonFields<'_>, logprobs: Option<u32>) -> Result<Validated, ApiError> {
     let temperature = f.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::invalid("temperature", format!("`temperature` must be between 0 and 2, got {temperature}")));
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("`temperature` must be between 0 and 2, got {temperature}"),
+        ));
     }
     let top_p = f.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::invalid("top_p", format!("`top_p` must be in (0, 1], got {top_p}")));
+        return Err(ApiError::invalid(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}"),
+        ));
     }
     let top_k = match f.top_k {
         None | Some(-1) | Some(0) => 0,
         Some(k) if k >= 1 => u32::try_from(k).unwrap_or(u32::MAX),
         Some(k) => {
-            return Err(ApiError::invalid("top_k", format!("`top_k` must be -1 or 0 (off) or at least 1, got {k}")))
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("`top_k` must be -1 or 0 (off) or at least 1, got {k}"),
+            ))
         }
     };
     if let Some(n) = f.n.filter(|&n| n != 1) {
-        return Err(ApiError::invalid("n", format!("only `n: 1` is supported, got {n}")));
+        return Err(ApiError::invalid(
+            "n",
+            format!("only `n: 1` is supported, got {n}"),
+        ));
     }
-    for (name, value) in [("presence_penalty", f.presence_penalty), ("frequency_penalty", f.frequency_penalty)] {
+    for (name, value) in [
+        ("presence_penalty", f.presence_penalty),
+        ("frequency_penalty", f.frequency_penalty),
+    ] {
         if let Some(v) = value.filter(|&v| v != 0.0) {
-            return Err(ApiError::invalid(name, format!("`{name}` is not supported (only 0), got {v}")));
+            return Err(ApiError::invalid(
+                name,
+                format!("`{name}` is not supported (only 0), got {v}"),
+            ));
         }
     }
     let stop = stop_strings(f.stop)?;
@@ -206,12 +260,21 @@ fn common_fields(f: &CommonFields<'_>, logprobs: Option<u32>) -> Result<Validate
         request: GenerateRequest {
             prompt_token_ids: Vec::new(),
             max_tokens: 0,
-            sampling: SamplingParams { temperature, top_p, top_k, seed: f.seed, logprobs },
+            sampling: SamplingParams {
+                temperature,
+                top_p,
+                top_k,
+                seed: f.seed,
+                logprobs,
+            },
             stop,
             ignore_eos: f.ignore_eos.unwrap_or(false),
         },
         stream,
-        include_usage: stream && f.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        include_usage: stream
+            && f.stream_options
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
     })
 }
 
@@ -224,7 +287,10 @@ fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
             if items.len() > MAX_STOP_STRINGS {
                 return Err(ApiError::invalid(
                     "stop",
-                    format!("at most {MAX_STOP_STRINGS} stop strings are allowed, got {}", items.len()),
+                    format!(
+                        "at most {MAX_STOP_STRINGS} stop strings are allowed, got {}",
+                        items.len()
+                    ),
                 ));
             }
             items
@@ -232,14 +298,20 @@ fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
                 .enumerate()
                 .map(|(i, v)| match v {
                     Value::String(s) => Ok(s.clone()),
-                    other => Err(ApiError::invalid("stop", format!("stop[{i}] must be a string, got {}", json_kind(other)))),
+                    other => Err(ApiError::invalid(
+                        "stop",
+                        format!("stop[{i}] must be a string, got {}", json_kind(other)),
+                    )),
                 })
                 .collect::<Result<Vec<_>, _>>()?
         }
         Some(other) => {
             return Err(ApiError::invalid(
                 "stop",
-                format!("`stop` must be a string or an array of strings, got {}", json_kind(other)),
+                format!(
+                    "`stop` must be a string or an array of strings, got {}",
+                    json_kind(other)
+                ),
             ))
         }
     };
@@ -253,15 +325,22 @@ fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
 fn completion_prompt(prompt: &Value, ctx: &ModelContext<'_>) -> Result<Vec<u32>, ApiError> {
     let ids = match prompt {
         Value::String(text) => encode_prompt(text, ctx)?,
-        Value::Array(items) if items.is_empty() => return Err(ApiError::invalid("prompt", "`prompt` must not be empty")),
-        Value::Array(items) if items.iter().all(Value::is_number) => token_ids(items, "prompt", ctx.model.vocab_size)?,
+        Value::Array(items) if items.is_empty() => {
+            return Err(ApiError::invalid("prompt", "`prompt` must not be empty"))
+        }
+        Value::Array(items) if items.iter().all(Value::is_number) => {
+            token_ids(items, "prompt", ctx.model.vocab_size)?
+        }
         Value::Array(items) if items.len() == 1 => match &items[0] {
             Value::String(text) => encode_prompt(text, ctx)?,
             Value::Array(ids) => token_ids(ids, "prompt[0]", ctx.model.vocab_size)?,
             other => return Err(prompt_type_error(other)),
         },
         Value::Array(items) if items.iter().all(|v| v.is_string() || v.is_array()) => {
-            return Err(ApiError::invalid("prompt", "batched prompts are not supported; send one prompt per request"))
+            return Err(ApiError::invalid(
+                "prompt",
+                "batched prompts are not supported; send one prompt per request",
+            ))
         }
         other => return Err(prompt_type_error(other)),
     };
@@ -274,10 +353,13 @@ fn completion_prompt(prompt: &Value, ctx: &ModelContext<'_>) -> Result<Vec<u32>,
 fn prompt_type_error(v: &Value) -> ApiError {
     ApiError::invalid(
         "prompt",
-        format!("`prompt` must be a string or an array of token ids, got {}", match v {
-            Value::Array(_) => "an array mixing types",
-            other => json_kind(other),
-        }),
+        format!(
+            "`prompt` must be a string or an array of token ids, got {}",
+            match v {
+                Value::Array(_) => "an array mixing types",
+                other => json_kind(other),
+            }
+        ),
     )
 }
 
@@ -285,7 +367,9 @@ fn encode_prompt(text: &str, ctx: &ModelContext<'_>) -> Result<Vec<u32>, ApiErro
     if text.is_empty() {
         return Err(ApiError::invalid("prompt", "`prompt` must not be empty"));
     }
-    ctx.tokenizer.encode(text, true).map_err(|e| ApiError::Internal(e.to_string()))
+    ctx.tokenizer
+        .encode(text, true)
+        .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
 /// Token ids given by the client: integers below the vocabulary size.
@@ -300,7 +384,10 @@ fn token_ids(items: &[Value], param: &str, vocab_size: u32) -> Result<Vec<u32>, 
             Some(id) if id < vocab_size as u64 => Ok(id as u32),
             _ => Err(ApiError::invalid(
                 "prompt",
-                format!("{param}[{i}] = {v} is not a valid token id (integers from 0 to {})", vocab_size.saturating_sub(1)),
+                format!(
+                    "{param}[{i}] = {v} is not a valid token id (integers from 0 to {})",
+                    vocab_size.saturating_sub(1)
+                ),
             )),
         })
         .collect()
@@ -348,7 +435,12 @@ mod tests {
     use crate::text::test_support::tiny_tokenizer;
 
     fn served() -> ServedModel {
-        ServedModel { name: "tiny".into(), max_model_len: 64, vocab_size: 300, created: 1 }
+        ServedModel {
+            name: "tiny".into(),
+            max_model_len: 64,
+            vocab_size: 300,
+            created: 1,
+        }
     }
 
     const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
@@ -357,7 +449,14 @@ mod tests {
         let tok = tiny_tokenizer();
         let model = served();
         let req: CompletionRequest = parse_json(body.as_bytes())?;
-        validate_completion(&req, &ModelContext { model: &model, tokenizer: &tok, chat_template: None })
+        validate_completion(
+            &req,
+            &ModelContext {
+                model: &model,
+                tokenizer: &tok,
+                chat_template: None,
+            },
+        )
     }
 
     fn chat(body: &str, with_template: bool) -> Result<Validated, ApiError> {
@@ -365,7 +464,11 @@ mod tests {
         let model = served();
         let template = ChatTemplate::new(CHATML.into(), None, None).unwrap();
         let req: ChatCompletionRequest = parse_json(body.as_bytes())?;
-        let ctx = ModelContext { model: &model, tokenizer: &tok, chat_template: with_template.then_some(&template) };
+        let ctx = ModelContext {
+            model: &model,
+            tokenizer: &tok,
+            chat_template: with_template.then_some(&template),
+        };
         validate_chat(&req, &ctx)
     }
 
@@ -375,7 +478,9 @@ mod tests {
         let err = result.expect_err("expected a validation error");
         assert_eq!(err.status().as_u16(), 400, "{err:?}");
         assert_eq!(err.error_type(), "invalid_request_error");
-        let ApiError::InvalidRequest { message, param: p } = &err else { panic!("{err:?}") };
+        let ApiError::InvalidRequest { message, param: p } = &err else {
+            panic!("{err:?}")
+        };
         assert_eq!(p.as_deref(), Some(param), "{message}");
         for n in needles {
             assert!(message.contains(n), "{message:?} lacks {n:?}");
@@ -384,11 +489,29 @@ mod tests {
 
     #[test]
     fn completion_defaults() {
-        let v = completion(r#"{"model": "tiny", "prompt": "the", "stop": null, "n": null, "max_tokens": null}"#).unwrap();
+        let v = completion(
+            r#"{"model": "tiny", "prompt": "the", "stop": null, "n": null, "max_tokens": null}"#,
+        )
+        .unwrap();
         assert_eq!(v.request.max_tokens, 16);
-        assert_eq!(v.request.sampling, SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, seed: None, logprobs: None });
-        assert_eq!(v.request.prompt_token_ids[0], tiny_tokenizer().token_to_id("<s>").unwrap(), "BOS added");
-        assert!(v.request.stop.is_empty() && !v.request.ignore_eos && !v.stream && !v.include_usage);
+        assert_eq!(
+            v.request.sampling,
+            SamplingParams {
+                temperature: 1.0,
+                top_p: 1.0,
+                top_k: 0,
+                seed: None,
+                logprobs: None
+            }
+        );
+        assert_eq!(
+            v.request.prompt_token_ids[0],
+            tiny_tokenizer().token_to_id("<s>").unwrap(),
+            "BOS added"
+        );
+        assert!(
+            v.request.stop.is_empty() && !v.request.ignore_eos && !v.stream && !v.include_usage
+        );
         // Extra fields, nulls and the `user` field are ignored.
         let v = completion(
             r#"{"prompt": "x", "user": "u", "temperature": null, "logit_bias": {}, "stream": true,
@@ -408,13 +531,40 @@ mod tests {
         let v = completion(r#"{"prompt": [[5, 6]]}"#).unwrap();
         assert_eq!(v.request.prompt_token_ids, vec![5, 6]);
         let v = completion(r#"{"prompt": ["the"]}"#).unwrap();
-        assert_eq!(v.request.prompt_token_ids, tiny_tokenizer().encode("the", true).unwrap());
-        assert_invalid(completion(r#"{"prompt": ["a", "b"]}"#), "prompt", &["batched prompts are not supported"]);
-        assert_invalid(completion(r#"{"prompt": [[1], [2]]}"#), "prompt", &["batched"]);
-        assert_invalid(completion(r#"{"prompt": ""}"#), "prompt", &["must not be empty"]);
-        assert_invalid(completion(r#"{"prompt": []}"#), "prompt", &["must not be empty"]);
-        assert_invalid(completion(r#"{"prompt": [1, 300]}"#), "prompt", &["prompt[1] = 300", "0 to 299"]);
-        assert_invalid(completion(r#"{"prompt": [1, -2]}"#), "prompt", &["prompt[1] = -2"]);
+        assert_eq!(
+            v.request.prompt_token_ids,
+            tiny_tokenizer().encode("the", true).unwrap()
+        );
+        assert_invalid(
+            completion(r#"{"prompt": ["a", "b"]}"#),
+            "prompt",
+            &["batched prompts are not supported"],
+        );
+        assert_invalid(
+            completion(r#"{"prompt": [[1], [2]]}"#),
+            "prompt",
+            &["batched"],
+        );
+        assert_invalid(
+            completion(r#"{"prompt": ""}"#),
+            "prompt",
+            &["must not be empty"],
+        );
+        assert_invalid(
+            completion(r#"{"prompt": []}"#),
+            "prompt",
+            &["must not be empty"],
+        );
+        assert_invalid(
+            completion(r#"{"prompt": [1, 300]}"#),
+            "prompt",
+            &["prompt[1] = 300", "0 to 299"],
+        );
+        assert_invalid(
+            completion(r#"{"prompt": [1, -2]}"#),
+            "prompt",
+            &["prompt[1] = -2"],
+        );
         assert_invalid(completion(r#"{"prompt": 5}"#), "prompt", &["a number"]);
         assert_invalid(completion(r#"{"prompt": [1, "a"]}"#), "prompt", &["mixing"]);
         assert_invalid(completion(r#"{"model": "tiny"}"#), "prompt", &["required"]);
@@ -423,28 +573,54 @@ mod tests {
     #[test]
     fn sampling_field_rejections() {
         let cases: &[(&str, &str, &[&str])] = &[
-            (r#""temperature": 2.5"#, "temperature", &["between 0 and 2", "2.5"]),
-            (r#""temperature": -0.1"#, "temperature", &["between 0 and 2"]),
+            (
+                r#""temperature": 2.5"#,
+                "temperature",
+                &["between 0 and 2", "2.5"],
+            ),
+            (
+                r#""temperature": -0.1"#,
+                "temperature",
+                &["between 0 and 2"],
+            ),
             (r#""top_p": 0"#, "top_p", &["(0, 1]"]),
             (r#""top_p": 1.5"#, "top_p", &["(0, 1]"]),
             (r#""top_k": -2"#, "top_k", &["-2"]),
             (r#""n": 2"#, "n", &["n: 1", "2"]),
-            (r#""presence_penalty": 0.5"#, "presence_penalty", &["not supported"]),
+            (
+                r#""presence_penalty": 0.5"#,
+                "presence_penalty",
+                &["not supported"],
+            ),
             (r#""echo": true"#, "echo", &["not supported"]),
             (r#""logprobs": 6"#, "logprobs", &["between 0 and 5", "6"]),
-            (r#""stop": ["a", "b", "c", "d", "e"]"#, "stop", &["at most 4", "5"]),
-            (r#""stop": ["a", 3]"#, "stop", &["stop[1] must be a string", "a number"]),
+            (
+                r#""stop": ["a", "b", "c", "d", "e"]"#,
+                "stop",
+                &["at most 4", "5"],
+            ),
+            (
+                r#""stop": ["a", 3]"#,
+                "stop",
+                &["stop[1] must be a string", "a number"],
+            ),
             (r##""stop": """##, "stop", &["must not be empty"]),
             (r#""stop": {}"#, "stop", &["an object"]),
             (r#""max_tokens": 0"#, "max_tokens", &["at least 1", "0"]),
             (r#""max_tokens": -5"#, "max_tokens", &["at least 1"]),
         ];
         for (field, param, needles) in cases {
-            assert_invalid(completion(&format!(r#"{{"prompt": "x", {field}}}"#)), param, needles);
+            assert_invalid(
+                completion(&format!(r#"{{"prompt": "x", {field}}}"#)),
+                param,
+                needles,
+            );
         }
         // Wrong JSON types are 400s naming the field, before validation.
         let err = completion(r#"{"prompt": "x", "seed": -1}"#).unwrap_err();
-        let ApiError::InvalidRequest { param, message } = err else { panic!() };
+        let ApiError::InvalidRequest { param, message } = err else {
+            panic!()
+        };
         assert_eq!(param.as_deref(), Some("seed"), "{message}");
         let err = completion(r#"{"prompt": "x", "stream": "yes"}"#).unwrap_err();
         assert!(err.to_string().contains("stream"), "{err}");
@@ -453,7 +629,13 @@ mod tests {
     #[test]
     fn context_length_checks() {
         // 64-token context, 2-token prompt.
-        assert_eq!(completion(r#"{"prompt": [7, 8], "max_tokens": 62}"#).unwrap().request.max_tokens, 62);
+        assert_eq!(
+            completion(r#"{"prompt": [7, 8], "max_tokens": 62}"#)
+                .unwrap()
+                .request
+                .max_tokens,
+            62
+        );
         assert_invalid(
             completion(r#"{"prompt": [7, 8], "max_tokens": 63}"#),
             "max_tokens",
@@ -467,7 +649,13 @@ mod tests {
         );
         // The default 16 is cut to what fits.
         let near: Vec<u32> = (0..60).collect();
-        assert_eq!(completion(&format!(r#"{{"prompt": {near:?}}}"#)).unwrap().request.max_tokens, 4);
+        assert_eq!(
+            completion(&format!(r#"{{"prompt": {near:?}}}"#))
+                .unwrap()
+                .request
+                .max_tokens,
+            4
+        );
     }
 
     #[test]
@@ -475,7 +663,11 @@ mod tests {
         let err = completion(r#"{"model": "other", "prompt": "x"}"#).unwrap_err();
         assert_eq!(err.status().as_u16(), 404);
         assert!(err.to_string().contains("`other`") && err.to_string().contains("GET /v1/models"));
-        let err = chat(r#"{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}"#, true).unwrap_err();
+        let err = chat(
+            r#"{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}"#,
+            true,
+        )
+        .unwrap_err();
         assert_eq!(err.status().as_u16(), 404);
     }
 
@@ -483,27 +675,79 @@ mod tests {
     fn chat_renders_and_limits() {
         let tok = tiny_tokenizer();
         let v = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 3}"#, true).unwrap();
-        assert_eq!(tok.decode(&v.request.prompt_token_ids).unwrap(), "<|im_start|>user\nhi\n<|im_start|>assistant\n");
-        assert_eq!(v.request.prompt_token_ids.len() + v.request.max_tokens as usize, 64, "default: rest of context");
+        assert_eq!(
+            tok.decode(&v.request.prompt_token_ids).unwrap(),
+            "<|im_start|>user\nhi\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            v.request.prompt_token_ids.len() + v.request.max_tokens as usize,
+            64,
+            "default: rest of context"
+        );
         assert_eq!(v.request.sampling.logprobs, Some(3));
         let v = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "max_completion_tokens": 5}"#, true).unwrap();
         assert_eq!(v.request.max_tokens, 5);
-        assert_invalid(chat(r#"{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}"#, true), "max_completion_tokens", &["at least 1"]);
-        assert_invalid(chat(r#"{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}"#, true), "top_logprobs", &["requires `logprobs: true`"]);
-        assert_invalid(chat(r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}"#, true), "top_logprobs", &["between 0 and 20"]);
-        assert_invalid(chat(r#"{"messages": []}"#, true), "messages", &["must not be empty"]);
-        assert_invalid(chat(r#"{"model": "tiny"}"#, true), "messages", &["required"]);
-        assert_invalid(chat(r#"{"messages": [{"role": "user", "content": "x"}]}"#, false), "messages", &["no chat template", "/v1/completions"]);
         assert_invalid(
-            chat(r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#, true),
+            chat(
+                r#"{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}"#,
+                true,
+            ),
+            "max_completion_tokens",
+            &["at least 1"],
+        );
+        assert_invalid(
+            chat(
+                r#"{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}"#,
+                true,
+            ),
+            "top_logprobs",
+            &["requires `logprobs: true`"],
+        );
+        assert_invalid(
+            chat(
+                r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}"#,
+                true,
+            ),
+            "top_logprobs",
+            &["between 0 and 20"],
+        );
+        assert_invalid(
+            chat(r#"{"messages": []}"#, true),
+            "messages",
+            &["must not be empty"],
+        );
+        assert_invalid(
+            chat(r#"{"model": "tiny"}"#, true),
+            "messages",
+            &["required"],
+        );
+        assert_invalid(
+            chat(r#"{"messages": [{"role": "user", "content": "x"}]}"#, false),
+            "messages",
+            &["no chat template", "/v1/completions"],
+        );
+        assert_invalid(
+            chat(
+                r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#,
+                true,
+            ),
             "messages",
             &["messages[0].content", "image_url"],
         );
         let big = "x".repeat(70);
-        assert_invalid(chat(&format!(r#"{{"messages": [{{"role": "user", "content": "{big}"}}]}}"#), true), "messages", &["context is 64"]);
+        assert_invalid(
+            chat(
+                &format!(r#"{{"messages": [{{"role": "user", "content": "{big}"}}]}}"#),
+                true,
+            ),
+            "messages",
+            &["context is 64"],
+        );
         // A message without a role is a JSON-shape error naming the path.
         let err = chat(r#"{"messages": [{"content": "x"}]}"#, true).unwrap_err();
-        let ApiError::InvalidRequest { param, message } = err else { panic!() };
+        let ApiError::InvalidRequest { param, message } = err else {
+            panic!()
+        };
         assert_eq!(param.as_deref(), Some("messages[0]"));
         assert!(message.contains("missing field `role`"), "{message}");
     }

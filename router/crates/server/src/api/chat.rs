@@ -23,7 +23,9 @@ use super::openai::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Usage,
 };
-use super::{model_context, response_id, sse_done, sse_json, unix_now, Backend, Piece, Pieces, TokenRecord};
+use super::{
+    model_context, response_id, sse_done, sse_json, unix_now, Backend, Piece, Pieces, TokenRecord,
+};
 use crate::text::tokenizer::TextTokenizer;
 use crate::validate::validate_chat;
 
@@ -47,11 +49,19 @@ pub async fn chat_completions<B: Backend>(
         let mut tokens = Vec::new();
         loop {
             match pieces.next().await {
-                Some(Piece::Text { text: t, tokens: mut ts }) => {
+                Some(Piece::Text {
+                    text: t,
+                    tokens: mut ts,
+                }) => {
                     text.push_str(&t);
                     tokens.append(&mut ts);
                 }
-                Some(Piece::Finished { reason, prompt_tokens, completion_tokens, tokens: mut ts }) => {
+                Some(Piece::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    tokens: mut ts,
+                }) => {
                     tokens.append(&mut ts);
                     return Ok(Json(ChatCompletionResponse {
                         id: writer.id.clone(),
@@ -60,7 +70,10 @@ pub async fn chat_completions<B: Backend>(
                         model: writer.model.clone(),
                         choices: vec![ChatChoice {
                             index: 0,
-                            message: AssistantMessage { role: "assistant", content: text },
+                            message: AssistantMessage {
+                                role: "assistant",
+                                content: text,
+                            },
                             logprobs: writer.logprobs(&tokens),
                             finish_reason: reason.as_str(),
                         }],
@@ -75,19 +88,38 @@ pub async fn chat_completions<B: Backend>(
     }
     let include_usage = v.include_usage;
     let first = vec![sse_json(&writer.chunk(
-        ChatDelta { role: Some("assistant"), content: Some(String::new()) },
+        ChatDelta {
+            role: Some("assistant"),
+            content: Some(String::new()),
+        },
         None,
         None,
     ))];
     let rest = stream::unfold((pieces, writer), move |(mut pieces, writer)| async move {
         let events: Vec<Event> = match pieces.next().await? {
             Piece::Text { text, tokens } => {
-                let delta = ChatDelta { role: None, content: Some(text) };
-                vec![sse_json(&writer.chunk(delta, writer.logprobs(&tokens), None))]
+                let delta = ChatDelta {
+                    role: None,
+                    content: Some(text),
+                };
+                vec![sse_json(&writer.chunk(
+                    delta,
+                    writer.logprobs(&tokens),
+                    None,
+                ))]
             }
-            Piece::Finished { reason, prompt_tokens, completion_tokens, tokens } => {
+            Piece::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                tokens,
+            } => {
                 let logprobs = writer.logprobs(&tokens);
-                let mut out = vec![sse_json(&writer.chunk(ChatDelta::default(), logprobs, Some(reason.as_str())))];
+                let mut out = vec![sse_json(&writer.chunk(
+                    ChatDelta::default(),
+                    logprobs,
+                    Some(reason.as_str()),
+                ))];
                 if include_usage {
                     let mut usage = writer.chunk(ChatDelta::default(), None, None);
                     usage.choices.clear();
@@ -117,13 +149,23 @@ struct ChatWriter {
 }
 
 impl ChatWriter {
-    fn chunk(&self, delta: ChatDelta, logprobs: Option<ChatLogprobs>, finish_reason: Option<&'static str>) -> ChatCompletionChunk {
+    fn chunk(
+        &self,
+        delta: ChatDelta,
+        logprobs: Option<ChatLogprobs>,
+        finish_reason: Option<&'static str>,
+    ) -> ChatCompletionChunk {
         ChatCompletionChunk {
             id: self.id.clone(),
             object: "chat.completion.chunk",
             created: self.created,
             model: self.model.clone(),
-            choices: vec![ChatChunkChoice { index: 0, delta, logprobs, finish_reason }],
+            choices: vec![ChatChunkChoice {
+                index: 0,
+                delta,
+                logprobs,
+                finish_reason,
+            }],
             usage: None,
         }
     }
@@ -144,7 +186,11 @@ impl ChatWriter {
                         .iter()
                         .map(|a| {
                             let token = tok.token_text(a.token_id);
-                            ChatTopLogprob { bytes: token.as_bytes().to_vec(), token, logprob: a.logprob }
+                            ChatTopLogprob {
+                                bytes: token.as_bytes().to_vec(),
+                                token,
+                                logprob: a.logprob,
+                            }
                         })
                         .collect(),
                 }
@@ -168,7 +214,12 @@ mod tests {
     #[tokio::test]
     async fn non_streaming_chat_response() {
         let fake = FakeBackend::new(FakeBackend::tokens(&["Hi", " there"], FinishReason::Stop));
-        let (status, _, body) = post_json(router_with(fake.clone()), "/v1/chat/completions", &format!("{HELLO}}}")).await;
+        let (status, _, body) = post_json(
+            router_with(fake.clone()),
+            "/v1/chat/completions",
+            &format!("{HELLO}}}"),
+        )
+        .await;
         assert_eq!(status, 200, "{body}");
         let v: Value = serde_json::from_str(&body).unwrap();
         assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
@@ -177,16 +228,23 @@ mod tests {
             v["choices"],
             json!([{"index": 0, "message": {"role": "assistant", "content": "Hi there"}, "logprobs": null, "finish_reason": "stop"}])
         );
-        assert_eq!(v["usage"], json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}));
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
+        );
         let prompt = fake.requests.lock().unwrap()[0].prompt_token_ids.clone();
-        assert_eq!(fake.tokenizer.decode(&prompt).unwrap(), "<|im_start|>user\nhi\n<|im_start|>assistant\n");
+        assert_eq!(
+            fake.tokenizer.decode(&prompt).unwrap(),
+            "<|im_start|>user\nhi\n<|im_start|>assistant\n"
+        );
     }
 
     #[tokio::test]
     async fn chat_logprobs_format() {
         let fake = FakeBackend::new(FakeBackend::tokens(&["Hi"], FinishReason::Stop));
         let body = format!(r#"{HELLO}, "logprobs": true, "top_logprobs": 1}}"#);
-        let (status, _, body) = post_json(router_with(fake.clone()), "/v1/chat/completions", &body).await;
+        let (status, _, body) =
+            post_json(router_with(fake.clone()), "/v1/chat/completions", &body).await;
         assert_eq!(status, 200, "{body}");
         let v: Value = serde_json::from_str(&body).unwrap();
         let entry = &v["choices"][0]["logprobs"]["content"][0];
@@ -194,40 +252,82 @@ mod tests {
         assert_eq!(entry["token"], json!(token));
         assert_eq!(entry["bytes"], json!(token.as_bytes()));
         assert_eq!(entry["logprob"], json!(-0.0));
-        assert_eq!(entry["top_logprobs"][1]["token"], json!(fake.tokenizer.token_text(100)));
+        assert_eq!(
+            entry["top_logprobs"][1]["token"],
+            json!(fake.tokenizer.token_text(100))
+        );
         assert_eq!(entry["top_logprobs"][1]["logprob"], json!(-3.0));
     }
 
     #[tokio::test]
     async fn streaming_chat_chunks() {
         let fake = FakeBackend::new(FakeBackend::tokens(&["Hi", "", "!"], FinishReason::Length));
-        let body = format!(r#"{HELLO}, "stream": true, "stream_options": {{"include_usage": true}}}}"#);
+        let body =
+            format!(r#"{HELLO}, "stream": true, "stream_options": {{"include_usage": true}}}}"#);
         let (status, _, body) = post_json(router_with(fake), "/v1/chat/completions", &body).await;
         assert_eq!(status, 200);
         let data = sse_data(&body);
         assert_eq!(data.last().unwrap(), "[DONE]");
-        let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
-        let deltas: Vec<_> = chunks.iter().map(|c| c["choices"][0]["delta"].clone()).collect();
+        let chunks: Vec<Value> = data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let deltas: Vec<_> = chunks
+            .iter()
+            .map(|c| c["choices"][0]["delta"].clone())
+            .collect();
         assert_eq!(
             deltas,
-            vec![json!({"role": "assistant", "content": ""}), json!({"content": "Hi"}), json!({"content": "!"}), json!({}), Value::Null]
+            vec![
+                json!({"role": "assistant", "content": ""}),
+                json!({"content": "Hi"}),
+                json!({"content": "!"}),
+                json!({}),
+                Value::Null
+            ]
         );
         assert_eq!(chunks[3]["choices"][0]["finish_reason"], "length");
-        assert!(chunks[..3].iter().all(|c| c["choices"][0]["finish_reason"].is_null()));
-        assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
-        assert_eq!(chunks[4]["usage"], json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}));
+        assert!(chunks[..3]
+            .iter()
+            .all(|c| c["choices"][0]["finish_reason"].is_null()));
+        assert!(chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk"));
+        assert_eq!(
+            chunks[4]["usage"],
+            json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
+        );
         assert_eq!(chunks[4]["choices"], json!([]));
     }
 
     #[tokio::test]
     async fn chat_validation_errors() {
-        let app = router_with(FakeBackend::new(FakeBackend::tokens(&["a"], FinishReason::Stop)));
+        let app = router_with(FakeBackend::new(FakeBackend::tokens(
+            &["a"],
+            FinishReason::Stop,
+        )));
         let cases = [
-            (r#"{"messages": [{"content": "x"}]}"#, Some("messages[0]"), "missing field `role`"),
+            (
+                r#"{"messages": [{"content": "x"}]}"#,
+                Some("messages[0]"),
+                "missing field `role`",
+            ),
             (r#"{"messages": "hi"}"#, Some("messages"), "invalid type"),
-            (r#"{"messages": [{"role": "user", "content": 3}]}"#, Some("messages[0].content"), "content parts"),
-            (r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100}"#, Some("max_tokens"), "context of 64"),
-            (r#"{"messages": [{"role": "user", "content": "x"}], "n": 3}"#, Some("n"), "n: 1"),
+            (
+                r#"{"messages": [{"role": "user", "content": 3}]}"#,
+                Some("messages[0].content"),
+                "content parts",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100}"#,
+                Some("max_tokens"),
+                "context of 64",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "n": 3}"#,
+                Some("n"),
+                "n: 1",
+            ),
         ];
         for (body, param, needle) in cases {
             let (status, _, text) = post_json(app.clone(), "/v1/chat/completions", body).await;

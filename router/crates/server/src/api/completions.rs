@@ -18,8 +18,13 @@ use axum::Json;
 use futures_util::stream::{self, StreamExt};
 
 use super::error::{ApiError, ApiJson};
-use super::openai::{CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, TopLogprobMap, Usage};
-use super::{model_context, response_id, sse_done, sse_json, unix_now, Backend, Piece, Pieces, TokenRecord};
+use super::openai::{
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, TopLogprobMap,
+    Usage,
+};
+use super::{
+    model_context, response_id, sse_done, sse_json, unix_now, Backend, Piece, Pieces, TokenRecord,
+};
 use crate::text::tokenizer::TextTokenizer;
 use crate::validate::validate_completion;
 
@@ -35,7 +40,10 @@ pub async fn completions<B: Backend>(
         id: response_id("cmpl"),
         created: unix_now(),
         model: backend.model().name.clone(),
-        logprobs: with_logprobs.then(|| LogprobWriter { tokenizer: backend.tokenizer().clone(), offset: 0 }),
+        logprobs: with_logprobs.then(|| LogprobWriter {
+            tokenizer: backend.tokenizer().clone(),
+            offset: 0,
+        }),
     };
     let mut pieces = Pieces::new(rx);
     if !v.stream {
@@ -43,11 +51,19 @@ pub async fn completions<B: Backend>(
         let mut tokens = Vec::new();
         loop {
             match pieces.next().await {
-                Some(Piece::Text { text: t, tokens: mut ts }) => {
+                Some(Piece::Text {
+                    text: t,
+                    tokens: mut ts,
+                }) => {
                     text.push_str(&t);
                     tokens.append(&mut ts);
                 }
-                Some(Piece::Finished { reason, prompt_tokens, completion_tokens, tokens: mut ts }) => {
+                Some(Piece::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    tokens: mut ts,
+                }) => {
                     tokens.append(&mut ts);
                     let mut body = writer.chunk(text, &tokens, Some(reason.as_str()));
                     body.usage = Some(Usage::new(prompt_tokens, completion_tokens));
@@ -59,24 +75,36 @@ pub async fn completions<B: Backend>(
         }
     }
     let include_usage = v.include_usage;
-    let events = stream::unfold((pieces, writer), move |(mut pieces, mut writer)| async move {
-        let events: Vec<Event> = match pieces.next().await? {
-            Piece::Text { text, tokens } => vec![sse_json(&writer.chunk(text, &tokens, None))],
-            Piece::Finished { reason, prompt_tokens, completion_tokens, tokens } => {
-                let mut out = vec![sse_json(&writer.chunk(String::new(), &tokens, Some(reason.as_str())))];
-                if include_usage {
-                    let mut usage = writer.chunk(String::new(), &[], None);
-                    usage.choices.clear();
-                    usage.usage = Some(Usage::new(prompt_tokens, completion_tokens));
-                    out.push(sse_json(&usage));
+    let events = stream::unfold(
+        (pieces, writer),
+        move |(mut pieces, mut writer)| async move {
+            let events: Vec<Event> = match pieces.next().await? {
+                Piece::Text { text, tokens } => vec![sse_json(&writer.chunk(text, &tokens, None))],
+                Piece::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    tokens,
+                } => {
+                    let mut out = vec![sse_json(&writer.chunk(
+                        String::new(),
+                        &tokens,
+                        Some(reason.as_str()),
+                    ))];
+                    if include_usage {
+                        let mut usage = writer.chunk(String::new(), &[], None);
+                        usage.choices.clear();
+                        usage.usage = Some(Usage::new(prompt_tokens, completion_tokens));
+                        out.push(sse_json(&usage));
+                    }
+                    out.push(sse_done());
+                    out
                 }
-                out.push(sse_done());
-                out
-            }
-            Piece::Failed(e) => vec![sse_json(&e.to_body())],
-        };
-        Some((events, (pieces, writer)))
-    });
+                Piece::Failed(e) => vec![sse_json(&e.to_body())],
+            };
+            Some((events, (pieces, writer)))
+        },
+    );
     Ok(sse_response(events))
 }
 
@@ -86,7 +114,9 @@ where
     S: futures_util::Stream<Item = Vec<Event>> + Send + 'static,
 {
     let events = batches.flat_map(|batch| stream::iter(batch.into_iter().map(Ok::<_, Infallible>)));
-    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
 }
 
 /// Builds the `text_completion` objects of one response.
@@ -103,14 +133,24 @@ struct CompletionWriter {
 
 impl CompletionWriter {
     /// One `text_completion` object with one choice (no usage).
-    fn chunk(&mut self, text: String, tokens: &[TokenRecord], finish_reason: Option<&'static str>) -> CompletionResponse {
+    fn chunk(
+        &mut self,
+        text: String,
+        tokens: &[TokenRecord],
+        finish_reason: Option<&'static str>,
+    ) -> CompletionResponse {
         let logprobs = self.logprobs.as_mut().map(|w| w.write(tokens));
         CompletionResponse {
             id: self.id.clone(),
             object: "text_completion",
             created: self.created,
             model: self.model.clone(),
-            choices: vec![CompletionChoice { index: 0, text, logprobs, finish_reason }],
+            choices: vec![CompletionChoice {
+                index: 0,
+                text,
+                logprobs,
+                finish_reason,
+            }],
             usage: None,
         }
     }
@@ -131,7 +171,10 @@ impl LogprobWriter {
             out.tokens.push(self.tokenizer.token_text(t.token_id));
             out.token_logprobs.push(t.logprob);
             out.top_logprobs.push(TopLogprobMap(
-                t.top_logprobs.iter().map(|a| (self.tokenizer.token_text(a.token_id), a.logprob)).collect(),
+                t.top_logprobs
+                    .iter()
+                    .map(|a| (self.tokenizer.token_text(a.token_id), a.logprob))
+                    .collect(),
             ));
             out.text_offset.push(self.offset);
             self.offset += t.text.chars().count();
@@ -151,30 +194,55 @@ mod tests {
 
     #[tokio::test]
     async fn non_streaming_response_shape_and_usage() {
-        let fake = FakeBackend::new(FakeBackend::tokens(&["Hel", "", "lo"], FinishReason::Length));
-        let (status, _, body) = post_json(router_with(fake.clone()), "/v1/completions", r#"{"model": "tiny", "prompt": "the", "max_tokens": 3}"#).await;
+        let fake = FakeBackend::new(FakeBackend::tokens(
+            &["Hel", "", "lo"],
+            FinishReason::Length,
+        ));
+        let (status, _, body) = post_json(
+            router_with(fake.clone()),
+            "/v1/completions",
+            r#"{"model": "tiny", "prompt": "the", "max_tokens": 3}"#,
+        )
+        .await;
         assert_eq!(status, 200, "{body}");
         let v: Value = serde_json::from_str(&body).unwrap();
         assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
         assert_eq!(v["object"], "text_completion");
         assert_eq!(v["model"], "tiny");
         assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
-        assert_eq!(v["choices"], json!([{"index": 0, "text": "Hello", "logprobs": null, "finish_reason": "length"}]));
-        assert_eq!(v["usage"], json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}));
+        assert_eq!(
+            v["choices"],
+            json!([{"index": 0, "text": "Hello", "logprobs": null, "finish_reason": "length"}])
+        );
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6})
+        );
         let sent = fake.requests.lock().unwrap()[0].clone();
         assert_eq!(sent.max_tokens, 3);
-        assert_eq!(sent.prompt_token_ids, fake.tokenizer.encode("the", true).unwrap());
+        assert_eq!(
+            sent.prompt_token_ids,
+            fake.tokenizer.encode("the", true).unwrap()
+        );
     }
 
     #[tokio::test]
     async fn logprobs_in_completions_format() {
         let fake = FakeBackend::new(FakeBackend::tokens(&["ab", "c"], FinishReason::Stop));
-        let (status, _, body) = post_json(router_with(fake.clone()), "/v1/completions", r#"{"prompt": "x", "logprobs": 2}"#).await;
+        let (status, _, body) = post_json(
+            router_with(fake.clone()),
+            "/v1/completions",
+            r#"{"prompt": "x", "logprobs": 2}"#,
+        )
+        .await;
         assert_eq!(status, 200, "{body}");
         let v: Value = serde_json::from_str(&body).unwrap();
         let lp = &v["choices"][0]["logprobs"];
         let tok = &fake.tokenizer;
-        assert_eq!(lp["tokens"], json!([tok.token_text(10), tok.token_text(11)]));
+        assert_eq!(
+            lp["tokens"],
+            json!([tok.token_text(10), tok.token_text(11)])
+        );
         assert_eq!(lp["token_logprobs"], json!([-0.0, -0.5]));
         assert_eq!(lp["text_offset"], json!([0, 2]));
         assert_eq!(lp["top_logprobs"][1][tok.token_text(100)], json!(-3.0));
@@ -194,12 +262,20 @@ mod tests {
         assert_eq!(headers["content-type"], "text/event-stream");
         let data = sse_data(&body);
         assert_eq!(data.len(), 5, "{data:?}");
-        let chunks: Vec<Value> = data[..4].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
-        let texts: Vec<_> = chunks[..3].iter().map(|c| c["choices"][0]["text"].clone()).collect();
+        let chunks: Vec<Value> = data[..4]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let texts: Vec<_> = chunks[..3]
+            .iter()
+            .map(|c| c["choices"][0]["text"].clone())
+            .collect();
         assert_eq!(texts, vec![json!("Hel"), json!("lo"), json!("")]);
         assert_eq!(chunks[0]["choices"][0]["finish_reason"], Value::Null);
         assert_eq!(chunks[2]["choices"][0]["finish_reason"], "stop");
-        assert!(chunks[..3].iter().all(|c| c.get("usage").is_none() && c["object"] == "text_completion"));
+        assert!(chunks[..3]
+            .iter()
+            .all(|c| c.get("usage").is_none() && c["object"] == "text_completion"));
         assert_eq!(chunks[3]["choices"], json!([]));
         assert_eq!(chunks[3]["usage"]["total_tokens"], 6);
         assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"]));
@@ -209,17 +285,33 @@ mod tests {
     #[tokio::test]
     async fn worker_error_mid_stream_and_non_streaming() {
         let script = Script::Events(vec![
-            GenerateEvent::Token { token_id: 1, text: "a".into(), logprob: None, top_logprobs: vec![] },
-            GenerateEvent::Error { message: "worker 0 crashed".into() },
+            GenerateEvent::Token {
+                token_id: 1,
+                text: "a".into(),
+                logprob: None,
+                top_logprobs: vec![],
+            },
+            GenerateEvent::Error {
+                message: "worker 0 crashed".into(),
+            },
         ]);
         let fake = FakeBackend::new(script);
-        let (status, _, body) = post_json(router_with(fake.clone()), "/v1/completions", r#"{"prompt": "x", "stream": true}"#).await;
+        let (status, _, body) = post_json(
+            router_with(fake.clone()),
+            "/v1/completions",
+            r#"{"prompt": "x", "stream": true}"#,
+        )
+        .await;
         assert_eq!(status, 200);
         let data = sse_data(&body);
         assert_eq!(data.len(), 2, "{data:?}");
         let (kind, _, message) = error_fields(&data[1]);
-        assert_eq!((kind.as_str(), message.as_str()), ("server_error", "worker 0 crashed"));
-        let (status, _, body) = post_json(router_with(fake), "/v1/completions", r#"{"prompt": "x"}"#).await;
+        assert_eq!(
+            (kind.as_str(), message.as_str()),
+            ("server_error", "worker 0 crashed")
+        );
+        let (status, _, body) =
+            post_json(router_with(fake), "/v1/completions", r#"{"prompt": "x"}"#).await;
         assert_eq!(status, 500);
         assert_eq!(error_fields(&body).2, "worker 0 crashed");
     }
@@ -232,7 +324,8 @@ mod tests {
             (EngineError::InvalidRequest("bad".into()), 400),
         ] {
             let fake = FakeBackend::new(Script::Refuse(err));
-            let (s, headers, body) = post_json(router_with(fake), "/v1/completions", r#"{"prompt": "x"}"#).await;
+            let (s, headers, body) =
+                post_json(router_with(fake), "/v1/completions", r#"{"prompt": "x"}"#).await;
             assert_eq!(s, status, "{body}");
             assert_eq!(headers.get("retry-after").is_some(), status != 400);
             error_fields(&body);
@@ -241,18 +334,53 @@ mod tests {
 
     #[tokio::test]
     async fn malformed_bodies_are_openai_json_400s() {
-        let app = router_with(FakeBackend::new(FakeBackend::tokens(&["a"], FinishReason::Stop)));
+        let app = router_with(FakeBackend::new(FakeBackend::tokens(
+            &["a"],
+            FinishReason::Stop,
+        )));
         let cases: &[(Option<&str>, &str, Option<&str>, &str)] = &[
-            (Some("application/json"), "{not json", None, "not valid JSON"),
-            (Some("application/json"), r#"{"prompt": "x", "max_tokens": "many"}"#, Some("max_tokens"), "invalid type"),
-            (Some("application/json"), r#"{"prompt": "x", "temperature": [1]}"#, Some("temperature"), "invalid type"),
+            (
+                Some("application/json"),
+                "{not json",
+                None,
+                "not valid JSON",
+            ),
+            (
+                Some("application/json"),
+                r#"{"prompt": "x", "max_tokens": "many"}"#,
+                Some("max_tokens"),
+                "invalid type",
+            ),
+            (
+                Some("application/json"),
+                r#"{"prompt": "x", "temperature": [1]}"#,
+                Some("temperature"),
+                "invalid type",
+            ),
             (Some("application/json"), "", None, "empty"),
-            (Some("application/json"), "[1, 2]", None, "must be a JSON object, got an array"),
+            (
+                Some("application/json"),
+                "[1, 2]",
+                None,
+                "must be a JSON object, got an array",
+            ),
             (Some("text/plain"), "{oops", None, "`text/plain`"),
-            (Some("application/json"), r#"{"prompt": ["a", "b"]}"#, Some("prompt"), "batched prompts are not supported"),
+            (
+                Some("application/json"),
+                r#"{"prompt": ["a", "b"]}"#,
+                Some("prompt"),
+                "batched prompts are not supported",
+            ),
         ];
         for (ct, body, param, needle) in cases {
-            let (status, _, text) = send(app.clone(), "POST", "/v1/completions", *ct, body.to_string()).await;
+            let (status, _, text) = send(
+                app.clone(),
+                "POST",
+                "/v1/completions",
+                *ct,
+                body.to_string(),
+            )
+            .await;
             assert_eq!(status, 400, "{body}: {text}");
             let (kind, p, message) = error_fields(&text);
             assert_eq!(kind, "invalid_request_error");
@@ -260,17 +388,35 @@ mod tests {
             assert!(message.contains(needle), "{message:?} lacks {needle:?}");
         }
         // No content type at all is accepted (curl without -H).
-        let (status, _, text) = send(app, "POST", "/v1/completions", None, r#"{"prompt": "x"}"#.to_string()).await;
+        let (status, _, text) = send(
+            app,
+            "POST",
+            "/v1/completions",
+            None,
+            r#"{"prompt": "x"}"#.to_string(),
+        )
+        .await;
         assert_eq!(status, 200, "{text}");
     }
 
     #[tokio::test]
     async fn unknown_model_is_404_naming_the_models_endpoint() {
-        let app = router_with(FakeBackend::new(FakeBackend::tokens(&["a"], FinishReason::Stop)));
-        let (status, _, body) = post_json(app, "/v1/completions", r#"{"model": "gpt-3.5", "prompt": "x"}"#).await;
+        let app = router_with(FakeBackend::new(FakeBackend::tokens(
+            &["a"],
+            FinishReason::Stop,
+        )));
+        let (status, _, body) = post_json(
+            app,
+            "/v1/completions",
+            r#"{"model": "gpt-3.5", "prompt": "x"}"#,
+        )
+        .await;
         assert_eq!(status, 404);
         let (kind, param, message) = error_fields(&body);
-        assert_eq!((kind.as_str(), param.as_deref()), ("not_found_error", Some("model")));
+        assert_eq!(
+            (kind.as_str(), param.as_deref()),
+            ("not_found_error", Some("model"))
+        );
         assert!(message.contains("GET /v1/models"));
     }
 
@@ -280,7 +426,12 @@ mod tests {
         use axum::http::Request;
         use tower::ServiceExt;
         // A request that never finishes on its own.
-        let script = Script::Events(vec![GenerateEvent::Token { token_id: 1, text: "a".into(), logprob: None, top_logprobs: vec![] }]);
+        let script = Script::Events(vec![GenerateEvent::Token {
+            token_id: 1,
+            text: "a".into(),
+            logprob: None,
+            top_logprobs: vec![],
+        }]);
         let fake = FakeBackend::new(script);
         let req = Request::post("/v1/completions")
             .header("content-type", "application/json")
@@ -290,6 +441,9 @@ mod tests {
         assert_eq!(response.status(), 200);
         assert!(!fake.all_cancelled(), "the stream holds the receiver");
         drop(response);
-        assert!(fake.all_cancelled(), "dropping the response drops the receiver");
+        assert!(
+            fake.all_cancelled(),
+            "dropping the response drops the receiver"
+        );
     }
 }

@@ -8,11 +8,11 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use axum::body::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -67,11 +67,16 @@ pub const ERROR_TYPES: [&str; 7] = [
 ];
 
 /// Errors answered since start, per [`ERROR_TYPES`] entry (process-wide, exported by `/metrics`).
-static ERROR_COUNTS: [AtomicU64; ERROR_TYPES.len()] = [const { AtomicU64::new(0) }; ERROR_TYPES.len()];
+static ERROR_COUNTS: [AtomicU64; ERROR_TYPES.len()] =
+    [const { AtomicU64::new(0) }; ERROR_TYPES.len()];
 
 /// `(error_type, count)` for every error type, for `/metrics`.
 pub fn error_counts() -> Vec<(&'static str, u64)> {
-    ERROR_TYPES.iter().zip(&ERROR_COUNTS).map(|(t, c)| (*t, c.load(Ordering::Relaxed))).collect()
+    ERROR_TYPES
+        .iter()
+        .zip(&ERROR_COUNTS)
+        .map(|(t, c)| (*t, c.load(Ordering::Relaxed)))
+        .collect()
 }
 
 /// The OpenAI error object (inside `{"error": ...}`); also sent on SSE and WebSocket streams.
@@ -98,12 +103,18 @@ pub struct ErrorBody {
 impl ApiError {
     /// A 400 about `param`.
     pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
-        ApiError::InvalidRequest { message: message.into(), param: Some(param.into()) }
+        ApiError::InvalidRequest {
+            message: message.into(),
+            param: Some(param.into()),
+        }
     }
 
     /// A 400 not tied to one field.
     pub fn invalid_body(message: impl Into<String>) -> Self {
-        ApiError::InvalidRequest { message: message.into(), param: None }
+        ApiError::InvalidRequest {
+            message: message.into(),
+            param: None,
+        }
     }
 
     /// The HTTP status.
@@ -141,11 +152,19 @@ impl ApiError {
         ERROR_COUNTS[self.type_index()].fetch_add(1, Ordering::Relaxed);
         let (param, code) = match self {
             ApiError::InvalidRequest { param, .. } => (param.clone(), None),
-            ApiError::ModelNotFound(_) => (Some("model".to_string()), Some("model_not_found".to_string())),
+            ApiError::ModelNotFound(_) => (
+                Some("model".to_string()),
+                Some("model_not_found".to_string()),
+            ),
             _ => (None, None),
         };
         ErrorBody {
-            error: ErrorObject { message: self.to_string(), kind: self.error_type().to_string(), param, code },
+            error: ErrorObject {
+                message: self.to_string(),
+                kind: self.error_type().to_string(),
+                param,
+                code,
+            },
         }
     }
 }
@@ -155,7 +174,10 @@ impl From<EngineError> for ApiError {
         match e {
             EngineError::Overloaded(m) => ApiError::Overloaded(m),
             EngineError::Unavailable(m) => ApiError::Unavailable(m),
-            EngineError::InvalidRequest(m) => ApiError::InvalidRequest { message: m, param: None },
+            EngineError::InvalidRequest(m) => ApiError::InvalidRequest {
+                message: m,
+                param: None,
+            },
         }
     }
 }
@@ -170,7 +192,9 @@ impl IntoResponse for ApiError {
         }
         let mut response = (status, Json(self.to_body())).into_response();
         if matches!(self, ApiError::Overloaded(_) | ApiError::Unavailable(_)) {
-            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
         }
         response
     }
@@ -234,21 +258,31 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     use axum::extract::rejection::JsonRejection;
     use std::error::Error as _;
     if bytes.iter().all(u8::is_ascii_whitespace) {
-        return Err(ApiError::invalid_body("the request body is empty; expected a JSON object"));
+        return Err(ApiError::invalid_body(
+            "the request body is empty; expected a JSON object",
+        ));
     }
     match Json::<T>::from_bytes(bytes) {
         Ok(Json(value)) => Ok(value),
         Err(JsonRejection::JsonDataError(e)) => {
             // The source is serde_path_to_error's "path: message" (no path at the top level).
-            let detail = e.source().map(|s| s.to_string()).unwrap_or_else(|| e.body_text());
+            let detail = e
+                .source()
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| e.body_text());
             Err(ApiError::InvalidRequest {
                 message: format!("invalid request body: {detail}"),
                 param: error_path(&detail).map(str::to_string),
             })
         }
         Err(JsonRejection::JsonSyntaxError(e)) => {
-            let detail = e.source().map(|s| s.to_string()).unwrap_or_else(|| e.body_text());
-            Err(ApiError::invalid_body(format!("the request body is not valid JSON: {detail}")))
+            let detail = e
+                .source()
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| e.body_text());
+            Err(ApiError::invalid_body(format!(
+                "the request body is not valid JSON: {detail}"
+            )))
         }
         Err(other) => Err(ApiError::invalid_body(other.body_text())),
     }
@@ -260,7 +294,9 @@ fn error_path(detail: &str) -> Option<&str> {
     let (path, _) = detail.split_once(": ")?;
     let is_path = !path.is_empty()
         && path != "."
-        && path.chars().all(|c| c.is_alphanumeric() || "_.[]?".contains(c));
+        && path
+            .chars()
+            .all(|c| c.is_alphanumeric() || "_.[]?".contains(c));
     is_path.then_some(path)
 }
 
@@ -284,22 +320,43 @@ mod tests {
     #[test]
     fn statuses_types_and_retry_after() {
         let cases: [(ApiError, u16, &str); 6] = [
-            (ApiError::invalid("max_tokens", "x"), 400, "invalid_request_error"),
+            (
+                ApiError::invalid("max_tokens", "x"),
+                400,
+                "invalid_request_error",
+            ),
             (ApiError::ModelNotFound("m".into()), 404, "not_found_error"),
-            (ApiError::PayloadTooLarge("x".into()), 413, "request_too_large"),
-            (EngineError::Overloaded("busy".into()).into(), 429, "rate_limit_error"),
-            (EngineError::Unavailable("restarting".into()).into(), 503, "service_unavailable_error"),
+            (
+                ApiError::PayloadTooLarge("x".into()),
+                413,
+                "request_too_large",
+            ),
+            (
+                EngineError::Overloaded("busy".into()).into(),
+                429,
+                "rate_limit_error",
+            ),
+            (
+                EngineError::Unavailable("restarting".into()).into(),
+                503,
+                "service_unavailable_error",
+            ),
             (ApiError::Internal("boom".into()), 500, "server_error"),
         ];
         for (err, status, kind) in cases {
             assert_eq!(err.status().as_u16(), status);
             assert_eq!(err.error_type(), kind);
             let response = err.clone().into_response();
-            let retry = response.headers().get(header::RETRY_AFTER).map(|v| v.to_str().unwrap().to_string());
+            let retry = response
+                .headers()
+                .get(header::RETRY_AFTER)
+                .map(|v| v.to_str().unwrap().to_string());
             assert_eq!(retry.is_some(), status == 429 || status == 503, "{err:?}");
         }
         let body = ApiError::ModelNotFound("nope".into()).to_body();
-        assert!(body.error.message.contains("`nope`") && body.error.message.contains("GET /v1/models"));
+        assert!(
+            body.error.message.contains("`nope`") && body.error.message.contains("GET /v1/models")
+        );
         assert_eq!(body.error.code.as_deref(), Some("model_not_found"));
         let json = serde_json::to_value(ApiError::invalid("prompt", "empty").to_body()).unwrap();
         assert_eq!(
@@ -311,12 +368,20 @@ mod tests {
     #[test]
     fn parse_errors_name_the_field() {
         let err = parse_json::<Body>(br#"{"model": "m", "max_tokens": "ten"}"#).unwrap_err();
-        let ApiError::InvalidRequest { message, param } = err else { panic!() };
+        let ApiError::InvalidRequest { message, param } = err else {
+            panic!()
+        };
         assert_eq!(param.as_deref(), Some("max_tokens"));
-        assert!(message.contains("invalid type") && message.contains("max_tokens"), "{message}");
+        assert!(
+            message.contains("invalid type") && message.contains("max_tokens"),
+            "{message}"
+        );
 
-        let err = parse_json::<Body>(br#"{"model": "m", "messages": [{"content": "x"}]}"#).unwrap_err();
-        let ApiError::InvalidRequest { message, param } = err else { panic!() };
+        let err =
+            parse_json::<Body>(br#"{"model": "m", "messages": [{"content": "x"}]}"#).unwrap_err();
+        let ApiError::InvalidRequest { message, param } = err else {
+            panic!()
+        };
         assert_eq!(param.as_deref(), Some("messages[0]"));
         assert!(message.contains("missing field `role`"), "{message}");
 
@@ -324,7 +389,11 @@ mod tests {
         assert!(err.to_string().contains("missing field `model`"), "{err}");
 
         let err = parse_json::<Body>(br#"{"model": "m",,}"#).unwrap_err();
-        assert!(err.to_string().starts_with("the request body is not valid JSON"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("the request body is not valid JSON"),
+            "{err}"
+        );
         assert_eq!(err.status(), StatusCode::BAD_REQUEST);
 
         let err = parse_json::<Body>(b"  ").unwrap_err();

@@ -26,8 +26,13 @@ pub async fn ready<B: Backend>(State(backend): State<B>) -> Response {
     if backend.is_ready() {
         (StatusCode::OK, Json(json!({"status": "ready"}))).into_response()
     } else {
-        let mut r = (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "not_ready"}))).into_response();
-        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+        let mut r = (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "not_ready"})),
+        )
+            .into_response();
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
         r
     }
 }
@@ -39,23 +44,95 @@ pub async fn metrics<B: Backend>(State(backend): State<B>) -> Response {
     let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
         let _ = writeln!(out, "# HELP deltaserve_{name} {help}\n# TYPE deltaserve_{name} {kind}\ndeltaserve_{name} {value}");
     };
-    metric("requests_waiting", "gauge", "Requests queued, not yet running.", m.requests_waiting);
-    metric("requests_running", "gauge", "Requests in the running batch.", m.requests_running);
-    metric("kv_blocks_total", "gauge", "KV cache pages in the pool.", m.kv_blocks_total);
-    metric("kv_blocks_free", "gauge", "KV cache pages free.", m.kv_blocks_free);
+    metric(
+        "requests_waiting",
+        "gauge",
+        "Requests queued, not yet running.",
+        m.requests_waiting,
+    );
+    metric(
+        "requests_running",
+        "gauge",
+        "Requests in the running batch.",
+        m.requests_running,
+    );
+    metric(
+        "kv_blocks_total",
+        "gauge",
+        "KV cache pages in the pool.",
+        m.kv_blocks_total,
+    );
+    metric(
+        "kv_blocks_free",
+        "gauge",
+        "KV cache pages free.",
+        m.kv_blocks_free,
+    );
     metric("steps_total", "counter", "Engine steps run.", m.steps_total);
-    metric("preemptions_total", "counter", "Requests preempted to free KV pages.", m.preemptions_total);
-    metric("requests_finished_total", "counter", "Requests that ended (stop or length).", m.requests_finished_total);
-    metric("requests_aborted_total", "counter", "Requests cancelled by their client.", m.requests_aborted_total);
-    metric("tokens_generated_total", "counter", "Output tokens generated.", m.tokens_generated_total);
-    metric("step_gap_us_p50", "gauge", "Median router + IPC gap between worker steps, microseconds.", m.step_gap_us_p50);
-    metric("step_gap_us_p99", "gauge", "99th percentile router + IPC gap between worker steps, microseconds.", m.step_gap_us_p99);
-    metric("worker_restarts_total", "counter", "Worker processes restarted.", m.worker_restarts_total);
+    metric(
+        "preemptions_total",
+        "counter",
+        "Requests preempted to free KV pages.",
+        m.preemptions_total,
+    );
+    metric(
+        "requests_finished_total",
+        "counter",
+        "Requests that ended (stop or length).",
+        m.requests_finished_total,
+    );
+    metric(
+        "requests_aborted_total",
+        "counter",
+        "Requests cancelled by their client.",
+        m.requests_aborted_total,
+    );
+    metric(
+        "tokens_generated_total",
+        "counter",
+        "Output tokens generated.",
+        m.tokens_generated_total,
+    );
+    metric(
+        "step_gap_us_p50",
+        "gauge",
+        "Median router + IPC gap between worker steps, microseconds.",
+        m.step_gap_us_p50,
+    );
+    metric(
+        "step_gap_us_p99",
+        "gauge",
+        "99th percentile router + IPC gap between worker steps, microseconds.",
+        m.step_gap_us_p99,
+    );
+    metric("step_router_us_p50", "gauge", "Median time from a worker's step output to the router sending the next plan, microseconds (the router's share of the gap).", m.step_router_us_p50);
+    metric(
+        "step_router_us_p99",
+        "gauge",
+        "99th percentile of the router's share of the step gap, microseconds.",
+        m.step_router_us_p99,
+    );
+    metric(
+        "worker_restarts_total",
+        "counter",
+        "Worker processes restarted.",
+        m.worker_restarts_total,
+    );
     let _ = writeln!(out, "# HELP deltaserve_api_errors_total Error responses by error type.\n# TYPE deltaserve_api_errors_total counter");
     for (kind, count) in error_counts() {
-        let _ = writeln!(out, "deltaserve_api_errors_total{{type=\"{kind}\"}} {count}");
+        let _ = writeln!(
+            out,
+            "deltaserve_api_errors_total{{type=\"{kind}\"}} {count}"
+        );
     }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        out,
+    )
+        .into_response()
 }
 
 #[cfg(test)]
@@ -69,13 +146,21 @@ mod tests {
     async fn health_ready_and_metrics() {
         let mut fake = FakeBackend::new(FakeBackend::tokens(&[], FinishReason::Stop));
         let (status, _, body) = send(router_with(fake.clone()), "GET", "/health", None, "").await;
-        assert_eq!((status.as_u16(), body.as_str()), (200, r#"{"status":"ok"}"#));
+        assert_eq!(
+            (status.as_u16(), body.as_str()),
+            (200, r#"{"status":"ok"}"#)
+        );
         let (status, _, _) = send(router_with(fake.clone()), "GET", "/ready", None, "").await;
         assert_eq!(status, 200);
         let (status, _, body) = send(router_with(fake.clone()), "GET", "/metrics", None, "").await;
         assert_eq!(status, 200);
-        for line in ["deltaserve_requests_running 2", "deltaserve_kv_blocks_free 7", "deltaserve_kv_blocks_total 10",
-                     "# TYPE deltaserve_steps_total counter", "deltaserve_api_errors_total{type=\"invalid_request_error\"}"] {
+        for line in [
+            "deltaserve_requests_running 2",
+            "deltaserve_kv_blocks_free 7",
+            "deltaserve_kv_blocks_total 10",
+            "# TYPE deltaserve_steps_total counter",
+            "deltaserve_api_errors_total{type=\"invalid_request_error\"}",
+        ] {
             assert!(body.contains(line), "{line:?} missing from\n{body}");
         }
         fake.ready = false;

@@ -38,7 +38,10 @@ use axum::Router;
 use deltaserve_ipc::wire::TokenLogprob;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::engine::{EngineError, EngineHandle, EngineMetrics, FinishReason, GenerateEvent, GenerateRequest, ServedModel};
+use crate::engine::{
+    EngineError, EngineHandle, EngineMetrics, FinishReason, GenerateEvent, GenerateRequest,
+    ServedModel,
+};
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
 use crate::validate::ModelContext;
@@ -115,20 +118,30 @@ pub fn router_with<B: Backend>(backend: B) -> Router {
 
 /// Validation's view of a backend.
 pub(crate) fn model_context<B: Backend>(b: &B) -> ModelContext<'_> {
-    ModelContext { model: b.model(), tokenizer: b.tokenizer(), chat_template: b.chat_template().map(|t| &**t) }
+    ModelContext {
+        model: b.model(),
+        tokenizer: b.tokenizer(),
+        chat_template: b.chat_template().map(|t| &**t),
+    }
 }
 
 /// A response id: `prefix-` + 24 hex digits, unique within the process and across restarts.
 pub(crate) fn response_id(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
     format!("{prefix}-{nanos:016x}{:08x}", n as u32)
 }
 
 /// Unix seconds now.
 pub(crate) fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// One generated token as the response builders see it.
@@ -149,9 +162,17 @@ pub(crate) struct TokenRecord {
 pub(crate) enum Piece {
     /// Non-empty text, and every token since the previous piece (tokens that released no text
     /// ride along with the next one that does).
-    Text { text: String, tokens: Vec<TokenRecord> },
+    Text {
+        text: String,
+        tokens: Vec<TokenRecord>,
+    },
     /// The request ended; `tokens` are those that released no text since the last piece.
-    Finished { reason: FinishReason, prompt_tokens: u32, completion_tokens: u32, tokens: Vec<TokenRecord> },
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+        tokens: Vec<TokenRecord>,
+    },
     /// The request failed.
     Failed(ApiError),
 }
@@ -168,7 +189,11 @@ pub(crate) struct Pieces {
 
 impl Pieces {
     pub(crate) fn new(rx: UnboundedReceiver<GenerateEvent>) -> Self {
-        Self { rx, pending: Vec::new(), ended: false }
+        Self {
+            rx,
+            pending: Vec::new(),
+            ended: false,
+        }
     }
 
     /// The next piece; `None` after the last.
@@ -178,9 +203,19 @@ impl Pieces {
         }
         loop {
             let piece = match self.rx.recv().await {
-                Some(GenerateEvent::Token { token_id, text, logprob, top_logprobs }) => {
+                Some(GenerateEvent::Token {
+                    token_id,
+                    text,
+                    logprob,
+                    top_logprobs,
+                }) => {
                     let empty = text.is_empty();
-                    self.pending.push(TokenRecord { token_id, text, logprob, top_logprobs });
+                    self.pending.push(TokenRecord {
+                        token_id,
+                        text,
+                        logprob,
+                        top_logprobs,
+                    });
                     if empty {
                         continue;
                     }
@@ -188,14 +223,22 @@ impl Pieces {
                     let text = tokens.iter().map(|t| t.text.as_str()).collect();
                     return Some(Piece::Text { text, tokens });
                 }
-                Some(GenerateEvent::Finished { reason, prompt_tokens, completion_tokens }) => Piece::Finished {
+                Some(GenerateEvent::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                }) => Piece::Finished {
                     reason,
                     prompt_tokens,
                     completion_tokens,
                     tokens: std::mem::take(&mut self.pending),
                 },
-                Some(GenerateEvent::Error { message }) => Piece::Failed(ApiError::Internal(message)),
-                None => Piece::Failed(ApiError::Internal("the engine ended the request without a result".into())),
+                Some(GenerateEvent::Error { message }) => {
+                    Piece::Failed(ApiError::Internal(message))
+                }
+                None => Piece::Failed(ApiError::Internal(
+                    "the engine ended the request without a result".into(),
+                )),
             };
             self.ended = true;
             return Some(piece);
@@ -205,7 +248,8 @@ impl Pieces {
 
 /// An SSE event carrying `value` as JSON.
 pub(crate) fn sse_json<T: serde::Serialize>(value: &T) -> Event {
-    Event::default().data(serde_json::to_string(value).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}")))
+    Event::default()
+        .data(serde_json::to_string(value).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}")))
 }
 
 /// The `data: [DONE]` terminator of OpenAI streams.
@@ -251,9 +295,16 @@ pub(crate) mod fake {
     impl FakeBackend {
         pub fn new(script: Script) -> Self {
             Self {
-                model: Arc::new(ServedModel { name: "tiny".into(), max_model_len: 64, vocab_size: 300, created: 1_700_000_000 }),
+                model: Arc::new(ServedModel {
+                    name: "tiny".into(),
+                    max_model_len: 64,
+                    vocab_size: 300,
+                    created: 1_700_000_000,
+                }),
                 tokenizer: tiny_tokenizer(),
-                template: Some(Arc::new(ChatTemplate::new(CHATML.into(), None, None).unwrap())),
+                template: Some(Arc::new(
+                    ChatTemplate::new(CHATML.into(), None, None).unwrap(),
+                )),
                 ready: true,
                 script: Arc::new(Mutex::new(script)),
                 requests: Arc::default(),
@@ -270,10 +321,23 @@ pub(crate) mod fake {
                     token_id: 10 + i as u32,
                     text: t.to_string(),
                     logprob: Some(-0.5 * i as f64),
-                    top_logprobs: vec![TokenLogprob { token_id: 10 + i as u32, logprob: -0.5 * i as f64 }, TokenLogprob { token_id: 100, logprob: -3.0 }],
+                    top_logprobs: vec![
+                        TokenLogprob {
+                            token_id: 10 + i as u32,
+                            logprob: -0.5 * i as f64,
+                        },
+                        TokenLogprob {
+                            token_id: 100,
+                            logprob: -3.0,
+                        },
+                    ],
                 })
                 .collect();
-            events.push(GenerateEvent::Finished { reason, prompt_tokens: 3, completion_tokens: texts.len() as u32 });
+            events.push(GenerateEvent::Finished {
+                reason,
+                prompt_tokens: 3,
+                completion_tokens: texts.len() as u32,
+            });
             Script::Events(events)
         }
 
@@ -287,7 +351,8 @@ pub(crate) mod fake {
         fn generate(
             &self,
             req: GenerateRequest,
-        ) -> impl Future<Output = Result<UnboundedReceiver<GenerateEvent>, EngineError>> + Send {
+        ) -> impl Future<Output = Result<UnboundedReceiver<GenerateEvent>, EngineError>> + Send
+        {
             let script = self.script.lock().unwrap().clone();
             self.requests.lock().unwrap().push(req);
             let senders = self.senders.clone();
@@ -318,7 +383,12 @@ pub(crate) mod fake {
             self.ready
         }
         async fn metrics(&self) -> EngineMetrics {
-            EngineMetrics { requests_running: 2, kv_blocks_free: 7, kv_blocks_total: 10, ..Default::default() }
+            EngineMetrics {
+                requests_running: 2,
+                kv_blocks_free: 7,
+                kv_blocks_total: 10,
+                ..Default::default()
+            }
         }
     }
 }
@@ -343,7 +413,10 @@ pub(crate) mod test_http {
         if let Some(ct) = content_type {
             req = req.header("content-type", ct);
         }
-        let response = router.oneshot(req.body(body.into()).unwrap()).await.unwrap();
+        let response = router
+            .oneshot(req.body(body.into()).unwrap())
+            .await
+            .unwrap();
         let status = response.status();
         let headers = response.headers().clone();
         let bytes = response.into_body().collect().await.unwrap().to_bytes();
@@ -351,13 +424,25 @@ pub(crate) mod test_http {
     }
 
     /// POSTs a JSON body.
-    pub async fn post_json(router: axum::Router, path: &str, body: &str) -> (StatusCode, axum::http::HeaderMap, String) {
-        send(router, "POST", path, Some("application/json"), body.to_string()).await
+    pub async fn post_json(
+        router: axum::Router,
+        path: &str,
+        body: &str,
+    ) -> (StatusCode, axum::http::HeaderMap, String) {
+        send(
+            router,
+            "POST",
+            path,
+            Some("application/json"),
+            body.to_string(),
+        )
+        .await
     }
 
     /// Parses `body` as OpenAI's error JSON; returns (type, param, message).
     pub fn error_fields(body: &str) -> (String, Option<String>, String) {
-        let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
+        let v: serde_json::Value =
+            serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"));
         let e = &v["error"];
         (
             e["type"].as_str().unwrap().to_string(),
@@ -371,7 +456,11 @@ pub(crate) mod test_http {
         assert!(body.ends_with("\n\n"), "{body:?}");
         body.split("\n\n")
             .filter(|e| !e.is_empty())
-            .map(|e| e.strip_prefix("data: ").unwrap_or_else(|| panic!("bad SSE event {e:?}")).to_string())
+            .map(|e| {
+                e.strip_prefix("data: ")
+                    .unwrap_or_else(|| panic!("bad SSE event {e:?}"))
+                    .to_string()
+            })
             .collect()
     }
 }
@@ -384,7 +473,10 @@ mod tests {
 
     #[tokio::test]
     async fn unknown_route_method_and_huge_body_are_json_errors() {
-        let app = router_with(FakeBackend::new(FakeBackend::tokens(&["a"], FinishReason::Stop)));
+        let app = router_with(FakeBackend::new(FakeBackend::tokens(
+            &["a"],
+            FinishReason::Stop,
+        )));
         let (status, _, body) = send(app.clone(), "GET", "/v2/nothing", None, "").await;
         assert_eq!(status, 404);
         assert_eq!(error_fields(&body).0, "not_found_error");
@@ -401,20 +493,37 @@ mod tests {
     async fn pieces_attach_textless_tokens_to_the_next_text() {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         for (id, text) in [(1, ""), (2, "ab"), (3, ""), (4, "")] {
-            tx.send(GenerateEvent::Token { token_id: id, text: text.into(), logprob: None, top_logprobs: vec![] }).unwrap();
+            tx.send(GenerateEvent::Token {
+                token_id: id,
+                text: text.into(),
+                logprob: None,
+                top_logprobs: vec![],
+            })
+            .unwrap();
         }
-        tx.send(GenerateEvent::Finished { reason: FinishReason::Length, prompt_tokens: 1, completion_tokens: 4 }).unwrap();
+        tx.send(GenerateEvent::Finished {
+            reason: FinishReason::Length,
+            prompt_tokens: 1,
+            completion_tokens: 4,
+        })
+        .unwrap();
         let mut pieces = Pieces::new(rx);
-        let Some(Piece::Text { text, tokens }) = pieces.next().await else { panic!() };
+        let Some(Piece::Text { text, tokens }) = pieces.next().await else {
+            panic!()
+        };
         assert_eq!((text.as_str(), tokens.len()), ("ab", 2));
-        let Some(Piece::Finished { reason, tokens, .. }) = pieces.next().await else { panic!() };
+        let Some(Piece::Finished { reason, tokens, .. }) = pieces.next().await else {
+            panic!()
+        };
         assert_eq!((reason, tokens.len()), (FinishReason::Length, 2));
         assert!(pieces.next().await.is_none());
         // A sender dropped without a last event is a failure, not a hang.
         drop(tx);
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<GenerateEvent>();
         drop(tx);
-        let Some(Piece::Failed(e)) = Pieces::new(rx).next().await else { panic!() };
+        let Some(Piece::Failed(e)) = Pieces::new(rx).next().await else {
+            panic!()
+        };
         assert_eq!(e.status(), 500);
     }
 }

@@ -32,7 +32,10 @@ mod tests {
 
     #[tokio::test]
     async fn lists_the_served_model() {
-        let app = router_with(FakeBackend::new(FakeBackend::tokens(&[], FinishReason::Stop)));
+        let app = router_with(FakeBackend::new(FakeBackend::tokens(
+            &[],
+            FinishReason::Stop,
+        )));
         let (status, _, body) = send(app, "GET", "/v1/models", None, "").await;
         assert_eq!(status, 200);
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();

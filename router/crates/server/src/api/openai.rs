@@ -110,7 +110,11 @@ pub struct Usage {
 impl Usage {
     /// Usage from the two counts.
     pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
-        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
     }
 }
 
@@ -166,7 +170,12 @@ pub struct TopLogprobMap(pub Vec<(String, f64)>);
 impl Serialize for TopLogprobMap {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let mut seen = std::collections::HashSet::new();
-        s.collect_map(self.0.iter().filter(|(t, _)| seen.insert(t.as_str())).map(|(t, l)| (t, l)))
+        s.collect_map(
+            self.0
+                .iter()
+                .filter(|(t, _)| seen.insert(t.as_str()))
+                .map(|(t, l)| (t, l)),
+        )
     }
 }
 

@@ -55,7 +55,11 @@ pub enum ServerMessage {
         top_logprobs: Option<Vec<WsTopLogprob>>,
     },
     /// The generation ended.
-    Done { id: String, finish_reason: &'static str, usage: Usage },
+    Done {
+        id: String,
+        finish_reason: &'static str,
+        usage: Usage,
+    },
     /// A message could not be served; `id` when it concerns one generation.
     Error {
         #[serde(skip_serializing_if = "Option::is_none")]
@@ -77,7 +81,10 @@ pub struct WsTopLogprob {
 
 impl ServerMessage {
     fn error(id: Option<String>, e: &ApiError) -> Self {
-        ServerMessage::Error { id, error: e.to_body().error }
+        ServerMessage::Error {
+            id,
+            error: e.to_body().error,
+        }
     }
 }
 
@@ -95,8 +102,14 @@ pub async fn ws_upgrade<B: Backend>(
     ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Response {
     match ws {
-        Ok(ws) => ws.max_message_size(MAX_BODY_BYTES).on_upgrade(move |socket| serve(backend, socket)),
-        Err(e) => ApiError::invalid_body(format!("/v1/ws needs a WebSocket upgrade: {}", e.body_text())).into_response(),
+        Ok(ws) => ws
+            .max_message_size(MAX_BODY_BYTES)
+            .on_upgrade(move |socket| serve(backend, socket)),
+        Err(e) => ApiError::invalid_body(format!(
+            "/v1/ws needs a WebSocket upgrade: {}",
+            e.body_text()
+        ))
+        .into_response(),
     }
 }
 
@@ -152,17 +165,30 @@ fn on_text<B: Backend>(
     };
     let msg: Value = match parse_json(text.as_bytes()) {
         Ok(Value::Object(m)) => Value::Object(m),
-        Ok(_) => return reply_error(None, ApiError::invalid_body("a message must be a JSON object")),
+        Ok(_) => {
+            return reply_error(
+                None,
+                ApiError::invalid_body("a message must be a JSON object"),
+            )
+        }
         Err(e) => return reply_error(None, e),
     };
     let id = match msg.get("id") {
         Some(Value::String(id)) if !id.is_empty() => id.clone(),
-        _ => return reply_error(None, ApiError::invalid("id", "every message needs a non-empty string `id`")),
+        _ => {
+            return reply_error(
+                None,
+                ApiError::invalid("id", "every message needs a non-empty string `id`"),
+            )
+        }
     };
     match msg.get("type").and_then(Value::as_str) {
         Some("generate") => {
             if live.contains_key(&id) {
-                let e = ApiError::invalid("id", format!("a generation with id `{id}` is already running"));
+                let e = ApiError::invalid(
+                    "id",
+                    format!("a generation with id `{id}` is already running"),
+                );
                 return reply_error(Some(id), e);
             }
             let request = match validate_ws_request(backend, msg.get("request")) {
@@ -170,29 +196,59 @@ fn on_text<B: Backend>(
                 Err(e) => return reply_error(Some(id), e),
             };
             let (cancel, cancelled) = oneshot::channel();
-            let task = tokio::spawn(generate(backend.clone(), id.clone(), request, cancelled, out.clone(), ended.clone()));
-            live.insert(id, Live { cancel, task: task.abort_handle() });
+            let task = tokio::spawn(generate(
+                backend.clone(),
+                id.clone(),
+                request,
+                cancelled,
+                out.clone(),
+                ended.clone(),
+            ));
+            live.insert(
+                id,
+                Live {
+                    cancel,
+                    task: task.abort_handle(),
+                },
+            );
         }
         Some("cancel") => match live.remove(&id) {
             // The task sends `done` with `abort`; if it just finished, the send finds nobody.
             Some(g) => {
                 let _ = g.cancel.send(());
             }
-            None => reply_error(Some(id.clone()), ApiError::invalid("id", format!("no generation with id `{id}` is running"))),
+            None => reply_error(
+                Some(id.clone()),
+                ApiError::invalid("id", format!("no generation with id `{id}` is running")),
+            ),
         },
         Some(other) => reply_error(
             Some(id),
-            ApiError::invalid("type", format!("unknown message type `{other}`; expected `generate` or `cancel`")),
+            ApiError::invalid(
+                "type",
+                format!("unknown message type `{other}`; expected `generate` or `cancel`"),
+            ),
         ),
-        None => reply_error(Some(id), ApiError::invalid("type", "the message needs a string `type`")),
+        None => reply_error(
+            Some(id),
+            ApiError::invalid("type", "the message needs a string `type`"),
+        ),
     }
 }
 
 /// A `request` with `messages` is a chat request; otherwise a completions request.
-fn validate_ws_request<B: Backend>(backend: &B, request: Option<&Value>) -> Result<GenerateRequest, ApiError> {
+fn validate_ws_request<B: Backend>(
+    backend: &B,
+    request: Option<&Value>,
+) -> Result<GenerateRequest, ApiError> {
     let request = match request {
         Some(r @ Value::Object(_)) => r,
-        _ => return Err(ApiError::invalid("request", "`request` must be an object with `prompt` or `messages`")),
+        _ => {
+            return Err(ApiError::invalid(
+                "request",
+                "`request` must be an object with `prompt` or `messages`",
+            ))
+        }
     };
     let bytes = serde_json::to_vec(request).expect("a JSON value serializes");
     let ctx = model_context(backend);
@@ -204,9 +260,15 @@ fn validate_ws_request<B: Backend>(backend: &B, request: Option<&Value>) -> Resu
         other => other,
     };
     let validated = if request.get("messages").is_some() {
-        validate_chat(&parse_json::<ChatCompletionRequest>(&bytes).map_err(prefixed)?, &ctx)
+        validate_chat(
+            &parse_json::<ChatCompletionRequest>(&bytes).map_err(prefixed)?,
+            &ctx,
+        )
     } else {
-        validate_completion(&parse_json::<CompletionRequest>(&bytes).map_err(prefixed)?, &ctx)
+        validate_completion(
+            &parse_json::<CompletionRequest>(&bytes).map_err(prefixed)?,
+            &ctx,
+        )
     };
     Ok(validated.map_err(prefixed)?.request)
 }
@@ -289,14 +351,18 @@ mod tests {
     use crate::api::router_with;
     use crate::engine::{FinishReason, GenerateEvent};
 
-    type Client = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+    type Client = tokio_tungstenite::WebSocketStream<
+        tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+    >;
 
     /// Serves the fake on a local port and connects a client.
     async fn connect(fake: FakeBackend) -> Client {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, router_with(fake)).await.unwrap() });
-        let (client, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/v1/ws")).await.unwrap();
+        let (client, _) = tokio_tungstenite::connect_async(format!("ws://{addr}/v1/ws"))
+            .await
+            .unwrap();
         client
     }
 
@@ -305,7 +371,11 @@ mod tests {
     }
 
     async fn recv(c: &mut Client) -> Value {
-        let msg = tokio::time::timeout(Duration::from_secs(5), c.next()).await.expect("timed out").unwrap().unwrap();
+        let msg = tokio::time::timeout(Duration::from_secs(5), c.next())
+            .await
+            .expect("timed out")
+            .unwrap()
+            .unwrap();
         serde_json::from_str(msg.to_text().unwrap()).unwrap()
     }
 
@@ -320,35 +390,93 @@ mod tests {
         }
         let texts: Vec<_> = got[..3].iter().map(|m| m["text"].clone()).collect();
         assert_eq!(texts, vec![json!("Hel"), json!(""), json!("lo")]);
-        assert!(got[..3].iter().all(|m| m["type"] == "token" && m["id"] == "a" && m["logprob"].is_number()));
+        assert!(got[..3]
+            .iter()
+            .all(|m| m["type"] == "token" && m["id"] == "a" && m["logprob"].is_number()));
         assert_eq!(got[0]["token_id"], 10);
         assert_eq!(got[0]["top_logprobs"][1]["token_id"], 100);
-        assert_eq!(got[3], json!({"type": "done", "id": "a", "finish_reason": "stop",
-                                   "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}));
+        assert_eq!(
+            got[3],
+            json!({"type": "done", "id": "a", "finish_reason": "stop",
+                                   "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
+        );
         assert_eq!(fake.requests.lock().unwrap()[0].max_tokens, 3);
         // The id is free again once `done` arrived; a chat request this time.
         send(&mut c, json!({"type": "generate", "id": "a", "request": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}})).await;
         assert_eq!(recv(&mut c).await["type"], "token");
         let prompt = fake.requests.lock().unwrap()[1].prompt_token_ids.clone();
-        assert!(fake.tokenizer.decode(&prompt).unwrap().ends_with("<|im_start|>assistant\n"));
+        assert!(fake
+            .tokenizer
+            .decode(&prompt)
+            .unwrap()
+            .ends_with("<|im_start|>assistant\n"));
     }
 
     #[tokio::test]
     async fn errors_keep_the_socket_open() {
         // Requests never finish on their own here.
-        let script = Script::Events(vec![GenerateEvent::Token { token_id: 1, text: "x".into(), logprob: None, top_logprobs: vec![] }]);
+        let script = Script::Events(vec![GenerateEvent::Token {
+            token_id: 1,
+            text: "x".into(),
+            logprob: None,
+            top_logprobs: vec![],
+        }]);
         let mut c = connect(FakeBackend::new(script)).await;
-        send(&mut c, json!({"type": "generate", "id": "g", "request": {"prompt": "x"}})).await;
+        send(
+            &mut c,
+            json!({"type": "generate", "id": "g", "request": {"prompt": "x"}}),
+        )
+        .await;
         assert_eq!(recv(&mut c).await["type"], "token");
         let cases = [
-            (json!({"type": "generate", "id": "g", "request": {"prompt": "y"}}), Some("g"), "id", "already running"),
-            (json!({"type": "generate", "id": "h", "request": {"prompt": "y", "temperature": 9}}), Some("h"), "request.temperature", "between 0 and 2"),
-            (json!({"type": "generate", "id": "h", "request": {"prompt": "y", "max_tokens": "x"}}), Some("h"), "request.max_tokens", "invalid type"),
-            (json!({"type": "generate", "id": "h", "request": {"model": "nope", "prompt": "y"}}), Some("h"), "model", "GET /v1/models"),
-            (json!({"type": "generate", "id": "h"}), Some("h"), "request", "must be an object"),
-            (json!({"type": "jump", "id": "h"}), Some("h"), "type", "unknown message type"),
-            (json!({"type": "cancel", "id": "zzz"}), Some("zzz"), "id", "no generation"),
-            (json!({"type": "cancel"}), None, "id", "non-empty string `id`"),
+            (
+                json!({"type": "generate", "id": "g", "request": {"prompt": "y"}}),
+                Some("g"),
+                "id",
+                "already running",
+            ),
+            (
+                json!({"type": "generate", "id": "h", "request": {"prompt": "y", "temperature": 9}}),
+                Some("h"),
+                "request.temperature",
+                "between 0 and 2",
+            ),
+            (
+                json!({"type": "generate", "id": "h", "request": {"prompt": "y", "max_tokens": "x"}}),
+                Some("h"),
+                "request.max_tokens",
+                "invalid type",
+            ),
+            (
+                json!({"type": "generate", "id": "h", "request": {"model": "nope", "prompt": "y"}}),
+                Some("h"),
+                "model",
+                "GET /v1/models",
+            ),
+            (
+                json!({"type": "generate", "id": "h"}),
+                Some("h"),
+                "request",
+                "must be an object",
+            ),
+            (
+                json!({"type": "jump", "id": "h"}),
+                Some("h"),
+                "type",
+                "unknown message type",
+            ),
+            (
+                json!({"type": "cancel", "id": "zzz"}),
+                Some("zzz"),
+                "id",
+                "no generation",
+            ),
+            (
+                json!({"type": "cancel"}),
+                None,
+                "id",
+                "non-empty string `id`",
+            ),
             (json!([1]), None, "", "JSON object"),
         ];
         for (msg, id, param, needle) in cases {
@@ -356,29 +484,57 @@ mod tests {
             let reply = recv(&mut c).await;
             assert_eq!(reply["type"], "error", "{msg}: {reply}");
             assert_eq!(reply.get("id").and_then(Value::as_str), id, "{reply}");
-            assert_eq!(reply["error"]["param"].as_str().unwrap_or(""), param, "{reply}");
-            assert!(reply["error"]["message"].as_str().unwrap().contains(needle), "{reply}");
+            assert_eq!(
+                reply["error"]["param"].as_str().unwrap_or(""),
+                param,
+                "{reply}"
+            );
+            assert!(
+                reply["error"]["message"].as_str().unwrap().contains(needle),
+                "{reply}"
+            );
         }
         c.send(WsMsg::Text("{bad".into())).await.unwrap();
-        assert!(recv(&mut c).await["error"]["message"].as_str().unwrap().contains("not valid JSON"));
+        assert!(recv(&mut c).await["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not valid JSON"));
         c.send(WsMsg::Binary(vec![1u8, 2].into())).await.unwrap();
         assert_eq!(recv(&mut c).await["type"], "error");
     }
 
     #[tokio::test]
     async fn cancel_aborts_one_generation_and_close_aborts_all() {
-        let script = Script::Events(vec![GenerateEvent::Token { token_id: 1, text: "x".into(), logprob: None, top_logprobs: vec![] }]);
+        let script = Script::Events(vec![GenerateEvent::Token {
+            token_id: 1,
+            text: "x".into(),
+            logprob: None,
+            top_logprobs: vec![],
+        }]);
         let fake = FakeBackend::new(script);
         let mut c = connect(fake.clone()).await;
         for id in ["a", "b", "c"] {
-            send(&mut c, json!({"type": "generate", "id": id, "request": {"prompt": [1, 2]}})).await;
+            send(
+                &mut c,
+                json!({"type": "generate", "id": id, "request": {"prompt": [1, 2]}}),
+            )
+            .await;
             assert_eq!(recv(&mut c).await["id"], id);
         }
         send(&mut c, json!({"type": "cancel", "id": "b"})).await;
         let done = recv(&mut c).await;
-        assert_eq!(done, json!({"type": "done", "id": "b", "finish_reason": "abort",
-                                "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}));
-        let closed: Vec<bool> = fake.senders.lock().unwrap().iter().map(|s| s.is_closed()).collect();
+        assert_eq!(
+            done,
+            json!({"type": "done", "id": "b", "finish_reason": "abort",
+                                "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}})
+        );
+        let closed: Vec<bool> = fake
+            .senders
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|s| s.is_closed())
+            .collect();
         assert_eq!(closed, vec![false, true, false]);
         c.close(None).await.unwrap();
         for _ in 0..100 {
@@ -392,9 +548,15 @@ mod tests {
 
     #[tokio::test]
     async fn engine_refusal_is_an_error_message() {
-        let fake = FakeBackend::new(Script::Refuse(crate::engine::EngineError::Overloaded("queue full".into())));
+        let fake = FakeBackend::new(Script::Refuse(crate::engine::EngineError::Overloaded(
+            "queue full".into(),
+        )));
         let mut c = connect(fake).await;
-        send(&mut c, json!({"type": "generate", "id": "a", "request": {"prompt": "x"}})).await;
+        send(
+            &mut c,
+            json!({"type": "generate", "id": "a", "request": {"prompt": "x"}}),
+        )
+        .await;
         let reply = recv(&mut c).await;
         assert_eq!(reply["error"]["type"], "rate_limit_error");
         assert_eq!(reply["id"], "a");

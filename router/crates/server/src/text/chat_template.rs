@@ -66,7 +66,8 @@ impl<'de> Deserialize<'de> for MessageContent {
                 .into_iter()
                 .enumerate()
                 .map(|(i, v)| {
-                    ContentPart::deserialize(v).map_err(|e| D::Error::custom(format!("part {i}: {e}")))
+                    ContentPart::deserialize(v)
+                        .map_err(|e| D::Error::custom(format!("part {i}: {e}")))
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map(MessageContent::Parts),
@@ -133,7 +134,9 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate").field("bos_token", &self.bos_token).finish()
+        f.debug_struct("ChatTemplate")
+            .field("bos_token", &self.bos_token)
+            .finish()
     }
 }
 
@@ -146,8 +149,13 @@ impl ChatTemplate {
         let source = match &config.chat_template {
             Some(Value::String(s)) => Some(s.clone()),
             Some(Value::Array(list)) => {
-                let named = list.iter().find(|t| t.get("name").and_then(Value::as_str) == Some("default"));
-                match named.and_then(|t| t.get("template")).and_then(Value::as_str) {
+                let named = list
+                    .iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"));
+                match named
+                    .and_then(|t| t.get("template"))
+                    .and_then(Value::as_str)
+                {
                     Some(s) => Some(s.to_string()),
                     None => {
                         return Err(TextError::Config {
@@ -160,7 +168,10 @@ impl ChatTemplate {
             Some(other) => {
                 return Err(TextError::Config {
                     path: config_path,
-                    message: format!("`chat_template` must be a string or a list, not {}", json_kind(other)),
+                    message: format!(
+                        "`chat_template` must be a string or a list, not {}",
+                        json_kind(other)
+                    ),
                 })
             }
             None => {
@@ -169,7 +180,10 @@ impl ChatTemplate {
                     Ok(s) => Some(s),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
                     Err(source) => {
-                        return Err(TextError::Io { path: path.display().to_string(), source })
+                        return Err(TextError::Io {
+                            path: path.display().to_string(),
+                            source,
+                        })
                     }
                 }
             }
@@ -189,26 +203,46 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
-        });
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| TextError::Template(format!("cannot compile: {e}")))?;
-        Ok(Self { env, bos_token: bos_token.unwrap_or_default(), eos_token: eos_token.unwrap_or_default() })
+        Ok(Self {
+            env,
+            bos_token: bos_token.unwrap_or_default(),
+            eos_token: eos_token.unwrap_or_default(),
+        })
     }
 
     /// The prompt text for `messages`, ending with the assistant's turn header when
     /// `add_generation_prompt`. A template's `raise_exception` becomes an error with its message.
-    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TextError> {
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TextError> {
         let rendered = messages
             .iter()
             .enumerate()
             .map(|(i, m)| {
-                let content = m.content.text().map_err(|e| TextError::Template(format!("messages[{i}].content: {e}")))?;
-                Ok(RenderedMessage { role: &m.role, content })
+                let content = m
+                    .content
+                    .text()
+                    .map_err(|e| TextError::Template(format!("messages[{i}].content: {e}")))?;
+                Ok(RenderedMessage {
+                    role: &m.role,
+                    content,
+                })
             })
             .collect::<Result<Vec<_>, TextError>>()?;
-        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| TextError::Template(e.to_string()))?;
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| TextError::Template(e.to_string()))?;
         template
             .render(minijinja::context! {
                 messages => rendered,
@@ -219,7 +253,9 @@ impl ChatTemplate {
             .map_err(|e| {
                 // `raise_exception` messages are the template author's words: pass them through.
                 let detail = match e.kind() {
-                    ErrorKind::InvalidOperation => e.detail().unwrap_or("invalid operation").to_string(),
+                    ErrorKind::InvalidOperation => {
+                        e.detail().unwrap_or("invalid operation").to_string()
+                    }
                     _ => e.to_string(),
                 };
                 TextError::Template(detail)
@@ -241,13 +277,17 @@ mod tests {
     #[test]
     fn chatml_adds_default_system_prompt_and_generation_prompt() {
         let t = ChatTemplate::new(SMOL.into(), None, Some("<|im_end|>".into())).unwrap();
-        let out = t.render(&msgs(r#"[{"role": "user", "content": "Hi"}]"#), true).unwrap();
+        let out = t
+            .render(&msgs(r#"[{"role": "user", "content": "Hi"}]"#), true)
+            .unwrap();
         assert_eq!(
             out,
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
              <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
-        let out = t.render(&msgs(r#"[{"role": "user", "content": "Hi"}]"#), false).unwrap();
+        let out = t
+            .render(&msgs(r#"[{"role": "user", "content": "Hi"}]"#), false)
+            .unwrap();
         assert!(out.ends_with("<|im_start|>user\nHi<|im_end|>\n"), "{out}");
     }
 
@@ -270,11 +310,21 @@ mod tests {
     #[test]
     fn non_text_parts_and_bad_content_are_refused() {
         let t = ChatTemplate::new(SMOL.into(), None, None).unwrap();
-        let m = msgs(r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]"#);
+        let m = msgs(
+            r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]"#,
+        );
         let err = t.render(&m, true).unwrap_err().to_string();
-        assert!(err.contains("messages[0].content") && err.contains("image_url"), "{err}");
-        let err = serde_json::from_str::<ChatMessage>(r#"{"role": "user", "content": 5}"#).unwrap_err();
-        assert!(err.to_string().contains("expected a string or an array of content parts"), "{err}");
+        assert!(
+            err.contains("messages[0].content") && err.contains("image_url"),
+            "{err}"
+        );
+        let err =
+            serde_json::from_str::<ChatMessage>(r#"{"role": "user", "content": 5}"#).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("expected a string or an array of content parts"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -282,11 +332,18 @@ mod tests {
         let src = "{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('Tool messages are not supported') }}{% endif %}\n\
                    [{{ m.role }}] {{ m.content.strip() }}{{ eos_token }}\n{% endfor %}";
         let t = ChatTemplate::new(src.into(), Some("<s>".into()), Some("</s>".into())).unwrap();
-        let out = t.render(&msgs(r#"[{"role": "user", "content": "  hi  "}]"#), true).unwrap();
+        let out = t
+            .render(&msgs(r#"[{"role": "user", "content": "  hi  "}]"#), true)
+            .unwrap();
         // trim_blocks drops the newline after `{% endif %}`.
         assert_eq!(out, "<s>[user] hi</s>\n");
-        let err = t.render(&msgs(r#"[{"role": "tool", "content": "x"}]"#), true).unwrap_err();
-        assert_eq!(err.to_string(), "chat template error: Tool messages are not supported");
+        let err = t
+            .render(&msgs(r#"[{"role": "tool", "content": "x"}]"#), true)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "chat template error: Tool messages are not supported"
+        );
         assert!(ChatTemplate::new("{% for %}".into(), None, None).is_err());
     }
 
@@ -294,9 +351,17 @@ mod tests {
     fn loads_from_tokenizer_config_list_or_jinja_file() {
         let dir = tempfile::tempdir().unwrap();
         assert!(ChatTemplate::from_model_dir(dir.path()).unwrap().is_none());
-        std::fs::write(dir.path().join("chat_template.jinja"), "J{{ messages[0].content }}").unwrap();
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "J{{ messages[0].content }}",
+        )
+        .unwrap();
         let t = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
-        assert_eq!(t.render(&msgs(r#"[{"role": "user", "content": "x"}]"#), false).unwrap(), "Jx");
+        assert_eq!(
+            t.render(&msgs(r#"[{"role": "user", "content": "x"}]"#), false)
+                .unwrap(),
+            "Jx"
+        );
         let cfg = serde_json::json!({
             "bos_token": "<s>",
             "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ bos_token }}"}]
@@ -304,7 +369,11 @@ mod tests {
         std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
         let t = ChatTemplate::from_model_dir(dir.path()).unwrap().unwrap();
         assert_eq!(t.render(&[], false).unwrap(), "D<s>");
-        std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"chat_template": [{"name": "x", "template": "T"}]}"#).unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"chat_template": [{"name": "x", "template": "T"}]}"#,
+        )
+        .unwrap();
         let err = ChatTemplate::from_model_dir(dir.path()).unwrap_err();
         assert!(err.to_string().contains("default"), "{err}");
     }

@@ -68,7 +68,11 @@ impl DetokStream {
         // A prompt (given as token ids) may end inside a character; its text would change once
         // the first generated token completes it, so such a tail gives no usable context.
         let tail_text = tokenizer.decode(tail).unwrap_or_default();
-        let ids = if tail_text.ends_with(char::REPLACEMENT_CHARACTER) { Vec::new() } else { tail.to_vec() };
+        let ids = if tail_text.ends_with(char::REPLACEMENT_CHARACTER) {
+            Vec::new()
+        } else {
+            tail.to_vec()
+        };
         Self {
             tokenizer,
             read_offset: ids.len(),
@@ -83,7 +87,10 @@ impl DetokStream {
     /// Adds one generated token; returns the text it makes safe to emit.
     pub fn push(&mut self, token_id: u32) -> StepText {
         if self.stopped {
-            return StepText { delta: String::new(), stopped: true };
+            return StepText {
+                delta: String::new(),
+                stopped: true,
+            };
         }
         self.ids.push(token_id);
         if let Some(text) = self.decode_new(false) {
@@ -123,7 +130,10 @@ impl DetokStream {
             .tokenizer
             .decode(&self.ids[self.prefix_offset..self.read_offset])
             .unwrap_or_default();
-        let new_text = self.tokenizer.decode(&self.ids[self.prefix_offset..]).unwrap_or_default();
+        let new_text = self
+            .tokenizer
+            .decode(&self.ids[self.prefix_offset..])
+            .unwrap_or_default();
         let complete = !new_text.ends_with(char::REPLACEMENT_CHARACTER);
         if new_text.len() <= prefix_text.len() || !(complete || force) {
             return None;
@@ -139,11 +149,17 @@ impl DetokStream {
         if let Some((start, _)) = self.first_stop() {
             self.pending.truncate(start);
             self.stopped = true;
-            return StepText { delta: std::mem::take(&mut self.pending), stopped: true };
+            return StepText {
+                delta: std::mem::take(&mut self.pending),
+                stopped: true,
+            };
         }
         let hold = self.held_suffix_len();
         let delta = self.pending.drain(..self.pending.len() - hold).collect();
-        StepText { delta, stopped: false }
+        StepText {
+            delta,
+            stopped: false,
+        }
     }
 
     /// The stop-string match in `pending` that ends first (ties: the one starting first), as
@@ -151,7 +167,11 @@ impl DetokStream {
     fn first_stop(&self) -> Option<(usize, usize)> {
         self.stop
             .iter()
-            .filter_map(|s| self.pending.find(s.as_str()).map(|start| (start, start + s.len())))
+            .filter_map(|s| {
+                self.pending
+                    .find(s.as_str())
+                    .map(|start| (start, start + s.len()))
+            })
             .min_by_key(|&(start, end)| (end, start))
     }
 
@@ -207,13 +227,18 @@ mod tests {
         let text = " the 日本語 théâtre 🎉🎉 done";
         let ids = tok.encode(text, false).unwrap();
         // One token per byte at least somewhere inside a character.
-        assert!(ids.iter().any(|&id| tok.decode(&[id]).unwrap().contains('\u{FFFD}')));
+        assert!(ids
+            .iter()
+            .any(|&id| tok.decode(&[id]).unwrap().contains('\u{FFFD}')));
         let prompt = tok.encode("Hello", true).unwrap();
         let mut stream = DetokStream::new(tok.clone(), &prompt, vec![]);
         let (deltas, flushed, stopped) = run(&mut stream, &ids);
         assert!(!stopped);
         for d in &deltas {
-            assert!(!d.contains('\u{FFFD}'), "delta {d:?} has a replacement character");
+            assert!(
+                !d.contains('\u{FFFD}'),
+                "delta {d:?} has a replacement character"
+            );
         }
         assert_eq!(deltas.concat() + &flushed, text);
         // The emoji's first token (F0 9F) emits nothing on its own.
@@ -245,7 +270,10 @@ mod tests {
             out.push_str(&step.delta);
             if !step.stopped {
                 // Text that could start "STOP" is never emitted before it is ruled out.
-                assert!(["S", "ST", "STO"].iter().all(|p| !out.ends_with(p)), "{out:?}");
+                assert!(
+                    ["S", "ST", "STO"].iter().all(|p| !out.ends_with(p)),
+                    "{out:?}"
+                );
                 saw_hold |= step.delta.is_empty() && !tok.decode(&[id]).unwrap().is_empty();
             }
             if step.stopped {
@@ -255,7 +283,13 @@ mod tests {
         assert!(saw_hold);
         assert!(stream.is_stopped());
         assert_eq!(out, "hello ST ok ");
-        assert_eq!(stream.push(ids[0]), StepText { delta: String::new(), stopped: true });
+        assert_eq!(
+            stream.push(ids[0]),
+            StepText {
+                delta: String::new(),
+                stopped: true
+            }
+        );
         assert_eq!(stream.flush(), "");
     }
 
@@ -272,7 +306,13 @@ mod tests {
         let ids = tok.encode("STOP after", false).unwrap();
         let mut stream = DetokStream::new(tok.clone(), &[], vec!["STOP".into()]);
         let step = stream.push(ids[0]);
-        assert_eq!(step, StepText { delta: String::new(), stopped: true });
+        assert_eq!(
+            step,
+            StepText {
+                delta: String::new(),
+                stopped: true
+            }
+        );
         // A held prefix that turns out not to be a stop is released, and flushed at the end.
         let ids = tok.encode("a S", false).unwrap();
         let mut stream = DetokStream::new(tok.clone(), &[], vec!["STOP".into()]);
@@ -314,8 +354,13 @@ mod tests {
         let vocab = tok.vocab_size();
         // Tokens of real text (including split multi-byte characters) mixed with arbitrary ids
         // (invalid UTF-8 byte runs, special tokens).
-        let corpus = tok.encode(" the STOP hello 日本 théâtre 🎉 orll ", false).unwrap();
-        let specials: Vec<u32> = SPECIALS.iter().map(|s| tok.token_to_id(s).unwrap()).collect();
+        let corpus = tok
+            .encode(" the STOP hello 日本 théâtre 🎉 orll ", false)
+            .unwrap();
+        let specials: Vec<u32> = SPECIALS
+            .iter()
+            .map(|s| tok.token_to_id(s).unwrap())
+            .collect();
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         let mut stopped_cases = 0;
         for case in 0..400 {
@@ -340,7 +385,11 @@ mod tests {
                     stops.push(chars[a..b].iter().collect());
                 }
             }
-            let prompt = if case % 2 == 0 { tok.encode("Q: the", true).unwrap() } else { Vec::new() };
+            let prompt = if case % 2 == 0 {
+                tok.encode("Q: the", true).unwrap()
+            } else {
+                Vec::new()
+            };
             let mut stream = DetokStream::new(tok.clone(), &prompt, stops.clone());
             let (deltas, flushed, stopped) = run(&mut stream, &ids);
             let expected = truncate_at_stop(&full, &stops);
@@ -351,13 +400,22 @@ mod tests {
             );
             if stopped {
                 stopped_cases += 1;
-                assert_ne!(expected, full, "case {case}: stopped without a stop string in the text");
+                assert_ne!(
+                    expected, full,
+                    "case {case}: stopped without a stop string in the text"
+                );
             }
             if !full.contains('\u{FFFD}') {
                 // Valid output: no delta ever shows a half character.
-                assert!(deltas.iter().all(|d| !d.contains('\u{FFFD}')), "case {case}: {deltas:?}");
+                assert!(
+                    deltas.iter().all(|d| !d.contains('\u{FFFD}')),
+                    "case {case}: {deltas:?}"
+                );
             }
         }
-        assert!(stopped_cases > 50, "the test must exercise stops: {stopped_cases}");
+        assert!(
+            stopped_cases > 50,
+            "the test must exercise stops: {stopped_cases}"
+        );
     }
 }

@@ -64,7 +64,9 @@ pub(crate) mod test_support {
         } else {
             // The non-printable bytes, in order, map to U+0100, U+0101, ...
             let rank = (0u8..b)
-                .filter(|&x| !((b'!'..=b'~').contains(&x) || (0xA1..=0xAC).contains(&x) || x >= 0xAE))
+                .filter(|&x| {
+                    !((b'!'..=b'~').contains(&x) || (0xA1..=0xAC).contains(&x) || x >= 0xAE)
+                })
                 .count() as u32;
             char::from_u32(256 + rank).unwrap()
         }
@@ -81,7 +83,11 @@ pub(crate) mod test_support {
     /// Multi-byte merges, some ending inside a UTF-8 character ("日" is E6 97 A5: the merge of
     /// E6 97 leaves A5 for the next token), so decoding token by token splits characters.
     fn merges() -> Vec<(String, String)> {
-        let bytes = |s: &[u8]| s.iter().map(|&b| byte_char(b).to_string()).collect::<Vec<_>>();
+        let bytes = |s: &[u8]| {
+            s.iter()
+                .map(|&b| byte_char(b).to_string())
+                .collect::<Vec<_>>()
+        };
         let rie = "日".as_bytes();
         let emoji = "🎉".as_bytes();
         vec![
@@ -94,8 +100,14 @@ pub(crate) mod test_support {
             (spell("ST"), spell("O")),
             (spell("STO"), spell("P")),
             (bytes(&rie[..1])[0].clone(), bytes(&rie[1..2])[0].clone()),
-            (bytes(&emoji[..1])[0].clone(), bytes(&emoji[1..2])[0].clone()),
-            (bytes("é".as_bytes())[0].clone(), bytes("é".as_bytes())[1].clone()),
+            (
+                bytes(&emoji[..1])[0].clone(),
+                bytes(&emoji[1..2])[0].clone(),
+            ),
+            (
+                bytes("é".as_bytes())[0].clone(),
+                bytes("é".as_bytes())[1].clone(),
+            ),
             (spell("é"), spell("t")),
         ]
     }
@@ -121,7 +133,10 @@ pub(crate) mod test_support {
                     "lstrip": false, "rstrip": false, "normalized": false, "special": true})
             })
             .collect();
-        let merges: Vec<_> = merges.iter().map(|(a, b)| serde_json::json!([a, b])).collect();
+        let merges: Vec<_> = merges
+            .iter()
+            .map(|(a, b)| serde_json::json!([a, b]))
+            .collect();
         serde_json::json!({
             "version": "1.0",
             "truncation": null,

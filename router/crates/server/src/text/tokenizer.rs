@@ -31,7 +31,12 @@ impl TokenizerConfig {
         let text = match std::fs::read_to_string(&path) {
             Ok(text) => text,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::default()),
-            Err(source) => return Err(TextError::Io { path: path.display().to_string(), source }),
+            Err(source) => {
+                return Err(TextError::Io {
+                    path: path.display().to_string(),
+                    source,
+                })
+            }
         };
         Self::from_json_str(&text).map_err(|message| TextError::Config {
             path: path.display().to_string(),
@@ -100,8 +105,10 @@ impl TextTokenizer {
     pub fn from_model_dir(dir: impl AsRef<Path>) -> Result<Self, TextError> {
         let dir = dir.as_ref();
         let path = dir.join("tokenizer.json");
-        let json = std::fs::read_to_string(&path)
-            .map_err(|source| TextError::Io { path: path.display().to_string(), source })?;
+        let json = std::fs::read_to_string(&path).map_err(|source| TextError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
         let config = TokenizerConfig::from_model_dir(dir)?;
         Self::from_json_str(&json, config).map_err(|e| match e {
             TextError::Tokenizer(m) => TextError::Tokenizer(format!("{}: {m}", path.display())),
@@ -111,11 +118,23 @@ impl TextTokenizer {
 
     /// Builds a tokenizer from the content of a `tokenizer.json` and an already-read config.
     pub fn from_json_str(json: &str, config: TokenizerConfig) -> Result<Self, TextError> {
-        let inner: tokenizers::Tokenizer =
-            json.parse().map_err(|e: tokenizers::Error| TextError::Tokenizer(e.to_string()))?;
-        let bos_id = config.bos_token.as_deref().and_then(|t| inner.token_to_id(t));
-        let eos_id = config.eos_token.as_deref().and_then(|t| inner.token_to_id(t));
-        Ok(Self { inner, config, bos_id, eos_id })
+        let inner: tokenizers::Tokenizer = json
+            .parse()
+            .map_err(|e: tokenizers::Error| TextError::Tokenizer(e.to_string()))?;
+        let bos_id = config
+            .bos_token
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t));
+        let eos_id = config
+            .eos_token
+            .as_deref()
+            .and_then(|t| inner.token_to_id(t));
+        Ok(Self {
+            inner,
+            config,
+            bos_id,
+            eos_id,
+        })
     }
 
     /// Token ids of `text`. With `add_special_tokens` the tokenizer's post-processor runs (BOS
@@ -138,7 +157,9 @@ impl TextTokenizer {
 
     /// The text of `ids`, special tokens left out. Incomplete UTF-8 comes out as U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String, TextError> {
-        self.inner.decode(ids, true).map_err(|e| TextError::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| TextError::Tokenizer(e.to_string()))
     }
 
     /// The text of one token on its own, special tokens included (for logprob listings).
@@ -207,7 +228,11 @@ mod tests {
         let tok = TextTokenizer::from_model_dir(dir.path()).unwrap();
         assert_eq!(tok.bos_token(), Some("<s>"));
         assert_eq!(tok.eos_token(), Some("</s>"));
-        assert_eq!(tok.encode("he", true).unwrap().len(), 1, "add_bos_token is false");
+        assert_eq!(
+            tok.encode("he", true).unwrap().len(),
+            1,
+            "add_bos_token is false"
+        );
     }
 
     #[test]
@@ -216,7 +241,11 @@ mod tests {
         let err = TextTokenizer::from_model_dir(dir.path()).unwrap_err();
         assert!(err.to_string().contains("tokenizer.json"), "{err}");
         std::fs::write(dir.path().join("tokenizer.json"), tiny_tokenizer_json()).unwrap();
-        std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"bos_token": 3}"#).unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"bos_token": 3}"#,
+        )
+        .unwrap();
         let err = TextTokenizer::from_model_dir(dir.path()).unwrap_err();
         assert!(err.to_string().contains("bos_token"), "{err}");
         std::fs::write(dir.path().join("tokenizer.json"), "{not json").unwrap();
