@@ -350,18 +350,18 @@ impl Actor {
     }
 
     /// When to poll for the step in flight instead of sleeping (GPU workers only: a CPU worker
-    /// needs every core for its forward pass). The window opens at 85% of the usual step time
-    /// and stays open for 30% of it (0.2 to 3 ms).
+    /// needs every core for its forward pass). The window is centred on the expected arrival,
+    /// the moving average of the step round trip, ± 10% of it (at least 0.2 ms, at most 3 ms).
     fn spin_window(&self) -> Option<SpinWindow> {
         if self.in_flight.is_none() || self.spec.device == "cpu" || self.step_secs <= 0.0 {
             return None;
         }
-        let from = self.sent_at + Duration::from_secs_f64(self.step_secs * 0.85);
-        let open = Duration::from_secs_f64(self.step_secs * 0.3)
+        let expected = self.sent_at + Duration::from_secs_f64(self.step_secs);
+        let margin = Duration::from_secs_f64(self.step_secs * 0.1)
             .clamp(Duration::from_micros(200), Duration::from_millis(3));
         Some(SpinWindow {
-            from,
-            until: from + open,
+            from: expected.checked_sub(margin).unwrap_or(self.sent_at).max(self.sent_at),
+            until: expected + margin,
         })
     }
 
