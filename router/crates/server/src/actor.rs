@@ -360,7 +360,10 @@ impl Actor {
         let margin = Duration::from_secs_f64(self.step_secs * 0.1)
             .clamp(Duration::from_micros(200), Duration::from_millis(3));
         Some(SpinWindow {
-            from: expected.checked_sub(margin).unwrap_or(self.sent_at).max(self.sent_at),
+            from: expected
+                .checked_sub(margin)
+                .unwrap_or(self.sent_at)
+                .max(self.sent_at),
             until: expected + margin,
         })
     }
