@@ -83,3 +83,29 @@ def test_worker_crash_fails_inflight_requests_and_restarts(tiny_llama):
                        timeout=60)
         assert r.status_code == 200, r.text
         assert d.metrics()["deltaserve_worker_restarts_total"] >= 1
+
+
+def test_two_workers_behind_one_router(tiny_llama, tiny_daemon):
+    """`--devices cpu,cpu` runs two workers; requests spread over both and give the same tokens."""
+    from .wsclient import ws_generate
+
+    req = {"prompt": "two workers, one answer", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    want = ws_generate(tiny_daemon.url, {"x": req})["x"]["token_ids"]
+    kv = tiny_daemon.metrics()["deltaserve_kv_blocks_total"]
+    with Daemon(tiny_llama, "--devices", "cpu,cpu", "--kv-cache-bytes", str(_kv_bytes_of(tiny_daemon))) as d:
+        assert len(_worker_pids(d.proc.pid)) == 2
+        assert d.metrics()["deltaserve_kv_blocks_total"] == 2 * kv
+        got = ws_generate(d.url, {f"r{i}": req for i in range(8)})
+        for rid, r in got.items():
+            assert r["token_ids"] == want, rid
+        m = d.metrics()
+        assert m["deltaserve_tokens_generated_total"] == 8 * 12
+        # Both workers served some: a worker that serves any request runs at least 12 steps for
+        # it, and one worker batching all 8 would need only ~13, so 24 or more means two did.
+        assert m["deltaserve_steps_total"] >= 2 * 12
+
+
+def _kv_bytes_of(daemon) -> int:
+    """The KV budget the tiny_daemon fixture was started with (from its command line)."""
+    args = daemon.proc.args
+    return int(args[args.index("--kv-cache-bytes") + 1])
