@@ -7,7 +7,14 @@ embeddings). Each fixture is a ``pathlib.Path`` to an HF directory (see helpers/
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+
+# Triton kernels run on the CPU under the interpreter unless a GPU run asks otherwise
+# (`make test-gpu` sets DELTASERVE_TEST_GPU=1). It must be set before anything imports triton.
+if os.environ.get("DELTASERVE_TEST_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
 
 import pytest
 
