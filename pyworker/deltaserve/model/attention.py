@@ -1,6 +1,8 @@
-"""Paged attention: the torch reference (CPU and CUDA) and the KV write.
+"""Paged attention: the dispatcher the decoder calls, the torch reference (CPU and CUDA) and the KV write.
 
-This is the semantic definition every faster kernel (Triton, CUDA) is tested against.
+``paged_attention_ref`` is the semantic definition every faster kernel (Triton, CUDA) is tested
+against; ``paged_attention`` runs the Triton kernels of ``deltaserve.kernels.paged_attention`` on
+CUDA and the reference elsewhere (``attention_backend``).
 
 Semantics (per sequence b of a ``ForwardBatch``, per query head h)::
 
@@ -32,14 +34,23 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..kernels.common import use_triton_for
 from .batch import ForwardBatch
 
 _TORCH_HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
+BACKENDS = ("torch", "triton")
+"""``torch``: ``paged_attention_ref``; ``triton``: the kernels in ``deltaserve.kernels.paged_attention``."""
+
+
+def attention_backend(device: torch.device) -> str:
+    """The backend ``paged_attention`` uses for tensors on ``device`` (``deltaserve.kernels.common``'s setting)."""
+    return "triton" if use_triton_for(device) else "torch"
+
 
 @dataclass
-class AttentionMeta:
-    """Per-step index tensors shared by every layer (built once per forward)."""
+class ReferenceMeta:
+    """The reference path's per-step index tensors and dense mask (built once per forward)."""
 
     token_seq: torch.Tensor
     """LongTensor [T]: the sequence each token row belongs to."""
@@ -63,8 +74,50 @@ class AttentionMeta:
         return cached
 
 
-def attention_metadata(batch: ForwardBatch, block_size: int, sliding_window: int | None = None) -> AttentionMeta:
-    """Index tensors and mask for ``batch`` (shared by all layers of one forward)."""
+@dataclass
+class AttentionMeta:
+    """What every layer's attention shares in one forward: the backend and, for the reference only,
+    its dense mask and gather indices (built on first use, so the Triton path builds no tensors)."""
+
+    batch: ForwardBatch
+    """The step; the Triton kernels read its block_tables, seq_lens and query_start_loc directly."""
+    block_size: int
+    """Tokens per KV page."""
+    sliding_window: int | None
+    """Keys visible to position p are those with j > p - sliding_window (None: all j <= p)."""
+    backend: str
+    """One of ``BACKENDS``, fixed for the whole forward."""
+    _reference: ReferenceMeta | None = None
+    """``reference`` once built."""
+
+    @property
+    def reference(self) -> ReferenceMeta:
+        """The reference path's tensors (built on first access, then reused by every layer)."""
+        if self._reference is None:
+            self._reference = _reference_metadata(self.batch, self.block_size, self.sliding_window)
+        return self._reference
+
+
+def attention_metadata(
+    batch: ForwardBatch, block_size: int, sliding_window: int | None = None, backend: str | None = None
+) -> AttentionMeta:
+    """Per-forward attention state for ``batch`` (shared by all layers); ``backend`` None means
+    ``attention_backend(device)``. Checks that the block tables cover the longest context."""
+    if backend is None:
+        backend = attention_backend(batch.input_ids.device)
+    elif backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: want one of {BACKENDS}")
+    num_ctx_blocks = -(-batch.max_seq_len // block_size)
+    if batch.block_tables.shape[1] < num_ctx_blocks:
+        raise ValueError(
+            f"block_tables has {batch.block_tables.shape[1]} columns but max_seq_len "
+            f"{batch.max_seq_len} needs {num_ctx_blocks} pages of {block_size}"
+        )
+    return AttentionMeta(batch=batch, block_size=block_size, sliding_window=sliding_window, backend=backend)
+
+
+def _reference_metadata(batch: ForwardBatch, block_size: int, sliding_window: int | None) -> ReferenceMeta:
+    """Index tensors and dense mask the reference path needs for ``batch``."""
     device = batch.input_ids.device
     num_seqs = batch.num_seqs
     num_tokens = batch.num_tokens
@@ -80,18 +133,41 @@ def attention_metadata(batch: ForwardBatch, block_size: int, sliding_window: int
     if sliding_window is not None:
         mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
     num_ctx_blocks = -(-batch.max_seq_len // block_size)
-    if batch.block_tables.shape[1] < num_ctx_blocks:
-        raise ValueError(
-            f"block_tables has {batch.block_tables.shape[1]} columns but max_seq_len "
-            f"{batch.max_seq_len} needs {num_ctx_blocks} pages of {block_size}"
-        )
-    return AttentionMeta(
+    return ReferenceMeta(
         token_seq=token_seq,
         token_off=token_off,
         mask=mask[:, None],
         ctx_tables=batch.block_tables[:, :num_ctx_blocks].long(),
         rows_are_padded_layout=num_tokens == num_seqs * batch.max_query_len,
     )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    meta: AttentionMeta | None = None,
+    sliding_window: int | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Paged attention as the decoder calls it (Semantics and Shapes: the module docstring).
+
+    ``meta`` (``attention_metadata``, one per forward) fixes the backend and window; without it
+    ``sliding_window`` and ``backend`` (None: ``attention_backend(q.device)``) are used.
+    """
+    if meta is None:
+        meta = attention_metadata(batch, cache_k.shape[1], sliding_window, backend)
+    if meta.backend == "triton":
+        # Imported here: triton reads TRITON_INTERPRET at import, and the CPU path never needs it.
+        from ..kernels.paged_attention import paged_attention as triton_paged_attention
+
+        return triton_paged_attention(
+            q, cache_k, cache_v, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+            batch.max_query_len, scale, meta.sliding_window, max_seq_len=batch.max_seq_len,
+        )
+    return paged_attention_ref(q, cache_k, cache_v, batch, scale, meta=meta)
 
 
 def write_kv(
@@ -119,25 +195,27 @@ def paged_attention_ref(
     """Causal attention of this step's queries over each sequence's paged context (module docstring).
 
     ``meta`` is ``attention_metadata(batch, block_size, sliding_window)``; pass it to reuse it across
-    layers (``sliding_window`` is then ignored, the mask in ``meta`` already carries it).
+    layers (``sliding_window`` is then ignored, the mask in ``meta`` already carries it). This path
+    runs whatever ``meta.backend`` says: it is the reference.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = cache_k.shape[2]
     if num_heads % kv_heads != 0:
         raise ValueError(f"query heads {num_heads} not a multiple of kv heads {kv_heads}")
     if meta is None:
-        meta = attention_metadata(batch, cache_k.shape[1], sliding_window)
+        meta = attention_metadata(batch, cache_k.shape[1], sliding_window, "torch")
+    ref = meta.reference
     num_seqs, max_seq_len = batch.num_seqs, batch.max_seq_len
     # [B, nb, bs, H_kv, D] -> [B, nb*bs, H_kv, D] -> first max_seq_len positions.
-    k = cache_k[meta.ctx_tables].flatten(1, 2)[:, :max_seq_len]
-    v = cache_v[meta.ctx_tables].flatten(1, 2)[:, :max_seq_len]
-    if meta.rows_are_padded_layout:  # pure decode, or equal-length chunks: no scatter needed
+    k = cache_k[ref.ctx_tables].flatten(1, 2)[:, :max_seq_len]
+    v = cache_v[ref.ctx_tables].flatten(1, 2)[:, :max_seq_len]
+    if ref.rows_are_padded_layout:  # pure decode, or equal-length chunks: no scatter needed
         qp = q.view(num_seqs, batch.max_query_len, num_heads, head_dim)
     else:
         qp = q.new_zeros((num_seqs, batch.max_query_len, num_heads, head_dim))
-        qp[meta.token_seq, meta.token_off] = q
+        qp[ref.token_seq, ref.token_off] = q
     qp, k, v = qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
-    mask = meta.bias(q.dtype)
+    mask = ref.bias(q.dtype)
     if _TORCH_HAS_ENABLE_GQA:
         out = F.scaled_dot_product_attention(
             qp, k, v, attn_mask=mask, scale=scale, enable_gqa=kv_heads != num_heads
@@ -148,6 +226,6 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
     out = out.transpose(1, 2)
-    if meta.rows_are_padded_layout:
+    if ref.rows_are_padded_layout:
         return out.reshape(q.shape)
-    return out[meta.token_seq, meta.token_off]
+    return out[ref.token_seq, ref.token_off]

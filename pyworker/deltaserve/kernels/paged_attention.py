@@ -1,0 +1,474 @@
+"""Paged attention in Triton: decode (one query token per sequence) and ragged prefill / mixed
+batches, both over the paged KV cache, both equal to ``deltaserve.model.attention.paged_attention_ref``.
+
+Semantics: exactly ``paged_attention_ref``'s (its module docstring is the one definition), restated
+with the metadata these kernels read instead of ``positions``::
+
+    for b in range(B):                                  # sequence b of the step
+        rows  = [query_start_loc[b], query_start_loc[b+1]);  q_len = len(rows)
+        ctx   = seq_lens[b]                             # cached prefix + this step's tokens
+        K_b[j] = cache_k[block_tables[b, j // bs], j % bs]        for j in [0, ctx)
+        for i, t in enumerate(rows):
+            p = ctx - q_len + i                         # = positions[t] (ForwardBatch.build)
+            visible = { j : j <= p and (window is None or j > p - window) }
+            for h in range(H):
+                out[t, h] = softmax_j(scale * q[t, h] . K_b[j, h // (H / H_kv)]) @ V_b[j, ...]   over visible j
+    (a sequence with ctx == 0, e.g. a CUDA-graph padding row, gets out = 0)
+
+Shape:
+    q:               [T, H, D]        float32 / float16 / bfloat16, last dim contiguous
+    cache_k/cache_v: [num_blocks, block_size, H_kv, D]   same dtype as q, last dim contiguous
+    block_tables:    [B, max_blocks]  int32, page ids in position order (entries past ctx unused)
+    seq_lens:        [B]              int32, ctx per sequence
+    query_start_loc: [B + 1]          int32, cumulative query rows
+    max_query_len:   Python int, max q_len (1 selects the decode kernel)
+    out:             [T, H, D]        dtype of q
+
+How: each program owns one kv head of one sequence (decode: its single token; prefill: a tile
+of BLOCK_Q query tokens) together with all H / H_kv query heads of that group, stacked as the rows
+of one [BLOCK_Q * BLOCK_G, D] tile, so each K/V page is read once per group. It walks the
+sequence's keys in tiles of BLOCK_N positions, looking each position's page up in the block table
+(so pages may sit anywhere in the pool, in any order, and BLOCK_N need not equal block_size),
+and keeps an online softmax in float32 (flash attention). Decode optionally splits the context
+over NUM_SPLITS programs (flash-decoding) and merges the partial results in a second kernel.
+
+Decode is CUDA-graph capturable: no host synchronisation, and the grid depends only on
+(num_seqs, num_kv_heads, num_splits); lengths and block tables are read on the device.
+
+Under ``TRITON_INTERPRET=1`` (CPU tensors) the tiles are upcast to float32 before ``tl.dot`` (the
+interpreter's bf16 dot is wrong); on CUDA fp16/bf16 tiles go to the tensor cores as they are and
+accumulate in float32, with the probabilities cast to the value dtype as flash attention does.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634  # the kernels work in base 2: qk_scale = scale * log2(e), exp2
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked tile never makes exp(-inf - -inf) = NaN
+# (a constexpr: compiled Triton refuses plain Python globals inside @triton.jit functions)
+
+
+@triton.jit
+def _attend(
+    q, acc, l_i, m_i, pos,
+    cache_k, cache_v, bt_row, max_blocks, kvh, lo, hi, window,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    qk_scale,
+    HAS_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online softmax of the rows of ``q`` (positions ``pos``) over keys [lo, hi) of one sequence."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + offs_n
+        col = keys // BLOCK_SIZE
+        k_ok = (keys < hi) & (col < max_blocks)
+        page = tl.load(bt_row + col, mask=k_ok, other=0).to(tl.int64)
+        within = (keys % BLOCK_SIZE).to(tl.int64)
+        kv_ok = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(cache_k + page[:, None] * stride_kb + within[:, None] * stride_kt + kvh * stride_kh
+                    + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(cache_v + page[:, None] * stride_vb + within[:, None] * stride_vt + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_ok, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 domain
+        visible = (keys[None, :] <= pos[:, None]) & k_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, _NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out, part_acc, part_ml,
+    q, cache_k, cache_v, block_tables, seq_lens,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt, max_blocks, qk_scale, window,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (B, H_kv, NUM_SPLITS): sequence b's one token, query heads of kv head kvh, one split."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    p_last = seq_len - 1
+    lo = seq_len * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(p_last - window + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N  # page-aligned tiles when BLOCK_N is a multiple of block_size
+    hi = seq_len
+    if NUM_SPLITS > 1:
+        per = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * per
+        hi = tl.minimum(hi, lo + per)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    row_ok = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    b64 = b.to(tl.int64)
+    qt = tl.load(q + b64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=row_ok, other=0.0)
+    if UPCAST:
+        qt = qt.to(tl.float32)
+    pos = tl.zeros([BLOCK_G], dtype=tl.int32) + p_last
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) + _NEG
+    acc, l_i, m_i = _attend(
+        qt, acc, l_i, m_i, pos, cache_k, cache_v, block_tables + b64 * stride_bt, max_blocks, kvh,
+        lo, hi, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+        HAS_WINDOW, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, PRECISION,
+    )
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out + b64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out.dtype.element_ty), mask=row_ok)
+    else:
+        # part_acc [B, H, NUM_SPLITS, BLOCK_D] and part_ml [B, H, NUM_SPLITS, 2] (m, l), contiguous.
+        rows = (b64 * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_acc + rows[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok)
+        g_ok = offs_g < GROUP
+        tl.store(part_ml + rows * 2, m_i, mask=g_ok)
+        tl.store(part_ml + rows * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    out, part_acc, part_ml, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Grid (B, H): merge the NUM_SPLITS partial softmaxes of (sequence b, head h)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    rows = (b * tl.num_programs(1) + h) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml + rows * 2, mask=s_ok, other=_NEG)
+    l_s = tl.load(part_ml + rows * 2 + 1, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc + rows[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    total = tl.sum(w * l_s, 0)
+    o = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out + b * stride_ot + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    out, q, cache_k, cache_v, block_tables, seq_lens, query_start_loc,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt, max_blocks, qk_scale, window,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (cdiv(max_query_len, BLOCK_Q), B, H_kv): BLOCK_Q tokens of sequence b x one head group."""
+    qtile = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(query_start_loc + b)
+    q_len = tl.load(query_start_loc + b + 1) - q_start
+    if qtile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens + b)
+    ctx0 = seq_len - q_len  # position of the sequence's first query token
+
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qi = qtile * BLOCK_Q + offs_r // BLOCK_G  # query token within the sequence
+    g = offs_r % BLOCK_G
+    heads = kvh * GROUP + g
+    r_ok = (qi < q_len) & (g < GROUP)
+    tile_ok = r_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tok = (q_start + qi).to(tl.int64)
+    qt = tl.load(q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=tile_ok, other=0.0)
+    if UPCAST:
+        qt = qt.to(tl.float32)
+    pos = ctx0 + qi
+    first = ctx0 + qtile * BLOCK_Q
+    hi = tl.minimum(first + BLOCK_Q, seq_len)  # one past the tile's last real position
+    lo = first * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first - window + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _NEG
+    acc, l_i, m_i = _attend(
+        qt, acc, l_i, m_i, pos, cache_k, cache_v, block_tables + b.to(tl.int64) * stride_bt, max_blocks,
+        kvh, lo, hi, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
+        HAS_WINDOW, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, PRECISION,
+    )
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out.dtype.element_ty), mask=tile_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: validation, launch configuration, dispatch.
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _interpreting(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return False
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"paged_attention (Triton) got {device.type} tensors: it needs CUDA tensors, or "
+            "TRITON_INTERPRET=1 set before triton is imported (CPU tests)"
+        )
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many programs share one (sequence, kv head)'s context in decode (a power of two, 1..16).
+
+    Enough programs to fill the device twice over, but at least 128 keys per split. ``max_seq_len``
+    is an upper bound on the context: a CUDA-graph runner passes the static maximum it captures for
+    (the result is then fixed per graph; any split count gives the same attention).
+    """
+    if num_seqs < 1 or num_kv_heads < 1:
+        return 1
+    want = min(-(-2 * num_sms // (num_seqs * num_kv_heads)), -(-max_seq_len // 128), 16)
+    splits = 1
+    while splits * 2 <= want:
+        splits *= 2
+    return splits
+
+
+def _check(q, cache_k, cache_v, block_tables, seq_lens, query_start_loc):
+    if q.dim() != 3 or cache_k.dim() != 4 or cache_v.shape != cache_k.shape:
+        raise ValueError(
+            f"paged_attention: want q [T, H, D] and cache_k == cache_v [num_blocks, block_size, H_kv, D], "
+            f"got q {tuple(q.shape)}, cache_k {tuple(cache_k.shape)}, cache_v {tuple(cache_v.shape)}"
+        )
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = cache_k.shape[2]
+    if cache_k.shape[3] != head_dim:
+        raise ValueError(f"paged_attention: q head_dim {head_dim} != cache head_dim {cache_k.shape[3]}")
+    if num_heads % kv_heads != 0:
+        raise ValueError(f"query heads {num_heads} not a multiple of kv heads {kv_heads}")
+    if q.dtype not in _DTYPES or cache_k.dtype != q.dtype or cache_v.dtype != q.dtype:
+        raise ValueError(
+            f"paged_attention: q and the cache must share one of {_DTYPES}, got q {q.dtype}, "
+            f"cache {cache_k.dtype}/{cache_v.dtype}"
+        )
+    if q.stride(-1) != 1 or cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
+        raise ValueError("paged_attention: the head dimension of q and of the cache must be contiguous")
+    for name, t, dims in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
+                          ("query_start_loc", query_start_loc, 1)):
+        if t.dtype != torch.int32 or t.dim() != dims or t.device != q.device:
+            raise ValueError(
+                f"paged_attention: {name} must be a {dims}-d int32 tensor on {q.device}, "
+                f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+    num_seqs = seq_lens.shape[0]
+    if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"paged_attention: {num_seqs} sequences but block_tables has {block_tables.shape[0]} rows "
+            f"and query_start_loc {query_start_loc.shape[0]} entries (want B and B + 1)"
+        )
+    if block_tables.stride(1) != 1 or seq_lens.stride(0) != 1 or query_start_loc.stride(0) != 1:
+        raise ValueError("paged_attention: metadata tensors must be contiguous")
+
+
+def _common(q, cache_k, scale, sliding_window):
+    interp = _interpreting(q.device)
+    head_dim = q.shape[2]
+    group = q.shape[1] // cache_k.shape[2]
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"paged_attention: sliding_window must be >= 1 or None, got {sliding_window}")
+    return dict(
+        qk_scale=float(scale) * _LOG2E,
+        window=int(sliding_window or 0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=cache_k.shape[1],
+        HAS_WINDOW=sliding_window is not None,
+        UPCAST=interp,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    ), interp
+
+
+def _block_n(block_n: int | None, interp: bool) -> int:
+    """Keys per tile: 64 on GPUs (at least 16, tl.dot's minimum), 16 by default when interpreted."""
+    if block_n is None:
+        return 16 if interp else 64
+    if block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"paged_attention: block_n must be a power of two, got {block_n}")
+    return block_n if interp else max(block_n, 16)
+
+
+def _strides(q, out, cache_k, cache_v, block_tables):
+    return dict(
+        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_kb=cache_k.stride(0), stride_kt=cache_k.stride(1), stride_kh=cache_k.stride(2),
+        stride_vb=cache_v.stride(0), stride_vt=cache_v.stride(1), stride_vh=cache_v.stride(2),
+        stride_bt=block_tables.stride(0), max_blocks=block_tables.shape[1],
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode: one query token per sequence (row b of ``q`` belongs to sequence b); see the module.
+
+    Semantics: the module's, with ``query_start_loc = arange(B + 1)``.
+    Shape: q [B, H, D]; cache_k, cache_v [num_blocks, block_size, H_kv, D]; block_tables
+    [B, max_blocks] int32; seq_lens [B] int32; out [B, H, D] (written in place when given).
+    ``num_splits``: programs per (sequence, kv head); None picks ``decode_num_splits`` from
+    ``max_seq_len`` (an upper bound on seq_lens; None means block_tables' capacity). No host sync.
+    """
+    num_seqs = seq_lens.shape[0]
+    qsl_dummy = torch.empty(num_seqs + 1, dtype=torch.int32, device=q.device)
+    _check(q, cache_k, cache_v, block_tables, seq_lens, qsl_dummy)
+    if q.shape[0] != num_seqs:
+        raise ValueError(f"paged_decode: q has {q.shape[0]} rows for {num_seqs} sequences (want one each)")
+    consts, interp = _common(q, cache_k, scale, sliding_window)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"paged_decode: out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    kv_heads = cache_k.shape[2]
+    if num_splits is None:
+        bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * cache_k.shape[1]
+        num_splits = 1 if interp else decode_num_splits(num_seqs, kv_heads, bound, _num_sms(q.device.index or 0))
+    if num_splits < 1:
+        raise ValueError(f"paged_decode: num_splits must be >= 1, got {num_splits}")
+    block_n = _block_n(block_n, interp)
+    block_g = max(16, triton.next_power_of_2(consts["GROUP"]))  # tl.dot wants >= 16 rows on GPUs
+    if num_seqs == 0:
+        return out
+    head_dim_pad = consts["BLOCK_D"]
+    if num_splits > 1:
+        part_acc = torch.empty((num_seqs, q.shape[1], num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_seqs, q.shape[1], num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused by the single-pass variant
+    extra = {} if interp else {"num_warps": 4, "num_stages": 2}
+    _paged_decode_kernel[(num_seqs, kv_heads, num_splits)](
+        out, part_acc, part_ml, q, cache_k, cache_v, block_tables, seq_lens,
+        **_strides(q, out, cache_k, cache_v, block_tables), **consts,
+        BLOCK_G=block_g, BLOCK_N=block_n, NUM_SPLITS=num_splits, **extra,
+    )
+    if num_splits > 1:
+        _paged_decode_reduce_kernel[(num_seqs, q.shape[1])](
+            out, part_acc, part_ml, out.stride(0), out.stride(1),
+            HEAD_DIM=consts["HEAD_DIM"], BLOCK_D=head_dim_pad, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), **({} if interp else {"num_warps": 4}),
+        )
+    return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    block_q: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Ragged prefill / mixed batch (any q_len per sequence, causal over the paged context).
+
+    Semantics: the module's. Shape: q [T, H, D]; cache_k, cache_v [num_blocks, block_size, H_kv, D];
+    block_tables [B, max_blocks] int32; seq_lens [B] int32; query_start_loc [B + 1] int32;
+    max_query_len >= every q_len (sizes the grid); out [T, H, D].
+    ``block_q`` query tokens x next_pow2(H / H_kv) heads form one program's rows.
+    """
+    _check(q, cache_k, cache_v, block_tables, seq_lens, query_start_loc)
+    consts, interp = _common(q, cache_k, scale, sliding_window)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"paged_prefill: out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim")
+    num_seqs, kv_heads = seq_lens.shape[0], cache_k.shape[2]
+    if num_seqs == 0 or max_query_len < 1:
+        return out
+    block_g = triton.next_power_of_2(consts["GROUP"])
+    if block_q is None:
+        block_q = max(1, (16 if interp else 64) // block_g)
+    if block_q < 1 or block_q & (block_q - 1):
+        raise ValueError(f"paged_prefill: block_q must be a power of two, got {block_q}")
+    if block_q * block_g < 16 and not interp:
+        block_q = 16 // block_g  # tl.dot wants >= 16 rows on GPUs
+    block_n = _block_n(block_n, interp)
+    extra = {} if interp else {"num_warps": 4, "num_stages": 2}
+    grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
+    _paged_prefill_kernel[grid](
+        out, q, cache_k, cache_v, block_tables, seq_lens, query_start_loc,
+        **_strides(q, out, cache_k, cache_v, block_tables), **consts,
+        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_M=block_q * block_g, BLOCK_N=block_n, **extra,
+    )
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged attention of one step: ``paged_decode`` when every sequence has one query token
+    (``max_query_len == 1``), else ``paged_prefill``. Semantics and shapes: the module docstring.
+
+    ``max_seq_len`` (optional upper bound on seq_lens) only tunes decode's split count.
+    """
+    if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
+        return paged_decode(q, cache_k, cache_v, block_tables, seq_lens, scale, sliding_window,
+                            max_seq_len=max_seq_len, out=out)
+    return paged_prefill(q, cache_k, cache_v, block_tables, seq_lens, query_start_loc, max_query_len,
+                         scale, sliding_window, out=out)
+
+
+__all__ = ["decode_num_splits", "paged_attention", "paged_decode", "paged_prefill"]
