@@ -2,49 +2,110 @@
 
 Per step (a ``ForwardBatch`` of ragged sequences over a ``PagedKVCache``)::
 
-    h = embed_tokens(input_ids)                               [T, hidden]
-    cos, sin = rope(positions)                                float32, then model dtype (as HF)
+    h = embed_tokens(input_ids); residual = None               [T, hidden]
+    cos_sin = cos_sin_cache(max_seq_len)                        [P, head_dim] float32 -> model dtype (as HF)
     for each layer:
-        x = input_layernorm(h)                                RMSNorm in float32
-        q, k, v = q_proj(x), k_proj(x), v_proj(x)             (+ bias for Qwen2 / attention_bias)
-        q, k = rotate(q, k, cos, sin)                         HF rotate_half convention
-        write_kv(k, v -> cache slots)                         then attend over the paged context
-        h = h + o_proj(paged_attention(q, cache))
-        h = h + down_proj(silu(gate_proj(x')) * up_proj(x'))  x' = post_attention_layernorm(h)
-    logits = lm_head(norm(h[logits_indices])).float()         [S, vocab]
+        x, residual = add_rmsnorm(h, residual)                  kernels.rmsnorm: residual += h; x = norm(residual)
+        q | k | v = qkv_proj(x)                                 one matmul (+ bias for Qwen2 / attention_bias)
+        rotary_embedding(positions, q, k, cos_sin)              kernels.rope: in place, HF rotate_half convention
+        write_kv(k, v -> cache slots)                           then attend over the paged context
+        h = o_proj(paged_attention(q, cache))
+        x, residual = add_rmsnorm(h, residual)                  post_attention_layernorm
+        h = down_proj(silu_and_mul(gate_up_proj(x)))            kernels.silu_mul: silu(gate) * up
+    logits = lm_head(norm(h + residual)[logits_indices]).float()   [S, vocab]
 
-Module names match HF (``model.layers.N.self_attn.q_proj`` ...) so checkpoints load by name, and
-every projection is called through its module, so adapter wrappers (LoRA, deltas) can replace
-any of them without this file knowing.
+The small ops are ``deltaserve.kernels`` entry points: Triton on CUDA, their torch references (HF's
+numerics) elsewhere, so the CPU path stays the reference.
+
+Fused projections: ``self_attn.qkv_proj`` holds HF's q_proj, k_proj, v_proj stacked along its output
+rows (``QKV_SLICES``, biases likewise) and ``mlp.gate_up_proj`` holds gate_proj, up_proj
+(``GATE_UP_SLICES``). Both are plain ``nn.Linear``. ``linear_slots(cfg)`` says, for each HF linear
+name of the architecture table, which module and which output rows hold it; the loader, the HF
+view of ``state_dict`` and adapter wrappers (LoRA's multi-slice expand) all read it, so no one
+else knows the stacking. ``DecoderLM.state_dict()`` / ``load_state_dict()`` speak HF's
+checkpoint names (the fused tensors appear as row views ``...self_attn.q_proj.weight``...), while
+``named_parameters()`` shows the fused modules. Every projection is called through its module,
+so wrappers can replace any of them without this file knowing.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+from ..kernels.rope import rotary_embedding
+from ..kernels.silu_mul import silu_and_mul
 from .arch import ModelConfig
-from .attention import AttentionMeta, attention_metadata, paged_attention_ref, write_kv
+from .attention import AttentionMeta, attention_metadata, paged_attention, write_kv
 from .batch import ForwardBatch
 from .kv_cache import PagedKVCache
 
 
+QKV_SLICES = ("q_proj", "k_proj", "v_proj")
+"""HF projections stacked, in this order, along the output rows of ``self_attn.qkv_proj``."""
+GATE_UP_SLICES = ("gate_proj", "up_proj")
+"""HF projections stacked, in this order, along the output rows of ``mlp.gate_up_proj``."""
+_LAYER_LINEARS = (
+    ("self_attn.qkv_proj", QKV_SLICES),
+    ("self_attn.o_proj", ("o_proj",)),
+    ("mlp.gate_up_proj", GATE_UP_SLICES),
+    ("mlp.down_proj", ("down_proj",)),
+)
+"""Each ``nn.Linear`` of a ``DecoderLayer`` (path inside the layer) and the HF linears it holds."""
+
+
+class LinearSlot(NamedTuple):
+    """Where one HF linear of a block lives in a ``DecoderLayer``."""
+
+    module: str
+    """Path of the ``nn.Linear`` inside the layer, e.g. ``"self_attn.qkv_proj"``."""
+    start: int
+    """First output row (and bias entry) of this HF linear in that module."""
+    size: int
+    """Output rows of this HF linear (its ``out_features`` in HF)."""
+
+
+def linear_slots(cfg: ModelConfig) -> dict[str, LinearSlot]:
+    """HF linear name (every name of ``cfg.arch.linear_names``) -> the module and output rows holding it.
+
+    The HF module of name ``n`` is ``<parent of slot.module>.n`` (``self_attn.k_proj``), its
+    weight ``[slot.size, in]`` is rows ``[slot.start, slot.start + slot.size)`` of the module's.
+    """
+    rows = {
+        "q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size, "o_proj": cfg.hidden_size,
+        "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size, "down_proj": cfg.hidden_size,
+    }  # fmt: skip
+    slots: dict[str, LinearSlot] = {}
+    for module, names in _LAYER_LINEARS:
+        start = 0
+        for name in names:
+            slots[name] = LinearSlot(module, start, rows[name])
+            start += rows[name]
+    unknown = set(cfg.arch.linear_names) - set(slots)
+    if unknown:
+        raise ValueError(f"{cfg.architecture}: linear(s) {sorted(unknown)} have no slot in DecoderLayer")
+    return {name: slots[name] for name in cfg.arch.linear_names}
+
+
 class RMSNorm(nn.Module):
-    """HF-identical RMSNorm: normalise in float32, scale in the input dtype."""
+    """HF-identical RMSNorm (``kernels.rmsnorm``), optionally fused with the residual add before it."""
 
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        in_dtype = x.dtype
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(in_dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if residual is None:
+            return rmsnorm(x, self.weight, self.eps)
+        return fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -70,13 +131,18 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope_type {scaling['rope_type']!r}")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rope_cos_sin_cache(inv_freq: torch.Tensor, num_positions: int, dtype: torch.dtype) -> torch.Tensor:
+    """``kernels.rope``'s table [num_positions, head_dim]: ``cat(cos(p * inv_freq), sin(p * inv_freq))``.
+
+    Computed in float32 on ``inv_freq``'s device, then cast to ``dtype``: the values HF's rotary
+    embedding produces for position p (its ``cat(freqs, freqs)`` repeats each half).
+    """
+    freqs = torch.arange(num_positions, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
 
 class Attention(nn.Module):
-    """q/k/v/o projections, RoPE, KV write and paged attention for one layer."""
+    """Fused qkv projection, RoPE, KV write, paged attention and o projection for one layer."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -84,47 +150,51 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias, dtype=dtype)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias, dtype=dtype)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias, dtype=dtype)
+        self.q_size = cfg.q_size
+        self.kv_size = cfg.kv_size
+        # Rows: q_proj | k_proj | v_proj (QKV_SLICES, linear_slots).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
 
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos_sin: torch.Tensor,
         batch: ForwardBatch,
         meta: AttentionMeta,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)  # strided views into the qkv output
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        rotary_embedding(batch.positions, q, k, cos_sin)  # in place
         write_kv(k, v, cache_k, cache_v, batch.slot_mapping)
-        out = paged_attention_ref(q, cache_k, cache_v, batch, self.scale, meta=meta)
+        out = paged_attention(q, cache_k, cache_v, batch, self.scale, meta=meta)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one fused matmul."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
+        # Rows: gate_proj | up_proj (GATE_UP_SLICES, linear_slots).
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h))."""
+    """Pre-norm block over a split residual stream: the stream is ``h + residual``.
+
+    Each norm adds the previous sub-layer's output ``h`` into ``residual`` (fused with the norm);
+    the first layer gets ``residual=None`` and starts the stream from the embeddings.
+    """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -136,15 +206,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
         batch: ForwardBatch,
         meta: AttentionMeta,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, meta, cache_k, cache_v)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(h, residual)``: this layer's MLP output and the stream before it."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, cos_sin, batch, meta, cache_k, cache_v)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class DecoderBackbone(nn.Module):
@@ -167,9 +243,11 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.tie_weights()
-        # Plain attribute, not a buffer: survives meta-device construction and is never in checkpoints.
+        # Plain attributes, not buffers: survive meta-device construction, never in checkpoints.
         self._inv_freq_cpu = rope_inv_freq(cfg)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._cos_sin: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.register_state_dict_post_hook(_split_fused_state_dict)
+        self.register_load_state_dict_pre_hook(_join_fused_state_dict)
 
     def tie_weights(self) -> None:
         """Make lm_head share the embedding matrix."""
@@ -183,15 +261,44 @@ class DecoderLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim], computed in float32 then cast to ``dtype`` (as HF)."""
-        device = positions.device
-        inv_freq = self._inv_freq.get(device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq[device] = self._inv_freq_cpu.to(device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    def cos_sin_cache(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The RoPE table (``rope_cos_sin_cache``) covering at least positions [0, num_positions).
+
+        Built once per (device, dtype) for ``max_position_embeddings`` positions; it is rebuilt
+        (a new tensor, at least twice as long) only when a step reaches past its end.
+        """
+        key = (device, dtype)
+        cache = self._cos_sin.get(key)
+        if cache is None or cache.shape[0] < num_positions:
+            n = max(self.config.max_position_embeddings, num_positions)
+            if cache is not None:
+                n = max(n, 2 * cache.shape[0])
+            cache = self._cos_sin[key] = rope_cos_sin_cache(self._inv_freq_cpu.to(device), n, dtype)
+        return cache
+
+    def checkpoint_layout(self) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+        """HF checkpoint tensor name -> (parameter name, first row in it, the HF tensor's shape).
+
+        One entry per parameter as ``named_parameters(remove_duplicate=False)`` lists them (so a
+        tied ``lm_head.weight`` appears), with each fused parameter expanded into its HF tensors
+        (``linear_slots``). Unfused parameters map to themselves at row 0.
+        """
+        fused: dict[str, list[tuple[str, int, int]]] = {}
+        for name, slot in linear_slots(self.config).items():
+            parent = slot.module.rpartition(".")[0]
+            for leaf in ("weight", "bias"):
+                fused.setdefault(f"{slot.module}.{leaf}", []).append((f"{parent}.{name}.{leaf}", slot.start, slot.size))
+        layout: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+        for pname, p in self.named_parameters(remove_duplicate=False):
+            parts = pname.split(".", 3)  # model, layers, N, <path inside the layer>
+            inner = parts[3] if len(parts) == 4 and parts[:2] == ["model", "layers"] else None
+            if inner in fused:
+                layer = ".".join(parts[:3])
+                for hf_inner, start, size in fused[inner]:
+                    layout[f"{layer}.{hf_inner}"] = (pname, start, (size, *p.shape[1:]))
+            else:
+                layout[pname] = (pname, 0, tuple(p.shape))
+        return layout
 
     def check_cache(self, kv: PagedKVCache) -> None:
         cfg = self.config
@@ -205,9 +312,44 @@ class DecoderLM(nn.Module):
         """Run one step; returns float32 logits [S, vocab] for ``batch.logits_indices`` rows."""
         self.check_cache(kv)
         h = self.model.embed_tokens(batch.input_ids)
-        cos, sin = self.rope(batch.positions, h.dtype)
+        cos_sin = self.cos_sin_cache(batch.max_seq_len, h.device, h.dtype)
         meta = attention_metadata(batch, kv.block_size, self.config.sliding_window)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, batch, meta, kv.k[i], kv.v[i])
-        h = self.model.norm(h[batch.logits_indices])
+            h, residual = layer(h, residual, cos_sin, batch, meta, kv.k[i], kv.v[i])
+        rows = batch.logits_indices
+        if residual is None:
+            h = self.model.norm(h[rows])
+        else:
+            h, _ = self.model.norm(h[rows], residual[rows])
         return self.lm_head(h).float()
+
+
+def _fused_parts(model: DecoderLM, prefix: str) -> dict[str, list[tuple[str, int, int]]]:
+    """Fused parameter key (with ``prefix``) -> its HF keys and rows, from ``checkpoint_layout``."""
+    parts: dict[str, list[tuple[str, int, int]]] = {}
+    for hf_name, (pname, start, shape) in model.checkpoint_layout().items():
+        if hf_name != pname:
+            parts.setdefault(prefix + pname, []).append((prefix + hf_name, start, shape[0]))
+    return parts
+
+
+def _split_fused_state_dict(model: DecoderLM, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+    """``state_dict`` post-hook: each fused tensor becomes its HF tensors (row views), in place and in order."""
+    parts = _fused_parts(model, prefix)
+    items = list(state_dict.items())
+    state_dict.clear()
+    for key, value in items:
+        for hf_key, start, size in parts.get(key, [(key, None, None)]):
+            state_dict[hf_key] = value if start is None else value[start : start + size]
+
+
+def _join_fused_state_dict(model: DecoderLM, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """``load_state_dict`` pre-hook: HF tensors are concatenated into the fused ones they make up.
+
+    A fused tensor some of whose HF parts are absent is left alone: strict loading then reports
+    the fused key as missing and the present parts as unexpected.
+    """
+    for key, hf_parts in _fused_parts(model, prefix).items():
+        if key not in state_dict and all(hf_key in state_dict for hf_key, _, _ in hf_parts):
+            state_dict[key] = torch.cat([state_dict.pop(hf_key) for hf_key, _, _ in hf_parts])

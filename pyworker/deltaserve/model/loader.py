@@ -5,10 +5,14 @@ Loading, in order, failing early with a message that names the offending file or
 1. ``ModelConfig.from_model_dir`` (unsupported architectures / rope types are refused there);
 2. find the safetensors: ``model.safetensors.index.json`` (sharded) or every ``*.safetensors``;
    a directory with only pickle checkpoints (``*.bin``, ``*.pt``...) is refused, never unpickled;
-3. read every file's header and check each expected tensor is present with the right shape
-   (extras such as ``rotary_emb.inv_freq`` are ignored);
+3. read every file's header and check each expected HF tensor is present with the right shape
+   (extras such as ``rotary_emb.inv_freq`` are ignored). Expected tensors are HF's names
+   (``DecoderLM.checkpoint_layout``): the fused ``qkv_proj`` / ``gate_up_proj`` are checked as
+   their HF parts, so messages name ``...self_attn.k_proj.weight``, not the fused tensor;
 4. build the module on the meta device, materialise it on the target device (no CPU copy on
-   CUDA), and copy each tensor in, casting to the chosen dtype;
+   CUDA), and copy each tensor in, casting to the chosen dtype; HF ``q_proj``/``k_proj``/``v_proj``
+   (and ``gate_proj``/``up_proj``, weights and biases) land in their rows of the fused parameter
+   (``decoder.linear_slots``), so a checkpoint is never concatenated in a temporary;
 5. tie ``lm_head`` to ``embed_tokens`` when the config says so or the checkpoint has no lm_head.
 
 A directory with a ``random-weights.json`` (``{"seed": 0, "std": 0.02}``) and no weight files is
@@ -95,7 +99,8 @@ def load_model(
 
     with torch.device("meta"):
         model = DecoderLM(cfg, dtype=dtype)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
+    layout = model.checkpoint_layout()
+    expected = {name: shape for name, (_, _, shape) in layout.items()}
 
     located: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in files:
@@ -121,10 +126,10 @@ def load_model(
     model.to_empty(device=device)
     if tie:
         model.tie_weights()
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters())  # a tied lm_head.weight is not listed: nothing to copy
     by_file: dict[Path, list[str]] = {}
-    for name in params:
-        if name in located:
+    for name, (pname, _, _) in layout.items():
+        if name in located and pname in params:
             by_file.setdefault(located[name][0], []).append(name)
     dev = torch.device(device)
     open_device = str(dev) if dev.type == "cuda" else "cpu"
@@ -132,7 +137,8 @@ def load_model(
         for f, names in by_file.items():
             with safe_open(f, framework="pt", device=open_device) as sf:
                 for name in names:
-                    params[name].copy_(sf.get_tensor(name))
+                    pname, start, shape = layout[name]
+                    params[pname][start : start + shape[0]].copy_(sf.get_tensor(name))
     model.eval()
     model.requires_grad_(False)
     return model
@@ -144,7 +150,8 @@ def random_model(
     """A ``DecoderLM`` of ``cfg``'s real shapes with N(0, std) weights, made directly on ``device``.
 
     For benchmarks (e.g. Llama-2-7B shapes on a GPU): no checkpoint, no CPU copy. Norm weights are
-    1 and biases 0; the same seed on the same device gives the same weights.
+    1 and biases 0; the same seed on the same device gives the same weights. Fused parameters
+    (``qkv_proj``, ``gate_up_proj``) are drawn whole, in their fused shapes.
     """
     with torch.device("meta"):
         model = DecoderLM(cfg, dtype=dtype)

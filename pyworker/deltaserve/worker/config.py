@@ -59,6 +59,13 @@ class WorkerConfig:
         default=None, metadata=_doc("Cap on prompt + output tokens (default: the model's and the KV pool's limit).")
     )
     seed: int = field(default=0, metadata=_doc("Seed of the worker-global generator used by unseeded requests."))
+    kernels: str = field(
+        default="auto",
+        metadata=_doc(
+            "Kernel implementations: auto (Triton on CUDA, torch references on CPU), torch (references "
+            "everywhere, for A/B runs), triton (Triton everywhere)."
+        ),
+    )
     recv_spin_us: int = field(
         default=2000,
         metadata=_doc(
@@ -93,6 +100,8 @@ class WorkerConfig:
             raise ConfigError(f"--max-model-len {self.max_model_len}: expected >= 1")
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads {self.num_threads}: expected >= 0 (0 = all available CPUs)")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ConfigError(f"--kernels {self.kernels!r}: expected auto, torch or triton")
         if not 0 <= self.recv_spin_us <= 1_000_000:
             raise ConfigError(f"--recv-spin-us {self.recv_spin_us}: expected 0..1000000 microseconds")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

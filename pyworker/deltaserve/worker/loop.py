@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 from deltaserve import wire
+from deltaserve.kernels import common as kernel_common
 
 from .config import WorkerConfig
 from .executor import Executor, PlanError
@@ -146,7 +147,7 @@ class WorkerLoop:
 
 
 def configure_process(cfg: WorkerConfig) -> None:
-    """Logging to stderr (the router captures it) and torch's CPU thread count."""
+    """Logging to stderr (the router captures it), torch's CPU thread count, the kernel backend."""
     logging.basicConfig(
         level=cfg.log_level.upper(),
         stream=sys.stderr,
@@ -156,6 +157,7 @@ def configure_process(cfg: WorkerConfig) -> None:
         threads = cfg.num_threads or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
         log.info("using %d CPU threads", threads)
+    kernel_common.set_backend(cfg.kernels)
 
 
 def serve(cfg: WorkerConfig) -> int:

@@ -1,0 +1,145 @@
+"""Rotary position embedding of q and k, in place, from a per-position cos/sin cache (Triton).
+
+The rotate_half (GPT-NeoX / HF Llama) convention: the two halves of each head vector form the
+complex pairs ``(x[i], x[i + D/2])``. The frequencies (plain, linear- or llama3-scaled) are not
+this op's business: they are baked into ``cos_sin_cache`` by the model
+(``deltaserve.model.decoder.rope_cos_sin_cache``); the op gathers one row per token and rotates.
+Numerics are HF's ``apply_rotary_pos_emb`` in the dtype of q: the cache holds cos/sin already
+rounded to that dtype (as HF casts them), and each product and the sum are rounded to it.
+
+Semantics::
+
+    for t in range(T):
+        c, s = cos_sin_cache[positions[t], :D/2], cos_sin_cache[positions[t], D/2:]
+        for x in (q[t, h] for h in range(H)) + (k[t, h] for h in range(H_kv)):
+            x1, x2 = x[:D/2], x[D/2:]
+            x[:D/2], x[D/2:] = x1 * c - x2 * s, x2 * c + x1 * s     # = x * cos + rotate_half(x) * sin
+
+Shape:
+    positions:     [T]              int32 / int64, each in [0, P)
+    q:             [T, H, D]        float32 / float16 / bfloat16, last dim contiguous (any other strides,
+                                    e.g. a view into a fused qkv output); rotated in place
+    k:             [T, H_kv, D]     same dtype as q, last dim contiguous; rotated in place
+    cos_sin_cache: [P, D]           ``cat(cos(pos * inv_freq), sin(pos * inv_freq))``, D/2 each, dtype of q
+
+Entry point ``rotary_embedding`` runs the Triton kernel on CUDA tensors (or when
+``use_triton=True``: CPU tensors then need ``TRITON_INTERPRET=1``) and ``rotary_embedding_ref``,
+the CPU path, otherwise. Both return ``(q, k)`` (the same tensors, rotated).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import needs_rne_by_hand, round_to, want_triton
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference and CPU path (module docstring): HF's ``q * cos + rotate_half(q) * sin``."""
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache[positions]
+    cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1)[:, None, :]
+    sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1)[:, None, :]
+    for x in (q, k):
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * cos + rotated * sin)
+    return q, k
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, stride_t, stride_h, t, num_heads, c, s, offs_d, d_ok,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    """Rotate all ``num_heads`` heads of token ``t`` in place; c, s are [BLOCK_D] float32."""
+    ty = x_ptr.dtype.element_ty
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h[:, None] < num_heads) & d_ok[None, :]
+    p1 = x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    cc = c[None, :]
+    ss = s[None, :]
+    # Each product rounded to the tensor dtype, as HF computes it there (a no-op for float32).
+    o1 = round_to(round_to(x1 * cc, ty, RNE) - round_to(x2 * ss, ty, RNE), ty, RNE)
+    o2 = round_to(round_to(x2 * cc, ty, RNE) + round_to(x1 * ss, ty, RNE), ty, RNE)
+    tl.store(p1, o1.to(ty), mask=mask)
+    tl.store(p1 + HALF, o2.to(ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    pos_ptr, q_ptr, k_ptr, cache_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, cache_stride,
+    H, H_KV,
+    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    RNE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HALF
+    row = cache_ptr + pos * cache_stride
+    c = tl.load(row + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    s = tl.load(row + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_stride_t, q_stride_h, t, H, c, s, offs_d, d_ok, HALF, BLOCK_H, RNE)
+    _rotate_heads(k_ptr, k_stride_t, k_stride_h, t, H_KV, c, s, offs_d, d_ok, HALF, BLOCK_HKV, RNE)
+
+
+def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"rotary_embedding: q {list(q.shape)} and k {list(k.shape)} must be [T, heads, D]")
+    t, _, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or positions.shape != (t,):
+        raise ValueError(
+            f"rotary_embedding: q {list(q.shape)}, k {list(k.shape)} and positions {list(positions.shape)} "
+            f"disagree on T or D"
+        )
+    if d % 2 or cache.dim() != 2 or cache.shape[1] != d:
+        raise ValueError(f"rotary_embedding: cos_sin_cache {list(cache.shape)} must be [P, D={d}] with D even")
+    if not (q.dtype == k.dtype == cache.dtype):
+        raise ValueError(
+            f"rotary_embedding: q ({q.dtype}), k ({k.dtype}) and cos_sin_cache ({cache.dtype}) must share a dtype"
+        )
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rotary_embedding: q and k must have a contiguous last dim")
+
+
+def rotary_embedding_triton(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton kernel for ``rotary_embedding`` (no dispatch); positions are not range-checked here."""
+    _check(positions, q, k, cos_sin_cache)
+    t, h, d = q.shape
+    if t == 0:
+        return q, k
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    half = d // 2
+    _rope_kernel[(t,)](
+        positions, q, k, cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cache.stride(0),
+        h, k.shape[1],
+        HALF=half, BLOCK_D=triton.next_power_of_2(half),
+        BLOCK_H=triton.next_power_of_2(h), BLOCK_HKV=triton.next_power_of_2(k.shape[1]),
+        RNE=needs_rne_by_hand(q), num_warps=4,
+    )  # fmt: skip
+    return q, k
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k in place (module docstring); Triton on CUDA, the reference elsewhere."""
+    _check(positions, q, k, cos_sin_cache)
+    if want_triton("rotary_embedding", q, use_triton):
+        return rotary_embedding_triton(positions, q, k, cos_sin_cache)
+    return rotary_embedding_ref(positions, q, k, cos_sin_cache)

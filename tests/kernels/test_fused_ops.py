@@ -1,0 +1,224 @@
+"""The fused small ops (``deltaserve.kernels.rmsnorm`` / ``rope`` / ``silu_mul``): kernel = reference = HF.
+
+Two checks per op:
+
+- the Triton kernel equals its torch reference over token counts 1 / 7 / 64, widths 64 / 576 and a
+  non-power-of-two, float32 / float16 / bfloat16 (rope: MHA and GQA head counts, positions far
+  past the first KV page, q and k as strided views into a fused qkv output, as the decoder
+  passes them). The kernels mimic HF's rounding to the dtype, so they sit within one unit in the
+  last place of the reference (the reduction order and ``exp`` differ);
+- the torch reference equals an independent HF implementation (``LlamaRMSNorm``,
+  ``LlamaRotaryEmbedding`` + ``apply_rotary_pos_emb`` for plain / linear / llama3 frequencies,
+  ``ACT2FN["silu"]``) bit for bit, so the semantics are checked, not only the kernel.
+
+On CPU the kernels run under the Triton interpreter; with ``DELTASERVE_TEST_GPU=1`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from deltaserve.kernels import common as kernel_common
+from deltaserve.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+from deltaserve.kernels.rope import rotary_embedding, rotary_embedding_ref
+from deltaserve.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
+from deltaserve.model.arch import ModelConfig
+from deltaserve.model.decoder import rope_cos_sin_cache, rope_inv_freq
+
+DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOKENS = [1, 7, 64]
+# Relative tolerance: about two units in the last place of each dtype (fp32: reduction order).
+RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+ATOL = {torch.float32: 1e-6, torch.float16: 1e-5, torch.bfloat16: 1e-4}
+ROPE_SCALINGS = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+}  # fmt: skip
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g)).to(dtype).to(DEVICE)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within ~2 ulps everywhere, and bit-identical almost everywhere in 16-bit dtypes (where the
+    kernels round intermediates exactly as HF does; skipping one such rounding breaks this)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=RTOL[want.dtype], atol=ATOL[want.dtype])
+    if want.dtype != torch.float32 and want.numel() >= 64:
+        same = (got == want).float().mean().item()
+        assert same >= 0.97, f"only {same:.1%} of the elements are bit-identical to the reference"
+
+
+# ---------------------------------------------------------------- RMSNorm (+ residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576, 1000])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rmsnorm_kernel_matches_reference(tokens: int, hidden: int, dtype: torch.dtype) -> None:
+    x = randn(tokens, hidden, dtype=dtype, seed=tokens * hidden, scale=3.0)
+    res = randn(tokens, hidden, dtype=dtype, seed=tokens * hidden + 1)
+    w = (1 + randn(hidden, dtype=torch.float32, seed=hidden, scale=0.2)).to(dtype)
+    close(rmsnorm(x, w, 1e-5, use_triton=True), rmsnorm_ref(x, w, 1e-5))
+    normed, new_res = fused_add_rmsnorm(x, res, w, 1e-6, use_triton=True)
+    want_normed, want_res = fused_add_rmsnorm_ref(x, res, w, 1e-6)
+    assert torch.equal(new_res, want_res), "the residual sum is one rounding of x + residual"
+    close(normed, want_normed)
+
+
+def test_rmsnorm_kernel_leading_dims_and_mixed_weight_dtype() -> None:
+    """[B, T, N] input with a non-contiguous row stride, and a float32 weight on float16 input."""
+    x = randn(2, 5, 2 * 96, dtype=torch.float16, seed=1)[..., :96]
+    w = 1 + randn(96, dtype=torch.float32, seed=2, scale=0.1)
+    out = rmsnorm(x, w, 1e-5, use_triton=True)
+    assert out.dtype == torch.float32  # promote(weight, x), as HF's ``weight * x.to(in_dtype)``
+    close(out, rmsnorm_ref(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_reference_is_hf(dtype: torch.dtype) -> None:
+    hidden = 576
+    hf = LlamaRMSNorm(hidden, eps=1e-5).to(DEVICE, dtype)
+    with torch.no_grad():
+        hf.weight.copy_(1 + randn(hidden, dtype=torch.float32, seed=3, scale=0.3))
+    x = randn(7, hidden, dtype=dtype, seed=4, scale=2.0)
+    res = randn(7, hidden, dtype=dtype, seed=5)
+    with torch.no_grad():
+        assert torch.equal(rmsnorm_ref(x, hf.weight, 1e-5), hf(x))
+        normed, new_res = fused_add_rmsnorm_ref(x, res, hf.weight, 1e-5)
+        assert torch.equal(new_res, res + x)  # HF: hidden_states = residual + hidden_states
+        assert torch.equal(normed, hf(res + x))
+
+
+# ---------------------------------------------------------------- RoPE
+
+
+def rope_config(head_dim: int, scaling: str) -> ModelConfig:
+    raw = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 16, "hidden_size": 4 * head_dim,
+        "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rope_theta": 500000.0 if scaling == "llama3" else 10000.0, "max_position_embeddings": 8192,
+        "rope_scaling": ROPE_SCALINGS[scaling],
+    }  # fmt: skip
+    return ModelConfig.from_dict(raw)
+
+
+def qk_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    """q [T, H, D] and k [T, H_kv, D] as strided views into one [T, (H + 2 H_kv) D] qkv buffer."""
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=seed, scale=2.0)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 64), (6, 1, 128)])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rope_kernel_matches_reference(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype) -> None:
+    cfg = rope_config(head_dim, "llama3")
+    cache = rope_cos_sin_cache(rope_inv_freq(cfg).to(DEVICE), 5000, dtype)
+    g = torch.Generator().manual_seed(tokens)
+    positions = torch.randint(0, 5000, (tokens,), generator=g).to(DEVICE)
+    positions[0] = 4999  # far past the first page, and the cache's last row
+    q, k = qk_views(tokens, heads, kv_heads, head_dim, dtype, seed=tokens + heads)
+    q_ref, k_ref = q.clone(), k.clone()
+    qkv_before = q._base.clone()
+    out_q, out_k = rotary_embedding(positions, q, k, cache, use_triton=True)
+    assert out_q is q and out_k is k, "rotated in place"
+    rotary_embedding_ref(positions, q_ref, k_ref, cache)
+    close(q, q_ref)
+    close(k, k_ref)
+    # v (the last columns of the qkv buffer) is untouched.
+    split = (heads + kv_heads) * head_dim
+    assert torch.equal(q._base[:, split:], qkv_before[:, split:])
+
+
+def test_rope_kernel_int32_positions_and_refusals() -> None:
+    cfg = rope_config(32, "default")
+    cache = rope_cos_sin_cache(rope_inv_freq(cfg).to(DEVICE), 64, torch.float32)
+    q, k = qk_views(5, 4, 2, 32, torch.float32, seed=9)
+    pos = torch.tensor([0, 63, 17, 32, 5], dtype=torch.int32, device=DEVICE)
+    want_q, want_k = rotary_embedding_ref(pos.long(), q.clone(), k.clone(), cache)
+    rotary_embedding(pos, q, k, cache, use_triton=True)
+    close(q, want_q)
+    close(k, want_k)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        rotary_embedding(pos, q, k, cache.half())
+    with pytest.raises(ValueError, match=r"cos_sin_cache \[64, 16\] must be \[P, D=32\]"):
+        rotary_embedding(pos, q, k, cache[:, :16])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scaling", list(ROPE_SCALINGS))
+def test_rope_reference_and_cache_are_hf(scaling: str, dtype: torch.dtype) -> None:
+    """HF's rotary embedding for the same config: our frequencies, our table and our rotation."""
+    head_dim, heads, kv_heads, tokens = 64, 4, 2, 9
+    cfg = rope_config(head_dim, scaling)
+    hf_cfg = LlamaConfig(
+        hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=8192, rope_theta=cfg.rope_theta, rope_scaling=ROPE_SCALINGS[scaling],
+    )  # fmt: skip
+    positions = torch.tensor([0, 1, 2, 63, 64, 255, 1000, 3000, 8191], device=DEVICE)
+    q, k = qk_views(tokens, heads, kv_heads, head_dim, dtype, seed=11)
+    # HF layout: [batch, heads, T, D] with cos/sin [batch, T, D].
+    hf_cos, hf_sin = LlamaRotaryEmbedding(hf_cfg).to(DEVICE)(q, positions[None])
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    cache = rope_cos_sin_cache(rope_inv_freq(cfg).to(DEVICE), 8192, dtype)
+    half = head_dim // 2
+    assert torch.equal(cache[positions, :half].repeat(1, 2), hf_cos[0])
+    assert torch.equal(cache[positions, half:].repeat(1, 2), hf_sin[0])
+    rotary_embedding_ref(positions, q, k, cache)
+    assert torch.equal(q, want_q[0].transpose(0, 1))
+    assert torch.equal(k, want_k[0].transpose(0, 1))
+
+
+# ---------------------------------------------------------------- SiLU-and-mul
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 576, 2500])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_silu_and_mul_kernel_matches_reference(tokens: int, inter: int, dtype: torch.dtype) -> None:
+    gate_up = randn(tokens, 2 * inter, dtype=dtype, seed=tokens + inter, scale=4.0)
+    close(silu_and_mul(gate_up, use_triton=True), silu_and_mul_ref(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_reference_is_hf(dtype: torch.dtype) -> None:
+    gate, up = randn(7, 576, dtype=dtype, seed=12, scale=4.0), randn(7, 576, dtype=dtype, seed=13)
+    assert torch.equal(silu_and_mul_ref(torch.cat((gate, up), dim=-1)), ACT2FN["silu"](gate) * up)
+    # Leading dims pass through; the Triton path agrees on them too.
+    gu = randn(2, 3, 2 * 100, dtype=dtype, seed=14)
+    out = silu_and_mul(gu, use_triton=True)
+    assert out.shape == (2, 3, 100)
+    close(out, silu_and_mul_ref(gu))
+    with pytest.raises(ValueError, match=r"even last dim"):
+        silu_and_mul(gu[..., :199])
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def test_dispatch_follows_device_and_forced_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(3, 64)  # CPU: the reference unless forced
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # only read by the check below, not by triton
+    assert kernel_common.want_triton("op", x, None) is False
+    assert kernel_common.want_triton("op", x, True) is True
+    monkeypatch.setattr(kernel_common, "_backend", "triton")
+    assert kernel_common.want_triton("op", x, None) is True
+    assert kernel_common.want_triton("op", x, False) is False
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="needs CUDA tensors, or TRITON_INTERPRET=1"):
+        kernel_common.want_triton("rmsnorm", x, None)
