@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8000
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: help setup develop demo serve test test-rust test-python lint fmt wheel gen-wire bench-gpu daemon daemon-release clean
+.PHONY: help setup develop demo serve test test-rust test-python test-gpu lint fmt wheel gen-wire bench-gpu daemon daemon-release clean
 
 help: ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -53,7 +53,7 @@ test-rust: ## Rust tests only
 test-python: develop daemon ## Python tests only
 	DELTASERVE_BIN=$(abspath target/debug/deltaserve) $(PY) -m pytest tests -q
 
-lint: ## formatting and lints (Rust, Python), and the wire mirror is up to date
+lint: ## Rust formatting and clippy, and the wire mirror is up to date
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo run -q -p deltaserve-ipc --bin ipc-schema -- check
@@ -67,8 +67,23 @@ wheel: ## build the abi3 wheel into dist/
 gen-wire: ## regenerate pyworker/deltaserve/wire.py from the Rust schema
 	cargo run -q -p deltaserve-ipc --bin ipc-schema -- gen-py
 
-bench-gpu: ## GPU benchmarks (run on a CUDA machine; writes bench/results/*.json)
-	python3 bench/decode_step.py
+# On a CUDA machine with no build tools: the interpreter that has torch, the carried daemon and
+# native module (PYTHONPATH=pyworker), as the device runs do.
+GPU_PY ?= python3
+GPU_ENV = PYTHONPATH=$(abspath pyworker) DELTASERVE_TEST_GPU=1 DELTASERVE_BIN=$(abspath target/release/deltaserve)
+
+test-gpu: ## (CUDA machine) kernels on the GPU; greedy = transformers through the daemon, CUDA graphs on and off
+	$(GPU_ENV) $(GPU_PY) -m pytest tests/kernels tests/test_fused_projections.py -q
+	for graphs in 256 0; do \
+	  $(GPU_ENV) DELTASERVE_TEST_DEVICES=0 DELTASERVE_CUDA_GRAPH_MAX_BATCH=$$graphs \
+	    $(GPU_PY) -m pytest tests/e2e/test_generation.py -q || exit 1; \
+	done
+
+bench-gpu: ## (CUDA machine) benchmarks; each writes bench/results/*.json
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/decode_step.py
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_paged_attention.py
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_fused_ops.py
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/router_overhead.py --daemon target/release/deltaserve --device 0
 
 clean:
 	cargo clean; rm -rf $(VENV) dist

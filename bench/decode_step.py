@@ -6,6 +6,8 @@ in the KV cache (``num_computed_tokens = 512``, so no prefill is needed to reach
 then decode steps of one token each. Timed: ``Executor.step`` (batch building, forward, sampling,
 results back on the host), median of the timed steps.
 
+Each batch size runs twice: decode steps replayed from CUDA graphs, then eagerly.
+
 Floors, each from the device-to-device copy bandwidth measured in the same run:
   weight floor = weight bytes / bandwidth
   memory floor = (weight bytes + KV bytes the step reads) / bandwidth
@@ -35,7 +37,7 @@ from deltaserve.worker.executor import Executor  # noqa: E402
 def bench_batch(ex: Executor, batch: int, ctx: int, steps: int, warmup: int, first_id: int) -> list[float]:
     bs = ex.block_size
     blocks_per_req = (ctx + steps + warmup + 1 + bs - 1) // bs
-    assert batch * blocks_per_req <= ex.kv.num_blocks, "KV pool too small for this batch"
+    assert batch * blocks_per_req <= ex.num_blocks, "KV pool too small for this batch"
     greedy = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=None)
     g = torch.Generator().manual_seed(batch)
     new = []
@@ -77,39 +79,44 @@ def main() -> None:
     device = torch.device("cuda:0")
     bw = copy_bandwidth(device)
 
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_model_dir(args.shape, Path(tmp) / args.shape)
         ctx_tokens = args.ctx + args.steps + args.warmup + 2
-        cfg_kv_per_token = None
-        ex = Executor(model_dir, device="cuda:0", dtype="float16", block_size=16,
-                      kv_cache_bytes=0, gpu_memory_utilization=0.92)
-        c = ex.config
-        kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2  # K and V, fp16
-        weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
-        rows = []
-        for b in batches:
-            if b * ((ctx_tokens + 15) // 16) > ex.kv.num_blocks:
-                print(f"batch {b}: KV pool of {ex.kv.num_blocks} blocks too small, skipped", flush=True)
-                continue
-            times = bench_batch(ex, b, args.ctx, args.steps, args.warmup, first_id=len(rows) * 10000 + 1)
-            step = statistics.median(times)
-            kv_bytes = b * (args.ctx + 1) * kv_per_token
-            weight_floor = weight_bytes / bw
-            mem_floor = (weight_bytes + kv_bytes) / bw
-            row = {"batch": b, "step_ms": step * 1e3, "step_ms_min": min(times) * 1e3,
-                   "weight_floor_ms": weight_floor * 1e3, "memory_floor_ms": mem_floor * 1e3,
-                   "ratio_to_weight_floor": step / weight_floor, "ratio_to_memory_floor": step / mem_floor,
-                   "tokens_per_s": b / step}
-            rows.append(row)
-            print(f"batch {b:4d}: {row['step_ms']:8.2f} ms  weight floor {row['weight_floor_ms']:.2f} ms "
-                  f"({row['ratio_to_weight_floor']:.2f}x)  memory floor {row['memory_floor_ms']:.2f} ms "
-                  f"({row['ratio_to_memory_floor']:.2f}x)", flush=True)
-        del cfg_kv_per_token
+        for mode, graph_batch in (("graphs", max(batches)), ("eager", 0)):
+            ex = Executor(model_dir, device="cuda:0", dtype="float16", block_size=16, kv_cache_bytes=0,
+                          gpu_memory_utilization=0.92, cuda_graph_max_batch=graph_batch)
+            c = ex.config
+            kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2  # K and V, fp16
+            weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+            rows = []
+            for b in batches:
+                if b * ((ctx_tokens + 15) // 16) > ex.num_blocks:
+                    print(f"{mode} batch {b}: KV pool of {ex.num_blocks} blocks too small, skipped", flush=True)
+                    continue
+                times = bench_batch(ex, b, args.ctx, args.steps, args.warmup, first_id=len(rows) * 10000 + 1)
+                step = statistics.median(times)
+                kv_bytes = b * (args.ctx + 1) * kv_per_token
+                weight_floor = weight_bytes / bw
+                mem_floor = (weight_bytes + kv_bytes) / bw
+                row = {"batch": b, "step_ms": step * 1e3, "step_ms_min": min(times) * 1e3,
+                       "weight_floor_ms": weight_floor * 1e3, "memory_floor_ms": mem_floor * 1e3,
+                       "ratio_to_weight_floor": step / weight_floor, "ratio_to_memory_floor": step / mem_floor,
+                       "tokens_per_s": b / step}
+                rows.append(row)
+                print(f"{mode} batch {b:4d}: {row['step_ms']:8.2f} ms  weight floor {row['weight_floor_ms']:.2f} ms "
+                      f"({row['ratio_to_weight_floor']:.2f}x)  memory floor {row['memory_floor_ms']:.2f} ms "
+                      f"({row['ratio_to_memory_floor']:.2f}x)", flush=True)
+            if ex.graphs is not None:
+                print(f"{mode}: {ex.graphs.replays} steps replayed from graphs", flush=True)
+            results[mode] = rows
+            del ex
+            torch.cuda.empty_cache()
     path = write_result("decode_step", {
         "device": device_name(device), "shape": args.shape, "dtype": "float16", "kv_len": args.ctx,
         "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
-        "attention": "torch reference (gather + SDPA)", "cuda_graphs": False,
-        "timed_steps": args.steps, "rows": rows,
+        "kernels": "triton (paged attention, fused rmsnorm/rope/silu_mul)",
+        "timed_steps": args.steps, "rows_graphs": results["graphs"], "rows_eager": results["eager"],
     }, args.out)
     print(f"wrote {path}")
 

@@ -67,7 +67,7 @@ class MiniRouter:
         self.ex = executor
         self.chunk = chunk
         self.bs = executor.block_size
-        self.free = list(range(executor.kv.num_blocks))
+        self.free = list(range(executor.num_blocks))
         random.Random(seed).shuffle(self.free)  # non-contiguous block tables
         self.active: dict[int, Req] = {}
         self.to_release: list[int] = []

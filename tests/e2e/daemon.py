@@ -1,7 +1,8 @@
 """Starts and stops a real ``deltaserve`` daemon for end-to-end tests.
 
 The binary comes from ``$DELTASERVE_BIN`` (``make test`` sets it) or ``target/debug/deltaserve``;
-workers run with this interpreter, so they import the package under test.
+workers run with this interpreter, so they import the package under test, on the devices in
+``$DELTASERVE_TEST_DEVICES`` (default ``cpu``; ``make test-gpu`` sets a CUDA id).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Daemon:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="deltaserve-", suffix=".log", delete=False)
         cmd = [str(daemon_binary()), "--port", str(self.port), "--python", python or sys.executable, *extra]
+        if "--devices" not in extra:  # `make test-gpu` runs the same tests on a GPU worker
+            cmd += ["--devices", os.environ.get("DELTASERVE_TEST_DEVICES", "cpu")]
         if model_dir is not None:
             cmd += ["--model", str(model_dir)]
         self.proc = subprocess.Popen(

@@ -66,6 +66,13 @@ class WorkerConfig:
             "everywhere, for A/B runs), triton (Triton everywhere)."
         ),
     )
+    cuda_graph_max_batch: int = field(
+        default=256,
+        metadata=_doc(
+            "Largest decode batch replayed from a captured CUDA graph (CUDA with the Triton kernels); "
+            "larger batches and prefill steps run eagerly; 0 disables graphs."
+        ),
+    )
     recv_spin_us: int = field(
         default=2000,
         metadata=_doc(
@@ -102,6 +109,8 @@ class WorkerConfig:
             raise ConfigError(f"--num-threads {self.num_threads}: expected >= 0 (0 = all available CPUs)")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ConfigError(f"--kernels {self.kernels!r}: expected auto, torch or triton")
+        if not 0 <= self.cuda_graph_max_batch <= 4096:
+            raise ConfigError(f"--cuda-graph-max-batch {self.cuda_graph_max_batch}: expected 0..4096")
         if not 0 <= self.recv_spin_us <= 1_000_000:
             raise ConfigError(f"--recv-spin-us {self.recv_spin_us}: expected 0..1000000 microseconds")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -38,12 +38,14 @@ from pathlib import Path
 import torch
 
 from deltaserve import wire
+from deltaserve.kernels import common as kernel_common
 from deltaserve.model.arch import ModelConfig
 from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.kv_cache import PagedKVCache
 from deltaserve.model.loader import load_model
 
 from .config import WorkerConfig
+from .cuda_graphs import DecodeGraphs
 from .sampler import Sampler
 
 log = logging.getLogger("deltaserve.worker")
@@ -125,6 +127,7 @@ class Executor:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         seed: int = 0,
+        cuda_graph_max_batch: int = 0,
     ) -> None:
         started = time.monotonic()
         self.model_dir = Path(model_dir)
@@ -152,11 +155,26 @@ class Executor:
             self.config.num_layers, block_size, self.config.num_kv_heads, self.config.head_dim, self.dtype
         )
         """Bytes of one page across all layers (reported in Hello)."""
-        limits = [self.config.max_position_embeddings, self.kv.num_blocks * block_size]
+        self.graphs: DecodeGraphs | None = None
+        """Captured decode steps, when enabled (CUDA with the Triton kernels)."""
+        use_graphs = (
+            cuda_graph_max_batch > 0
+            and self.device.type == "cuda"
+            and kernel_common.use_triton_for(self.device)
+            and self.kv.num_blocks > 1
+        )
+        self.num_blocks = self.kv.num_blocks - (1 if use_graphs else 0)
+        """Pages the router may allocate; with graphs the last page is the padding rows' scratch."""
+        limits = [self.config.max_position_embeddings, self.num_blocks * block_size]
         if max_model_len is not None:
             limits.append(max_model_len)
         self.max_model_len = min(limits)
         """Longest prompt + output a request may reach on this worker."""
+        if use_graphs:
+            self.graphs = DecodeGraphs(
+                self.model, self.kv, cuda_graph_max_batch, self.max_model_len,
+                scratch_slot=self.num_blocks * block_size,
+            )
         self.requests: dict[int, RequestState] = {}
         """Requests the worker holds, by req_id."""
         log.info(
@@ -180,6 +198,7 @@ class Executor:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len,
             seed=cfg.seed,
+            cuda_graph_max_batch=cfg.cuda_graph_max_batch,
         )
 
     # ------------------------------------------------------------------ handshake
@@ -203,7 +222,7 @@ class Executor:
             ),
             kv=wire.KvCapacity(
                 block_size=self.block_size,
-                num_blocks=self.kv.num_blocks,
+                num_blocks=self.num_blocks,
                 bytes_per_block=self.bytes_per_block,
             ),
         )
@@ -311,8 +330,12 @@ class Executor:
             if wants_logits:
                 samplers.append(state)
         with torch.inference_mode():
-            batch = ForwardBatch.build(seqs, self.block_size, self.device)
-            logits = self.model.forward(batch, self.kv)
+            decode = len(samplers) == len(seqs) and all(n == 1 for _, n in scheduled)
+            if decode and self.graphs is not None and self.graphs.bucket_for(len(seqs)) is not None:
+                logits = self.graphs.run(ForwardBatch.build(seqs, self.block_size, "cpu"))
+            else:
+                batch = ForwardBatch.build(seqs, self.block_size, self.device)
+                logits = self.model.forward(batch, self.kv)
             sampled = None
             if samplers:
                 sampled = self.sampler.sample(
@@ -365,7 +388,7 @@ class Executor:
             if req_id not in bad:
                 bad.append(req_id)
 
-        vocab, num_blocks, bs = self.config.vocab_size, self.kv.num_blocks, self.block_size
+        vocab, num_blocks, bs = self.config.vocab_size, self.num_blocks, self.block_size
 
         def check_blocks(req_id: int, blocks: list[int], needed_tokens: int, have: int) -> None:
             out_of_pool = [b for b in blocks if not 0 <= b < num_blocks]

@@ -58,6 +58,10 @@ struct Args {
     /// Cap on prompt + output tokens (default: the model's limit, bounded by the KV pool).
     #[arg(long, env = "DELTASERVE_MAX_MODEL_LEN")]
     max_model_len: Option<u32>,
+    /// Largest decode batch a CUDA worker replays from a captured CUDA graph (capped at
+    /// --max-num-seqs); 0 runs every step eagerly.
+    #[arg(long, env = "DELTASERVE_CUDA_GRAPH_MAX_BATCH", default_value_t = 256)]
+    cuda_graph_max_batch: u32,
     /// Most requests queued or running per worker before new ones are refused with 429.
     #[arg(long, env = "DELTASERVE_MAX_QUEUED_PER_WORKER", default_value_t = 4096)]
     max_queued_per_worker: usize,
@@ -135,6 +139,7 @@ async fn main() -> anyhow::Result<()> {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_model_len: args.max_model_len,
+        cuda_graph_max_batch: args.cuda_graph_max_batch,
         max_queued_per_worker: args.max_queued_per_worker,
         worker_start_timeout: Duration::from_secs(args.worker_start_timeout),
     };

@@ -29,6 +29,8 @@ pub struct ServerConfig {
     pub max_num_batched_tokens: usize,
     /// Cap on prompt + output tokens; the model's own limit when unset.
     pub max_model_len: Option<u32>,
+    /// Largest decode batch a CUDA worker replays from a captured graph (0: always eager).
+    pub cuda_graph_max_batch: u32,
     /// Most requests queued or running per worker before new ones get 429.
     pub max_queued_per_worker: usize,
     /// How long a worker may take to load its model.

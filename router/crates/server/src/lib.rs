@@ -61,6 +61,7 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             gpu_memory_utilization: cfg.gpu_memory_utilization,
             max_num_batched_tokens: cfg.max_num_batched_tokens as u32,
             max_model_len: cfg.max_model_len,
+            cuda_graph_max_batch: cfg.cuda_graph_max_batch.min(cfg.max_num_seqs as u32),
             start_timeout: cfg.worker_start_timeout,
         })
         .collect();

@@ -49,6 +49,8 @@ pub struct WorkerSpec {
     pub max_num_batched_tokens: u32,
     /// Upper bound on prompt + output tokens, if the operator set one.
     pub max_model_len: Option<u32>,
+    /// Largest decode batch the worker replays from a CUDA graph (0: eager only).
+    pub cuda_graph_max_batch: u32,
     /// How long model loading may take before the start counts as failed.
     pub start_timeout: Duration,
 }
@@ -216,7 +218,9 @@ impl WorkerProcess {
             .arg("--gpu-memory-utilization")
             .arg(spec.gpu_memory_utilization.to_string())
             .arg("--max-num-batched-tokens")
-            .arg(spec.max_num_batched_tokens.to_string());
+            .arg(spec.max_num_batched_tokens.to_string())
+            .arg("--cuda-graph-max-batch")
+            .arg(spec.cuda_graph_max_batch.to_string());
         if let Some(len) = spec.max_model_len {
             cmd.arg("--max-model-len").arg(len.to_string());
         }

@@ -1,0 +1,151 @@
+"""CUDA-graph capture and replay of decode steps: one graph per batch-size bucket.
+
+A decode step launches ~1,900 small kernels; eager PyTorch spends far longer issuing them than the
+GPU spends running them. Replaying a captured graph issues the whole forward at once.
+
+Layout::
+
+    static inputs (sized for the largest bucket B):      per bucket b <= B:
+      input_ids, positions, slot_mapping   [B]  int64      ForwardBatch over rows [0, b)
+      seq_lens                             [B]  int32      (max_seq_len = the static maximum,
+      query_start_loc = arange(B + 1)      [B+1] int32      max_query_len = 1), its captured graph
+      logits_indices  = arange(B)          [B]  int64      and the graph's output logits [b, V]
+      block_tables                 [B, max_blocks] int32
+
+    replay(seqs): n rows -> smallest bucket b >= n; rows [0, n) copied in from the step,
+                  rows [n, b) are padding: seq_len 0 (attention writes zeros), their K/V go to
+                  the scratch slot; replay; return logits[:n]
+
+Everything the captured forward reads lives in those buffers, so a graph stays valid whatever
+requests come and go. Padding rows write their K/V into ``scratch_slot``, a KV slot the executor
+keeps out of the router's pool. Only the Triton attention path is capturable (the torch reference
+shapes its tensors by each step's lengths), so graphs need CUDA and the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
+
+log = logging.getLogger(__name__)
+
+#: Decode batch sizes that get a graph (a step runs in the smallest bucket that holds it).
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def buckets_up_to(max_batch: int) -> list[int]:
+    """The capture sizes for decode batches of at most ``max_batch`` rows (it is always one)."""
+    sizes = [b for b in BUCKETS if b < max_batch]
+    return sizes + [max_batch] if max_batch > 0 else []
+
+
+class DecodeGraphs:
+    """Captured decode forwards of ``model`` over ``kv`` for every bucket up to ``max_batch``."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        kv: PagedKVCache,
+        max_batch: int,
+        max_model_len: int,
+        scratch_slot: int,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"DecodeGraphs: max_batch must be >= 1, got {max_batch}")
+        device = kv.device
+        self.model = model
+        """The model whose forward is captured."""
+        self.kv = kv
+        """The paged KV cache the captured forwards read and write."""
+        self.block_size = kv.block_size
+        """Tokens per KV page."""
+        self.max_batch = max_batch
+        """Largest decode batch served from a graph; larger ones run eagerly."""
+        self.max_blocks = -(-max_model_len // kv.block_size)
+        """Block-table width: enough pages for the longest sequence."""
+        self.scratch_slot = scratch_slot
+        """KV slot where padding rows write (outside the router's pool)."""
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_batch,), scratch_slot, dtype=torch.long, device=device)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(max_batch, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros((max_batch, self.max_blocks), dtype=torch.int32, device=device)
+        self.max_seq_len = self.max_blocks * kv.block_size
+        """Static bound on every context, as the captured kernels were specialised for it."""
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """Bucket size -> (its graph, the logits tensor the graph writes)."""
+        self.replays = 0
+        """Steps served by a graph so far (tests and logs check graphs are really used)."""
+        self._capture(buckets_up_to(max_batch))
+
+    def _batch(self, b: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:b],
+            positions=self.positions[:b],
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+            slot_mapping=self.slot_mapping[:b],
+            logits_indices=self.logits_indices[:b],
+            max_seq_len=self.max_seq_len,
+            max_query_len=1,
+        )
+
+    def _capture(self, sizes: list[int]) -> None:
+        started = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        # Every row is padding while capturing: attention reads nothing, K/V go to the scratch slot.
+        with torch.inference_mode():
+            for b in sorted(sizes, reverse=True):  # largest first: later graphs reuse its pool
+                batch = self._batch(b)
+                for _ in range(2):  # compile the Triton kernels, allocate cuBLAS workspaces
+                    self.model.forward(batch, self.kv)
+                torch.cuda.synchronize(self.kv.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model.forward(batch, self.kv)
+                self.graphs[b] = (graph, logits)
+        torch.cuda.synchronize(self.kv.device)
+        log.info(
+            "captured %d decode CUDA graphs (batch %s) in %.1f s",
+            len(sizes), ",".join(map(str, sorted(sizes))), time.monotonic() - started,
+        )
+
+    def bucket_for(self, n: int) -> int | None:
+        """The smallest captured batch size that holds ``n`` rows (None: run eagerly)."""
+        for b in sorted(self.graphs):
+            if b >= n:
+                return b
+        return None
+
+    def run(self, step: ForwardBatch) -> torch.Tensor:
+        """Replays the decode ``step`` (one token per sequence, every row wants logits).
+
+        ``step`` is the step's ``ForwardBatch`` built on the host; its tensors are copied into the
+        static buffers. Returns float32 logits [num_seqs, vocab] (a view valid until the next run).
+        """
+        n = step.num_seqs
+        b = self.bucket_for(n)
+        if b is None or step.num_tokens != n or step.logits_indices.numel() != n:
+            raise ValueError(f"DecodeGraphs.run: not a decode batch this runner holds ({n} sequences)")
+        width = step.block_tables.shape[1]
+        if width > self.max_blocks:
+            raise ValueError(f"DecodeGraphs.run: block tables of {width} pages exceed {self.max_blocks}")
+        self.input_ids[:n].copy_(step.input_ids, non_blocking=True)
+        self.positions[:n].copy_(step.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(step.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(step.seq_lens, non_blocking=True)
+        self.block_tables[:n, :width].copy_(step.block_tables, non_blocking=True)
+        if b > n:
+            self.seq_lens[n:b].zero_()
+            self.slot_mapping[n:b].fill_(self.scratch_slot)
+        graph, logits = self.graphs[b]
+        graph.replay()
+        self.replays += 1
+        return logits[:n]
