@@ -70,7 +70,7 @@ gen-wire: ## regenerate pyworker/deltaserve/wire.py from the Rust schema
 # On a CUDA machine with no build tools: the interpreter that has torch, the carried daemon and
 # native module (PYTHONPATH=pyworker), as the device runs do.
 GPU_PY ?= python3
-GPU_ENV = PYTHONPATH=$(abspath pyworker) DELTASERVE_TEST_GPU=1 DELTASERVE_BIN=$(abspath target/release/deltaserve)
+GPU_ENV = PYTHONPATH=$(abspath pyworker)$(if $(PYTHONPATH),:$(PYTHONPATH)) DELTASERVE_TEST_GPU=1 DELTASERVE_BIN=$(abspath target/release/deltaserve)
 
 test-gpu: ## (CUDA machine) kernels on the GPU; greedy = transformers through the daemon, CUDA graphs on and off
 	$(GPU_ENV) $(GPU_PY) -m pytest tests/kernels tests/test_fused_projections.py -q
