@@ -43,48 +43,26 @@ pub async fn chat_completions<B: Backend>(
         model: backend.model().name.clone(),
         tokenizer: with_logprobs.then(|| backend.tokenizer().clone()),
     };
-    let mut pieces = Pieces::new(rx);
+    let pieces = Pieces::new(rx);
     if !v.stream {
-        let mut text = String::new();
-        let mut tokens = Vec::new();
-        loop {
-            match pieces.next().await {
-                Some(Piece::Text {
-                    text: t,
-                    tokens: mut ts,
-                }) => {
-                    text.push_str(&t);
-                    tokens.append(&mut ts);
-                }
-                Some(Piece::Finished {
-                    reason,
-                    prompt_tokens,
-                    completion_tokens,
-                    tokens: mut ts,
-                }) => {
-                    tokens.append(&mut ts);
-                    return Ok(Json(ChatCompletionResponse {
-                        id: writer.id.clone(),
-                        object: "chat.completion",
-                        created: writer.created,
-                        model: writer.model.clone(),
-                        choices: vec![ChatChoice {
-                            index: 0,
-                            message: AssistantMessage {
-                                role: "assistant",
-                                content: text,
-                            },
-                            logprobs: writer.logprobs(&tokens),
-                            finish_reason: reason.as_str(),
-                        }],
-                        usage: Usage::new(prompt_tokens, completion_tokens),
-                    })
-                    .into_response());
-                }
-                Some(Piece::Failed(e)) => return Err(e),
-                None => unreachable!("Pieces ends with Finished or Failed"),
-            }
-        }
+        let answer = pieces.collect().await?;
+        return Ok(Json(ChatCompletionResponse {
+            id: writer.id.clone(),
+            object: "chat.completion",
+            created: writer.created,
+            model: writer.model.clone(),
+            choices: vec![ChatChoice {
+                index: 0,
+                message: AssistantMessage {
+                    role: "assistant",
+                    content: answer.text,
+                },
+                logprobs: writer.logprobs(&answer.tokens),
+                finish_reason: answer.reason.as_str(),
+            }],
+            usage: answer.usage,
+        })
+        .into_response());
     }
     let include_usage = v.include_usage;
     let first = vec![sse_json(&writer.chunk(

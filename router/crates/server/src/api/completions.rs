@@ -45,34 +45,12 @@ pub async fn completions<B: Backend>(
             offset: 0,
         }),
     };
-    let mut pieces = Pieces::new(rx);
+    let pieces = Pieces::new(rx);
     if !v.stream {
-        let mut text = String::new();
-        let mut tokens = Vec::new();
-        loop {
-            match pieces.next().await {
-                Some(Piece::Text {
-                    text: t,
-                    tokens: mut ts,
-                }) => {
-                    text.push_str(&t);
-                    tokens.append(&mut ts);
-                }
-                Some(Piece::Finished {
-                    reason,
-                    prompt_tokens,
-                    completion_tokens,
-                    tokens: mut ts,
-                }) => {
-                    tokens.append(&mut ts);
-                    let mut body = writer.chunk(text, &tokens, Some(reason.as_str()));
-                    body.usage = Some(Usage::new(prompt_tokens, completion_tokens));
-                    return Ok(Json(body).into_response());
-                }
-                Some(Piece::Failed(e)) => return Err(e),
-                None => unreachable!("Pieces ends with Finished or Failed"),
-            }
-        }
+        let answer = pieces.collect().await?;
+        let mut body = writer.chunk(answer.text, &answer.tokens, Some(answer.reason.as_str()));
+        body.usage = Some(answer.usage);
+        return Ok(Json(body).into_response());
     }
     let include_usage = v.include_usage;
     let events = stream::unfold(

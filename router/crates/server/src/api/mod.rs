@@ -38,6 +38,7 @@ use axum::Router;
 use deltaserve_ipc::wire::TokenLogprob;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::api::openai::Usage;
 use crate::engine::{
     EngineError, EngineHandle, EngineMetrics, FinishReason, GenerateEvent, GenerateRequest,
     ServedModel,
@@ -177,6 +178,18 @@ pub(crate) enum Piece {
     Failed(ApiError),
 }
 
+/// A whole non-streamed answer.
+pub(crate) struct Collected {
+    /// All generated text.
+    pub text: String,
+    /// Every generated token, for logprobs.
+    pub tokens: Vec<TokenRecord>,
+    /// Why it ended.
+    pub reason: FinishReason,
+    /// Prompt and completion token counts.
+    pub usage: Usage,
+}
+
 /// Groups a request's events into [`Piece`]s. Owns the receiver: dropping this cancels.
 pub(crate) struct Pieces {
     /// The request's events.
@@ -193,6 +206,39 @@ impl Pieces {
             rx,
             pending: Vec::new(),
             ended: false,
+        }
+    }
+
+    /// Waits for the whole answer (non-streaming responses): all text and tokens, and how it ended.
+    pub(crate) async fn collect(mut self) -> Result<Collected, ApiError> {
+        let mut text = String::new();
+        let mut tokens = Vec::new();
+        loop {
+            match self.next().await {
+                Some(Piece::Text {
+                    text: t,
+                    tokens: mut ts,
+                }) => {
+                    text.push_str(&t);
+                    tokens.append(&mut ts);
+                }
+                Some(Piece::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    tokens: mut ts,
+                }) => {
+                    tokens.append(&mut ts);
+                    return Ok(Collected {
+                        text,
+                        tokens,
+                        reason,
+                        usage: Usage::new(prompt_tokens, completion_tokens),
+                    });
+                }
+                Some(Piece::Failed(e)) => return Err(e),
+                None => unreachable!("Pieces ends with Finished or Failed"),
+            }
         }
     }
 
