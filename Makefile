@@ -81,6 +81,7 @@ test-gpu: ## (CUDA machine) kernels on the GPU; greedy = transformers through th
 
 bench-gpu: ## (CUDA machine) benchmarks; each writes bench/results/*.json
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/decode_step.py
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/prefill.py
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_paged_attention.py
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_fused_ops.py
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/router_overhead.py --daemon target/release/deltaserve --device 0
