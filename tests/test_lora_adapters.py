@@ -35,34 +35,11 @@ from deltaserve.adapters.lora import (
 from deltaserve.model.arch import ModelConfig
 
 peft = pytest.importorskip("peft")
-from peft import LoraConfig, get_peft_model  # noqa: E402
 from peft.tuners.lora import LoraLayer  # noqa: E402
+from helpers.peft_adapters import SEVEN, make_peft_adapter  # noqa: E402
+from helpers.peft_adapters import hf_model as _hf_model  # noqa: E402
 
-SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PREFIX = "base_model.model.model.layers"
-
-
-def _hf_model(base_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-
-
-def make_peft_adapter(base_dir: Path, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **lora: Any):
-    """Build a PEFT LoRA model on the base with non-zero random A and B, save it; return (peft_model, dir)."""
-    model = _hf_model(base_dir)
-    pm = get_peft_model(model, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                # B is the one PEFT zeroes by default: both get entries of 1/sqrt(fan-in) size, so
-                # the delta is as large as the base weights' (initializer_range 0.15) at any rank.
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-    pm = pm.to(dtype).eval()
-    pm.save_pretrained(out_dir, safe_serialization=True)
-    assert (out_dir / "adapter_model.safetensors").is_file()
-    return pm, out_dir
 
 
 def _peft_lora_layers(pm: torch.nn.Module) -> dict[tuple[int, str], LoraLayer]:
