@@ -47,7 +47,7 @@ __all__ = [
 #: Canonical schema text, identical to Rust's `ipc::schema::schema_text()`.
 SCHEMA_TEXT = (
     "SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>}\n"
-    "NewRequest=0{req_id:u64,token_ids:Vec<u32>,num_prompt_tokens:u32,num_computed_tokens:u32,num_scheduled_tokens:u32,block_ids:Vec<u32>,sampling:SamplingParams}\n"
+    "NewRequest=0{req_id:u64,token_ids:Vec<u32>,num_prompt_tokens:u32,num_computed_tokens:u32,num_scheduled_tokens:u32,block_ids:Vec<u32>,sampling:SamplingParams,adapter_id:u32}\n"
     "RunningRequest=0{req_id:u64,num_scheduled_tokens:u32,new_block_ids:Vec<u32>}\n"
     "StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>}\n"
     "TokenLogprob=0{token_id:u32,logprob:f64}\n"
@@ -138,17 +138,20 @@ class NewRequest:
     block_ids: list[int] = field(default_factory=list)
     #: How to sample once the whole sequence is computed.
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    #: The LoRA adapter whose delta this request's tokens get: an id the worker was started
+    #: with (`--loras '{"ID": "DIR"}'`), 0 for the base model alone.
+    adapter_id: int = 0
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.req_id, self.token_ids, self.num_prompt_tokens, self.num_computed_tokens, self.num_scheduled_tokens, self.block_ids, self.sampling.to_wire()]
+        return [self.req_id, self.token_ids, self.num_prompt_tokens, self.num_computed_tokens, self.num_scheduled_tokens, self.block_ids, self.sampling.to_wire(), self.adapter_id]
 
     @classmethod
     def from_wire(cls, a: list) -> NewRequest:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 7:
-            return cls(a[0], a[1], a[2], a[3], a[4], a[5], SamplingParams.from_wire(a[6]))
+        if n >= 8:
+            return cls(a[0], a[1], a[2], a[3], a[4], a[5], SamplingParams.from_wire(a[6]), a[7])
         m = cls()
         if n > 0:
             m.req_id = a[0]
@@ -164,6 +167,8 @@ class NewRequest:
             m.block_ids = a[5]
         if n > 6:
             m.sampling = SamplingParams.from_wire(a[6])
+        if n > 7:
+            m.adapter_id = a[7]
         return m
 
 

@@ -25,10 +25,24 @@ resource there and the CPU path is for tests and demos). On CUDA, as in vLLM:
 of one profiling forward over max_num_batched_tokens tokens)``; the first two come from
 ``torch.cuda.mem_get_info`` (so other processes on the GPU count), the last from
 ``max_memory_allocated`` around the profiling run.
+
+LoRA adapters (``loras``: adapter id -> PEFT directory, fixed at start): each is loaded and
+validated against the model (``load_lora_adapter``, in the compute dtype; a bad one fails start-up
+with its directory named) and attached (``attach_lora``: the targeted block linears become
+``LoraLinear``). A NewRequest names its adapter by ``adapter_id`` (0 = base alone; an id not loaded
+is a PlanError); the request keeps it until released. Before each forward the executor tells the
+shared ``LoraStep`` which adapter each token row uses (rows in ForwardBatch order: scheduled new
+requests, then running ones); a step whose requests are all base leaves it clear and pays nothing.
+
+CUDA graphs: the captured decode graphs contain no LoRA work (the step map is clear while
+capturing), so they serve only steps in which no scheduled request has an adapter; steps with
+adapter requests run eagerly. Next: keep the LoRA metadata in the graphs' static buffers (as
+``DecodeGraphs`` does for block tables) so adapter decode steps replay too.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -38,6 +52,8 @@ from pathlib import Path
 import torch
 
 from deltaserve import wire
+from deltaserve.adapters.lora import LoraAdapter, load_lora_adapter
+from deltaserve.adapters.lora_layers import LoraStep, attach_lora
 from deltaserve.kernels import common as kernel_common
 from deltaserve.model.arch import ModelConfig
 from deltaserve.model.batch import ForwardBatch
@@ -84,6 +100,8 @@ class RequestState:
     block_table: list[int]
     #: How to sample this request's tokens.
     sampling: wire.SamplingParams
+    #: The LoRA adapter whose delta this request's tokens get (a loaded id), 0 for the base alone.
+    adapter_id: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -128,6 +146,7 @@ class Executor:
         max_model_len: int | None = None,
         seed: int = 0,
         cuda_graph_max_batch: int = 0,
+        loras: dict[int, str | Path] | None = None,
     ) -> None:
         started = time.monotonic()
         self.model_dir = Path(model_dir)
@@ -144,8 +163,12 @@ class Executor:
         """Most tokens one step computes (sizes the activation reserve)."""
         self.model = load_model(self.model_dir, self.device, self.dtype)
         """The decoder: ``forward(ForwardBatch, PagedKVCache) -> float32 logits``."""
+        self.adapters: dict[int, LoraAdapter] = self._load_adapters(loras or {})
+        """LoRA adapters served, by adapter id (> 0); requests with another non-zero id are refused."""
+        self.lora_step: LoraStep | None = attach_lora(self.model, self.adapters) if self.adapters else None
+        """Per-step token -> adapter map read by the model's LoraLinears; None without adapters."""
         self.load_seconds = time.monotonic() - started
-        """Wall time to load the weights."""
+        """Wall time to load the weights (and adapters)."""
         self.sampler = Sampler(self.device, seed)
         """Token sampling with the worker-global generator."""
         budget = self._kv_budget(kv_cache_bytes, gpu_memory_utilization)
@@ -199,7 +222,24 @@ class Executor:
             max_model_len=cfg.max_model_len,
             seed=cfg.seed,
             cuda_graph_max_batch=cfg.cuda_graph_max_batch,
+            loras=cfg.lora_dirs(),
         )
+
+    def _load_adapters(self, loras: dict[int, str | Path]) -> dict[int, LoraAdapter]:
+        """Loads and validates every adapter (ids in order); the first bad one raises, naming its dir."""
+        adapters: dict[int, LoraAdapter] = {}
+        for adapter_id in sorted(loras):
+            if isinstance(adapter_id, bool) or not isinstance(adapter_id, int) or not 0 < adapter_id < 2**32:
+                raise ValueError(
+                    f"LoRA adapter id {adapter_id!r} ({loras[adapter_id]}): ids are integers in 1..2^32-1 (0 is the base)"
+                )
+            adapters[adapter_id] = load_lora_adapter(loras[adapter_id], self.config, dtype=self.dtype)
+        if adapters:
+            log.info(
+                "LoRA adapters: %s",
+                json.dumps({str(i): f"{a.path} (r={a.rank}, {sorted(a.target_modules)})" for i, a in adapters.items()}),
+            )
+        return adapters
 
     # ------------------------------------------------------------------ handshake
 
@@ -310,6 +350,7 @@ class Executor:
                 num_computed=new.num_computed_tokens,
                 block_table=list(new.block_ids),
                 sampling=new.sampling,
+                adapter_id=new.adapter_id,
             )
         for run in plan.running:
             self.requests[run.req_id].block_table.extend(run.new_block_ids)
@@ -329,13 +370,21 @@ class Executor:
             seqs.append((state.token_ids[state.num_computed:end], state.num_computed, state.block_table, wants_logits))
             if wants_logits:
                 samplers.append(state)
+        with_adapters = any(state.adapter_id for state, _ in scheduled)
         with torch.inference_mode():
             decode = len(samplers) == len(seqs) and all(n == 1 for _, n in scheduled)
-            if decode and self.graphs is not None and self.graphs.bucket_for(len(seqs)) is not None:
+            if decode and not with_adapters and self.graphs is not None and self.graphs.bucket_for(len(seqs)) is not None:
                 logits = self.graphs.run(ForwardBatch.build(seqs, self.block_size, "cpu"))
             else:
                 batch = ForwardBatch.build(seqs, self.block_size, self.device)
-                logits = self.model.forward(batch, self.kv)
+                if with_adapters:
+                    assert self.lora_step is not None  # _validate admits adapter ids only when loaded
+                    self.lora_step.set_segments([(state.adapter_id, n) for state, n in scheduled])
+                try:
+                    logits = self.model.forward(batch, self.kv)
+                finally:
+                    if with_adapters:
+                        self.lora_step.clear()
             sampled = None
             if samplers:
                 sampled = self.sampler.sample(
@@ -421,6 +470,9 @@ class Executor:
             check_blocks(rid, list(new.block_ids), end, 0)
             if new.sampling.temperature < 0 or not 0.0 <= new.sampling.top_p <= 1.0:
                 fail(rid, f"bad sampling params {new.sampling}")
+            if new.adapter_id != 0 and new.adapter_id not in self.adapters:
+                loaded = ", ".join(map(str, sorted(self.adapters))) or "none"
+                fail(rid, f"adapter_id {new.adapter_id} is not loaded on this worker (loaded: {loaded}; 0 = base model)")
 
         running_ids: set[int] = set()
         for run in plan.running:

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use deltaserve_server::config::{parse_devices, ServerConfig};
+use deltaserve_server::config::{parse_devices, parse_lora, ServerConfig};
 
 /// Serve a base model (and, later, its fine-tuned variants) over an OpenAI-compatible API.
 #[derive(Debug, Parser)]
@@ -62,6 +62,10 @@ struct Args {
     /// --max-num-seqs); 0 runs every step eagerly.
     #[arg(long, env = "DELTASERVE_CUDA_GRAPH_MAX_BATCH", default_value_t = 256)]
     cuda_graph_max_batch: u32,
+    /// A LoRA adapter to serve, as NAME=DIR (a PEFT directory); repeat the flag for more.
+    /// Clients select it with `model: "<base>:NAME"` (or NAME alone).
+    #[arg(long = "lora", env = "DELTASERVE_LORA", value_delimiter = ',', value_parser = parse_lora)]
+    loras: Vec<(String, PathBuf)>,
     /// Most requests queued or running per worker before new ones are refused with 429.
     #[arg(long, env = "DELTASERVE_MAX_QUEUED_PER_WORKER", default_value_t = 4096)]
     max_queued_per_worker: usize,
@@ -140,6 +144,7 @@ async fn main() -> anyhow::Result<()> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_model_len: args.max_model_len,
         cuda_graph_max_batch: args.cuda_graph_max_batch,
+        loras: args.loras,
         max_queued_per_worker: args.max_queued_per_worker,
         worker_start_timeout: Duration::from_secs(args.worker_start_timeout),
     };

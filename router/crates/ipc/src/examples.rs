@@ -32,6 +32,7 @@ pub fn step_plan() -> StepPlan {
                     seed: Some((1 << 63) + 5),
                     logprobs: Some(5),
                 },
+                adapter_id: 1000,
             },
             NewRequest {
                 req_id: 7,
@@ -47,6 +48,7 @@ pub fn step_plan() -> StepPlan {
                     seed: None,
                     logprobs: None,
                 },
+                adapter_id: 0,
             },
         ],
         running: vec![

@@ -58,6 +58,8 @@ struct Live {
     detok: DetokStream,
     /// Sampling parameters, sent with the request whenever it is (re)sent in full.
     sampling: SamplingParams,
+    /// The worker's id of the request's LoRA adapter (0: the base model).
+    adapter_id: u32,
     /// Prompt length, for usage.
     prompt_tokens: u32,
     /// Tokens generated so far, for usage.
@@ -267,6 +269,7 @@ impl Actor {
                         events,
                         detok,
                         sampling: req.sampling,
+                        adapter_id: req.adapter_id,
                         prompt_tokens: req.prompt_token_ids.len() as u32,
                         completion_tokens: 0,
                     },
@@ -317,6 +320,7 @@ impl Actor {
                         .get(&n.id)
                         .map(|l| l.sampling.clone())
                         .unwrap_or_default(),
+                    adapter_id: self.live.get(&n.id).map_or(0, |l| l.adapter_id),
                 }
             })
             .collect();

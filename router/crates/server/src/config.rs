@@ -31,6 +31,8 @@ pub struct ServerConfig {
     pub max_model_len: Option<u32>,
     /// Largest decode batch a CUDA worker replays from a captured graph (0: always eager).
     pub cuda_graph_max_batch: u32,
+    /// LoRA adapters served from start-up: `(name, PEFT directory)`, in flag order.
+    pub loras: Vec<(String, PathBuf)>,
     /// Most requests queued or running per worker before new ones get 429.
     pub max_queued_per_worker: usize,
     /// How long a worker may take to load its model.
@@ -70,10 +72,39 @@ impl ServerConfig {
         if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
             return Err("--max-num-seqs and --max-num-batched-tokens must be at least 1".into());
         }
+        let mut names = std::collections::HashSet::new();
+        for (name, dir) in &self.loras {
+            if name.is_empty() || name.contains(':') || name.contains('/') {
+                return Err(format!(
+                    "--lora {name}={}: the name must be non-empty, without ':' or '/'",
+                    dir.display()
+                ));
+            }
+            if *name == self.model_name() || !names.insert(name.as_str()) {
+                return Err(format!(
+                    "--lora {name}: the name is already taken (by the base model or another adapter)"
+                ));
+            }
+            if !dir.join("adapter_config.json").is_file() {
+                return Err(format!(
+                    "--lora {name}={}: no adapter_config.json there (expected a PEFT LoRA directory)",
+                    dir.display()
+                ));
+            }
+        }
         if self.max_queued_per_worker == 0 {
             return Err("--max-queued-per-worker must be at least 1".into());
         }
         Ok(())
+    }
+
+    /// The adapters with the ids the workers know them by (1, 2, ... in flag order).
+    pub fn adapters(&self) -> Vec<(u32, String, PathBuf)> {
+        self.loras
+            .iter()
+            .enumerate()
+            .map(|(i, (name, dir))| (i as u32 + 1, name.clone(), dir.clone()))
+            .collect()
     }
 
     /// The name clients use for the model.
@@ -84,6 +115,16 @@ impl ServerConfig {
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "model".into())
         })
+    }
+}
+
+/// Parses one `--lora NAME=DIR`.
+pub fn parse_lora(spec: &str) -> Result<(String, PathBuf), String> {
+    match spec.split_once('=') {
+        Some((name, dir)) if !name.is_empty() && !dir.is_empty() => {
+            Ok((name.to_string(), PathBuf::from(dir)))
+        }
+        _ => Err(format!("--lora {spec}: expected NAME=DIR")),
     }
 }
 
@@ -117,6 +158,56 @@ pub fn parse_devices(spec: &str) -> Result<Vec<String>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lora_flags_parse_and_validate() {
+        assert_eq!(
+            parse_lora("a=/x").unwrap(),
+            ("a".to_string(), PathBuf::from("/x"))
+        );
+        assert!(parse_lora("a").unwrap_err().contains("NAME=DIR"));
+        assert!(parse_lora("=/x").is_err());
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), "{}").unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
+        let adapter = tempfile::tempdir().unwrap();
+        std::fs::write(adapter.path().join("adapter_config.json"), "{}").unwrap();
+        let cfg = |loras: Vec<(&str, &std::path::Path)>| ServerConfig {
+            model_dir: dir.path().to_path_buf(),
+            served_model_name: Some("base".into()),
+            devices: vec!["cpu".into()],
+            python: "python3".into(),
+            dtype: "auto".into(),
+            block_size: 16,
+            kv_cache_bytes: 0,
+            gpu_memory_utilization: 0.9,
+            max_num_seqs: 8,
+            max_num_batched_tokens: 64,
+            max_model_len: None,
+            cuda_graph_max_batch: 0,
+            loras: loras
+                .into_iter()
+                .map(|(n, p)| (n.to_string(), p.to_path_buf()))
+                .collect(),
+            max_queued_per_worker: 8,
+            worker_start_timeout: Duration::from_secs(1),
+        };
+        let ok = cfg(vec![("a", adapter.path()), ("b", adapter.path())]);
+        assert!(ok.validate().is_ok());
+        assert_eq!(ok.adapters()[1].0, 2, "ids follow flag order from 1");
+        for (bad, why) in [
+            (
+                cfg(vec![("a", adapter.path()), ("a", adapter.path())]),
+                "taken",
+            ),
+            (cfg(vec![("base", adapter.path())]), "taken"),
+            (cfg(vec![("x:y", adapter.path())]), "':'"),
+            (cfg(vec![("a", dir.path())]), "adapter_config.json"),
+        ] {
+            let err = bad.validate().unwrap_err();
+            assert!(err.contains(why), "{err}");
+        }
+    }
 
     #[test]
     fn devices_parse() {

@@ -33,6 +33,8 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Keep generating past EOS tokens (benchmarks force output lengths with this).
     pub ignore_eos: bool,
+    /// The LoRA adapter to apply (its worker id from the registry), 0 for the base model.
+    pub adapter_id: u32,
 }
 
 /// What a request's receiver gets, in order: `Token`s, then exactly one `Finished` or `Error`.
@@ -103,6 +105,39 @@ pub struct ServedModel {
     pub vocab_size: u32,
     /// Unix time the server started, for `/v1/models`.
     pub created: u64,
+    /// LoRA adapters registered at start-up, selectable as `"<name>:<adapter>"` or by adapter name.
+    pub adapters: Vec<ServedAdapter>,
+}
+
+/// A LoRA adapter clients can select.
+#[derive(Debug, Clone)]
+pub struct ServedAdapter {
+    /// The user-facing name (`--lora NAME=DIR`).
+    pub name: String,
+    /// The internal id the workers know it by (STYLE.md #15: never the client's string).
+    pub id: u32,
+}
+
+impl ServedModel {
+    /// The adapter id a `model` field selects: absent or the base name → 0 (base only);
+    /// `"<base>:<adapter>"` or a bare adapter name → that adapter; anything else → `None`.
+    pub fn resolve(&self, requested: Option<&str>) -> Option<u32> {
+        let Some(name) = requested else {
+            return Some(0);
+        };
+        if name == self.name {
+            return Some(0);
+        }
+        let adapter = match name.split_once(':') {
+            Some((base, adapter)) if base == self.name => adapter,
+            Some(_) => return None,
+            None => name,
+        };
+        self.adapters
+            .iter()
+            .find(|a| a.name == adapter)
+            .map(|a| a.id)
+    }
 }
 
 /// A snapshot of the engine's counters, summed over workers.
@@ -282,5 +317,42 @@ impl EngineHandle {
             }
         }
         total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn served() -> ServedModel {
+        ServedModel {
+            name: "base".into(),
+            max_model_len: 64,
+            vocab_size: 100,
+            created: 0,
+            adapters: vec![
+                ServedAdapter {
+                    name: "a".into(),
+                    id: 1,
+                },
+                ServedAdapter {
+                    name: "b".into(),
+                    id: 2,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn model_names_resolve_to_adapter_ids() {
+        let m = served();
+        assert_eq!(m.resolve(None), Some(0));
+        assert_eq!(m.resolve(Some("base")), Some(0));
+        assert_eq!(m.resolve(Some("base:a")), Some(1));
+        assert_eq!(m.resolve(Some("b")), Some(2));
+        assert_eq!(m.resolve(Some("base:c")), None);
+        assert_eq!(m.resolve(Some("other:a")), None);
+        assert_eq!(m.resolve(Some("c")), None);
+        assert_eq!(m.resolve(Some("")), None);
     }
 }

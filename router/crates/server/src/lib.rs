@@ -32,7 +32,7 @@ use tokio::net::TcpListener;
 
 use crate::actor::{Actor, SchedLimits};
 use crate::config::ServerConfig;
-use crate::engine::{EngineHandle, ServedModel};
+use crate::engine::{EngineHandle, ServedAdapter, ServedModel};
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
 use crate::worker::{WorkerProcess, WorkerSpec};
@@ -62,6 +62,11 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             max_num_batched_tokens: cfg.max_num_batched_tokens as u32,
             max_model_len: cfg.max_model_len,
             cuda_graph_max_batch: cfg.cuda_graph_max_batch.min(cfg.max_num_seqs as u32),
+            loras: cfg
+                .adapters()
+                .into_iter()
+                .map(|(id, _, dir)| (id, dir))
+                .collect(),
             start_timeout: cfg.worker_start_timeout,
         })
         .collect();
@@ -102,6 +107,11 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
+        adapters: cfg
+            .adapters()
+            .into_iter()
+            .map(|(id, name, _)| ServedAdapter { name, id })
+            .collect(),
     };
     let limits = SchedLimits {
         max_num_seqs: cfg.max_num_seqs,

@@ -65,13 +65,11 @@ struct CommonFields<'a> {
     ignore_eos: Option<bool>,
 }
 
-/// A `model` field other than the served name is a 404. Absent means the served model.
-pub fn check_model(requested: Option<&str>, served: &ServedModel) -> Result<(), ApiError> {
-    match requested {
-        None => Ok(()),
-        Some(name) if name == served.name => Ok(()),
-        Some(name) => Err(ApiError::ModelNotFound(name.to_string())),
-    }
+/// The adapter a `model` field selects (0: the base model); an unknown name is a 404.
+pub fn check_model(requested: Option<&str>, served: &ServedModel) -> Result<u32, ApiError> {
+    served
+        .resolve(requested)
+        .ok_or_else(|| ApiError::ModelNotFound(requested.unwrap_or_default().to_string()))
 }
 
 /// Validates a `/v1/completions` body.
@@ -93,7 +91,7 @@ pub fn validate_completion(
         stream_options: req.stream_options.as_ref(),
         ignore_eos: req.ignore_eos,
     };
-    check_model(common.model, ctx.model)?;
+    let adapter_id = check_model(common.model, ctx.model)?;
     if req.echo == Some(true) {
         return Err(ApiError::invalid("echo", "`echo` is not supported"));
     }
@@ -108,6 +106,7 @@ pub fn validate_completion(
         }
     };
     let mut partial = common_fields(&common, logprobs)?;
+    partial.request.adapter_id = adapter_id;
     let prompt = req
         .prompt
         .as_ref()
@@ -145,7 +144,7 @@ pub fn validate_chat(
         stream_options: req.stream_options.as_ref(),
         ignore_eos: req.ignore_eos,
     };
-    check_model(common.model, ctx.model)?;
+    let adapter_id = check_model(common.model, ctx.model)?;
     let logprobs = match (req.logprobs, req.top_logprobs) {
         (Some(true), k) => match k.unwrap_or(0) {
             k @ 0..=MAX_CHAT_TOP_LOGPROBS => Some(k as u32),
@@ -167,6 +166,7 @@ pub fn validate_chat(
         (_, None) => None,
     };
     let mut partial = common_fields(&common, logprobs)?;
+    partial.request.adapter_id = adapter_id;
     let messages = req
         .messages
         .as_deref()
@@ -269,6 +269,7 @@ fn common_fields(f: &CommonFields<'_>, logprobs: Option<u32>) -> Result<Validate
             },
             stop,
             ignore_eos: f.ignore_eos.unwrap_or(false),
+            adapter_id: 0,
         },
         stream,
         include_usage: stream
@@ -440,6 +441,7 @@ mod tests {
             max_model_len: 64,
             vocab_size: 300,
             created: 1,
+            adapters: Vec::new(),
         }
     }
 

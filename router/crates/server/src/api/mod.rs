@@ -346,6 +346,7 @@ pub(crate) mod fake {
                     max_model_len: 64,
                     vocab_size: 300,
                     created: 1_700_000_000,
+                    adapters: Vec::new(),
                 }),
                 tokenizer: tiny_tokenizer(),
                 template: Some(Arc::new(

@@ -1,4 +1,4 @@
-//! `GET /v1/models`: the OpenAI model list (the served model).
+//! `GET /v1/models`: the OpenAI model list: the base model, then each adapter as `<base>:<adapter>`.
 
 use axum::extract::State;
 use axum::Json;
@@ -9,15 +9,24 @@ use super::Backend;
 /// The handler.
 pub async fn list_models<B: Backend>(State(backend): State<B>) -> Json<ModelList> {
     let model = backend.model();
+    let card = |id: String, parent: Option<String>| ModelCard {
+        id,
+        object: "model",
+        created: model.created,
+        owned_by: "deltaserve",
+        max_model_len: model.max_model_len,
+        parent,
+    };
+    let mut data = vec![card(model.name.clone(), None)];
+    for adapter in &model.adapters {
+        data.push(card(
+            format!("{}:{}", model.name, adapter.name),
+            Some(model.name.clone()),
+        ));
+    }
     Json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: model.name.clone(),
-            object: "model",
-            created: model.created,
-            owned_by: "deltaserve",
-            max_model_len: model.max_model_len,
-        }],
+        data,
     })
 }
 

@@ -313,4 +313,7 @@ pub struct ModelCard {
     pub owned_by: &'static str,
     /// Longest prompt + output accepted (vLLM's extension, which clients use for budgeting).
     pub max_model_len: u32,
+    /// For an adapter: the base model it applies to (vLLM's field for LoRA models).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
 }
