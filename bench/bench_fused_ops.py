@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -42,7 +40,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth, device_name, write_result  # noqa: E402
+from common import copy_bandwidth, device_name, time_cuda, time_host, write_result  # noqa: E402
 from deltaserve.kernels.rmsnorm import (  # noqa: E402
     fused_add_rmsnorm_ref,
     fused_add_rmsnorm_triton,
@@ -112,28 +110,6 @@ def make_cases(shape: dict, tokens: int, dtype: torch.dtype, device: torch.devic
         Case("silu_and_mul", 3 * tokens * inter * es,
              lambda: silu_and_mul_triton(gate_up), lambda: silu_and_mul_ref(gate_up)),
     ]  # fmt: skip
-
-
-def time_cuda(fn: Callable[[], object], graph: bool) -> float:
-    """Median seconds per call."""
-    import triton.testing
-
-    if graph:  # captures on its own side stream; make the inputs' writes visible to it first
-        torch.cuda.synchronize()
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-
-
-def time_host(fn: Callable[[], object], graph: bool) -> float:
-    """--smoke: wall clock on the CPU (the interpreter), a few runs; only checks the script runs."""
-    del graph
-    fn()
-    runs = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
 
 
 def main() -> None:

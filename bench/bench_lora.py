@@ -40,9 +40,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -55,7 +53,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth, device_name, write_result  # noqa: E402
+from common import copy_bandwidth, device_name, time_cuda, time_host, write_result  # noqa: E402
 from deltaserve.kernels.lora import LoraMeta, LoraSlice, lora_delta, make_weights  # noqa: E402
 
 POPULARITY = ("identical", "distinct", "uniform", "skewed")
@@ -148,28 +146,6 @@ class Point:
             base = self.bmm_fn()
             torch.testing.assert_close(base, want, rtol=2e-2, atol=2e-2)  # fp16 bmm rounds v
             self.out.copy_(saved)
-
-
-def time_cuda(fn: Callable[[], object], graph: bool) -> float:
-    """Median seconds per call."""
-    import triton.testing
-
-    if graph:
-        torch.cuda.synchronize()
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-
-
-def time_host(fn: Callable[[], object], graph: bool) -> float:
-    """--smoke: wall clock on the CPU (the interpreter), a few runs; only checks the script runs."""
-    del graph
-    fn()
-    runs = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
 
 
 def main() -> None:

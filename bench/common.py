@@ -6,7 +6,10 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import statistics
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,3 +78,26 @@ def write_result(experiment: str, payload: dict, out_dir: Path | None = None) ->
     payload = {"experiment": experiment, "commit": git_commit(), "date": date, **payload}
     path.write_text(json.dumps(payload, indent=1) + "\n")
     return path
+
+
+def time_cuda(fn: Callable[[], object], graph: bool = False) -> float:
+    """Median seconds per call of ``fn`` on the GPU (``triton.testing.do_bench``, L2 flushed), or
+    replayed inside a CUDA graph when ``graph``."""
+    import triton.testing
+
+    if graph:  # captures on its own side stream; make the inputs' writes visible to it first
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") / 1e3
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def time_host(fn: Callable[[], object], graph: bool = False, runs: int = 3) -> float:
+    """--smoke runs: median wall clock on the CPU (the Triton interpreter); only checks a script runs."""
+    del graph
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
