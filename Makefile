@@ -32,11 +32,15 @@ daemon-release:
 daemon:
 	cargo build -p deltaserve-daemon
 
-demo: setup ## run the daemon on the demo model (CPU) and send it an example chat request
+demo: setup ## run the daemon on the demo model and its LoRA adapters (CPU), send each a chat request
 	@set -e; ./target/release/deltaserve --port $(PORT) --python $(PY) & pid=$$!; \
 	  trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
 	  $(PY) -m deltaserve.client --url http://127.0.0.1:$(PORT) --wait 900 \
 	    chat "What is the capital of France?"; \
+	  $(PY) -m deltaserve.client --url http://127.0.0.1:$(PORT) --model SmolLM2-135M-Instruct:json \
+	    chat "Give the word as JSON: apple" --max-tokens 12; \
+	  $(PY) -m deltaserve.client --url http://127.0.0.1:$(PORT) --model SmolLM2-135M-Instruct:shout \
+	    chat "Give the word in upper case inside brackets: apple" --max-tokens 12; \
 	  echo; echo "(daemon stopped; \`make serve\` keeps it running)"
 
 serve: setup ## run the daemon on the demo model until Ctrl-C

