@@ -99,6 +99,17 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(lora_daemon, base_name)
         assert together[rid]["token_ids"] == alone[rid], rid
 
 
+def test_responses_name_the_adapter(lora_daemon, base_name):
+    for model in (f"{base_name}:qv8", "qv8"):
+        body = {"model": model, "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{lora_daemon.url}/v1/completions", json=body, timeout=60).json()["model"] == f"{base_name}:qv8"
+    chat = {"model": "all16", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(f"{lora_daemon.url}/v1/chat/completions", json=chat, timeout=60).json()
+    assert r["model"] == f"{base_name}:all16"
+    assert httpx.post(f"{lora_daemon.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                      timeout=60).json()["model"] == base_name
+
+
 def test_unknown_adapter_is_404(lora_daemon, base_name):
     for model in (f"{base_name}:nope", "nope", f"other:qv8"):
         r = httpx.post(f"{lora_daemon.url}/v1/completions", json={"model": model, "prompt": "hi"}, timeout=30)

@@ -119,6 +119,15 @@ pub struct ServedAdapter {
 }
 
 impl ServedModel {
+    /// The name responses report for adapter `id` (what `/v1/models` lists): `<base>:<adapter>`,
+    /// or the base name for 0.
+    pub fn display_name(&self, id: u32) -> String {
+        match self.adapters.iter().find(|a| a.id == id) {
+            Some(a) => format!("{}:{}", self.name, a.name),
+            None => self.name.clone(),
+        }
+    }
+
     /// The adapter id a `model` field selects: absent or the base name → 0 (base only);
     /// `"<base>:<adapter>"` or a bare adapter name → that adapter; anything else → `None`.
     pub fn resolve(&self, requested: Option<&str>) -> Option<u32> {
@@ -354,5 +363,7 @@ mod tests {
         assert_eq!(m.resolve(Some("other:a")), None);
         assert_eq!(m.resolve(Some("c")), None);
         assert_eq!(m.resolve(Some("")), None);
+        assert_eq!(m.display_name(0), "base");
+        assert_eq!(m.display_name(2), "base:b");
     }
 }

@@ -36,11 +36,12 @@ pub async fn chat_completions<B: Backend>(
 ) -> Result<Response, ApiError> {
     let v = validate_chat(&req, &model_context(&backend))?;
     let with_logprobs = v.request.sampling.logprobs.is_some();
+    let model = backend.model().display_name(v.request.adapter_id);
     let rx = backend.generate(v.request).await?;
     let writer = ChatWriter {
         id: response_id("chatcmpl"),
         created: unix_now(),
-        model: backend.model().name.clone(),
+        model,
         tokenizer: with_logprobs.then(|| backend.tokenizer().clone()),
     };
     let pieces = Pieces::new(rx);

@@ -35,11 +35,12 @@ pub async fn completions<B: Backend>(
 ) -> Result<Response, ApiError> {
     let v = validate_completion(&req, &model_context(&backend))?;
     let with_logprobs = v.request.sampling.logprobs.is_some();
+    let model = backend.model().display_name(v.request.adapter_id);
     let rx = backend.generate(v.request).await?;
     let mut writer = CompletionWriter {
         id: response_id("cmpl"),
         created: unix_now(),
-        model: backend.model().name.clone(),
+        model,
         logprobs: with_logprobs.then(|| LogprobWriter {
             tokenizer: backend.tokenizer().clone(),
             offset: 0,
