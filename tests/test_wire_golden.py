@@ -54,9 +54,19 @@ def test_golden_values_decode_into_the_right_fields() -> None:
     assert greedy.sampling.seed is None and greedy.sampling.logprobs is None
     assert plan.running[1] == wire.RunningRequest(req_id=2**64 - 1, num_scheduled_tokens=512, new_block_ids=[70_000, 70_001])
     assert plan.released == [2, 1 << 33]
+    assert [op.op for op in plan.adapter_ops] == ["drop_gpu", "to_host", "to_gpu"]
+    assert plan.adapter_ops[1].path == "/srv/adapters/sql-助手"
+    assert plan.adapter_ops[2].block_ids == [65_535, 12, 70_002]
+
+    inspect = wire.decode((GOLDEN / "InspectAdapter.msgpack").read_bytes())
+    assert inspect == wire.InspectAdapter(inspect_id=77, path="/srv/adapters/sql-助手")
+    info = wire.decode((GOLDEN / "AdapterInfo.msgpack").read_bytes())
+    assert info.error is None and info.num_blocks == 300 and info.host_bytes == 80 << 20
+    assert info.target_modules == ["q_proj", "v_proj"]
 
     out = wire.decode((GOLDEN / "StepOutput.msgpack").read_bytes())
     assert isinstance(out, wire.StepOutput)
+    assert out.adapter_host_bytes == 3 << 30
     assert out.outputs[0].top_logprobs[1] == wire.TokenLogprob(token_id=13, logprob=-1.7)
     assert out.outputs[2].token_id is None and out.outputs[2].logprob is None
     assert out.timing == wire.StepTiming(gap_us=87, forward_us=12_345, total_us=70_000)

@@ -13,7 +13,7 @@ append-only: fields missing at the end of a body take their defaults, extra trai
 newer peer are ignored. ``SCHEMA_HASH`` is computed here from ``SCHEMA_TEXT`` at import, so a stale
 mirror announces a hash the router refuses.
 
-Messages: StepPlan=2, StepOutput=3, Hello=1, Shutdown=4, WorkerError=5.
+Messages: StepPlan=2, StepOutput=3, Hello=1, InspectAdapter=6, AdapterInfo=7, Shutdown=4, WorkerError=5.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ __all__ = [
     "SamplingParams",
     "NewRequest",
     "RunningRequest",
+    "AdapterOp",
     "StepPlan",
     "TokenLogprob",
     "RequestOutput",
@@ -37,6 +38,8 @@ __all__ = [
     "ModelInfo",
     "KvCapacity",
     "Hello",
+    "InspectAdapter",
+    "AdapterInfo",
     "Shutdown",
     "WorkerError",
     "Message",
@@ -49,14 +52,17 @@ SCHEMA_TEXT = (
     "SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>}\n"
     "NewRequest=0{req_id:u64,token_ids:Vec<u32>,num_prompt_tokens:u32,num_computed_tokens:u32,num_scheduled_tokens:u32,block_ids:Vec<u32>,sampling:SamplingParams,adapter_id:u32}\n"
     "RunningRequest=0{req_id:u64,num_scheduled_tokens:u32,new_block_ids:Vec<u32>}\n"
-    "StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>}\n"
+    "AdapterOp=0{adapter_id:u32,op:String,path:String,block_ids:Vec<u32>}\n"
+    "StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>,adapter_ops:Vec<AdapterOp>}\n"
     "TokenLogprob=0{token_id:u32,logprob:f64}\n"
     "RequestOutput=0{req_id:u64,token_id:Option<u32>,logprob:Option<f64>,top_logprobs:Vec<TokenLogprob>}\n"
     "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64}\n"
-    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming}\n"
+    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64}\n"
     "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
     "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
     "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
+    "InspectAdapter=6{inspect_id:u64,path:String}\n"
+    "AdapterInfo=7{inspect_id:u64,error:Option<String>,num_blocks:u32,host_bytes:u64,max_rank:u32,target_modules:Vec<String>}\n"
     "Shutdown=4{reason:String}\n"
     "WorkerError=5{step_id:u64,message:String,fatal:bool,req_ids:Vec<u64>}"
 )
@@ -207,6 +213,49 @@ class RunningRequest:
 
 
 @dataclass(slots=True)
+class AdapterOp:
+    """One change to where a LoRA adapter's weights live (S-LoRA's tiers: disk -> host memory ->
+    pages of the GPU pool). The router decides; the worker applies a plan's ops in order, after
+    `released` and before the plan's requests run.
+    """
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: The adapter (router-assigned, > 0; requests name it in `NewRequest::adapter_id`).
+    adapter_id: int = 0
+    #: `to_host`: read and validate `path` into host memory (the worker may do it in the
+    #: background; a later `to_gpu` waits for it). `to_gpu`: copy the host copy into
+    #: `block_ids` of the pool. `drop_gpu`: forget the GPU placement (its pages already belong
+    #: to the router again). `drop_host`: free the host copy.
+    op: str = ""
+    #: The PEFT directory (`to_host`).
+    path: str = ""
+    #: Pool pages that hold the adapter, in order (`to_gpu`); the same page ids as KV pages.
+    block_ids: list[int] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.adapter_id, self.op, self.path, self.block_ids]
+
+    @classmethod
+    def from_wire(cls, a: list) -> AdapterOp:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 4:
+            return cls(a[0], a[1], a[2], a[3])
+        m = cls()
+        if n > 0:
+            m.adapter_id = a[0]
+        if n > 1:
+            m.op = a[1]
+        if n > 2:
+            m.path = a[2]
+        if n > 3:
+            m.block_ids = a[3]
+        return m
+
+
+@dataclass(slots=True)
 class StepPlan:
     """One iteration of continuous batching, decided by the router's scheduler."""
 
@@ -221,17 +270,19 @@ class StepPlan:
     #: Requests whose worker-side state must be dropped before this step (finished, aborted or
     #: preempted); their KV pages already belong to the router again.
     released: list[int] = field(default_factory=list)
+    #: Adapter tier changes, applied in order after `released` and before the requests.
+    adapter_ops: list[AdapterOp] = field(default_factory=list)
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.step_id, [x0.to_wire() for x0 in self.new_requests], [x0.to_wire() for x0 in self.running], self.released]
+        return [self.step_id, [x0.to_wire() for x0 in self.new_requests], [x0.to_wire() for x0 in self.running], self.released, [x0.to_wire() for x0 in self.adapter_ops]]
 
     @classmethod
     def from_wire(cls, a: list) -> StepPlan:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 4:
-            return cls(a[0], [NewRequest.from_wire(x0) for x0 in a[1]], [RunningRequest.from_wire(x0) for x0 in a[2]], a[3])
+        if n >= 5:
+            return cls(a[0], [NewRequest.from_wire(x0) for x0 in a[1]], [RunningRequest.from_wire(x0) for x0 in a[2]], a[3], [AdapterOp.from_wire(x0) for x0 in a[4]])
         m = cls()
         if n > 0:
             m.step_id = a[0]
@@ -241,6 +292,8 @@ class StepPlan:
             m.running = [RunningRequest.from_wire(x0) for x0 in a[2]]
         if n > 3:
             m.released = a[3]
+        if n > 4:
+            m.adapter_ops = [AdapterOp.from_wire(x0) for x0 in a[4]]
         return m
 
 
@@ -354,17 +407,20 @@ class StepOutput:
     outputs: list[RequestOutput] = field(default_factory=list)
     #: Timing of this step.
     timing: StepTiming = field(default_factory=StepTiming)
+    #: Bytes of adapter weights the worker holds in host memory after this step (its measured
+    #: host tier, which the router's accounting keeps under the configured budget).
+    adapter_host_bytes: int = 0
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire()]
+        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes]
 
     @classmethod
     def from_wire(cls, a: list) -> StepOutput:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 3:
-            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]))
+        if n >= 4:
+            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3])
         m = cls()
         if n > 0:
             m.step_id = a[0]
@@ -372,6 +428,8 @@ class StepOutput:
             m.outputs = [RequestOutput.from_wire(x0) for x0 in a[1]]
         if n > 2:
             m.timing = StepTiming.from_wire(a[2])
+        if n > 3:
+            m.adapter_host_bytes = a[3]
         return m
 
 
@@ -497,6 +555,83 @@ class Hello:
 
 
 @dataclass(slots=True)
+class InspectAdapter:
+    """Asks the worker to validate a LoRA adapter directory against its model and report its
+    footprint. Changes no worker state; answered by an `AdapterInfo` with the same id, in order
+    with the step outputs.
+    """
+
+    KIND: ClassVar[int] = 6  # frame kind
+
+    #: Router-chosen id, echoed in the answer.
+    inspect_id: int = 0
+    #: The PEFT directory.
+    path: str = ""
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.inspect_id, self.path]
+
+    @classmethod
+    def from_wire(cls, a: list) -> InspectAdapter:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 2:
+            return cls(a[0], a[1])
+        m = cls()
+        if n > 0:
+            m.inspect_id = a[0]
+        if n > 1:
+            m.path = a[1]
+        return m
+
+
+@dataclass(slots=True)
+class AdapterInfo:
+    """The worker's answer to `InspectAdapter`."""
+
+    KIND: ClassVar[int] = 7  # frame kind
+
+    #: The `InspectAdapter`'s id.
+    inspect_id: int = 0
+    #: Why the adapter cannot be served (names the file or field); `None` when it is valid.
+    error: Optional[str] = None
+    #: Pool pages the adapter's weights take on the GPU (`KvCapacity::bytes_per_block` each).
+    num_blocks: int = 0
+    #: Bytes of its host-memory copy.
+    host_bytes: int = 0
+    #: Largest rank over its adapted projections.
+    max_rank: int = 0
+    #: Adapted projections, e.g. `q_proj`, `v_proj`.
+    target_modules: list[str] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.inspect_id, self.error, self.num_blocks, self.host_bytes, self.max_rank, self.target_modules]
+
+    @classmethod
+    def from_wire(cls, a: list) -> AdapterInfo:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 6:
+            return cls(a[0], a[1], a[2], a[3], a[4], a[5])
+        m = cls()
+        if n > 0:
+            m.inspect_id = a[0]
+        if n > 1:
+            m.error = a[1]
+        if n > 2:
+            m.num_blocks = a[2]
+        if n > 3:
+            m.host_bytes = a[3]
+        if n > 4:
+            m.max_rank = a[4]
+        if n > 5:
+            m.target_modules = a[5]
+        return m
+
+
+@dataclass(slots=True)
 class Shutdown:
     """Asks the worker to exit cleanly."""
 
@@ -558,10 +693,10 @@ class WorkerError:
 
 
 #: Every top-level message (the structs with a non-zero ``KIND``).
-Message = Union[StepPlan, StepOutput, Hello, Shutdown, WorkerError]
+Message = Union[StepPlan, StepOutput, Hello, InspectAdapter, AdapterInfo, Shutdown, WorkerError]
 
-_BY_KIND: dict[int, type] = {2: StepPlan, 3: StepOutput, 1: Hello, 4: Shutdown, 5: WorkerError}
-_KINDS = "StepPlan=2, StepOutput=3, Hello=1, Shutdown=4, WorkerError=5"
+_BY_KIND: dict[int, type] = {2: StepPlan, 3: StepOutput, 1: Hello, 6: InspectAdapter, 7: AdapterInfo, 4: Shutdown, 5: WorkerError}
+_KINDS = "StepPlan=2, StepOutput=3, Hello=1, InspectAdapter=6, AdapterInfo=7, Shutdown=4, WorkerError=5"
 _packb = msgpack.packb
 _unpackb = msgpack.unpackb
 

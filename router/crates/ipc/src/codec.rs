@@ -11,7 +11,9 @@
 
 use std::io::Cursor;
 
-use crate::wire::{Hello, Shutdown, StepOutput, StepPlan, WireStruct, WorkerError};
+use crate::wire::{
+    AdapterInfo, Hello, InspectAdapter, Shutdown, StepOutput, StepPlan, WireStruct, WorkerError,
+};
 
 /// First byte of every frame: msgpack fixarray of length 2.
 pub const FRAME_HEADER: u8 = 0x92;
@@ -90,6 +92,8 @@ pub enum ToWorker {
     StepPlan(StepPlan),
     /// Exit cleanly.
     Shutdown(Shutdown),
+    /// Validate an adapter directory and report its footprint.
+    InspectAdapter(InspectAdapter),
 }
 
 /// Messages a worker sends to the router.
@@ -101,6 +105,8 @@ pub enum FromWorker {
     StepOutput(StepOutput),
     /// A failure instead of a `StepOutput`.
     WorkerError(WorkerError),
+    /// The answer to one `InspectAdapter`.
+    AdapterInfo(AdapterInfo),
 }
 
 /// Decodes a frame the router sent (worker side).
@@ -109,10 +115,15 @@ pub fn decode_to_worker(frame: &[u8]) -> Result<ToWorker, CodecError> {
     match kind {
         StepPlan::KIND => decode_body(kind, body).map(ToWorker::StepPlan),
         Shutdown::KIND => decode_body(kind, body).map(ToWorker::Shutdown),
+        InspectAdapter::KIND => decode_body(kind, body).map(ToWorker::InspectAdapter),
         _ => Err(unknown(
             kind,
             "router -> worker",
-            &[kinded::<StepPlan>(), kinded::<Shutdown>()],
+            &[
+                kinded::<StepPlan>(),
+                kinded::<Shutdown>(),
+                kinded::<InspectAdapter>(),
+            ],
         )),
     }
 }
@@ -124,6 +135,7 @@ pub fn decode_from_worker(frame: &[u8]) -> Result<FromWorker, CodecError> {
         Hello::KIND => decode_body(kind, body).map(FromWorker::Hello),
         StepOutput::KIND => decode_body(kind, body).map(FromWorker::StepOutput),
         WorkerError::KIND => decode_body(kind, body).map(FromWorker::WorkerError),
+        AdapterInfo::KIND => decode_body(kind, body).map(FromWorker::AdapterInfo),
         _ => Err(unknown(
             kind,
             "worker -> router",
@@ -131,6 +143,7 @@ pub fn decode_from_worker(frame: &[u8]) -> Result<FromWorker, CodecError> {
                 kinded::<Hello>(),
                 kinded::<StepOutput>(),
                 kinded::<WorkerError>(),
+                kinded::<AdapterInfo>(),
             ],
         )),
     }
@@ -212,6 +225,16 @@ mod tests {
         assert_eq!(
             decode_from_worker(&encode(&err)).unwrap(),
             FromWorker::WorkerError(err)
+        );
+        let inspect = examples::inspect_adapter();
+        let info = examples::adapter_info();
+        assert_eq!(
+            decode_to_worker(&encode(&inspect)).unwrap(),
+            ToWorker::InspectAdapter(inspect)
+        );
+        assert_eq!(
+            decode_from_worker(&encode(&info)).unwrap(),
+            FromWorker::AdapterInfo(info)
         );
     }
 

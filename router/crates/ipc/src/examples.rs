@@ -9,8 +9,9 @@
 
 use crate::schema::schema_hash;
 use crate::wire::{
-    Hello, KvCapacity, ModelInfo, NewRequest, RequestOutput, RunningRequest, SamplingParams,
-    Shutdown, StepOutput, StepPlan, StepTiming, TokenLogprob, WorkerError,
+    AdapterInfo, AdapterOp, Hello, InspectAdapter, KvCapacity, ModelInfo, NewRequest,
+    RequestOutput, RunningRequest, SamplingParams, Shutdown, StepOutput, StepPlan, StepTiming,
+    TokenLogprob, WorkerError,
 };
 
 /// A plan with one sampled and one greedy new request, two running requests and two releases.
@@ -64,6 +65,26 @@ pub fn step_plan() -> StepPlan {
             },
         ],
         released: vec![2, 1 << 33],
+        adapter_ops: vec![
+            AdapterOp {
+                adapter_id: 9,
+                op: "drop_gpu".into(),
+                path: String::new(),
+                block_ids: vec![],
+            },
+            AdapterOp {
+                adapter_id: 1000,
+                op: "to_host".into(),
+                path: "/srv/adapters/sql-助手".into(),
+                block_ids: vec![],
+            },
+            AdapterOp {
+                adapter_id: 1000,
+                op: "to_gpu".into(),
+                path: String::new(),
+                block_ids: vec![65_535, 12, 70_002],
+            },
+        ],
     }
 }
 
@@ -105,6 +126,7 @@ pub fn step_output() -> StepOutput {
             forward_us: 12_345,
             total_us: 70_000,
         },
+        adapter_host_bytes: 3 << 30,
     }
 }
 
@@ -129,6 +151,26 @@ pub fn hello() -> Hello {
             num_blocks: 70_000,
             bytes_per_block: 5_000_000_000,
         },
+    }
+}
+
+/// A request to inspect an adapter directory with a non-ASCII path.
+pub fn inspect_adapter() -> InspectAdapter {
+    InspectAdapter {
+        inspect_id: 77,
+        path: "/srv/adapters/sql-助手".into(),
+    }
+}
+
+/// A valid adapter's footprint (`error: None`).
+pub fn adapter_info() -> AdapterInfo {
+    AdapterInfo {
+        inspect_id: 77,
+        error: None,
+        num_blocks: 300,
+        host_bytes: 80 << 20,
+        max_rank: 16,
+        target_modules: vec!["q_proj".into(), "v_proj".into()],
     }
 }
 

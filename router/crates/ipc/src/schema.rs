@@ -434,7 +434,7 @@ mod tests {
         let text = schema_text();
         assert_eq!(text.lines().count(), SCHEMA.len());
         assert!(!text.contains(' ') && !text.ends_with('\n'));
-        assert!(text.contains("StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>}"), "{text}");
+        assert!(text.contains("StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>,adapter_ops:Vec<AdapterOp>}"), "{text}");
         assert!(text.starts_with("SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>}\n"), "{text}");
     }
 

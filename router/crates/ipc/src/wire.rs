@@ -129,6 +129,23 @@ wire_structs! {
         new_block_ids: Vec<u32>,
     }
 
+    /// One change to where a LoRA adapter's weights live (S-LoRA's tiers: disk -> host memory ->
+    /// pages of the GPU pool). The router decides; the worker applies a plan's ops in order, after
+    /// `released` and before the plan's requests run.
+    struct AdapterOp = 0 {
+        /// The adapter (router-assigned, > 0; requests name it in `NewRequest::adapter_id`).
+        adapter_id: u32,
+        /// `to_host`: read and validate `path` into host memory (the worker may do it in the
+        /// background; a later `to_gpu` waits for it). `to_gpu`: copy the host copy into
+        /// `block_ids` of the pool. `drop_gpu`: forget the GPU placement (its pages already belong
+        /// to the router again). `drop_host`: free the host copy.
+        op: String,
+        /// The PEFT directory (`to_host`).
+        path: String,
+        /// Pool pages that hold the adapter, in order (`to_gpu`); the same page ids as KV pages.
+        block_ids: Vec<u32>,
+    }
+
     /// One iteration of continuous batching, decided by the router's scheduler.
     struct StepPlan = 2 {
         /// Monotonic step number; the worker echoes it in its `StepOutput`.
@@ -140,6 +157,8 @@ wire_structs! {
         /// Requests whose worker-side state must be dropped before this step (finished, aborted or
         /// preempted); their KV pages already belong to the router again.
         released: Vec<u64>,
+        /// Adapter tier changes, applied in order after `released` and before the requests.
+        adapter_ops: Vec<AdapterOp>,
     }
 
     /// One alternative token with its log-probability.
@@ -179,6 +198,9 @@ wire_structs! {
         outputs: Vec<RequestOutput>,
         /// Timing of this step.
         timing: StepTiming,
+        /// Bytes of adapter weights the worker holds in host memory after this step (its measured
+        /// host tier, which the router's accounting keeps under the configured budget).
+        adapter_host_bytes: u64,
     }
 
     /// What the router needs to know about the loaded model.
@@ -217,6 +239,32 @@ wire_structs! {
         pid: u32,
         model: ModelInfo,
         kv: KvCapacity,
+    }
+
+    /// Asks the worker to validate a LoRA adapter directory against its model and report its
+    /// footprint. Changes no worker state; answered by an `AdapterInfo` with the same id, in order
+    /// with the step outputs.
+    struct InspectAdapter = 6 {
+        /// Router-chosen id, echoed in the answer.
+        inspect_id: u64,
+        /// The PEFT directory.
+        path: String,
+    }
+
+    /// The worker's answer to `InspectAdapter`.
+    struct AdapterInfo = 7 {
+        /// The `InspectAdapter`'s id.
+        inspect_id: u64,
+        /// Why the adapter cannot be served (names the file or field); `None` when it is valid.
+        error: Option<String>,
+        /// Pool pages the adapter's weights take on the GPU (`KvCapacity::bytes_per_block` each).
+        num_blocks: u32,
+        /// Bytes of its host-memory copy.
+        host_bytes: u64,
+        /// Largest rank over its adapted projections.
+        max_rank: u32,
+        /// Adapted projections, e.g. `q_proj`, `v_proj`.
+        target_modules: Vec<String>,
     }
 
     /// Asks the worker to exit cleanly.

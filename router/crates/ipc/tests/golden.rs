@@ -49,6 +49,8 @@ fn golden_frames_match() {
         frame(&examples::step_output()),
         frame(&examples::shutdown()),
         frame(&examples::worker_error()),
+        frame(&examples::inspect_adapter()),
+        frame(&examples::adapter_info()),
     ];
     // Exactly one golden per top-level message kind in the schema.
     let mut kinds: Vec<&str> = SCHEMA
@@ -86,6 +88,14 @@ fn golden_frames_match() {
     assert_eq!(
         decode_from_worker(&read("StepOutput.msgpack")).unwrap(),
         FromWorker::StepOutput(examples::step_output())
+    );
+    assert_eq!(
+        decode_to_worker(&read("InspectAdapter.msgpack")).unwrap(),
+        ToWorker::InspectAdapter(examples::inspect_adapter())
+    );
+    assert_eq!(
+        decode_from_worker(&read("AdapterInfo.msgpack")).unwrap(),
+        FromWorker::AdapterInfo(examples::adapter_info())
     );
     assert_eq!(
         decode_from_worker(&read("WorkerError.msgpack")).unwrap(),

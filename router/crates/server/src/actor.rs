@@ -220,6 +220,9 @@ impl Actor {
                         self.step_failed(&err.message);
                     }
                 }
+                Wake::Worker(Ok(FromWorker::AdapterInfo(_))) => {
+                    self.worker_lost("worker sent an AdapterInfo nobody asked for");
+                }
                 Wake::Worker(Ok(FromWorker::Hello(_))) => {
                     self.worker_lost("worker sent a second Hello");
                 }
@@ -341,6 +344,7 @@ impl Actor {
             new_requests,
             running,
             released: step.released,
+            adapter_ops: Vec::new(),
         };
         let frame = codec::encode(&plan);
         let worker = self.worker.as_mut().expect("worker present");
