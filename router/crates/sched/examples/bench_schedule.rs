@@ -1,19 +1,36 @@
-//! Times `schedule()` and `update()` with 256 requests decoding (the engine's steady state):
+//! Times `schedule()` and `update()` with 256 requests decoding (the engine's steady state), on
+//! the base model alone and spread round-robin over 32 LoRA adapters (grouping by adapter):
 //! `cargo run --release -p deltaserve-sched --example bench_schedule`.
 
 use std::time::Instant;
 
-use deltaserve_sched::{Scheduler, SchedulerConfig, SeqRequest};
+use deltaserve_sched::{AdapterSpec, Scheduler, SchedulerConfig, SeqRequest};
 
 fn main() {
+    bench(0);
+    bench(32);
+}
+
+/// Runs the measurement with `num_adapters` adapters (0 = base requests only).
+fn bench(num_adapters: u32) {
     let cfg = SchedulerConfig {
         block_size: 16,
         num_blocks: 65_536,
         max_num_seqs: 256,
         max_num_batched_tokens: 8192,
         max_model_len: 8192,
+        host_adapter_bytes: deltaserve_sched::DEFAULT_HOST_ADAPTER_BYTES,
+        prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
     };
     let mut s = Scheduler::new(cfg).expect("valid config");
+    for a in 1..=num_adapters {
+        let spec = AdapterSpec {
+            num_blocks: 8,
+            host_bytes: 1 << 20,
+            path: format!("/adapters/{a}"),
+        };
+        s.register_adapter(a, spec).expect("fits");
+    }
     for id in 0..256u64 {
         let prompt = (0..512u32).collect();
         let req = SeqRequest {
@@ -23,6 +40,11 @@ fn main() {
             eos_token_ids: vec![],
             ignore_eos: true,
             arrival: id,
+            adapter_id: if num_adapters == 0 {
+                0
+            } else {
+                id as u32 % num_adapters + 1
+            },
         };
         s.add_request(req).expect("fits");
     }
@@ -60,7 +82,7 @@ fn main() {
     upd_ns.sort_unstable();
     let p = |v: &[u128], q: f64| v[((v.len() - 1) as f64 * q) as usize] as f64 / 1000.0;
     println!(
-        "256 decoding requests, {steps} steps: schedule p50 {:.1} us p99 {:.1} us; update p50 {:.1} us p99 {:.1} us",
+        "256 decoding requests, {num_adapters} adapters, {steps} steps: schedule p50 {:.1} us p99 {:.1} us; update p50 {:.1} us p99 {:.1} us",
         p(&sched_ns, 0.5),
         p(&sched_ns, 0.99),
         p(&upd_ns, 0.5),

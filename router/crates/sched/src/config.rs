@@ -1,5 +1,5 @@
-//! [`SchedulerConfig`]: the scheduler's one typed config object (pool geometry and per-step
-//! limits), with its defaults and validation.
+//! [`SchedulerConfig`]: the scheduler's one typed config object (pool geometry, per-step
+//! limits, adapter host tier), with its defaults and validation.
 
 use crate::error::SchedError;
 
@@ -7,6 +7,13 @@ use crate::error::SchedError;
 pub const DEFAULT_MAX_NUM_SEQS: usize = 256;
 /// Default for [`SchedulerConfig::max_num_batched_tokens`].
 pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
+/// Default for [`SchedulerConfig::host_adapter_bytes`]: 4 GiB.
+pub const DEFAULT_HOST_ADAPTER_BYTES: u64 = 4 << 30;
+/// Default for [`SchedulerConfig::prefetch_window`].
+pub const DEFAULT_PREFETCH_WINDOW: usize = 64;
+/// Largest accepted [`SchedulerConfig::prefetch_window`]: every step walks that many waiting
+/// requests, so the window bounds the per-step cost of prefetching.
+pub const MAX_PREFETCH_WINDOW: usize = 4096;
 
 /// Limits the scheduler works within. The pool geometry comes from the worker's handshake
 /// (`KvCapacity`), the per-step limits from the operator.
@@ -23,11 +30,18 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     /// Longest sequence (prompt + output) a request may reach; longer requests are refused.
     pub max_model_len: u32,
+    /// Budget of the host tier: bytes of adapter host copies the worker may hold at once. The
+    /// scheduler drops least recently used host copies to stay within it.
+    pub host_adapter_bytes: u64,
+    /// Waiting requests (in queue order) whose adapters are loaded into host memory ahead of
+    /// their admission, so the disk read overlaps earlier steps; 0 turns prefetch off.
+    pub prefetch_window: usize,
 }
 
 impl SchedulerConfig {
     /// A config with the pool geometry and context limit given, and default per-step limits
-    /// ([`DEFAULT_MAX_NUM_SEQS`], [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]).
+    /// ([`DEFAULT_MAX_NUM_SEQS`], [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]) and host tier
+    /// ([`DEFAULT_HOST_ADAPTER_BYTES`], [`DEFAULT_PREFETCH_WINDOW`]).
     pub fn new(block_size: u32, num_blocks: u32, max_model_len: u32) -> Self {
         Self {
             block_size,
@@ -35,11 +49,14 @@ impl SchedulerConfig {
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
             max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len,
+            host_adapter_bytes: DEFAULT_HOST_ADAPTER_BYTES,
+            prefetch_window: DEFAULT_PREFETCH_WINDOW,
         }
     }
 
-    /// Checks that every limit is usable: all of them non-zero, and small enough that token
-    /// counts fit the `u32` fields of the wire plan.
+    /// Checks that every limit is usable: all of them non-zero (except `prefetch_window`, where 0
+    /// means off), token counts small enough for the `u32` fields of the wire plan, and the
+    /// prefetch window at most [`MAX_PREFETCH_WINDOW`].
     pub fn validate(&self) -> Result<(), SchedError> {
         let bad = |field: &'static str, value: u64, why: &str| SchedError::InvalidConfig {
             field,
@@ -80,6 +97,20 @@ impl SchedulerConfig {
         if self.max_model_len == 0 {
             return Err(bad("max_model_len", 0, "must allow at least one token"));
         }
+        if self.host_adapter_bytes == 0 {
+            return Err(bad(
+                "host_adapter_bytes",
+                0,
+                "adapters reach the GPU through host memory: the budget must be at least 1 byte",
+            ));
+        }
+        if self.prefetch_window > MAX_PREFETCH_WINDOW {
+            return Err(bad(
+                "prefetch_window",
+                self.prefetch_window as u64,
+                &format!("must be at most {MAX_PREFETCH_WINDOW} waiting requests (0 = off)"),
+            ));
+        }
         Ok(())
     }
 
@@ -98,12 +129,16 @@ mod tests {
         let ok = SchedulerConfig::new(16, 64, 512);
         assert!(ok.validate().is_ok());
         type Breaker = fn(&mut SchedulerConfig);
-        let cases: [(&str, Breaker); 5] = [
+        let cases: [(&str, Breaker); 7] = [
             ("block_size", |c| c.block_size = 0),
             ("num_blocks", |c| c.num_blocks = 0),
             ("max_num_seqs", |c| c.max_num_seqs = 0),
             ("max_num_batched_tokens", |c| c.max_num_batched_tokens = 0),
             ("max_model_len", |c| c.max_model_len = 0),
+            ("host_adapter_bytes", |c| c.host_adapter_bytes = 0),
+            ("prefetch_window", |c| {
+                c.prefetch_window = MAX_PREFETCH_WINDOW + 1
+            }),
         ];
         for (name, breaker) in cases {
             let mut c = ok.clone();
@@ -112,6 +147,18 @@ mod tests {
             assert!(err.to_string().contains(name), "{name}: {err}");
             assert_eq!(err.error_type(), "invalid_config");
         }
+    }
+
+    #[test]
+    fn defaults_and_a_zero_prefetch_window_are_valid() {
+        let c = SchedulerConfig::new(16, 64, 512);
+        assert_eq!(c.host_adapter_bytes, 4 * 1024 * 1024 * 1024);
+        assert_eq!(c.prefetch_window, 64);
+        let off = SchedulerConfig {
+            prefetch_window: 0,
+            ..c
+        };
+        assert!(off.validate().is_ok());
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! [`SchedError`]: the one error type of the scheduler boundary (bad config, refused requests).
+//! [`SchedError`]: the one error type of the scheduler boundary (bad config, refused requests,
+//! refused adapter registrations).
 
 /// Why the scheduler refused a config or a request. Messages name the request and the numbers
 /// involved; [`SchedError::error_type`] is a stable label for metrics and HTTP status mapping.
@@ -49,10 +50,11 @@ pub enum SchedError {
         /// The context limit.
         max_model_len: u32,
     },
-    /// Even alone, the request's KV cache would not fit in the page pool.
+    /// Even alone, the request's KV cache (plus its adapter's pages) would not fit in the pool.
     #[error(
         "request {id}: needs up to {needed_blocks} KV pages of {block_size} tokens \
-         ({max_cached_tokens} tokens) but the pool has only {num_blocks}"
+         ({max_cached_tokens} tokens) + {adapter_blocks} pages for its adapter \
+         but the pool has only {num_blocks}"
     )]
     TooBigForPool {
         /// The request's id.
@@ -61,11 +63,81 @@ pub enum SchedError {
         max_cached_tokens: u64,
         /// Pages that takes.
         needed_blocks: u64,
+        /// Pages its LoRA adapter occupies while the request runs (0 for the base model).
+        adapter_blocks: u32,
         /// Tokens per page.
         block_size: u32,
         /// Pages in the pool.
         num_blocks: u32,
     },
+    /// A request names an adapter id that is not registered, or `unregister_adapter` was asked
+    /// for one.
+    #[error("{}adapter {adapter_id} is not registered", request_prefix(*request))]
+    UnknownAdapter {
+        /// The request naming it (`None` for `unregister_adapter`).
+        request: Option<u64>,
+        /// The unknown adapter id.
+        adapter_id: u32,
+    },
+    /// Adapter id 0 means "the base model" in requests, so no adapter can be registered as 0.
+    #[error("adapter id 0 is reserved for the base model (register adapters as 1, 2, ...)")]
+    ReservedAdapterId,
+    /// `register_adapter` with an id that is already registered.
+    #[error("adapter {adapter_id}: an adapter with this id is already registered")]
+    DuplicateAdapter {
+        /// The duplicated id.
+        adapter_id: u32,
+    },
+    /// The adapter's spec is unusable (no pages, no path).
+    #[error("adapter {adapter_id}: {reason}")]
+    InvalidAdapter {
+        /// The adapter's id.
+        adapter_id: u32,
+        /// What is wrong with its spec.
+        reason: String,
+    },
+    /// The adapter's weights need more pages than the whole pool has.
+    #[error(
+        "adapter {adapter_id}: needs {num_blocks} pages but the pool has only {pool_blocks} \
+         (lower its rank or enlarge the pool)"
+    )]
+    AdapterTooBig {
+        /// The adapter's id.
+        adapter_id: u32,
+        /// Pages its weights take.
+        num_blocks: u32,
+        /// Pages in the pool.
+        pool_blocks: u32,
+    },
+    /// The adapter's host copy is larger than the whole host-tier budget.
+    #[error(
+        "adapter {adapter_id}: its host copy takes {host_bytes} bytes but the host adapter \
+         budget is {host_budget} bytes (raise host_adapter_bytes)"
+    )]
+    AdapterTooBigForHost {
+        /// The adapter's id.
+        adapter_id: u32,
+        /// Bytes its host copy takes.
+        host_bytes: u64,
+        /// `SchedulerConfig::host_adapter_bytes`.
+        host_budget: u64,
+    },
+    /// `unregister_adapter` while live (waiting or running) requests still name the adapter.
+    #[error(
+        "adapter {adapter_id}: {users} live request(s) still use it; \
+         unregister it once they end"
+    )]
+    AdapterInUse {
+        /// The adapter's id.
+        adapter_id: u32,
+        /// Waiting + running requests naming it.
+        users: usize,
+    },
+}
+
+/// `"request N: "` when an error concerns a request, nothing otherwise.
+fn request_prefix(request: Option<u64>) -> String {
+    request.map_or_else(String::new, |id| format!("request {id}: "))
 }
 
 impl SchedError {
@@ -78,6 +150,13 @@ impl SchedError {
             SchedError::ZeroMaxTokens { .. } => "zero_max_tokens",
             SchedError::TooLong { .. } => "context_length_exceeded",
             SchedError::TooBigForPool { .. } => "kv_pool_too_small",
+            SchedError::UnknownAdapter { .. } => "unknown_adapter",
+            SchedError::ReservedAdapterId | SchedError::InvalidAdapter { .. } => "invalid_adapter",
+            SchedError::DuplicateAdapter { .. } => "duplicate_adapter",
+            SchedError::AdapterTooBig { .. } | SchedError::AdapterTooBigForHost { .. } => {
+                "adapter_too_big"
+            }
+            SchedError::AdapterInUse { .. } => "adapter_in_use",
         }
     }
 }

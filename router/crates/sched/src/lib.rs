@@ -1,15 +1,20 @@
-//! The pure scheduler: iteration-level continuous batching of prefill and decode over a paged
-//! KV cache whose accounting the router owns. No IO, no clock, no async: time comes in as
-//! numbers, the same calls give the same plans, and everything is unit-testable (and drivable
-//! from a Python simulator through the `py` crate).
+//! The pure scheduler: iteration-level continuous batching of prefill and decode over one
+//! paged GPU pool that holds both the KV cache and LoRA adapter weights (S-LoRA unified
+//! paging), whose accounting the router owns, plus the adapters' tiers (disk -> host memory ->
+//! GPU pages). No IO, no clock, no async: time comes in as numbers, the same calls give the
+//! same plans, and everything is unit-testable (and drivable from a Python simulator through
+//! the `py` crate).
 //!
 //! # Layout
 //!
-//! - [`config`]: [`SchedulerConfig`], pool geometry and per-step limits, validated.
-//! - [`error`]: [`SchedError`], why a config or request was refused.
-//! - [`block`]: [`BlockAllocator`], the KV page free list with one owner per page.
+//! - [`config`]: [`SchedulerConfig`], pool geometry, per-step limits and host tier, validated.
+//! - [`error`]: [`SchedError`], why a config, request or adapter was refused.
+//! - [`block`]: [`BlockAllocator`], the page free list with one owner ([`PageOwner`]: a
+//!   request's KV or an adapter's weights) per page.
+//! - [`adapters`]: [`AdapterSpec`] in, [`AdapterOp`]s out, and the adapter table (tiers, users,
+//!   LRU stamps).
 //! - [`step`]: the API's data: [`SeqRequest`] in, [`ScheduledStep`] out, [`SeqUpdate`] back.
-//! - [`scheduler`]: [`Scheduler`], queues + block tables + the step algorithm.
+//! - [`scheduler`]: [`Scheduler`], queues + block tables + adapter table + the step algorithm.
 //!
 //! # Worker-side contract
 //!
@@ -20,7 +25,34 @@
 //! holds tokens `[i * block_size, (i + 1) * block_size)`; a request always owns exactly
 //! `ceil(cached / block_size)` pages, where `cached` is how far its scheduled chunks reached.
 //! `new` entries carry the whole block table, `running` entries only appended pages, and
-//! `released` ids must be dropped by the worker before it runs the step.
+//! `released` ids must be dropped by the worker before it runs the step. Then the worker applies
+//! `adapter_ops` in order (all drops, then all loads), and only then runs the requests: every
+//! scheduled request's adapter is GPU-resident by then. `new` and `running` are each grouped by
+//! adapter id (ascending; arrival order within an adapter), so each adapter is one contiguous
+//! segment.
+//!
+//! # Adapters and tiers
+//!
+//! An adapter is registered ([`Scheduler::register_adapter`]) with its page count, host bytes
+//! and path, and lives in one of: disk only; host copy; host copy + GPU pages; GPU pages only
+//! (host copy dropped). The router moves it with ops the worker applies: `ToHost{path}` (read
+//! into host memory, possibly in the background), `ToGpu{pages}` (copy the host copy into pool
+//! pages; always after a `ToHost` with no `DropHost` since), `DropGpu`, `DropHost`.
+//!
+//! - GPU: a running request pins its adapter (never evicted while a running request uses it).
+//!   An adapter nobody runs with stays cached in its pages until they are needed: then idle
+//!   adapters are evicted least recently used first (the LRU stamp is taken when a request using
+//!   it is admitted, when its last running request leaves, and when its host copy is loaded).
+//!   A preempted request only unpins its adapter.
+//! - Host: the accounted host bytes never exceed `host_adapter_bytes`. Room is made by dropping
+//!   least recently used host copies of adapters this step does not load (a drop goes out
+//!   before every load of its step, so dropping those would undo the load). Host copies of
+//!   GPU-resident adapters are fair game: the GPU copy stays. Admission drops copies outside
+//!   the prefetch window before those inside it; prefetch never drops those inside it.
+//! - Order: every step's ops go out drops first, loads second, so the worker's real host and
+//!   GPU usage never exceed what the router accounted. Ops formed outside a non-empty step
+//!   (`unregister_adapter` of an idle adapter, which frees its pages at once) are drops; they
+//!   go out first in the next non-empty step.
 //!
 //! # One step (`schedule`)
 //!
@@ -29,41 +61,68 @@
 //! 1. for r in running (arrival order):
 //!        n = min(len(r.tokens) - r.num_computed, budget)      # 1 in decode, a chunk in prefill
 //!        while pages for r.num_computed + n are not free:
-//!            preempt the most recently arrived running request v   # free pages, computed = 0,
-//!            (v -> front of waiting, v -> released/preempted)      # recompute prompt ++ outputs
+//!            if an adapter on the GPU has no running request: evict the LRU one (DropGpu)
+//!            else preempt the most recently arrived running request v   # free pages,
+//!            (v -> front of waiting, v -> released/preempted)  # computed = 0, recompute later
 //!            if v is r: stop phase 1
 //!        allocate, schedule r for n tokens, budget -= n
 //! 2. if nothing was preempted: while waiting is non-empty, running < max_num_seqs, budget > 0:
 //!        w = waiting.front(); n = min(len(w.tokens), budget)  # chunked prefill
-//!        stop unless free pages >= pages(n) + watermark      # FCFS, no skipping ahead
-//!        admit w (sent in `new` with all its tokens), budget -= n
-//! 3. released = everything finished / aborted / preempted since the last step
+//!        need = pages(n) + watermark (+ w.adapter's pages unless it is on the GPU)
+//!        host: if w.adapter must go to the GPU and has no host copy, it needs host room:
+//!              drop LRU host copies not loaded in this step (outside the prefetch window
+//!              first) until it fits, else stop
+//!        gpu:  evict LRU idle adapters (not w's) until need pages are free, else stop
+//!        (nothing is dropped or evicted unless w is then admitted)   # FCFS, no skipping ahead
+//!        ops: DropHost.., ToHost(w.adapter), DropGpu.., ToGpu(w.adapter, pages)
+//!        admit w (sent in `new` with all its tokens), w.adapter pinned, budget -= n
+//! 3. prefetch: for each distinct adapter of the first prefetch_window waiting requests, in
+//!        queue order, with no host copy and not on the GPU: ToHost if it fits the host budget
+//!        after dropping LRU host copies neither this step nor the window needs; the first that
+//!        does not fit ends prefetching for this step
+//! 4. released = everything finished / aborted / preempted since the last step
+//!    adapter_ops = pending drops ++ this step's drops ++ this step's loads
+//!    new, running: stably sorted by adapter id (phase 1 still went oldest first)
 //! ```
 //!
 //! The watermark is the number of running requests whose next token will need a page they do
 //! not hold yet (their table is full after this step). Admission keeps that many pages free, so
 //! a new request never takes the page an older one needs for its next decode token. It is exact
 //! rather than a fixed fraction of the pool, so a request that needs the whole pool can still be
-//! admitted into an idle one, and add_request's "fits in the pool" check guarantees progress:
-//! the oldest running request alone always fits.
+//! admitted into an idle one, and add_request's "fits in the pool" check (KV plus adapter
+//! pages) guarantees progress: the oldest running request alone always fits, since every other
+//! adapter is evictable once the others are preempted, and with nothing running the head of the
+//! queue always fits (every adapter is idle, every host copy droppable, and registration
+//! refused adapters larger than the pool or the host budget).
+//!
+//! Head-of-line blocking is kept with adapters: a request whose adapter is cold waits at the
+//! front even when requests behind it have theirs on the GPU. This keeps admission FCFS and
+//! starvation-free; prefetch hides most of the cold start by loading the host copy while the
+//! request is still queued.
 //!
 //! A step that schedules nothing is empty (`is_empty()`, `step_id` 0) and drains nothing;
-//! pending releases go out with the next non-empty step.
+//! pending releases and adapter ops go out with the next non-empty step.
 //!
 //! # Update
 //!
 //! `update` advances `num_computed` by the scheduled chunk for each reported request, appends
 //! the sampled token when the chunk reached the end, and finishes the request on an EOS id
-//! (unless `ignore_eos`; checked first) or at `max_tokens`, freeing its pages at once.
+//! (unless `ignore_eos`; checked first) or at `max_tokens`, freeing its pages at once (its
+//! adapter stays cached).
 
+pub mod adapters;
 pub mod block;
 pub mod config;
 pub mod error;
 pub mod scheduler;
 pub mod step;
 
-pub use block::BlockAllocator;
-pub use config::{SchedulerConfig, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS};
+pub use adapters::{AdapterOp, AdapterOpKind, AdapterResidency, AdapterSpec};
+pub use block::{BlockAllocator, PageOwner};
+pub use config::{
+    SchedulerConfig, DEFAULT_HOST_ADAPTER_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFETCH_WINDOW, MAX_PREFETCH_WINDOW,
+};
 pub use error::SchedError;
 pub use scheduler::Scheduler;
 pub use step::{

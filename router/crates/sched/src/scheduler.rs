@@ -1,5 +1,5 @@
-//! [`Scheduler`]: request queues, per-request KV block tables, and the step algorithm
-//! (see the crate docs for the algorithm and the worker-side contract).
+//! [`Scheduler`]: request queues, per-request KV block tables, the adapter table, and the step
+//! algorithm (see the crate docs for the algorithm, the tiers and the worker-side contract).
 //!
 //! Request life cycle (`Seq::phase`):
 //!
@@ -12,7 +12,8 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use crate::block::BlockAllocator;
+use crate::adapters::{AdapterOp, AdapterResidency, AdapterSpec, AdapterTable, StepOps};
+use crate::block::{BlockAllocator, PageOwner};
 use crate::config::SchedulerConfig;
 use crate::error::SchedError;
 use crate::step::{
@@ -64,6 +65,8 @@ struct Seq {
     phase: Phase,
     /// Tokens scheduled in the outstanding step (0 when not part of it); `update` applies them.
     in_flight: u32,
+    /// Its LoRA adapter (0 = base): GPU-resident whenever the request is running.
+    adapter_id: u32,
 }
 
 impl Seq {
@@ -73,14 +76,33 @@ impl Seq {
     }
 }
 
-/// The pure iteration-level scheduler: owns the queues, the page pool and every block table.
-/// Deterministic: the same sequence of calls yields the same plans.
+/// What admitting one waiting request takes besides its KV pages, decided before anything
+/// changes so that a refused admission changes nothing.
+#[derive(Debug, Default)]
+struct AdmissionPlan {
+    /// Host copies to drop first (LRU) so the adapter's host copy fits the budget.
+    host_drops: Vec<u32>,
+    /// The adapter needs a `ToHost` (it has no host copy).
+    to_host: bool,
+    /// Idle GPU-resident adapters to evict (LRU) so the pages fit.
+    gpu_evictions: Vec<u32>,
+    /// The adapter needs a `ToGpu` (it is not GPU-resident).
+    to_gpu: bool,
+}
+
+/// The pure iteration-level scheduler: owns the queues, the page pool, every block table and
+/// the adapter table. Deterministic: the same sequence of calls yields the same plans.
 #[derive(Debug, Clone)]
 pub struct Scheduler {
     /// Limits (validated).
     cfg: SchedulerConfig,
-    /// The KV page pool.
+    /// The one page pool: KV pages of requests and weight pages of GPU-resident adapters.
     blocks: BlockAllocator,
+    /// Registered adapters, their tiers, users and LRU stamps.
+    adapters: AdapterTable,
+    /// Adapter ops formed outside a non-empty step (unregistering), in application order;
+    /// only drops, so prepending them to a step keeps its drops before its loads.
+    pending_ops: Vec<AdapterOp>,
     /// Every live (waiting or running) request by id.
     seqs: BTreeMap<u64, Seq>,
     /// Requests not on the worker, sorted by `OrderKey`; admission takes the front.
@@ -109,6 +131,8 @@ impl Scheduler {
         cfg.validate()?;
         Ok(Self {
             blocks: BlockAllocator::new(cfg.num_blocks),
+            adapters: AdapterTable::default(),
+            pending_ops: Vec::new(),
             cfg,
             seqs: BTreeMap::new(),
             waiting: VecDeque::new(),
@@ -128,9 +152,40 @@ impl Scheduler {
         &self.cfg
     }
 
+    /// Registers a LoRA adapter (in the disk tier; it moves up when a request needs it). Refuses,
+    /// changing nothing: id 0 (the base model), an id already registered, `num_blocks == 0`,
+    /// an empty path, `num_blocks` above the pool size and `host_bytes` above
+    /// `host_adapter_bytes`.
+    pub fn register_adapter(&mut self, id: u32, spec: AdapterSpec) -> Result<(), SchedError> {
+        self.adapters.register(id, spec, &self.cfg)
+    }
+
+    /// Forgets an adapter no live request names: its pages are free at once, and its
+    /// `DropGpu` / `DropHost` go out with the next non-empty step. Refuses, changing nothing,
+    /// an unknown id (`UnknownAdapter`) and one that waiting or running requests still name
+    /// (`AdapterInUse`).
+    pub fn unregister_adapter(&mut self, id: u32) -> Result<(), SchedError> {
+        self.adapters
+            .unregister(id, &mut self.blocks, &mut self.pending_ops)
+    }
+
+    /// Live (waiting + running) requests naming adapter `id`; 0 for an unknown id.
+    pub fn adapter_users(&self, id: u32) -> usize {
+        self.adapters.map.get(&id).map_or(0, |a| a.users)
+    }
+
+    /// Where a registered adapter's weights are (host copy, GPU pages); `None` if unknown.
+    pub fn adapter_residency(&self, id: u32) -> Option<AdapterResidency<'_>> {
+        self.adapters.map.get(&id).map(|a| AdapterResidency {
+            on_host: a.on_host,
+            gpu_blocks: a.gpu_blocks.as_deref(),
+        })
+    }
+
     /// Queues a request. Rejects, without changing any state: an id already waiting or running,
-    /// an empty prompt, `max_tokens == 0`, `prompt + max_tokens > max_model_len`, and a request
-    /// whose cache (at most `prompt + max_tokens - 1` tokens) could not fit even in an empty pool.
+    /// an empty prompt, `max_tokens == 0`, `prompt + max_tokens > max_model_len`, an adapter id
+    /// that is not registered, and a request whose cache (at most `prompt + max_tokens - 1`
+    /// tokens) plus its adapter's pages could not fit even in an empty pool.
     pub fn add_request(&mut self, req: SeqRequest) -> Result<(), SchedError> {
         let id = req.id;
         if self.seqs.contains_key(&id) {
@@ -153,14 +208,28 @@ impl Scheduler {
                 max_model_len: self.cfg.max_model_len,
             });
         }
+        let adapter_blocks = match req.adapter_id {
+            0 => 0,
+            a => match self.adapters.map.get(&a) {
+                Some(entry) => entry.spec.num_blocks,
+                None => {
+                    return Err(SchedError::UnknownAdapter {
+                        request: Some(id),
+                        adapter_id: a,
+                    })
+                }
+            },
+        };
         // The last sampled token is never fed back, so at most total - 1 tokens are cached.
+        // The adapter is pinned on the GPU while the request runs, so both must fit together.
         let max_cached_tokens = total - 1;
         let needed_blocks = self.cfg.blocks_for(max_cached_tokens);
-        if needed_blocks > self.cfg.num_blocks as u64 {
+        if needed_blocks + adapter_blocks as u64 > self.cfg.num_blocks as u64 {
             return Err(SchedError::TooBigForPool {
                 id,
                 max_cached_tokens,
                 needed_blocks,
+                adapter_blocks,
                 block_size: self.cfg.block_size,
                 num_blocks: self.cfg.num_blocks,
             });
@@ -185,8 +254,12 @@ impl Scheduler {
                 blocks: Vec::new(),
                 phase: Phase::Waiting,
                 in_flight: 0,
+                adapter_id: req.adapter_id,
             },
         );
+        if req.adapter_id != 0 {
+            self.adapters.add_user(req.adapter_id);
+        }
         insert_sorted_deque(&mut self.waiting, key, id);
         Ok(())
     }
@@ -229,12 +302,16 @@ impl Scheduler {
     /// outstanding step: its requests are rescheduled from where their last update left them.
     pub fn schedule(&mut self) -> ScheduledStep {
         self.clear_in_flight();
+        self.adapters.begin_step();
+        let mut ops = StepOps::default();
         let bs = self.cfg.block_size;
         let mut step = ScheduledStep::default();
         let mut budget = self.cfg.max_num_batched_tokens;
         // Running requests whose next step needs at least one more page than they hold after
         // this one; admission keeps that many pages free (the watermark).
         let mut watermark: u64 = 0;
+        // Adapter of each `step.running` entry, in the same order (for grouping).
+        let mut running_adapters: Vec<u32> = Vec::new();
 
         // Phase 1: requests already on the worker, oldest first.
         let mut i = 0;
@@ -265,6 +342,11 @@ impl Scheduler {
             }
             let mut preempted_self = false;
             while self.blocks.num_free() < need {
+                // Cached adapters nobody runs with go before any request is preempted.
+                if let Some(idle) = self.adapters.lru_idle_gpu(0) {
+                    self.adapters.evict_gpu(idle, &mut self.blocks, &mut ops);
+                    continue;
+                }
                 let victim = self
                     .running
                     .last()
@@ -284,7 +366,9 @@ impl Scheduler {
             }
             let seq = self.seqs.get_mut(&id).expect("running ids are live");
             let mut new_block_ids = Vec::new();
-            let ok = self.blocks.allocate(id, need, &mut new_block_ids);
+            let ok = self
+                .blocks
+                .allocate(PageOwner::Request(id), need, &mut new_block_ids);
             debug_assert!(ok, "enough pages were freed above");
             seq.blocks.extend_from_slice(&new_block_ids);
             let target = seq.num_computed + n;
@@ -293,6 +377,7 @@ impl Scheduler {
             watermark += u64::from((seq.blocks.len() as u64) * (bs as u64) < target as u64 + 1);
             budget -= n as usize;
             self.in_flight.push(id);
+            running_adapters.push(seq.adapter_id);
             step.running.push(ScheduledRunning {
                 id,
                 num_scheduled_tokens: n,
@@ -302,21 +387,30 @@ impl Scheduler {
         }
 
         // Phase 2: admit waiting requests FCFS, unless this step had to preempt (admitting now
-        // would only thrash). Head-of-line blocking is deliberate: no request jumps the queue.
+        // would only thrash). Head-of-line blocking is deliberate: no request jumps the queue,
+        // not even one whose adapter is already on the GPU while the head's must be loaded.
         if step.preempted.is_empty() {
+            let (_, window) = self.window_adapters();
             while let Some(&(key, id)) = self.waiting.front() {
                 if self.running.len() >= self.cfg.max_num_seqs || budget == 0 {
                     break;
                 }
-                let seq = self.seqs.get_mut(&id).expect("waiting ids are live");
-                let n = seq.tokens.len().min(budget) as u32;
+                let (len, adapter_id) = {
+                    let seq = &self.seqs[&id];
+                    (seq.tokens.len(), seq.adapter_id)
+                };
+                let n = len.min(budget) as u32;
                 let need = self.cfg.blocks_for(n as u64);
-                if (self.blocks.num_free() as u64) < need + watermark {
+                let Some(plan) = self.admission_plan(adapter_id, need + watermark, &window) else {
                     break;
-                }
+                };
                 self.waiting.pop_front();
+                self.apply_admission(adapter_id, plan, &mut ops);
+                let seq = self.seqs.get_mut(&id).expect("waiting ids are live");
                 let mut block_ids = Vec::with_capacity(need as usize);
-                let ok = self.blocks.allocate(id, need as u32, &mut block_ids);
+                let ok = self
+                    .blocks
+                    .allocate(PageOwner::Request(id), need as u32, &mut block_ids);
                 debug_assert!(ok, "free pages were checked above");
                 seq.blocks.clone_from(&block_ids);
                 seq.phase = Phase::Running;
@@ -331,7 +425,11 @@ impl Scheduler {
                     num_computed_tokens: 0,
                     num_scheduled_tokens: n,
                     block_ids,
+                    adapter_id,
                 });
+                if adapter_id != 0 {
+                    self.adapters.start_running(adapter_id);
+                }
                 self.in_flight.push(id);
                 insert_sorted_vec(&mut self.running, key, id);
             }
@@ -346,12 +444,140 @@ impl Scheduler {
                 step.preempted
             );
             step.preempted.clear();
+            // Adapters only move for a scheduled request, so an empty step forms no op; were
+            // one formed, it would wait, in order, for the next non-empty step.
+            debug_assert!(ops.is_empty(), "an empty step formed adapter ops {ops:?}");
+            self.pending_ops.append(&mut ops.drops);
+            self.pending_ops.append(&mut ops.loads);
             return step;
         }
+        self.prefetch(&mut ops);
+        group_by_adapter(&mut step, &running_adapters);
         self.steps += 1;
         step.step_id = self.steps;
         step.released = std::mem::take(&mut self.pending_released);
+        let mut adapter_ops = std::mem::take(&mut self.pending_ops);
+        adapter_ops.append(&mut ops.drops);
+        adapter_ops.append(&mut ops.loads);
+        step.adapter_ops = adapter_ops;
         step
+    }
+
+    /// The adapters of the first `prefetch_window` waiting requests: distinct ids in queue
+    /// order, and the same ids sorted (for lookups). Empty when no adapter is registered or
+    /// prefetch is off.
+    fn window_adapters(&self) -> (Vec<u32>, Vec<u32>) {
+        let (mut order, mut sorted) = (Vec::new(), Vec::new());
+        if self.adapters.is_empty() {
+            return (order, sorted);
+        }
+        for &(_, id) in self.waiting.iter().take(self.cfg.prefetch_window) {
+            let a = self.seqs[&id].adapter_id;
+            if a == 0 {
+                continue;
+            }
+            if let Err(pos) = sorted.binary_search(&a) {
+                sorted.insert(pos, a);
+                order.push(a);
+            }
+        }
+        (order, sorted)
+    }
+
+    /// What admitting a request with adapter `adapter_id` (0 = base) takes, when `kv_pages`
+    /// pages (its KV plus the watermark) must be free after its adapter is placed: a host copy
+    /// (dropping LRU host copies this step does not load, those outside the prefetch `window`
+    /// first) and the adapter's pages (evicting LRU idle GPU adapters).
+    /// `None`, changing nothing, when that cannot be had.
+    fn admission_plan(
+        &self,
+        adapter_id: u32,
+        kv_pages: u64,
+        window: &[u32],
+    ) -> Option<AdmissionPlan> {
+        let mut plan = AdmissionPlan::default();
+        let mut pages = kv_pages;
+        if adapter_id != 0 {
+            let a = self.adapters.get(adapter_id);
+            if a.gpu_blocks.is_none() {
+                plan.to_gpu = true;
+                pages += a.spec.num_blocks as u64;
+                if !a.on_host {
+                    plan.to_host = true;
+                    let deficit = self
+                        .adapters
+                        .host_deficit(a.spec.host_bytes, self.cfg.host_adapter_bytes);
+                    if deficit > 0 {
+                        plan.host_drops = self.adapters.host_drop_plan(deficit, |other| {
+                            if self.adapters.needed_by_step(other) {
+                                None
+                            } else {
+                                Some(u8::from(window.binary_search(&other).is_ok()))
+                            }
+                        })?;
+                    }
+                }
+            }
+        }
+        let free = self.blocks.num_free() as u64;
+        if pages > free {
+            plan.gpu_evictions = self.adapters.gpu_eviction_plan(pages - free, adapter_id)?;
+        }
+        Some(plan)
+    }
+
+    /// Carries out an [`AdmissionPlan`] for `adapter_id`: host drops, `ToHost`, GPU evictions,
+    /// `ToGpu` (the ops sort drops before loads).
+    fn apply_admission(&mut self, adapter_id: u32, plan: AdmissionPlan, ops: &mut StepOps) {
+        for a in plan.host_drops {
+            self.adapters.drop_host(a, ops);
+        }
+        if plan.to_host {
+            self.adapters.load_host(adapter_id, ops);
+        }
+        for a in plan.gpu_evictions {
+            self.adapters.evict_gpu(a, &mut self.blocks, ops);
+        }
+        if plan.to_gpu {
+            self.adapters.load_gpu(adapter_id, &mut self.blocks, ops);
+        }
+    }
+
+    /// Host prefetch for the step just formed: each distinct adapter of the first
+    /// `prefetch_window` waiting requests, in queue order, that has no host copy and is not on
+    /// the GPU gets a `ToHost` if it fits the host budget after dropping LRU host copies that
+    /// neither this step nor the window needs. The first one that cannot fit ends the prefetch
+    /// (later requests must not take the room an earlier one waits for).
+    fn prefetch(&mut self, ops: &mut StepOps) {
+        if self.cfg.prefetch_window == 0 {
+            return;
+        }
+        let (order, window) = self.window_adapters();
+        for a in order {
+            let entry = self.adapters.get(a);
+            if entry.on_host || entry.gpu_blocks.is_some() {
+                continue;
+            }
+            let deficit = self
+                .adapters
+                .host_deficit(entry.spec.host_bytes, self.cfg.host_adapter_bytes);
+            let drops = if deficit == 0 {
+                Vec::new()
+            } else {
+                let plan = self.adapters.host_drop_plan(deficit, |other| {
+                    (!self.adapters.needed_by_step(other) && window.binary_search(&other).is_err())
+                        .then_some(0)
+                });
+                match plan {
+                    Some(drops) => drops,
+                    None => break,
+                }
+            };
+            for d in drops {
+                self.adapters.drop_host(d, ops);
+            }
+            self.adapters.load_host(a, ops);
+        }
     }
 
     /// Applies the worker's results for the step last returned by [`Scheduler::schedule`]:
@@ -390,7 +616,11 @@ impl Scheduler {
                 None
             };
             if finished.is_some() {
-                self.blocks.release(id, &seq.blocks);
+                self.blocks.release(PageOwner::Request(id), &seq.blocks);
+                if seq.adapter_id != 0 {
+                    self.adapters.stop_running(seq.adapter_id);
+                    self.adapters.remove_user(seq.adapter_id);
+                }
                 self.seqs.remove(&id);
                 self.pending_released.push(id);
                 self.num_finished += 1;
@@ -410,10 +640,11 @@ impl Scheduler {
         updates
     }
 
-    /// The worker lost its state (crashed and restarted): forgets the outstanding step and the
-    /// pending releases, and moves every running request back to the waiting queue to be
-    /// recomputed (sent in full again). Returns the requeued ids, oldest first. Not counted as
-    /// preemptions.
+    /// The worker lost its state (crashed and restarted): forgets the outstanding step, the
+    /// pending releases and adapter ops, moves every running request back to the waiting queue
+    /// to be recomputed (sent in full again), and forgets every adapter's host copy and GPU
+    /// placement (their pages are free; registrations stay, and adapters are loaded again when
+    /// requests need them). Returns the requeued ids, oldest first. Not counted as preemptions.
     pub fn reset_worker(&mut self) -> Vec<u64> {
         self.clear_in_flight();
         let mut requeued = Vec::with_capacity(self.running.len());
@@ -422,6 +653,8 @@ impl Scheduler {
             requeued.push(id);
         }
         self.pending_released.clear();
+        self.pending_ops.clear();
+        self.adapters.forget_residency(&mut self.blocks);
         requeued.reverse();
         requeued
     }
@@ -432,13 +665,21 @@ impl Scheduler {
             waiting: self.waiting.len(),
             running: self.running.len(),
             free_blocks: self.blocks.num_free(),
-            used_blocks: self.blocks.num_used(),
+            used_blocks: self.blocks.num_used() - self.adapters.gpu_blocks(),
             total_blocks: self.blocks.total(),
             num_preemptions: self.num_preemptions,
             steps: self.steps,
             pending_released: self.pending_released.len(),
             num_finished: self.num_finished,
             num_aborted: self.num_aborted,
+            adapters_registered: self.adapters.len(),
+            adapters_on_gpu: self.adapters.num_on_gpu(),
+            adapters_on_host: self.adapters.num_on_host(),
+            adapter_blocks: self.adapters.gpu_blocks(),
+            host_adapter_bytes: self.adapters.host_bytes(),
+            adapter_gpu_loads: self.adapters.gpu_loads,
+            adapter_host_loads: self.adapters.host_loads,
+            adapter_gpu_evictions: self.adapters.gpu_evictions,
         }
     }
 
@@ -451,7 +692,11 @@ impl Scheduler {
     /// requests): for tests and debugging, not for the hot path.
     ///
     /// - the pool: no page free and owned, none listed twice, free + owned == total;
-    /// - every page in a block table is owned by that request, and tables sum to the used pages;
+    /// - every page in a block table is owned by that request, every page of a GPU-resident
+    ///   adapter by that adapter, and tables plus adapter pages sum to the used pages;
+    /// - adapters: totals match, host bytes within budget, every live request's adapter is
+    ///   registered and counts it as a user (a running one also as running, and is on the GPU);
+    ///   pending adapter ops are drops only;
     /// - a running request owns exactly ceil(num_cached / block_size) pages and
     ///   num_computed <= num_cached <= len(tokens), num_computed < len(tokens);
     /// - a waiting request owns no pages and has nothing computed;
@@ -459,7 +704,12 @@ impl Scheduler {
     /// - nobody has reached max_tokens or max_model_len without being finished.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.blocks.check()?;
-        let mut owned = 0u64;
+        let adapter_pages = self
+            .adapters
+            .check(&self.blocks, self.cfg.host_adapter_bytes)?;
+        let mut owned = adapter_pages;
+        // adapter id -> (live users, running users), recounted from the requests.
+        let mut users: BTreeMap<u32, (usize, usize)> = BTreeMap::new();
         for (&id, seq) in &self.seqs {
             let len = seq.tokens.len() as u64;
             if seq.num_outputs() >= seq.max_tokens {
@@ -514,8 +764,13 @@ impl Scheduler {
                     }
                 }
             }
+            if seq.adapter_id != 0 {
+                let count = users.entry(seq.adapter_id).or_default();
+                count.0 += 1;
+                count.1 += usize::from(seq.phase == Phase::Running);
+            }
             for &page in &seq.blocks {
-                if self.blocks.owner_of(page) != Some(id) {
+                if self.blocks.owner_of(page) != Some(PageOwner::Request(id)) {
                     return Err(format!(
                         "page {page} is in request {id}'s table but owned by {:?}",
                         self.blocks.owner_of(page)
@@ -526,9 +781,29 @@ impl Scheduler {
         }
         if owned != self.blocks.num_used() as u64 {
             return Err(format!(
-                "block tables hold {owned} pages, pool has {} used",
+                "block tables and adapters hold {owned} pages, pool has {} used",
                 self.blocks.num_used()
             ));
+        }
+        if let Some((a, (live, _))) = users
+            .iter()
+            .find(|(a, _)| !self.adapters.map.contains_key(a))
+        {
+            return Err(format!(
+                "{live} live request(s) name unregistered adapter {a}"
+            ));
+        }
+        for (&a, entry) in &self.adapters.map {
+            let (live, running) = users.get(&a).copied().unwrap_or_default();
+            if (entry.users, entry.running) != (live, running) {
+                return Err(format!(
+                    "adapter {a} counts {} users / {} running, the requests say {live} / {running}",
+                    entry.users, entry.running
+                ));
+            }
+        }
+        if let Some(op) = self.pending_ops.iter().find(|op| !op.is_drop()) {
+            return Err(format!("pending adapter ops hold a load: {op:?}"));
         }
         if self.waiting.len() + self.running.len() != self.seqs.len() {
             return Err(format!(
@@ -594,16 +869,23 @@ impl Scheduler {
                     .binary_search_by_key(&seq.key, |&(k, _)| k)
                     .expect("running request is queued");
                 self.running.remove(pos);
-                self.blocks.release(id, &seq.blocks);
+                self.blocks.release(PageOwner::Request(id), &seq.blocks);
                 self.pending_released.push(id);
+                if seq.adapter_id != 0 {
+                    self.adapters.stop_running(seq.adapter_id);
+                }
             }
+        }
+        if seq.adapter_id != 0 {
+            self.adapters.remove_user(seq.adapter_id);
         }
         true
     }
 
     /// Preempts the last running request, which must be `id`: frees its pages, resets it for
     /// recomputation and puts it back in the waiting queue at its arrival position (the front,
-    /// unless a request with an earlier arrival stamp was added since).
+    /// unless a request with an earlier arrival stamp was added since). Its adapter loses a
+    /// running user but stays cached until evicted.
     fn preempt(&mut self, id: u64) {
         let (key, last) = self.running.pop().expect("preempt needs a running request");
         debug_assert_eq!(
@@ -611,7 +893,10 @@ impl Scheduler {
             "only the most recently arrived running request is preempted"
         );
         let seq = self.seqs.get_mut(&id).expect("running ids are live");
-        self.blocks.release(id, &seq.blocks);
+        self.blocks.release(PageOwner::Request(id), &seq.blocks);
+        if seq.adapter_id != 0 {
+            self.adapters.stop_running(seq.adapter_id);
+        }
         seq.blocks.clear();
         seq.num_computed = 0;
         seq.num_cached = 0;
@@ -628,6 +913,30 @@ impl Scheduler {
                 seq.in_flight = 0;
             }
         }
+    }
+}
+
+/// Orders the step's `new` and `running` lists by adapter id (stable, so arrival order within
+/// one adapter), giving the worker one contiguous segment per adapter; `running_adapters[i]` is
+/// the adapter of `step.running[i]`. Phase 1 still processed running requests oldest first;
+/// only the emitted order changes.
+fn group_by_adapter(step: &mut ScheduledStep, running_adapters: &[u32]) {
+    if !step.new.is_sorted_by_key(|n| n.adapter_id) {
+        step.new.sort_by_key(|n| n.adapter_id);
+    }
+    debug_assert_eq!(running_adapters.len(), step.running.len());
+    if !running_adapters.is_sorted() {
+        // (adapter, position) pairs are distinct, so an unstable sort keeps arrival order.
+        let mut order: Vec<(u32, usize)> = running_adapters.iter().copied().zip(0..).collect();
+        order.sort_unstable();
+        let mut old: Vec<Option<ScheduledRunning>> = std::mem::take(&mut step.running)
+            .into_iter()
+            .map(Some)
+            .collect();
+        step.running = order
+            .into_iter()
+            .map(|(_, i)| old[i].take().expect("each position once"))
+            .collect();
     }
 }
 

@@ -3,6 +3,8 @@
 //! one-to-one onto the ipc crate's `StepPlan` / `StepOutput`, which the engine converts; this
 //! crate does not depend on the wire.
 
+use crate::adapters::AdapterOp;
+
 /// A request as the scheduler needs it: tokens and stopping rules, nothing about sampling.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SeqRequest {
@@ -19,6 +21,9 @@ pub struct SeqRequest {
     /// The caller's clock at arrival. Orders requests (FCFS admission, preemption victims);
     /// ties are broken by the order of `add_request` calls. Never read as wall time.
     pub arrival: u64,
+    /// The LoRA adapter whose delta applies to this request (registered with
+    /// [`crate::Scheduler::register_adapter`]); 0 = the base model alone.
+    pub adapter_id: u32,
 }
 
 /// A request sent to the worker in full: its first step there, or its first after preemption.
@@ -37,6 +42,9 @@ pub struct ScheduledNew {
     pub num_scheduled_tokens: u32,
     /// The request's whole block table for now: enough pages for the scheduled tokens.
     pub block_ids: Vec<u32>,
+    /// Its LoRA adapter (0 = base); GPU-resident on the worker once this step's
+    /// `adapter_ops` are applied.
+    pub adapter_id: u32,
 }
 
 /// A request already on the worker: only what changed.
@@ -55,20 +63,26 @@ pub struct ScheduledRunning {
 pub struct ScheduledStep {
     /// Number of this step, counting from 1; 0 for an empty step (nothing was formed).
     pub step_id: u64,
-    /// Requests sent in full (first time on the worker, or resumed after preemption).
+    /// Requests sent in full (first time on the worker, or resumed after preemption), grouped
+    /// by adapter id (ascending), in arrival order within one adapter.
     pub new: Vec<ScheduledNew>,
-    /// Diffs for requests already on the worker, in arrival order.
+    /// Diffs for requests already on the worker, grouped by adapter id (ascending), in arrival
+    /// order within one adapter.
     pub running: Vec<ScheduledRunning>,
     /// Ids whose worker-side state must be dropped before this step runs: finished, aborted or
     /// preempted since the previous non-empty step. Their pages are already free again.
     pub released: Vec<u64>,
     /// Ids preempted while forming this step (a subset of `released`), for logs and metrics.
     pub preempted: Vec<u64>,
+    /// Adapter tier moves, in application order (after `released`, before the requests run):
+    /// every drop (`DropGpu`, `DropHost`) before every load (`ToHost`, `ToGpu`). Includes the
+    /// drops queued since the previous non-empty step (`unregister_adapter`).
+    pub adapter_ops: Vec<AdapterOp>,
 }
 
 impl ScheduledStep {
     /// True when no request is scheduled, so there is nothing to send to the worker. Pending
-    /// releases are then kept for the next non-empty step.
+    /// releases and adapter ops are then kept for the next non-empty step.
     pub fn is_empty(&self) -> bool {
         self.new.is_empty() && self.running.is_empty()
     }
@@ -130,11 +144,11 @@ pub struct SchedStats {
     pub waiting: usize,
     /// Requests resident on the worker.
     pub running: usize,
-    /// KV pages free.
+    /// Pool pages free.
     pub free_blocks: u32,
-    /// KV pages owned by running requests.
+    /// Pool pages holding running requests' KV cache.
     pub used_blocks: u32,
-    /// KV pages in the pool.
+    /// Pages in the pool (`free_blocks + used_blocks + adapter_blocks`).
     pub total_blocks: u32,
     /// Preemptions since start (cumulative).
     pub num_preemptions: u64,
@@ -146,4 +160,20 @@ pub struct SchedStats {
     pub num_finished: u64,
     /// Requests ended by [`crate::Scheduler::abort`].
     pub num_aborted: u64,
+    /// Adapters registered (any tier).
+    pub adapters_registered: usize,
+    /// Adapters whose weights sit in pool pages.
+    pub adapters_on_gpu: usize,
+    /// Adapters with a host copy on the worker.
+    pub adapters_on_host: usize,
+    /// Pool pages holding adapter weights.
+    pub adapter_blocks: u32,
+    /// Bytes of adapter host copies the worker holds (as accounted; at most the host budget).
+    pub host_adapter_bytes: u64,
+    /// `ToGpu` ops emitted since start (cumulative).
+    pub adapter_gpu_loads: u64,
+    /// `ToHost` ops emitted since start, prefetches included (cumulative).
+    pub adapter_host_loads: u64,
+    /// Adapters evicted from the GPU to make room (cumulative; unregistering is not counted).
+    pub adapter_gpu_evictions: u64,
 }

@@ -1,12 +1,16 @@
 //! Test harness shared by the scheduler's integration tests: request/config builders, a tiny
 //! seeded PRNG, and `FakeWorker`, which applies plans the way the Python worker does and
-//! asserts the worker-side contract (pages never shared, chunks contiguous, tables cover them).
+//! asserts the worker-side contract (pages never shared between requests and adapters, chunks
+//! contiguous, tables cover them, adapter ops in a legal order within the host budget, every
+//! scheduled request's adapter on the GPU).
 
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
 
-use deltaserve_sched::{ScheduledStep, Scheduler, SchedulerConfig, SeqRequest};
+use deltaserve_sched::{
+    AdapterOpKind, AdapterSpec, PageOwner, ScheduledStep, Scheduler, SchedulerConfig, SeqRequest,
+};
 
 /// A config with the given geometry and limits.
 pub fn cfg(
@@ -22,6 +26,17 @@ pub fn cfg(
         max_num_seqs,
         max_num_batched_tokens: budget,
         max_model_len,
+        host_adapter_bytes: deltaserve_sched::DEFAULT_HOST_ADAPTER_BYTES,
+        prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
+    }
+}
+
+/// An adapter spec with a path unique to `(id, generation)`.
+pub fn adapter(id: u32, generation: u32, num_blocks: u32, host_bytes: u64) -> AdapterSpec {
+    AdapterSpec {
+        num_blocks,
+        host_bytes,
+        path: format!("/adapters/{id}/v{generation}"),
     }
 }
 
@@ -36,6 +51,15 @@ pub fn req(id: u64, prompt_len: usize, max_tokens: u32) -> SeqRequest {
         eos_token_ids: Vec::new(),
         ignore_eos: false,
         arrival: id,
+        adapter_id: 0,
+    }
+}
+
+/// [`req`] for adapter `adapter_id`.
+pub fn areq(id: u64, prompt_len: usize, max_tokens: u32, adapter_id: u32) -> SeqRequest {
+    SeqRequest {
+        adapter_id,
+        ..req(id, prompt_len, max_tokens)
     }
 }
 
@@ -79,6 +103,8 @@ pub struct WorkerReq {
     pub blocks: Vec<u32>,
     /// The last step's chunk and whether it sampled, so a dropped output can be undone.
     pub last: Option<(u32, bool)>,
+    /// Its adapter (0 = base), from its `new` entry.
+    pub adapter_id: u32,
 }
 
 /// Applies plans like the real worker and checks the contract.
@@ -86,8 +112,18 @@ pub struct WorkerReq {
 pub struct FakeWorker {
     pub cfg: SchedulerConfig,
     pub reqs: BTreeMap<u64, WorkerReq>,
-    /// Page -> worker-side request holding it.
-    pub pages: BTreeMap<u32, u64>,
+    /// Page -> worker-side request or adapter holding it.
+    pub pages: BTreeMap<u32, PageOwner>,
+    /// What a `to_host` finds on "disk": path -> (adapter id, spec). Survives resets.
+    pub disk: BTreeMap<String, (u32, AdapterSpec)>,
+    /// Host copies: adapter id -> its spec (bytes, pages).
+    pub host: BTreeMap<u32, AdapterSpec>,
+    /// GPU placements: adapter id -> its pages.
+    pub gpu: BTreeMap<u32, Vec<u32>>,
+    /// Tokens computed for requests with an adapter (cumulative).
+    pub adapter_tokens: u64,
+    /// Adapter ops applied (cumulative), by kind: to_host, to_gpu, drop_gpu, drop_host.
+    pub op_counts: [u64; 4],
 }
 
 impl FakeWorker {
@@ -96,6 +132,136 @@ impl FakeWorker {
             cfg,
             reqs: BTreeMap::new(),
             pages: BTreeMap::new(),
+            disk: BTreeMap::new(),
+            host: BTreeMap::new(),
+            gpu: BTreeMap::new(),
+            adapter_tokens: 0,
+            op_counts: [0; 4],
+        }
+    }
+
+    /// Puts an adapter directory on the fake disk (what registration inspected).
+    pub fn put_on_disk(&mut self, id: u32, spec: &AdapterSpec) {
+        self.disk.insert(spec.path.clone(), (id, spec.clone()));
+    }
+
+    /// The worker restarted: everything but the disk is gone.
+    pub fn reset(&mut self) {
+        self.reqs.clear();
+        self.pages.clear();
+        self.host.clear();
+        self.gpu.clear();
+    }
+
+    /// Bytes of host copies held.
+    pub fn host_bytes(&self) -> u64 {
+        self.host.values().map(|s| s.host_bytes).sum()
+    }
+
+    /// Checks that the worker's adapter tiers are exactly what the scheduler accounts (true
+    /// after every non-empty step, when no op is pending).
+    pub fn assert_matches(&self, s: &Scheduler, ids: impl IntoIterator<Item = u32>) {
+        let mut want_host = Vec::new();
+        let mut want_gpu = BTreeMap::new();
+        for id in ids {
+            let r = s
+                .adapter_residency(id)
+                .unwrap_or_else(|| panic!("adapter {id} is not registered"));
+            if r.on_host {
+                want_host.push(id);
+            }
+            if let Some(p) = r.gpu_blocks {
+                want_gpu.insert(id, p.to_vec());
+            }
+        }
+        assert_eq!(
+            self.host.keys().copied().collect::<Vec<_>>(),
+            want_host,
+            "host copies differ from the scheduler's accounting"
+        );
+        assert_eq!(self.gpu, want_gpu, "GPU placements differ");
+        assert_eq!(self.host_bytes(), s.stats().host_adapter_bytes);
+    }
+
+    /// Applies the step's adapter ops in order, checking each against the contract.
+    fn apply_adapter_ops(&mut self, step: &ScheduledStep) {
+        let mut loading = false;
+        for op in &step.adapter_ops {
+            let id = op.adapter_id;
+            assert_ne!(id, 0, "an op for adapter 0 (the base model)");
+            if op.is_drop() {
+                assert!(
+                    !loading,
+                    "step {}: {} of adapter {id} after a load: {:?}",
+                    step.step_id,
+                    op.op_name(),
+                    step.adapter_ops
+                );
+            } else {
+                loading = true;
+            }
+            match &op.kind {
+                AdapterOpKind::ToHost { path } => {
+                    let (disk_id, spec) = self
+                        .disk
+                        .get(path)
+                        .unwrap_or_else(|| panic!("to_host of {path}: no such directory"));
+                    assert_eq!(*disk_id, id, "to_host of {path} for the wrong adapter");
+                    let spec = spec.clone();
+                    assert!(
+                        self.host.insert(id, spec).is_none(),
+                        "to_host of adapter {id}, which is already on the host"
+                    );
+                    self.op_counts[0] += 1;
+                }
+                AdapterOpKind::ToGpu { block_ids } => {
+                    let spec = self.host.get(&id).unwrap_or_else(|| {
+                        panic!("to_gpu of adapter {id} with no host copy (no to_host, or dropped)")
+                    });
+                    assert_eq!(
+                        block_ids.len() as u32,
+                        spec.num_blocks,
+                        "adapter {id} placed on the wrong number of pages"
+                    );
+                    assert!(
+                        !self.gpu.contains_key(&id),
+                        "to_gpu of adapter {id}, which is already on the GPU"
+                    );
+                    for &p in block_ids {
+                        assert!(p < self.cfg.num_blocks, "page {p} out of range");
+                        if let Some(other) = self.pages.insert(p, PageOwner::Adapter(id)) {
+                            panic!("page {p} given to adapter {id} while {other} holds it");
+                        }
+                    }
+                    self.gpu.insert(id, block_ids.clone());
+                    self.op_counts[1] += 1;
+                }
+                AdapterOpKind::DropGpu => {
+                    let pages = self
+                        .gpu
+                        .remove(&id)
+                        .unwrap_or_else(|| panic!("drop_gpu of adapter {id}, not on the GPU"));
+                    for p in pages {
+                        assert_eq!(self.pages.remove(&p), Some(PageOwner::Adapter(id)));
+                    }
+                    self.op_counts[2] += 1;
+                }
+                AdapterOpKind::DropHost => {
+                    assert!(
+                        self.host.remove(&id).is_some(),
+                        "drop_host of adapter {id}, not on the host"
+                    );
+                    self.op_counts[3] += 1;
+                }
+            }
+            assert!(
+                self.host_bytes() <= self.cfg.host_adapter_bytes,
+                "step {}: after {} of adapter {id} the host holds {} bytes > budget {}",
+                step.step_id,
+                op.op_name(),
+                self.host_bytes(),
+                self.cfg.host_adapter_bytes
+            );
         }
     }
 
@@ -132,6 +298,7 @@ impl FakeWorker {
                 self.pages.remove(&p);
             }
         }
+        self.apply_adapter_ops(step);
         for r in self.reqs.values_mut() {
             r.last = None;
         }
@@ -152,6 +319,7 @@ impl FakeWorker {
                     computed: 0,
                     blocks: Vec::new(),
                     last: None,
+                    adapter_id: n.adapter_id,
                 },
             );
             self.claim(n.id, &n.block_ids);
@@ -177,8 +345,8 @@ impl FakeWorker {
     fn claim(&mut self, id: u64, pages: &[u32]) {
         for &p in pages {
             assert!(p < self.cfg.num_blocks, "page {p} out of range");
-            if let Some(other) = self.pages.insert(p, id) {
-                panic!("page {p} given to {id} while request {other} still holds it on the worker");
+            if let Some(other) = self.pages.insert(p, PageOwner::Request(id)) {
+                panic!("page {p} given to request {id} while {other} still holds it on the worker");
             }
             self.reqs.get_mut(&id).unwrap().blocks.push(p);
         }
@@ -191,6 +359,14 @@ impl FakeWorker {
         sample: &mut dyn FnMut(u64, usize) -> u32,
     ) -> (u64, Option<u32>) {
         let bs = self.cfg.block_size as usize;
+        let adapter_id = self.reqs[&id].adapter_id;
+        if adapter_id != 0 {
+            assert!(
+                self.gpu.contains_key(&adapter_id),
+                "request {id} runs with adapter {adapter_id}, which is not on the GPU"
+            );
+            self.adapter_tokens += n as u64;
+        }
         let r = self.reqs.get_mut(&id).unwrap();
         assert!(n >= 1, "request {id} scheduled 0 tokens");
         let end = r.computed + n;

@@ -1,0 +1,643 @@
+//! The adapter table: every registered LoRA adapter, where its weights are (S-LoRA tiers:
+//! disk -> worker host memory -> GPU pool pages), who uses it, and when it was last used. The
+//! [`crate::Scheduler`] decides *when* to move an adapter; this module does the bookkeeping of
+//! each move (pages, host bytes, counters) and records the [`AdapterOp`] the worker must apply.
+//!
+//! Residency of one adapter (the router's accounting; the worker follows the ops):
+//!
+//! ```text
+//!                 ToHost                  ToGpu(pages)
+//!   disk only ───────────▶ host ─────────────────────────▶ host + GPU
+//!       ▲    ◀─────────────  │  ◀───────────────────────────  │    │
+//!       │       DropHost     │           DropGpu              │    │ DropHost (GPU copy stays)
+//!       │                    ▼                                │    ▼
+//!       └───────────────── (DropGpu) ◀──────────────────────────── GPU only
+//! ```
+//!
+//! `ToGpu` needs a host copy (the worker copies it into the pages), so "GPU only" is reached by
+//! dropping the host copy of a GPU-resident adapter, never by loading. Pages of a GPU-resident
+//! adapter are owned by [`PageOwner::Adapter`] in the one [`BlockAllocator`] that also holds
+//! the KV cache.
+//!
+//! Users: `users` counts live (waiting + running) requests naming the adapter (unregistering
+//! is refused while it is non-zero); `running` counts the running ones (the GPU copy is never
+//! evicted while it is non-zero). `last_use` is a tick stamped when a request using the adapter
+//! is admitted, when the last running one leaves, and when a host copy is loaded: the LRU order
+//! of eviction.
+
+use std::collections::BTreeMap;
+
+use crate::block::{BlockAllocator, PageOwner};
+use crate::config::SchedulerConfig;
+use crate::error::SchedError;
+
+/// What the scheduler needs to know about an adapter, from the worker's inspection of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterSpec {
+    /// Pool pages its weights take on the GPU (the worker's page layout decides).
+    pub num_blocks: u32,
+    /// Bytes its host copy takes in worker memory; counted against the host budget.
+    pub host_bytes: u64,
+    /// The PEFT directory the worker loads it from (sent in `ToHost`).
+    pub path: String,
+}
+
+/// One tier move for the worker to apply (after a step's releases, before its requests run).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterOp {
+    /// The adapter it moves.
+    pub adapter_id: u32,
+    /// The move.
+    pub kind: AdapterOpKind,
+}
+
+/// The four tier moves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdapterOpKind {
+    /// Read and validate the adapter from `path` into host memory (may run in the background;
+    /// a later `ToGpu` of the same adapter waits for it).
+    ToHost {
+        /// The adapter's PEFT directory.
+        path: String,
+    },
+    /// Copy the host copy into these pool pages, in order. A `ToHost` came earlier and no
+    /// `DropHost` since.
+    ToGpu {
+        /// The pages, `AdapterSpec::num_blocks` of them; the same ids as KV pages.
+        block_ids: Vec<u32>,
+    },
+    /// Forget the GPU placement; the pages already belong to the router again.
+    DropGpu,
+    /// Free the host copy.
+    DropHost,
+}
+
+impl AdapterOp {
+    /// Whether the op frees memory (`DropGpu`, `DropHost`): those go before every load.
+    pub fn is_drop(&self) -> bool {
+        matches!(self.kind, AdapterOpKind::DropGpu | AdapterOpKind::DropHost)
+    }
+
+    /// Stable lower-case label of the kind, as on the wire (`to_host`, `to_gpu`, `drop_gpu`,
+    /// `drop_host`).
+    pub fn op_name(&self) -> &'static str {
+        match self.kind {
+            AdapterOpKind::ToHost { .. } => "to_host",
+            AdapterOpKind::ToGpu { .. } => "to_gpu",
+            AdapterOpKind::DropGpu => "drop_gpu",
+            AdapterOpKind::DropHost => "drop_host",
+        }
+    }
+}
+
+/// Where a registered adapter's weights are, as the scheduler accounts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdapterResidency<'a> {
+    /// The worker holds (or is loading) a host copy.
+    pub on_host: bool,
+    /// The pool pages holding its weights, when GPU-resident.
+    pub gpu_blocks: Option<&'a [u32]>,
+}
+
+/// One registered adapter.
+#[derive(Debug, Clone)]
+pub(crate) struct Adapter {
+    /// Size and source, from registration.
+    pub(crate) spec: AdapterSpec,
+    /// A host copy exists on the worker (after its `ToHost`, until a `DropHost`).
+    pub(crate) on_host: bool,
+    /// Its pool pages while GPU-resident.
+    pub(crate) gpu_blocks: Option<Vec<u32>>,
+    /// Live (waiting + running) requests naming it; unregistering waits for 0.
+    pub(crate) users: usize,
+    /// Running requests naming it; its GPU copy is pinned while non-zero.
+    pub(crate) running: usize,
+    /// LRU stamp (see the module docs); smaller = used longer ago.
+    pub(crate) last_use: u64,
+    /// Equals the table's `form` when the step being formed loads it (`ToHost` or `ToGpu`): a
+    /// drop of it in that step would go out before the load, so it must not be dropped in it.
+    pub(crate) step_mark: u64,
+}
+
+/// Adapter ops formed while building one step, kept apart so every drop precedes every load.
+#[derive(Debug, Default)]
+pub(crate) struct StepOps {
+    /// `DropGpu` / `DropHost`, in decision order.
+    pub(crate) drops: Vec<AdapterOp>,
+    /// `ToHost` / `ToGpu`, in decision order (a `ToHost` before the `ToGpu` it feeds).
+    pub(crate) loads: Vec<AdapterOp>,
+}
+
+impl StepOps {
+    /// Whether no op was formed.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.drops.is_empty() && self.loads.is_empty()
+    }
+}
+
+/// Every registered adapter plus the tier totals, kept in step with the entries.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct AdapterTable {
+    /// Registered adapters by id (a `BTreeMap` so scans, and thus eviction ties, are ordered).
+    pub(crate) map: BTreeMap<u32, Adapter>,
+    /// Sum of `host_bytes` over adapters with a host copy.
+    host_bytes: u64,
+    /// Sum of `num_blocks` over GPU-resident adapters.
+    gpu_blocks: u32,
+    /// GPU-resident adapters.
+    on_gpu: usize,
+    /// Adapters with a host copy.
+    on_host: usize,
+    /// Source of `last_use` stamps.
+    tick: u64,
+    /// Number of the step being formed (every `schedule` call), for `step_mark`.
+    form: u64,
+    /// `ToGpu` ops emitted since start.
+    pub(crate) gpu_loads: u64,
+    /// `ToHost` ops emitted since start.
+    pub(crate) host_loads: u64,
+    /// GPU evictions since start (unregistering not counted).
+    pub(crate) gpu_evictions: u64,
+}
+
+impl AdapterTable {
+    /// Adds an adapter in the disk tier. Refuses (changing nothing) id 0, a registered id, zero
+    /// pages, an empty path, more pages than the pool or more host bytes than the host budget.
+    pub(crate) fn register(
+        &mut self,
+        id: u32,
+        spec: AdapterSpec,
+        cfg: &SchedulerConfig,
+    ) -> Result<(), SchedError> {
+        if id == 0 {
+            return Err(SchedError::ReservedAdapterId);
+        }
+        if self.map.contains_key(&id) {
+            return Err(SchedError::DuplicateAdapter { adapter_id: id });
+        }
+        if spec.num_blocks == 0 {
+            return Err(SchedError::InvalidAdapter {
+                adapter_id: id,
+                reason: "num_blocks is 0 (its weights occupy at least one page)".to_string(),
+            });
+        }
+        if spec.path.is_empty() {
+            return Err(SchedError::InvalidAdapter {
+                adapter_id: id,
+                reason: "path is empty (the worker loads the adapter from it)".to_string(),
+            });
+        }
+        if spec.num_blocks > cfg.num_blocks {
+            return Err(SchedError::AdapterTooBig {
+                adapter_id: id,
+                num_blocks: spec.num_blocks,
+                pool_blocks: cfg.num_blocks,
+            });
+        }
+        if spec.host_bytes > cfg.host_adapter_bytes {
+            return Err(SchedError::AdapterTooBigForHost {
+                adapter_id: id,
+                host_bytes: spec.host_bytes,
+                host_budget: cfg.host_adapter_bytes,
+            });
+        }
+        self.map.insert(
+            id,
+            Adapter {
+                spec,
+                on_host: false,
+                gpu_blocks: None,
+                users: 0,
+                running: 0,
+                last_use: 0,
+                step_mark: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// Removes an unused adapter: frees its pages at once and appends its `DropGpu` /
+    /// `DropHost` to `pending` for the worker. Refuses an unknown id or one still in use.
+    pub(crate) fn unregister(
+        &mut self,
+        id: u32,
+        blocks: &mut BlockAllocator,
+        pending: &mut Vec<AdapterOp>,
+    ) -> Result<(), SchedError> {
+        let a = self.map.get(&id).ok_or(SchedError::UnknownAdapter {
+            request: None,
+            adapter_id: id,
+        })?;
+        if a.users > 0 {
+            return Err(SchedError::AdapterInUse {
+                adapter_id: id,
+                users: a.users,
+            });
+        }
+        let mut ops = StepOps::default();
+        if a.gpu_blocks.is_some() {
+            self.drop_gpu(id, blocks, &mut ops);
+        }
+        if self.map[&id].on_host {
+            self.drop_host(id, &mut ops);
+        }
+        pending.append(&mut ops.drops);
+        self.map.remove(&id);
+        Ok(())
+    }
+
+    /// The adapter's entry. Panics on an unregistered id: callers only pass ids of live
+    /// requests, which add_request checked and unregistering cannot remove.
+    pub(crate) fn get(&self, id: u32) -> &Adapter {
+        &self.map[&id]
+    }
+
+    /// Mutable entry (same contract as [`AdapterTable::get`]).
+    fn get_mut(&mut self, id: u32) -> &mut Adapter {
+        self.map
+            .get_mut(&id)
+            .expect("adapter of a live request is registered")
+    }
+
+    /// Stamps `id` as used now.
+    fn touch(&mut self, id: u32) {
+        self.tick += 1;
+        let tick = self.tick;
+        self.get_mut(id).last_use = tick;
+    }
+
+    /// A new live request names `id`.
+    pub(crate) fn add_user(&mut self, id: u32) {
+        self.get_mut(id).users += 1;
+    }
+
+    /// A live request naming `id` ended (it must no longer be counted as running).
+    pub(crate) fn remove_user(&mut self, id: u32) {
+        let a = self.get_mut(id);
+        debug_assert!(a.users > a.running, "adapter {id}: user count underflow");
+        a.users -= 1;
+    }
+
+    /// A request naming `id` was admitted (it must be GPU-resident now).
+    pub(crate) fn start_running(&mut self, id: u32) {
+        let a = self.get_mut(id);
+        debug_assert!(
+            a.gpu_blocks.is_some(),
+            "adapter {id} runs but is not on the GPU"
+        );
+        a.running += 1;
+        self.touch(id);
+    }
+
+    /// A running request naming `id` left the worker (finished, aborted, preempted). The last
+    /// one to leave stamps the adapter's last use.
+    pub(crate) fn stop_running(&mut self, id: u32) {
+        let a = self.get_mut(id);
+        debug_assert!(a.running > 0, "adapter {id}: running count underflow");
+        a.running -= 1;
+        if a.running == 0 {
+            self.touch(id);
+        }
+    }
+
+    /// Starts forming a step: older step marks stop counting.
+    pub(crate) fn begin_step(&mut self) {
+        self.form += 1;
+    }
+
+    /// Whether the step being formed loads `id` (so must not drop it).
+    pub(crate) fn needed_by_step(&self, id: u32) -> bool {
+        self.map.get(&id).is_some_and(|a| a.step_mark == self.form)
+    }
+
+    /// Loads a host copy of `id` (which has none) and marks it as loaded by the step being
+    /// formed.
+    pub(crate) fn load_host(&mut self, id: u32, ops: &mut StepOps) {
+        let form = self.form;
+        let a = self.get_mut(id);
+        debug_assert!(!a.on_host, "adapter {id} is already on the host");
+        a.on_host = true;
+        a.step_mark = form;
+        let (bytes, path) = (a.spec.host_bytes, a.spec.path.clone());
+        self.host_bytes += bytes;
+        self.on_host += 1;
+        self.host_loads += 1;
+        self.touch(id);
+        ops.loads.push(AdapterOp {
+            adapter_id: id,
+            kind: AdapterOpKind::ToHost { path },
+        });
+    }
+
+    /// Frees the host copy of `id`.
+    pub(crate) fn drop_host(&mut self, id: u32, ops: &mut StepOps) {
+        let a = self.get_mut(id);
+        debug_assert!(a.on_host, "adapter {id} has no host copy to drop");
+        a.on_host = false;
+        let bytes = a.spec.host_bytes;
+        self.host_bytes -= bytes;
+        self.on_host -= 1;
+        ops.drops.push(AdapterOp {
+            adapter_id: id,
+            kind: AdapterOpKind::DropHost,
+        });
+    }
+
+    /// Places `id` (host copy present, not GPU-resident) into freshly allocated pages and marks
+    /// it as loaded by the step being formed. The caller made sure the pages are free.
+    pub(crate) fn load_gpu(&mut self, id: u32, blocks: &mut BlockAllocator, ops: &mut StepOps) {
+        let form = self.form;
+        let a = self.get_mut(id);
+        debug_assert!(
+            a.on_host,
+            "adapter {id} goes to the GPU without a host copy"
+        );
+        debug_assert!(a.gpu_blocks.is_none(), "adapter {id} is already on the GPU");
+        let n = a.spec.num_blocks;
+        let mut pages = Vec::with_capacity(n as usize);
+        let ok = blocks.allocate(PageOwner::Adapter(id), n, &mut pages);
+        assert!(
+            ok,
+            "adapter {id}: {n} free pages were checked by the caller"
+        );
+        a.gpu_blocks = Some(pages.clone());
+        a.step_mark = form;
+        self.gpu_blocks += n;
+        self.on_gpu += 1;
+        self.gpu_loads += 1;
+        ops.loads.push(AdapterOp {
+            adapter_id: id,
+            kind: AdapterOpKind::ToGpu { block_ids: pages },
+        });
+    }
+
+    /// Frees the pages of GPU-resident `id` (no running request may use it).
+    fn drop_gpu(&mut self, id: u32, blocks: &mut BlockAllocator, ops: &mut StepOps) {
+        let a = self.get_mut(id);
+        debug_assert_eq!(
+            a.running, 0,
+            "adapter {id} evicted while running requests use it"
+        );
+        let pages = a.gpu_blocks.take().expect("adapter is GPU-resident");
+        blocks.release(PageOwner::Adapter(id), &pages);
+        self.gpu_blocks -= pages.len() as u32;
+        self.on_gpu -= 1;
+        ops.drops.push(AdapterOp {
+            adapter_id: id,
+            kind: AdapterOpKind::DropGpu,
+        });
+    }
+
+    /// Evicts idle GPU-resident `id` to make room (counted as an eviction).
+    pub(crate) fn evict_gpu(&mut self, id: u32, blocks: &mut BlockAllocator, ops: &mut StepOps) {
+        self.drop_gpu(id, blocks, ops);
+        self.gpu_evictions += 1;
+    }
+
+    /// Whether `a` (id `id`) may be evicted from the GPU now: resident, no running user, not
+    /// loaded by the step being formed, and not `keep`.
+    fn evictable(&self, id: u32, a: &Adapter, keep: u32) -> bool {
+        id != keep && a.running == 0 && a.gpu_blocks.is_some() && a.step_mark != self.form
+    }
+
+    /// The least recently used evictable GPU-resident adapter other than `keep`.
+    pub(crate) fn lru_idle_gpu(&self, keep: u32) -> Option<u32> {
+        self.map
+            .iter()
+            .filter(|&(&id, a)| self.evictable(id, a, keep))
+            .min_by_key(|&(&id, a)| (a.last_use, id))
+            .map(|(&id, _)| id)
+    }
+
+    /// Evictable GPU-resident adapters other than `keep`, least recently used first, just
+    /// enough of them to free `pages` pages; `None` when all of them together free fewer.
+    pub(crate) fn gpu_eviction_plan(&self, pages: u64, keep: u32) -> Option<Vec<u32>> {
+        let mut cands: Vec<(u64, u32, u32)> = self
+            .map
+            .iter()
+            .filter(|&(&id, a)| self.evictable(id, a, keep))
+            .map(|(&id, a)| (a.last_use, id, a.spec.num_blocks))
+            .collect();
+        cands.sort_unstable();
+        take_until(cands.into_iter().map(|(_, id, n)| (id, n as u64)), pages)
+    }
+
+    /// Host copies to drop to free `bytes` bytes: `class(id)` is `None` for a copy that must
+    /// stay, else its class (lower classes go first), then least recently used first. `None`
+    /// when all droppable copies together free fewer bytes.
+    pub(crate) fn host_drop_plan(
+        &self,
+        bytes: u64,
+        mut class: impl FnMut(u32) -> Option<u8>,
+    ) -> Option<Vec<u32>> {
+        let mut cands: Vec<(u8, u64, u32, u64)> = self
+            .map
+            .iter()
+            .filter(|(_, a)| a.on_host)
+            .filter_map(|(&id, a)| class(id).map(|c| (c, a.last_use, id, a.spec.host_bytes)))
+            .collect();
+        cands.sort_unstable();
+        take_until(cands.into_iter().map(|(_, _, id, b)| (id, b)), bytes)
+    }
+
+    /// Host bytes held beyond `budget` if `extra` more were loaded now.
+    pub(crate) fn host_deficit(&self, extra: u64, budget: u64) -> u64 {
+        (self.host_bytes + extra).saturating_sub(budget)
+    }
+
+    /// The worker lost everything: no adapter is on the host or the GPU any more and their
+    /// pages are free. Registrations and use counts stay.
+    pub(crate) fn forget_residency(&mut self, blocks: &mut BlockAllocator) {
+        for (&id, a) in self.map.iter_mut() {
+            if let Some(pages) = a.gpu_blocks.take() {
+                blocks.release(PageOwner::Adapter(id), &pages);
+            }
+            a.on_host = false;
+        }
+        self.host_bytes = 0;
+        self.gpu_blocks = 0;
+        self.on_gpu = 0;
+        self.on_host = 0;
+    }
+
+    /// Registered adapters.
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether no adapter is registered (then every request is a base one).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Host bytes held.
+    pub(crate) fn host_bytes(&self) -> u64 {
+        self.host_bytes
+    }
+
+    /// Pool pages held by adapters.
+    pub(crate) fn gpu_blocks(&self) -> u32 {
+        self.gpu_blocks
+    }
+
+    /// GPU-resident adapters.
+    pub(crate) fn num_on_gpu(&self) -> usize {
+        self.on_gpu
+    }
+
+    /// Adapters with a host copy.
+    pub(crate) fn num_on_host(&self) -> usize {
+        self.on_host
+    }
+
+    /// Table-level invariants: totals match the entries, the host budget holds, every
+    /// GPU-resident adapter owns exactly its `num_blocks` pages in `blocks`, and a running user
+    /// implies GPU residency. Returns the number of pages adapters own.
+    pub(crate) fn check(&self, blocks: &BlockAllocator, budget: u64) -> Result<u64, String> {
+        let (mut host, mut pages, mut on_gpu, mut on_host) = (0u64, 0u64, 0usize, 0usize);
+        for (&id, a) in &self.map {
+            if a.running > a.users {
+                return Err(format!(
+                    "adapter {id}: {} running users > {} users",
+                    a.running, a.users
+                ));
+            }
+            if a.on_host {
+                host += a.spec.host_bytes;
+                on_host += 1;
+            }
+            match &a.gpu_blocks {
+                Some(p) => {
+                    if p.len() as u32 != a.spec.num_blocks {
+                        return Err(format!(
+                            "adapter {id} holds {} pages, its spec says {}",
+                            p.len(),
+                            a.spec.num_blocks
+                        ));
+                    }
+                    for &page in p {
+                        if blocks.owner_of(page) != Some(PageOwner::Adapter(id)) {
+                            return Err(format!(
+                                "page {page} is in adapter {id}'s placement but owned by {:?}",
+                                blocks.owner_of(page)
+                            ));
+                        }
+                    }
+                    pages += p.len() as u64;
+                    on_gpu += 1;
+                }
+                None if a.running > 0 => {
+                    return Err(format!(
+                        "adapter {id} has {} running users but is not on the GPU",
+                        a.running
+                    ));
+                }
+                None => {}
+            }
+        }
+        if (host, pages, on_gpu, on_host)
+            != (
+                self.host_bytes,
+                self.gpu_blocks as u64,
+                self.on_gpu,
+                self.on_host,
+            )
+        {
+            return Err(format!(
+                "adapter totals (host bytes, pages, on gpu, on host) are ({}, {}, {}, {}), \
+                 the entries sum to ({host}, {pages}, {on_gpu}, {on_host})",
+                self.host_bytes, self.gpu_blocks, self.on_gpu, self.on_host
+            ));
+        }
+        if host > budget {
+            return Err(format!(
+                "adapter host copies take {host} bytes > budget {budget}"
+            ));
+        }
+        Ok(pages)
+    }
+}
+
+/// The shortest prefix of `items` (id, size) whose sizes sum to at least `need`, as ids;
+/// `None` when all of them sum to less.
+fn take_until(items: impl Iterator<Item = (u32, u64)>, need: u64) -> Option<Vec<u32>> {
+    let mut got = 0u64;
+    let mut ids = Vec::new();
+    for (id, size) in items {
+        if got >= need {
+            break;
+        }
+        got += size;
+        ids.push(id);
+    }
+    (got >= need).then_some(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(num_blocks: u32, host_bytes: u64) -> AdapterSpec {
+        AdapterSpec {
+            num_blocks,
+            host_bytes,
+            path: "/adapters/a".to_string(),
+        }
+    }
+
+    #[test]
+    fn take_until_stops_at_the_first_prefix_that_covers() {
+        let items = [(1, 2u64), (2, 3), (3, 4)];
+        assert_eq!(take_until(items.into_iter(), 0), Some(vec![]));
+        assert_eq!(take_until(items.into_iter(), 2), Some(vec![1]));
+        assert_eq!(take_until(items.into_iter(), 3), Some(vec![1, 2]));
+        assert_eq!(take_until(items.into_iter(), 9), Some(vec![1, 2, 3]));
+        assert_eq!(take_until(items.into_iter(), 10), None);
+    }
+
+    #[test]
+    fn eviction_plans_follow_lru_and_skip_pinned_adapters() {
+        let cfg = SchedulerConfig::new(4, 16, 64);
+        let mut blocks = BlockAllocator::new(16);
+        let mut t = AdapterTable::default();
+        let mut ops = StepOps::default();
+        for id in 1..=3 {
+            t.register(id, spec(2, 10), &cfg).unwrap();
+            t.load_host(id, &mut ops);
+            t.load_gpu(id, &mut blocks, &mut ops);
+        }
+        // Loaded by the step being formed: nothing may be evicted (or dropped) in it.
+        assert_eq!(t.lru_idle_gpu(0), None);
+        assert_eq!(t.gpu_eviction_plan(1, 0), None);
+        assert!(t.needed_by_step(1));
+        t.begin_step();
+        assert!(!t.needed_by_step(1));
+        // Use order: 2, then 3, then 1 becomes idle last. 3 stays running.
+        for id in [2, 3, 1] {
+            t.add_user(id);
+            t.start_running(id);
+        }
+        t.stop_running(2);
+        t.stop_running(1);
+        assert_eq!(t.lru_idle_gpu(0), Some(2));
+        assert_eq!(t.lru_idle_gpu(2), Some(1), "the kept adapter is skipped");
+        assert_eq!(t.gpu_eviction_plan(3, 0), Some(vec![2, 1]));
+        assert_eq!(
+            t.gpu_eviction_plan(5, 0),
+            None,
+            "3 is running: only 4 pages"
+        );
+        // Host: class None keeps a copy, lower classes go first.
+        let plan = t.host_drop_plan(15, |id| match id {
+            1 => Some(0),
+            2 => Some(1),
+            _ => None,
+        });
+        assert_eq!(plan, Some(vec![1, 2]));
+        // Stamps: 3 was admitted last at tick 5, 2 and 1 went idle at ticks 7 and 8.
+        assert_eq!(t.host_drop_plan(21, |_| Some(0)), Some(vec![3, 2, 1]));
+        assert_eq!(t.host_drop_plan(31, |_| Some(0)), None);
+        assert_eq!(t.check(&blocks, 30), Ok(6));
+        assert!(t.check(&blocks, 29).is_err(), "30 bytes held > budget 29");
+    }
+}
