@@ -1,0 +1,168 @@
+"""bench/replay.py against bench/fake_server.py with known latencies: TTFT, TPOT, throughput and
+SLO attainment come out as scheduled, errors are recorded, and the client keeps up with 5× the
+highest rate the serving experiments use.
+
+Timing tolerances: the fake server writes token k of a request at received + ttft + k·tpot
+(absolute times, so delays never accumulate). A client can never see a token before the server
+writes it, so every measured TTFT is ≥ the scripted one (lower bounds are exact); above it, the
+only addition is local socket + event-loop latency, ~1–2 ms measured here, bounded at 40 ms
+(JITTER) for a loaded 2-core CI machine. TPOT = (e2e − ttft)/(n − 1) divides the difference of two
+such jitters by n − 1, so it gets JITTER / (n − 1)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+import replay as rp  # noqa: E402
+import serving  # noqa: E402
+import workload as wl  # noqa: E402
+from fake_server import FakeServer  # noqa: E402
+
+JITTER = 0.040
+
+
+def trace_of(rows: list[tuple[float, str, int]]) -> wl.Trace:
+    """A hand-made trace: (arrival s, variant, output tokens) per request, 4-token prompts."""
+    names = sorted({v for _, v, _ in rows})
+    return wl.Trace(
+        params={"kind": "test"},
+        variants=[wl.Variant(name=n, kind="lora", rank=8) for n in names],
+        requests=[wl.Request(i=i, t=t, variant=v, prompt=[5, 6, 7, 8], output_len=n) for i, (t, v, n) in enumerate(rows)],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics, on hand-made records: exact
+
+
+def test_summarize_exact():
+    def rec(i, sched, sent, ttft, e2e, n, chunks, error=None):
+        return rp.Record(i=i, variant="a", prompt_len=10, output_len=n, scheduled=sched, sent=sent, ttft=ttft,
+                         e2e=e2e, n_out=n, chunk_times=chunks, status=200, error=error)  # fmt: skip
+
+    records = [
+        rec(0, 0.0, 0.001, 1.0, 2.0, 11, [1.0, 1.5, 2.0]),  # tpot 0.1
+        rec(1, 1.0, 1.002, 2.0, 6.0, 5, [2.0, 6.0]),  # tpot 1.0, ends at 7.002
+        rec(2, 2.0, 2.0, 7.0, 8.0, 3, [7.0, 8.0]),  # tpot 0.5, ends at 10.0 (last)
+        rec(3, 3.0, 3.004, 0.5, 0.5, 1, [0.5]),  # one token: no tpot
+        rec(4, 4.0, 4.0, None, None, 0, [], error="internal_error: boom"),
+    ]
+    s = rp.summarize(records, slo_ttft=1.5, slo_tpot=0.6)
+    assert (s["requests"], s["completed"], s["failed"]) == (5, 4, 1)
+    assert s["makespan_s"] == 10.0
+    assert s["throughput_req_s"] == 4 / 10.0
+    assert s["throughput_out_tok_s"] == (11 + 5 + 3 + 1) / 10.0
+    # numpy linear interpolation over [0.5, 1, 2, 7]: p90 at rank 2.7 = 2 + 0.7 * 5 (float rounding only).
+    assert s["ttft_s"] == pytest.approx({"mean": 10.5 / 4, "p50": 1.5, "p90": 5.5, "p99": 6.85}, rel=1e-12)
+    assert s["tpot_s"]["p50"] == 0.5 and s["tpot_s"]["mean"] == pytest.approx(1.6 / 3)
+    assert s["e2e_s"]["p50"] == 4.0
+    assert s["inter_chunk_s"]["p50"] == 0.75 and s["inter_chunk_s"]["mean"] == 1.5  # gaps 0.5, 0.5, 4, 1
+    assert s["client_lag_s"]["max"] == pytest.approx(0.004)
+    # TTFT ≤ 1.5: requests 0 and 3; TPOT ≤ 0.6: 0, 2, 3 (3 has one token); the failure misses both.
+    assert s["slo"] == {"ttft_s": 1.5, "tpot_s": 0.6, "ttft_attainment": 2 / 5, "tpot_attainment": 3 / 5,
+                        "attainment": 2 / 5}  # fmt: skip
+    assert s["errors"] == {"200: internal_error: boom": 1}
+    assert rp.summarize(records)["slo"]["ttft_attainment"] == 3 / 5  # S-LoRA's 6 s: not request 2 (7 s)
+    assert records[1].row()["tpot"] == 1.0 and "chunk_times" not in records[1].row()
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the fake server
+
+
+LATENCY = {"fast": (0.05, 0.010), "slow": (0.30, 0.020)}
+
+
+@pytest.fixture(scope="module")
+def fake():
+    errors = {"missing": (404, "the model `missing` does not exist; GET /v1/models lists them")}
+    with FakeServer(per_model=LATENCY, errors=errors, fail_after={"broken": 3}) as s:
+        yield s
+
+
+@pytest.mark.parametrize("protocol", rp.PROTOCOLS)
+def test_known_latencies(fake, protocol):
+    rows = [(0.1 * i, "fast" if i % 3 else "slow", 12 + i % 5) for i in range(18)]
+    trace = trace_of(rows)
+    records = rp.run_replay(trace, fake.url, protocol=protocol, ws_url=fake.ws_url)
+    for r in records:
+        ttft, tpot = LATENCY[r.variant]
+        assert r.error is None, r
+        assert r.n_out == r.output_len
+        assert ttft <= r.ttft <= ttft + JITTER, r
+        assert r.tpot == pytest.approx(tpot, abs=JITTER / (r.n_out - 1)), r
+        assert r.e2e == pytest.approx(ttft + (r.n_out - 1) * tpot, abs=JITTER)
+        assert r.lag < JITTER
+        if protocol == "ws":  # one message per token: the gaps are the scripted tpot
+            assert len(r.chunk_times) == r.n_out
+    s = rp.summarize(records, slo_ttft=0.15, slo_tpot=0.015)
+    # The SLOs split fast (ttft 0.05, tpot 0.01) from slow (0.3, 0.02) with wide margins: exact.
+    fast = sum(r.variant == "fast" for r in records) / len(records)
+    assert s["slo"]["ttft_attainment"] == s["slo"]["tpot_attainment"] == s["slo"]["attainment"] == fast == 12 / 18
+    # The last request to end decides the makespan (measured from trace time 0).
+    end = max(t + LATENCY[v][0] + (n - 1) * LATENCY[v][1] for t, v, n in rows)
+    assert s["makespan_s"] == pytest.approx(end, abs=JITTER)
+    assert s["throughput_req_s"] == pytest.approx(18 / end, rel=JITTER / end)
+    assert s["output_tokens"] == sum(n for _, _, n in rows)
+    assert s["output_len_mismatch"] == 0
+
+
+@pytest.mark.parametrize("protocol", rp.PROTOCOLS)
+def test_errors_are_recorded(fake, protocol):
+    trace = trace_of([(0.0, "fast", 5), (0.01, "missing", 5), (0.02, "broken", 8), (0.03, "fast", 5)])
+    records = rp.run_replay(trace, fake.url, protocol=protocol, ws_url=fake.ws_url)
+    ok, missing, broken, ok2 = records
+    assert ok.error is None and ok2.error is None
+    assert "does not exist" in missing.error and missing.e2e is None
+    if protocol == "sse":
+        assert missing.status == 404
+    assert "scripted failure after 3 tokens" in broken.error and broken.e2e is None
+    assert len(broken.chunk_times) == 3
+    s = rp.summarize(records)
+    assert (s["completed"], s["failed"]) == (2, 2)
+    assert s["slo"]["ttft_attainment"] == 0.5  # failures are misses
+    assert sum(s["errors"].values()) == 2
+
+
+def test_unreachable_server_is_an_error_not_a_hang():
+    trace = trace_of([(0.0, "fast", 3)])
+    (r,) = rp.run_replay(trace, "http://127.0.0.1:9", protocol="sse", timeout_s=5)  # port 9: discard
+    assert r.error is not None and r.e2e is None
+
+
+def test_client_sustains_five_times_the_highest_rate():
+    """Open loop at 5× the highest experiment rate, prompt and output lengths U[8, 512] as in the
+    experiments, against a zero-delay fake server in its own process: every request completes
+    with its full output, the client is never more than 50 ms late sending, and the measured
+    throughput equals the offered rate (the client, not the server, would be the bound)."""
+    rate = 5 * serving.MAX_RATE
+    trace = wl.slora(10, 1.0, rate, 1.0, 3.0, input_range=(8, 512), output_range=(8, 512), seed=9)
+    proc = subprocess.Popen([sys.executable, str(BENCH / "fake_server.py"), "--port", "0"], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        url = line.split()[3]
+        t0 = time.perf_counter()
+        records = rp.run_replay(trace, url, protocol="sse")
+        wall = time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    s = rp.summarize(records)
+    assert s["failed"] == 0 and s["output_len_mismatch"] == 0, s["errors"]
+    assert s["client_lag_s"]["p99"] < 0.05, s["client_lag_s"]
+    offered = len(trace.requests) / trace.duration
+    assert offered > 0.8 * rate
+    assert s["throughput_req_s"] == pytest.approx(offered, rel=0.1), (s["throughput_req_s"], offered, wall)
+    assert s["throughput_out_tok_s"] > 0.8 * rate * 260
+    print(f"{rate:.0f} req/s offered: {s['throughput_req_s']:.1f} req/s, {s['throughput_out_tok_s']:.0f} tok/s, "
+          f"lag p99 {s['client_lag_s']['p99'] * 1e3:.1f} ms, ttft p99 {s['ttft_s']['p99'] * 1e3:.1f} ms")  # fmt: skip
+    assert np.isfinite(s["ttft_s"]["p99"])
