@@ -1,7 +1,11 @@
 """Multi-LoRA delta kernels (``deltaserve.kernels.lora``): SGMV / MBGMV vs gather+bmm vs the torch reference.
 
-One LoRA-adapted projection of Llama-2-7B (in = out = hidden 4096), float16, ``out += scale_a *
-(x A_a^T) B_a^T`` per token (shrink + expand, ``lora_delta`` with one slice). Swept over:
+One LoRA-adapted projection of Llama-2-7B, float16, ``out += scale_a * (x A_a^T) B_a^T`` per
+token (shrink + expand, ``lora_delta`` with one slice), adapter rows at element offsets in flat
+pools (``make_weights``: scattered rows, ``offset_align`` 16). Swept over:
+
+    dims        in x out of the projection: 4096x4096 (q/k/v/o, the default), 4096x11008 (gate/up),
+                11008x4096 (down)
 
     rank        8, 16, 32, 64, 128, and "mixed" (ranks 8..128 cycled over the adapters, r_max 128:
                 MBGMV loops to each row's own rank, the gather+bmm baseline pads to r_max)
@@ -13,7 +17,8 @@ One LoRA-adapted projection of Llama-2-7B (in = out = hidden 4096), float16, ``o
 
 Three implementations per point, timed with ``triton.testing.do_bench`` (median, L2 flushed):
 
-    triton      ``lora_delta(..., use_triton=True)``: the two Triton launches (+ the v buffer)
+    triton      ``lora_delta(..., use_triton=True)``: the two Triton launches (decode: the expand
+                reads the shrink's float32 partials directly)
     gather_bmm  Punica's baseline: gather each token's padded A [r_max, 4096] and B [4096, r_max]
                 from a dense stack, then two ``torch.bmm`` (skipped when the gathered copies would
                 exceed ``--bmm-max-gb``)
@@ -28,16 +33,26 @@ bandwidth measured in the same run (``common.copy_bandwidth``), 1.0 being the me
 
 (float16 = 2 bytes; the small rank-wide intermediate v is not counted). The Triton result is
 checked against the reference before it is timed. ``--cudagraph`` adds the Triton path timed
-inside a CUDA graph (no launch overhead; the decode step runs under graphs).
+inside a CUDA graph (no launch overhead; the decode step runs under graphs; the graph replays do
+not flush L2, so points whose weights fit in L2 read partly from it: judge bandwidth on points
+far above the L2 size, e.g. distinct batches of 64+). ``--parts`` adds the shrink
+(``lora_shrink_triton``, bytes ``2 * (T * in + sum r_a * in)``) and the expand
+(``lora_expand_triton``, bytes ``2 * (2 * T * out + sum r_a * out)``) timed alone, graphed when
+``--cudagraph`` is given. ``--offset-align 1`` drops make_weights' alignment promise (the kernels
+then use scalar loads, as for a pool whose row offsets may be odd).
 
     python3 bench/bench_lora.py                                    # full sweep, writes bench/results/lora-<GPU>-<date>.json
     python3 bench/bench_lora.py --ranks 16 --batch 64 --modes decode --cudagraph
+    python3 bench/bench_lora.py --modes decode --popularity distinct --dims 4096x4096,11008x4096 \
+        --cudagraph --parts --no-reference                         # decode bandwidth per kernel
     python3 bench/bench_lora.py --smoke     # CPU, Triton interpreter, tiny shapes: checks the script only
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import math
 import os
 import sys
@@ -54,7 +69,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import copy_bandwidth, device_name, time_cuda, time_host, write_result  # noqa: E402
-from deltaserve.kernels.lora import LoraMeta, LoraSlice, lora_delta, make_weights  # noqa: E402
+from deltaserve.kernels.lora import (  # noqa: E402
+    LoraMeta,
+    LoraSlice,
+    lora_delta,
+    lora_expand_triton,
+    lora_shrink_triton,
+    make_weights,
+)
 
 POPULARITY = ("identical", "distinct", "uniform", "skewed")
 MIXED_RANKS = (8, 16, 32, 64, 128)
@@ -77,10 +99,11 @@ def request_adapters(popularity: str, n: int, rng: np.random.Generator) -> list[
 
 
 class Point:
-    """One sweep point: inputs, the three implementations and the byte count."""
+    """One sweep point: inputs, the implementations and their byte counts."""
 
-    def __init__(self, hidden: int, rank: str, batch: int, popularity: str, mode: str, prefill_len: int,
-                 bmm_max_bytes: float, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, in_dim: int, out_dim: int, rank: str, batch: int, popularity: str, mode: str,
+                 prefill_len: int, bmm_max_bytes: float, offset_align: int | None, device: torch.device,
+                 seed: int = 0) -> None:
         dtype = torch.float16
         rng = np.random.default_rng(seed)
         g = torch.Generator(device=device).manual_seed(seed)
@@ -90,11 +113,13 @@ class Point:
         used = sorted(set(req))
         adapters: list = [None] * batch
         for a in used:
-            A = (torch.randn(ranks[a], hidden, generator=g, device=device) / math.sqrt(hidden)).to(dtype)
-            B = (0.01 * torch.randn(hidden, ranks[a], generator=g, device=device)).to(dtype)
+            A = (torch.randn(ranks[a], in_dim, generator=g, device=device) / math.sqrt(in_dim)).to(dtype)
+            B = (0.01 * torch.randn(out_dim, ranks[a], generator=g, device=device)).to(dtype)
             adapters[a] = (A, B, 2.0)
         total = sum(ranks[a] for a in used)
         self.weights = make_weights(adapters, r_max, total, perm=torch.randperm(total))
+        if offset_align is not None:
+            self.weights = dataclasses.replace(self.weights, offset_align=offset_align)
         if mode == "decode":
             self.meta = LoraMeta.mbgmv(req, device)
             token_adapter = req
@@ -105,17 +130,21 @@ class Point:
             token_adapter = [a for a in seg_adapter for _ in range(prefill_len)]
         t = self.meta.num_tokens
         self.tokens = t
-        self.x = torch.randn(t, hidden, generator=g, device=device).to(dtype)
-        self.out = torch.randn(t, hidden, generator=g, device=device).to(dtype)
-        self.slices = [LoraSlice(0, hidden, self.weights)]
-        self.nbytes = 2 * (t * hidden + 2 * t * hidden + sum(ranks[a] * 2 * hidden for a in used))
+        self.x = torch.randn(t, in_dim, generator=g, device=device).to(dtype)
+        self.out = torch.randn(t, out_dim, generator=g, device=device).to(dtype)
+        self.v = lora_shrink_triton(self.x, self.weights, self.meta)
+        self.slices = [LoraSlice(0, out_dim, self.weights)]
+        weight_rows = sum(ranks[a] for a in used)
+        self.shrink_bytes = 2 * (t * in_dim + weight_rows * in_dim)
+        self.expand_bytes = 2 * (2 * t * out_dim + weight_rows * out_dim)
+        self.nbytes = self.shrink_bytes + self.expand_bytes
 
         # gather+bmm baseline: dense padded stacks, gathered per token.
-        gathered = 2 * t * r_max * 2 * hidden
+        gathered = 2 * t * r_max * (in_dim + out_dim)
         self.bmm_fn: Callable[[], object] | None = None
         if gathered <= bmm_max_bytes:
-            a_dense = torch.zeros(batch, r_max, hidden, dtype=dtype, device=device)
-            b_dense = torch.zeros(batch, hidden, r_max, dtype=dtype, device=device)
+            a_dense = torch.zeros(batch, r_max, in_dim, dtype=dtype, device=device)
+            b_dense = torch.zeros(batch, out_dim, r_max, dtype=dtype, device=device)
             for a in used:
                 A, B, _ = adapters[a]
                 a_dense[a, : ranks[a]] = A
@@ -126,13 +155,19 @@ class Point:
 
             def bmm() -> torch.Tensor:
                 v = torch.bmm(x[:, None, :], a_dense[idx].transpose(1, 2))  # [T, 1, r_max]
-                delta = torch.bmm(v, b_dense[idx].transpose(1, 2))  # [T, 1, hidden]
+                delta = torch.bmm(v, b_dense[idx].transpose(1, 2))  # [T, 1, out]
                 return out.add_((scale * delta)[:, 0])
 
             self.bmm_fn = bmm
 
     def triton_fn(self) -> torch.Tensor:
         return lora_delta(self.x, self.out, self.slices, self.meta, use_triton=True)
+
+    def shrink_fn(self) -> torch.Tensor:
+        return lora_shrink_triton(self.x, self.weights, self.meta)
+
+    def expand_fn(self) -> torch.Tensor:
+        return lora_expand_triton(self.v, self.weights, self.meta, self.out)
 
     def ref_fn(self) -> torch.Tensor:
         return lora_delta(self.x, self.out, self.slices, self.meta, use_triton=False)
@@ -148,8 +183,20 @@ class Point:
             self.out.copy_(saved)
 
 
+def parse_dims(text: str) -> list[tuple[int, int]]:
+    """``--dims``: comma-separated ``INxOUT`` pairs."""
+    dims = []
+    for item in (d for d in text.split(",") if d):
+        parts = item.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            sys.exit(f"--dims: {item!r}: want INxOUT with positive integers, e.g. 4096x11008")
+        dims.append((int(parts[0]), int(parts[1])))
+    return dims
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--dims", default="4096x4096", help="comma-separated INxOUT projection shapes")
     p.add_argument("--ranks", default="8,16,32,64,128,mixed", help="comma-separated ranks, or 'mixed'")
     p.add_argument("--batch", default="1,16,64,256", help="comma-separated request counts")
     p.add_argument("--popularity", default=",".join(POPULARITY))
@@ -158,6 +205,9 @@ def main() -> None:
     p.add_argument("--bmm-max-gb", type=float, default=4.0, help="skip gather_bmm above this gathered size")
     p.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
     p.add_argument("--cudagraph", action="store_true", help="also time the Triton path inside a CUDA graph")
+    p.add_argument("--parts", action="store_true", help="also time the shrink and the expand kernels alone")
+    p.add_argument("--offset-align", type=int, default=None,
+                   help="override the weights' offset_align (1: no alignment promise, scalar loads)")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes, no bandwidth")
@@ -166,6 +216,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",") if b]
     pops = [q for q in args.popularity.split(",") if q]
     modes = [m for m in args.modes.split(",") if m]
+    dims = parse_dims(args.dims)
     for r in ranks:
         if r != "mixed" and not (r.isdigit() and int(r) >= 1):
             sys.exit(f"--ranks: {r!r} is neither a positive integer nor 'mixed'")
@@ -174,56 +225,59 @@ def main() -> None:
             sys.exit(f"--modes: {m!r}: want decode and/or prefill")
 
     if args.smoke:
-        device, hidden, bw, timer = torch.device("cpu"), 64, None, time_host
+        device, bw, timer = torch.device("cpu"), None, time_host
+        dims = [(64, 96)]
         ranks = [r for r in ranks if r != "mixed" and int(r) <= 16][:2] + ["mixed"] * ("mixed" in ranks)
         batches = [1, 4]
         args.prefill_len, args.cudagraph = min(args.prefill_len, 4), False
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_lora.py needs a CUDA device (or --smoke for a CPU check of the script)")
-        device, hidden, timer = torch.device(args.device), 4096, time_cuda
+        device, timer = torch.device(args.device), time_cuda
         torch.cuda.set_device(device)
         bw = copy_bandwidth(device)
         print(f"{device_name(device)}: device-to-device copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
 
-    header = (f"{'mode':>7} {'rank':>5} {'batch':>5} {'popularity':>10} {'impl':>10} {'MB':>8} {'us':>9} "
-              f"{'GB/s':>8} {'x copy bw':>9}")
+    header = (f"{'dims':>10} {'mode':>7} {'rank':>5} {'batch':>5} {'popularity':>10} {'impl':>13} {'MB':>8} "
+              f"{'us':>9} {'GB/s':>8} {'x copy bw':>9}")
     print(header, flush=True)
     rows = []
     with torch.no_grad():
-        for mode in modes:
-            for rank in ranks:
-                for batch in batches:
-                    for pop in pops:
-                        pt = Point(hidden, rank, batch, pop, mode, args.prefill_len, args.bmm_max_gb * 1e9, device)
-                        pt.check()
-                        impls: list[tuple[str, Callable[[], object] | None, bool]] = [("triton", pt.triton_fn, False)]
-                        if args.cudagraph:
-                            impls.append(("triton_graph", pt.triton_fn, True))
-                        impls.append(("gather_bmm", pt.bmm_fn, False))
-                        if not args.no_reference:
-                            impls.append(("reference", pt.ref_fn, False))
-                        for impl, fn, graph in impls:
-                            row = {"mode": mode, "rank": rank, "batch": batch, "popularity": pop, "impl": impl,
-                                   "tokens": pt.tokens, "bytes": pt.nbytes}
-                            if fn is None:
-                                row.update(us=None, GBps=None, fraction_of_copy_bw=None, skipped="gathered copy too big")
-                                print(f"{mode:>7} {rank:>5} {batch:>5} {pop:>10} {impl:>10}   skipped (--bmm-max-gb)")
-                                rows.append(row)
-                                continue
-                            sec = timer(fn, graph)
-                            row.update(us=sec * 1e6, GBps=pt.nbytes / sec / 1e9,
-                                       fraction_of_copy_bw=None if bw is None else pt.nbytes / sec / bw)
-                            rows.append(row)
-                            print(f"{mode:>7} {rank:>5} {batch:>5} {pop:>10} {impl:>10} {pt.nbytes / 1e6:>8.2f} "
-                                  f"{row['us']:>9.1f} {row['GBps']:>8.1f} {row['fraction_of_copy_bw'] or 0:>9.2f}",
-                                  flush=True)
-                        del pt
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
+        for (in_dim, out_dim), mode, rank, batch, pop in itertools.product(dims, modes, ranks, batches, pops):
+            pt = Point(in_dim, out_dim, rank, batch, pop, mode, args.prefill_len, args.bmm_max_gb * 1e9,
+                       args.offset_align, device)
+            pt.check()
+            impls: list[tuple[str, Callable[[], object] | None, bool, int]] = [
+                ("triton", pt.triton_fn, False, pt.nbytes)]
+            if args.cudagraph:
+                impls.append(("triton_graph", pt.triton_fn, True, pt.nbytes))
+            if args.parts:
+                impls += [("shrink", pt.shrink_fn, args.cudagraph, pt.shrink_bytes),
+                          ("expand", pt.expand_fn, args.cudagraph, pt.expand_bytes)]
+            impls.append(("gather_bmm", pt.bmm_fn, False, pt.nbytes))
+            if not args.no_reference:
+                impls.append(("reference", pt.ref_fn, False, pt.nbytes))
+            where = f"{in_dim}x{out_dim:<5} {mode:>7} {rank:>5} {batch:>5} {pop:>10}"
+            for impl, fn, graph, nbytes in impls:
+                row = {"in_dim": in_dim, "out_dim": out_dim, "mode": mode, "rank": rank, "batch": batch,
+                       "popularity": pop, "impl": impl, "graph": graph, "tokens": pt.tokens, "bytes": nbytes}
+                if fn is None:
+                    row.update(us=None, GBps=None, fraction_of_copy_bw=None, skipped="gathered copy too big")
+                    print(f"{where} {impl:>13}   skipped (--bmm-max-gb)")
+                    rows.append(row)
+                    continue
+                sec = timer(fn, graph)
+                row.update(us=sec * 1e6, GBps=nbytes / sec / 1e9,
+                           fraction_of_copy_bw=None if bw is None else nbytes / sec / bw)
+                rows.append(row)
+                print(f"{where} {impl:>13} {nbytes / 1e6:>8.2f} {row['us']:>9.1f} {row['GBps']:>8.1f} "
+                      f"{row['fraction_of_copy_bw'] or 0:>9.2f}", flush=True)
+            del pt
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     path = write_result("lora", {
-        "device": device_name(device), "shape": "smoke" if args.smoke else "llama-2-7b", "hidden": hidden,
-        "dtype": "float16", "prefill_len": args.prefill_len,
+        "device": device_name(device), "shape": "smoke" if args.smoke else "llama-2-7b", "dims": dims,
+        "dtype": "float16", "prefill_len": args.prefill_len, "offset_align": args.offset_align,
         "copy_bandwidth_GBps": None if bw is None else bw / 1e9,
         "timer": "host wall clock (smoke)" if args.smoke else "triton.testing.do_bench median, L2 flushed",
         "rows": rows,

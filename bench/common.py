@@ -37,6 +37,63 @@ def write_random_model_dir(shape: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
+#: Module path of each adaptable projection inside a Llama-family decoder layer.
+LORA_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+
+
+def lora_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of every adaptable projection of a Llama-family ``config``."""
+    hidden, heads, inter = config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads", heads) * head_dim
+    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}  # fmt: skip
+
+
+def lora_config(rank: int, targets) -> dict:
+    """A PEFT ``adapter_config.json`` for a plain LoRA of ``rank`` on ``targets`` (alpha = rank)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+            "target_modules": list(targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "use_dora": False, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+            "base_model_name_or_path": "random", "inference_mode": True}  # fmt: skip
+
+
+def write_lora_weights(path: Path, config: dict, rank: int, seed: int, targets) -> None:
+    """One random PEFT ``adapter_model.safetensors`` (float16) for ``config``'s shapes: benchmark data
+    (small B so outputs stay finite), never a test reference."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    shapes = lora_shapes(config)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for proj in targets:
+            fan_in, fan_out = shapes[proj]
+            key = f"base_model.model.model.layers.{layer}.{LORA_MODULES[proj]}.{proj}"
+            a = rng.standard_normal((rank, fan_in), dtype=np.float32) / np.sqrt(fan_in)
+            b = rng.standard_normal((fan_out, rank), dtype=np.float32) * 0.01
+            tensors[f"{key}.lora_A.weight"] = a.astype(np.float16)
+            tensors[f"{key}.lora_B.weight"] = b.astype(np.float16)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def write_random_lora_dir(out: Path, config: dict, rank: int, targets, seed: int = 0,
+                          weights: Path | None = None) -> Path:
+    """A PEFT adapter directory of random weights; ``weights``: link to that file instead of writing one
+    (many adapters sharing a few weight files keep benchmark disk use small)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(lora_config(rank, targets), indent=1))
+    dst = out / "adapter_model.safetensors"
+    if weights is None:
+        write_lora_weights(dst, config, rank, seed, targets)
+    elif not dst.exists():
+        dst.symlink_to(weights)
+    return out
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=device)

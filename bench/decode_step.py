@@ -34,19 +34,22 @@ from deltaserve import wire  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
 
-def bench_batch(ex: Executor, batch: int, ctx: int, steps: int, warmup: int, first_id: int) -> list[float]:
+def bench_batch(ex: Executor, batch: int, ctx: int, steps: int, warmup: int, first_id: int,
+                adapter_ids: list[int] | None = None, first_block: int = 0) -> list[float]:
+    """Times decode steps of ``batch`` requests at KV length ``ctx``; request i uses LoRA adapter
+    ``adapter_ids[i]`` (already GPU-resident; 0 or None: the base). KV pages from ``first_block``."""
     bs = ex.block_size
     blocks_per_req = (ctx + steps + warmup + 1 + bs - 1) // bs
-    assert batch * blocks_per_req <= ex.num_blocks, "KV pool too small for this batch"
+    assert first_block + batch * blocks_per_req <= ex.num_blocks, "KV pool too small for this batch"
     greedy = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=None)
     g = torch.Generator().manual_seed(batch)
     new = []
     for i in range(batch):
         tokens = torch.randint(3, ex.config.vocab_size, (ctx + 1,), generator=g).tolist()
-        blocks = list(range(i * blocks_per_req, (i + 1) * blocks_per_req))
+        blocks = list(range(first_block + i * blocks_per_req, first_block + (i + 1) * blocks_per_req))
         new.append(wire.NewRequest(req_id=first_id + i, token_ids=tokens, num_prompt_tokens=ctx + 1,
                                    num_computed_tokens=ctx, num_scheduled_tokens=1, block_ids=blocks,
-                                   sampling=greedy))
+                                   sampling=greedy, adapter_id=adapter_ids[i] if adapter_ids else 0))
     ids = [r.req_id for r in new]
     step_id = first_id * 1000
     ex.step(wire.StepPlan(step_id=step_id, new_requests=new, running=[], released=[]))

@@ -64,7 +64,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import replay as rp  # noqa: E402
 import workload as wl  # noqa: E402
-from common import REPO, RESULTS, SHAPES, git_commit, write_random_model_dir, write_result  # noqa: E402
+from common import (  # noqa: E402
+    REPO, RESULTS, SHAPES, git_commit, lora_config, write_lora_weights, write_random_model_dir, write_result,
+)
 
 MAX_RATE = 24.0
 """The highest request rate any experiment below offers (req/s)."""
@@ -167,40 +169,6 @@ def demo_model_dir(python: str = sys.executable) -> Path:
     return Path(out.stdout.strip().splitlines()[0])
 
 
-def lora_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each adaptable attention projection of a Llama-family config."""
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads", heads) * head_dim
-    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-            "o_proj": (heads * head_dim, hidden)}  # fmt: skip
-
-
-def write_lora_weights(path: Path, config: dict, rank: int, seed: int, targets=LORA_TARGETS) -> None:
-    """One random PEFT ``adapter_model.safetensors`` (float16) for ``config``'s shapes."""
-    from safetensors.numpy import save_file
-
-    rng = np.random.default_rng(seed)
-    shapes = lora_shapes(config)
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for proj in targets:
-            fan_in, fan_out = shapes[proj]
-            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
-            a = rng.standard_normal((rank, fan_in), dtype=np.float32) / np.sqrt(fan_in)
-            b = rng.standard_normal((fan_out, rank), dtype=np.float32) * 0.01
-            tensors[f"{key}.lora_A.weight"] = a.astype(np.float16)
-            tensors[f"{key}.lora_B.weight"] = b.astype(np.float16)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def adapter_config(rank: int, targets=LORA_TARGETS) -> dict:
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
-            "target_modules": list(targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-            "use_dora": False, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
-            "base_model_name_or_path": "random", "inference_mode": True}  # fmt: skip
-
-
 def write_adapters(root: Path, variants: list[wl.Variant], config: dict, distinct: int = 8) -> Path:
     """A ``--lora-dir``: one subdirectory per variant, its weights a link to one of ``distinct``
     random files per rank (under ``root/.weights``, which has no adapter_config.json)."""
@@ -214,10 +182,10 @@ def write_adapters(root: Path, variants: list[wl.Variant], config: dict, distinc
         per_rank[v.rank] = k + 1
         src = weights / f"r{v.rank}-{k % distinct}.safetensors"
         if not src.exists():
-            write_lora_weights(src, config, v.rank, seed=v.rank * 1000 + k % distinct)
+            write_lora_weights(src, config, v.rank, seed=v.rank * 1000 + k % distinct, targets=LORA_TARGETS)
         d = root / v.name
         d.mkdir(exist_ok=True)
-        (d / "adapter_config.json").write_text(json.dumps(adapter_config(v.rank), indent=1))
+        (d / "adapter_config.json").write_text(json.dumps(lora_config(v.rank, LORA_TARGETS), indent=1))
         link = d / "adapter_model.safetensors"
         if not link.exists():
             link.symlink_to(src)

@@ -1,76 +1,131 @@
-"""Serving LoRA adapters registered at start-up: ``attach_lora`` + the executor, against PEFT itself.
+"""Serving LoRA adapters through ``Executor.step`` with router-driven ``adapter_ops``, against PEFT.
 
-Two adapters made by the ``peft`` library on the tiny Llama (non-zero random A and B, so each
+Three adapters made by the ``peft`` library on the tiny Llama (non-zero random A and B, so each
 visibly changes the output): A = rank 8 on q, v (alpha 16); B = rank 16 on all seven projections
-with rsLoRA (alpha 8). Checked:
+with rsLoRA (alpha 8); C = rank 4 on gate, up, down with ``rank_pattern`` (down rank 12, up rank 2
+in layer 1). ``AdapterRouter`` plays the router: it registers adapters with ``inspect_adapter``,
+gives them pages from the same free list as KV, and sends ``to_host`` / ``to_gpu`` /
+``drop_gpu`` / ``drop_host`` in its plans. Checked:
 
-- ``LoraLinear`` adds exactly ``lora_delta_ref`` into each adapted slice of a fused projection, per
-  token; an inactive step is bit-identical to the plain model;
-- through the executor (plans built by test_executor's MiniRouter, with ``adapter_id`` set on the
-  NewRequests), greedy tokens for A / B equal HF ``generate`` on PEFT's ``merge_and_unload()``,
-  and base requests equal plain HF;
-- a mixed batch (base, A, B interleaved, 12 requests of different lengths, chunked prefill,
-  staggered arrivals, one preemption) gives each request exactly its tokens alone;
-- an unknown ``adapter_id`` is a PlanError that changes nothing; a bad adapter dir fails start-up
-  naming the dir; ``--loras`` parsing and its refusals.
+- greedy tokens of each adapter equal HF ``generate`` on the PEFT model itself (unmerged), and
+  base requests equal plain HF;
+- a mixed batch (base, A, B, C interleaved, 16 requests of different lengths, chunked prefill,
+  staggered arrivals so prefill and decode rows of several adapters share steps, one preemption)
+  gives each request exactly its tokens alone;
+- an adapter evicted (its pages then filled with other requests' KV) and re-loaded on other pages
+  gives the same tokens;
+- bad ops and requests on non-resident adapters are a PlanError that changes nothing;
+- the loop answers ``InspectAdapter`` and turns a failed adapter load into a fatal WorkerError;
+- ``--max-lora-rank`` / ``--max-loras-per-step`` flags (``--loras`` is gone).
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 from deltaserve import wire
-from deltaserve.adapters import LoraAdapterError, LoraLinear, attach_lora, load_lora_adapter, lora_delta_ref
-from deltaserve.model.decoder import linear_slots
-from deltaserve.model.loader import load_model
-from deltaserve.worker.config import ConfigError, WorkerConfig
+from deltaserve.adapters.lora import MAX_RANK
+from deltaserve.worker.config import MAX_LORA_RANK, ConfigError, WorkerConfig
 from deltaserve.worker.executor import Executor, PlanError
-from deltaserve.worker.loop import traceback_summary
 
 peft = pytest.importorskip("peft")
-from test_executor import GREEDY, KV_BYTES, MiniRouter, hf_greedy, prompts  # noqa: E402
+from test_executor import GREEDY, KV_BYTES, FakeLink, MiniRouter, hf_greedy, prompts  # noqa: E402
 from helpers.peft_adapters import SEVEN, make_peft_adapter  # noqa: E402
 
-ADAPTER_A = dict(target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16)
-ADAPTER_B = dict(target_modules=SEVEN, r=16, lora_alpha=8, use_rslora=True)
+SPECS = {
+    1: dict(target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16),
+    2: dict(target_modules=SEVEN, r=16, lora_alpha=8, use_rslora=True),
+    3: dict(target_modules=["gate_proj", "up_proj", "down_proj"], r=4, lora_alpha=6,
+            rank_pattern={"down_proj": 12, "layers.1.mlp.up_proj": 2}),
+}
 
 
 class AdapterRouter(MiniRouter):
-    """MiniRouter whose NewRequests carry ``adapter_of[req_id]`` (0 when absent), as the router sends them."""
+    """MiniRouter that also places adapters in the page pool and sends the ops, as the router does.
 
-    def __init__(self, executor: Executor, adapter_of: dict[int, int], **kw) -> None:
+    ``adapter_of[req_id]`` names each request's adapter (0 when absent). Adding a request whose
+    adapter is not on the GPU queues ``to_host`` (if needed) and ``to_gpu`` for the next plan.
+    """
+
+    def __init__(self, executor: Executor, dirs: dict[int, Path], adapter_of: dict[int, int], **kw) -> None:
         super().__init__(executor, **kw)
+        self.dirs = dirs
         self.adapter_of = adapter_of
+        self.need = {}
+        for aid, d in dirs.items():
+            info = executor.inspect_adapter(str(d))
+            assert info.error is None, info.error
+            self.need[aid] = info.num_blocks
+        self.on_host: set[int] = set()
+        self.pages: dict[int, list[int]] = {}
+        self.ops: list[wire.AdapterOp] = []
+        self.avoid: dict[int, set[int]] = {}
+        self.mixed_steps = 0
+        self.adapter_decode_steps = 0
+
+    def ensure(self, aid: int) -> None:
+        if aid == 0 or aid in self.pages:
+            return
+        if aid not in self.on_host:
+            self.ops.append(wire.AdapterOp(aid, "to_host", str(self.dirs[aid]), []))
+            self.on_host.add(aid)
+        avoid = self.avoid.get(aid, set())
+        pages = [b for b in reversed(self.free) if b not in avoid][: self.need[aid]]
+        assert len(pages) == self.need[aid]
+        self.free = [b for b in self.free if b not in pages]
+        self.pages[aid] = pages
+        self.ops.append(wire.AdapterOp(aid, "to_gpu", "", pages))
+
+    def evict(self, aid: int) -> list[int]:
+        """Drops the adapter from both tiers; its pages go where KV is taken next. Returns them."""
+        pages = self.pages.pop(aid)
+        self.ops += [wire.AdapterOp(aid, "drop_gpu", "", []), wire.AdapterOp(aid, "drop_host", "", [])]
+        self.on_host.discard(aid)
+        self.free.extend(pages)
+        self.avoid[aid] = set(pages)
+        return pages
+
+    def add(self, req_id, prompt, max_new, sampling=GREEDY):
+        self.ensure(self.adapter_of.get(req_id, 0))
+        return super().add(req_id, prompt, max_new, sampling)
 
     def plan(self) -> wire.StepPlan:
         plan = super().plan()
         for new in plan.new_requests:
             new.adapter_id = self.adapter_of.get(new.req_id, 0)
+        plan.adapter_ops, self.ops = self.ops, []
+        rows = [(n.num_scheduled_tokens, n.adapter_id) for n in plan.new_requests] + [
+            (r.num_scheduled_tokens, self.adapter_of.get(r.req_id, 0)) for r in plan.running
+        ]
+        adapters = {a for _, a in rows if a}
+        if len(adapters) >= 2 and any(n > 1 for n, _ in rows) and any(n == 1 for n, _ in rows):
+            self.mixed_steps += 1
+        if adapters and rows and all(n == 1 for n, _ in rows):
+            self.adapter_decode_steps += 1
         return plan
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, torch.nn.Module]]:
-    """Adapter id -> (PEFT dir, HF model with that adapter merged)."""
+    """Adapter id -> (PEFT dir, the PEFT model itself: HF base + unmerged LoRA layers)."""
     root = tmp_path_factory.mktemp("lora_serving")
-    out = {}
-    for adapter_id, (name, kw) in {1: ("a", ADAPTER_A), 2: ("b", ADAPTER_B)}.items():
-        pm, adir = make_peft_adapter(tiny_llama, root / name, seed=10 + adapter_id, **kw)
-        out[adapter_id] = (adir, pm.merge_and_unload().eval())
-    return out
+    return {aid: make_peft_adapter(tiny_llama, root / f"a{aid}", seed=10 + aid, **kw)[::-1] for aid, kw in SPECS.items()}
 
 
 @pytest.fixture(scope="module")
-def make_executor(tiny_llama: Path, adapters):
+def dirs(adapters) -> dict[int, Path]:
+    return {aid: d for aid, (d, _) in adapters.items()}
+
+
+@pytest.fixture(scope="module")
+def make_executor(tiny_llama: Path):
     def make(**kw) -> Executor:
         kw.setdefault("kv_cache_bytes", KV_BYTES)
-        kw.setdefault("loras", {i: d for i, (d, _) in adapters.items()})
         return Executor(tiny_llama, device="cpu", dtype="float32", block_size=4, **kw)
 
     return make
@@ -83,168 +138,198 @@ def hf_base(tiny_llama: Path):
     return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
-def test_lora_linear_adds_each_tokens_adapter_delta(tiny_llama: Path, adapters) -> None:
-    model = load_model(tiny_llama, "cpu", torch.float32)
-    cfg = model.config
-    loaded = {i: load_lora_adapter(d, cfg) for i, (d, _) in adapters.items()}
-    plain = {n: p.clone() for n, p in model.named_parameters()}
-    state_keys = list(model.state_dict())
-    step = attach_lora(model, loaded)
-    # Weights stay where they were: same names, same tensors, same HF state_dict view.
-    assert {n: p for n, p in model.named_parameters()}.keys() == plain.keys()
-    assert all(torch.equal(p, plain[n]) for n, p in model.named_parameters())
-    assert list(model.state_dict()) == state_keys
-    layer0 = model.model.layers[0]
-    # A targets q, v only (qkv); B targets all seven: every module of the layer is wrapped.
-    for mod in (layer0.self_attn.qkv_proj, layer0.self_attn.o_proj, layer0.mlp.gate_up_proj, layer0.mlp.down_proj):
-        assert isinstance(mod, LoraLinear)
-    assert sorted(layer0.self_attn.qkv_proj.factors) == [0, 1] and sorted(layer0.self_attn.o_proj.factors) == [1]
-
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(7, cfg.hidden_size, generator=gen)
-    qkv = layer0.self_attn.qkv_proj
-    base_out = F.linear(x, qkv.weight, qkv.bias)
-    assert torch.equal(qkv(x), base_out)  # inactive step: the base alone
-
-    # Tokens: base x2, A x3, B x1, A x1 (adapter A's rows are not contiguous).
-    segments = [(0, 2), (1, 3), (2, 1), (1, 1)]
-    token_adapter = [0, 0, 1, 1, 1, 2, 1]
-    step.set_segments(segments)
-    try:
-        got = qkv(x)
-    finally:
-        step.clear()
-    slots = linear_slots(cfg)
-    expected = base_out.clone()
-    for t, adapter_id in enumerate(token_adapter):
-        if adapter_id == 0:
-            continue
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            s = slots[proj]
-            expected[t, s.start : s.start + s.size] += lora_delta_ref(loaded[adapter_id], 0, proj, x[t : t + 1])[0]
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    # A adapts no k_proj: base tokens and A tokens keep the base's k rows exactly.
-    k = slots["k_proj"]
-    assert torch.equal(got[:5, k.start : k.start + k.size], base_out[:5, k.start : k.start + k.size])
-    assert not torch.equal(got[5, k.start : k.start + k.size], base_out[5, k.start : k.start + k.size])
-    with pytest.raises(KeyError, match="adapter id 9"):
-        step.set_segments([(9, 1)])
-    with pytest.raises(ValueError, match="already has LoRA"):
-        attach_lora(model, loaded)
-
-
-def test_greedy_matches_peft_merged_and_base_matches_hf(make_executor, adapters, hf_base) -> None:
+def test_greedy_matches_peft_and_base_matches_hf(make_executor, adapters, dirs, hf_base) -> None:
     ex = make_executor()
     ps = prompts(3, ex.config.vocab_size, seed=3, lo=3, hi=20)
-    refs = {0: hf_base, **{i: merged for i, (_, merged) in adapters.items()}}
+    refs = {0: hf_base, **{aid: pm for aid, (_, pm) in adapters.items()}}
     outputs: dict[int, list[list[int]]] = {}
-    for adapter_id, ref in refs.items():
+    router = AdapterRouter(ex, dirs, {})
+    for aid, ref in refs.items():
         for j, prompt in enumerate(ps):
-            rid = 100 * adapter_id + j
-            got = AdapterRouter(ex, {rid: adapter_id}).run({rid: (prompt, 10)})[rid]
-            assert got == hf_greedy(ref, prompt, 10), (adapter_id, j)
-            outputs.setdefault(adapter_id, []).append(got)
+            rid = 100 * aid + j
+            router.adapter_of[rid] = aid
+            got = router.run({rid: (prompt, 10)})[rid]
+            with torch.no_grad():
+                assert got == hf_greedy(ref, prompt, 10), (aid, j)
+            outputs.setdefault(aid, []).append(got)
     # The adapters change the output (so the comparisons above could fail).
-    assert outputs[1] != outputs[0] and outputs[2] != outputs[0] and outputs[1] != outputs[2]
+    assert all(outputs[a] != outputs[b] for a in outputs for b in outputs if a < b)
 
 
-def test_mixed_batch_matches_each_alone(make_executor) -> None:
+def test_mixed_batch_matches_each_alone(make_executor, dirs) -> None:
     ex = make_executor()
-    ps = prompts(12, ex.config.vocab_size, seed=7, lo=2, hi=30)
-    adapter_of = {i: i % 3 for i in range(12)}  # base, A, B interleaved
-    max_new = {i: 4 + i % 6 for i in range(12)}
-    alone = {i: AdapterRouter(ex, adapter_of).run({i: (p, max_new[i])})[i] for i, p in enumerate(ps)}
+    n = 16
+    ps = prompts(n, ex.config.vocab_size, seed=7, lo=2, hi=30)
+    adapter_of = {i: i % 4 for i in range(n)}  # base, A, B, C interleaved
+    max_new = {i: 4 + i % 6 for i in range(n)}
+    solo = AdapterRouter(ex, dirs, adapter_of)
+    alone = {i: solo.run({i: (p, max_new[i])})[i] for i, p in enumerate(ps)}
 
-    ex2 = make_executor()
-    router = AdapterRouter(ex2, adapter_of, chunk=9, seed=5)
+    router = AdapterRouter(make_executor(), dirs, adapter_of, chunk=9, seed=5)
     reqs = {i: (p, max_new[i]) for i, p in enumerate(ps)}
-    arrivals = {i: i // 3 for i in range(12)}
+    arrivals = {i: i // 3 for i in range(n)}
     pending, steps, preempted = dict(reqs), 0, False
     added = {}
     while pending or router.active:
         for rid in [r for r in pending if arrivals[r] <= steps]:
-            prompt, n = pending.pop(rid)
-            added[rid] = router.add(rid, prompt, n)
-        if not preempted and 5 in router.active and len(router.active[5].outputs) == 2:
-            router.preempt(5)  # comes back as a NewRequest: it must keep adapter B
+            prompt, k = pending.pop(rid)
+            added[rid] = router.add(rid, prompt, k)
+        if not preempted and 6 in router.active and len(router.active[6].outputs) == 2:
+            router.preempt(6)  # comes back as a NewRequest: it must keep adapter B
             preempted = True
         if router.active:
             router.step()
         steps += 1
         assert steps < 1000
-    done = {rid: r.outputs for rid, r in added.items()}
-    assert preempted
-    assert done == alone
+    assert preempted and router.mixed_steps > 0 and router.adapter_decode_steps > 0
+    assert {rid: r.outputs for rid, r in added.items()} == alone
+    assert len({tuple(alone[i]) for i in range(4)}) == 4  # same-shaped requests, four different answers
 
 
-def test_unknown_adapter_is_a_plan_error_and_changes_nothing(make_executor) -> None:
+def test_evicted_adapter_reloaded_on_other_pages_gives_the_same_tokens(make_executor, dirs) -> None:
     ex = make_executor()
-    router = AdapterRouter(ex, {1: 2})
-    router.add(1, [4, 5, 6, 7], 20)
+    router = AdapterRouter(ex, dirs, {1: 2, 2: 2})
+    prompt = prompts(1, ex.config.vocab_size, seed=11, lo=12, hi=12)[0]
+    first = router.run({1: (prompt, 8)})[1]
+    old = router.evict(2)
+    # Base requests now take pages from the end of the free list: the adapter's old pages.
+    filler = {10 + i: (p, 3) for i, p in enumerate(prompts(4, ex.config.vocab_size, seed=12, lo=30, hi=40))}
+    for rid, (p, k) in filler.items():
+        router.add(rid, p, k)
     router.step()
-    before = copy.deepcopy(ex.requests)
-    assert before[1].adapter_id == 2
-    pool = ex.num_blocks
-    bad = wire.NewRequest(req_id=2, token_ids=[3, 4, 5], num_prompt_tokens=3, num_computed_tokens=0,
-                          num_scheduled_tokens=3, block_ids=[pool - 1], sampling=GREEDY, adapter_id=7)
-    good = router.plan()  # request 1's next decode step, with the pages it needs
-    with pytest.raises(PlanError, match=r"adapter_id 7 is not loaded .*loaded: 1, 2") as info:
-        ex.step(wire.StepPlan(step_id=good.step_id, new_requests=[bad], running=good.running, released=[]))
-    assert info.value.req_ids == [2]
-    assert ex.requests == before
-    # Without adapters, any non-zero id is refused.
-    plain = make_executor(loras=None)
-    assert plain.lora_step is None and plain.adapters == {}
-    with pytest.raises(PlanError, match=r"adapter_id 1 is not loaded .*loaded: none"):
-        plain.step(wire.StepPlan(step_id=1, new_requests=[bad.__class__(**{**_fields(bad), "adapter_id": 1})]))
-    assert plain.requests == {}
-    # The good plan still works afterwards, and request 1 keeps its adapter.
+    used = {b for rid in filler for b in ex.requests[rid].block_table}
+    assert used & set(old), "the filler's KV should land in the evicted adapter's pages"
+    assert 2 not in ex.adapters.gpu and 2 not in ex.adapters.host
+    while router.active:
+        router.step()
+    again = router.run({2: (prompt, 8)})[2]
+    assert not set(ex.adapters.gpu[2].block_ids) & set(old)
+    assert again == first
+
+
+def _snapshot(ex: Executor):
+    pool = ex.adapters
+    return (copy.deepcopy(ex.requests), sorted(pool.host), {a: g.block_ids for a, g in pool.gpu.items()},
+            dict(pool.page_owner), dict(pool.slot_of), ex.kv.kv.clone())
+
+
+def _same(a, b) -> bool:
+    return a[:-1] == b[:-1] and torch.equal(a[-1], b[-1])
+
+
+def test_bad_ops_are_plan_errors_that_change_nothing(make_executor, dirs) -> None:
+    ex = make_executor()
+    router = AdapterRouter(ex, dirs, {1: 1})
+    router.add(1, [4, 5, 6, 7, 8], 20)
+    router.step()
+    ops = [wire.AdapterOp(2, "to_host", str(dirs[2]), [])]
+    ex.step(wire.StepPlan(step_id=1000, adapter_ops=ops))  # B on host only
+    ex.adapters.wait_host(2)
+    a_pages, kv_page = router.pages[1], ex.requests[1].block_table[0]
+    nb = router.need[2]
+    free = [b for b in router.free if b not in a_pages][:nb]
+    good = router.plan()  # request 1's next decode step
+
+    def plan(*adapter_ops, new=(), running=None):
+        return wire.StepPlan(step_id=good.step_id, new_requests=list(new),
+                             running=good.running if running is None else running, adapter_ops=list(adapter_ops))
+
+    def new_req(rid, aid, blocks):
+        return wire.NewRequest(req_id=rid, token_ids=[3, 4, 5], num_prompt_tokens=3, num_computed_tokens=0,
+                               num_scheduled_tokens=3, block_ids=blocks, sampling=GREEDY, adapter_id=aid)
+
+    op = wire.AdapterOp
+    cases = [
+        (plan(op(2, "to_disk", "", [])), r"unknown op 'to_disk'"),
+        (plan(op(5, "to_gpu", "", free)), r"to_gpu adapter 5\): not in host memory \(a to_host must come first"),
+        (plan(op(2, "to_gpu", "", [ex.num_blocks] + free[1:])), r"outside the pool of \d+ blocks"),
+        (plan(op(2, "to_gpu", "", [a_pages[0]] + free[1:])), r"hold adapter 1"),
+        (plan(op(2, "to_gpu", "", [kv_page] + free[1:])), r"hold request KV"),
+        (plan(op(2, "to_gpu", "", free[:-1])), rf"{nb - 1} block ids, the adapter needs {nb}"),
+        (plan(op(2, "to_gpu", "", [free[0]] * nb)), r"repeated"),
+        (plan(op(2, "drop_gpu", "", [])), r"drop_gpu adapter 2\): not on the GPU"),
+        (plan(op(7, "drop_host", "", [])), r"drop_host adapter 7\): not in host memory"),
+        (plan(op(1, "to_host", str(dirs[1]), [])), r"already in host memory"),
+        (plan(op(1, "to_gpu", "", free)), r"already on the GPU"),
+        (plan(op(0, "to_host", str(dirs[1]), [])), r"adapter id 0 is the base model"),
+        (plan(new=[new_req(2, 2, [free[0]])]), r"request 2: adapter_id 2 is not on the GPU"),
+        (plan(op(1, "drop_gpu", "", [])), r"request 1: adapter_id 1 is not on the GPU .*resident: none"),
+        (plan(new=[new_req(2, 0, [a_pages[0]])]), r"request 2: KV block ids \[\d+\] hold adapter 1's weights"),
+        # A valid op followed by a bad one: neither is applied.
+        (plan(op(2, "to_gpu", "", free), op(9, "drop_gpu", "", [])), r"drop_gpu adapter 9"),
+    ]
+    for bad, match in cases:
+        before = _snapshot(ex)
+        with pytest.raises(PlanError, match=match):
+            ex.step(bad)
+        assert _same(before, _snapshot(ex)), match
+    assert 2 not in ex.adapters.gpu
+
+    # The good plan still works afterwards, with the adapter's delta.
     out = ex.step(good)
     router.apply(out)
     assert out.outputs[0].req_id == 1 and out.outputs[0].token_id is not None
-    assert ex.requests[1].adapter_id == 2
+
+    one = make_executor(max_loras_per_step=1)
+    r1 = AdapterRouter(one, dirs, {1: 1, 2: 2})
+    r1.ensure(1), r1.ensure(2)
+    one.step(wire.StepPlan(step_id=1, adapter_ops=r1.ops))
+    with pytest.raises(PlanError, match=r"2 distinct adapters in one step exceed --max-loras-per-step 1"):
+        one.step(wire.StepPlan(step_id=2, new_requests=[new_req(1, 1, r1.free[:1]), new_req(2, 2, r1.free[1:2])]))
+    off = make_executor(max_lora_rank=0)
+    with pytest.raises(PlanError, match=r"LoRA is off on this worker \(--max-lora-rank 0\)"):
+        off.step(wire.StepPlan(step_id=1, adapter_ops=[op(1, "to_host", str(dirs[1]), [])]))
+    with pytest.raises(PlanError, match=r"adapter_id 1 is not on the GPU"):
+        off.step(wire.StepPlan(step_id=1, new_requests=[new_req(1, 1, [0])]))
 
 
-def _fields(msg: wire.NewRequest) -> dict:
-    return {name: getattr(msg, name) for name in msg.__slots__}
+def test_loop_answers_inspect_and_a_failed_load_is_fatal(make_executor, dirs, tmp_path: Path) -> None:
+    from deltaserve.worker.loop import EXIT_FATAL, WorkerLoop
+
+    ex = make_executor()
+    gone = tmp_path / "gone"
+    shutil.copytree(dirs[1], gone)
+    good_info = ex.inspect_adapter(str(gone))
+    frames = [
+        wire.InspectAdapter(inspect_id=41, path=str(gone)),
+        wire.InspectAdapter(inspect_id=42, path=str(tmp_path / "missing")),
+        wire.StepPlan(step_id=1, adapter_ops=[wire.AdapterOp(1, "to_host", str(dirs[1]), [])]),
+    ]
+    link = FakeLink([wire.encode(f) for f in frames])
+    loop = WorkerLoop(ex, link)
+    # Run until the link is drained (recv returns None; the parent is alive, so stop it by hand).
+    loop.parent_alive = lambda: False  # type: ignore[method-assign]
+    loop.run()
+    _, info41, info42, out = link.sent
+    assert isinstance(info41, wire.AdapterInfo) and info41.inspect_id == 41 and info41.error is None
+    assert info41.num_blocks == good_info.num_blocks > 0 and info41.host_bytes == good_info.host_bytes > 0
+    assert isinstance(info42, wire.AdapterInfo) and info42.inspect_id == 42 and "missing" in info42.error
+    assert isinstance(out, wire.StepOutput) and out.adapter_host_bytes == info41.host_bytes
+
+    # The directory vanishes after registration: the to_gpu that needs it is a fatal error.
+    shutil.rmtree(gone)
+    fatal = wire.StepPlan(step_id=2, adapter_ops=[
+        wire.AdapterOp(3, "to_host", str(gone), []), wire.AdapterOp(3, "to_gpu", "", list(range(good_info.num_blocks)))
+    ], new_requests=[wire.NewRequest(req_id=8, token_ids=[3, 4], num_prompt_tokens=2, num_computed_tokens=0,
+                                     num_scheduled_tokens=2, block_ids=[900], sampling=GREEDY, adapter_id=3)])
+    link = FakeLink([wire.encode(fatal), wire.encode(wire.Shutdown(reason="never reached"))])
+    assert WorkerLoop(ex, link).run() == EXIT_FATAL
+    err = link.sent[-1]
+    assert isinstance(err, wire.WorkerError) and err.fatal and err.step_id == 2 and err.req_ids == [8]
+    assert "AdapterLoadError" in err.message and "gone" in err.message
 
 
-def test_bad_adapter_dir_fails_start_naming_it(make_executor, adapters, tmp_path: Path) -> None:
-    missing = tmp_path / "no-such-adapter"
-    with pytest.raises(LoraAdapterError, match="no-such-adapter") as info:
-        make_executor(loras={1: adapters[1][0], 3: missing})
-    assert str(missing) in traceback_summary(info.value)  # what the loop sends as the fatal WorkerError
-    # A PEFT dir whose config asks for something unsupported: refused at start with dir and field.
-    dora = tmp_path / "dora"
-    dora.mkdir()
-    src = adapters[1][0]
-    cfg = json.loads((src / "adapter_config.json").read_text())
-    cfg["use_dora"] = True
-    (dora / "adapter_config.json").write_text(json.dumps(cfg))
-    (dora / "adapter_model.safetensors").write_bytes((src / "adapter_model.safetensors").read_bytes())
-    with pytest.raises(LoraAdapterError, match=r"dora.*use_dora"):
-        make_executor(loras={2: dora})
-    with pytest.raises(ValueError, match="adapter id 0"):
-        make_executor(loras={0: src})
-
-
-def test_loras_flag(tiny_llama: Path, adapters, tmp_path: Path) -> None:
+def test_lora_flags(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
     base = ["--model", str(tiny_llama), "--ipc-dir", str(tmp_path)]
-    dir_a, dir_b = adapters[1][0], adapters[2][0]
-    cfg = WorkerConfig.from_args(base + ["--loras", json.dumps({"1": str(dir_a), "7": str(dir_b)})])
-    assert cfg.lora_dirs() == {1: dir_a, 7: dir_b}
-    assert WorkerConfig.from_args(base).lora_dirs() == {}
-    bad = {
-        "not json": "{1: x}",
-        "not an object": json.dumps([str(dir_a)]),
-        "id 0": json.dumps({"0": str(dir_a)}),
-        "negative id": json.dumps({"-1": str(dir_a)}),
-        "non-numeric id": json.dumps({"a": str(dir_a)}),
-        "id beyond u32": json.dumps({str(2**32): str(dir_a)}),
-        "missing dir": json.dumps({"1": str(tmp_path / "missing")}),
-        "dir not a string": json.dumps({"1": 5}),
-    }
-    for name, value in bad.items():
-        with pytest.raises(ConfigError, match="--loras") as info:
-            WorkerConfig.from_args(base + ["--loras", value])
-        assert info.type is ConfigError, name
+    cfg = WorkerConfig.from_args(base)
+    assert (cfg.max_lora_rank, cfg.max_loras_per_step) == (256, 256) and MAX_LORA_RANK == MAX_RANK
+    cfg = WorkerConfig.from_args(base + ["--max-lora-rank", "64", "--max-loras-per-step", "32"])
+    assert (cfg.max_lora_rank, cfg.max_loras_per_step) == (64, 32)
+    monkeypatch.setenv("DELTASERVE_WORKER_MAX_LORA_RANK", "0")
+    assert WorkerConfig.from_args(base).max_lora_rank == 0
+    for bad, match in [(["--max-lora-rank", "257"], "--max-lora-rank"), (["--max-lora-rank", "-1"], "--max-lora-rank"),
+                       (["--max-loras-per-step", "0"], "--max-loras-per-step")]:
+        with pytest.raises(ConfigError, match=match):
+            WorkerConfig.from_args(base + bad)
+    with pytest.raises(SystemExit):  # adapters arrive as ops now: the old flag is refused
+        WorkerConfig.from_args(base + ["--loras", "{}"])

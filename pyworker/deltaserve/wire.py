@@ -144,8 +144,8 @@ class NewRequest:
     block_ids: list[int] = field(default_factory=list)
     #: How to sample once the whole sequence is computed.
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    #: The LoRA adapter whose delta this request's tokens get: an id the worker was started
-    #: with (`--loras '{"ID": "DIR"}'`), 0 for the base model alone.
+    #: The LoRA adapter whose delta this request's tokens get: one GPU-resident once this
+    #: step's `adapter_ops` are applied (see `AdapterOp`), 0 for the base model alone.
     adapter_id: int = 0
 
     def to_wire(self) -> list:

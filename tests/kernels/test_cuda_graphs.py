@@ -34,3 +34,21 @@ def test_graph_replay_equals_eager(tiny_llama, n: int) -> None:
         assert graphs.graphs.replays > 0, "decode steps should have been replayed from graphs"
     else:  # every decode step has 40 rows, beyond the largest graph: all eager
         assert graphs.graphs.replays == 0
+
+
+def test_lora_decode_steps_replay_from_graphs_and_equal_eager(tiny_llama, tmp_path) -> None:
+    """Decode steps with adapter rows (three adapters of different ranks and targets, plus base
+    rows) replay the LoRA graphs and give exactly the eager tokens."""
+    from helpers.peft_adapters import make_peft_adapter
+    from test_lora_serving import SPECS, AdapterRouter
+
+    dirs = {aid: make_peft_adapter(tiny_llama, tmp_path / f"a{aid}", seed=10 + aid, **kw)[1] for aid, kw in SPECS.items()}
+    eager, graphs = _executor(tiny_llama, 0), _executor(tiny_llama, 32)
+    assert graphs.graphs is not None and graphs.graphs.lora_graphs, "LoRA graphs are captured"
+    n = 12
+    adapter_of = {i: i % 4 for i in range(n)}
+    reqs = {i: (p, 10) for i, p in enumerate(prompts(n, graphs.config.vocab_size, seed=3))}
+    want = AdapterRouter(eager, dirs, adapter_of).run(reqs)
+    router = AdapterRouter(graphs, dirs, adapter_of)
+    assert router.run(reqs) == want
+    assert router.adapter_decode_steps > 0 and graphs.graphs.replays >= router.adapter_decode_steps

@@ -6,9 +6,12 @@ Two checks, as for the fused ops:
   over the adapter-popularity shapes of Punica's tests (identical: one adapter; distinct: every
   request its own; uniform: ceil(sqrt(n)) adapters; skewed: Zipf-1.5 draws), with mixed ranks
   4 / 8 / 16 / 64 in one batch, requests without an adapter (-1) mixed in, hidden sizes 64, 96
-  (not a power of two) and 128, float32 / float16 / bfloat16, rank rows scattered over the pool
-  (a shuffled ``row_index``), and multi-slice expand (qkv-like slices of different sizes, one
-  without LoRA);
+  (not a power of two) and 128, float32 / float16 / bfloat16, rank rows scattered over the flat
+  pools (shuffled offsets), and multi-slice expand (qkv-like slices of different sizes, one
+  without LoRA); MBGMV also at widths that split the shrink's input columns over several programs;
+- rows addressed by element offsets as the unified page pool stores them: A and B^T rows of several
+  adapters interleaved in ONE flat buffer at odd offsets, first-fit into page regions; and static
+  tables (``check=False``) refilled in place between two calls of one ``LoraWeights``;
 - the reference equals a dense per-token LoRA computed from the original ``A``, ``B`` matrices (not
   from the pool), so the pool layout and the semantics are checked, not only kernel = reference.
 
@@ -18,6 +21,7 @@ with ``DELTASERVE_TEST_GPU=1`` on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import zlib
@@ -82,11 +86,12 @@ def dense_adapters(in_dim: int, out_dim: int, dtype: torch.dtype, seed: int) -> 
 
 
 def pooled(adapters: list[tuple], seed: int) -> LoraWeights:
-    """The adapters in a pool with spare rows and their rank rows scattered (shuffled row_index)."""
+    """The adapters in flat pools with spare rows and their rank rows scattered (shuffled offsets)."""
     total = sum(a.shape[0] for a, _, _ in adapters) + 24
     perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
     w = make_weights(adapters, R_MAX, total, perm=perm)
-    assert not all(torch.equal(w.row_index[s, : a.shape[0]].cpu(), torch.arange(a.shape[0], dtype=torch.int32))
+    in_dim = adapters[0][0].shape[1]
+    assert not all(torch.equal(w.a_offsets[s, : a.shape[0]].cpu(), torch.arange(a.shape[0]) * in_dim)
                    for s, (a, _, _) in enumerate(adapters))  # fmt: skip
     return w
 
@@ -209,6 +214,184 @@ def test_only_base_requests_is_a_no_op() -> None:
         assert torch.equal(lora_delta(x, base.clone(), [LoraSlice(0, 64, w)], meta, use_triton=use_triton), base)
 
 
+def dense_delta(x: torch.Tensor, base: torch.Tensor, dense: list, row_adapter: list[int]) -> torch.Tensor:
+    """Per-token ``out + scale * B (A x)`` in float32 from the original matrices, rounded to base's dtype."""
+    want = base.float().clone()
+    for t, a in enumerate(row_adapter):
+        if a >= 0 and dense[a] is not None:
+            A, B, scale = dense[a]
+            want[t] += scale * (B.float() @ (A.float() @ x[t].float()))
+    return want.to(base.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,in_dim,out_dim", [(1, 300, 136), (3, 260, 72), (12, 520, 200), (40, 1030, 260)])
+def test_mbgmv_split_widths(tokens: int, in_dim: int, out_dim: int, dtype: torch.dtype) -> None:
+    """Decode rows at input widths the shrink splits over several programs (partials summed by the
+    expand), odd widths with a ragged last tile, and several output tiles; lora_delta's fused path
+    equals shrink + expand exactly, and both equal the references."""
+    seed = tokens
+    meta = LoraMeta.mbgmv(request_adapters("skewed", tokens, seed), DEVICE)
+    w = pooled(dense_adapters(in_dim, out_dim, dtype, seed), seed)
+    x = randn(tokens, in_dim, dtype=dtype, seed=seed + 1)
+    base = randn(tokens, out_dim, dtype=dtype, seed=seed + 2)
+    v = lora_shrink_triton(x, w, meta)
+    close(v, lora_shrink_ref(x, w, meta))
+    two_step = lora_expand_triton(v, w, meta, base.clone())
+    close(two_step, lora_expand_ref(v, w, meta, base.clone()))
+    fused = lora_delta(x, base.clone(), [LoraSlice(0, out_dim, w)], meta, use_triton=True)
+    if DEVICE.type == "cpu":  # the interpreter sums the partials in one order in both kernels
+        assert torch.equal(fused, two_step), "the fused decode path must round v exactly as lora_shrink does"
+    else:  # compiled reductions may order the float32 partial sums differently
+        close(fused, two_step)
+
+
+def place_first_fit(rows: list[int], region: int, start_region: int) -> tuple[list[int], int]:
+    """The spec's adapter layout: each row (its width) at the current position of the current page
+    region if it fits entirely, else at the start of the next region. Returns (region-relative
+    offsets as (region index, position) flattened to region * region + position, next region)."""
+    offs, reg, pos = [], start_region, 0
+    for width in rows:
+        assert width <= region
+        if pos + width > region:
+            reg, pos = reg + 1, 0
+        offs.append(reg * region + pos)
+        pos += width
+    return offs, reg + 1
+
+
+def unified_pool(dense: list, r_max: int, dtype: torch.dtype, region: int, head: int, seed: int,
+                 num_regions: int | None = None) -> LoraWeights:
+    """A and B^T rows of every adapter in ONE flat buffer (a_pool is b_pool), first-fit into page
+    regions of ``region`` elements starting ``head`` elements into the buffer (odd offsets), adapters
+    on non-adjacent regions, every other element filled with junk (KV data of other requests). The
+    buffer has ``num_regions`` regions (default: as many as the layout uses)."""
+    first = next(d for d in dense if d is not None)
+    in_dim, out_dim = first[0].shape[1], first[1].shape[0]
+    placed, nxt = {}, 1  # region 0 stays KV junk
+    for slot, item in enumerate(dense):
+        if item is not None:
+            r = item[0].shape[0]
+            placed[slot], nxt = place_first_fit([in_dim] * r + [out_dim] * r, region, nxt)
+            nxt += 1  # a KV page between adapters
+    num_regions = nxt if num_regions is None else num_regions
+    assert nxt <= num_regions
+    buf = randn(head + num_regions * region, dtype=dtype, seed=seed) * 100
+    a_off = torch.zeros(len(dense), r_max, dtype=torch.int64)
+    b_off = torch.zeros(len(dense), r_max, dtype=torch.int64)
+    ranks, scales = [], []
+    for slot, item in enumerate(dense):
+        if item is None:
+            ranks.append(0)
+            scales.append(0.0)
+            continue
+        A, B, scale = item
+        r = A.shape[0]
+        for j in range(r):
+            oa, ob = head + placed[slot][j], head + placed[slot][r + j]
+            buf[oa : oa + in_dim] = A[j]
+            buf[ob : ob + out_dim] = B[:, j]
+            a_off[slot, j], b_off[slot, j] = oa, ob
+        ranks.append(r)
+        scales.append(scale)
+    assert (a_off % 2).any() and (b_off % 2).any(), "the layout must exercise odd offsets"
+    rank = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
+    return LoraWeights(buf, buf, a_off.to(DEVICE), b_off.to(DEVICE), rank,
+                       torch.tensor(scales, dtype=torch.float32, device=DEVICE), in_dim, out_dim)
+
+
+@pytest.mark.parametrize("mode", ["sgmv", "mbgmv"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unified_pool_interleaved_odd_offsets(dtype: torch.dtype, mode: str) -> None:
+    """Rows of several adapters interleaved in one shared buffer at odd offsets, like adapter pages
+    in the KV pool: kernel = reference = dense LoRA, and no junk around the rows leaks in."""
+    seed, in_dim, out_dim = 13, 72, 40
+    dense = dense_adapters(in_dim, out_dim, dtype, seed)
+    dense[5] = None  # an unused slot between used ones
+    w = unified_pool(dense, R_MAX, dtype, region=157, head=3, seed=seed)
+    assert w.a_pool is w.b_pool
+    ids = [a if a != 5 else -1 for a in request_adapters("uniform", 8, seed)]
+    meta = make_meta(mode, ids, seed)
+    x = randn(meta.num_tokens, in_dim, dtype=dtype, seed=1)
+    base = randn(meta.num_tokens, out_dim, dtype=dtype, seed=2)
+    got = lora_delta(x, base.clone(), [LoraSlice(0, out_dim, w)], meta, use_triton=True)
+    want = lora_delta(x, base.clone(), [LoraSlice(0, out_dim, w)], meta, use_triton=False)
+    close(got, want)
+    # The reference reads the right rows: it equals LoRA from the original matrices.
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 8e-2}[dtype]
+    torch.testing.assert_close(want.float(), dense_delta(x, base, dense, token_adapters(meta)).float(),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode", ["sgmv", "mbgmv"])
+def test_tables_refilled_in_place(mode: str) -> None:
+    """One LoraWeights(check=False) over static tables and a static pool (the worker's per-layer
+    object, built once); the tables and pool contents are refilled in place between calls and every
+    call follows the new contents, including slots that go from used to unused and back."""
+    in_dim, out_dim, r_max, slots, region, head = 64, 48, 32, 4, 131, 1
+    dtype = torch.float16
+    pool = torch.zeros(head + 64 * region, dtype=dtype, device=DEVICE)
+    a_off = torch.zeros(slots, r_max, dtype=torch.int64, device=DEVICE)
+    b_off = torch.zeros(slots, r_max, dtype=torch.int64, device=DEVICE)
+    rank = torch.zeros(slots, dtype=torch.int32, device=DEVICE)
+    scale = torch.zeros(slots, dtype=torch.float32, device=DEVICE)
+    w = LoraWeights(pool, pool, a_off, b_off, rank, scale, in_dim, out_dim, check=False)
+
+    def refill(step_seed: int, step_ranks: list[int]) -> list:
+        """Writes fresh adapters of the given ranks (0: unused slot) into the pool and the tables."""
+        g = torch.Generator().manual_seed(step_seed)
+        dense = [(torch.randn(r, in_dim, generator=g).div(8).to(dtype).to(DEVICE),
+                  torch.randn(out_dim, r, generator=g).to(dtype).to(DEVICE), 0.25 * (1 + i)) if r else None
+                 for i, r in enumerate(step_ranks)]  # fmt: skip
+        fresh = unified_pool(dense, r_max, dtype, region, head, step_seed, num_regions=64)
+        pool.copy_(fresh.a_pool)
+        for table, new in ((a_off, fresh.a_offsets), (b_off, fresh.b_offsets), (rank, fresh.rank),
+                           (scale, fresh.scale)):
+            table.copy_(new)
+        return dense
+
+    ids = [0, 1, -1, 3, 1, 2, 0]
+    meta = make_meta(mode, ids, 3)
+    x = randn(meta.num_tokens, in_dim, dtype=dtype, seed=1)
+    base = randn(meta.num_tokens, out_dim, dtype=dtype, seed=2)
+    results = []
+    for step, step_ranks in enumerate(([8, 16, 0, 32], [32, 0, 4, 8], [8, 16, 0, 32])):
+        dense = refill(100 + step, step_ranks)
+        got = lora_delta(x, base.clone(), [LoraSlice(0, out_dim, w)], meta, use_triton=True)
+        close(got, lora_delta(x, base.clone(), [LoraSlice(0, out_dim, w)], meta, use_triton=False))
+        torch.testing.assert_close(got.float(), dense_delta(x, base, dense, token_adapters(meta)).float(),
+                                   rtol=2e-2, atol=2e-2)
+        results.append(got)
+    assert not torch.equal(results[0], results[1]), "the second fill must change the result"
+    assert not torch.equal(results[0], results[2]), "same ranks, new weights: a new result"
+
+
+def test_unchecked_tables_skip_content_checks_not_shape_checks(small) -> None:
+    w, _ = small
+    bad_rank = torch.full_like(w.rank, 1000)  # content: only a checked build looks at it
+    dataclasses.replace(w, rank=bad_rank, check=False)
+    with pytest.raises(ValueError, match="rank 1000, outside"):
+        dataclasses.replace(w, rank=bad_rank)
+    with pytest.raises(ValueError, match=r"rank \[12\] torch.int64: want \[12\] int32"):
+        dataclasses.replace(w, rank=w.rank.long(), check=False)
+    with pytest.raises(ValueError, match="must be 1-D contiguous"):
+        dataclasses.replace(w, a_pool=w.a_pool.view(-1, 64), check=False)
+
+
+@pytest.mark.parametrize("mode", ["sgmv", "mbgmv"])
+def test_rows_without_adapter_get_zero_v(mode: str) -> None:
+    """lora_shrink's v: 0 for rows of -1 and past each row's rank (also with no adapter row at all)."""
+    w = pooled(dense_adapters(64, 64, torch.float32, 0), 0)
+    for ids in ([-1, -1, -1], [-1, 2, 0]):
+        meta = make_meta(mode, ids, 1)
+        x = randn(meta.num_tokens, 64, dtype=torch.float32, seed=1)
+        v = lora_shrink_triton(x, w, meta)
+        close(v, lora_shrink_ref(x, w, meta))
+        ranks = w.rank.tolist()
+        for t, a in enumerate(token_adapters(meta)):
+            assert not v[t, ranks[a] if a >= 0 else 0 :].any()
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -231,18 +414,38 @@ def test_adapter_id_out_of_range(small, use_triton: bool) -> None:
 def test_rank_above_r_max(small) -> None:
     w, _ = small
     with pytest.raises(ValueError, match="rank 65, outside 0 .. r_max = 64"):
-        LoraWeights(w.a_pool, w.b_pool, w.row_index, torch.full_like(w.rank, 65), w.scale)
+        dataclasses.replace(w, rank=torch.full_like(w.rank, 65))
     a, b = torch.zeros(65, 64), torch.zeros(64, 65)
     with pytest.raises(ValueError, match="rank 65 > r_max = 64"):
         make_weights([(a, b, 1.0)], 64)
 
 
-def test_row_index_outside_pool(small) -> None:
+@pytest.mark.parametrize("table,pool_attr,dim", [("a_offsets", "a_pool", 64), ("b_offsets", "b_pool", 64)])
+def test_offsets_outside_pool(small, table: str, pool_attr: str, dim: int) -> None:
     w, _ = small
-    ri = w.row_index.clone()
-    ri[2, 0] = w.a_pool.shape[0]
-    with pytest.raises(ValueError, match="row_index points outside the pool"):
-        LoraWeights(w.a_pool, w.b_pool, ri, w.rank, w.scale)
+    n = getattr(w, pool_attr).numel()
+    for bad in (n - dim + 1, -1):
+        offs = getattr(w, table).clone()
+        offs[2, 0] = bad
+        with pytest.raises(ValueError, match=rf"{table}\[2, 0\] = {bad}: row .* outside the pool of {n} elements"):
+            dataclasses.replace(w, **{table: offs})
+    offs = getattr(w, table).clone()
+    offs[2, w.rank[2]:] = n  # past the slot's rank: never read, so allowed
+    dataclasses.replace(w, **{table: offs})
+
+
+def test_offset_align_promise(small) -> None:
+    w, _ = small
+    assert w.offset_align == 16  # make_weights: the dims 64 / 64 allow it
+    offs = w.a_offsets.clone()
+    offs[1, 0] = 3
+    with pytest.raises(ValueError, match=r"a_offsets\[1, 0\].*not a multiple of offset_align = 16"):
+        dataclasses.replace(w, a_offsets=offs)
+    dataclasses.replace(w, a_offsets=offs, offset_align=1)
+    with pytest.raises(ValueError, match="offset_align 3: want a power of two"):
+        dataclasses.replace(w, offset_align=3)
+    with pytest.raises(ValueError, match="a_pool starts at an address that is not a multiple of offset_align"):
+        dataclasses.replace(w, a_pool=w.a_pool[1:], offset_align=2, check=False)
 
 
 @pytest.mark.parametrize("use_triton", [True, False])
@@ -254,7 +457,7 @@ def test_dtype_mismatch(small, use_triton: bool) -> None:
     with pytest.raises(ValueError, match="dtype mismatch: out torch.float16"):
         lora_delta(x, torch.zeros(4, 64, dtype=torch.float16), [LoraSlice(0, 64, w)], meta, use_triton=use_triton)
     with pytest.raises(ValueError, match="pool dtypes"):
-        LoraWeights(w.a_pool, w.b_pool.half(), w.row_index, w.rank, w.scale)
+        dataclasses.replace(w, b_pool=w.b_pool.half())
 
 
 def test_shape_mismatches(small) -> None:

@@ -5,15 +5,17 @@ Layout:
 - ``lora``  PEFT LoRA directories -> validated ``LoraAdapter`` (per layer and projection ``A [r, in]``,
             ``B [out, r]``, rank, alpha, scaling), plus the torch references ``lora_delta_ref`` and
             ``merged_weight`` that kernels and serving are tested against.
-- ``lora_layers``  serving them: ``attach_lora(model, adapters) -> LoraStep`` wraps the targeted block
-            linears in ``LoraLinear`` (base + per-token adapter delta); the executor sets the
-            step's token -> adapter map before each forward.
+- ``pool``  the adapter tiers the router drives (``AdapterOp``: host memory, pages of the KV pool),
+            ``inspect`` for registration, and the per-step slot tables + ``LoraMeta`` the kernels read.
+- ``lora_layers``  ``attach_lora(model, step, weights)`` wraps the block linears in ``LoraLinear``
+            (base + ``kernels.lora.lora_delta`` over the pool when the step has adapter tokens).
 """
 
 from .lora import LoraAdapter, LoraAdapterError, LoraWeights, load_lora_adapter, lora_delta_ref, merged_weight
-from .lora_layers import NO_ADAPTER, LoraLinear, LoraStep, attach_lora
+from .lora_layers import LoraLinear, LoraStep, attach_lora
+from .pool import AdapterLayout, AdapterLoadError, AdapterPool
 
 __all__ = [
     "LoraAdapter", "LoraAdapterError", "LoraWeights", "load_lora_adapter", "lora_delta_ref", "merged_weight",
-    "NO_ADAPTER", "LoraLinear", "LoraStep", "attach_lora",
+    "LoraLinear", "LoraStep", "attach_lora", "AdapterLayout", "AdapterLoadError", "AdapterPool",
 ]  # fmt: skip

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,8 +18,10 @@ from pathlib import Path
 ENV_PREFIX = "DELTASERVE_WORKER_"
 #: Accepted ``--dtype`` values; ``auto`` = float32 on CPU, the checkpoint's half type (else bfloat16) on CUDA.
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-#: Largest adapter id (the wire's ``NewRequest.adapter_id`` is a u32; 0 means the base model).
-MAX_ADAPTER_ID = 2**32 - 1
+#: Largest ``--max-lora-rank`` (the largest rank ``adapters.lora`` accepts).
+MAX_LORA_RANK = 256
+#: Largest ``--max-loras-per-step`` (a step's distinct adapters are bounded by its sequences).
+MAX_LORAS_PER_STEP = 65536
 
 
 class ConfigError(ValueError):
@@ -87,12 +88,18 @@ class WorkerConfig:
         default=0, metadata=_doc("CPU threads for torch ops; 0 = the CPUs this process may run on.")
     )
     log_level: str = field(default="INFO", metadata=_doc("Logging level of the deltaserve.worker logger."))
-    loras: str = field(
-        default="{}",
+    max_lora_rank: int = field(
+        default=256,
         metadata=_doc(
-            'LoRA adapters to serve, as a JSON object adapter id -> PEFT adapter directory, e.g. '
-            '\'{"1": "/adapters/a", "2": "/adapters/b"}\'; ids are positive integers (a request\'s '
-            "adapter_id; 0 is the base model alone); loaded and validated against the model at start."
+            "Largest LoRA rank served (r_max of the per-step adapter tables); adapters of a higher rank are "
+            f"refused at registration; 1..{MAX_LORA_RANK}, 0 turns LoRA off."
+        ),
+    )
+    max_loras_per_step: int = field(
+        default=256,
+        metadata=_doc(
+            "Most distinct LoRA adapters one step may use (slots of the per-step adapter tables); the "
+            "router passes its max_num_seqs."
         ),
     )
 
@@ -126,12 +133,11 @@ class WorkerConfig:
             raise ConfigError(f"--recv-spin-us {self.recv_spin_us}: expected 0..1000000 microseconds")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"--log-level {self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
-        self.lora_dirs()
+        if not 0 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ConfigError(f"--max-lora-rank {self.max_lora_rank}: expected 0..{MAX_LORA_RANK} (0 = LoRA off)")
+        if not 1 <= self.max_loras_per_step <= MAX_LORAS_PER_STEP:
+            raise ConfigError(f"--max-loras-per-step {self.max_loras_per_step}: expected 1..{MAX_LORAS_PER_STEP}")
         return self
-
-    def lora_dirs(self) -> dict[int, Path]:
-        """``--loras`` parsed: adapter id -> directory; raises ConfigError naming ``--loras``."""
-        return parse_loras(self.loras)
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -165,28 +171,3 @@ class WorkerConfig:
         ns = cls.parser().parse_args(argv)
         return cls(**vars(ns)).validate()
 
-
-def parse_loras(text: str) -> dict[int, Path]:
-    """A ``--loras`` value (JSON object ``{"<id>": "<dir>"}``) -> ``{id: Path(dir)}``, validated.
-
-    Ids are decimal integers in 1..MAX_ADAPTER_ID without sign or leading zeros; each directory
-    must exist (its contents are validated when the executor loads it).
-    """
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--loras {text!r}: not valid JSON ({e}); expected an object like {{\"1\": \"/path/to/adapter\"}}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"--loras {text!r}: expected a JSON object of adapter id -> directory, got {type(value).__name__}")
-    out: dict[int, Path] = {}
-    for key, path in value.items():
-        if not re.fullmatch(r"[1-9][0-9]*", key) or int(key) > MAX_ADAPTER_ID:
-            raise ConfigError(
-                f"--loras: adapter id {key!r} must be an integer in 1..{MAX_ADAPTER_ID} (0 is the base model)"
-            )
-        if not isinstance(path, str) or not path:
-            raise ConfigError(f"--loras: adapter {key}: directory must be a non-empty string, got {path!r}")
-        if not Path(path).is_dir():
-            raise ConfigError(f"--loras: adapter {key}: {path} is not a directory")
-        out[int(key)] = Path(path)
-    return out

@@ -17,7 +17,15 @@ Layout::
                   the scratch slot; replay; return logits[:n]
 
 Everything the captured forward reads lives in those buffers, so a graph stays valid whatever
-requests come and go. Padding rows write their K/V into ``scratch_slot``, a KV slot the executor
+requests come and go.
+
+With LoRA (``lora``: the executor's ``AdapterPool``) every bucket gets a second graph, captured
+with the adapted linears active over static metadata: ``row_slot [B]`` int32 (each row's table
+slot, -1 for base rows and padding) and ``row_start = arange(B + 1)`` form the MBGMV ``LoraMeta``,
+and the pool's slot tables (offsets, ranks, scales) are static too. A decode step with adapter
+rows fills its slots' tables (``AdapterPool.assign_rows``) and ``row_slot``, then replays that
+graph; the MBGMV launch grid depends on the bucket only, so adapters coming and going never
+invalidate a graph. Base-only steps keep replaying the plain graphs, which contain no LoRA work. Padding rows write their K/V into ``scratch_slot``, a KV slot the executor
 keeps out of the router's pool. Only the Triton attention path is capturable (the torch reference
 shapes its tensors by each step's lengths), so graphs need CUDA and the Triton kernels.
 """
@@ -26,10 +34,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
+from deltaserve.kernels.lora import LoraMeta
 from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
+
+if TYPE_CHECKING:
+    from deltaserve.adapters.pool import AdapterPool
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +66,7 @@ class DecodeGraphs:
         max_batch: int,
         max_model_len: int,
         scratch_slot: int,
+        lora: "AdapterPool | None" = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"DecodeGraphs: max_batch must be >= 1, got {max_batch}")
@@ -80,6 +94,14 @@ class DecodeGraphs:
         """Static bound on every context, as the captured kernels were specialised for it."""
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         """Bucket size -> (its graph, the logits tensor the graph writes)."""
+        self.lora = lora
+        """The adapter pool whose step tables the LoRA graphs read; None: base graphs only."""
+        self.row_slot = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
+        """Static MBGMV metadata: each row's adapter table slot (-1: base row or padding)."""
+        self.row_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        """Static MBGMV metadata: row r is segment r."""
+        self.lora_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """Bucket size -> (its graph with the adapted linears active, its logits)."""
         self.replays = 0
         """Steps served by a graph so far (tests and logs check graphs are really used)."""
         self._capture(buckets_up_to(max_batch))
@@ -111,11 +133,34 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self.model.forward(batch, self.kv)
                 self.graphs[b] = (graph, logits)
+                if self.lora is not None:
+                    self.lora.step.meta = self._lora_meta(b)
+                    try:
+                        for _ in range(2):
+                            self.model.forward(batch, self.kv)
+                        torch.cuda.synchronize(self.kv.device)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool):
+                            logits = self.model.forward(batch, self.kv)
+                        self.lora_graphs[b] = (graph, logits)
+                    finally:
+                        self.lora.step.meta = None
         torch.cuda.synchronize(self.kv.device)
         log.info(
-            "captured %d decode CUDA graphs (batch %s) in %.1f s",
-            len(sizes), ",".join(map(str, sorted(sizes))), time.monotonic() - started,
+            "captured %d decode CUDA graphs (batch %s%s) in %.1f s",
+            len(sizes), ",".join(map(str, sorted(sizes))), ", each also with LoRA" if self.lora_graphs else "",
+            time.monotonic() - started,
         )
+
+    def _lora_meta(self, b: int) -> LoraMeta:
+        """MBGMV metadata over the static row buffers for a bucket of ``b`` rows. Its host fields
+        only size the launch (decode grids depend on ``b`` alone); the rows' slots are read from
+        ``row_slot`` when the graph replays."""
+        return LoraMeta(
+            seg_start=self.row_start[: b + 1], seg_adapter=self.row_slot[:b],
+            seg_start_host=tuple(range(b + 1)), seg_adapter_host=(0,) * b, num_tokens=b,
+            max_seg_len=1, max_adapter=0, decode=True,
+        )  # fmt: skip
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size that holds ``n`` rows (None: run eagerly)."""
@@ -124,11 +169,13 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, step: ForwardBatch) -> torch.Tensor:
+    def run(self, step: ForwardBatch, row_slots: list[int] | None = None) -> torch.Tensor:
         """Replays the decode ``step`` (one token per sequence, every row wants logits).
 
         ``step`` is the step's ``ForwardBatch`` built on the host; its tensors are copied into the
-        static buffers. Returns float32 logits [num_seqs, vocab] (a view valid until the next run).
+        static buffers. ``row_slots``: each row's adapter table slot (-1: base), already filled by
+        ``AdapterPool.assign_rows``; given, the LoRA graph replays. Returns float32 logits
+        [num_seqs, vocab] (a view valid until the next run).
         """
         n = step.num_seqs
         b = self.bucket_for(n)
@@ -145,7 +192,14 @@ class DecodeGraphs:
         if b > n:
             self.seq_lens[n:b].zero_()
             self.slot_mapping[n:b].fill_(self.scratch_slot)
-        graph, logits = self.graphs[b]
+        graphs = self.graphs
+        if row_slots is not None:
+            if b not in self.lora_graphs or len(row_slots) != n:
+                raise ValueError(f"DecodeGraphs.run: no LoRA graph for {n} rows with {len(row_slots)} slots")
+            slots = torch.tensor(row_slots + [-1] * (b - n), dtype=torch.int32)
+            self.row_slot[:b].copy_(slots, non_blocking=True)
+            graphs = self.lora_graphs
+        graph, logits = graphs[b]
         graph.replay()
         self.replays += 1
         return logits[:n]

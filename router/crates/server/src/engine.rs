@@ -14,9 +14,14 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use deltaserve_ipc::wire::{SamplingParams, TokenLogprob};
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use deltaserve_ipc::wire::{AdapterInfo, SamplingParams, TokenLogprob};
+use deltaserve_sched::AdapterSpec;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::registry::{AdapterEntry, AdapterFootprint, AdapterRegistry, RegistryError};
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
 
@@ -105,31 +110,24 @@ pub struct ServedModel {
     pub vocab_size: u32,
     /// Unix time the server started, for `/v1/models`.
     pub created: u64,
-    /// LoRA adapters registered at start-up, selectable as `"<name>:<adapter>"` or by adapter name.
-    pub adapters: Vec<ServedAdapter>,
-}
-
-/// A LoRA adapter clients can select.
-#[derive(Debug, Clone)]
-pub struct ServedAdapter {
-    /// The user-facing name (`--lora NAME=DIR`).
-    pub name: String,
-    /// The internal id the workers know it by (STYLE.md #15: never the client's string).
-    pub id: u32,
+    /// The LoRA adapters served on top of the base, selectable as `"<name>:<adapter>"` or by
+    /// adapter name while active.
+    pub adapters: Arc<AdapterRegistry>,
 }
 
 impl ServedModel {
     /// The name responses report for adapter `id` (what `/v1/models` lists): `<base>:<adapter>`,
     /// or the base name for 0.
     pub fn display_name(&self, id: u32) -> String {
-        match self.adapters.iter().find(|a| a.id == id) {
-            Some(a) => format!("{}:{}", self.name, a.name),
-            None => self.name.clone(),
+        match self.adapters.name_of(id) {
+            Some(a) if id != 0 => format!("{}:{a}", self.name),
+            _ => self.name.clone(),
         }
     }
 
     /// The adapter id a `model` field selects: absent or the base name → 0 (base only);
-    /// `"<base>:<adapter>"` or a bare adapter name → that adapter; anything else → `None`.
+    /// `"<base>:<adapter>"` or a bare adapter name of an active adapter → that adapter;
+    /// anything else → `None`.
     pub fn resolve(&self, requested: Option<&str>) -> Option<u32> {
         let Some(name) = requested else {
             return Some(0);
@@ -142,10 +140,7 @@ impl ServedModel {
             Some(_) => return None,
             None => name,
         };
-        self.adapters
-            .iter()
-            .find(|a| a.name == adapter)
-            .map(|a| a.id)
+        self.adapters.active_id(adapter)
     }
 }
 
@@ -173,6 +168,50 @@ pub struct EngineMetrics {
     pub step_router_us_p99: u64,
     /// Worker restarts since start.
     pub worker_restarts_total: u64,
+    /// Active LoRA adapters in the registry.
+    pub adapters_registered: u64,
+    /// Adapters whose weights are in a GPU pool (summed over workers).
+    pub adapters_on_gpu: u64,
+    /// Pool pages holding adapter weights (the rest of the used pages hold KV).
+    pub adapter_blocks: u64,
+    /// Host-memory bytes of adapter copies, as the schedulers account them.
+    pub adapter_host_bytes: u64,
+    /// Host-memory bytes of adapter copies, as the workers measured them after their last step.
+    pub adapter_host_bytes_measured: u64,
+    /// Adapter copies host -> GPU pool since start.
+    pub adapter_gpu_loads_total: u64,
+    /// Adapter reads disk -> host since start.
+    pub adapter_host_loads_total: u64,
+    /// Adapters evicted from a GPU pool since start.
+    pub adapter_gpu_evictions_total: u64,
+}
+
+/// Why registering or deleting an adapter failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AdapterError {
+    /// The adapter cannot be served as given (400); `param` is the request field at fault.
+    #[error("{message}")]
+    Invalid {
+        /// What is wrong, naming the file or field.
+        message: String,
+        /// The request field at fault (`name` or `path`).
+        param: &'static str,
+    },
+    /// The registry refused the name (bad: 400, taken or being deleted: 409, unknown: 404).
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    /// No worker can inspect it right now (503).
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// How an actor answered a request to forget an adapter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RemoveOutcome {
+    /// Forgotten: its pages are free and the worker drops it with the next step.
+    Removed,
+    /// Live requests still use it; ask again later.
+    InUse(usize),
 }
 
 /// Commands an actor accepts (STYLE.md #7).
@@ -184,6 +223,22 @@ pub(crate) enum Command {
     },
     Metrics {
         reply: oneshot::Sender<EngineMetrics>,
+    },
+    /// Ask the worker to validate an adapter directory (changes nothing).
+    Inspect {
+        path: String,
+        reply: oneshot::Sender<Result<AdapterInfo, String>>,
+    },
+    /// Register an inspected adapter with the actor's scheduler.
+    AddAdapter {
+        id: u32,
+        spec: AdapterSpec,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    /// Forget an adapter once no live request uses it.
+    RemoveAdapter {
+        id: u32,
+        reply: oneshot::Sender<RemoveOutcome>,
     },
 }
 
@@ -300,9 +355,158 @@ impl EngineHandle {
             .all(|a| a.ready.load(Ordering::Acquire))
     }
 
+    /// Registers the PEFT LoRA adapter in `dir` as `name`: a worker validates it against the model
+    /// and reports its footprint, then every worker's scheduler learns it (nothing is loaded until
+    /// a request needs it). Nothing changes when any step fails.
+    pub async fn register_adapter(
+        &self,
+        name: &str,
+        dir: &Path,
+    ) -> Result<AdapterEntry, AdapterError> {
+        let invalid = |message: String| AdapterError::Invalid {
+            message,
+            param: "path",
+        };
+        let dir = std::fs::canonicalize(dir)
+            .map_err(|e| invalid(format!("adapter path {}: {e}", dir.display())))?;
+        if !dir.join("adapter_config.json").is_file() {
+            return Err(invalid(format!(
+                "no adapter_config.json in {}: expected a PEFT LoRA adapter directory",
+                dir.display()
+            )));
+        }
+        let path = dir
+            .to_str()
+            .ok_or_else(|| invalid(format!("adapter path {} is not UTF-8", dir.display())))?
+            .to_string();
+        let registry = &self.inner.model.adapters;
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let id = registry.reserve(name, dir.clone(), created)?;
+        match self.register_reserved(id, path).await {
+            Ok(footprint) => Ok(registry
+                .activate(id, footprint)
+                .expect("a reserved entry stays until activated or removed")),
+            Err(e) => {
+                registry.remove(id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Inspects on one ready worker, then registers with every actor (rolling back on failure).
+    async fn register_reserved(
+        &self,
+        id: u32,
+        path: String,
+    ) -> Result<AdapterFootprint, AdapterError> {
+        let actor = self
+            .inner
+            .actors
+            .iter()
+            .find(|a| a.ready.load(Ordering::Acquire))
+            .ok_or_else(|| {
+                AdapterError::Unavailable(
+                    "no worker is ready to inspect the adapter; retry shortly".into(),
+                )
+            })?;
+        let gone = || AdapterError::Unavailable("the engine is shutting down".into());
+        let (reply, rx) = oneshot::channel();
+        actor
+            .tx
+            .send(Command::Inspect {
+                path: path.clone(),
+                reply,
+            })
+            .map_err(|_| gone())?;
+        let info = rx
+            .await
+            .map_err(|_| gone())?
+            .map_err(AdapterError::Unavailable)?;
+        if let Some(message) = info.error {
+            return Err(AdapterError::Invalid {
+                message,
+                param: "path",
+            });
+        }
+        let spec = AdapterSpec {
+            num_blocks: info.num_blocks,
+            host_bytes: info.host_bytes,
+            path,
+        };
+        let mut added = Vec::new();
+        for actor in &self.inner.actors {
+            let (reply, rx) = oneshot::channel();
+            let sent = actor.tx.send(Command::AddAdapter {
+                id,
+                spec: spec.clone(),
+                reply,
+            });
+            let outcome = match sent {
+                Ok(()) => rx
+                    .await
+                    .unwrap_or_else(|_| Err("the engine is shutting down".into())),
+                Err(_) => Err("the engine is shutting down".into()),
+            };
+            if let Err(message) = outcome {
+                for done in added {
+                    let _ = self.remove_from(done, id).await;
+                }
+                return Err(AdapterError::Invalid {
+                    message,
+                    param: "path",
+                });
+            }
+            added.push(actor);
+        }
+        Ok(AdapterFootprint {
+            num_blocks: info.num_blocks,
+            host_bytes: info.host_bytes,
+            max_rank: info.max_rank,
+            target_modules: info.target_modules,
+        })
+    }
+
+    /// Deletes adapter `name`: it stops resolving at once; this waits until no live request uses
+    /// it on any worker, then frees its memory and forgets it. The wait runs in its own task, so
+    /// a client that goes away does not leave the adapter half deleted.
+    pub async fn delete_adapter(&self, name: &str) -> Result<AdapterEntry, AdapterError> {
+        let entry = self.inner.model.adapters.begin_delete(name)?;
+        let this = self.clone();
+        let id = entry.id;
+        let task = tokio::spawn(async move {
+            for actor in &this.inner.actors {
+                this.remove_from(actor, id).await;
+            }
+            this.inner.model.adapters.remove(id);
+        });
+        task.await
+            .map_err(|e| AdapterError::Unavailable(format!("deleting the adapter failed: {e}")))?;
+        Ok(entry)
+    }
+
+    /// Asks `actor` to forget adapter `id` until it has (polling while requests still use it).
+    async fn remove_from(&self, actor: &ActorRef, id: u32) {
+        loop {
+            let (reply, rx) = oneshot::channel();
+            if actor.tx.send(Command::RemoveAdapter { id, reply }).is_err() {
+                return;
+            }
+            match rx.await {
+                Ok(RemoveOutcome::InUse(_)) => tokio::time::sleep(Duration::from_millis(20)).await,
+                Ok(RemoveOutcome::Removed) | Err(_) => return,
+            }
+        }
+    }
+
     /// Counters summed over workers (gap percentiles: the largest over workers).
     pub async fn metrics(&self) -> EngineMetrics {
-        let mut total = EngineMetrics::default();
+        let mut total = EngineMetrics {
+            adapters_registered: self.inner.model.adapters.num_active() as u64,
+            ..Default::default()
+        };
         for actor in &self.inner.actors {
             let (reply, rx) = oneshot::channel();
             if actor.tx.send(Command::Metrics { reply }).is_err() {
@@ -319,6 +523,13 @@ impl EngineHandle {
                 total.requests_aborted_total += m.requests_aborted_total;
                 total.tokens_generated_total += m.tokens_generated_total;
                 total.worker_restarts_total += m.worker_restarts_total;
+                total.adapters_on_gpu += m.adapters_on_gpu;
+                total.adapter_blocks += m.adapter_blocks;
+                total.adapter_host_bytes += m.adapter_host_bytes;
+                total.adapter_host_bytes_measured += m.adapter_host_bytes_measured;
+                total.adapter_gpu_loads_total += m.adapter_gpu_loads_total;
+                total.adapter_host_loads_total += m.adapter_host_loads_total;
+                total.adapter_gpu_evictions_total += m.adapter_gpu_evictions_total;
                 total.step_gap_us_p50 = total.step_gap_us_p50.max(m.step_gap_us_p50);
                 total.step_gap_us_p99 = total.step_gap_us_p99.max(m.step_gap_us_p99);
                 total.step_router_us_p50 = total.step_router_us_p50.max(m.step_router_us_p50);
@@ -334,21 +545,27 @@ mod tests {
     use super::*;
 
     fn served() -> ServedModel {
+        let adapters = Arc::new(AdapterRegistry::new("base"));
+        for name in ["a", "b"] {
+            let id = adapters.reserve(name, "/x".into(), 0).unwrap();
+            adapters.activate(id, footprint()).unwrap();
+        }
+        adapters.reserve("pending", "/x".into(), 0).unwrap();
         ServedModel {
             name: "base".into(),
             max_model_len: 64,
             vocab_size: 100,
             created: 0,
-            adapters: vec![
-                ServedAdapter {
-                    name: "a".into(),
-                    id: 1,
-                },
-                ServedAdapter {
-                    name: "b".into(),
-                    id: 2,
-                },
-            ],
+            adapters,
+        }
+    }
+
+    fn footprint() -> crate::registry::AdapterFootprint {
+        crate::registry::AdapterFootprint {
+            num_blocks: 1,
+            host_bytes: 1,
+            max_rank: 1,
+            target_modules: vec![],
         }
     }
 
@@ -363,6 +580,7 @@ mod tests {
         assert_eq!(m.resolve(Some("other:a")), None);
         assert_eq!(m.resolve(Some("c")), None);
         assert_eq!(m.resolve(Some("")), None);
+        assert_eq!(m.resolve(Some("pending")), None, "not active yet");
         assert_eq!(m.display_name(0), "base");
         assert_eq!(m.display_name(2), "base:b");
     }

@@ -7,6 +7,7 @@
 //! - [`validate`]: request checks and defaults, before anything is queued.
 //! - [`text`]: tokenizer, incremental detokenizer with stop strings, chat templates.
 //! - [`engine`]: the handle the API calls; one actor per worker behind it.
+//! - [`registry`]: the served LoRA adapters by name (client name -> internal id).
 //! - `actor`: owns a worker's scheduler (`deltaserve-sched`) and drives its steps.
 //! - [`worker`]: spawns a Python worker, links to it over shared-memory rings
 //!   (`deltaserve-ipc`), handshakes.
@@ -17,6 +18,7 @@
 pub mod api;
 pub mod config;
 pub mod engine;
+pub mod registry;
 pub mod text;
 pub mod validate;
 pub mod worker;
@@ -32,7 +34,8 @@ use tokio::net::TcpListener;
 
 use crate::actor::{Actor, SchedLimits};
 use crate::config::ServerConfig;
-use crate::engine::{EngineHandle, ServedAdapter, ServedModel};
+use crate::engine::{EngineHandle, ServedModel};
+use crate::registry::AdapterRegistry;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
 use crate::worker::{WorkerProcess, WorkerSpec};
@@ -62,11 +65,8 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             max_num_batched_tokens: cfg.max_num_batched_tokens as u32,
             max_model_len: cfg.max_model_len,
             cuda_graph_max_batch: cfg.cuda_graph_max_batch.min(cfg.max_num_seqs as u32),
-            loras: cfg
-                .adapters()
-                .into_iter()
-                .map(|(id, _, dir)| (id, dir))
-                .collect(),
+            max_lora_rank: cfg.max_lora_rank,
+            max_loras_per_step: cfg.max_num_seqs as u32,
             start_timeout: cfg.worker_start_timeout,
         })
         .collect();
@@ -107,15 +107,12 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        adapters: cfg
-            .adapters()
-            .into_iter()
-            .map(|(id, name, _)| ServedAdapter { name, id })
-            .collect(),
+        adapters: Arc::new(AdapterRegistry::new(cfg.model_name())),
     };
     let limits = SchedLimits {
         max_num_seqs: cfg.max_num_seqs,
         max_num_batched_tokens: cfg.max_num_batched_tokens,
+        host_adapter_bytes: cfg.lora_host_bytes,
     };
     let mut actors = Vec::new();
     for (i, (worker, spec)) in workers.into_iter().zip(specs).enumerate() {
@@ -123,13 +120,27 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         tokio::spawn(actor.run());
         actors.push(handle);
     }
-    Ok(EngineHandle::new(
+    let engine = EngineHandle::new(
         actors,
         model,
         tokenizer,
         chat_template,
         cfg.max_queued_per_worker,
-    ))
+    );
+    let startup = cfg.startup_adapters().map_err(anyhow::Error::msg)?;
+    for (name, dir) in startup {
+        let entry = engine
+            .register_adapter(&name, &dir)
+            .await
+            .with_context(|| format!("registering LoRA adapter {name} ({})", dir.display()))?;
+        tracing::info!(
+            adapter = %entry.name,
+            id = entry.id,
+            path = %entry.path.display(),
+            "LoRA adapter registered"
+        );
+    }
+    Ok(engine)
 }
 
 /// Serves the API on `listener` until `shutdown` resolves, then stops the workers.

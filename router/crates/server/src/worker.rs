@@ -51,8 +51,10 @@ pub struct WorkerSpec {
     pub max_model_len: Option<u32>,
     /// Largest decode batch the worker replays from a CUDA graph (0: eager only).
     pub cuda_graph_max_batch: u32,
-    /// LoRA adapters to load at start: `(id, PEFT directory)`.
-    pub loras: Vec<(u32, PathBuf)>,
+    /// Largest LoRA rank the worker accepts (sizes its per-step adapter tables).
+    pub max_lora_rank: u32,
+    /// Most distinct adapters one step may use (the scheduler's max_num_seqs bounds it).
+    pub max_loras_per_step: u32,
     /// How long model loading may take before the start counts as failed.
     pub start_timeout: Duration,
 }
@@ -223,15 +225,10 @@ impl WorkerProcess {
             .arg(spec.max_num_batched_tokens.to_string())
             .arg("--cuda-graph-max-batch")
             .arg(spec.cuda_graph_max_batch.to_string());
-        if !spec.loras.is_empty() {
-            let map: serde_json::Map<String, serde_json::Value> = spec
-                .loras
-                .iter()
-                .map(|(id, dir)| (id.to_string(), dir.display().to_string().into()))
-                .collect();
-            cmd.arg("--loras")
-                .arg(serde_json::Value::Object(map).to_string());
-        }
+        cmd.arg("--max-lora-rank")
+            .arg(spec.max_lora_rank.to_string())
+            .arg("--max-loras-per-step")
+            .arg(spec.max_loras_per_step.to_string());
         if let Some(len) = spec.max_model_len {
             cmd.arg("--max-model-len").arg(len.to_string());
         }

@@ -16,7 +16,8 @@ use axum::Json;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::engine::EngineError;
+use crate::engine::{AdapterError, EngineError};
+use crate::registry::RegistryError;
 
 /// Seconds a client should wait before retrying after a 429 or 503.
 pub const RETRY_AFTER_SECS: u64 = 1;
@@ -35,6 +36,12 @@ pub enum ApiError {
     /// The `model` field names no served model (404).
     #[error("The model `{0}` does not exist; GET /v1/models lists the served models")]
     ModelNotFound(String),
+    /// No registered adapter of that name (404); the message says where the list is.
+    #[error("{0}")]
+    AdapterNotFound(String),
+    /// The request conflicts with the current state, e.g. a name already taken (409).
+    #[error("{0}")]
+    Conflict(String),
     /// No route at this path (404).
     #[error("no route for {0}")]
     RouteNotFound(String),
@@ -56,7 +63,7 @@ pub enum ApiError {
 }
 
 /// Every [`ApiError::error_type`], in the order of [`ERROR_COUNTS`].
-pub const ERROR_TYPES: [&str; 7] = [
+pub const ERROR_TYPES: [&str; 8] = [
     "invalid_request_error",
     "not_found_error",
     "method_not_allowed_error",
@@ -64,6 +71,7 @@ pub const ERROR_TYPES: [&str; 7] = [
     "rate_limit_error",
     "service_unavailable_error",
     "server_error",
+    "conflict_error",
 ];
 
 /// Errors answered since start, per [`ERROR_TYPES`] entry (process-wide, exported by `/metrics`).
@@ -121,7 +129,10 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
-            ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound(_)
+            | ApiError::AdapterNotFound(_)
+            | ApiError::RouteNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -138,12 +149,15 @@ impl ApiError {
     fn type_index(&self) -> usize {
         match self {
             ApiError::InvalidRequest { .. } => 0,
-            ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => 1,
+            ApiError::ModelNotFound(_)
+            | ApiError::AdapterNotFound(_)
+            | ApiError::RouteNotFound(_) => 1,
             ApiError::MethodNotAllowed(_) => 2,
             ApiError::PayloadTooLarge(_) => 3,
             ApiError::Overloaded(_) => 4,
             ApiError::Unavailable(_) => 5,
             ApiError::Internal(_) => 6,
+            ApiError::Conflict(_) => 7,
         }
     }
 
@@ -155,6 +169,10 @@ impl ApiError {
             ApiError::ModelNotFound(_) => (
                 Some("model".to_string()),
                 Some("model_not_found".to_string()),
+            ),
+            ApiError::AdapterNotFound(_) => (
+                Some("name".to_string()),
+                Some("adapter_not_found".to_string()),
             ),
             _ => (None, None),
         };
@@ -178,6 +196,22 @@ impl From<EngineError> for ApiError {
                 message: m,
                 param: None,
             },
+        }
+    }
+}
+
+impl From<AdapterError> for ApiError {
+    fn from(e: AdapterError) -> Self {
+        match e {
+            AdapterError::Invalid { message, param } => ApiError::invalid(param, message),
+            AdapterError::Registry(r @ RegistryError::BadName(_)) => {
+                ApiError::invalid("name", r.to_string())
+            }
+            AdapterError::Registry(r @ RegistryError::NotFound(_)) => {
+                ApiError::AdapterNotFound(r.to_string())
+            }
+            AdapterError::Registry(r) => ApiError::Conflict(r.to_string()),
+            AdapterError::Unavailable(m) => ApiError::Unavailable(m),
         }
     }
 }

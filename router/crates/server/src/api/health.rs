@@ -118,6 +118,54 @@ pub async fn metrics<B: Backend>(State(backend): State<B>) -> Response {
         "Worker processes restarted.",
         m.worker_restarts_total,
     );
+    metric(
+        "adapters_registered",
+        "gauge",
+        "LoRA adapters registered and selectable.",
+        m.adapters_registered,
+    );
+    metric(
+        "adapters_on_gpu",
+        "gauge",
+        "LoRA adapters whose weights are in a GPU pool.",
+        m.adapters_on_gpu,
+    );
+    metric(
+        "adapter_blocks",
+        "gauge",
+        "Pool pages holding adapter weights (the other used pages hold KV).",
+        m.adapter_blocks,
+    );
+    metric(
+        "adapter_host_bytes",
+        "gauge",
+        "Host-memory bytes of adapter copies, as the schedulers account them.",
+        m.adapter_host_bytes,
+    );
+    metric(
+        "adapter_host_bytes_measured",
+        "gauge",
+        "Host-memory bytes of adapter copies, as the workers measured them after their last step.",
+        m.adapter_host_bytes_measured,
+    );
+    metric(
+        "adapter_gpu_loads_total",
+        "counter",
+        "Adapter copies from host memory into a GPU pool.",
+        m.adapter_gpu_loads_total,
+    );
+    metric(
+        "adapter_host_loads_total",
+        "counter",
+        "Adapter reads from disk into host memory.",
+        m.adapter_host_loads_total,
+    );
+    metric(
+        "adapter_gpu_evictions_total",
+        "counter",
+        "Adapters evicted from a GPU pool to make room.",
+        m.adapter_gpu_evictions_total,
+    );
     let _ = writeln!(out, "# HELP deltaserve_api_errors_total Error responses by error type.\n# TYPE deltaserve_api_errors_total counter");
     for (kind, count) in error_counts() {
         let _ = writeln!(

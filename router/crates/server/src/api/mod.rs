@@ -8,6 +8,7 @@
 //!            ├─ POST /v1/chat/completions  chat.rs ────────┤  ApiJson body → validate → Backend::generate
 //!            ├─ GET  /v1/ws                ws.rs ──────────┘  → events → JSON | SSE chunks | WS messages
 //!            ├─ GET  /v1/models            models.rs
+//!            ├─ POST/GET /v1/adapters, DELETE /v1/adapters/{name}   adapters.rs (admin)
 //!            └─ GET  /health /ready /metrics   health.rs
 //!  openai.rs: request/response types      error.rs: ApiError (every failure), ApiJson extractor
 //! ```
@@ -17,6 +18,7 @@
 //! stream owns its request's event receiver, so a client that goes away drops the stream, which
 //! drops the receiver, which the engine notices (STYLE.md #14).
 
+pub mod adapters;
 pub mod chat;
 pub mod completions;
 pub mod error;
@@ -26,6 +28,7 @@ pub mod openai;
 pub mod ws;
 
 use std::future::Future;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -40,9 +43,10 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api::openai::Usage;
 use crate::engine::{
-    EngineError, EngineHandle, EngineMetrics, FinishReason, GenerateEvent, GenerateRequest,
-    ServedModel,
+    AdapterError, EngineError, EngineHandle, EngineMetrics, FinishReason, GenerateEvent,
+    GenerateRequest, ServedModel,
 };
+use crate::registry::AdapterEntry;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
 use crate::validate::ModelContext;
@@ -68,6 +72,17 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn is_ready(&self) -> bool;
     /// Engine counters for `/metrics`.
     fn metrics(&self) -> impl Future<Output = EngineMetrics> + Send;
+    /// Registers a LoRA adapter directory under `name` (validated by a worker first).
+    fn register_adapter(
+        &self,
+        name: String,
+        path: PathBuf,
+    ) -> impl Future<Output = Result<AdapterEntry, AdapterError>> + Send;
+    /// Deletes adapter `name` once its in-flight requests are done.
+    fn delete_adapter(
+        &self,
+        name: String,
+    ) -> impl Future<Output = Result<AdapterEntry, AdapterError>> + Send;
 }
 
 impl Backend for EngineHandle {
@@ -92,6 +107,16 @@ impl Backend for EngineHandle {
     fn metrics(&self) -> impl Future<Output = EngineMetrics> + Send {
         EngineHandle::metrics(self)
     }
+    async fn register_adapter(
+        &self,
+        name: String,
+        path: PathBuf,
+    ) -> Result<AdapterEntry, AdapterError> {
+        EngineHandle::register_adapter(self, &name, &path).await
+    }
+    async fn delete_adapter(&self, name: String) -> Result<AdapterEntry, AdapterError> {
+        EngineHandle::delete_adapter(self, &name).await
+    }
 }
 
 /// Every route, serving `engine`.
@@ -105,6 +130,14 @@ pub fn router_with<B: Backend>(backend: B) -> Router {
         .route("/v1/completions", post(completions::completions::<B>))
         .route("/v1/chat/completions", post(chat::chat_completions::<B>))
         .route("/v1/models", get(models::list_models::<B>))
+        .route(
+            "/v1/adapters",
+            get(adapters::list_adapters::<B>).post(adapters::create_adapter::<B>),
+        )
+        .route(
+            "/v1/adapters/{name}",
+            axum::routing::delete(adapters::delete_adapter::<B>),
+        )
         .route("/v1/ws", get(ws::ws_upgrade::<B>))
         .route("/health", get(health::health))
         .route("/ready", get(health::ready::<B>))
@@ -311,6 +344,7 @@ pub(crate) mod fake {
     use tokio::sync::mpsc;
 
     use super::*;
+    use crate::registry::{AdapterFootprint, AdapterRegistry};
     use crate::text::test_support::tiny_tokenizer;
 
     /// What the fake engine does with one request.
@@ -346,7 +380,7 @@ pub(crate) mod fake {
                     max_model_len: 64,
                     vocab_size: 300,
                     created: 1_700_000_000,
-                    adapters: Vec::new(),
+                    adapters: Arc::new(AdapterRegistry::new("tiny")),
                 }),
                 tokenizer: tiny_tokenizer(),
                 template: Some(Arc::new(
@@ -436,6 +470,41 @@ pub(crate) mod fake {
                 kv_blocks_total: 10,
                 ..Default::default()
             }
+        }
+        /// Accepts any path except one containing `bad-dora`, which it refuses as a worker would.
+        async fn register_adapter(
+            &self,
+            name: String,
+            path: PathBuf,
+        ) -> Result<AdapterEntry, AdapterError> {
+            let registry = &self.model.adapters;
+            let id = registry.reserve(&name, path.clone(), 1_700_000_001)?;
+            if path.to_string_lossy().contains("bad-dora") {
+                registry.remove(id);
+                return Err(AdapterError::Invalid {
+                    message: format!(
+                        "{}: adapter_config.json: use_dora is not supported",
+                        path.display()
+                    ),
+                    param: "path",
+                });
+            }
+            Ok(registry
+                .activate(
+                    id,
+                    AdapterFootprint {
+                        num_blocks: 2,
+                        host_bytes: 4096,
+                        max_rank: 8,
+                        target_modules: vec!["q_proj".into(), "v_proj".into()],
+                    },
+                )
+                .unwrap())
+        }
+        async fn delete_adapter(&self, name: String) -> Result<AdapterEntry, AdapterError> {
+            let entry = self.model.adapters.begin_delete(&name)?;
+            self.model.adapters.remove(entry.id);
+            Ok(entry)
         }
     }
 }

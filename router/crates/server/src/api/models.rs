@@ -5,6 +5,7 @@ use axum::Json;
 
 use super::openai::{ModelCard, ModelList};
 use super::Backend;
+use crate::registry::AdapterState;
 
 /// The handler.
 pub async fn list_models<B: Backend>(State(backend): State<B>) -> Json<ModelList> {
@@ -18,7 +19,12 @@ pub async fn list_models<B: Backend>(State(backend): State<B>) -> Json<ModelList
         parent,
     };
     let mut data = vec![card(model.name.clone(), None)];
-    for adapter in &model.adapters {
+    let active = model
+        .adapters
+        .list()
+        .into_iter()
+        .filter(|a| a.state == AdapterState::Active);
+    for adapter in active {
         data.push(card(
             format!("{}:{}", model.name, adapter.name),
             Some(model.name.clone()),

@@ -1,0 +1,591 @@
+"""The adapter pool: LoRA adapters' tiers on the worker (host memory, pages of the KV pool) and the
+per-step adapter tables the LoRA kernels read.
+
+The router decides where every adapter lives (S-LoRA's unified paging, ``sched`` crate); this
+module executes its ``AdapterOp``s and answers ``InspectAdapter``. There is ONE GPU pool: the KV
+cache tensor ``[L, 2, NB, block_size, H_kv, D]`` (``model/kv_cache.py``). A page ``p`` is, in
+every layer ``l``, two regions of ``S = block_size * H_kv * D`` elements of the layer's flat view
+``kv.kv[l].view(-1)``: K half at ``p * S``, V half at ``(NB + p) * S``. A page holds either a
+request's K/V or part of an adapter.
+
+Layout of one adapter (``AdapterLayout``; the same in every layer, so one offsets table serves all)::
+
+    rows, in order: for each projection the adapter targets, in linear_slots order (q k v o gate up down),
+                    r_p = its largest rank over layers:
+                        r_p rows of A   (A[j, :],  in_dim elements each)
+                        r_p rows of B^T (B[:, j],  out_dim elements each)
+    regions of pages [p1, p2, ...]:  K(p1) V(p1) K(p2) V(p2) ...
+    first fit, in order: a row goes at the current position of the current region if it fits
+                         entirely, else at the start of the next region
+    num_blocks = ceil(regions used / 2); a row wider than S cannot be placed (inspect refuses it)
+
+    layer flat view:  |K(p1): A_q0 A_q1 .. B_q0 ..  (tail) | ... | V(p1): .. | ...
+    host copy:        [L, sum(used part of each region)]  the regions' used parts back to back
+                      (so every row is contiguous in it and each region is one slice of it)
+
+Layers where a projection has a smaller rank (PEFT ``rank_pattern``) or no adapter leave its last
+rows zero; the per-layer rank table says how many rows are read (0 = not adapted there).
+
+Tiers, one state machine per adapter id (the router sends the ops in ``StepPlan.adapter_ops``; the
+executor validates the whole plan first, then applies them in order)::
+
+    (disk) ──to_host(path)──> host: pending ──background load──> host: ready (or failed)
+                                  │                                   │
+                                  └───────────── to_gpu(pages) ───────┴──> + gpu: placed on pages
+    drop_gpu: forget the placement (the pages are the router's again, maybe KV this very step)
+    drop_host: free the host copy (a GPU placement stays valid without it)
+
+``to_host`` validates the directory again (``load_lora_adapter`` in the pool's dtype plus the
+layout) and packs the host copy in a background thread (a ``ThreadPoolExecutor``), so prefetching
+overlaps steps; ``to_gpu`` waits for it. A load that fails (the directory vanished or changed since
+``inspect``) is raised by ``to_gpu`` as ``AdapterLoadError``: the worker loop makes it a fatal
+``WorkerError`` and the router restarts the worker (its accounting no longer matches the worker's).
+
+Per-step tables (static: allocated once, filled in place, so captured CUDA graphs stay valid)::
+
+    a_off, b_off [n_slices, max_slots, r_max] int64    element offsets of rank rows, shared by all layers
+    rank         [L, n_slices, max_slots]     int32    0 = slot unused / slice not adapted in that layer
+    scale        [L, n_slices, max_slots]     float32
+    one kernels.lora.LoraWeights(check=False) per (layer, slice) over these tables and the layer's flat view
+    seg_start [max_tokens + 1], seg_adapter [max_tokens] int32: the step's LoraMeta
+
+``begin_step(segments, decode)`` maps the step's adapters to slots (sticky: an adapter keeps its
+slot while it stays on the GPU, so steady decode rewrites no table; a new one takes a free slot or
+one whose adapter this step does not use), fills the metadata and sets ``step.meta`` (MBGMV, one
+row per token, for decode steps; SGMV, one segment per run, otherwise); ``end_step`` clears it.
+A step without adapter tokens sets nothing: every adapted linear is then its base alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .. import wire
+from ..kernels.lora import LoraMeta, LoraWeights
+from ..model.arch import ModelConfig
+from ..model.decoder import linear_slots
+from ..model.kv_cache import PagedKVCache
+from .lora import LoraAdapter, LoraAdapterError, load_lora_adapter, projection_features
+from .lora_layers import LoraStep
+
+log = logging.getLogger("deltaserve.worker")
+
+OPS = ("to_host", "to_gpu", "drop_gpu", "drop_host")
+"""The ``AdapterOp.op`` strings the worker executes."""
+LOAD_THREADS = 2
+"""Background threads reading adapters into host memory (disk and safetensors parsing bound)."""
+_MAX_VEC_BYTES = 16
+"""Widest vector load the kernels may use on aligned rows (``LoraWeights.offset_align``)."""
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class AdapterLoadError(RuntimeError):
+    """A ``to_host`` load failed (directory vanished or changed since ``inspect``).
+
+    Raised by ``to_gpu`` (the first op that needs the copy). Fatal for the worker: the router
+    believes the adapter is loadable, so the loop reports a fatal ``WorkerError`` and exits.
+    """
+
+
+# ----------------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class SliceRows:
+    """Where one projection's rank rows sit in an adapter's regions."""
+
+    index: int
+    """Position of the projection in ``linear_slots`` order (its row in the a_off/b_off tables)."""
+    proj: str
+    """HF projection name, e.g. ``"q_proj"``."""
+    rank: int
+    """r_p: the largest rank this projection has over layers (rows placed for A and for B^T)."""
+    in_dim: int
+    """Width of an A row."""
+    out_dim: int
+    """Width of a B^T row."""
+    a_pos: tuple[tuple[int, int], ...]
+    """(region, element offset inside it) of ``A[j, :]`` for j < rank."""
+    b_pos: tuple[tuple[int, int], ...]
+    """(region, element offset inside it) of ``B[:, j]`` for j < rank."""
+    packed_start: int
+    """Element offset of this projection's first A row in a layer's packed host row."""
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """One adapter's rows inside pages (module docstring); independent of which pages it gets."""
+
+    region_elems: int
+    """S: elements per region (half a page of one layer)."""
+    slices: tuple[SliceRows, ...]
+    """The targeted projections, in ``linear_slots`` order."""
+    region_used: tuple[int, ...]
+    """Elements used at the front of each region (its tail is left unused)."""
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.region_used)
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages the adapter takes: two regions (K and V half) per page."""
+        return -(-self.num_regions // 2)
+
+    @property
+    def packed_elems(self) -> int:
+        """Elements of one layer's packed host row (every row, back to back)."""
+        return sum(self.region_used)
+
+    @classmethod
+    def plan(cls, ranks: dict[str, int], features: dict[str, tuple[int, int]], order: Sequence[str],
+             region_elems: int) -> "AdapterLayout":
+        """First-fit placement of the rows of projections ``ranks`` (proj -> r_p) in ``order``.
+
+        Raises ValueError naming the projection when a row is wider than a region.
+        """
+        region, off, used = 0, 0, [0]
+        packed = 0
+        slices = []
+
+        def place(width: int) -> tuple[int, int]:
+            nonlocal region, off
+            if off + width > region_elems:
+                region, off = region + 1, 0
+                used.append(0)
+            pos = (region, off)
+            off += width
+            used[region] = off
+            return pos
+
+        for index, proj in enumerate(order):
+            r = ranks.get(proj, 0)
+            if r == 0:
+                continue
+            fin, fout = features[proj]
+            for what, width in (("lora_A row (in_features)", fin), ("lora_B column (out_features)", fout)):
+                if width > region_elems:
+                    raise ValueError(
+                        f"{proj}: a {what} has {width} elements but a page half holds {region_elems} "
+                        f"(block_size x kv heads x head_dim); raise --block-size"
+                    )
+            a_pos = tuple(place(fin) for _ in range(r))
+            b_pos = tuple(place(fout) for _ in range(r))
+            slices.append(SliceRows(index, proj, r, fin, fout, a_pos, b_pos, packed))
+            packed += r * (fin + fout)
+        return cls(region_elems, tuple(slices), tuple(used))
+
+
+# ----------------------------------------------------------------------------------- tiers
+
+
+@dataclass(frozen=True, eq=False)
+class HostCopy:
+    """An adapter read, validated and packed in host memory, ready to be copied into pages."""
+
+    layout: AdapterLayout
+    """Where its rows go inside its pages."""
+    packed: torch.Tensor
+    """[L, layout.packed_elems] in the pool dtype (pinned on CUDA): every layer's rows back to back."""
+    rank: torch.Tensor
+    """[L, n_slices] int32 on CPU: rows read per layer and slice (0 = not adapted there)."""
+    scale: torch.Tensor
+    """[L, n_slices] float32 on CPU: the LoRA scaling per layer and slice."""
+    max_rank: int
+    """Largest rank over its modules."""
+    target_modules: tuple[str, ...]
+    """Adapted projections, in ``linear_slots`` order."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+
+@dataclass(eq=False)
+class HostEntry:
+    """An adapter in the host tier: its load (maybe still running) and what it is expected to cost."""
+
+    path: Path
+    """The PEFT directory it is read from."""
+    future: Future[HostCopy]
+    """The background load; its result is the copy, its exception why the load failed."""
+    expected_bytes: int
+    """Bytes the copy will take, from the safetensors header (counted while the load runs)."""
+
+
+@dataclass(eq=False)
+class GpuEntry:
+    """An adapter placed on pages: the device tables one step slot is filled from."""
+
+    block_ids: tuple[int, ...]
+    """The pages holding it, in region order."""
+    a_off: torch.Tensor
+    """[n_slices, r_max] int64 on the device: element offset of A row j of each slice (0 beyond its rank)."""
+    b_off: torch.Tensor
+    """[n_slices, r_max] int64 on the device: element offset of B^T row j of each slice."""
+    rank: torch.Tensor
+    """[L, n_slices] int32 on the device."""
+    scale: torch.Tensor
+    """[L, n_slices] float32 on the device."""
+
+
+def _offset_align(dims: Sequence[int], itemsize: int) -> int:
+    """Largest power of two (at most 16 bytes of elements) dividing every dim: every row offset is a
+    sum of them, so every offset the tables ever hold is a multiple of it."""
+    align = max(1, _MAX_VEC_BYTES // itemsize)
+    while align > 1 and any(d % align for d in dims):
+        align //= 2
+    return align
+
+
+class AdapterPool:
+    """LoRA adapters in host memory and in KV-pool pages, plus the step tables the kernels read."""
+
+    def __init__(self, cfg: ModelConfig, kv: PagedKVCache, *, max_lora_rank: int, max_loras_per_step: int,
+                 max_tokens: int) -> None:
+        if max_lora_rank < 1:
+            raise ValueError(f"AdapterPool: max_lora_rank {max_lora_rank} must be >= 1")
+        if max_loras_per_step < 1:
+            raise ValueError(f"AdapterPool: max_loras_per_step {max_loras_per_step} must be >= 1")
+        self.config = cfg
+        """The base model the adapters are validated against."""
+        self.kv = kv
+        """The one GPU pool: adapter rows live in its pages."""
+        self.dtype = kv.dtype
+        """dtype of the pool, the host copies and the model."""
+        self.device = kv.device
+        """Where the pool and the tables live."""
+        self.max_lora_rank = max_lora_rank
+        """r_max of the tables (``--max-lora-rank``); adapters of a higher rank are refused."""
+        self.max_slots = max_loras_per_step
+        """Adapters one step may use (``--max-loras-per-step``)."""
+        self.order = tuple(linear_slots(cfg))
+        """Projection names in ``linear_slots`` order: the slice index of the tables."""
+        self.features = projection_features(cfg)
+        """Projection -> (in_features, out_features)."""
+        self.region_elems = kv.block_size * kv.num_kv_heads * kv.head_dim
+        """S: elements of one page half in one layer."""
+        self.flat = kv.kv.view(kv.num_layers, -1)
+        """[L, 2 * NB * S]: every layer's flat view (row l is ``kv.kv[l].view(-1)``)."""
+        self.offset_align = _offset_align(
+            [self.region_elems, *(d for f in self.features.values() for d in f)], kv.kv.element_size()
+        )
+        """What every offset is a multiple of (lets the kernels use vector loads)."""
+        L, n = cfg.num_layers, len(self.order)
+        dev = self.device
+        self.a_off = torch.zeros(n, self.max_slots, max_lora_rank, dtype=torch.int64, device=dev)
+        """[n_slices, max_slots, r_max] static: A row offsets of each slot's adapter."""
+        self.b_off = torch.zeros(n, self.max_slots, max_lora_rank, dtype=torch.int64, device=dev)
+        """[n_slices, max_slots, r_max] static: B^T row offsets of each slot's adapter."""
+        self.rank = torch.zeros(L, n, self.max_slots, dtype=torch.int32, device=dev)
+        """[L, n_slices, max_slots] static: each slot's rank per layer and slice."""
+        self.scale = torch.zeros(L, n, self.max_slots, dtype=torch.float32, device=dev)
+        """[L, n_slices, max_slots] static: each slot's scaling per layer and slice."""
+        self.weights: dict[tuple[int, str], LoraWeights] = {
+            (layer, proj): LoraWeights(
+                a_pool=self.flat[layer], b_pool=self.flat[layer],
+                a_offsets=self.a_off[i], b_offsets=self.b_off[i],
+                rank=self.rank[layer, i], scale=self.scale[layer, i],
+                in_dim=self.features[proj][0], out_dim=self.features[proj][1],
+                check=False, offset_align=self.offset_align,
+            )
+            for layer in range(L) for i, proj in enumerate(self.order)
+        }  # fmt: skip
+        """(layer, projection) -> the kernels' weights over the static tables, built once."""
+        self.max_tokens = max(1, max_tokens)
+        """Capacity of the static metadata buffers (grown if a step has more tokens)."""
+        self.seg_start = torch.zeros(self.max_tokens + 1, dtype=torch.int32, device=dev)
+        """Static ``LoraMeta.seg_start`` buffer."""
+        self.seg_adapter = torch.zeros(self.max_tokens, dtype=torch.int32, device=dev)
+        """Static ``LoraMeta.seg_adapter`` buffer."""
+        self.step = LoraStep()
+        """What the adapted linears read: the current step's LoraMeta, None when inactive."""
+        self.host: dict[int, HostEntry] = {}
+        """Adapter id -> its host copy (or the load producing it)."""
+        self.gpu: dict[int, GpuEntry] = {}
+        """Adapter id -> its placement on pages."""
+        self.page_owner: dict[int, int] = {}
+        """Page id -> the GPU-resident adapter holding it."""
+        self.slot_of: dict[int, int] = {}
+        """Adapter id -> the table slot currently filled with its rows (sticky across steps)."""
+        self.slot_adapter: list[int] = [0] * self.max_slots
+        """Slot -> the adapter id it holds (0 = free)."""
+        self._loader = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix="adapter-load")
+        """Runs ``to_host`` loads in the background."""
+
+    # ------------------------------------------------------------------ inspect / validation
+
+    def _load(self, path: Path) -> tuple[LoraAdapter, AdapterLayout]:
+        """Validates ``path`` as an adapter of this model that fits the pool; raises LoraAdapterError."""
+        adapter = load_lora_adapter(path, self.config, dtype=self.dtype)
+        if adapter.max_rank > self.max_lora_rank:
+            worst = max(adapter.modules.items(), key=lambda kv: kv[1].rank)
+            raise LoraAdapterError(
+                f"LoRA adapter {path}: rank {adapter.max_rank} (layer {worst[0][0]} {worst[0][1]}) exceeds this "
+                f"worker's --max-lora-rank {self.max_lora_rank}"
+            )
+        ranks: dict[str, int] = {}
+        for (_, proj), w in adapter.modules.items():
+            ranks[proj] = max(ranks.get(proj, 0), w.rank)
+        try:
+            layout = AdapterLayout.plan(ranks, self.features, self.order, self.region_elems)
+        except ValueError as e:
+            raise LoraAdapterError(f"LoRA adapter {path}: does not fit the pool's pages: {e}") from None
+        return adapter, layout
+
+    def inspect(self, path: str | Path) -> wire.AdapterInfo:
+        """Validates the adapter at ``path`` and reports its footprint; changes no state, never raises
+        for a bad adapter (``error`` says what and where instead)."""
+        try:
+            adapter, layout = self._load(Path(path))
+        except (LoraAdapterError, OSError, ValueError, RuntimeError) as e:
+            return wire.AdapterInfo(error=str(e) or type(e).__name__)
+        return wire.AdapterInfo(
+            error=None,
+            num_blocks=layout.num_blocks,
+            host_bytes=self.config.num_layers * layout.packed_elems * self.kv.kv.element_size(),
+            max_rank=adapter.max_rank,
+            target_modules=[s.proj for s in layout.slices],
+        )
+
+    def num_blocks_of(self, adapter_id: int) -> int | None:
+        """Pages ``adapter_id``'s host copy needs, when its load has finished well (else None)."""
+        entry = self.host.get(adapter_id)
+        if entry is None or not entry.future.done() or entry.future.exception() is not None:
+            return None
+        return entry.future.result().layout.num_blocks
+
+    # ------------------------------------------------------------------ host tier
+
+    def _expected_bytes(self, path: Path) -> int:
+        """Bytes of the packed copy, from the safetensors header alone (0 if it cannot be read)."""
+        from safetensors import safe_open
+
+        ranks: dict[str, int] = {}
+        try:
+            with safe_open(str(path / "adapter_model.safetensors"), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    if key.endswith(".lora_A.weight") and _LAYER_RE.search(key):
+                        proj = key.split(".")[-3]
+                        if proj in self.features:
+                            ranks[proj] = max(ranks.get(proj, 0), int(f.get_slice(key).get_shape()[0]))
+        except Exception:  # noqa: BLE001 - an estimate; the load itself reports the real problem
+            return 0
+        per_layer = sum(r * sum(self.features[p]) for p, r in ranks.items())
+        return self.config.num_layers * per_layer * self.kv.kv.element_size()
+
+    def _read_host_copy(self, path: Path) -> HostCopy:
+        """The background half of ``to_host``: load, validate, pack (pinned on CUDA)."""
+        adapter, layout = self._load(path)
+        L, n = self.config.num_layers, len(self.order)
+        packed = torch.zeros(L, layout.packed_elems, dtype=self.dtype)
+        rank = torch.zeros(L, n, dtype=torch.int32)
+        scale = torch.zeros(L, n, dtype=torch.float32)
+        for s in layout.slices:
+            a_len = s.rank * s.in_dim
+            for layer in range(L):
+                w = adapter.modules.get((layer, s.proj))
+                if w is None:
+                    continue
+                start = s.packed_start
+                packed[layer, start : start + w.rank * s.in_dim] = w.a.reshape(-1)
+                start += a_len
+                packed[layer, start : start + w.rank * s.out_dim] = w.b.T.reshape(-1)
+                rank[layer, s.index] = w.rank
+                scale[layer, s.index] = w.scaling
+        if self.device.type == "cuda":
+            packed = packed.pin_memory()
+        return HostCopy(layout, packed, rank, scale, adapter.max_rank, tuple(s.proj for s in layout.slices))
+
+    def to_host(self, adapter_id: int, path: str | Path) -> None:
+        """Starts reading ``path`` into host memory in the background (``to_gpu`` waits for it)."""
+        if adapter_id in self.host:
+            raise ValueError(f"adapter {adapter_id} is already in host memory")
+        p = Path(path)
+        self.host[adapter_id] = HostEntry(p, self._loader.submit(self._read_host_copy, p), self._expected_bytes(p))
+
+    def drop_host(self, adapter_id: int) -> None:
+        """Frees the host copy (a load still running finishes, and its result is dropped)."""
+        entry = self.host.pop(adapter_id)
+        entry.future.cancel()
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host copies held: finished ones measured, running loads as expected."""
+        total = 0
+        for entry in list(self.host.values()):
+            if not entry.future.done():
+                total += entry.expected_bytes
+            elif not entry.future.cancelled() and entry.future.exception() is None:
+                total += entry.future.result().nbytes
+        return total
+
+    def wait_host(self, adapter_id: int) -> HostCopy:
+        """The host copy, after its load finishes; AdapterLoadError if the load failed."""
+        entry = self.host[adapter_id]
+        try:
+            return entry.future.result()
+        except Exception as e:  # noqa: BLE001 - any load failure means the same to the router
+            raise AdapterLoadError(
+                f"adapter {adapter_id}: loading {entry.path} into host memory failed: {e}"
+            ) from e
+
+    # ------------------------------------------------------------------ GPU tier
+
+    def to_gpu(self, adapter_id: int, block_ids: Sequence[int]) -> None:
+        """Writes the host copy into pages ``block_ids`` of every layer and records the offsets.
+
+        Waits for the host load. Raises AdapterLoadError (load failed, or the pages are too few
+        for it: both fatal for the worker) and ValueError when the adapter is already placed.
+        """
+        if adapter_id in self.gpu:
+            raise ValueError(f"adapter {adapter_id} is already on the GPU")
+        copy = self.wait_host(adapter_id)
+        layout = copy.layout
+        pages = tuple(int(b) for b in block_ids)
+        if len(pages) != layout.num_blocks:
+            raise AdapterLoadError(
+                f"adapter {adapter_id}: to_gpu got {len(pages)} pages, its layout needs {layout.num_blocks}"
+            )
+        S, NB = self.region_elems, self.kv.num_blocks
+
+        def base(region: int) -> int:
+            return ((region % 2) * NB + pages[region // 2]) * S
+
+        src = copy.packed.to(self.device, non_blocking=True) if self.device.type != "cpu" else copy.packed
+        pos = 0
+        for region, used in enumerate(layout.region_used):
+            start = base(region)
+            self.flat[:, start : start + used].copy_(src[:, pos : pos + used], non_blocking=True)
+            pos += used
+        n, r_max = len(self.order), self.max_lora_rank
+        a_off = torch.zeros(n, r_max, dtype=torch.int64)
+        b_off = torch.zeros(n, r_max, dtype=torch.int64)
+        for s in layout.slices:
+            a_off[s.index, : s.rank] = torch.tensor([base(k) + o for k, o in s.a_pos], dtype=torch.int64)
+            b_off[s.index, : s.rank] = torch.tensor([base(k) + o for k, o in s.b_pos], dtype=torch.int64)
+        dev = self.device
+        self.gpu[adapter_id] = GpuEntry(
+            pages, a_off.to(dev), b_off.to(dev), copy.rank.to(dev), copy.scale.to(dev)
+        )
+        for p in pages:
+            self.page_owner[p] = adapter_id
+        log.debug("adapter %d placed on %d pages (%d bytes per layer)", adapter_id, len(pages),
+                  layout.packed_elems * self.kv.kv.element_size())
+
+    def drop_gpu(self, adapter_id: int) -> None:
+        """Forgets the placement (its pages are the router's again) and frees its step slot."""
+        entry = self.gpu.pop(adapter_id)
+        for p in entry.block_ids:
+            self.page_owner.pop(p, None)
+        slot = self.slot_of.pop(adapter_id, None)
+        if slot is not None:
+            self.slot_adapter[slot] = 0
+
+    def apply(self, op: wire.AdapterOp) -> None:
+        """Executes one (already validated) op."""
+        if op.op == "to_host":
+            self.to_host(op.adapter_id, op.path)
+        elif op.op == "to_gpu":
+            self.to_gpu(op.adapter_id, op.block_ids)
+        elif op.op == "drop_gpu":
+            self.drop_gpu(op.adapter_id)
+        elif op.op == "drop_host":
+            self.drop_host(op.adapter_id)
+        else:
+            raise ValueError(f"unknown adapter op {op.op!r} (expected one of {', '.join(OPS)})")
+
+    # ------------------------------------------------------------------ steps
+
+    def _assign_slots(self, adapter_ids: Sequence[int]) -> dict[int, int]:
+        """Slots for the step's distinct adapters: kept if held, else a free or unused-this-step one."""
+        wanted = set(adapter_ids)
+        if len(wanted) > self.max_slots:
+            raise ValueError(
+                f"{len(wanted)} adapters in one step exceed --max-loras-per-step {self.max_slots}"
+            )
+        missing = [a for a in adapter_ids if a not in self.gpu]
+        if missing:
+            raise ValueError(f"adapters {sorted(set(missing))} are not on the GPU")
+        free = [s for s in range(self.max_slots) if self.slot_adapter[s] not in wanted]
+        free.sort(key=lambda s: self.slot_adapter[s] != 0)  # empty slots first
+        it = iter(free)
+        for a in dict.fromkeys(adapter_ids):
+            if a in self.slot_of:
+                continue
+            s = next(it)
+            old = self.slot_adapter[s]
+            if old:
+                del self.slot_of[old]
+            self.slot_adapter[s], self.slot_of[a] = a, s
+            g = self.gpu[a]
+            self.a_off[:, s].copy_(g.a_off)
+            self.b_off[:, s].copy_(g.b_off)
+            self.rank[:, :, s].copy_(g.rank)
+            self.scale[:, :, s].copy_(g.scale)
+        return {a: self.slot_of[a] for a in wanted}
+
+    def assign_rows(self, row_adapters: Sequence[int]) -> list[int]:
+        """For a decode step replayed from a CUDA graph: fills the table slots of the rows' adapters
+        and returns each row's slot (-1 for base rows). The graph's static metadata takes it from
+        there (``DecodeGraphs.run``). Raises ValueError like ``begin_step``."""
+        adapters = [a for a in row_adapters if a != 0]
+        slot = self._assign_slots(adapters) if adapters else {}
+        return [slot[a] if a != 0 else -1 for a in row_adapters]
+
+    def begin_step(self, segments: Sequence[tuple[int, int]], decode: bool) -> bool:
+        """Sets the step's adapter metadata from its token runs ``(adapter_id, n_tokens)`` (0 = base),
+        in batch order; returns whether the step has adapter tokens (False: nothing was set).
+
+        ``decode``: every run is one token (MBGMV metadata); else one SGMV segment per run.
+        Raises ValueError for an adapter not on the GPU (the executor validates first).
+        """
+        adapters = [a for a, n in segments if a != 0 and n > 0]
+        if not adapters:
+            self.step.meta = None
+            return False
+        slot = self._assign_slots(adapters)
+        runs = [(slot[a] if a != 0 else -1, n) for a, n in segments if n > 0]
+        if decode:
+            if any(n != 1 for _, n in runs):
+                raise ValueError("begin_step: a decode step has one token per run")
+            starts = list(range(len(runs) + 1))
+            max_len = 1 if runs else 0
+        else:
+            starts = [0]
+            for _, n in runs:
+                starts.append(starts[-1] + n)
+            max_len = max(n for _, n in runs)
+        seg_adapter = [s for s, _ in runs]
+        total = starts[-1]
+        if total > self.max_tokens:  # grow the static buffers (graph steps never get here)
+            self.max_tokens = total
+            self.seg_start = torch.zeros(total + 1, dtype=torch.int32, device=self.device)
+            self.seg_adapter = torch.zeros(total, dtype=torch.int32, device=self.device)
+        S = len(seg_adapter)
+        self.seg_start[: S + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
+        self.seg_adapter[:S].copy_(torch.tensor(seg_adapter, dtype=torch.int32), non_blocking=True)
+        self.step.meta = LoraMeta(
+            seg_start=self.seg_start[: S + 1], seg_adapter=self.seg_adapter[:S],
+            seg_start_host=tuple(starts), seg_adapter_host=tuple(seg_adapter), num_tokens=total,
+            max_seg_len=max_len, max_adapter=max(seg_adapter), decode=decode,
+        )  # fmt: skip
+        return True
+
+    def end_step(self) -> None:
+        """Back to inactive: the adapted linears compute their base alone."""
+        self.step.meta = None
+
+    def close(self) -> None:
+        """Stops the loader threads (running loads finish)."""
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["AdapterLayout", "AdapterLoadError", "AdapterPool", "GpuEntry", "HostCopy", "HostEntry", "OPS", "SliceRows"]

@@ -1,0 +1,295 @@
+//! The adapter admin API: register, list and delete LoRA adapters while serving.
+//!
+//! ```text
+//!  POST   /v1/adapters          {"name": "sql", "path": "/srv/adapters/sql"}  -> 201 adapter card
+//!  GET    /v1/adapters          -> {"object": "list", "data": [adapter card, ...]}
+//!  DELETE /v1/adapters/{name}   -> 200 {"id": name, "object": "adapter", "deleted": true}
+//! ```
+//!
+//! Registration validates the adapter on a worker before anything changes (a bad one is a 400
+//! naming the file or field, a taken name a 409); nothing is loaded until a request needs it.
+//! Deletion makes the name unresolvable at once, waits for the adapter's in-flight requests, then
+//! frees its memory; the name becomes free when the response is sent.
+
+use std::path::PathBuf;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+
+use super::error::{ApiError, ApiJson};
+use super::Backend;
+use crate::registry::{AdapterEntry, AdapterState};
+
+/// `POST /v1/adapters` body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateAdapter {
+    /// The name clients will select it by (`"<base>:<name>"` or `"<name>"`).
+    pub name: String,
+    /// The PEFT LoRA directory, on the server's filesystem.
+    pub path: PathBuf,
+}
+
+/// One adapter as the API shows it.
+#[derive(Debug, Serialize)]
+pub struct AdapterCard {
+    /// The adapter's name.
+    pub id: String,
+    /// Always `"adapter"`.
+    pub object: &'static str,
+    /// What to put in a request's `model` field: `"<base>:<name>"`.
+    pub model: String,
+    /// The base model it applies to.
+    pub parent: String,
+    /// The PEFT directory it was loaded from.
+    pub path: String,
+    /// Unix seconds of registration.
+    pub created: u64,
+    /// `pending`, `active` or `deleting`.
+    pub status: AdapterState,
+    /// Largest rank over its adapted projections.
+    pub max_rank: Option<u32>,
+    /// Adapted projections.
+    pub target_modules: Vec<String>,
+    /// GPU pool pages its weights take when resident.
+    pub num_blocks: Option<u32>,
+    /// Bytes of its host-memory copy.
+    pub host_bytes: Option<u64>,
+}
+
+impl AdapterCard {
+    fn new(base: &str, e: AdapterEntry) -> Self {
+        let fp = e.footprint;
+        Self {
+            model: format!("{base}:{}", e.name),
+            id: e.name,
+            object: "adapter",
+            parent: base.to_string(),
+            path: e.path.display().to_string(),
+            created: e.created,
+            status: e.state,
+            max_rank: fp.as_ref().map(|f| f.max_rank),
+            target_modules: fp
+                .as_ref()
+                .map(|f| f.target_modules.clone())
+                .unwrap_or_default(),
+            num_blocks: fp.as_ref().map(|f| f.num_blocks),
+            host_bytes: fp.as_ref().map(|f| f.host_bytes),
+        }
+    }
+}
+
+/// `GET /v1/adapters` body.
+#[derive(Debug, Serialize)]
+pub struct AdapterList {
+    /// Always `"list"`.
+    pub object: &'static str,
+    /// Every registered adapter, in registration order.
+    pub data: Vec<AdapterCard>,
+}
+
+/// `DELETE /v1/adapters/{name}` body.
+#[derive(Debug, Serialize)]
+pub struct AdapterDeleted {
+    /// The deleted adapter's name.
+    pub id: String,
+    /// Always `"adapter"`.
+    pub object: &'static str,
+    /// Always true (failures are errors).
+    pub deleted: bool,
+}
+
+/// `POST /v1/adapters`.
+pub async fn create_adapter<B: Backend>(
+    State(backend): State<B>,
+    ApiJson(body): ApiJson<CreateAdapter>,
+) -> Result<Response, ApiError> {
+    let entry = backend.register_adapter(body.name, body.path).await?;
+    let card = AdapterCard::new(&backend.model().name, entry);
+    Ok((StatusCode::CREATED, Json(card)).into_response())
+}
+
+/// `GET /v1/adapters`.
+pub async fn list_adapters<B: Backend>(State(backend): State<B>) -> Json<AdapterList> {
+    let model = backend.model();
+    Json(AdapterList {
+        object: "list",
+        data: model
+            .adapters
+            .list()
+            .into_iter()
+            .map(|e| AdapterCard::new(&model.name, e))
+            .collect(),
+    })
+}
+
+/// `DELETE /v1/adapters/{name}`.
+pub async fn delete_adapter<B: Backend>(
+    State(backend): State<B>,
+    Path(name): Path<String>,
+) -> Result<Json<AdapterDeleted>, ApiError> {
+    let entry = backend.delete_adapter(name).await?;
+    Ok(Json(AdapterDeleted {
+        id: entry.name,
+        object: "adapter",
+        deleted: true,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    use crate::api::fake::FakeBackend;
+    use crate::api::router_with;
+    use crate::api::test_http::send;
+    use crate::engine::FinishReason;
+
+    fn app() -> (FakeBackend, axum::Router) {
+        let fake = FakeBackend::new(FakeBackend::tokens(&["x"], FinishReason::Stop));
+        (fake.clone(), router_with(fake))
+    }
+
+    fn json_of(body: &str) -> Value {
+        serde_json::from_str(body).unwrap()
+    }
+
+    #[tokio::test]
+    async fn register_list_select_and_delete() {
+        let (_, app) = app();
+        let (status, _, body) = send(
+            app.clone(),
+            "POST",
+            "/v1/adapters",
+            Some("application/json"),
+            r#"{"name": "sql", "path": "/adapters/sql"}"#,
+        )
+        .await;
+        assert_eq!(status, 201, "{body}");
+        let card = json_of(&body);
+        assert_eq!(card["id"], "sql");
+        assert_eq!(card["model"], "tiny:sql");
+        assert_eq!(card["status"], "active");
+        assert_eq!(card["max_rank"], 8);
+
+        let (_, _, body) = send(app.clone(), "GET", "/v1/adapters", None, "").await;
+        let list = json_of(&body);
+        assert_eq!(list["object"], "list");
+        assert_eq!(list["data"].as_array().unwrap().len(), 1);
+
+        let (_, _, body) = send(app.clone(), "GET", "/v1/models", None, "").await;
+        let ids: Vec<Value> = json_of(&body)["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].clone())
+            .collect();
+        assert_eq!(ids, [json!("tiny"), json!("tiny:sql")]);
+
+        let (status, _, body) = send(
+            app.clone(),
+            "POST",
+            "/v1/completions",
+            Some("application/json"),
+            r#"{"model": "tiny:sql", "prompt": "hi", "max_tokens": 1}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(json_of(&body)["model"], "tiny:sql");
+
+        let (status, _, body) = send(app.clone(), "DELETE", "/v1/adapters/sql", None, "").await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            json_of(&body),
+            json!({"id": "sql", "object": "adapter", "deleted": true})
+        );
+        let (status, _, body) = send(
+            app.clone(),
+            "POST",
+            "/v1/completions",
+            Some("application/json"),
+            r#"{"model": "tiny:sql", "prompt": "hi", "max_tokens": 1}"#,
+        )
+        .await;
+        assert_eq!(status, 404, "deleted adapters no longer resolve: {body}");
+    }
+
+    #[tokio::test]
+    async fn refusals_are_clear_and_change_nothing() {
+        let (fake, app) = app();
+        let post = |body: &'static str| {
+            send(
+                app.clone(),
+                "POST",
+                "/v1/adapters",
+                Some("application/json"),
+                body,
+            )
+        };
+        let (status, _, body) = post(r#"{"name": "a", "path": "/adapters/a"}"#).await;
+        assert_eq!(status, 201, "{body}");
+
+        let cases: [(&str, u16, &str, Option<&str>); 6] = [
+            (
+                r#"{"name": "a", "path": "/adapters/a"}"#,
+                409,
+                "already taken",
+                None,
+            ),
+            (
+                r#"{"name": "tiny", "path": "/adapters/b"}"#,
+                409,
+                "already taken",
+                None,
+            ),
+            (
+                r#"{"name": "x:y", "path": "/adapters/b"}"#,
+                400,
+                "invalid",
+                Some("name"),
+            ),
+            (
+                r#"{"name": "b", "path": "/adapters/bad-dora"}"#,
+                400,
+                "use_dora",
+                Some("path"),
+            ),
+            (r#"{"name": "b"}"#, 400, "path", None),
+            (
+                r#"{"name": "b", "path": "/x", "rank": 4}"#,
+                400,
+                "rank",
+                None,
+            ),
+        ];
+        for (req, want_status, want_text, want_param) in cases {
+            let (status, _, body) = post(req).await;
+            assert_eq!(status.as_u16(), want_status, "{req}: {body}");
+            let err = &json_of(&body)["error"];
+            assert!(
+                err["message"].as_str().unwrap().contains(want_text),
+                "{req}: {body}"
+            );
+            if let Some(p) = want_param {
+                assert_eq!(err["param"], p, "{req}: {body}");
+            }
+        }
+        assert_eq!(
+            crate::api::Backend::model(&fake).adapters.list().len(),
+            1,
+            "refusals left the registry as it was"
+        );
+
+        let (status, _, body) = send(app.clone(), "DELETE", "/v1/adapters/nope", None, "").await;
+        assert_eq!(status, 404, "{body}");
+        let err = &json_of(&body)["error"];
+        assert_eq!(err["code"], "adapter_not_found");
+        assert!(err["message"]
+            .as_str()
+            .unwrap()
+            .contains("GET /v1/adapters"));
+    }
+}

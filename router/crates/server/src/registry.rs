@@ -1,0 +1,285 @@
+//! [`AdapterRegistry`]: the served LoRA adapters by name, the one place a client's adapter name
+//! becomes the internal id workers and schedulers know it by (STYLE.md #15).
+//!
+//! An entry's life, driven by [`crate::engine::EngineHandle`]:
+//!
+//! ```text
+//!  reserve(name) ──▶ Pending ──activate(info)──▶ Active ──begin_delete──▶ Deleting ──remove──▶ gone
+//!                      └──────── cancel (inspection or registration failed) ────────▶ gone
+//! ```
+//!
+//! Only `Active` entries resolve from a request's `model` field, so a request can never name an
+//! adapter that is still being inspected or already being deleted. Names stay taken while
+//! `Pending` or `Deleting`, so two registrations of one name cannot race. Ids count up from 1 and
+//! are never reused in the life of the router (a worker may still hold a deleted id's pages until
+//! the next step's drop ops).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::RwLock;
+
+use serde::Serialize;
+
+/// Where an entry is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdapterState {
+    /// Being inspected by a worker and registered with the schedulers; not selectable yet.
+    Pending,
+    /// Selectable by requests.
+    Active,
+    /// Refusing new requests, waiting for its in-flight ones to finish before its memory is freed.
+    Deleting,
+}
+
+/// What the worker's inspection reported about an adapter.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AdapterFootprint {
+    /// GPU pool pages its weights take.
+    pub num_blocks: u32,
+    /// Bytes of its host-memory copy.
+    pub host_bytes: u64,
+    /// Largest rank over its adapted projections.
+    pub max_rank: u32,
+    /// Adapted projections (`q_proj`, ...).
+    pub target_modules: Vec<String>,
+}
+
+/// One registered adapter.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AdapterEntry {
+    /// The client-facing name: requests select it as `"<base>:<name>"` or `"<name>"`.
+    pub name: String,
+    /// The internal id (`NewRequest::adapter_id`), > 0.
+    pub id: u32,
+    /// The PEFT directory, absolute.
+    pub path: PathBuf,
+    /// Unix seconds of registration.
+    pub created: u64,
+    /// Where it is in its life.
+    pub state: AdapterState,
+    /// Its footprint once inspected (`None` while pending).
+    pub footprint: Option<AdapterFootprint>,
+}
+
+/// Why the registry refused a name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    /// The name cannot be used in a `model` field.
+    #[error("adapter name `{0}` is invalid: use 1 to 128 characters, none of them ':', '/' or whitespace")]
+    BadName(String),
+    /// The name is the base model's or another adapter's.
+    #[error("the name `{0}` is already taken (by the base model or another adapter)")]
+    Taken(String),
+    /// No adapter of that name (or it is not active).
+    #[error("The adapter `{0}` does not exist; GET /v1/adapters lists the registered adapters")]
+    NotFound(String),
+    /// The adapter is already being deleted.
+    #[error("the adapter `{0}` is already being deleted")]
+    Deleting(String),
+}
+
+/// The registry: adapters by name, behind one lock (reads are per request, writes rare).
+#[derive(Debug)]
+pub struct AdapterRegistry {
+    /// The base model's served name, which no adapter may take.
+    base_name: String,
+    inner: RwLock<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    by_name: BTreeMap<String, AdapterEntry>,
+    /// The last id handed out.
+    last_id: u32,
+}
+
+impl AdapterRegistry {
+    /// An empty registry for a base model served as `base_name`.
+    pub fn new(base_name: impl Into<String>) -> Self {
+        Self {
+            base_name: base_name.into(),
+            inner: RwLock::new(Inner::default()),
+        }
+    }
+
+    /// The base model's served name.
+    pub fn base_name(&self) -> &str {
+        &self.base_name
+    }
+
+    /// Takes `name` for a new adapter at `path` and hands out its id; the entry is `Pending`.
+    pub fn reserve(&self, name: &str, path: PathBuf, created: u64) -> Result<u32, RegistryError> {
+        let bad = name.is_empty()
+            || name.chars().count() > 128
+            || name
+                .chars()
+                .any(|c| c == ':' || c == '/' || c.is_whitespace());
+        if bad {
+            return Err(RegistryError::BadName(name.to_string()));
+        }
+        let mut inner = self.inner.write().expect("registry lock");
+        if name == self.base_name || inner.by_name.contains_key(name) {
+            return Err(RegistryError::Taken(name.to_string()));
+        }
+        inner.last_id += 1;
+        let id = inner.last_id;
+        inner.by_name.insert(
+            name.to_string(),
+            AdapterEntry {
+                name: name.to_string(),
+                id,
+                path,
+                created,
+                state: AdapterState::Pending,
+                footprint: None,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Makes a pending entry selectable, with its inspected footprint; returns the entry.
+    pub fn activate(&self, id: u32, footprint: AdapterFootprint) -> Option<AdapterEntry> {
+        let mut inner = self.inner.write().expect("registry lock");
+        let entry = inner.by_name.values_mut().find(|e| e.id == id)?;
+        entry.state = AdapterState::Active;
+        entry.footprint = Some(footprint);
+        Some(entry.clone())
+    }
+
+    /// Forgets an entry (a failed registration, or a finished deletion).
+    pub fn remove(&self, id: u32) {
+        self.inner
+            .write()
+            .expect("registry lock")
+            .by_name
+            .retain(|_, e| e.id != id);
+    }
+
+    /// Stops `name` from resolving and returns it; its memory is freed by the caller once its
+    /// in-flight requests are done, then [`AdapterRegistry::remove`] forgets it.
+    pub fn begin_delete(&self, name: &str) -> Result<AdapterEntry, RegistryError> {
+        let mut inner = self.inner.write().expect("registry lock");
+        let entry = inner
+            .by_name
+            .get_mut(name)
+            .ok_or_else(|| RegistryError::NotFound(name.to_string()))?;
+        match entry.state {
+            AdapterState::Active => {
+                entry.state = AdapterState::Deleting;
+                Ok(entry.clone())
+            }
+            AdapterState::Deleting => Err(RegistryError::Deleting(name.to_string())),
+            AdapterState::Pending => Err(RegistryError::NotFound(name.to_string())),
+        }
+    }
+
+    /// The id of an active adapter.
+    pub fn active_id(&self, name: &str) -> Option<u32> {
+        let inner = self.inner.read().expect("registry lock");
+        inner
+            .by_name
+            .get(name)
+            .filter(|e| e.state == AdapterState::Active)
+            .map(|e| e.id)
+    }
+
+    /// The name of adapter `id` (any state).
+    pub fn name_of(&self, id: u32) -> Option<String> {
+        let inner = self.inner.read().expect("registry lock");
+        inner
+            .by_name
+            .values()
+            .find(|e| e.id == id)
+            .map(|e| e.name.clone())
+    }
+
+    /// Every entry, in registration order.
+    pub fn list(&self) -> Vec<AdapterEntry> {
+        let inner = self.inner.read().expect("registry lock");
+        let mut all: Vec<AdapterEntry> = inner.by_name.values().cloned().collect();
+        all.sort_by_key(|e| e.id);
+        all
+    }
+
+    /// Active adapters.
+    pub fn num_active(&self) -> usize {
+        let inner = self.inner.read().expect("registry lock");
+        inner
+            .by_name
+            .values()
+            .filter(|e| e.state == AdapterState::Active)
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fp() -> AdapterFootprint {
+        AdapterFootprint {
+            num_blocks: 3,
+            host_bytes: 1000,
+            max_rank: 8,
+            target_modules: vec!["q_proj".into()],
+        }
+    }
+
+    #[test]
+    fn names_are_checked_and_ids_never_reused() {
+        let r = AdapterRegistry::new("base");
+        for bad in ["", "a:b", "a/b", "a b", &"x".repeat(129)] {
+            assert_eq!(
+                r.reserve(bad, "/x".into(), 0),
+                Err(RegistryError::BadName(bad.to_string()))
+            );
+        }
+        assert_eq!(
+            r.reserve("base", "/x".into(), 0),
+            Err(RegistryError::Taken("base".into()))
+        );
+        let a = r.reserve("a", "/a".into(), 0).unwrap();
+        assert_eq!(a, 1);
+        assert_eq!(
+            r.reserve("a", "/a2".into(), 0),
+            Err(RegistryError::Taken("a".into())),
+            "a pending name is taken"
+        );
+        assert_eq!(r.active_id("a"), None, "pending adapters do not resolve");
+        r.activate(a, fp()).unwrap();
+        assert_eq!(r.active_id("a"), Some(1));
+        r.remove(a);
+        assert_eq!(r.reserve("a", "/a".into(), 0), Ok(2), "ids are not reused");
+    }
+
+    #[test]
+    fn deletion_stops_resolution_but_keeps_the_name() {
+        let r = AdapterRegistry::new("base");
+        let id = r.reserve("a", "/a".into(), 0).unwrap();
+        assert_eq!(
+            r.begin_delete("a"),
+            Err(RegistryError::NotFound("a".into())),
+            "a pending adapter cannot be deleted yet"
+        );
+        r.activate(id, fp()).unwrap();
+        let e = r.begin_delete("a").unwrap();
+        assert_eq!(e.state, AdapterState::Deleting);
+        assert_eq!(r.active_id("a"), None);
+        assert_eq!(
+            r.begin_delete("a"),
+            Err(RegistryError::Deleting("a".into()))
+        );
+        assert_eq!(
+            r.reserve("a", "/a".into(), 0),
+            Err(RegistryError::Taken("a".into()))
+        );
+        assert_eq!(r.name_of(id).as_deref(), Some("a"));
+        r.remove(id);
+        assert!(r.list().is_empty());
+        assert_eq!(
+            r.begin_delete("zzz"),
+            Err(RegistryError::NotFound("zzz".into()))
+        );
+    }
+}

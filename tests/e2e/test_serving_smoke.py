@@ -1,0 +1,38 @@
+"""The whole serving-benchmark pipeline (bench/serving.py smoke) on the CPU demo model: random
+PEFT adapters of the demo model's shape served with --lora-dir, a tiny trace replayed over SSE and
+WebSocket, every request answered with exactly its forced output length, a result file written."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from .daemon import daemon_binary
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import serving  # noqa: E402
+
+
+def test_smoke_experiment_end_to_end(tmp_path):
+    devices = os.environ.get("DELTASERVE_TEST_DEVICES", "cpu")
+    path = serving.main(["smoke", "--daemon", str(daemon_binary()), "--devices", devices, "--out-dir", str(tmp_path),
+                         "--no-plots"])  # fmt: skip
+    assert path is not None and path.parent == tmp_path and path.name.startswith("smoke-")
+    result = json.loads(path.read_text())
+    assert result["server"] == "deltaserve" and result["model"] == "demo" and result["adapters"] == 3
+    assert [p["protocol"] for p in result["points"]] == ["sse", "ws"]
+    for point in result["points"]:
+        rows = point["requests"]
+        assert len(rows) == point["summary"]["requests"] == 6
+        for r in rows:
+            assert r["error"] is None, (point["label"], r, (tmp_path / "smoke-server.log").read_text()[-3000:])
+            assert r["n_out"] == r["output_len"] and 4 <= r["n_out"] <= 12  # ignore_eos + max_tokens, U[4, 12]
+            assert 0 < r["ttft"] <= r["e2e"]
+        s = point["summary"]
+        assert s["completed"] == 6 and s["output_len_mismatch"] == 0
+        assert s["output_tokens"] == sum(r["output_len"] for r in rows)
+        assert s["throughput_req_s"] > 0 and s["slo"]["ttft_s"] == 6.0
+        assert {r["variant"] for r in rows} <= {"a0000", "a0001", "a0002"}
+        assert point["trace"]["ranks"] == [8, 4]

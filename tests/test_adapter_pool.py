@@ -1,0 +1,327 @@
+"""The adapter pool (``deltaserve.adapters.pool``) on the tiny Llama, adapters made by ``peft``.
+
+Everything goes through ``Executor.step`` plans carrying ``adapter_ops`` (as the router sends
+them), then is checked against the pool's tensors:
+
+- layout: pages needed equal an independent first-fit count; every rank row lies inside one
+  region of the adapter's own pages; rows of two adapters never overlap; the offsets point at
+  exactly the adapter's A rows and B columns in every layer (read back from the KV tensor), and
+  the per-layer rank / scale tables follow ``rank_pattern``;
+- inspect: footprint of good adapters; errors that name the dir and field, the rank limit
+  (``--max-lora-rank``) and rows wider than a page half (``--block-size``); it changes nothing;
+- tiers: host bytes while loading and after, ``drop_host`` keeps a GPU placement, a load that
+  failed surfaces at ``to_gpu`` as ``AdapterLoadError`` naming the dir;
+- the adapted linears add exactly ``lora_delta_ref`` per token (SGMV and MBGMV metadata), an
+  adapter dropped and re-placed on other pages gives identical outputs, and KV written into the
+  pages of a dropped adapter leaves another resident adapter's outputs unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve import wire
+from deltaserve.adapters import AdapterLoadError, LoraLinear, load_lora_adapter, lora_delta_ref
+from deltaserve.model.decoder import linear_slots
+from deltaserve.worker.executor import Executor
+
+peft = pytest.importorskip("peft")
+from helpers.peft_adapters import SEVEN, make_peft_adapter  # noqa: E402
+
+KV_BYTES = 2 << 20
+SPECS = {
+    "qv": dict(target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16),
+    "all": dict(target_modules=SEVEN, r=16, lora_alpha=8, use_rslora=True),
+    # q is rank 12 in layer 0 and 4 in layer 1 (rows 4..11 unused there); down is rank 6.
+    "pattern": dict(target_modules=["q_proj", "up_proj", "down_proj"], r=4, lora_alpha=6,
+                    rank_pattern={"layers.0.self_attn.q_proj": 12, "down_proj": 6}),
+}
+
+
+@pytest.fixture(scope="module")
+def dirs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pool_adapters")
+    return {name: make_peft_adapter(tiny_llama, root / name, seed=20 + i, **kw)[1] for i, (name, kw) in enumerate(SPECS.items())}
+
+
+@pytest.fixture(scope="module")
+def make_executor(tiny_llama: Path):
+    def make(**kw) -> Executor:
+        kw.setdefault("kv_cache_bytes", KV_BYTES)
+        kw.setdefault("block_size", 4)
+        return Executor(tiny_llama, device="cpu", dtype="float32", **kw)
+
+    return make
+
+
+_step_ids = iter(range(1, 1 << 30))
+
+
+def ops(ex: Executor, *adapter_ops: wire.AdapterOp) -> wire.StepOutput:
+    return ex.step(wire.StepPlan(step_id=next(_step_ids), adapter_ops=list(adapter_ops)))
+
+
+def place(ex: Executor, aid: int, path: Path, pages: list[int]) -> None:
+    ops(ex, wire.AdapterOp(aid, "to_host", str(path), []), wire.AdapterOp(aid, "to_gpu", "", pages))
+
+
+def first_fit_pages(adapter, features, order, region: int) -> int:
+    """Pages the spec's first-fit needs, computed here independently of the pool."""
+    ranks: dict[str, int] = {}
+    for (_, proj), w in adapter.modules.items():
+        ranks[proj] = max(ranks.get(proj, 0), w.rank)
+    regions, off = 1, 0
+    for proj in order:
+        fin, fout = features[proj]
+        for width in [fin] * ranks.get(proj, 0) + [fout] * ranks.get(proj, 0):
+            if off + width > region:
+                regions, off = regions + 1, 0
+            off += width
+    return -(-regions // 2)
+
+
+def test_layout_rows_inside_own_pages_and_offsets_point_at_the_weights(make_executor, dirs) -> None:
+    ex = make_executor()
+    pool, cfg = ex.adapters, ex.config
+    S, NB = pool.region_elems, ex.kv.num_blocks
+    free = list(range(ex.num_blocks))
+    random.Random(1).shuffle(free)
+    loaded, pages_of, intervals = {}, {}, []
+    for aid, name in enumerate(SPECS, start=1):
+        ad = load_lora_adapter(dirs[name], cfg)
+        loaded[aid] = ad
+        info = ex.inspect_adapter(str(dirs[name]))
+        assert info.error is None
+        assert info.num_blocks == first_fit_pages(ad, pool.features, pool.order, S)
+        assert info.max_rank == ad.max_rank and set(info.target_modules) == set(ad.target_modules)
+        pages_of[aid] = [free.pop() for _ in range(info.num_blocks)]
+        place(ex, aid, dirs[name], pages_of[aid])
+    assert loaded[3].modules[(0, "q_proj")].rank == 12 and loaded[3].modules[(1, "q_proj")].rank == 4
+
+    for aid, ad in loaded.items():
+        g = pool.gpu[aid]
+        assert g.block_ids == tuple(pages_of[aid])
+        for i, proj in enumerate(pool.order):
+            fin, fout = pool.features[proj]
+            r_p = max((w.rank for (_, p), w in ad.modules.items() if p == proj), default=0)
+            for layer in range(cfg.num_layers):
+                w = ad.modules.get((layer, proj))
+                assert int(g.rank[layer, i]) == (w.rank if w else 0)
+                assert float(g.scale[layer, i]) == pytest.approx(w.scaling if w else 0.0)
+            for j in range(r_p):
+                for off, dim in ((int(g.a_off[i, j]), fin), (int(g.b_off[i, j]), fout)):
+                    half, page = divmod(off // S, NB)
+                    assert page in pages_of[aid] and off % S + dim <= S, (aid, proj, j)
+                    intervals.append((off, off + dim, aid))
+            flat = ex.kv.kv.view(cfg.num_layers, -1)
+            for layer in range(cfg.num_layers):
+                w = ad.modules.get((layer, proj))
+                for j in range(w.rank if w else 0):
+                    a0, b0 = int(g.a_off[i, j]), int(g.b_off[i, j])
+                    assert torch.equal(flat[layer, a0 : a0 + fin], w.a[j]), (aid, layer, proj, j)
+                    assert torch.equal(flat[layer, b0 : b0 + fout], w.b[:, j]), (aid, layer, proj, j)
+    intervals.sort()
+    for (s0, e0, a0), (s1, e1, a1) in zip(intervals, intervals[1:]):
+        assert e0 <= s1, f"rows of adapters {a0} and {a1} overlap at {s1}"
+    assert {a for _, _, a in intervals} == set(loaded)
+
+
+def test_inspect_reports_footprint_and_errors_and_changes_nothing(make_executor, dirs, tmp_path: Path) -> None:
+    ex = make_executor()
+    cfg = ex.config
+    info = ex.inspect_adapter(str(dirs["qv"]))
+    # q and v, rank 8: 8 A rows of 64 + 8 B^T rows of (64 for q, 32 for v), per layer, float32.
+    slots = linear_slots(cfg)
+    per_layer = 8 * (cfg.hidden_size + slots["q_proj"].size) + 8 * (cfg.hidden_size + slots["v_proj"].size)
+    assert info.host_bytes == cfg.num_layers * per_layer * 4
+    assert (info.max_rank, info.target_modules) == (8, ["q_proj", "v_proj"])
+
+    missing = tmp_path / "gone"
+    assert str(missing) in ex.inspect_adapter(str(missing)).error
+    dora = tmp_path / "dora"
+    shutil.copytree(dirs["qv"], dora)
+    conf = json.loads((dora / "adapter_config.json").read_text())
+    conf["use_dora"] = True
+    (dora / "adapter_config.json").write_text(json.dumps(conf))
+    err = ex.inspect_adapter(str(dora)).error
+    assert "dora" in err and "use_dora" in err
+
+    low = make_executor(max_lora_rank=8)
+    err = low.inspect_adapter(str(dirs["all"])).error
+    assert "--max-lora-rank 8" in err and "rank 16" in err and str(dirs["all"]) in err
+    assert low.inspect_adapter(str(dirs["qv"])).error is None  # rank 8 fits exactly
+
+    # block_size 1: a page half holds 1 x 2 kv heads x 16 = 32 elements, a q row has 64.
+    narrow = make_executor(block_size=1)
+    err = narrow.inspect_adapter(str(dirs["qv"])).error
+    assert "raise --block-size" in err and "q_proj" in err and "32" in err
+
+    assert ex.adapters.host == {} and ex.adapters.gpu == {} and ex.adapter_host_bytes == 0
+    off = make_executor(max_lora_rank=0)
+    assert off.adapters is None and "--max-lora-rank 0" in off.inspect_adapter(str(dirs["qv"])).error
+
+
+def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
+    ex = make_executor()
+    size = {n: ex.inspect_adapter(str(dirs[n])).host_bytes for n in ("qv", "all")}
+    out = ops(ex, wire.AdapterOp(1, "to_host", str(dirs["qv"]), []), wire.AdapterOp(2, "to_host", str(dirs["all"]), []))
+    assert out.adapter_host_bytes == size["qv"] + size["all"]  # counted while loading, too
+    ex.adapters.wait_host(1), ex.adapters.wait_host(2)
+    assert ex.adapter_host_bytes == size["qv"] + size["all"]
+    assert ops(ex, wire.AdapterOp(1, "drop_host", "", [])).adapter_host_bytes == size["all"]
+
+    # A GPU placement outlives its host copy.
+    n = ex.inspect_adapter(str(dirs["all"])).num_blocks
+    ops(ex, wire.AdapterOp(2, "to_gpu", "", list(range(10, 10 + n))), wire.AdapterOp(2, "drop_host", "", []))
+    assert ex.adapter_host_bytes == 0 and set(ex.adapters.gpu) == {2}
+    assert set(ex.adapters.page_owner) == set(range(10, 10 + n))
+
+    # A directory that vanished after registration: the load fails in the background, to_gpu raises.
+    gone = tmp_path / "vanishing"
+    shutil.copytree(dirs["qv"], gone)
+    assert ex.inspect_adapter(str(gone)).error is None
+    shutil.rmtree(gone)
+    ops(ex, wire.AdapterOp(3, "to_host", str(gone), []))
+    with pytest.raises(AdapterLoadError, match="vanishing"):
+        ex.adapters.wait_host(3)
+    assert ex.adapter_host_bytes == 0
+    with pytest.raises(AdapterLoadError, match=r"adapter 3: loading .*vanishing"):
+        ops(ex, wire.AdapterOp(3, "to_gpu", "", [0, 1, 2]))
+    assert set(ex.adapters.gpu) == {2}
+
+
+# ------------------------------------------------------------------------------ adapted linears
+
+
+def _modules(ex: Executor) -> list[tuple[int, str, LoraLinear, list[str]]]:
+    out = []
+    for layer, block in enumerate(ex.model.model.layers):
+        for path, projs in (("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("self_attn.o_proj", ["o_proj"]),
+                            ("mlp.gate_up_proj", ["gate_proj", "up_proj"]), ("mlp.down_proj", ["down_proj"])):
+            mod = block.get_submodule(path)
+            assert isinstance(mod, LoraLinear)
+            out.append((layer, path, mod, projs))
+    return out
+
+
+def _run_all(ex: Executor, segments, decode: bool, seed: int = 0) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Every adapted linear on a random x under the step ``segments``: (x, output) per module."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(n for _, n in segments)
+    assert ex.adapters.begin_step(segments, decode)
+    try:
+        res = {}
+        for layer, path, mod, _ in _modules(ex):
+            x = torch.randn(total, mod.in_features, generator=gen)
+            res[(layer, path)] = (x, mod(x))
+        return res
+    finally:
+        ex.adapters.end_step()
+
+
+def _check_deltas(ex: Executor, res, token_adapter: list[int], loaded) -> None:
+    slots = linear_slots(ex.config)
+    for layer, path, mod, projs in _modules(ex):
+        x, got = res[(layer, path)]
+        want = torch.nn.functional.linear(x, mod.weight, mod.bias)
+        for t, aid in enumerate(token_adapter):
+            if aid:
+                for proj in projs:
+                    s = slots[proj]
+                    want[t, s.start : s.start + s.size] += lora_delta_ref(loaded[aid], layer, proj, x[t : t + 1])[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_linears_add_each_tokens_delta_and_survive_replacement_and_kv_writes(make_executor, dirs) -> None:
+    ex = make_executor(max_loras_per_step=3)
+    cfg = ex.config
+    names = {1: "qv", 2: "all", 3: "pattern"}
+    loaded = {aid: load_lora_adapter(dirs[n], cfg) for aid, n in names.items()}
+    need = {aid: ex.inspect_adapter(str(dirs[n])).num_blocks for aid, n in names.items()}
+    free = list(range(ex.num_blocks))
+    random.Random(3).shuffle(free)
+    pages = {aid: [free.pop() for _ in range(need[aid])] for aid in names}
+    for aid, n in names.items():
+        place(ex, aid, dirs[n], pages[aid])
+
+    # Inactive: every adapted linear is exactly its base.
+    x = torch.randn(3, cfg.hidden_size)
+    qkv = ex.model.model.layers[0].self_attn.qkv_proj
+    assert not ex.adapters.step.active
+    assert torch.equal(qkv(x), torch.nn.functional.linear(x, qkv.weight, qkv.bias))
+    assert not ex.adapters.begin_step([(0, 4)], False) and not ex.adapters.step.active
+
+    prefill = [(0, 2), (1, 3), (3, 2), (2, 1), (1, 1)]  # adapter 1's tokens in two runs
+    prefill_tokens = [a for a, n in prefill for _ in range(n)]
+    decode = [(2, 1), (0, 1), (3, 1), (1, 1), (3, 1)]
+    decode_tokens = [a for a, _ in decode]
+    before_prefill = _run_all(ex, prefill, False, seed=1)
+    _check_deltas(ex, before_prefill, prefill_tokens, loaded)
+    before_decode = _run_all(ex, decode, True, seed=2)
+    _check_deltas(ex, before_decode, decode_tokens, loaded)
+    # Adapter 3 (rank_pattern) really changes q in layer 0 with its 12 rows.
+    x0, got0 = before_prefill[(0, "self_attn.qkv_proj")]
+    assert not torch.equal(got0[5:7], torch.nn.functional.linear(x0[5:7], qkv.weight, qkv.bias))
+
+    # Drop adapter 1 and put it on other pages: identical outputs.
+    new_pages = [free.pop() for _ in range(need[1])]
+    assert not set(new_pages) & set(pages[1])
+    ops(ex, wire.AdapterOp(1, "drop_gpu", "", []), wire.AdapterOp(1, "drop_host", "", []))
+    place(ex, 1, dirs["qv"], new_pages)
+    for segs, is_decode, seed, before in ((prefill, False, 1, before_prefill), (decode, True, 2, before_decode)):
+        after = _run_all(ex, segs, is_decode, seed=seed)
+        assert all(torch.equal(after[k][1], before[k][1]) for k in before)
+
+    # Drop adapter 3 and scribble "KV" over its pages: 1 and 2 are unaffected.
+    ops(ex, wire.AdapterOp(3, "drop_gpu", "", []))
+    ex.kv.kv[:, :, pages[3]] = torch.randn_like(ex.kv.kv[:, :, pages[3]])
+    only12 = [(0, 2), (1, 3), (2, 2), (1, 1)]
+    ref = _run_all(ex, only12, False, seed=4)
+    _check_deltas(ex, ref, [a for a, n in only12 for _ in range(n)], loaded)
+
+    # Slots: at most max_loras_per_step (3) distinct adapters per step, reused while resident.
+    slot_before = dict(ex.adapters.slot_of)
+    _run_all(ex, [(2, 1), (1, 1)], True)
+    assert ex.adapters.slot_of == slot_before and 3 not in ex.adapters.slot_of
+    ops(ex, wire.AdapterOp(3, "to_gpu", "", pages[3]))  # its host copy is still there
+    _check_deltas(ex, _run_all(ex, prefill, False, seed=5), prefill_tokens, loaded)
+    with pytest.raises(ValueError, match="not on the GPU"):
+        ex.adapters.begin_step([(9, 1)], True)
+    assert not ex.adapters.step.active
+
+
+def test_one_slot_is_refilled_as_steps_alternate_adapters(make_executor, dirs) -> None:
+    ex = make_executor(max_loras_per_step=1)
+    loaded = {1: load_lora_adapter(dirs["qv"], ex.config), 2: load_lora_adapter(dirs["all"], ex.config)}
+    place(ex, 1, dirs["qv"], list(range(0, ex.inspect_adapter(str(dirs["qv"])).num_blocks)))
+    place(ex, 2, dirs["all"], list(range(100, 100 + ex.inspect_adapter(str(dirs["all"])).num_blocks)))
+    for step, aid in enumerate([1, 2, 2, 1]):
+        segs = [(0, 1), (aid, 2)]
+        _check_deltas(ex, _run_all(ex, segs, False, seed=step), [0, aid, aid], loaded)
+        assert ex.adapters.slot_of == {aid: 0}
+    with pytest.raises(ValueError, match="--max-loras-per-step 1"):
+        ex.adapters.begin_step([(1, 1), (2, 1)], True)
+
+
+def test_triton_kernels_over_the_pool_match_the_reference(make_executor, dirs) -> None:
+    """The same step tables through the Triton kernels (interpreted on CPU; small r_max to stay fast)."""
+    from deltaserve.kernels import common as kernel_common
+
+    ex = make_executor(max_lora_rank=16, max_loras_per_step=2)
+    loaded = {1: load_lora_adapter(dirs["qv"], ex.config), 2: load_lora_adapter(dirs["all"], ex.config)}
+    place(ex, 1, dirs["qv"], list(range(0, ex.inspect_adapter(str(dirs["qv"])).num_blocks)))
+    place(ex, 2, dirs["all"], list(range(200, 200 + ex.inspect_adapter(str(dirs["all"])).num_blocks)))
+    previous = kernel_common.set_backend("triton")
+    try:
+        prefill = _run_all(ex, [(1, 2), (0, 1), (2, 3)], False, seed=6)
+        decode = _run_all(ex, [(2, 1), (0, 1), (1, 1)], True, seed=7)
+    finally:
+        kernel_common.set_backend(previous)
+    _check_deltas(ex, prefill, [1, 1, 0, 2, 2, 2], loaded)
+    _check_deltas(ex, decode, [2, 0, 1], loaded)
