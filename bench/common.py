@@ -114,6 +114,9 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, iters: int = 20)
 
 
 def git_commit() -> str:
+    """``$DELTASERVE_COMMIT`` when set (the GPU machine gets a copy of the tree, not the history), else HEAD."""
+    if os.environ.get("DELTASERVE_COMMIT"):
+        return os.environ["DELTASERVE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, check=True).stdout.strip()
