@@ -1,0 +1,529 @@
+"""SBMM (Triton): the compressed full-fine-tune deltas of one linear for every token of a step, in one launch.
+
+DeltaZip's decoupled forward (§5.1-5.2): an adapted linear computes ``y = x W_base^T`` once for the
+whole batch, then adds each token's delta ``x Δ̃_d^T``, where ``Δ̃_d`` is the packed 2/4-bit,
+optionally 2:4-sparse delta of the token's variant ``d`` (``deltaserve.compress.pack``: THE format
+and THE reference value ``dequantize``). ``W_base + Δ̃`` is never materialised: the kernel streams
+the packed words, dequantises and expands 2:4 in registers, and multiplies on tensor cores.
+
+Delta pool (``DeltaWeights``), one per linear and per (bits, sparse, group size) config: every
+GPU-resident delta of that linear lives in one of ``num_slots`` slots; each tensor kind of the
+packed format has one flat buffer, and a slot's tensor is a row-major block at an element offset::
+
+    qvalues  [*] int32     slot s: qvalues_offsets[s] .. + out * kept*bits/32     (rows of packed codes)
+    qindices [*] int32     slot s: qindices_offsets[s] .. + out * kept/16         (2:4 only; else empty)
+    scales   [*] float16   slot s: group_offsets[s] .. + out * in/G               (rows of groups)
+    zeros    [*] float16   slot s: group_offsets[s] .. + out * in/G               (same offsets as scales)
+    qvalues_offsets, qindices_offsets, group_offsets   [num_slots] int64
+
+    e.g. 3 slots, slot 1 empty (make_delta_weights reserves a region for every slot):
+    qvalues | slot 0 codes | slot 1 (zeros) | slot 2 codes |     offsets 0, R, 2R (R = out*kept*bits/32)
+
+bits, sparse, group size and the linear's [out, in] are fixed per pool (the kernel specialises on
+them); a model whose deltas mix configs holds one pool per config. Slot ids are shared by all linears
+of a model; ``-1`` means "no delta" (base-only tokens, LoRA tokens).
+
+Batch metadata (``DeltaMeta``, built once per step on the host and reused by every layer and linear),
+the shape of ``LoraMeta.sgmv``::
+
+    seg_start [S + 1] int32   token range of segment s is seg_start[s] .. seg_start[s + 1]
+    seg_delta [S] int32       delta slot of segment s, or -1
+    decode: one token per row (``DeltaMeta.rows``): seg_start = 0, 1, ..., T
+
+The launch does not follow segments one to one: the host cuts them into *work tiles* of at most
+``block_m`` consecutive tokens of one slot (adjacent segments of one slot merge, so decode rows that
+the scheduler grouped by delta share a tile and read their delta once; base-only tokens make no
+tile). One program computes one tile x ``BLOCK_N`` output columns over the whole reduction.
+
+Semantics::
+
+    for each token t of a segment with slot d >= 0:
+        D = dequantize(packed(d), dtype=x.dtype)           # [out, in]; pack.py, rounded to x's dtype
+        out[t, :] = dtype(out[t, :] + sum_k x[t, k] * D[:, k])   # fp32 accumulation, one rounding
+    tokens with slot -1 keep out unchanged
+
+Shape:
+    x:        [T, in]          float32 / float16 / bfloat16, last dim contiguous (copied otherwise)
+    out:      [T, out_width]   dtype of x, last dim contiguous, updated in place; out_width = out
+    seg_start: [S + 1] int32;  seg_delta: [S] int32 (decode: S = T)
+    pool tensors: 1-D as drawn above; offsets [num_slots] int64
+
+In the kernel, per K tile: load the qvalues words of ``BLOCK_N`` rows, shift/mask every code out
+(``[BN, words, 32/b] -> [BN, kept]``); for 2:4 also the qindices words, then pair the two kept codes
+of each group of 4 and place them at their positions (``[BN, BK/4, 4] -> [BN, BK]``, zeros
+elsewhere); dequantise with the tile's scales / zeros (one per row when ``G % BLOCK_K == 0``, whole
+groups broadcast when G is a power of two dividing BLOCK_K, else gathered per column), round to x's dtype, and ``tl.dot`` with the x tile (fp32 tiles under the
+interpreter, whose low-precision dot is wrong; fp32 inputs in IEEE precision, not TF32).
+
+Entry point ``sbmm`` runs the Triton kernel on CUDA tensors (or when ``use_triton=True``: CPU tensors
+then need ``TRITON_INTERPRET=1``) and ``sbmm_ref`` (a loop over the step's deltas: dequantize with
+pack.py, then one matmul per delta over its tokens; the CPU path) otherwise. Metadata is validated
+when built, weights when built; a call checks shapes and that every slot it uses holds a delta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..compress.pack import PackedLinear, _check_layout, dequantize
+from .common import needs_rne_by_hand, round_to, want_triton
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Activation dtypes the op accepts (the pool's scales / zeros are always float16, per the format)."""
+
+# One launch config per work-tile size (no autotune: the interpreter cannot run multi-config
+# autotune; tuned configs go to data files, STYLE #23).
+_BLOCK_M_SMALL = 16
+"""Tokens per work tile when no run of one slot is longer (tl.dot's minimum)."""
+_BLOCK_M_LARGE = 64
+"""Tokens per work tile when some run of one slot is longer than ``_BLOCK_M_SMALL``: fewer tiles, so
+the delta is dequantised fewer times per run."""
+LAUNCH = {_BLOCK_M_SMALL: {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+          _BLOCK_M_LARGE: {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}}  # fmt: skip
+"""Launch config per BLOCK_M: the fastest of ``bench_sbmm.py --tune`` at most multi-token points of a
+first H100 sweep (4-bit 2:4, Llama-2-7B MLP shapes); a lone token preferred BLOCK_N 16, BLOCK_K 512.
+BLOCK_K (original input columns per reduction step) must be a power of two >= 32 (a 2:4 index word
+covers 32 columns; a 2-bit code word 16); BLOCK_K 512 with BLOCK_N >= 32 overflows shared memory on
+an H100. Module-level so a tuning run can swap it."""
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+@dataclass(frozen=True)
+class DeltaMeta:
+    """Which tokens use which delta slot in one step (built once per step: ``segments`` / ``rows``)."""
+
+    seg_start: torch.Tensor
+    """[S + 1] int32 on the device: segment s covers tokens seg_start[s] .. seg_start[s + 1]."""
+    seg_delta: torch.Tensor
+    """[S] int32 on the device: delta slot of each segment, -1 for none."""
+    seg_start_host: tuple[int, ...]
+    """``seg_start`` on the host: the reference and the checks read it without a device sync."""
+    seg_delta_host: tuple[int, ...]
+    """``seg_delta`` on the host, for the same reason."""
+    num_tokens: int
+    """T: rows of x / out the step has."""
+    slots: frozenset[int]
+    """Delta slots the step uses (no -1): checked against the pool's loaded slots at every call."""
+    decode: bool
+    """True: one token per row (``rows``); the launch grid then depends on T only (CUDA graphs)."""
+    tiles: torch.Tensor
+    """[grid_tiles, 3] int32 on the device: (first token, end token, slot) of each work tile; rows past
+    the real tiles have slot -1 (decode pads to T tiles, the most T rows can need)."""
+    num_tiles: int
+    """Real work tiles (rows of ``tiles`` with a slot >= 0)."""
+    grid_tiles: int
+    """Rows of ``tiles`` = the launch grid's first dimension (decode: T; prefill: ``num_tiles``)."""
+    block_m: int
+    """Tokens per work tile; the kernel's BLOCK_M."""
+
+    @property
+    def max_slot(self) -> int:
+        """Largest slot used, -1 if none."""
+        return max(self.slots, default=-1)
+
+    @classmethod
+    def segments(cls, seg_lens: Sequence[int], seg_delta: Sequence[int], device: torch.device | str) -> "DeltaMeta":
+        """Prefill metadata: segment s has ``seg_lens[s]`` consecutive tokens of slot ``seg_delta[s]``."""
+        lens, slots = [int(n) for n in seg_lens], [int(d) for d in seg_delta]
+        if len(lens) != len(slots):
+            raise ValueError(f"sbmm: {len(lens)} segment lengths but {len(slots)} segment deltas")
+        if any(n < 0 for n in lens):
+            raise ValueError(f"sbmm: negative segment length in {lens}")
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        return cls._build(starts, slots, False, device)
+
+    @classmethod
+    def rows(cls, row_delta: Sequence[int], device: torch.device | str) -> "DeltaMeta":
+        """Decode metadata: token t uses slot ``row_delta[t]`` (-1: none), in any order (rows of one
+        slot that are adjacent share a work tile, so a scheduler that groups them gains)."""
+        slots = [int(d) for d in row_delta]
+        return cls._build(list(range(len(slots) + 1)), slots, True, device)
+
+    @classmethod
+    def _build(cls, starts: list[int], slots: list[int], decode: bool, device: torch.device | str) -> "DeltaMeta":
+        bad = [d for d in slots if d < -1]
+        if bad:
+            raise ValueError(f"sbmm: delta slot {bad[0]} out of range (slots are >= 0, -1 = no delta)")
+        num_tokens = starts[-1]
+        if num_tokens >= 2**31:
+            raise ValueError(f"sbmm: {num_tokens} tokens overflow int32 segment offsets")
+        # Runs: adjacent segments of one slot merged, empty ones and base-only ones dropped.
+        runs: list[list[int]] = []
+        for s, d in enumerate(slots):
+            lo, hi = starts[s], starts[s + 1]
+            if hi == lo or d < 0:
+                continue
+            if runs and runs[-1][2] == d and runs[-1][1] == lo:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi, d])
+        longest = max((hi - lo for lo, hi, _ in runs), default=0)
+        block_m = _BLOCK_M_SMALL if longest <= _BLOCK_M_SMALL else _BLOCK_M_LARGE
+        tiles = [(m0, min(m0 + block_m, hi), d) for lo, hi, d in runs for m0 in range(lo, hi, block_m)]
+        grid_tiles = num_tokens if decode else len(tiles)  # each tile holds >= 1 token: <= T tiles
+        table = tiles + [(0, 0, -1)] * (grid_tiles - len(tiles))
+        return cls(
+            seg_start=torch.tensor(starts, dtype=torch.int32, device=device),
+            seg_delta=torch.tensor(slots, dtype=torch.int32, device=device),
+            seg_start_host=tuple(starts), seg_delta_host=tuple(slots), num_tokens=num_tokens,
+            slots=frozenset(d for _, _, d in runs), decode=decode,
+            tiles=torch.tensor(table, dtype=torch.int32, device=device).reshape(grid_tiles, 3),
+            num_tiles=len(tiles), grid_tiles=grid_tiles, block_m=block_m,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+@dataclass(frozen=True)
+class DeltaWeights:
+    """One linear's delta pool: flat buffers per tensor kind plus per-slot offsets (module docstring).
+
+    Validated once at construction (one host sync for the offset tables). ``store`` / ``clear``
+    refill a slot in place, so the buffers' addresses (and CUDA graphs that captured them) stay.
+    """
+
+    qvalues: torch.Tensor
+    """1-D int32: every slot's packed codes, slot s's ``[out, kept*bits/32]`` block at qvalues_offsets[s]."""
+    qindices: torch.Tensor
+    """1-D int32: every slot's 2:4 position words ``[out, kept/16]`` at qindices_offsets[s]; empty when dense."""
+    scales: torch.Tensor
+    """1-D float16: every slot's ``[out, in/G]`` scales at group_offsets[s]."""
+    zeros: torch.Tensor
+    """1-D float16: every slot's ``[out, in/G]`` zero points at group_offsets[s]."""
+    qvalues_offsets: torch.Tensor
+    """[num_slots] int64: element offset of each slot's qvalues block."""
+    qindices_offsets: torch.Tensor
+    """[num_slots] int64: element offset of each slot's qindices block (unread when dense)."""
+    group_offsets: torch.Tensor
+    """[num_slots] int64: element offset of each slot's scales block and of its zeros block."""
+    bits: int
+    """Bits per code of every slot (2 or 4)."""
+    sparse: bool
+    """Whether every slot is 2:4-sparse along the input dimension."""
+    group_size: int
+    """Input columns per (scale, zero) of every slot."""
+    out_features: int
+    """Rows of the linear's weight (the op's output width)."""
+    in_features: int
+    """Columns of the linear's weight (the op's input width)."""
+    loaded: list[bool] = field(default_factory=list)
+    """Host flags, one per slot: the slot holds a delta (``store``d); left empty at construction, every
+    slot counts as loaded. A step that uses an empty slot is refused (its zero-filled region would
+    silently add nothing)."""
+
+    def __post_init__(self) -> None:
+        n = self.qvalues_offsets.shape[0] if self.qvalues_offsets.dim() == 1 else -1
+        if not self.loaded:
+            self.loaded.extend([True] * max(n, 0))
+        # The layout rules of the format (bits, group size, shape) are pack.py's; check them there.
+        _check_layout(self.bits, self.sparse, self.group_size, self.out_features, self.in_features)
+        bufs = {"qvalues": (self.qvalues, torch.int32), "qindices": (self.qindices, torch.int32),
+                "scales": (self.scales, torch.float16), "zeros": (self.zeros, torch.float16)}  # fmt: skip
+        for name, (t, dtype) in bufs.items():
+            if t.dim() != 1 or t.dtype != dtype or (t.numel() and t.stride(0) != 1):
+                raise ValueError(f"sbmm: pool {name} {list(t.shape)} {t.dtype}: want a 1-D contiguous {dtype} buffer")
+        tables = {"qvalues_offsets": self.qvalues_offsets, "qindices_offsets": self.qindices_offsets,
+                  "group_offsets": self.group_offsets}  # fmt: skip
+        for name, t in tables.items():
+            if t.dim() != 1 or t.shape[0] != n or n < 1 or t.dtype != torch.int64 or t.stride(0) != 1:
+                raise ValueError(f"sbmm: {name} {list(t.shape)} {t.dtype}: want [num_slots >= 1] int64, contiguous, "
+                                 f"like qvalues_offsets {list(self.qvalues_offsets.shape)}")
+        if len(self.loaded) != n:
+            raise ValueError(f"sbmm: {len(self.loaded)} loaded flags for {n} slots")
+        devices = {t.device for t in (*[b for b, _ in bufs.values()], *tables.values())}
+        if len(devices) != 1:
+            raise ValueError("sbmm: pool buffers and offset tables must be on one device, got "
+                             f"{sorted(map(str, devices))}")
+        self._check_offsets()
+
+    def slot_shapes(self) -> tuple[tuple[int, int], tuple[int, int] | None, tuple[int, int]]:
+        """Shapes of one slot's qvalues, qindices (None when dense) and scales / zeros blocks."""
+        out, inf, b = self.out_features, self.in_features, self.bits
+        kept = inf // 2 if self.sparse else inf
+        qi = (out, kept // 16) if self.sparse else None
+        return (out, kept * b // 32), qi, (out, inf // self.group_size)
+
+    def _check_offsets(self) -> None:
+        """Every slot's blocks lie inside their buffers (one host sync)."""
+        qv, qi, g = self.slot_shapes()
+        checks = [("qvalues", self.qvalues_offsets, qv, self.qvalues), ("scales", self.group_offsets, g, self.scales),
+                  ("zeros", self.group_offsets, g, self.zeros)]  # fmt: skip
+        if qi is not None:
+            checks.append(("qindices", self.qindices_offsets, qi, self.qindices))
+        for name, offs, shape, buf in checks:
+            size = shape[0] * shape[1]
+            for slot, o in enumerate(offs.tolist()):
+                if o < 0 or o + size > buf.numel():
+                    raise ValueError(f"sbmm: slot {slot}'s {name} block [{o}, {o + size}) is outside the "
+                                     f"{buf.numel()}-element {name} buffer")
+
+    @property
+    def num_slots(self) -> int:
+        return self.qvalues_offsets.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.qvalues.device
+
+    def packed(self, slot: int) -> PackedLinear:
+        """Slot ``slot``'s delta as a ``PackedLinear`` of views into the pool (for ``dequantize``)."""
+        if not 0 <= slot < self.num_slots or not self.loaded[slot]:
+            raise ValueError(f"sbmm: delta slot {slot} holds no delta (the pool has {self.num_slots} slots, "
+                             f"loaded: {[s for s, ok in enumerate(self.loaded) if ok]})")
+        return self._views(slot)
+
+    def _views(self, slot: int) -> PackedLinear:
+        """Slot ``slot``'s region as a ``PackedLinear`` of views, loaded or not."""
+        qv, qi, g = self.slot_shapes()
+
+        def view(buf: torch.Tensor, offs: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+            o = int(offs[slot])
+            return buf[o : o + shape[0] * shape[1]].view(shape)
+
+        return PackedLinear(self.bits, self.sparse, self.group_size, self.out_features, self.in_features,
+                            view(self.qvalues, self.qvalues_offsets, qv),
+                            None if qi is None else view(self.qindices, self.qindices_offsets, qi),
+                            view(self.scales, self.group_offsets, g),
+                            view(self.zeros, self.group_offsets, g))  # fmt: skip
+
+    def store(self, slot: int, p: PackedLinear) -> None:
+        """Copies ``p`` into slot ``slot`` (in place) and marks it loaded."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"sbmm: delta slot {slot} out of range (the pool has {self.num_slots} slots)")
+        _check_same_config(f"slot {slot}", p, self)
+        dst = self._views(slot)
+        for name, t in p.tensors().items():
+            getattr(dst, name).copy_(t)
+        self.loaded[slot] = True
+
+    def clear(self, slot: int) -> None:
+        """Marks slot ``slot`` empty; a step that uses it is refused until the next ``store``."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"sbmm: delta slot {slot} out of range (the pool has {self.num_slots} slots)")
+        self.loaded[slot] = False
+
+
+def _check_same_config(what: str, p: PackedLinear, ref: PackedLinear | DeltaWeights) -> None:
+    for name in ("bits", "sparse", "group_size", "out_features", "in_features"):
+        if getattr(p, name) != getattr(ref, name):
+            raise ValueError(f"sbmm: {what} has {name} = {getattr(p, name)}, the pool has {getattr(ref, name)} "
+                             "(one pool holds one linear's deltas of one bits / sparsity / group-size config)")
+
+
+def make_delta_weights(packed: Sequence[PackedLinear | None], device: torch.device | str | None = None) -> DeltaWeights:
+    """A pool with one slot per entry (None: an empty slot, its region reserved and zero-filled).
+
+    Every delta must share bits, sparsity, group size and shape; the pool goes to ``device`` (default:
+    the first delta's). Slot s's blocks sit at s times the slot size in each buffer.
+    """
+    if not packed:
+        raise ValueError("sbmm: make_delta_weights needs at least one slot")
+    present = [(s, p) for s, p in enumerate(packed) if p is not None]
+    if not present:
+        raise ValueError("sbmm: make_delta_weights needs at least one delta (all slots are None)")
+    first = present[0][1]
+    for s, p in present[1:]:
+        _check_same_config(f"slot {s}", p, first)
+    dev = torch.device(device) if device is not None else first.qvalues.device
+    n = len(packed)
+    sizes = {name: t.numel() for name, t in first.tensors().items()}
+    qi_size = sizes.get("qindices", 0)
+    w = DeltaWeights(
+        qvalues=torch.zeros(n * sizes["qvalues"], dtype=torch.int32, device=dev),
+        qindices=torch.zeros(n * qi_size, dtype=torch.int32, device=dev),
+        scales=torch.zeros(n * sizes["scales"], dtype=torch.float16, device=dev),
+        zeros=torch.zeros(n * sizes["zeros"], dtype=torch.float16, device=dev),
+        qvalues_offsets=torch.arange(n, dtype=torch.int64, device=dev) * sizes["qvalues"],
+        qindices_offsets=torch.arange(n, dtype=torch.int64, device=dev) * qi_size,
+        group_offsets=torch.arange(n, dtype=torch.int64, device=dev) * sizes["scales"],
+        bits=first.bits, sparse=first.sparse, group_size=first.group_size,
+        out_features=first.out_features, in_features=first.in_features, loaded=[False] * n,
+    )  # fmt: skip
+    for s, p in present:
+        w.store(s, p)
+    return w
+
+
+# ----------------------------------------------------------------------------- checks + reference
+
+
+def _check_call(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> None:
+    if x.dim() != 2 or x.shape[0] != meta.num_tokens:
+        raise ValueError(f"sbmm: x {list(x.shape)} must be [T = {meta.num_tokens}, in_features]")
+    if x.shape[1] != w.in_features:
+        raise ValueError(f"sbmm: x has {x.shape[1]} columns, the deltas want in_features = {w.in_features}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"sbmm: x dtype {x.dtype}: want one of float32, float16, bfloat16")
+    if out.dim() != 2 or tuple(out.shape) != (meta.num_tokens, w.out_features):
+        raise ValueError(f"sbmm: out {list(out.shape)} must be [T = {meta.num_tokens}, "
+                         f"out_features = {w.out_features}]")
+    if out.dtype != x.dtype:
+        raise ValueError(f"sbmm: dtype mismatch: x {x.dtype}, out {out.dtype}")
+    if out.stride(-1) != 1:
+        raise ValueError("sbmm: out needs a contiguous last dim (it is updated in place)")
+    if not (x.device == out.device == w.device == meta.seg_start.device):
+        raise ValueError(f"sbmm: x on {x.device}, out on {out.device}, deltas on {w.device}, "
+                         f"meta on {meta.seg_start.device}")
+    if meta.max_slot >= w.num_slots:
+        raise ValueError(f"sbmm: delta slot {meta.max_slot} out of range (the pool has {w.num_slots} slots)")
+    empty = sorted(s for s in meta.slots if not w.loaded[s])
+    if empty:
+        raise ValueError(f"sbmm: delta slot {empty[0]} holds no delta (tokens of the step use it)")
+
+
+def _token_groups(meta: DeltaMeta) -> dict[int, torch.Tensor]:
+    """Token indices per slot (-1 left out), from the host copy of the metadata."""
+    groups: dict[int, list[int]] = {}
+    for s, d in enumerate(meta.seg_delta_host):
+        if d >= 0:
+            groups.setdefault(d, []).extend(range(meta.seg_start_host[s], meta.seg_start_host[s + 1]))
+    return {d: torch.tensor(t, dtype=torch.long, device=meta.seg_start.device) for d, t in groups.items() if t}
+
+
+def sbmm_ref(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
+    """Torch reference and CPU path of ``sbmm``: per delta, ``dequantize`` (pack.py) then one matmul."""
+    _check_call(x, out, w, meta)
+    for d, tok in _token_groups(meta).items():
+        delta = dequantize(w.packed(d), x.dtype).float()  # [out, in], at x's precision like the kernel
+        out[tok] = (out[tok].float() + x[tok].float() @ delta.T).to(out.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------- Triton kernel
+
+
+@triton.jit
+def _sbmm_kernel(x_ptr, out_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr,
+                 N, K, x_stride, out_stride, QV_ROW, QI_ROW, NGROUPS,
+                 BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr,
+                 KEPT: tl.constexpr, WORDS: tl.constexpr, IWORDS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64)
+    slot = tl.load(tiles_ptr + tile * 3 + 2)
+    if slot < 0:
+        return
+    start = tl.load(tiles_ptr + tile * 3)
+    end = tl.load(tiles_ptr + tile * 3 + 1)
+    slot = slot.to(tl.int64)
+
+    # KEPT: kept values per row per K tile (BLOCK_K, or half of it with 2:4); WORDS / IWORDS: the
+    # qvalues / qindices words that hold them (32 / BITS codes, 16 positions per word).
+    PER: tl.constexpr = 32 // BITS
+    CMASK: tl.constexpr = (1 << BITS) - 1
+
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    n64 = ns.to(tl.int64)
+    qv_rows = qv_ptr + tl.load(qv_off_ptr + slot) + n64[:, None] * QV_ROW
+    qi_rows = qi_ptr + tl.load(qi_off_ptr + slot) + n64[:, None] * QI_ROW
+    g_off = tl.load(g_off_ptr + slot) + n64 * NGROUPS
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
+    ty = x_ptr.dtype.element_ty
+
+    shifts = tl.arange(0, PER) * BITS
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        # Codes of the tile's kept values: [BN, WORDS] words -> [BN, WORDS, PER] -> [BN, KEPT].
+        widx = (k0 * KEPT // BLOCK_K) // PER + tl.arange(0, WORDS)
+        words = tl.load(qv_rows + widx[None, :], mask=n_ok[:, None] & (widx < QV_ROW)[None, :], other=0)
+        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & CMASK, (BLOCK_N, KEPT))
+        if SPARSE:
+            iidx = k0 // 32 + tl.arange(0, IWORDS)
+            iw = tl.load(qi_rows + iidx[None, :], mask=n_ok[:, None] & (iidx < QI_ROW)[None, :], other=0)
+            pos = tl.reshape((iw[:, :, None] >> (tl.arange(0, 16) * 2)[None, None, :]) & 3, (BLOCK_N, KEPT))
+            # The two kept values of each group of 4 columns, then each dense position's code / keep.
+            c0, c1 = tl.split(tl.reshape(codes, (BLOCK_N, BLOCK_K // 4, 2)))
+            p0, p1 = tl.split(tl.reshape(pos, (BLOCK_N, BLOCK_K // 4, 2)))
+            q = tl.arange(0, 4)[None, None, :]
+            at0 = p0[:, :, None] == q
+            at1 = p1[:, :, None] == q
+            code = tl.reshape(tl.where(at0, c0[:, :, None], c1[:, :, None]), (BLOCK_N, BLOCK_K))
+            keep = tl.reshape((at0 | at1).to(tl.int32), (BLOCK_N, BLOCK_K)) != 0
+            keep = keep & k_ok[None, :]
+        else:
+            code = codes
+            keep = tl.broadcast_to(k_ok[None, :], (BLOCK_N, BLOCK_K))
+        if G % BLOCK_K == 0:  # the whole tile is in one quantisation group: one scale / zero per row
+            gi = g_off + k0 // G
+            sc = tl.load(sc_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            zr = tl.load(zr_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        elif GROUPS_PER_TILE > 0:  # whole groups (G a power of two): load [BN, groups], broadcast to columns
+            gs = k0 // G + tl.arange(0, GROUPS_PER_TILE)
+            gi = g_off[:, None] + gs[None, :]
+            gmask = n_ok[:, None] & (gs < NGROUPS)[None, :]
+            sc = tl.load(sc_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+            zr = tl.load(zr_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, GROUPS_PER_TILE, G)), (BLOCK_N, BLOCK_K))
+            zr = tl.reshape(tl.broadcast_to(zr[:, :, None], (BLOCK_N, GROUPS_PER_TILE, G)), (BLOCK_N, BLOCK_K))
+        else:  # any other G: gather one scale / zero per column
+            gi = g_off[:, None] + (ks // G)[None, :]
+            gmask = n_ok[:, None] & k_ok[None, :]
+            sc = tl.load(sc_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+            zr = tl.load(zr_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+        wt = tl.where(keep, (code.to(tl.float32) - zr) * sc, 0.0)  # [BN, BK] fp32, Δ̃ rows
+        xt = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter's low-precision dot is wrong: fp32 tiles holding dtype values
+            wt = round_to(wt, ty, RNE)
+            xt = xt.to(tl.float32)
+        else:
+            wt = wt.to(ty)
+        acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PREC)
+    oty = out_ptr.dtype.element_ty
+    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride + ns[None, :]
+    mask = row_ok[:, None] & n_ok[None, :]
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, round_to(o + acc, oty, RNE).to(oty), mask=mask)
+
+
+def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
+    """Triton kernel for ``sbmm`` (no dispatch), in place on ``out``; one launch for all deltas."""
+    _check_call(x, out, w, meta)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if meta.num_tiles == 0:
+        return out
+    upcast = not x.is_cuda
+    prec = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
+    cfg = LAUNCH[meta.block_m]
+    block_n, block_k, group = cfg["BLOCK_N"], cfg["BLOCK_K"], w.group_size
+    qv, qi, g = w.slot_shapes()
+    kept = block_k // 2 if w.sparse else block_k
+    # Scales per tile: one per row (G % BLOCK_K == 0), whole power-of-two groups broadcast, or gathered.
+    groups_per_tile = block_k // group if block_k % group == 0 and group & (group - 1) == 0 else 0
+    grid = (meta.grid_tiles, triton.cdiv(w.out_features, block_n))
+    _sbmm_kernel[grid](x, out, meta.tiles, w.qvalues, w.qindices if w.sparse else w.qvalues, w.scales, w.zeros,
+                       w.qvalues_offsets, w.qindices_offsets, w.group_offsets,
+                       w.out_features, w.in_features, x.stride(0), out.stride(0), qv[1], 1 if qi is None else qi[1],
+                       g[1], BITS=w.bits, SPARSE=w.sparse, G=w.group_size,
+                       KEPT=kept, WORDS=kept * w.bits // 32, IWORDS=max(kept // 16, 1) if w.sparse else 1,
+                       GROUPS_PER_TILE=groups_per_tile,
+                       BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, DOT_PREC=prec,
+                       RNE=needs_rne_by_hand(out), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def sbmm(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta, *,
+         use_triton: bool | None = None) -> torch.Tensor:
+    """``out[t] += x[t] @ Δ̃_{slot(t)}^T`` in place for every token with a slot (module docstring);
+    returns ``out``. Triton on CUDA, the reference elsewhere."""
+    if want_triton("sbmm", x, use_triton):
+        return sbmm_triton(x, out, w, meta)
+    return sbmm_ref(x, out, w, meta)

@@ -1,0 +1,332 @@
+"""The SBMM kernel (``deltaserve.kernels.sbmm``): Triton kernel = torch reference = dense per-token delta.
+
+Three checks:
+
+- the Triton kernel equals ``sbmm_ref`` for 2 and 4 bits, with and without 2:4 sparsity, over the
+  delta-popularity shapes of Punica's tests (identical: one delta; distinct: every request its own;
+  uniform: ceil(sqrt(n)) deltas; skewed: Zipf-1.5 draws) with base-only requests (-1) mixed in, for
+  prefill segments (1..40 tokens, so both work-tile sizes run) and decode rows, float32 / float16 /
+  bfloat16, input widths 64 / 96 / 128 / 192 (partial K tiles), output widths that are not a multiple of
+  the column tile, and group sizes 32 / 64 / 128 / 96 (every path that loads scales);
+- the reference equals ``x @ dequantize(p).T`` computed per token from the original ``PackedLinear``s
+  (not from the pool), so the pool layout, the slot mapping and the empty slot are checked too; the
+  kernel follows the offset tables (slot regions permuted in the buffers);
+- bad metadata, mismatched shapes and pools get ``ValueError``s naming the problem.
+
+On CPU the kernel runs under the Triton interpreter; with ``DELTASERVE_TEST_GPU=1`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from deltaserve.compress.pack import PackedLinear, dequantize, pack
+from deltaserve.kernels import sbmm as sbmm_mod
+from deltaserve.kernels.sbmm import DeltaMeta, DeltaWeights, make_delta_weights, sbmm, sbmm_ref, sbmm_triton
+
+DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+POPULARITY = ["identical", "distinct", "uniform", "skewed"]
+SHAPES = [(64, 48, 64), (96, 80, 32), (128, 40, 128), (192, 24, 96)]
+"""(in_features, out_features, group_size): K tiles only partly filled; group sizes for each scale
+path (whole groups broadcast, one scale per row of a tile, gathered per column at G = 96); output
+widths off the 32 / 64-column tiles."""
+NUM_SLOTS = 6
+EMPTY_SLOT = 4
+"""A slot left empty (None) in every pool: requests never pick it."""
+# Kernel vs reference: both round Δ̃ to x's dtype, accumulate in fp32 and round once; only the
+# summation order differs, so outputs differ by about one unit in the last place of the dtype.
+RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def random_packed(out_f: int, in_f: int, bits: int, sparse: bool, group: int, seed: int) -> PackedLinear:
+    """Random codes / 2:4 mask / scales / fractional zeros, packed by pack.py."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (out_f, in_f), generator=g)
+    mask = None
+    if sparse:
+        keep = torch.rand(out_f, in_f // 4, 4, generator=g).argsort(-1)[..., :2]
+        mask = torch.zeros(out_f, in_f // 4, 4, dtype=torch.bool).scatter_(-1, keep, True).reshape(out_f, in_f)
+    scales = torch.rand(out_f, in_f // group, generator=g) * 0.05 + 0.005
+    zeros = torch.rand(out_f, in_f // group, generator=g) * (2**bits - 1)
+    return pack(codes, mask, scales, zeros, bits, group).to(DEVICE)
+
+
+@functools.lru_cache(maxsize=None)
+def deltas(bits: int, sparse: bool, shape: tuple[int, int, int]) -> tuple[PackedLinear | None, ...]:
+    in_f, out_f, group = shape
+    seed = zlib.crc32(f"{bits}/{sparse}/{shape}".encode())
+    return tuple(None if s == EMPTY_SLOT else random_packed(out_f, in_f, bits, sparse, group, seed + s)
+                 for s in range(NUM_SLOTS))  # fmt: skip
+
+
+def pool(bits: int, sparse: bool, shape: tuple[int, int, int]) -> DeltaWeights:
+    return make_delta_weights(deltas(bits, sparse, shape))
+
+
+def request_deltas(popularity: str, n: int, seed: int, base_every: int = 4) -> list[int]:
+    """Delta slot of each of ``n`` requests (never EMPTY_SLOT); every ``base_every``-th has none (-1)."""
+    rng = np.random.default_rng(seed)
+    slots = [s for s in range(NUM_SLOTS) if s != EMPTY_SLOT]
+    if popularity == "identical":
+        ids = [slots[2]] * n
+    elif popularity == "distinct":
+        ids = [slots[i % len(slots)] for i in rng.permutation(n)]
+    elif popularity == "uniform":
+        k = math.ceil(math.sqrt(n))
+        ids = [slots[int(i) % k] for i in rng.permutation(n)]
+    elif popularity == "skewed":  # Zipf-1.5 over the slots: a few deltas take most requests
+        p = 1.0 / np.arange(1, len(slots) + 1) ** 1.5
+        ids = [slots[int(i)] for i in rng.choice(len(slots), size=n, p=p / p.sum())]
+    else:
+        raise AssertionError(popularity)
+    return [-1 if base_every and i % base_every == base_every - 1 else a for i, a in enumerate(ids)]
+
+
+def make_meta(mode: str, slots: list[int], seed: int) -> DeltaMeta:
+    """segments: one segment per request of 1..40 tokens; rows: one row each."""
+    if mode == "rows":
+        return DeltaMeta.rows(slots, DEVICE)
+    lens = [int(n) for n in np.random.default_rng(seed).integers(1, 41, size=len(slots))]
+    return DeltaMeta.segments(lens, slots, DEVICE)
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+def token_deltas(meta: DeltaMeta) -> list[int]:
+    out = []
+    for s, d in enumerate(meta.seg_delta_host):
+        out += [d] * (meta.seg_start_host[s + 1] - meta.seg_start_host[s])
+    return out
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=RTOL[want.dtype], atol=ATOL[want.dtype])
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "2:4"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kernel_equals_reference(bits: int, sparse: bool, dtype: torch.dtype, popularity: str) -> None:
+    for mode in ("segments", "rows"):
+        seed = zlib.crc32(f"{bits}/{sparse}/{dtype}/{popularity}/{mode}".encode()) % 10_000
+        shape = SHAPES[seed % len(SHAPES)]
+        w = pool(bits, sparse, shape)
+        meta = make_meta(mode, request_deltas(popularity, 6 if mode == "segments" else 12, seed), seed)
+        x = randn(meta.num_tokens, shape[0], dtype=dtype, seed=seed + 1)
+        base = randn(meta.num_tokens, shape[1], dtype=dtype, seed=seed + 2)
+
+        want = sbmm_ref(x, base.clone(), w, meta)
+        got = sbmm_triton(x, base.clone(), w, meta)
+        close(got, want)
+        ids = torch.tensor(token_deltas(meta), device=DEVICE)
+        assert torch.equal(got[ids < 0], base[ids < 0]), "tokens without a delta must keep out unchanged"
+        assert not torch.equal(want[ids >= 0], base[ids >= 0])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"in{i}-out{o}-g{g}" for i, o, g in SHAPES])
+@pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
+def test_shapes_and_long_segments(config: tuple[int, bool], shape: tuple[int, int, int]) -> None:
+    """Every shape with every config, float16, segments longer than one 64-token work tile."""
+    bits, sparse = config
+    w = pool(bits, sparse, shape)
+    meta = DeltaMeta.segments([70, 3, 17, 1], [1, -1, 3, 1], DEVICE)
+    assert meta.block_m == 64 and meta.num_tiles == 4  # 70 = 64 + 6, 17, 1
+    x = randn(meta.num_tokens, shape[0], dtype=torch.float16, seed=1)
+    base = randn(meta.num_tokens, shape[1], dtype=torch.float16, seed=2)
+    close(sbmm(x, base.clone(), w, meta, use_triton=True), sbmm(x, base.clone(), w, meta, use_triton=False))
+
+
+@pytest.mark.parametrize("block", [(16, 32), (64, 128), (32, 256)], ids=["n16-k32", "n64-k128", "n32-k256"])
+def test_other_launch_configs(block: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The configs ``bench_sbmm.py --tune`` sweeps stay right (K tiles spanning several groups)."""
+    block_n, block_k = block
+    for bm in sbmm_mod.LAUNCH:
+        monkeypatch.setitem(sbmm_mod.LAUNCH, bm, {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4,
+                                                  "num_stages": 2})
+    meta = DeltaMeta.segments([20, 2, 5, 3], [0, -1, 3, 0], DEVICE)
+    for bits, sparse in ((2, True), (4, False)):
+        for shape in SHAPES:
+            w = pool(bits, sparse, shape)
+            x = randn(meta.num_tokens, shape[0], dtype=torch.float16, seed=1)
+            base = randn(meta.num_tokens, shape[1], dtype=torch.float16, seed=2)
+            close(sbmm_triton(x, base.clone(), w, meta), sbmm_ref(x, base.clone(), w, meta))
+
+
+@pytest.mark.parametrize("mode", ["segments", "rows"])
+@pytest.mark.parametrize("config", [(2, True), (4, False)], ids=["2b-2:4", "4b"])
+def test_reference_equals_dense_delta(config: tuple[int, bool], mode: str) -> None:
+    """Reference (pool views) = per-token ``out + x @ dequantize(p).T`` from the original deltas, float32."""
+    bits, sparse = config
+    shape = SHAPES[1]
+    meta = make_meta(mode, request_deltas("skewed", 10, 3), 3)
+    x = randn(meta.num_tokens, shape[0], dtype=torch.float32, seed=1)
+    base = randn(meta.num_tokens, shape[1], dtype=torch.float32, seed=2)
+    want = base.clone()
+    for t, d in enumerate(token_deltas(meta)):
+        if d >= 0:
+            want[t] += dequantize(deltas(bits, sparse, shape)[d]) @ x[t]
+    got = sbmm(x, base.clone(), pool(bits, sparse, shape), meta, use_triton=False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_follows_offset_tables() -> None:
+    """Slot regions permuted in the buffers: the kernel reads the tables, not slot * size."""
+    w = pool(4, True, SHAPES[0])
+    perm = [3, 0, 5, 1, 4, 2]  # slot s of the permuted pool = slot perm[s] of w
+    wp = DeltaWeights(w.qvalues, w.qindices, w.scales, w.zeros, w.qvalues_offsets[perm], w.qindices_offsets[perm],
+                      w.group_offsets[perm], w.bits, w.sparse, w.group_size, w.out_features, w.in_features,
+                      loaded=[w.loaded[p] for p in perm])  # fmt: skip
+    slots = [1, 1, 0, -1, 5, 3, 2]
+    meta_p = DeltaMeta.segments([2, 5, 3, 1, 4, 2, 6], slots, DEVICE)
+    meta = DeltaMeta.segments([2, 5, 3, 1, 4, 2, 6], [perm[s] if s >= 0 else -1 for s in slots], DEVICE)
+    x = randn(meta.num_tokens, 64, dtype=torch.float32, seed=1)
+    base = randn(meta.num_tokens, 48, dtype=torch.float32, seed=2)
+    close(sbmm_triton(x, base.clone(), wp, meta_p), sbmm_ref(x, base.clone(), w, meta))
+
+
+def test_decode_rows_share_tiles() -> None:
+    """Adjacent rows of one slot share a work tile; the decode grid is T tiles whatever the slots."""
+    meta = DeltaMeta.rows([2, 2, 2, -1, 0, 0, 2, -1], DEVICE)
+    assert meta.grid_tiles == 8 and meta.num_tiles == 3 and meta.block_m == 16
+    assert meta.tiles.tolist()[:4] == [[0, 3, 2], [4, 6, 0], [6, 7, 2], [0, 0, -1]]
+    assert meta.slots == {0, 2}
+    w = pool(2, False, SHAPES[2])
+    x = randn(8, SHAPES[2][0], dtype=torch.bfloat16, seed=1)
+    base = randn(8, SHAPES[2][1], dtype=torch.bfloat16, seed=2)
+    close(sbmm_triton(x, base.clone(), w, meta), sbmm_ref(x, base.clone(), w, meta))
+
+
+def test_only_base_tokens_and_empty_segments_are_no_ops() -> None:
+    w = pool(4, False, SHAPES[0])
+    meta = DeltaMeta.segments([3, 0, 4], [-1, 0, -1], DEVICE)
+    assert meta.num_tiles == 0 and meta.slots == frozenset()
+    x, base = randn(7, 64, dtype=torch.float16, seed=1), randn(7, 48, dtype=torch.float16, seed=2)
+    for use_triton in (True, False):
+        assert torch.equal(sbmm(x, base.clone(), w, meta, use_triton=use_triton), base)
+
+
+def test_store_and_clear_refill_a_slot_in_place() -> None:
+    w = make_delta_weights(deltas(2, True, SHAPES[0]))  # a fresh pool: this test changes it
+    ptr = w.qvalues.data_ptr()
+    new = random_packed(48, 64, 2, True, 64, seed=99)
+    w.store(EMPTY_SLOT, new)
+    assert w.qvalues.data_ptr() == ptr and w.loaded[EMPTY_SLOT]
+    meta = DeltaMeta.rows([EMPTY_SLOT, 0, EMPTY_SLOT], DEVICE)
+    x, base = randn(3, 64, dtype=torch.float32, seed=1), randn(3, 48, dtype=torch.float32, seed=2)
+    got = sbmm_triton(x, base.clone(), w, meta)
+    torch.testing.assert_close(got[0], base[0] + dequantize(new) @ x[0], rtol=1e-5, atol=1e-5)
+    close(got, sbmm_ref(x, base.clone(), w, meta))
+    w.clear(EMPTY_SLOT)
+    for use_triton in (True, False):
+        with pytest.raises(ValueError, match=f"delta slot {EMPTY_SLOT} holds no delta"):
+            sbmm(x, base.clone(), w, meta, use_triton=use_triton)
+
+
+def test_non_contiguous_x() -> None:
+    w = pool(4, True, SHAPES[0])
+    meta = DeltaMeta.rows([0, 1, -1, 2], DEVICE)
+    wide = randn(4, 128, dtype=torch.float32, seed=1)
+    x = wide[:, ::2]  # stride 2 in the last dim
+    base = randn(4, 48, dtype=torch.float32, seed=2)
+    close(sbmm_triton(x, base.clone(), w, meta), sbmm_ref(x.contiguous(), base.clone(), w, meta))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def small() -> tuple[DeltaWeights, torch.Tensor, torch.Tensor]:
+    x, out = randn(4, 64, dtype=torch.float32, seed=1), randn(4, 48, dtype=torch.float32, seed=2)
+    return pool(4, False, SHAPES[0]), x, out
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_slot_out_of_range(small, use_triton: bool) -> None:
+    w, x, out = small
+    meta = DeltaMeta.rows([0, NUM_SLOTS, -1, 1], DEVICE)
+    with pytest.raises(ValueError, match=f"delta slot {NUM_SLOTS} out of range"):
+        sbmm(x, out, w, meta, use_triton=use_triton)
+    with pytest.raises(ValueError, match="delta slot -2 out of range"):
+        DeltaMeta.segments([2, 2], [0, -2], DEVICE)
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_empty_slot_refused(small, use_triton: bool) -> None:
+    w, x, out = small
+    meta = DeltaMeta.rows([0, EMPTY_SLOT, -1, 1], DEVICE)
+    before = out.clone()
+    with pytest.raises(ValueError, match=f"delta slot {EMPTY_SLOT} holds no delta"):
+        sbmm(x, out, w, meta, use_triton=use_triton)
+    assert torch.equal(out, before), "a refused call changes nothing"
+
+
+def test_bad_segments() -> None:
+    with pytest.raises(ValueError, match="2 segment lengths but 1 segment deltas"):
+        DeltaMeta.segments([1, 2], [0], DEVICE)
+    with pytest.raises(ValueError, match="negative segment length"):
+        DeltaMeta.segments([1, -2], [0, 1], DEVICE)
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_shape_and_dtype_mismatches(small, use_triton: bool) -> None:
+    w, x, out = small
+    meta = DeltaMeta.rows([0, 1, 2], DEVICE)  # 3 tokens, x has 4
+    with pytest.raises(ValueError, match=r"x \[4, 64\] must be \[T = 3, in_features\]"):
+        sbmm(x, out, w, meta, use_triton=use_triton)
+    meta = DeltaMeta.rows([0, 1, 2, 3], DEVICE)
+    with pytest.raises(ValueError, match="x has 32 columns, the deltas want in_features = 64"):
+        sbmm(x[:, :32], out, w, meta, use_triton=use_triton)
+    with pytest.raises(ValueError, match=r"out \[4, 40\] must be \[T = 4, out_features = 48\]"):
+        sbmm(x, out[:, :40], w, meta, use_triton=use_triton)
+    with pytest.raises(ValueError, match="dtype mismatch: x torch.float32, out torch.float16"):
+        sbmm(x, out.half(), w, meta, use_triton=use_triton)
+    with pytest.raises(ValueError, match="x dtype torch.float64"):
+        sbmm(x.double(), out.double(), w, meta, use_triton=use_triton)
+
+
+def test_pool_config_mismatches() -> None:
+    a = random_packed(48, 64, 4, False, 64, 1)
+    with pytest.raises(ValueError, match="slot 2 has bits = 2, the pool has 4"):
+        make_delta_weights([a, None, random_packed(48, 64, 2, False, 64, 2)])
+    with pytest.raises(ValueError, match="slot 1 has sparse = True, the pool has False"):
+        make_delta_weights([a, random_packed(48, 64, 4, True, 64, 2)])
+    with pytest.raises(ValueError, match="slot 1 has out_features = 32, the pool has 48"):
+        make_delta_weights([a, random_packed(32, 64, 4, False, 64, 2)])
+    with pytest.raises(ValueError, match="needs at least one delta"):
+        make_delta_weights([None, None])
+    w = make_delta_weights([a, None])
+    with pytest.raises(ValueError, match="slot 1 has group_size = 32, the pool has 64"):
+        w.store(1, random_packed(48, 64, 4, False, 32, 3))
+    with pytest.raises(ValueError, match="delta slot 2 out of range"):
+        w.store(2, a)
+
+
+def test_bad_pool_tables() -> None:
+    w = pool(2, True, SHAPES[0])
+    offs = w.qindices_offsets.clone()
+    offs[3] = w.qindices.numel() - 1
+    with pytest.raises(ValueError, match=r"slot 3's qindices block \[.*\) is outside the"):
+        DeltaWeights(w.qvalues, w.qindices, w.scales, w.zeros, w.qvalues_offsets, offs, w.group_offsets,
+                     w.bits, w.sparse, w.group_size, w.out_features, w.in_features)  # fmt: skip
+    with pytest.raises(ValueError, match="qvalues_offsets"):
+        DeltaWeights(w.qvalues, w.qindices, w.scales, w.zeros, w.qvalues_offsets.int(), w.qindices_offsets,
+                     w.group_offsets, w.bits, w.sparse, w.group_size, w.out_features, w.in_features)  # fmt: skip
+    with pytest.raises(ValueError, match="pool scales"):
+        DeltaWeights(w.qvalues, w.qindices, w.scales.float(), w.zeros, w.qvalues_offsets, w.qindices_offsets,
+                     w.group_offsets, w.bits, w.sparse, w.group_size, w.out_features, w.in_features)  # fmt: skip
+    with pytest.raises(ValueError, match="bits must be 2 or 4, got 3"):
+        DeltaWeights(w.qvalues, w.qindices, w.scales, w.zeros, w.qvalues_offsets, w.qindices_offsets,
+                     w.group_offsets, 3, w.sparse, w.group_size, w.out_features, w.in_features)  # fmt: skip
