@@ -88,6 +88,9 @@ bench-gpu: ## (CUDA machine) benchmarks; each writes bench/results/*.json
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/prefill.py
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_paged_attention.py
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_fused_ops.py
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_lora.py --modes decode --cudagraph
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/lora_decode_step.py
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_sbmm.py
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/router_overhead.py --daemon target/release/deltaserve --device 0
 
 clean:
