@@ -41,11 +41,26 @@ far above the L2 size, e.g. distinct batches of 64+). ``--parts`` adds the shrin
 ``--cudagraph`` is given. ``--offset-align 1`` drops make_weights' alignment promise (the kernels
 then use scalar loads, as for a pool whose row offsets may be odd).
 
+``--stacked OUTS`` times one fused module instead of one projection: slices of widths ``OUTS``
+(``4096,4096,4096``: Llama-2-7B qkv; ``11008,11008``: gate_up) over an input of each ``--dims``
+entry's IN width, every slice with its own adapters (same ranks and popularity), all rows in ONE
+flat pool with stacked tables (``LoraStack``). Implementations:
+
+    stacked     ``lora_delta_stacked(..., use_triton=True)``: 2 launches for the module
+    per_slice   ``lora_delta(x, out, stack.as_slices(), ...)``: 2 launches per slice, same tables
+    reference   ``lora_delta_stacked(..., use_triton=False)`` (per-slice torch references)
+
+(``_graph`` variants with ``--cudagraph``; bytes as above summed over the slices with x counted
+once.) The stacked result is checked against the per-slice path and the reference first.
+
     python3 bench/bench_lora.py                                    # full sweep, writes bench/results/lora-<GPU>-<date>.json
     python3 bench/bench_lora.py --ranks 16 --batch 64 --modes decode --cudagraph
     python3 bench/bench_lora.py --modes decode --popularity distinct --dims 4096x4096,11008x4096 \
         --cudagraph --parts --no-reference                         # decode bandwidth per kernel
+    python3 bench/bench_lora.py --stacked 4096,4096,4096 --ranks 16 --batch 1,16,64 --modes decode \
+        --popularity distinct --cudagraph --no-reference      # qkv module: stacked vs per-slice launches
     python3 bench/bench_lora.py --smoke     # CPU, Triton interpreter, tiny shapes: checks the script only
+    python3 bench/bench_lora.py --smoke --stacked 4096,4096,4096   # the same for the stacked mode
 """
 
 from __future__ import annotations
@@ -72,7 +87,9 @@ from common import copy_bandwidth, device_name, time_cuda, time_host, write_resu
 from deltaserve.kernels.lora import (  # noqa: E402
     LoraMeta,
     LoraSlice,
+    LoraStack,
     lora_delta,
+    lora_delta_stacked,
     lora_expand_triton,
     lora_shrink_triton,
     make_weights,
@@ -183,6 +200,67 @@ class Point:
             self.out.copy_(saved)
 
 
+class StackPoint:
+    """One ``--stacked`` sweep point: a fused module of slices ``outs`` over one shared pool."""
+
+    def __init__(self, in_dim: int, outs: tuple[int, ...], rank: str, batch: int, popularity: str, mode: str,
+                 prefill_len: int, device: torch.device, seed: int = 0) -> None:
+        dtype = torch.float16
+        rng = np.random.default_rng(seed)
+        g = torch.Generator(device=device).manual_seed(seed)
+        ranks = [int(rank)] * batch if rank != "mixed" else [MIXED_RANKS[i % len(MIXED_RANKS)] for i in range(batch)]
+        r_max = max(ranks)
+        req = request_adapters(popularity, batch, rng)
+        used = sorted(set(req))
+        total = sum(ranks[a] for a in used)
+        per_slice = []
+        for out_dim in outs:  # each slice: its own adapters, rows scattered over its own pools
+            adapters: list = [None] * batch
+            for a in used:
+                A = (torch.randn(ranks[a], in_dim, generator=g, device=device) / math.sqrt(in_dim)).to(dtype)
+                B = (0.01 * torch.randn(out_dim, ranks[a], generator=g, device=device)).to(dtype)
+                adapters[a] = (A, B, 2.0)
+            per_slice.append(make_weights(adapters, r_max, total, perm=torch.randperm(total)))
+        # ONE flat pool: every slice's A rows, then every slice's B^T rows; offsets shifted to match.
+        pools = [w.a_pool for w in per_slice] + [w.b_pool for w in per_slice]
+        starts = list(itertools.accumulate([0] + [p.numel() for p in pools[:-1]]))
+        n = len(outs)
+        pool = torch.cat(pools)
+        self.stack = LoraStack(
+            pool, pool, torch.stack([w.a_offsets + starts[i] for i, w in enumerate(per_slice)]),
+            torch.stack([w.b_offsets + starts[n + i] for i, w in enumerate(per_slice)]),
+            torch.stack([w.rank for w in per_slice]), torch.stack([w.scale for w in per_slice]),
+            in_dim, tuple(outs), tuple(itertools.accumulate([0] + list(outs[:-1]))),
+            offset_align=min(w.offset_align for w in per_slice))  # fmt: skip
+        self.slices = self.stack.as_slices()
+        if mode == "decode":
+            self.meta = LoraMeta.mbgmv(req, device)
+        else:  # the scheduler groups a step's requests by adapter: one segment per adapter
+            self.meta = LoraMeta.sgmv([prefill_len] * batch, sorted(req), device)
+        t = self.meta.num_tokens
+        self.tokens = t
+        self.x = torch.randn(t, in_dim, generator=g, device=device).to(dtype)
+        self.out = torch.randn(t, sum(outs), generator=g, device=device).to(dtype)
+        rows = sum(ranks[a] for a in used)
+        self.nbytes = 2 * (t * in_dim + 2 * t * sum(outs) + rows * (n * in_dim + sum(outs)))
+
+    def stacked_fn(self) -> torch.Tensor:
+        return lora_delta_stacked(self.x, self.out, self.stack, self.meta, use_triton=True)
+
+    def per_slice_fn(self) -> torch.Tensor:
+        return lora_delta(self.x, self.out, self.slices, self.meta, use_triton=True)
+
+    def ref_fn(self) -> torch.Tensor:
+        return lora_delta_stacked(self.x, self.out, self.stack, self.meta, use_triton=False)
+
+    def check(self) -> None:
+        got = lora_delta_stacked(self.x, self.out.clone(), self.stack, self.meta, use_triton=True)
+        per_slice = lora_delta(self.x, self.out.clone(), self.slices, self.meta, use_triton=True)
+        want = lora_delta_stacked(self.x, self.out.clone(), self.stack, self.meta, use_triton=False)
+        torch.testing.assert_close(got, per_slice, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
 def parse_dims(text: str) -> list[tuple[int, int]]:
     """``--dims``: comma-separated ``INxOUT`` pairs."""
     dims = []
@@ -192,6 +270,31 @@ def parse_dims(text: str) -> list[tuple[int, int]]:
             sys.exit(f"--dims: {item!r}: want INxOUT with positive integers, e.g. 4096x11008")
         dims.append((int(parts[0]), int(parts[1])))
     return dims
+
+
+def run_stacked(pt: StackPoint, mode: str, rank: str, batch: int, pop: str, args: argparse.Namespace,
+                timer: Callable[[Callable[[], object], bool], float], bw: float | None) -> list[dict]:
+    """Checks and times one ``--stacked`` point; prints and returns its rows."""
+    pt.check()
+    impls: list[tuple[str, Callable[[], object], bool]] = [("stacked", pt.stacked_fn, False),
+                                                         ("per_slice", pt.per_slice_fn, False)]
+    if args.cudagraph:
+        impls += [("stacked_graph", pt.stacked_fn, True), ("per_slice_graph", pt.per_slice_fn, True)]
+    if not args.no_reference:
+        impls.append(("reference", pt.ref_fn, False))
+    st = pt.stack
+    shape = f"{st.in_dim}x" + "+".join(str(d) for d in st.out_dims)
+    rows = []
+    for impl, fn, graph in impls:
+        sec = timer(fn, graph)
+        row = {"in_dim": st.in_dim, "out_dims": list(st.out_dims), "mode": mode, "rank": rank, "batch": batch,
+               "popularity": pop, "impl": impl, "graph": graph, "tokens": pt.tokens, "bytes": pt.nbytes,
+               "us": sec * 1e6, "GBps": pt.nbytes / sec / 1e9,
+               "fraction_of_copy_bw": None if bw is None else pt.nbytes / sec / bw}
+        rows.append(row)
+        print(f"{shape:>10} {mode:>7} {rank:>5} {batch:>5} {pop:>10} {impl:>15} {pt.nbytes / 1e6:>8.2f} "
+              f"{row['us']:>9.1f} {row['GBps']:>8.1f} {row['fraction_of_copy_bw'] or 0:>9.2f}", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -211,6 +314,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes, no bandwidth")
+    p.add_argument("--stacked", default=None, metavar="OUTS",
+                   help="time a fused module of slices OUTS (e.g. 4096,4096,4096) over each --dims IN: "
+                        "lora_delta_stacked vs the per-slice loop")
     args = p.parse_args()
     ranks = [r for r in args.ranks.split(",") if r]
     batches = [int(b) for b in args.batch.split(",") if b]
@@ -223,6 +329,12 @@ def main() -> None:
     for m in modes:
         if m not in ("decode", "prefill"):
             sys.exit(f"--modes: {m!r}: want decode and/or prefill")
+    outs: tuple[int, ...] | None = None
+    if args.stacked is not None:
+        items = [o for o in args.stacked.split(",") if o]
+        if not items or not all(o.isdigit() and int(o) >= 1 for o in items):
+            sys.exit(f"--stacked: {args.stacked!r}: want comma-separated positive slice widths, e.g. 4096,4096,4096")
+        outs = tuple(int(o) for o in items)
 
     if args.smoke:
         device, bw, timer = torch.device("cpu"), None, time_host
@@ -230,6 +342,8 @@ def main() -> None:
         ranks = [r for r in ranks if r != "mixed" and int(r) <= 16][:2] + ["mixed"] * ("mixed" in ranks)
         batches = [1, 4]
         args.prefill_len, args.cudagraph = min(args.prefill_len, 4), False
+        if outs is not None:
+            outs = tuple(min(o, 96 // (1 + i)) for i, o in enumerate(outs))  # unequal widths, as GQA qkv
     else:
         if not torch.cuda.is_available():
             sys.exit("bench_lora.py needs a CUDA device (or --smoke for a CPU check of the script)")
@@ -244,6 +358,12 @@ def main() -> None:
     rows = []
     with torch.no_grad():
         for (in_dim, out_dim), mode, rank, batch, pop in itertools.product(dims, modes, ranks, batches, pops):
+            if outs is not None:
+                rows += run_stacked(StackPoint(in_dim, outs, rank, batch, pop, mode, args.prefill_len, device),
+                                    mode, rank, batch, pop, args, timer, bw)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             pt = Point(in_dim, out_dim, rank, batch, pop, mode, args.prefill_len, args.bmm_max_gb * 1e9,
                        args.offset_align, device)
             pt.check()
@@ -277,7 +397,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
     path = write_result("lora", {
         "device": device_name(device), "shape": "smoke" if args.smoke else "llama-2-7b", "dims": dims,
-        "dtype": "float16", "prefill_len": args.prefill_len, "offset_align": args.offset_align,
+        "dtype": "float16", "prefill_len": args.prefill_len, "offset_align": args.offset_align, "stacked": outs,
         "copy_bandwidth_GBps": None if bw is None else bw / 1e9,
         "timer": "host wall clock (smoke)" if args.smoke else "triton.testing.do_bench median, L2 flushed",
         "rows": rows,

@@ -14,6 +14,11 @@ Two checks, as for the fused ops:
   tables (``check=False``) refilled in place between two calls of one ``LoraWeights``;
 - the reference equals a dense per-token LoRA computed from the original ``A``, ``B`` matrices (not
   from the pool), so the pool layout and the semantics are checked, not only kernel = reference.
+- stacked slices of one module (``LoraStack``, ``lora_delta_stacked``): equal to the per-slice
+  path (exactly under the interpreter) over the popularity shapes and dtypes, mixed ranks, adapters
+  that adapt only some slices (rank 0 elsewhere), GQA-style unequal widths, gate_up, one slice,
+  untouched columns between slices, split decode widths, tables as strided views inside larger
+  tables refilled in place between calls; ``from_slices`` stacks views without a copy.
 
 Bad metadata and weights get ``ValueError``s. On CPU the kernels run under the Triton interpreter;
 with ``DELTASERVE_TEST_GPU=1`` on CUDA.
@@ -33,8 +38,10 @@ import torch
 from deltaserve.kernels.lora import (
     LoraMeta,
     LoraSlice,
+    LoraStack,
     LoraWeights,
     lora_delta,
+    lora_delta_stacked,
     lora_expand_ref,
     lora_expand_triton,
     lora_shrink_ref,
@@ -470,3 +477,235 @@ def test_shape_mismatches(small) -> None:
         lora_delta(x, torch.zeros(4, 64), [LoraSlice(32, 64, w)], meta)
     with pytest.raises(ValueError, match="segment lengths"):
         LoraMeta.sgmv([1, 2], [0], DEVICE)
+
+
+# ----------------------------------------------------------------------------- stacked slices (one module)
+#
+# ``lora_delta_stacked`` must equal ``lora_delta`` over the stack's slices: exactly under the
+# interpreter (every program computes what the per-slice path's does), within the tolerances on GPU.
+
+
+def stacked_tables(dense: list[list], in_dim: int, dims: tuple[int, ...], dtype: torch.dtype, seed: int,
+                   r_max: int = R_MAX, head: int = 3, pool_elems: int | None = None):
+    """Every slice's adapters (``dense[i][slot]``: (A, B, scale) or None = rank 0 in that slice) as
+    rank rows in ONE junk-filled flat buffer, rows of all slices and adapters in a shuffled order
+    with random gaps from an odd ``head`` on. Returns (buf, a_off, b_off, rank, scale) with tables
+    [n_slices, slots, r_max] / [n_slices, slots]."""
+    n, slots = len(dense), len(dense[0])
+    rows = []  # (slice, slot, 0 = A / 1 = B^T, j, width)
+    for i, per_slot in enumerate(dense):
+        for slot, item in enumerate(per_slot):
+            if item is not None:
+                r = item[0].shape[0]
+                rows += [(i, slot, kind, j, (in_dim, dims[i])[kind]) for kind in (0, 1) for j in range(r)]
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(rows))
+    gaps = rng.integers(0, 6, size=len(rows))
+    pos, placed = head, {}
+    for k, g in zip(order, gaps):
+        placed[k] = pos + int(g)
+        pos = placed[k] + rows[k][4]
+    total = pos if pool_elems is None else pool_elems
+    assert pos <= total
+    buf = randn(total, dtype=dtype, seed=seed) * 100
+    a_off = torch.zeros(n, slots, r_max, dtype=torch.int64)
+    b_off = torch.zeros(n, slots, r_max, dtype=torch.int64)
+    rank = torch.zeros(n, slots, dtype=torch.int32)
+    scale = torch.zeros(n, slots, dtype=torch.float32)
+    for k, (i, slot, kind, j, width) in enumerate(rows):
+        A, B, sc = dense[i][slot]
+        o = placed[k]
+        buf[o : o + width] = A[j] if kind == 0 else B[:, j]
+        (a_off if kind == 0 else b_off)[i, slot, j] = o
+        rank[i, slot], scale[i, slot] = A.shape[0], sc
+    return buf, a_off.to(DEVICE), b_off.to(DEVICE), rank.to(DEVICE), scale.to(DEVICE)
+
+
+def stacked_dense(in_dim: int, dims: tuple[int, ...], dtype: torch.dtype, seed: int) -> list[list]:
+    """Per slice, NUM_SLOTS adapters of mixed ranks; adapter ``slot`` skips slice ``i`` (rank 0 there)
+    when ``(slot + i) % 4 == 3`` (adapters that adapt only some slices) and slot 5 adapts none."""
+    out = []
+    for i, d in enumerate(dims):
+        per = dense_adapters(in_dim, d, dtype, seed + 31 * i)
+        out.append([None if (slot + i) % 4 == 3 or slot == 5 else item for slot, item in enumerate(per)])
+    return out
+
+
+def embedded_stack(buf, a_off, b_off, rank, scale, in_dim, dims, offsets, **kw) -> LoraStack:
+    """The tables as views inside larger pool-like tables (as ``AdapterPool``'s ``a_off[s0:s1]`` and
+    ``rank[layer, s0:s1]``): storage offsets, and slice strides that differ between tables."""
+    n, slots, r_max = a_off.shape
+    big_a = torch.full((n + 2, slots, r_max), -1, dtype=torch.int64, device=DEVICE)
+    big_b = torch.full((n + 3, slots, r_max), -1, dtype=torch.int64, device=DEVICE)
+    big_rank = torch.full((2, n + 2, slots), 999, dtype=torch.int32, device=DEVICE)
+    big_scale = torch.full((3, n + 1, slots), float("nan"), dtype=torch.float32, device=DEVICE)
+    big_a[1 : 1 + n], big_b[2 : 2 + n], big_rank[1, 1 : 1 + n], big_scale[2, :n] = a_off, b_off, rank, scale
+    return LoraStack(buf, buf, big_a[1 : 1 + n], big_b[2 : 2 + n], big_rank[1, 1 : 1 + n], big_scale[2, :n],
+                     in_dim, dims, offsets, **kw)
+
+
+GQA = (64, 32, 32)
+"""qkv of a GQA model in miniature: q wider than k and v."""
+
+
+def check_stacked(x, base, stack, meta) -> torch.Tensor:
+    """Stacked Triton = per-slice Triton (exactly on CPU) = per-slice reference; returns the result."""
+    got = lora_delta_stacked(x, base.clone(), stack, meta, use_triton=True)
+    per_slice = lora_delta(x, base.clone(), stack.as_slices(), meta, use_triton=True)
+    if DEVICE.type == "cpu":
+        assert torch.equal(got, per_slice), "the stacked op must compute exactly what the per-slice path does"
+    else:
+        close(got, per_slice)
+    close(got, lora_delta_stacked(x, base.clone(), stack, meta, use_triton=False))
+    ids = torch.tensor(token_adapters(meta), device=DEVICE)
+    assert torch.equal(got[ids < 0], base[ids < 0]), "tokens without an adapter must keep out unchanged"
+    return got
+
+
+@pytest.mark.parametrize("mode", ["sgmv", "mbgmv"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_stacked_equals_per_slice(popularity: str, dtype: torch.dtype, mode: str) -> None:
+    """GQA qkv-like stack over the popularity shapes, mixed ranks, adapters adapting only some
+    slices, base rows mixed in; tables as strided views inside larger tables."""
+    seed = zlib.crc32(f"stacked/{popularity}/{mode}".encode()) % 1000
+    in_dim = 64
+    meta = make_meta(mode, request_adapters(popularity, 6 if mode == "sgmv" else 12, seed), seed)
+    dense = stacked_dense(in_dim, GQA, dtype, seed)
+    stack = embedded_stack(*stacked_tables(dense, in_dim, GQA, dtype, seed), in_dim, GQA, (0, 64, 96))
+    x = randn(meta.num_tokens, in_dim, dtype=dtype, seed=seed + 1)
+    base = randn(meta.num_tokens, 128, dtype=dtype, seed=seed + 2)
+    got = check_stacked(x, base, stack, meta)
+    # Per token and slice: changed iff the token's adapter adapts that slice.
+    for t, a in enumerate(token_adapters(meta)):
+        for i, (lo, hi) in enumerate(((0, 64), (64, 96), (96, 128))):
+            adapted = a >= 0 and dense[i][a] is not None
+            assert torch.equal(got[t, lo:hi], base[t, lo:hi]) != adapted, (t, a, i)
+
+
+@pytest.mark.parametrize("mode", ["sgmv", "mbgmv"])
+@pytest.mark.parametrize("layout", ["gate_up", "single", "gaps"])
+def test_stacked_layouts(layout: str, mode: str) -> None:
+    """gate_up (two equal slices), one slice (o / down), and slices with untouched columns between
+    and after them (a projection of the module without LoRA): kernel = per-slice = dense LoRA."""
+    dims, offsets, width = {"gate_up": ((80, 80), (0, 80), 160), "single": ((48,), (0,), 48),
+                            "gaps": ((40, 24), (8, 72), 104)}[layout]
+    seed, in_dim, dtype = 17, 96, torch.float32
+    meta = make_meta(mode, request_adapters("skewed", 8, seed), seed)
+    dense = stacked_dense(in_dim, dims, dtype, seed)
+    buf, *tables = stacked_tables(dense, in_dim, dims, dtype, seed)
+    stack = LoraStack(buf, buf, *tables, in_dim, dims, offsets)
+    x = randn(meta.num_tokens, in_dim, dtype=dtype, seed=1)
+    base = randn(meta.num_tokens, width, dtype=dtype, seed=2)
+    got = check_stacked(x, base, stack, meta)
+    want = base.clone()
+    for i, (d, o) in enumerate(zip(dims, offsets)):
+        want[:, o : o + d] = dense_delta(x, base[:, o : o + d], dense[i], token_adapters(meta))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    covered = torch.zeros(width, dtype=torch.bool)
+    for d, o in zip(dims, offsets):
+        covered[o : o + d] = True
+    assert torch.equal(got[:, ~covered], base[:, ~covered]), "columns outside every slice must be untouched"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens,in_dim", [(1, 300), (40, 1030)])
+def test_stacked_mbgmv_split_widths(tokens: int, in_dim: int, dtype: torch.dtype) -> None:
+    """Decode at input widths the shrink splits over several programs, slice widths that leave
+    ragged and empty column tiles in the narrower slices (GQA: 200 / 72 / 72)."""
+    dims, seed = (200, 72, 72), tokens
+    meta = LoraMeta.mbgmv(request_adapters("uniform", tokens, seed), DEVICE)
+    dense = stacked_dense(in_dim, dims, dtype, seed)
+    stack = embedded_stack(*stacked_tables(dense, in_dim, dims, dtype, seed), in_dim, dims, (0, 200, 272))
+    x = randn(tokens, in_dim, dtype=dtype, seed=seed + 1)
+    check_stacked(x, randn(tokens, 344, dtype=dtype, seed=seed + 2), stack, meta)
+
+
+@pytest.mark.parametrize("mode", ["sgmv", "mbgmv"])
+def test_stacked_tables_refilled_in_place(mode: str) -> None:
+    """One LoraStack(check=False) over static tables and a static pool, built once (the worker's
+    per-module object): refilled in place between calls, with adapters moving between slots and
+    slices switching between adapted and not; every call follows the new contents."""
+    in_dim, dims, offsets, dtype, elems = 64, GQA, (0, 64, 96), torch.float16, 80000
+    n, slots = len(dims), NUM_SLOTS
+    pool = torch.zeros(elems, dtype=dtype, device=DEVICE)
+    tabs = [torch.zeros(n, slots, R_MAX, dtype=torch.int64, device=DEVICE) for _ in range(2)]
+    rank = torch.zeros(n, slots, dtype=torch.int32, device=DEVICE)
+    scale = torch.zeros(n, slots, dtype=torch.float32, device=DEVICE)
+    stack = embedded_stack(pool, *tabs, rank, scale, in_dim, dims, offsets, check=False)
+    ids = [0, 1, -1, 3, 1, 2, 0, 7]
+    meta = make_meta(mode, ids, 3)
+    x = randn(meta.num_tokens, in_dim, dtype=dtype, seed=1)
+    base = randn(meta.num_tokens, 128, dtype=dtype, seed=2)
+    results = []
+    for step in range(3):
+        dense = stacked_dense(in_dim, dims, dtype, 100 + step % 2 * 7)
+        if step == 1:  # slot 0 stops adapting k; slot 1 adapts nothing; slot 3 adapts everything
+            dense[1][0], dense[0][1], dense[1][1], dense[2][1] = None, None, None, None
+        buf, a_off, b_off, r, sc = stacked_tables(dense, in_dim, dims, dtype, 100 + step, pool_elems=elems)
+        pool.copy_(buf)
+        for table, new in zip((stack.a_offsets, stack.b_offsets, stack.rank, stack.scale), (a_off, b_off, r, sc)):
+            table.copy_(new)
+        got = check_stacked(x, base, stack, meta)
+        for i, (d, o) in enumerate(zip(dims, offsets)):
+            want = dense_delta(x, base[:, o : o + d], dense[i], token_adapters(meta))
+            torch.testing.assert_close(got[:, o : o + d].float(), want.float(), rtol=2e-2, atol=2e-2)
+        results.append(got)
+    assert not torch.equal(results[0], results[1]) and not torch.equal(results[1], results[2])
+    assert torch.equal(results[0], results[2]), "same adapters at new offsets: the same result"
+
+
+def test_stack_from_slices_is_a_view() -> None:
+    """``LoraStack.from_slices`` over per-slice weights that are views of one set of tables (the
+    adapter pool's per-projection weights) stacks them without a copy; other weights are refused."""
+    in_dim, dims, dtype = 64, GQA, torch.float32
+    dense = stacked_dense(in_dim, dims, dtype, 4)
+    ref = embedded_stack(*stacked_tables(dense, in_dim, dims, dtype, 4), in_dim, dims, (0, 64, 96))
+    slices = [LoraSlice(o, d, w) for o, d, w in zip((0, 64, 96), dims, ref.slice_weights)]
+    stack = LoraStack.from_slices(slices)
+    for name in ("a_offsets", "b_offsets", "rank", "scale"):
+        a, b = getattr(stack, name), getattr(ref, name)
+        assert (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride()), name
+    assert (stack.out_dims, stack.out_offsets) == (dims, (0, 64, 96))
+    # A slice without LoRA is left out of the stack (its columns stay untouched).
+    two = LoraStack.from_slices([slices[0], LoraSlice(64, 32, None), slices[2]])
+    assert (two.out_dims, two.out_offsets, two.num_slices) == ((64, 32), (0, 96), 2)
+    assert two.rank.stride(0) == 2 * ref.rank.stride(0)
+    # Independently built weights do not share pools / tables.
+    other = pooled(dense_adapters(in_dim, 32, dtype, 1), 1)
+    with pytest.raises(ValueError, match="slice 1 does not share the first slice's a_pool"):
+        LoraStack.from_slices([slices[0], LoraSlice(64, 32, other)])
+    lone = dataclasses.replace(ref.slice_weights[1], rank=ref.slice_weights[1].rank.clone())
+    with pytest.raises(ValueError, match="slice 1's rank is not a view"):
+        LoraStack.from_slices([slices[0], LoraSlice(64, 32, lone)])
+    with pytest.raises(ValueError, match="increasing addresses"):
+        LoraStack.from_slices([slices[1], slices[0]])
+
+
+def test_stack_bad_input() -> None:
+    in_dim, dims, dtype = 64, GQA, torch.float32
+    buf, a_off, b_off, rank, scale = stacked_tables(stacked_dense(in_dim, dims, dtype, 2), in_dim, dims, dtype, 2)
+    good = LoraStack(buf, buf, a_off, b_off, rank, scale, in_dim, dims, (0, 64, 96))
+    with pytest.raises(ValueError, match="slice 1 starts at column 60, inside slice 0"):
+        dataclasses.replace(good, out_offsets=(0, 60, 96))
+    with pytest.raises(ValueError, match="3 stacked slices but 2 out_dims"):
+        dataclasses.replace(good, out_dims=(64, 32))
+    with pytest.raises(ValueError, match=r"stacked rank \[12\]: want \[n_slices = 3"):
+        dataclasses.replace(good, rank=rank[0])
+    bad = rank.clone()
+    bad[2, 4] = R_MAX + 1
+    with pytest.raises(ValueError, match=rf"stacked slice 2: lora: adapter 4 has rank {R_MAX + 1}"):
+        dataclasses.replace(good, rank=bad)
+    dataclasses.replace(good, rank=bad, check=False)  # unchecked: contents are the caller's promise
+    meta = LoraMeta.mbgmv([0, 1, NUM_SLOTS], DEVICE)
+    x = randn(3, in_dim, dtype=dtype, seed=1)
+    for use_triton in (True, False):
+        with pytest.raises(ValueError, match=f"adapter id {NUM_SLOTS} out of range"):
+            lora_delta_stacked(x, torch.zeros(3, 128), good, meta, use_triton=use_triton)
+    meta = LoraMeta.mbgmv([0, 1, 2], DEVICE)
+    with pytest.raises(ValueError, match=r"out \[3, 120\] must be \[T = 3, >= 128\]"):
+        lora_delta_stacked(x, torch.zeros(3, 120), good, meta)
+    with pytest.raises(ValueError, match="dtype mismatch: out torch.float16"):
+        lora_delta_stacked(x, torch.zeros(3, 128, dtype=torch.float16), good, meta)
+    with pytest.raises(ValueError, match=r"input has 32 columns"):
+        lora_delta_stacked(x[:, :32], torch.zeros(3, 128), good, meta)

@@ -8,7 +8,7 @@ Layout:
 - ``pool``  the adapter tiers the router drives (``AdapterOp``: host memory, pages of the KV pool),
             ``inspect`` for registration, and the per-step slot tables + ``LoraMeta`` the kernels read.
 - ``lora_layers``  ``attach_lora(model, step, weights)`` wraps the block linears in ``LoraLinear``
-            (base + ``kernels.lora.lora_delta`` over the pool when the step has adapter tokens).
+            (base + ``kernels.lora.lora_delta_stacked`` over the pool when the step has adapter tokens).
 """
 
 from .lora import LoraAdapter, LoraAdapterError, LoraWeights, load_lora_adapter, lora_delta_ref, merged_weight

@@ -5,15 +5,18 @@
 
     out = x @ W.T + bias                                  the base, once for all tokens
     if step.meta is not None:                             the step has adapter tokens
-        kernels.lora.lora_delta(x, out, slices, step.meta)
+        kernels.lora.lora_delta_stacked(x, out, stack, step.meta)     two launches per module
             for each output slice (q|k|v, o, gate|up, down) of the module (``linear_slots``):
                 out[t, slice] += scale[a, l, s] * (x[t] A_a^T) B_a^T      for token t of slot a
 
-``slices`` are built once: one ``LoraSlice(offset, size, weights)`` per HF projection held by the
-module, ``weights`` the ``kernels.lora.LoraWeights`` of that (layer, projection) over the adapter
-pool's static tables and the layer's flat KV view (``adapters/pool.py``). The pool fills the
-tables and sets ``step.meta`` per step; the model does not change: it calls
-``self_attn.qkv_proj(x)`` as before, and knows nothing about adapters.
+``stack`` is built once per module: ``kernels.lora.LoraStack.from_slices`` over one
+``LoraSlice(offset, size, weights)`` per HF projection the module holds, ``weights`` the
+``kernels.lora.LoraWeights`` of that (layer, projection) over the adapter pool's static tables and
+the layer's flat KV view (``adapters/pool.py``). The pool's per-projection tables of one module are
+views of its stacked tables a uniform stride apart, so the stack is a view of them too (no copy:
+the pool's in-place refills reach it, and CUDA graphs keep its pointers). The pool fills the tables
+and sets ``step.meta`` per step; the model does not change: it calls ``self_attn.qkv_proj(x)`` as
+before, and knows nothing about adapters.
 
 A step with no adapter tokens (``step.meta`` None) runs only the base matmul: no extra op. That is
 also what CUDA-graph capture records today, so captured decode graphs serve base-only steps.
@@ -33,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..kernels.lora import LoraMeta, LoraSlice, LoraWeights, lora_delta
+from ..kernels.lora import LoraMeta, LoraSlice, LoraStack, LoraWeights, lora_delta_stacked
 from ..model.decoder import DecoderLM, linear_slots
 
 
@@ -57,7 +60,7 @@ class LoraStep:
 class LoraLinear(nn.Linear):
     """A block linear plus the LoRA delta of each token's adapter (module docstring)."""
 
-    def __init__(self, base: nn.Linear, step: LoraStep, slices: list[LoraSlice]) -> None:
+    def __init__(self, base: nn.Linear, step: LoraStep, stack: LoraStack) -> None:
         nn.Module.__init__(self)
         self.in_features = base.in_features
         self.out_features = base.out_features
@@ -66,8 +69,9 @@ class LoraLinear(nn.Linear):
         self.register_parameter("bias", base.bias)
         self.step = step
         """The per-step metadata, shared with the adapter pool and the other LoraLinears."""
-        self.slices = slices
-        """One LoraSlice per HF projection this module holds, in output-row order."""
+        self.stack = stack
+        """The adapted slices (one per HF projection this module holds, in output-row order) with
+        their stacked tables: one shrink and one expand launch per forward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
@@ -76,10 +80,10 @@ class LoraLinear(nn.Linear):
             return out
         if x.dim() != 2:
             raise ValueError(f"LoraLinear: expected [tokens, {self.in_features}] input, got {list(x.shape)}")
-        return lora_delta(x, out, self.slices, meta)
+        return lora_delta_stacked(x, out, self.stack, meta)
 
     def extra_repr(self) -> str:
-        cols = ", ".join(f"{s.offset}:{s.offset + s.size}" for s in self.slices)
+        cols = ", ".join(f"{o}:{o + d}" for o, d in zip(self.stack.out_offsets, self.stack.out_dims))
         return f"in_features={self.in_features}, out_features={self.out_features}, lora_slices=[{cols}]"
 
 
@@ -87,8 +91,10 @@ def attach_lora(model: DecoderLM, step: LoraStep, weights: Mapping[tuple[int, st
     """Wraps every block linear of ``model`` in a ``LoraLinear`` reading ``step``.
 
     ``weights``: (layer, HF projection name) -> that projection's kernel weights, for every layer
-    and every name of ``linear_slots(model.config)`` (the adapter pool's ``weights``). Raises
-    ValueError when one is missing, has the wrong dims, or the model already has LoRA attached.
+    and every name of ``linear_slots(model.config)`` (the adapter pool's ``weights``); the
+    projections of one module are stacked (``LoraStack.from_slices``: views, no copy). Raises
+    ValueError when one is missing, has the wrong dims, cannot be stacked with the module's other
+    projections, or the model already has LoRA attached.
     """
     cfg = model.config
     slots = linear_slots(cfg)
@@ -114,4 +120,8 @@ def attach_lora(model: DecoderLM, step: LoraStep, weights: Mapping[tuple[int, st
                         f"needs [{base.in_features} -> {s.size}]"
                     )
                 slices.append(LoraSlice(s.start, s.size, w))
-            setattr(parent, leaf, LoraLinear(base, step, slices))
+            try:
+                stack = LoraStack.from_slices(slices)
+            except ValueError as e:
+                raise ValueError(f"attach_lora: layer {i} {module_path}: {e}") from None
+            setattr(parent, leaf, LoraLinear(base, step, stack))

@@ -46,7 +46,9 @@ Per-step tables (static: allocated once, filled in place, so captured CUDA graph
     a_off, b_off [n_slices, max_slots, r_max] int64    element offsets of rank rows, shared by all layers
     rank         [L, n_slices, max_slots]     int32    0 = slot unused / slice not adapted in that layer
     scale        [L, n_slices, max_slots]     float32
-    one kernels.lora.LoraWeights(check=False) per (layer, slice) over these tables and the layer's flat view
+    one kernels.lora.LoraWeights(check=False) per (layer, slice) over these tables and the layer's flat view;
+        the slices of one module (qkv, gate_up) are consecutive rows of the tables (linear_slots order), so
+        ``attach_lora`` stacks them into one ``LoraStack`` view per (layer, module): two launches per module
     seg_start [max_tokens + 1], seg_adapter [max_tokens] int32: the step's LoraMeta
 
 ``begin_step(segments, decode)`` maps the step's adapters to slots (sticky: an adapter keeps its
@@ -298,7 +300,9 @@ class AdapterPool:
             )
             for layer in range(L) for i, proj in enumerate(self.order)
         }  # fmt: skip
-        """(layer, projection) -> the kernels' weights over the static tables, built once."""
+        """(layer, projection) -> the kernels' weights over the static tables, built once. The
+        projections of one module are views a uniform stride apart in every table, which
+        ``LoraStack.from_slices`` (``attach_lora``) turns into one stacked view per module."""
         self.max_tokens = max(1, max_tokens)
         """Capacity of the static metadata buffers (grown if a step has more tokens)."""
         self.seg_start = torch.zeros(self.max_tokens + 1, dtype=torch.int32, device=dev)

@@ -2,7 +2,8 @@
 
 A batch mixes tokens of many adapters (and of none). The base projection ``y = x W^T`` runs once
 over the whole batch; these ops add each token's LoRA delta ``scale_a * (x A_a^T) B_a^T`` in two
-launches per slice, *shrink* (hidden -> rank) then *expand* (rank -> hidden), as in Punica.
+launches, *shrink* (hidden -> rank) then *expand* (rank -> hidden), as in Punica: per slice
+(``lora_delta``), or per fused module for all its slices at once (``lora_delta_stacked``).
 
 Weight layout (S-LoRA unified paging: adapter rows live inside KV-cache pages): every adapter's
 weights for one projection are *rank rows* at arbitrary element offsets in flat 1-D pools. Row ``j``
@@ -26,7 +27,13 @@ may use 16-byte vector loads (``make_weights`` promises what its dims allow; 1 a
 
 Adapter ids are slots ``0 .. num_adapters - 1`` shared by all projections of a model; ``-1`` means
 "no adapter" (the token gets no delta). A fused projection (qkv: 3 slices, gate_up: 2) has one
-``LoraWeights`` per slice, or ``None`` for a slice without LoRA (``LoraSlice``).
+``LoraWeights`` per slice, or ``None`` for a slice without LoRA (``LoraSlice``). A ``LoraStack``
+holds a module's adapted slices with tables stacked along a leading slice axis (views with any
+uniform slice stride, e.g. the adapter pool's per-projection rows; ``LoraStack.from_slices``)::
+
+    a_offsets, b_offsets [n_slices, num_adapters, r_max] int64   (slice i = one LoraWeights' table)
+    rank, scale          [n_slices, num_adapters] int32 / float32  (rank 0: the adapter skips slice i)
+    out_dims, out_offsets  (n_slices,) ints                          slice i = out[:, off_i : off_i + dim_i]
 
 Batch metadata (``LoraMeta``, built once per step and reused by every layer and projection):
 
@@ -45,6 +52,7 @@ Semantics::
                                    + scale[a] * sum_{j<r} v[t, j] * b_pool[b_offsets[a, j] + n])
     # lora_delta: for each slice with weights: v = lora_shrink(x, w); lora_expand(v, w, out[:, off:off+size])
     # tokens with adapter -1 keep out unchanged; a slice with weights None is untouched
+    # lora_delta_stacked(x, out, stack) == lora_delta(x, out, stack.as_slices())   (its reference is exactly that)
 
 Shape:
     x:         [T, in_dim]          float32 / float16 / bfloat16, last dim contiguous
@@ -65,7 +73,19 @@ partials in a fixed order, rounds v to the activation dtype and applies it (``lo
 launches, no zero fill). ``lora_shrink`` at decode finishes v with a third small kernel summing the
 same partials, so the fused path and shrink-then-expand agree up to the order of that float32 sum.
 
-Entry points ``lora_delta`` / ``lora_shrink`` / ``lora_expand`` run the Triton kernels on CUDA
+Stacked (one module, n slices; each kernel is the per-slice one with a slice grid axis, so every
+program computes exactly what the per-slice path's does, and the results are equal)::
+
+    decode   shrink grid (T, SPLIT, n_slices)       -> float32 partials [n_slices, SPLIT, T, r_max]
+             expand grid (T, tiles of the widest slice, n_slices); a tile past its slice's width
+             (GQA k / v next to q) or a slice of rank 0 for the row's adapter exits at once
+    prefill  shrink grid (S, token tiles, n_slices * rank tiles) -> v [n_slices, T, r_max]
+             expand grid (S, token tiles, n_slices * column tiles of the widest slice)
+
+The decode grids depend only on T, in_dim, r_max, n_slices and the widest slice (shapes), never
+on the tables: the slices' widths and first columns come from small static device tensors.
+
+Entry points ``lora_delta`` / ``lora_delta_stacked`` / ``lora_shrink`` / ``lora_expand`` run the Triton kernels on CUDA
 tensors (or when ``use_triton=True``: CPU tensors then need ``TRITON_INTERPRET=1``) and the torch
 references ``*_ref`` (a loop per adapter over gathered rows; the CPU path) otherwise. Metadata is
 validated on the host when it is built (no device sync per call); weights when they are built.
@@ -73,7 +93,7 @@ validated on the host when it is built (no device sync per call); weights when t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -272,6 +292,145 @@ class LoraSlice:
     """The slice's adapters, or None: the slice has no LoRA and is left untouched."""
 
 
+@dataclass(frozen=True)
+class LoraStack:
+    """The adapted slices of one fused module (qkv: 3, gate_up: 2, o / down: 1) with stacked tables,
+    so ``lora_delta_stacked`` adds all their deltas in one shrink and one expand launch.
+
+    Slice ``i`` is exactly ``LoraWeights(a_pool, b_pool, a_offsets[i], b_offsets[i], rank[i],
+    scale[i], in_dim, out_dims[i])`` writing columns ``out_offsets[i] .. + out_dims[i]`` of out
+    (``slice_weights``). The tables may be views with any uniform stride between slices (the
+    adapter pool's ``a_off[s0:s1]``, ``rank[layer, s0:s1]``), refilled in place between calls like a
+    ``LoraWeights``' tables. An adapter with rank 0 in a slice adds nothing to that slice.
+    """
+
+    a_pool: torch.Tensor
+    """1-D flat buffer holding every slice's A rows (the slices share one input, x)."""
+    b_pool: torch.Tensor
+    """1-D flat buffer holding every slice's B^T rows (may be the same tensor as ``a_pool``)."""
+    a_offsets: torch.Tensor
+    """[n_slices, num_adapters, r_max] int64: element offset in a_pool of A row j of adapter a in slice i."""
+    b_offsets: torch.Tensor
+    """[n_slices, num_adapters, r_max] int64: element offset in b_pool of B^T row j (out_dims[i] elements)."""
+    rank: torch.Tensor
+    """[n_slices, num_adapters] int32: each adapter's rank per slice (0: the slice is not adapted by it)."""
+    scale: torch.Tensor
+    """[n_slices, num_adapters] float32: each adapter's LoRA scaling per slice."""
+    in_dim: int
+    """Width of an A row (the module's input features, shared by its slices)."""
+    out_dims: tuple[int, ...]
+    """Columns of each slice (qkv of a GQA model: q_size, kv_size, kv_size)."""
+    out_offsets: tuple[int, ...]
+    """First column of each slice in out (increasing; slices may not overlap, gaps stay untouched)."""
+    check: bool = True
+    """As ``LoraWeights.check``: validate the table contents at construction (a host sync per slice)."""
+    offset_align: int = 1
+    """As ``LoraWeights.offset_align``: every offset of every slice is a multiple of it."""
+    slice_weights: tuple[LoraWeights, ...] = field(init=False, repr=False, compare=False)
+    """Slice i as a ``LoraWeights`` (views of the stacked tables): validation and the reference."""
+    out_dims_dev: torch.Tensor = field(init=False, repr=False, compare=False)
+    """``out_dims`` as [n_slices] int32 on the device: the stacked expand reads each slice's width."""
+    out_offsets_dev: torch.Tensor = field(init=False, repr=False, compare=False)
+    """``out_offsets`` as [n_slices] int64 on the device: the stacked expand reads each slice's first column."""
+
+    def __post_init__(self) -> None:
+        ao, bo, rank, scale = self.a_offsets, self.b_offsets, self.rank, self.scale
+        if ao.dim() != 3 or ao.shape[0] < 1:
+            raise ValueError(f"lora: stacked a_offsets {list(ao.shape)}: want [n_slices >= 1, num_adapters, r_max]")
+        n, slots = ao.shape[0], ao.shape[1]
+        if bo.dim() != 3 or bo.shape != ao.shape:
+            raise ValueError(f"lora: stacked b_offsets {list(bo.shape)}: want {list(ao.shape)} (like a_offsets)")
+        for name, t in (("rank", rank), ("scale", scale)):
+            if t.dim() != 2 or t.shape != (n, slots):
+                raise ValueError(f"lora: stacked {name} {list(t.shape)}: want [n_slices = {n}, num_adapters = {slots}]")
+        dims, offs = tuple(self.out_dims), tuple(self.out_offsets)
+        if len(dims) != n or len(offs) != n:
+            raise ValueError(f"lora: {n} stacked slices but {len(dims)} out_dims and {len(offs)} out_offsets")
+        for i, (d, o) in enumerate(zip(dims, offs)):
+            if isinstance(o, bool) or not isinstance(o, int) or o < 0:
+                raise ValueError(f"lora: stacked slice {i}: out_offset {o!r}: want an int >= 0")
+            if i and o < offs[i - 1] + dims[i - 1]:
+                raise ValueError(f"lora: stacked slice {i} starts at column {o}, inside slice {i - 1} "
+                                 f"(columns {offs[i - 1]} .. {offs[i - 1] + dims[i - 1]}): want increasing, "
+                                 "non-overlapping slices")
+        ws = []
+        for i in range(n):
+            try:  # every per-slice check (pools, dtypes, dims, strides, devices, contents, alignment)
+                ws.append(LoraWeights(self.a_pool, self.b_pool, ao[i], bo[i], rank[i], scale[i], self.in_dim,
+                                      dims[i], check=self.check, offset_align=self.offset_align))
+            except ValueError as e:
+                raise ValueError(f"lora: stacked slice {i}: {e}") from None
+        object.__setattr__(self, "out_dims", dims)
+        object.__setattr__(self, "out_offsets", offs)
+        object.__setattr__(self, "slice_weights", tuple(ws))
+        dev = self.a_pool.device
+        object.__setattr__(self, "out_dims_dev", torch.tensor(dims, dtype=torch.int32, device=dev))
+        object.__setattr__(self, "out_offsets_dev", torch.tensor(offs, dtype=torch.int64, device=dev))
+
+    @classmethod
+    def from_slices(cls, slices: Sequence[LoraSlice]) -> "LoraStack":
+        """The stack of a module's slices (those with weights) whose ``LoraWeights`` share their pools
+        and whose tables are views of one tensor each, a uniform stride apart (the adapter pool's
+        per-projection weights). No copy: refilling the per-slice tables refills the stack. Raises
+        ValueError naming what differs when the slices cannot be stacked that way."""
+        used = [(i, s) for i, s in enumerate(slices) if s.weights is not None]
+        if not used:
+            raise ValueError("lora: LoraStack.from_slices needs at least one slice with weights")
+        ws = [s.weights for _, s in used]
+        w0 = ws[0]
+        for (i, s), w in zip(used, ws):
+            if w.a_pool.data_ptr() != w0.a_pool.data_ptr() or w.a_pool.shape != w0.a_pool.shape \
+                    or w.b_pool.data_ptr() != w0.b_pool.data_ptr() or w.b_pool.shape != w0.b_pool.shape:
+                raise ValueError(f"lora: slice {i} does not share the first slice's a_pool / b_pool")
+            if w.in_dim != w0.in_dim:
+                raise ValueError(f"lora: slice {i} has in_dim {w.in_dim}, the first slice {w0.in_dim}")
+            if w.out_dim != s.size:
+                raise ValueError(f"lora: slice {i} has {s.size} columns, its weights out_dim {w.out_dim}")
+        stacked = {name: _stack_views(name, [getattr(w, name) for w in ws])
+                   for name in ("a_offsets", "b_offsets", "rank", "scale")}
+        return cls(w0.a_pool, w0.b_pool, in_dim=w0.in_dim, out_dims=tuple(s.size for _, s in used),
+                   out_offsets=tuple(s.offset for _, s in used), check=all(w.check for w in ws),
+                   offset_align=min(w.offset_align for w in ws), **stacked)
+
+    def as_slices(self) -> list[LoraSlice]:
+        """The stack as ``lora_delta`` slices (the per-slice path the stacked op equals)."""
+        return [LoraSlice(o, d, w) for o, d, w in zip(self.out_offsets, self.out_dims, self.slice_weights)]
+
+    @property
+    def num_slices(self) -> int:
+        return self.a_offsets.shape[0]
+
+    @property
+    def num_adapters(self) -> int:
+        return self.a_offsets.shape[1]
+
+    @property
+    def r_max(self) -> int:
+        return self.a_offsets.shape[2]
+
+    @property
+    def out_width(self) -> int:
+        """Columns out needs at least: the end of the last slice."""
+        return self.out_offsets[-1] + self.out_dims[-1]
+
+
+def _stack_views(name: str, views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``views`` (equal shapes and strides, one storage, a uniform element stride apart) as one
+    [len(views), *shape] view of that storage; ValueError naming ``name`` otherwise."""
+    v0 = views[0]
+    step = views[1].storage_offset() - v0.storage_offset() if len(views) > 1 else v0.numel()
+    for i, v in enumerate(views):
+        if (v.shape != v0.shape or v.stride() != v0.stride() or v.dtype != v0.dtype or v.device != v0.device
+                or v.untyped_storage().data_ptr() != v0.untyped_storage().data_ptr()):
+            raise ValueError(f"lora: slice {i}'s {name} is not a view of the first slice's {name} tensor "
+                             "with the same shape and strides: build a LoraStack from stacked tables")
+        if v.storage_offset() != v0.storage_offset() + i * step:
+            raise ValueError(f"lora: the slices' {name} are not a uniform stride apart in their tensor")
+    if step <= 0:
+        raise ValueError(f"lora: the slices' {name} must lie at increasing addresses in their tensor")
+    return v0.as_strided((len(views), *v0.shape), (step, *v0.stride()), v0.storage_offset())
+
+
 def _check_call(op: str, x: torch.Tensor, w: LoraWeights, meta: LoraMeta, width: int, width_name: str) -> None:
     if x.dim() != 2 or x.shape[0] != meta.num_tokens:
         raise ValueError(f"{op}: input {list(x.shape)} must be [T = {meta.num_tokens}, {width_name}]")
@@ -357,23 +516,27 @@ def _row_offsets(off_row_ptr, rs, r_ok, ALIGN: tl.constexpr):
 
 @triton.jit
 def _sgmv_shrink_kernel(x_ptr, a_ptr, v_ptr, seg_start_ptr, seg_adapter_ptr, a_off_ptr, rank_ptr,
-                        K, R_MAX, x_stride, v_stride, off_stride,
+                        K, R_MAX, R_TILES, x_stride, v_slice_stride, v_stride, off_slice_stride, off_stride,
+                        rank_slice_stride,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN: tl.constexpr,
                         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
+    """Program (seg, m tile, slice * R_TILES + r tile): ``v[slice, rows, r tile] = x[rows] A^T``."""
     seg = tl.program_id(0)
+    sl = tl.program_id(2) // R_TILES
     adapter = tl.load(seg_adapter_ptr + seg)
     start = tl.load(seg_start_ptr + seg)
     end = tl.load(seg_start_ptr + seg + 1)
-    rank = tl.minimum(tl.load(rank_ptr + tl.maximum(adapter, 0)), R_MAX)
+    rank = tl.minimum(tl.load(rank_ptr + sl * rank_slice_stride + tl.maximum(adapter, 0)), R_MAX)
     m0 = start + tl.program_id(1) * BLOCK_M
-    r0 = tl.program_id(2) * BLOCK_R
+    r0 = (tl.program_id(2) % R_TILES) * BLOCK_R
     if (adapter < 0 or m0 >= end) or r0 >= rank:  # pairs: triton 3.6 refuses chained and/or
         return
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < end
     rs = r0 + tl.arange(0, BLOCK_R)
     r_ok = rs < rank
-    off = _row_offsets(a_off_ptr + adapter.to(tl.int64) * off_stride, rs, r_ok, ALIGN)
+    off_row = a_off_ptr + sl.to(tl.int64) * off_slice_stride + adapter.to(tl.int64) * off_stride
+    off = _row_offsets(off_row, rs, r_ok, ALIGN)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
     a_rows = a_ptr + off[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -387,30 +550,43 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, v_ptr, seg_start_ptr, seg_adapter_ptr, a_o
             at = at.to(tl.float32)
         acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PREC)
     ty = v_ptr.dtype.element_ty
-    v_ptrs = v_ptr + rows.to(tl.int64)[:, None] * v_stride + rs[None, :]
+    v_ptrs = v_ptr + sl.to(tl.int64) * v_slice_stride + rows.to(tl.int64)[:, None] * v_stride + rs[None, :]
     tl.store(v_ptrs, round_to(acc, ty, RNE).to(ty), mask=row_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
 def _sgmv_expand_kernel(v_ptr, b_ptr, out_ptr, seg_start_ptr, seg_adapter_ptr, b_off_ptr, rank_ptr, scale_ptr,
-                        N, R_MAX, v_stride, out_stride, off_stride,
+                        dims_ptr, cols_ptr, N, R_MAX, N_TILES, v_slice_stride, v_stride, out_stride,
+                        off_slice_stride, off_stride, rank_slice_stride, scale_slice_stride,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
-                        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
+                        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr, STACKED: tl.constexpr):
+    """Program (seg, m tile, slice * N_TILES + n tile): ``out[rows, slice's n tile] += scale v B^T``.
+    STACKED: the slice's width and first column of out come from ``dims_ptr`` / ``cols_ptr`` (tiles
+    past a narrower slice's width exit at once); else one slice of N columns at column 0."""
     seg = tl.program_id(0)
+    sl = tl.program_id(2) // N_TILES
     adapter = tl.load(seg_adapter_ptr + seg)
     start = tl.load(seg_start_ptr + seg)
     end = tl.load(seg_start_ptr + seg + 1)
     m0 = start + tl.program_id(1) * BLOCK_M
     if adapter < 0 or m0 >= end:
         return
-    rank = tl.minimum(tl.load(rank_ptr + adapter), R_MAX)
-    scale = tl.load(scale_ptr + adapter)
+    n0 = (tl.program_id(2) % N_TILES) * BLOCK_N
+    width = N
+    col0 = 0
+    if STACKED:
+        width = tl.load(dims_ptr + sl)
+        col0 = tl.load(cols_ptr + sl)
+    rank = tl.minimum(tl.load(rank_ptr + sl * rank_slice_stride + adapter), R_MAX)
+    if n0 >= width or rank <= 0:  # past this slice's columns, or the slice not adapted by this adapter
+        return
+    scale = tl.load(scale_ptr + sl * scale_slice_stride + adapter)
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < end
-    ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = ns < N
-    v_rows = v_ptr + rows.to(tl.int64)[:, None] * v_stride
-    off_row = b_off_ptr + adapter.to(tl.int64) * off_stride
+    ns = n0 + tl.arange(0, BLOCK_N)
+    n_ok = ns < width
+    v_rows = v_ptr + sl.to(tl.int64) * v_slice_stride + rows.to(tl.int64)[:, None] * v_stride
+    off_row = b_off_ptr + sl.to(tl.int64) * off_slice_stride + adapter.to(tl.int64) * off_stride
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):  # the segment's own rank, in tiles of BLOCK_R
         rs = r0 + tl.arange(0, BLOCK_R)
@@ -423,7 +599,7 @@ def _sgmv_expand_kernel(v_ptr, b_ptr, out_ptr, seg_start_ptr, seg_adapter_ptr, b
             bt = bt.to(tl.float32)
         acc = tl.dot(vt, bt, acc, input_precision=DOT_PREC)
     ty = out_ptr.dtype.element_ty
-    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride + ns[None, :]
+    o_ptrs = out_ptr + col0 + rows.to(tl.int64)[:, None] * out_stride + ns[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, round_to(o + scale * acc, ty, RNE).to(ty), mask=mask)
@@ -431,21 +607,24 @@ def _sgmv_expand_kernel(v_ptr, b_ptr, out_ptr, seg_start_ptr, seg_adapter_ptr, b
 
 @triton.jit
 def _mbgmv_shrink_kernel(x_ptr, a_ptr, part_ptr, row_adapter_ptr, a_off_ptr, rank_ptr,
-                         K, R_MAX, x_stride, part_split_stride, part_stride, off_stride,
+                         K, R_MAX, x_stride, part_slice_stride, part_split_stride, part_stride,
+                         off_slice_stride, off_stride, rank_slice_stride,
                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN: tl.constexpr):
-    """Program (t, s): row t's partial dot products over input columns s*BLOCK_K .. +BLOCK_K, for
-    every rank row up to the row's own rank, into ``part[s, t, :rank]`` (float32, no atomics)."""
+    """Program (t, s, slice): row t's partial dot products over input columns s*BLOCK_K .. +BLOCK_K,
+    for every rank row up to the row's own rank in that slice, into ``part[slice, s, t, :rank]``
+    (float32, no atomics). One slice: slice strides 0, grid (T, SPLIT, 1)."""
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
+    sl = tl.program_id(2).to(tl.int64)
     adapter = tl.load(row_adapter_ptr + t)
     if adapter < 0:
         return
-    rank = tl.minimum(tl.load(rank_ptr + adapter), R_MAX)
+    rank = tl.minimum(tl.load(rank_ptr + sl * rank_slice_stride + adapter), R_MAX)
     ks = s * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < K
     xk = tl.load(x_ptr + t * x_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
-    off_row = a_off_ptr + adapter.to(tl.int64) * off_stride
-    p_row = part_ptr + s.to(tl.int64) * part_split_stride + t * part_stride
+    off_row = a_off_ptr + sl * off_slice_stride + adapter.to(tl.int64) * off_stride
+    p_row = part_ptr + sl * part_slice_stride + s.to(tl.int64) * part_split_stride + t * part_stride
     for r0 in range(0, rank, BLOCK_R):  # this row's own rank, not r_max
         rs = r0 + tl.arange(0, BLOCK_R)
         r_ok = rs < rank
@@ -455,11 +634,16 @@ def _mbgmv_shrink_kernel(x_ptr, a_ptr, part_ptr, row_adapter_ptr, a_off_ptr, ran
 
 
 @triton.jit
-def _mbgmv_expand_kernel(v_ptr, b_ptr, out_ptr, row_adapter_ptr, b_off_ptr, rank_ptr, scale_ptr,
-                         N, R_MAX, SPLIT, v_split_stride, v_stride, out_stride, off_stride,
+def _mbgmv_expand_kernel(v_ptr, b_ptr, out_ptr, row_adapter_ptr, b_off_ptr, rank_ptr, scale_ptr, dims_ptr, cols_ptr,
+                         N, R_MAX, SPLIT, v_slice_stride, v_split_stride, v_stride, out_stride,
+                         off_slice_stride, off_stride, rank_slice_stride, scale_slice_stride,
                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ALIGN: tl.constexpr,
-                         RNE: tl.constexpr, REDUCE_EACH: tl.constexpr):
-    """Program (t, n): ``out[t, n tile] += scale * round(sum_s v[s, t, :rank]) B^T[:rank, n tile]``.
+                         RNE: tl.constexpr, REDUCE_EACH: tl.constexpr, STACKED: tl.constexpr):
+    """Program (t, n, slice): ``out[t, n tile] += scale * round(sum_s v[s, t, :rank]) B^T[:rank, n tile]``.
+
+    STACKED: the slice's width and first column of out come from ``dims_ptr`` / ``cols_ptr`` and the
+    grid covers the widest slice (tiles past a narrower slice's width exit at once); else one slice
+    of N columns at column 0 (slice strides 0, grid (T, tiles, 1)).
 
     ``v`` is either the shrink's float32 partials (SPLIT of them, summed in a fixed order: the result
     is deterministic) or a finished v in the out dtype (SPLIT = 1; the rounding is then exact). The
@@ -467,17 +651,26 @@ def _mbgmv_expand_kernel(v_ptr, b_ptr, out_ptr, row_adapter_ptr, b_off_ptr, rank
     REDUCE_EACH sums each rank tile into a [BLOCK_N] accumulator (wide tiles, whose [BLOCK_R, BLOCK_N]
     accumulator would spill registers); otherwise the 2-D accumulator is summed once at the end."""
     t = tl.program_id(0).to(tl.int64)
+    sl = tl.program_id(2).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    width = N
+    col0 = 0
+    if STACKED:
+        width = tl.load(dims_ptr + sl)
+        col0 = tl.load(cols_ptr + sl)
     adapter = tl.load(row_adapter_ptr + t)
-    if adapter < 0:
+    if adapter < 0 or n0 >= width:
         return
-    rank = tl.minimum(tl.load(rank_ptr + adapter), R_MAX)
-    scale = tl.load(scale_ptr + adapter)
+    rank = tl.minimum(tl.load(rank_ptr + sl * rank_slice_stride + adapter), R_MAX)
+    if rank <= 0:  # the slice is not adapted by this row's adapter: out stays as it is
+        return
+    scale = tl.load(scale_ptr + sl * scale_slice_stride + adapter)
     ty = out_ptr.dtype.element_ty
-    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = ns < N
-    off_row = b_off_ptr + adapter.to(tl.int64) * off_stride
+    ns = n0 + tl.arange(0, BLOCK_N)
+    n_ok = ns < width
+    off_row = b_off_ptr + sl * off_slice_stride + adapter.to(tl.int64) * off_stride
     ss = tl.arange(0, BLOCK_S)
-    v_tile = v_ptr + t * v_stride + ss.to(tl.int64)[:, None] * v_split_stride
+    v_tile = v_ptr + sl * v_slice_stride + t * v_stride + ss.to(tl.int64)[:, None] * v_split_stride
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
     acc_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):  # this row's own rank
@@ -493,7 +686,7 @@ def _mbgmv_expand_kernel(v_ptr, b_ptr, out_ptr, row_adapter_ptr, b_off_ptr, rank
             acc += vr[:, None] * bt.to(tl.float32)
     if not REDUCE_EACH:
         acc_n = tl.sum(acc, axis=0)
-    o_ptrs = out_ptr + t * out_stride + ns
+    o_ptrs = out_ptr + t * out_stride + col0 + ns
     o = tl.load(o_ptrs, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(o_ptrs, round_to(o + scale * acc_n, ty, RNE).to(ty), mask=n_ok)
 
@@ -533,28 +726,99 @@ def _mb_expand_block_n(tokens: int) -> int:
     return 64 if tokens <= 4 else 128 if tokens <= 32 else 512
 
 
-def _mbgmv_shrink_partials(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch.Tensor:
-    """Launches the MBGMV shrink; returns its float32 partials [SPLIT, T, r_max] (only the entries of
-    rows with an adapter and columns below their rank are written)."""
+@dataclass(frozen=True)
+class _Tables:
+    """What a launch needs of a ``LoraWeights`` (one slice) or a ``LoraStack`` (n slices): the
+    tables' base pointers and slice / adapter strides, and each slice's width and first column."""
+
+    n: int
+    a_off: torch.Tensor
+    b_off: torch.Tensor
+    rank: torch.Tensor
+    scale: torch.Tensor
+    a_off_slice: int
+    a_off_row: int
+    b_off_slice: int
+    b_off_row: int
+    rank_slice: int
+    scale_slice: int
+    dims: torch.Tensor
+    cols: torch.Tensor
+    max_width: int
+    stacked: bool
+
+    @staticmethod
+    def of(w: "LoraWeights | LoraStack") -> "_Tables":
+        if isinstance(w, LoraStack):
+            return _Tables(w.num_slices, w.a_offsets, w.b_offsets, w.rank, w.scale, w.a_offsets.stride(0),
+                           w.a_offsets.stride(1), w.b_offsets.stride(0), w.b_offsets.stride(1), w.rank.stride(0),
+                           w.scale.stride(0), w.out_dims_dev, w.out_offsets_dev, max(w.out_dims), True)
+        # One slice: slice strides 0; dims / cols are never read (STACKED false), any pointer will do.
+        return _Tables(1, w.a_offsets, w.b_offsets, w.rank, w.scale, 0, w.a_offsets.stride(0), 0,
+                       w.b_offsets.stride(0), 0, 0, w.rank, w.rank, w.out_dim, False)
+
+
+def _mbgmv_shrink_partials(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta) -> torch.Tensor:
+    """Launches the MBGMV shrink, grid (T, SPLIT, n_slices); returns its float32 partials
+    [n_slices, SPLIT, T, r_max] (only the entries of rows with an adapter and columns below their
+    rank in that slice are written). A ``LoraWeights`` is one slice."""
     t, bk = x.shape[0], _mb_shrink_block_k(x.shape[0])
     split = triton.cdiv(w.in_dim, bk)
-    part = torch.empty(split, t, w.r_max, dtype=torch.float32, device=x.device)
-    _mbgmv_shrink_kernel[(t, split)](x, w.a_pool, part, meta.seg_adapter, w.a_offsets, w.rank,
-                                     w.in_dim, w.r_max, x.stride(0), part.stride(0), part.stride(1),
-                                     w.a_offsets.stride(0), BLOCK_R=_MB_BLOCK_R, BLOCK_K=bk,
-                                     ALIGN=_align(w, w.a_pool), num_warps=_MB_NUM_WARPS)
+    tab = _Tables.of(w)
+    part = torch.empty(tab.n, split, t, w.r_max, dtype=torch.float32, device=x.device)
+    _mbgmv_shrink_kernel[(t, split, tab.n)](
+        x, w.a_pool, part, meta.seg_adapter, tab.a_off, tab.rank, w.in_dim, w.r_max, x.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), tab.a_off_slice, tab.a_off_row, tab.rank_slice,
+        BLOCK_R=_MB_BLOCK_R, BLOCK_K=bk, ALIGN=_align(w, w.a_pool), num_warps=_MB_NUM_WARPS)
     return part
 
 
-def _mbgmv_expand(v: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: torch.Tensor) -> None:
-    """Launches the MBGMV expand over ``v`` = partials [SPLIT, T, r_max] float32 or a finished [T, r_max]."""
-    part = v if v.dim() == 3 else v[None]
+def _mbgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out: torch.Tensor) -> None:
+    """Launches the MBGMV expand, grid (T, column tiles of the widest slice, n_slices), over ``v`` =
+    partials [n_slices, SPLIT, T, r_max] float32 or a finished [T, r_max] (one slice). ``out`` is the
+    slice's columns (``LoraWeights``) or the whole output (``LoraStack``: columns from out_offsets)."""
+    part = v if v.dim() == 4 else v[None, None]
+    tab = _Tables.of(w)
     t, bn = out.shape[0], _mb_expand_block_n(out.shape[0])
-    _mbgmv_expand_kernel[(t, triton.cdiv(w.out_dim, bn))](
-        part, w.b_pool, out, meta.seg_adapter, w.b_offsets, w.rank, w.scale,
-        w.out_dim, w.r_max, part.shape[0], part.stride(0), part.stride(1), out.stride(0), w.b_offsets.stride(0),
-        BLOCK_R=_MB_EXPAND_BLOCK_R, BLOCK_N=bn, BLOCK_S=triton.next_power_of_2(part.shape[0]),
-        ALIGN=_align(w, w.b_pool), RNE=needs_rne_by_hand(out), REDUCE_EACH=bn >= 512, num_warps=_MB_NUM_WARPS)
+    _mbgmv_expand_kernel[(t, triton.cdiv(tab.max_width, bn), tab.n)](
+        part, w.b_pool, out, meta.seg_adapter, tab.b_off, tab.rank, tab.scale, tab.dims, tab.cols,
+        tab.max_width, w.r_max, part.shape[1], part.stride(0), part.stride(1), part.stride(2), out.stride(0),
+        tab.b_off_slice, tab.b_off_row, tab.rank_slice, tab.scale_slice,
+        BLOCK_R=_MB_EXPAND_BLOCK_R, BLOCK_N=bn, BLOCK_S=triton.next_power_of_2(part.shape[1]),
+        ALIGN=_align(w, w.b_pool), RNE=needs_rne_by_hand(out), REDUCE_EACH=bn >= 512, STACKED=tab.stacked,
+        num_warps=_MB_NUM_WARPS)
+
+
+def _sgmv_shrink(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, v: torch.Tensor) -> None:
+    """Launches the SGMV shrink into ``v`` ([T, r_max] for one slice, [n_slices, T, r_max] stacked),
+    grid (segments, token tiles of the longest segment, n_slices * rank tiles)."""
+    tab = _Tables.of(w)
+    upcast, prec = _dot_flags(x)
+    r_tiles = triton.cdiv(w.r_max, _SG_BLOCK_R)
+    vs = v if v.dim() == 3 else v[None]
+    grid = (len(meta.seg_adapter_host), triton.cdiv(meta.max_seg_len, _SG_BLOCK_M), tab.n * r_tiles)
+    _sgmv_shrink_kernel[grid](x, w.a_pool, vs, meta.seg_start, meta.seg_adapter, tab.a_off, tab.rank,
+                              w.in_dim, w.r_max, r_tiles, x.stride(0), vs.stride(0), vs.stride(1),
+                              tab.a_off_slice, tab.a_off_row, tab.rank_slice,
+                              BLOCK_M=_SG_BLOCK_M, BLOCK_R=_SG_BLOCK_R, BLOCK_K=_SG_BLOCK_K, ALIGN=_align(w, w.a_pool),
+                              UPCAST=upcast, DOT_PREC=prec, RNE=needs_rne_by_hand(v), num_warps=4)
+
+
+def _sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out: torch.Tensor) -> None:
+    """Launches the SGMV expand from ``v`` (as ``_sgmv_shrink`` writes it) into ``out`` (the slice's
+    columns, or the whole output for a stack), grid (segments, token tiles, n_slices * column tiles
+    of the widest slice)."""
+    tab = _Tables.of(w)
+    upcast, prec = _dot_flags(v)
+    n_tiles = triton.cdiv(tab.max_width, _SG_BLOCK_N)
+    vs = v if v.dim() == 3 else v[None]
+    grid = (len(meta.seg_adapter_host), triton.cdiv(meta.max_seg_len, _SG_BLOCK_M), tab.n * n_tiles)
+    _sgmv_expand_kernel[grid](vs, w.b_pool, out, meta.seg_start, meta.seg_adapter, tab.b_off, tab.rank, tab.scale,
+                              tab.dims, tab.cols, tab.max_width, w.r_max, n_tiles, vs.stride(0), vs.stride(1),
+                              out.stride(0), tab.b_off_slice, tab.b_off_row, tab.rank_slice, tab.scale_slice,
+                              BLOCK_M=_SG_BLOCK_M, BLOCK_R=_SG_BLOCK_R, BLOCK_N=_SG_BLOCK_N, ALIGN=_align(w, w.b_pool),
+                              UPCAST=upcast, DOT_PREC=prec, RNE=needs_rne_by_hand(out), STACKED=tab.stacked,
+                              num_warps=4)
 
 
 def _align(w: LoraWeights, pool: torch.Tensor) -> int:
@@ -571,7 +835,7 @@ def lora_shrink_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch
     if meta.decode:  # launched whatever the rows' adapters: the grid depends on shapes only
         v = torch.empty(t, w.r_max, dtype=x.dtype, device=x.device)
         if t:
-            part = _mbgmv_shrink_partials(x, w, meta)
+            part = _mbgmv_shrink_partials(x, w, meta)[0]
             _mbgmv_finish_kernel[(t, triton.cdiv(w.r_max, _MB_BLOCK_R))](
                 part, v, meta.seg_adapter, w.rank, w.r_max, part.shape[0], part.stride(0), part.stride(1),
                 v.stride(0), BLOCK_R=_MB_BLOCK_R, BLOCK_S=triton.next_power_of_2(part.shape[0]),
@@ -580,12 +844,7 @@ def lora_shrink_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch
     v = torch.zeros(t, w.r_max, dtype=x.dtype, device=x.device)
     if meta.max_adapter < 0 or t == 0:
         return v
-    upcast, prec = _dot_flags(x)
-    grid = (len(meta.seg_adapter_host), triton.cdiv(meta.max_seg_len, _SG_BLOCK_M), triton.cdiv(w.r_max, _SG_BLOCK_R))
-    _sgmv_shrink_kernel[grid](x, w.a_pool, v, meta.seg_start, meta.seg_adapter, w.a_offsets, w.rank,
-                              w.in_dim, w.r_max, x.stride(0), v.stride(0), w.a_offsets.stride(0),
-                              BLOCK_M=_SG_BLOCK_M, BLOCK_R=_SG_BLOCK_R, BLOCK_K=_SG_BLOCK_K, ALIGN=_align(w, w.a_pool),
-                              UPCAST=upcast, DOT_PREC=prec, RNE=needs_rne_by_hand(v), num_warps=4)
+    _sgmv_shrink(x, w, meta, v)
     return v
 
 
@@ -602,13 +861,7 @@ def lora_expand_triton(v: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: tor
         return out
     if meta.max_adapter < 0:
         return out
-    upcast, prec = _dot_flags(v)
-    n = w.out_dim
-    grid = (len(meta.seg_adapter_host), triton.cdiv(meta.max_seg_len, _SG_BLOCK_M), triton.cdiv(n, _SG_BLOCK_N))
-    _sgmv_expand_kernel[grid](v, w.b_pool, out, meta.seg_start, meta.seg_adapter, w.b_offsets, w.rank, w.scale,
-                              n, w.r_max, v.stride(0), out.stride(0), w.b_offsets.stride(0),
-                              BLOCK_M=_SG_BLOCK_M, BLOCK_R=_SG_BLOCK_R, BLOCK_N=_SG_BLOCK_N, ALIGN=_align(w, w.b_pool),
-                              UPCAST=upcast, DOT_PREC=prec, RNE=needs_rne_by_hand(out), num_warps=4)
+    _sgmv_expand(v, w, meta, out)
     return out
 
 
@@ -669,6 +922,55 @@ def lora_delta(x: torch.Tensor, out: torch.Tensor, slices: Sequence[LoraSlice], 
         else:
             lora_expand_ref(lora_shrink_ref(x, s.weights, meta), s.weights, meta, cols)
     return out
+
+
+def lora_delta_stacked(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta, *,
+                       use_triton: bool | None = None) -> torch.Tensor:
+    """``lora_delta(x, out, stack.as_slices(), meta)`` in two launches for all the stack's slices
+    (one shrink, one expand), in place on ``out``; returns ``out``. The adapted linear of a fused
+    module (qkv, gate_up) computes ``out = base(x)`` then ``lora_delta_stacked(x, out, stack, meta)``.
+    """
+    _check_stacked(x, out, stack, meta)
+    if want_triton("lora_delta_stacked", x, use_triton):
+        _lora_delta_stacked_triton(x, out, stack, meta)
+        return out
+    return lora_delta_stacked_ref(x, out, stack, meta)
+
+
+def lora_delta_stacked_ref(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta) -> torch.Tensor:
+    """Torch reference and CPU path of ``lora_delta_stacked``: the per-slice references, slice by slice."""
+    _check_stacked(x, out, stack, meta)
+    return lora_delta(x, out, stack.as_slices(), meta, use_triton=False)
+
+
+def _check_stacked(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta) -> None:
+    _check_call("lora_delta_stacked", x, stack.slice_weights[0], meta, stack.in_dim, "in_dim")
+    if out.dim() != 2 or out.shape[0] != meta.num_tokens or out.shape[1] < stack.out_width:
+        raise ValueError(f"lora_delta_stacked: out {list(out.shape)} must be [T = {meta.num_tokens}, "
+                         f">= {stack.out_width}] (the last slice ends at column {stack.out_width})")
+    if out.dtype != stack.b_pool.dtype:
+        raise ValueError(f"lora_delta_stacked: dtype mismatch: out {out.dtype}, adapter weights {stack.b_pool.dtype}")
+    if out.stride(-1) != 1:
+        raise ValueError("lora_delta_stacked: out needs a contiguous last dim (it is updated in place)")
+
+
+def _lora_delta_stacked_triton(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta) -> None:
+    """All slices on the Triton path, two launches. Decode: MBGMV shrink over (T, SPLIT, n_slices)
+    into float32 partials, MBGMV expand over (T, column tiles, n_slices); prefill: SGMV shrink into
+    v [n_slices, T, r_max], SGMV expand. Each program computes what the per-slice path's does."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t = x.shape[0]
+    if t == 0:
+        return
+    if meta.decode:  # launched whatever the rows' adapters: the grid depends on shapes only
+        _mbgmv_expand(_mbgmv_shrink_partials(x, stack, meta), stack, meta, out)
+        return
+    if meta.max_adapter < 0:
+        return
+    v = torch.zeros(stack.num_slices, t, stack.r_max, dtype=x.dtype, device=x.device)
+    _sgmv_shrink(x, stack, meta, v)
+    _sgmv_expand(v, stack, meta, out)
 
 
 def make_weights(adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None], r_max: int,
