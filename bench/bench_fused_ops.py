@@ -40,7 +40,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth, device_name, time_cuda, time_host, write_result  # noqa: E402
+from common import bench_device, device_name, write_result  # noqa: E402
 from deltaserve.kernels.rmsnorm import (  # noqa: E402
     fused_add_rmsnorm_ref,
     fused_add_rmsnorm_triton,
@@ -122,17 +122,11 @@ def main() -> None:
     args = p.parse_args()
     tokens_list = [int(t) for t in args.tokens.split(",") if t]
 
+    device, bw, timer = bench_device(args.smoke, args.device, "bench_fused_ops.py")
+    shape = SMOKE if args.smoke else LLAMA2_7B
     if args.smoke:
-        device, shape, bw, timer = torch.device("cpu"), SMOKE, None, time_host
         tokens_list = [t for t in tokens_list if t <= 64] or [1]
         args.cudagraph = False
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("bench_fused_ops.py needs a CUDA device (or --smoke for a CPU check of the script)")
-        device, shape, timer = torch.device(args.device), LLAMA2_7B, time_cuda
-        torch.cuda.set_device(device)
-        bw = copy_bandwidth(device)
-        print(f"{device_name(device)}: device-to-device copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
 
     rows = []
     header = f"{'op':>18} {'tokens':>6} {'impl':>6} {'MB':>9} {'us':>9} {'GB/s':>8} {'x copy bw':>9}"

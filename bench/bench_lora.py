@@ -83,7 +83,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth, device_name, time_cuda, time_host, write_result  # noqa: E402
+from common import bench_device, device_name, write_result  # noqa: E402
 from deltaserve.kernels.lora import (  # noqa: E402
     LoraMeta,
     LoraSlice,
@@ -336,21 +336,14 @@ def main() -> None:
             sys.exit(f"--stacked: {args.stacked!r}: want comma-separated positive slice widths, e.g. 4096,4096,4096")
         outs = tuple(int(o) for o in items)
 
+    device, bw, timer = bench_device(args.smoke, args.device, "bench_lora.py")
     if args.smoke:
-        device, bw, timer = torch.device("cpu"), None, time_host
         dims = [(64, 96)]
         ranks = [r for r in ranks if r != "mixed" and int(r) <= 16][:2] + ["mixed"] * ("mixed" in ranks)
         batches = [1, 4]
         args.prefill_len, args.cudagraph = min(args.prefill_len, 4), False
         if outs is not None:
             outs = tuple(min(o, 96 // (1 + i)) for i, o in enumerate(outs))  # unequal widths, as GQA qkv
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("bench_lora.py needs a CUDA device (or --smoke for a CPU check of the script)")
-        device, timer = torch.device(args.device), time_cuda
-        torch.cuda.set_device(device)
-        bw = copy_bandwidth(device)
-        print(f"{device_name(device)}: device-to-device copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
 
     header = (f"{'dims':>10} {'mode':>7} {'rank':>5} {'batch':>5} {'popularity':>10} {'impl':>13} {'MB':>8} "
               f"{'us':>9} {'GB/s':>8} {'x copy bw':>9}")

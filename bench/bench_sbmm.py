@@ -55,7 +55,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth, device_name, time_cuda, time_host, write_result  # noqa: E402
+from common import bench_device, device_name, write_result  # noqa: E402
 from deltaserve.compress.pack import PackedLinear, dequantize, pack  # noqa: E402
 from deltaserve.kernels import sbmm as sbmm_module  # noqa: E402
 from deltaserve.kernels.sbmm import DeltaMeta, DeltaWeights, make_delta_weights, sbmm, sbmm_ref  # noqa: E402
@@ -210,19 +210,12 @@ def main() -> None:
     if any(d < 1 for d in delta_counts) or any(b < 1 for b in batches):
         sys.exit("--batch and --deltas take positive integers")
 
+    device, bw, timer = bench_device(args.smoke, args.device, "bench_sbmm.py")
     if args.smoke:
-        device, bw, timer = torch.device("cpu"), None, time_host
         shapes, batches, delta_counts = [(96, 128), (64, 256)], [1, 4], [1, 2]
         args.prefill_len, args.cudagraph = min(args.prefill_len, 4), False
         if args.tune:  # the interpreter would take minutes per config
             TUNE_GRID[:] = TUNE_GRID[:2]
-    else:
-        if not torch.cuda.is_available():
-            sys.exit("bench_sbmm.py needs a CUDA device (or --smoke for a CPU check of the script)")
-        device, timer = torch.device(args.device), time_cuda
-        torch.cuda.set_device(device)
-        bw = copy_bandwidth(device)
-        print(f"{device_name(device)}: device-to-device copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
 
     header = (f"{'mode':>7} {'shape':>11} {'config':>7} {'batch':>5} {'deltas':>6} {'impl':>12} {'MB':>8} "
               f"{'us':>9} {'GB/s':>8} {'x copy bw':>9}")

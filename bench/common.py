@@ -124,6 +124,24 @@ def git_commit() -> str:
         return os.environ.get("DELTASERVE_COMMIT", "unknown")
 
 
+def bench_device(smoke: bool, device: str, script: str) -> tuple[torch.device, float | None, Callable]:
+    """Where a kernel benchmark runs: ``(device, copy bandwidth in bytes/s or None, timer)``.
+
+    ``smoke``: the CPU and the host timer, no bandwidth (a check that the script runs, under the
+    Triton interpreter). Otherwise the CUDA ``device``, its copy bandwidth measured now (printed),
+    and ``time_cuda``; exits with a message when there is no CUDA device.
+    """
+    if smoke:
+        return torch.device("cpu"), None, time_host
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA device (or --smoke for a CPU check of the script)")
+    dev = torch.device(device)
+    torch.cuda.set_device(dev)
+    bw = copy_bandwidth(dev)
+    print(f"{device_name(dev)}: device-to-device copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    return dev, bw, time_cuda
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
