@@ -29,10 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import http_sse  # noqa: E402
 
 FAKE_TEXT = "tok "
 """The text of every fake token (non-empty, so every token is its own SSE chunk, as in the daemon)."""
@@ -151,40 +156,21 @@ class FakeServer:
     # -- HTTP ---------------------------------------------------------------------------------
 
     async def _serve_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                headers = {k.strip().lower(): v.strip() for k, _, v in (l.partition(":") for l in lines[1:] if l)}
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
-                if method == "GET" and path in ("/ready", "/health"):
-                    await self._respond(writer, 200, b"ok", "text/plain")
-                elif method == "POST" and path == "/v1/completions":
-                    await self._completions(writer, json.loads(body))
-                else:
-                    await self._respond(writer, 404, _error_body(f"no route {method} {path}", "not_found"))
-                if headers.get("connection", "").lower() == "close":
-                    return
-        except (ConnectionError, asyncio.CancelledError):
-            return
-        finally:
-            writer.close()
+        await http_sse.serve_connection(reader, writer, self._route)
 
-    @staticmethod
-    async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes, ctype: str = "application/json") -> None:
-        writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-                     + body)  # fmt: skip
-        await writer.drain()
+    async def _route(self, method: str, path: str, headers: dict, body: bytes, writer: asyncio.StreamWriter) -> None:
+        if method == "GET" and path in ("/ready", "/health"):
+            await http_sse.respond(writer, 200, b"ok", "text/plain")
+        elif method == "POST" and path == "/v1/completions":
+            await self._completions(writer, json.loads(body))
+        else:
+            await http_sse.respond(writer, 404, http_sse.error_body(f"no route {method} {path}", "not_found"))
 
     async def _completions(self, writer: asyncio.StreamWriter, req: dict) -> None:
         model = req.get("model", "")
         if model in self.errors:
             status, message = self.errors[model]
-            return await self._respond(writer, status, _error_body(message, "invalid_request_error"))
+            return await http_sse.respond(writer, status, http_sse.error_body(message, "invalid_request_error"))
         rec = Served(model=model, received=time.monotonic())
         self.log.append(rec)
         n = int(req.get("max_tokens") or 16)
@@ -194,23 +180,22 @@ class FakeServer:
             async for _ in self._tokens(model, n, rec):
                 pass
             out = _chunk(model, FAKE_TEXT * n, "length")
-            out["usage"] = _usage(prompt_tokens, n)
-            return await self._respond(writer, 200, json.dumps(out).encode())
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
-        token_event = _event_bytes(_chunk(model, FAKE_TEXT, None))  # encoded once: the server stays cheap
+            out["usage"] = http_sse.usage(prompt_tokens, n)
+            return await http_sse.respond(writer, 200, json.dumps(out).encode())
+        writer.write(http_sse.SSE_HEAD)
+        token_event = http_sse.event_bytes(_chunk(model, FAKE_TEXT, None))  # encoded once: the server stays cheap
         async for _ in self._tokens(model, n if fail_at is None else fail_at, rec):
             writer.write(token_event)
             await writer.drain()
         if fail_at is not None:
-            _write_event(writer, {"error": {"message": f"scripted failure after {fail_at} tokens",
+            http_sse.write_event(writer, {"error": {"message": f"scripted failure after {fail_at} tokens",
                                             "type": "internal_error", "param": None, "code": None}})  # fmt: skip
         else:
-            _write_event(writer, _chunk(model, "", "length"))
+            http_sse.write_event(writer, _chunk(model, "", "length"))
             if (req.get("stream_options") or {}).get("include_usage"):
-                _write_event(writer, {**_chunk(model, "", None), "choices": [], "usage": _usage(prompt_tokens, n)})
-            _write_chunk(writer, b"data: [DONE]\n\n")
-        writer.write(b"0\r\n\r\n")
+                http_sse.write_event(writer, {**_chunk(model, "", None), "choices": [],
+                                              "usage": http_sse.usage(prompt_tokens, n)})  # fmt: skip
+        http_sse.end_stream(writer, done=fail_at is None)
         await writer.drain()
 
     # -- WebSocket ----------------------------------------------------------------------------
@@ -234,7 +219,7 @@ class FakeServer:
         model = req.get("model", "")
         if model in self.errors:
             _, message = self.errors[model]
-            err = json.loads(_error_body(message, "invalid_request_error"))["error"]
+            err = json.loads(http_sse.error_body(message, "invalid_request_error"))["error"]
             return await ws.send(json.dumps({"type": "error", "id": rid, "error": err}))
         rec = Served(model=model, received=time.monotonic())
         self.log.append(rec)
@@ -247,34 +232,12 @@ class FakeServer:
             err = {"message": f"scripted failure after {fail_at} tokens", "type": "internal_error"}
             return await ws.send(json.dumps({"type": "error", "id": rid, "error": err}))
         prompt_tokens = len(req["prompt"]) if isinstance(req.get("prompt"), list) else 1
-        await ws.send(json.dumps({"type": "done", "id": rid, "finish_reason": "length", "usage": _usage(prompt_tokens, n)}))
-
-
-def _error_body(message: str, kind: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+        done = {"type": "done", "id": rid, "finish_reason": "length", "usage": http_sse.usage(prompt_tokens, n)}
+        await ws.send(json.dumps(done))
 
 
 def _chunk(model: str, text: str, finish: str | None) -> dict:
-    return {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
-
-
-def _write_chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
-    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
-
-
-def _event_bytes(obj: dict) -> bytes:
-    data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-    return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-def _write_event(writer: asyncio.StreamWriter, obj: dict) -> None:
-    writer.write(_event_bytes(obj))
+    return http_sse.chunk(model, text, finish, cid="cmpl-fake")
 
 
 def main() -> None:

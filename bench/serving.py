@@ -14,7 +14,8 @@ Flow of one experiment::
       → write_adapters()         random PEFT LoRA dirs of the model's shape (ranks of the trace's
                                  variants), every point's adapters in one --lora-dir
       → SERVERS[--server]        starts the server once for all points (deltaserve: the daemon
-                                 with --model / --lora-dir), waits for /ready
+                                 with --model / --lora-dir; peft, swap, merged: the baselines of
+                                 bench/baselines.py, SSE only), waits for /ready
       → replay.replay()          per point, in order; the server is idle between points
       → write_result() + plots   all points with their traces' parameters, summaries and
                                  per-request rows; throughput vs n, SLO attainment vs rate,
@@ -62,6 +63,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baselines  # noqa: E402
 import replay as rp  # noqa: E402
 import workload as wl  # noqa: E402
 from common import (  # noqa: E402
@@ -222,6 +224,9 @@ class Endpoint:
     """Base URL of /v1/completions."""
     ws_url: str | None = None
     """The /v1/ws URL when it is not ``url``'s (the fake serves it on a second port)."""
+    model: str | None = None
+    """The ``model`` every request names, whatever its variant (the merged baseline serves one
+    model); None sends each request's variant name."""
 
 
 def _free_port() -> int:
@@ -247,21 +252,15 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout_s: float, log: P
 
 
 @contextlib.contextmanager
-def deltaserve_server(spec: ServerSpec) -> Iterator[Endpoint]:
-    """The deltaserve daemon on a free port, with every adapter from ``spec.lora_dir``."""
-    daemon = spec.daemon or default_daemon()
-    port = _free_port()
-    cmd = [str(daemon), "--port", str(port), "--python", sys.executable, "--devices", spec.devices,
-           "--lora-dir", str(spec.lora_dir), *spec.flags]  # fmt: skip
-    if spec.model_dir is not None:
-        cmd += ["--model", str(spec.model_dir)]
-    log = open(spec.log, "w") if spec.log else subprocess.DEVNULL
+def launch(cmd: list[str], url: str, log_path: Path | None, ready_timeout_s: float = 1800) -> Iterator[str]:
+    """Runs ``cmd`` (a server listening at ``url``) in its own session, output to ``log_path``;
+    yields ``url`` once /ready answers 200, and stops the server (SIGTERM, then SIGKILL) after."""
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info")})  # fmt: skip
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, proc, 1800, spec.log)
-        yield Endpoint(url)
+        wait_ready(url, proc, ready_timeout_s, log_path)
+        yield url
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -272,6 +271,19 @@ def deltaserve_server(spec: ServerSpec) -> Iterator[Endpoint]:
                 proc.wait()
         if log is not subprocess.DEVNULL:
             log.close()
+
+
+@contextlib.contextmanager
+def deltaserve_server(spec: ServerSpec) -> Iterator[Endpoint]:
+    """The deltaserve daemon on a free port, with every adapter from ``spec.lora_dir``."""
+    daemon = spec.daemon or default_daemon()
+    port = _free_port()
+    cmd = [str(daemon), "--port", str(port), "--python", sys.executable, "--devices", spec.devices,
+           "--lora-dir", str(spec.lora_dir), *spec.flags]  # fmt: skip
+    if spec.model_dir is not None:
+        cmd += ["--model", str(spec.model_dir)]
+    with launch(cmd, f"http://127.0.0.1:{port}", spec.log) as url:
+        yield Endpoint(url)
 
 
 @contextlib.contextmanager
@@ -286,9 +298,13 @@ def fake_server(spec: ServerSpec) -> Iterator[Endpoint]:
 SERVERS: dict[str, Callable[[ServerSpec], contextlib.AbstractContextManager[Endpoint]]] = {
     "deltaserve": deltaserve_server,
     "fake": fake_server,
+    "peft": baselines.peft_server,
+    "swap": baselines.swap_server,
+    "merged": baselines.merged_server,
 }
 """Server launchers by ``--server`` name: each yields the :class:`Endpoint` of a ready server
-speaking /v1/completions (SSE) and, for ws points, /v1/ws. Baselines register here."""
+speaking /v1/completions (SSE) and, for ws points, /v1/ws. The baselines (bench/baselines.py)
+speak SSE only."""
 
 
 def default_daemon() -> Path:
@@ -350,8 +366,9 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
             for p, trace in zip(exp.points, traces):
                 print(f"[{exp.name}] {p.label}: {len(trace.requests)} requests over {trace.duration:.1f} s",
                       flush=True)  # fmt: skip
+                model_for = (lambda v, m=endpoint.model: m) if endpoint.model else None
                 records = asyncio.run(rp.replay(trace, endpoint.url, protocol=p.protocol, ws_url=endpoint.ws_url,
-                                                timeout_s=exp.timeout_s))  # fmt: skip
+                                                model_for=model_for, timeout_s=exp.timeout_s))  # fmt: skip
                 summary = rp.summarize(records, slo_tpot=exp.slo_tpot)
                 print(f"    {summary['throughput_req_s']:.2f} req/s, {summary['throughput_out_tok_s']:.0f} tok/s, "
                       f"ttft p50 {_fmt(summary['ttft_s']['p50'])} s, failed {summary['failed']}, "
