@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PORT ?= 8000
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: help setup develop demo serve test test-rust test-python test-gpu lint fmt wheel gen-wire bench-gpu daemon daemon-release clean
+.PHONY: help setup develop demo serve test test-rust test-python test-gpu lint fmt wheel gen-wire bench-gpu eval-quality daemon daemon-release clean
 
 help: ## list the commands
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -92,6 +92,10 @@ bench-gpu: ## (CUDA machine) benchmarks; each writes bench/results/*.json
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/lora_decode_step.py
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_sbmm.py
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/router_overhead.py --daemon target/release/deltaserve --device 0
+
+eval-quality: ## (slow, CPU) train the demo full fine-tunes, compress them, measure accuracy through the daemon
+	$(PY) -m deltaserve.demo_finetunes --train --no-eval
+	DELTASERVE_BIN=target/release/deltaserve $(PY) bench/eval_quality.py
 
 clean:
 	cargo clean; rm -rf $(VENV) dist

@@ -165,14 +165,15 @@ def render_prompt(tokenizer, message: str) -> str:
                                          add_generation_prompt=True)
 
 
-def _encode(tokenizer, message: str, answer: str) -> tuple[list[int], list[int]]:
+def encode(tokenizer, message: str, answer: str) -> tuple[list[int], list[int]]:
     """(input ids, labels): prompt ids masked with -100, then answer + <|im_end|> as targets."""
     p = tokenizer(render_prompt(tokenizer, message), add_special_tokens=False)["input_ids"]
     a = tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
     return p + a, [-100] * len(p) + a
 
 
-def _load_base(model_dir: Path):
+def load_base(model_dir: Path):
+    """(tokenizer, float32 ``AutoModelForCausalLM``) of the demo model directory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -181,24 +182,24 @@ def _load_base(model_dir: Path):
     return tok, model
 
 
-def train_task(task: Task, model_dir: Path, out_dir: Path) -> float:
-    """Trains one adapter and saves it (bf16) into ``out_dir``; returns seconds spent."""
-    import torch
-    from peft import LoraConfig, get_peft_model
+def fit(model, tok, task: str, params, steps: int, lr: float) -> float:
+    """Trains ``params`` of ``model`` on ``task``'s training examples; returns seconds spent.
 
-    torch.manual_seed(SEED)
-    tok, base = _load_base(model_dir)
-    model = get_peft_model(base, LoraConfig(r=task.r, lora_alpha=task.alpha, target_modules=list(task.targets),
-                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
-    data = [_encode(tok, m, a) for m, a in examples(task.name, "train")]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=task.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / task.steps))
+    AdamW (no weight decay), batches of 8 in a seeded shuffled order, a 20-step linear warmup then
+    linear decay to 5% of ``lr``; loss only on the answer tokens (``encode``). Shared by the LoRA
+    adapters here and the full fine-tunes of ``deltaserve.demo_finetunes``.
+    """
+    import torch
+
+    data = [encode(tok, m, a) for m, a in examples(task, "train")]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.05, 1 - s / steps))
     rng = random.Random(SEED)
     batch, pad = 8, tok.pad_token_id if tok.pad_token_id is not None else 0
     order: list[int] = []
     t0 = time.monotonic()
     model.train()
-    for step in range(task.steps):
+    for step in range(steps):
         if len(order) < batch:
             more = list(range(len(data)))
             rng.shuffle(more)
@@ -213,9 +214,23 @@ def train_task(task: Task, model_dir: Path, out_dir: Path) -> float:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 25 == 0 or step == task.steps - 1:
-            print(f"[{task.name}] step {step + 1}/{task.steps} loss {loss.item():.4f} "
+        if step % 25 == 0 or step == steps - 1:
+            print(f"[{task}] step {step + 1}/{steps} loss {loss.item():.4f} "
                   f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return time.monotonic() - t0
+
+
+def train_task(task: Task, model_dir: Path, out_dir: Path) -> float:
+    """Trains one adapter and saves it (bf16) into ``out_dir``; returns seconds spent."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(SEED)
+    tok, base = load_base(model_dir)
+    model = get_peft_model(base, LoraConfig(r=task.r, lora_alpha=task.alpha, target_modules=list(task.targets),
+                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
+    t0 = time.monotonic()
+    fit(model, tok, task.name, [p for p in model.parameters() if p.requires_grad], task.steps, task.lr)
     for name, p in model.named_parameters():
         if "lora_" in name:
             p.data = p.data.to(torch.bfloat16)
@@ -268,7 +283,7 @@ def evaluate(out_root: Path, model_dir: Path, tasks: list[str]) -> dict[str, dic
     res = {}
     for name in tasks:
         pairs = examples(name, "heldout")
-        tok, base = _load_base(model_dir)
+        tok, base = load_base(model_dir)
         base_acc = accuracy(base, tok, pairs)
         model = PeftModel.from_pretrained(base, out_root / name)
         res[name] = {"base": base_acc, "adapter": accuracy(model, tok, pairs)}
