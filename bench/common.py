@@ -37,21 +37,6 @@ def write_random_model_dir(shape: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
-#: Module path of each adaptable projection inside a Llama-family decoder layer.
-LORA_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
-
-
-def lora_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """(in, out) features of every adaptable projection of a Llama-family ``config``."""
-    hidden, heads, inter = config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads", heads) * head_dim
-    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden)}  # fmt: skip
-
-
 def lora_config(rank: int, targets) -> dict:
     """A PEFT ``adapter_config.json`` for a plain LoRA of ``rank`` on ``targets`` (alpha = rank)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
@@ -66,13 +51,16 @@ def write_lora_weights(path: Path, config: dict, rank: int, seed: int, targets) 
     import numpy as np
     from safetensors.numpy import save_file
 
+    from deltaserve.adapters.lora import hf_module_name, projection_features
+    from deltaserve.model.arch import ModelConfig
+
     rng = np.random.default_rng(seed)
-    shapes = lora_shapes(config)
+    shapes = projection_features(ModelConfig.from_dict(config))
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for proj in targets:
             fan_in, fan_out = shapes[proj]
-            key = f"base_model.model.model.layers.{layer}.{LORA_MODULES[proj]}.{proj}"
+            key = f"base_model.model.{hf_module_name(layer, proj)}"
             a = rng.standard_normal((rank, fan_in), dtype=np.float32) / np.sqrt(fan_in)
             b = rng.standard_normal((fan_out, rank), dtype=np.float32) * 0.01
             tensors[f"{key}.lora_A.weight"] = a.astype(np.float16)

@@ -28,13 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    LORA_MODULES, SHAPES, copy_bandwidth, device_name, write_random_lora_dir, write_random_model_dir, write_result,
+    SHAPES, copy_bandwidth, device_name, write_random_lora_dir, write_random_model_dir, write_result,
 )
 from decode_step import bench_batch  # noqa: E402
 from deltaserve import wire  # noqa: E402
+from deltaserve.adapters.lora import projection_features  # noqa: E402
+from deltaserve.model.arch import ModelConfig  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
-SEVEN = tuple(LORA_MODULES)
+SEVEN = tuple(projection_features(ModelConfig.from_dict(SHAPES["llama-2-7b"])))
+"""Every adaptable projection of a Llama layer (the benchmark adapts all seven)."""
 
 
 def place(ex: Executor, dirs: dict[int, Path], first_page: int) -> int:
