@@ -34,7 +34,9 @@ from deltaserve.worker.config import MAX_LORA_RANK, ConfigError, WorkerConfig
 from deltaserve.worker.executor import Executor, PlanError
 
 peft = pytest.importorskip("peft")
-from test_executor import GREEDY, KV_BYTES, FakeLink, MiniRouter, hf_greedy, prompts  # noqa: E402
+from test_executor import (  # noqa: E402
+    GREEDY, FakeLink, MiniRouter, executor_factory, hf_greedy, hf_model, prompts,
+)
 from helpers.peft_adapters import SEVEN, make_peft_adapter  # noqa: E402
 
 SPECS = {
@@ -122,26 +124,10 @@ def dirs(adapters) -> dict[int, Path]:
     return {aid: d for aid, (d, _) in adapters.items()}
 
 
-@pytest.fixture(scope="module")
-def make_executor(tiny_llama: Path):
-    def make(**kw) -> Executor:
-        kw.setdefault("kv_cache_bytes", KV_BYTES)
-        return Executor(tiny_llama, device="cpu", dtype="float32", block_size=4, **kw)
-
-    return make
-
-
-@pytest.fixture(scope="module")
-def hf_base(tiny_llama: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-
-
-def test_greedy_matches_peft_and_base_matches_hf(make_executor, adapters, dirs, hf_base) -> None:
-    ex = make_executor()
+def test_greedy_matches_peft_and_base_matches_hf(executor_factory, adapters, dirs, hf_model) -> None:
+    ex = executor_factory()
     ps = prompts(3, ex.config.vocab_size, seed=3, lo=3, hi=20)
-    refs = {0: hf_base, **{aid: pm for aid, (_, pm) in adapters.items()}}
+    refs = {0: hf_model, **{aid: pm for aid, (_, pm) in adapters.items()}}
     outputs: dict[int, list[list[int]]] = {}
     router = AdapterRouter(ex, dirs, {})
     for aid, ref in refs.items():
@@ -156,8 +142,8 @@ def test_greedy_matches_peft_and_base_matches_hf(make_executor, adapters, dirs, 
     assert all(outputs[a] != outputs[b] for a in outputs for b in outputs if a < b)
 
 
-def test_mixed_batch_matches_each_alone(make_executor, dirs) -> None:
-    ex = make_executor()
+def test_mixed_batch_matches_each_alone(executor_factory, dirs) -> None:
+    ex = executor_factory()
     n = 16
     ps = prompts(n, ex.config.vocab_size, seed=7, lo=2, hi=30)
     adapter_of = {i: i % 4 for i in range(n)}  # base, A, B, C interleaved
@@ -165,7 +151,7 @@ def test_mixed_batch_matches_each_alone(make_executor, dirs) -> None:
     solo = AdapterRouter(ex, dirs, adapter_of)
     alone = {i: solo.run({i: (p, max_new[i])})[i] for i, p in enumerate(ps)}
 
-    router = AdapterRouter(make_executor(), dirs, adapter_of, chunk=9, seed=5)
+    router = AdapterRouter(executor_factory(), dirs, adapter_of, chunk=9, seed=5)
     reqs = {i: (p, max_new[i]) for i, p in enumerate(ps)}
     arrivals = {i: i // 3 for i in range(n)}
     pending, steps, preempted = dict(reqs), 0, False
@@ -186,8 +172,8 @@ def test_mixed_batch_matches_each_alone(make_executor, dirs) -> None:
     assert len({tuple(alone[i]) for i in range(4)}) == 4  # same-shaped requests, four different answers
 
 
-def test_evicted_adapter_reloaded_on_other_pages_gives_the_same_tokens(make_executor, dirs) -> None:
-    ex = make_executor()
+def test_evicted_adapter_reloaded_on_other_pages_gives_the_same_tokens(executor_factory, dirs) -> None:
+    ex = executor_factory()
     router = AdapterRouter(ex, dirs, {1: 2, 2: 2})
     prompt = prompts(1, ex.config.vocab_size, seed=11, lo=12, hi=12)[0]
     first = router.run({1: (prompt, 8)})[1]
@@ -217,8 +203,8 @@ def _same(a, b) -> bool:
     return a[:-1] == b[:-1] and torch.equal(a[-1], b[-1])
 
 
-def test_bad_ops_are_plan_errors_that_change_nothing(make_executor, dirs) -> None:
-    ex = make_executor()
+def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> None:
+    ex = executor_factory()
     router = AdapterRouter(ex, dirs, {1: 1})
     router.add(1, [4, 5, 6, 7, 8], 20)
     router.step()
@@ -270,23 +256,23 @@ def test_bad_ops_are_plan_errors_that_change_nothing(make_executor, dirs) -> Non
     router.apply(out)
     assert out.outputs[0].req_id == 1 and out.outputs[0].token_id is not None
 
-    one = make_executor(max_loras_per_step=1)
+    one = executor_factory(max_loras_per_step=1)
     r1 = AdapterRouter(one, dirs, {1: 1, 2: 2})
     r1.ensure(1), r1.ensure(2)
     one.step(wire.StepPlan(step_id=1, adapter_ops=r1.ops))
     with pytest.raises(PlanError, match=r"2 distinct adapters in one step exceed --max-loras-per-step 1"):
         one.step(wire.StepPlan(step_id=2, new_requests=[new_req(1, 1, r1.free[:1]), new_req(2, 2, r1.free[1:2])]))
-    off = make_executor(max_lora_rank=0)
+    off = executor_factory(max_lora_rank=0)
     with pytest.raises(PlanError, match=r"LoRA is off on this worker \(--max-lora-rank 0\)"):
         off.step(wire.StepPlan(step_id=1, adapter_ops=[op(1, "to_host", str(dirs[1]), [])]))
     with pytest.raises(PlanError, match=r"adapter_id 1 is not on the GPU"):
         off.step(wire.StepPlan(step_id=1, new_requests=[new_req(1, 1, [0])]))
 
 
-def test_loop_answers_inspect_and_a_failed_load_is_fatal(make_executor, dirs, tmp_path: Path) -> None:
+def test_loop_answers_inspect_and_a_failed_load_is_fatal(executor_factory, dirs, tmp_path: Path) -> None:
     from deltaserve.worker.loop import EXIT_FATAL, WorkerLoop
 
-    ex = make_executor()
+    ex = executor_factory()
     gone = tmp_path / "gone"
     shutil.copytree(dirs[1], gone)
     good_info = ex.inspect_adapter(str(gone))

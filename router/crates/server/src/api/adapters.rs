@@ -189,14 +189,16 @@ mod tests {
             .collect();
         assert_eq!(ids, [json!("tiny"), json!("tiny:sql")]);
 
-        let (status, _, body) = send(
-            app.clone(),
-            "POST",
-            "/v1/completions",
-            Some("application/json"),
-            r#"{"model": "tiny:sql", "prompt": "hi", "max_tokens": 1}"#,
-        )
-        .await;
+        let complete_sql = || {
+            send(
+                app.clone(),
+                "POST",
+                "/v1/completions",
+                Some("application/json"),
+                r#"{"model": "tiny:sql", "prompt": "hi", "max_tokens": 1}"#,
+            )
+        };
+        let (status, _, body) = complete_sql().await;
         assert_eq!(status, 200, "{body}");
         assert_eq!(json_of(&body)["model"], "tiny:sql");
 
@@ -206,14 +208,7 @@ mod tests {
             json_of(&body),
             json!({"id": "sql", "object": "adapter", "deleted": true})
         );
-        let (status, _, body) = send(
-            app.clone(),
-            "POST",
-            "/v1/completions",
-            Some("application/json"),
-            r#"{"model": "tiny:sql", "prompt": "hi", "max_tokens": 1}"#,
-        )
-        .await;
+        let (status, _, body) = complete_sql().await;
         assert_eq!(status, 404, "deleted adapters no longer resolve: {body}");
     }
 
