@@ -62,7 +62,7 @@ SCHEMA_TEXT = (
     "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
     "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
     "InspectAdapter=6{inspect_id:u64,path:String}\n"
-    "AdapterInfo=7{inspect_id:u64,error:Option<String>,num_blocks:u32,host_bytes:u64,max_rank:u32,target_modules:Vec<String>}\n"
+    "AdapterInfo=7{inspect_id:u64,error:Option<String>,num_blocks:u32,host_bytes:u64,max_rank:u32,target_modules:Vec<String>,kind:String,summary:String}\n"
     "Shutdown=4{reason:String}\n"
     "WorkerError=5{step_id:u64,message:String,fatal:bool,req_ids:Vec<u64>}"
 )
@@ -225,12 +225,16 @@ class AdapterOp:
     adapter_id: int = 0
     #: `to_host`: read and validate `path` into host memory (the worker may do it in the
     #: background; a later `to_gpu` waits for it). `to_gpu`: copy the host copy into
-    #: `block_ids` of the pool. `drop_gpu`: forget the GPU placement (its pages already belong
-    #: to the router again). `drop_host`: free the host copy.
+    #: `block_ids` of the pool (a LoRA adapter), or into one of the worker's `--max-deltas`
+    #: delta slots (a compressed delta: `block_ids` empty; the router keeps at most that many
+    #: deltas on the GPU). `drop_gpu`: forget the GPU placement (a LoRA adapter's pages
+    #: already belong to the router again; a delta's slot is free). `drop_host`: free the
+    #: host copy.
     op: str = ""
-    #: The PEFT directory (`to_host`).
+    #: The PEFT or delta directory (`to_host`).
     path: str = ""
-    #: Pool pages that hold the adapter, in order (`to_gpu`); the same page ids as KV pages.
+    #: Pool pages that hold a LoRA adapter, in order (`to_gpu`); the same page ids as KV
+    #: pages. Empty for a delta.
     block_ids: list[int] = field(default_factory=list)
 
     def to_wire(self) -> list:
@@ -565,7 +569,7 @@ class InspectAdapter:
 
     #: Router-chosen id, echoed in the answer.
     inspect_id: int = 0
-    #: The PEFT directory.
+    #: The PEFT directory (LoRA) or `deltaserve compress` output directory (delta).
     path: str = ""
 
     def to_wire(self) -> list:
@@ -604,17 +608,22 @@ class AdapterInfo:
     max_rank: int = 0
     #: Adapted projections, e.g. `q_proj`, `v_proj`.
     target_modules: list[str] = field(default_factory=list)
+    #: `lora` (a PEFT adapter: `num_blocks` pool pages on the GPU) or `delta` (a compressed
+    #: full fine-tune: one of the worker's delta slots on the GPU, `num_blocks` 0).
+    kind: str = ""
+    #: One line for people, e.g. `rank 8` or `4-bit 2:4, 2.6x smaller than fp16`.
+    summary: str = ""
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.inspect_id, self.error, self.num_blocks, self.host_bytes, self.max_rank, self.target_modules]
+        return [self.inspect_id, self.error, self.num_blocks, self.host_bytes, self.max_rank, self.target_modules, self.kind, self.summary]
 
     @classmethod
     def from_wire(cls, a: list) -> AdapterInfo:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 6:
-            return cls(a[0], a[1], a[2], a[3], a[4], a[5])
+        if n >= 8:
+            return cls(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
         m = cls()
         if n > 0:
             m.inspect_id = a[0]
@@ -628,6 +637,10 @@ class AdapterInfo:
             m.max_rank = a[4]
         if n > 5:
             m.target_modules = a[5]
+        if n > 6:
+            m.kind = a[6]
+        if n > 7:
+            m.summary = a[7]
         return m
 
 

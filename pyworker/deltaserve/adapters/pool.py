@@ -357,6 +357,8 @@ class AdapterPool:
             host_bytes=self.config.num_layers * layout.packed_elems * self.kv.kv.element_size(),
             max_rank=adapter.max_rank,
             target_modules=[s.proj for s in layout.slices],
+            kind="lora",
+            summary=f"rank {adapter.max_rank}",
         )
 
     def num_blocks_of(self, adapter_id: int) -> int | None:

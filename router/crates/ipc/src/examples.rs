@@ -171,6 +171,8 @@ pub fn adapter_info() -> AdapterInfo {
         host_bytes: 80 << 20,
         max_rank: 16,
         target_modules: vec!["q_proj".into(), "v_proj".into()],
+        kind: "lora".into(),
+        summary: "rank 16".into(),
     }
 }
 

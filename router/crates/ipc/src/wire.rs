@@ -137,12 +137,16 @@ wire_structs! {
         adapter_id: u32,
         /// `to_host`: read and validate `path` into host memory (the worker may do it in the
         /// background; a later `to_gpu` waits for it). `to_gpu`: copy the host copy into
-        /// `block_ids` of the pool. `drop_gpu`: forget the GPU placement (its pages already belong
-        /// to the router again). `drop_host`: free the host copy.
+        /// `block_ids` of the pool (a LoRA adapter), or into one of the worker's `--max-deltas`
+        /// delta slots (a compressed delta: `block_ids` empty; the router keeps at most that many
+        /// deltas on the GPU). `drop_gpu`: forget the GPU placement (a LoRA adapter's pages
+        /// already belong to the router again; a delta's slot is free). `drop_host`: free the
+        /// host copy.
         op: String,
-        /// The PEFT directory (`to_host`).
+        /// The PEFT or delta directory (`to_host`).
         path: String,
-        /// Pool pages that hold the adapter, in order (`to_gpu`); the same page ids as KV pages.
+        /// Pool pages that hold a LoRA adapter, in order (`to_gpu`); the same page ids as KV
+        /// pages. Empty for a delta.
         block_ids: Vec<u32>,
     }
 
@@ -247,7 +251,7 @@ wire_structs! {
     struct InspectAdapter = 6 {
         /// Router-chosen id, echoed in the answer.
         inspect_id: u64,
-        /// The PEFT directory.
+        /// The PEFT directory (LoRA) or `deltaserve compress` output directory (delta).
         path: String,
     }
 
@@ -265,6 +269,11 @@ wire_structs! {
         max_rank: u32,
         /// Adapted projections, e.g. `q_proj`, `v_proj`.
         target_modules: Vec<String>,
+        /// `lora` (a PEFT adapter: `num_blocks` pool pages on the GPU) or `delta` (a compressed
+        /// full fine-tune: one of the worker's delta slots on the GPU, `num_blocks` 0).
+        kind: String,
+        /// One line for people, e.g. `rank 8` or `4-bit 2:4, 2.6x smaller than fp16`.
+        summary: String,
     }
 
     /// Asks the worker to exit cleanly.
