@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from deltaserve import wire
-from deltaserve.adapters import AdapterLoadError, LoraLinear, load_lora_adapter, lora_delta_ref
+from deltaserve.adapters import AdapterLoadError, DeltaLinear, LoraLinear, load_lora_adapter, lora_delta_ref
 from deltaserve.model.decoder import linear_slots
 from deltaserve.worker.executor import Executor
 
@@ -205,6 +205,8 @@ def _modules(ex: Executor) -> list[tuple[int, str, LoraLinear, list[str]]]:
         for path, projs in (("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("self_attn.o_proj", ["o_proj"]),
                             ("mlp.gate_up_proj", ["gate_proj", "up_proj"]), ("mlp.down_proj", ["down_proj"])):
             mod = block.get_submodule(path)
+            if isinstance(mod, DeltaLinear):  # deltas on (the default) wrap the LoRA linear
+                mod = mod.inner
             assert isinstance(mod, LoraLinear)
             out.append((layer, path, mod, projs))
     return out

@@ -9,13 +9,20 @@ Layout:
             ``inspect`` for registration, and the per-step slot tables + ``LoraMeta`` the kernels read.
 - ``lora_layers``  ``attach_lora(model, step, weights)`` wraps the block linears in ``LoraLinear``
             (base + ``kernels.lora.lora_delta_stacked`` over the pool when the step has adapter tokens).
+- ``delta_pool``  compressed full-fine-tune deltas (``deltaserve compress`` directories): their tiers
+            (host memory, ``--max-deltas`` GPU slots), ``inspect``, and each step's delta rows.
+- ``delta_layers``  ``attach_deltas(model, step)``: DeltaZip's decoupled forward, base once plus each
+            token's delta (``kernels.sbmm`` for packed linears; dense embedding, norm, bias, lm_head deltas).
 """
 
 from .lora import LoraAdapter, LoraAdapterError, LoraWeights, load_lora_adapter, lora_delta_ref, merged_weight
 from .lora_layers import LoraLinear, LoraStep, attach_lora
+from .delta_layers import DeltaLinear, DeltaStep, attach_deltas
+from .delta_pool import DeltaError, DeltaPool, is_delta_dir
 from .pool import AdapterLayout, AdapterLoadError, AdapterPool
 
 __all__ = [
     "LoraAdapter", "LoraAdapterError", "LoraWeights", "load_lora_adapter", "lora_delta_ref", "merged_weight",
     "LoraLinear", "LoraStep", "attach_lora", "AdapterLayout", "AdapterLoadError", "AdapterPool",
+    "DeltaLinear", "DeltaStep", "attach_deltas", "DeltaError", "DeltaPool", "is_delta_dir",
 ]  # fmt: skip

@@ -22,6 +22,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 MAX_LORA_RANK = 256
 #: Largest ``--max-loras-per-step`` (a step's distinct adapters are bounded by its sequences).
 MAX_LORAS_PER_STEP = 65536
+#: Largest ``--max-deltas`` (each slot reserves one delta's GPU memory).
+MAX_DELTAS = 64
 
 
 class ConfigError(ValueError):
@@ -102,6 +104,13 @@ class WorkerConfig:
             "router passes its max_num_seqs."
         ),
     )
+    max_deltas: int = field(
+        default=3,
+        metadata=_doc(
+            "GPU slots for compressed full-fine-tune deltas (DeltaZip's N: the router keeps at most this many "
+            f"deltas on the GPU); 0..{MAX_DELTAS}, 0 turns delta serving off."
+        ),
+    )
 
     def validate(self) -> "WorkerConfig":
         """Raises ConfigError naming the first bad setting; returns self for chaining."""
@@ -137,6 +146,8 @@ class WorkerConfig:
             raise ConfigError(f"--max-lora-rank {self.max_lora_rank}: expected 0..{MAX_LORA_RANK} (0 = LoRA off)")
         if not 1 <= self.max_loras_per_step <= MAX_LORAS_PER_STEP:
             raise ConfigError(f"--max-loras-per-step {self.max_loras_per_step}: expected 1..{MAX_LORAS_PER_STEP}")
+        if not 0 <= self.max_deltas <= MAX_DELTAS:
+            raise ConfigError(f"--max-deltas {self.max_deltas}: expected 0..{MAX_DELTAS} (0 = deltas off)")
         return self
 
     @classmethod

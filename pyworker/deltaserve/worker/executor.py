@@ -42,6 +42,14 @@ a PlanError (nothing applied); a ``to_host`` load that fails in the background (
 vanished since inspection) surfaces when ``to_gpu`` needs it as ``AdapterLoadError``, which the
 worker loop reports as a fatal WorkerError (the router restarts the worker).
 
+Compressed deltas (``adapters/delta_pool.py``, DeltaZip): the same ids, ops and inspection, told
+apart by the directory (``manifest.json`` of ``deltaserve compress``, not ``adapter_config.json``).
+A delta's ``to_gpu`` carries no pages: it takes one of ``--max-deltas`` slots (the router keeps at
+most that many deltas resident; the auto KV budget on CUDA leaves room for that many 4-bit 2:4
+deltas). Every block linear, the embedding, the norms and lm_head are delta-aware from start-up
+(``attach_deltas``, after ``attach_lora``): base once for the batch, then each token's delta. Steps
+with delta tokens run eagerly (no CUDA graph).
+
 CUDA graphs: each decode bucket has a plain graph (no LoRA work, for base-only steps) and, with
 LoRA on, a graph captured with the adapted linears active over static metadata (``DecodeGraphs``);
 a decode step with adapter rows fills its adapters' table slots (``AdapterPool.assign_rows``) and
@@ -59,6 +67,8 @@ from pathlib import Path
 import torch
 
 from deltaserve import wire
+from deltaserve.adapters.delta_layers import attach_deltas
+from deltaserve.adapters.delta_pool import DeltaPool, delta_gpu_bytes, is_delta_dir
 from deltaserve.adapters.lora_layers import attach_lora
 from deltaserve.adapters.pool import OPS, AdapterPool
 from deltaserve.kernels import common as kernel_common
@@ -156,6 +166,7 @@ class Executor:
         cuda_graph_max_batch: int = 0,
         max_lora_rank: int = 256,
         max_loras_per_step: int = 256,
+        max_deltas: int = 3,
     ) -> None:
         started = time.monotonic()
         self.model_dir = Path(model_dir)
@@ -176,6 +187,8 @@ class Executor:
         """Wall time to load the weights."""
         self.sampler = Sampler(self.device, seed)
         """Token sampling with the worker-global generator."""
+        self.delta_reserve_bytes = max_deltas * delta_gpu_bytes(self.config, self.dtype)
+        """GPU bytes the auto KV budget leaves for ``max_deltas`` 4-bit 2:4 deltas (their slots)."""
         budget = self._kv_budget(kv_cache_bytes, gpu_memory_utilization)
         self.kv = PagedKVCache.for_budget(self.config, block_size, budget, self.dtype, self.device)
         """The paged KV pool; the router allocates its pages."""
@@ -201,6 +214,12 @@ class Executor:
                 max_tokens=max(max_num_batched_tokens, cuda_graph_max_batch),
             )
             attach_lora(self.model, self.adapters.step, self.adapters.weights)
+        self.deltas: DeltaPool | None = None
+        """Compressed deltas' tiers and GPU slots; None when delta serving is off (``max_deltas`` 0)."""
+        if max_deltas > 0:
+            self.deltas = DeltaPool(self.model, self.model_dir, max_deltas=max_deltas, device=self.device,
+                                    dtype=self.dtype)
+            attach_deltas(self.model, self.deltas.step)
         limits = [self.config.max_position_embeddings, self.num_blocks * block_size]
         if max_model_len is not None:
             limits.append(max_model_len)
@@ -237,18 +256,32 @@ class Executor:
             cuda_graph_max_batch=cfg.cuda_graph_max_batch,
             max_lora_rank=cfg.max_lora_rank,
             max_loras_per_step=cfg.max_loras_per_step,
+            max_deltas=cfg.max_deltas,
         )
 
     def inspect_adapter(self, path: str) -> wire.AdapterInfo:
         """The answer to ``InspectAdapter`` (``inspect_id`` left 0 for the caller to set); no state change."""
+        if is_delta_dir(path):
+            if self.deltas is None:
+                return wire.AdapterInfo(error=f"delta {path}: delta serving is off on this worker (--max-deltas 0)",
+                                        kind="delta")
+            return self.deltas.inspect(path)
         if self.adapters is None:
-            return wire.AdapterInfo(error=f"LoRA adapter {path}: LoRA is off on this worker (--max-lora-rank 0)")
+            return wire.AdapterInfo(error=f"LoRA adapter {path}: LoRA is off on this worker (--max-lora-rank 0)",
+                                    kind="lora")
         return self.adapters.inspect(path)
 
     @property
     def adapter_host_bytes(self) -> int:
-        """Bytes of adapter copies in host memory (finished loads measured, running ones expected)."""
-        return 0 if self.adapters is None else self.adapters.host_bytes
+        """Bytes of variant copies (LoRA and delta) in host memory (finished loads measured, running ones
+        expected)."""
+        return (0 if self.adapters is None else self.adapters.host_bytes) + (
+            0 if self.deltas is None else self.deltas.host_bytes
+        )
+
+    def _is_delta(self, variant_id: int) -> bool:
+        """Whether ``variant_id`` is a delta this worker holds (host or GPU); else LoRA or unknown."""
+        return self.deltas is not None and (variant_id in self.deltas.host or variant_id in self.deltas.slot_of)
 
     # ------------------------------------------------------------------ handshake
 
@@ -288,18 +321,19 @@ class Executor:
         free, total = torch.cuda.mem_get_info(self.device)
         used_after_weights = total - free
         activation = self._profile_activation_bytes()
-        budget = int(gpu_memory_utilization * total) - used_after_weights - activation
+        deltas = self.delta_reserve_bytes
+        budget = int(gpu_memory_utilization * total) - used_after_weights - activation - deltas
         log.info(
             "auto KV budget: %.2f x %.0f MiB total - %.0f MiB in use after weights - %.0f MiB activations "
-            "(profiled, %d tokens) = %.0f MiB",
+            "(profiled, %d tokens) - %.0f MiB delta slots = %.0f MiB",
             gpu_memory_utilization, total / (1 << 20), used_after_weights / (1 << 20), activation / (1 << 20),
-            self.max_num_batched_tokens, budget / (1 << 20),
+            self.max_num_batched_tokens, deltas / (1 << 20), budget / (1 << 20),
         )
         if budget <= 0:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: {gpu_memory_utilization} x {total} bytes - "
-                f"{used_after_weights} in use - {activation} activations = {budget}; raise "
-                "--gpu-memory-utilization, lower --max-num-batched-tokens, or set --kv-cache-bytes"
+                f"{used_after_weights} in use - {activation} activations - {deltas} delta slots = {budget}; raise "
+                "--gpu-memory-utilization, lower --max-num-batched-tokens or --max-deltas, or set --kv-cache-bytes"
             )
         return budget
 
@@ -351,10 +385,13 @@ class Executor:
         self._validate(plan)
         for req_id in plan.released:
             self.requests.pop(req_id, None)
-        if plan.adapter_ops:
-            assert self.adapters is not None  # _validate refuses ops when LoRA is off
-            for op in plan.adapter_ops:
-                self.adapters.apply(op)  # AdapterLoadError here is fatal (module docstring)
+        for op in plan.adapter_ops:  # AdapterLoadError here is fatal (module docstring)
+            if (is_delta_dir(op.path) if op.op == "to_host" else self._is_delta(op.adapter_id)):
+                assert self.deltas is not None  # _validate refuses delta ops when deltas are off
+                self.deltas.apply(op)
+            else:
+                assert self.adapters is not None  # _validate refuses LoRA ops when LoRA is off
+                self.adapters.apply(op)
         for new in plan.new_requests:
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
@@ -386,25 +423,36 @@ class Executor:
             seqs.append((state.token_ids[state.num_computed:end], state.num_computed, state.block_table, wants_logits))
             if wants_logits:
                 samplers.append(state)
-        with_adapters = any(state.adapter_id for state, _ in scheduled)
+        # Each request's variant: a LoRA adapter (AdapterPool), a delta (DeltaPool) or 0 (base).
+        is_delta = {state.adapter_id: self._is_delta(state.adapter_id) for state, _ in scheduled}
+        lora_ids = [0 if is_delta[state.adapter_id] else state.adapter_id for state, _ in scheduled]
+        with_adapters = any(lora_ids)
+        with_deltas = any(is_delta.values())
         with torch.inference_mode():
             decode = len(samplers) == len(seqs) and all(n == 1 for _, n in scheduled)
-            if decode and self.graphs is not None and self.graphs.bucket_for(len(seqs)) is not None:
+            if (decode and not with_deltas and self.graphs is not None
+                    and self.graphs.bucket_for(len(seqs)) is not None):  # fmt: skip
                 row_slots = None
                 if with_adapters:
                     assert self.adapters is not None  # _validate admits adapter ids only when resident
-                    row_slots = self.adapters.assign_rows([state.adapter_id for state, _ in scheduled])
+                    row_slots = self.adapters.assign_rows(lora_ids)
                 logits = self.graphs.run(ForwardBatch.build(seqs, self.block_size, "cpu"), row_slots)
             else:
                 batch = ForwardBatch.build(seqs, self.block_size, self.device)
                 if with_adapters:
                     assert self.adapters is not None  # _validate admits adapter ids only when resident
-                    self.adapters.begin_step([(state.adapter_id, n) for state, n in scheduled], decode)
+                    self.adapters.begin_step([(a, n) for a, (_, n) in zip(lora_ids, scheduled)], decode)
+                if with_deltas:
+                    assert self.deltas is not None  # _validate admits delta ids only when resident
+                    self.deltas.begin_step([(state.adapter_id, n) for state, n in scheduled],
+                                           [s.adapter_id for s in samplers], decode)
                 try:
                     logits = self.model.forward(batch, self.kv)
                 finally:
                     if with_adapters:
                         self.adapters.end_step()
+                    if with_deltas:
+                        self.deltas.end_step()
             sampled = None
             if samplers:
                 sampled = self.sampler.sample(
@@ -469,7 +517,7 @@ class Executor:
 
         released = set(plan.released)
         held_after_release = set(self.requests) - released
-        on_gpu, page_owner = self._validate_adapter_ops(plan, problems)
+        on_gpu, page_owner, delta_gpu = self._validate_adapter_ops(plan, problems)
         resident = ", ".join(map(str, sorted(on_gpu))) or "none"
 
         def check_adapter(req_id: int, adapter_id: int) -> None:
@@ -530,7 +578,7 @@ class Executor:
         step_adapters = {n.adapter_id for n in plan.new_requests if n.num_scheduled_tokens > 0} | {
             self.requests[r.req_id].adapter_id for r in plan.running if r.req_id in self.requests
         }
-        step_adapters.discard(0)
+        step_adapters = {a for a in step_adapters if a != 0 and a not in delta_gpu}
         if self.adapters is not None and len(step_adapters) > self.adapters.max_slots:
             problems.append(f"{len(step_adapters)} distinct adapters in one step exceed --max-loras-per-step "
                             f"{self.adapters.max_slots}")
@@ -549,28 +597,71 @@ class Executor:
         if problems:
             raise PlanError(f"step {plan.step_id}: bad plan: " + "; ".join(problems), bad)
 
-    def _validate_adapter_ops(self, plan: wire.StepPlan, problems: list[str]) -> tuple[set[int], dict[int, int]]:
+    def _validate_adapter_ops(
+        self, plan: wire.StepPlan, problems: list[str]
+    ) -> tuple[set[int], dict[int, int], set[int]]:
         """Replays ``plan.adapter_ops`` on a copy of the tier state, appending what is wrong.
 
-        Returns the adapters on the GPU after the ops and the page -> adapter map they leave.
+        An op's variant is a delta when its ``to_host`` path is a delta directory (``is_delta_dir``)
+        or the worker already holds that id as a delta; else a LoRA adapter. Returns the variants on
+        the GPU after the ops (both kinds), the page -> LoRA adapter map they leave, and the deltas
+        among them.
         """
-        pool = self.adapters
+        pool, deltas = self.adapters, self.deltas
         on_host = set() if pool is None else set(pool.host)
         on_gpu = set() if pool is None else set(pool.gpu)
         page_owner = {} if pool is None else dict(pool.page_owner)
+        delta_host = set() if deltas is None else set(deltas.host)
+        delta_gpu = set() if deltas is None else set(deltas.slot_of)
         for i, op in enumerate(plan.adapter_ops):
             aid = op.adapter_id
 
             def bad(what: str) -> None:
                 problems.append(f"adapter op {i} ({op.op} adapter {aid}): {what}")
 
-            if pool is None:
-                bad("LoRA is off on this worker (--max-lora-rank 0)")
-                continue
             if aid == 0:
                 bad("adapter id 0 is the base model")
                 continue
-            if op.op == "to_host":
+            delta = is_delta_dir(op.path) if op.op == "to_host" and op.path else aid in delta_host | delta_gpu
+            if delta:
+                if deltas is None:
+                    bad("delta serving is off on this worker (--max-deltas 0)")
+                    continue
+                if aid in on_host or aid in on_gpu:
+                    bad("the id is a LoRA adapter on this worker")
+                elif op.op == "to_host":
+                    if aid in delta_host:
+                        bad("already in host memory (drop_host first)")
+                    else:
+                        delta_host.add(aid)
+                elif op.op == "to_gpu":
+                    if aid not in delta_host:
+                        bad("not in host memory (a to_host must come first)")
+                    elif aid in delta_gpu:
+                        bad("already on the GPU (drop_gpu first)")
+                    elif op.block_ids:
+                        bad("a delta takes a delta slot, not pool pages: block_ids must be empty")
+                    elif len(delta_gpu) >= deltas.max_deltas:
+                        bad(f"all {deltas.max_deltas} delta slots (--max-deltas) are taken")
+                    else:
+                        delta_gpu.add(aid)
+                elif op.op == "drop_gpu":
+                    if aid not in delta_gpu:
+                        bad("not on the GPU")
+                    delta_gpu.discard(aid)
+                elif op.op == "drop_host":
+                    if aid not in delta_host:
+                        bad("not in host memory")
+                    delta_host.discard(aid)
+                else:
+                    bad(f"unknown op {op.op!r} (expected one of {', '.join(OPS)})")
+                continue
+            if pool is None:
+                bad("LoRA is off on this worker (--max-lora-rank 0)")
+                continue
+            if aid in delta_host or aid in delta_gpu:
+                bad("the id is a delta on this worker")
+            elif op.op == "to_host":
                 if aid in on_host:
                     bad("already in host memory (drop_host first)")
                 elif not op.path:
@@ -614,4 +705,4 @@ class Executor:
                     on_host.discard(aid)
             else:
                 bad(f"unknown op {op.op!r} (expected one of {', '.join(OPS)})")
-        return on_gpu, page_owner
+        return on_gpu | delta_gpu, page_owner, delta_gpu

@@ -1,0 +1,327 @@
+"""The delta pool: compressed full fine-tunes' tiers on the worker (host memory, GPU delta slots) and
+the per-step rows the delta-aware modules read (``delta_layers.py``).
+
+A delta directory is what ``deltaserve compress`` writes (``compress/delta_dir.py`` owns the format
+and the lineage checks). The router decides where every variant lives (``sched`` crate: at most
+``--max-deltas N`` deltas on the GPU, DeltaZip's N); this module executes its ``AdapterOp``s for
+delta ids and answers ``InspectAdapter`` for delta directories::
+
+    (disk) ──to_host(path)──> host: loading ──background load──> host: ready (or failed)
+                                                                   │
+                                         to_gpu (no block ids) ────┴──> + gpu: slot s in [0, N)
+    drop_gpu: slot s is free again (its regions are zeroed in place)
+    drop_host: the host copy is freed (a GPU copy stays valid without it)
+
+GPU storage, per slot s (N slots; slot ids are shared by every linear and every config):
+    packed linears  ``weights[(bits, sparse, group)][(layer, proj)]``: a ``kernels.sbmm.DeltaWeights``
+                    of N slots per linear and per packed config, allocated the first time a delta
+                    of that config goes to the GPU (a slot holds a delta in the pool of its config
+                    only; the other pools leave that slot empty)
+    dense tensors   ``dense[s]``: HF name -> the fp16 delta cast to the model dtype (embedding,
+                    lm_head, norms, biases), allocated on ``to_gpu`` and freed on ``drop_gpu``
+
+Only deltas made for this base are accepted (``check_lineage`` against the base directory), in
+mode ``delta`` (a ``--full-weights`` directory is the compressed fine-tune itself, not a delta),
+whose packed tensors are block linears and whose dense tensors are ones ``attach_deltas`` applies.
+
+``begin_step(runs, logit_ids, decode)`` maps each token run and each logits row to its delta's slot
+and fills ``step`` (``DeltaStep``); ``end_step`` clears it. Loads failing after inspection raise
+``AdapterLoadError`` from ``to_gpu``, fatal for the worker, exactly like LoRA adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .. import wire
+from ..compress.delta_dir import MANIFEST, check_lineage, load_delta, read_manifest
+from ..compress.pack import PackedLinear
+from ..kernels.sbmm import DeltaMeta, DeltaWeights, make_delta_weights
+from ..model.arch import ModelConfig
+from ..model.decoder import DecoderLM, linear_slots
+from .delta_layers import ConfigKey, DeltaStep, dense_delta_names
+from .pool import LOAD_THREADS, AdapterLoadError
+
+log = logging.getLogger("deltaserve.worker")
+
+_PACKED_RE = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)$")
+
+
+class DeltaError(ValueError):
+    """A delta directory this worker cannot serve (the message names the file, field or tensor)."""
+
+
+def delta_gpu_bytes(cfg: ModelConfig, dtype: torch.dtype, bits: int = 4, sparse: bool = True,
+                    group_size: int = 64) -> int:
+    """GPU bytes one delta slot takes for a ``deltaserve compress`` default delta of ``cfg``: every block
+    linear packed (codes, 2:4 indices, fp16 scales and zeros) plus dense embedding, lm_head (untied)
+    and norm deltas in the model dtype. What the worker reserves per ``--max-deltas`` slot."""
+    from .lora import projection_features
+
+    kept = 0.5 if sparse else 1.0
+    per_param = kept * bits / 8 + (kept * 4 / 16 if sparse else 0) + 4 / group_size  # codes, indices, scales+zeros
+    linears = sum(i * o for i, o in projection_features(cfg).values()) * cfg.num_layers
+    item = torch.empty((), dtype=dtype).element_size()
+    dense = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    dense += cfg.hidden_size * (2 * cfg.num_layers + 1)
+    return int(linears * per_param) + dense * item
+
+
+def is_delta_dir(path: str | Path) -> bool:
+    """True when ``path`` looks like a ``deltaserve compress`` output (has a manifest)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+@dataclass(frozen=True, eq=False)
+class DeltaHostCopy:
+    """A delta read and validated in host memory (pinned on CUDA), ready for a GPU slot."""
+
+    key: ConfigKey
+    """(bits, sparse, group size) of every packed linear."""
+    packed: dict[tuple[int, str], PackedLinear]
+    """(layer, HF proj) -> its packed delta."""
+    dense: dict[str, torch.Tensor]
+    """HF tensor name -> its dense float16 delta."""
+    nbytes: int
+    """Host bytes it takes."""
+
+
+@dataclass(eq=False)
+class DeltaHostEntry:
+    """A delta in the host tier: its load (maybe still running) and what it is expected to cost."""
+
+    path: Path
+    future: Future[DeltaHostCopy]
+    expected_bytes: int
+
+
+class DeltaPool:
+    """Compressed deltas in host memory and in GPU slots, plus the step rows the modules read."""
+
+    def __init__(self, model: DecoderLM, base_dir: str | Path, *, max_deltas: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        if max_deltas < 1:
+            raise ValueError(f"DeltaPool: max_deltas {max_deltas} must be >= 1")
+        self.config = model.config
+        self.base_dir = Path(base_dir)
+        """The base model directory every delta's lineage is checked against."""
+        self.max_deltas = max_deltas
+        """N: GPU slots (``--max-deltas``); the router keeps at most N deltas GPU-resident."""
+        self.device, self.dtype = device, dtype
+        self.dense_names = dense_delta_names(model)
+        """Dense tensors a delta may change (those the delta-aware modules apply)."""
+        self.linear_names = set(linear_slots(self.config))
+        """HF projections a packed delta may target."""
+        self.step = DeltaStep()
+        """What the delta-aware modules read; its pools are this pool's."""
+        self.step.dense = [{} for _ in range(max_deltas)]
+        self.host: dict[int, DeltaHostEntry] = {}
+        """Delta id -> its host copy (or the load producing it)."""
+        self.slot_of: dict[int, int] = {}
+        """Delta id -> its GPU slot."""
+        self.key_of: dict[int, ConfigKey] = {}
+        """GPU-resident delta id -> the packed config its slot is filled in."""
+        self._loader = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix="delta-load")
+
+    # ------------------------------------------------------------------ inspect / validation
+
+    def _validate(self, path: Path) -> dict[str, Any]:
+        """Checks ``path`` is a delta of this base that this worker can apply; returns its manifest."""
+        manifest = read_manifest(path)
+        if manifest.get("mode", "delta") != "delta":
+            raise DeltaError(
+                f"{path}: mode '{manifest.get('mode')}' holds compressed full weights (the --full-weights "
+                "baseline), not a delta of the base; serve it as a model after `materialize`"
+            )
+        check_lineage(manifest, self.base_dir, path)
+        for name, entry in manifest["tensors"].items():
+            if entry["kind"] == "packed":
+                m = _PACKED_RE.match(name)
+                if m is None or int(m.group(1)) >= self.config.num_layers or m.group(2) not in self.linear_names:
+                    raise DeltaError(f"{path}: packed tensor '{name}' is not a block linear of this model")
+            elif name not in self.dense_names:
+                raise DeltaError(f"{path}: dense delta '{name}' has no per-token path on this worker")
+        packed = {n for n, e in manifest["tensors"].items() if e["kind"] == "packed"}
+        want = {f"model.layers.{i}.{linear_slots(self.config)[p].module.split('.')[0]}.{p}"
+                for i in range(self.config.num_layers) for p in self.linear_names}  # fmt: skip
+        missing = sorted(want - packed)
+        if missing:
+            raise DeltaError(f"{path}: {len(missing)} block linears have no packed delta, e.g. '{missing[0]}' "
+                             "(deltaserve compress packs every one)")
+        return manifest
+
+    def inspect(self, path: str | Path) -> wire.AdapterInfo:
+        """Validates the delta at ``path`` and reports its footprint; changes no state, never raises
+        for a bad delta (``error`` says what and where instead)."""
+        p = Path(path)
+        try:
+            manifest = self._validate(p)
+        except (ValueError, OSError, KeyError, TypeError) as e:
+            return wire.AdapterInfo(error=f"delta {p}: {e}" if str(p) not in str(e) else str(e), kind="delta")
+        comp, sizes = manifest["compression"], manifest["sizes"]
+        targets = sorted({_PACKED_RE.match(n).group(2) for n, e in manifest["tensors"].items()  # type: ignore[union-attr]
+                          if e["kind"] == "packed"})
+        return wire.AdapterInfo(
+            error=None, num_blocks=0, host_bytes=self._expected_bytes(manifest), max_rank=0, target_modules=targets,
+            kind="delta",
+            summary=f"{comp['bits']}-bit {comp['sparsity']}, {float(sizes['compression_ratio']):.1f}x smaller than fp16",
+        )  # fmt: skip
+
+    @staticmethod
+    def _expected_bytes(manifest: dict[str, Any]) -> int:
+        """Host bytes of the loaded copy: the manifest's per-tensor sizes."""
+        return sum(int(e.get("bytes", 0)) for e in manifest["tensors"].values())
+
+    # ------------------------------------------------------------------ host tier
+
+    def _read_host_copy(self, path: Path) -> DeltaHostCopy:
+        """The background half of ``to_host``: validate again, load, pin on CUDA."""
+        manifest = self._validate(path)
+        _, packed_by_name, dense = load_delta(path)
+        comp = manifest["compression"]
+        key: ConfigKey = (int(comp["bits"]), comp["sparsity"] == "2:4", int(comp["group_size"]))
+        packed = {}
+        for name, p in packed_by_name.items():
+            m = _PACKED_RE.match(name)
+            assert m is not None  # _validate checked every packed name
+            packed[(int(m.group(1)), m.group(2))] = p
+        if self.device.type == "cuda":
+            packed = {k: dataclasses.replace(p, **{n: t.pin_memory() for n, t in p.tensors().items()})
+                      for k, p in packed.items()}  # fmt: skip
+            dense = {k: t.pin_memory() for k, t in dense.items()}
+        nbytes = sum(p.nbytes() for p in packed.values()) + sum(t.nbytes for t in dense.values())
+        return DeltaHostCopy(key, packed, dense, nbytes)
+
+    def to_host(self, delta_id: int, path: str | Path) -> None:
+        """Starts reading ``path`` into host memory in the background (``to_gpu`` waits for it)."""
+        if delta_id in self.host:
+            raise ValueError(f"delta {delta_id} is already in host memory")
+        p = Path(path)
+        try:
+            expected = self._expected_bytes(read_manifest(p))
+        except (ValueError, OSError, KeyError):
+            expected = 0  # the load reports the real problem
+        self.host[delta_id] = DeltaHostEntry(p, self._loader.submit(self._read_host_copy, p), expected)
+
+    def drop_host(self, delta_id: int) -> None:
+        entry = self.host.pop(delta_id)
+        entry.future.cancel()
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host copies held: finished ones measured, running loads as expected."""
+        total = 0
+        for entry in list(self.host.values()):
+            if not entry.future.done():
+                total += entry.expected_bytes
+            elif not entry.future.cancelled() and entry.future.exception() is None:
+                total += entry.future.result().nbytes
+        return total
+
+    def wait_host(self, delta_id: int) -> DeltaHostCopy:
+        entry = self.host[delta_id]
+        try:
+            return entry.future.result()
+        except Exception as e:  # noqa: BLE001 - any load failure means the same to the router
+            raise AdapterLoadError(f"delta {delta_id}: loading {entry.path} into host memory failed: {e}") from e
+
+    # ------------------------------------------------------------------ GPU tier
+
+    @property
+    def gpu(self) -> set[int]:
+        """Delta ids resident in GPU slots."""
+        return set(self.slot_of)
+
+    def to_gpu(self, delta_id: int) -> None:
+        """Copies the host copy into a free slot of every pool of its config (allocating the pools the
+        first time the config is seen) and its dense deltas to the device."""
+        if delta_id in self.slot_of:
+            raise ValueError(f"delta {delta_id} is already on the GPU")
+        free = [s for s in range(self.max_deltas) if s not in self.slot_of.values()]
+        if not free:
+            raise ValueError(f"no free delta slot for delta {delta_id}: all {self.max_deltas} (--max-deltas) are taken")
+        copy = self.wait_host(delta_id)
+        slot = free[0]
+        pools = self.step.weights.get(copy.key)
+        if pools is None:
+            pools = {}
+            for k, p in copy.packed.items():
+                pools[k] = make_delta_weights([p if s == slot else None for s in range(self.max_deltas)], self.device)
+            self.step.weights[copy.key] = pools
+        else:
+            for k, p in copy.packed.items():  # every delta packs every block linear (_validate)
+                pools[k].store(slot, p.to(self.device))
+        self.step.dense[slot] = {n: t.to(self.device, non_blocking=True).to(self.dtype) for n, t in copy.dense.items()}
+        self.slot_of[delta_id] = slot
+        self.key_of[delta_id] = copy.key
+
+    def drop_gpu(self, delta_id: int) -> None:
+        """Frees the delta's slot (its regions zeroed in place, its dense deltas released)."""
+        slot = self.slot_of.pop(delta_id)
+        key = self.key_of.pop(delta_id)
+        for w in self.step.weights.get(key, {}).values():
+            if w.loaded[slot]:
+                w.clear(slot)
+        self.step.dense[slot] = {}
+
+    def apply(self, op: wire.AdapterOp) -> None:
+        """Executes one (already validated) op for a delta id."""
+        if op.op == "to_host":
+            self.to_host(op.adapter_id, op.path)
+        elif op.op == "to_gpu":
+            self.to_gpu(op.adapter_id)
+        elif op.op == "drop_gpu":
+            self.drop_gpu(op.adapter_id)
+        elif op.op == "drop_host":
+            self.drop_host(op.adapter_id)
+        else:
+            raise ValueError(f"unknown adapter op {op.op!r}")
+
+    # ------------------------------------------------------------------ steps
+
+    def begin_step(self, runs: Sequence[tuple[int, int]], logit_ids: Sequence[int], decode: bool) -> bool:
+        """Sets the step's delta rows from its token runs ``(variant id, n_tokens)`` in batch order and
+        the variant id of each logits row (ids not in this pool count as "no delta"); returns whether
+        the step has delta tokens (False: nothing was set)."""
+        slots = [(self.slot_of.get(v, -1), n) for v, n in runs if n > 0]
+        used = {s for s, _ in slots if s >= 0}
+        if not used:
+            self.end_step()
+            return False
+        dev = self.device
+        token_slot: list[int] = []
+        for s, n in slots:
+            token_slot.extend([s] * n)
+        t = torch.tensor(token_slot, dtype=torch.int64)
+        self.step.token_rows = {s: torch.nonzero(t == s).flatten().to(dev) for s in sorted(used)}
+        lt = torch.tensor([self.slot_of.get(v, -1) for v in logit_ids], dtype=torch.int64)
+        self.step.logit_rows = {s: r.to(dev) for s in sorted(used) if (r := torch.nonzero(lt == s).flatten()).numel()}
+        metas = []
+        slot_id = {s: d for d, s in self.slot_of.items()}
+        for key in sorted({self.key_of[slot_id[s]] for s in used}):
+            of_key = [s if s >= 0 and self.key_of[slot_id[s]] == key else -1 for s in token_slot]
+            if decode:
+                meta = DeltaMeta.rows(of_key, dev)
+            else:
+                meta = DeltaMeta.segments([n for _, n in slots], [s if s >= 0 and self.key_of[slot_id[s]] == key
+                                                                  else -1 for s, _ in slots], dev)
+            metas.append((key, meta))
+        self.step.metas = tuple(metas)
+        return True
+
+    def end_step(self) -> None:
+        """Back to inactive: the delta-aware modules compute their base alone."""
+        self.step.metas = ()
+        self.step.token_rows = {}
+        self.step.logit_rows = {}
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=False, cancel_futures=True)

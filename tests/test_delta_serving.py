@@ -1,0 +1,199 @@
+"""Serving compressed full-fine-tune deltas through ``Executor.step`` (DeltaZip's decoupled forward).
+
+Deltas come from ``deltaserve compress`` itself on perturbed copies of the tiny models
+(``helpers/deltas.py``); their dense reference ``W_base + dequant(Δ̃)`` (``materialize``) runs in
+``transformers``. ``AdapterRouter`` (the LoRA serving test's stand-in for the router) sends the
+ops: a delta's ``to_gpu`` has no pages (``num_blocks`` 0), it takes a worker delta slot. Checked:
+
+- greedy tokens of a delta equal HF ``generate`` on its dense reference, for Llama (4-bit and
+  2-bit 2:4), tied embeddings (the embedding delta also moves lm_head) and Qwen2 (bias deltas);
+- a batch mixing base, LoRA and two deltas of different packed configs (chunked prefill,
+  staggered arrivals, a preemption) gives each request exactly its tokens alone;
+- a delta dropped from the GPU and loaded again (maybe into another slot) gives the same tokens;
+- inspection: kind, summary and host bytes; a full-weights directory, another base's delta, or
+  deltas switched off are refused with a message; bad delta ops are PlanErrors that change nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve import wire
+from deltaserve.worker.config import ConfigError, WorkerConfig
+from deltaserve.worker.executor import Executor, PlanError
+
+pytest.importorskip("peft")
+from helpers.deltas import make_delta  # noqa: E402
+from helpers.peft_adapters import make_peft_adapter  # noqa: E402
+from test_executor import KV_BYTES, executor_factory, hf_greedy, hf_model, prompts  # noqa: E402, F401
+from test_lora_serving import AdapterRouter  # noqa: E402
+
+LORA, D4, D2 = 1, 2, 3
+"""Variant ids of the mixed tests: a LoRA adapter, a 4-bit 2:4 delta, a 2-bit 2:4 delta."""
+
+
+@pytest.fixture(scope="module")
+def variants(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, Path | None]]:
+    """Variant id -> (directory, dense reference directory or None for the LoRA adapter)."""
+    root = tmp_path_factory.mktemp("delta_serving")
+    lora = make_peft_adapter(tiny_llama, root / "lora", seed=3, target_modules=["q_proj", "v_proj"], r=8,
+                             lora_alpha=16)[1]
+    return {
+        LORA: (lora, None),
+        D4: make_delta(tiny_llama, root / "d4", seed=21, bits=4),
+        D2: make_delta(tiny_llama, root / "d2", seed=22, bits=2),
+    }
+
+
+def _hf(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def test_greedy_equals_the_dense_reference_in_transformers(executor_factory, variants, hf_model) -> None:
+    ex = executor_factory()
+    dirs = {aid: d for aid, (d, _) in variants.items()}
+    ps = prompts(3, ex.config.vocab_size, seed=4, lo=3, hi=20)
+    router = AdapterRouter(ex, dirs, {})
+    outputs: dict[int, list[list[int]]] = {}
+    for aid, ref_dir in ((0, None), (D4, variants[D4][1]), (D2, variants[D2][1])):
+        ref = hf_model if ref_dir is None else _hf(ref_dir)
+        for j, prompt in enumerate(ps):
+            rid = 100 * aid + j
+            router.adapter_of[rid] = aid
+            got = router.run({rid: (prompt, 10)})[rid]
+            assert got == hf_greedy(ref, prompt, 10), (aid, j)
+            outputs.setdefault(aid, []).append(got)
+    assert outputs[0] != outputs[D4] != outputs[D2] != outputs[0]  # the deltas change the output
+    assert ex.deltas is not None and sorted(ex.deltas.slot_of) == [D4, D2]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_tied", "tiny_qwen2"])
+def test_tied_embeddings_and_bias_deltas(fixture: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    base: Path = request.getfixturevalue(fixture)
+    delta, ref_dir = make_delta(base, tmp_path / "d", seed=31, bits=4)
+    ex = Executor(base, device="cpu", dtype="float32", block_size=4, kv_cache_bytes=KV_BYTES)
+    router = AdapterRouter(ex, {1: delta}, {})
+    ref, plain = _hf(ref_dir), _hf(base)
+    for j, prompt in enumerate(prompts(2, ex.config.vocab_size, seed=6, lo=4, hi=16)):
+        router.adapter_of[j] = 1
+        got = router.run({j: (prompt, 8)})[j]
+        assert got == hf_greedy(ref, prompt, 8), j
+        assert got != hf_greedy(plain, prompt, 8), j
+
+
+def test_mixed_batch_matches_each_alone(executor_factory, variants) -> None:
+    ex = executor_factory()
+    dirs = {aid: d for aid, (d, _) in variants.items()}
+    n = 16
+    ps = prompts(n, ex.config.vocab_size, seed=8, lo=2, hi=28)
+    adapter_of = {i: i % 4 for i in range(n)}  # base, LoRA, 4-bit delta, 2-bit delta interleaved
+    max_new = {i: 4 + i % 5 for i in range(n)}
+    solo = AdapterRouter(ex, dirs, adapter_of)
+    alone = {i: solo.run({i: (p, max_new[i])})[i] for i, p in enumerate(ps)}
+
+    router = AdapterRouter(executor_factory(), dirs, adapter_of, chunk=7, seed=2)
+    arrivals = {i: i // 3 for i in range(n)}
+    pending, steps, preempted, added = {i: (p, max_new[i]) for i, p in enumerate(ps)}, 0, False, {}
+    while pending or router.active:
+        for rid in [r for r in pending if arrivals[r] <= steps]:
+            prompt, k = pending.pop(rid)
+            added[rid] = router.add(rid, prompt, k)
+        if not preempted and 6 in router.active and len(router.active[6].outputs) == 2:
+            router.preempt(6)  # comes back as a NewRequest: it must keep its delta
+            preempted = True
+        if router.active:
+            router.step()
+        steps += 1
+        assert steps < 1000
+    assert preempted and router.mixed_steps > 0
+    assert {rid: r.outputs for rid, r in added.items()} == alone
+    assert len({tuple(alone[i]) for i in range(4)}) == 4
+
+
+def test_delta_dropped_and_reloaded_gives_the_same_tokens(executor_factory, variants) -> None:
+    ex = executor_factory(max_deltas=2)
+    dirs = {aid: d for aid, (d, _) in variants.items()}
+    router = AdapterRouter(ex, dirs, {1: D4, 2: D2, 3: D4})
+    prompt = prompts(1, ex.config.vocab_size, seed=9, lo=10, hi=10)[0]
+    first = router.run({1: (prompt, 6)})[1]
+    assert ex.deltas is not None and ex.deltas.slot_of == {D4: 0}
+    router.evict(D4)
+    router.run({2: (prompt, 6)})  # the 2-bit delta now takes slot 0
+    assert ex.deltas.slot_of == {D2: 0} and D4 not in ex.deltas.host
+    assert router.run({3: (prompt, 6)})[3] == first
+    assert ex.deltas.slot_of == {D2: 0, D4: 1}
+
+
+def test_inspect_reports_and_refuses(executor_factory, variants, tiny_qwen2: Path, tiny_llama: Path,
+                                     tmp_path: Path) -> None:
+    ex = executor_factory()
+    info = ex.inspect_adapter(str(variants[D4][0]))
+    assert info.error is None and info.kind == "delta" and info.num_blocks == 0 and info.max_rank == 0
+    assert info.summary.startswith("4-bit 2:4, ") and "smaller than fp16" in info.summary
+    assert info.host_bytes > 0 and "q_proj" in info.target_modules
+    lora = ex.inspect_adapter(str(variants[LORA][0]))
+    assert lora.error is None and lora.kind == "lora" and lora.summary == "rank 8"
+
+    full, _ = make_delta(tiny_llama, tmp_path / "full", seed=5, full_weights=True)
+    assert "not a delta of the base" in ex.inspect_adapter(str(full)).error
+    other, _ = make_delta(tiny_qwen2, tmp_path / "qwen", seed=5)
+    err = ex.inspect_adapter(str(other)).error
+    assert err is not None and "architectures" in err, err
+    off = executor_factory(max_deltas=0)
+    assert "delta serving is off on this worker (--max-deltas 0)" in off.inspect_adapter(str(variants[D4][0])).error
+    assert off.deltas is None
+
+
+def _snapshot(ex: Executor):
+    assert ex.deltas is not None
+    return (copy.deepcopy(ex.requests), sorted(ex.deltas.host), dict(ex.deltas.slot_of), sorted(ex.adapters.host))
+
+
+def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, variants) -> None:
+    ex = executor_factory(max_deltas=1)
+    d4, d2, lora = (str(variants[a][0]) for a in (D4, D2, LORA))
+    op = wire.AdapterOp
+    ex.step(wire.StepPlan(step_id=1, adapter_ops=[op(D4, "to_host", d4, []), op(D4, "to_gpu", "", []),
+                                                  op(D2, "to_host", d2, [])]))
+    ex.deltas.wait_host(D2)
+
+    def new_req(rid, aid):
+        return wire.NewRequest(req_id=rid, token_ids=[3, 4, 5], num_prompt_tokens=3, num_computed_tokens=0,
+                               num_scheduled_tokens=3, block_ids=[0], sampling=wire.SamplingParams(), adapter_id=aid)
+
+    cases = [
+        ([op(D2, "to_gpu", "", [])], r"all 1 delta slots \(--max-deltas\) are taken"),
+        ([op(D4, "drop_gpu", "", []), op(D2, "to_gpu", "", [5])], r"block_ids must be empty"),
+        ([op(D4, "to_gpu", "", [])], r"already on the GPU"),
+        ([op(D4, "to_host", d4, [])], r"already in host memory"),
+        ([op(D4, "drop_gpu", "", []), op(D4, "drop_gpu", "", [])], r"drop_gpu adapter 2\): not on the GPU"),
+        ([op(D4, "to_host", lora, [])], r"to_host adapter 2\): the id is a delta on this worker"),  # a LoRA dir
+        ([op(D2, "drop_host", "", []), op(D2, "to_gpu", "", [])], r"not in host memory"),
+    ]
+    for ops, match in cases:
+        before = _snapshot(ex)
+        with pytest.raises(PlanError, match=match):
+            ex.step(wire.StepPlan(step_id=2, adapter_ops=ops))
+        assert before == _snapshot(ex), match
+    before = _snapshot(ex)
+    with pytest.raises(PlanError, match=r"request 7: adapter_id 3 is not on the GPU"):
+        ex.step(wire.StepPlan(step_id=2, new_requests=[new_req(7, D2)]))
+    assert before == _snapshot(ex)
+    # Swapping the slot's delta in one plan (drop before load) is fine, and serves the new one.
+    out = ex.step(wire.StepPlan(step_id=3, adapter_ops=[op(D4, "drop_gpu", "", []), op(D2, "to_gpu", "", [])],
+                                new_requests=[new_req(7, D2)]))
+    assert out.outputs[0].token_id is not None and ex.deltas.slot_of == {D2: 0}
+
+
+def test_max_deltas_flag(tiny_llama: Path, tmp_path: Path) -> None:
+    base = ["--model", str(tiny_llama), "--ipc-dir", str(tmp_path)]
+    assert WorkerConfig.from_args(base).max_deltas == 3
+    assert WorkerConfig.from_args(base + ["--max-deltas", "0"]).max_deltas == 0
+    with pytest.raises(ConfigError, match="--max-deltas 65: expected 0..64"):
+        WorkerConfig.from_args(base + ["--max-deltas", "65"])
