@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use deltaserve_server::config::{parse_devices, parse_lora, ServerConfig};
+use deltaserve_server::config::{
+    parse_delta, parse_devices, parse_lora, ServerConfig, DEFAULT_MAX_DELTAS,
+};
 
 /// Serve a base model and its fine-tuned variants (LoRA adapters, compressed deltas) over an
 /// OpenAI-compatible API.
@@ -80,8 +82,18 @@ struct Args {
     /// with `POST /v1/adapters`.
     #[arg(long = "lora-dir", env = "DELTASERVE_LORA_DIR", value_delimiter = ',')]
     lora_dirs: Vec<PathBuf>,
-    /// Host-memory budget per worker for adapter copies, in bytes (the tier between disk and
-    /// the GPU pool; least recently used copies are dropped beyond it).
+    /// A compressed full fine-tune to serve, as NAME=DIR (a directory written by
+    /// `deltaserve compress`); repeat the flag for more. Registered after the LoRA adapters;
+    /// clients select it with `model: "<base>:NAME"` (or NAME alone).
+    #[arg(long = "delta", env = "DELTASERVE_DELTA", value_delimiter = ',', value_parser = parse_delta)]
+    deltas: Vec<(String, PathBuf)>,
+    /// Compressed deltas each worker keeps on the GPU at once (its delta slots; DeltaZip's N).
+    /// Requests for other deltas wait for a slot; 0 turns delta serving off.
+    #[arg(long, env = "DELTASERVE_MAX_DELTAS", default_value_t = DEFAULT_MAX_DELTAS)]
+    max_deltas: usize,
+    /// Host-memory budget per worker for variant copies in bytes, LoRA adapters and deltas
+    /// together (the tier between disk and the GPU; least recently used copies are dropped
+    /// beyond it).
     #[arg(long, env = "DELTASERVE_LORA_HOST_BYTES", default_value_t = 4 << 30)]
     lora_host_bytes: u64,
     /// Largest LoRA rank accepted (adapters above it are refused at registration).
@@ -212,7 +224,9 @@ async fn main() -> anyhow::Result<()> {
         cuda_graph_max_batch: args.cuda_graph_max_batch,
         loras,
         lora_dirs: args.lora_dirs,
+        deltas: args.deltas,
         lora_host_bytes: args.lora_host_bytes,
+        max_deltas: args.max_deltas,
         max_lora_rank: args.max_lora_rank,
         max_queued_per_worker: args.max_queued_per_worker,
         worker_start_timeout: Duration::from_secs(args.worker_start_timeout),

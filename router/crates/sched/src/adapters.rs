@@ -1,7 +1,13 @@
-//! The adapter table: every registered LoRA adapter, where its weights are (S-LoRA tiers:
-//! disk -> worker host memory -> GPU pool pages), who uses it, and when it was last used. The
-//! [`crate::Scheduler`] decides *when* to move an adapter; this module does the bookkeeping of
-//! each move (pages, host bytes, counters) and records the [`AdapterOp`] the worker must apply.
+//! The adapter table: every registered variant (a LoRA adapter or a compressed full fine-tune,
+//! a "delta"; [`VariantKind`]), where its weights are (S-LoRA tiers: disk -> worker host memory
+//! -> GPU), who uses it, and when it was last used. The [`crate::Scheduler`] decides *when* to
+//! move an adapter; this module does the bookkeeping of each move (pages, slots, host bytes,
+//! counters) and records the [`AdapterOp`] the worker must apply.
+//!
+//! On the GPU the two kinds live in different places: a LoRA adapter in `num_blocks` pages of
+//! the one pool that also holds the KV cache, a delta in one of the worker's `max_deltas` delta
+//! slots (DeltaZip; no pool pages: its `num_blocks` is 0 and its `ToGpu` carries no page ids).
+//! Host copies of both kinds share the one host budget (`host_adapter_bytes`).
 //!
 //! Residency of one adapter (the router's accounting; the worker follows the ops):
 //!
@@ -14,10 +20,11 @@
 //!       └───────────────── (DropGpu) ◀──────────────────────────── GPU only
 //! ```
 //!
-//! `ToGpu` needs a host copy (the worker copies it into the pages), so "GPU only" is reached by
-//! dropping the host copy of a GPU-resident adapter, never by loading. Pages of a GPU-resident
-//! adapter are owned by [`PageOwner::Adapter`] in the one [`BlockAllocator`] that also holds
-//! the KV cache.
+//! `ToGpu` needs a host copy (the worker copies it into the pages or the slot), so "GPU only"
+//! is reached by dropping the host copy of a GPU-resident adapter, never by loading. Pages of a
+//! GPU-resident LoRA adapter are owned by [`PageOwner::Adapter`] in the one [`BlockAllocator`]
+//! that also holds the KV cache; a GPU-resident delta holds an empty placement and counts
+//! against the slot limit instead.
 //!
 //! Users: `users` counts live (waiting + running) requests naming the adapter (unregistering
 //! is refused while it is non-zero); `running` counts the running ones (the GPU copy is never
@@ -31,14 +38,54 @@ use crate::block::{BlockAllocator, PageOwner};
 use crate::config::SchedulerConfig;
 use crate::error::SchedError;
 
+/// The two kinds of variant that share the adapter id space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum VariantKind {
+    /// A PEFT LoRA adapter: `num_blocks` pages of the KV pool while GPU-resident (S-LoRA).
+    Lora,
+    /// A compressed full fine-tune (DeltaZip): one of the worker's `max_deltas` slots while
+    /// GPU-resident, no pool pages.
+    Delta,
+}
+
+impl VariantKind {
+    /// Stable lower-case label, as on the wire (`AdapterInfo::kind`): `lora` or `delta`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VariantKind::Lora => "lora",
+            VariantKind::Delta => "delta",
+        }
+    }
+
+    /// The kind a wire label names (`lora`, `delta`); `None` for anything else.
+    pub fn from_label(label: &str) -> Option<Self> {
+        match label {
+            "lora" => Some(VariantKind::Lora),
+            "delta" => Some(VariantKind::Delta),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for VariantKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// What the scheduler needs to know about an adapter, from the worker's inspection of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdapterSpec {
-    /// Pool pages its weights take on the GPU (the worker's page layout decides).
+    /// LoRA (pool pages on the GPU) or delta (a worker delta slot on the GPU).
+    pub kind: VariantKind,
+    /// Pool pages its weights take on the GPU (the worker's page layout decides); at least 1
+    /// for a LoRA adapter, always 0 for a delta.
     pub num_blocks: u32,
-    /// Bytes its host copy takes in worker memory; counted against the host budget.
+    /// Bytes its host copy takes in worker memory; counted against the host budget (one budget
+    /// for both kinds).
     pub host_bytes: u64,
-    /// The PEFT directory the worker loads it from (sent in `ToHost`).
+    /// The directory the worker loads it from (sent in `ToHost`): a PEFT directory for LoRA,
+    /// a `deltaserve compress` output for a delta.
     pub path: String,
 }
 
@@ -57,16 +104,18 @@ pub enum AdapterOpKind {
     /// Read and validate the adapter from `path` into host memory (may run in the background;
     /// a later `ToGpu` of the same adapter waits for it).
     ToHost {
-        /// The adapter's PEFT directory.
+        /// The adapter's directory (PEFT or delta).
         path: String,
     },
-    /// Copy the host copy into these pool pages, in order. A `ToHost` came earlier and no
-    /// `DropHost` since.
+    /// Copy the host copy into these pool pages, in order (LoRA), or into a free delta slot
+    /// (delta: `block_ids` empty). A `ToHost` came earlier and no `DropHost` since.
     ToGpu {
-        /// The pages, `AdapterSpec::num_blocks` of them; the same ids as KV pages.
+        /// The pages, `AdapterSpec::num_blocks` of them; the same ids as KV pages. Empty for a
+        /// delta.
         block_ids: Vec<u32>,
     },
-    /// Forget the GPU placement; the pages already belong to the router again.
+    /// Forget the GPU placement; a LoRA adapter's pages already belong to the router again, a
+    /// delta's slot is free.
     DropGpu,
     /// Free the host copy.
     DropHost,
@@ -95,7 +144,7 @@ impl AdapterOp {
 pub struct AdapterResidency<'a> {
     /// The worker holds (or is loading) a host copy.
     pub on_host: bool,
-    /// The pool pages holding its weights, when GPU-resident.
+    /// The pool pages holding its weights, when GPU-resident (empty for a resident delta).
     pub gpu_blocks: Option<&'a [u32]>,
 }
 
@@ -106,7 +155,7 @@ pub(crate) struct Adapter {
     pub(crate) spec: AdapterSpec,
     /// A host copy exists on the worker (after its `ToHost`, until a `DropHost`).
     pub(crate) on_host: bool,
-    /// Its pool pages while GPU-resident.
+    /// Its pool pages while GPU-resident (an empty list for a delta in its slot).
     pub(crate) gpu_blocks: Option<Vec<u32>>,
     /// Live (waiting + running) requests naming it; unregistering waits for 0.
     pub(crate) users: usize,
@@ -144,25 +193,28 @@ pub(crate) struct AdapterTable {
     host_bytes: u64,
     /// Sum of `num_blocks` over GPU-resident adapters.
     gpu_blocks: u32,
-    /// GPU-resident adapters.
+    /// GPU-resident LoRA adapters (in pool pages).
     on_gpu: usize,
+    /// GPU-resident deltas (each in one worker delta slot); at most `max_deltas`.
+    deltas_on_gpu: usize,
     /// Adapters with a host copy.
     on_host: usize,
     /// Source of `last_use` stamps.
     tick: u64,
     /// Number of the step being formed (every `schedule` call), for `step_mark`.
     form: u64,
-    /// `ToGpu` ops emitted since start.
+    /// `ToGpu` ops emitted since start (both kinds).
     pub(crate) gpu_loads: u64,
-    /// `ToHost` ops emitted since start.
+    /// `ToHost` ops emitted since start (both kinds).
     pub(crate) host_loads: u64,
-    /// GPU evictions since start (unregistering not counted).
+    /// GPU evictions since start, both kinds (unregistering not counted).
     pub(crate) gpu_evictions: u64,
 }
 
 impl AdapterTable {
-    /// Adds an adapter in the disk tier. Refuses (changing nothing) id 0, a registered id, zero
-    /// pages, an empty path, more pages than the pool or more host bytes than the host budget.
+    /// Adds an adapter in the disk tier. Refuses (changing nothing) id 0, a registered id, a
+    /// LoRA adapter with zero pages, a delta with pages or while `max_deltas` is 0, an empty
+    /// path, more pages than the pool or more host bytes than the host budget.
     pub(crate) fn register(
         &mut self,
         id: u32,
@@ -175,11 +227,28 @@ impl AdapterTable {
         if self.map.contains_key(&id) {
             return Err(SchedError::DuplicateAdapter { adapter_id: id });
         }
-        if spec.num_blocks == 0 {
-            return Err(SchedError::InvalidAdapter {
-                adapter_id: id,
-                reason: "num_blocks is 0 (its weights occupy at least one page)".to_string(),
-            });
+        match spec.kind {
+            VariantKind::Lora if spec.num_blocks == 0 => {
+                return Err(SchedError::InvalidAdapter {
+                    adapter_id: id,
+                    reason: "num_blocks is 0 (a LoRA adapter's weights occupy at least one page)"
+                        .to_string(),
+                });
+            }
+            VariantKind::Delta if spec.num_blocks != 0 => {
+                return Err(SchedError::InvalidAdapter {
+                    adapter_id: id,
+                    reason: format!(
+                        "num_blocks is {} but a delta takes a worker delta slot, not pool pages \
+                         (num_blocks must be 0)",
+                        spec.num_blocks
+                    ),
+                });
+            }
+            VariantKind::Delta if cfg.max_deltas == 0 => {
+                return Err(SchedError::DeltasDisabled { adapter_id: id });
+            }
+            _ => {}
         }
         if spec.path.is_empty() {
             return Err(SchedError::InvalidAdapter {
@@ -343,8 +412,9 @@ impl AdapterTable {
         });
     }
 
-    /// Places `id` (host copy present, not GPU-resident) into freshly allocated pages and marks
-    /// it as loaded by the step being formed. The caller made sure the pages are free.
+    /// Places `id` (host copy present, not GPU-resident) into freshly allocated pages (a LoRA
+    /// adapter) or a delta slot (a delta) and marks it as loaded by the step being formed. The
+    /// caller made sure the pages, or a slot, are free.
     pub(crate) fn load_gpu(&mut self, id: u32, blocks: &mut BlockAllocator, ops: &mut StepOps) {
         let form = self.form;
         let a = self.get_mut(id);
@@ -362,8 +432,11 @@ impl AdapterTable {
         );
         a.gpu_blocks = Some(pages.clone());
         a.step_mark = form;
+        match a.spec.kind {
+            VariantKind::Lora => self.on_gpu += 1,
+            VariantKind::Delta => self.deltas_on_gpu += 1,
+        }
         self.gpu_blocks += n;
-        self.on_gpu += 1;
         self.gpu_loads += 1;
         ops.loads.push(AdapterOp {
             adapter_id: id,
@@ -371,7 +444,8 @@ impl AdapterTable {
         });
     }
 
-    /// Frees the pages of GPU-resident `id` (no running request may use it).
+    /// Frees the pages (or the delta slot) of GPU-resident `id` (no running request may use
+    /// it).
     fn drop_gpu(&mut self, id: u32, blocks: &mut BlockAllocator, ops: &mut StepOps) {
         let a = self.get_mut(id);
         debug_assert_eq!(
@@ -379,9 +453,12 @@ impl AdapterTable {
             "adapter {id} evicted while running requests use it"
         );
         let pages = a.gpu_blocks.take().expect("adapter is GPU-resident");
+        match a.spec.kind {
+            VariantKind::Lora => self.on_gpu -= 1,
+            VariantKind::Delta => self.deltas_on_gpu -= 1,
+        }
         blocks.release(PageOwner::Adapter(id), &pages);
         self.gpu_blocks -= pages.len() as u32;
-        self.on_gpu -= 1;
         ops.drops.push(AdapterOp {
             adapter_id: id,
             kind: AdapterOpKind::DropGpu,
@@ -394,28 +471,55 @@ impl AdapterTable {
         self.gpu_evictions += 1;
     }
 
-    /// Whether `a` (id `id`) may be evicted from the GPU now: resident, no running user, not
-    /// loaded by the step being formed, and not `keep`.
-    fn evictable(&self, id: u32, a: &Adapter, keep: u32) -> bool {
-        id != keep && a.running == 0 && a.gpu_blocks.is_some() && a.step_mark != self.form
+    /// Whether `a` (id `id`) may be evicted from the GPU now: of kind `kind`, resident, no
+    /// running user, not loaded by the step being formed, and not `keep`.
+    fn evictable(&self, id: u32, a: &Adapter, keep: u32, kind: VariantKind) -> bool {
+        id != keep
+            && a.spec.kind == kind
+            && a.running == 0
+            && a.gpu_blocks.is_some()
+            && a.step_mark != self.form
     }
 
-    /// The least recently used evictable GPU-resident adapter other than `keep`.
-    pub(crate) fn lru_idle_gpu(&self, keep: u32) -> Option<u32> {
+    /// The least recently used evictable GPU-resident adapter of kind `kind` other than `keep`.
+    fn lru_idle(&self, keep: u32, kind: VariantKind) -> Option<u32> {
         self.map
             .iter()
-            .filter(|&(&id, a)| self.evictable(id, a, keep))
+            .filter(|&(&id, a)| self.evictable(id, a, keep, kind))
             .min_by_key(|&(&id, a)| (a.last_use, id))
             .map(|(&id, _)| id)
     }
 
-    /// Evictable GPU-resident adapters other than `keep`, least recently used first, just
-    /// enough of them to free `pages` pages; `None` when all of them together free fewer.
+    /// The least recently used evictable LoRA adapter other than `keep` (evicting it frees
+    /// pages; deltas hold none, so they never go for pages).
+    pub(crate) fn lru_idle_gpu(&self, keep: u32) -> Option<u32> {
+        self.lru_idle(keep, VariantKind::Lora)
+    }
+
+    /// The least recently used evictable delta other than `keep` (evicting it frees a slot).
+    pub(crate) fn lru_idle_delta(&self, keep: u32) -> Option<u32> {
+        self.lru_idle(keep, VariantKind::Delta)
+    }
+
+    /// Whether one more delta may be placed on the GPU without evicting one.
+    pub(crate) fn delta_slot_free(&self, max_deltas: usize) -> bool {
+        self.deltas_on_gpu < max_deltas
+    }
+
+    /// Whether `id` is a registered delta.
+    pub(crate) fn is_delta(&self, id: u32) -> bool {
+        self.map
+            .get(&id)
+            .is_some_and(|a| a.spec.kind == VariantKind::Delta)
+    }
+
+    /// Evictable LoRA adapters other than `keep`, least recently used first, just enough of
+    /// them to free `pages` pages; `None` when all of them together free fewer.
     pub(crate) fn gpu_eviction_plan(&self, pages: u64, keep: u32) -> Option<Vec<u32>> {
         let mut cands: Vec<(u64, u32, u32)> = self
             .map
             .iter()
-            .filter(|&(&id, a)| self.evictable(id, a, keep))
+            .filter(|&(&id, a)| self.evictable(id, a, keep, VariantKind::Lora))
             .map(|(&id, a)| (a.last_use, id, a.spec.num_blocks))
             .collect();
         cands.sort_unstable();
@@ -457,6 +561,7 @@ impl AdapterTable {
         self.host_bytes = 0;
         self.gpu_blocks = 0;
         self.on_gpu = 0;
+        self.deltas_on_gpu = 0;
         self.on_host = 0;
     }
 
@@ -480,9 +585,14 @@ impl AdapterTable {
         self.gpu_blocks
     }
 
-    /// GPU-resident adapters.
+    /// GPU-resident LoRA adapters.
     pub(crate) fn num_on_gpu(&self) -> usize {
         self.on_gpu
+    }
+
+    /// GPU-resident deltas (delta slots taken).
+    pub(crate) fn num_deltas_on_gpu(&self) -> usize {
+        self.deltas_on_gpu
     }
 
     /// Adapters with a host copy.
@@ -491,11 +601,21 @@ impl AdapterTable {
     }
 
     /// Table-level invariants: totals match the entries, the host budget holds, every
-    /// GPU-resident adapter owns exactly its `num_blocks` pages in `blocks`, and a running user
-    /// implies GPU residency. Returns the number of pages adapters own.
-    pub(crate) fn check(&self, blocks: &BlockAllocator, budget: u64) -> Result<u64, String> {
+    /// GPU-resident adapter owns exactly its `num_blocks` pages in `blocks` (none for a delta),
+    /// at most `max_deltas` deltas are GPU-resident, and a running user implies GPU residency.
+    /// Returns the number of pages adapters own.
+    pub(crate) fn check(
+        &self,
+        blocks: &BlockAllocator,
+        cfg: &SchedulerConfig,
+    ) -> Result<u64, String> {
+        let budget = cfg.host_adapter_bytes;
         let (mut host, mut pages, mut on_gpu, mut on_host) = (0u64, 0u64, 0usize, 0usize);
+        let mut deltas_on_gpu = 0usize;
         for (&id, a) in &self.map {
+            if a.spec.kind == VariantKind::Delta && a.spec.num_blocks != 0 {
+                return Err(format!("delta {id} has num_blocks {}", a.spec.num_blocks));
+            }
             if a.running > a.users {
                 return Err(format!(
                     "adapter {id}: {} running users > {} users",
@@ -524,7 +644,10 @@ impl AdapterTable {
                         }
                     }
                     pages += p.len() as u64;
-                    on_gpu += 1;
+                    match a.spec.kind {
+                        VariantKind::Lora => on_gpu += 1,
+                        VariantKind::Delta => deltas_on_gpu += 1,
+                    }
                 }
                 None if a.running > 0 => {
                     return Err(format!(
@@ -547,6 +670,18 @@ impl AdapterTable {
                 "adapter totals (host bytes, pages, on gpu, on host) are ({}, {}, {}, {}), \
                  the entries sum to ({host}, {pages}, {on_gpu}, {on_host})",
                 self.host_bytes, self.gpu_blocks, self.on_gpu, self.on_host
+            ));
+        }
+        if deltas_on_gpu != self.deltas_on_gpu {
+            return Err(format!(
+                "{} deltas counted on the GPU, the entries say {deltas_on_gpu}",
+                self.deltas_on_gpu
+            ));
+        }
+        if deltas_on_gpu > cfg.max_deltas {
+            return Err(format!(
+                "{deltas_on_gpu} deltas on the GPU > max_deltas {}",
+                cfg.max_deltas
             ));
         }
         if host > budget {
@@ -579,6 +714,7 @@ mod tests {
 
     fn spec(num_blocks: u32, host_bytes: u64) -> AdapterSpec {
         AdapterSpec {
+            kind: VariantKind::Lora,
             num_blocks,
             host_bytes,
             path: "/adapters/a".to_string(),
@@ -593,6 +729,57 @@ mod tests {
         assert_eq!(take_until(items.into_iter(), 3), Some(vec![1, 2]));
         assert_eq!(take_until(items.into_iter(), 9), Some(vec![1, 2, 3]));
         assert_eq!(take_until(items.into_iter(), 10), None);
+    }
+
+    #[test]
+    fn deltas_take_slots_not_pages_and_are_never_evicted_for_pages() {
+        let cfg = SchedulerConfig {
+            max_deltas: 2,
+            ..SchedulerConfig::new(4, 8, 64)
+        };
+        let mut blocks = BlockAllocator::new(8);
+        let mut t = AdapterTable::default();
+        let mut ops = StepOps::default();
+        let delta = |host_bytes| AdapterSpec {
+            kind: VariantKind::Delta,
+            ..spec(0, host_bytes)
+        };
+        t.register(1, spec(2, 10), &cfg).unwrap();
+        t.register(2, delta(10), &cfg).unwrap();
+        t.register(3, delta(10), &cfg).unwrap();
+        for id in 1..=3 {
+            t.load_host(id, &mut ops);
+            t.load_gpu(id, &mut blocks, &mut ops);
+        }
+        assert_eq!(blocks.num_free(), 6, "only the LoRA adapter took pages");
+        assert_eq!((t.num_on_gpu(), t.num_deltas_on_gpu()), (1, 2));
+        assert!(!t.delta_slot_free(2));
+        assert!(ops
+            .loads
+            .iter()
+            .any(|op| op.adapter_id == 2 && op.kind == AdapterOpKind::ToGpu { block_ids: vec![] }));
+        t.begin_step();
+        // Pages come from LoRA adapters only; slots from deltas only.
+        assert_eq!(t.lru_idle_gpu(0), Some(1));
+        assert_eq!(t.gpu_eviction_plan(1, 0), Some(vec![1]));
+        assert_eq!(t.gpu_eviction_plan(3, 0), None);
+        assert_eq!(t.lru_idle_delta(0), Some(2));
+        assert_eq!(t.lru_idle_delta(2), Some(3));
+        t.add_user(2);
+        t.start_running(2);
+        assert_eq!(t.lru_idle_delta(0), Some(3), "a running delta stays");
+        let mut drops = StepOps::default();
+        t.evict_gpu(3, &mut blocks, &mut drops);
+        assert!(t.delta_slot_free(2));
+        assert_eq!(t.check(&blocks, &cfg), Ok(2));
+        let no_slots = SchedulerConfig {
+            max_deltas: 0,
+            ..cfg.clone()
+        };
+        assert!(t
+            .check(&blocks, &no_slots)
+            .unwrap_err()
+            .contains("max_deltas"));
     }
 
     #[test]
@@ -637,7 +824,14 @@ mod tests {
         // Stamps: 3 was admitted last at tick 5, 2 and 1 went idle at ticks 7 and 8.
         assert_eq!(t.host_drop_plan(21, |_| Some(0)), Some(vec![3, 2, 1]));
         assert_eq!(t.host_drop_plan(31, |_| Some(0)), None);
-        assert_eq!(t.check(&blocks, 30), Ok(6));
-        assert!(t.check(&blocks, 29).is_err(), "30 bytes held > budget 29");
+        let budget = |host_adapter_bytes| SchedulerConfig {
+            host_adapter_bytes,
+            ..cfg.clone()
+        };
+        assert_eq!(t.check(&blocks, &budget(30)), Ok(6));
+        assert!(
+            t.check(&blocks, &budget(29)).is_err(),
+            "30 bytes held > budget 29"
+        );
     }
 }

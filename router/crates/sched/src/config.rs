@@ -1,5 +1,5 @@
 //! [`SchedulerConfig`]: the scheduler's one typed config object (pool geometry, per-step
-//! limits, adapter host tier), with its defaults and validation.
+//! limits, adapter host tier, delta slots), with its defaults and validation.
 
 use crate::error::SchedError;
 
@@ -11,6 +11,9 @@ pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
 pub const DEFAULT_HOST_ADAPTER_BYTES: u64 = 4 << 30;
 /// Default for [`SchedulerConfig::prefetch_window`].
 pub const DEFAULT_PREFETCH_WINDOW: usize = 64;
+/// Default for [`SchedulerConfig::max_deltas`]: DeltaZip's profiled number of deltas worth
+/// batching at once.
+pub const DEFAULT_MAX_DELTAS: usize = 3;
 /// Largest accepted [`SchedulerConfig::prefetch_window`]: every step walks that many waiting
 /// requests, so the window bounds the per-step cost of prefetching.
 pub const MAX_PREFETCH_WINDOW: usize = 4096;
@@ -30,18 +33,23 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: usize,
     /// Longest sequence (prompt + output) a request may reach; longer requests are refused.
     pub max_model_len: u32,
-    /// Budget of the host tier: bytes of adapter host copies the worker may hold at once. The
-    /// scheduler drops least recently used host copies to stay within it.
+    /// Budget of the host tier: bytes of adapter host copies the worker may hold at once, LoRA
+    /// adapters and deltas together (one budget for both kinds). The scheduler drops least
+    /// recently used host copies to stay within it.
     pub host_adapter_bytes: u64,
     /// Waiting requests (in queue order) whose adapters are loaded into host memory ahead of
     /// their admission, so the disk read overlaps earlier steps; 0 turns prefetch off.
     pub prefetch_window: usize,
+    /// Deltas (compressed full fine-tunes) that may be GPU-resident at once: the worker's delta
+    /// slots (its `--max-deltas`). 0 turns delta serving off (deltas cannot be registered).
+    pub max_deltas: usize,
 }
 
 impl SchedulerConfig {
     /// A config with the pool geometry and context limit given, and default per-step limits
     /// ([`DEFAULT_MAX_NUM_SEQS`], [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]) and host tier
-    /// ([`DEFAULT_HOST_ADAPTER_BYTES`], [`DEFAULT_PREFETCH_WINDOW`]).
+    /// ([`DEFAULT_HOST_ADAPTER_BYTES`], [`DEFAULT_PREFETCH_WINDOW`]) and delta slots
+    /// ([`DEFAULT_MAX_DELTAS`]).
     pub fn new(block_size: u32, num_blocks: u32, max_model_len: u32) -> Self {
         Self {
             block_size,
@@ -51,11 +59,12 @@ impl SchedulerConfig {
             max_model_len,
             host_adapter_bytes: DEFAULT_HOST_ADAPTER_BYTES,
             prefetch_window: DEFAULT_PREFETCH_WINDOW,
+            max_deltas: DEFAULT_MAX_DELTAS,
         }
     }
 
-    /// Checks that every limit is usable: all of them non-zero (except `prefetch_window`, where 0
-    /// means off), token counts small enough for the `u32` fields of the wire plan, and the
+    /// Checks that every limit is usable: all of them non-zero (except `prefetch_window` and
+    /// `max_deltas`, where 0 means off), token counts small enough for the `u32` fields of the wire plan, and the
     /// prefetch window at most [`MAX_PREFETCH_WINDOW`].
     pub fn validate(&self) -> Result<(), SchedError> {
         let bad = |field: &'static str, value: u64, why: &str| SchedError::InvalidConfig {
@@ -150,12 +159,14 @@ mod tests {
     }
 
     #[test]
-    fn defaults_and_a_zero_prefetch_window_are_valid() {
+    fn defaults_and_zero_prefetch_window_and_max_deltas_are_valid() {
         let c = SchedulerConfig::new(16, 64, 512);
         assert_eq!(c.host_adapter_bytes, 4 * 1024 * 1024 * 1024);
         assert_eq!(c.prefetch_window, 64);
+        assert_eq!(c.max_deltas, 3);
         let off = SchedulerConfig {
             prefetch_window: 0,
+            max_deltas: 0,
             ..c
         };
         assert!(off.validate().is_ok());

@@ -63,7 +63,8 @@ pub enum SchedError {
         max_cached_tokens: u64,
         /// Pages that takes.
         needed_blocks: u64,
-        /// Pages its LoRA adapter occupies while the request runs (0 for the base model).
+        /// Pages its LoRA adapter occupies while the request runs (0 for the base model and
+        /// for a delta, which takes a delta slot instead).
         adapter_blocks: u32,
         /// Tokens per page.
         block_size: u32,
@@ -88,7 +89,8 @@ pub enum SchedError {
         /// The duplicated id.
         adapter_id: u32,
     },
-    /// The adapter's spec is unusable (no pages, no path).
+    /// The adapter's spec is unusable (a LoRA adapter without pages, a delta with pages, no
+    /// path).
     #[error("adapter {adapter_id}: {reason}")]
     InvalidAdapter {
         /// The adapter's id.
@@ -121,6 +123,15 @@ pub enum SchedError {
         host_bytes: u64,
         /// `SchedulerConfig::host_adapter_bytes`.
         host_budget: u64,
+    },
+    /// A delta was registered while delta serving is off (`max_deltas` is 0).
+    #[error(
+        "adapter {adapter_id}: is a compressed delta but delta serving is off \
+         (max_deltas is 0: the worker has no delta slots)"
+    )]
+    DeltasDisabled {
+        /// The delta's id.
+        adapter_id: u32,
     },
     /// `unregister_adapter` while live (waiting or running) requests still name the adapter.
     #[error(
@@ -157,6 +168,7 @@ impl SchedError {
                 "adapter_too_big"
             }
             SchedError::AdapterInUse { .. } => "adapter_in_use",
+            SchedError::DeltasDisabled { .. } => "deltas_disabled",
         }
     }
 }

@@ -1,18 +1,19 @@
 //! The pure scheduler: iteration-level continuous batching of prefill and decode over one
 //! paged GPU pool that holds both the KV cache and LoRA adapter weights (S-LoRA unified
-//! paging), whose accounting the router owns, plus the adapters' tiers (disk -> host memory ->
-//! GPU pages). No IO, no clock, no async: time comes in as numbers, the same calls give the
+//! paging), whose accounting the router owns, plus the variants' tiers (disk -> host memory ->
+//! GPU pages for LoRA adapters, GPU delta slots for compressed full fine-tunes, DeltaZip). No IO, no clock, no async: time comes in as numbers, the same calls give the
 //! same plans, and everything is unit-testable (and drivable from a Python simulator through
 //! the `py` crate).
 //!
 //! # Layout
 //!
-//! - [`config`]: [`SchedulerConfig`], pool geometry, per-step limits and host tier, validated.
+//! - [`config`]: [`SchedulerConfig`], pool geometry, per-step limits, host tier and delta
+//!   slots, validated.
 //! - [`error`]: [`SchedError`], why a config, request or adapter was refused.
 //! - [`block`]: [`BlockAllocator`], the page free list with one owner ([`PageOwner`]: a
 //!   request's KV or an adapter's weights) per page.
-//! - [`adapters`]: [`AdapterSpec`] in, [`AdapterOp`]s out, and the adapter table (tiers, users,
-//!   LRU stamps).
+//! - [`adapters`]: [`AdapterSpec`] (with its [`VariantKind`]) in, [`AdapterOp`]s out, and the
+//!   adapter table (tiers, pages or delta slots, users, LRU stamps).
 //! - [`step`]: the API's data: [`SeqRequest`] in, [`ScheduledStep`] out, [`SeqUpdate`] back.
 //! - [`scheduler`]: [`Scheduler`], queues + block tables + adapter table + the step algorithm.
 //!
@@ -44,7 +45,8 @@
 //!   adapters are evicted least recently used first (the LRU stamp is taken when a request using
 //!   it is admitted, when its last running request leaves, and when its host copy is loaded).
 //!   A preempted request only unpins its adapter.
-//! - Host: the accounted host bytes never exceed `host_adapter_bytes`. Room is made by dropping
+//! - Host: the accounted host bytes never exceed `host_adapter_bytes`, one budget for the host
+//!   copies of LoRA adapters and deltas together. Room is made by dropping
 //!   least recently used host copies of adapters this step does not load (a drop goes out
 //!   before every load of its step, so dropping those would undo the load). Host copies of
 //!   GPU-resident adapters are fair game: the GPU copy stays. Admission drops copies outside
@@ -54,28 +56,62 @@
 //!   (`unregister_adapter` of an idle adapter, which frees its pages at once) are drops; they
 //!   go out first in the next non-empty step.
 //!
+//! # Deltas (DeltaZip)
+//!
+//! A variant is registered with a [`VariantKind`]. A `Delta` (a compressed full fine-tune) has
+//! no pool pages (`num_blocks` 0): on the GPU it sits in one of the worker's `max_deltas` delta
+//! slots, so its `ToGpu` carries no page ids, and at most `max_deltas` deltas are GPU-resident
+//! after every op of every step (`max_deltas` 0: deltas cannot be registered). Its host tier,
+//! prefetch and LRU stamps are exactly a LoRA adapter's.
+//!
+//! - Slots: admitting a request whose delta is not resident takes a free slot, else evicts the
+//!   least recently used *idle* resident delta (no running request), else the request cannot
+//!   be admitted now. Deltas are never evicted for pages (they free none), LoRA adapters never
+//!   for slots.
+//! - Skip-the-line: FCFS admission picks at most `max_deltas` deltas; a delta with a running
+//!   request admitted in FCFS order (a non-skipper) is *selected*. When FCFS admission stops
+//!   because the head cannot be admitted (not on `max_num_seqs` or the token budget), the rest
+//!   of the queue is scanned in order and every request of a selected delta is admitted if its
+//!   first chunk fits the free pages (above the watermark), the budget and `max_num_seqs` (one
+//!   that does not fit is passed over). Such a *skipper* rides on a *parent*, the oldest running
+//!   non-skipper of its delta. Base and LoRA requests never skip.
+//! - Parent-based preemption (no starvation): when a non-skipper leaves the running set
+//!   (finished, aborted, preempted), its skippers move to the oldest running non-skipper of the
+//!   same delta if one is left; otherwise they are orphaned, and the next `schedule` preempts
+//!   every orphan first (pages freed, back into the queue at its arrival position, id in
+//!   `released` and `preempted`, recomputed later) without stopping that step's admission; a
+//!   request preempted so is not let skip again in that call. New non-skippers are admitted
+//!   only in FCFS order, which the blocked head holds up, so the selected deltas' non-skippers
+//!   only dwindle: they finish, their skippers are preempted, and the head gets its slot and
+//!   its pages.
+//!
 //! # One step (`schedule`)
 //!
 //! ```text
 //! budget = max_num_batched_tokens
+//! 0. preempt every orphaned skipper (see Deltas): pages freed, back into waiting
 //! 1. for r in running (arrival order):
 //!        n = min(len(r.tokens) - r.num_computed, budget)      # 1 in decode, a chunk in prefill
 //!        while pages for r.num_computed + n are not free:
-//!            if an adapter on the GPU has no running request: evict the LRU one (DropGpu)
+//!            if a LoRA adapter on the GPU has no running request: evict the LRU one (DropGpu)
 //!            else preempt the most recently arrived running request v   # free pages,
 //!            (v -> front of waiting, v -> released/preempted)  # computed = 0, recompute later
 //!            if v is r: stop phase 1
 //!        allocate, schedule r for n tokens, budget -= n
-//! 2. if nothing was preempted: while waiting is non-empty, running < max_num_seqs, budget > 0:
+//! 2. if phase 1 preempted nothing: while waiting is non-empty, running < max_num_seqs, budget > 0:
 //!        w = waiting.front(); n = min(len(w.tokens), budget)  # chunked prefill
 //!        need = pages(n) + watermark (+ w.adapter's pages unless it is on the GPU)
+//!        delta: if w.delta is not on the GPU and all max_deltas slots are taken, evict the
+//!              LRU idle delta (DropGpu), else stop
 //!        host: if w.adapter must go to the GPU and has no host copy, it needs host room:
 //!              drop LRU host copies not loaded in this step (outside the prefetch window
 //!              first) until it fits, else stop
-//!        gpu:  evict LRU idle adapters (not w's) until need pages are free, else stop
-//!        (nothing is dropped or evicted unless w is then admitted)   # FCFS, no skipping ahead
-//!        ops: DropHost.., ToHost(w.adapter), DropGpu.., ToGpu(w.adapter, pages)
+//!        gpu:  evict LRU idle LoRA adapters (not w's) until need pages are free, else stop
+//!        (nothing is dropped or evicted unless w is then admitted)   # FCFS
+//!        ops: DropHost.., ToHost(w.adapter), DropGpu.., ToGpu(w.adapter, pages or a slot)
 //!        admit w (sent in `new` with all its tokens), w.adapter pinned, budget -= n
+//!    if the loop stopped because w could not be admitted: skip-the-line (see Deltas) for the
+//!        requests of selected deltas behind it, in queue order
 //! 3. prefetch: for each distinct adapter of the first prefetch_window waiting requests, in
 //!        queue order, with no host copy and not on the GPU: ToHost if it fits the host budget
 //!        after dropping LRU host copies neither this step nor the window needs; the first that
@@ -95,10 +131,11 @@
 //! queue always fits (every adapter is idle, every host copy droppable, and registration
 //! refused adapters larger than the pool or the host budget).
 //!
-//! Head-of-line blocking is kept with adapters: a request whose adapter is cold waits at the
-//! front even when requests behind it have theirs on the GPU. This keeps admission FCFS and
+//! Head-of-line blocking is kept with LoRA adapters: a request whose adapter is cold waits at
+//! the front even when requests behind it have theirs on the GPU. This keeps admission FCFS and
 //! starvation-free; prefetch hides most of the cold start by loading the host copy while the
-//! request is still queued.
+//! request is still queued. Deltas relax it only through skip-the-line, whose parent-based
+//! preemption keeps it starvation-free.
 //!
 //! A step that schedules nothing is empty (`is_empty()`, `step_id` 0) and drains nothing;
 //! pending releases and adapter ops go out with the next non-empty step.
@@ -117,11 +154,12 @@ pub mod error;
 pub mod scheduler;
 pub mod step;
 
-pub use adapters::{AdapterOp, AdapterOpKind, AdapterResidency, AdapterSpec};
+pub use adapters::{AdapterOp, AdapterOpKind, AdapterResidency, AdapterSpec, VariantKind};
 pub use block::{BlockAllocator, PageOwner};
 pub use config::{
-    SchedulerConfig, DEFAULT_HOST_ADAPTER_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFETCH_WINDOW, MAX_PREFETCH_WINDOW,
+    SchedulerConfig, DEFAULT_HOST_ADAPTER_BYTES, DEFAULT_MAX_DELTAS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFETCH_WINDOW,
+    MAX_PREFETCH_WINDOW,
 };
 pub use error::SchedError;
 pub use scheduler::Scheduler;

@@ -6,13 +6,25 @@
 //! ```text
 //!  add_request ──▶ Waiting ──admit (phase 2)──▶ Running ──EOS / max_tokens / finish / abort──▶ gone
 //!                     ▲                            │           (pages freed, id -> released)
-//!                     └────── preempt (phase 1) ───┘
+//!                     └────── preempt ─────────────┘
 //!                        pages freed, num_computed = 0, id -> released; resent in full later
+//! ```
+//!
+//! A running request of a delta is also in one skip state (`Seq::skip`, DeltaZip's
+//! skip-the-line; waiting requests are always `No`):
+//!
+//! ```text
+//!  admitted FCFS ──▶ No (may be a parent)
+//!  admitted past a blocked head ──▶ Parent(p) ──p leaves, another No of the delta runs──▶ Parent(q)
+//!                                      │
+//!                                      └──p leaves, none left──▶ Orphaned ──next schedule()──▶ preempted
 //! ```
 
 use std::collections::{BTreeMap, VecDeque};
 
-use crate::adapters::{AdapterOp, AdapterResidency, AdapterSpec, AdapterTable, StepOps};
+use crate::adapters::{
+    AdapterOp, AdapterResidency, AdapterSpec, AdapterTable, StepOps, VariantKind,
+};
 use crate::block::{BlockAllocator, PageOwner};
 use crate::config::SchedulerConfig;
 use crate::error::SchedError;
@@ -37,6 +49,20 @@ enum Phase {
     Waiting,
     /// In `running`: on the worker, owns the pages of its block table.
     Running,
+}
+
+/// How a running request was admitted, for DeltaZip's skip-the-line (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Skip {
+    /// Admitted in FCFS order (every waiting request is `No`). A running `No` request of a delta
+    /// "selects" that delta: queued requests of it may skip the line, and it can be their parent.
+    No,
+    /// Admitted past a blocked queue head because its delta was selected; it rides on this
+    /// parent, the oldest running `No` request of the same delta when it was (re)assigned.
+    Parent(u64),
+    /// Its parent left and no running `No` request of its delta remains: it is preempted at the
+    /// start of the next `schedule`, so the skipped requests get their turn.
+    Orphaned,
 }
 
 /// Everything the scheduler tracks about one live request.
@@ -65,8 +91,11 @@ struct Seq {
     phase: Phase,
     /// Tokens scheduled in the outstanding step (0 when not part of it); `update` applies them.
     in_flight: u32,
-    /// Its LoRA adapter (0 = base): GPU-resident whenever the request is running.
+    /// Its variant, a LoRA adapter or a delta (0 = base): GPU-resident whenever the request is
+    /// running.
     adapter_id: u32,
+    /// Whether it skipped the line, and on whom it rides (always `No` while waiting).
+    skip: Skip,
 }
 
 impl Seq {
@@ -84,8 +113,10 @@ struct AdmissionPlan {
     host_drops: Vec<u32>,
     /// The adapter needs a `ToHost` (it has no host copy).
     to_host: bool,
-    /// Idle GPU-resident adapters to evict (LRU) so the pages fit.
+    /// Idle GPU-resident LoRA adapters to evict (LRU) so the pages fit.
     gpu_evictions: Vec<u32>,
+    /// The idle GPU-resident delta to evict (LRU) so the request's delta gets a slot.
+    delta_eviction: Option<u32>,
     /// The adapter needs a `ToGpu` (it is not GPU-resident).
     to_gpu: bool,
 }
@@ -123,6 +154,14 @@ pub struct Scheduler {
     num_finished: u64,
     /// Requests aborted.
     num_aborted: u64,
+    /// Running requests that skipped the line (`Skip::Parent` or `Skip::Orphaned`).
+    num_skippers: usize,
+    /// Running requests in `Skip::Orphaned`, waiting for the next `schedule` to preempt them.
+    num_orphans: usize,
+    /// Requests admitted by skipping the line since start.
+    delta_skips: u64,
+    /// Orphaned skippers preempted since start.
+    delta_skip_preemptions: u64,
 }
 
 impl Scheduler {
@@ -144,6 +183,10 @@ impl Scheduler {
             num_preemptions: 0,
             num_finished: 0,
             num_aborted: 0,
+            num_skippers: 0,
+            num_orphans: 0,
+            delta_skips: 0,
+            delta_skip_preemptions: 0,
         })
     }
 
@@ -152,10 +195,11 @@ impl Scheduler {
         &self.cfg
     }
 
-    /// Registers a LoRA adapter (in the disk tier; it moves up when a request needs it). Refuses,
-    /// changing nothing: id 0 (the base model), an id already registered, `num_blocks == 0`,
-    /// an empty path, `num_blocks` above the pool size and `host_bytes` above
-    /// `host_adapter_bytes`.
+    /// Registers a variant, a LoRA adapter or a delta (in the disk tier; it moves up when a
+    /// request needs it). Refuses, changing nothing: id 0 (the base model), an id already
+    /// registered, a LoRA adapter with `num_blocks == 0`, a delta with `num_blocks != 0`, a
+    /// delta while `max_deltas` is 0 (`DeltasDisabled`), an empty path, `num_blocks` above the
+    /// pool size and `host_bytes` above `host_adapter_bytes`.
     pub fn register_adapter(&mut self, id: u32, spec: AdapterSpec) -> Result<(), SchedError> {
         self.adapters.register(id, spec, &self.cfg)
     }
@@ -255,6 +299,7 @@ impl Scheduler {
                 phase: Phase::Waiting,
                 in_flight: 0,
                 adapter_id: req.adapter_id,
+                skip: Skip::No,
             },
         );
         if req.adapter_id != 0 {
@@ -289,6 +334,16 @@ impl Scheduler {
         self.seqs.contains_key(&id)
     }
 
+    /// The parent of a running skipper (a request of a delta admitted past a blocked queue
+    /// head, see the crate docs); `None` for any other request, and for a skipper orphaned
+    /// since the last `schedule` (the next one preempts it).
+    pub fn skip_parent(&self, id: u64) -> Option<u64> {
+        match self.seqs.get(&id)?.skip {
+            Skip::Parent(p) => Some(p),
+            Skip::No | Skip::Orphaned => None,
+        }
+    }
+
     /// The output tokens generated so far for a live request.
     pub fn output_tokens(&self, id: u64) -> Option<&[u32]> {
         self.seqs
@@ -312,6 +367,15 @@ impl Scheduler {
         let mut watermark: u64 = 0;
         // Adapter of each `step.running` entry, in the same order (for grouping).
         let mut running_adapters: Vec<u32> = Vec::new();
+
+        // Phase 0: DeltaZip's parent-based preemption. Skippers whose delta lost its last
+        // running non-skipper go back to the queue (at their arrival position) to be recomputed,
+        // so the requests they skipped get their turn. Not a sign of memory pressure: phase 2
+        // still runs, but does not let them skip the line again in this call.
+        let skip_preempted = self.preempt_orphans();
+        step.preempted.extend_from_slice(&skip_preempted);
+        // Set when phase 1 preempts for pages; then phase 2 admits nothing.
+        let mut memory_preempted = false;
 
         // Phase 1: requests already on the worker, oldest first.
         let mut i = 0;
@@ -355,6 +419,7 @@ impl Scheduler {
                 self.preempt(victim);
                 self.num_preemptions += 1;
                 step.preempted.push(victim);
+                memory_preempted = true;
                 if victim == id {
                     preempted_self = true;
                     break;
@@ -386,11 +451,14 @@ impl Scheduler {
             i += 1;
         }
 
-        // Phase 2: admit waiting requests FCFS, unless this step had to preempt (admitting now
-        // would only thrash). Head-of-line blocking is deliberate: no request jumps the queue,
-        // not even one whose adapter is already on the GPU while the head's must be loaded.
-        if step.preempted.is_empty() {
+        // Phase 2: admit waiting requests FCFS, unless this step had to preempt for pages
+        // (admitting now would only thrash). Head-of-line blocking is deliberate: no request
+        // jumps the queue, not even one whose adapter is already on the GPU while the head's
+        // must be loaded; the one exception is DeltaZip's skip-the-line for requests of deltas
+        // that already run (`skip_the_line`), tried only when the head itself cannot be admitted.
+        if !memory_preempted {
             let (_, window) = self.window_adapters();
+            let mut head_blocked = false;
             while let Some(&(key, id)) = self.waiting.front() {
                 if self.running.len() >= self.cfg.max_num_seqs || budget == 0 {
                     break;
@@ -402,42 +470,24 @@ impl Scheduler {
                 let n = len.min(budget) as u32;
                 let need = self.cfg.blocks_for(n as u64);
                 let Some(plan) = self.admission_plan(adapter_id, need + watermark, &window) else {
+                    head_blocked = true;
                     break;
                 };
                 self.waiting.pop_front();
                 self.apply_admission(adapter_id, plan, &mut ops);
-                let seq = self.seqs.get_mut(&id).expect("waiting ids are live");
-                let mut block_ids = Vec::with_capacity(need as usize);
-                let ok = self
-                    .blocks
-                    .allocate(PageOwner::Request(id), need as u32, &mut block_ids);
-                debug_assert!(ok, "free pages were checked above");
-                seq.blocks.clone_from(&block_ids);
-                seq.phase = Phase::Running;
-                seq.num_cached = n;
-                seq.in_flight = n;
-                watermark += u64::from((block_ids.len() as u64) * (bs as u64) < n as u64 + 1);
+                watermark += self.admit(key, id, n, &mut step);
                 budget -= n as usize;
-                step.new.push(ScheduledNew {
-                    id,
-                    token_ids: seq.tokens.clone(),
-                    num_prompt_tokens: seq.num_prompt_tokens,
-                    num_computed_tokens: 0,
-                    num_scheduled_tokens: n,
-                    block_ids,
-                    adapter_id,
-                });
-                if adapter_id != 0 {
-                    self.adapters.start_running(adapter_id);
-                }
-                self.in_flight.push(id);
-                insert_sorted_vec(&mut self.running, key, id);
+            }
+            if head_blocked {
+                self.skip_the_line(&mut step, &mut budget, &mut watermark, &skip_preempted);
             }
         }
 
         if step.is_empty() {
-            // Preempting leaves the oldest running request scheduled, so this cannot happen with
-            // preemptions; if it ever did, their ids still go out with the next step's releases.
+            // Preempting for pages leaves the oldest running request scheduled, and preempting
+            // skippers leaves either running requests for phase 1 or an idle GPU that admits the
+            // queue's head, so this cannot happen with preemptions; if it ever did, their ids
+            // still go out with the next step's releases.
             debug_assert!(
                 step.preempted.is_empty(),
                 "preempted {:?} yet scheduled nothing",
@@ -487,7 +537,8 @@ impl Scheduler {
     /// What admitting a request with adapter `adapter_id` (0 = base) takes, when `kv_pages`
     /// pages (its KV plus the watermark) must be free after its adapter is placed: a host copy
     /// (dropping LRU host copies this step does not load, those outside the prefetch `window`
-    /// first) and the adapter's pages (evicting LRU idle GPU adapters).
+    /// first) and the adapter's pages (evicting LRU idle LoRA adapters) or, for a delta, a
+    /// delta slot (evicting the LRU idle delta when all `max_deltas` are taken).
     /// `None`, changing nothing, when that cannot be had.
     fn admission_plan(
         &self,
@@ -501,7 +552,14 @@ impl Scheduler {
             let a = self.adapters.get(adapter_id);
             if a.gpu_blocks.is_none() {
                 plan.to_gpu = true;
-                pages += a.spec.num_blocks as u64;
+                match a.spec.kind {
+                    VariantKind::Lora => pages += a.spec.num_blocks as u64,
+                    VariantKind::Delta => {
+                        if !self.adapters.delta_slot_free(self.cfg.max_deltas) {
+                            plan.delta_eviction = Some(self.adapters.lru_idle_delta(adapter_id)?);
+                        }
+                    }
+                }
                 if !a.on_host {
                     plan.to_host = true;
                     let deficit = self
@@ -526,8 +584,8 @@ impl Scheduler {
         Some(plan)
     }
 
-    /// Carries out an [`AdmissionPlan`] for `adapter_id`: host drops, `ToHost`, GPU evictions,
-    /// `ToGpu` (the ops sort drops before loads).
+    /// Carries out an [`AdmissionPlan`] for `adapter_id`: host drops, `ToHost`, GPU evictions
+    /// (LoRA pages, a delta slot), `ToGpu` (the ops sort drops before loads).
     fn apply_admission(&mut self, adapter_id: u32, plan: AdmissionPlan, ops: &mut StepOps) {
         for a in plan.host_drops {
             self.adapters.drop_host(a, ops);
@@ -538,9 +596,150 @@ impl Scheduler {
         for a in plan.gpu_evictions {
             self.adapters.evict_gpu(a, &mut self.blocks, ops);
         }
+        if let Some(d) = plan.delta_eviction {
+            self.adapters.evict_gpu(d, &mut self.blocks, ops);
+        }
         if plan.to_gpu {
             self.adapters.load_gpu(adapter_id, &mut self.blocks, ops);
         }
+    }
+
+    /// Moves waiting request `id` (already out of `waiting`, its adapter GPU-resident and
+    /// enough pages free) to running with a first chunk of `n` tokens: allocates its pages,
+    /// pins its adapter and sends it in full. Returns 1 when its next token will need a page it
+    /// does not hold (its share of the watermark), else 0.
+    fn admit(&mut self, key: OrderKey, id: u64, n: u32, step: &mut ScheduledStep) -> u64 {
+        let bs = self.cfg.block_size as u64;
+        let need = self.cfg.blocks_for(n as u64);
+        let seq = self.seqs.get_mut(&id).expect("waiting ids are live");
+        let mut block_ids = Vec::with_capacity(need as usize);
+        let ok = self
+            .blocks
+            .allocate(PageOwner::Request(id), need as u32, &mut block_ids);
+        debug_assert!(ok, "free pages were checked by the caller");
+        seq.blocks.clone_from(&block_ids);
+        seq.phase = Phase::Running;
+        seq.num_cached = n;
+        seq.in_flight = n;
+        let table_full = (block_ids.len() as u64) * bs < n as u64 + 1;
+        let adapter_id = seq.adapter_id;
+        step.new.push(ScheduledNew {
+            id,
+            token_ids: seq.tokens.clone(),
+            num_prompt_tokens: seq.num_prompt_tokens,
+            num_computed_tokens: 0,
+            num_scheduled_tokens: n,
+            block_ids,
+            adapter_id,
+        });
+        if adapter_id != 0 {
+            self.adapters.start_running(adapter_id);
+        }
+        self.in_flight.push(id);
+        insert_sorted_vec(&mut self.running, key, id);
+        u64::from(table_full)
+    }
+
+    /// DeltaZip's skip-the-line, after FCFS admission stopped at a head it cannot admit. The
+    /// deltas with a running non-skipper are "selected" (FCFS picked them); every waiting
+    /// request of a selected delta, in queue order, is admitted if its first chunk fits the
+    /// free pages above the watermark, the token budget and `max_num_seqs` (one that does not
+    /// fit is passed over, and the scan goes on). Such a skipper rides on the oldest running
+    /// non-skipper of its delta, its parent. Its delta is already resident, so it needs no
+    /// adapter op; base and LoRA requests never skip. `not_again` (skippers preempted in this
+    /// call) are left for FCFS admission.
+    fn skip_the_line(
+        &mut self,
+        step: &mut ScheduledStep,
+        budget: &mut usize,
+        watermark: &mut u64,
+        not_again: &[u64],
+    ) {
+        if self.adapters.num_deltas_on_gpu() == 0 {
+            return; // no delta runs (the common LoRA-only case costs nothing)
+        }
+        // Selected deltas, each with the oldest running non-skipper (its skippers' parent).
+        let mut parents: BTreeMap<u32, u64> = BTreeMap::new();
+        for &(_, id) in &self.running {
+            let seq = &self.seqs[&id];
+            if seq.skip == Skip::No && self.adapters.is_delta(seq.adapter_id) {
+                parents.entry(seq.adapter_id).or_insert(id);
+            }
+        }
+        if parents.is_empty() {
+            return;
+        }
+        // The waiting requests of the selected deltas, in queue order; the scan ends once it has
+        // seen all of them (their adapters count them), so it rarely walks the whole queue.
+        let mut unseen: usize = parents
+            .keys()
+            .map(|&d| {
+                let a = self.adapters.get(d);
+                a.users - a.running
+            })
+            .sum();
+        let mut candidates = Vec::new();
+        for (pos, &(key, id)) in self.waiting.iter().enumerate() {
+            if unseen == 0 {
+                break;
+            }
+            if !parents.contains_key(&self.seqs[&id].adapter_id) {
+                continue;
+            }
+            unseen -= 1;
+            // The head is the request FCFS could not admit.
+            if pos > 0 && !not_again.contains(&id) {
+                candidates.push((key, id));
+            }
+        }
+        let mut admitted = false;
+        for (key, id) in candidates {
+            if self.running.len() >= self.cfg.max_num_seqs || *budget == 0 {
+                break;
+            }
+            let (len, delta) = {
+                let seq = &self.seqs[&id];
+                (seq.tokens.len(), seq.adapter_id)
+            };
+            let n = len.min(*budget) as u32;
+            let need = self.cfg.blocks_for(n as u64);
+            if need + *watermark > self.blocks.num_free() as u64 {
+                continue;
+            }
+            *watermark += self.admit(key, id, n, step);
+            *budget -= n as usize;
+            self.seqs.get_mut(&id).expect("admitted ids are live").skip =
+                Skip::Parent(parents[&delta]);
+            self.num_skippers += 1;
+            self.delta_skips += 1;
+            admitted = true;
+        }
+        if admitted {
+            let seqs = &self.seqs;
+            self.waiting
+                .retain(|(_, id)| seqs[id].phase == Phase::Waiting);
+        }
+    }
+
+    /// Preempts every orphaned skipper (its delta has no running non-skipper left): back into
+    /// the queue at its arrival position, recomputed later. Returns their ids, oldest first.
+    fn preempt_orphans(&mut self) -> Vec<u64> {
+        if self.num_orphans == 0 {
+            return Vec::new();
+        }
+        let orphans: Vec<u64> = self
+            .running
+            .iter()
+            .map(|&(_, id)| id)
+            .filter(|id| self.seqs[id].skip == Skip::Orphaned)
+            .collect();
+        for &id in &orphans {
+            self.preempt(id);
+        }
+        self.num_preemptions += orphans.len() as u64;
+        self.delta_skip_preemptions += orphans.len() as u64;
+        debug_assert_eq!(self.num_orphans, 0, "every orphan was preempted");
+        orphans
     }
 
     /// Host prefetch for the step just formed: each distinct adapter of the first
@@ -591,7 +790,8 @@ impl Scheduler {
     /// again from the same point (the worker overwrites those cache slots).
     pub fn update(&mut self, outputs: &[(u64, Option<u32>)]) -> Vec<SeqUpdate> {
         let mut updates = Vec::with_capacity(outputs.len());
-        let mut any_finished = false;
+        // Finished requests: (id, adapter, skip state), for their skippers once all are gone.
+        let mut finished_ids: Vec<(u64, u32, Skip)> = Vec::new();
         for &(id, token) in outputs {
             let Some(seq) = self.seqs.get_mut(&id) else {
                 continue;
@@ -621,10 +821,10 @@ impl Scheduler {
                     self.adapters.stop_running(seq.adapter_id);
                     self.adapters.remove_user(seq.adapter_id);
                 }
+                finished_ids.push((id, seq.adapter_id, seq.skip));
                 self.seqs.remove(&id);
                 self.pending_released.push(id);
                 self.num_finished += 1;
-                any_finished = true;
             }
             updates.push(SeqUpdate {
                 id,
@@ -633,9 +833,12 @@ impl Scheduler {
             });
         }
         self.clear_in_flight();
-        if any_finished {
+        if !finished_ids.is_empty() {
             let seqs = &self.seqs;
             self.running.retain(|(_, id)| seqs.contains_key(id));
+            for (id, adapter_id, skip) in finished_ids {
+                self.left_running(id, adapter_id, skip);
+            }
         }
         updates
     }
@@ -680,6 +883,9 @@ impl Scheduler {
             adapter_gpu_loads: self.adapters.gpu_loads,
             adapter_host_loads: self.adapters.host_loads,
             adapter_gpu_evictions: self.adapters.gpu_evictions,
+            deltas_on_gpu: self.adapters.num_deltas_on_gpu(),
+            delta_skips: self.delta_skips,
+            delta_skip_preemptions: self.delta_skip_preemptions,
         }
     }
 
@@ -694,9 +900,13 @@ impl Scheduler {
     /// - the pool: no page free and owned, none listed twice, free + owned == total;
     /// - every page in a block table is owned by that request, every page of a GPU-resident
     ///   adapter by that adapter, and tables plus adapter pages sum to the used pages;
-    /// - adapters: totals match, host bytes within budget, every live request's adapter is
-    ///   registered and counts it as a user (a running one also as running, and is on the GPU);
-    ///   pending adapter ops are drops only;
+    /// - adapters: totals match, host bytes within budget, at most `max_deltas` deltas on the
+    ///   GPU, every live request's adapter is registered and counts it as a user (a running one
+    ///   also as running, and is on the GPU: pages for LoRA, a slot for a delta); pending
+    ///   adapter ops are drops only;
+    /// - skip-the-line: only running requests of deltas are skippers; every skipper's parent is
+    ///   a running non-skipper of the same delta; an orphaned skipper's delta has no running
+    ///   non-skipper; the skipper and orphan counts match;
     /// - a running request owns exactly ceil(num_cached / block_size) pages and
     ///   num_computed <= num_cached <= len(tokens), num_computed < len(tokens);
     /// - a waiting request owns no pages and has nothing computed;
@@ -704,9 +914,7 @@ impl Scheduler {
     /// - nobody has reached max_tokens or max_model_len without being finished.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.blocks.check()?;
-        let adapter_pages = self
-            .adapters
-            .check(&self.blocks, self.cfg.host_adapter_bytes)?;
+        let adapter_pages = self.adapters.check(&self.blocks, &self.cfg)?;
         let mut owned = adapter_pages;
         // adapter id -> (live users, running users), recounted from the requests.
         let mut users: BTreeMap<u32, (usize, usize)> = BTreeMap::new();
@@ -846,6 +1054,71 @@ impl Scheduler {
                 self.cfg.max_num_seqs
             ));
         }
+        self.check_skippers()
+    }
+
+    /// The skip-the-line part of [`Scheduler::check_invariants`].
+    fn check_skippers(&self) -> Result<(), String> {
+        let (mut skippers, mut orphans) = (0usize, 0usize);
+        // Deltas with a running non-skipper.
+        let selected: std::collections::BTreeSet<u32> = self
+            .seqs
+            .values()
+            .filter(|s| s.phase == Phase::Running && s.skip == Skip::No)
+            .map(|s| s.adapter_id)
+            .filter(|&a| self.adapters.is_delta(a))
+            .collect();
+        for (&id, seq) in &self.seqs {
+            if seq.skip == Skip::No {
+                continue;
+            }
+            if seq.phase != Phase::Running {
+                return Err(format!(
+                    "waiting request {id} is marked as a skipper ({:?})",
+                    seq.skip
+                ));
+            }
+            if !self.adapters.is_delta(seq.adapter_id) {
+                return Err(format!(
+                    "request {id} skipped the line but its variant {} is not a delta",
+                    seq.adapter_id
+                ));
+            }
+            skippers += 1;
+            match seq.skip {
+                Skip::Parent(p) => {
+                    let parent = self.seqs.get(&p).ok_or_else(|| {
+                        format!("skipper {id}'s parent {p} is not a live request")
+                    })?;
+                    if parent.phase != Phase::Running
+                        || parent.skip != Skip::No
+                        || parent.adapter_id != seq.adapter_id
+                    {
+                        return Err(format!(
+                            "skipper {id} (delta {}) has parent {p}, which is {:?}, {:?}, \
+                             delta {}: not a running non-skipper of the same delta",
+                            seq.adapter_id, parent.phase, parent.skip, parent.adapter_id
+                        ));
+                    }
+                }
+                Skip::Orphaned => {
+                    orphans += 1;
+                    if selected.contains(&seq.adapter_id) {
+                        return Err(format!(
+                            "skipper {id} is orphaned while delta {} has a running non-skipper",
+                            seq.adapter_id
+                        ));
+                    }
+                }
+                Skip::No => unreachable!("skipped above"),
+            }
+        }
+        if (skippers, orphans) != (self.num_skippers, self.num_orphans) {
+            return Err(format!(
+                "{} skippers / {} orphans counted, the requests say {skippers} / {orphans}",
+                self.num_skippers, self.num_orphans
+            ));
+        }
         Ok(())
     }
 
@@ -874,6 +1147,7 @@ impl Scheduler {
                 if seq.adapter_id != 0 {
                     self.adapters.stop_running(seq.adapter_id);
                 }
+                self.left_running(id, seq.adapter_id, seq.skip);
             }
         }
         if seq.adapter_id != 0 {
@@ -882,17 +1156,65 @@ impl Scheduler {
         true
     }
 
-    /// Preempts the last running request, which must be `id`: frees its pages, resets it for
-    /// recomputation and puts it back in the waiting queue at its arrival position (the front,
-    /// unless a request with an earlier arrival stamp was added since). Its adapter loses a
-    /// running user but stays cached until evicted.
+    /// Skip-the-line bookkeeping once running request `id` (of `adapter_id`, in `skip`) has left
+    /// `running` (finished, aborted or preempted). A skipper only leaves the counts. A
+    /// non-skipper's skippers move to the oldest running non-skipper of the same delta, or,
+    /// when none is left, are orphaned: the next `schedule` preempts them.
+    fn left_running(&mut self, id: u64, adapter_id: u32, skip: Skip) {
+        match skip {
+            Skip::Parent(_) => self.num_skippers -= 1,
+            Skip::Orphaned => {
+                self.num_skippers -= 1;
+                self.num_orphans -= 1;
+            }
+            Skip::No => {
+                if self.num_skippers == 0 || adapter_id == 0 {
+                    return;
+                }
+                let children: Vec<u64> = self
+                    .running
+                    .iter()
+                    .map(|&(_, r)| r)
+                    .filter(|r| self.seqs[r].skip == Skip::Parent(id))
+                    .collect();
+                if children.is_empty() {
+                    return;
+                }
+                let heir = self.running.iter().map(|&(_, r)| r).find(|r| {
+                    let seq = &self.seqs[r];
+                    seq.adapter_id == adapter_id && seq.skip == Skip::No
+                });
+                let next = match heir {
+                    Some(h) => Skip::Parent(h),
+                    None => {
+                        self.num_orphans += children.len();
+                        Skip::Orphaned
+                    }
+                };
+                for c in children {
+                    self.seqs.get_mut(&c).expect("running ids are live").skip = next;
+                }
+            }
+        }
+    }
+
+    /// Preempts running request `id` (the last one for recompute preemption, any one for an
+    /// orphaned skipper): frees its pages, resets it for recomputation and puts it back in the
+    /// waiting queue at its arrival position (the front, unless a request with an earlier
+    /// arrival stamp was added since), no longer a skipper. Its adapter loses a running user
+    /// but stays cached until evicted; its skippers, if any, are re-parented or orphaned.
     fn preempt(&mut self, id: u64) {
-        let (key, last) = self.running.pop().expect("preempt needs a running request");
-        debug_assert_eq!(
-            last, id,
-            "only the most recently arrived running request is preempted"
-        );
         let seq = self.seqs.get_mut(&id).expect("running ids are live");
+        debug_assert_eq!(seq.phase, Phase::Running, "preempt of waiting request {id}");
+        let key = seq.key;
+        let pos = if self.running.last().is_some_and(|&(_, last)| last == id) {
+            self.running.len() - 1
+        } else {
+            self.running
+                .binary_search_by_key(&key, |&(k, _)| k)
+                .expect("running request is queued")
+        };
+        self.running.remove(pos);
         self.blocks.release(PageOwner::Request(id), &seq.blocks);
         if seq.adapter_id != 0 {
             self.adapters.stop_running(seq.adapter_id);
@@ -902,8 +1224,10 @@ impl Scheduler {
         seq.num_cached = 0;
         seq.in_flight = 0;
         seq.phase = Phase::Waiting;
+        let (adapter_id, skip) = (seq.adapter_id, std::mem::replace(&mut seq.skip, Skip::No));
         insert_sorted_deque(&mut self.waiting, key, id);
         self.pending_released.push(id);
+        self.left_running(id, adapter_id, skip);
     }
 
     /// Forgets which requests the outstanding step scheduled.

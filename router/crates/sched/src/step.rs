@@ -21,8 +21,8 @@ pub struct SeqRequest {
     /// The caller's clock at arrival. Orders requests (FCFS admission, preemption victims);
     /// ties are broken by the order of `add_request` calls. Never read as wall time.
     pub arrival: u64,
-    /// The LoRA adapter whose delta applies to this request (registered with
-    /// [`crate::Scheduler::register_adapter`]); 0 = the base model alone.
+    /// The variant (LoRA adapter or compressed delta) that applies to this request (registered
+    /// with [`crate::Scheduler::register_adapter`]); 0 = the base model alone.
     pub adapter_id: u32,
 }
 
@@ -42,8 +42,8 @@ pub struct ScheduledNew {
     pub num_scheduled_tokens: u32,
     /// The request's whole block table for now: enough pages for the scheduled tokens.
     pub block_ids: Vec<u32>,
-    /// Its LoRA adapter (0 = base); GPU-resident on the worker once this step's
-    /// `adapter_ops` are applied.
+    /// Its variant (LoRA adapter or delta; 0 = base); GPU-resident on the worker once this
+    /// step's `adapter_ops` are applied.
     pub adapter_id: u32,
 }
 
@@ -72,7 +72,9 @@ pub struct ScheduledStep {
     /// Ids whose worker-side state must be dropped before this step runs: finished, aborted or
     /// preempted since the previous non-empty step. Their pages are already free again.
     pub released: Vec<u64>,
-    /// Ids preempted while forming this step (a subset of `released`), for logs and metrics.
+    /// Ids preempted while forming this step (a subset of `released`), for logs and metrics:
+    /// recompute preemptions (pages ran out) and skippers whose delta lost its last running
+    /// non-skipper (DeltaZip's parent-based preemption).
     pub preempted: Vec<u64>,
     /// Adapter tier moves, in application order (after `released`, before the requests run):
     /// every drop (`DropGpu`, `DropHost`) before every load (`ToHost`, `ToGpu`). Includes the
@@ -150,7 +152,7 @@ pub struct SchedStats {
     pub used_blocks: u32,
     /// Pages in the pool (`free_blocks + used_blocks + adapter_blocks`).
     pub total_blocks: u32,
-    /// Preemptions since start (cumulative).
+    /// Preemptions since start (cumulative), skipper preemptions included.
     pub num_preemptions: u64,
     /// Non-empty steps formed since start.
     pub steps: u64,
@@ -160,20 +162,29 @@ pub struct SchedStats {
     pub num_finished: u64,
     /// Requests ended by [`crate::Scheduler::abort`].
     pub num_aborted: u64,
-    /// Adapters registered (any tier).
+    /// Adapters registered (any tier, both kinds).
     pub adapters_registered: usize,
-    /// Adapters whose weights sit in pool pages.
+    /// LoRA adapters whose weights sit in pool pages.
     pub adapters_on_gpu: usize,
-    /// Adapters with a host copy on the worker.
+    /// Deltas in the worker's delta slots (at most `max_deltas`).
+    pub deltas_on_gpu: usize,
+    /// Adapters (both kinds) with a host copy on the worker.
     pub adapters_on_host: usize,
     /// Pool pages holding adapter weights.
     pub adapter_blocks: u32,
     /// Bytes of adapter host copies the worker holds (as accounted; at most the host budget).
     pub host_adapter_bytes: u64,
-    /// `ToGpu` ops emitted since start (cumulative).
+    /// `ToGpu` ops emitted since start, both kinds (cumulative).
     pub adapter_gpu_loads: u64,
-    /// `ToHost` ops emitted since start, prefetches included (cumulative).
+    /// `ToHost` ops emitted since start, prefetches included, both kinds (cumulative).
     pub adapter_host_loads: u64,
-    /// Adapters evicted from the GPU to make room (cumulative; unregistering is not counted).
+    /// Adapters evicted from the GPU to make room, LoRA adapters for pages and deltas for
+    /// slots (cumulative; unregistering is not counted).
     pub adapter_gpu_evictions: u64,
+    /// Requests admitted past a blocked queue head because their delta was already running
+    /// (DeltaZip's skip-the-line; cumulative).
+    pub delta_skips: u64,
+    /// Skippers preempted because their delta had no running non-skipper left (cumulative;
+    /// also counted in `num_preemptions`).
+    pub delta_skip_preemptions: u64,
 }

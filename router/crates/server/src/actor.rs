@@ -18,8 +18,9 @@
 //!
 //! # Adapters
 //!
-//! The scheduler decides where each LoRA adapter lives (disk, host memory, pages of the worker's
-//! pool) and puts the moves in the plan (`StepPlan::adapter_ops`); the actor only translates them.
+//! The scheduler decides where each variant lives (disk, host memory, pages of the worker's pool
+//! for a LoRA adapter, one of the worker's `--max-deltas` slots for a compressed delta) and puts
+//! the moves in the plan (`StepPlan::adapter_ops`); the actor only translates them.
 //! Registration asks the worker to inspect a directory (`InspectAdapter`, answered in order with
 //! the step outputs by an `AdapterInfo`), then the engine registers the footprint with every
 //! actor's scheduler. Registrations outlive a worker restart; residency starts cold again.
@@ -59,8 +60,10 @@ pub struct SchedLimits {
     pub max_num_seqs: usize,
     /// Token budget of one step.
     pub max_num_batched_tokens: usize,
-    /// Host-memory budget for adapter copies on each worker.
+    /// Host-memory budget for adapter copies on each worker (LoRA adapters and deltas share it).
     pub host_adapter_bytes: u64,
+    /// Deltas a worker may hold on the GPU at once (its `--max-deltas` slots).
+    pub max_deltas: usize,
 }
 
 /// A request this actor owns.
@@ -645,6 +648,9 @@ impl Actor {
             worker_restarts_total: self.counters.restarts,
             adapters_registered: 0,
             adapters_on_gpu: stats.adapters_on_gpu as u64,
+            deltas_on_gpu: stats.deltas_on_gpu as u64,
+            delta_skips_total: stats.delta_skips,
+            delta_skip_preemptions_total: stats.delta_skip_preemptions,
             adapter_blocks: stats.adapter_blocks as u64,
             adapter_host_bytes: stats.host_adapter_bytes,
             adapter_host_bytes_measured: self.counters.adapter_host_bytes_measured,
@@ -686,6 +692,7 @@ fn sched_config(worker: &WorkerProcess, limits: &SchedLimits) -> SchedulerConfig
         max_model_len: worker.hello.model.max_model_len,
         host_adapter_bytes: limits.host_adapter_bytes,
         prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
+        max_deltas: limits.max_deltas,
     }
 }
 

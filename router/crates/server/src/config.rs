@@ -4,6 +4,15 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use deltaserve_sched::VariantKind;
+
+/// Default for [`ServerConfig::max_deltas`] (DeltaZip's profiled number of deltas worth
+/// batching at once).
+pub const DEFAULT_MAX_DELTAS: usize = deltaserve_sched::DEFAULT_MAX_DELTAS;
+/// Largest [`ServerConfig::max_deltas`] the worker accepts (each slot reserves one delta's GPU
+/// memory); checked here so a bad value is refused before any worker starts.
+pub const MAX_DELTAS: usize = 64;
+
 /// Everything `run` needs to serve one model.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -36,8 +45,14 @@ pub struct ServerConfig {
     /// Directories whose every subdirectory holding an `adapter_config.json` is registered at
     /// start-up, named after the subdirectory (after `loras`, sorted by name).
     pub lora_dirs: Vec<PathBuf>,
-    /// Host-memory budget per worker for adapter copies (the middle tier: disk -> host -> GPU).
+    /// Compressed deltas registered at start-up (after every LoRA adapter): `(name, directory
+    /// written by deltaserve compress)`, in flag order.
+    pub deltas: Vec<(String, PathBuf)>,
+    /// Host-memory budget per worker for variant copies, LoRA adapters and deltas together (the
+    /// middle tier: disk -> host -> GPU).
     pub lora_host_bytes: u64,
+    /// Deltas a worker keeps on the GPU at once (its delta slots); 0 turns delta serving off.
+    pub max_deltas: usize,
     /// Largest LoRA rank a worker accepts (sizes its per-step adapter tables).
     pub max_lora_rank: u32,
     /// Most requests queued or running per worker before new ones get 429.
@@ -84,6 +99,19 @@ impl ServerConfig {
                 return Err(format!("--lora-dir {}: not a directory", dir.display()));
             }
         }
+        if self.max_deltas > MAX_DELTAS {
+            return Err(format!(
+                "--max-deltas {}: must be at most {MAX_DELTAS} (0 turns delta serving off)",
+                self.max_deltas
+            ));
+        }
+        if self.max_deltas == 0 {
+            if let Some((name, _)) = self.deltas.first() {
+                return Err(format!(
+                    "--delta {name}: delta serving is off (--max-deltas 0); raise --max-deltas"
+                ));
+            }
+        }
         if self.max_lora_rank == 0 {
             return Err("--max-lora-rank must be at least 1".into());
         }
@@ -93,10 +121,12 @@ impl ServerConfig {
         Ok(())
     }
 
-    /// The adapters to register at start-up, `(name, dir)`: every `--lora`, then each
-    /// `--lora-dir`'s adapter subdirectories sorted by name. Names are checked at registration.
-    pub fn startup_adapters(&self) -> Result<Vec<(String, PathBuf)>, String> {
-        let mut out = self.loras.clone();
+    /// The variants to register at start-up, `(name, dir, kind)`: every `--lora`, then each
+    /// `--lora-dir`'s adapter subdirectories sorted by name, then every `--delta`. Names are
+    /// checked at registration, and so is each directory's kind.
+    pub fn startup_adapters(&self) -> Result<Vec<(String, PathBuf, VariantKind)>, String> {
+        let lora = |(name, dir): (String, PathBuf)| (name, dir, VariantKind::Lora);
+        let mut out: Vec<_> = self.loras.iter().cloned().map(lora).collect();
         for dir in &self.lora_dirs {
             let entries =
                 std::fs::read_dir(dir).map_err(|e| format!("--lora-dir {}: {e}", dir.display()))?;
@@ -114,8 +144,14 @@ impl ServerConfig {
                 }
             }
             found.sort();
-            out.extend(found);
+            out.extend(found.into_iter().map(lora));
         }
+        out.extend(
+            self.deltas
+                .iter()
+                .cloned()
+                .map(|(name, dir)| (name, dir, VariantKind::Delta)),
+        );
         Ok(out)
     }
 
@@ -132,11 +168,21 @@ impl ServerConfig {
 
 /// Parses one `--lora NAME=DIR`.
 pub fn parse_lora(spec: &str) -> Result<(String, PathBuf), String> {
+    parse_named_dir("--lora", spec)
+}
+
+/// Parses one `--delta NAME=DIR`.
+pub fn parse_delta(spec: &str) -> Result<(String, PathBuf), String> {
+    parse_named_dir("--delta", spec)
+}
+
+/// Parses `NAME=DIR` given to `flag`.
+fn parse_named_dir(flag: &str, spec: &str) -> Result<(String, PathBuf), String> {
     match spec.split_once('=') {
         Some((name, dir)) if !name.is_empty() && !dir.is_empty() => {
             Ok((name.to_string(), PathBuf::from(dir)))
         }
-        _ => Err(format!("--lora {spec}: expected NAME=DIR")),
+        _ => Err(format!("{flag} {spec}: expected NAME=DIR")),
     }
 }
 
@@ -179,6 +225,14 @@ mod tests {
         );
         assert!(parse_lora("a").unwrap_err().contains("NAME=DIR"));
         assert!(parse_lora("=/x").is_err());
+        assert_eq!(
+            parse_delta("ft=/d").unwrap(),
+            ("ft".to_string(), PathBuf::from("/d"))
+        );
+        assert_eq!(
+            parse_delta("ft=").unwrap_err(),
+            "--delta ft=: expected NAME=DIR"
+        );
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("config.json"), "{}").unwrap();
         std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
@@ -204,24 +258,51 @@ mod tests {
             cuda_graph_max_batch: 0,
             loras: vec![("first".into(), "/somewhere".into())],
             lora_dirs,
+            deltas: vec![("ft".into(), "/deltas/ft".into())],
             lora_host_bytes: 1 << 30,
+            max_deltas: DEFAULT_MAX_DELTAS,
             max_lora_rank: 64,
             max_queued_per_worker: 8,
             worker_start_timeout: Duration::from_secs(1),
         };
         let ok = cfg(vec![zoo.path().to_path_buf()]);
         assert!(ok.validate().is_ok());
-        let names: Vec<String> = ok
+        let names: Vec<(String, VariantKind)> = ok
             .startup_adapters()
             .unwrap()
             .into_iter()
-            .map(|(n, _)| n)
+            .map(|(n, _, k)| (n, k))
             .collect();
+        let lora = VariantKind::Lora;
         assert_eq!(
             names,
-            ["first", "alpha", "zeta"],
-            "flags first, then each dir sorted"
+            [
+                ("first".into(), lora),
+                ("alpha".into(), lora),
+                ("zeta".into(), lora),
+                ("ft".into(), VariantKind::Delta)
+            ],
+            "LoRA flags first, then each dir sorted, then the deltas"
         );
+        let too_many = ServerConfig {
+            max_deltas: MAX_DELTAS + 1,
+            ..ok.clone()
+        };
+        assert!(too_many.validate().unwrap_err().contains("--max-deltas 65"));
+        let off = ServerConfig {
+            max_deltas: 0,
+            ..ok.clone()
+        };
+        let err = off.validate().unwrap_err();
+        assert!(
+            err.contains("--delta ft") && err.contains("--max-deltas 0"),
+            "{err}"
+        );
+        let off_without_deltas = ServerConfig {
+            deltas: Vec::new(),
+            ..off
+        };
+        assert!(off_without_deltas.validate().is_ok());
         let err = cfg(vec![dir.path().join("missing")])
             .validate()
             .unwrap_err();

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use deltaserve_ipc::wire::{AdapterInfo, SamplingParams, TokenLogprob};
-use deltaserve_sched::AdapterSpec;
+use deltaserve_sched::{AdapterSpec, VariantKind};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::registry::{AdapterEntry, AdapterFootprint, AdapterRegistry, RegistryError};
@@ -38,7 +38,8 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Keep generating past EOS tokens (benchmarks force output lengths with this).
     pub ignore_eos: bool,
-    /// The LoRA adapter to apply (its worker id from the registry), 0 for the base model.
+    /// The variant to apply, a LoRA adapter or a delta (its worker id from the registry), 0 for
+    /// the base model.
     pub adapter_id: u32,
 }
 
@@ -110,8 +111,8 @@ pub struct ServedModel {
     pub vocab_size: u32,
     /// Unix time the server started, for `/v1/models`.
     pub created: u64,
-    /// The LoRA adapters served on top of the base, selectable as `"<name>:<adapter>"` or by
-    /// adapter name while active.
+    /// The variants (LoRA adapters and compressed deltas) served on top of the base, selectable
+    /// as `"<name>:<adapter>"` or by adapter name while active.
     pub adapters: Arc<AdapterRegistry>,
 }
 
@@ -168,13 +169,21 @@ pub struct EngineMetrics {
     pub step_router_us_p99: u64,
     /// Worker restarts since start.
     pub worker_restarts_total: u64,
-    /// Active LoRA adapters in the registry.
+    /// Active variants (LoRA adapters and deltas) in the registry.
     pub adapters_registered: u64,
-    /// Adapters whose weights are in a GPU pool (summed over workers).
+    /// LoRA adapters whose weights are in a GPU pool (summed over workers).
     pub adapters_on_gpu: u64,
+    /// Deltas in the workers' delta slots (summed over workers).
+    pub deltas_on_gpu: u64,
+    /// Requests admitted past a blocked queue head because their delta was running
+    /// (DeltaZip's skip-the-line) since start.
+    pub delta_skips_total: u64,
+    /// Such requests preempted (recomputed later) because their delta's last FCFS-admitted
+    /// request left, since start.
+    pub delta_skip_preemptions_total: u64,
     /// Pool pages holding adapter weights (the rest of the used pages hold KV).
     pub adapter_blocks: u64,
-    /// Host-memory bytes of adapter copies, as the schedulers account them.
+    /// Host-memory bytes of adapter copies (LoRA and delta), as the schedulers account them.
     pub adapter_host_bytes: u64,
     /// Host-memory bytes of adapter copies, as the workers measured them after their last step.
     pub adapter_host_bytes_measured: u64,
@@ -194,7 +203,7 @@ pub enum AdapterError {
     Invalid {
         /// What is wrong, naming the file or field.
         message: String,
-        /// The request field at fault (`name` or `path`).
+        /// The request field at fault (`name`, `path` or `kind`).
         param: &'static str,
     },
     /// The registry refused the name (bad: 400, taken or being deleted: 409, unknown: 404).
@@ -355,13 +364,16 @@ impl EngineHandle {
             .all(|a| a.ready.load(Ordering::Acquire))
     }
 
-    /// Registers the PEFT LoRA adapter in `dir` as `name`: a worker validates it against the model
-    /// and reports its footprint, then every worker's scheduler learns it (nothing is loaded until
-    /// a request needs it). Nothing changes when any step fails.
+    /// Registers the variant in `dir` as `name`: a PEFT LoRA adapter (`adapter_config.json`) or
+    /// a compressed delta (`manifest.json`, written by `deltaserve compress`); with `want`, only
+    /// that kind is accepted. A worker validates it against the model and reports its footprint,
+    /// then every worker's scheduler learns it (nothing is loaded until a request needs it).
+    /// Nothing changes when any step fails.
     pub async fn register_adapter(
         &self,
         name: &str,
         dir: &Path,
+        want: Option<VariantKind>,
     ) -> Result<AdapterEntry, AdapterError> {
         let invalid = |message: String| AdapterError::Invalid {
             message,
@@ -369,12 +381,8 @@ impl EngineHandle {
         };
         let dir = std::fs::canonicalize(dir)
             .map_err(|e| invalid(format!("adapter path {}: {e}", dir.display())))?;
-        if !dir.join("adapter_config.json").is_file() {
-            return Err(invalid(format!(
-                "no adapter_config.json in {}: expected a PEFT LoRA adapter directory",
-                dir.display()
-            )));
-        }
+        let found = variant_kind_of_dir(&dir).map_err(invalid)?;
+        check_kind(found, want, &dir)?;
         let path = dir
             .to_str()
             .ok_or_else(|| invalid(format!("adapter path {} is not UTF-8", dir.display())))?
@@ -385,7 +393,7 @@ impl EngineHandle {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let id = registry.reserve(name, dir.clone(), created)?;
-        match self.register_reserved(id, path).await {
+        match self.register_reserved(id, path, found).await {
             Ok(footprint) => Ok(registry
                 .activate(id, footprint)
                 .expect("a reserved entry stays until activated or removed")),
@@ -396,11 +404,13 @@ impl EngineHandle {
         }
     }
 
-    /// Inspects on one ready worker, then registers with every actor (rolling back on failure).
+    /// Inspects on one ready worker (which must agree that the directory holds a `found`), then
+    /// registers with every actor (rolling back on failure).
     async fn register_reserved(
         &self,
         id: u32,
         path: String,
+        found: VariantKind,
     ) -> Result<AdapterFootprint, AdapterError> {
         let actor = self
             .inner
@@ -431,7 +441,25 @@ impl EngineHandle {
                 param: "path",
             });
         }
+        let kind = VariantKind::from_label(&info.kind).ok_or_else(|| AdapterError::Invalid {
+            message: format!(
+                "the worker inspected {path} as kind `{}`; expected `lora` or `delta`",
+                info.kind
+            ),
+            param: "path",
+        })?;
+        if kind != found {
+            return Err(AdapterError::Invalid {
+                message: format!(
+                    "the worker inspected {path} as a {} but its files make it a {}",
+                    describe(kind),
+                    describe(found)
+                ),
+                param: "path",
+            });
+        }
         let spec = AdapterSpec {
+            kind,
             num_blocks: info.num_blocks,
             host_bytes: info.host_bytes,
             path,
@@ -462,6 +490,8 @@ impl EngineHandle {
             added.push(actor);
         }
         Ok(AdapterFootprint {
+            kind,
+            summary: info.summary,
             num_blocks: info.num_blocks,
             host_bytes: info.host_bytes,
             max_rank: info.max_rank,
@@ -524,6 +554,9 @@ impl EngineHandle {
                 total.tokens_generated_total += m.tokens_generated_total;
                 total.worker_restarts_total += m.worker_restarts_total;
                 total.adapters_on_gpu += m.adapters_on_gpu;
+                total.deltas_on_gpu += m.deltas_on_gpu;
+                total.delta_skips_total += m.delta_skips_total;
+                total.delta_skip_preemptions_total += m.delta_skip_preemptions_total;
                 total.adapter_blocks += m.adapter_blocks;
                 total.adapter_host_bytes += m.adapter_host_bytes;
                 total.adapter_host_bytes_measured += m.adapter_host_bytes_measured;
@@ -537,6 +570,57 @@ impl EngineHandle {
             }
         }
         total
+    }
+}
+
+/// The kind of variant in `dir`, from its marker file: `adapter_config.json` (a PEFT LoRA
+/// adapter) or `manifest.json` (a compressed delta written by `deltaserve compress`). The error
+/// names both files.
+pub fn variant_kind_of_dir(dir: &Path) -> Result<VariantKind, String> {
+    let lora = dir.join("adapter_config.json").is_file();
+    let delta = dir.join("manifest.json").is_file();
+    match (lora, delta) {
+        (true, false) => Ok(VariantKind::Lora),
+        (false, true) => Ok(VariantKind::Delta),
+        (false, false) => Err(format!(
+            "no adapter_config.json (a PEFT LoRA adapter) or manifest.json (a compressed delta \
+             from `deltaserve compress`) in {}",
+            dir.display()
+        )),
+        (true, true) => Err(format!(
+            "{} holds both adapter_config.json (a PEFT LoRA adapter) and manifest.json (a \
+             compressed delta): it must be one or the other",
+            dir.display()
+        )),
+    }
+}
+
+/// Refuses the `found` variant in `dir` when the caller asked for another kind (`want`); the
+/// message names both kinds and their marker files (400, `param` = `kind`).
+pub fn check_kind(
+    found: VariantKind,
+    want: Option<VariantKind>,
+    dir: &Path,
+) -> Result<(), AdapterError> {
+    match want {
+        Some(want) if want != found => Err(AdapterError::Invalid {
+            message: format!(
+                "{} holds a {}, not a {}",
+                dir.display(),
+                describe(found),
+                describe(want)
+            ),
+            param: "kind",
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// A kind as people know it, with the file that marks it.
+fn describe(kind: VariantKind) -> &'static str {
+    match kind {
+        VariantKind::Lora => "LoRA adapter (adapter_config.json)",
+        VariantKind::Delta => "compressed delta (manifest.json, from `deltaserve compress`)",
     }
 }
 
@@ -562,6 +646,8 @@ mod tests {
 
     fn footprint() -> crate::registry::AdapterFootprint {
         crate::registry::AdapterFootprint {
+            kind: VariantKind::Lora,
+            summary: "rank 1".into(),
             num_blocks: 1,
             host_bytes: 1,
             max_rank: 1,
@@ -583,5 +669,52 @@ mod tests {
         assert_eq!(m.resolve(Some("pending")), None, "not active yet");
         assert_eq!(m.display_name(0), "base");
         assert_eq!(m.display_name(2), "base:b");
+    }
+
+    #[test]
+    fn directories_are_told_apart_by_their_marker_file() {
+        let root = tempfile::tempdir().unwrap();
+        let make = |name: &str, files: &[&str]| {
+            let dir = root.path().join(name);
+            std::fs::create_dir(&dir).unwrap();
+            for f in files {
+                std::fs::write(dir.join(f), "{}").unwrap();
+            }
+            dir
+        };
+        let lora = make("lora", &["adapter_config.json"]);
+        let delta = make("delta", &["manifest.json"]);
+        let empty = make("empty", &[]);
+        let both = make("both", &["adapter_config.json", "manifest.json"]);
+        assert_eq!(variant_kind_of_dir(&lora), Ok(VariantKind::Lora));
+        assert_eq!(variant_kind_of_dir(&delta), Ok(VariantKind::Delta));
+        let err = variant_kind_of_dir(&empty).unwrap_err();
+        assert!(
+            err.contains("adapter_config.json") && err.contains("manifest.json"),
+            "{err}"
+        );
+        assert!(variant_kind_of_dir(&both).unwrap_err().contains("both"));
+
+        assert!(check_kind(VariantKind::Lora, None, &lora).is_ok());
+        assert!(check_kind(VariantKind::Delta, Some(VariantKind::Delta), &delta).is_ok());
+        let AdapterError::Invalid { message, param } =
+            check_kind(VariantKind::Lora, Some(VariantKind::Delta), &lora).unwrap_err()
+        else {
+            panic!("a kind mismatch is invalid input");
+        };
+        assert_eq!(param, "kind");
+        assert!(
+            message.contains("holds a LoRA adapter") && message.contains("not a compressed delta"),
+            "{message}"
+        );
+        let AdapterError::Invalid { message, .. } =
+            check_kind(VariantKind::Delta, Some(VariantKind::Lora), &delta).unwrap_err()
+        else {
+            panic!("a kind mismatch is invalid input");
+        };
+        assert!(
+            message.contains("holds a compressed delta") && message.contains("not a LoRA"),
+            "{message}"
+        );
     }
 }

@@ -7,7 +7,8 @@
 //! - [`validate`]: request checks and defaults, before anything is queued.
 //! - [`text`]: tokenizer, incremental detokenizer with stop strings, chat templates.
 //! - [`engine`]: the handle the API calls; one actor per worker behind it.
-//! - [`registry`]: the served LoRA adapters by name (client name -> internal id).
+//! - [`registry`]: the served variants (LoRA adapters, compressed deltas) by name (client
+//!   name -> internal id).
 //! - `actor`: owns a worker's scheduler (`deltaserve-sched`) and drives its steps.
 //! - [`worker`]: spawns a Python worker, links to it over shared-memory rings
 //!   (`deltaserve-ipc`), handshakes.
@@ -30,6 +31,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
+use deltaserve_sched::VariantKind;
 use tokio::net::TcpListener;
 
 use crate::actor::{Actor, SchedLimits};
@@ -67,6 +69,7 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             cuda_graph_max_batch: cfg.cuda_graph_max_batch.min(cfg.max_num_seqs as u32),
             max_lora_rank: cfg.max_lora_rank,
             max_loras_per_step: cfg.max_num_seqs as u32,
+            max_deltas: cfg.max_deltas,
             start_timeout: cfg.worker_start_timeout,
         })
         .collect();
@@ -113,6 +116,7 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         max_num_seqs: cfg.max_num_seqs,
         max_num_batched_tokens: cfg.max_num_batched_tokens,
         host_adapter_bytes: cfg.lora_host_bytes,
+        max_deltas: cfg.max_deltas,
     };
     let mut actors = Vec::new();
     for (i, (worker, spec)) in workers.into_iter().zip(specs).enumerate() {
@@ -128,16 +132,25 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         cfg.max_queued_per_worker,
     );
     let startup = cfg.startup_adapters().map_err(anyhow::Error::msg)?;
-    for (name, dir) in startup {
+    for (name, dir, kind) in startup {
+        let what = match kind {
+            VariantKind::Lora => "LoRA adapter",
+            VariantKind::Delta => "delta",
+        };
         let entry = engine
-            .register_adapter(&name, &dir)
+            .register_adapter(&name, &dir, Some(kind))
             .await
-            .with_context(|| format!("registering LoRA adapter {name} ({})", dir.display()))?;
+            .with_context(|| format!("registering {what} {name} ({})", dir.display()))?;
+        let summary = entry
+            .footprint
+            .as_ref()
+            .map(|f| f.summary.as_str())
+            .unwrap_or_default();
         tracing::info!(
             adapter = %entry.name,
             id = entry.id,
             path = %entry.path.display(),
-            "LoRA adapter registered"
+            "{what} registered: {summary}"
         );
     }
     Ok(engine)

@@ -1,5 +1,6 @@
-//! [`AdapterRegistry`]: the served LoRA adapters by name, the one place a client's adapter name
-//! becomes the internal id workers and schedulers know it by (STYLE.md #15).
+//! [`AdapterRegistry`]: the served variants (LoRA adapters and compressed deltas, one id space)
+//! by name, the one place a client's variant name becomes the internal id workers and
+//! schedulers know it by (STYLE.md #15).
 //!
 //! An entry's life, driven by [`crate::engine::EngineHandle`]:
 //!
@@ -18,7 +19,8 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::RwLock;
 
-use serde::Serialize;
+use deltaserve_sched::VariantKind;
+use serde::{Serialize, Serializer};
 
 /// Where an entry is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -35,14 +37,24 @@ pub enum AdapterState {
 /// What the worker's inspection reported about an adapter.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct AdapterFootprint {
-    /// GPU pool pages its weights take.
+    /// `lora` (pool pages on the GPU) or `delta` (a worker delta slot on the GPU).
+    #[serde(serialize_with = "kind_label")]
+    pub kind: VariantKind,
+    /// One line for people, e.g. `rank 16` or `4-bit 2:4, 2.6x smaller than fp16`.
+    pub summary: String,
+    /// GPU pool pages its weights take (0 for a delta).
     pub num_blocks: u32,
     /// Bytes of its host-memory copy.
     pub host_bytes: u64,
-    /// Largest rank over its adapted projections.
+    /// Largest rank over its adapted projections (0 for a delta).
     pub max_rank: u32,
     /// Adapted projections (`q_proj`, ...).
     pub target_modules: Vec<String>,
+}
+
+/// Serializes a [`VariantKind`] as its wire label (`lora`, `delta`).
+fn kind_label<S: Serializer>(kind: &VariantKind, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(kind.as_str())
 }
 
 /// One registered adapter.
@@ -52,7 +64,7 @@ pub struct AdapterEntry {
     pub name: String,
     /// The internal id (`NewRequest::adapter_id`), > 0.
     pub id: u32,
-    /// The PEFT directory, absolute.
+    /// The PEFT (LoRA) or `deltaserve compress` (delta) directory, absolute.
     pub path: PathBuf,
     /// Unix seconds of registration.
     pub created: u64,
@@ -219,6 +231,8 @@ mod tests {
 
     fn fp() -> AdapterFootprint {
         AdapterFootprint {
+            kind: VariantKind::Lora,
+            summary: "rank 8".into(),
             num_blocks: 3,
             host_bytes: 1000,
             max_rank: 8,

@@ -55,6 +55,9 @@ pub struct WorkerSpec {
     pub max_lora_rank: u32,
     /// Most distinct adapters one step may use (the scheduler's max_num_seqs bounds it).
     pub max_loras_per_step: u32,
+    /// GPU slots for compressed deltas (`--max-deltas`; the router keeps at most this many
+    /// deltas on the GPU); 0 turns delta serving off.
+    pub max_deltas: usize,
     /// How long model loading may take before the start counts as failed.
     pub start_timeout: Duration,
 }
@@ -228,7 +231,9 @@ impl WorkerProcess {
         cmd.arg("--max-lora-rank")
             .arg(spec.max_lora_rank.to_string())
             .arg("--max-loras-per-step")
-            .arg(spec.max_loras_per_step.to_string());
+            .arg(spec.max_loras_per_step.to_string())
+            .arg("--max-deltas")
+            .arg(spec.max_deltas.to_string());
         if let Some(len) = spec.max_model_len {
             cmd.arg("--max-model-len").arg(len.to_string());
         }

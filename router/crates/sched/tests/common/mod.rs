@@ -1,15 +1,16 @@
 //! Test harness shared by the scheduler's integration tests: request/config builders, a tiny
 //! seeded PRNG, and `FakeWorker`, which applies plans the way the Python worker does and
 //! asserts the worker-side contract (pages never shared between requests and adapters, chunks
-//! contiguous, tables cover them, adapter ops in a legal order within the host budget, every
-//! scheduled request's adapter on the GPU).
+//! contiguous, tables cover them, adapter ops in a legal order within the host budget and the
+//! delta slots, every scheduled request's adapter on the GPU).
 
 #![allow(dead_code)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use deltaserve_sched::{
     AdapterOpKind, AdapterSpec, PageOwner, ScheduledStep, Scheduler, SchedulerConfig, SeqRequest,
+    VariantKind,
 };
 
 /// A config with the given geometry and limits.
@@ -28,15 +29,27 @@ pub fn cfg(
         max_model_len,
         host_adapter_bytes: deltaserve_sched::DEFAULT_HOST_ADAPTER_BYTES,
         prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
+        max_deltas: deltaserve_sched::DEFAULT_MAX_DELTAS,
     }
 }
 
-/// An adapter spec with a path unique to `(id, generation)`.
+/// A LoRA adapter spec with a path unique to `(id, generation)`.
 pub fn adapter(id: u32, generation: u32, num_blocks: u32, host_bytes: u64) -> AdapterSpec {
     AdapterSpec {
+        kind: VariantKind::Lora,
         num_blocks,
         host_bytes,
         path: format!("/adapters/{id}/v{generation}"),
+    }
+}
+
+/// A delta spec (no pool pages) with a path unique to `(id, generation)`.
+pub fn delta(id: u32, generation: u32, host_bytes: u64) -> AdapterSpec {
+    AdapterSpec {
+        kind: VariantKind::Delta,
+        num_blocks: 0,
+        host_bytes,
+        path: format!("/deltas/{id}/v{generation}"),
     }
 }
 
@@ -118,8 +131,12 @@ pub struct FakeWorker {
     pub disk: BTreeMap<String, (u32, AdapterSpec)>,
     /// Host copies: adapter id -> its spec (bytes, pages).
     pub host: BTreeMap<u32, AdapterSpec>,
-    /// GPU placements: adapter id -> its pages.
+    /// GPU placements: adapter id -> its pages (none for a delta in its slot).
     pub gpu: BTreeMap<u32, Vec<u32>>,
+    /// Deltas in delta slots (a subset of `gpu`'s keys), at most `cfg.max_deltas`.
+    pub delta_slots: BTreeSet<u32>,
+    /// Most deltas ever in slots at once.
+    pub max_deltas_seen: usize,
     /// Tokens computed for requests with an adapter (cumulative).
     pub adapter_tokens: u64,
     /// Adapter ops applied (cumulative), by kind: to_host, to_gpu, drop_gpu, drop_host.
@@ -135,6 +152,8 @@ impl FakeWorker {
             disk: BTreeMap::new(),
             host: BTreeMap::new(),
             gpu: BTreeMap::new(),
+            delta_slots: BTreeSet::new(),
+            max_deltas_seen: 0,
             adapter_tokens: 0,
             op_counts: [0; 4],
         }
@@ -151,6 +170,7 @@ impl FakeWorker {
         self.pages.clear();
         self.host.clear();
         self.gpu.clear();
+        self.delta_slots.clear();
     }
 
     /// Bytes of host copies held.
@@ -181,6 +201,7 @@ impl FakeWorker {
         );
         assert_eq!(self.gpu, want_gpu, "GPU placements differ");
         assert_eq!(self.host_bytes(), s.stats().host_adapter_bytes);
+        assert_eq!(self.delta_slots.len(), s.stats().deltas_on_gpu);
     }
 
     /// Applies the step's adapter ops in order, checking each against the contract.
@@ -223,6 +244,16 @@ impl FakeWorker {
                         spec.num_blocks,
                         "adapter {id} placed on the wrong number of pages"
                     );
+                    if spec.kind == VariantKind::Delta {
+                        assert!(
+                            self.delta_slots.len() < self.cfg.max_deltas,
+                            "step {}: to_gpu of delta {id} while all {} delta slots are taken",
+                            step.step_id,
+                            self.cfg.max_deltas
+                        );
+                        self.delta_slots.insert(id);
+                        self.max_deltas_seen = self.max_deltas_seen.max(self.delta_slots.len());
+                    }
                     assert!(
                         !self.gpu.contains_key(&id),
                         "to_gpu of adapter {id}, which is already on the GPU"
@@ -244,6 +275,7 @@ impl FakeWorker {
                     for p in pages {
                         assert_eq!(self.pages.remove(&p), Some(PageOwner::Adapter(id)));
                     }
+                    self.delta_slots.remove(&id);
                     self.op_counts[2] += 1;
                 }
                 AdapterOpKind::DropHost => {

@@ -1,13 +1,17 @@
-//! The adapter admin API: register, list and delete LoRA adapters while serving.
+//! The adapter admin API: register, list and delete variants while serving: LoRA adapters
+//! (PEFT directories) and compressed full fine-tunes ("deltas", `deltaserve compress` output).
 //!
 //! ```text
 //!  POST   /v1/adapters          {"name": "sql", "path": "/srv/adapters/sql"}  -> 201 adapter card
+//!                               (+ optional "kind": "lora" | "delta", asserted)
 //!  GET    /v1/adapters          -> {"object": "list", "data": [adapter card, ...]}
 //!  DELETE /v1/adapters/{name}   -> 200 {"id": name, "object": "adapter", "deleted": true}
 //! ```
 //!
-//! Registration validates the adapter on a worker before anything changes (a bad one is a 400
-//! naming the file or field, a taken name a 409); nothing is loaded until a request needs it.
+//! The kind is told from the directory (`adapter_config.json`: LoRA, `manifest.json`: delta);
+//! a `kind` in the body must match it. Registration validates the variant on a worker before
+//! anything changes (a bad one is a 400 naming the file or field, a taken name a 409); nothing
+//! is loaded until a request needs it.
 //! Deletion makes the name unresolvable at once, waits for the adapter's in-flight requests, then
 //! frees its memory; the name becomes free when the response is sent.
 
@@ -19,6 +23,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 
+use deltaserve_sched::VariantKind;
+
 use super::error::{ApiError, ApiJson};
 use super::Backend;
 use crate::registry::{AdapterEntry, AdapterState};
@@ -29,8 +35,32 @@ use crate::registry::{AdapterEntry, AdapterState};
 pub struct CreateAdapter {
     /// The name clients will select it by (`"<base>:<name>"` or `"<name>"`).
     pub name: String,
-    /// The PEFT LoRA directory, on the server's filesystem.
+    /// The PEFT LoRA directory or `deltaserve compress` delta directory, on the server's
+    /// filesystem.
     pub path: PathBuf,
+    /// The kind the caller expects; registration is refused (400) when the directory holds the
+    /// other one. Absent: whichever the directory holds.
+    #[serde(default)]
+    pub kind: Option<KindField>,
+}
+
+/// `kind` as the API spells it.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KindField {
+    /// A PEFT LoRA adapter.
+    Lora,
+    /// A compressed full fine-tune.
+    Delta,
+}
+
+impl From<KindField> for VariantKind {
+    fn from(k: KindField) -> Self {
+        match k {
+            KindField::Lora => VariantKind::Lora,
+            KindField::Delta => VariantKind::Delta,
+        }
+    }
 }
 
 /// One adapter as the API shows it.
@@ -44,17 +74,21 @@ pub struct AdapterCard {
     pub model: String,
     /// The base model it applies to.
     pub parent: String,
-    /// The PEFT directory it was loaded from.
+    /// `lora` or `delta` (once inspected; `null` while pending).
+    pub kind: Option<&'static str>,
+    /// One line for people: `rank 16`, `4-bit 2:4, 2.6x smaller than fp16`, ...
+    pub summary: Option<String>,
+    /// The directory it was loaded from (PEFT or delta).
     pub path: String,
     /// Unix seconds of registration.
     pub created: u64,
     /// `pending`, `active` or `deleting`.
     pub status: AdapterState,
-    /// Largest rank over its adapted projections.
+    /// Largest rank over its adapted projections (0 for a delta).
     pub max_rank: Option<u32>,
     /// Adapted projections.
     pub target_modules: Vec<String>,
-    /// GPU pool pages its weights take when resident.
+    /// GPU pool pages its weights take when resident (0 for a delta, which takes a delta slot).
     pub num_blocks: Option<u32>,
     /// Bytes of its host-memory copy.
     pub host_bytes: Option<u64>,
@@ -68,6 +102,8 @@ impl AdapterCard {
             id: e.name,
             object: "adapter",
             parent: base.to_string(),
+            kind: fp.as_ref().map(|f| f.kind.as_str()),
+            summary: fp.as_ref().map(|f| f.summary.clone()),
             path: e.path.display().to_string(),
             created: e.created,
             status: e.state,
@@ -107,7 +143,9 @@ pub async fn create_adapter<B: Backend>(
     State(backend): State<B>,
     ApiJson(body): ApiJson<CreateAdapter>,
 ) -> Result<Response, ApiError> {
-    let entry = backend.register_adapter(body.name, body.path).await?;
+    let entry = backend
+        .register_adapter(body.name, body.path, body.kind.map(VariantKind::from))
+        .await?;
     let card = AdapterCard::new(&backend.model().name, entry);
     Ok((StatusCode::CREATED, Json(card)).into_response())
 }
@@ -174,6 +212,8 @@ mod tests {
         assert_eq!(card["model"], "tiny:sql");
         assert_eq!(card["status"], "active");
         assert_eq!(card["max_rank"], 8);
+        assert_eq!(card["kind"], "lora");
+        assert_eq!(card["summary"], "rank 8");
 
         let (_, _, body) = send(app.clone(), "GET", "/v1/adapters", None, "").await;
         let list = json_of(&body);
@@ -286,5 +326,91 @@ mod tests {
             .as_str()
             .unwrap()
             .contains("GET /v1/adapters"));
+    }
+
+    #[tokio::test]
+    async fn deltas_register_like_adapters_and_a_given_kind_is_asserted() {
+        let (fake, app) = app();
+        let post = |body: &'static str| {
+            send(
+                app.clone(),
+                "POST",
+                "/v1/adapters",
+                Some("application/json"),
+                body,
+            )
+        };
+        let (status, _, body) = post(r#"{"name": "ft", "path": "/deltas/ft"}"#).await;
+        assert_eq!(status, 201, "{body}");
+        let card = json_of(&body);
+        assert_eq!(card["kind"], "delta", "told from the directory");
+        assert_eq!(card["summary"], "4-bit 2:4, 2.6x smaller than fp16");
+        assert_eq!(card["num_blocks"], 0);
+        assert_eq!(card["model"], "tiny:ft");
+        let (status, _, body) =
+            post(r#"{"name": "ft2", "path": "/deltas/ft2", "kind": "delta"}"#).await;
+        assert_eq!(status, 201, "{body}");
+        let (status, _, body) =
+            post(r#"{"name": "sql", "path": "/adapters/sql", "kind": "lora"}"#).await;
+        assert_eq!(status, 201, "{body}");
+
+        let cases: [(&str, &str, Option<&str>); 3] = [
+            (
+                r#"{"name": "x", "path": "/adapters/x", "kind": "delta"}"#,
+                "not a compressed delta",
+                Some("kind"),
+            ),
+            (
+                r#"{"name": "x", "path": "/deltas/x", "kind": "lora"}"#,
+                "not a LoRA adapter",
+                Some("kind"),
+            ),
+            (
+                r#"{"name": "x", "path": "/deltas/x", "kind": "full"}"#,
+                "kind",
+                None,
+            ),
+        ];
+        for (req, want_text, want_param) in cases {
+            let (status, _, body) = post(req).await;
+            assert_eq!(status, 400, "{req}: {body}");
+            let err = &json_of(&body)["error"];
+            assert!(
+                err["message"].as_str().unwrap().contains(want_text),
+                "{req}: {body}"
+            );
+            if let Some(p) = want_param {
+                assert_eq!(err["param"], p, "{req}: {body}");
+            }
+        }
+        assert_eq!(crate::api::Backend::model(&fake).adapters.list().len(), 3);
+
+        let (_, _, body) = send(app.clone(), "GET", "/v1/models", None, "").await;
+        let models = json_of(&body);
+        let kinds: Vec<(Value, Value)> = models["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| (m["id"].clone(), m["kind"].clone()))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (json!("tiny"), Value::Null),
+                (json!("tiny:ft"), json!("delta")),
+                (json!("tiny:ft2"), json!("delta")),
+                (json!("tiny:sql"), json!("lora")),
+            ]
+        );
+        let (status, _, body) = send(
+            app.clone(),
+            "POST",
+            "/v1/completions",
+            Some("application/json"),
+            r#"{"model": "ft", "prompt": "hi", "max_tokens": 1}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(json_of(&body)["model"], "tiny:ft");
     }
 }

@@ -121,7 +121,7 @@ pub async fn metrics<B: Backend>(State(backend): State<B>) -> Response {
     metric(
         "adapters_registered",
         "gauge",
-        "LoRA adapters registered and selectable.",
+        "Variants (LoRA adapters and compressed deltas) registered and selectable.",
         m.adapters_registered,
     );
     metric(
@@ -151,20 +151,38 @@ pub async fn metrics<B: Backend>(State(backend): State<B>) -> Response {
     metric(
         "adapter_gpu_loads_total",
         "counter",
-        "Adapter copies from host memory into a GPU pool.",
+        "Adapter copies from host memory onto the GPU (LoRA pool pages or delta slots).",
         m.adapter_gpu_loads_total,
     );
     metric(
         "adapter_host_loads_total",
         "counter",
-        "Adapter reads from disk into host memory.",
+        "Adapter reads (LoRA and delta) from disk into host memory.",
         m.adapter_host_loads_total,
     );
     metric(
         "adapter_gpu_evictions_total",
         "counter",
-        "Adapters evicted from a GPU pool to make room.",
+        "Adapters evicted from the GPU to make room (LoRA pool pages or delta slots).",
         m.adapter_gpu_evictions_total,
+    );
+    metric(
+        "deltas_on_gpu",
+        "gauge",
+        "Compressed deltas in the workers' delta slots (at most --max-deltas per worker).",
+        m.deltas_on_gpu,
+    );
+    metric(
+        "delta_skips_total",
+        "counter",
+        "Requests admitted past a blocked queue head because their delta was already running (DeltaZip's skip-the-line).",
+        m.delta_skips_total,
+    );
+    metric(
+        "delta_skip_preemptions_total",
+        "counter",
+        "Skip-the-line requests preempted (recomputed later) because their delta's last in-order request left.",
+        m.delta_skip_preemptions_total,
     );
     let _ = writeln!(out, "# HELP deltaserve_api_errors_total Error responses by error type.\n# TYPE deltaserve_api_errors_total counter");
     for (kind, count) in error_counts() {
@@ -206,6 +224,10 @@ mod tests {
             "deltaserve_requests_running 2",
             "deltaserve_kv_blocks_free 7",
             "deltaserve_kv_blocks_total 10",
+            "deltaserve_deltas_on_gpu 1",
+            "# TYPE deltaserve_delta_skips_total counter",
+            "deltaserve_delta_skips_total 5",
+            "deltaserve_delta_skip_preemptions_total 2",
             "# TYPE deltaserve_steps_total counter",
             "deltaserve_api_errors_total{type=\"invalid_request_error\"}",
         ] {

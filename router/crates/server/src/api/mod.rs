@@ -39,6 +39,7 @@ use axum::response::sse::Event;
 use axum::routing::{get, post};
 use axum::Router;
 use deltaserve_ipc::wire::TokenLogprob;
+use deltaserve_sched::VariantKind;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api::openai::Usage;
@@ -72,11 +73,13 @@ pub trait Backend: Clone + Send + Sync + 'static {
     fn is_ready(&self) -> bool;
     /// Engine counters for `/metrics`.
     fn metrics(&self) -> impl Future<Output = EngineMetrics> + Send;
-    /// Registers a LoRA adapter directory under `name` (validated by a worker first).
+    /// Registers a variant directory (LoRA or delta, told apart by its files) under `name`,
+    /// validated by a worker first; with `kind`, only that kind is accepted.
     fn register_adapter(
         &self,
         name: String,
         path: PathBuf,
+        kind: Option<VariantKind>,
     ) -> impl Future<Output = Result<AdapterEntry, AdapterError>> + Send;
     /// Deletes adapter `name` once its in-flight requests are done.
     fn delete_adapter(
@@ -111,8 +114,9 @@ impl Backend for EngineHandle {
         &self,
         name: String,
         path: PathBuf,
+        kind: Option<VariantKind>,
     ) -> Result<AdapterEntry, AdapterError> {
-        EngineHandle::register_adapter(self, &name, &path).await
+        EngineHandle::register_adapter(self, &name, &path, kind).await
     }
     async fn delete_adapter(&self, name: String) -> Result<AdapterEntry, AdapterError> {
         EngineHandle::delete_adapter(self, &name).await
@@ -468,15 +472,26 @@ pub(crate) mod fake {
                 requests_running: 2,
                 kv_blocks_free: 7,
                 kv_blocks_total: 10,
+                deltas_on_gpu: 1,
+                delta_skips_total: 5,
+                delta_skip_preemptions_total: 2,
                 ..Default::default()
             }
         }
-        /// Accepts any path except one containing `bad-dora`, which it refuses as a worker would.
+        /// Accepts any path except one containing `bad-dora`, which it refuses as a worker would;
+        /// a path containing `delta` holds a delta, any other a LoRA adapter.
         async fn register_adapter(
             &self,
             name: String,
             path: PathBuf,
+            kind: Option<VariantKind>,
         ) -> Result<AdapterEntry, AdapterError> {
+            let found = if path.to_string_lossy().contains("delta") {
+                VariantKind::Delta
+            } else {
+                VariantKind::Lora
+            };
+            crate::engine::check_kind(found, kind, &path)?;
             let registry = &self.model.adapters;
             let id = registry.reserve(&name, path.clone(), 1_700_000_001)?;
             if path.to_string_lossy().contains("bad-dora") {
@@ -489,17 +504,25 @@ pub(crate) mod fake {
                     param: "path",
                 });
             }
-            Ok(registry
-                .activate(
-                    id,
-                    AdapterFootprint {
-                        num_blocks: 2,
-                        host_bytes: 4096,
-                        max_rank: 8,
-                        target_modules: vec!["q_proj".into(), "v_proj".into()],
-                    },
-                )
-                .unwrap())
+            let footprint = match found {
+                VariantKind::Lora => AdapterFootprint {
+                    kind: found,
+                    summary: "rank 8".into(),
+                    num_blocks: 2,
+                    host_bytes: 4096,
+                    max_rank: 8,
+                    target_modules: vec!["q_proj".into(), "v_proj".into()],
+                },
+                VariantKind::Delta => AdapterFootprint {
+                    kind: found,
+                    summary: "4-bit 2:4, 2.6x smaller than fp16".into(),
+                    num_blocks: 0,
+                    host_bytes: 1 << 20,
+                    max_rank: 0,
+                    target_modules: vec!["q_proj".into(), "down_proj".into()],
+                },
+            };
+            Ok(registry.activate(id, footprint).unwrap())
         }
         async fn delete_adapter(&self, name: String) -> Result<AdapterEntry, AdapterError> {
             let entry = self.model.adapters.begin_delete(&name)?;

@@ -1,4 +1,5 @@
-//! `GET /v1/models`: the OpenAI model list: the base model, then each adapter as `<base>:<adapter>`.
+//! `GET /v1/models`: the OpenAI model list: the base model, then each active variant (LoRA
+//! adapter or compressed delta) as `<base>:<variant>`, with its `parent` and `kind`.
 
 use axum::extract::State;
 use axum::Json;
@@ -10,15 +11,16 @@ use crate::registry::AdapterState;
 /// The handler.
 pub async fn list_models<B: Backend>(State(backend): State<B>) -> Json<ModelList> {
     let model = backend.model();
-    let card = |id: String, parent: Option<String>| ModelCard {
+    let card = |id: String, parent: Option<String>, kind: Option<&'static str>| ModelCard {
         id,
         object: "model",
         created: model.created,
         owned_by: "deltaserve",
         max_model_len: model.max_model_len,
         parent,
+        kind,
     };
-    let mut data = vec![card(model.name.clone(), None)];
+    let mut data = vec![card(model.name.clone(), None, None)];
     let active = model
         .adapters
         .list()
@@ -28,6 +30,7 @@ pub async fn list_models<B: Backend>(State(backend): State<B>) -> Json<ModelList
         data.push(card(
             format!("{}:{}", model.name, adapter.name),
             Some(model.name.clone()),
+            adapter.footprint.as_ref().map(|f| f.kind.as_str()),
         ));
     }
     Json(ModelList {

@@ -316,4 +316,7 @@ pub struct ModelCard {
     /// For an adapter: the base model it applies to (vLLM's field for LoRA models).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
+    /// For a variant: `lora` or `delta` (a deltaserve extension; absent for the base model).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
 }
