@@ -162,7 +162,7 @@ def test_inspect_reports_footprint_and_errors_and_changes_nothing(make_executor,
     err = narrow.inspect_adapter(str(dirs["qv"])).error
     assert "raise --block-size" in err and "q_proj" in err and "32" in err
 
-    assert ex.adapters.host == {} and ex.adapters.gpu == {} and ex.adapter_host_bytes == 0
+    assert len(ex.adapters.host) == 0 and ex.adapters.gpu == {} and ex.adapter_host_bytes == 0
     off = make_executor(max_lora_rank=0)
     assert off.adapters is None and "--max-lora-rank 0" in off.inspect_adapter(str(dirs["qv"])).error
 

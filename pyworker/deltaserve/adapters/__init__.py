@@ -9,6 +9,7 @@ Layout:
             ``inspect`` for registration, and the per-step slot tables + ``LoraMeta`` the kernels read.
 - ``lora_layers``  ``attach_lora(model, step, weights)`` wraps the block linears in ``LoraLinear``
             (base + ``kernels.lora.lora_delta_stacked`` over the pool when the step has adapter tokens).
+- ``host_tier``  the host-memory tier both pools share: background loads by variant id, bytes, errors.
 - ``delta_pool``  compressed full-fine-tune deltas (``deltaserve compress`` directories): their tiers
             (host memory, ``--max-deltas`` GPU slots), ``inspect``, and each step's delta rows.
 - ``delta_layers``  ``attach_deltas(model, step)``: DeltaZip's decoupled forward, base once plus each

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -48,7 +47,7 @@ from ..kernels.sbmm import DeltaMeta, DeltaWeights, make_delta_weights
 from ..model.arch import ModelConfig
 from ..model.decoder import DecoderLM, linear_slots
 from .delta_layers import ConfigKey, DeltaStep, dense_delta_names
-from .pool import LOAD_THREADS, AdapterLoadError
+from .host_tier import HostTier
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -94,15 +93,6 @@ class DeltaHostCopy:
     """Host bytes it takes."""
 
 
-@dataclass(eq=False)
-class DeltaHostEntry:
-    """A delta in the host tier: its load (maybe still running) and what it is expected to cost."""
-
-    path: Path
-    future: Future[DeltaHostCopy]
-    expected_bytes: int
-
-
 class DeltaPool:
     """Compressed deltas in host memory and in GPU slots, plus the step rows the modules read."""
 
@@ -123,13 +113,12 @@ class DeltaPool:
         self.step = DeltaStep()
         """What the delta-aware modules read; its pools are this pool's."""
         self.step.dense = [{} for _ in range(max_deltas)]
-        self.host: dict[int, DeltaHostEntry] = {}
-        """Delta id -> its host copy (or the load producing it)."""
+        self.host: HostTier[DeltaHostCopy] = HostTier("delta")
+        """Delta id -> its host copy (or the load producing it), loaded in background threads."""
         self.slot_of: dict[int, int] = {}
         """Delta id -> its GPU slot."""
         self.key_of: dict[int, ConfigKey] = {}
         """GPU-resident delta id -> the packed config its slot is filled in."""
-        self._loader = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix="delta-load")
 
     # ------------------------------------------------------------------ inspect / validation
 
@@ -202,36 +191,23 @@ class DeltaPool:
 
     def to_host(self, delta_id: int, path: str | Path) -> None:
         """Starts reading ``path`` into host memory in the background (``to_gpu`` waits for it)."""
-        if delta_id in self.host:
-            raise ValueError(f"delta {delta_id} is already in host memory")
         p = Path(path)
         try:
             expected = self._expected_bytes(read_manifest(p))
         except (ValueError, OSError, KeyError):
             expected = 0  # the load reports the real problem
-        self.host[delta_id] = DeltaHostEntry(p, self._loader.submit(self._read_host_copy, p), expected)
+        self.host.load(delta_id, p, self._read_host_copy, expected)
 
     def drop_host(self, delta_id: int) -> None:
-        entry = self.host.pop(delta_id)
-        entry.future.cancel()
+        self.host.drop(delta_id)
 
     @property
     def host_bytes(self) -> int:
         """Bytes of the host copies held: finished ones measured, running loads as expected."""
-        total = 0
-        for entry in list(self.host.values()):
-            if not entry.future.done():
-                total += entry.expected_bytes
-            elif not entry.future.cancelled() and entry.future.exception() is None:
-                total += entry.future.result().nbytes
-        return total
+        return self.host.nbytes
 
     def wait_host(self, delta_id: int) -> DeltaHostCopy:
-        entry = self.host[delta_id]
-        try:
-            return entry.future.result()
-        except Exception as e:  # noqa: BLE001 - any load failure means the same to the router
-            raise AdapterLoadError(f"delta {delta_id}: loading {entry.path} into host memory failed: {e}") from e
+        return self.host.wait(delta_id)
 
     # ------------------------------------------------------------------ GPU tier
 
@@ -324,4 +300,4 @@ class DeltaPool:
         self.step.logit_rows = {}
 
     def close(self) -> None:
-        self._loader.shutdown(wait=False, cancel_futures=True)
+        self.host.close()

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import logging
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -74,6 +73,7 @@ from ..kernels.lora import LoraMeta, LoraWeights
 from ..model.arch import ModelConfig
 from ..model.decoder import linear_slots
 from ..model.kv_cache import PagedKVCache
+from .host_tier import AdapterLoadError, HostTier
 from .lora import LoraAdapter, LoraAdapterError, load_lora_adapter, projection_features
 from .lora_layers import LoraStep
 
@@ -81,19 +81,9 @@ log = logging.getLogger("deltaserve.worker")
 
 OPS = ("to_host", "to_gpu", "drop_gpu", "drop_host")
 """The ``AdapterOp.op`` strings the worker executes."""
-LOAD_THREADS = 2
-"""Background threads reading adapters into host memory (disk and safetensors parsing bound)."""
 _MAX_VEC_BYTES = 16
 """Widest vector load the kernels may use on aligned rows (``LoraWeights.offset_align``)."""
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-class AdapterLoadError(RuntimeError):
-    """A ``to_host`` load failed (directory vanished or changed since ``inspect``).
-
-    Raised by ``to_gpu`` (the first op that needs the copy). Fatal for the worker: the router
-    believes the adapter is loadable, so the loop reports a fatal ``WorkerError`` and exits.
-    """
 
 
 # ----------------------------------------------------------------------------------- layout
@@ -211,18 +201,6 @@ class HostCopy:
 
 
 @dataclass(eq=False)
-class HostEntry:
-    """An adapter in the host tier: its load (maybe still running) and what it is expected to cost."""
-
-    path: Path
-    """The PEFT directory it is read from."""
-    future: Future[HostCopy]
-    """The background load; its result is the copy, its exception why the load failed."""
-    expected_bytes: int
-    """Bytes the copy will take, from the safetensors header (counted while the load runs)."""
-
-
-@dataclass(eq=False)
 class GpuEntry:
     """An adapter placed on pages: the device tables one step slot is filled from."""
 
@@ -311,8 +289,8 @@ class AdapterPool:
         """Static ``LoraMeta.seg_adapter`` buffer."""
         self.step = LoraStep()
         """What the adapted linears read: the current step's LoraMeta, None when inactive."""
-        self.host: dict[int, HostEntry] = {}
-        """Adapter id -> its host copy (or the load producing it)."""
+        self.host: HostTier[HostCopy] = HostTier("adapter")
+        """Adapter id -> its host copy (or the load producing it), loaded in background threads."""
         self.gpu: dict[int, GpuEntry] = {}
         """Adapter id -> its placement on pages."""
         self.page_owner: dict[int, int] = {}
@@ -321,8 +299,6 @@ class AdapterPool:
         """Adapter id -> the table slot currently filled with its rows (sticky across steps)."""
         self.slot_adapter: list[int] = [0] * self.max_slots
         """Slot -> the adapter id it holds (0 = free)."""
-        self._loader = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix="adapter-load")
-        """Runs ``to_host`` loads in the background."""
 
     # ------------------------------------------------------------------ inspect / validation
 
@@ -363,10 +339,8 @@ class AdapterPool:
 
     def num_blocks_of(self, adapter_id: int) -> int | None:
         """Pages ``adapter_id``'s host copy needs, when its load has finished well (else None)."""
-        entry = self.host.get(adapter_id)
-        if entry is None or not entry.future.done() or entry.future.exception() is not None:
-            return None
-        return entry.future.result().layout.num_blocks
+        copy = self.host.ready(adapter_id)
+        return None if copy is None else copy.layout.num_blocks
 
     # ------------------------------------------------------------------ host tier
 
@@ -412,36 +386,21 @@ class AdapterPool:
 
     def to_host(self, adapter_id: int, path: str | Path) -> None:
         """Starts reading ``path`` into host memory in the background (``to_gpu`` waits for it)."""
-        if adapter_id in self.host:
-            raise ValueError(f"adapter {adapter_id} is already in host memory")
         p = Path(path)
-        self.host[adapter_id] = HostEntry(p, self._loader.submit(self._read_host_copy, p), self._expected_bytes(p))
+        self.host.load(adapter_id, p, self._read_host_copy, self._expected_bytes(p))
 
     def drop_host(self, adapter_id: int) -> None:
         """Frees the host copy (a load still running finishes, and its result is dropped)."""
-        entry = self.host.pop(adapter_id)
-        entry.future.cancel()
+        self.host.drop(adapter_id)
 
     @property
     def host_bytes(self) -> int:
         """Bytes of the host copies held: finished ones measured, running loads as expected."""
-        total = 0
-        for entry in list(self.host.values()):
-            if not entry.future.done():
-                total += entry.expected_bytes
-            elif not entry.future.cancelled() and entry.future.exception() is None:
-                total += entry.future.result().nbytes
-        return total
+        return self.host.nbytes
 
     def wait_host(self, adapter_id: int) -> HostCopy:
         """The host copy, after its load finishes; AdapterLoadError if the load failed."""
-        entry = self.host[adapter_id]
-        try:
-            return entry.future.result()
-        except Exception as e:  # noqa: BLE001 - any load failure means the same to the router
-            raise AdapterLoadError(
-                f"adapter {adapter_id}: loading {entry.path} into host memory failed: {e}"
-            ) from e
+        return self.host.wait(adapter_id)
 
     # ------------------------------------------------------------------ GPU tier
 
@@ -591,7 +550,7 @@ class AdapterPool:
 
     def close(self) -> None:
         """Stops the loader threads (running loads finish)."""
-        self._loader.shutdown(wait=False, cancel_futures=True)
+        self.host.close()
 
 
-__all__ = ["AdapterLayout", "AdapterLoadError", "AdapterPool", "GpuEntry", "HostCopy", "HostEntry", "OPS", "SliceRows"]
+__all__ = ["AdapterLayout", "AdapterLoadError", "AdapterPool", "GpuEntry", "HostCopy", "OPS", "SliceRows"]

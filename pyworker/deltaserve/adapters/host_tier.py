@@ -1,0 +1,110 @@
+"""The host-memory tier of variants on the worker: copies read in background threads, by variant id.
+
+Shared by the LoRA adapter pool (``pool.py``) and the delta pool (``delta_pool.py``): ``to_host``
+starts a load (``load``), ``to_gpu`` waits for it (``wait``: a failed load is ``AdapterLoadError``,
+fatal for the worker), ``drop_host`` forgets it (``drop``). ``nbytes`` is what the worker reports
+as its host tier: finished copies measured, running loads as expected. A mapping of variant id ->
+``HostEntry`` (``in``, iteration, ``get``) for the executor's plan validation.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Generic, Iterator, Protocol, TypeVar
+
+LOAD_THREADS = 2
+"""Background threads reading variants into host memory per pool (disk and parsing bound)."""
+
+
+class AdapterLoadError(RuntimeError):
+    """A ``to_host`` load failed (directory vanished or changed since ``inspect``).
+
+    Raised by ``to_gpu`` (the first op that needs the copy). Fatal for the worker: the router
+    believes the variant is loadable, so the loop reports a fatal ``WorkerError`` and exits.
+    """
+
+
+class _Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+C = TypeVar("C", bound=_Sized)
+
+
+@dataclass(eq=False)
+class HostEntry(Generic[C]):
+    """A variant in the host tier: its load (maybe still running) and what it is expected to cost."""
+
+    path: Path
+    """The directory it is read from."""
+    future: Future[C]
+    """The background load; its result is the copy, its exception why the load failed."""
+    expected_bytes: int
+    """Bytes the copy will take, counted while the load runs."""
+
+
+class HostTier(Generic[C]):
+    """Host copies of one pool's variants, loaded in the background (module docstring)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        """How errors name a variant: ``adapter`` or ``delta``."""
+        self.entries: dict[int, HostEntry[C]] = {}
+        self._loader = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix=f"{what}-load")
+
+    def __contains__(self, variant_id: object) -> bool:
+        return variant_id in self.entries
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, variant_id: int) -> HostEntry[C] | None:
+        return self.entries.get(variant_id)
+
+    def load(self, variant_id: int, path: Path, read: Callable[[Path], C], expected_bytes: int) -> None:
+        """Starts ``read(path)`` in the background as ``variant_id``'s copy."""
+        if variant_id in self.entries:
+            raise ValueError(f"{self.what} {variant_id} is already in host memory")
+        self.entries[variant_id] = HostEntry(path, self._loader.submit(read, path), expected_bytes)
+
+    def drop(self, variant_id: int) -> None:
+        """Frees the copy (a load still running finishes, and its result is dropped)."""
+        self.entries.pop(variant_id).future.cancel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the copies held: finished ones measured, running loads as expected."""
+        total = 0
+        for entry in list(self.entries.values()):
+            if not entry.future.done():
+                total += entry.expected_bytes
+            elif not entry.future.cancelled() and entry.future.exception() is None:
+                total += entry.future.result().nbytes
+        return total
+
+    def ready(self, variant_id: int) -> C | None:
+        """The copy if its load has finished well, else None (no waiting)."""
+        entry = self.entries.get(variant_id)
+        if entry is None or not entry.future.done() or entry.future.cancelled() or entry.future.exception():
+            return None
+        return entry.future.result()
+
+    def wait(self, variant_id: int) -> C:
+        """The copy, after its load finishes; AdapterLoadError if the load failed."""
+        entry = self.entries[variant_id]
+        try:
+            return entry.future.result()
+        except Exception as e:  # noqa: BLE001 - any load failure means the same to the router
+            raise AdapterLoadError(
+                f"{self.what} {variant_id}: loading {entry.path} into host memory failed: {e}"
+            ) from e
+
+    def close(self) -> None:
+        """Stops the loader threads (running loads finish)."""
+        self._loader.shutdown(wait=False, cancel_futures=True)
