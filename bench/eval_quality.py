@@ -8,16 +8,15 @@ For each demo fine-tune (``python -m deltaserve.demo_finetunes --train``; one pe
    4 and 2 bits (``--full-weights``: the SparseGPT baseline). Calibration: the task's own training
    examples, token for token as the fine-tune saw them (DeltaZip §4.2 calibrates on the
    fine-tune's training data);
-2. materialises each result as a plain HF directory (``deltaserve.compress.delta_dir.materialize``,
-   float32): ``W_base + dequant(Δ̃)`` for a delta, ``dequant(W̃)`` for the baseline;
-3. starts the daemon (``--model DIR``, CPU worker, float32) on the base, the uncompressed fine-tune
-   and each materialised model in turn, sends the task's held-out prompts as chat completions
+2. serves each delta the way deltaserve serves variants: the daemon on the base with
+   ``--delta v=DIR`` (DeltaZip's decoupled forward: base once, plus the packed delta per token),
+   requests for model ``<base>:v``; the baseline, which is not a delta, is materialised as a plain
+   HF directory (``deltaserve.compress.delta_dir.materialize``, ``dequant(W̃)``, float32) and served
+   with ``--model``;
+3. starts the daemon (CPU worker, float32) on the base, the uncompressed fine-tune and each
+   compressed variant in turn, sends the task's held-out prompts as chat completions
    (temperature 0) and scores exact matches after stripping whitespace, as
    ``tests/e2e/test_demo_adapters.py`` does.
-
-Deltas are served here as materialised models, not as base + delta: serving a compressed delta
-through the daemon is not built yet. The two are the same weights, so greedy tokens agree, which
-the delta-serving equality test will check once it exists.
 
 Writes ``bench/results/eval_quality-<device>-<date>.json`` (``common.write_result``) and prints a
 table: accuracy per variant, and for the compressed ones the payload bytes and the compression
@@ -57,10 +56,8 @@ COMPRESSED = (
 )
 #: Note stored in the result and printed under the table.
 SERVING_NOTE = (
-    "compressed variants are served by the daemon as materialised HF models (W_base + dequant(delta) for "
-    "'delta-*', dequant(W) for the SparseGPT baseline 'full-*'), float32 on CPU; serving base + compressed delta "
-    "is not built yet, and is token-identical to the materialised model by construction (the issue's "
-    "equality test will check it)"
+    "'delta-*' variants are served by the daemon as base + compressed delta (--delta, decoupled forward); the "
+    "SparseGPT baseline 'full-*' as a materialised HF model dequant(W) (--model); float32 on CPU"
 )
 
 
@@ -70,14 +67,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ask_all(daemon: Path, model_dir: Path, prompts: list[str], max_tokens: int, log: Path) -> tuple[list[str], float]:
-    """Starts the daemon on ``model_dir`` (CPU), sends every prompt as a greedy chat completion, at
-    once; returns (answers in prompt order, stripped; seconds from first request to last answer)."""
+def ask_all(daemon: Path, model_dir: Path, prompts: list[str], max_tokens: int, log: Path,
+            delta: Path | None = None) -> tuple[list[str], float]:  # fmt: skip
+    """Starts the daemon on ``model_dir`` (CPU; with ``delta``, serving it as variant ``v`` and asking
+    ``<base>:v``), sends every prompt as a greedy chat completion, at once; returns (answers in prompt
+    order, stripped; seconds from first request to last answer)."""
     port = free_port()
     cmd = [str(daemon), "--port", str(port), "--python", sys.executable, "--devices", "cpu",
-           "--model", str(model_dir)]  # fmt: skip
+           "--model", str(model_dir)] + ([] if delta is None else ["--delta", f"v={delta}"])  # fmt: skip
     with launch(cmd, f"http://127.0.0.1:{port}", log, ready_timeout_s=600) as url:
         name = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        if delta is not None:
+            name = f"{name}:v"
 
         def ask(msg: str) -> str:
             r = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
@@ -167,15 +168,19 @@ def evaluate_task(task: str, args, base_dir: Path, daemon: Path, work: Path, bas
             csecs = None
         else:
             csecs = compress(base_dir, ft_dir, ddir, bits, full, calib, args.nsamples, tdir / f"{ddir.name}.log")
-        mdir = tdir / f"{ddir.name}-model"
-        if mdir.exists():
-            shutil.rmtree(mdir)
-        materialize(ddir, base_dir, mdir)
-        try:
-            got, secs = ask_all(daemon, mdir, prompts, args.max_tokens, tdir / f"daemon-{ddir.name}.log")
-        finally:
-            if not args.keep:
+        log = tdir / f"daemon-{ddir.name}.log"
+        if not full:  # a delta: served as base + delta
+            got, secs = ask_all(daemon, base_dir, prompts, args.max_tokens, log, delta=ddir)
+        else:
+            mdir = tdir / f"{ddir.name}-model"
+            if mdir.exists():
                 shutil.rmtree(mdir)
+            materialize(ddir, base_dir, mdir)
+            try:
+                got, secs = ask_all(daemon, mdir, prompts, args.max_tokens, log)
+            finally:
+                if not args.keep:
+                    shutil.rmtree(mdir)
         rows[name] = {**score(pairs, got), **manifest_sizes(ddir),
                       "compress_seconds": None if csecs is None else round(csecs, 1), "serve_seconds": round(secs, 1)}
         _progress(task, name, rows[name])

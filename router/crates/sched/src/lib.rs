@@ -1,9 +1,9 @@
 //! The pure scheduler: iteration-level continuous batching of prefill and decode over one
 //! paged GPU pool that holds both the KV cache and LoRA adapter weights (S-LoRA unified
 //! paging), whose accounting the router owns, plus the variants' tiers (disk -> host memory ->
-//! GPU pages for LoRA adapters, GPU delta slots for compressed full fine-tunes, DeltaZip). No IO, no clock, no async: time comes in as numbers, the same calls give the
-//! same plans, and everything is unit-testable (and drivable from a Python simulator through
-//! the `py` crate).
+//! GPU pages for LoRA adapters, GPU delta slots for compressed full fine-tunes, DeltaZip). No
+//! IO, no clock, no async: time comes in as numbers, the same calls give the same plans, and
+//! everything is unit-testable (and drivable from a Python simulator through the `py` crate).
 //!
 //! # Layout
 //!
