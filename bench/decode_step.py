@@ -88,7 +88,8 @@ def main() -> None:
         ctx_tokens = args.ctx + args.steps + args.warmup + 2
         for mode, graph_batch in (("graphs", max(batches)), ("eager", 0)):
             ex = Executor(model_dir, device="cuda:0", dtype="float16", block_size=16, kv_cache_bytes=0,
-                          gpu_memory_utilization=0.92, cuda_graph_max_batch=graph_batch)
+                          gpu_memory_utilization=0.92, cuda_graph_max_batch=graph_batch,
+                          max_deltas=0)  # base path only: no delta slots reserved or wrappers
             c = ex.config
             kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2  # K and V, fp16
             weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())

@@ -122,7 +122,8 @@ def main() -> None:
         for mode, graph_batch in (("graphs", args.batch), ("eager", 0)):
             ex = Executor(model_dir, device="cuda:0", dtype="float16", block_size=16, kv_cache_bytes=0,
                           gpu_memory_utilization=0.92, cuda_graph_max_batch=graph_batch,
-                          max_lora_rank=args.max_lora_rank, max_loras_per_step=max(args.adapters, 1))
+                          max_lora_rank=args.max_lora_rank, max_loras_per_step=max(args.adapters, 1),
+                          max_deltas=0)  # LoRA only: no delta slots reserved or wrappers
             first_page = place(ex, dirs, 0)
             times = decode_rows(ex, args, args.adapters, first_page)
             base = times["base"]
