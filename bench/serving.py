@@ -122,7 +122,8 @@ average rank ~30: too many for host RAM at n = 2000, so the host tier evicts the
 DAEMON_GPU_FLAGS = {"deltaserve": GPU_FLAGS, "merged": GPU_FLAGS}
 """The LoRA experiments' flags per server: only the daemon takes them."""
 DELTAZIP_RATES = (0.5, 1.0)
-"""Default DeltaZip-analogue rates (req/s): the swap baseline is already overloaded at both."""
+"""Default DeltaZip-analogue rates (req/s); expected to overload the swap baseline, which reads a 13.5 GB model
+for most batches (not measured yet)."""
 DELTAZIP_LENGTHS = ((8, 512), (8, 128))
 """Prompt and output length ranges of the deltazip experiment (see the module docstring)."""
 DELTAZIP_FLAGS = {
@@ -333,6 +334,20 @@ def _gen_device(devices: str) -> str:
     return "cpu" if devices == "cpu" else "cuda"
 
 
+def _drop_partial(checkpoint: Path) -> None:
+    """Removes what an interrupted ``write_random_checkpoint`` of ``checkpoint`` left (it writes
+    ``<name>.partial`` and renames it when done)."""
+    shutil.rmtree(checkpoint.with_name(checkpoint.name + ".partial"), ignore_errors=True)
+
+
+def _release_gpu(gen_device: str) -> None:
+    """Gives this process's cached CUDA blocks back, so the server started next sees them free."""
+    if gen_device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 @dataclass
 class VariantFiles:
     """What ``prepare_variants`` wrote for one server."""
@@ -351,7 +366,9 @@ def write_base_checkpoint(work: Path, config: dict, gen_device: str) -> Path:
     base = work / "base"
     if not base.exists():
         t0 = time.perf_counter()
+        _drop_partial(base)
         write_random_checkpoint(config, base, seed=0, device=gen_device)
+        _release_gpu(gen_device)
         print(f"base checkpoint written in {time.perf_counter() - t0:.1f} s: {base}", flush=True)
     if not (base / "tokenizer.json").is_file():
         write_word_tokenizer(base, config["vocab_size"])
@@ -406,17 +423,18 @@ def write_full_variants(work: Path, out: Path, server: str, variants: list[wl.Va
             (d / payload).symlink_to(src / payload)
             deltas[v.name] = d
         return VariantFiles(model_dir=base, lora_dir=None, deltas=deltas)
-    checkpoints = [base]
-    if server == "swap":
-        for d in finetunes:
-            if not d.exists():
-                t0 = time.perf_counter()
-                write_random_checkpoint(config, d, seed=0, noise=FINETUNE_NOISE, noise_seed=int(d.name[2:]),
-                                        device=gen_device)  # fmt: skip
-                print(f"fine-tuned checkpoint written in {time.perf_counter() - t0:.1f} s: {d}", flush=True)
-            if not (d / "tokenizer.json").is_file():
-                write_word_tokenizer(d, config["vocab_size"])
-            checkpoints.append(d)
+    checkpoints = [base]  # swap
+    for d in finetunes:
+        if not d.exists():
+            t0 = time.perf_counter()
+            _drop_partial(d)
+            write_random_checkpoint(config, d, seed=0, noise=FINETUNE_NOISE, noise_seed=int(d.name[2:]),
+                                    device=gen_device)  # fmt: skip
+            _release_gpu(gen_device)
+            print(f"fine-tuned checkpoint written in {time.perf_counter() - t0:.1f} s: {d}", flush=True)
+        if not (d / "tokenizer.json").is_file():
+            write_word_tokenizer(d, config["vocab_size"])
+        checkpoints.append(d)
     for i, v in enumerate(variants):
         (out / v.name).symlink_to(checkpoints[i % len(checkpoints)], target_is_directory=True)
     return VariantFiles(model_dir=base, lora_dir=out, deltas={})
@@ -623,25 +641,32 @@ def work_directory(path: Path | None) -> Iterator[Path]:
 
 def probe_variants(endpoint: Endpoint, names: list[str], vocab: tuple[int, int], timeout_s: float) -> dict[str, Any]:
     """One fixed prompt, ``PROBE_TOKENS`` greedy tokens (EOS ignored), for each of ``names`` in
-    turn: the output text per variant, errors per variant, and how many outputs differ."""
+    turn: per variant the output text, the chosen tokens' logprobs (the daemon reports them; the
+    baselines do not), or the error; and how many of each differ. Variants whose weights differ
+    give different logprobs even where a random model's greedy text coincides."""
     lo, hi = vocab
     prompt = [lo + (37 * i + 11) % (hi - lo) for i in range(8)]
     outputs: dict[str, str] = {}
+    logprobs: dict[str, list[float]] = {}
     errors: dict[str, str] = {}
     for name in names:
         body = {"model": endpoint.model or name, "prompt": prompt, "max_tokens": PROBE_TOKENS, "ignore_eos": True,
-                "temperature": 0.0, "stream": False}  # fmt: skip
+                "temperature": 0.0, "stream": False, "logprobs": 1}  # fmt: skip
         req = urllib.request.Request(f"{endpoint.url}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})  # fmt: skip
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                outputs[name] = json.loads(r.read())["choices"][0]["text"]
+                choice = json.loads(r.read())["choices"][0]
+            outputs[name] = choice["text"]
+            if (choice.get("logprobs") or {}).get("token_logprobs") is not None:
+                logprobs[name] = choice["logprobs"]["token_logprobs"]
         except urllib.error.HTTPError as e:
             errors[name] = f"HTTP {e.code}: {e.read().decode(errors='replace')[:300]}"
         except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
-    return {"prompt": prompt, "max_tokens": PROBE_TOKENS, "outputs": outputs, "errors": errors,
-            "distinct_outputs": len(set(outputs.values()))}  # fmt: skip
+    return {"prompt": prompt, "max_tokens": PROBE_TOKENS, "outputs": outputs, "token_logprobs": logprobs,
+            "errors": errors, "distinct_outputs": len(set(outputs.values())),
+            "distinct_logprobs": len({tuple(v) for v in logprobs.values()})}  # fmt: skip
 
 
 def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = None, devices: str | None = None,
@@ -693,7 +718,6 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
                 "distinct_checkpoints": distinct_checkpoints or exp.distinct_checkpoints,
                 "finetune_noise": FINETUNE_NOISE,
             }  # fmt: skip
-        path = None
         t0 = time.perf_counter()
         with SERVERS[server](spec) as endpoint:
             payload["server_ready_s"] = time.perf_counter() - t0
@@ -709,13 +733,14 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
                       f"failed {summary['failed']}, SLO {_fmt(summary['slo']['attainment'])}", flush=True)  # fmt: skip
                 payload["points"].append({"label": p.label, "protocol": p.protocol, "trace": trace.params,
                                           "summary": summary, "requests": [r.row() for r in records]})  # fmt: skip
-                path = write_result(name, payload, out_dir)
+                write_result(name, payload, out_dir)
             if exp.probe_variants:
                 names = [v.name for v in traces[0].variants][: exp.probe_variants]
                 payload["probe"] = probe_variants(endpoint, names, tuple(traces[0].params["vocab"]), exp.timeout_s)
-                print(f"    probe: {payload['probe']['distinct_outputs']} distinct outputs over {len(names)} variants"
-                      f"{', errors: ' + str(payload['probe']['errors']) if payload['probe']['errors'] else ''}",
-                      flush=True)  # fmt: skip
+                pr = payload["probe"]
+                print(f"    probe of {len(names)} variants: {pr['distinct_outputs']} distinct outputs, "
+                      f"{pr['distinct_logprobs']} distinct logprob sequences"
+                      f"{', errors: ' + str(pr['errors']) if pr['errors'] else ''}", flush=True)  # fmt: skip
     payload["complete"] = True
     path = write_result(name, payload, out_dir)
     if plots:
@@ -952,5 +977,12 @@ def main(argv: list[str] | None = None) -> Path | None:
     return paths[0]
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 if __name__ == "__main__":
+    # A killed run (`timeout`, a job limit) unwinds like Ctrl-C: the server it started is stopped
+    # (it runs in its own session, so it would otherwise outlive this process and hold the GPU).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     main()
