@@ -153,10 +153,9 @@ def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [rows, w] -> int32 [rows, w*32/bits] codes, inverse of ``_pack_words``."""
     per = 32 // bits
     rows, w = words.shape
-    u = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64, device=words.device) * bits
-    vals = (u.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return vals.reshape(rows, w * per).to(torch.int32)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    # Arithmetic shifts of the signed words: the mask keeps exactly the code's low bits.
+    return ((words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(rows, w * per)
 
 
 def pack(
@@ -245,10 +244,17 @@ def unpack(p: PackedLinear) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(p: PackedLinear, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """THE reference value of the delta: ``[out, in]``, ``(code − zero)·scale`` where kept, 0 where pruned.
 
-    Computed in float32 from the float16 scales/zeros, then cast to ``dtype``.
+    Computed in float32 from the float16 scales/zeros, then cast to ``dtype``. Kept values only are
+    computed (then scattered to their columns when 2:4), which is ``unpack`` followed by the formula.
     """
-    codes, mask = unpack(p)
-    scale = p.scales.float().repeat_interleave(p.group_size, dim=1)
-    zero = p.zeros.float().repeat_interleave(p.group_size, dim=1)
-    value = (codes.float() - zero) * scale
-    return torch.where(mask, value, torch.zeros((), dtype=value.dtype, device=value.device)).to(dtype)
+    out_f, in_f, g = p.out_features, p.in_features, p.group_size
+    kept = _unpack_words(p.qvalues, p.bits).float()
+    if not p.sparse:
+        value = (kept.reshape(out_f, in_f // g, g) - p.zeros.float().unsqueeze(-1)) * p.scales.float().unsqueeze(-1)
+        return value.reshape(out_f, in_f).to(dtype)
+    assert p.qindices is not None
+    dev = p.qvalues.device
+    cols = torch.arange(in_f // 2, device=dev, dtype=torch.int64) // 2 * 4 + _unpack_words(p.qindices, 2).long()
+    group = cols // g
+    value = (kept - p.zeros.float().gather(1, group)) * p.scales.float().gather(1, group)
+    return torch.zeros(out_f, in_f, dtype=torch.float32, device=dev).scatter_(1, cols, value).to(dtype)
