@@ -17,6 +17,7 @@ ops: a delta's ``to_gpu`` has no pages (``num_blocks`` 0), it takes a worker del
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,22 @@ def test_max_deltas_flag(tiny_llama: Path, tmp_path: Path) -> None:
     assert WorkerConfig.from_args(base + ["--max-deltas", "0"]).max_deltas == 0
     with pytest.raises(ConfigError, match="--max-deltas 65: expected 0..64"):
         WorkerConfig.from_args(base + ["--max-deltas", "65"])
+
+
+@pytest.mark.skipif(not (os.environ.get("DELTASERVE_TEST_GPU") == "1" and torch.cuda.is_available()),
+                    reason="the Triton SBMM path needs a GPU (make test-gpu)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_cuda_the_triton_path_serves_deltas_like_the_cpu_reference(tiny_llama: Path, variants, dtype: str) -> None:
+    """The executor on CUDA (SBMM in Triton, dense deltas on the device) against the same executor on
+    CPU (sbmm_ref): identical greedy tokens in float32; in bfloat16, the first token and close logits."""
+    dirs = {aid: d for aid, (d, _) in variants.items()}
+    adapter_of = {i: (0, LORA, D4, D2)[i % 4] for i in range(8)}
+    ps = prompts(8, 1000, seed=12, lo=3, hi=20)
+    got = {}
+    for device in ("cpu", "cuda"):
+        ex = Executor(tiny_llama, device=device, dtype=dtype, block_size=4, kv_cache_bytes=KV_BYTES)
+        got[device] = AdapterRouter(ex, dirs, adapter_of).run({i: (p, 6) for i, p in enumerate(ps)})
+    if dtype == "float32":
+        assert got["cuda"] == got["cpu"]
+    else:
+        assert sum(got["cuda"][i][0] == got["cpu"][i][0] for i in got["cpu"]) >= 7
