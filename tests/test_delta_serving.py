@@ -99,21 +99,10 @@ def test_mixed_batch_matches_each_alone(executor_factory, variants) -> None:
     alone = {i: solo.run({i: (p, max_new[i])})[i] for i, p in enumerate(ps)}
 
     router = AdapterRouter(executor_factory(), dirs, adapter_of, chunk=7, seed=2)
-    arrivals = {i: i // 3 for i in range(n)}
-    pending, steps, preempted, added = {i: (p, max_new[i]) for i, p in enumerate(ps)}, 0, False, {}
-    while pending or router.active:
-        for rid in [r for r in pending if arrivals[r] <= steps]:
-            prompt, k = pending.pop(rid)
-            added[rid] = router.add(rid, prompt, k)
-        if not preempted and 6 in router.active and len(router.active[6].outputs) == 2:
-            router.preempt(6)  # comes back as a NewRequest: it must keep its delta
-            preempted = True
-        if router.active:
-            router.step()
-        steps += 1
-        assert steps < 1000
-    assert preempted and router.mixed_steps > 0
-    assert {rid: r.outputs for rid, r in added.items()} == alone
+    reqs = {i: (p, max_new[i]) for i, p in enumerate(ps)}
+    together = router.run_staggered(reqs, {i: i // 3 for i in range(n)}, preempt=6)  # 6 uses the 4-bit delta
+    assert router.mixed_steps > 0
+    assert together == alone
     assert len({tuple(alone[i]) for i in range(4)}) == 4
 
 

@@ -111,6 +111,25 @@ class AdapterRouter(MiniRouter):
             self.adapter_decode_steps += 1
         return plan
 
+    def run_staggered(self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int],
+                      preempt: int) -> dict[int, list[int]]:
+        """Runs ``reqs`` arriving at their step numbers, preempting request ``preempt`` once after
+        its second token (it comes back as a NewRequest and must keep its variant); returns outputs."""
+        pending, steps, preempted, added = dict(reqs), 0, False, {}
+        while pending or self.active:
+            for rid in [r for r in pending if arrivals[r] <= steps]:
+                prompt, k = pending.pop(rid)
+                added[rid] = self.add(rid, prompt, k)
+            if not preempted and preempt in self.active and len(self.active[preempt].outputs) == 2:
+                self.preempt(preempt)
+                preempted = True
+            if self.active:
+                self.step()
+            steps += 1
+            assert steps < 1000
+        assert preempted, f"request {preempt} finished before it could be preempted"
+        return {rid: r.outputs for rid, r in added.items()}
+
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, torch.nn.Module]]:
@@ -153,22 +172,9 @@ def test_mixed_batch_matches_each_alone(executor_factory, dirs) -> None:
 
     router = AdapterRouter(executor_factory(), dirs, adapter_of, chunk=9, seed=5)
     reqs = {i: (p, max_new[i]) for i, p in enumerate(ps)}
-    arrivals = {i: i // 3 for i in range(n)}
-    pending, steps, preempted = dict(reqs), 0, False
-    added = {}
-    while pending or router.active:
-        for rid in [r for r in pending if arrivals[r] <= steps]:
-            prompt, k = pending.pop(rid)
-            added[rid] = router.add(rid, prompt, k)
-        if not preempted and 6 in router.active and len(router.active[6].outputs) == 2:
-            router.preempt(6)  # comes back as a NewRequest: it must keep adapter B
-            preempted = True
-        if router.active:
-            router.step()
-        steps += 1
-        assert steps < 1000
-    assert preempted and router.mixed_steps > 0 and router.adapter_decode_steps > 0
-    assert {rid: r.outputs for rid, r in added.items()} == alone
+    together = router.run_staggered(reqs, {i: i // 3 for i in range(n)}, preempt=6)  # 6 uses adapter B
+    assert router.mixed_steps > 0 and router.adapter_decode_steps > 0
+    assert together == alone
     assert len({tuple(alone[i]) for i in range(4)}) == 4  # same-shaped requests, four different answers
 
 
