@@ -235,6 +235,27 @@ def test_store_and_clear_refill_a_slot_in_place() -> None:
             sbmm(x, base.clone(), w, meta, use_triton=use_triton)
 
 
+def test_reference_cache_follows_store_and_clear() -> None:
+    """The CPU serving path's cache of dequantised slots gives the uncached result, and a slot
+    refilled or cleared through ``store`` / ``clear`` is never served from a stale entry."""
+    w = make_delta_weights(deltas(4, True, SHAPES[0]))
+    w.cache_reference()
+    meta = DeltaMeta.rows([0, 1, 0], DEVICE)
+    x, base = randn(3, 64, dtype=torch.float32, seed=3), randn(3, 48, dtype=torch.float32, seed=4)
+    want = sbmm_ref(x, base.clone(), make_delta_weights(deltas(4, True, SHAPES[0])), meta)
+    assert torch.equal(sbmm_ref(x, base.clone(), w, meta), want)
+    assert sorted(w.ref_cache) == [(0, torch.float32), (1, torch.float32)]
+    assert torch.equal(sbmm_ref(x, base.clone(), w, meta), want)  # from the cache
+    new = random_packed(48, 64, 4, True, 64, seed=98)
+    w.store(0, new)
+    got = sbmm_ref(x, base.clone(), w, meta)
+    torch.testing.assert_close(got[0], base[0] + dequantize(new) @ x[0], rtol=1e-5, atol=1e-5)
+    w.clear(1)
+    assert (1, torch.float32) not in w.ref_cache
+    with pytest.raises(ValueError, match="delta slot 1 holds no delta"):
+        sbmm_ref(x, base.clone(), w, meta)
+
+
 def test_non_contiguous_x() -> None:
     w = pool(4, True, SHAPES[0])
     meta = DeltaMeta.rows([0, 1, -1, 2], DEVICE)

@@ -231,6 +231,8 @@ class DeltaPool:
             pools = {}
             for k, p in copy.packed.items():
                 pools[k] = make_delta_weights([p if s == slot else None for s in range(self.max_deltas)], self.device)
+                if self.device.type == "cpu":  # sbmm_ref serves: dequantise each delta once, not every step
+                    pools[k].cache_reference()
             self.step.weights[copy.key] = pools
         else:
             for k, p in copy.packed.items():  # every delta packs every block linear (_validate)

@@ -220,6 +220,10 @@ class DeltaWeights:
     """Host flags, one per slot: the slot holds a delta (``store``d); left empty at construction, every
     slot counts as loaded. A step that uses an empty slot is refused (its zero-filled region would
     silently add nothing)."""
+    ref_cache: dict[tuple[int, torch.dtype], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    """(slot, dtype) -> ``dequantize`` of that slot for ``sbmm_ref``, when enabled (``cache_reference``:
+    the CPU serving path, which would otherwise dequantise every delta at every call); None: off.
+    ``store`` / ``clear`` drop the slot's entries; writing the buffers directly would not."""
 
     def __post_init__(self) -> None:
         n = self.qvalues_offsets.shape[0] if self.qvalues_offsets.dim() == 1 else -1
@@ -296,6 +300,26 @@ class DeltaWeights:
                             view(self.scales, self.group_offsets, g),
                             view(self.zeros, self.group_offsets, g))  # fmt: skip
 
+    def cache_reference(self) -> None:
+        """Lets ``sbmm_ref`` keep each slot's dequantised delta (more memory, no repeated unpacking)."""
+        if self.ref_cache is None:
+            object.__setattr__(self, "ref_cache", {})
+
+    def reference_delta(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        """``dequantize(packed(slot), dtype)`` as float32 ``[out, in]``: what ``sbmm_ref`` multiplies by."""
+        key = (slot, dtype)
+        if self.ref_cache is not None and key in self.ref_cache:
+            return self.ref_cache[key]
+        delta = dequantize(self.packed(slot), dtype).float()
+        if self.ref_cache is not None:
+            self.ref_cache[key] = delta
+        return delta
+
+    def _forget(self, slot: int) -> None:
+        if self.ref_cache:
+            for key in [k for k in self.ref_cache if k[0] == slot]:
+                del self.ref_cache[key]
+
     def store(self, slot: int, p: PackedLinear) -> None:
         """Copies ``p`` into slot ``slot`` (in place) and marks it loaded."""
         if not 0 <= slot < self.num_slots:
@@ -304,12 +328,14 @@ class DeltaWeights:
         dst = self._views(slot)
         for name, t in p.tensors().items():
             getattr(dst, name).copy_(t)
+        self._forget(slot)
         self.loaded[slot] = True
 
     def clear(self, slot: int) -> None:
         """Marks slot ``slot`` empty; a step that uses it is refused until the next ``store``."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"sbmm: delta slot {slot} out of range (the pool has {self.num_slots} slots)")
+        self._forget(slot)
         self.loaded[slot] = False
 
 
@@ -394,7 +420,7 @@ def sbmm_ref(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMet
     """Torch reference and CPU path of ``sbmm``: per delta, ``dequantize`` (pack.py) then one matmul."""
     _check_call(x, out, w, meta)
     for d, tok in _token_groups(meta).items():
-        delta = dequantize(w.packed(d), x.dtype).float()  # [out, in], at x's precision like the kernel
+        delta = w.reference_delta(d, x.dtype)  # [out, in], at x's precision like the kernel
         out[tok] = (out[tok].float() + x[tok].float() @ delta.T).to(out.dtype)
     return out
 
