@@ -116,9 +116,10 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 """Projections the generated adapters adapt (S-LoRA's choice)."""
 S2_RANKS = (64, 32, 16, 8)
 """S-LoRA Table 1, S2."""
-GPU_FLAGS = ("--lora-host-bytes", str(48 << 30))
+GPU_FLAGS = ("--lora-host-bytes", str(48 << 30), "--max-deltas", "0")
 """S-LoRA keeps every adapter in host memory: 2000 rank-8 Llama-2-7B adapters are 34 GB (S2's
-average rank ~30: too many for host RAM at n = 2000, so the host tier evicts there)."""
+average rank ~30: too many for host RAM at n = 2000, so the host tier evicts there). No delta
+slots: the LoRA experiments give the whole pool to KV and adapters, as S-LoRA does."""
 DAEMON_GPU_FLAGS = {"deltaserve": GPU_FLAGS, "merged": GPU_FLAGS}
 """The LoRA experiments' flags per server: only the daemon takes them."""
 DELTAZIP_RATES = (0.5, 1.0)
