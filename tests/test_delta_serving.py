@@ -165,6 +165,7 @@ def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, var
         ([op(D4, "drop_gpu", "", []), op(D4, "drop_gpu", "", [])], r"drop_gpu adapter 2\): not on the GPU"),
         ([op(D4, "to_host", lora, [])], r"to_host adapter 2\): the id is a delta on this worker"),  # a LoRA dir
         ([op(D2, "drop_host", "", []), op(D2, "to_gpu", "", [])], r"not in host memory"),
+        ([op(D4, "drop_host", "", []), op(D4, "to_host", "", [])], r"to_host adapter 2\): no path"),
     ]
     for ops, match in cases:
         before = _snapshot(ex)

@@ -623,86 +623,77 @@ class Executor:
                 bad("adapter id 0 is the base model")
                 continue
             delta = is_delta_dir(op.path) if op.op == "to_host" and op.path else aid in delta_host | delta_gpu
-            if delta:
-                if deltas is None:
-                    bad("delta serving is off on this worker (--max-deltas 0)")
-                    continue
-                if aid in on_host or aid in on_gpu:
-                    bad("the id is a LoRA adapter on this worker")
-                elif op.op == "to_host":
-                    if aid in delta_host:
-                        bad("already in host memory (drop_host first)")
-                    else:
-                        delta_host.add(aid)
-                elif op.op == "to_gpu":
-                    if aid not in delta_host:
-                        bad("not in host memory (a to_host must come first)")
-                    elif aid in delta_gpu:
-                        bad("already on the GPU (drop_gpu first)")
-                    elif op.block_ids:
-                        bad("a delta takes a delta slot, not pool pages: block_ids must be empty")
-                    elif len(delta_gpu) >= deltas.max_deltas:
-                        bad(f"all {deltas.max_deltas} delta slots (--max-deltas) are taken")
-                    else:
-                        delta_gpu.add(aid)
-                elif op.op == "drop_gpu":
-                    if aid not in delta_gpu:
-                        bad("not on the GPU")
-                    delta_gpu.discard(aid)
-                elif op.op == "drop_host":
-                    if aid not in delta_host:
-                        bad("not in host memory")
-                    delta_host.discard(aid)
-                else:
-                    bad(f"unknown op {op.op!r} (expected one of {', '.join(OPS)})")
+            if delta and deltas is None:
+                bad("delta serving is off on this worker (--max-deltas 0)")
                 continue
-            if pool is None:
+            if not delta and pool is None:
                 bad("LoRA is off on this worker (--max-lora-rank 0)")
                 continue
-            if aid in delta_host or aid in delta_gpu:
-                bad("the id is a delta on this worker")
+            # One tier state machine for both kinds; only a to_gpu's placement differs.
+            host, gpu = (delta_host, delta_gpu) if delta else (on_host, on_gpu)
+            other, other_kind = (on_host | on_gpu, "a LoRA adapter") if delta else (delta_host | delta_gpu, "a delta")
+            if aid in other:
+                bad(f"the id is {other_kind} on this worker")
             elif op.op == "to_host":
-                if aid in on_host:
+                if aid in host:
                     bad("already in host memory (drop_host first)")
                 elif not op.path:
                     bad("no path")
                 else:
-                    on_host.add(aid)
+                    host.add(aid)
             elif op.op == "to_gpu":
-                blocks = list(op.block_ids)
-                if aid not in on_host:
+                if aid not in host:
                     bad("not in host memory (a to_host must come first)")
-                elif aid in on_gpu:
+                elif aid in gpu:
                     bad("already on the GPU (drop_gpu first)")
-                elif not blocks:
-                    bad("no block ids")
                 else:
-                    outside = [b for b in blocks if not 0 <= b < self.num_blocks]
-                    repeated = sorted({b for b in blocks if blocks.count(b) > 1})
-                    taken = [b for b in blocks if b in page_owner]
-                    need = pool.num_blocks_of(aid)
-                    if outside:
-                        bad(f"block ids {outside[:4]} outside the pool of {self.num_blocks} blocks")
-                    elif repeated:
-                        bad(f"block ids {repeated[:4]} repeated")
-                    elif taken:
-                        bad(f"block ids {taken[:4]} hold adapter {page_owner[taken[0]]}")
-                    elif need is not None and need != len(blocks):
-                        bad(f"{len(blocks)} block ids, the adapter needs {need}")
+                    problem = (self._delta_slot_problem(op, len(gpu)) if delta
+                               else self._lora_pages_problem(op, page_owner))  # fmt: skip
+                    if problem:
+                        bad(problem)
                     else:
-                        on_gpu.add(aid)
-                        page_owner.update((b, aid) for b in blocks)
+                        gpu.add(aid)
+                        page_owner.update((b, aid) for b in op.block_ids)
             elif op.op == "drop_gpu":
-                if aid not in on_gpu:
+                if aid not in gpu:
                     bad("not on the GPU")
                 else:
-                    on_gpu.discard(aid)
+                    gpu.discard(aid)
                     page_owner = {b: a for b, a in page_owner.items() if a != aid}
             elif op.op == "drop_host":
-                if aid not in on_host:
+                if aid not in host:
                     bad("not in host memory")
                 else:
-                    on_host.discard(aid)
+                    host.discard(aid)
             else:
                 bad(f"unknown op {op.op!r} (expected one of {', '.join(OPS)})")
         return on_gpu | delta_gpu, page_owner, delta_gpu
+
+    def _delta_slot_problem(self, op: wire.AdapterOp, resident: int) -> str | None:
+        """Why a delta's ``to_gpu`` cannot be placed with ``resident`` deltas on the GPU, or None."""
+        assert self.deltas is not None
+        if op.block_ids:
+            return "a delta takes a delta slot, not pool pages: block_ids must be empty"
+        if resident >= self.deltas.max_deltas:
+            return f"all {self.deltas.max_deltas} delta slots (--max-deltas) are taken"
+        return None
+
+    def _lora_pages_problem(self, op: wire.AdapterOp, page_owner: dict[int, int]) -> str | None:
+        """Why a LoRA adapter's ``to_gpu`` cannot go on ``op.block_ids`` given the pages adapters hold, or None."""
+        assert self.adapters is not None
+        blocks = list(op.block_ids)
+        if not blocks:
+            return "no block ids"
+        outside = [b for b in blocks if not 0 <= b < self.num_blocks]
+        repeated = sorted({b for b in blocks if blocks.count(b) > 1})
+        taken = [b for b in blocks if b in page_owner]
+        need = self.adapters.num_blocks_of(op.adapter_id)
+        if outside:
+            return f"block ids {outside[:4]} outside the pool of {self.num_blocks} blocks"
+        if repeated:
+            return f"block ids {repeated[:4]} repeated"
+        if taken:
+            return f"block ids {taken[:4]} hold adapter {page_owner[taken[0]]}"
+        if need is not None and need != len(blocks):
+            return f"{len(blocks)} block ids, the adapter needs {need}"
+        return None
