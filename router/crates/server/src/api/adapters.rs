@@ -195,17 +195,25 @@ mod tests {
         serde_json::from_str(body).unwrap()
     }
 
-    #[tokio::test]
-    async fn register_list_select_and_delete() {
-        let (_, app) = app();
-        let (status, _, body) = send(
+    /// `POST /v1/adapters` with a JSON body: status, headers, body text.
+    async fn post(
+        app: &axum::Router,
+        body: &'static str,
+    ) -> (axum::http::StatusCode, axum::http::HeaderMap, String) {
+        send(
             app.clone(),
             "POST",
             "/v1/adapters",
             Some("application/json"),
-            r#"{"name": "sql", "path": "/adapters/sql"}"#,
+            body,
         )
-        .await;
+        .await
+    }
+
+    #[tokio::test]
+    async fn register_list_select_and_delete() {
+        let (_, app) = app();
+        let (status, _, body) = post(&app, r#"{"name": "sql", "path": "/adapters/sql"}"#).await;
         assert_eq!(status, 201, "{body}");
         let card = json_of(&body);
         assert_eq!(card["id"], "sql");
@@ -255,16 +263,7 @@ mod tests {
     #[tokio::test]
     async fn refusals_are_clear_and_change_nothing() {
         let (fake, app) = app();
-        let post = |body: &'static str| {
-            send(
-                app.clone(),
-                "POST",
-                "/v1/adapters",
-                Some("application/json"),
-                body,
-            )
-        };
-        let (status, _, body) = post(r#"{"name": "a", "path": "/adapters/a"}"#).await;
+        let (status, _, body) = post(&app, r#"{"name": "a", "path": "/adapters/a"}"#).await;
         assert_eq!(status, 201, "{body}");
 
         let cases: [(&str, u16, &str, Option<&str>); 6] = [
@@ -301,7 +300,7 @@ mod tests {
             ),
         ];
         for (req, want_status, want_text, want_param) in cases {
-            let (status, _, body) = post(req).await;
+            let (status, _, body) = post(&app, req).await;
             assert_eq!(status.as_u16(), want_status, "{req}: {body}");
             let err = &json_of(&body)["error"];
             assert!(
@@ -331,27 +330,24 @@ mod tests {
     #[tokio::test]
     async fn deltas_register_like_adapters_and_a_given_kind_is_asserted() {
         let (fake, app) = app();
-        let post = |body: &'static str| {
-            send(
-                app.clone(),
-                "POST",
-                "/v1/adapters",
-                Some("application/json"),
-                body,
-            )
-        };
-        let (status, _, body) = post(r#"{"name": "ft", "path": "/deltas/ft"}"#).await;
+        let (status, _, body) = post(&app, r#"{"name": "ft", "path": "/deltas/ft"}"#).await;
         assert_eq!(status, 201, "{body}");
         let card = json_of(&body);
         assert_eq!(card["kind"], "delta", "told from the directory");
         assert_eq!(card["summary"], "4-bit 2:4, 2.6x smaller than fp16");
         assert_eq!(card["num_blocks"], 0);
         assert_eq!(card["model"], "tiny:ft");
-        let (status, _, body) =
-            post(r#"{"name": "ft2", "path": "/deltas/ft2", "kind": "delta"}"#).await;
+        let (status, _, body) = post(
+            &app,
+            r#"{"name": "ft2", "path": "/deltas/ft2", "kind": "delta"}"#,
+        )
+        .await;
         assert_eq!(status, 201, "{body}");
-        let (status, _, body) =
-            post(r#"{"name": "sql", "path": "/adapters/sql", "kind": "lora"}"#).await;
+        let (status, _, body) = post(
+            &app,
+            r#"{"name": "sql", "path": "/adapters/sql", "kind": "lora"}"#,
+        )
+        .await;
         assert_eq!(status, 201, "{body}");
 
         let cases: [(&str, &str, Option<&str>); 3] = [
@@ -372,7 +368,7 @@ mod tests {
             ),
         ];
         for (req, want_text, want_param) in cases {
-            let (status, _, body) = post(req).await;
+            let (status, _, body) = post(&app, req).await;
             assert_eq!(status, 400, "{req}: {body}");
             let err = &json_of(&body)["error"];
             assert!(
