@@ -198,10 +198,10 @@ def test_on_cuda_the_triton_path_serves_deltas_like_the_cpu_reference(tiny_llama
     CPU (sbmm_ref): identical greedy tokens in float32; in bfloat16, the first token and close logits."""
     dirs = {aid: d for aid, (d, _) in variants.items()}
     adapter_of = {i: (0, LORA, D4, D2)[i % 4] for i in range(8)}
-    ps = prompts(8, 1000, seed=12, lo=3, hi=20)
     got = {}
     for device in ("cpu", "cuda"):
         ex = Executor(tiny_llama, device=device, dtype=dtype, block_size=4, kv_cache_bytes=KV_BYTES)
+        ps = prompts(8, ex.config.vocab_size, seed=12, lo=3, hi=20)
         got[device] = AdapterRouter(ex, dirs, adapter_of).run({i: (p, 6) for i, p in enumerate(ps)})
     if dtype == "float32":
         assert got["cuda"] == got["cpu"]
