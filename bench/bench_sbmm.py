@@ -234,7 +234,8 @@ def main() -> None:
                                 continue
                             pt = Point(pool, batch, nd, mode, args.prefill_len, args.dense_max_gb * 1e9, device)
                             sbmm_module.LAUNCH.update({bm: dict(c) for bm, c in default_launch.items()})
-                            launch = tune(pt, timer) if args.tune else sbmm_module.LAUNCH[pt.meta.block_m]
+                            if args.tune:
+                                tune(pt, timer)
                             pt.check()
                             impls: list[tuple[str, Callable[[], object] | None, bool]] = [
                                 ("triton", pt.triton_fn, False)]
@@ -248,7 +249,9 @@ def main() -> None:
                                 row = {"mode": mode, "shape": shape, "config": config, "batch": batch, "deltas": nd,
                                        "impl": impl, "tokens": pt.tokens, "bytes": pt.nbytes}  # fmt: skip
                                 if impl.startswith("triton"):
-                                    row["launch"] = {"BLOCK_M": pt.meta.block_m, **launch}
+                                    row["launch"] = {"BLOCK_M": pt.meta.block_m,
+                                                     **sbmm_module.launch_config(pt.meta, pool.weights)}
+                                    row["unpack"] = "gather" if sbmm_module.UNPACK_GATHER else "split"
                                 if fn is None:
                                     row.update(us=None, GBps=None, fraction_of_copy_bw=None,
                                                skipped="dense deltas above --dense-max-gb")

@@ -143,7 +143,9 @@ def test_shapes_and_long_segments(config: tuple[int, bool], shape: tuple[int, in
     bits, sparse = config
     w = pool(bits, sparse, shape)
     meta = DeltaMeta.segments([70, 3, 17, 1], [1, -1, 3, 1], DEVICE)
-    assert meta.block_m == 64 and meta.num_tiles == 4  # 70 = 64 + 6, 17, 1
+    # slot 1: tokens 0..69 and 90 (one run of 71 = 64 + 7 in ``order``), slot 3: 17 tokens
+    assert meta.block_m == 64 and meta.num_tiles == 3
+    assert meta.order.tolist() == [*range(70), 90, *range(73, 90), 0, 0, 0]  # padded to T
     x = randn(meta.num_tokens, shape[0], dtype=torch.float16, seed=1)
     base = randn(meta.num_tokens, shape[1], dtype=torch.float16, seed=2)
     close(sbmm(x, base.clone(), w, meta, use_triton=True), sbmm(x, base.clone(), w, meta, use_triton=False))
@@ -198,10 +200,11 @@ def test_kernel_follows_offset_tables() -> None:
 
 
 def test_decode_rows_share_tiles() -> None:
-    """Adjacent rows of one slot share a work tile; the decode grid is T tiles whatever the slots."""
+    """The rows of one slot share a work tile wherever they sit; the decode grid is T tiles whatever the slots."""
     meta = DeltaMeta.rows([2, 2, 2, -1, 0, 0, 2, -1], DEVICE)
-    assert meta.grid_tiles == 8 and meta.num_tiles == 3 and meta.block_m == 16
-    assert meta.tiles.tolist()[:4] == [[0, 3, 2], [4, 6, 0], [6, 7, 2], [0, 0, -1]]
+    assert meta.grid_tiles == 8 and meta.num_tiles == 2 and meta.block_m == 16
+    assert meta.order.tolist() == [0, 1, 2, 6, 4, 5, 0, 0]
+    assert meta.tiles.tolist()[:3] == [[0, 4, 2], [4, 6, 0], [0, 0, -1]]
     assert meta.slots == {0, 2}
     w = pool(2, False, SHAPES[2])
     x = randn(8, SHAPES[2][0], dtype=torch.bfloat16, seed=1)

@@ -30,10 +30,12 @@ the shape of ``LoraMeta.sgmv``::
     seg_delta [S] int32       delta slot of segment s, or -1
     decode: one token per row (``DeltaMeta.rows``): seg_start = 0, 1, ..., T
 
-The launch does not follow segments one to one: the host cuts them into *work tiles* of at most
-``block_m`` consecutive tokens of one slot (adjacent segments of one slot merge, so decode rows that
-the scheduler grouped by delta share a tile and read their delta once; base-only tokens make no
-tile). One program computes one tile x ``BLOCK_N`` output columns over the whole reduction.
+The launch does not follow segments one to one: the host lists the step's tokens grouped by slot
+(``order``: every token of slot d, in step order, then the next slot's; base-only tokens left out)
+and cuts each slot's run into *work tiles* of at most ``block_m`` tokens, so all tokens of one delta
+share tiles and read the delta once per tile, wherever they sit in the batch. One program computes
+one tile x ``BLOCK_N`` output columns over the whole reduction, reading x rows and writing out rows
+through ``order``.
 
 Semantics::
 
@@ -63,6 +65,8 @@ when built, weights when built; a call checks shapes and that every slot it uses
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -90,6 +94,15 @@ first H100 sweep (4-bit 2:4, Llama-2-7B MLP shapes); a lone token preferred BLOC
 BLOCK_K (original input columns per reduction step) must be a power of two >= 32 (a 2:4 index word
 covers 32 columns; a 2-bit code word 16); BLOCK_K 512 with BLOCK_N >= 32 overflows shared memory on
 an H100. Module-level so a tuning run can swap it."""
+_MIN_WAVES = 2
+"""A launch narrows BLOCK_N (down to 16) until it has at least this many programs per SM."""
+UNPACK_GATHER = os.environ.get("DELTASERVE_SBMM_UNPACK", "gather") == "gather"
+"""TEMPORARY (one GPU comparison): decode codes per dense column (gather) or via 3-D reshapes (split)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -113,9 +126,12 @@ class DeltaMeta:
     """Delta slots the step uses (no -1): checked against the pool's loaded slots at every call."""
     decode: bool
     """True: one token per row (``rows``); the launch grid then depends on T only (CUDA graphs)."""
+    order: torch.Tensor
+    """[max(T, 1)] int32 on the device: the step's delta tokens grouped by slot (token indices; entries
+    past the delta tokens are 0 and no tile reaches them)."""
     tiles: torch.Tensor
-    """[grid_tiles, 3] int32 on the device: (first token, end token, slot) of each work tile; rows past
-    the real tiles have slot -1 (decode pads to T tiles, the most T rows can need)."""
+    """[grid_tiles, 3] int32 on the device: (first, end, slot) of each work tile, a range of ``order``;
+    rows past the real tiles have slot -1 (decode pads to T tiles, the most T rows can need)."""
     num_tiles: int
     """Real work tiles (rows of ``tiles`` with a slot >= 0)."""
     grid_tiles: int
@@ -143,8 +159,8 @@ class DeltaMeta:
 
     @classmethod
     def rows(cls, row_delta: Sequence[int], device: torch.device | str) -> "DeltaMeta":
-        """Decode metadata: token t uses slot ``row_delta[t]`` (-1: none), in any order (rows of one
-        slot that are adjacent share a work tile, so a scheduler that groups them gains)."""
+        """Decode metadata: token t uses slot ``row_delta[t]`` (-1: none), in any order (the rows of one
+        slot share work tiles wherever they are)."""
         slots = [int(d) for d in row_delta]
         return cls._build(list(range(len(slots) + 1)), slots, True, device)
 
@@ -156,26 +172,28 @@ class DeltaMeta:
         num_tokens = starts[-1]
         if num_tokens >= 2**31:
             raise ValueError(f"sbmm: {num_tokens} tokens overflow int32 segment offsets")
-        # Runs: adjacent segments of one slot merged, empty ones and base-only ones dropped.
-        runs: list[list[int]] = []
+        # Tokens per slot in step order (slots in order of first use); base-only tokens dropped.
+        by_slot: dict[int, list[int]] = {}
         for s, d in enumerate(slots):
-            lo, hi = starts[s], starts[s + 1]
-            if hi == lo or d < 0:
-                continue
-            if runs and runs[-1][2] == d and runs[-1][1] == lo:
-                runs[-1][1] = hi
-            else:
-                runs.append([lo, hi, d])
-        longest = max((hi - lo for lo, hi, _ in runs), default=0)
+            if d >= 0 and starts[s + 1] > starts[s]:
+                by_slot.setdefault(d, []).extend(range(starts[s], starts[s + 1]))
+        order = [t for toks in by_slot.values() for t in toks]
+        runs, lo = [], 0
+        for d, toks in by_slot.items():
+            runs.append((lo, lo + len(toks), d))
+            lo += len(toks)
+        longest = max((len(toks) for toks in by_slot.values()), default=0)
         block_m = _BLOCK_M_SMALL if longest <= _BLOCK_M_SMALL else _BLOCK_M_LARGE
         tiles = [(m0, min(m0 + block_m, hi), d) for lo, hi, d in runs for m0 in range(lo, hi, block_m)]
         grid_tiles = num_tokens if decode else len(tiles)  # each tile holds >= 1 token: <= T tiles
         table = tiles + [(0, 0, -1)] * (grid_tiles - len(tiles))
+        order += [0] * (max(num_tokens, 1) - len(order))
         return cls(
             seg_start=torch.tensor(starts, dtype=torch.int32, device=device),
             seg_delta=torch.tensor(slots, dtype=torch.int32, device=device),
             seg_start_host=tuple(starts), seg_delta_host=tuple(slots), num_tokens=num_tokens,
-            slots=frozenset(d for _, _, d in runs), decode=decode,
+            slots=frozenset(by_slot), decode=decode,
+            order=torch.tensor(order, dtype=torch.int32, device=device),
             tiles=torch.tensor(table, dtype=torch.int32, device=device).reshape(grid_tiles, 3),
             num_tiles=len(tiles), grid_tiles=grid_tiles, block_m=block_m,
         )  # fmt: skip
@@ -429,12 +447,12 @@ def sbmm_ref(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMet
 
 
 @triton.jit
-def _sbmm_kernel(x_ptr, out_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr,
+def _sbmm_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr,
                  N, K, x_stride, out_stride, QV_ROW, QI_ROW, NGROUPS,
                  BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr,
                  KEPT: tl.constexpr, WORDS: tl.constexpr, IWORDS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
+                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr, GATHER: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
     slot = tl.load(tiles_ptr + tile * 3 + 2)
     if slot < 0:
@@ -454,9 +472,10 @@ def _sbmm_kernel(x_ptr, out_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_o
     qv_rows = qv_ptr + tl.load(qv_off_ptr + slot) + n64[:, None] * QV_ROW
     qi_rows = qi_ptr + tl.load(qi_off_ptr + slot) + n64[:, None] * QI_ROW
     g_off = tl.load(g_off_ptr + slot) + n64 * NGROUPS
-    rows = start + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
+    at = start + tl.arange(0, BLOCK_M)
+    row_ok = at < end
+    rows = tl.load(order_ptr + at, mask=row_ok, other=0).to(tl.int64)  # the tile's token indices
+    x_rows = x_ptr + rows[:, None] * x_stride
     ty = x_ptr.dtype.element_ty
 
     shifts = tl.arange(0, PER) * BITS
@@ -464,26 +483,43 @@ def _sbmm_kernel(x_ptr, out_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_o
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        # Codes of the tile's kept values: [BN, WORDS] words -> [BN, WORDS, PER] -> [BN, KEPT].
-        widx = (k0 * KEPT // BLOCK_K) // PER + tl.arange(0, WORDS)
-        words = tl.load(qv_rows + widx[None, :], mask=n_ok[:, None] & (widx < QV_ROW)[None, :], other=0)
-        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & CMASK, (BLOCK_N, KEPT))
-        if SPARSE:
-            iidx = k0 // 32 + tl.arange(0, IWORDS)
-            iw = tl.load(qi_rows + iidx[None, :], mask=n_ok[:, None] & (iidx < QI_ROW)[None, :], other=0)
-            pos = tl.reshape((iw[:, :, None] >> (tl.arange(0, 16) * 2)[None, None, :]) & 3, (BLOCK_N, KEPT))
-            # The two kept values of each group of 4 columns, then each dense position's code / keep.
-            c0, c1 = tl.split(tl.reshape(codes, (BLOCK_N, BLOCK_K // 4, 2)))
-            p0, p1 = tl.split(tl.reshape(pos, (BLOCK_N, BLOCK_K // 4, 2)))
-            q = tl.arange(0, 4)[None, None, :]
-            at0 = p0[:, :, None] == q
-            at1 = p1[:, :, None] == q
-            code = tl.reshape(tl.where(at0, c0[:, :, None], c1[:, :, None]), (BLOCK_N, BLOCK_K))
-            keep = tl.reshape((at0 | at1).to(tl.int32), (BLOCK_N, BLOCK_K)) != 0
-            keep = keep & k_ok[None, :]
-        else:
-            code = codes
-            keep = tl.broadcast_to(k_ok[None, :], (BLOCK_N, BLOCK_K))
+        if GATHER:  # every dense column reads its own words (cached) and decodes in the 2-D tile layout
+            j = (ks // 4) * 2 if SPARSE else ks  # kept index of the column (2:4: its group's first kept)
+            sh = ((j % PER) * BITS)[None, :]
+            wmask = n_ok[:, None] & k_ok[None, :]
+            words = tl.load(qv_rows + (j // PER)[None, :], mask=wmask, other=0)
+            c0 = (words >> sh) & CMASK
+            if SPARSE:
+                c1 = (words >> (sh + BITS)) & CMASK
+                iw = tl.load(qi_rows + (j // 16)[None, :], mask=wmask, other=0)
+                ish = ((j % 16) * 2)[None, :]
+                q = (ks % 4)[None, :]
+                at0 = ((iw >> ish) & 3) == q
+                code = tl.where(at0, c0, c1)
+                keep = (at0 | (((iw >> (ish + 2)) & 3) == q)) & k_ok[None, :]
+            else:
+                code = c0
+                keep = tl.broadcast_to(k_ok[None, :], (BLOCK_N, BLOCK_K))
+        else:  # codes of the tile's kept values: [BN, WORDS] words -> [BN, WORDS, PER] -> [BN, KEPT]
+            widx = (k0 * KEPT // BLOCK_K) // PER + tl.arange(0, WORDS)
+            words = tl.load(qv_rows + widx[None, :], mask=n_ok[:, None] & (widx < QV_ROW)[None, :], other=0)
+            codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & CMASK, (BLOCK_N, KEPT))
+            if SPARSE:
+                iidx = k0 // 32 + tl.arange(0, IWORDS)
+                iw = tl.load(qi_rows + iidx[None, :], mask=n_ok[:, None] & (iidx < QI_ROW)[None, :], other=0)
+                pos = tl.reshape((iw[:, :, None] >> (tl.arange(0, 16) * 2)[None, None, :]) & 3, (BLOCK_N, KEPT))
+                # The two kept values of each group of 4 columns, then each dense position's code / keep.
+                c0, c1 = tl.split(tl.reshape(codes, (BLOCK_N, BLOCK_K // 4, 2)))
+                p0, p1 = tl.split(tl.reshape(pos, (BLOCK_N, BLOCK_K // 4, 2)))
+                q = tl.arange(0, 4)[None, None, :]
+                at0 = p0[:, :, None] == q
+                at1 = p1[:, :, None] == q
+                code = tl.reshape(tl.where(at0, c0[:, :, None], c1[:, :, None]), (BLOCK_N, BLOCK_K))
+                keep = tl.reshape((at0 | at1).to(tl.int32), (BLOCK_N, BLOCK_K)) != 0
+                keep = keep & k_ok[None, :]
+            else:
+                code = codes
+                keep = tl.broadcast_to(k_ok[None, :], (BLOCK_N, BLOCK_K))
         if G % BLOCK_K == 0:  # the whole tile is in one quantisation group: one scale / zero per row
             gi = g_off + k0 // G
             sc = tl.load(sc_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -510,10 +546,21 @@ def _sbmm_kernel(x_ptr, out_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_o
             wt = wt.to(ty)
         acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PREC)
     oty = out_ptr.dtype.element_ty
-    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride + ns[None, :]
+    o_ptrs = out_ptr + rows[:, None] * out_stride + ns[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, round_to(o + acc, oty, RNE).to(oty), mask=mask)
+
+
+def launch_config(meta: DeltaMeta, w: DeltaWeights) -> dict[str, int]:
+    """The launch config of one call: ``LAUNCH[meta.block_m]``, with BLOCK_N halved (down to 16) on CUDA
+    while the launch would have fewer than ``_MIN_WAVES`` programs per SM (one or two deltas)."""
+    cfg = dict(LAUNCH[meta.block_m])
+    if w.device.type == "cuda":
+        want = _MIN_WAVES * _sm_count(w.device)
+        while cfg["BLOCK_N"] > 16 and meta.num_tiles * triton.cdiv(w.out_features, cfg["BLOCK_N"]) < want:
+            cfg["BLOCK_N"] //= 2
+    return cfg
 
 
 def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
@@ -525,21 +572,21 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
         return out
     upcast = not x.is_cuda
     prec = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
-    cfg = LAUNCH[meta.block_m]
+    cfg = launch_config(meta, w)
     block_n, block_k, group = cfg["BLOCK_N"], cfg["BLOCK_K"], w.group_size
     qv, qi, g = w.slot_shapes()
     kept = block_k // 2 if w.sparse else block_k
     # Scales per tile: one per row (G % BLOCK_K == 0), whole power-of-two groups broadcast, or gathered.
     groups_per_tile = block_k // group if block_k % group == 0 and group & (group - 1) == 0 else 0
     grid = (meta.grid_tiles, triton.cdiv(w.out_features, block_n))
-    _sbmm_kernel[grid](x, out, meta.tiles, w.qvalues, w.qindices if w.sparse else w.qvalues, w.scales, w.zeros,
+    _sbmm_kernel[grid](x, out, meta.order, meta.tiles, w.qvalues, w.qindices if w.sparse else w.qvalues, w.scales, w.zeros,
                        w.qvalues_offsets, w.qindices_offsets, w.group_offsets,
                        w.out_features, w.in_features, x.stride(0), out.stride(0), qv[1], 1 if qi is None else qi[1],
                        g[1], BITS=w.bits, SPARSE=w.sparse, G=w.group_size,
                        KEPT=kept, WORDS=kept * w.bits // 32, IWORDS=max(kept // 16, 1) if w.sparse else 1,
                        GROUPS_PER_TILE=groups_per_tile,
                        BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, DOT_PREC=prec,
-                       RNE=needs_rne_by_hand(out), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+                       RNE=needs_rne_by_hand(out), GATHER=UNPACK_GATHER, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     return out
 
 
