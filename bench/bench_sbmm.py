@@ -251,7 +251,6 @@ def main() -> None:
                                 if impl.startswith("triton"):
                                     row["launch"] = {"BLOCK_M": pt.meta.block_m,
                                                      **sbmm_module.launch_config(pt.meta, pool.weights)}
-                                    row["unpack"] = "gather" if sbmm_module.UNPACK_GATHER else "split"
                                 if fn is None:
                                     row.update(us=None, GBps=None, fraction_of_copy_bw=None,
                                                skipped="dense deltas above --dense-max-gb")

@@ -66,7 +66,6 @@ when built, weights when built; a call checks shapes and that every slot it uses
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -96,8 +95,6 @@ covers 32 columns; a 2-bit code word 16); BLOCK_K 512 with BLOCK_N >= 32 overflo
 an H100. Module-level so a tuning run can swap it."""
 _MIN_WAVES = 2
 """A launch narrows BLOCK_N (down to 16) until it has at least this many programs per SM."""
-UNPACK_GATHER = os.environ.get("DELTASERVE_SBMM_UNPACK", "gather") == "gather"
-"""TEMPORARY (one GPU comparison): decode codes per dense column (gather) or via 3-D reshapes (split)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -452,7 +449,7 @@ def _sbmm_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, z
                  BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr,
                  KEPT: tl.constexpr, WORDS: tl.constexpr, IWORDS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr, GATHER: tl.constexpr):
+                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
     slot = tl.load(tiles_ptr + tile * 3 + 2)
     if slot < 0:
@@ -483,43 +480,26 @@ def _sbmm_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, z
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        if GATHER:  # every dense column reads its own words (cached) and decodes in the 2-D tile layout
-            j = (ks // 4) * 2 if SPARSE else ks  # kept index of the column (2:4: its group's first kept)
-            sh = ((j % PER) * BITS)[None, :]
-            wmask = n_ok[:, None] & k_ok[None, :]
-            words = tl.load(qv_rows + (j // PER)[None, :], mask=wmask, other=0)
-            c0 = (words >> sh) & CMASK
-            if SPARSE:
-                c1 = (words >> (sh + BITS)) & CMASK
-                iw = tl.load(qi_rows + (j // 16)[None, :], mask=wmask, other=0)
-                ish = ((j % 16) * 2)[None, :]
-                q = (ks % 4)[None, :]
-                at0 = ((iw >> ish) & 3) == q
-                code = tl.where(at0, c0, c1)
-                keep = (at0 | (((iw >> (ish + 2)) & 3) == q)) & k_ok[None, :]
-            else:
-                code = c0
-                keep = tl.broadcast_to(k_ok[None, :], (BLOCK_N, BLOCK_K))
-        else:  # codes of the tile's kept values: [BN, WORDS] words -> [BN, WORDS, PER] -> [BN, KEPT]
-            widx = (k0 * KEPT // BLOCK_K) // PER + tl.arange(0, WORDS)
-            words = tl.load(qv_rows + widx[None, :], mask=n_ok[:, None] & (widx < QV_ROW)[None, :], other=0)
-            codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & CMASK, (BLOCK_N, KEPT))
-            if SPARSE:
-                iidx = k0 // 32 + tl.arange(0, IWORDS)
-                iw = tl.load(qi_rows + iidx[None, :], mask=n_ok[:, None] & (iidx < QI_ROW)[None, :], other=0)
-                pos = tl.reshape((iw[:, :, None] >> (tl.arange(0, 16) * 2)[None, None, :]) & 3, (BLOCK_N, KEPT))
-                # The two kept values of each group of 4 columns, then each dense position's code / keep.
-                c0, c1 = tl.split(tl.reshape(codes, (BLOCK_N, BLOCK_K // 4, 2)))
-                p0, p1 = tl.split(tl.reshape(pos, (BLOCK_N, BLOCK_K // 4, 2)))
-                q = tl.arange(0, 4)[None, None, :]
-                at0 = p0[:, :, None] == q
-                at1 = p1[:, :, None] == q
-                code = tl.reshape(tl.where(at0, c0[:, :, None], c1[:, :, None]), (BLOCK_N, BLOCK_K))
-                keep = tl.reshape((at0 | at1).to(tl.int32), (BLOCK_N, BLOCK_K)) != 0
-                keep = keep & k_ok[None, :]
-            else:
-                code = codes
-                keep = tl.broadcast_to(k_ok[None, :], (BLOCK_N, BLOCK_K))
+        # Codes of the tile's kept values: [BN, WORDS] words -> [BN, WORDS, PER] -> [BN, KEPT].
+        widx = (k0 * KEPT // BLOCK_K) // PER + tl.arange(0, WORDS)
+        words = tl.load(qv_rows + widx[None, :], mask=n_ok[:, None] & (widx < QV_ROW)[None, :], other=0)
+        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & CMASK, (BLOCK_N, KEPT))
+        if SPARSE:
+            iidx = k0 // 32 + tl.arange(0, IWORDS)
+            iw = tl.load(qi_rows + iidx[None, :], mask=n_ok[:, None] & (iidx < QI_ROW)[None, :], other=0)
+            pos = tl.reshape((iw[:, :, None] >> (tl.arange(0, 16) * 2)[None, None, :]) & 3, (BLOCK_N, KEPT))
+            # The two kept values of each group of 4 columns, then each dense position's code / keep.
+            c0, c1 = tl.split(tl.reshape(codes, (BLOCK_N, BLOCK_K // 4, 2)))
+            p0, p1 = tl.split(tl.reshape(pos, (BLOCK_N, BLOCK_K // 4, 2)))
+            q = tl.arange(0, 4)[None, None, :]
+            at0 = p0[:, :, None] == q
+            at1 = p1[:, :, None] == q
+            code = tl.reshape(tl.where(at0, c0[:, :, None], c1[:, :, None]), (BLOCK_N, BLOCK_K))
+            keep = tl.reshape((at0 | at1).to(tl.int32), (BLOCK_N, BLOCK_K)) != 0
+            keep = keep & k_ok[None, :]
+        else:
+            code = codes
+            keep = tl.broadcast_to(k_ok[None, :], (BLOCK_N, BLOCK_K))
         if G % BLOCK_K == 0:  # the whole tile is in one quantisation group: one scale / zero per row
             gi = g_off + k0 // G
             sc = tl.load(sc_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -586,7 +566,7 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
                        KEPT=kept, WORDS=kept * w.bits // 32, IWORDS=max(kept // 16, 1) if w.sparse else 1,
                        GROUPS_PER_TILE=groups_per_tile,
                        BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, DOT_PREC=prec,
-                       RNE=needs_rne_by_hand(out), GATHER=UNPACK_GATHER, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+                       RNE=needs_rne_by_hand(out), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     return out
 
 
