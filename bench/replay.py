@@ -17,12 +17,27 @@ Per request (:class:`Record`, times in seconds, relative to when the request was
     tpot   (e2e - ttft) / (n_out - 1), for n_out >= 2
     lag    sent - scheduled: how late the client was (shows whether the client kept up)
 
-Summary (:func:`summarize`): makespan = last response end − first scheduled send; throughput
-= completed requests / makespan and output tokens / makespan; mean and p50/p90/p99 (numpy's
+Interruption: a replay that is cancelled (its task, or asyncio.run on Ctrl-C) or unwound by
+KeyboardInterrupt / SystemExit stops where it is. A caller that passes ``records=[]`` keeps
+what was measured: each request's record is appended to that list when the request is sent
+(trace order), and on interruption every sent request still in flight gets
+``error = "interrupted"`` (:data:`INTERRUPTED`: not completed, a failure in every figure below;
+its ttft and chunk times so far are kept) and ``interrupted_at`` = the interruption time.
+Requests not sent yet have no record. Completed and failed requests keep their records as
+they were. The exception is then re-raised (the caller still sees the interruption).
+
+Summary (:func:`summarize`): counts of requests (the records given: for an interrupted replay,
+the requests sent), completed, failed (interrupted ones included) and interrupted; makespan =
+from the first scheduled send to the end of the last completed response or, for a replay
+interrupted with requests in flight, to the interruption (``interrupted_at``), whichever is
+later: the server had those requests until then, so an interrupted point's throughput is what
+it completed per second it ran (interrupted with none in flight, the point is the trace cut
+where it stopped, and its last response ends it); throughput = completed requests / makespan
+and output tokens of completed requests / makespan; mean and p50/p90/p99 (numpy's
 linear-interpolation percentiles over completed requests) of ttft, tpot, e2e and inter-chunk
-gaps; SLO attainment = share of *all* requests (failed ones count as misses) with ttft ≤ the
-TTFT SLO (S-LoRA: 6 s), with tpot ≤ the TPOT SLO (a request with one output token meets any
-TPOT SLO), and with both.
+gaps; SLO attainment = share of *all* requests (failed and interrupted ones count as misses)
+with ttft ≤ the TTFT SLO (S-LoRA: 6 s), with tpot ≤ the TPOT SLO (a request with one output
+token meets any TPOT SLO), and with both.
 
     python bench/replay.py trace.jsonl --url http://127.0.0.1:8000 [--protocol ws] [--out r.json]
 """
@@ -33,6 +48,7 @@ import asyncio
 import itertools
 import json
 import math
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +65,8 @@ from workload import Request, Trace  # noqa: E402
 SLO_TTFT_S = 6.0
 """S-LoRA's SLO: the first token within 6 seconds."""
 PROTOCOLS = ("sse", "ws")
+INTERRUPTED = "interrupted"
+"""``Record.error`` of a request still in flight when its replay was interrupted."""
 
 
 @dataclass
@@ -78,7 +96,11 @@ class Record:
     status: int | None = None
     """HTTP status (sse); 200 for a ws generation that started."""
     error: str | None = None
-    """Why it failed (HTTP error body, mid-stream error event, timeout, connection error)."""
+    """Why it failed (HTTP error body, mid-stream error event, timeout, connection error), or
+    :data:`INTERRUPTED`."""
+    interrupted_at: float | None = None
+    """When the replay was interrupted with this request in flight (seconds from the replay
+    start; its error is then :data:`INTERRUPTED`); None otherwise."""
 
     @property
     def lag(self) -> float:
@@ -115,10 +137,9 @@ def summarize(records: list[Record], slo_ttft: float = SLO_TTFT_S, slo_tpot: flo
     """The replay's figures (see the module docstring for every definition)."""
     done = [r for r in records if r.error is None and r.e2e is not None]
     n = len(records)
-    if done:
-        makespan = max(r.sent + r.e2e for r in done) - min(r.scheduled for r in records)
-    else:
-        makespan = 0.0
+    interrupted = [r.interrupted_at for r in records if r.interrupted_at is not None]
+    ends = [r.sent + r.e2e for r in done] + interrupted
+    makespan = max(ends) - min(r.scheduled for r in records) if ends else 0.0
     out_tokens = sum(r.n_out for r in done)
     gaps = [b - a for r in done for a, b in itertools.pairwise(r.chunk_times)]
     ttft_ok = [r.error is None and r.ttft is not None and r.ttft <= slo_ttft for r in records]
@@ -135,6 +156,7 @@ def summarize(records: list[Record], slo_ttft: float = SLO_TTFT_S, slo_tpot: flo
         "requests": n,
         "completed": len(done),
         "failed": n - len(done),
+        "interrupted": len(interrupted),
         "output_len_mismatch": sum(r.n_out != r.output_len for r in done),
         "makespan_s": makespan,
         "throughput_req_s": len(done) / makespan if makespan > 0 else 0.0,
@@ -312,6 +334,7 @@ class _WsTransport:
             self.waiting.pop(rid, None)
 
     async def close(self) -> None:
+        self.waiting.clear()  # first (no await before it): no message reaches a record after the replay
         for ws in self.sockets:
             await ws.close()
         for t in self.readers:
@@ -332,12 +355,15 @@ def _error_message(body: str) -> str:
 
 async def replay(trace: Trace, url: str, *, protocol: str = "sse", model_for: Callable[[str], str] | None = None,
                  ws_url: str | None = None, ws_connections: int = 4, timeout_s: float = 900.0,
-                 lead_s: float = 0.1) -> list[Record]:  # fmt: skip
+                 lead_s: float = 0.1, records: list[Record] | None = None) -> list[Record]:  # fmt: skip
     """Sends every request of ``trace`` at ``start + t`` and returns their records (trace order).
 
     ``model_for`` maps a variant name to the request's ``model`` field (default: the name);
     ``ws_url`` defaults to ``url`` with ws:// and /v1/ws; ``lead_s`` is the time between the call
-    and the trace's time 0 (connections are opened before)."""
+    and the trace's time 0 (connections are opened before). ``records``: a list each request's
+    record is appended to when it is sent, so that the caller keeps the records of an
+    interrupted replay (the module docstring's Interruption); after a complete replay it holds
+    the same records as the returned list."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol {protocol!r}: want one of {', '.join(PROTOCOLS)}")
     model_for = model_for or (lambda v: v)
@@ -347,12 +373,14 @@ async def replay(trace: Trace, url: str, *, protocol: str = "sse", model_for: Ca
     else:
         transport = _WsTransport(ws_url or url.replace("http://", "ws://").rstrip("/") + "/v1/ws", ws_connections)
         await transport.open()
-    records = [Record(i=r.i, variant=r.variant, prompt_len=len(r.prompt), output_len=r.output_len, scheduled=r.t)
-               for r in trace.requests]  # fmt: skip
+    all_records = [Record(i=r.i, variant=r.variant, prompt_len=len(r.prompt), output_len=r.output_len,
+                          scheduled=r.t) for r in trace.requests]  # fmt: skip
+    sent: list[Record] = records if records is not None else []
 
     async def one(req: Request, rec: Record, start: float) -> None:
         t0 = time.perf_counter()
         rec.sent = t0 - start
+        sent.append(rec)  # tasks start in creation order: trace order
         try:
             async with asyncio.timeout(timeout_s):
                 await transport.run(req, models[req.variant], rec, t0)
@@ -364,17 +392,25 @@ async def replay(trace: Trace, url: str, *, protocol: str = "sse", model_for: Ca
     tasks = []
     start = time.perf_counter() + lead_s
     try:
-        for req, rec in zip(trace.requests, records):
+        for req, rec in zip(trace.requests, all_records):
             delay = start + req.t - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(req, rec, start)))
         await asyncio.gather(*tasks)
+    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):  # interrupted: what is in flight stops here
+        stopped = time.perf_counter() - start
+        for rec in sent:
+            if rec.error is None and rec.e2e is None:
+                rec.error, rec.interrupted_at = INTERRUPTED, stopped
+        raise
     finally:
+        # The records stop changing here: the tasks are cancelled before they run again, and
+        # transport.close() forgets the ws generations in flight before its first await.
         for t in tasks:
             t.cancel()
         await transport.close()
-    return records
+    return all_records
 
 
 def event_loop_policy() -> str:
@@ -406,12 +442,22 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="write the summary and per-request rows as JSON")
     a = p.parse_args()
     trace = Trace.read(a.trace)
-    records = run_replay(trace, a.url, protocol=a.protocol, model_for=lambda v: a.model_prefix + v)
+    records: list[Record] = []
+    try:
+        run_replay(trace, a.url, protocol=a.protocol, model_for=lambda v: a.model_prefix + v, records=records)
+        interrupted = False
+    except KeyboardInterrupt:  # Ctrl-C: report the requests sent so far, then exit 130
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # `timeout -s INT` signals twice: finish the report
+        interrupted = True
     summary = summarize(records, a.slo_ttft, a.slo_tpot)
     print(json.dumps(summary, indent=1))
+    if interrupted:
+        print(f"interrupted: {len(records)} of {len(trace.requests)} requests sent", file=sys.stderr)
     if a.out:
-        a.out.write_text(json.dumps({"trace": trace.params, "summary": summary,
+        a.out.write_text(json.dumps({"trace": trace.params, "summary": summary, "interrupted": interrupted,
                                      "requests": [r.row() for r in records]}, indent=1))  # fmt: skip
+    if interrupted:
+        raise SystemExit(130)
 
 
 if __name__ == "__main__":

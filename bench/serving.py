@@ -26,7 +26,15 @@ Flow of one experiment::
                                  baselines of bench/baselines.py, SSE only), waits for /ready
       → replay.replay()          per point, in order; the server is idle between points; the
                                  result file is rewritten after every point ("complete": false
-                                 until the last), so a killed run keeps what it measured
+                                 until the last), so a killed run keeps what it measured.
+                                 Interrupted during a point (Ctrl-C / SIGINT, SIGTERM), the run
+                                 also keeps that point: the records of its requests sent so far
+                                 (those still in flight with error "interrupted"), summarized as
+                                 any point (replay's docstring: an interrupted point's makespan
+                                 ends at the interruption), marked "interrupted": true; the file
+                                 is written, the server stopped (further SIGINT / SIGTERM ignored
+                                 meanwhile: `timeout` sends its signal twice), and the
+                                 interruption re-raised
       → probe_variants()         (deltazip) one fixed greedy prompt per probed variant: their
                                  outputs differ when the variants' weights are really applied
       → write_result() + plots   all points with their traces' parameters, summaries and
@@ -90,6 +98,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -676,7 +685,9 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
         work_dir: Path | None = None) -> Path:  # fmt: skip
     """Runs every point of ``exp`` against ``server``; returns the result file (plots beside it).
     The model and variant files go to ``work_dir`` (kept and reused; default: a temporary
-    directory); the result file is rewritten after every point."""
+    directory); the result file is rewritten after every point, and once more with the partial
+    point (``"interrupted": true``) when KeyboardInterrupt or SystemExit stops a point's replay,
+    which is then re-raised (the file keeps ``"complete": false``)."""
     if server not in SERVERS:
         raise SystemExit(f"--server {server!r}: want one of {', '.join(sorted(SERVERS))}")
     auto_devices, device = detect_devices()
@@ -720,20 +731,25 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
                 "finetune_noise": FINETUNE_NOISE,
             }  # fmt: skip
         t0 = time.perf_counter()
-        with SERVERS[server](spec) as endpoint:
+        # `stopping` exits after the server's context: what an interruption enters there lasts
+        # until the server is stopped.
+        with contextlib.ExitStack() as stopping, SERVERS[server](spec) as endpoint:
             payload["server_ready_s"] = time.perf_counter() - t0
             for p, trace in zip(exp.points, traces):
                 print(f"[{name}] {p.label}: {len(trace.requests)} requests over {trace.duration:.1f} s",
                       flush=True)  # fmt: skip
                 model_for = (lambda v, m=endpoint.model: m) if endpoint.model else None
-                records = asyncio.run(rp.replay(trace, endpoint.url, protocol=p.protocol, ws_url=endpoint.ws_url,
-                                                model_for=model_for, timeout_s=exp.timeout_s))  # fmt: skip
-                summary = rp.summarize(records, slo_tpot=exp.slo_tpot)
-                print(f"    {summary['throughput_req_s']:.2f} req/s, {summary['throughput_out_tok_s']:.0f} tok/s, "
-                      f"ttft p50 {_fmt(summary['ttft_s']['p50'])} s, e2e mean {_fmt(summary['e2e_s']['mean'])} s, "
-                      f"failed {summary['failed']}, SLO {_fmt(summary['slo']['attainment'])}", flush=True)  # fmt: skip
-                payload["points"].append({"label": p.label, "protocol": p.protocol, "trace": trace.params,
-                                          "summary": summary, "requests": [r.row() for r in records]})  # fmt: skip
+                records: list[rp.Record] = []  # filled as requests are sent: kept when interrupted
+                try:
+                    asyncio.run(rp.replay(trace, endpoint.url, protocol=p.protocol, ws_url=endpoint.ws_url,
+                                          model_for=model_for, timeout_s=exp.timeout_s, records=records))  # fmt: skip
+                except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: keep the point so far, then stop
+                    stopping.enter_context(_repeated_signals_ignored())
+                    _add_point(payload, p, trace, records, exp, interrupted=True)
+                    path = write_result(name, payload, out_dir)
+                    print(f"    interrupted: partial result in {path}", flush=True)
+                    raise
+                _add_point(payload, p, trace, records, exp, interrupted=False)
                 write_result(name, payload, out_dir)
             if exp.probe_variants:
                 names = [v.name for v in traces[0].variants][: exp.probe_variants]
@@ -747,6 +763,41 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
     if plots:
         plot([path])
     return path
+
+
+@contextlib.contextmanager
+def _repeated_signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM do nothing inside (their handlers restored after): a run that one of
+    them interrupted writes its partial point and stops its server undisturbed. ``timeout -s
+    INT`` signals the process and then its process group, so the process gets the signal twice,
+    the second often while the result is being written; a second Ctrl-C changes nothing either
+    (the server's stop is bounded: SIGTERM, SIGKILL after 60 s). Main thread only (elsewhere a
+    no-op: signals are handled there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+
+def _add_point(payload: dict[str, Any], p: Point, trace: wl.Trace, records: list[rp.Record], exp: Experiment,
+               interrupted: bool) -> None:  # fmt: skip
+    """Appends point ``p``'s summary and per-request rows to ``payload`` and prints its line; an
+    ``interrupted`` point has the records of the requests sent before the interruption (those in
+    flight then: error ``replay.INTERRUPTED``)."""
+    summary = rp.summarize(records, slo_tpot=exp.slo_tpot)
+    head = (f"INTERRUPTED after {len(records)} of {len(trace.requests)} requests sent, "
+            f"{summary['completed']} completed: " if interrupted else "")  # fmt: skip
+    print(f"    {head}{summary['throughput_req_s']:.2f} req/s, {summary['throughput_out_tok_s']:.0f} tok/s, "
+          f"ttft p50 {_fmt(summary['ttft_s']['p50'])} s, e2e mean {_fmt(summary['e2e_s']['mean'])} s, "
+          f"failed {summary['failed']}, SLO {_fmt(summary['slo']['attainment'])}", flush=True)  # fmt: skip
+    payload["points"].append({"label": p.label, "protocol": p.protocol, "trace": trace.params,
+                              "interrupted": interrupted, "summary": summary,
+                              "requests": [r.row() for r in records]})  # fmt: skip
 
 
 def _fmt(x: float | None) -> str:
@@ -983,7 +1034,8 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 
 if __name__ == "__main__":
-    # A killed run (`timeout`, a job limit) unwinds like Ctrl-C: the server it started is stopped
-    # (it runs in its own session, so it would otherwise outlive this process and hold the GPU).
+    # A killed run (`timeout`, a job limit) unwinds like Ctrl-C: the point in progress is written
+    # with what it measured (run()), and the server it started is stopped (it runs in its own
+    # session, so it would otherwise outlive this process and hold the GPU).
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     main()

@@ -7,12 +7,22 @@ Timing tolerances: the fake server writes token k of a request at received + ttf
 writes it, so every measured TTFT is ≥ the scripted one (lower bounds are exact); above it, the
 only addition is local socket + event-loop latency, ~1–2 ms measured here, bounded at 40 ms
 (JITTER) for a loaded 2-core CI machine. TPOT = (e2e − ttft)/(n − 1) divides the difference of two
-such jitters by n − 1, so it gets JITTER / (n − 1)."""
+such jitters by n − 1, so it gets JITTER / (n − 1).
+
+Interruption: a replay cancelled partway keeps the records of the requests it sent (completed ones
+exact, those in flight marked interrupted and not completed), and serving.run() interrupted by
+SIGINT or SIGTERM during a point writes that point to the result file before it re-raises."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,12 +39,13 @@ from fake_server import FakeServer  # noqa: E402
 JITTER = 0.040
 
 
-def trace_of(rows: list[tuple[float, str, int]]) -> wl.Trace:
-    """A hand-made trace: (arrival s, variant, output tokens) per request, 4-token prompts."""
+def trace_of(rows: list[tuple[float, str, int]], kind: str = "lora") -> wl.Trace:
+    """A hand-made trace: (arrival s, variant, output tokens) per request, 4-token prompts;
+    variants of ``kind`` (rank-8 LoRA adapters, or full fine-tunes)."""
     names = sorted({v for _, v, _ in rows})
     return wl.Trace(
         params={"kind": "test"},
-        variants=[wl.Variant(name=n, kind="lora", rank=8) for n in names],
+        variants=[wl.Variant(name=n, kind=kind, rank=8 if kind == "lora" else None) for n in names],
         requests=[wl.Request(i=i, t=t, variant=v, prompt=[5, 6, 7, 8], output_len=n) for i, (t, v, n) in enumerate(rows)],
     )
 
@@ -166,3 +177,167 @@ def test_client_sustains_five_times_the_highest_rate():
     print(f"{rate:.0f} req/s offered: {s['throughput_req_s']:.1f} req/s, {s['throughput_out_tok_s']:.0f} tok/s, "
           f"lag p99 {s['client_lag_s']['p99'] * 1e3:.1f} ms, ttft p99 {s['ttft_s']['p99'] * 1e3:.1f} ms")  # fmt: skip
     assert np.isfinite(s["ttft_s"]["p99"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Interruption
+
+
+def test_summarize_interrupted_exact():
+    """An interrupted replay's makespan ends at the interruption when requests were in flight;
+    interrupted requests are failures (not completed, SLO misses) whatever they received."""
+
+    def rec(i, sched, ttft, e2e, n, chunks, stopped=None):
+        return rp.Record(i=i, variant="a", prompt_len=10, output_len=n, scheduled=sched, sent=sched, ttft=ttft,
+                         e2e=e2e, n_out=n if stopped is None else 0, chunk_times=chunks, status=200,
+                         error=None if stopped is None else rp.INTERRUPTED, interrupted_at=stopped)  # fmt: skip
+
+    done = [rec(0, 0.5, 0.5, 1.0, 3, [0.5, 0.75, 1.0]), rec(1, 1.0, 1.0, 2.0, 5, [1.0, 2.0])]  # end 1.5, 3.0
+    stuck = [rec(2, 1.5, 0.5, None, 4, [0.5], stopped=4.5), rec(3, 2.0, None, None, 4, [], stopped=4.5)]
+    s = rp.summarize(done + stuck, slo_ttft=1.5)
+    assert (s["requests"], s["completed"], s["failed"], s["interrupted"]) == (4, 2, 2, 2)
+    assert s["makespan_s"] == 4.0  # first scheduled send (0.5) to the interruption (4.5), not to 3.0
+    assert s["throughput_req_s"] == 2 / 4.0 and s["throughput_out_tok_s"] == 8 / 4.0
+    assert s["ttft_s"]["mean"] == 0.75 and s["e2e_s"]["mean"] == 1.5  # completed requests only
+    assert s["slo"]["ttft_attainment"] == 2 / 4  # request 2's first token came in time: still a miss
+    assert s["errors"] == {"200: interrupted": 2}
+    assert stuck[0].tpot is None and stuck[0].row()["interrupted_at"] == 4.5
+    # Nothing completed: the makespan still runs to the interruption, the throughput is 0.
+    s = rp.summarize(stuck)
+    assert (s["makespan_s"], s["throughput_req_s"], s["completed"]) == (3.0, 0.0, 0)
+    # Nothing in flight at the interruption (no record has interrupted_at): the last response ends it.
+    assert rp.summarize(done)["makespan_s"] == 2.5 and rp.summarize(done)["interrupted"] == 0
+
+
+STALL_LATENCY = {"fast": (0.05, 0.010), "stall": (0.05, 60.0), "hang": (60.0, 0.01)}
+"""fast completes; stall sends its first token, then nothing for a minute; hang sends nothing."""
+
+
+@pytest.fixture
+def stalling():
+    with FakeServer(per_model=STALL_LATENCY) as s:
+        yield s
+        # Its stalled HTTP handlers would still be asleep when its loop closes: end them first.
+        asyncio.run_coroutine_threadsafe(_end_stalled_handlers(), s._loop).result(10)
+
+
+async def _end_stalled_handlers() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t.get_coro().__name__ == "_serve_http"]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _wait_for(cond, timeout_s: float = 8.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("protocol", rp.PROTOCOLS)
+def test_cancelled_replay_keeps_the_records_so_far(stalling, protocol):
+    rows = [(0.0, "fast", 5), (0.05, "stall", 3), (0.10, "hang", 3), (0.15, "fast", 5), (20.0, "fast", 5)]
+    trace = trace_of(rows)
+    records: list[rp.Record] = []
+
+    async def go():
+        task = asyncio.create_task(rp.replay(trace, stalling.url, protocol=protocol, ws_url=stalling.ws_url,
+                                             records=records))  # fmt: skip
+        deadline = time.monotonic() + 8
+        # Cancel once the fast requests are done and the stalled one has its first token.
+        while not (len(records) == 4 and records[3].e2e is not None and records[1].ttft is not None):
+            assert time.monotonic() < deadline and not task.done(), records
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(go())
+    assert [r.i for r in records] == [0, 1, 2, 3]  # sent, in trace order; request 4 (at 20 s) never was
+    fast, stall, hang, fast2 = records
+    for r in (fast, fast2):  # completed: exact, as in an uninterrupted replay
+        ttft, tpot = STALL_LATENCY["fast"]
+        assert r.error is None and r.interrupted_at is None and r.n_out == r.output_len == 5, r
+        assert ttft <= r.ttft <= ttft + JITTER, r
+        assert r.e2e == pytest.approx(ttft + 4 * tpot, abs=JITTER), r
+    stopped = stall.interrupted_at
+    assert stopped is not None and hang.interrupted_at == stopped
+    assert fast2.sent + fast2.e2e < stopped < fast2.sent + fast2.e2e + 1.0
+    for r in (stall, hang):  # in flight: interrupted, not completed
+        assert r.error == rp.INTERRUPTED and r.e2e is None and r.tpot is None and r.status == 200, r
+    assert STALL_LATENCY["stall"][0] <= stall.ttft <= STALL_LATENCY["stall"][0] + JITTER  # its first token is kept
+    assert len(stall.chunk_times) == 1 and hang.ttft is None and hang.chunk_times == []
+    s = rp.summarize(records)
+    assert (s["requests"], s["completed"], s["failed"], s["interrupted"]) == (4, 2, 2, 2)
+    assert s["makespan_s"] == stopped  # first scheduled send (t = 0) to the interruption
+    assert s["throughput_req_s"] == 2 / stopped and s["output_tokens"] == 10
+    assert s["slo"]["ttft_attainment"] == 2 / 4 and s["errors"] == {"200: interrupted": 2}
+
+
+def test_records_list_of_a_complete_replay_is_the_returned_one(stalling):
+    records: list[rp.Record] = []
+    out = rp.run_replay(trace_of([(0.0, "fast", 3), (0.02, "fast", 2)]), stalling.url, records=records)
+    assert records == out and all(a is b for a, b in zip(records, out)) and len(out) == 2
+    assert all(r.error is None and r.interrupted_at is None for r in out)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_run_writes_the_point_it_was_interrupted_in(stalling, tmp_path, monkeypatch, capsys, sig):
+    """serving.run() with two points: the first completes, the second is interrupted by a real
+    signal (SIGINT: Ctrl-C, or SIGTERM with serving.py's handler) while its requests stall. As
+    `timeout` does, the signal comes twice: the second while the partial point is written."""
+    traces = {"a": trace_of([(0.0, "fast", 4), (0.02, "fast", 4)], "full"),
+              "b": trace_of([(0.0, "fast", 4), (0.02, "stall", 4), (0.04, "hang", 4), (30.0, "fast", 4)], "full")}  # fmt: skip
+    monkeypatch.setitem(serving.WORKLOADS, "test", lambda which: traces[which])
+    monkeypatch.setitem(serving.SERVERS, "fake", contextlib.contextmanager(
+        lambda spec: (yield serving.Endpoint(stalling.url, stalling.ws_url))))  # fmt: skip
+    monkeypatch.setattr(serving, "detect_devices", lambda: ("cpu", "cpu"))
+    write_result = serving.write_result
+
+    def write_signalled_again(name, payload, out_dir):
+        if payload["points"][-1]["interrupted"]:
+            os.kill(os.getpid(), getattr(signal, sig))
+        return write_result(name, payload, out_dir)
+
+    monkeypatch.setattr(serving, "write_result", write_signalled_again)
+    exp = serving.Experiment("interrupt", serving.SMOKE_SHAPE, timeout_s=120.0,
+                             points=tuple(serving.Point(label=k, trace={"which": k}, workload="test") for k in "ab"))  # fmt: skip
+
+    def interrupt() -> None:  # once point b's fast request is done and its stalled one has a token
+        log = stalling.log
+        _wait_for(lambda: len(log) >= 5 and len(log[2].token_times) == 4 and len(log[3].token_times) == 1)
+        time.sleep(0.3)
+        os.kill(os.getpid(), getattr(signal, sig))
+
+    old = signal.signal(signal.SIGTERM, serving._exit_on_sigterm) if sig == "SIGTERM" else None
+    killer = threading.Thread(target=interrupt, daemon=True)
+    try:
+        killer.start()
+        with pytest.raises(KeyboardInterrupt if sig == "SIGINT" else SystemExit) as exc:
+            serving.run(exp, server="fake", out_dir=tmp_path, plots=False)
+        killer.join(10)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+        assert signal.getsignal(signal.SIGTERM) is (serving._exit_on_sigterm if old is not None else signal.SIG_DFL)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+    if sig == "SIGTERM":
+        assert exc.value.code == 128 + signal.SIGTERM
+    (path,) = tmp_path.glob("interrupt-cpu-*.json")
+    res = json.loads(path.read_text())
+    assert res["complete"] is False and [p["label"] for p in res["points"]] == ["a", "b"]
+    a, b = res["points"]
+    assert a["interrupted"] is False and a["summary"]["completed"] == 2 and a["summary"]["interrupted"] == 0
+    assert b["interrupted"] is True
+    rows, s = b["requests"], b["summary"]
+    assert [r["i"] for r in rows] == [0, 1, 2]  # the request at 30 s was never sent
+    assert rows[0]["error"] is None and rows[0]["n_out"] == 4 and rows[0]["interrupted_at"] is None
+    assert [r["error"] for r in rows[1:]] == [rp.INTERRUPTED] * 2
+    assert rows[1]["ttft"] is not None and rows[2]["ttft"] is None
+    stopped = rows[1]["interrupted_at"]
+    assert stopped == rows[2]["interrupted_at"] and stopped > rows[0]["sent"] + rows[0]["e2e"]
+    assert (s["requests"], s["completed"], s["failed"], s["interrupted"]) == (3, 1, 2, 2)
+    assert s["makespan_s"] == stopped and s["throughput_req_s"] == 1 / stopped
+    out = capsys.readouterr().out
+    assert "INTERRUPTED after 3 of 4 requests sent, 1 completed" in out and str(path) in out
