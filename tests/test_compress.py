@@ -310,6 +310,30 @@ def test_reader_refuses_damaged_directories(tiny_llama: Path, task: dict, tmp_pa
     with pytest.raises(DeltaFormatError, match="no manifest.json"):
         load_delta(tmp_path / "nowhere")
 
+    def truncate(d: Path, keep: int) -> None:
+        f = d / "delta.safetensors"
+        f.write_bytes(f.read_bytes()[:keep])
+
+    size = (out / "delta.safetensors").stat().st_size
+    for keep in (4, 200, size - 1):  # inside the length prefix, inside the header, inside the data
+        with pytest.raises(DeltaFormatError, match="not a valid safetensors payload"):
+            load_delta(broken(lambda m, d, k=keep: truncate(d, k)))
+    with pytest.raises(DeltaFormatError, match="not a valid safetensors payload"):
+        load_delta(broken(lambda m, d: (d / "delta.safetensors").write_bytes(b"\xff" * 64)))
+
+
+def test_reader_views_one_buffer_with_safetensors_values(tiny_llama: Path, task: dict, tmp_path: Path) -> None:
+    """The payload is read once: every tensor is a view of one buffer, equal to safetensors' own reading."""
+    out = tmp_path / "delta"
+    compress(tiny_llama, task["dir"], out, CompressConfig(calib=str(task["calib"]), nsamples=4), None)
+    _, packed, dense = load_delta(out)
+    want = load_file(str(out / "delta.safetensors"))
+    got = {f"{n}.{k}": t for n, p in packed.items() for k, t in p.tensors().items()} | dense
+    assert got.keys() == want.keys()
+    for k, t in got.items():
+        assert t.dtype == want[k].dtype and torch.equal(t, want[k]), k
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
+
 
 def test_calibration_file_errors(tmp_path: Path, tiny_llama: Path) -> None:
     assert len(load_calibration(None)) == len(DEFAULT_TEXTS) >= 30

@@ -31,7 +31,6 @@ and fills ``step`` (``DeltaStep``); ``end_step`` clears it. Loads failing after 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from dataclasses import dataclass
@@ -172,9 +171,9 @@ class DeltaPool:
     # ------------------------------------------------------------------ host tier
 
     def _read_host_copy(self, path: Path) -> DeltaHostCopy:
-        """The background half of ``to_host``: validate again, load, pin on CUDA."""
+        """The background half of ``to_host``: validate again, load (into page-locked memory on CUDA)."""
         manifest = self._validate(path)
-        _, packed_by_name, dense = load_delta(path)
+        _, packed_by_name, dense = load_delta(path, pin=self.device.type == "cuda")
         comp = manifest["compression"]
         key: ConfigKey = (int(comp["bits"]), comp["sparsity"] == "2:4", int(comp["group_size"]))
         packed = {}
@@ -182,10 +181,6 @@ class DeltaPool:
             m = _PACKED_RE.match(name)
             assert m is not None  # _validate checked every packed name
             packed[(int(m.group(1)), m.group(2))] = p
-        if self.device.type == "cuda":
-            packed = {k: dataclasses.replace(p, **{n: t.pin_memory() for n, t in p.tensors().items()})
-                      for k, p in packed.items()}  # fmt: skip
-            dense = {k: t.pin_memory() for k, t in dense.items()}
         nbytes = sum(p.nbytes() for p in packed.values()) + sum(t.nbytes for t in dense.values())
         return DeltaHostCopy(key, packed, dense, nbytes)
 

@@ -23,7 +23,9 @@ Layout (written by ``deltaserve compress``, read by serving and tests)::
         <name>                                            per dense tensor, float16
 
 ``load_delta`` reads and validates a directory (every manifest entry present with its shape,
-every ``PackedLinear`` well formed) and decompresses a lossless payload transparently.
+every ``PackedLinear`` well formed) and decompresses a lossless payload transparently. The payload
+is read once into one host buffer (page-locked with ``pin=True``, for fast copies to a GPU) and every
+tensor is a view of it (``_read_payload``: the safetensors layout parsed in place, no further copy).
 ``check_lineage`` refuses a delta whose base config or tensor shapes differ from a base directory,
 naming the field or tensor. ``materialize`` writes ``W_base + dequant(Δ̃)`` (or ``dequant(W̃)`` for
 mode "full") as a plain HF directory: the dense reference of the greedy-equality tests and of the
@@ -36,13 +38,13 @@ import hashlib
 import json
 import lzma
 import shutil
+import struct
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..model.arch import ModelConfig
@@ -271,13 +273,58 @@ def read_manifest(delta_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
+_ST_DTYPES = {"I32": torch.int32, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+              "I64": torch.int64, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16}  # fmt: skip
+"""safetensors dtype tags a payload may hold (``deltaserve compress`` writes I32 and F16)."""
+
+
+def _read_payload(path: Path, codec: str, pin: bool) -> dict[str, torch.Tensor]:
+    """The payload's tensors as views of one host buffer (module docstring); DeltaFormatError if
+    the file is not a well-formed safetensors payload."""
+    if codec == "none":
+        size = path.stat().st_size
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        with path.open("rb") as f:
+            got = f.readinto(memoryview(buf.numpy()))
+        if got != size:
+            raise DeltaFormatError(f"{path}: read {got} of {size} bytes (the file changed while loading)")
+    else:
+        raw = decode_payload(path.read_bytes(), codec, str(path))
+        buf = torch.empty(len(raw), dtype=torch.uint8, pin_memory=pin)
+        buf.numpy()[:] = memoryview(raw)
+    try:
+        (n,) = struct.unpack("<Q", bytes(buf[:8].tolist())) if len(buf) >= 8 else (None,)
+        if n is None or 8 + n > len(buf):
+            raise ValueError("truncated header")
+        header = json.loads(bytes(buf[8 : 8 + n].numpy()))
+        start = 8 + n
+        tensors = {}
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            dtype, shape, (lo, hi) = _ST_DTYPES[e["dtype"]], [int(d) for d in e["shape"]], e["data_offsets"]
+            count = 1
+            for d in shape:
+                count *= d
+            if not 0 <= lo <= hi <= len(buf) - start or hi - lo != count * dtype.itemsize:
+                raise ValueError(f"tensor '{name}': data offsets {lo}..{hi} do not fit {e['dtype']} {shape}")
+            view = buf[start + lo : start + hi]
+            if (start + lo) % dtype.itemsize:  # misaligned for the dtype: a copy (never for our writer)
+                view = view.clone()
+            tensors[name] = view.view(dtype).reshape(shape)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise DeltaFormatError(f"{path}: not a valid safetensors payload: {e}") from e
+    return tensors
+
+
 def load_delta(
-    delta_dir: str | Path, device: torch.device | str = "cpu"
+    delta_dir: str | Path, device: torch.device | str = "cpu", pin: bool = False
 ) -> tuple[dict[str, Any], dict[str, PackedLinear], dict[str, torch.Tensor]]:
     """Read a delta directory: ``(manifest, {hf module name: PackedLinear}, {tensor name: float16 tensor})``.
 
     Validates every manifest entry against the payload (presence, shapes, packed layout) and
-    refuses payload tensors the manifest does not list.
+    refuses payload tensors the manifest does not list. With ``pin`` (CPU only) the tensors live
+    in page-locked memory.
     """
     delta_dir = Path(delta_dir)
     manifest = read_manifest(delta_dir)
@@ -286,11 +333,7 @@ def load_delta(
     path = delta_dir / str(payload.get("file", ""))
     if not path.is_file():
         raise DeltaFormatError(f"{delta_dir}: payload file '{payload.get('file')}' named in {MANIFEST} is missing")
-    raw = decode_payload(path.read_bytes(), codec, str(path))
-    try:
-        tensors = st_load(raw)
-    except Exception as e:  # safetensors raises its own error types
-        raise DeltaFormatError(f"{path}: not a valid safetensors payload: {e}") from e
+    tensors = _read_payload(path, codec, pin)
     comp = manifest["compression"]
     bits, group = int(comp["bits"]), int(comp["group_size"])
     sparse = comp["sparsity"] == "2:4"
