@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
-LOAD_THREADS = 2
-"""Background threads reading variants into host memory per pool (disk and parsing bound)."""
+LOAD_THREADS = 4
+"""Background threads reading variants into host memory per pool (disk and parsing bound; torch and
+safetensors release the GIL while they copy). S-LoRA's n = 2000 point, where nearly every request
+needs an adapter that is not resident, waits on these loads."""
 
 
 class AdapterLoadError(RuntimeError):

@@ -365,7 +365,8 @@ class AdapterPool:
         """The background half of ``to_host``: load, validate, pack (pinned on CUDA)."""
         adapter, layout = self._load(path)
         L, n = self.config.num_layers, len(self.order)
-        packed = torch.zeros(L, layout.packed_elems, dtype=self.dtype)
+        # Page-locked from the start on CUDA (fast, asynchronous copies to the pool; no second copy to pin).
+        packed = torch.zeros(L, layout.packed_elems, dtype=self.dtype, pin_memory=self.device.type == "cuda")
         rank = torch.zeros(L, n, dtype=torch.int32)
         scale = torch.zeros(L, n, dtype=torch.float32)
         for s in layout.slices:
@@ -380,8 +381,6 @@ class AdapterPool:
                 packed[layer, start : start + w.rank * s.out_dim] = w.b.T.reshape(-1)
                 rank[layer, s.index] = w.rank
                 scale[layer, s.index] = w.scaling
-        if self.device.type == "cuda":
-            packed = packed.pin_memory()
         return HostCopy(layout, packed, rank, scale, adapter.max_rank, tuple(s.proj for s in layout.slices))
 
     def to_host(self, adapter_id: int, path: str | Path) -> None:
