@@ -37,8 +37,8 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
+import math
 import shutil
-import struct
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -293,8 +293,10 @@ def _read_payload(path: Path, codec: str, pin: bool) -> dict[str, torch.Tensor]:
         buf = torch.empty(len(raw), dtype=torch.uint8, pin_memory=pin)
         buf.numpy()[:] = memoryview(raw)
     try:
-        (n,) = struct.unpack("<Q", bytes(buf[:8].tolist())) if len(buf) >= 8 else (None,)
-        if n is None or 8 + n > len(buf):
+        if len(buf) < 8:
+            raise ValueError("truncated header")
+        n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+        if 8 + n > len(buf):
             raise ValueError("truncated header")
         header = json.loads(bytes(buf[8 : 8 + n].numpy()))
         start = 8 + n
@@ -303,10 +305,7 @@ def _read_payload(path: Path, codec: str, pin: bool) -> dict[str, torch.Tensor]:
             if name == "__metadata__":
                 continue
             dtype, shape, (lo, hi) = _ST_DTYPES[e["dtype"]], [int(d) for d in e["shape"]], e["data_offsets"]
-            count = 1
-            for d in shape:
-                count *= d
-            if not 0 <= lo <= hi <= len(buf) - start or hi - lo != count * dtype.itemsize:
+            if not 0 <= lo <= hi <= len(buf) - start or hi - lo != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"tensor '{name}': data offsets {lo}..{hi} do not fit {e['dtype']} {shape}")
             view = buf[start + lo : start + hi]
             if (start + lo) % dtype.itemsize:  # misaligned for the dtype: a copy (never for our writer)

@@ -119,8 +119,9 @@ class DeltaMeta:
     """``seg_delta`` on the host, for the same reason."""
     num_tokens: int
     """T: rows of x / out the step has."""
-    slots: frozenset[int]
-    """Delta slots the step uses (no -1): checked against the pool's loaded slots at every call."""
+    slot_tokens: tuple[tuple[int, tuple[int, ...]], ...]
+    """(slot, its token indices in step order) per slot the step uses (no -1), slots in order of first
+    use: ``order`` on the host, and the reference's token groups."""
     decode: bool
     """True: one token per row (``rows``); the launch grid then depends on T only (CUDA graphs)."""
     order: torch.Tensor
@@ -135,6 +136,11 @@ class DeltaMeta:
     """Rows of ``tiles`` = the launch grid's first dimension (decode: T; prefill: ``num_tiles``)."""
     block_m: int
     """Tokens per work tile; the kernel's BLOCK_M."""
+
+    @property
+    def slots(self) -> frozenset[int]:
+        """Delta slots the step uses: checked against the pool's loaded slots at every call."""
+        return frozenset(d for d, _ in self.slot_tokens)
 
     @property
     def max_slot(self) -> int:
@@ -174,6 +180,7 @@ class DeltaMeta:
         for s, d in enumerate(slots):
             if d >= 0 and starts[s + 1] > starts[s]:
                 by_slot.setdefault(d, []).extend(range(starts[s], starts[s + 1]))
+        slot_tokens = tuple((d, tuple(toks)) for d, toks in by_slot.items())
         order = [t for toks in by_slot.values() for t in toks]
         runs, lo = [], 0
         for d, toks in by_slot.items():
@@ -189,7 +196,7 @@ class DeltaMeta:
             seg_start=torch.tensor(starts, dtype=torch.int32, device=device),
             seg_delta=torch.tensor(slots, dtype=torch.int32, device=device),
             seg_start_host=tuple(starts), seg_delta_host=tuple(slots), num_tokens=num_tokens,
-            slots=frozenset(by_slot), decode=decode,
+            slot_tokens=slot_tokens, decode=decode,
             order=torch.tensor(order, dtype=torch.int32, device=device),
             tiles=torch.tensor(table, dtype=torch.int32, device=device).reshape(grid_tiles, 3),
             num_tiles=len(tiles), grid_tiles=grid_tiles, block_m=block_m,
@@ -422,19 +429,11 @@ def _check_call(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
         raise ValueError(f"sbmm: delta slot {empty[0]} holds no delta (tokens of the step use it)")
 
 
-def _token_groups(meta: DeltaMeta) -> dict[int, torch.Tensor]:
-    """Token indices per slot (-1 left out), from the host copy of the metadata."""
-    groups: dict[int, list[int]] = {}
-    for s, d in enumerate(meta.seg_delta_host):
-        if d >= 0:
-            groups.setdefault(d, []).extend(range(meta.seg_start_host[s], meta.seg_start_host[s + 1]))
-    return {d: torch.tensor(t, dtype=torch.long, device=meta.seg_start.device) for d, t in groups.items() if t}
-
-
 def sbmm_ref(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
     """Torch reference and CPU path of ``sbmm``: per delta, ``dequantize`` (pack.py) then one matmul."""
     _check_call(x, out, w, meta)
-    for d, tok in _token_groups(meta).items():
+    for d, toks in meta.slot_tokens:
+        tok = torch.tensor(toks, dtype=torch.long, device=meta.seg_start.device)
         delta = w.reference_delta(d, x.dtype)  # [out, in], at x's precision like the kernel
         out[tok] = (out[tok].float() + x[tok].float() @ delta.T).to(out.dtype)
     return out

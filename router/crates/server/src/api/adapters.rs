@@ -210,6 +210,27 @@ mod tests {
         .await
     }
 
+    /// Posts `req` and asserts the refusal: HTTP `status`, a message containing `text`, and the
+    /// `param` field when one is given.
+    async fn assert_refused(
+        app: &axum::Router,
+        req: &'static str,
+        status: u16,
+        text: &str,
+        param: Option<&str>,
+    ) {
+        let (got, _, body) = post(app, req).await;
+        assert_eq!(got.as_u16(), status, "{req}: {body}");
+        let err = &json_of(&body)["error"];
+        assert!(
+            err["message"].as_str().unwrap().contains(text),
+            "{req}: {body}"
+        );
+        if let Some(p) = param {
+            assert_eq!(err["param"], p, "{req}: {body}");
+        }
+    }
+
     #[tokio::test]
     async fn register_list_select_and_delete() {
         let (_, app) = app();
@@ -300,16 +321,7 @@ mod tests {
             ),
         ];
         for (req, want_status, want_text, want_param) in cases {
-            let (status, _, body) = post(&app, req).await;
-            assert_eq!(status.as_u16(), want_status, "{req}: {body}");
-            let err = &json_of(&body)["error"];
-            assert!(
-                err["message"].as_str().unwrap().contains(want_text),
-                "{req}: {body}"
-            );
-            if let Some(p) = want_param {
-                assert_eq!(err["param"], p, "{req}: {body}");
-            }
+            assert_refused(&app, req, want_status, want_text, want_param).await;
         }
         assert_eq!(
             crate::api::Backend::model(&fake).adapters.list().len(),
@@ -368,16 +380,7 @@ mod tests {
             ),
         ];
         for (req, want_text, want_param) in cases {
-            let (status, _, body) = post(&app, req).await;
-            assert_eq!(status, 400, "{req}: {body}");
-            let err = &json_of(&body)["error"];
-            assert!(
-                err["message"].as_str().unwrap().contains(want_text),
-                "{req}: {body}"
-            );
-            if let Some(p) = want_param {
-                assert_eq!(err["param"], p, "{req}: {body}");
-            }
+            assert_refused(&app, req, 400, want_text, want_param).await;
         }
         assert_eq!(crate::api::Backend::model(&fake).adapters.list().len(), 3);
 
