@@ -151,6 +151,22 @@ def test_shapes_and_long_segments(config: tuple[int, bool], shape: tuple[int, in
     close(sbmm(x, base.clone(), w, meta, use_triton=True), sbmm(x, base.clone(), w, meta, use_triton=False))
 
 
+@pytest.mark.parametrize("run", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
+def test_fma_tiles_and_scale_paths(config: tuple[int, bool], run: int) -> None:
+    """Decode runs of 1..8 rows per delta take the FMA tiles (BLOCK_M 1, 2, 4, 8), over group sizes that
+    load scales once per row of a K tile (G = 128), per qvalues word (G = 32) and per plane (G = 24)."""
+    bits, sparse = config
+    for shape in ((128, 40, 128), (64, 48, 32), (96, 56, 24)):
+        w = pool(bits, sparse, shape)
+        slots = [0, -1] * run + [3] * max(run - 1, 1)
+        meta = DeltaMeta.rows(slots, DEVICE)
+        assert meta.block_m == 1 << (run - 1).bit_length()
+        x = randn(meta.num_tokens, shape[0], dtype=torch.bfloat16, seed=run)
+        base = randn(meta.num_tokens, shape[1], dtype=torch.bfloat16, seed=run + 1)
+        close(sbmm_triton(x, base.clone(), w, meta), sbmm_ref(x, base.clone(), w, meta))
+
+
 @pytest.mark.parametrize("block", [(16, 32), (64, 128), (32, 256)], ids=["n16-k32", "n64-k128", "n32-k256"])
 def test_other_launch_configs(block: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """The configs ``bench_sbmm.py --tune`` sweeps stay right (K tiles spanning several groups)."""
@@ -202,7 +218,7 @@ def test_kernel_follows_offset_tables() -> None:
 def test_decode_rows_share_tiles() -> None:
     """The rows of one slot share a work tile wherever they sit; the decode grid is T tiles whatever the slots."""
     meta = DeltaMeta.rows([2, 2, 2, -1, 0, 0, 2, -1], DEVICE)
-    assert meta.grid_tiles == 8 and meta.num_tiles == 2 and meta.block_m == 16
+    assert meta.grid_tiles == 8 and meta.num_tiles == 2 and meta.block_m == 4  # runs of 4 and 2: FMA tiles
     assert meta.order.tolist() == [0, 1, 2, 6, 4, 5, 0, 0]
     assert meta.tiles.tolist()[:3] == [[0, 4, 2], [4, 6, 0], [0, 0, -1]]
     assert meta.slots == {0, 2}

@@ -81,18 +81,20 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # One launch config per work-tile size (no autotune: the interpreter cannot run multi-config
 # autotune; tuned configs go to data files, STYLE #23).
-_BLOCK_M_SMALL = 16
-"""Tokens per work tile when no run of one slot is longer (tl.dot's minimum)."""
+_FMA_MAX_M = 8
+"""Work tiles of at most this many tokens (decode: a delta's rows in the step) multiply with plain FMAs:
+BLOCK_M is the run's length rounded up to a power of two (1, 2, 4, 8), no tensor-core tile padded to 16."""
+_DOT_MIN_M = 16
+"""Tokens per work tile when some run of one slot is longer than ``_FMA_MAX_M`` (tl.dot's minimum)."""
 _BLOCK_M_LARGE = 64
-"""Tokens per work tile when some run of one slot is longer than ``_BLOCK_M_SMALL``: fewer tiles, so
-the delta is dequantised fewer times per run."""
-LAUNCH = {_BLOCK_M_SMALL: {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
-          _BLOCK_M_LARGE: {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}}  # fmt: skip
-"""Launch config per BLOCK_M: the fastest of ``bench_sbmm.py --tune`` at most multi-token points of a
-first H100 sweep (4-bit 2:4, Llama-2-7B MLP shapes); a lone token preferred BLOCK_N 16, BLOCK_K 512.
-BLOCK_K (original input columns per reduction step) must be a power of two >= 32 (a 2:4 index word
-covers 32 columns; a 2-bit code word 16); BLOCK_K 512 with BLOCK_N >= 32 overflows shared memory on
-an H100. Module-level so a tuning run can swap it."""
+"""Tokens per work tile when some run of one slot is longer than ``_DOT_MIN_M``: fewer tiles, so the
+delta is dequantised fewer times per run."""
+_FMA = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}
+_DOT = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+LAUNCH = {1: dict(_FMA), 2: dict(_FMA), 4: dict(_FMA), 8: dict(_FMA), _DOT_MIN_M: dict(_DOT), _BLOCK_M_LARGE: dict(_DOT)}
+"""Launch config per BLOCK_M (starting points, to be tuned by ``bench_sbmm.py --tune``). BLOCK_K is in
+input columns, a power of two; ``launch_config`` raises it to one qvalues word per row (FMA tiles) or 16
+words (tl.dot tiles: the dot's K). Module-level so a tuning run can swap it."""
 _MIN_WAVES = 2
 """A launch narrows BLOCK_N (down to 16) until it has at least this many programs per SM."""
 
@@ -187,7 +189,10 @@ class DeltaMeta:
             runs.append((lo, lo + len(toks), d))
             lo += len(toks)
         longest = max((len(toks) for toks in by_slot.values()), default=0)
-        block_m = _BLOCK_M_SMALL if longest <= _BLOCK_M_SMALL else _BLOCK_M_LARGE
+        if longest <= _FMA_MAX_M:
+            block_m = 1 << max(longest - 1, 0).bit_length()  # 1, 2, 4, 8
+        else:
+            block_m = _DOT_MIN_M if longest <= _DOT_MIN_M else _BLOCK_M_LARGE
         tiles = [(m0, min(m0 + block_m, hi), d) for lo, hi, d in runs for m0 in range(lo, hi, block_m)]
         grid_tiles = num_tokens if decode else len(tiles)  # each tile holds >= 1 token: <= T tiles
         table = tiles + [(0, 0, -1)] * (grid_tiles - len(tiles))
@@ -443,11 +448,25 @@ def sbmm_ref(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMet
 
 
 @triton.jit
+def _plane(acc, x_rows, row_ok, cols, K, w, ty: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+           DOT_PREC: tl.constexpr):
+    """acc += x[:, cols] · w^T for one weight plane ``w`` [BN, W] (float32 holding x-dtype values)."""
+    xt = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+    if USE_DOT:  # acc [BM, BN]
+        if UPCAST:  # the interpreter's low-precision dot is wrong: fp32 tiles holding dtype values
+            acc = tl.dot(xt.to(tl.float32), tl.trans(w), acc, input_precision=DOT_PREC)
+        else:
+            acc = tl.dot(xt, tl.trans(w.to(ty)), acc, input_precision=DOT_PREC)
+    else:  # acc [BM, BN, W]: plain FMAs, reduced over W once at the end
+        acc += xt.to(tl.float32)[:, None, :] * w[None, :, :]
+    return acc
+
+
+@triton.jit
 def _sbmm_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr,
                  N, K, x_stride, out_stride, QV_ROW, QI_ROW, NGROUPS,
-                 BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr,
-                 KEPT: tl.constexpr, WORDS: tl.constexpr, IWORDS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr, W: tl.constexpr, SCALES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
                  UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
     slot = tl.load(tiles_ptr + tile * 3 + 2)
@@ -457,10 +476,13 @@ def _sbmm_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, z
     end = tl.load(tiles_ptr + tile * 3 + 1)
     slot = slot.to(tl.int64)
 
-    # KEPT: kept values per row per K tile (BLOCK_K, or half of it with 2:4); WORDS / IWORDS: the
-    # qvalues / qindices words that hold them (32 / BITS codes, 16 positions per word).
+    # PER codes per qvalues word; a word's codes cover STEP input columns (2:4: PER / 2 groups of 4).
+    # Plane i of a K tile = the i-th code (dense) or group (2:4) of each of its W words.
     PER: tl.constexpr = 32 // BITS
     CMASK: tl.constexpr = (1 << BITS) - 1
+    PLANES: tl.constexpr = PER // 2 if SPARSE else PER
+    STEP: tl.constexpr = 4 * PLANES if SPARSE else PER
+    BLOCK_K: tl.constexpr = STEP * W
 
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
@@ -473,57 +495,56 @@ def _sbmm_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, z
     rows = tl.load(order_ptr + at, mask=row_ok, other=0).to(tl.int64)  # the tile's token indices
     x_rows = x_ptr + rows[:, None] * x_stride
     ty = x_ptr.dtype.element_ty
+    ws = tl.arange(0, W)
 
-    shifts = tl.arange(0, PER) * BITS
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, W), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        # Codes of the tile's kept values: [BN, WORDS] words -> [BN, WORDS, PER] -> [BN, KEPT].
-        widx = (k0 * KEPT // BLOCK_K) // PER + tl.arange(0, WORDS)
-        words = tl.load(qv_rows + widx[None, :], mask=n_ok[:, None] & (widx < QV_ROW)[None, :], other=0)
-        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & CMASK, (BLOCK_N, KEPT))
+        widx = k0 // STEP + ws
+        words = tl.load(qv_rows + widx[None, :], mask=n_ok[:, None] & (widx < QV_ROW)[None, :], other=0)  # [BN, W]
+        base = k0 + STEP * ws  # [W] first input column of each word
+        if SCALES == 0:  # the whole K tile is in one quantisation group: one scale / zero per row
+            sc = tl.load(sc_ptr + g_off + k0 // G, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            zr = tl.load(zr_ptr + g_off + k0 // G, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        elif SCALES == 1:  # a word's columns are in one group: one scale / zero per (row, word)
+            gmask = n_ok[:, None] & (base < K)[None, :]
+            sc = tl.load(sc_ptr + g_off[:, None] + (base // G)[None, :], mask=gmask, other=0.0).to(tl.float32)
+            zr = tl.load(zr_ptr + g_off[:, None] + (base // G)[None, :], mask=gmask, other=0.0).to(tl.float32)
         if SPARSE:
-            iidx = k0 // 32 + tl.arange(0, IWORDS)
-            iw = tl.load(qi_rows + iidx[None, :], mask=n_ok[:, None] & (iidx < QI_ROW)[None, :], other=0)
-            pos = tl.reshape((iw[:, :, None] >> (tl.arange(0, 16) * 2)[None, None, :]) & 3, (BLOCK_N, KEPT))
-            # The two kept values of each group of 4 columns, then each dense position's code / keep.
-            c0, c1 = tl.split(tl.reshape(codes, (BLOCK_N, BLOCK_K // 4, 2)))
-            p0, p1 = tl.split(tl.reshape(pos, (BLOCK_N, BLOCK_K // 4, 2)))
-            q = tl.arange(0, 4)[None, None, :]
-            at0 = p0[:, :, None] == q
-            at1 = p1[:, :, None] == q
-            code = tl.reshape(tl.where(at0, c0[:, :, None], c1[:, :, None]), (BLOCK_N, BLOCK_K))
-            keep = tl.reshape((at0 | at1).to(tl.int32), (BLOCK_N, BLOCK_K)) != 0
-            keep = keep & k_ok[None, :]
-        else:
-            code = codes
-            keep = tl.broadcast_to(k_ok[None, :], (BLOCK_N, BLOCK_K))
-        if G % BLOCK_K == 0:  # the whole tile is in one quantisation group: one scale / zero per row
-            gi = g_off + k0 // G
-            sc = tl.load(sc_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            zr = tl.load(zr_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        elif GROUPS_PER_TILE > 0:  # whole groups (G a power of two): load [BN, groups], broadcast to columns
-            gs = k0 // G + tl.arange(0, GROUPS_PER_TILE)
-            gi = g_off[:, None] + gs[None, :]
-            gmask = n_ok[:, None] & (gs < NGROUPS)[None, :]
-            sc = tl.load(sc_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
-            zr = tl.load(zr_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
-            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, GROUPS_PER_TILE, G)), (BLOCK_N, BLOCK_K))
-            zr = tl.reshape(tl.broadcast_to(zr[:, :, None], (BLOCK_N, GROUPS_PER_TILE, G)), (BLOCK_N, BLOCK_K))
-        else:  # any other G: gather one scale / zero per column
-            gi = g_off[:, None] + (ks // G)[None, :]
-            gmask = n_ok[:, None] & k_ok[None, :]
-            sc = tl.load(sc_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
-            zr = tl.load(zr_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
-        wt = tl.where(keep, (code.to(tl.float32) - zr) * sc, 0.0)  # [BN, BK] fp32, Δ̃ rows
-        xt = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if UPCAST:  # the interpreter's low-precision dot is wrong: fp32 tiles holding dtype values
-            wt = round_to(wt, ty, RNE)
-            xt = xt.to(tl.float32)
-        else:
-            wt = wt.to(ty)
-        acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PREC)
+            # The 2:4 position words: 8 groups per word, so the PLANES groups of a code word share one.
+            gidx = k0 // 4 + PLANES * ws  # [W] first group of each word
+            iw = tl.load(qi_rows + (gidx // 8)[None, :], mask=n_ok[:, None] & (gidx // 8 < QI_ROW)[None, :], other=0)
+        for i in tl.static_range(PLANES):
+            if SPARSE:
+                cols = base + 4 * i  # group i of each word: columns cols .. cols + 3
+            else:
+                cols = base + i
+            if SCALES == 2:  # gathered per plane
+                gmask = n_ok[:, None] & (cols < K)[None, :]
+                sc = tl.load(sc_ptr + g_off[:, None] + (cols // G)[None, :], mask=gmask, other=0.0).to(tl.float32)
+                zr = tl.load(zr_ptr + g_off[:, None] + (cols // G)[None, :], mask=gmask, other=0.0).to(tl.float32)
+            if SPARSE:
+                # The group's two kept codes and their positions p0 < p1; each of its 4 columns takes
+                # v0, v1 or 0.
+                v0 = round_to((((words >> (2 * i * BITS)) & CMASK).to(tl.float32) - zr) * sc, ty, RNE)
+                v1 = round_to((((words >> ((2 * i + 1) * BITS)) & CMASK).to(tl.float32) - zr) * sc, ty, RNE)
+                sh = (((gidx + i) % 8) * 4)[None, :]
+                p0 = (iw >> sh) & 3
+                p1 = (iw >> (sh + 2)) & 3
+                acc = _plane(acc, x_rows, row_ok, cols, K, tl.where(p0 == 0, v0, 0.0), ty, USE_DOT, UPCAST, DOT_PREC)
+                acc = _plane(acc, x_rows, row_ok, cols + 1, K, tl.where(p0 == 1, v0, tl.where(p1 == 1, v1, 0.0)),
+                             ty, USE_DOT, UPCAST, DOT_PREC)
+                acc = _plane(acc, x_rows, row_ok, cols + 2, K, tl.where(p1 == 2, v1, tl.where(p0 == 2, v0, 0.0)),
+                             ty, USE_DOT, UPCAST, DOT_PREC)
+                acc = _plane(acc, x_rows, row_ok, cols + 3, K, tl.where(p1 == 3, v1, 0.0), ty, USE_DOT, UPCAST,
+                             DOT_PREC)
+            else:
+                v = round_to((((words >> (i * BITS)) & CMASK).to(tl.float32) - zr) * sc, ty, RNE)
+                acc = _plane(acc, x_rows, row_ok, cols, K, v, ty, USE_DOT, UPCAST, DOT_PREC)
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=2)
     oty = out_ptr.dtype.element_ty
     o_ptrs = out_ptr + rows[:, None] * out_stride + ns[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
@@ -531,10 +552,18 @@ def _sbmm_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, z
     tl.store(o_ptrs, round_to(o + acc, oty, RNE).to(oty), mask=mask)
 
 
+def _step(w: DeltaWeights) -> int:
+    """Input columns one qvalues word covers (the kernel's STEP): 32/bits codes, twice that with 2:4."""
+    per = 32 // w.bits
+    return 2 * per if w.sparse else per
+
+
 def launch_config(meta: DeltaMeta, w: DeltaWeights) -> dict[str, int]:
-    """The launch config of one call: ``LAUNCH[meta.block_m]``, with BLOCK_N halved (down to 16) on CUDA
+    """The launch config of one call: ``LAUNCH[meta.block_m]``, with BLOCK_K raised to what the tile
+    mode needs (one qvalues word per row; 16 words for tl.dot) and BLOCK_N halved (down to 16) on CUDA
     while the launch would have fewer than ``_MIN_WAVES`` programs per SM (one or two deltas)."""
     cfg = dict(LAUNCH[meta.block_m])
+    cfg["BLOCK_K"] = max(cfg["BLOCK_K"], _step(w) * (16 if meta.block_m >= _DOT_MIN_M else 1))
     if w.device.type == "cuda":
         want = _MIN_WAVES * _sm_count(w.device)
         while cfg["BLOCK_N"] > 16 and meta.num_tiles * triton.cdiv(w.out_features, cfg["BLOCK_N"]) < want:
@@ -552,20 +581,18 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
     upcast = not x.is_cuda
     prec = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
     cfg = launch_config(meta, w)
-    block_n, block_k, group = cfg["BLOCK_N"], cfg["BLOCK_K"], w.group_size
+    block_n, block_k, group, step = cfg["BLOCK_N"], cfg["BLOCK_K"], w.group_size, _step(w)
     qv, qi, g = w.slot_shapes()
-    kept = block_k // 2 if w.sparse else block_k
-    # Scales per tile: one per row (G % BLOCK_K == 0), whole power-of-two groups broadcast, or gathered.
-    groups_per_tile = block_k // group if block_k % group == 0 and group & (group - 1) == 0 else 0
+    # Scales: one per row of a K tile, one per (row, word), or gathered per plane.
+    scales = 0 if group % block_k == 0 else 1 if group % step == 0 else 2
     grid = (meta.grid_tiles, triton.cdiv(w.out_features, block_n))
     _sbmm_kernel[grid](x, out, meta.order, meta.tiles, w.qvalues, w.qindices if w.sparse else w.qvalues, w.scales, w.zeros,
                        w.qvalues_offsets, w.qindices_offsets, w.group_offsets,
                        w.out_features, w.in_features, x.stride(0), out.stride(0), qv[1], 1 if qi is None else qi[1],
-                       g[1], BITS=w.bits, SPARSE=w.sparse, G=w.group_size,
-                       KEPT=kept, WORDS=kept * w.bits // 32, IWORDS=max(kept // 16, 1) if w.sparse else 1,
-                       GROUPS_PER_TILE=groups_per_tile,
-                       BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, DOT_PREC=prec,
-                       RNE=needs_rne_by_hand(out), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+                       g[1], BITS=w.bits, SPARSE=w.sparse, G=group, W=block_k // step, SCALES=scales,
+                       BLOCK_M=meta.block_m, BLOCK_N=block_n, USE_DOT=meta.block_m >= _DOT_MIN_M,
+                       UPCAST=upcast, DOT_PREC=prec, RNE=needs_rne_by_hand(out),
+                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     return out
 
 
