@@ -167,6 +167,25 @@ def test_fma_tiles_and_scale_paths(config: tuple[int, bool], run: int) -> None:
         close(sbmm_triton(x, base.clone(), w, meta), sbmm_ref(x, base.clone(), w, meta))
 
 
+@pytest.mark.parametrize("split", [2, 3])
+def test_fma_tiles_split_k(split: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FMA tiles whose reduction is split over programs (partials summed by a second launch) equal the
+    reference, with K tiles of 32 columns so every split holds several (and the last one fewer)."""
+    for bm in (1, 2, 4, 8):
+        monkeypatch.setitem(sbmm_mod.LAUNCH, bm, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2,
+                                                  "SPLIT_K": split})
+    meta = DeltaMeta.rows([1, -1, 1, 3, 0, 3, 3, -1], DEVICE)
+    for bits, sparse in ((2, True), (4, True), (4, False)):
+        shape = SHAPES[3]
+        w = pool(bits, sparse, shape)
+        assert sbmm_mod.launch_config(meta, w)["SPLIT_K"] == split
+        x = randn(meta.num_tokens, shape[0], dtype=torch.float16, seed=1)
+        base = randn(meta.num_tokens, shape[1], dtype=torch.float16, seed=2)
+        got = sbmm_triton(x, base.clone(), w, meta)
+        close(got, sbmm_ref(x, base.clone(), w, meta))
+        assert torch.equal(got[[1, 7]], base[[1, 7]])
+
+
 @pytest.mark.parametrize("block", [(16, 32), (64, 128), (32, 256)], ids=["n16-k32", "n64-k128", "n32-k256"])
 def test_other_launch_configs(block: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """The configs ``bench_sbmm.py --tune`` sweeps stay right (K tiles spanning several groups)."""

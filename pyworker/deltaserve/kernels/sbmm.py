@@ -89,14 +89,14 @@ _DOT_MIN_M = 16
 _BLOCK_M_LARGE = 64
 """Tokens per work tile when some run of one slot is longer than ``_DOT_MIN_M``: fewer tiles, so the
 delta is dequantised fewer times per run."""
-_FMA = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}
-_DOT = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+_FMA = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2, "SPLIT_K": 0}
+_DOT = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
 LAUNCH = {1: dict(_FMA), 2: dict(_FMA), 4: dict(_FMA), 8: dict(_FMA), _DOT_MIN_M: dict(_DOT), _BLOCK_M_LARGE: dict(_DOT)}
-"""Launch config per BLOCK_M (starting points, to be tuned by ``bench_sbmm.py --tune``). BLOCK_K is in
-input columns, a power of two; ``launch_config`` raises it to one qvalues word per row (FMA tiles) or 16
-words (tl.dot tiles: the dot's K). Module-level so a tuning run can swap it."""
+"""Launch config per BLOCK_M (``bench_sbmm.py --tune`` sweeps them). BLOCK_K is in input columns, a power of
+two: >= 32 for tl.dot tiles (a 2:4 index word covers 32 columns); FMA tiles raise it to one qvalues word
+and take SPLIT_K (0: ``launch_config`` picks). Module-level so a tuning run can swap it."""
 _MIN_WAVES = 2
-"""A launch narrows BLOCK_N (down to 16) until it has at least this many programs per SM."""
+"""A launch splits K (FMA tiles) or narrows BLOCK_N (tl.dot tiles) until it has this many programs per SM."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,6 +143,11 @@ class DeltaMeta:
     def slots(self) -> frozenset[int]:
         """Delta slots the step uses: checked against the pool's loaded slots at every call."""
         return frozenset(d for d, _ in self.slot_tokens)
+
+    @property
+    def num_delta_tokens(self) -> int:
+        """Tokens with a delta: the used length of ``order``."""
+        return sum(len(toks) for _, toks in self.slot_tokens)
 
     @property
     def max_slot(self) -> int:
@@ -448,26 +453,18 @@ def sbmm_ref(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMet
 
 
 @triton.jit
-def _plane(acc, x_rows, row_ok, cols, K, w, ty: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
-           DOT_PREC: tl.constexpr):
-    """acc += x[:, cols] · w^T for one weight plane ``w`` [BN, W] (float32 holding x-dtype values)."""
+def _fma_plane(acc, x_rows, row_ok, cols, K, w):
+    """acc [BM, BN, W] += x[:, cols] * w for one weight plane ``w`` [BN, W] (float32 holding x-dtype
+    values); summed over W once at the end."""
     xt = tl.load(x_rows + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
-    if USE_DOT:  # acc [BM, BN]
-        if UPCAST:  # the interpreter's low-precision dot is wrong: fp32 tiles holding dtype values
-            acc = tl.dot(xt.to(tl.float32), tl.trans(w), acc, input_precision=DOT_PREC)
-        else:
-            acc = tl.dot(xt, tl.trans(w.to(ty)), acc, input_precision=DOT_PREC)
-    else:  # acc [BM, BN, W]: plain FMAs, reduced over W once at the end
-        acc += xt.to(tl.float32)[:, None, :] * w[None, :, :]
-    return acc
+    return acc + xt.to(tl.float32)[:, None, :] * w[None, :, :]
 
 
 @triton.jit
-def _sbmm_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr,
-                 N, K, x_stride, out_stride, QV_ROW, QI_ROW, NGROUPS,
-                 BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr, W: tl.constexpr, SCALES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
+def _sbmm_fma_kernel(x_ptr, out_ptr, ws_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr,
+                     g_off_ptr, N, K, K_SPLIT, WS_ROWS, x_stride, out_stride, QV_ROW, QI_ROW, NGROUPS,
+                     BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr, W: tl.constexpr, SCALES: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, RNE: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
     slot = tl.load(tiles_ptr + tile * 3 + 2)
     if slot < 0:
@@ -497,11 +494,9 @@ def _sbmm_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, z
     ty = x_ptr.dtype.element_ty
     ws = tl.arange(0, W)
 
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N, W), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc = tl.zeros((BLOCK_M, BLOCK_N, W), dtype=tl.float32)
+    k_lo = tl.program_id(2) * K_SPLIT  # this program's share of the reduction (split-K)
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
         widx = k0 // STEP + ws
         words = tl.load(qv_rows + widx[None, :], mask=n_ok[:, None] & (widx < QV_ROW)[None, :], other=0)  # [BN, W]
         base = k0 + STEP * ws  # [W] first input column of each word
@@ -533,18 +528,124 @@ def _sbmm_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, z
                 sh = (((gidx + i) % 8) * 4)[None, :]
                 p0 = (iw >> sh) & 3
                 p1 = (iw >> (sh + 2)) & 3
-                acc = _plane(acc, x_rows, row_ok, cols, K, tl.where(p0 == 0, v0, 0.0), ty, USE_DOT, UPCAST, DOT_PREC)
-                acc = _plane(acc, x_rows, row_ok, cols + 1, K, tl.where(p0 == 1, v0, tl.where(p1 == 1, v1, 0.0)),
-                             ty, USE_DOT, UPCAST, DOT_PREC)
-                acc = _plane(acc, x_rows, row_ok, cols + 2, K, tl.where(p1 == 2, v1, tl.where(p0 == 2, v0, 0.0)),
-                             ty, USE_DOT, UPCAST, DOT_PREC)
-                acc = _plane(acc, x_rows, row_ok, cols + 3, K, tl.where(p1 == 3, v1, 0.0), ty, USE_DOT, UPCAST,
-                             DOT_PREC)
+                acc = _fma_plane(acc, x_rows, row_ok, cols, K, tl.where(p0 == 0, v0, 0.0))
+                acc = _fma_plane(acc, x_rows, row_ok, cols + 1, K, tl.where(p0 == 1, v0, tl.where(p1 == 1, v1, 0.0)))
+                acc = _fma_plane(acc, x_rows, row_ok, cols + 2, K, tl.where(p1 == 2, v1, tl.where(p0 == 2, v0, 0.0)))
+                acc = _fma_plane(acc, x_rows, row_ok, cols + 3, K, tl.where(p1 == 3, v1, 0.0))
             else:
                 v = round_to((((words >> (i * BITS)) & CMASK).to(tl.float32) - zr) * sc, ty, RNE)
-                acc = _plane(acc, x_rows, row_ok, cols, K, v, ty, USE_DOT, UPCAST, DOT_PREC)
-    if not USE_DOT:
-        acc = tl.sum(acc, axis=2)
+                acc = _fma_plane(acc, x_rows, row_ok, cols, K, v)
+    total = tl.sum(acc, axis=2)  # [BM, BN]
+    mask = row_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        oty = out_ptr.dtype.element_ty
+        o_ptrs = out_ptr + rows[:, None] * out_stride + ns[None, :]
+        o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_ptrs, round_to(o + total, oty, RNE).to(oty), mask=mask)
+    else:  # float32 partial sums, [split, position in order, column]; _splitk_reduce adds them to out
+        w_ptrs = ws_ptr + (tl.program_id(2) * WS_ROWS + at.to(tl.int64))[:, None] * N + ns[None, :]
+        tl.store(w_ptrs, total, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(out_ptr, ws_ptr, order_ptr, N, WS_ROWS, out_stride, SPLIT_K: tl.constexpr,
+                          BLOCK_N: tl.constexpr, RNE: tl.constexpr):
+    """out[order[p]] = round(out[order[p]] + sum over splits of the partials of position p): one rounding,
+    summed in a fixed order."""
+    at = tl.program_id(0).to(tl.int64)
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(ws_ptr + (s * WS_ROWS + at) * N + ns, mask=n_ok, other=0.0)
+    row = tl.load(order_ptr + at).to(tl.int64)
+    oty = out_ptr.dtype.element_ty
+    o = tl.load(out_ptr + row * out_stride + ns, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + ns, round_to(o + total, oty, RNE).to(oty), mask=n_ok)
+
+
+@triton.jit
+def _sbmm_dot_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr,
+                 N, K, x_stride, out_stride, QV_ROW, QI_ROW, NGROUPS,
+                 BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr,
+                 KEPT: tl.constexpr, WORDS: tl.constexpr, IWORDS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64)
+    slot = tl.load(tiles_ptr + tile * 3 + 2)
+    if slot < 0:
+        return
+    start = tl.load(tiles_ptr + tile * 3)
+    end = tl.load(tiles_ptr + tile * 3 + 1)
+    slot = slot.to(tl.int64)
+
+    # KEPT: kept values per row per K tile (BLOCK_K, or half of it with 2:4); WORDS / IWORDS: the
+    # qvalues / qindices words that hold them (32 / BITS codes, 16 positions per word).
+    PER: tl.constexpr = 32 // BITS
+    CMASK: tl.constexpr = (1 << BITS) - 1
+
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    n64 = ns.to(tl.int64)
+    qv_rows = qv_ptr + tl.load(qv_off_ptr + slot) + n64[:, None] * QV_ROW
+    qi_rows = qi_ptr + tl.load(qi_off_ptr + slot) + n64[:, None] * QI_ROW
+    g_off = tl.load(g_off_ptr + slot) + n64 * NGROUPS
+    at = start + tl.arange(0, BLOCK_M)
+    row_ok = at < end
+    rows = tl.load(order_ptr + at, mask=row_ok, other=0).to(tl.int64)  # the tile's token indices
+    x_rows = x_ptr + rows[:, None] * x_stride
+    ty = x_ptr.dtype.element_ty
+
+    shifts = tl.arange(0, PER) * BITS
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        # Codes of the tile's kept values: [BN, WORDS] words -> [BN, WORDS, PER] -> [BN, KEPT].
+        widx = (k0 * KEPT // BLOCK_K) // PER + tl.arange(0, WORDS)
+        words = tl.load(qv_rows + widx[None, :], mask=n_ok[:, None] & (widx < QV_ROW)[None, :], other=0)
+        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & CMASK, (BLOCK_N, KEPT))
+        if SPARSE:
+            iidx = k0 // 32 + tl.arange(0, IWORDS)
+            iw = tl.load(qi_rows + iidx[None, :], mask=n_ok[:, None] & (iidx < QI_ROW)[None, :], other=0)
+            pos = tl.reshape((iw[:, :, None] >> (tl.arange(0, 16) * 2)[None, None, :]) & 3, (BLOCK_N, KEPT))
+            # The two kept values of each group of 4 columns, then each dense position's code / keep.
+            c0, c1 = tl.split(tl.reshape(codes, (BLOCK_N, BLOCK_K // 4, 2)))
+            p0, p1 = tl.split(tl.reshape(pos, (BLOCK_N, BLOCK_K // 4, 2)))
+            q = tl.arange(0, 4)[None, None, :]
+            at0 = p0[:, :, None] == q
+            at1 = p1[:, :, None] == q
+            code = tl.reshape(tl.where(at0, c0[:, :, None], c1[:, :, None]), (BLOCK_N, BLOCK_K))
+            keep = tl.reshape((at0 | at1).to(tl.int32), (BLOCK_N, BLOCK_K)) != 0
+            keep = keep & k_ok[None, :]
+        else:
+            code = codes
+            keep = tl.broadcast_to(k_ok[None, :], (BLOCK_N, BLOCK_K))
+        if G % BLOCK_K == 0:  # the whole tile is in one quantisation group: one scale / zero per row
+            gi = g_off + k0 // G
+            sc = tl.load(sc_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            zr = tl.load(zr_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        elif GROUPS_PER_TILE > 0:  # whole groups (G a power of two): load [BN, groups], broadcast to columns
+            gs = k0 // G + tl.arange(0, GROUPS_PER_TILE)
+            gi = g_off[:, None] + gs[None, :]
+            gmask = n_ok[:, None] & (gs < NGROUPS)[None, :]
+            sc = tl.load(sc_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+            zr = tl.load(zr_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, GROUPS_PER_TILE, G)), (BLOCK_N, BLOCK_K))
+            zr = tl.reshape(tl.broadcast_to(zr[:, :, None], (BLOCK_N, GROUPS_PER_TILE, G)), (BLOCK_N, BLOCK_K))
+        else:  # any other G: gather one scale / zero per column
+            gi = g_off[:, None] + (ks // G)[None, :]
+            gmask = n_ok[:, None] & k_ok[None, :]
+            sc = tl.load(sc_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+            zr = tl.load(zr_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+        wt = tl.where(keep, (code.to(tl.float32) - zr) * sc, 0.0)  # [BN, BK] fp32, Δ̃ rows
+        xt = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter's low-precision dot is wrong: fp32 tiles holding dtype values
+            wt = round_to(wt, ty, RNE)
+            xt = xt.to(tl.float32)
+        else:
+            wt = wt.to(ty)
+        acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PREC)
     oty = out_ptr.dtype.element_ty
     o_ptrs = out_ptr + rows[:, None] * out_stride + ns[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
@@ -553,46 +654,77 @@ def _sbmm_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, z
 
 
 def _step(w: DeltaWeights) -> int:
-    """Input columns one qvalues word covers (the kernel's STEP): 32/bits codes, twice that with 2:4."""
+    """Input columns one qvalues word covers (the FMA kernel's STEP): 32/bits codes, twice that with 2:4."""
     per = 32 // w.bits
     return 2 * per if w.sparse else per
 
 
 def launch_config(meta: DeltaMeta, w: DeltaWeights) -> dict[str, int]:
-    """The launch config of one call: ``LAUNCH[meta.block_m]``, with BLOCK_K raised to what the tile
-    mode needs (one qvalues word per row; 16 words for tl.dot) and BLOCK_N halved (down to 16) on CUDA
-    while the launch would have fewer than ``_MIN_WAVES`` programs per SM (one or two deltas)."""
+    """The launch config of one call: ``LAUNCH[meta.block_m]``, adjusted to the call on CUDA so the launch
+    has at least ``_MIN_WAVES`` programs per SM (one or two deltas): FMA tiles split the reduction
+    (SPLIT_K 0 = pick: the fewest of 1, 2, 4, 8, 16 splits that fill the SMs, each split >= 2 K tiles),
+    tl.dot tiles halve BLOCK_N (down to 16). FMA tiles take BLOCK_K >= one qvalues word."""
     cfg = dict(LAUNCH[meta.block_m])
-    cfg["BLOCK_K"] = max(cfg["BLOCK_K"], _step(w) * (16 if meta.block_m >= _DOT_MIN_M else 1))
-    if w.device.type == "cuda":
-        want = _MIN_WAVES * _sm_count(w.device)
-        while cfg["BLOCK_N"] > 16 and meta.num_tiles * triton.cdiv(w.out_features, cfg["BLOCK_N"]) < want:
-            cfg["BLOCK_N"] //= 2
+    cuda = w.device.type == "cuda"
+    want = _MIN_WAVES * _sm_count(w.device) if cuda else 0
+    if meta.block_m <= _FMA_MAX_M:
+        cfg["BLOCK_K"] = max(cfg["BLOCK_K"], _step(w))
+        if cfg.get("SPLIT_K", 0) == 0:
+            programs = meta.num_tiles * triton.cdiv(w.out_features, cfg["BLOCK_N"])
+            k_tiles = triton.cdiv(w.in_features, cfg["BLOCK_K"])
+            split = 1
+            while cuda and split < 16 and programs * split < want and k_tiles >= 4 * split:
+                split *= 2
+            cfg["SPLIT_K"] = split
+        return cfg
+    while cuda and cfg["BLOCK_N"] > 16 and meta.num_tiles * triton.cdiv(w.out_features, cfg["BLOCK_N"]) < want:
+        cfg["BLOCK_N"] //= 2
     return cfg
 
 
 def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
-    """Triton kernel for ``sbmm`` (no dispatch), in place on ``out``; one launch for all deltas."""
+    """Triton kernels for ``sbmm`` (no dispatch), in place on ``out``: one launch for all deltas (plus a
+    reduction launch when FMA tiles split K)."""
     _check_call(x, out, w, meta)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if meta.num_tiles == 0:
         return out
+    cfg = launch_config(meta, w)
+    block_n, block_k, group = cfg["BLOCK_N"], cfg["BLOCK_K"], w.group_size
+    qv, qi, g = w.slot_shapes()
+    qi_buf, qi_row = (w.qindices, qi[1]) if qi is not None else (w.qvalues, 1)
+    rne = needs_rne_by_hand(out)
+    n_tiles = triton.cdiv(w.out_features, block_n)
+    if meta.block_m <= _FMA_MAX_M:
+        step, split = _step(w), cfg["SPLIT_K"]
+        # Scales: one per row of a K tile, one per (row, qvalues word), or gathered per plane.
+        scales = 0 if group % block_k == 0 else 1 if group % step == 0 else 2
+        k_split = triton.cdiv(triton.cdiv(w.in_features, block_k), split) * block_k
+        rows = meta.num_delta_tokens
+        ws = torch.empty((split, rows, w.out_features) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+        _sbmm_fma_kernel[(meta.grid_tiles, n_tiles, split)](
+            x, out, ws, meta.order, meta.tiles, w.qvalues, qi_buf, w.scales, w.zeros, w.qvalues_offsets,
+            w.qindices_offsets, w.group_offsets, w.out_features, w.in_features, k_split, rows, x.stride(0),
+            out.stride(0), qv[1], qi_row, g[1], BITS=w.bits, SPARSE=w.sparse, G=group, W=block_k // step,
+            SCALES=scales, BLOCK_M=meta.block_m, BLOCK_N=block_n, SPLIT_K=split, RNE=rne,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+        if split > 1:
+            _splitk_reduce_kernel[(rows, triton.cdiv(w.out_features, 256))](
+                out, ws, meta.order, w.out_features, rows, out.stride(0), SPLIT_K=split, BLOCK_N=256, RNE=rne)
+        return out
     upcast = not x.is_cuda
     prec = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
-    cfg = launch_config(meta, w)
-    block_n, block_k, group, step = cfg["BLOCK_N"], cfg["BLOCK_K"], w.group_size, _step(w)
-    qv, qi, g = w.slot_shapes()
-    # Scales: one per row of a K tile, one per (row, word), or gathered per plane.
-    scales = 0 if group % block_k == 0 else 1 if group % step == 0 else 2
-    grid = (meta.grid_tiles, triton.cdiv(w.out_features, block_n))
-    _sbmm_kernel[grid](x, out, meta.order, meta.tiles, w.qvalues, w.qindices if w.sparse else w.qvalues, w.scales, w.zeros,
-                       w.qvalues_offsets, w.qindices_offsets, w.group_offsets,
-                       w.out_features, w.in_features, x.stride(0), out.stride(0), qv[1], 1 if qi is None else qi[1],
-                       g[1], BITS=w.bits, SPARSE=w.sparse, G=group, W=block_k // step, SCALES=scales,
-                       BLOCK_M=meta.block_m, BLOCK_N=block_n, USE_DOT=meta.block_m >= _DOT_MIN_M,
-                       UPCAST=upcast, DOT_PREC=prec, RNE=needs_rne_by_hand(out),
-                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+    kept = block_k // 2 if w.sparse else block_k
+    # Scales per tile: one per row (G % BLOCK_K == 0), whole power-of-two groups broadcast, or gathered.
+    groups_per_tile = block_k // group if block_k % group == 0 and group & (group - 1) == 0 else 0
+    _sbmm_dot_kernel[(meta.grid_tiles, n_tiles)](
+        x, out, meta.order, meta.tiles, w.qvalues, qi_buf, w.scales, w.zeros, w.qvalues_offsets, w.qindices_offsets,
+        w.group_offsets, w.out_features, w.in_features, x.stride(0), out.stride(0), qv[1], qi_row, g[1],
+        BITS=w.bits, SPARSE=w.sparse, G=group, KEPT=kept, WORDS=kept * w.bits // 32,
+        IWORDS=max(kept // 16, 1) if w.sparse else 1, GROUPS_PER_TILE=groups_per_tile, BLOCK_M=meta.block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, DOT_PREC=prec, RNE=rne,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     return out
 
 
