@@ -151,10 +151,10 @@ def test_shapes_and_long_segments(config: tuple[int, bool], shape: tuple[int, in
     close(sbmm(x, base.clone(), w, meta, use_triton=True), sbmm(x, base.clone(), w, meta, use_triton=False))
 
 
-@pytest.mark.parametrize("run", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("run", [1, 2, 3, 4])
 @pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
 def test_fma_tiles_and_scale_paths(config: tuple[int, bool], run: int) -> None:
-    """Decode runs of 1..8 rows per delta take the FMA tiles (BLOCK_M 1, 2, 4, 8), over group sizes that
+    """Decode runs of 1..4 rows per delta take the FMA tiles (BLOCK_M 1, 2, 4), over group sizes that
     load scales once per row of a K tile (G = 128), per qvalues word (G = 32) and per plane (G = 24)."""
     bits, sparse = config
     for shape in ((128, 40, 128), (64, 48, 32), (96, 56, 24)):
@@ -171,7 +171,7 @@ def test_fma_tiles_and_scale_paths(config: tuple[int, bool], run: int) -> None:
 def test_fma_tiles_split_k(split: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """FMA tiles whose reduction is split over programs (partials summed by a second launch) equal the
     reference, with K tiles of 32 columns so every split holds several (and the last one fewer)."""
-    for bm in (1, 2, 4, 8):
+    for bm in (1, 2, 4):
         monkeypatch.setitem(sbmm_mod.LAUNCH, bm, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2,
                                                   "SPLIT_K": split})
     meta = DeltaMeta.rows([1, -1, 1, 3, 0, 3, 3, -1], DEVICE)

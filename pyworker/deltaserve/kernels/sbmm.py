@@ -81,18 +81,22 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # One launch config per work-tile size (no autotune: the interpreter cannot run multi-config
 # autotune; tuned configs go to data files, STYLE #23).
-_FMA_MAX_M = 8
+_FMA_MAX_M = 4
 """Work tiles of at most this many tokens (decode: a delta's rows in the step) multiply with plain FMAs:
-BLOCK_M is the run's length rounded up to a power of two (1, 2, 4, 8), no tensor-core tile padded to 16."""
+BLOCK_M is the run's length rounded up to a power of two (1, 2, 4), no tensor-core tile padded to 16. On
+the H200 one token per delta took 69 us instead of 255 us (11008x4096, 4-bit 2:4), but 8 tokens per
+delta took 742 us instead of the tl.dot kernel's 638 us (8 deltas)."""
 _DOT_MIN_M = 16
 """Tokens per work tile when some run of one slot is longer than ``_FMA_MAX_M`` (tl.dot's minimum)."""
 _BLOCK_M_LARGE = 64
 """Tokens per work tile when some run of one slot is longer than ``_DOT_MIN_M``: fewer tiles, so the
 delta is dequantised fewer times per run."""
-_FMA = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2, "SPLIT_K": 0}
+_FMA = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 1, "num_stages": 2, "SPLIT_K": 0}
 _DOT = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-LAUNCH = {1: dict(_FMA), 2: dict(_FMA), 4: dict(_FMA), 8: dict(_FMA), _DOT_MIN_M: dict(_DOT), _BLOCK_M_LARGE: dict(_DOT)}
-"""Launch config per BLOCK_M (``bench_sbmm.py --tune`` sweeps them). BLOCK_K is in input columns, a power of
+LAUNCH = {1: dict(_FMA), 2: dict(_FMA), 4: dict(_FMA), _DOT_MIN_M: dict(_DOT), _BLOCK_M_LARGE: dict(_DOT)}
+"""Launch config per BLOCK_M (``bench_sbmm.py --tune`` sweeps them). FMA tiles: the fastest of a sweep on
+the H200 (BLOCK_N 16..128, BLOCK_K 128/256, 1/2/4 warps, split-K on/off) at 1 token of 1 and of 8 deltas;
+tl.dot tiles: the fastest of an H100 sweep at most multi-token points. BLOCK_K is in input columns, a power of
 two: >= 32 for tl.dot tiles (a 2:4 index word covers 32 columns); FMA tiles raise it to one qvalues word
 and take SPLIT_K (0: ``launch_config`` picks). Module-level so a tuning run can swap it."""
 _MIN_WAVES = 2
@@ -195,7 +199,7 @@ class DeltaMeta:
             lo += len(toks)
         longest = max((len(toks) for toks in by_slot.values()), default=0)
         if longest <= _FMA_MAX_M:
-            block_m = 1 << max(longest - 1, 0).bit_length()  # 1, 2, 4, 8
+            block_m = 1 << max(longest - 1, 0).bit_length()  # 1, 2, 4
         else:
             block_m = _DOT_MIN_M if longest <= _DOT_MIN_M else _BLOCK_M_LARGE
         tiles = [(m0, min(m0 + block_m, hi), d) for lo, hi, d in runs for m0 in range(lo, hi, block_m)]
