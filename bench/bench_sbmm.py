@@ -30,7 +30,7 @@ measured in the same run (``common.copy_bandwidth``), 1.0 being the memory floor
 (dense_fp16's own floor is higher: 2 * out * in bytes per delta; its row uses the same byte count so
 the columns compare times.) The Triton result is checked against the reference before it is timed.
 ``--cudagraph`` adds the Triton path timed inside a CUDA graph (no launch overhead). ``--tune``
-first times every launch config of ``TUNE_GRID`` for the point's work-tile size (``sbmm.LAUNCH``)
+first times every launch config of ``TUNE_GRID`` (``TUNE_GRID_FMA`` for FMA tiles) for the point's work-tile size (``sbmm.LAUNCH``)
 and keeps the fastest for the point's ``triton`` rows; the rows record the config used.
 
     python3 bench/bench_sbmm.py                       # full sweep, writes bench/results/sbmm-<GPU>-<date>.json
@@ -65,7 +65,10 @@ CONFIGS = {"4b-2:4": (4, True), "2b-2:4": (2, True), "4b": (4, False), "2b": (2,
 GROUP_SIZE = 64
 TUNE_GRID = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 3}
              for n in (16, 32, 64, 128) for k in (64, 128, 256, 512) for w in (4, 8)]  # fmt: skip
-"""--tune: the launch configs tried per point (``sbmm.LAUNCH`` entries)."""
+"""--tune: the launch configs tried per point with tl.dot work tiles (``sbmm.LAUNCH`` entries)."""
+TUNE_GRID_FMA = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 2, "SPLIT_K": sk}
+                 for n in (16, 32, 64, 128) for k in (128, 256) for w in (1, 2, 4) for sk in (0, 1)]  # fmt: skip
+"""--tune: the configs tried with FMA work tiles (at most ``sbmm._FMA_MAX_M`` tokens; SPLIT_K 0 = auto)."""
 UNIQUE_DELTAS = 4
 """Distinct random deltas packed per (shape, config); the pool's slots hold copies of them (each slot
 its own memory, so the bytes read are those of distinct deltas; packing 32 7B-shaped deltas is slow)."""
@@ -155,7 +158,7 @@ def tune(pt: Point, timer: Callable) -> dict:
     """The fastest ``TUNE_GRID`` config for ``pt`` (checked against the reference), now in ``sbmm.LAUNCH``."""
     bm = pt.meta.block_m
     best: tuple[float, dict] | None = None
-    for cfg in TUNE_GRID:
+    for cfg in TUNE_GRID_FMA if bm <= sbmm_module._FMA_MAX_M else TUNE_GRID:
         sbmm_module.LAUNCH[bm] = cfg
         try:
             pt.check()
@@ -215,7 +218,7 @@ def main() -> None:
         shapes, batches, delta_counts = [(96, 128), (64, 256)], [1, 4], [1, 2]
         args.prefill_len, args.cudagraph = min(args.prefill_len, 4), False
         if args.tune:  # the interpreter would take minutes per config
-            TUNE_GRID[:] = TUNE_GRID[:2]
+            TUNE_GRID[:], TUNE_GRID_FMA[:] = TUNE_GRID[:2], TUNE_GRID_FMA[:2]
 
     header = (f"{'mode':>7} {'shape':>11} {'config':>7} {'batch':>5} {'deltas':>6} {'impl':>12} {'MB':>8} "
               f"{'us':>9} {'GB/s':>8} {'x copy bw':>9}")

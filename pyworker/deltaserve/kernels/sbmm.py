@@ -50,14 +50,28 @@ Shape:
     seg_start: [S + 1] int32;  seg_delta: [S] int32 (decode: S = T)
     pool tensors: 1-D as drawn above; offsets [num_slots] int64
 
-In the kernel, per K tile: load the qvalues words of ``BLOCK_N`` rows, shift/mask every code out
-(``[BN, words, 32/b] -> [BN, kept]``); for 2:4 also the qindices words, then pair the two kept codes
-of each group of 4 and place them at their positions (``[BN, BK/4, 4] -> [BN, BK]``, zeros
-elsewhere); dequantise with the tile's scales / zeros (one per row when ``G % BLOCK_K == 0``, whole
-groups broadcast when G is a power of two dividing BLOCK_K, else gathered per column), round to x's dtype, and ``tl.dot`` with the x tile (fp32 tiles under the
-interpreter, whose low-precision dot is wrong; fp32 inputs in IEEE precision, not TF32).
+Two kernels, by work-tile size (``DeltaMeta.block_m``):
 
-Entry point ``sbmm`` runs the Triton kernel on CUDA tensors (or when ``use_triton=True``: CPU tensors
+- **FMA tiles** (runs of at most ``_FMA_MAX_M`` = 4 tokens: decode with few rows per delta). Per K
+  tile, load ``[BN, W]`` qvalues words (and for 2:4 the position words, 8 groups each). Plane i is
+  the i-th code (dense) or i-th group of 4 columns (2:4) of every word. For 2:4, shift out the
+  group's two codes v0, v1 and positions p0 < p1; each of its 4 columns takes v0, v1 or 0, and is
+  multiplied with the x column of the same index by plain FMAs into ``[BM, BN, W]``, summed over W
+  at the end. There are no reshapes, and no 16-row tensor-core tile is padded for one token.
+  Scales come one per row when ``G % BLOCK_K == 0``, one per (row, word) when a word's columns
+  share a group, else gathered per plane. When one or two deltas would leave SMs idle, K is split
+  over programs: float32 partials go to a workspace, and ``_splitk_reduce_kernel`` adds them in a
+  fixed order with one rounding.
+- **tl.dot tiles** (16 or 64 tokens). Per K tile, load the qvalues words of ``BLOCK_N`` rows and
+  shift/mask every code out (``[BN, words, 32/b] -> [BN, kept]``). For 2:4 also load the qindices
+  words, pair the two kept codes of each group of 4 and place them at their positions
+  (``[BN, BK/4, 4] -> [BN, BK]``, zeros elsewhere). Dequantise with the tile's scales / zeros (one
+  per row when ``G % BLOCK_K == 0``, whole groups broadcast when G is a power of two dividing
+  BLOCK_K, else gathered per column), round to x's dtype, and ``tl.dot`` with the x tile. Under
+  the interpreter the tiles are fp32, because its low-precision dot is wrong; fp32 inputs use IEEE
+  precision, not TF32.
+
+Entry point ``sbmm`` runs the Triton kernels on CUDA tensors (or when ``use_triton=True``: CPU tensors
 then need ``TRITON_INTERPRET=1``) and ``sbmm_ref`` (a loop over the step's deltas: dequantize with
 pack.py, then one matmul per delta over its tokens; the CPU path) otherwise. Metadata is validated
 when built, weights when built; a call checks shapes and that every slot it uses holds a delta.
