@@ -378,7 +378,7 @@ class AdapterPool:
                 start = s.packed_start
                 packed[layer, start : start + w.rank * s.in_dim] = w.a.reshape(-1)
                 start += a_len
-                packed[layer, start : start + w.rank * s.out_dim] = w.b.T.reshape(-1)
+                packed[layer, start : start + w.rank * s.out_dim].view(w.rank, s.out_dim).copy_(w.b.T)  # B^T rows
                 rank[layer, s.index] = w.rank
                 scale[layer, s.index] = w.scaling
         return HostCopy(layout, packed, rank, scale, adapter.max_rank, tuple(s.proj for s in layout.slices))
