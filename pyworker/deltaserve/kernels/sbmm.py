@@ -471,6 +471,41 @@ def sbmm_ref(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMet
 
 
 @triton.jit
+def _work_tile(tiles_ptr):
+    """This program's work tile (axis 0): its delta slot (int64, -1 for padding) and its range of ``order``."""
+    tile = tl.program_id(0).to(tl.int64)
+    slot = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
+    return slot, tl.load(tiles_ptr + tile * 3), tl.load(tiles_ptr + tile * 3 + 1)
+
+
+@triton.jit
+def _slot_rows(qv_ptr, qi_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, ns, QV_ROW, QI_ROW, NGROUPS):
+    """Where rows ``ns`` of delta ``slot`` start: qvalues and qindices row pointers [BN, 1], group offsets [BN]."""
+    n64 = ns.to(tl.int64)
+    qv_rows = qv_ptr + tl.load(qv_off_ptr + slot) + n64[:, None] * QV_ROW
+    qi_rows = qi_ptr + tl.load(qi_off_ptr + slot) + n64[:, None] * QI_ROW
+    g_off = tl.load(g_off_ptr + slot) + n64 * NGROUPS
+    return qv_rows, qi_rows, g_off
+
+
+@triton.jit
+def _tile_tokens(order_ptr, start, end, BLOCK_M: tl.constexpr):
+    """A work tile's positions in ``order`` [BM], which are real, and their token indices (int64)."""
+    at = start + tl.arange(0, BLOCK_M)
+    row_ok = at < end
+    rows = tl.load(order_ptr + at, mask=row_ok, other=0).to(tl.int64)
+    return at, row_ok, rows
+
+
+@triton.jit
+def _add_to_out(o_ptrs, total, mask, RNE: tl.constexpr):
+    """out = dtype(out + total) where ``mask``: the op's one rounding of the float32 sum."""
+    oty = o_ptrs.dtype.element_ty
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, round_to(o + total, oty, RNE).to(oty), mask=mask)
+
+
+@triton.jit
 def _fma_plane(acc, x_rows, row_ok, cols, K, w):
     """acc [BM, BN, W] += x[:, cols] * w for one weight plane ``w`` [BN, W] (float32 holding x-dtype
     values); summed over W once at the end."""
@@ -483,13 +518,9 @@ def _sbmm_fma_kernel(x_ptr, out_ptr, ws_ptr, order_ptr, tiles_ptr, qv_ptr, qi_pt
                      g_off_ptr, N, K, K_SPLIT, WS_ROWS, x_stride, out_stride, QV_ROW, QI_ROW, NGROUPS,
                      BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr, W: tl.constexpr, SCALES: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, RNE: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
-    slot = tl.load(tiles_ptr + tile * 3 + 2)
-    if slot < 0:
+    slot, start, end = _work_tile(tiles_ptr)
+    if slot < 0:  # a padding row of the tile table
         return
-    start = tl.load(tiles_ptr + tile * 3)
-    end = tl.load(tiles_ptr + tile * 3 + 1)
-    slot = slot.to(tl.int64)
 
     # PER codes per qvalues word; a word's codes cover STEP input columns (2:4: PER / 2 groups of 4).
     # Plane i of a K tile = the i-th code (dense) or group (2:4) of each of its W words.
@@ -501,13 +532,9 @@ def _sbmm_fma_kernel(x_ptr, out_ptr, ws_ptr, order_ptr, tiles_ptr, qv_ptr, qi_pt
 
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
-    n64 = ns.to(tl.int64)
-    qv_rows = qv_ptr + tl.load(qv_off_ptr + slot) + n64[:, None] * QV_ROW
-    qi_rows = qi_ptr + tl.load(qi_off_ptr + slot) + n64[:, None] * QI_ROW
-    g_off = tl.load(g_off_ptr + slot) + n64 * NGROUPS
-    at = start + tl.arange(0, BLOCK_M)
-    row_ok = at < end
-    rows = tl.load(order_ptr + at, mask=row_ok, other=0).to(tl.int64)  # the tile's token indices
+    qv_rows, qi_rows, g_off = _slot_rows(qv_ptr, qi_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, ns, QV_ROW, QI_ROW,
+                                         NGROUPS)
+    at, row_ok, rows = _tile_tokens(order_ptr, start, end, BLOCK_M)
     x_rows = x_ptr + rows[:, None] * x_stride
     ty = x_ptr.dtype.element_ty
     ws = tl.arange(0, W)
@@ -556,10 +583,7 @@ def _sbmm_fma_kernel(x_ptr, out_ptr, ws_ptr, order_ptr, tiles_ptr, qv_ptr, qi_pt
     total = tl.sum(acc, axis=2)  # [BM, BN]
     mask = row_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
-        oty = out_ptr.dtype.element_ty
-        o_ptrs = out_ptr + rows[:, None] * out_stride + ns[None, :]
-        o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_ptrs, round_to(o + total, oty, RNE).to(oty), mask=mask)
+        _add_to_out(out_ptr + rows[:, None] * out_stride + ns[None, :], total, mask, RNE)
     else:  # float32 partial sums, [split, position in order, column]; _splitk_reduce adds them to out
         w_ptrs = ws_ptr + (tl.program_id(2) * WS_ROWS + at.to(tl.int64))[:, None] * N + ns[None, :]
         tl.store(w_ptrs, total, mask=mask)
@@ -577,9 +601,7 @@ def _splitk_reduce_kernel(out_ptr, ws_ptr, order_ptr, N, WS_ROWS, out_stride, SP
     for s in tl.static_range(SPLIT_K):
         total += tl.load(ws_ptr + (s * WS_ROWS + at) * N + ns, mask=n_ok, other=0.0)
     row = tl.load(order_ptr + at).to(tl.int64)
-    oty = out_ptr.dtype.element_ty
-    o = tl.load(out_ptr + row * out_stride + ns, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + ns, round_to(o + total, oty, RNE).to(oty), mask=n_ok)
+    _add_to_out(out_ptr + row * out_stride + ns, total, n_ok, RNE)
 
 
 @triton.jit
@@ -589,13 +611,9 @@ def _sbmm_dot_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_pt
                  KEPT: tl.constexpr, WORDS: tl.constexpr, IWORDS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
-    tile = tl.program_id(0).to(tl.int64)
-    slot = tl.load(tiles_ptr + tile * 3 + 2)
-    if slot < 0:
+    slot, start, end = _work_tile(tiles_ptr)
+    if slot < 0:  # a padding row of the tile table
         return
-    start = tl.load(tiles_ptr + tile * 3)
-    end = tl.load(tiles_ptr + tile * 3 + 1)
-    slot = slot.to(tl.int64)
 
     # KEPT: kept values per row per K tile (BLOCK_K, or half of it with 2:4); WORDS / IWORDS: the
     # qvalues / qindices words that hold them (32 / BITS codes, 16 positions per word).
@@ -604,13 +622,9 @@ def _sbmm_dot_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_pt
 
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
-    n64 = ns.to(tl.int64)
-    qv_rows = qv_ptr + tl.load(qv_off_ptr + slot) + n64[:, None] * QV_ROW
-    qi_rows = qi_ptr + tl.load(qi_off_ptr + slot) + n64[:, None] * QI_ROW
-    g_off = tl.load(g_off_ptr + slot) + n64 * NGROUPS
-    at = start + tl.arange(0, BLOCK_M)
-    row_ok = at < end
-    rows = tl.load(order_ptr + at, mask=row_ok, other=0).to(tl.int64)  # the tile's token indices
+    qv_rows, qi_rows, g_off = _slot_rows(qv_ptr, qi_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, ns, QV_ROW, QI_ROW,
+                                         NGROUPS)
+    at, row_ok, rows = _tile_tokens(order_ptr, start, end, BLOCK_M)
     x_rows = x_ptr + rows[:, None] * x_stride
     ty = x_ptr.dtype.element_ty
 
@@ -664,11 +678,7 @@ def _sbmm_dot_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_pt
         else:
             wt = wt.to(ty)
         acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PREC)
-    oty = out_ptr.dtype.element_ty
-    o_ptrs = out_ptr + rows[:, None] * out_stride + ns[None, :]
-    mask = row_ok[:, None] & n_ok[None, :]
-    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, round_to(o + acc, oty, RNE).to(oty), mask=mask)
+    _add_to_out(out_ptr + rows[:, None] * out_stride + ns[None, :], acc, row_ok[:, None] & n_ok[None, :], RNE)
 
 
 def _step(w: DeltaWeights) -> int:
