@@ -45,13 +45,15 @@ token meets any TPOT SLO), and with both.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import itertools
 import json
 import math
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -423,10 +425,25 @@ def event_loop_policy() -> str:
     return "uvloop"
 
 
+@contextlib.contextmanager
+def no_collector_pauses() -> Iterator[None]:
+    """Collects once, then freezes every object alive (torch, numpy, the trace) out of the cyclic
+    collector's scans for the block: a full collection over a process that imported torch took
+    tens of milliseconds, long enough to make the client send late. Unfrozen afterwards."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run_replay(trace: Trace, url: str, **kw) -> list[Record]:
-    """Synchronous wrapper of :func:`replay` (its own event loop, uvloop when importable)."""
+    """Synchronous wrapper of :func:`replay` (its own event loop, uvloop when importable; no
+    collector pauses)."""
     event_loop_policy()
-    return asyncio.run(replay(trace, url, **kw))
+    with no_collector_pauses():
+        return asyncio.run(replay(trace, url, **kw))
 
 
 def main() -> None:

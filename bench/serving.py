@@ -741,8 +741,9 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
                 model_for = (lambda v, m=endpoint.model: m) if endpoint.model else None
                 records: list[rp.Record] = []  # filled as requests are sent: kept when interrupted
                 try:
-                    asyncio.run(rp.replay(trace, endpoint.url, protocol=p.protocol, ws_url=endpoint.ws_url,
-                                          model_for=model_for, timeout_s=exp.timeout_s, records=records))  # fmt: skip
+                    with rp.no_collector_pauses():
+                        asyncio.run(rp.replay(trace, endpoint.url, protocol=p.protocol, ws_url=endpoint.ws_url,
+                                              model_for=model_for, timeout_s=exp.timeout_s, records=records))  # fmt: skip
                 except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: keep the point so far, then stop
                     stopping.enter_context(_repeated_signals_ignored())
                     _add_point(payload, p, trace, records, exp, interrupted=True)
@@ -794,7 +795,8 @@ def _add_point(payload: dict[str, Any], p: Point, trace: wl.Trace, records: list
             f"{summary['completed']} completed: " if interrupted else "")  # fmt: skip
     print(f"    {head}{summary['throughput_req_s']:.2f} req/s, {summary['throughput_out_tok_s']:.0f} tok/s, "
           f"ttft p50 {_fmt(summary['ttft_s']['p50'])} s, e2e mean {_fmt(summary['e2e_s']['mean'])} s, "
-          f"failed {summary['failed']}, SLO {_fmt(summary['slo']['attainment'])}", flush=True)  # fmt: skip
+          f"failed {summary['failed']} ({summary['interrupted']} of them cut by the interruption), "
+          f"SLO {_fmt(summary['slo']['attainment'])}", flush=True)  # fmt: skip
     payload["points"].append({"label": p.label, "protocol": p.protocol, "trace": trace.params,
                               "interrupted": interrupted, "summary": summary,
                               "requests": [r.row() for r in records]})  # fmt: skip
