@@ -87,7 +87,6 @@ client sustains 5× it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import math
@@ -741,9 +740,8 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
                 model_for = (lambda v, m=endpoint.model: m) if endpoint.model else None
                 records: list[rp.Record] = []  # filled as requests are sent: kept when interrupted
                 try:
-                    with rp.no_collector_pauses():
-                        asyncio.run(rp.replay(trace, endpoint.url, protocol=p.protocol, ws_url=endpoint.ws_url,
-                                              model_for=model_for, timeout_s=exp.timeout_s, records=records))  # fmt: skip
+                    rp.run_replay(trace, endpoint.url, protocol=p.protocol, ws_url=endpoint.ws_url, model_for=model_for,
+                                  timeout_s=exp.timeout_s, records=records)  # fmt: skip
                 except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM: keep the point so far, then stop
                     stopping.enter_context(_repeated_signals_ignored())
                     _add_point(payload, p, trace, records, exp, interrupted=True)

@@ -301,10 +301,11 @@ def load_lora_adapter(adapter_dir: str | Path, base: ModelConfig, dtype: torch.d
                 f"tensor '{b_key}' has shape {list(b.shape)} but the base's {proj} needs lora_B "
                 f"[out_features={fout}, r={r}] = {[fout, r]}"
             )
-        for k, t in ((a_key, a), (b_key, b)):
-            if t.dtype != out_dtype and not _all_finite(t.to(out_dtype)):
-                raise fail(f"tensor '{k}' overflows {out_dtype} (non-finite after the cast)")
+        cast = (a.dtype != out_dtype, b.dtype != out_dtype)
         a, b = a.to(out_dtype).contiguous(), b.to(out_dtype).contiguous()
+        for k, t, was_cast in ((a_key, a, cast[0]), (b_key, b, cast[1])):
+            if was_cast and not _all_finite(t):  # a tensor already in out_dtype was checked above
+                raise fail(f"tensor '{k}' overflows {out_dtype} (non-finite after the cast)")
         scaling = mod_alpha / math.sqrt(r) if use_rslora else mod_alpha / r
         modules[(layer, proj)] = LoraWeights(a=a, b=b, rank=r, alpha=mod_alpha, scaling=scaling)
 

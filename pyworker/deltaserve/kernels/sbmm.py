@@ -730,7 +730,8 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
         scales = 0 if group % block_k == 0 else 1 if group % step == 0 else 2
         k_split = triton.cdiv(triton.cdiv(w.in_features, block_k), split) * block_k
         rows = meta.num_delta_tokens
-        ws = torch.empty((split, rows, w.out_features) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+        # Partials workspace; without a split the kernel never touches it (out stands in, no allocation).
+        ws = torch.empty((split, rows, w.out_features), dtype=torch.float32, device=x.device) if split > 1 else out
         _sbmm_fma_kernel[(meta.grid_tiles, n_tiles, split)](
             x, out, ws, meta.order, meta.tiles, w.qvalues, qi_buf, w.scales, w.zeros, w.qvalues_offsets,
             w.qindices_offsets, w.group_offsets, w.out_features, w.in_features, k_split, rows, x.stride(0),
