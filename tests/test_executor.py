@@ -58,6 +58,7 @@ class Req:
     sent: bool = False
     outputs: list[int] = field(default_factory=list)
     num_prompt: int = 0
+    pending: int = 0  # tokens that launched, unfinished steps will sample
 
 
 class MiniRouter:
@@ -72,6 +73,7 @@ class MiniRouter:
         self.active: dict[int, Req] = {}
         self.to_release: list[int] = []
         self.step_id = 0
+        self.samples: dict[tuple[int, int], bool] = {}  # (step, request) -> the step samples its next token
 
     def add(self, req_id: int, prompt: list[int], max_new: int, sampling: wire.SamplingParams = GREEDY) -> Req:
         r = Req(req_id, list(prompt), max_new, sampling, tokens=list(prompt), num_prompt=len(prompt))
@@ -89,7 +91,9 @@ class MiniRouter:
         self.step_id += 1
         new, running = [], []
         for r in self.active.values():
-            n = min(self.chunk, len(r.tokens) - r.computed)
+            n = min(self.chunk, len(r.tokens) + r.pending - r.computed)
+            if n == 0 or len(r.outputs) + r.pending >= r.max_new:
+                continue  # waits for the token an unfinished step samples
             need = -(-(r.computed + n) // self.bs) - len(r.blocks)
             added = [self.free.pop() for _ in range(max(0, need))]
             r.blocks.extend(added)
@@ -103,18 +107,23 @@ class MiniRouter:
             else:
                 running.append(wire.RunningRequest(req_id=r.req_id, num_scheduled_tokens=n, new_block_ids=added))
             r.computed += n
+            samples = r.computed == len(r.tokens) + r.pending
+            r.pending += samples
+            self.samples[(self.step_id, r.req_id)] = samples
         plan = wire.StepPlan(step_id=self.step_id, new_requests=new, running=running, released=self.to_release)
         self.to_release = []
         return plan
 
-    def apply(self, out: wire.StepOutput) -> None:
-        assert out.step_id == self.step_id
+    def apply(self, out: wire.StepOutput, step_id: int | None = None) -> None:
+        assert out.step_id == (self.step_id if step_id is None else step_id)
         for o in out.outputs:
             r = self.active[o.req_id]
+            samples = self.samples.pop((out.step_id, o.req_id))
+            assert (o.token_id is not None) == samples, "exactly the requests that reach their end sample"
             if o.token_id is None:
-                assert r.computed < len(r.tokens), "a request that reached its end must sample"
                 continue
-            assert r.computed == len(r.tokens)
+            assert r.computed in (len(r.tokens), len(r.tokens) + 1) and r.pending > 0
+            r.pending -= 1
             r.tokens.append(o.token_id)
             r.outputs.append(o.token_id)
             if len(r.outputs) >= r.max_new:
@@ -127,18 +136,42 @@ class MiniRouter:
         self.apply(out)
         return out
 
-    def run(self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int] | None = None) -> dict[int, list[int]]:
+    def run(self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int] | None = None,
+            sampling: dict[int, wire.SamplingParams] | None = None) -> dict[int, list[int]]:
         done: dict[int, Req] = {}
         pending = dict(reqs)
         steps = 0
         while pending or self.active:
             for rid in [rid for rid in pending if (arrivals or {}).get(rid, 0) <= steps]:
                 prompt, n = pending.pop(rid)
-                done[rid] = self.add(rid, prompt, n)
+                done[rid] = self.add(rid, prompt, n, (sampling or {}).get(rid, GREEDY))
             if self.active:
                 self.step()
             steps += 1
             assert steps < 10_000
+        return {rid: r.outputs for rid, r in done.items()}
+
+
+    def run_pipelined(self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int] | None = None,
+                      sampling: dict[int, wire.SamplingParams] | None = None) -> dict[int, list[int]]:
+        """Like ``run``, but plans and launches step N+1 before finishing step N, as the worker
+        loop does when the router sends the next plan ahead: a request that samples in N is
+        scheduled in N+1 for that token before anyone knows it."""
+        done: dict[int, Req] = {}
+        pending = dict(reqs)
+        in_flight = None
+        steps = 0
+        while pending or self.active:
+            for rid in [rid for rid in pending if (arrivals or {}).get(rid, 0) <= steps]:
+                prompt, n = pending.pop(rid)
+                done[rid] = self.add(rid, prompt, n, (sampling or {}).get(rid, GREEDY))
+            launched = self.ex.launch(self.plan(), None if in_flight is None else in_flight[0])
+            if in_flight is not None:
+                self.apply(self.ex.finish(in_flight[0]), step_id=in_flight[1])
+            in_flight = (launched, self.step_id)
+            steps += 1
+            assert steps < 10_000
+        self.apply(self.ex.finish(in_flight[0]), step_id=in_flight[1])
         return {rid: r.outputs for rid, r in done.items()}
 
 
@@ -180,6 +213,22 @@ def test_batch_of_16_matches_each_alone(executor_factory) -> None:
         {i: (p, 6 + i % 5) for i, p in enumerate(ps)}, arrivals={i: i // 3 for i in range(16)}
     )
     assert batched == alone
+
+
+def test_steps_launched_before_the_previous_one_finished_give_the_same_tokens(executor_factory) -> None:
+    """Overlapped steps: step N+1 computes the tokens step N samples from the device tensor."""
+    ex = executor_factory()
+    ps = prompts(10, ex.config.vocab_size, seed=6, lo=1, hi=23)
+    seeded = wire.SamplingParams(temperature=0.8, top_p=0.9, top_k=0, seed=7, logprobs=3)
+    sampling = {i: seeded for i in (1, 4, 7)}
+    reqs = {i: (p, 3 + i % 6) for i, p in enumerate(ps)}
+    arrivals = {i: i // 2 for i in range(10)}
+    in_order = MiniRouter(ex, chunk=6, seed=1).run(reqs, arrivals, sampling)
+    overlapped_ex = executor_factory()
+    overlapped = MiniRouter(overlapped_ex, chunk=6, seed=2).run_pipelined(reqs, arrivals, sampling)
+    assert [len(overlapped[i]) for i in range(10)] == [3 + i % 6 for i in range(10)]
+    assert overlapped == in_order
+    assert all(st.pending == 0 for st in overlapped_ex.requests.values())
 
 
 def test_released_requests_are_dropped(executor_factory) -> None:
@@ -350,15 +399,53 @@ def test_loop_serves_reports_plan_errors_and_shuts_down(executor_factory) -> Non
     assert isinstance(out3, wire.StepOutput) and out3.step_id == 3
 
 
+def test_loop_launches_the_next_plan_before_answering_the_running_step(executor_factory, monkeypatch) -> None:
+    """While the device still runs step N, a plan that has arrived is launched behind it, and only
+    then is N answered; the overlapped tokens equal those of steps run one at a time."""
+    from deltaserve.worker.executor import LaunchedStep
+    from deltaserve.worker.loop import WorkerLoop
+
+    def plans() -> list[wire.StepPlan]:
+        first = wire.StepPlan(step_id=1, new_requests=[wire.NewRequest(
+            req_id=5, token_ids=[3, 4, 5, 6, 7], num_prompt_tokens=5, num_computed_tokens=0,
+            num_scheduled_tokens=5, block_ids=[0, 1], sampling=GREEDY)])
+        # Steps 2 and 3 compute the tokens sampled by 1 and 2, planned before those are known.
+        rest = [wire.StepPlan(step_id=i, running=[wire.RunningRequest(req_id=5, num_scheduled_tokens=1,
+                                                                     new_block_ids=[2] if i == 4 else [])])
+                for i in (2, 3, 4)]
+        return [first, *rest]
+
+    one_at_a_time = executor_factory()
+    expected = [one_at_a_time.step(p).outputs[0].token_id for p in plans()]
+
+    ex = executor_factory()
+    link = FakeLink([wire.encode(p) for p in plans()] + [wire.encode(wire.Shutdown(reason="test"))])
+    events: list[tuple[str, int]] = []
+    launch = ex.launch
+    monkeypatch.setattr(ex, "launch", lambda plan, in_flight: events.append(("launch", plan.step_id)) or launch(plan, in_flight))
+    send = link.send
+    link.send = lambda data: (send(data), events.append(("send", getattr(link.sent[-1], "step_id", 0))))
+    # The CPU finishes a step inside launch; pretend the device is busy while frames are waiting.
+    monkeypatch.setattr(LaunchedStep, "is_done", lambda self: not link.inbound)
+    assert WorkerLoop(ex, link).run() == 0
+    outs = link.sent[1:]
+    assert [o.step_id for o in outs] == [1, 2, 3, 4]
+    assert [o.outputs[0].token_id for o in outs] == expected
+    assert events[1:] == [("launch", 1), ("launch", 2), ("send", 1), ("launch", 3), ("send", 2),
+                          ("launch", 4), ("send", 3), ("send", 4)]
+    assert [o.timing.gap_us for o in outs[1:]] == [0, 0, 0]  # each plan came while a step ran
+    assert ex.requests[5].pending == 0 and ex.requests[5].token_ids[5:] == expected
+
+
 def test_loop_reports_unexpected_errors_as_fatal(executor_factory, monkeypatch) -> None:
     from deltaserve.worker.loop import EXIT_FATAL, WorkerLoop
 
     ex = executor_factory()
 
-    def boom(plan):
+    def boom(plan, in_flight):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    monkeypatch.setattr(ex, "step", boom)
+    monkeypatch.setattr(ex, "launch", boom)
     plan = wire.StepPlan(step_id=4, running=[wire.RunningRequest(req_id=1, num_scheduled_tokens=1, new_block_ids=[])])
     link = FakeLink([wire.encode(plan), wire.encode(wire.Shutdown(reason="never reached"))])
     assert WorkerLoop(ex, link).run() == EXIT_FATAL

@@ -20,6 +20,20 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(data: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of host ``data`` on ``device`` without waiting for the device's queued work.
+
+    ``torch.tensor(data, device=cuda)`` copies synchronously, which waits for every kernel already
+    queued: a step built that way could not be launched while the previous one still runs. The
+    copy goes from pinned memory (torch's caching host allocator keeps the buffer until the copy
+    has run), so it is asynchronous and the host list may go away.
+    """
+    host = torch.tensor(data, dtype=dtype)
+    if torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class ForwardBatch:
     """Flattened ragged batch of one forward step (see the module docstring for the layout)."""
@@ -98,13 +112,13 @@ class ForwardBatch:
             max_blocks = max(max_blocks, len(table))
         tables = [list(t) + [0] * (max_blocks - len(t)) for _, _, t, _ in seqs]
         return cls(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=device),
+            input_ids=to_device(input_ids, torch.long, device),
+            positions=to_device(positions, torch.long, device),
+            query_start_loc=to_device(qsl, torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            block_tables=to_device(tables, torch.int32, device),
+            slot_mapping=to_device(slots, torch.long, device),
+            logits_indices=to_device(logits_idx, torch.long, device),
             max_seq_len=max(seq_lens),
             max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seqs))),
         )

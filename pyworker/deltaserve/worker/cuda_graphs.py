@@ -40,6 +40,7 @@ import torch
 
 from deltaserve.kernels.lora import LoraMeta
 from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
+from deltaserve.model.batch import to_device
 
 if TYPE_CHECKING:
     from deltaserve.adapters.pool import AdapterPool
@@ -169,13 +170,20 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, step: ForwardBatch, row_slots: list[int] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        step: ForwardBatch,
+        row_slots: list[int] | None = None,
+        device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Replays the decode ``step`` (one token per sequence, every row wants logits).
 
         ``step`` is the step's ``ForwardBatch`` built on the host; its tensors are copied into the
         static buffers. ``row_slots``: each row's adapter table slot (-1: base), already filled by
-        ``AdapterPool.assign_rows``; given, the LoRA graph replays. Returns float32 logits
-        [num_seqs, vocab] (a view valid until the next run).
+        ``AdapterPool.assign_rows``; given, the LoRA graph replays. ``device_inputs``: (rows, token
+        ids) on the device that replace those rows' input ids (tokens the previous step sampled
+        and the host does not know yet). Returns float32 logits [num_seqs, vocab] (a view valid
+        until the next run).
         """
         n = step.num_seqs
         b = self.bucket_for(n)
@@ -185,6 +193,8 @@ class DecodeGraphs:
         if width > self.max_blocks:
             raise ValueError(f"DecodeGraphs.run: block tables of {width} pages exceed {self.max_blocks}")
         self.input_ids[:n].copy_(step.input_ids, non_blocking=True)
+        if device_inputs is not None:
+            self.input_ids.index_copy_(0, *device_inputs)
         self.positions[:n].copy_(step.positions, non_blocking=True)
         self.slot_mapping[:n].copy_(step.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(step.seq_lens, non_blocking=True)
@@ -196,8 +206,7 @@ class DecodeGraphs:
         if row_slots is not None:
             if b not in self.lora_graphs or len(row_slots) != n:
                 raise ValueError(f"DecodeGraphs.run: no LoRA graph for {n} rows with {len(row_slots)} slots")
-            slots = torch.tensor(row_slots + [-1] * (b - n), dtype=torch.int32)
-            self.row_slot[:b].copy_(slots, non_blocking=True)
+            self.row_slot[:b].copy_(to_device(row_slots + [-1] * (b - n), torch.int32, self.row_slot.device))
             graphs = self.lora_graphs
         graph, logits = graphs[b]
         graph.replay()

@@ -61,7 +61,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -73,13 +73,13 @@ from deltaserve.adapters.lora_layers import attach_lora
 from deltaserve.adapters.pool import OPS, AdapterPool
 from deltaserve.kernels import common as kernel_common
 from deltaserve.model.arch import ModelConfig
-from deltaserve.model.batch import ForwardBatch
+from deltaserve.model.batch import ForwardBatch, to_device
 from deltaserve.model.kv_cache import PagedKVCache
 from deltaserve.model.loader import load_model
 
 from .config import WorkerConfig
 from .cuda_graphs import DecodeGraphs
-from .sampler import Sampler
+from .sampler import LaunchedSample, Sampler
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -120,6 +120,33 @@ class RequestState:
     #: The LoRA adapter whose delta this request's tokens get (GPU-resident whenever the request is
     #: scheduled), 0 for the base alone.
     adapter_id: int = 0
+    #: Tokens sampled by a launched step that ``finish`` has not appended yet (0 or 1): they are
+    #: known to exist, so the next step may compute them (from the device) before they reach us.
+    pending: int = 0
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; ``Executor.finish`` completes it."""
+
+    #: The plan's step id.
+    step_id: int
+    #: Every scheduled request and its token count, in batch order.
+    scheduled: list[tuple[RequestState, int]]
+    #: The requests that sample a token, in the sampled tensor's row order.
+    samplers: list[RequestState]
+    #: When the launch began (``timing.forward_us`` runs from here to the tokens being on the host).
+    started: float
+    #: The queued sampling (None when no request samples).
+    sampled: LaunchedSample | None = None
+    #: req_id -> its row in ``sampled``.
+    sample_row: dict[int, int] = field(default_factory=dict)
+    #: Recorded after the step's work on CUDA; None on CPU (work there is done when launch returns).
+    done: torch.cuda.Event | None = None
+
+    def is_done(self) -> bool:
+        """Whether the device has finished the step (``finish`` would not wait)."""
+        return self.done is None or self.done.query()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -381,7 +408,21 @@ class Executor:
         """Applies ``plan``, runs one forward and returns what every scheduled request produced.
 
         Raises PlanError (state untouched) when the plan is inconsistent with the worker's state.
+        The same as ``finish(launch(plan))`` with no step in flight.
         """
+        return self.finish(self.launch(plan, None))
+
+    def launch(self, plan: wire.StepPlan, in_flight: LaunchedStep | None) -> LaunchedStep:
+        """Applies ``plan`` and queues its forward and sampling on the device; waits for nothing.
+
+        ``in_flight`` is the step launched before and not yet finished (None when there is none).
+        A running request whose last sampled token is still in flight there (``pending``) computes
+        it: its input row is copied on the device from that step's sampled tensor. Finish steps
+        in launch order. Raises PlanError (state untouched) when the plan is inconsistent with
+        the worker's state.
+        """
+        if any(state.pending for state in self.requests.values()) and in_flight is None:
+            raise RuntimeError("launch: requests wait for sampled tokens but no step in flight was given")
         self._validate(plan)
         for req_id in plan.released:
             self.requests.pop(req_id, None)
@@ -408,26 +449,40 @@ class Executor:
         scheduled: list[tuple[RequestState, int]] = [
             (self.requests[n.req_id], n.num_scheduled_tokens) for n in plan.new_requests if n.num_scheduled_tokens > 0
         ] + [(self.requests[r.req_id], r.num_scheduled_tokens) for r in plan.running]
+        launched = LaunchedStep(step_id=plan.step_id, scheduled=scheduled, samplers=[], started=time.perf_counter())
         if not scheduled:
-            return wire.StepOutput(
-                step_id=plan.step_id, outputs=[], timing=wire.StepTiming(gap_us=0, forward_us=0, total_us=0),
-                adapter_host_bytes=self.adapter_host_bytes,
-            )
+            return launched
 
-        started = time.perf_counter()
         seqs = []
-        samplers: list[RequestState] = []
+        samplers = launched.samplers
+        # Input rows that are tokens still being sampled by ``in_flight``: (row, its sampled row).
+        patch_rows: list[int] = []
+        patch_from: list[int] = []
+        row = 0
         for state, n in scheduled:
             end = state.num_computed + n
-            wants_logits = end == len(state.token_ids)
-            seqs.append((state.token_ids[state.num_computed:end], state.num_computed, state.block_table, wants_logits))
+            known = len(state.token_ids)
+            wants_logits = end == known + state.pending
+            tokens = state.token_ids[state.num_computed:end]
+            if end > known:  # the pending token: a placeholder here, filled on the device below
+                assert in_flight is not None and end == known + 1 == state.num_computed + 1
+                patch_rows.append(row)
+                patch_from.append(in_flight.sample_row[state.req_id])
+                tokens = [0]
+            seqs.append((tokens, state.num_computed, state.block_table, wants_logits))
             if wants_logits:
                 samplers.append(state)
+            row += n
         # Each request's variant: a LoRA adapter (AdapterPool), a delta (DeltaPool) or 0 (base).
         is_delta = {state.adapter_id: self._is_delta(state.adapter_id) for state, _ in scheduled}
         lora_ids = [0 if is_delta[state.adapter_id] else state.adapter_id for state, _ in scheduled]
         with_adapters = any(lora_ids)
         with_deltas = any(is_delta.values())
+        pending_inputs = None
+        if patch_rows:
+            assert in_flight is not None and in_flight.sampled is not None
+            pending_inputs = (to_device(patch_rows, torch.long, self.device),
+                              in_flight.sampled.token_ids.index_select(0, to_device(patch_from, torch.long, self.device)))
         with torch.inference_mode():
             decode = len(samplers) == len(seqs) and all(n == 1 for _, n in scheduled)
             if (decode and not with_deltas and self.graphs is not None
@@ -436,9 +491,11 @@ class Executor:
                 if with_adapters:
                     assert self.adapters is not None  # _validate admits adapter ids only when resident
                     row_slots = self.adapters.assign_rows(lora_ids)
-                logits = self.graphs.run(ForwardBatch.build(seqs, self.block_size, "cpu"), row_slots)
+                logits = self.graphs.run(ForwardBatch.build(seqs, self.block_size, "cpu"), row_slots, pending_inputs)
             else:
                 batch = ForwardBatch.build(seqs, self.block_size, self.device)
+                if pending_inputs is not None:
+                    batch.input_ids.index_copy_(0, *pending_inputs)
                 if with_adapters:
                     assert self.adapters is not None  # _validate admits adapter ids only when resident
                     self.adapters.begin_step([(a, n) for a, (_, n) in zip(lora_ids, scheduled)], decode)
@@ -453,25 +510,41 @@ class Executor:
                         self.adapters.end_step()
                     if with_deltas:
                         self.deltas.end_step()
-            sampled = None
             if samplers:
-                sampled = self.sampler.sample(
+                launched.sampled = self.sampler.launch(
                     logits,
                     [s.sampling for s in samplers],
-                    [len(s.token_ids) - s.num_prompt_tokens for s in samplers],
+                    [len(s.token_ids) + s.pending - s.num_prompt_tokens for s in samplers],
                 )
-        forward_us = int((time.perf_counter() - started) * 1e6)
-
-        row_of = {state.req_id: j for j, state in enumerate(samplers)}
-        outputs = []
+        # The step's tokens are computed (or queued to be): the next step continues from there.
         for state, n in scheduled:
             state.num_computed += n
-            j = row_of.get(state.req_id)
+        for j, state in enumerate(samplers):
+            state.pending += 1
+            launched.sample_row[state.req_id] = j
+        if self.device.type == "cuda":
+            launched.done = torch.cuda.Event()
+            launched.done.record()
+        return launched
+
+    def finish(self, launched: LaunchedStep) -> wire.StepOutput:
+        """Waits for ``launched``'s sampled tokens, appends them to their requests, and returns the
+        step's output (``token_id`` None for partial prefill chunks)."""
+        timing = wire.StepTiming(gap_us=0, forward_us=0, total_us=0)
+        if not launched.scheduled:
+            return wire.StepOutput(step_id=launched.step_id, outputs=[], timing=timing,
+                                   adapter_host_bytes=self.adapter_host_bytes)
+        sampled = launched.sampled.result() if launched.sampled is not None else None
+        timing.forward_us = int((time.perf_counter() - launched.started) * 1e6)
+        outputs = []
+        for state, _ in launched.scheduled:
+            j = launched.sample_row.get(state.req_id)
             if j is None or sampled is None:  # a partial prefill chunk: nothing to sample yet
                 outputs.append(wire.RequestOutput(req_id=state.req_id, token_id=None, logprob=None, top_logprobs=[]))
                 continue
             token = sampled.token_ids[j]
             state.token_ids.append(token)
+            state.pending -= 1
             outputs.append(
                 wire.RequestOutput(
                     req_id=state.req_id,
@@ -480,10 +553,8 @@ class Executor:
                     top_logprobs=[wire.TokenLogprob(token_id=t, logprob=lp) for t, lp in sampled.top_logprobs[j]],
                 )
             )
-        return wire.StepOutput(
-            step_id=plan.step_id, outputs=outputs, timing=wire.StepTiming(gap_us=0, forward_us=forward_us, total_us=0),
-            adapter_host_bytes=self.adapter_host_bytes,
-        )
+        return wire.StepOutput(step_id=launched.step_id, outputs=outputs, timing=timing,
+                               adapter_host_bytes=self.adapter_host_bytes)
 
     def drop_step_requests(self, plan: wire.StepPlan) -> list[int]:
         """After a failed step: forgets every request the plan released or scheduled.
@@ -569,8 +640,9 @@ class Executor:
             if run.num_scheduled_tokens < 1:
                 fail(rid, "running with num_scheduled_tokens 0")
             end = state.num_computed + run.num_scheduled_tokens
-            if end > len(state.token_ids):
-                fail(rid, f"schedules tokens up to {end} but only {len(state.token_ids)} are known")
+            known = len(state.token_ids) + state.pending
+            if end > known:
+                fail(rid, f"schedules tokens up to {end} but only {known} are known")
             check_blocks(rid, list(run.new_block_ids), end, len(state.block_table))
             check_adapter(rid, state.adapter_id)
             check_not_adapter_pages(rid, list(run.new_block_ids))

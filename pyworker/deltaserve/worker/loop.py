@@ -8,18 +8,33 @@ rings the router created in ``--ipc-dir``)::
       ▼
     recv (1 s timeout) ── nothing ── parent gone? ── yes ──> exit 3
       │                               └─ no ──> recv again
-      ├─ StepPlan ──> executor.step ──> send StepOutput(timing: gap, forward, total; adapter_host_bytes)
-      │                 ├─ PlanError ──> send WorkerError(fatal=False, the step's req_ids); serve on
-      │                 └─ anything else (CUDA error, OOM, bug, AdapterLoadError: an adapter op
-      │                    that cannot be applied, e.g. a to_host whose directory vanished since
-      │                    InspectAdapter) ──> send WorkerError(fatal) ── exit 1
-      ├─ InspectAdapter ──> executor.inspect_adapter ──> send AdapterInfo(same inspect_id); state unchanged
-      ├─ frame that does not decode / unexpected kind ──> send WorkerError(fatal=False); serve on
-      └─ Shutdown ──> exit 0
+      ├─ StepPlan N ──> executor.launch (queued on the device; nothing waits) ── N is in flight:
+      │     │   recv while the device works on N ── StepPlan N+1 ──> launch N+1 behind N,
+      │     │     │                                                 then finish N (below)
+      │     │     └─ device done, no plan ──> finish N
+      │     │   finish N: wait for its sampled tokens ──> send StepOutput(timing: gap, forward,
+      │     │             total; adapter_host_bytes)
+      │     ├─ PlanError ──> finish the step in flight; send WorkerError(fatal=False, the step's
+      │     │                req_ids); serve on
+      │     └─ anything else (CUDA error, OOM, bug, AdapterLoadError: an adapter op that cannot be
+      │        applied, e.g. a to_host whose directory vanished since InspectAdapter)
+      │        ──> send WorkerError(fatal) ── exit 1
+      ├─ InspectAdapter ──> finish the step in flight; executor.inspect_adapter ──> send
+      │                     AdapterInfo(same inspect_id); state unchanged
+      ├─ frame that does not decode / unexpected kind ──> finish the step in flight; send
+      │                                                  WorkerError(fatal=False); serve on
+      └─ Shutdown ──> finish the step in flight; exit 0
 
-``timing.gap_us`` runs from the end of the previous send (the Hello for the first plan) to this
-plan being decoded: the router's scheduling plus both IPC hops. ``timing.total_us`` runs from the
-plan being decoded to just before the output is encoded.
+Every answer goes back in the order its frame came. Launching N+1 before N's tokens are on the
+host is what overlaps the two: N+1's host work (decode, validation, batch building, launch) runs
+while the device computes N, and a request that samples in N computes that token in N+1 straight
+from N's sampled tensor (``Executor.launch``). On the CPU a launch computes the step before it
+returns, so N is answered before N+1 is read.
+
+``timing.gap_us`` is how long the device sat idle waiting for this plan: from the end of the
+previous send (the Hello for the first plan) to this plan being decoded, the router's scheduling
+plus both IPC hops, or 0 when it arrived while a step still ran on the device.
+``timing.total_us`` runs from the plan being decoded to just before its output is encoded.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -37,7 +53,7 @@ from deltaserve import wire
 from deltaserve.kernels import common as kernel_common
 
 from .config import WorkerConfig
-from .executor import Executor, PlanError
+from .executor import Executor, LaunchedStep, PlanError
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -47,6 +63,8 @@ EXIT_PARENT_GONE = 3
 EXIT_FATAL = 1
 #: How long one ``recv`` blocks before the loop checks that its parent is alive.
 POLL_SECONDS = 1.0
+#: How long one ``recv`` waits while a step runs on the device before checking whether it is done.
+BUSY_POLL_SECONDS = 50e-6
 #: Longest traceback text sent in a fatal WorkerError (the full one goes to stderr).
 MAX_ERROR_CHARS = 4000
 
@@ -70,6 +88,19 @@ def step_req_ids(plan: wire.StepPlan) -> list[int]:
     return [n.req_id for n in plan.new_requests] + [r.req_id for r in plan.running]
 
 
+@dataclass
+class InFlight:
+    """A launched step whose output has not been sent, with its timing so far."""
+
+    #: The executor's handle on it.
+    launched: LaunchedStep
+    #: When its plan was decoded (``timing.total_us`` runs from here to its output being encoded).
+    decoded: float
+    #: Its ``timing.gap_us``: how long the device sat idle waiting for its plan (0 when a step was
+    #: still running on the device as the plan arrived).
+    gap_us: int
+
+
 class WorkerLoop:
     """Serves StepPlans from one link with one executor until Shutdown or a fatal error."""
 
@@ -84,6 +115,8 @@ class WorkerLoop:
         """The router that spawned us; when our parent changes, it died."""
         self.last_send_end = time.perf_counter()
         """When the previous frame finished sending (start of the next plan's gap)."""
+        self.in_flight: InFlight | None = None
+        """The step launched on the device whose output is not sent yet."""
 
     def _send(self, msg: object) -> None:
         self.link.send(wire.encode(msg))
@@ -100,22 +133,30 @@ class WorkerLoop:
         """Sends Hello, then serves; returns the process exit code."""
         self._send(self.executor.hello(wire.SCHEMA_HASH))
         log.info("sent Hello (schema %s); serving", wire.SCHEMA_HASH)
+        self.in_flight = None
         current: wire.StepPlan | None = None
         try:
             while True:
-                frame = self.link.recv(timeout_s=self.poll_s)
+                busy = self.in_flight is not None
+                frame = self._recv_while_busy(self.in_flight) if busy else self.link.recv(timeout_s=self.poll_s)
                 if frame is None:
-                    if not self.parent_alive():
+                    if busy:  # the device finished the step and no plan came: answer it
+                        self._finish_in_flight()
+                    elif not self.parent_alive():
                         log.error("parent process %d is gone; exiting", self.parent_pid)
                         return EXIT_PARENT_GONE
                     continue
+                decoded = time.perf_counter()
+                device_idle = not busy or self.in_flight.launched.is_done()
                 try:
                     msg = wire.decode(frame)
                 except Exception as e:  # noqa: BLE001 - a bad frame is the sender's bug, reported back
                     log.error("undecodable frame (%d bytes): %s", len(frame), e)
+                    self._finish_in_flight()
                     self._send_error(0, f"worker could not decode a frame of {len(frame)} bytes: {e}", False, [])
                     continue
-                decoded = time.perf_counter()
+                if not isinstance(msg, wire.StepPlan):
+                    self._finish_in_flight()  # answers go back in the order the frames came
                 if isinstance(msg, wire.Shutdown):
                     log.info("shutdown requested: %s", msg.reason or "(no reason)")
                     return 0
@@ -132,29 +173,57 @@ class WorkerLoop:
                     self._send_error(0, f"worker expected a StepPlan, InspectAdapter or Shutdown, got {kind}", False, [])
                     continue
                 current = msg
-                gap_us = int((decoded - self.last_send_end) * 1e6)
+                gap_us = int((decoded - self.last_send_end) * 1e6) if device_idle else 0
                 try:
                     with torch.inference_mode():
-                        out = self.executor.step(msg)
+                        launched = self.executor.launch(msg, self.in_flight.launched if busy else None)
                 except PlanError as e:
+                    self._finish_in_flight()
                     failed = self.executor.drop_step_requests(msg)
                     log.warning("%s (failing requests %s)", e, failed)
                     self._send_error(msg.step_id, str(e), False, failed)
                     current = None
                     continue
-                out.timing.gap_us = gap_us
-                out.timing.total_us = int((time.perf_counter() - decoded) * 1e6)
-                self._send(out)
+                # The device now has this step queued behind the one in flight: answer that one.
+                self._finish_in_flight()
+                self.in_flight = InFlight(launched, decoded, gap_us)
                 current = None
         except Exception as e:  # noqa: BLE001 - fatal by definition: report, then exit non-zero
-            log.critical("fatal error in step %s:\n%s", current.step_id if current else "-", "".join(traceback.format_exception(e)))
+            failing = current if current is not None else None
+            step_id = failing.step_id if failing else (self.in_flight.launched.step_id if self.in_flight else 0)
+            log.critical("fatal error in step %s:\n%s", step_id or "-", "".join(traceback.format_exception(e)))
             try:
-                step_id = current.step_id if current is not None else 0
-                req_ids = step_req_ids(current) if current is not None else []
-                self._send_error(step_id, traceback_summary(e), True, req_ids)
+                req_ids = step_req_ids(failing) if failing is not None else []
+                if self.in_flight is not None:
+                    req_ids += [state.req_id for state, _ in self.in_flight.launched.scheduled]
+                self._send_error(step_id, traceback_summary(e), True, list(dict.fromkeys(req_ids)))
             except Exception as send_error:  # noqa: BLE001 - the link itself may be what broke
                 log.error("could not report the fatal error: %s", send_error)
             return EXIT_FATAL
+
+    def _recv_while_busy(self, in_flight: InFlight) -> bytes | None:
+        """The next frame if one arrives before the device finishes ``in_flight``'s step, else None.
+
+        While the device still works on the step, the next plan can be launched behind it (the
+        router sends it without waiting for this step's output when it can; see ``actor.rs``).
+        Once the device is done, nothing is gained by waiting: the output goes back first.
+        """
+        while not in_flight.launched.is_done():
+            frame = self.link.recv(timeout_s=BUSY_POLL_SECONDS)
+            if frame is not None:
+                return frame
+        return None
+
+    def _finish_in_flight(self) -> None:
+        """Waits for the step in flight (if any), sends its StepOutput and clears it."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is None:
+            return
+        with torch.inference_mode():
+            out = self.executor.finish(in_flight.launched)
+        out.timing.gap_us = in_flight.gap_us
+        out.timing.total_us = int((time.perf_counter() - in_flight.decoded) * 1e6)
+        self._send(out)
 
 
 def configure_process(cfg: WorkerConfig) -> None:

@@ -9,6 +9,10 @@ Pipeline for one batch (each stage runs only when some row needs it)::
                     │        generator, or per seeded row from Generator(hash(seed, i)))   │
                     └─ logprob rows: log_softmax(unmodified logits) ─ sampled + top-n ─────┴─> SampleResult
 
+``Sampler.launch`` only queues this on the device (a ``LaunchedSample`` of tensors);
+``LaunchedSample.result()`` waits and returns Python values. The executor launches step N+1,
+whose inputs are step N's sampled tensor, before it waits for step N's result.
+
 Determinism: a seeded row draws its noise from a generator seeded with ``hash(seed, i)`` where
 ``i`` is the index of the output token being drawn, and every other stage is row-local, so a seeded
 request samples the same tokens whatever else is in its batch (and after a preemption and resume).
@@ -25,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
+from deltaserve.model.batch import to_device
 
 if TYPE_CHECKING:
     from deltaserve import wire
@@ -52,6 +58,42 @@ def seed_for(seed: int, index: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+@dataclass
+class LaunchedSample:
+    """Sampling queued on the device: the chosen tokens and logprobs as tensors, not yet on the host."""
+
+    #: LongTensor [S]: the chosen token per row (a later step may read its inputs from it).
+    token_ids: torch.Tensor
+    #: Rows sampled.
+    num_rows: int
+    #: Rows that asked for logprobs, in order; the tensors below have one row per entry.
+    logprob_rows: list[int] = field(default_factory=list)
+    #: Top alternatives each of those rows asked for.
+    top_n: list[int] = field(default_factory=list)
+    #: [len(logprob_rows)]: logprob of the chosen token.
+    picked: torch.Tensor | None = None
+    #: [len(logprob_rows), max(top_n)]: the best logprobs and their token ids, most likely first.
+    top_vals: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+    def result(self) -> SampleResult:
+        """Waits for the device and returns the samples as Python values."""
+        rows = self.num_rows
+        result = SampleResult(token_ids=self.token_ids.tolist(), logprobs=[None] * rows,
+                              top_logprobs=[[] for _ in range(rows)])
+        if self.picked is None:
+            return result
+        picked = self.picked.tolist()
+        top_vals = self.top_vals.tolist() if self.top_vals is not None else None
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        for j, r in enumerate(self.logprob_rows):
+            result.logprobs[r] = float(picked[j])
+            n = self.top_n[j]
+            if n > 0 and top_ids is not None and top_vals is not None:
+                result.top_logprobs[r] = list(zip(top_ids[j][:n], (float(v) for v in top_vals[j][:n])))
+        return result
+
+
 class Sampler:
     """Samples one token per row; holds the worker-global generator for unseeded requests."""
 
@@ -68,16 +110,28 @@ class Sampler:
         params: list[wire.SamplingParams],
         output_index: list[int],
     ) -> SampleResult:
-        """Samples one token per row of ``logits``.
+        """Samples one token per row of ``logits`` and waits for the result (``launch(...).result()``)."""
+        return self.launch(logits, params, output_index).result()
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        params: list[wire.SamplingParams],
+        output_index: list[int],
+    ) -> LaunchedSample:
+        """Queues the sampling of one token per row of ``logits`` on its device; nothing waits.
 
         Shape: logits [S, V] float32; params and output_index have length S. ``output_index[r]``
-        is the index of the output token row r draws (seeds the per-request generator).
+        is the index of the output token row r draws (seeds the per-request generator). Every
+        read of ``logits`` is queued here, so the caller may overwrite them (a graph replay)
+        before ``result()``.
         """
         num_rows, vocab = logits.shape
         if len(params) != num_rows or len(output_index) != num_rows:
             raise ValueError(f"sampler got {num_rows} logit rows but {len(params)} params / {len(output_index)} indices")
         logits = logits.float()
-        chosen = torch.empty(num_rows, dtype=torch.long, device=logits.device)
+        device = logits.device
+        chosen = torch.empty(num_rows, dtype=torch.long, device=device)
 
         greedy = [r for r, p in enumerate(params) if p.temperature <= 0.0]
         sampled = [r for r, p in enumerate(params) if p.temperature > 0.0]
@@ -85,35 +139,30 @@ class Sampler:
             if len(greedy) == num_rows:
                 chosen = logits.argmax(dim=-1)
             else:
-                rows = torch.tensor(greedy, device=logits.device)
+                rows = to_device(greedy, torch.long, device)
                 chosen[rows] = logits[rows].argmax(dim=-1)
         if sampled:
-            rows = torch.tensor(sampled, device=logits.device)
+            rows = to_device(sampled, torch.long, device)
             chosen[rows] = self._sample_rows(logits[rows], [params[r] for r in sampled], [output_index[r] for r in sampled])
 
-        token_ids = chosen.tolist()
-        result = SampleResult(token_ids=token_ids, logprobs=[None] * num_rows, top_logprobs=[[] for _ in range(num_rows)])
+        launched = LaunchedSample(token_ids=chosen, num_rows=num_rows)
         want = [r for r, p in enumerate(params) if p.logprobs is not None]
         if want:
-            rows = torch.tensor(want, device=logits.device)
+            rows = to_device(want, torch.long, device)
             logprobs = torch.log_softmax(logits[rows], dim=-1)
-            picked = logprobs.gather(1, chosen[rows].unsqueeze(1)).squeeze(1).tolist()
-            max_n = min(max(int(params[r].logprobs or 0) for r in want), vocab)
-            top_vals, top_ids = (logprobs.topk(max_n, dim=-1, sorted=True) if max_n > 0 else (None, None))
-            top_vals_l = top_vals.tolist() if top_vals is not None else None
-            top_ids_l = top_ids.tolist() if top_ids is not None else None
-            for j, r in enumerate(want):
-                result.logprobs[r] = float(picked[j])
-                n = min(int(params[r].logprobs or 0), vocab)
-                if n > 0 and top_ids_l is not None and top_vals_l is not None:
-                    result.top_logprobs[r] = list(zip(top_ids_l[j][:n], (float(v) for v in top_vals_l[j][:n])))
-        return result
+            launched.logprob_rows = want
+            launched.top_n = [min(int(params[r].logprobs or 0), vocab) for r in want]
+            launched.picked = logprobs.gather(1, chosen[rows].unsqueeze(1)).squeeze(1)
+            max_n = max(launched.top_n)
+            if max_n > 0:
+                launched.top_vals, launched.top_ids = logprobs.topk(max_n, dim=-1, sorted=True)
+        return launched
 
     def _sample_rows(self, logits: torch.Tensor, params: list[wire.SamplingParams], output_index: list[int]) -> torch.Tensor:
         """Random draw for rows with temperature > 0. Shape: logits [R, V] -> token ids [R]."""
         num_rows, vocab = logits.shape
         device = logits.device
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        temps = to_device([p.temperature for p in params], torch.float32, device)
         scaled = logits / temps.unsqueeze(1)
 
         top_k = [int(p.top_k) if 0 < p.top_k < vocab else 0 for p in params]
@@ -124,10 +173,10 @@ class Sampler:
             scaled, order = scaled.sort(dim=-1, descending=True, stable=True)
             positions = torch.arange(vocab, device=device).unsqueeze(0)
             if any(top_k):
-                k = torch.tensor([k or vocab for k in top_k], device=device).unsqueeze(1)
+                k = to_device([k or vocab for k in top_k], torch.long, device).unsqueeze(1)
                 scaled = scaled.masked_fill(positions >= k, float("-inf"))
             if any(v < 1.0 for v in top_p):
-                p = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)
+                p = to_device(top_p, torch.float32, device).unsqueeze(1)
                 probs_sorted = torch.softmax(scaled, dim=-1)
                 mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
                 # Keep the smallest prefix whose mass reaches p; the first token always stays.
@@ -141,7 +190,7 @@ class Sampler:
                 noise.exponential_(generator=self.generator)
             else:
                 draw = torch.empty(len(unseeded), vocab, device=device).exponential_(generator=self.generator)
-                noise[torch.tensor(unseeded, device=device)] = draw
+                noise[to_device(unseeded, torch.long, device)] = draw
         for j, prm in enumerate(params):
             if prm.seed is not None:
                 gen = torch.Generator(device=device)
