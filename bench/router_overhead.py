@@ -3,7 +3,9 @@ decoded step N+1's plan (the worker measures it and reports ``StepTiming.gap_us`
 exposes percentiles at ``/metrics``), with 64 requests running.
 
 Starts the real daemon (release binary) on a random-weight model, streams 64 concurrent
-completions (prompt 128 tokens, 256 output tokens, EOS ignored), then reads the gap percentiles.
+completions (prompt 128 tokens, 256 output tokens, EOS ignored), then reads the gap percentiles
+and the output tokens/s. ``--overlap-steps false`` runs the daemon one step at a time (the
+default sends step N+1 ahead; its gap is then mostly 0, and tokens/s is the measure).
 
     python3 bench/router_overhead.py --daemon target/release/deltaserve --device 0 [--shape llama-2-7b]
     python3 bench/router_overhead.py --daemon target/release/deltaserve --device cpu --shape tiny   # smoke run
@@ -74,6 +76,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--overlap-steps", default="true", choices=["true", "false"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -93,7 +96,8 @@ def main() -> None:
         dtype = "float32" if args.device == "cpu" else "float16"
         log = open(Path(tmp) / "daemon.log", "w+")
         proc = subprocess.Popen([str(args.daemon), "--model", str(model_dir), "--devices", args.device,
-                                 "--python", args.python, "--dtype", dtype, "--port", str(port)],
+                                 "--python", args.python, "--dtype", dtype, "--port", str(port),
+                                 "--overlap-steps", args.overlap_steps],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.time() + 600
@@ -135,8 +139,9 @@ def main() -> None:
         device = torch.cuda.get_device_name(int(args.device))
     result = {
         "device": device, "shape": args.shape, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
-        "max_tokens": args.max_tokens, "errors": errors, "wall_s": wall,
-        "steps": m["deltaserve_steps_total"], "tokens": m["deltaserve_tokens_generated_total"],
+        "max_tokens": args.max_tokens, "errors": errors, "wall_s": wall, "overlap_steps": args.overlap_steps == "true",
+        "steps": m["deltaserve_steps_total"], "steps_ahead": m["deltaserve_steps_ahead_total"],
+        "tokens": m["deltaserve_tokens_generated_total"],
         "gap_us_p50": m["deltaserve_step_gap_us_p50"], "gap_us_p99": m["deltaserve_step_gap_us_p99"],
         "router_us_p50": m["deltaserve_step_router_us_p50"], "router_us_p99": m["deltaserve_step_router_us_p99"],
         "output_tokens_per_s": m["deltaserve_tokens_generated_total"] / wall,

@@ -119,3 +119,33 @@ def test_models_health_ready(tiny_daemon):
     assert httpx.get(f"{tiny_daemon.url}/health").status_code == 200
     assert httpx.get(f"{tiny_daemon.url}/ready").status_code == 200
     json.dumps(tiny_daemon.metrics())
+
+
+def test_overlapped_steps_go_ahead_and_change_no_token(tiny_llama, tiny_daemon):
+    """The daemon sends step N+1 before step N's output is back (``--overlap-steps``, the default);
+    one step at a time it sends none ahead, and every request gets the same tokens either way:
+    greedy and seeded, run to max_tokens or ended by EOS or a stop string."""
+    from .conftest import _kv_bytes
+    from .daemon import Daemon
+
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    reqs = {
+        f"r{i}": {"prompt": " ".join(words[: 1 + i]), "max_tokens": 6 + 5 * i, "temperature": 0,
+                  "ignore_eos": i % 2 == 0}
+        for i in range(6)
+    }
+    reqs["seeded"] = {"prompt": "a seeded draw", "max_tokens": 20, "temperature": 0.8, "top_p": 0.9, "seed": 7,
+                      "ignore_eos": True}
+    reqs["stop"] = {"prompt": "stop somewhere", "max_tokens": 30, "temperature": 0, "stop": ["e"]}
+    ahead_before = tiny_daemon.metrics()["deltaserve_steps_ahead_total"]
+    overlapped = ws_generate(tiny_daemon.url, reqs)
+    assert tiny_daemon.metrics()["deltaserve_steps_ahead_total"] > ahead_before
+    args = ("--kv-cache-bytes", str(_kv_bytes(tiny_llama, 1024)), "--max-model-len", "256", "--overlap-steps", "false")
+    with Daemon(tiny_llama, *args) as one_at_a_time:
+        in_order = ws_generate(one_at_a_time.url, reqs)
+        assert one_at_a_time.metrics()["deltaserve_steps_ahead_total"] == 0
+    for rid in reqs:
+        assert overlapped[rid]["error"] is None and in_order[rid]["error"] is None, rid
+        assert overlapped[rid]["token_ids"] == in_order[rid]["token_ids"], rid
+        assert overlapped[rid]["done"] == in_order[rid]["done"], rid
+    assert overlapped["r0"]["done"]["finish_reason"] == "length"

@@ -73,6 +73,10 @@ struct Args {
     /// --max-num-seqs); 0 runs every step eagerly.
     #[arg(long, env = "DELTASERVE_CUDA_GRAPH_MAX_BATCH", default_value_t = 256)]
     cuda_graph_max_batch: u32,
+    /// Send a worker step N+1 before step N's output is back, so that scheduling and the
+    /// worker's host work overlap the device's step N (`false`: one step at a time).
+    #[arg(long, env = "DELTASERVE_OVERLAP_STEPS", default_value_t = true, action = clap::ArgAction::Set)]
+    overlap_steps: bool,
     /// A LoRA adapter to serve, as NAME=DIR (a PEFT directory); repeat the flag for more.
     /// Clients select it with `model: "<base>:NAME"` (or NAME alone).
     #[arg(long = "lora", env = "DELTASERVE_LORA", value_delimiter = ',', value_parser = parse_lora)]
@@ -222,6 +226,7 @@ async fn main() -> anyhow::Result<()> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_model_len: args.max_model_len,
         cuda_graph_max_batch: args.cuda_graph_max_batch,
+        overlap_steps: args.overlap_steps,
         loras,
         lora_dirs: args.lora_dirs,
         deltas: args.deltas,

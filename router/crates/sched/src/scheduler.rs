@@ -89,8 +89,12 @@ struct Seq {
     blocks: Vec<u32>,
     /// Which queue it is in.
     phase: Phase,
-    /// Tokens scheduled in the outstanding step (0 when not part of it); `update` applies them.
+    /// Tokens scheduled in the outstanding steps (0 when in none); each `update` applies its
+    /// step's share.
     in_flight: u32,
+    /// Output tokens the outstanding steps will sample and no `update` has delivered yet: a
+    /// step scheduled ahead (`schedule_ahead`) computes them before they are known.
+    pending: u32,
     /// Its variant, a LoRA adapter or a delta (0 = base): GPU-resident whenever the request is
     /// running.
     adapter_id: u32,
@@ -103,6 +107,31 @@ impl Seq {
     fn num_outputs(&self) -> u32 {
         self.tokens.len() as u32 - self.num_prompt_tokens
     }
+
+    /// Where the next chunk starts: computed, or scheduled in an outstanding step.
+    fn scheduled_to(&self) -> u32 {
+        self.num_computed + self.in_flight
+    }
+
+    /// Tokens a next chunk could compute: the known ones plus those the outstanding steps
+    /// sample, past `scheduled_to`; 0 when the outstanding steps' tokens reach `max_tokens`.
+    fn to_schedule(&self) -> u32 {
+        if self.num_outputs() + self.pending >= self.max_tokens {
+            return 0;
+        }
+        self.tokens.len() as u32 + self.pending - self.scheduled_to()
+    }
+}
+
+/// One request's part of an outstanding step.
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    /// The request.
+    id: u64,
+    /// Tokens scheduled.
+    n: u32,
+    /// Whether the chunk reaches the end of the known tokens, so the worker samples one.
+    samples: bool,
 }
 
 /// What admitting one waiting request takes besides its KV pages, decided before anything
@@ -142,8 +171,9 @@ pub struct Scheduler {
     running: Vec<(OrderKey, u64)>,
     /// Ids to put in the next non-empty step's `released`.
     pending_released: Vec<u64>,
-    /// Ids scheduled in the outstanding step (the last `schedule` not yet followed by `update`).
-    in_flight: Vec<u64>,
+    /// What each outstanding step (sent, no `update` yet) scheduled, oldest first: one step
+    /// after `schedule`, two after `schedule_ahead`.
+    outstanding: VecDeque<Vec<Chunk>>,
     /// Next `OrderKey::seq_no`.
     next_seq_no: u64,
     /// Non-empty steps formed; the last one's `step_id`.
@@ -177,7 +207,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             pending_released: Vec::new(),
-            in_flight: Vec::new(),
+            outstanding: VecDeque::new(),
             next_seq_no: 0,
             steps: 0,
             num_preemptions: 0,
@@ -298,6 +328,7 @@ impl Scheduler {
                 blocks: Vec::new(),
                 phase: Phase::Waiting,
                 in_flight: 0,
+                pending: 0,
                 adapter_id: req.adapter_id,
                 skip: Skip::No,
             },
@@ -354,10 +385,47 @@ impl Scheduler {
     /// Forms the next step (see the crate docs for the algorithm). Returns an empty step
     /// (`is_empty()`, `step_id == 0`) when nothing can run; pending releases then wait for the
     /// next non-empty step. Calling it again before [`Scheduler::update`] abandons the
-    /// outstanding step: its requests are rescheduled from where their last update left them.
+    /// outstanding steps: their requests are rescheduled from where their last update left them.
     pub fn schedule(&mut self) -> ScheduledStep {
         self.clear_in_flight();
+        self.form_step(false)
+    }
+
+    /// Forms the step after the one outstanding step, before its `update` (see "Overlapped
+    /// steps" in the crate docs): every request that step samples for is scheduled for that
+    /// token, unknown yet, unless it has reached `max_tokens` with it. Returns an empty step,
+    /// changing nothing, unless exactly one step is outstanding, and when the step would have to
+    /// preempt: for pages (phase 1 needs more than the free pages) or orphaned skippers; the
+    /// caller then waits for the `update` and calls [`Scheduler::schedule`].
+    pub fn schedule_ahead(&mut self) -> ScheduledStep {
+        if self.outstanding.len() != 1 || self.num_orphans > 0 || !self.running_fit_free_pages() {
+            return ScheduledStep::default();
+        }
+        self.form_step(true)
+    }
+
+    /// Whether phase 1 of the next step finds every page it needs free (no eviction, no
+    /// preemption).
+    fn running_fit_free_pages(&self) -> bool {
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut need: u64 = 0;
+        for &(_, id) in &self.running {
+            let seq = &self.seqs[&id];
+            let n = (seq.to_schedule() as usize).min(budget) as u32;
+            budget -= n as usize;
+            if n > 0 {
+                need += self.cfg.blocks_for((seq.scheduled_to() + n) as u64)
+                    .saturating_sub(seq.blocks.len() as u64);
+            }
+        }
+        need <= self.blocks.num_free() as u64
+    }
+
+    /// The step algorithm; `ahead`: another step is outstanding (`schedule_ahead` checked that
+    /// it needs no preemption).
+    fn form_step(&mut self, ahead: bool) -> ScheduledStep {
         self.adapters.begin_step();
+        self.outstanding.push_back(Vec::new());
         let mut ops = StepOps::default();
         let bs = self.cfg.block_size;
         let mut step = ScheduledStep::default();
@@ -383,27 +451,32 @@ impl Scheduler {
             let id = self.running[i].1;
             let (n, need) = {
                 let seq = &self.seqs[&id];
-                let remaining = seq.tokens.len() as u32 - seq.num_computed;
+                let remaining = seq.to_schedule();
                 debug_assert!(
-                    remaining >= 1,
+                    remaining >= 1 || ahead,
                     "running request {id} has nothing left to compute"
                 );
                 let n = (remaining as usize).min(budget) as u32;
                 let need = self
                     .cfg
-                    .blocks_for((seq.num_computed + n) as u64)
+                    .blocks_for((seq.scheduled_to() + n) as u64)
                     .saturating_sub(seq.blocks.len() as u64) as u32;
                 (n, need)
             };
             if n == 0 {
-                // Out of budget: it stays on the worker, unscheduled, and keeps its pages.
+                // Out of budget, or (ahead) done unless its outstanding token ends it: it stays
+                // on the worker, unscheduled, and keeps its pages.
                 let seq = &self.seqs[&id];
                 watermark += u64::from(
-                    (seq.blocks.len() as u64) * (bs as u64) < seq.num_computed as u64 + 1,
+                    (seq.blocks.len() as u64) * (bs as u64) < seq.scheduled_to() as u64 + 1,
                 );
                 i += 1;
                 continue;
             }
+            debug_assert!(
+                !ahead || self.blocks.num_free() >= need,
+                "schedule_ahead checked that phase 1 needs no preemption"
+            );
             let mut preempted_self = false;
             while self.blocks.num_free() < need {
                 // Cached adapters nobody runs with go before any request is preempted.
@@ -436,12 +509,17 @@ impl Scheduler {
                 .allocate(PageOwner::Request(id), need, &mut new_block_ids);
             debug_assert!(ok, "enough pages were freed above");
             seq.blocks.extend_from_slice(&new_block_ids);
-            let target = seq.num_computed + n;
+            let target = seq.scheduled_to() + n;
+            let samples = target == seq.tokens.len() as u32 + seq.pending;
             seq.num_cached = seq.num_cached.max(target);
-            seq.in_flight = n;
+            seq.in_flight += n;
+            seq.pending += u32::from(samples);
             watermark += u64::from((seq.blocks.len() as u64) * (bs as u64) < target as u64 + 1);
             budget -= n as usize;
-            self.in_flight.push(id);
+            self.outstanding
+                .back_mut()
+                .expect("form_step pushed this step's chunks")
+                .push(Chunk { id, n, samples });
             running_adapters.push(seq.adapter_id);
             step.running.push(ScheduledRunning {
                 id,
@@ -499,6 +577,7 @@ impl Scheduler {
             debug_assert!(ops.is_empty(), "an empty step formed adapter ops {ops:?}");
             self.pending_ops.append(&mut ops.drops);
             self.pending_ops.append(&mut ops.loads);
+            self.outstanding.pop_back();
             return step;
         }
         self.prefetch(&mut ops);
@@ -621,6 +700,8 @@ impl Scheduler {
         seq.phase = Phase::Running;
         seq.num_cached = n;
         seq.in_flight = n;
+        let samples = n as usize == seq.tokens.len();
+        seq.pending = u32::from(samples);
         let table_full = (block_ids.len() as u64) * bs < n as u64 + 1;
         let adapter_id = seq.adapter_id;
         step.new.push(ScheduledNew {
@@ -635,7 +716,10 @@ impl Scheduler {
         if adapter_id != 0 {
             self.adapters.start_running(adapter_id);
         }
-        self.in_flight.push(id);
+        self.outstanding
+            .back_mut()
+            .expect("form_step pushed this step's chunks")
+            .push(Chunk { id, n, samples });
         insert_sorted_vec(&mut self.running, key, id);
         u64::from(table_full)
     }
@@ -779,34 +863,58 @@ impl Scheduler {
         }
     }
 
-    /// Applies the worker's results for the step last returned by [`Scheduler::schedule`]:
-    /// `(id, Some(token))` when the step computed a request to the end of its known tokens (the
-    /// token is appended; the request finishes on an EOS id unless `ignore_eos`, or at
-    /// `max_tokens`), `(id, None)` for a partial prefill chunk (its computed count advances).
+    /// Applies the worker's results for the oldest outstanding step (the one [`Scheduler::schedule`]
+    /// returned, then the one [`Scheduler::schedule_ahead`] returned): `(id, Some(token))` when
+    /// the step computed a request to the end of its known tokens (the token is appended; the
+    /// request finishes on an EOS id unless `ignore_eos`, or at `max_tokens`), `(id, None)` for
+    /// a partial prefill chunk (its computed count advances).
     ///
     /// Tolerated, for robustness: ids not in that step (aborted or finished since, or unknown)
     /// and repeated ids are ignored; a token for a partial chunk is ignored; a scheduled request
     /// with no output, or with `None` where a token was due, is not advanced and is scheduled
-    /// again from the same point (the worker overwrites those cache slots).
+    /// again from the same point (the worker overwrites those cache slots), or, when a later
+    /// outstanding step already computes past it, preempted (recomputed later). An update with
+    /// no step outstanding changes nothing.
     pub fn update(&mut self, outputs: &[(u64, Option<u32>)]) -> Vec<SeqUpdate> {
+        let Some(chunks) = self.outstanding.pop_front() else {
+            return Vec::new();
+        };
+        let mut unanswered: BTreeMap<u64, Chunk> = chunks.into_iter().map(|c| (c.id, c)).collect();
         let mut updates = Vec::with_capacity(outputs.len());
         // Finished requests: (id, adapter, skip state), for their skippers once all are gone.
         let mut finished_ids: Vec<(u64, u32, Skip)> = Vec::new();
-        for &(id, token) in outputs {
-            let Some(seq) = self.seqs.get_mut(&id) else {
+        // Requests whose token never came although a later outstanding step builds on it.
+        let mut lost: Vec<u64> = Vec::new();
+        // In the worker's order; then the step's requests it did not answer, with no token.
+        let answers = outputs.iter().copied().map(Some).chain(std::iter::repeat(None));
+        for answer in answers {
+            let (chunk, token) = match answer {
+                Some((id, token)) => match unanswered.remove(&id) {
+                    Some(chunk) => (chunk, token),
+                    None => continue, // not in this step, or repeated
+                },
+                None => match unanswered.pop_first() {
+                    Some((_, chunk)) => (chunk, None),
+                    None => break,
+                },
+            };
+            let Some(seq) = self.seqs.get_mut(&chunk.id) else {
                 continue;
             };
-            let n = std::mem::take(&mut seq.in_flight);
-            if n == 0 {
+            seq.in_flight -= chunk.n;
+            seq.pending -= u32::from(chunk.samples);
+            let answered = answer.is_some();
+            if !chunk.samples && answered {
+                seq.num_computed += chunk.n; // a partial chunk: any token is ignored
                 continue;
             }
-            let end = seq.num_computed + n;
-            if (end as usize) < seq.tokens.len() {
-                seq.num_computed = end;
+            let Some(token) = token.filter(|_| chunk.samples) else {
+                if seq.in_flight > 0 {
+                    lost.push(chunk.id);
+                }
                 continue;
-            }
-            let Some(token) = token else { continue };
-            seq.num_computed = end;
+            };
+            seq.num_computed += chunk.n;
             seq.tokens.push(token);
             let finished = if !seq.ignore_eos && seq.eos_token_ids.contains(&token) {
                 Some(FinishReason::Eos)
@@ -816,29 +924,33 @@ impl Scheduler {
                 None
             };
             if finished.is_some() {
-                self.blocks.release(PageOwner::Request(id), &seq.blocks);
+                self.blocks.release(PageOwner::Request(chunk.id), &seq.blocks);
                 if seq.adapter_id != 0 {
                     self.adapters.stop_running(seq.adapter_id);
                     self.adapters.remove_user(seq.adapter_id);
                 }
-                finished_ids.push((id, seq.adapter_id, seq.skip));
-                self.seqs.remove(&id);
-                self.pending_released.push(id);
+                finished_ids.push((chunk.id, seq.adapter_id, seq.skip));
+                self.seqs.remove(&chunk.id);
+                self.pending_released.push(chunk.id);
                 self.num_finished += 1;
             }
             updates.push(SeqUpdate {
-                id,
+                id: chunk.id,
                 token,
                 finished,
             });
         }
-        self.clear_in_flight();
         if !finished_ids.is_empty() {
             let seqs = &self.seqs;
             self.running.retain(|(_, id)| seqs.contains_key(id));
             for (id, adapter_id, skip) in finished_ids {
                 self.left_running(id, adapter_id, skip);
+                self.forget_outstanding(id);
             }
+        }
+        for id in lost {
+            self.preempt(id);
+            self.num_preemptions += 1;
         }
         updates
     }
@@ -908,12 +1020,34 @@ impl Scheduler {
     ///   a running non-skipper of the same delta; an orphaned skipper's delta has no running
     ///   non-skipper; the skipper and orphan counts match;
     /// - a running request owns exactly ceil(num_cached / block_size) pages and
-    ///   num_computed <= num_cached <= len(tokens), num_computed < len(tokens);
-    /// - a waiting request owns no pages and has nothing computed;
+    ///   num_computed <= num_cached <= len(tokens) + pending, num_computed < len(tokens);
+    /// - at most two steps are outstanding, and each request's in-flight tokens and pending
+    ///   samples are the sums of its chunks in them;
+    /// - a waiting request owns no pages and has nothing computed or in flight;
     /// - queues hold each live request once, in their phase, sorted by arrival order;
     /// - nobody has reached max_tokens or max_model_len without being finished.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.blocks.check()?;
+        if self.outstanding.len() > 2 {
+            return Err(format!("{} steps outstanding", self.outstanding.len()));
+        }
+        let mut chunked: BTreeMap<u64, (u32, u32)> = BTreeMap::new();
+        for chunk in self.outstanding.iter().flatten() {
+            if self.seqs.contains_key(&chunk.id) {
+                let sums = chunked.entry(chunk.id).or_default();
+                sums.0 += chunk.n;
+                sums.1 += u32::from(chunk.samples);
+            }
+        }
+        for (&id, seq) in &self.seqs {
+            let (n, samples) = chunked.get(&id).copied().unwrap_or_default();
+            if (seq.in_flight, seq.pending) != (n, samples) {
+                return Err(format!(
+                    "request {id}: in flight {} / pending {} but its outstanding chunks hold {n} / {samples}",
+                    seq.in_flight, seq.pending
+                ));
+            }
+        }
         let adapter_pages = self.adapters.check(&self.blocks, &self.cfg)?;
         let mut owned = adapter_pages;
         // adapter id -> (live users, running users), recounted from the requests.
@@ -942,6 +1076,7 @@ impl Scheduler {
                         || seq.num_computed != 0
                         || seq.num_cached != 0
                         || seq.in_flight != 0
+                        || seq.pending != 0
                     {
                         return Err(format!(
                             "waiting request {id} holds {} pages, computed {}, cached {}, in flight {}",
@@ -961,10 +1096,12 @@ impl Scheduler {
                             seq.num_cached
                         ));
                     }
-                    if seq.num_computed > seq.num_cached || seq.num_cached as u64 > len {
+                    if seq.num_computed > seq.num_cached
+                        || seq.num_cached as u64 > len + seq.pending as u64
+                    {
                         return Err(format!(
-                            "request {id}: computed {} <= cached {} <= tokens {len} broken",
-                            seq.num_computed, seq.num_cached
+                            "request {id}: computed {} <= cached {} <= tokens {len} + pending {} broken",
+                            seq.num_computed, seq.num_cached, seq.pending
                         ));
                     }
                     if seq.in_flight > 0 && seq.num_computed + seq.in_flight > seq.num_cached {
@@ -1148,6 +1285,7 @@ impl Scheduler {
                     self.adapters.stop_running(seq.adapter_id);
                 }
                 self.left_running(id, seq.adapter_id, seq.skip);
+                self.forget_outstanding(id);
             }
         }
         if seq.adapter_id != 0 {
@@ -1223,18 +1361,29 @@ impl Scheduler {
         seq.num_computed = 0;
         seq.num_cached = 0;
         seq.in_flight = 0;
+        seq.pending = 0;
         seq.phase = Phase::Waiting;
         let (adapter_id, skip) = (seq.adapter_id, std::mem::replace(&mut seq.skip, Skip::No));
         insert_sorted_deque(&mut self.waiting, key, id);
         self.pending_released.push(id);
         self.left_running(id, adapter_id, skip);
+        self.forget_outstanding(id);
     }
 
-    /// Forgets which requests the outstanding step scheduled.
+    /// Drops `id`'s chunks from the outstanding steps: it left the running set (preempted,
+    /// finished, aborted), so their outputs mean nothing now, even if the id comes back.
+    fn forget_outstanding(&mut self, id: u64) {
+        for chunks in &mut self.outstanding {
+            chunks.retain(|c| c.id != id);
+        }
+    }
+
+    /// Forgets what the outstanding steps scheduled.
     fn clear_in_flight(&mut self) {
-        for id in self.in_flight.drain(..) {
-            if let Some(seq) = self.seqs.get_mut(&id) {
+        for chunk in self.outstanding.drain(..).flatten() {
+            if let Some(seq) = self.seqs.get_mut(&chunk.id) {
                 seq.in_flight = 0;
+                seq.pending = 0;
             }
         }
     }

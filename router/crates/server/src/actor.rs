@@ -4,15 +4,23 @@
 //! # One iteration
 //!
 //! ```text
-//!  StepOutput N arrives ─▶ scheduler.update(N)  ─▶ schedule N+1 ─▶ send plan N+1   (worker busy again)
-//!                                                                      │
-//!                          then, while the worker computes N+1:        ▼
+//!  StepOutput N arrives ─▶ scheduler.update(N) ─▶ schedule_ahead N+2 ─▶ send plan N+2
+//!                          (N+1 is already on the worker)                    │
+//!                          then, while the worker computes N+1:              ▼
 //!                          detokenize N, check stop strings, stream events, drop cancelled requests
 //! ```
 //!
-//! Scheduling the next step before the streaming work keeps the worker's idle gap (the router +
-//! IPC overhead, reported by the worker as `StepTiming::gap_us`) small. A request that a stop
-//! string or a cancel ends after N+1 was sent is computed once more for nothing; its output is
+//! Overlapped steps (`--overlap-steps`, on by default): two plans are outstanding. Right after
+//! sending plan N the actor forms N+1 with `Scheduler::schedule_ahead`, which schedules every
+//! request N samples for the token it does not know yet, and sends it too; the worker launches
+//! N+1 on the device behind N and computes those tokens from N's sampled tensor, so neither the
+//! router's scheduling nor the worker's host work leaves the device idle. When a lookahead would
+//! have to preempt (or nothing more can run) it is not formed: the actor waits for N's output and
+//! schedules as usual. Off, one plan is outstanding and N+1 is scheduled once N's output is in.
+//!
+//! Scheduling before the streaming work keeps the worker's idle gap (the router + IPC overhead,
+//! reported by the worker as `StepTiming::gap_us`) small. A request that EOS, a stop string or a
+//! cancel ends after a later plan was sent is computed once more for nothing; its output is
 //! ignored and the next plan releases it. The worker runs steps strictly in order, so pages freed
 //! here are never written by two requests in the same step.
 //!
@@ -64,6 +72,18 @@ pub struct SchedLimits {
     pub host_adapter_bytes: u64,
     /// Deltas a worker may hold on the GPU at once (its `--max-deltas` slots).
     pub max_deltas: usize,
+    /// Send step N+1 before step N's output is back (see "Overlapped steps" above).
+    pub overlap_steps: bool,
+}
+
+/// A plan sent to the worker and not answered yet.
+struct SentStep {
+    /// Its id.
+    step_id: u64,
+    /// The requests it scheduled.
+    ids: Vec<u64>,
+    /// When it was sent.
+    sent_at: Instant,
 }
 
 /// A request this actor owns.
@@ -84,6 +104,8 @@ struct Live {
 #[derive(Default)]
 struct Counters {
     steps: u64,
+    /// Steps formed by `schedule_ahead` (sent while another was outstanding).
+    steps_ahead: u64,
     finished: u64,
     aborted: u64,
     tokens: u64,
@@ -136,10 +158,10 @@ pub(crate) struct Actor {
     sched: Scheduler,
     live: BTreeMap<u64, Live>,
     next_id: u64,
-    /// The step sent to the worker and not answered yet, with the ids it scheduled.
-    in_flight: Option<(u64, Vec<u64>)>,
-    /// When the step in flight was sent.
-    sent_at: Instant,
+    /// Plans sent to the worker and not answered yet, oldest first (two when overlapping).
+    in_flight: VecDeque<SentStep>,
+    /// When the last step output arrived (a step sent before it started then).
+    last_output_at: Instant,
     /// Moving average of a step's round trip (plan sent → output back), in seconds; sets when
     /// the receiver starts polling instead of sleeping.
     step_secs: f64,
@@ -191,8 +213,8 @@ impl Actor {
             sched,
             live: BTreeMap::new(),
             next_id: 1,
-            in_flight: None,
-            sent_at: Instant::now(),
+            in_flight: VecDeque::new(),
+            last_output_at: Instant::now(),
             step_secs: 0.0,
             counters: Counters::default(),
             adapters: BTreeMap::new(),
@@ -217,9 +239,7 @@ impl Actor {
                     continue;
                 }
             }
-            if self.in_flight.is_none() {
-                self.launch_step();
-            }
+            self.keep_busy();
             let spin = self.spin_window();
             let wake = {
                 let worker = self.worker.as_mut().expect("worker present");
@@ -243,7 +263,7 @@ impl Actor {
                             err.message
                         ));
                     } else {
-                        self.step_failed(&err.message);
+                        self.step_failed(err.step_id, &err.message);
                     }
                 }
                 Wake::Worker(Ok(FromWorker::AdapterInfo(info))) => {
@@ -354,9 +374,20 @@ impl Actor {
         }
     }
 
+    /// Sends what can run now: a step when none is outstanding, and with `overlap_steps` the
+    /// step after the one outstanding.
+    fn keep_busy(&mut self) {
+        if self.in_flight.is_empty() {
+            self.launch_step(false);
+        }
+        if self.limits.overlap_steps && self.in_flight.len() == 1 && self.worker.is_some() {
+            self.launch_step(true);
+        }
+    }
+
     /// Drops requests whose client went away, then schedules and sends the next step if there
-    /// is work.
-    fn launch_step(&mut self) {
+    /// is work; `ahead`: the step after the one outstanding (`Scheduler::schedule_ahead`).
+    fn launch_step(&mut self, ahead: bool) {
         let gone: Vec<u64> = self
             .live
             .iter()
@@ -370,7 +401,11 @@ impl Actor {
         if !self.sched.has_unfinished() {
             return;
         }
-        let step = self.sched.schedule();
+        let step = if ahead {
+            self.sched.schedule_ahead()
+        } else {
+            self.sched.schedule()
+        };
         if step.is_empty() {
             return;
         }
@@ -423,45 +458,61 @@ impl Actor {
             return;
         }
         self.counters.steps += 1;
-        self.in_flight = Some((plan.step_id, ids));
-        self.sent_at = Instant::now();
+        self.counters.steps_ahead += u64::from(ahead);
+        self.in_flight.push_back(SentStep {
+            step_id: plan.step_id,
+            ids,
+            sent_at: Instant::now(),
+        });
     }
 
     /// When to poll for the step in flight instead of sleeping (GPU workers only: a CPU worker
     /// needs every core for its forward pass). The window is centred on the expected arrival,
     /// the moving average of the step round trip, ± 10% of it (at least 0.2 ms, at most 3 ms).
     fn spin_window(&self) -> Option<SpinWindow> {
-        if self.in_flight.is_none() || self.spec.device == "cpu" || self.step_secs <= 0.0 {
+        let oldest = self.in_flight.front()?;
+        if self.spec.device == "cpu" || self.step_secs <= 0.0 {
             return None;
         }
-        let expected = self.sent_at + Duration::from_secs_f64(self.step_secs);
+        let started = self.started_at(oldest);
+        let expected = started + Duration::from_secs_f64(self.step_secs);
         let margin = Duration::from_secs_f64(self.step_secs * 0.1)
             .clamp(Duration::from_micros(200), Duration::from_millis(3));
         Some(SpinWindow {
             from: expected
                 .checked_sub(margin)
-                .unwrap_or(self.sent_at)
-                .max(self.sent_at),
+                .unwrap_or(started)
+                .max(started),
             until: expected + margin,
         })
     }
 
+    /// When the worker could start `step`: when it was sent, or, when it was sent ahead, when
+    /// the step before it came back.
+    fn started_at(&self, step: &SentStep) -> Instant {
+        step.sent_at.max(self.last_output_at)
+    }
+
     fn on_step_output(&mut self, out: StepOutput) {
-        match &self.in_flight {
-            Some((id, _)) if *id == out.step_id => {}
-            _ => {
-                self.worker_lost(&format!("worker answered step {} out of turn", out.step_id));
-                return;
-            }
+        let Some(oldest) = self.in_flight.pop_front() else {
+            self.worker_lost(&format!("worker answered step {} nobody sent", out.step_id));
+            return;
+        };
+        if oldest.step_id != out.step_id {
+            self.worker_lost(&format!(
+                "worker answered step {} out of turn (expected {})",
+                out.step_id, oldest.step_id
+            ));
+            return;
         }
         let received = Instant::now();
-        let took = (received - self.sent_at).as_secs_f64();
+        let took = (received - self.started_at(&oldest)).as_secs_f64();
+        self.last_output_at = received;
         self.step_secs = if self.step_secs == 0.0 {
             took
         } else {
             0.8 * self.step_secs + 0.2 * took
         };
-        self.in_flight = None;
         self.counters.gaps.push(out.timing.gap_us);
         self.counters.adapter_host_bytes_measured = out.adapter_host_bytes;
 
@@ -475,8 +526,9 @@ impl Actor {
         let updates = self.sched.update(&sampled);
 
         // Keep the worker busy before doing the per-token work.
-        self.launch_step();
-        if self.in_flight.is_some() {
+        let sent = self.counters.steps;
+        self.keep_busy();
+        if self.counters.steps != sent {
             self.counters
                 .router_us
                 .push(received.elapsed().as_micros() as u64);
@@ -523,15 +575,26 @@ impl Actor {
         }
     }
 
-    /// A recoverable failure of the step in flight: its requests fail, the others go on.
-    fn step_failed(&mut self, message: &str) {
-        let Some((step_id, ids)) = self.in_flight.take() else {
+    /// A recoverable failure of the oldest step in flight (or, with `step_id` 0, of a frame
+    /// the worker could not read, which it answers in that step's place): its requests fail,
+    /// the others go on.
+    fn step_failed(&mut self, step_id: u64, message: &str) {
+        let Some(SentStep { step_id: oldest, ids, .. }) = self.in_flight.pop_front() else {
             self.worker_lost(&format!(
                 "worker reported an error outside a step: {message}"
             ));
             return;
         };
-        tracing::warn!(worker = self.index, step_id, "step failed: {message}");
+        if step_id != 0 && step_id != oldest {
+            self.worker_lost(&format!(
+                "worker reported step {step_id} failed while step {oldest} was due: {message}"
+            ));
+            return;
+        }
+        tracing::warn!(worker = self.index, step_id = oldest, "step failed: {message}");
+        // The step produced nothing: the scheduler closes it as unanswered (which also keeps
+        // a step formed ahead of it from being taken for it), then its requests fail.
+        self.sched.update(&[]);
         for id in ids {
             if self.live.contains_key(&id) {
                 self.sched.abort(id);
@@ -551,7 +614,7 @@ impl Actor {
         );
         self.ready.store(false, Ordering::Release);
         self.worker = None; // kills the process (kill_on_drop)
-        self.in_flight = None;
+        self.in_flight.clear();
         for (_, reply) in self.inspections.drain() {
             let _ = reply.send(Err(format!(
                 "the worker failed during the inspection ({why})"
@@ -637,6 +700,7 @@ impl Actor {
             kv_blocks_total: stats.total_blocks as u64,
             kv_blocks_free: stats.free_blocks as u64,
             steps_total: self.counters.steps,
+            steps_ahead_total: self.counters.steps_ahead,
             preemptions_total: self.counters.preemptions,
             requests_finished_total: self.counters.finished,
             requests_aborted_total: self.counters.aborted,

@@ -40,6 +40,9 @@ pub struct ServerConfig {
     pub max_model_len: Option<u32>,
     /// Largest decode batch a CUDA worker replays from a captured graph (0: always eager).
     pub cuda_graph_max_batch: u32,
+    /// Send each worker step N+1 before step N's output is back, so its host work overlaps
+    /// the device's (the actor's "Overlapped steps").
+    pub overlap_steps: bool,
     /// LoRA adapters registered at start-up: `(name, PEFT directory)`, in flag order.
     pub loras: Vec<(String, PathBuf)>,
     /// Directories whose every subdirectory holding an `adapter_config.json` is registered at
@@ -256,6 +259,7 @@ mod tests {
             max_num_batched_tokens: 64,
             max_model_len: None,
             cuda_graph_max_batch: 0,
+            overlap_steps: true,
             loras: vec![("first".into(), "/somewhere".into())],
             lora_dirs,
             deltas: vec![("ft".into(), "/deltas/ft".into())],

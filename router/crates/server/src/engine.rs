@@ -153,6 +153,8 @@ pub struct EngineMetrics {
     pub kv_blocks_total: u64,
     pub kv_blocks_free: u64,
     pub steps_total: u64,
+    /// Steps sent before the previous step's output was back (overlapped steps).
+    pub steps_ahead_total: u64,
     pub preemptions_total: u64,
     pub requests_finished_total: u64,
     pub requests_aborted_total: u64,
@@ -548,6 +550,7 @@ impl EngineHandle {
                 total.kv_blocks_total += m.kv_blocks_total;
                 total.kv_blocks_free += m.kv_blocks_free;
                 total.steps_total += m.steps_total;
+                total.steps_ahead_total += m.steps_ahead_total;
                 total.preemptions_total += m.preemptions_total;
                 total.requests_finished_total += m.requests_finished_total;
                 total.requests_aborted_total += m.requests_aborted_total;

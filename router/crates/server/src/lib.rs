@@ -117,6 +117,7 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         max_num_batched_tokens: cfg.max_num_batched_tokens,
         host_adapter_bytes: cfg.lora_host_bytes,
         max_deltas: cfg.max_deltas,
+        overlap_steps: cfg.overlap_steps,
     };
     let mut actors = Vec::new();
     for (i, (worker, spec)) in workers.into_iter().zip(specs).enumerate() {

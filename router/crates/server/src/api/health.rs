@@ -70,6 +70,12 @@ pub async fn metrics<B: Backend>(State(backend): State<B>) -> Response {
     );
     metric("steps_total", "counter", "Engine steps run.", m.steps_total);
     metric(
+        "steps_ahead_total",
+        "counter",
+        "Steps sent before the previous step's output was back (overlapped steps).",
+        m.steps_ahead_total,
+    );
+    metric(
         "preemptions_total",
         "counter",
         "Requests preempted to free KV pages.",
