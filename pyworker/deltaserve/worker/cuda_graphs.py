@@ -192,13 +192,14 @@ class DecodeGraphs:
         width = step.block_tables.shape[1]
         if width > self.max_blocks:
             raise ValueError(f"DecodeGraphs.run: block tables of {width} pages exceed {self.max_blocks}")
-        self.input_ids[:n].copy_(step.input_ids, non_blocking=True)
+        # From pinned memory: a copy from pageable memory would wait for the work already queued.
+        self.input_ids[:n].copy_(step.input_ids.pin_memory(), non_blocking=True)
         if device_inputs is not None:
             self.input_ids.index_copy_(0, *device_inputs)
-        self.positions[:n].copy_(step.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(step.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(step.seq_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(step.block_tables, non_blocking=True)
+        self.positions[:n].copy_(step.positions.pin_memory(), non_blocking=True)
+        self.slot_mapping[:n].copy_(step.slot_mapping.pin_memory(), non_blocking=True)
+        self.seq_lens[:n].copy_(step.seq_lens.pin_memory(), non_blocking=True)
+        self.block_tables[:n, :width].copy_(step.block_tables.pin_memory(), non_blocking=True)
         if b > n:
             self.seq_lens[n:b].zero_()
             self.slot_mapping[n:b].fill_(self.scratch_slot)

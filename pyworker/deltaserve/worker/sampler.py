@@ -75,17 +75,39 @@ class LaunchedSample:
     #: [len(logprob_rows), max(top_n)]: the best logprobs and their token ids, most likely first.
     top_vals: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
+    #: On CUDA: pinned host copies of the tensors above, queued behind the sampling, and the
+    #: event after them. ``result`` waits for that event only, not for steps launched later.
+    host: dict[str, torch.Tensor] = field(default_factory=dict)
+    copied: torch.cuda.Event | None = None
+
+    def copy_to_host(self) -> None:
+        """Queues the copies ``result`` reads (CUDA only; on the CPU it reads the tensors)."""
+        if self.token_ids.device.type != "cuda":
+            return
+        for name in ("token_ids", "picked", "top_vals", "top_ids"):
+            t = getattr(self, name)
+            if t is not None:
+                self.host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                self.host[name].copy_(t, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
 
     def result(self) -> SampleResult:
-        """Waits for the device and returns the samples as Python values."""
+        """Waits for this step's samples (not for the device's later work); Python values."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+        def values(name: str) -> list | None:
+            t = self.host.get(name, getattr(self, name))
+            return None if t is None else t.tolist()
+
         rows = self.num_rows
-        result = SampleResult(token_ids=self.token_ids.tolist(), logprobs=[None] * rows,
+        result = SampleResult(token_ids=values("token_ids"), logprobs=[None] * rows,
                               top_logprobs=[[] for _ in range(rows)])
         if self.picked is None:
             return result
-        picked = self.picked.tolist()
-        top_vals = self.top_vals.tolist() if self.top_vals is not None else None
-        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        picked = values("picked")
+        top_vals, top_ids = values("top_vals"), values("top_ids")
         for j, r in enumerate(self.logprob_rows):
             result.logprobs[r] = float(picked[j])
             n = self.top_n[j]
@@ -156,6 +178,7 @@ class Sampler:
             max_n = max(launched.top_n)
             if max_n > 0:
                 launched.top_vals, launched.top_ids = logprobs.topk(max_n, dim=-1, sorted=True)
+        launched.copy_to_host()
         return launched
 
     def _sample_rows(self, logits: torch.Tensor, params: list[wire.SamplingParams], output_index: list[int]) -> torch.Tensor:
