@@ -85,6 +85,21 @@
 //!   only dwindle: they finish, their skippers are preempted, and the head gets its slot and
 //!   its pages.
 //!
+//! # Overlapped steps (`schedule_ahead`)
+//!
+//! With one step outstanding (sent, no `update` yet), [`Scheduler::schedule_ahead`] forms the
+//! next one so the worker can launch it behind the first. A request the outstanding step samples
+//! for has one *pending* token: known to exist, not yet known. Phase 1 schedules it for that
+//! token (the chunk starts where the outstanding one ends, `num_computed + in_flight`), unless
+//! the pending token is its last (`outputs + pending == max_tokens`); the worker feeds the
+//! token from its own copy of the sample. A request that the pending token ends (EOS) is thus
+//! computed once more for nothing; `update` drops that chunk with the request, and its pages,
+//! freed then, are handed out only in a later step, which the worker runs after. Refused (an
+//! empty step, nothing changed) when it would have to preempt, for pages or for orphaned
+//! skippers: preemption waits for the `update`. `update` always applies the oldest outstanding
+//! step; a token that does not come although a later step computes past it preempts its
+//! request (recomputed later).
+//!
 //! # One step (`schedule`)
 //!
 //! ```text

@@ -414,7 +414,9 @@ impl Scheduler {
             let n = (seq.to_schedule() as usize).min(budget) as u32;
             budget -= n as usize;
             if n > 0 {
-                need += self.cfg.blocks_for((seq.scheduled_to() + n) as u64)
+                need += self
+                    .cfg
+                    .blocks_for((seq.scheduled_to() + n) as u64)
                     .saturating_sub(seq.blocks.len() as u64);
             }
         }
@@ -886,7 +888,11 @@ impl Scheduler {
         // Requests whose token never came although a later outstanding step builds on it.
         let mut lost: Vec<u64> = Vec::new();
         // In the worker's order; then the step's requests it did not answer, with no token.
-        let answers = outputs.iter().copied().map(Some).chain(std::iter::repeat(None));
+        let answers = outputs
+            .iter()
+            .copied()
+            .map(Some)
+            .chain(std::iter::repeat(None));
         for answer in answers {
             let (chunk, token) = match answer {
                 Some((id, token)) => match unanswered.remove(&id) {
@@ -924,7 +930,8 @@ impl Scheduler {
                 None
             };
             if finished.is_some() {
-                self.blocks.release(PageOwner::Request(chunk.id), &seq.blocks);
+                self.blocks
+                    .release(PageOwner::Request(chunk.id), &seq.blocks);
                 if seq.adapter_id != 0 {
                     self.adapters.stop_running(seq.adapter_id);
                     self.adapters.remove_user(seq.adapter_id);

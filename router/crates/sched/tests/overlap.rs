@@ -28,7 +28,9 @@ fn expected(r: &SeqRequest) -> (Vec<u32>, FinishReason) {
 /// that forms a step, empty or not, advances it).
 fn state_of(s: &Scheduler) -> String {
     let debug = format!("{s:?}");
-    let start = debug.find(" form: ").expect("AdapterTable has a form counter");
+    let start = debug
+        .find(" form: ")
+        .expect("AdapterTable has a form counter");
     let end = start + debug[start..].find(',').unwrap();
     format!("{}{}", &debug[..start], &debug[end..])
 }
@@ -108,7 +110,10 @@ fn overlapped_steps_give_every_request_its_tokens() {
             let outputs = got.get(id).cloned().unwrap_or_default();
             let (want, reason) = expected(r);
             if aborted.contains(id) {
-                assert!(want.starts_with(&outputs), "seed {seed}: request {id}: {outputs:?} vs {want:?}");
+                assert!(
+                    want.starts_with(&outputs),
+                    "seed {seed}: request {id}: {outputs:?} vs {want:?}"
+                );
             } else {
                 assert_eq!(outputs, want, "seed {seed}: request {id}");
                 assert_eq!(ended.get(id), Some(&reason), "seed {seed}: request {id}");
@@ -116,7 +121,10 @@ fn overlapped_steps_give_every_request_its_tokens() {
         }
         assert!(ahead > 0, "seed {seed}: no step was formed ahead");
         if num_blocks == 24 {
-            assert!(refused > 0, "seed {seed}: the small pool never refused a lookahead");
+            assert!(
+                refused > 0,
+                "seed {seed}: the small pool never refused a lookahead"
+            );
         }
     }
 }
@@ -127,7 +135,10 @@ fn a_step_ahead_schedules_the_token_being_sampled_and_stops_at_max_tokens() {
     let mut s = Scheduler::new(c.clone()).unwrap();
     let mut w = FakeWorker::new(c);
     let mut outs = VecDeque::new();
-    assert!(s.schedule_ahead().is_empty(), "nothing outstanding: nothing to look ahead of");
+    assert!(
+        s.schedule_ahead().is_empty(),
+        "nothing outstanding: nothing to look ahead of"
+    );
     s.add_request(req(1, 4, 3)).unwrap();
     let first = s.schedule();
     assert_eq!(first.new[0].num_scheduled_tokens, 4);
@@ -135,7 +146,10 @@ fn a_step_ahead_schedules_the_token_being_sampled_and_stops_at_max_tokens() {
     // Step 2 decodes the token step 1 samples; its 5th position needs a second page.
     let second = s.schedule_ahead();
     assert_eq!(second.step_id, 2);
-    assert_eq!((second.running[0].id, second.running[0].num_scheduled_tokens), (1, 1));
+    assert_eq!(
+        (second.running[0].id, second.running[0].num_scheduled_tokens),
+        (1, 1)
+    );
     assert_eq!(second.running[0].new_block_ids.len(), 1);
     send(&mut w, &second, &mut outs);
     assert!(s.schedule_ahead().is_empty(), "two steps outstanding");
@@ -144,7 +158,10 @@ fn a_step_ahead_schedules_the_token_being_sampled_and_stops_at_max_tokens() {
     assert_eq!((ups[0].token, ups[0].finished), (sample_token(1, 0), None));
     // Step 3 decodes output 2 (sampled by step 2); output 3 would be the last (max_tokens 3).
     let third = s.schedule_ahead();
-    assert_eq!((third.running[0].id, third.running[0].num_scheduled_tokens), (1, 1));
+    assert_eq!(
+        (third.running[0].id, third.running[0].num_scheduled_tokens),
+        (1, 1)
+    );
     send(&mut w, &third, &mut outs);
     s.update(&outs.pop_front().unwrap());
     assert!(

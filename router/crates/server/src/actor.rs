@@ -479,10 +479,7 @@ impl Actor {
         let margin = Duration::from_secs_f64(self.step_secs * 0.1)
             .clamp(Duration::from_micros(200), Duration::from_millis(3));
         Some(SpinWindow {
-            from: expected
-                .checked_sub(margin)
-                .unwrap_or(started)
-                .max(started),
+            from: expected.checked_sub(margin).unwrap_or(started).max(started),
             until: expected + margin,
         })
     }
@@ -579,7 +576,12 @@ impl Actor {
     /// the worker could not read, which it answers in that step's place): its requests fail,
     /// the others go on.
     fn step_failed(&mut self, step_id: u64, message: &str) {
-        let Some(SentStep { step_id: oldest, ids, .. }) = self.in_flight.pop_front() else {
+        let Some(SentStep {
+            step_id: oldest,
+            ids,
+            ..
+        }) = self.in_flight.pop_front()
+        else {
             self.worker_lost(&format!(
                 "worker reported an error outside a step: {message}"
             ));
@@ -591,7 +593,11 @@ impl Actor {
             ));
             return;
         }
-        tracing::warn!(worker = self.index, step_id = oldest, "step failed: {message}");
+        tracing::warn!(
+            worker = self.index,
+            step_id = oldest,
+            "step failed: {message}"
+        );
         // The step produced nothing: the scheduler closes it as unanswered (which also keeps
         // a step formed ahead of it from being taken for it), then its requests fail.
         self.sched.update(&[]);
