@@ -40,7 +40,6 @@ import torch
 
 from deltaserve.kernels.lora import LoraMeta
 from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
-from deltaserve.model.batch import to_device
 
 if TYPE_CHECKING:
     from deltaserve.adapters.pool import AdapterPool
@@ -207,7 +206,8 @@ class DecodeGraphs:
         if row_slots is not None:
             if b not in self.lora_graphs or len(row_slots) != n:
                 raise ValueError(f"DecodeGraphs.run: no LoRA graph for {n} rows with {len(row_slots)} slots")
-            self.row_slot[:b].copy_(to_device(row_slots + [-1] * (b - n), torch.int32, self.row_slot.device))
+            slots = torch.tensor(row_slots + [-1] * (b - n), dtype=torch.int32)
+            self.row_slot[:b].copy_(slots.pin_memory(), non_blocking=True)
             graphs = self.lora_graphs
         graph, logits = graphs[b]
         graph.replay()

@@ -421,7 +421,7 @@ class Executor:
         in launch order. Raises PlanError (state untouched) when the plan is inconsistent with
         the worker's state.
         """
-        if any(state.pending for state in self.requests.values()) and in_flight is None:
+        if in_flight is None and any(state.pending for state in self.requests.values()):
             raise RuntimeError("launch: requests wait for sampled tokens but no step in flight was given")
         self._validate(plan)
         for req_id in plan.released:

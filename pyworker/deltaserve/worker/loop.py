@@ -133,7 +133,6 @@ class WorkerLoop:
         """Sends Hello, then serves; returns the process exit code."""
         self._send(self.executor.hello(wire.SCHEMA_HASH))
         log.info("sent Hello (schema %s); serving", wire.SCHEMA_HASH)
-        self.in_flight = None
         current: wire.StepPlan | None = None
         try:
             while True:
@@ -189,11 +188,10 @@ class WorkerLoop:
                 self.in_flight = InFlight(launched, decoded, gap_us)
                 current = None
         except Exception as e:  # noqa: BLE001 - fatal by definition: report, then exit non-zero
-            failing = current if current is not None else None
-            step_id = failing.step_id if failing else (self.in_flight.launched.step_id if self.in_flight else 0)
+            step_id = current.step_id if current else (self.in_flight.launched.step_id if self.in_flight else 0)
             log.critical("fatal error in step %s:\n%s", step_id or "-", "".join(traceback.format_exception(e)))
             try:
-                req_ids = step_req_ids(failing) if failing is not None else []
+                req_ids = step_req_ids(current) if current is not None else []
                 if self.in_flight is not None:
                     req_ids += [state.req_id for state, _ in self.in_flight.launched.scheduled]
                 self._send_error(step_id, traceback_summary(e), True, list(dict.fromkeys(req_ids)))

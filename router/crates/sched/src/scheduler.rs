@@ -410,17 +410,22 @@ impl Scheduler {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut need: u64 = 0;
         for &(_, id) in &self.running {
-            let seq = &self.seqs[&id];
-            let n = (seq.to_schedule() as usize).min(budget) as u32;
+            let (n, pages) = self.next_chunk(&self.seqs[&id], budget);
             budget -= n as usize;
-            if n > 0 {
-                need += self
-                    .cfg
-                    .blocks_for((seq.scheduled_to() + n) as u64)
-                    .saturating_sub(seq.blocks.len() as u64);
-            }
+            need += u64::from(pages);
         }
         need <= self.blocks.num_free() as u64
+    }
+
+    /// Running request `seq`'s next chunk within `budget` tokens: its length (0 when it has
+    /// nothing to compute or the budget is spent) and the pages it needs beyond those it holds.
+    fn next_chunk(&self, seq: &Seq, budget: usize) -> (u32, u32) {
+        let n = (seq.to_schedule() as usize).min(budget) as u32;
+        let need = self
+            .cfg
+            .blocks_for((seq.scheduled_to() + n) as u64)
+            .saturating_sub(seq.blocks.len() as u64) as u32;
+        (n, need)
     }
 
     /// The step algorithm; `ahead`: another step is outstanding (`schedule_ahead` checked that
@@ -451,20 +456,12 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() {
             let id = self.running[i].1;
-            let (n, need) = {
-                let seq = &self.seqs[&id];
-                let remaining = seq.to_schedule();
-                debug_assert!(
-                    remaining >= 1 || ahead,
-                    "running request {id} has nothing left to compute"
-                );
-                let n = (remaining as usize).min(budget) as u32;
-                let need = self
-                    .cfg
-                    .blocks_for((seq.scheduled_to() + n) as u64)
-                    .saturating_sub(seq.blocks.len() as u64) as u32;
-                (n, need)
-            };
+            let seq = &self.seqs[&id];
+            debug_assert!(
+                seq.to_schedule() >= 1 || ahead,
+                "running request {id} has nothing left to compute"
+            );
+            let (n, need) = self.next_chunk(seq, budget);
             if n == 0 {
                 // Out of budget, or (ahead) done unless its outstanding token ends it: it stays
                 // on the worker, unscheduled, and keeps its pages.
