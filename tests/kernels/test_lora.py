@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 import torch
 
+from deltaserve.kernels import lora as lora_kernels
 from deltaserve.kernels.lora import (
     LoraMeta,
     LoraSlice,
@@ -619,6 +620,28 @@ def test_stacked_mbgmv_split_widths(tokens: int, in_dim: int, dtype: torch.dtype
     stack = embedded_stack(*stacked_tables(dense, in_dim, dims, dtype, seed), in_dim, dims, (0, 200, 272))
     x = randn(tokens, in_dim, dtype=dtype, seed=seed + 1)
     check_stacked(x, randn(tokens, 344, dtype=dtype, seed=seed + 2), stack, meta)
+
+
+@pytest.mark.parametrize("shrink,expand", [((2, 16, 64, 4), (4, 32, 32, 2)), ((4, 8, 32, 4), (8, 16, 64, 4)),
+                                           ((8, 16, 128, 4), (2, 16, 128, 4))])
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_mbgmv_row_blocks(popularity: str, shrink: tuple, expand: tuple, monkeypatch) -> None:
+    """Decode rows in blocks of several rows per program (the launch tables' BLOCK_T), whatever
+    the tuned tables say: rows of different adapters, ranks (4..64) and base rows in one block, a
+    partial last block, rank tiles narrower and wider than a rank; one slice and a GQA stack."""
+    monkeypatch.setattr(lora_kernels, "MB_SHRINK_LAUNCH", ((1 << 30, shrink),))
+    monkeypatch.setattr(lora_kernels, "MB_EXPAND_LAUNCH", ((1 << 30, expand),))
+    seed, tokens, in_dim, dtype = zlib.crc32(f"blocks/{popularity}/{shrink}".encode()) % 1000, 11, 96, torch.float16
+    meta = LoraMeta.mbgmv(request_adapters(popularity, tokens, seed, base_every=3), DEVICE)
+    w = pooled(dense_adapters(in_dim, 72, dtype, seed), seed)
+    x = randn(tokens, in_dim, dtype=dtype, seed=seed + 1)
+    base = randn(tokens, 72, dtype=dtype, seed=seed + 2)
+    close(lora_shrink_triton(x, w, meta), lora_shrink_ref(x, w, meta))
+    want = lora_expand_ref(lora_shrink_ref(x, w, meta), w, meta, base.clone())
+    close(lora_delta(x, base.clone(), [LoraSlice(0, 72, w)], meta, use_triton=True), want)
+    dense = stacked_dense(in_dim, GQA, dtype, seed)
+    stack = embedded_stack(*stacked_tables(dense, in_dim, GQA, dtype, seed), in_dim, GQA, (0, 64, 96))
+    check_stacked(x, randn(tokens, 128, dtype=dtype, seed=seed + 3), stack, meta)
 
 
 @pytest.mark.parametrize("mode", ["sgmv", "mbgmv"])

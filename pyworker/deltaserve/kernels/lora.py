@@ -67,17 +67,21 @@ its own adapter's rank, and SGMV programs whose rank tile lies past the rank exi
 cost follows the sum of the rows' ranks (S-LoRA's MBGMV), not batch x max rank (BGMV). The SGMV
 kernels use ``tl.dot`` on [16+, 16+] tiles (Tensor Cores on the GPU). The MBGMV kernels are
 bandwidth kernels (no ``tl.dot``): the shrink splits each row's input columns over programs
-(program (t, s) writes float32 partial sums of columns s*BLOCK_K.. for all of row t's rank rows; no
-atomics, so results are deterministic) and the expand, tiled over output columns, sums a row's
-partials in a fixed order, rounds v to the activation dtype and applies it (``lora_delta``: two
-launches, no zero fill). ``lora_shrink`` at decode finishes v with a third small kernel summing the
-same partials, so the fused path and shrink-then-expand agree up to the order of that float32 sum.
+(program (row block, s) writes float32 partial sums of columns s*BLOCK_K.. for all of its rows'
+rank rows; no atomics, so results are deterministic) and the expand, tiled over output columns, sums
+a row's partials in a fixed order, rounds v to the activation dtype and applies it (``lora_delta``:
+two launches, no zero fill). ``lora_shrink`` at decode finishes v with a third small kernel summing
+the same partials, so the fused path and shrink-then-expand agree up to the order of that float32
+sum. A program takes BLOCK_T consecutive rows (``MB_SHRINK_LAUNCH`` / ``MB_EXPAND_LAUNCH``, by step
+size); it is latency-bound (its weight rows are found through two table lookups), so each kernel
+issues its loads in three dependent rounds (adapters and x / out / partials; ranks and the first
+rank tile's offsets; the weight rows) and the tuned launches favour many small one-warp programs.
 
 Stacked (one module, n slices; each kernel is the per-slice one with a slice grid axis, so every
 program computes exactly what the per-slice path's does, and the results are equal)::
 
-    decode   shrink grid (T, SPLIT, n_slices)       -> float32 partials [n_slices, SPLIT, T, r_max]
-             expand grid (T, tiles of the widest slice, n_slices); a tile past its slice's width
+    decode   shrink grid (row blocks, SPLIT, n_slices) -> float32 partials [n_slices, SPLIT, T, r_max]
+             expand grid (row blocks, tiles of the widest slice, n_slices); a tile past its slice's width
              (GQA k / v next to q) or a slice of rank 0 for the row's adapter exits at once
     prefill  shrink grid (S, token tiles, n_slices * rank tiles) -> v [n_slices, T, r_max]
              expand grid (S, token tiles, n_slices * column tiles of the widest slice)
@@ -115,14 +119,9 @@ _SG_BLOCK_K = 64
 """SGMV shrink: input columns per step of the reduction."""
 _SG_BLOCK_N = 64
 """SGMV expand: output columns per program."""
-_MB_BLOCK_R = 16
-"""MBGMV shrink / finish: rank rows per step of the loop to the row's own rank (the
-granularity of the rank loop: a rank-8 row wastes half a tile, a rank-16k row none). The columns per
-program are chosen per shape (``_mb_shrink_block_k``, ``_mb_expand_block_n``)."""
-_MB_EXPAND_BLOCK_R = 32
-"""MBGMV expand: rank rows per step of the rank loop (H100: 32 beat 16 at rank 64+, cost little at 16)."""
-_MB_NUM_WARPS = 4
-"""MBGMV shrink / expand: warps per program."""
+_MB_FINISH_BLOCK_R = 16
+"""MBGMV finish (``lora_shrink`` at decode): rank columns per program. The shrink and expand
+launches are chosen per step size (``MB_SHRINK_LAUNCH``, ``MB_EXPAND_LAUNCH``)."""
 
 
 # ----------------------------------------------------------------------------- metadata / weights
@@ -606,51 +605,96 @@ def _sgmv_expand_kernel(v_ptr, b_ptr, out_ptr, seg_start_ptr, seg_adapter_ptr, b
 
 
 @triton.jit
+def _block_row_offsets(off_rows, rs, r_ok, ALIGN: tl.constexpr):
+    """``_row_offsets`` for a row block: [BLOCK_T, BLOCK_R] offsets of rank rows ``rs`` of each
+    row's adapter, ``off_rows`` [BLOCK_T] pointing at the adapters' rows of the offsets table."""
+    off = tl.load(off_rows[:, None] + rs[None, :], mask=r_ok, other=0)
+    if ALIGN > 1:
+        off = tl.multiple_of(off, [ALIGN, ALIGN])
+    return off
+
+
+@triton.jit
+def _block_ranks(slot, has, rank_ptr, R_MAX):
+    """Each row's rank in the slice whose rank table starts at ``rank_ptr`` (0: no adapter, or the
+    slice not adapted by it)."""
+    return tl.where(has, tl.minimum(tl.load(rank_ptr + slot, mask=has, other=0), R_MAX), 0)
+
+
+@triton.jit
 def _mbgmv_shrink_kernel(x_ptr, a_ptr, part_ptr, row_adapter_ptr, a_off_ptr, rank_ptr,
-                         K, R_MAX, x_stride, part_slice_stride, part_split_stride, part_stride,
+                         T, K, R_MAX, x_stride, part_slice_stride, part_split_stride, part_stride,
                          off_slice_stride, off_stride, rank_slice_stride,
-                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN: tl.constexpr):
-    """Program (t, s, slice): row t's partial dot products over input columns s*BLOCK_K .. +BLOCK_K,
-    for every rank row up to the row's own rank in that slice, into ``part[slice, s, t, :rank]``
-    (float32, no atomics). One slice: slice strides 0, grid (T, SPLIT, 1)."""
-    t = tl.program_id(0).to(tl.int64)
+                         BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN: tl.constexpr):
+    """Program (row block, s, slice): for each of the block's BLOCK_T rows, its partial dot products
+    over input columns s*BLOCK_K .. +BLOCK_K for every rank row up to the row's own rank in that
+    slice, into ``part[slice, s, t, :rank]`` (float32, no atomics). One slice: slice strides 0,
+    grid (row blocks, SPLIT, 1).
+
+    Latency, not bytes, bounds these small programs, so the dependent loads are kept to three
+    rounds: the rows' adapters and x; then their ranks and the first rank tile's offsets (loaded
+    before the rank is known: the offsets table is r_max wide); then the A rows, as one
+    [BLOCK_T, BLOCK_R, BLOCK_K] gather. Rank tiles past the first (ranks above BLOCK_R) loop after."""
     s = tl.program_id(1)
     sl = tl.program_id(2).to(tl.int64)
-    adapter = tl.load(row_adapter_ptr + t)
-    if adapter < 0:
-        return
-    rank = tl.minimum(tl.load(rank_ptr + sl * rank_slice_stride + adapter), R_MAX)
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = ts < T
+    ts = ts.to(tl.int64)
+    adapter = tl.load(row_adapter_ptr + ts, mask=t_ok, other=-1)
     ks = s * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < K
-    xk = tl.load(x_ptr + t * x_stride + ks, mask=k_ok, other=0.0).to(tl.float32)
-    off_row = a_off_ptr + sl * off_slice_stride + adapter.to(tl.int64) * off_stride
-    p_row = part_ptr + sl * part_slice_stride + s.to(tl.int64) * part_split_stride + t * part_stride
-    for r0 in range(0, rank, BLOCK_R):  # this row's own rank, not r_max
+    xk = tl.load(x_ptr + ts[:, None] * x_stride + ks[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                 other=0.0).to(tl.float32)
+    has = adapter >= 0
+    slot = tl.maximum(adapter, 0).to(tl.int64)
+    off_rows = a_off_ptr + sl * off_slice_stride + slot * off_stride
+    rs = tl.arange(0, BLOCK_R)
+    off = _block_row_offsets(off_rows, rs, has[:, None] & (rs < R_MAX)[None, :], ALIGN)
+    rank = _block_ranks(slot, has, rank_ptr + sl * rank_slice_stride, R_MAX)
+    top = tl.max(rank, axis=0)
+    if top <= 0:
+        return
+    p_rows = part_ptr + sl * part_slice_stride + s.to(tl.int64) * part_split_stride + ts * part_stride
+    r_ok = rs[None, :] < rank[:, None]
+    at = tl.load(a_ptr + off[:, :, None] + ks[None, None, :], mask=r_ok[:, :, None] & k_ok[None, None, :], other=0.0)
+    tl.store(p_rows[:, None] + rs[None, :], tl.sum(at.to(tl.float32) * xk[:, None, :], axis=2), mask=r_ok)
+    for r0 in range(BLOCK_R, top, BLOCK_R):  # the block's largest rank; each row masked to its own
         rs = r0 + tl.arange(0, BLOCK_R)
-        r_ok = rs < rank
-        off = _row_offsets(off_row, rs, r_ok, ALIGN)
-        at = tl.load(a_ptr + off[:, None] + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        tl.store(p_row + rs, tl.sum(at.to(tl.float32) * xk[None, :], axis=1), mask=r_ok)
+        r_ok = rs[None, :] < rank[:, None]
+        off = _block_row_offsets(off_rows, rs, r_ok, ALIGN)
+        at = tl.load(a_ptr + off[:, :, None] + ks[None, None, :], mask=r_ok[:, :, None] & k_ok[None, None, :],
+                     other=0.0)
+        tl.store(p_rows[:, None] + rs[None, :], tl.sum(at.to(tl.float32) * xk[:, None, :], axis=2), mask=r_ok)
+
+
+@triton.jit
+def _expand_rank_tile(b_ptr, off, parts, r_ok, ns, o_mask, ty: tl.constexpr, RNE: tl.constexpr):
+    """One rank tile's share of a row block's expand: v = round(sum of the tile's partials) (as
+    ``lora_shrink`` rounds it; partials past a row's rank are ignored, they were never written),
+    times the B rows [BLOCK_T, BLOCK_R, BLOCK_N], summed over the tile's rank rows."""
+    vr = round_to(tl.sum(tl.where(r_ok[None, :, :], parts.to(tl.float32), 0.0), axis=0), ty, RNE)
+    bt = tl.load(b_ptr + off[:, :, None] + ns[None, None, :], mask=r_ok[:, :, None] & o_mask[:, None, :], other=0.0)
+    return tl.sum(vr[:, :, None] * bt.to(tl.float32), axis=1)
 
 
 @triton.jit
 def _mbgmv_expand_kernel(v_ptr, b_ptr, out_ptr, row_adapter_ptr, b_off_ptr, rank_ptr, scale_ptr, dims_ptr, cols_ptr,
-                         N, R_MAX, SPLIT, v_slice_stride, v_split_stride, v_stride, out_stride,
+                         T, N, R_MAX, SPLIT, v_slice_stride, v_split_stride, v_stride, out_stride,
                          off_slice_stride, off_stride, rank_slice_stride, scale_slice_stride,
-                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ALIGN: tl.constexpr,
-                         RNE: tl.constexpr, REDUCE_EACH: tl.constexpr, STACKED: tl.constexpr):
-    """Program (t, n, slice): ``out[t, n tile] += scale * round(sum_s v[s, t, :rank]) B^T[:rank, n tile]``.
+                         BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_S: tl.constexpr, ALIGN: tl.constexpr, RNE: tl.constexpr, STACKED: tl.constexpr):
+    """Program (row block, n, slice): for each of the block's BLOCK_T rows t,
+    ``out[t, n tile] += scale * round(sum_s v[s, t, :rank]) B^T[:rank, n tile]``.
 
     STACKED: the slice's width and first column of out come from ``dims_ptr`` / ``cols_ptr`` and the
     grid covers the widest slice (tiles past a narrower slice's width exit at once); else one slice
-    of N columns at column 0 (slice strides 0, grid (T, tiles, 1)).
+    of N columns at column 0 (slice strides 0, grid (row blocks, tiles, 1)).
 
     ``v`` is either the shrink's float32 partials (SPLIT of them, summed in a fixed order: the result
-    is deterministic) or a finished v in the out dtype (SPLIT = 1; the rounding is then exact). The
-    partials of a rank tile come in one [BLOCK_S >= SPLIT, BLOCK_R] load, not SPLIT dependent ones.
-    REDUCE_EACH sums each rank tile into a [BLOCK_N] accumulator (wide tiles, whose [BLOCK_R, BLOCK_N]
-    accumulator would spill registers); otherwise the 2-D accumulator is summed once at the end."""
-    t = tl.program_id(0).to(tl.int64)
+    is deterministic) or a finished v in the out dtype (SPLIT = 1; the rounding is then exact).
+    Three rounds of dependent loads, as in the shrink: the rows' adapters, out tile and first rank
+    tile's partials; their ranks, scales and first rank tile's offsets; the B rows, one
+    [BLOCK_T, BLOCK_R, BLOCK_N] gather. Rank tiles past the first loop after."""
     sl = tl.program_id(2).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
     width = N
@@ -658,37 +702,42 @@ def _mbgmv_expand_kernel(v_ptr, b_ptr, out_ptr, row_adapter_ptr, b_off_ptr, rank
     if STACKED:
         width = tl.load(dims_ptr + sl)
         col0 = tl.load(cols_ptr + sl)
-    adapter = tl.load(row_adapter_ptr + t)
-    if adapter < 0 or n0 >= width:
+    if n0 >= width:
         return
-    rank = tl.minimum(tl.load(rank_ptr + sl * rank_slice_stride + adapter), R_MAX)
-    if rank <= 0:  # the slice is not adapted by this row's adapter: out stays as it is
-        return
-    scale = tl.load(scale_ptr + sl * scale_slice_stride + adapter)
-    ty = out_ptr.dtype.element_ty
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = ts < T
+    ts = ts.to(tl.int64)
+    adapter = tl.load(row_adapter_ptr + ts, mask=t_ok, other=-1)
     ns = n0 + tl.arange(0, BLOCK_N)
     n_ok = ns < width
-    off_row = b_off_ptr + sl * off_slice_stride + adapter.to(tl.int64) * off_stride
+    o_ptrs = out_ptr + col0 + ts[:, None] * out_stride + ns[None, :]
+    o = tl.load(o_ptrs, mask=t_ok[:, None] & n_ok[None, :], other=0.0)
     ss = tl.arange(0, BLOCK_S)
-    v_tile = v_ptr + sl * v_slice_stride + t * v_stride + ss.to(tl.int64)[:, None] * v_split_stride
-    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-    acc_n = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):  # this row's own rank
+    s_ok = ss < SPLIT
+    v_rows = v_ptr + sl * v_slice_stride + ss.to(tl.int64)[:, None] * v_split_stride + ts[None, :] * v_stride
+    rs = tl.arange(0, BLOCK_R)
+    parts = tl.load(v_rows[:, :, None] + rs[None, None, :],
+                    mask=s_ok[:, None, None] & t_ok[None, :, None] & (rs < R_MAX)[None, None, :], other=0.0)
+    has = adapter >= 0
+    slot = tl.maximum(adapter, 0).to(tl.int64)
+    off_rows = b_off_ptr + sl * off_slice_stride + slot * off_stride
+    off = _block_row_offsets(off_rows, rs, has[:, None] & (rs < R_MAX)[None, :], ALIGN)
+    rank = _block_ranks(slot, has, rank_ptr + sl * rank_slice_stride, R_MAX)
+    scale = tl.load(scale_ptr + sl * scale_slice_stride + slot, mask=has, other=0.0)
+    top = tl.max(rank, axis=0)
+    if top <= 0:  # no row of the block is adapted in this slice: out stays as it is
+        return
+    ty = out_ptr.dtype.element_ty
+    o_mask = (rank > 0)[:, None] & n_ok[None, :]
+    acc = _expand_rank_tile(b_ptr, off, parts, rs[None, :] < rank[:, None], ns, o_mask, ty, RNE)
+    for r0 in range(BLOCK_R, top, BLOCK_R):  # the block's largest rank; each row masked to its own
         rs = r0 + tl.arange(0, BLOCK_R)
-        r_ok = rs < rank
-        parts = tl.load(v_tile + rs[None, :], mask=(ss < SPLIT)[:, None] & r_ok[None, :], other=0.0)
-        vr = round_to(tl.sum(parts.to(tl.float32), axis=0), ty, RNE)  # v in the activation dtype, as lora_shrink
-        off = _row_offsets(off_row, rs, r_ok, ALIGN)
-        bt = tl.load(b_ptr + off[:, None] + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        if REDUCE_EACH:
-            acc_n += tl.sum(vr[:, None] * bt.to(tl.float32), axis=0)
-        else:
-            acc += vr[:, None] * bt.to(tl.float32)
-    if not REDUCE_EACH:
-        acc_n = tl.sum(acc, axis=0)
-    o_ptrs = out_ptr + t * out_stride + col0 + ns
-    o = tl.load(o_ptrs, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, round_to(o + scale * acc_n, ty, RNE).to(ty), mask=n_ok)
+        r_ok = rs[None, :] < rank[:, None]
+        parts = tl.load(v_rows[:, :, None] + rs[None, None, :], mask=s_ok[:, None, None] & r_ok[None, :, :],
+                        other=0.0)
+        off = _block_row_offsets(off_rows, rs, r_ok, ALIGN)
+        acc += _expand_rank_tile(b_ptr, off, parts, r_ok, ns, o_mask, ty, RNE)
+    tl.store(o_ptrs, round_to(o.to(tl.float32) + scale[:, None] * acc, ty, RNE).to(ty), mask=o_mask)
 
 
 @triton.jit
@@ -713,17 +762,29 @@ def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:
     return upcast, "ieee" if upcast or t.dtype == torch.float32 else "tf32"
 
 
-def _mb_shrink_block_k(tokens: int) -> int:
-    """MBGMV shrink: input columns per program. Smaller for few rows, so a decode step of one or two
-    requests still spreads its adapter rows over many programs; wide (vector loads, long rows per
-    program) once the rows alone fill the GPU. Depends on the shape only (CUDA-graph safe)."""
-    return 128 if tokens <= 4 else 256 if tokens <= 32 else 512
+MB_SHRINK_LAUNCH: tuple[tuple[int, tuple[int, int, int, int]], ...] = (
+    (4, (1, 16, 128, 4)),
+    (32, (1, 16, 128, 1)),
+    (1 << 30, (1, 16, 256, 1)),
+)
+"""MBGMV shrink launch by step size: ``(up to T tokens, (BLOCK_T, BLOCK_R, BLOCK_K, num_warps))``,
+the first entry whose bound holds. Shape-only (CUDA-graph safe). Tuned on an H200 inside CUDA
+graphs over the four modules of a Llama-2-7B layer (rank 16, r_max 128; ``bench/README.md``):
+these small programs are latency-bound, so many narrow one-warp programs (more of them resident
+per SM) beat wide ones once there are 16+ rows; a step of one or two requests still spreads its
+adapter rows over many 4-warp programs."""
+
+MB_EXPAND_LAUNCH: tuple[tuple[int, tuple[int, int, int, int]], ...] = (
+    (4, (1, 16, 64, 1)),
+    (1 << 30, (1, 16, 128, 1)),
+)
+"""MBGMV expand launch by step size: ``(up to T tokens, (BLOCK_T, BLOCK_R, BLOCK_N, num_warps))``,
+tuned as ``MB_SHRINK_LAUNCH`` (one warp per program and 128 columns won from 1 to 256 rows; row
+blocks, BLOCK_T > 1, won only with 4-warp programs)."""
 
 
-def _mb_expand_block_n(tokens: int) -> int:
-    """MBGMV expand: output columns per program, by the same reasoning as ``_mb_shrink_block_k``
-    (H100, fp16, 4096 / 11008 columns: 512 at T > 32 halved the rank-16 expand against 256)."""
-    return 64 if tokens <= 4 else 128 if tokens <= 32 else 512
+def _mb_launch(table: tuple[tuple[int, tuple[int, int, int, int]], ...], tokens: int) -> tuple[int, int, int, int]:
+    return next(cfg for bound, cfg in table if tokens <= bound)
 
 
 @dataclass(frozen=True)
@@ -759,34 +820,36 @@ class _Tables:
 
 
 def _mbgmv_shrink_partials(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta) -> torch.Tensor:
-    """Launches the MBGMV shrink, grid (T, SPLIT, n_slices); returns its float32 partials
+    """Launches the MBGMV shrink, grid (row blocks, SPLIT, n_slices); returns its float32 partials
     [n_slices, SPLIT, T, r_max] (only the entries of rows with an adapter and columns below their
     rank in that slice are written). A ``LoraWeights`` is one slice."""
-    t, bk = x.shape[0], _mb_shrink_block_k(x.shape[0])
+    t = x.shape[0]
+    bt, br, bk, warps = _mb_launch(MB_SHRINK_LAUNCH, t)
     split = triton.cdiv(w.in_dim, bk)
     tab = _Tables.of(w)
     part = torch.empty(tab.n, split, t, w.r_max, dtype=torch.float32, device=x.device)
-    _mbgmv_shrink_kernel[(t, split, tab.n)](
-        x, w.a_pool, part, meta.seg_adapter, tab.a_off, tab.rank, w.in_dim, w.r_max, x.stride(0),
+    _mbgmv_shrink_kernel[(triton.cdiv(t, bt), split, tab.n)](
+        x, w.a_pool, part, meta.seg_adapter, tab.a_off, tab.rank, t, w.in_dim, w.r_max, x.stride(0),
         part.stride(0), part.stride(1), part.stride(2), tab.a_off_slice, tab.a_off_row, tab.rank_slice,
-        BLOCK_R=_MB_BLOCK_R, BLOCK_K=bk, ALIGN=_align(w, w.a_pool), num_warps=_MB_NUM_WARPS)
+        BLOCK_T=bt, BLOCK_R=br, BLOCK_K=bk, ALIGN=_align(w, w.a_pool), num_warps=warps)
     return part
 
 
 def _mbgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out: torch.Tensor) -> None:
-    """Launches the MBGMV expand, grid (T, column tiles of the widest slice, n_slices), over ``v`` =
-    partials [n_slices, SPLIT, T, r_max] float32 or a finished [T, r_max] (one slice). ``out`` is the
-    slice's columns (``LoraWeights``) or the whole output (``LoraStack``: columns from out_offsets)."""
+    """Launches the MBGMV expand, grid (row blocks, column tiles of the widest slice, n_slices), over
+    ``v`` = partials [n_slices, SPLIT, T, r_max] float32 or a finished [T, r_max] (one slice).
+    ``out`` is the slice's columns (``LoraWeights``) or the whole output (``LoraStack``: columns
+    from out_offsets)."""
     part = v if v.dim() == 4 else v[None, None]
     tab = _Tables.of(w)
-    t, bn = out.shape[0], _mb_expand_block_n(out.shape[0])
-    _mbgmv_expand_kernel[(t, triton.cdiv(tab.max_width, bn), tab.n)](
+    t = out.shape[0]
+    bt, br, bn, warps = _mb_launch(MB_EXPAND_LAUNCH, t)
+    _mbgmv_expand_kernel[(triton.cdiv(t, bt), triton.cdiv(tab.max_width, bn), tab.n)](
         part, w.b_pool, out, meta.seg_adapter, tab.b_off, tab.rank, tab.scale, tab.dims, tab.cols,
-        tab.max_width, w.r_max, part.shape[1], part.stride(0), part.stride(1), part.stride(2), out.stride(0),
+        t, tab.max_width, w.r_max, part.shape[1], part.stride(0), part.stride(1), part.stride(2), out.stride(0),
         tab.b_off_slice, tab.b_off_row, tab.rank_slice, tab.scale_slice,
-        BLOCK_R=_MB_EXPAND_BLOCK_R, BLOCK_N=bn, BLOCK_S=triton.next_power_of_2(part.shape[1]),
-        ALIGN=_align(w, w.b_pool), RNE=needs_rne_by_hand(out), REDUCE_EACH=bn >= 512, STACKED=tab.stacked,
-        num_warps=_MB_NUM_WARPS)
+        BLOCK_T=bt, BLOCK_R=br, BLOCK_N=bn, BLOCK_S=triton.next_power_of_2(part.shape[1]),
+        ALIGN=_align(w, w.b_pool), RNE=needs_rne_by_hand(out), STACKED=tab.stacked, num_warps=warps)
 
 
 def _sgmv_shrink(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, v: torch.Tensor) -> None:
@@ -836,9 +899,9 @@ def lora_shrink_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch
         v = torch.empty(t, w.r_max, dtype=x.dtype, device=x.device)
         if t:
             part = _mbgmv_shrink_partials(x, w, meta)[0]
-            _mbgmv_finish_kernel[(t, triton.cdiv(w.r_max, _MB_BLOCK_R))](
+            _mbgmv_finish_kernel[(t, triton.cdiv(w.r_max, _MB_FINISH_BLOCK_R))](
                 part, v, meta.seg_adapter, w.rank, w.r_max, part.shape[0], part.stride(0), part.stride(1),
-                v.stride(0), BLOCK_R=_MB_BLOCK_R, BLOCK_S=triton.next_power_of_2(part.shape[0]),
+                v.stride(0), BLOCK_R=_MB_FINISH_BLOCK_R, BLOCK_S=triton.next_power_of_2(part.shape[0]),
                 RNE=needs_rne_by_hand(v), num_warps=1)
         return v
     v = torch.zeros(t, w.r_max, dtype=x.dtype, device=x.device)
