@@ -739,6 +739,7 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
                       flush=True)  # fmt: skip
                 model_for = (lambda v, m=endpoint.model: m) if endpoint.model else None
                 records: list[rp.Record] = []  # filled as requests are sent: kept when interrupted
+                metrics_before = server_metrics(endpoint)
                 try:
                     rp.run_replay(trace, endpoint.url, protocol=p.protocol, ws_url=endpoint.ws_url, model_for=model_for,
                                   timeout_s=exp.timeout_s, records=records)  # fmt: skip
@@ -749,6 +750,10 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
                     print(f"    interrupted: partial result in {path}", flush=True)
                     raise
                 _add_point(payload, p, trace, records, exp, interrupted=False)
+                m = payload["points"][-1]["server_metrics"] = metrics_delta(metrics_before, server_metrics(endpoint))
+                if m:
+                    print("    server: " + ", ".join(f"{k.removeprefix('deltaserve_').removesuffix('_total')} {m[k]:g}"
+                                                    for k in METRICS_SHOWN if k in m), flush=True)  # fmt: skip
                 write_result(name, payload, out_dir)
             if exp.probe_variants:
                 names = [v.name for v in traces[0].variants][: exp.probe_variants]
@@ -762,6 +767,40 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
     if plots:
         plot([path])
     return path
+
+
+METRICS_SHOWN = ("deltaserve_steps_total", "deltaserve_preemptions_total", "deltaserve_adapter_host_loads_total",
+                 "deltaserve_adapter_gpu_loads_total", "deltaserve_adapter_gpu_evictions_total",
+                 "deltaserve_worker_step_us_total", "deltaserve_worker_forward_us_total", "deltaserve_step_gap_us_p50")
+"""The metrics a point's summary line prints (all of them go to the result file)."""
+
+
+def server_metrics(endpoint: Endpoint) -> dict[str, float] | None:
+    """The server's Prometheus ``/metrics`` as {name: value} (unlabelled samples only), or None
+    when it has none (the baselines, the fake server) or does not answer."""
+    base = endpoint.url.split("/v1/")[0]
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except (OSError, ValueError):
+        return None
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+            try:
+                out[parts[0]] = float(parts[1])
+            except ValueError:
+                continue
+    return out or None
+
+
+def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """What a point did to the server's metrics: counters (``*_total``) as the point's increase,
+    gauges as read after the point. None without metrics."""
+    if before is None or after is None:
+        return None
+    return {k: (v - before.get(k, 0.0) if k.endswith("_total") else v) for k, v in after.items()}
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """The whole serving-benchmark pipeline (bench/serving.py smoke) on the CPU demo model: random
 PEFT adapters of the demo model's shape served with --lora-dir, a tiny trace replayed over SSE and
-WebSocket, every request answered with exactly its forced output length, a result file written."""
+WebSocket, every request answered with exactly its forced output length, a result file written
+with the daemon's metrics over each point."""
 
 from __future__ import annotations
 
@@ -36,3 +37,7 @@ def test_smoke_experiment_end_to_end(tmp_path):
         assert s["throughput_req_s"] > 0 and s["slo"]["ttft_s"] == 6.0
         assert {r["variant"] for r in rows} <= {"a0000", "a0001", "a0002"}
         assert point["trace"]["ranks"] == [8, 4]
+        m = point["server_metrics"]  # the daemon's /metrics over the point: counters as increases
+        assert m["deltaserve_requests_finished_total"] == 6 and m["deltaserve_steps_total"] > 0
+        assert m["deltaserve_tokens_generated_total"] == s["output_tokens"]
+        assert m["deltaserve_worker_step_us_total"] >= m["deltaserve_worker_forward_us_total"] > 0

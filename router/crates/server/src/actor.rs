@@ -117,6 +117,10 @@ struct Counters {
     router_us: Window,
     /// The worker's measured host bytes of adapter copies, from its last step output.
     adapter_host_bytes_measured: u64,
+    /// Sum of the worker's reported step times (`total_us`), microseconds.
+    worker_step_us: u64,
+    /// Sum of their forward-and-sampling parts (`forward_us`), microseconds.
+    worker_forward_us: u64,
 }
 
 /// The last [`GAP_WINDOW`] samples of a latency, for percentiles.
@@ -511,6 +515,8 @@ impl Actor {
             0.8 * self.step_secs + 0.2 * took
         };
         self.counters.gaps.push(out.timing.gap_us);
+        self.counters.worker_step_us += out.timing.total_us;
+        self.counters.worker_forward_us += out.timing.forward_us;
         self.counters.adapter_host_bytes_measured = out.adapter_host_bytes;
 
         // Requests ended since the step was sent are no longer the scheduler's: skip them.
@@ -727,6 +733,8 @@ impl Actor {
             adapter_gpu_loads_total: stats.adapter_gpu_loads,
             adapter_host_loads_total: stats.adapter_host_loads,
             adapter_gpu_evictions_total: stats.adapter_gpu_evictions,
+            worker_step_us_total: self.counters.worker_step_us,
+            worker_forward_us_total: self.counters.worker_forward_us,
         }
     }
 

@@ -195,6 +195,12 @@ pub struct EngineMetrics {
     pub adapter_host_loads_total: u64,
     /// Adapters evicted from a GPU pool since start.
     pub adapter_gpu_evictions_total: u64,
+    /// Sum of the workers' step times (plan decoded → output encoded, `StepTiming::total_us`)
+    /// since start, microseconds: over `steps_total`, the mean worker time of a step.
+    pub worker_step_us_total: u64,
+    /// The forward-and-sampling part of those step times (`StepTiming::forward_us`); the rest
+    /// is the step's adapter ops (waiting for loads included) and batch building.
+    pub worker_forward_us_total: u64,
 }
 
 /// Why registering or deleting an adapter failed.
@@ -566,6 +572,8 @@ impl EngineHandle {
                 total.adapter_gpu_loads_total += m.adapter_gpu_loads_total;
                 total.adapter_host_loads_total += m.adapter_host_loads_total;
                 total.adapter_gpu_evictions_total += m.adapter_gpu_evictions_total;
+                total.worker_step_us_total += m.worker_step_us_total;
+                total.worker_forward_us_total += m.worker_forward_us_total;
                 total.step_gap_us_p50 = total.step_gap_us_p50.max(m.step_gap_us_p50);
                 total.step_gap_us_p99 = total.step_gap_us_p99.max(m.step_gap_us_p99);
                 total.step_router_us_p50 = total.step_router_us_p50.max(m.step_router_us_p50);

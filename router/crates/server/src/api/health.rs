@@ -173,6 +173,18 @@ pub async fn metrics<B: Backend>(State(backend): State<B>) -> Response {
         m.adapter_gpu_evictions_total,
     );
     metric(
+        "worker_step_us_total",
+        "counter",
+        "Worker time of the steps run (plan decoded to output encoded), microseconds.",
+        m.worker_step_us_total,
+    );
+    metric(
+        "worker_forward_us_total",
+        "counter",
+        "The forward-and-sampling part of that worker time, microseconds (the rest: adapter ops, waits for adapter loads included, and batch building).",
+        m.worker_forward_us_total,
+    );
+    metric(
         "deltas_on_gpu",
         "gauge",
         "Compressed deltas in the workers' delta slots (at most --max-deltas per worker).",
@@ -234,6 +246,9 @@ mod tests {
             "# TYPE deltaserve_delta_skips_total counter",
             "deltaserve_delta_skips_total 5",
             "deltaserve_delta_skip_preemptions_total 2",
+            "# TYPE deltaserve_worker_step_us_total counter",
+            "deltaserve_worker_step_us_total 900",
+            "deltaserve_worker_forward_us_total 800",
             "# TYPE deltaserve_steps_total counter",
             "deltaserve_api_errors_total{type=\"invalid_request_error\"}",
         ] {

@@ -475,6 +475,8 @@ pub(crate) mod fake {
                 deltas_on_gpu: 1,
                 delta_skips_total: 5,
                 delta_skip_preemptions_total: 2,
+                worker_step_us_total: 900,
+                worker_forward_us_total: 800,
                 ..Default::default()
             }
         }
