@@ -44,6 +44,7 @@ from ..compress.delta_dir import MANIFEST, check_lineage, load_delta, read_manif
 from ..compress.pack import PackedLinear
 from ..kernels.sbmm import DeltaMeta, DeltaWeights, make_delta_weights
 from ..model.arch import ModelConfig
+from ..model.batch import host_to_device
 from ..model.decoder import DecoderLM, linear_slots
 from .delta_layers import ConfigKey, DeltaStep, dense_delta_names
 from .host_tier import HostTier
@@ -274,9 +275,11 @@ class DeltaPool:
         for s, n in slots:
             token_slot.extend([s] * n)
         t = torch.tensor(token_slot, dtype=torch.int64)
-        self.step.token_rows = {s: torch.nonzero(t == s).flatten().to(dev) for s in sorted(used)}
+        # From pinned memory: a pageable copy would wait for the step still running (overlapped steps).
+        self.step.token_rows = {s: host_to_device(torch.nonzero(t == s).flatten(), dev) for s in sorted(used)}
         lt = torch.tensor([self.slot_of.get(v, -1) for v in logit_ids], dtype=torch.int64)
-        self.step.logit_rows = {s: r.to(dev) for s in sorted(used) if (r := torch.nonzero(lt == s).flatten()).numel()}
+        self.step.logit_rows = {s: host_to_device(r, dev) for s in sorted(used)
+                                if (r := torch.nonzero(lt == s).flatten()).numel()}
         metas = []
         slot_id = {s: d for d, s in self.slot_of.items()}
         for key in sorted({self.key_of[slot_id[s]] for s in used}):

@@ -71,6 +71,7 @@ import torch
 from .. import wire
 from ..kernels.lora import LoraMeta, LoraWeights
 from ..model.arch import ModelConfig
+from ..model.batch import host_to_device, to_device
 from ..model.decoder import linear_slots
 from ..model.kv_cache import PagedKVCache
 from .host_tier import AdapterLoadError, HostTier
@@ -435,9 +436,10 @@ class AdapterPool:
         for s in layout.slices:
             a_off[s.index, : s.rank] = torch.tensor([base(k) + o for k, o in s.a_pos], dtype=torch.int64)
             b_off[s.index, : s.rank] = torch.tensor([base(k) + o for k, o in s.b_pos], dtype=torch.int64)
-        dev = self.device
+        dev = self.device  # pinned, asynchronous copies: placing an adapter never waits for a running step
         self.gpu[adapter_id] = GpuEntry(
-            pages, a_off.to(dev), b_off.to(dev), copy.rank.to(dev), copy.scale.to(dev)
+            pages, host_to_device(a_off, dev), host_to_device(b_off, dev), host_to_device(copy.rank, dev),
+            host_to_device(copy.scale, dev),
         )
         for p in pages:
             self.page_owner[p] = adapter_id
@@ -534,8 +536,9 @@ class AdapterPool:
             self.seg_start = torch.zeros(total + 1, dtype=torch.int32, device=self.device)
             self.seg_adapter = torch.zeros(total, dtype=torch.int32, device=self.device)
         S = len(seg_adapter)
-        self.seg_start[: S + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
-        self.seg_adapter[:S].copy_(torch.tensor(seg_adapter, dtype=torch.int32), non_blocking=True)
+        # From pinned memory: a pageable copy would wait for the step still running (overlapped steps).
+        self.seg_start[: S + 1].copy_(to_device(starts, torch.int32, self.device), non_blocking=True)
+        self.seg_adapter[:S].copy_(to_device(seg_adapter, torch.int32, self.device), non_blocking=True)
         self.step.meta = LoraMeta(
             seg_start=self.seg_start[: S + 1], seg_adapter=self.seg_adapter[:S],
             seg_start_host=tuple(starts), seg_adapter_host=tuple(seg_adapter), num_tokens=total,

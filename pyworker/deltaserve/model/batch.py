@@ -21,17 +21,23 @@ import torch
 
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A tensor of host ``data`` on ``device`` without waiting for the device's queued work.
+    """A tensor of host ``data`` on ``device`` without waiting for the device's queued work
+    (``host_to_device`` of ``torch.tensor(data, dtype=dtype)``)."""
+    return host_to_device(torch.tensor(data, dtype=dtype), device)
 
-    ``torch.tensor(data, device=cuda)`` copies synchronously, which waits for every kernel already
-    queued: a step built that way could not be launched while the previous one still runs. The
-    copy goes from pinned memory (torch's caching host allocator keeps the buffer until the copy
-    has run), so it is asynchronous and the host list may go away.
+
+def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor ``host`` on ``device`` without waiting for the device's queued work.
+
+    ``host.to(cuda)`` from pageable memory copies synchronously, which waits for every kernel
+    already queued: a step (or an adapter placement) done that way could not be launched while the
+    previous step still runs. The copy goes from pinned memory (torch's caching host allocator
+    keeps the buffer until the copy has run), so it is asynchronous and ``host`` may change or go
+    away afterwards. On the CPU, ``host`` itself.
     """
-    host = torch.tensor(data, dtype=dtype)
     if torch.device(device).type == "cpu":
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
 
 
 @dataclass
