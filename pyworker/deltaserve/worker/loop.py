@@ -45,7 +45,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -117,6 +117,9 @@ class WorkerLoop:
         """When the previous frame finished sending (start of the next plan's gap)."""
         self.in_flight: InFlight | None = None
         """The step launched on the device whose output is not sent yet."""
+        self.on_iteration: Callable[[], None] | None = None
+        """Called at the top of every loop iteration, on this thread (``__main__``'s profiler
+        dumps its stats from here: the router kills the worker right after Shutdown)."""
 
     def _send(self, msg: object) -> None:
         self.link.send(wire.encode(msg))
@@ -136,6 +139,8 @@ class WorkerLoop:
         current: wire.StepPlan | None = None
         try:
             while True:
+                if self.on_iteration is not None:
+                    self.on_iteration()
                 busy = self.in_flight is not None
                 frame = self._recv_while_busy(self.in_flight) if busy else self.link.recv(timeout_s=self.poll_s)
                 if frame is None:
@@ -238,8 +243,9 @@ def configure_process(cfg: WorkerConfig) -> None:
     kernel_common.set_backend(cfg.kernels)
 
 
-def serve(cfg: WorkerConfig) -> int:
-    """The whole worker process: open the link, load, Hello, serve. Returns the exit code."""
+def serve(cfg: WorkerConfig, on_iteration: Callable[[], None] | None = None) -> int:
+    """The whole worker process: open the link, load, Hello, serve. Returns the exit code.
+    ``on_iteration``: ``WorkerLoop.on_iteration``."""
     from deltaserve._native import WorkerLink
 
     configure_process(cfg)
@@ -253,4 +259,6 @@ def serve(cfg: WorkerConfig) -> int:
         except Exception as send_error:  # noqa: BLE001
             log.error("could not report the load failure: %s", send_error)
         return EXIT_FATAL
-    return WorkerLoop(executor, link).run()
+    loop = WorkerLoop(executor, link)
+    loop.on_iteration = on_iteration
+    return loop.run()
