@@ -48,11 +48,14 @@ def _serve_profiled(cfg: WorkerConfig, path: str) -> int:
     prof = cProfile.Profile()
     last = time.monotonic()
 
+    def write() -> None:  # whole or not at all: the router may kill us while it writes
+        prof.dump_stats(path + ".tmp")
+        os.replace(path + ".tmp", path)
+
     def dump() -> None:
         prof.disable()
         try:
-            prof.dump_stats(path + ".tmp")
-            os.replace(path + ".tmp", path)
+            write()
         finally:
             prof.enable()
 
@@ -67,7 +70,7 @@ def _serve_profiled(cfg: WorkerConfig, path: str) -> int:
         return serve(cfg, on_iteration=maybe_dump)
     finally:
         prof.disable()
-        prof.dump_stats(path)
+        write()
 
 if __name__ == "__main__":
     sys.exit(main())
