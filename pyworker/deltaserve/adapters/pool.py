@@ -71,7 +71,7 @@ import torch
 from .. import wire
 from ..kernels.lora import LoraMeta, LoraWeights
 from ..model.arch import ModelConfig
-from ..model.batch import host_to_device, to_device
+from ..model.batch import copy_from_host, host_to_device
 from ..model.decoder import linear_slots
 from ..model.kv_cache import PagedKVCache
 from .host_tier import AdapterLoadError, HostTier
@@ -424,7 +424,7 @@ class AdapterPool:
         def base(region: int) -> int:
             return ((region % 2) * NB + pages[region // 2]) * S
 
-        src = copy.packed.to(self.device, non_blocking=True) if self.device.type != "cpu" else copy.packed
+        src = host_to_device(copy.packed, self.device)
         pos = 0
         for region, used in enumerate(layout.region_used):
             start = base(region)
@@ -536,9 +536,8 @@ class AdapterPool:
             self.seg_start = torch.zeros(total + 1, dtype=torch.int32, device=self.device)
             self.seg_adapter = torch.zeros(total, dtype=torch.int32, device=self.device)
         S = len(seg_adapter)
-        # From pinned memory: a pageable copy would wait for the step still running (overlapped steps).
-        self.seg_start[: S + 1].copy_(to_device(starts, torch.int32, self.device), non_blocking=True)
-        self.seg_adapter[:S].copy_(to_device(seg_adapter, torch.int32, self.device), non_blocking=True)
+        copy_from_host(self.seg_start[: S + 1], torch.tensor(starts, dtype=torch.int32))
+        copy_from_host(self.seg_adapter[:S], torch.tensor(seg_adapter, dtype=torch.int32))
         self.step.meta = LoraMeta(
             seg_start=self.seg_start[: S + 1], seg_adapter=self.seg_adapter[:S],
             seg_start_host=tuple(starts), seg_adapter_host=tuple(seg_adapter), num_tokens=total,

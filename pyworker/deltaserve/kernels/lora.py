@@ -615,10 +615,29 @@ def _block_row_offsets(off_rows, rs, r_ok, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _block_rows(row_adapter_ptr, T, BLOCK_T: tl.constexpr):
+    """This program's row block (axis 0): its rows ``ts`` (int64), which exist (``t_ok``), which
+    have an adapter (``has``) and their adapter slots (0 where none). One dependent load."""
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = ts < T
+    ts = ts.to(tl.int64)
+    adapter = tl.load(row_adapter_ptr + ts, mask=t_ok, other=-1)
+    return ts, t_ok, adapter >= 0, tl.maximum(adapter, 0).to(tl.int64)
+
+
+@triton.jit
 def _block_ranks(slot, has, rank_ptr, R_MAX):
     """Each row's rank in the slice whose rank table starts at ``rank_ptr`` (0: no adapter, or the
     slice not adapted by it)."""
     return tl.where(has, tl.minimum(tl.load(rank_ptr + slot, mask=has, other=0), R_MAX), 0)
+
+
+@triton.jit
+def _shrink_rank_tile(a_ptr, off, xk, ks, k_ok, rs, r_ok, p_rows):
+    """One rank tile of a row block's shrink: the A rows [BLOCK_T, BLOCK_R, BLOCK_K] at ``off``
+    times the rows' x columns ``xk``, summed over the columns into the partials at ``p_rows``."""
+    at = tl.load(a_ptr + off[:, :, None] + ks[None, None, :], mask=r_ok[:, :, None] & k_ok[None, None, :], other=0.0)
+    tl.store(p_rows[:, None] + rs[None, :], tl.sum(at.to(tl.float32) * xk[:, None, :], axis=2), mask=r_ok)
 
 
 @triton.jit
@@ -637,16 +656,11 @@ def _mbgmv_shrink_kernel(x_ptr, a_ptr, part_ptr, row_adapter_ptr, a_off_ptr, ran
     [BLOCK_T, BLOCK_R, BLOCK_K] gather. Rank tiles past the first (ranks above BLOCK_R) loop after."""
     s = tl.program_id(1)
     sl = tl.program_id(2).to(tl.int64)
-    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = ts < T
-    ts = ts.to(tl.int64)
-    adapter = tl.load(row_adapter_ptr + ts, mask=t_ok, other=-1)
+    ts, t_ok, has, slot = _block_rows(row_adapter_ptr, T, BLOCK_T)
     ks = s * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < K
     xk = tl.load(x_ptr + ts[:, None] * x_stride + ks[None, :], mask=t_ok[:, None] & k_ok[None, :],
                  other=0.0).to(tl.float32)
-    has = adapter >= 0
-    slot = tl.maximum(adapter, 0).to(tl.int64)
     off_rows = a_off_ptr + sl * off_slice_stride + slot * off_stride
     rs = tl.arange(0, BLOCK_R)
     off = _block_row_offsets(off_rows, rs, has[:, None] & (rs < R_MAX)[None, :], ALIGN)
@@ -655,16 +669,11 @@ def _mbgmv_shrink_kernel(x_ptr, a_ptr, part_ptr, row_adapter_ptr, a_off_ptr, ran
     if top <= 0:
         return
     p_rows = part_ptr + sl * part_slice_stride + s.to(tl.int64) * part_split_stride + ts * part_stride
-    r_ok = rs[None, :] < rank[:, None]
-    at = tl.load(a_ptr + off[:, :, None] + ks[None, None, :], mask=r_ok[:, :, None] & k_ok[None, None, :], other=0.0)
-    tl.store(p_rows[:, None] + rs[None, :], tl.sum(at.to(tl.float32) * xk[:, None, :], axis=2), mask=r_ok)
+    _shrink_rank_tile(a_ptr, off, xk, ks, k_ok, rs, rs[None, :] < rank[:, None], p_rows)
     for r0 in range(BLOCK_R, top, BLOCK_R):  # the block's largest rank; each row masked to its own
         rs = r0 + tl.arange(0, BLOCK_R)
         r_ok = rs[None, :] < rank[:, None]
-        off = _block_row_offsets(off_rows, rs, r_ok, ALIGN)
-        at = tl.load(a_ptr + off[:, :, None] + ks[None, None, :], mask=r_ok[:, :, None] & k_ok[None, None, :],
-                     other=0.0)
-        tl.store(p_rows[:, None] + rs[None, :], tl.sum(at.to(tl.float32) * xk[:, None, :], axis=2), mask=r_ok)
+        _shrink_rank_tile(a_ptr, _block_row_offsets(off_rows, rs, r_ok, ALIGN), xk, ks, k_ok, rs, r_ok, p_rows)
 
 
 @triton.jit
@@ -704,10 +713,7 @@ def _mbgmv_expand_kernel(v_ptr, b_ptr, out_ptr, row_adapter_ptr, b_off_ptr, rank
         col0 = tl.load(cols_ptr + sl)
     if n0 >= width:
         return
-    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = ts < T
-    ts = ts.to(tl.int64)
-    adapter = tl.load(row_adapter_ptr + ts, mask=t_ok, other=-1)
+    ts, t_ok, has, slot = _block_rows(row_adapter_ptr, T, BLOCK_T)
     ns = n0 + tl.arange(0, BLOCK_N)
     n_ok = ns < width
     o_ptrs = out_ptr + col0 + ts[:, None] * out_stride + ns[None, :]
@@ -718,8 +724,6 @@ def _mbgmv_expand_kernel(v_ptr, b_ptr, out_ptr, row_adapter_ptr, b_off_ptr, rank
     rs = tl.arange(0, BLOCK_R)
     parts = tl.load(v_rows[:, :, None] + rs[None, None, :],
                     mask=s_ok[:, None, None] & t_ok[None, :, None] & (rs < R_MAX)[None, None, :], other=0.0)
-    has = adapter >= 0
-    slot = tl.maximum(adapter, 0).to(tl.int64)
     off_rows = b_off_ptr + sl * off_slice_stride + slot * off_stride
     off = _block_row_offsets(off_rows, rs, has[:, None] & (rs < R_MAX)[None, :], ALIGN)
     rank = _block_ranks(slot, has, rank_ptr + sl * rank_slice_stride, R_MAX)
@@ -784,6 +788,7 @@ blocks, BLOCK_T > 1, won only with 4-warp programs)."""
 
 
 def _mb_launch(table: tuple[tuple[int, tuple[int, int, int, int]], ...], tokens: int) -> tuple[int, int, int, int]:
+    """The launch of ``MB_SHRINK_LAUNCH`` / ``MB_EXPAND_LAUNCH`` for a step of ``tokens`` rows."""
     return next(cfg for bound, cfg in table if tokens <= bound)
 
 

@@ -40,6 +40,15 @@ def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tens
     return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
 
 
+def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """``dst.copy_(host)`` into an existing device buffer (a CUDA graph's static input, a static
+    table) without waiting for the device's queued work, for the reason ``host_to_device`` gives:
+    the copy goes from pinned memory."""
+    if dst.device.type != "cpu" and not host.is_pinned():
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=True)
+
+
 @dataclass
 class ForwardBatch:
     """Flattened ragged batch of one forward step (see the module docstring for the layout)."""

@@ -40,6 +40,7 @@ import torch
 
 from deltaserve.kernels.lora import LoraMeta
 from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
+from deltaserve.model.batch import copy_from_host
 
 if TYPE_CHECKING:
     from deltaserve.adapters.pool import AdapterPool
@@ -191,14 +192,13 @@ class DecodeGraphs:
         width = step.block_tables.shape[1]
         if width > self.max_blocks:
             raise ValueError(f"DecodeGraphs.run: block tables of {width} pages exceed {self.max_blocks}")
-        # From pinned memory: a copy from pageable memory would wait for the work already queued.
-        self.input_ids[:n].copy_(step.input_ids.pin_memory(), non_blocking=True)
+        copy_from_host(self.input_ids[:n], step.input_ids)
         if device_inputs is not None:
             self.input_ids.index_copy_(0, *device_inputs)
-        self.positions[:n].copy_(step.positions.pin_memory(), non_blocking=True)
-        self.slot_mapping[:n].copy_(step.slot_mapping.pin_memory(), non_blocking=True)
-        self.seq_lens[:n].copy_(step.seq_lens.pin_memory(), non_blocking=True)
-        self.block_tables[:n, :width].copy_(step.block_tables.pin_memory(), non_blocking=True)
+        copy_from_host(self.positions[:n], step.positions)
+        copy_from_host(self.slot_mapping[:n], step.slot_mapping)
+        copy_from_host(self.seq_lens[:n], step.seq_lens)
+        copy_from_host(self.block_tables[:n, :width], step.block_tables)
         if b > n:
             self.seq_lens[n:b].zero_()
             self.slot_mapping[n:b].fill_(self.scratch_slot)
@@ -207,7 +207,7 @@ class DecodeGraphs:
             if b not in self.lora_graphs or len(row_slots) != n:
                 raise ValueError(f"DecodeGraphs.run: no LoRA graph for {n} rows with {len(row_slots)} slots")
             slots = torch.tensor(row_slots + [-1] * (b - n), dtype=torch.int32)
-            self.row_slot[:b].copy_(slots.pin_memory(), non_blocking=True)
+            copy_from_host(self.row_slot[:b], slots)
             graphs = self.lora_graphs
         graph, logits = graphs[b]
         graph.replay()

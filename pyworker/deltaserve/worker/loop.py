@@ -104,7 +104,8 @@ class InFlight:
 class WorkerLoop:
     """Serves StepPlans from one link with one executor until Shutdown or a fatal error."""
 
-    def __init__(self, executor: Executor, link: Link, poll_s: float = POLL_SECONDS) -> None:
+    def __init__(self, executor: Executor, link: Link, poll_s: float = POLL_SECONDS,
+                 on_iteration: Callable[[], None] | None = None) -> None:
         self.executor = executor
         """Runs the plans."""
         self.link = link
@@ -117,7 +118,7 @@ class WorkerLoop:
         """When the previous frame finished sending (start of the next plan's gap)."""
         self.in_flight: InFlight | None = None
         """The step launched on the device whose output is not sent yet."""
-        self.on_iteration: Callable[[], None] | None = None
+        self.on_iteration = on_iteration
         """Called at the top of every loop iteration, on this thread (``__main__``'s profiler
         dumps its stats from here: the router kills the worker right after Shutdown)."""
 
@@ -259,6 +260,4 @@ def serve(cfg: WorkerConfig, on_iteration: Callable[[], None] | None = None) -> 
         except Exception as send_error:  # noqa: BLE001
             log.error("could not report the load failure: %s", send_error)
         return EXIT_FATAL
-    loop = WorkerLoop(executor, link)
-    loop.on_iteration = on_iteration
-    return loop.run()
+    return WorkerLoop(executor, link, on_iteration=on_iteration).run()

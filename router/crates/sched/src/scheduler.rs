@@ -515,10 +515,7 @@ impl Scheduler {
             seq.pending += u32::from(samples);
             watermark += u64::from((seq.blocks.len() as u64) * (bs as u64) < target as u64 + 1);
             budget -= n as usize;
-            self.outstanding
-                .back_mut()
-                .expect("form_step pushed this step's chunks")
-                .push(Chunk { id, n, samples });
+            record_chunk(&mut self.outstanding, Chunk { id, n, samples });
             running_adapters.push(seq.adapter_id);
             step.running.push(ScheduledRunning {
                 id,
@@ -715,10 +712,7 @@ impl Scheduler {
         if adapter_id != 0 {
             self.adapters.start_running(adapter_id);
         }
-        self.outstanding
-            .back_mut()
-            .expect("form_step pushed this step's chunks")
-            .push(Chunk { id, n, samples });
+        record_chunk(&mut self.outstanding, Chunk { id, n, samples });
         insert_sorted_vec(&mut self.running, key, id);
         u64::from(table_full)
     }
@@ -1421,6 +1415,15 @@ fn group_by_adapter(step: &mut ScheduledStep, running_adapters: &[u32]) {
 fn insert_sorted_deque(q: &mut VecDeque<(OrderKey, u64)>, key: OrderKey, id: u64) {
     let pos = q.partition_point(|&(k, _)| k < key);
     q.insert(pos, (key, id));
+}
+
+/// Adds `chunk` to the step being formed (the newest of the `outstanding` steps; a field, not
+/// `&mut Scheduler`, so phase 1 can call it while it holds a request).
+fn record_chunk(outstanding: &mut VecDeque<Vec<Chunk>>, chunk: Chunk) {
+    outstanding
+        .back_mut()
+        .expect("form_step pushed this step's chunks")
+        .push(chunk);
 }
 
 /// Inserts into a vec sorted by key (O(1) when appending, the common case).
