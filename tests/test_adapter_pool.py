@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from deltaserve import wire
 from deltaserve.adapters import AdapterLoadError, DeltaLinear, LoraLinear, load_lora_adapter, lora_delta_ref
@@ -151,6 +152,15 @@ def test_inspect_reports_footprint_and_errors_and_changes_nothing(make_executor,
     (dora / "adapter_config.json").write_text(json.dumps(conf))
     err = ex.inspect_adapter(str(dora)).error
     assert "dora" in err and "use_dora" in err
+    # Values are checked too (by the native reader the host tier packs with), without loading them.
+    nan = tmp_path / "nan"
+    shutil.copytree(dirs["qv"], nan)
+    tensors = load_file(nan / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors[key][5, 3] = float("nan")
+    save_file(tensors, nan / "adapter_model.safetensors")
+    err = ex.inspect_adapter(str(nan)).error
+    assert str(nan) in err and f"'{key}' contains non-finite values" in err and "[5, 3]" in err
 
     low = make_executor(max_lora_rank=8)
     err = low.inspect_adapter(str(dirs["all"])).error
@@ -194,6 +204,18 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     with pytest.raises(AdapterLoadError, match=r"adapter 3: loading .*vanishing"):
         ops(ex, wire.AdapterOp(3, "to_gpu", "", [0, 1, 2]))
     assert set(ex.adapters.gpu) == {2}
+
+    # Values changed after registration: the background read refuses them, naming the tensor.
+    spoiled = tmp_path / "spoiled"
+    shutil.copytree(dirs["qv"], spoiled)
+    assert ex.inspect_adapter(str(spoiled)).error is None
+    tensors = load_file(spoiled / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    tensors[key][0, 0] = float("inf")
+    save_file(tensors, spoiled / "adapter_model.safetensors")
+    ops(ex, wire.AdapterOp(4, "to_host", str(spoiled), []))
+    with pytest.raises(AdapterLoadError, match=rf"adapter 4: loading .*spoiled.*'{key}' contains non-finite"):
+        ops(ex, wire.AdapterOp(4, "to_gpu", "", [0, 1, 2]))
 
 
 # ------------------------------------------------------------------------------ adapted linears

@@ -1,6 +1,7 @@
 """Typed stub of ``deltaserve._native``, the private Rust extension (``router/crates/py``).
 
-Conversion only: the ring, doorbells and schema live in the Rust ``ipc`` crate. Blocking calls
+Conversion only: the ring, doorbells and schema live in the Rust ``ipc`` crate, the safetensors
+reader in ``tensorfile``. Blocking calls
 release the GIL and check for signals at least every 100 ms (Ctrl-C interrupts them).
 
 Errors: problems with the link's files or shared state raise ``OSError`` (with ``errno`` where the
@@ -9,7 +10,8 @@ OS gave one, e.g. ``FileNotFoundError`` for a missing ring); bad arguments (a fr
 ``send`` whose ring stayed full raises ``TimeoutError``.
 """
 
-from typing import Final, Optional
+import os
+from typing import Final, Optional, Sequence
 
 #: Ring capacity in bytes used when none is given (4 MiB; frames up to half of it).
 DEFAULT_CAPACITY: Final[int]
@@ -74,3 +76,22 @@ class RouterLink:
     @property
     def max_frame_len(self) -> int:
         """Largest frame ``send`` accepts."""
+
+def read_safetensors_into(
+    path: str | os.PathLike[str],
+    copies: Sequence[tuple[str, int, int, int, bool]],
+    dst_dtype: str,
+    dst_ptr: int = 0,
+    dst_len: int = 0,
+) -> None:
+    """Copies 2-D tensors of a safetensors file into a host buffer, without the GIL.
+
+    ``copies``: ``(name, rows, cols, dst_offset, transpose)``; each tensor must exist with shape
+    ``[rows, cols]`` and dtype F16, BF16 or F32; it is written (converted to ``dst_dtype``, rounding
+    to nearest even) at element ``dst_offset`` of the buffer, row-major or transposed. Values that
+    are not finite, in the file or after the conversion, raise ``ValueError`` naming the tensor and
+    the first bad element; so does a missing tensor, another shape or dtype, a malformed file or a
+    copy outside the buffer (checked before anything is written). ``OSError`` when the file cannot
+    be opened. ``dst_ptr``/``dst_len``: address and byte size of a contiguous CPU buffer the caller
+    keeps alive and untouched during the call; ``dst_ptr`` 0 checks everything and writes nothing.
+    """

@@ -2,9 +2,10 @@
 
 Layout:
 
-- ``lora``  PEFT LoRA directories -> validated ``LoraAdapter`` (per layer and projection ``A [r, in]``,
-            ``B [out, r]``, rank, alpha, scaling), plus the torch references ``lora_delta_ref`` and
-            ``merged_weight`` that kernels and serving are tested against.
+- ``lora``  PEFT LoRA directories -> ``LoraSpec`` (validated from config and header: which tensor is
+            which site, ranks, scalings; ``read_into`` reads values GIL-free, checked finite) and
+            ``LoraAdapter`` (the spec plus ``A [r, in]``, ``B [out, r]`` on CPU), plus the torch
+            references ``lora_delta_ref`` and ``merged_weight`` that kernels and serving are tested against.
 - ``pool``  the adapter tiers the router drives (``AdapterOp``: host memory, pages of the KV pool),
             ``inspect`` for registration, and the per-step slot tables + ``LoraMeta`` the kernels read.
 - ``lora_layers``  ``attach_lora(model, step, weights)`` wraps the block linears in ``LoraLinear``

@@ -5,10 +5,14 @@ starts a load (``load``), ``to_gpu`` waits for it (``wait``: a failed load is ``
 fatal for the worker), ``drop_host`` forgets it (``drop``). ``nbytes`` is what the worker reports
 as its host tier: finished copies measured, running loads as expected. A mapping of variant id ->
 ``HostEntry`` (``in``, iteration, ``get``) for the executor's plan validation.
+
+``nbytes`` is read after every step (``StepOutput.adapter_host_bytes``), so it is a running total
+kept as loads start, finish and are dropped, not a sum over the (thousands of) entries.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +50,11 @@ class HostEntry(Generic[C]):
     """The background load; its result is the copy, its exception why the load failed."""
     expected_bytes: int
     """Bytes the copy will take, counted while the load runs."""
+    counted: int = 0
+    """What ``HostTier.nbytes`` counts for it now: ``expected_bytes`` while loading, the copy's
+    ``nbytes`` once loaded, 0 when the load failed or the entry was dropped."""
+    dropped: bool = False
+    """Forgotten by ``drop``: a load finishing later counts nothing."""
 
 
 class HostTier(Generic[C]):
@@ -55,6 +64,9 @@ class HostTier(Generic[C]):
         self.what = what
         """How errors name a variant: ``adapter`` or ``delta``."""
         self.entries: dict[int, HostEntry[C]] = {}
+        self._nbytes = 0
+        self._lock = threading.Lock()
+        """Guards ``_nbytes`` and the entries' ``counted`` (loads settle on the loader threads)."""
         self._loader = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix=f"{what}-load")
 
     def __contains__(self, variant_id: object) -> bool:
@@ -73,22 +85,34 @@ class HostTier(Generic[C]):
         """Starts ``read(path)`` in the background as ``variant_id``'s copy."""
         if variant_id in self.entries:
             raise ValueError(f"{self.what} {variant_id} is already in host memory")
-        self.entries[variant_id] = HostEntry(path, self._loader.submit(read, path), expected_bytes)
+        entry = HostEntry(path, self._loader.submit(read, path), expected_bytes, counted=expected_bytes)
+        with self._lock:
+            self._nbytes += expected_bytes
+        self.entries[variant_id] = entry
+        entry.future.add_done_callback(lambda _: self._settle(entry))  # at once if already done
+
+    def _settle(self, entry: HostEntry[C]) -> None:
+        """A load finished: count the copy's measured bytes instead of the expected ones (idempotent)."""
+        f = entry.future
+        measured = 0 if f.cancelled() or f.exception() is not None else f.result().nbytes
+        with self._lock:
+            if not entry.dropped:
+                self._nbytes += measured - entry.counted
+                entry.counted = measured
 
     def drop(self, variant_id: int) -> None:
         """Frees the copy (a load still running finishes, and its result is dropped)."""
-        self.entries.pop(variant_id).future.cancel()
+        entry = self.entries.pop(variant_id)
+        entry.future.cancel()
+        with self._lock:
+            entry.dropped = True
+            self._nbytes -= entry.counted
+            entry.counted = 0
 
     @property
     def nbytes(self) -> int:
         """Bytes of the copies held: finished ones measured, running loads as expected."""
-        total = 0
-        for entry in list(self.entries.values()):
-            if not entry.future.done():
-                total += entry.expected_bytes
-            elif not entry.future.cancelled() and entry.future.exception() is None:
-                total += entry.future.result().nbytes
-        return total
+        return self._nbytes
 
     def ready(self, variant_id: int) -> C | None:
         """The copy if its load has finished well, else None (no waiting)."""
@@ -98,9 +122,11 @@ class HostTier(Generic[C]):
         return entry.future.result()
 
     def wait(self, variant_id: int) -> C:
-        """The copy, after its load finishes; AdapterLoadError if the load failed."""
+        """The copy, after its load finishes (and is counted); AdapterLoadError if the load failed."""
         entry = self.entries[variant_id]
         try:
+            entry.future.exception()  # waits; the done callback may not have run yet
+            self._settle(entry)
             return entry.future.result()
         except Exception as e:  # noqa: BLE001 - any load failure means the same to the router
             raise AdapterLoadError(

@@ -51,12 +51,13 @@ and the reference models in tests are checked against.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -69,6 +70,13 @@ PICKLE_WEIGHTS_NAME = "adapter_model.bin"
 MIN_RANK = 1
 MAX_RANK = 256
 ALLOWED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# safetensors dtype names of the torch dtypes a header may hold (anything else is shown by name).
+_SAFETENSORS_DTYPE = {
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool,
+}  # fmt: skip
+_SAFETENSORS_NAME = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
 
 # HF module path of each adaptable linear inside a decoder block (``<parent>.<name>``).
 _PARENT = {
@@ -122,11 +130,30 @@ class LoraWeights:
 
 
 @dataclass(frozen=True, eq=False)
-class LoraAdapter:
-    """One validated PEFT LoRA adapter, tensors on CPU, indexed by (layer, HF projection name)."""
+class LoraSite:
+    """Where one adapted projection of one layer is in the weights file, and its factors' scalars."""
+
+    a_key: str
+    """Tensor name of its ``lora_A`` ``[rank, in_features]``."""
+    b_key: str
+    """Tensor name of its ``lora_B`` ``[out_features, rank]``."""
+    rank: int
+    """This module's r (``rank_pattern`` entry or the config's ``r``)."""
+    alpha: float
+    """This module's lora_alpha (``alpha_pattern`` entry or the config's ``lora_alpha``)."""
+    scaling: float
+    """Multiplier of ``B @ A``: ``alpha / rank``, or ``alpha / sqrt(rank)`` with rsLoRA."""
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class LoraSpec:
+    """A PEFT LoRA directory validated against the base from its config and the weights file's
+    header alone (``read_lora_spec``): every check of the module docstring but the values'."""
 
     path: Path
     """The adapter directory (error messages and registry listings name it)."""
+    weights_path: Path
+    """Its ``adapter_model.safetensors``."""
     rank: int
     """Config ``r``: the default rank of modules without a ``rank_pattern`` entry."""
     alpha: float
@@ -137,33 +164,74 @@ class LoraAdapter:
     """Per-module rank overrides as written by PEFT (key: module-name suffix regex)."""
     alpha_pattern: dict[str, float]
     """Per-module alpha overrides as written by PEFT."""
-    target_modules: frozenset[str]
-    """HF projection names adapted in at least one layer (subset of the base's linear names)."""
-    modules: dict[tuple[int, str], LoraWeights] = field(hash=False)
-    """(layer index, HF projection name) -> factors; absent pairs are not adapted."""
+    sites: dict[tuple[int, str], LoraSite] = field(hash=False)
+    """(layer index, HF projection name) -> its tensors and scalars; absent pairs are not adapted."""
+    stored_dtypes: frozenset[torch.dtype]
+    """dtypes of the A/B tensors in the file."""
     num_layers: int
     """The base's decoder block count the adapter was validated against."""
     features: dict[str, tuple[int, int]] = field(hash=False)
     """Base projection name -> (in_features, out_features), for every adaptable linear."""
-    dtype: torch.dtype
-    """dtype of every A and B tensor."""
     base_model_name_or_path: str | None = None
     """What the adapter says it was trained on (informational: not resolvable offline)."""
+
+    @property
+    def target_modules(self) -> frozenset[str]:
+        """HF projection names adapted in at least one layer (subset of the base's linear names)."""
+        return frozenset(proj for _, proj in self.sites)
+
+    @property
+    def layers(self) -> list[int]:
+        """Sorted indices of layers with at least one adapted projection."""
+        return sorted({layer for layer, _ in self.sites})
+
+    @property
+    def max_rank(self) -> int:
+        """Largest rank over all modules (what a padded kernel would need)."""
+        return max(s.rank for s in self.sites.values())
+
+    def fail(self, msg: str) -> LoraAdapterError:
+        """The error for ``msg`` about this adapter (names its directory)."""
+        return LoraAdapterError(f"LoRA adapter {self.path}: {msg}")
+
+    def read_into(self, copies: Sequence[TensorCopy], out: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """Copies tensors of the weights file into ``out`` (a contiguous CPU tensor of ``dtype``) as
+        ``deltaserve._native.read_safetensors_into`` says, without the GIL: values checked finite,
+        in the file and in ``dtype``. ``out`` None checks and writes nothing. LoraAdapterError
+        naming the tensor when a value is not finite or the file changed since ``read_lora_spec``."""
+        from .._native import read_safetensors_into
+
+        if out is not None and (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != dtype):
+            raise ValueError(f"read_into needs a contiguous CPU tensor of {dtype}, got {out.dtype} on {out.device}")
+        try:
+            if out is None:
+                read_safetensors_into(self.weights_path, copies, _SAFETENSORS_NAME[dtype])
+            else:
+                nbytes = out.numel() * out.element_size()
+                read_safetensors_into(self.weights_path, copies, _SAFETENSORS_NAME[dtype], out.data_ptr(), nbytes)
+        except OSError as e:
+            raise self.fail(f"{WEIGHTS_NAME} cannot be read: {e}") from None
+        except ValueError as e:
+            raise self.fail(str(e)) from None
+
+
+TensorCopy = tuple[str, int, int, int, bool]
+"""``(name, rows, cols, dst_offset, transpose)``: one tensor of ``LoraSpec.read_into``."""
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class LoraAdapter(LoraSpec):
+    """One validated PEFT LoRA adapter, tensors on CPU, indexed by (layer, HF projection name)."""
+
+    modules: dict[tuple[int, str], LoraWeights] = field(hash=False)
+    """(layer index, HF projection name) -> factors; absent pairs are not adapted."""
+    dtype: torch.dtype
+    """dtype of every A and B tensor."""
 
     def get(self, layer: int, proj: str) -> LoraWeights | None:
         """The factors of ``proj`` in ``layer``, or None if that projection is not adapted there."""
         self._check_site(layer, proj)
         return self.modules.get((layer, proj))
-
-    @property
-    def layers(self) -> list[int]:
-        """Sorted indices of layers with at least one adapted projection."""
-        return sorted({layer for layer, _ in self.modules})
-
-    @property
-    def max_rank(self) -> int:
-        """Largest rank over all modules (what a padded kernel would need)."""
-        return max(w.rank for w in self.modules.values())
 
     @property
     def nbytes(self) -> int:
@@ -192,21 +260,17 @@ def hf_module_name(layer: int, proj: str) -> str:
     return f"model.layers.{layer}.{_PARENT[proj]}.{proj}"
 
 
-def load_lora_adapter(adapter_dir: str | Path, base: ModelConfig, dtype: torch.dtype | None = None) -> LoraAdapter:
-    """Read and validate a PEFT LoRA directory against ``base``; tensors land on CPU.
-
-    ``dtype``: cast every A/B to it (float16/bfloat16/float32); None keeps the stored dtype (float32
-    when A/B tensors disagree). Raises ``LoraAdapterError`` for anything in the module docstring's
-    refusal list.
-    """
+def read_lora_spec(adapter_dir: str | Path, base: ModelConfig) -> LoraSpec:
+    """Validate a PEFT LoRA directory against ``base`` from its config and the weights file's header
+    (names, shapes, dtypes): everything but the tensors' values, which ``LoraSpec.read_into``
+    checks as it reads them. Raises ``LoraAdapterError`` for anything in the module docstring's
+    refusal list."""
     path = Path(adapter_dir)
     where = str(path)
 
     def fail(msg: str) -> LoraAdapterError:
         return LoraAdapterError(f"LoRA adapter {where}: {msg}")
 
-    if dtype is not None and dtype not in ALLOWED_DTYPES:
-        raise fail(f"requested dtype {dtype} is not one of {[str(d) for d in ALLOWED_DTYPES]}")
     if not path.is_dir():
         raise fail("not a directory")
     cfg = _read_config(path, fail)
@@ -248,10 +312,11 @@ def load_lora_adapter(adapter_dir: str | Path, base: ModelConfig, dtype: torch.d
     features = projection_features(base)
     expected = _targeted_sites(cfg, base, names, fail)
 
-    # ---- tensors
-    raw = _read_tensors(weights_path, fail)
-    pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
-    for key, tensor in raw.items():
+    # ---- tensors, from the header
+    header = _read_header(weights_path, fail)
+    pairs: dict[tuple[int, str], dict[str, tuple[str, list[int]]]] = {}
+    stored: set[torch.dtype] = set()
+    for key, (dtype_name, shape) in header.items():
         m = _TENSOR_RE.match(key)
         if m is None:
             raise fail(
@@ -264,68 +329,95 @@ def load_lora_adapter(adapter_dir: str | Path, base: ModelConfig, dtype: torch.d
             raise fail(f"tensor '{key}': '{m['parent']}.{proj}' is not one of the base's adaptable linears {list(names)}")
         if layer >= base.num_layers:
             raise fail(f"tensor '{key}': layer {layer} is beyond the base's num_layers={base.num_layers}")
-        if tensor.dtype not in ALLOWED_DTYPES:
-            raise fail(f"tensor '{key}' has dtype {tensor.dtype}; supported: float16, bfloat16, float32")
-        if tensor.dim() != 2:
-            raise fail(f"tensor '{key}' has shape {list(tensor.shape)}; expected a 2-D matrix")
-        if not _all_finite(tensor):
-            raise fail(f"tensor '{key}' contains non-finite values (NaN or inf)")
+        dtype = _SAFETENSORS_DTYPE.get(dtype_name)
+        if dtype not in ALLOWED_DTYPES:
+            shown = dtype_name if dtype is None else f"{dtype} ({dtype_name})"
+            raise fail(f"tensor '{key}' has dtype {shown}; supported: float16, bfloat16, float32")
+        if len(shape) != 2:
+            raise fail(f"tensor '{key}' has shape {shape}; expected a 2-D matrix")
         if (layer, proj) not in expected:
             raise fail(f"tensor '{key}': module '{hf_module_name(layer, proj)}' is not targeted by 'target_modules'")
-        pairs.setdefault((layer, proj), {})[m["ab"]] = (key, tensor)
+        stored.add(dtype)
+        pairs.setdefault((layer, proj), {})[m["ab"]] = (key, shape)
 
     for site in sorted(expected, key=lambda s: (s[0], names.index(s[1]))):
         if site not in pairs:
             raise fail(f"module '{hf_module_name(*site)}' is targeted by 'target_modules' but has no lora_A/lora_B tensors")
 
-    stored = {t.dtype for t in raw.values()}
-    out_dtype = dtype or (stored.pop() if len(stored) == 1 else torch.float32)
-    modules: dict[tuple[int, str], LoraWeights] = {}
+    sites: dict[tuple[int, str], LoraSite] = {}
     for (layer, proj), ab in sorted(pairs.items(), key=lambda kv: (kv[0][0], names.index(kv[0][1]))):
         module = hf_module_name(layer, proj)
         for which in "AB":
             if which not in ab:
                 other = next(iter(ab.values()))[0]
                 raise fail(f"tensor '{other}' has no matching lora_{which}")
-        (a_key, a), (b_key, b) = ab["A"], ab["B"]
+        (a_key, a_shape), (b_key, b_shape) = ab["A"], ab["B"]
         r = rank_pattern.get(_pattern_key(rank_pattern, module), rank)
         mod_alpha = alpha_pattern.get(_pattern_key(alpha_pattern, module), alpha)
         fin, fout = features[proj]
-        if tuple(a.shape) != (r, fin):
+        if a_shape != [r, fin]:
             raise fail(
-                f"tensor '{a_key}' has shape {list(a.shape)} but the base's {proj} needs lora_A "
+                f"tensor '{a_key}' has shape {a_shape} but the base's {proj} needs lora_A "
                 f"[r={r}, in_features={fin}] = {[r, fin]}"
             )
-        if tuple(b.shape) != (fout, r):
+        if b_shape != [fout, r]:
             raise fail(
-                f"tensor '{b_key}' has shape {list(b.shape)} but the base's {proj} needs lora_B "
+                f"tensor '{b_key}' has shape {b_shape} but the base's {proj} needs lora_B "
                 f"[out_features={fout}, r={r}] = {[fout, r]}"
             )
-        cast = (a.dtype != out_dtype, b.dtype != out_dtype)
-        a, b = a.to(out_dtype).contiguous(), b.to(out_dtype).contiguous()
-        for k, t, was_cast in ((a_key, a, cast[0]), (b_key, b, cast[1])):
-            if was_cast and not _all_finite(t):  # a tensor already in out_dtype was checked above
-                raise fail(f"tensor '{k}' overflows {out_dtype} (non-finite after the cast)")
         scaling = mod_alpha / math.sqrt(r) if use_rslora else mod_alpha / r
-        modules[(layer, proj)] = LoraWeights(a=a, b=b, rank=r, alpha=mod_alpha, scaling=scaling)
+        sites[(layer, proj)] = LoraSite(a_key=a_key, b_key=b_key, rank=r, alpha=mod_alpha, scaling=scaling)
 
-    if not modules:
+    if not sites:
         raise fail(f"{WEIGHTS_NAME} holds no LoRA tensors")
     base_name = cfg.get("base_model_name_or_path")
-    return LoraAdapter(
+    return LoraSpec(
         path=path,
+        weights_path=weights_path,
         rank=rank,
         alpha=alpha,
         use_rslora=use_rslora,
         rank_pattern=rank_pattern,
         alpha_pattern=alpha_pattern,
-        target_modules=frozenset(proj for _, proj in modules),
-        modules=modules,
+        sites=sites,
+        stored_dtypes=frozenset(stored),
         num_layers=base.num_layers,
         features=features,
-        dtype=out_dtype,
         base_model_name_or_path=None if base_name is None else str(base_name),
     )
+
+
+def load_lora_adapter(adapter_dir: str | Path, base: ModelConfig, dtype: torch.dtype | None = None) -> LoraAdapter:
+    """Read and validate a PEFT LoRA directory against ``base``; tensors land on CPU.
+
+    ``dtype``: cast every A/B to it (float16/bfloat16/float32); None keeps the stored dtype (float32
+    when A/B tensors disagree). Raises ``LoraAdapterError`` for anything in the module docstring's
+    refusal list.
+    """
+    if dtype is not None and dtype not in ALLOWED_DTYPES:
+        raise LoraAdapterError(
+            f"LoRA adapter {adapter_dir}: requested dtype {dtype} is not one of {[str(d) for d in ALLOWED_DTYPES]}"
+        )
+    spec = read_lora_spec(adapter_dir, base)
+    out_dtype = dtype or (next(iter(spec.stored_dtypes)) if len(spec.stored_dtypes) == 1 else torch.float32)
+    # Every factor goes into one flat buffer in a single GIL-free read; the weights are views of it.
+    copies: list[TensorCopy] = []
+    offset = 0
+    for (_, proj), site in spec.sites.items():
+        fin, fout = spec.features[proj]
+        copies += [(site.a_key, site.rank, fin, offset, False), (site.b_key, fout, site.rank, offset + site.rank * fin, False)]
+        offset += site.rank * (fin + fout)
+    flat = torch.empty(offset, dtype=out_dtype)
+    spec.read_into(copies, flat, out_dtype)
+    modules: dict[tuple[int, str], LoraWeights] = {}
+    for ((layer, proj), site), (_, r, fin, a_at, _), (_, fout, _, b_at, _) in zip(
+        spec.sites.items(), copies[0::2], copies[1::2]
+    ):
+        a = flat[a_at : a_at + r * fin].view(r, fin)
+        b = flat[b_at : b_at + fout * r].view(fout, r)
+        modules[(layer, proj)] = LoraWeights(a=a, b=b, rank=site.rank, alpha=site.alpha, scaling=site.scaling)
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(LoraSpec)}
+    return LoraAdapter(**fields, modules=modules, dtype=out_dtype)
 
 
 def lora_delta_ref(adapter: LoraAdapter, layer: int, proj: str, x: torch.Tensor) -> torch.Tensor:
@@ -366,15 +458,6 @@ def merged_weight(adapter: LoraAdapter, base_weight: torch.Tensor, layer: int, p
 # ---------------------------------------------------------------------------------------- helpers
 
 
-def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN or inf in ``t``: its min and max in one pass (NaN propagates to both); ~15x faster on CPU
-    than ``isfinite(t).all()``, which made finiteness most of a rank-64 7B adapter's load time."""
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
-
-
 def _read_config(path: Path, fail: Any) -> dict[str, Any]:
     cfg_path = path / CONFIG_NAME
     if not cfg_path.is_file():
@@ -388,12 +471,17 @@ def _read_config(path: Path, fail: Any) -> dict[str, Any]:
     return cfg
 
 
-def _read_tensors(weights_path: Path, fail: Any) -> dict[str, torch.Tensor]:
+def _read_header(weights_path: Path, fail: Any) -> dict[str, tuple[str, list[int]]]:
+    """Tensor name -> (safetensors dtype name, shape), from the file's header (no data read)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(weights_path), framework="pt", device="cpu") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            out = {}
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                view = f.get_slice(key)
+                out[key] = (view.get_dtype(), list(view.get_shape()))
+            return out
     except (SafetensorError, OSError, TypeError, ValueError) as e:
         raise fail(f"{WEIGHTS_NAME} cannot be read: {e}") from None
 

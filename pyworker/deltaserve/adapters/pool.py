@@ -35,9 +35,10 @@ executor validates the whole plan first, then applies them in order)::
     drop_gpu: forget the placement (the pages are the router's again, maybe KV this very step)
     drop_host: free the host copy (a GPU placement stays valid without it)
 
-``to_host`` validates the directory again (``load_lora_adapter`` in the pool's dtype plus the
-layout) and packs the host copy in a background thread (a ``ThreadPoolExecutor``), so prefetching
-overlaps steps; ``to_gpu`` waits for it. A load that fails (the directory vanished or changed since
+``to_host`` validates the directory again (``read_lora_spec`` plus the layout) and packs the host
+copy in a background thread (a ``ThreadPoolExecutor``), so prefetching overlaps steps; the packing
+itself is one native read (``LoraSpec.read_into``: no GIL, values checked finite in the pool's
+dtype), so it does not slow the thread launching steps. ``to_gpu`` waits for it. A load that fails (the directory vanished or changed since
 ``inspect``) is raised by ``to_gpu`` as ``AdapterLoadError``: the worker loop makes it a fatal
 ``WorkerError`` and the router restarts the worker (its accounting no longer matches the worker's).
 
@@ -61,7 +62,6 @@ A step without adapter tokens sets nothing: every adapted linear is then its bas
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -75,7 +75,7 @@ from ..model.batch import copy_from_host, host_to_device
 from ..model.decoder import linear_slots
 from ..model.kv_cache import PagedKVCache
 from .host_tier import AdapterLoadError, HostTier
-from .lora import LoraAdapter, LoraAdapterError, load_lora_adapter, projection_features
+from .lora import LoraAdapterError, LoraSpec, TensorCopy, projection_features, read_lora_spec
 from .lora_layers import LoraStep
 
 log = logging.getLogger("deltaserve.worker")
@@ -84,7 +84,6 @@ OPS = ("to_host", "to_gpu", "drop_gpu", "drop_host")
 """The ``AdapterOp.op`` strings the worker executes."""
 _MAX_VEC_BYTES = 16
 """Widest vector load the kernels may use on aligned rows (``LoraWeights.offset_align``)."""
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 # ----------------------------------------------------------------------------------- layout
@@ -290,6 +289,9 @@ class AdapterPool:
         """Static ``LoraMeta.seg_adapter`` buffer."""
         self.step = LoraStep()
         """What the adapted linears read: the current step's LoraMeta, None when inactive."""
+        self.inspected_bytes: dict[str, int] = {}
+        """Adapter path -> its host copy's bytes, as the last ``inspect`` of it found (``to_host``
+        counts a running load at this, without reading the header on the step's thread)."""
         self.host: HostTier[HostCopy] = HostTier("adapter")
         """Adapter id -> its host copy (or the load producing it), loaded in background threads."""
         self.gpu: dict[int, GpuEntry] = {}
@@ -303,39 +305,56 @@ class AdapterPool:
 
     # ------------------------------------------------------------------ inspect / validation
 
-    def _load(self, path: Path) -> tuple[LoraAdapter, AdapterLayout]:
-        """Validates ``path`` as an adapter of this model that fits the pool; raises LoraAdapterError."""
-        adapter = load_lora_adapter(path, self.config, dtype=self.dtype)
-        if adapter.max_rank > self.max_lora_rank:
-            worst = max(adapter.modules.items(), key=lambda kv: kv[1].rank)
+    def _load(self, path: Path) -> tuple[LoraSpec, AdapterLayout]:
+        """Validates ``path`` (config and header) as an adapter of this model that fits the pool;
+        raises LoraAdapterError. The values are checked as ``_copies`` are read."""
+        spec = read_lora_spec(path, self.config)
+        if spec.max_rank > self.max_lora_rank:
+            (layer, proj), worst = max(spec.sites.items(), key=lambda kv: kv[1].rank)
             raise LoraAdapterError(
-                f"LoRA adapter {path}: rank {adapter.max_rank} (layer {worst[0][0]} {worst[0][1]}) exceeds this "
+                f"LoRA adapter {path}: rank {spec.max_rank} (layer {layer} {proj}) exceeds this "
                 f"worker's --max-lora-rank {self.max_lora_rank}"
             )
         ranks: dict[str, int] = {}
-        for (_, proj), w in adapter.modules.items():
-            ranks[proj] = max(ranks.get(proj, 0), w.rank)
+        for (_, proj), site in spec.sites.items():
+            ranks[proj] = max(ranks.get(proj, 0), site.rank)
         try:
             layout = AdapterLayout.plan(ranks, self.features, self.order, self.region_elems)
         except ValueError as e:
             raise LoraAdapterError(f"LoRA adapter {path}: does not fit the pool's pages: {e}") from None
-        return adapter, layout
+        return spec, layout
+
+    def _copies(self, spec: LoraSpec, layout: AdapterLayout) -> list[TensorCopy]:
+        """The reads that fill a host copy ``[L, packed_elems]``: in every layer, each slice's A rows
+        then its B^T rows (the layout's order; module docstring)."""
+        copies: list[TensorCopy] = []
+        for s in layout.slices:
+            for layer in range(self.config.num_layers):
+                site = spec.sites.get((layer, s.proj))
+                if site is None:
+                    continue
+                start = layer * layout.packed_elems + s.packed_start
+                copies.append((site.a_key, site.rank, s.in_dim, start, False))
+                copies.append((site.b_key, s.out_dim, site.rank, start + s.rank * s.in_dim, True))
+        return copies
 
     def inspect(self, path: str | Path) -> wire.AdapterInfo:
         """Validates the adapter at ``path`` and reports its footprint; changes no state, never raises
         for a bad adapter (``error`` says what and where instead)."""
         try:
-            adapter, layout = self._load(Path(path))
+            spec, layout = self._load(Path(path))
+            spec.read_into(self._copies(spec, layout), None, self.dtype)  # values: finite, also in our dtype
         except (LoraAdapterError, OSError, ValueError, RuntimeError) as e:
             return wire.AdapterInfo(error=str(e) or type(e).__name__)
+        self.inspected_bytes[str(path)] = host_bytes = self._host_bytes(layout)
         return wire.AdapterInfo(
             error=None,
             num_blocks=layout.num_blocks,
-            host_bytes=self.config.num_layers * layout.packed_elems * self.kv.kv.element_size(),
-            max_rank=adapter.max_rank,
+            host_bytes=host_bytes,
+            max_rank=spec.max_rank,
             target_modules=[s.proj for s in layout.slices],
             kind="lora",
-            summary=f"rank {adapter.max_rank}",
+            summary=f"rank {spec.max_rank}",
         )
 
     def num_blocks_of(self, adapter_id: int) -> int | None:
@@ -346,43 +365,37 @@ class AdapterPool:
     # ------------------------------------------------------------------ host tier
 
     def _expected_bytes(self, path: Path) -> int:
-        """Bytes of the packed copy, from the safetensors header alone (0 if it cannot be read)."""
-        from safetensors import safe_open
-
-        ranks: dict[str, int] = {}
+        """Bytes of the packed copy: what ``inspect`` found, else from the config and header (0 when
+        they cannot be read: the load itself reports the real problem)."""
+        known = self.inspected_bytes.get(str(path))
+        if known is not None:
+            return known
         try:
-            with safe_open(str(path / "adapter_model.safetensors"), framework="pt", device="cpu") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    if key.endswith(".lora_A.weight") and _LAYER_RE.search(key):
-                        proj = key.split(".")[-3]
-                        if proj in self.features:
-                            ranks[proj] = max(ranks.get(proj, 0), int(f.get_slice(key).get_shape()[0]))
-        except Exception:  # noqa: BLE001 - an estimate; the load itself reports the real problem
+            return self._host_bytes(self._load(path)[1])
+        except (LoraAdapterError, OSError, ValueError):
             return 0
-        per_layer = sum(r * sum(self.features[p]) for p, r in ranks.items())
-        return self.config.num_layers * per_layer * self.kv.kv.element_size()
+
+    def _host_bytes(self, layout: AdapterLayout) -> int:
+        """Bytes of a host copy of ``layout`` (``[L, packed_elems]`` in the pool's dtype)."""
+        return self.config.num_layers * layout.packed_elems * self.kv.kv.element_size()
 
     def _read_host_copy(self, path: Path) -> HostCopy:
-        """The background half of ``to_host``: load, validate, pack (pinned on CUDA)."""
-        adapter, layout = self._load(path)
+        """The background half of ``to_host``: validate, then read and pack the tensors into the host
+        copy (pinned on CUDA) in one GIL-free native call, so loads streaming in do not slow the
+        thread that launches the steps."""
+        spec, layout = self._load(path)
         L, n = self.config.num_layers, len(self.order)
         # Page-locked from the start on CUDA (fast, asynchronous copies to the pool; no second copy to pin).
+        # Zeros: the rows past a layer's smaller rank (rank_pattern) are never read, but stay defined.
         packed = torch.zeros(L, layout.packed_elems, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        spec.read_into(self._copies(spec, layout), packed, self.dtype)
         rank = torch.zeros(L, n, dtype=torch.int32)
         scale = torch.zeros(L, n, dtype=torch.float32)
-        for s in layout.slices:
-            a_len = s.rank * s.in_dim
-            for layer in range(L):
-                w = adapter.modules.get((layer, s.proj))
-                if w is None:
-                    continue
-                start = s.packed_start
-                packed[layer, start : start + w.rank * s.in_dim] = w.a.reshape(-1)
-                start += a_len
-                packed[layer, start : start + w.rank * s.out_dim].view(w.rank, s.out_dim).copy_(w.b.T)  # B^T rows
-                rank[layer, s.index] = w.rank
-                scale[layer, s.index] = w.scaling
-        return HostCopy(layout, packed, rank, scale, adapter.max_rank, tuple(s.proj for s in layout.slices))
+        for (layer, proj), site in spec.sites.items():
+            index = self.order.index(proj)
+            rank[layer, index] = site.rank
+            scale[layer, index] = site.scaling
+        return HostCopy(layout, packed, rank, scale, spec.max_rank, tuple(s.proj for s in layout.slices))
 
     def to_host(self, adapter_id: int, path: str | Path) -> None:
         """Starts reading ``path`` into host memory in the background (``to_gpu`` waits for it)."""

@@ -1,5 +1,6 @@
 //! `deltaserve._native`: the private Python extension. Conversion only: every behaviour lives in
-//! the `deltaserve-ipc` crate, and this file turns its types and errors into Python ones.
+//! the `deltaserve-ipc` and `deltaserve-tensorfile` crates, and this file turns their types and
+//! errors into Python ones.
 //!
 //! # Exports (typed in `pyworker/deltaserve/_native.pyi`)
 //!
@@ -9,6 +10,8 @@
 //! - `RouterLink(ipc_dir, create=True, capacity=DEFAULT_CAPACITY)`: the router's half
 //!   ([`IpcDir::router_side`]), so Python tests and tools can play the router.
 //! - `DEFAULT_CAPACITY`: the ring size the router uses unless told otherwise.
+//! - `read_safetensors_into(path, copies, dst_dtype, dst_ptr=0, dst_len=0)`: tensors of a
+//!   safetensors file into a host buffer ([`deltaserve_tensorfile::read_into`]), GIL released.
 //!
 //! Blocking calls release the GIL and wake at least every [`SIGNAL_CHECK`] to run Python signal
 //! handlers, so Ctrl-C interrupts a worker blocked in `recv`.
@@ -278,6 +281,60 @@ impl RouterLink {
     }
 }
 
+/// Copies `copies` (`(name, rows, cols, dst_offset, transpose)`) of the safetensors file at
+/// `path` into the host buffer at `dst_ptr` (`dst_len` bytes of `dst_dtype` elements: `F16`,
+/// `BF16` or `F32`), converting, transposing and checking finiteness as
+/// [`deltaserve_tensorfile::read_into`] says; `dst_ptr == 0` only checks. Runs without the GIL.
+///
+/// The caller (`deltaserve.adapters.lora.read_tensors_into`, the only one) passes the address of
+/// a contiguous CPU tensor it keeps alive and does not touch during the call.
+#[pyfunction]
+#[pyo3(signature = (path, copies, dst_dtype, dst_ptr=0, dst_len=0))]
+fn read_safetensors_into(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    copies: Vec<(String, usize, usize, usize, bool)>,
+    dst_dtype: &str,
+    dst_ptr: usize,
+    dst_len: usize,
+) -> PyResult<()> {
+    use deltaserve_tensorfile::{read_into, Dtype, Error, TensorCopy};
+    let out = Dtype::parse(dst_dtype).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "dst_dtype must be F16, BF16 or F32, got {dst_dtype:?}"
+        ))
+    })?;
+    if dst_ptr & (out.size() - 1) != 0 {
+        return Err(PyValueError::new_err(format!(
+            "dst_ptr {dst_ptr:#x} is not aligned to {dst_dtype}"
+        )));
+    }
+    let copies: Vec<TensorCopy> = copies
+        .into_iter()
+        .map(|(name, rows, cols, dst_offset, transpose)| TensorCopy {
+            name,
+            rows,
+            cols,
+            dst_offset,
+            transpose,
+        })
+        .collect();
+    let result = py.detach(|| {
+        // SAFETY: the caller's contract above: `dst_len` writable bytes at `dst_ptr`, alive and
+        // not otherwise accessed until this call returns.
+        let dst = (dst_ptr != 0)
+            .then(|| unsafe { std::slice::from_raw_parts_mut(dst_ptr as *mut u8, dst_len) });
+        read_into(&path, &copies, dst, out)
+    });
+    result.map_err(|e| match &e {
+        Error::Io { source, .. } => match source.raw_os_error() {
+            Some(errno) => PyOSError::new_err((errno, e.to_string())),
+            None => PyOSError::new_err(e.to_string()),
+        },
+        _ => PyValueError::new_err(e.to_string()),
+    })
+}
+
 /// The schema hash as computed by the Rust `ipc` crate.
 #[pyfunction]
 fn schema_hash() -> String {
@@ -294,6 +351,7 @@ fn schema_text() -> String {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(schema_hash, m)?)?;
     m.add_function(wrap_pyfunction!(schema_text, m)?)?;
+    m.add_function(wrap_pyfunction!(read_safetensors_into, m)?)?;
     m.add_class::<WorkerLink>()?;
     m.add_class::<RouterLink>()?;
     m.add("DEFAULT_CAPACITY", DEFAULT_CAPACITY)?;

@@ -1,0 +1,54 @@
+"""``HostTier``'s byte count (what the worker reports after every step as its host tier) follows
+loads as they start, finish, fail and are dropped, while they run on the loader threads."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from deltaserve.adapters.host_tier import AdapterLoadError, HostTier
+
+
+@dataclass
+class Copy:
+    nbytes: int
+
+
+def test_bytes_follow_loads_through_their_lifetime() -> None:
+    tier: HostTier[Copy] = HostTier("adapter")
+    gates = {i: threading.Event() for i in range(4)}
+
+    def read(path: Path) -> Copy:
+        i = int(path.name)
+        gates[i].wait(10)
+        if i == 2:
+            raise OSError("gone")
+        return Copy(nbytes=1000 * (i + 1))
+
+    for i in range(4):
+        tier.load(i, Path(str(i)), read, expected_bytes=100)
+    assert tier.nbytes == 400, "running loads count as expected"
+    gates[0].set()
+    assert tier.wait(0).nbytes == 1000
+    assert tier.nbytes == 1000 + 300, "a finished load counts what it measured"
+    gates[2].set()
+    with pytest.raises(AdapterLoadError, match="adapter 2: loading 2 into host memory failed: gone"):
+        tier.wait(2)
+    assert tier.nbytes == 1000 + 200, "a failed load counts nothing"
+    tier.drop(3)  # dropped while its load runs: counts nothing, now and when it finishes
+    assert tier.nbytes == 1000 + 100
+    gates[3].set()
+    gates[1].set()
+    assert tier.wait(1).nbytes == 2000
+    assert tier.nbytes == 3000
+    tier.drop(0)
+    tier.drop(1)
+    tier.drop(2)
+    assert tier.nbytes == 0 and len(tier) == 0
+    with pytest.raises(ValueError, match="adapter 5 is already in host memory"):
+        tier.load(5, Path("5"), lambda p: Copy(1), 1)
+        tier.load(5, Path("5"), lambda p: Copy(1), 1)
+    tier.close()
