@@ -486,3 +486,64 @@ fn steps_group_requests_by_adapter_in_arrival_order() {
     let st = step(&mut s, &mut w);
     assert_eq!(st.new.iter().map(|n| n.id).collect::<Vec<_>>(), [8, 7, 9]);
 }
+
+#[test]
+fn host_load_lead_keeps_disk_reads_out_of_running_steps() {
+    // Lead 2: while request 1 (base) decodes, request 2's adapter is read from disk first (the
+    // prefetch sends its ToHost) and it joins two steps later with only the ToGpu, so no step of
+    // the running batch carries a ToGpu whose host copy was requested in the same step.
+    let c = SchedulerConfig {
+        host_load_lead_steps: 2,
+        ..acfg(4, 32, 100, 64)
+    };
+    let (mut s, mut w) = setup(&c, &[7, 8], 2, 10);
+    s.add_request(req(1, 4, 8)).unwrap();
+    let first = step(&mut s, &mut w);
+    assert_eq!(first.new.len(), 1, "the base request is admitted at once");
+    s.add_request(areq(2, 4, 3, 7)).unwrap();
+    let asked = step(&mut s, &mut w);
+    assert_eq!(
+        ops(&asked),
+        ["to_host:7"],
+        "the read is requested, the request waits"
+    );
+    assert!(asked.new.is_empty() && asked.running.len() == 1);
+    let waited = step(&mut s, &mut w);
+    assert!(
+        ops(&waited).is_empty() && waited.new.is_empty(),
+        "one step after the read: still waiting"
+    );
+    let joined = step(&mut s, &mut w);
+    assert_eq!(ops(&joined), ["to_gpu:7"]);
+    assert_eq!(joined.new.iter().map(|n| n.id).collect::<Vec<_>>(), [2]);
+
+    // An adapter already on the GPU, or a host copy requested long enough ago, joins at once.
+    s.add_request(areq(3, 4, 3, 7)).unwrap();
+    let warm = step(&mut s, &mut w);
+    assert!(warm.new.iter().any(|n| n.id == 3) && ops(&warm).is_empty());
+
+    // With nothing running the head is admitted in the step that reads its adapter: no step
+    // would follow to carry the read alone.
+    let (mut idle, mut iw) = setup(&c, &[7], 2, 10);
+    idle.add_request(areq(4, 4, 3, 7)).unwrap();
+    let at_once = step(&mut idle, &mut iw);
+    assert_eq!(ops(&at_once), ["to_host:7", "to_gpu:7"]);
+    assert_eq!(at_once.new.len(), 1);
+
+    // Lead 0 (the library default) admits at once while others run, as before.
+    let c0 = acfg(4, 32, 100, 64);
+    let (mut s0, mut w0) = setup(&c0, &[8], 2, 10);
+    s0.add_request(req(1, 4, 8)).unwrap();
+    step(&mut s0, &mut w0);
+    s0.add_request(areq(2, 4, 3, 8)).unwrap();
+    let now = step(&mut s0, &mut w0);
+    assert_eq!(ops(&now), ["to_host:8", "to_gpu:8"]);
+    assert_eq!(now.new.len(), 1);
+
+    // Whatever the lead, every request finishes.
+    for (sched, worker) in [(&mut s, &mut w), (&mut idle, &mut iw), (&mut s0, &mut w0)] {
+        run_to_completion(sched, worker, 100);
+        assert!(!sched.has_unfinished());
+        sched.check_invariants().unwrap();
+    }
+}
