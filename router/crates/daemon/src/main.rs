@@ -77,11 +77,6 @@ struct Args {
     /// worker's host work overlap the device's step N (`false`: one step at a time).
     #[arg(long, env = "DELTASERVE_OVERLAP_STEPS", default_value_t = true, action = clap::ArgAction::Set)]
     overlap_steps: bool,
-    /// While a batch runs, a request whose LoRA adapter or delta is not in host memory joins
-    /// it only this many steps after its disk read was requested, so that the running
-    /// requests' steps do not wait for the read; 0 admits it at once (its first step waits).
-    #[arg(long, env = "DELTASERVE_HOST_LOAD_LEAD_STEPS", default_value_t = 2)]
-    host_load_lead_steps: u32,
     /// A LoRA adapter to serve, as NAME=DIR (a PEFT directory); repeat the flag for more.
     /// Clients select it with `model: "<base>:NAME"` (or NAME alone).
     #[arg(long = "lora", env = "DELTASERVE_LORA", value_delimiter = ',', value_parser = parse_lora)]
@@ -232,7 +227,6 @@ async fn main() -> anyhow::Result<()> {
         max_model_len: args.max_model_len,
         cuda_graph_max_batch: args.cuda_graph_max_batch,
         overlap_steps: args.overlap_steps,
-        host_load_lead_steps: args.host_load_lead_steps,
         loras,
         lora_dirs: args.lora_dirs,
         deltas: args.deltas,

@@ -166,8 +166,6 @@ pub(crate) struct Adapter {
     /// Equals the table's `form` when the step being formed loads it (`ToHost` or `ToGpu`): a
     /// drop of it in that step would go out before the load, so it must not be dropped in it.
     pub(crate) step_mark: u64,
-    /// The table's `form` when its current host copy's `ToHost` was formed (0 before any).
-    pub(crate) host_form: u64,
 }
 
 /// Adapter ops formed while building one step, kept apart so every drop precedes every load.
@@ -282,7 +280,6 @@ impl AdapterTable {
                 running: 0,
                 last_use: 0,
                 step_mark: 0,
-                host_form: 0,
             },
         );
         Ok(())
@@ -377,12 +374,6 @@ impl AdapterTable {
         self.form += 1;
     }
 
-    /// Steps formed since `id`'s host copy was requested (0 in the step that requests it).
-    /// Meaningful only while it has a host copy.
-    pub(crate) fn steps_since_host_load(&self, id: u32) -> u64 {
-        self.form - self.get(id).host_form
-    }
-
     /// Whether the step being formed loads `id` (so must not drop it).
     pub(crate) fn needed_by_step(&self, id: u32) -> bool {
         self.map.get(&id).is_some_and(|a| a.step_mark == self.form)
@@ -396,7 +387,6 @@ impl AdapterTable {
         debug_assert!(!a.on_host, "adapter {id} is already on the host");
         a.on_host = true;
         a.step_mark = form;
-        a.host_form = form;
         let (bytes, path) = (a.spec.host_bytes, a.spec.path.clone());
         self.host_bytes += bytes;
         self.on_host += 1;

@@ -14,8 +14,6 @@ pub const DEFAULT_PREFETCH_WINDOW: usize = 64;
 /// Default for [`SchedulerConfig::max_deltas`]: DeltaZip's profiled number of deltas worth
 /// batching at once.
 pub const DEFAULT_MAX_DELTAS: usize = 3;
-/// Largest accepted [`SchedulerConfig::host_load_lead_steps`].
-pub const MAX_HOST_LOAD_LEAD_STEPS: u32 = 64;
 /// Largest accepted [`SchedulerConfig::prefetch_window`]: every step walks that many waiting
 /// requests, so the window bounds the per-step cost of prefetching.
 pub const MAX_PREFETCH_WINDOW: usize = 4096;
@@ -45,12 +43,6 @@ pub struct SchedulerConfig {
     /// Deltas (compressed full fine-tunes) that may be GPU-resident at once: the worker's delta
     /// slots (its `--max-deltas`). 0 turns delta serving off (deltas cannot be registered).
     pub max_deltas: usize,
-    /// While other requests run, a waiting request whose variant is not on the GPU is admitted
-    /// only once that variant's `ToHost` went out at least this many steps before (the prefetch
-    /// issues it): the worker's `ToGpu` waits for the disk read, and that wait would stall the
-    /// step of every running request. 0 (the default) admits at once; with nothing running, or
-    /// prefetch off, admission never waits (no step would follow to carry the read).
-    pub host_load_lead_steps: u32,
 }
 
 impl SchedulerConfig {
@@ -68,7 +60,6 @@ impl SchedulerConfig {
             host_adapter_bytes: DEFAULT_HOST_ADAPTER_BYTES,
             prefetch_window: DEFAULT_PREFETCH_WINDOW,
             max_deltas: DEFAULT_MAX_DELTAS,
-            host_load_lead_steps: 0,
         }
     }
 
@@ -120,13 +111,6 @@ impl SchedulerConfig {
                 "host_adapter_bytes",
                 0,
                 "adapters reach the GPU through host memory: the budget must be at least 1 byte",
-            ));
-        }
-        if self.host_load_lead_steps > MAX_HOST_LOAD_LEAD_STEPS {
-            return Err(bad(
-                "host_load_lead_steps",
-                self.host_load_lead_steps as u64,
-                &format!("must be at most {MAX_HOST_LOAD_LEAD_STEPS} steps (0 = admit at once)"),
             ));
         }
         if self.prefetch_window > MAX_PREFETCH_WINDOW {

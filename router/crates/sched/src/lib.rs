@@ -115,10 +115,6 @@
 //!        allocate, schedule r for n tokens, budget -= n
 //! 2. if phase 1 preempted nothing: while waiting is non-empty, running < max_num_seqs, budget > 0:
 //!        w = waiting.front(); n = min(len(w.tokens), budget)  # chunked prefill
-//!        lead: if this step runs requests (phase 1) and w's adapter is not on the GPU and its
-//!              host copy was not requested host_load_lead_steps steps ago (or not at all): stop
-//!              (the prefetch below requests it; the worker's ToGpu would wait for the disk
-//!              read and stall every running request's step; off at 0, the default)
 //!        need = pages(n) + watermark (+ w.adapter's pages unless it is on the GPU)
 //!        delta: if w.delta is not on the GPU and all max_deltas slots are taken, evict the
 //!              LRU idle delta (DropGpu), else stop

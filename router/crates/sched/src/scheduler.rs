@@ -543,11 +543,6 @@ impl Scheduler {
                 };
                 let n = len.min(budget) as u32;
                 let need = self.cfg.blocks_for(n as u64);
-                if !step.running.is_empty() && self.host_copy_pending(adapter_id) {
-                    // A wait of a few steps for the disk read (the prefetch below requests it),
-                    // not a blocked head: nobody skips the line for it.
-                    break;
-                }
                 let Some(plan) = self.admission_plan(adapter_id, need + watermark, &window) else {
                     head_blocked = true;
                     break;
@@ -612,20 +607,6 @@ impl Scheduler {
             }
         }
         (order, sorted)
-    }
-
-    /// Whether a request of `adapter_id` must wait for its variant's disk read before admission
-    /// while others run ([`SchedulerConfig::host_load_lead_steps`]): the variant is not on the
-    /// GPU and its host copy was not requested, or was requested fewer than that many steps ago.
-    /// Never with the lead at 0 or prefetch off (nothing else would request the copy).
-    fn host_copy_pending(&self, adapter_id: u32) -> bool {
-        let lead = self.cfg.host_load_lead_steps as u64;
-        if lead == 0 || adapter_id == 0 || self.cfg.prefetch_window == 0 {
-            return false;
-        }
-        let a = self.adapters.get(adapter_id);
-        a.gpu_blocks.is_none()
-            && (!a.on_host || self.adapters.steps_since_host_load(adapter_id) < lead)
     }
 
     /// What admitting a request with adapter `adapter_id` (0 = base) takes, when `kv_pages`

@@ -1,6 +1,6 @@
 //! Property-style test: seeded random sequences of add / abort / finish / schedule / update /
 //! lost outputs / worker resets / adapter registration and unregistration, over many pool
-//! shapes, adapter mixes, host budgets and host-load leads. After every operation the scheduler's invariants
+//! shapes, adapter mixes and host budgets. After every operation the scheduler's invariants
 //! must hold; every plan must satisfy the fake worker's contract checks (pages never shared
 //! between requests and adapters on the worker, chunks contiguous and covered, budget and
 //! max_num_seqs respected, adapter ops legal and in drops-then-loads order, host bytes within
@@ -72,9 +72,6 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) -> Vec<ScheduledStep> {
     // A host tier that holds a few adapters at most, and a short (sometimes no) prefetch.
     c.host_adapter_bytes = rng.range(8, 40);
     c.prefetch_window = rng.range(0, 6) as usize;
-    // Cold adapters join a running batch at once, or 1-2 steps after their disk read (by seed,
-    // so the draws below stay those of the seed).
-    c.host_load_lead_steps = (seed % 3) as u32;
     let mut s = Scheduler::new(c.clone()).unwrap();
     let mut w = FakeWorker::new(c.clone());
     // Registered adapters as the test knows them, and a generation counter for unique paths.

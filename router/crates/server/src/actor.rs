@@ -74,9 +74,6 @@ pub struct SchedLimits {
     pub max_deltas: usize,
     /// Send step N+1 before step N's output is back (see "Overlapped steps" above).
     pub overlap_steps: bool,
-    /// Steps a variant's disk read gets before a request using it joins a running batch
-    /// (`SchedulerConfig::host_load_lead_steps`).
-    pub host_load_lead_steps: u32,
 }
 
 /// A plan sent to the worker and not answered yet.
@@ -774,7 +771,6 @@ fn sched_config(worker: &WorkerProcess, limits: &SchedLimits) -> SchedulerConfig
         host_adapter_bytes: limits.host_adapter_bytes,
         prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
         max_deltas: limits.max_deltas,
-        host_load_lead_steps: limits.host_load_lead_steps,
     }
 }
 

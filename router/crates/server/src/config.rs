@@ -43,10 +43,6 @@ pub struct ServerConfig {
     /// Send each worker step N+1 before step N's output is back, so its host work overlaps
     /// the device's (the actor's "Overlapped steps").
     pub overlap_steps: bool,
-    /// While a batch runs, a request whose LoRA adapter or delta must be read from disk joins it
-    /// only this many steps after the read was requested, so the running requests' steps do not
-    /// wait for the read (`SchedulerConfig::host_load_lead_steps`; 0: join at once).
-    pub host_load_lead_steps: u32,
     /// LoRA adapters registered at start-up: `(name, PEFT directory)`, in flag order.
     pub loras: Vec<(String, PathBuf)>,
     /// Directories whose every subdirectory holding an `adapter_config.json` is registered at
@@ -264,7 +260,6 @@ mod tests {
             max_model_len: None,
             cuda_graph_max_batch: 0,
             overlap_steps: true,
-            host_load_lead_steps: 2,
             loras: vec![("first".into(), "/somewhere".into())],
             lora_dirs,
             deltas: vec![("ft".into(), "/deltas/ft".into())],

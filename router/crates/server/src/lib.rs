@@ -118,7 +118,6 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         host_adapter_bytes: cfg.lora_host_bytes,
         max_deltas: cfg.max_deltas,
         overlap_steps: cfg.overlap_steps,
-        host_load_lead_steps: cfg.host_load_lead_steps,
     };
     let mut actors = Vec::new();
     for (i, (worker, spec)) in workers.into_iter().zip(specs).enumerate() {

@@ -30,7 +30,6 @@ pub fn cfg(
         host_adapter_bytes: deltaserve_sched::DEFAULT_HOST_ADAPTER_BYTES,
         prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
         max_deltas: deltaserve_sched::DEFAULT_MAX_DELTAS,
-        host_load_lead_steps: 0,
     }
 }
 
