@@ -203,12 +203,9 @@ class LoraSpec:
 
         if out is not None and (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != dtype):
             raise ValueError(f"read_into needs a contiguous CPU tensor of {dtype}, got {out.dtype} on {out.device}")
+        ptr, nbytes = (0, 0) if out is None else (out.data_ptr(), out.numel() * out.element_size())
         try:
-            if out is None:
-                read_safetensors_into(self.weights_path, copies, _SAFETENSORS_NAME[dtype])
-            else:
-                nbytes = out.numel() * out.element_size()
-                read_safetensors_into(self.weights_path, copies, _SAFETENSORS_NAME[dtype], out.data_ptr(), nbytes)
+            read_safetensors_into(self.weights_path, copies, _SAFETENSORS_NAME[dtype], ptr, nbytes)
         except OSError as e:
             raise self.fail(f"{WEIGHTS_NAME} cannot be read: {e}") from None
         except ValueError as e:
@@ -401,21 +398,18 @@ def load_lora_adapter(adapter_dir: str | Path, base: ModelConfig, dtype: torch.d
     spec = read_lora_spec(adapter_dir, base)
     out_dtype = dtype or (next(iter(spec.stored_dtypes)) if len(spec.stored_dtypes) == 1 else torch.float32)
     # Every factor goes into one flat buffer in a single GIL-free read; the weights are views of it.
+    flat = torch.empty(sum(s.rank * sum(spec.features[proj]) for (_, proj), s in spec.sites.items()), dtype=out_dtype)
     copies: list[TensorCopy] = []
-    offset = 0
-    for (_, proj), site in spec.sites.items():
-        fin, fout = spec.features[proj]
-        copies += [(site.a_key, site.rank, fin, offset, False), (site.b_key, fout, site.rank, offset + site.rank * fin, False)]
-        offset += site.rank * (fin + fout)
-    flat = torch.empty(offset, dtype=out_dtype)
-    spec.read_into(copies, flat, out_dtype)
     modules: dict[tuple[int, str], LoraWeights] = {}
-    for ((layer, proj), site), (_, r, fin, a_at, _), (_, fout, _, b_at, _) in zip(
-        spec.sites.items(), copies[0::2], copies[1::2]
-    ):
-        a = flat[a_at : a_at + r * fin].view(r, fin)
-        b = flat[b_at : b_at + fout * r].view(fout, r)
-        modules[(layer, proj)] = LoraWeights(a=a, b=b, rank=site.rank, alpha=site.alpha, scaling=site.scaling)
+    offset = 0
+    for (layer, proj), site in spec.sites.items():
+        (fin, fout), r = spec.features[proj], site.rank
+        b_at = offset + r * fin
+        copies += [(site.a_key, r, fin, offset, False), (site.b_key, fout, r, b_at, False)]
+        a, b = flat[offset:b_at].view(r, fin), flat[b_at : b_at + fout * r].view(fout, r)
+        modules[(layer, proj)] = LoraWeights(a=a, b=b, rank=r, alpha=site.alpha, scaling=site.scaling)
+        offset = b_at + fout * r
+    spec.read_into(copies, flat, out_dtype)
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(LoraSpec)}
     return LoraAdapter(**fields, modules=modules, dtype=out_dtype)
 

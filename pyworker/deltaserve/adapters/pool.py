@@ -311,17 +311,15 @@ class AdapterPool:
         spec = read_lora_spec(path, self.config)
         if spec.max_rank > self.max_lora_rank:
             (layer, proj), worst = max(spec.sites.items(), key=lambda kv: kv[1].rank)
-            raise LoraAdapterError(
-                f"LoRA adapter {path}: rank {spec.max_rank} (layer {layer} {proj}) exceeds this "
-                f"worker's --max-lora-rank {self.max_lora_rank}"
-            )
+            raise spec.fail(f"rank {spec.max_rank} (layer {layer} {proj}) exceeds this worker's --max-lora-rank "
+                            f"{self.max_lora_rank}")
         ranks: dict[str, int] = {}
         for (_, proj), site in spec.sites.items():
             ranks[proj] = max(ranks.get(proj, 0), site.rank)
         try:
             layout = AdapterLayout.plan(ranks, self.features, self.order, self.region_elems)
         except ValueError as e:
-            raise LoraAdapterError(f"LoRA adapter {path}: does not fit the pool's pages: {e}") from None
+            raise spec.fail(f"does not fit the pool's pages: {e}") from None
         return spec, layout
 
     def _copies(self, spec: LoraSpec, layout: AdapterLayout) -> list[TensorCopy]:

@@ -39,12 +39,17 @@ fn py_err(e: IpcError) -> PyErr {
     let msg = e.to_string();
     match &e {
         IpcError::FrameTooLarge { .. } | IpcError::BadCapacity { .. } => PyValueError::new_err(msg),
-        IpcError::Io { source, .. } => match source.raw_os_error() {
-            // OSError(errno, msg) picks the matching subclass (FileNotFoundError, ...).
-            Some(errno) => PyOSError::new_err((errno, msg)),
-            None => PyOSError::new_err(msg),
-        },
+        IpcError::Io { source, .. } => os_error(source, msg),
         IpcError::BadRing { .. } | IpcError::Corrupt { .. } => PyOSError::new_err(msg),
+    }
+}
+
+/// `OSError(errno, msg)`, which picks the matching subclass (FileNotFoundError, ...), or a plain
+/// `OSError(msg)` when the OS gave no errno.
+fn os_error(source: &std::io::Error, msg: String) -> PyErr {
+    match source.raw_os_error() {
+        Some(errno) => PyOSError::new_err((errno, msg)),
+        None => PyOSError::new_err(msg),
     }
 }
 
@@ -286,7 +291,7 @@ impl RouterLink {
 /// `BF16` or `F32`), converting, transposing and checking finiteness as
 /// [`deltaserve_tensorfile::read_into`] says; `dst_ptr == 0` only checks. Runs without the GIL.
 ///
-/// The caller (`deltaserve.adapters.lora.read_tensors_into`, the only one) passes the address of
+/// The caller (`deltaserve.adapters.lora.LoraSpec.read_into`, the only one) passes the address of
 /// a contiguous CPU tensor it keeps alive and does not touch during the call.
 #[pyfunction]
 #[pyo3(signature = (path, copies, dst_dtype, dst_ptr=0, dst_len=0))]
@@ -327,10 +332,7 @@ fn read_safetensors_into(
         read_into(&path, &copies, dst, out)
     });
     result.map_err(|e| match &e {
-        Error::Io { source, .. } => match source.raw_os_error() {
-            Some(errno) => PyOSError::new_err((errno, e.to_string())),
-            None => PyOSError::new_err(e.to_string()),
-        },
+        Error::Io { source, .. } => os_error(source, e.to_string()),
         _ => PyValueError::new_err(e.to_string()),
     })
 }

@@ -58,6 +58,15 @@ impl Dtype {
         }
     }
 
+    /// The exponent field's bits: all of them set is NaN or an infinity.
+    fn exponent_bits(self) -> u32 {
+        match self {
+            Dtype::F16 => 0x7c00,
+            Dtype::BF16 => 0x7f80,
+            Dtype::F32 => 0x7f80_0000,
+        }
+    }
+
     /// The torch name, as error messages print it.
     pub fn torch_name(self) -> &'static str {
         match self {
@@ -248,9 +257,10 @@ fn copy_one(
     // Same type: check the bits, then a plain or transposed copy of them.
     if dtype == out {
         return match dtype {
-            Dtype::F16 => same_type(&words::<u16>(src), 0x7c00, c, dst),
-            Dtype::BF16 => same_type(&words::<u16>(src), 0x7f80, c, dst),
-            Dtype::F32 => same_type(&words::<u32>(src), 0x7f80_0000, c, dst),
+            Dtype::F16 | Dtype::BF16 => {
+                same_type(&words::<u16>(src), dtype.exponent_bits() as u16, c, dst)
+            }
+            Dtype::F32 => same_type(&words::<u32>(src), dtype.exponent_bits(), c, dst),
         };
     }
     // Conversion through float32 (exact from float16 / bfloat16), in bulk with `half`'s slice
@@ -275,7 +285,7 @@ fn copy_one(
                     .reinterpret_cast_mut::<bf16>()
                     .convert_from_f32_slice(&wide);
             }
-            let mask = if out == Dtype::F16 { 0x7c00 } else { 0x7f80 };
+            let mask = out.exponent_bits() as u16;
             if let Some(k) = first(&narrow, |b| b & mask == mask) {
                 return Err(Problem::Overflow(k));
             }
