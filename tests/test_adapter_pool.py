@@ -184,7 +184,12 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     assert out.adapter_host_bytes == size["qv"] + size["all"]  # counted while loading, too
     ex.adapters.wait_host(1), ex.adapters.wait_host(2)
     assert ex.adapter_host_bytes == size["qv"] + size["all"]
-    assert ops(ex, wire.AdapterOp(1, "drop_host", "", [])).adapter_host_bytes == size["all"]
+    out2 = ops(ex, wire.AdapterOp(1, "drop_host", "", []))
+    assert out2.adapter_host_bytes == size["all"]
+    # Finished reads are reported once each (in the output after they finish), a dropped one never
+    # after its drop: the router admits requests for adapter 2 without stalling a step on its read.
+    assert set(out.host_ready) <= {1, 2} and set(out2.host_ready) <= {2}
+    assert sorted(out.host_ready + out2.host_ready) in ([1, 2], [2])
 
     # A GPU placement outlives its host copy.
     n = ex.inspect_adapter(str(dirs["all"])).num_blocks
@@ -201,6 +206,7 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     with pytest.raises(AdapterLoadError, match="vanishing"):
         ex.adapters.wait_host(3)
     assert ex.adapter_host_bytes == 0
+    assert ops(ex).host_ready == [3], "a failed read is reported too: its to_gpu says why"
     with pytest.raises(AdapterLoadError, match=r"adapter 3: loading .*vanishing"):
         ops(ex, wire.AdapterOp(3, "to_gpu", "", [0, 1, 2]))
     assert set(ex.adapters.gpu) == {2}

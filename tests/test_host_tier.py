@@ -1,5 +1,6 @@
 """``HostTier``'s byte count (what the worker reports after every step as its host tier) follows
-loads as they start, finish, fail and are dropped, while they run on the loader threads."""
+loads as they start, finish, fail and are dropped, while they run on the loader threads; and the
+finished loads it lists for ``StepOutput.host_ready``."""
 
 from __future__ import annotations
 
@@ -51,4 +52,44 @@ def test_bytes_follow_loads_through_their_lifetime() -> None:
     with pytest.raises(ValueError, match="adapter 5 is already in host memory"):
         tier.load(5, Path("5"), lambda p: Copy(1), 1)
         tier.load(5, Path("5"), lambda p: Copy(1), 1)
+    tier.close()
+
+
+def test_finished_reads_are_listed_once_until_taken() -> None:
+    """``take_finished`` is what a ``StepOutput`` reports as ``host_ready``: every load that finished
+    since the last call (failed ones too: the ``to_gpu`` reports those), never a dropped one."""
+    tier: HostTier[Copy] = HostTier("delta")
+    gates = {i: threading.Event() for i in range(4)}
+
+    def read(path: Path) -> Copy:
+        i = int(path.name)
+        gates[i].wait(10)
+        if i == 1:
+            raise OSError("gone")
+        return Copy(nbytes=10)
+
+    for i in (3, 0, 1, 2):
+        tier.load(i, Path(str(i)), read, expected_bytes=10)
+    assert tier.take_finished() == [], "nothing has finished"
+    for i in (0, 1, 3):
+        gates[i].set()
+    tier.wait(0)
+    tier.wait(3)
+    with pytest.raises(AdapterLoadError):
+        tier.wait(1)
+    assert tier.take_finished() == [0, 1, 3]
+    assert tier.take_finished() == [], "each finish is listed once"
+    tier.drop(2)
+    gates[2].set()
+    tier.get(0)  # still there
+    assert tier.take_finished() == [], "a dropped load is never listed"
+    # A load that finishes on its own (no wait) is listed by its done callback.
+    tier.load(7, Path("7"), lambda p: Copy(5), 5)
+    entry = tier.get(7)
+    assert entry is not None and entry.future.result().nbytes == 5
+    for _ in range(1000):  # the callback runs on the loader thread just after the result is set
+        if (done := tier.take_finished()):
+            break
+        threading.Event().wait(0.001)
+    assert done == [7]
     tier.close()

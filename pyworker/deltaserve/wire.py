@@ -57,7 +57,7 @@ SCHEMA_TEXT = (
     "TokenLogprob=0{token_id:u32,logprob:f64}\n"
     "RequestOutput=0{req_id:u64,token_id:Option<u32>,logprob:Option<f64>,top_logprobs:Vec<TokenLogprob>}\n"
     "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64}\n"
-    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64}\n"
+    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>}\n"
     "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
     "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
     "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
@@ -414,17 +414,22 @@ class StepOutput:
     #: Bytes of adapter weights the worker holds in host memory after this step (its measured
     #: host tier, which the router's accounting keeps under the configured budget).
     adapter_host_bytes: int = 0
+    #: Variants (LoRA adapters and deltas) whose `to_host` read finished since the previous
+    #: `StepOutput`, well or not (a failed read is reported by the `to_gpu` that needs it).
+    #: The router admits requests for a variant whose read is still running only when
+    #: nothing else would run, since that step would wait for the read.
+    host_ready: list[int] = field(default_factory=list)
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes]
+        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes, self.host_ready]
 
     @classmethod
     def from_wire(cls, a: list) -> StepOutput:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 4:
-            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3])
+        if n >= 5:
+            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3], a[4])
         m = cls()
         if n > 0:
             m.step_id = a[0]
@@ -434,6 +439,8 @@ class StepOutput:
             m.timing = StepTiming.from_wire(a[2])
         if n > 3:
             m.adapter_host_bytes = a[3]
+        if n > 4:
+            m.host_ready = a[4]
         return m
 
 

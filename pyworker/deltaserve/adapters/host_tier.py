@@ -8,6 +8,10 @@ as its host tier: finished copies measured, running loads as expected. A mapping
 
 ``nbytes`` is read after every step (``StepOutput.adapter_host_bytes``), so it is a running total
 kept as loads start, finish and are dropped, not a sum over the (thousands of) entries.
+
+``take_finished`` hands out the ids whose loads finished since it was last called
+(``StepOutput.host_ready``): the router admits a request whose variant is still being read only
+when the step would compute nothing else, since the step's ``to_gpu`` waits for the read.
 """
 
 from __future__ import annotations
@@ -65,8 +69,11 @@ class HostTier(Generic[C]):
         """How errors name a variant: ``adapter`` or ``delta``."""
         self.entries: dict[int, HostEntry[C]] = {}
         self._nbytes = 0
+        self._finished: set[int] = set()
+        """Ids whose loads finished (well or not) since the last ``take_finished``."""
         self._lock = threading.Lock()
-        """Guards ``_nbytes`` and the entries' ``counted`` (loads settle on the loader threads)."""
+        """Guards ``_nbytes``, ``_finished`` and the entries' ``counted`` (loads settle on the
+        loader threads)."""
         self._loader = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix=f"{what}-load")
 
     def __contains__(self, variant_id: object) -> bool:
@@ -89,22 +96,32 @@ class HostTier(Generic[C]):
         with self._lock:
             self._nbytes += expected_bytes
         self.entries[variant_id] = entry
-        entry.future.add_done_callback(lambda _: self._settle(entry))  # at once if already done
+        entry.future.add_done_callback(lambda _: self._settle(variant_id, entry))  # at once if done
 
-    def _settle(self, entry: HostEntry[C]) -> None:
-        """A load finished: count the copy's measured bytes instead of the expected ones (idempotent)."""
+    def _settle(self, variant_id: int, entry: HostEntry[C]) -> None:
+        """A load finished: count the copy's measured bytes instead of the expected ones, and list it
+        for ``take_finished`` (idempotent)."""
         f = entry.future
         measured = 0 if f.cancelled() or f.exception() is not None else f.result().nbytes
         with self._lock:
             if not entry.dropped:
                 self._nbytes += measured - entry.counted
                 entry.counted = measured
+                self._finished.add(variant_id)
+
+    def take_finished(self) -> list[int]:
+        """Ids whose loads finished (well or not) since the last call, ascending; a dropped one is
+        not listed."""
+        with self._lock:
+            done, self._finished = self._finished, set()
+        return sorted(done)
 
     def drop(self, variant_id: int) -> None:
         """Frees the copy (a load still running finishes, and its result is dropped)."""
         entry = self.entries.pop(variant_id)
         entry.future.cancel()
         with self._lock:
+            self._finished.discard(variant_id)
             entry.dropped = True
             self._nbytes -= entry.counted
             entry.counted = 0
@@ -126,7 +143,7 @@ class HostTier(Generic[C]):
         entry = self.entries[variant_id]
         try:
             entry.future.exception()  # waits; the done callback may not have run yet
-            self._settle(entry)
+            self._settle(variant_id, entry)
             return entry.future.result()
         except Exception as e:  # noqa: BLE001 - any load failure means the same to the router
             raise AdapterLoadError(

@@ -306,6 +306,15 @@ class Executor:
             0 if self.deltas is None else self.deltas.host_bytes
         )
 
+    def _step_output(self, step_id: int, outputs: list[wire.RequestOutput], timing: wire.StepTiming) -> wire.StepOutput:
+        """A ``StepOutput`` with the host tier's state: its bytes, and the variants (LoRA and delta)
+        whose host reads finished since the previous output."""
+        ready = [] if self.adapters is None else self.adapters.host.take_finished()
+        if self.deltas is not None:
+            ready += self.deltas.host.take_finished()
+        return wire.StepOutput(step_id=step_id, outputs=outputs, timing=timing,
+                               adapter_host_bytes=self.adapter_host_bytes, host_ready=ready)
+
     def _is_delta(self, variant_id: int) -> bool:
         """Whether ``variant_id`` is a delta this worker holds (host or GPU); else LoRA or unknown."""
         return self.deltas is not None and (variant_id in self.deltas.host or variant_id in self.deltas.slot_of)
@@ -532,8 +541,7 @@ class Executor:
         step's output (``token_id`` None for partial prefill chunks)."""
         timing = wire.StepTiming(gap_us=0, forward_us=0, total_us=0)
         if not launched.scheduled:
-            return wire.StepOutput(step_id=launched.step_id, outputs=[], timing=timing,
-                                   adapter_host_bytes=self.adapter_host_bytes)
+            return self._step_output(launched.step_id, [], timing)
         sampled = launched.sampled.result() if launched.sampled is not None else None
         timing.forward_us = int((time.perf_counter() - launched.started) * 1e6)
         outputs = []
@@ -553,8 +561,7 @@ class Executor:
                     top_logprobs=[wire.TokenLogprob(token_id=t, logprob=lp) for t, lp in sampled.top_logprobs[j]],
                 )
             )
-        return wire.StepOutput(step_id=launched.step_id, outputs=outputs, timing=timing,
-                               adapter_host_bytes=self.adapter_host_bytes)
+        return self._step_output(launched.step_id, outputs, timing)
 
     def drop_step_requests(self, plan: wire.StepPlan) -> list[int]:
         """After a failed step: forgets every request the plan released or scheduled.

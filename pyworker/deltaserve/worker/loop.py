@@ -13,7 +13,7 @@ rings the router created in ``--ipc-dir``)::
       │     │     │                                                 then finish N (below)
       │     │     └─ device done, no plan ──> finish N
       │     │   finish N: wait for its sampled tokens ──> send StepOutput(timing: gap, forward,
-      │     │             total; adapter_host_bytes)
+      │     │             total; adapter_host_bytes; host_ready: reads finished since)
       │     ├─ PlanError ──> finish the step in flight; send WorkerError(fatal=False, the step's
       │     │                req_ids); serve on
       │     └─ anything else (CUDA error, OOM, bug, AdapterLoadError: an adapter op that cannot be

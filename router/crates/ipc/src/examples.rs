@@ -127,6 +127,7 @@ pub fn step_output() -> StepOutput {
             total_us: 70_000,
         },
         adapter_host_bytes: 3 << 30,
+        host_ready: vec![7, 4_000_000_000],
     }
 }
 

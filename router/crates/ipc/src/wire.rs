@@ -205,6 +205,11 @@ wire_structs! {
         /// Bytes of adapter weights the worker holds in host memory after this step (its measured
         /// host tier, which the router's accounting keeps under the configured budget).
         adapter_host_bytes: u64,
+        /// Variants (LoRA adapters and deltas) whose `to_host` read finished since the previous
+        /// `StepOutput`, well or not (a failed read is reported by the `to_gpu` that needs it).
+        /// The router admits requests for a variant whose read is still running only when
+        /// nothing else would run, since that step would wait for the read.
+        host_ready: Vec<u32>,
     }
 
     /// What the router needs to know about the loaded model.

@@ -155,6 +155,10 @@ pub(crate) struct Adapter {
     pub(crate) spec: AdapterSpec,
     /// A host copy exists on the worker (after its `ToHost`, until a `DropHost`).
     pub(crate) on_host: bool,
+    /// Its `ToHost` went out and the worker has not reported the read finished
+    /// ([`AdapterTable::host_loaded`]) nor waited for it in a `ToGpu`; only consulted with
+    /// `host_copy_reports`.
+    pub(crate) host_loading: bool,
     /// Its pool pages while GPU-resident (an empty list for a delta in its slot).
     pub(crate) gpu_blocks: Option<Vec<u32>>,
     /// Live (waiting + running) requests naming it; unregistering waits for 0.
@@ -275,6 +279,7 @@ impl AdapterTable {
             Adapter {
                 spec,
                 on_host: false,
+                host_loading: false,
                 gpu_blocks: None,
                 users: 0,
                 running: 0,
@@ -386,6 +391,7 @@ impl AdapterTable {
         let a = self.get_mut(id);
         debug_assert!(!a.on_host, "adapter {id} is already on the host");
         a.on_host = true;
+        a.host_loading = true;
         a.step_mark = form;
         let (bytes, path) = (a.spec.host_bytes, a.spec.path.clone());
         self.host_bytes += bytes;
@@ -398,11 +404,34 @@ impl AdapterTable {
         });
     }
 
+    /// The worker reported `id`'s host copy read (or its read failed: the `ToGpu` reports
+    /// that). Returns whether a load was pending; unknown ids, and adapters whose copy was
+    /// dropped since (the report is stale), change nothing.
+    pub(crate) fn host_loaded(&mut self, id: u32) -> bool {
+        match self.map.get_mut(&id) {
+            Some(a) if a.host_loading => {
+                a.host_loading = false;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether placing `id` (0 = base) on the GPU would wait for a host read: it is not
+    /// GPU-resident and its host copy is missing or, with `reports`, still loading.
+    pub(crate) fn host_copy_pending(&self, id: u32, reports: bool) -> bool {
+        id != 0 && {
+            let a = self.get(id);
+            a.gpu_blocks.is_none() && (!a.on_host || (reports && a.host_loading))
+        }
+    }
+
     /// Frees the host copy of `id`.
     pub(crate) fn drop_host(&mut self, id: u32, ops: &mut StepOps) {
         let a = self.get_mut(id);
         debug_assert!(a.on_host, "adapter {id} has no host copy to drop");
         a.on_host = false;
+        a.host_loading = false;
         let bytes = a.spec.host_bytes;
         self.host_bytes -= bytes;
         self.on_host -= 1;
@@ -432,6 +461,8 @@ impl AdapterTable {
         );
         a.gpu_blocks = Some(pages.clone());
         a.step_mark = form;
+        // The worker's `ToGpu` waits for the read, so the copy is ready for every later step.
+        a.host_loading = false;
         match a.spec.kind {
             VariantKind::Lora => self.on_gpu += 1,
             VariantKind::Delta => self.deltas_on_gpu += 1,
@@ -557,6 +588,7 @@ impl AdapterTable {
                 blocks.release(PageOwner::Adapter(id), &pages);
             }
             a.on_host = false;
+            a.host_loading = false;
         }
         self.host_bytes = 0;
         self.gpu_blocks = 0;
@@ -625,6 +657,10 @@ impl AdapterTable {
             if a.on_host {
                 host += a.spec.host_bytes;
                 on_host += 1;
+            } else if a.host_loading {
+                return Err(format!(
+                    "adapter {id} is loading a host copy it does not have"
+                ));
             }
             match &a.gpu_blocks {
                 Some(p) => {

@@ -43,13 +43,20 @@ pub struct SchedulerConfig {
     /// Deltas (compressed full fine-tunes) that may be GPU-resident at once: the worker's delta
     /// slots (its `--max-deltas`). 0 turns delta serving off (deltas cannot be registered).
     pub max_deltas: usize,
+    /// The worker reports when a `ToHost` has finished loading
+    /// ([`crate::Scheduler::host_copies_ready`]). Then, in a step that computes running requests
+    /// anyway, a waiting request whose adapter's host copy is still loading is not admitted (its
+    /// `ToGpu` would make the whole step wait for the read): it keeps its place, and ready
+    /// requests behind it in the prefetch window go first. Off: a host copy counts as ready once
+    /// its `ToHost` is sent (the worker's `ToGpu` waits for the read).
+    pub host_copy_reports: bool,
 }
 
 impl SchedulerConfig {
     /// A config with the pool geometry and context limit given, and default per-step limits
     /// ([`DEFAULT_MAX_NUM_SEQS`], [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]) and host tier
     /// ([`DEFAULT_HOST_ADAPTER_BYTES`], [`DEFAULT_PREFETCH_WINDOW`]) and delta slots
-    /// ([`DEFAULT_MAX_DELTAS`]).
+    /// ([`DEFAULT_MAX_DELTAS`]), without host copy reports.
     pub fn new(block_size: u32, num_blocks: u32, max_model_len: u32) -> Self {
         Self {
             block_size,
@@ -60,6 +67,7 @@ impl SchedulerConfig {
             host_adapter_bytes: DEFAULT_HOST_ADAPTER_BYTES,
             prefetch_window: DEFAULT_PREFETCH_WINDOW,
             max_deltas: DEFAULT_MAX_DELTAS,
+            host_copy_reports: false,
         }
     }
 

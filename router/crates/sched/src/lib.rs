@@ -51,6 +51,12 @@
 //!   before every load of its step, so dropping those would undo the load). Host copies of
 //!   GPU-resident adapters are fair game: the GPU copy stays. Admission drops copies outside
 //!   the prefetch window before those inside it; prefetch never drops those inside it.
+//! - Reads take time: a `ToHost` starts a read, and a `ToGpu` on the worker waits for it, with
+//!   the whole step behind it. With `host_copy_reports` the worker reports finished reads
+//!   ([`Scheduler::host_copies_ready`], sent with step outputs), and in a step that computes
+//!   running requests anyway, a waiting request whose adapter's copy is still being read is
+//!   passed over (its read started if need be) and keeps its place; see phase 2 below. A `ToGpu`
+//!   counts its read as finished (the worker waited for it).
 //! - Order: every step's ops go out drops first, loads second, so the worker's real host and
 //!   GPU usage never exceed what the router accounted. Ops formed outside a non-empty step
 //!   (`unregister_adapter` of an idle adapter, which frees its pages at once) are drops; they
@@ -113,8 +119,15 @@
 //!            (v -> front of waiting, v -> released/preempted)  # computed = 0, recompute later
 //!            if v is r: stop phase 1
 //!        allocate, schedule r for n tokens, budget -= n
-//! 2. if phase 1 preempted nothing: while waiting is non-empty, running < max_num_seqs, budget > 0:
-//!        w = waiting.front(); n = min(len(w.tokens), budget)  # chunked prefill
+//! 2. if phase 1 preempted nothing: for w in waiting (queue order), while running <
+//!    max_num_seqs and budget > 0:
+//!        if host_copy_reports and phase 1 scheduled someone and w.adapter is not on the GPU
+//!              and its host copy is missing or still being read:     # pass w over
+//!              stop if w is past the prefetch window (the head never is)
+//!              if it has no host copy: DropHost.. ToHost(w.adapter), with the room rule
+//!                  below for the head and prefetch's for the others, else stop
+//!              continue with the next waiting request; w keeps its place
+//!        n = min(len(w.tokens), budget)                      # chunked prefill
 //!        need = pages(n) + watermark (+ w.adapter's pages unless it is on the GPU)
 //!        delta: if w.delta is not on the GPU and all max_deltas slots are taken, evict the
 //!              LRU idle delta (DropGpu), else stop
@@ -125,7 +138,7 @@
 //!        (nothing is dropped or evicted unless w is then admitted)   # FCFS
 //!        ops: DropHost.., ToHost(w.adapter), DropGpu.., ToGpu(w.adapter, pages or a slot)
 //!        admit w (sent in `new` with all its tokens), w.adapter pinned, budget -= n
-//!    if the loop stopped because w could not be admitted: skip-the-line (see Deltas) for the
+//!    if the loop stopped because a w could not be admitted: skip-the-line (see Deltas) for the
 //!        requests of selected deltas behind it, in queue order
 //! 3. prefetch: for each distinct adapter of the first prefetch_window waiting requests, in
 //!        queue order, with no host copy and not on the GPU: ToHost if it fits the host budget
@@ -149,7 +162,10 @@
 //! Head-of-line blocking is kept with LoRA adapters: a request whose adapter is cold waits at
 //! the front even when requests behind it have theirs on the GPU. This keeps admission FCFS and
 //! starvation-free; prefetch hides most of the cold start by loading the host copy while the
-//! request is still queued. Deltas relax it only through skip-the-line, whose parent-based
+//! request is still queued. With host copy reports, the one request passed over is one whose
+//! read is under way: ready requests behind it go first only until its read is reported, and
+//! then it is ahead of them again; with nothing running it is admitted at once (the worker
+//! waits for the read), so a report that never comes delays it but cannot strand it. Deltas relax it only through skip-the-line, whose parent-based
 //! preemption keeps it starvation-free.
 //!
 //! A step that schedules nothing is empty (`is_empty()`, `step_id` 0) and drains nothing;

@@ -192,6 +192,8 @@ pub struct Scheduler {
     delta_skips: u64,
     /// Orphaned skippers preempted since start.
     delta_skip_preemptions: u64,
+    /// Times a waiting request was passed over because its adapter's host copy was loading.
+    host_deferrals: u64,
 }
 
 impl Scheduler {
@@ -217,6 +219,7 @@ impl Scheduler {
             num_orphans: 0,
             delta_skips: 0,
             delta_skip_preemptions: 0,
+            host_deferrals: 0,
         })
     }
 
@@ -246,6 +249,16 @@ impl Scheduler {
     /// Live (waiting + running) requests naming adapter `id`; 0 for an unknown id.
     pub fn adapter_users(&self, id: u32) -> usize {
         self.adapters.map.get(&id).map_or(0, |a| a.users)
+    }
+
+    /// The worker finished reading these adapters' host copies (`StepOutput::host_ready`):
+    /// with `host_copy_reports`, requests waiting for them may be admitted now. Ids with no
+    /// read pending (unknown, dropped since, already reported) are ignored. Returns how many
+    /// reads this settled.
+    pub fn host_copies_ready(&mut self, ids: &[u32]) -> usize {
+        ids.iter()
+            .filter(|&&id| self.adapters.host_loaded(id))
+            .count()
     }
 
     /// Where a registered adapter's weights are (host copy, GPU pages); `None` if unknown.
@@ -528,12 +541,17 @@ impl Scheduler {
         // Phase 2: admit waiting requests FCFS, unless this step had to preempt for pages
         // (admitting now would only thrash). Head-of-line blocking is deliberate: no request
         // jumps the queue, not even one whose adapter is already on the GPU while the head's
-        // must be loaded; the one exception is DeltaZip's skip-the-line for requests of deltas
-        // that already run (`skip_the_line`), tried only when the head itself cannot be admitted.
+        // must be loaded. Two exceptions, both bounded: with host copy reports, a request whose
+        // adapter's host copy is still being read is passed over (its read under way) while
+        // this step computes running requests anyway, and keeps its place; and DeltaZip's
+        // skip-the-line for requests of deltas that already run (`skip_the_line`), tried only
+        // when a request cannot be admitted.
         if !memory_preempted {
             let (_, window) = self.window_adapters();
+            let defer_reads = self.cfg.host_copy_reports && !step.running.is_empty();
             let mut head_blocked = false;
-            while let Some(&(key, id)) = self.waiting.front() {
+            let mut pos = 0;
+            while let Some(&(key, id)) = self.waiting.get(pos) {
                 if self.running.len() >= self.cfg.max_num_seqs || budget == 0 {
                     break;
                 }
@@ -541,13 +559,33 @@ impl Scheduler {
                     let seq = &self.seqs[&id];
                     (seq.tokens.len(), seq.adapter_id)
                 };
+                if defer_reads && self.adapters.host_copy_pending(adapter_id, true) {
+                    // Passed over only inside the prefetch window (the head always), and only
+                    // once its read is under way; else FCFS stops here.
+                    if pos > 0 && pos >= self.cfg.prefetch_window {
+                        break;
+                    }
+                    if !self.adapters.get(adapter_id).on_host {
+                        let Some(drops) = self.host_room(adapter_id, &window, pos == 0) else {
+                            head_blocked = true;
+                            break;
+                        };
+                        for d in drops {
+                            self.adapters.drop_host(d, &mut ops);
+                        }
+                        self.adapters.load_host(adapter_id, &mut ops);
+                    }
+                    self.host_deferrals += 1;
+                    pos += 1;
+                    continue;
+                }
                 let n = len.min(budget) as u32;
                 let need = self.cfg.blocks_for(n as u64);
                 let Some(plan) = self.admission_plan(adapter_id, need + watermark, &window) else {
                     head_blocked = true;
                     break;
                 };
-                self.waiting.pop_front();
+                self.waiting.remove(pos);
                 self.apply_admission(adapter_id, plan, &mut ops);
                 watermark += self.admit(key, id, n, &mut step);
                 budget -= n as usize;
@@ -637,18 +675,7 @@ impl Scheduler {
                 }
                 if !a.on_host {
                     plan.to_host = true;
-                    let deficit = self
-                        .adapters
-                        .host_deficit(a.spec.host_bytes, self.cfg.host_adapter_bytes);
-                    if deficit > 0 {
-                        plan.host_drops = self.adapters.host_drop_plan(deficit, |other| {
-                            if self.adapters.needed_by_step(other) {
-                                None
-                            } else {
-                                Some(u8::from(window.binary_search(&other).is_ok()))
-                            }
-                        })?;
-                    }
+                    plan.host_drops = self.host_room(adapter_id, window, true)?;
                 }
             }
         }
@@ -657,6 +684,30 @@ impl Scheduler {
             plan.gpu_evictions = self.adapters.gpu_eviction_plan(pages - free, adapter_id)?;
         }
         Some(plan)
+    }
+
+    /// The host copies to drop (LRU first) so that `adapter_id`'s fits the host budget: never
+    /// one the step being formed loads, nor, unless `may_drop_window`, one an adapter of the
+    /// prefetch `window` (sorted ids) needs; those go last when allowed. `None` when that does
+    /// not free enough.
+    fn host_room(
+        &self,
+        adapter_id: u32,
+        window: &[u32],
+        may_drop_window: bool,
+    ) -> Option<Vec<u32>> {
+        let bytes = self.adapters.get(adapter_id).spec.host_bytes;
+        let deficit = self
+            .adapters
+            .host_deficit(bytes, self.cfg.host_adapter_bytes);
+        if deficit == 0 {
+            return Some(Vec::new());
+        }
+        self.adapters.host_drop_plan(deficit, |other| {
+            let in_window = window.binary_search(&other).is_ok();
+            (!self.adapters.needed_by_step(other) && (may_drop_window || !in_window))
+                .then_some(u8::from(in_window))
+        })
     }
 
     /// Carries out an [`AdmissionPlan`] for `adapter_id`: host drops, `ToHost`, GPU evictions
@@ -830,24 +881,11 @@ impl Scheduler {
         }
         let (order, window) = self.window_adapters();
         for a in order {
-            let entry = self.adapters.get(a);
-            if entry.on_host || entry.gpu_blocks.is_some() {
+            if !self.adapters.host_copy_pending(a, false) {
                 continue;
             }
-            let deficit = self
-                .adapters
-                .host_deficit(entry.spec.host_bytes, self.cfg.host_adapter_bytes);
-            let drops = if deficit == 0 {
-                Vec::new()
-            } else {
-                let plan = self.adapters.host_drop_plan(deficit, |other| {
-                    (!self.adapters.needed_by_step(other) && window.binary_search(&other).is_err())
-                        .then_some(0)
-                });
-                match plan {
-                    Some(drops) => drops,
-                    None => break,
-                }
+            let Some(drops) = self.host_room(a, &window, false) else {
+                break;
             };
             for d in drops {
                 self.adapters.drop_host(d, ops);
@@ -996,6 +1034,7 @@ impl Scheduler {
             deltas_on_gpu: self.adapters.num_deltas_on_gpu(),
             delta_skips: self.delta_skips,
             delta_skip_preemptions: self.delta_skip_preemptions,
+            host_deferrals: self.host_deferrals,
         }
     }
 

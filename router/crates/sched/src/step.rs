@@ -187,4 +187,7 @@ pub struct SchedStats {
     /// Skippers preempted because their delta had no running non-skipper left (cumulative;
     /// also counted in `num_preemptions`).
     pub delta_skip_preemptions: u64,
+    /// Times a waiting request was passed over in a step because its adapter's host copy was
+    /// still being read (`host_copy_reports`; cumulative, one per request per step).
+    pub host_deferrals: u64,
 }

@@ -342,6 +342,75 @@ fn prefetch_loads_queued_adapters_to_host_ahead_of_admission() {
 }
 
 #[test]
+fn with_host_copy_reports_a_request_waits_for_its_read_without_stalling_the_step() {
+    // Three running slots; adapter 2 is cold. Reads finish only when the test reports them.
+    let c = SchedulerConfig {
+        max_num_seqs: 3,
+        host_copy_reports: true,
+        ..acfg(4, 32, 100, 4)
+    };
+    let (mut s, mut w) = setup(&c, &[1, 2], 1, 10);
+    let ids = |st: &ScheduledStep| st.new.iter().map(|n| n.id).collect::<Vec<_>>();
+    // Nothing runs: a cold adapter's request is admitted at once (the worker waits for its
+    // read, as there is nothing else to compute; and no report could come back otherwise).
+    s.add_request(areq(1, 4, 20, 1)).unwrap();
+    let st = step(&mut s, &mut w);
+    assert_eq!(
+        (ops(&st), ids(&st)),
+        (vec!["to_host:1".into(), "to_gpu:1".into()], vec![1])
+    );
+    assert_eq!(w.read_waits, 1);
+
+    // Request 1 runs. Request 2's adapter is cold: its read starts and it is passed over, and
+    // base request 3 behind it is admitted in its place.
+    s.add_request(areq(2, 4, 3, 2)).unwrap();
+    s.add_request(req(3, 4, 20)).unwrap();
+    let st = step(&mut s, &mut w);
+    assert_eq!((ops(&st), ids(&st)), (vec!["to_host:2".into()], vec![3]));
+    assert_eq!(s.stats().host_deferrals, 1);
+    assert_eq!(s.stats().waiting, 1);
+    // No report yet: it waits again (no op repeated), the step computes the others.
+    let st = step(&mut s, &mut w);
+    assert!(st.adapter_ops.is_empty() && st.new.is_empty());
+    assert_eq!(s.stats().host_deferrals, 2);
+    // The read finishes. Request 4 arrives for the last slot, but 2 kept its place.
+    let done = w.finish_reads(|_| true);
+    assert_eq!(done, [2]);
+    assert_eq!(s.host_copies_ready(&done), 1);
+    assert_eq!(
+        s.host_copies_ready(&[2, 1, 99]),
+        0,
+        "stale and unknown reports change nothing"
+    );
+    s.add_request(req(4, 4, 3)).unwrap();
+    let st = step(&mut s, &mut w);
+    assert_eq!((ops(&st), ids(&st)), (vec!["to_gpu:2".into()], vec![2]));
+    assert_eq!(
+        w.read_waits, 1,
+        "no step with running requests waited for a read"
+    );
+    run_to_completion(&mut s, &mut w, 100);
+
+    // A read dropped before it is reported: the stale report does not count a later read.
+    let (mut s, mut w) = setup(&c, &[2, 3], 1, 60);
+    s.add_request(req(1, 4, 20)).unwrap();
+    step(&mut s, &mut w);
+    s.add_request(areq(2, 4, 3, 2)).unwrap();
+    let st = step(&mut s, &mut w);
+    assert_eq!(ops(&st), ["to_host:2"]);
+    s.abort(2);
+    s.add_request(areq(3, 4, 3, 3)).unwrap();
+    let st = step(&mut s, &mut w);
+    assert_eq!(
+        ops(&st),
+        ["drop_host:2", "to_host:3"],
+        "budget 100 holds one 60-byte copy: 2's read is dropped unreported"
+    );
+    assert_eq!(s.host_copies_ready(&[2]), 0);
+    assert_eq!(s.stats().waiting, 1);
+}
+
+#[test]
 fn prefetch_never_drops_what_the_step_or_the_window_needs() {
     // 20 bytes of host tier, adapters of 10 bytes; one request at a time, window 2.
     let c = SchedulerConfig {

@@ -1,6 +1,7 @@
 //! Property-style test: seeded random sequences of add / abort / finish / schedule / update /
 //! lost outputs / worker resets / adapter registration and unregistration, over many pool
-//! shapes, adapter mixes and host budgets. After every operation the scheduler's invariants
+//! shapes, adapter mixes and host budgets, with and without host copy reports (host reads that
+//! finish at random steps later; a step with running requests never waits for one). After every operation the scheduler's invariants
 //! must hold; every plan must satisfy the fake worker's contract checks (pages never shared
 //! between requests and adapters on the worker, chunks contiguous and covered, budget and
 //! max_num_seqs respected, adapter ops legal and in drops-then-loads order, host bytes within
@@ -41,6 +42,10 @@ struct Coverage {
     adapter_tokens: u64,
     /// Adapter requests that ended by length / EOS.
     adapter_finished: u64,
+    /// Waiting requests passed over for a host read (scheduler stats).
+    host_deferrals: u64,
+    /// `to_gpu`s that waited for a read (allowed only with nothing running).
+    read_waits: u64,
 }
 
 /// A random adapter spec; sometimes too big for the pool or the host budget.
@@ -72,6 +77,7 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) -> Vec<ScheduledStep> {
     // A host tier that holds a few adapters at most, and a short (sometimes no) prefetch.
     c.host_adapter_bytes = rng.range(8, 40);
     c.prefetch_window = rng.range(0, 6) as usize;
+    c.host_copy_reports = rng.pct(50);
     let mut s = Scheduler::new(c.clone()).unwrap();
     let mut w = FakeWorker::new(c.clone());
     // Registered adapters as the test knows them, and a generation counter for unique paths.
@@ -160,6 +166,13 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) -> Vec<ScheduledStep> {
         );
         let mut outs = w.run(&st, &mut sample);
         w.assert_matches(s, registered.keys().copied());
+        // Some reads finish; the worker reports them with the step's output.
+        let read = w.finish_reads(|_| rng.pct(40));
+        assert_eq!(
+            s.host_copies_ready(&read),
+            read.len(),
+            "every finished read was pending"
+        );
         cov.preemptions += st.preempted.len();
         plans.push(st);
         if rng.pct(5) && !outs.is_empty() {
@@ -377,6 +390,8 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) -> Vec<ScheduledStep> {
         cov.ops[k] += n;
     }
     cov.adapter_tokens += w.adapter_tokens;
+    cov.host_deferrals += st.host_deferrals;
+    cov.read_waits += w.read_waits;
     plans
 }
 
@@ -397,6 +412,11 @@ fn random_operations_keep_every_invariant() {
     assert!(
         cov.adapter_tokens > 0 && cov.adapter_finished > 0,
         "adapter requests run"
+    );
+    assert!(
+        cov.host_deferrals > 0 && cov.read_waits > 0,
+        "the scenarios must pass requests over for host reads, and admit into an idle worker \
+         without waiting for reports"
     );
 }
 

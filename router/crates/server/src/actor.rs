@@ -518,6 +518,8 @@ impl Actor {
         self.counters.worker_step_us += out.timing.total_us;
         self.counters.worker_forward_us += out.timing.forward_us;
         self.counters.adapter_host_bytes_measured = out.adapter_host_bytes;
+        // Before the next plan: requests whose adapter was being read may be admitted now.
+        self.sched.host_copies_ready(&out.host_ready);
 
         // Requests ended since the step was sent are no longer the scheduler's: skip them.
         let sampled: Vec<(u64, Option<u32>)> = out
@@ -733,6 +735,7 @@ impl Actor {
             adapter_gpu_loads_total: stats.adapter_gpu_loads,
             adapter_host_loads_total: stats.adapter_host_loads,
             adapter_gpu_evictions_total: stats.adapter_gpu_evictions,
+            adapter_host_deferrals_total: stats.host_deferrals,
             worker_step_us_total: self.counters.worker_step_us,
             worker_forward_us_total: self.counters.worker_forward_us,
         }
@@ -771,6 +774,7 @@ fn sched_config(worker: &WorkerProcess, limits: &SchedLimits) -> SchedulerConfig
         host_adapter_bytes: limits.host_adapter_bytes,
         prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
         max_deltas: limits.max_deltas,
+        host_copy_reports: true,
     }
 }
 

@@ -195,6 +195,9 @@ pub struct EngineMetrics {
     pub adapter_host_loads_total: u64,
     /// Adapters evicted from a GPU pool since start.
     pub adapter_gpu_evictions_total: u64,
+    /// Times a waiting request was passed over in a step because its variant's host read was
+    /// still running (it keeps its place; the step does not wait for the read), since start.
+    pub adapter_host_deferrals_total: u64,
     /// Sum of the workers' step times (plan decoded → output encoded, `StepTiming::total_us`)
     /// since start, microseconds: over `steps_total`, the mean worker time of a step.
     pub worker_step_us_total: u64,
@@ -572,6 +575,7 @@ impl EngineHandle {
                 total.adapter_gpu_loads_total += m.adapter_gpu_loads_total;
                 total.adapter_host_loads_total += m.adapter_host_loads_total;
                 total.adapter_gpu_evictions_total += m.adapter_gpu_evictions_total;
+                total.adapter_host_deferrals_total += m.adapter_host_deferrals_total;
                 total.worker_step_us_total += m.worker_step_us_total;
                 total.worker_forward_us_total += m.worker_forward_us_total;
                 total.step_gap_us_p50 = total.step_gap_us_p50.max(m.step_gap_us_p50);

@@ -2,7 +2,11 @@
 //! seeded PRNG, and `FakeWorker`, which applies plans the way the Python worker does and
 //! asserts the worker-side contract (pages never shared between requests and adapters, chunks
 //! contiguous, tables cover them, adapter ops in a legal order within the host budget and the
-//! delta slots, every scheduled request's adapter on the GPU).
+//! delta slots, every scheduled request's adapter on the GPU). With `host_copy_reports` it also
+//! models host reads that take time: a `to_host` starts a read that the test finishes
+//! ([`FakeWorker::finish_reads`]) and reports, and a `to_gpu` of an adapter still being read
+//! (which would make the real worker's step wait) is allowed only in a step with no running
+//! request.
 
 #![allow(dead_code)]
 
@@ -30,6 +34,7 @@ pub fn cfg(
         host_adapter_bytes: deltaserve_sched::DEFAULT_HOST_ADAPTER_BYTES,
         prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
         max_deltas: deltaserve_sched::DEFAULT_MAX_DELTAS,
+        host_copy_reports: false,
     }
 }
 
@@ -141,6 +146,10 @@ pub struct FakeWorker {
     pub adapter_tokens: u64,
     /// Adapter ops applied (cumulative), by kind: to_host, to_gpu, drop_gpu, drop_host.
     pub op_counts: [u64; 4],
+    /// Host copies still being read (only with `cfg.host_copy_reports`), in `to_host` order.
+    pub reading: Vec<u32>,
+    /// `to_gpu`s that had to wait for a read (cumulative; only in steps with nothing running).
+    pub read_waits: u64,
 }
 
 impl FakeWorker {
@@ -156,6 +165,8 @@ impl FakeWorker {
             max_deltas_seen: 0,
             adapter_tokens: 0,
             op_counts: [0; 4],
+            reading: Vec::new(),
+            read_waits: 0,
         }
     }
 
@@ -171,6 +182,16 @@ impl FakeWorker {
         self.host.clear();
         self.gpu.clear();
         self.delta_slots.clear();
+        self.reading.clear();
+    }
+
+    /// Finishes the reads `done` picks (given each adapter id, in `to_host` order) and returns
+    /// their ids: what the real worker reports in `StepOutput::host_ready`.
+    pub fn finish_reads(&mut self, mut done: impl FnMut(u32) -> bool) -> Vec<u32> {
+        let (finished, still): (Vec<u32>, Vec<u32>) =
+            self.reading.iter().partition(|&&id| done(id));
+        self.reading = still;
+        finished
     }
 
     /// Bytes of host copies held.
@@ -233,6 +254,9 @@ impl FakeWorker {
                         self.host.insert(id, spec).is_none(),
                         "to_host of adapter {id}, which is already on the host"
                     );
+                    if self.cfg.host_copy_reports {
+                        self.reading.push(id);
+                    }
                     self.op_counts[0] += 1;
                 }
                 AdapterOpKind::ToGpu { block_ids } => {
@@ -244,6 +268,17 @@ impl FakeWorker {
                         spec.num_blocks,
                         "adapter {id} placed on the wrong number of pages"
                     );
+                    if let Some(i) = self.reading.iter().position(|&r| r == id) {
+                        assert!(
+                            step.running.is_empty(),
+                            "step {}: to_gpu of adapter {id}, whose host read has not been \
+                             reported, stalls the {} running requests",
+                            step.step_id,
+                            step.running.len()
+                        );
+                        self.reading.remove(i);
+                        self.read_waits += 1;
+                    }
                     if spec.kind == VariantKind::Delta {
                         assert!(
                             self.delta_slots.len() < self.cfg.max_deltas,
@@ -283,6 +318,7 @@ impl FakeWorker {
                         self.host.remove(&id).is_some(),
                         "drop_host of adapter {id}, not on the host"
                     );
+                    self.reading.retain(|&r| r != id);
                     self.op_counts[3] += 1;
                 }
             }

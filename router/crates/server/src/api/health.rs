@@ -173,6 +173,12 @@ pub async fn metrics<B: Backend>(State(backend): State<B>) -> Response {
         m.adapter_gpu_evictions_total,
     );
     metric(
+        "adapter_host_deferrals_total",
+        "counter",
+        "Times a waiting request was passed over for a step because its adapter's host read was still running (it keeps its place).",
+        m.adapter_host_deferrals_total,
+    );
+    metric(
         "worker_step_us_total",
         "counter",
         "Worker time of the steps run (plan decoded to output encoded), microseconds.",
@@ -246,6 +252,7 @@ mod tests {
             "# TYPE deltaserve_delta_skips_total counter",
             "deltaserve_delta_skips_total 5",
             "deltaserve_delta_skip_preemptions_total 2",
+            "deltaserve_adapter_host_deferrals_total 3",
             "# TYPE deltaserve_worker_step_us_total counter",
             "deltaserve_worker_step_us_total 900",
             "deltaserve_worker_forward_us_total 800",

@@ -475,6 +475,7 @@ pub(crate) mod fake {
                 deltas_on_gpu: 1,
                 delta_skips_total: 5,
                 delta_skip_preemptions_total: 2,
+                adapter_host_deferrals_total: 3,
                 worker_step_us_total: 900,
                 worker_forward_us_total: 800,
                 ..Default::default()
