@@ -771,6 +771,7 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
 
 METRICS_SHOWN = ("deltaserve_steps_total", "deltaserve_preemptions_total", "deltaserve_adapter_host_loads_total",
                  "deltaserve_adapter_gpu_loads_total", "deltaserve_adapter_gpu_evictions_total",
+                 "deltaserve_adapter_host_deferrals_total",
                  "deltaserve_worker_step_us_total", "deltaserve_worker_forward_us_total", "deltaserve_step_gap_us_p50")
 """The metrics a point's summary line prints (all of them go to the result file)."""
 
