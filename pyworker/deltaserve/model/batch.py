@@ -15,9 +15,81 @@ The executor builds one per step (``ForwardBatch.build``); tests and benchmarks 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
+
+
+STAGING_BYTES = 8 << 20
+"""Pinned host memory per device that small host tensors reach the device through (``_Staging``);
+a step's inputs take a few KB to a few hundred KB."""
+STAGED_MAX = STAGING_BYTES // 8
+"""Larger host tensors are pinned on their own (an adapter's host copy already is)."""
+
+
+class _Staging:
+    """One pinned host buffer, allocated once, that small host tensors are copied through on their way
+    to the device, so the thread that launches steps never allocates pinned memory per step.
+
+    Allocating pinned memory waits behind the host tier's loader threads, which allocate pinned
+    copies of adapters all the time under S-LoRA's n = 2000 workloads; ``pinning each input``
+    stalled the launching thread for 4.8 s once in ``bench/pinned_alloc_contention.py`` (H200).
+
+    The buffer is used in two halves: filling one, then the other. Leaving a half records an event
+    behind the copies made from it; a half is reused only once its event has completed (long done
+    in practice: a half holds many steps' inputs). Copies go on the current stream of the calling
+    thread; the worker makes them all on its one stream.
+    """
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+        self.half = STAGING_BYTES // 2
+        self.cur = 0
+        """The half being filled."""
+        self.off = 0
+        """Next free byte in it (256-aligned)."""
+        self.fence: list[torch.cuda.Event | None] = [None, None]
+        """Per half: the event recorded when it was last left, waited for before it is refilled."""
+        self.lock = threading.Lock()
+
+    def stage(self, host: torch.Tensor) -> torch.Tensor:
+        """A pinned copy of ``host`` (at most ``STAGED_MAX`` bytes) in the buffer, valid until the
+        copies queued from it have run."""
+        n = host.numel() * host.element_size()
+        with self.lock:
+            if self.off + n > self.half:
+                left = torch.cuda.Event()
+                left.record()
+                self.fence[self.cur] = left
+                self.cur, self.off = 1 - self.cur, 0
+                fence, self.fence[self.cur] = self.fence[self.cur], None
+                if fence is not None:
+                    fence.synchronize()
+            start = self.cur * self.half + self.off
+            self.off += (n + 255) // 256 * 256
+        staged = self.buf[start : start + n].view(host.dtype).view(host.shape)
+        staged.copy_(host)
+        return staged
+
+
+_staging: _Staging | None = None
+"""The process's staging buffer (a worker drives one device from one stream), made on first use."""
+_staging_lock = threading.Lock()
+
+
+def _pinned(host: torch.Tensor) -> torch.Tensor:
+    """``host`` in pinned memory: itself if pinned, a staged copy if small (``_Staging``), else a
+    newly pinned copy."""
+    n = host.numel() * host.element_size()
+    if n <= STAGED_MAX and not torch.cuda.is_current_stream_capturing():
+        global _staging
+        if _staging is None:
+            with _staging_lock:
+                if _staging is None:
+                    _staging = _Staging()
+        return _staging.stage(host)
+    return host if host.is_pinned() else host.pin_memory()
 
 
 def to_device(data: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -31,21 +103,21 @@ def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tens
 
     ``host.to(cuda)`` from pageable memory copies synchronously, which waits for every kernel
     already queued: a step (or an adapter placement) done that way could not be launched while the
-    previous step still runs. The copy goes from pinned memory (torch's caching host allocator
-    keeps the buffer until the copy has run), so it is asynchronous and ``host`` may change or go
-    away afterwards. On the CPU, ``host`` itself.
+    previous step still runs. The copy goes from pinned memory (small tensors through a pinned
+    staging buffer allocated once, ``_Staging``; large ones pinned as they are), so it is
+    asynchronous and ``host`` may change or go away afterwards. On the CPU, ``host`` itself.
     """
     if torch.device(device).type == "cpu":
         return host
-    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
+    return _pinned(host).to(device, non_blocking=True)
 
 
 def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
     """``dst.copy_(host)`` into an existing device buffer (a CUDA graph's static input, a static
     table) without waiting for the device's queued work, for the reason ``host_to_device`` gives:
     the copy goes from pinned memory."""
-    if dst.device.type != "cpu" and not host.is_pinned():
-        host = host.pin_memory()
+    if dst.device.type != "cpu":
+        host = _pinned(host)
     dst.copy_(host, non_blocking=True)
 
 
