@@ -3,8 +3,12 @@ why n = 1000-2000 serve slower than n = 5 when the decode kernels barely notice 
 
 - decode, batch 64, KV 512, CUDA graphs: base, 4 adapters shared by all rows, 64 distinct adapters;
 - prefill chunks (eager, as served): ``seqs x length`` new tokens with the base, one adapter for all,
-  or a distinct adapter per sequence. Each is timed on the wall (median) and by its kernels' device
-  time (torch.profiler); a step whose wall time exceeds its device time is bound by the host.
+  or a distinct adapter per sequence;
+- mixed steps (eager, as continuous batching forms them under load): one 512-token prefill next to
+  48 decoding requests, all base, 4 shared adapters, or a distinct adapter per request: SGMV then
+  sees one long segment beside many one-token ones.
+Each is timed on the wall (median) and by its kernels' device time (torch.profiler); a step whose
+wall time exceeds its device time is bound by the host.
 
     python3 bench/lora_mixed_step.py [--out DIR]
 """
@@ -54,6 +58,39 @@ def prefill_steps(ex: Executor, ids: list[int], length: int, first_block: int, f
     return times
 
 
+def start_decoding(ex: Executor, ids: list[int], first_block: int, first_id: int, steps: int) -> list[wire.NewRequest]:
+    """Admits one request per adapter id of ``ids`` with a 16-token prompt and pages for ``steps``
+    more tokens; returns them (pages from ``first_block`` on, ``ceil((17 + steps) / block_size)`` each)."""
+    per = -(-(17 + steps) // ex.block_size)
+    dec = [wire.NewRequest(req_id=first_id + i, token_ids=list(range(3, 19)), num_prompt_tokens=16,
+                           num_computed_tokens=0, num_scheduled_tokens=16,
+                           block_ids=list(range(first_block + i * per, first_block + (i + 1) * per)),
+                           sampling=GREEDY, adapter_id=a) for i, a in enumerate(ids)]
+    ex.step(wire.StepPlan(step_id=first_id, new_requests=dec, running=[], released=[]))
+    return dec
+
+
+def mixed_steps(ex: Executor, dec: list[wire.NewRequest], prefill_id: int, length: int, first_block: int,
+                first_id: int, reps: int) -> list[float]:
+    """Wall seconds of ``reps`` steps that each decode one token for the running requests ``dec`` and
+    prefill one new ``length``-token request (adapter ``prefill_id``, pages from ``first_block``,
+    released after its step)."""
+    nb = -(-length // ex.block_size)
+    times = []
+    for rep in range(reps):
+        new = wire.NewRequest(req_id=first_id + rep, token_ids=list(range(3, 3 + length)),
+                              num_prompt_tokens=length, num_computed_tokens=0, num_scheduled_tokens=length,
+                              block_ids=list(range(first_block, first_block + nb)), sampling=GREEDY,
+                              adapter_id=prefill_id)
+        running = [wire.RunningRequest(req_id=r.req_id, num_scheduled_tokens=1, new_block_ids=[]) for r in dec]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ex.step(wire.StepPlan(step_id=first_id + 2 * rep, new_requests=[new], running=running, released=[]))
+        times.append(time.perf_counter() - t0)
+        ex.step(wire.StepPlan(step_id=first_id + 2 * rep + 1, new_requests=[], running=[], released=[new.req_id]))
+    return times
+
+
 def device_ms(fn, steps: int) -> float:
     """Kernel time per step of ``fn()`` (which runs ``steps`` steps), from torch.profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -99,9 +136,25 @@ def main() -> None:
                                      "device_ms": dev, "ranks": sorted({rank_of[a] for a in ids if a})})
                 print(f"prefill {seqs}x{length} {name:11s}: wall {wall * 1e3:6.2f} ms, kernels {dev:6.2f} ms",
                       flush=True)
+        mixed_rows = []
+        reps = args.reps + 2 + 3
+        for name, ids in (("base", [0] * 48), ("4 shared", [1 + i % 4 for i in range(48)]),
+                          ("distinct", [1 + i for i in range(48)])):
+            pid = ids[0] if name != "distinct" else 64
+            dec = start_decoding(ex, ids, first_page, first_id, reps)
+            prefill_block = first_page + len(ids) * -(-(17 + reps) // ex.block_size)
+            mixed_steps(ex, dec, pid, 512, prefill_block, first_id + 100, 2)  # warm-up
+            wall = statistics.median(mixed_steps(ex, dec, pid, 512, prefill_block, first_id + 200, args.reps))
+            dev = device_ms(lambda: mixed_steps(ex, dec, pid, 512, prefill_block, first_id + 300, 3), 3)
+            ex.step(wire.StepPlan(step_id=first_id + 400, new_requests=[], running=[],
+                                  released=[r.req_id for r in dec]))
+            first_id += 10_000
+            mixed_rows.append({"case": name, "decoding": 48, "prefill": 512, "wall_ms": wall * 1e3, "device_ms": dev})
+            print(f"mixed 48 decode + 512 prefill {name:9s}: wall {wall * 1e3:6.2f} ms, kernels {dev:6.2f} ms",
+                  flush=True)
     path = write_result("lora_mixed_step", {
         "device": device_name(device), "shape": args.shape, "dtype": "float16", "targets": list(QKVO),
-        "ranks": list(RANKS), "adapters": 64, "decode": decode_rows, "prefill": prefill_rows,
+        "ranks": list(RANKS), "adapters": 64, "decode": decode_rows, "prefill": prefill_rows, "mixed": mixed_rows,
         "prefill_mode": "eager (as served)", "timed_reps": args.reps,
     }, args.out)
     print(f"wrote {path}")

@@ -214,6 +214,35 @@ def test_all_tokens_one_adapter_no_base(mode: str) -> None:
           lora_delta(x, base.clone(), [LoraSlice(0, 96, w)], meta, use_triton=False))
 
 
+def test_sgmv_tiles_cover_exactly_the_adapter_tokens() -> None:
+    """The SGMV grid: one program row per 16-token tile of a segment with an adapter, none for base
+    segments or empty ones, so its size follows the tokens, not segments x the longest segment."""
+    starts, adapters = [0, 40, 41, 41, 58, 60], [2, -1, 5, 0, 7]
+    assert lora_kernels.SGMV_TILE == 16
+    assert lora_kernels.sgmv_tiles(starts, adapters) == [0, 0, 0, 16, 0, 32, 3, 41, 3, 57, 4, 58]
+    meta = LoraMeta.sgmv([40, 1, 0, 17, 2], adapters, DEVICE)
+    assert meta.num_tiles == 6 and meta.tiles.tolist() == [[0, 0], [0, 16], [0, 32], [3, 41], [3, 57], [4, 58]]
+    assert LoraMeta.mbgmv([1, -1], DEVICE).tiles is None
+    assert LoraMeta.sgmv([3, 4], [-1, -1], DEVICE).num_tiles == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sgmv_one_long_prefill_next_to_many_decode_rows(dtype: torch.dtype) -> None:
+    """A mixed step as continuous batching forms it: one long prefill segment, then one-token decode
+    segments of many distinct adapters and base rows, stacked qkv-like slices; kernel = reference."""
+    seed = 11
+    lens = [70] + [1] * 14 + [5]
+    ids = [1] + [(i * 5) % NUM_SLOTS if i % 4 else -1 for i in range(14)] + [9]
+    meta = LoraMeta.sgmv(lens, ids, DEVICE)
+    assert meta.num_tiles == 5 + 10 + 1  # 70 tokens = 5 tiles; 10 adapter decode rows; the last segment
+    slices = [LoraSlice(0, 64, pooled(dense_adapters(96, 64, dtype, seed), seed)),
+              LoraSlice(64, 32, pooled(dense_adapters(96, 32, dtype, seed + 1), seed + 1))]
+    x = randn(meta.num_tokens, 96, dtype=dtype, seed=1)
+    base = randn(meta.num_tokens, 96, dtype=dtype, seed=2)
+    close(lora_delta(x, base.clone(), slices, meta, use_triton=True),
+          lora_delta(x, base.clone(), slices, meta, use_triton=False))
+
+
 def test_only_base_requests_is_a_no_op() -> None:
     meta = LoraMeta.sgmv([3, 4], [-1, -1], DEVICE)
     w = pooled(dense_adapters(64, 64, torch.float32, 0), 0)

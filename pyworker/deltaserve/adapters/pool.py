@@ -50,7 +50,7 @@ Per-step tables (static: allocated once, filled in place, so captured CUDA graph
     one kernels.lora.LoraWeights(check=False) per (layer, slice) over these tables and the layer's flat view;
         the slices of one module (qkv, gate_up) are consecutive rows of the tables (linear_slots order), so
         ``attach_lora`` stacks them into one ``LoraStack`` view per (layer, module): two launches per module
-    seg_start [max_tokens + 1], seg_adapter [max_tokens] int32: the step's LoraMeta
+    seg_start [max_tokens + 1], seg_adapter [max_tokens], seg_tiles [max_tokens, 2] int32: the step's LoraMeta
 
 ``begin_step(segments, decode)`` maps the step's adapters to slots (sticky: an adapter keeps its
 slot while it stays on the GPU, so steady decode rewrites no table; a new one takes a free slot or
@@ -69,7 +69,7 @@ from typing import Sequence
 import torch
 
 from .. import wire
-from ..kernels.lora import LoraMeta, LoraWeights
+from ..kernels.lora import LoraMeta, LoraWeights, sgmv_tiles
 from ..model.arch import ModelConfig
 from ..model.batch import copy_from_host, host_to_device
 from ..model.decoder import linear_slots
@@ -287,6 +287,8 @@ class AdapterPool:
         """Static ``LoraMeta.seg_start`` buffer."""
         self.seg_adapter = torch.zeros(self.max_tokens, dtype=torch.int32, device=dev)
         """Static ``LoraMeta.seg_adapter`` buffer."""
+        self.seg_tiles = torch.zeros(self.max_tokens, 2, dtype=torch.int32, device=dev)
+        """Static ``LoraMeta.tiles`` buffer (a tile holds at least one token, so at most one per token)."""
         self.step = LoraStep()
         """What the adapted linears read: the current step's LoraMeta, None when inactive."""
         self.inspected_bytes: dict[str, int] = {}
@@ -546,13 +548,19 @@ class AdapterPool:
             self.max_tokens = total
             self.seg_start = torch.zeros(total + 1, dtype=torch.int32, device=self.device)
             self.seg_adapter = torch.zeros(total, dtype=torch.int32, device=self.device)
+            self.seg_tiles = torch.zeros(total, 2, dtype=torch.int32, device=self.device)
         S = len(seg_adapter)
+        tiles = [] if decode else sgmv_tiles(starts, seg_adapter)
+        n_tiles = len(tiles) // 2
         copy_from_host(self.seg_start[: S + 1], torch.tensor(starts, dtype=torch.int32))
         copy_from_host(self.seg_adapter[:S], torch.tensor(seg_adapter, dtype=torch.int32))
+        if n_tiles:
+            copy_from_host(self.seg_tiles[:n_tiles], torch.tensor(tiles, dtype=torch.int32).view(-1, 2))
         self.step.meta = LoraMeta(
             seg_start=self.seg_start[: S + 1], seg_adapter=self.seg_adapter[:S],
             seg_start_host=tuple(starts), seg_adapter_host=tuple(seg_adapter), num_tokens=total,
             max_seg_len=max_len, max_adapter=max(seg_adapter), decode=decode,
+            tiles=None if decode else self.seg_tiles[:n_tiles], num_tiles=n_tiles,
         )  # fmt: skip
         return True
 

@@ -40,6 +40,8 @@ Batch metadata (``LoraMeta``, built once per step and reused by every layer and 
     SGMV (prefill): tokens grouped into contiguous segments, one adapter per segment
         seg_start [S + 1] int32   token range of segment s is seg_start[s] .. seg_start[s + 1]
         seg_adapter [S] int32     adapter of segment s, or -1
+        tiles [n, 2] int32        (segment, first token) of every 16-token tile of a segment with
+                                  an adapter: the launch grid (never segments x longest segment)
     MBGMV (decode): one token per row, rows of any adapters in any order
         row_adapter [T] int32     stored as seg_adapter with seg_start = 0, 1, ..., T
 
@@ -83,8 +85,8 @@ program computes exactly what the per-slice path's does, and the results are equ
     decode   shrink grid (row blocks, SPLIT, n_slices) -> float32 partials [n_slices, SPLIT, T, r_max]
              expand grid (row blocks, tiles of the widest slice, n_slices); a tile past its slice's width
              (GQA k / v next to q) or a slice of rank 0 for the row's adapter exits at once
-    prefill  shrink grid (S, token tiles, n_slices * rank tiles) -> v [n_slices, T, r_max]
-             expand grid (S, token tiles, n_slices * column tiles of the widest slice)
+    prefill  shrink grid (token tiles, n_slices * rank tiles) -> v [n_slices, T, r_max]
+             expand grid (token tiles, n_slices * column tiles of the widest slice)
 
 The decode grids depend only on T, in_dim, r_max, n_slices and the widest slice (shapes), never
 on the tables: the slices' widths and first columns come from small static device tensors.
@@ -113,6 +115,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # interpreter cannot run multi-config autotune; tuned configs go to data files, STYLE #23).
 _SG_BLOCK_M = 16
 """SGMV: tokens of one segment per program."""
+SGMV_TILE = _SG_BLOCK_M
+"""Tokens per SGMV token tile (``sgmv_tiles``): the metadata builders' share of the launch."""
 _SG_BLOCK_R = 16
 """SGMV: rank rows per tile (the tile granularity of the rank loop)."""
 _SG_BLOCK_K = 64
@@ -147,6 +151,13 @@ class LoraMeta:
     """Largest adapter slot used (-1 if none): checked against each weight set's num_adapters."""
     decode: bool
     """True: one token per row (MBGMV kernels); False: segments (SGMV kernels)."""
+    tiles: torch.Tensor | None = None
+    """SGMV: [num_tiles, 2] int32 on the device, (segment, first token) of every token tile of
+    ``SGMV_TILE`` tokens that has an adapter (``sgmv_tiles``): the SGMV grid runs over these, so a
+    step of many short segments (a decode row per adapter) next to one long prefill launches a
+    program per real tile, not segments x the longest segment's tiles. None for MBGMV."""
+    num_tiles: int = 0
+    """Rows of ``tiles``."""
 
     @classmethod
     def sgmv(cls, seg_lens: Sequence[int], seg_adapter: Sequence[int], device: torch.device | str) -> "LoraMeta":
@@ -175,12 +186,27 @@ class LoraMeta:
             raise ValueError(f"lora: adapter id {bad[0]} out of range (slots are >= 0, -1 = no adapter)")
         if starts[-1] >= 2**31:
             raise ValueError(f"lora: {starts[-1]} tokens overflow int32 segment offsets")
+        tiles = None if decode else sgmv_tiles(starts, adapters)
         return cls(
             seg_start=torch.tensor(starts, dtype=torch.int32, device=device),
             seg_adapter=torch.tensor(adapters, dtype=torch.int32, device=device),
             seg_start_host=tuple(starts), seg_adapter_host=tuple(adapters), num_tokens=starts[-1],
             max_seg_len=max_len, max_adapter=max(adapters, default=-1), decode=decode,
+            tiles=None if tiles is None else torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 2),
+            num_tiles=0 if tiles is None else len(tiles) // 2,
         )  # fmt: skip
+
+
+def sgmv_tiles(seg_start: Sequence[int], seg_adapter: Sequence[int]) -> list[int]:
+    """The SGMV launch's token tiles, flattened ``[seg, first token, seg, first token, ...]``: every
+    ``SGMV_TILE`` tokens of every segment with an adapter (segments of base tokens, adapter -1, get
+    none). ``LoraMeta.tiles`` holds them on the device."""
+    tiles: list[int] = []
+    for seg, adapter in enumerate(seg_adapter):
+        if adapter >= 0:
+            for m0 in range(seg_start[seg], seg_start[seg + 1], SGMV_TILE):
+                tiles += (seg, m0)
+    return tiles
 
 
 @dataclass(frozen=True)
@@ -514,20 +540,20 @@ def _row_offsets(off_row_ptr, rs, r_ok, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _sgmv_shrink_kernel(x_ptr, a_ptr, v_ptr, seg_start_ptr, seg_adapter_ptr, a_off_ptr, rank_ptr,
+def _sgmv_shrink_kernel(x_ptr, a_ptr, v_ptr, seg_start_ptr, seg_adapter_ptr, tiles_ptr, a_off_ptr, rank_ptr,
                         K, R_MAX, R_TILES, x_stride, v_slice_stride, v_stride, off_slice_stride, off_stride,
                         rank_slice_stride,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN: tl.constexpr,
                         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
-    """Program (seg, m tile, slice * R_TILES + r tile): ``v[slice, rows, r tile] = x[rows] A^T``."""
-    seg = tl.program_id(0)
-    sl = tl.program_id(2) // R_TILES
+    """Program (token tile, slice * R_TILES + r tile): ``v[slice, rows, r tile] = x[rows] A^T``, the
+    tile's (segment, first row) from ``tiles_ptr``."""
+    seg = tl.load(tiles_ptr + 2 * tl.program_id(0))
+    m0 = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
+    sl = tl.program_id(1) // R_TILES
     adapter = tl.load(seg_adapter_ptr + seg)
-    start = tl.load(seg_start_ptr + seg)
     end = tl.load(seg_start_ptr + seg + 1)
     rank = tl.minimum(tl.load(rank_ptr + sl * rank_slice_stride + tl.maximum(adapter, 0)), R_MAX)
-    m0 = start + tl.program_id(1) * BLOCK_M
-    r0 = (tl.program_id(2) % R_TILES) * BLOCK_R
+    r0 = (tl.program_id(1) % R_TILES) * BLOCK_R
     if (adapter < 0 or m0 >= end) or r0 >= rank:  # pairs: triton 3.6 refuses chained and/or
         return
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -554,23 +580,23 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, v_ptr, seg_start_ptr, seg_adapter_ptr, a_o
 
 
 @triton.jit
-def _sgmv_expand_kernel(v_ptr, b_ptr, out_ptr, seg_start_ptr, seg_adapter_ptr, b_off_ptr, rank_ptr, scale_ptr,
-                        dims_ptr, cols_ptr, N, R_MAX, N_TILES, v_slice_stride, v_stride, out_stride,
+def _sgmv_expand_kernel(v_ptr, b_ptr, out_ptr, seg_start_ptr, seg_adapter_ptr, tiles_ptr, b_off_ptr, rank_ptr,
+                        scale_ptr, dims_ptr, cols_ptr, N, R_MAX, N_TILES, v_slice_stride, v_stride, out_stride,
                         off_slice_stride, off_stride, rank_slice_stride, scale_slice_stride,
                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
                         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr, STACKED: tl.constexpr):
-    """Program (seg, m tile, slice * N_TILES + n tile): ``out[rows, slice's n tile] += scale v B^T``.
-    STACKED: the slice's width and first column of out come from ``dims_ptr`` / ``cols_ptr`` (tiles
-    past a narrower slice's width exit at once); else one slice of N columns at column 0."""
-    seg = tl.program_id(0)
-    sl = tl.program_id(2) // N_TILES
+    """Program (token tile, slice * N_TILES + n tile): ``out[rows, slice's n tile] += scale v B^T``,
+    the tile's (segment, first row) from ``tiles_ptr``. STACKED: the slice's width and first column
+    of out come from ``dims_ptr`` / ``cols_ptr`` (tiles past a narrower slice's width exit at once);
+    else one slice of N columns at column 0."""
+    seg = tl.load(tiles_ptr + 2 * tl.program_id(0))
+    m0 = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
+    sl = tl.program_id(1) // N_TILES
     adapter = tl.load(seg_adapter_ptr + seg)
-    start = tl.load(seg_start_ptr + seg)
     end = tl.load(seg_start_ptr + seg + 1)
-    m0 = start + tl.program_id(1) * BLOCK_M
     if adapter < 0 or m0 >= end:
         return
-    n0 = (tl.program_id(2) % N_TILES) * BLOCK_N
+    n0 = (tl.program_id(1) % N_TILES) * BLOCK_N
     width = N
     col0 = 0
     if STACKED:
@@ -859,13 +885,15 @@ def _mbgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, o
 
 def _sgmv_shrink(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, v: torch.Tensor) -> None:
     """Launches the SGMV shrink into ``v`` ([T, r_max] for one slice, [n_slices, T, r_max] stacked),
-    grid (segments, token tiles of the longest segment, n_slices * rank tiles)."""
+    grid (token tiles with an adapter, n_slices * rank tiles)."""
+    if not meta.num_tiles:
+        return
     tab = _Tables.of(w)
     upcast, prec = _dot_flags(x)
     r_tiles = triton.cdiv(w.r_max, _SG_BLOCK_R)
     vs = v if v.dim() == 3 else v[None]
-    grid = (len(meta.seg_adapter_host), triton.cdiv(meta.max_seg_len, _SG_BLOCK_M), tab.n * r_tiles)
-    _sgmv_shrink_kernel[grid](x, w.a_pool, vs, meta.seg_start, meta.seg_adapter, tab.a_off, tab.rank,
+    grid = (meta.num_tiles, tab.n * r_tiles)
+    _sgmv_shrink_kernel[grid](x, w.a_pool, vs, meta.seg_start, meta.seg_adapter, meta.tiles, tab.a_off, tab.rank,
                               w.in_dim, w.r_max, r_tiles, x.stride(0), vs.stride(0), vs.stride(1),
                               tab.a_off_slice, tab.a_off_row, tab.rank_slice,
                               BLOCK_M=_SG_BLOCK_M, BLOCK_R=_SG_BLOCK_R, BLOCK_K=_SG_BLOCK_K, ALIGN=_align(w, w.a_pool),
@@ -874,15 +902,17 @@ def _sgmv_shrink(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, v:
 
 def _sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out: torch.Tensor) -> None:
     """Launches the SGMV expand from ``v`` (as ``_sgmv_shrink`` writes it) into ``out`` (the slice's
-    columns, or the whole output for a stack), grid (segments, token tiles, n_slices * column tiles
-    of the widest slice)."""
+    columns, or the whole output for a stack), grid (token tiles with an adapter, n_slices * column
+    tiles of the widest slice)."""
+    if not meta.num_tiles:
+        return
     tab = _Tables.of(w)
     upcast, prec = _dot_flags(v)
     n_tiles = triton.cdiv(tab.max_width, _SG_BLOCK_N)
     vs = v if v.dim() == 3 else v[None]
-    grid = (len(meta.seg_adapter_host), triton.cdiv(meta.max_seg_len, _SG_BLOCK_M), tab.n * n_tiles)
-    _sgmv_expand_kernel[grid](vs, w.b_pool, out, meta.seg_start, meta.seg_adapter, tab.b_off, tab.rank, tab.scale,
-                              tab.dims, tab.cols, tab.max_width, w.r_max, n_tiles, vs.stride(0), vs.stride(1),
+    grid = (meta.num_tiles, tab.n * n_tiles)
+    _sgmv_expand_kernel[grid](vs, w.b_pool, out, meta.seg_start, meta.seg_adapter, meta.tiles, tab.b_off, tab.rank,
+                              tab.scale, tab.dims, tab.cols, tab.max_width, w.r_max, n_tiles, vs.stride(0), vs.stride(1),
                               out.stride(0), tab.b_off_slice, tab.b_off_row, tab.rank_slice, tab.scale_slice,
                               BLOCK_M=_SG_BLOCK_M, BLOCK_R=_SG_BLOCK_R, BLOCK_N=_SG_BLOCK_N, ALIGN=_align(w, w.b_pool),
                               UPCAST=upcast, DOT_PREC=prec, RNE=needs_rne_by_hand(out), STACKED=tab.stacked,
