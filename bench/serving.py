@@ -64,7 +64,7 @@ Experiments (defaults; ``--smoke`` shrinks each to a few requests on a tiny mode
 
     smoke        demo model (SmolLM2-135M), 3 random adapters (ranks 8, 4), 6 requests, sse + ws
     slora-s1     S-LoRA Table 3, S1: Llama-2-7B shape, rank 8, n ∈ {5, 100, 1000, 2000}, alpha 1,
-                 cv 1, lengths U[8, 512], rate 24 req/s (above what one GPU serves: saturates),
+                 cv 1, lengths U[8, 512], rate 40 req/s (above what one H200 serves: saturates),
                  60 s per point (S-LoRA: 5 min)
     slora-s2     the same with ranks 64/32/16/8 round-robin
     slo-vs-rate  S2 ranks, n = 100, alpha 1, cv ∈ {1, 4}, rate ∈ {2, 4, 8, 12, 16, 20, 24}, 60 s
@@ -80,7 +80,7 @@ Experiments (defaults; ``--smoke`` shrinks each to a few requests on a tiny mode
                  Probes 4 variants after the points. Smoke: the tiny smoke-llama shape, 4
                  variants (all distinct), 2 slots, 4 requests per point.
 
-``MAX_RATE`` (24 req/s) is the highest rate any experiment uses; tests/test_replay.py checks the
+``MAX_RATE`` (40 req/s) is the highest rate any experiment uses; tests/test_replay.py checks the
 client sustains 5× it.
 """
 
@@ -118,7 +118,7 @@ from common import (  # noqa: E402
 )
 from router_overhead import write_word_tokenizer  # noqa: E402
 
-MAX_RATE = 24.0
+MAX_RATE = 40.0
 """The highest request rate any experiment below offers (req/s)."""
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 """Projections the generated adapters adapt (S-LoRA's choice)."""
