@@ -5,6 +5,7 @@ Conversions equal torch's ``Tensor.to`` bit for bit (round to nearest even) for 
 float16 / bfloat16 / float32, plain and transposed, at offsets; NaN and both infinities are found
 wherever they are, in every dtype; a finite value the conversion overflows is refused; a copy that
 does not fit the buffer, or a buffer of the wrong alignment, writes nothing.
+``read_safetensors_header`` lists what ``safetensors.safe_open`` lists.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from deltaserve._native import read_safetensors_into
+from deltaserve._native import read_safetensors_header, read_safetensors_into
 
 DTYPES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
 
@@ -94,3 +95,19 @@ def test_bad_copies_and_buffers_write_nothing(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         _read(tmp_path / "missing.safetensors", [], None, torch.float16)
     assert not out.any()
+
+
+def test_header_lists_what_safe_open_lists(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    tensors = {"x.lora_A.weight": torch.zeros(4, 16, dtype=torch.bfloat16), "x.lora_B.weight": torch.zeros(32, 4),
+               "n": torch.zeros(3, dtype=torch.int64)}
+    save_file(tensors, tmp_path / "t.safetensors", metadata={"format": "pt"})
+    with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as f:
+        want = {k: (f.get_slice(k).get_dtype(), list(f.get_slice(k).get_shape())) for k in f.keys()}  # noqa: SIM118
+    assert read_safetensors_header(tmp_path / "t.safetensors") == want
+    (tmp_path / "bad.safetensors").write_bytes((1000).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match="header length 1000 exceeds"):
+        read_safetensors_header(tmp_path / "bad.safetensors")
+    with pytest.raises(FileNotFoundError):
+        read_safetensors_header(tmp_path / "missing.safetensors")

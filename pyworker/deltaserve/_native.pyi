@@ -95,3 +95,9 @@ def read_safetensors_into(
     be opened. ``dst_ptr``/``dst_len``: address and byte size of a contiguous CPU buffer the caller
     keeps alive and untouched during the call; ``dst_ptr`` 0 checks everything and writes nothing.
     """
+
+def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[str, list[int]]]:
+    """``{name: (dtype, shape)}`` of every tensor in a safetensors file (``__metadata__`` left out),
+    reading only its header, without the GIL and without mapping the file. ``ValueError`` for a
+    malformed header, ``OSError`` when the file cannot be read."""
+

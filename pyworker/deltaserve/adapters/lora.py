@@ -466,17 +466,14 @@ def _read_config(path: Path, fail: Any) -> dict[str, Any]:
 
 
 def _read_header(weights_path: Path, fail: Any) -> dict[str, tuple[str, list[int]]]:
-    """Tensor name -> (safetensors dtype name, shape), from the file's header (no data read)."""
-    from safetensors import SafetensorError, safe_open
+    """Tensor name -> (safetensors dtype name, shape), from the file's header (no data read; the
+    native reader, without the GIL and without mapping the file, as the host tier's loader threads
+    call it while steps are launched)."""
+    from .._native import read_safetensors_header
 
     try:
-        with safe_open(str(weights_path), framework="pt", device="cpu") as f:
-            out = {}
-            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                view = f.get_slice(key)
-                out[key] = (view.get_dtype(), list(view.get_shape()))
-            return out
-    except (SafetensorError, OSError, TypeError, ValueError) as e:
+        return read_safetensors_header(weights_path)
+    except (OSError, ValueError) as e:
         raise fail(f"{WEIGHTS_NAME} cannot be read: {e}") from None
 
 

@@ -12,6 +12,8 @@
 //! - `DEFAULT_CAPACITY`: the ring size the router uses unless told otherwise.
 //! - `read_safetensors_into(path, copies, dst_dtype, dst_ptr=0, dst_len=0)`: tensors of a
 //!   safetensors file into a host buffer ([`deltaserve_tensorfile::read_into`]), GIL released.
+//! - `read_safetensors_header(path)`: `{name: (dtype, shape)}` of a safetensors file from its
+//!   header alone ([`deltaserve_tensorfile::read_header`]), GIL released.
 //!
 //! Blocking calls release the GIL and wake at least every [`SIGNAL_CHECK`] to run Python signal
 //! handlers, so Ctrl-C interrupts a worker blocked in `recv`.
@@ -303,7 +305,7 @@ fn read_safetensors_into(
     dst_ptr: usize,
     dst_len: usize,
 ) -> PyResult<()> {
-    use deltaserve_tensorfile::{read_into, Dtype, Error, TensorCopy};
+    use deltaserve_tensorfile::{read_into, Dtype, TensorCopy};
     let out = Dtype::parse(dst_dtype).ok_or_else(|| {
         PyValueError::new_err(format!(
             "dst_dtype must be F16, BF16 or F32, got {dst_dtype:?}"
@@ -331,10 +333,31 @@ fn read_safetensors_into(
             .then(|| unsafe { std::slice::from_raw_parts_mut(dst_ptr as *mut u8, dst_len) });
         read_into(&path, &copies, dst, out)
     });
-    result.map_err(|e| match &e {
-        Error::Io { source, .. } => os_error(source, e.to_string()),
+    result.map_err(tensorfile_err)
+}
+
+/// `{name: (dtype name, shape)}` of every tensor of a safetensors file, from its header (positioned
+/// reads, no map), without the GIL; `OSError` / `ValueError` as for `read_safetensors_into`.
+#[pyfunction]
+fn read_safetensors_header(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+) -> PyResult<std::collections::BTreeMap<String, (String, Vec<usize>)>> {
+    let header = py
+        .detach(|| deltaserve_tensorfile::read_header(&path))
+        .map_err(tensorfile_err)?;
+    Ok(header
+        .into_iter()
+        .map(|(name, dtype, shape)| (name, (dtype, shape)))
+        .collect())
+}
+
+/// A reader's error as the stub documents it: `OSError` for the file, `ValueError` for its contents.
+fn tensorfile_err(e: deltaserve_tensorfile::Error) -> PyErr {
+    match &e {
+        deltaserve_tensorfile::Error::Io { source, .. } => os_error(source, e.to_string()),
         _ => PyValueError::new_err(e.to_string()),
-    })
+    }
 }
 
 /// The schema hash as computed by the Rust `ipc` crate.
@@ -354,6 +377,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(schema_hash, m)?)?;
     m.add_function(wrap_pyfunction!(schema_text, m)?)?;
     m.add_function(wrap_pyfunction!(read_safetensors_into, m)?)?;
+    m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
     m.add_class::<WorkerLink>()?;
     m.add_class::<RouterLink>()?;
     m.add("DEFAULT_CAPACITY", DEFAULT_CAPACITY)?;

@@ -23,8 +23,17 @@
 //! infinite, or a finite one that the conversion makes infinite, is an error naming the tensor.
 //! With no destination, everything is checked and nothing is written. The destination is never
 //! touched outside the copies' ranges; on error it may hold a part of the copies.
+//!
+//! [`read_header`] lists every tensor's dtype and shape, reading only the header.
+//!
+//! The file is read with positioned reads (one per tensor, into a per-thread scratch buffer that
+//! is kept), never mapped: mapping a file, populating the map and unmapping it take the process's
+//! address-space lock and flush every core's TLB, which stalls the worker's other threads (the
+//! one launching steps) while adapters of a hundred MB or more stream in.
 
+use std::cell::RefCell;
 use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
@@ -95,7 +104,7 @@ pub struct TensorCopy {
 /// Why a read failed; the message names the file or the tensor.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The file could not be opened or mapped.
+    /// The file could not be opened or read.
     #[error("{path}: {source}")]
     Io {
         path: String,
@@ -139,35 +148,7 @@ pub fn read_into(
         source,
     };
     let file = File::open(path).map_err(io)?;
-    // SAFETY: the map is read-only and lives only in this call; a file truncated underneath by
-    // another process is the one case memmap cannot guard against, as for every mapped reader.
-    // Populated: the pages are mapped in one go instead of one fault at a time.
-    let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(io)?;
-    let format = |why: String| Error::Format {
-        path: shown.clone(),
-        why,
-    };
-    if map.len() < 8 {
-        return Err(format(format!(
-            "{} bytes, shorter than the 8-byte header length",
-            map.len()
-        )));
-    }
-    let header_len = u64::from_le_bytes(map[..8].try_into().expect("8 bytes"));
-    let data_start = usize::try_from(header_len)
-        .ok()
-        .and_then(|n| n.checked_add(8))
-        .filter(|&end| end <= map.len())
-        .ok_or_else(|| {
-            format(format!(
-                "header length {header_len} exceeds the file's {} bytes",
-                map.len()
-            ))
-        })?;
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&map[8..data_start]).map_err(|e| format(format!("header: {e}")))?;
-    let data = &map[data_start..];
-
+    let (header, data_start, data_len) = header_of(&file, &shown)?;
     let mut dst = dst;
     if let Some(d) = dst.as_deref() {
         let len = d.len() / out.size();
@@ -207,35 +188,103 @@ pub fn read_into(
             )));
         }
         let [begin, end] = entry.data_offsets;
-        if begin > end || end > data.len() || end - begin != c.rows * c.cols * dtype.size() {
+        if begin > end || end > data_len || end - begin != c.rows * c.cols * dtype.size() {
             return Err(tensor(format!(
-                "has data offsets [{begin}, {end}] that do not hold {} {} values within the file's {} data bytes",
+                "has data offsets [{begin}, {end}] that do not hold {} {} values within the file's {data_len} data bytes",
                 c.rows * c.cols,
                 entry.dtype,
-                data.len()
             )));
         }
-        let src = &data[begin..end];
-        let (start, end) = (
+        let (start, stop) = (
             c.dst_offset * out.size(),
             (c.dst_offset + c.rows * c.cols) * out.size(),
         );
-        let region = dst.as_deref_mut().map(|d| &mut d[start..end]);
-        copy_one(src, dtype, c, region, out).map_err(|p| match p {
-            Problem::NonFinite(k) => tensor(format!(
-                "contains non-finite values (NaN or inf), first at [{}, {}]",
-                k / c.cols,
-                k % c.cols
-            )),
-            Problem::Overflow(k) => tensor(format!(
-                "overflows {} (non-finite after the cast), first at [{}, {}]",
-                out.torch_name(),
-                k / c.cols,
-                k % c.cols
-            )),
+        let region = dst.as_deref_mut().map(|d| &mut d[start..stop]);
+        SCRATCH.with_borrow_mut(|buf| {
+            buf.resize(end - begin, 0);
+            file.read_exact_at(buf, (data_start + begin) as u64)
+                .map_err(io)?;
+            copy_one(buf, dtype, c, region, out).map_err(|p| match p {
+                Problem::NonFinite(k) => tensor(format!(
+                    "contains non-finite values (NaN or inf), first at [{}, {}]",
+                    k / c.cols,
+                    k % c.cols
+                )),
+                Problem::Overflow(k) => tensor(format!(
+                    "overflows {} (non-finite after the cast), first at [{}, {}]",
+                    out.torch_name(),
+                    k / c.cols,
+                    k % c.cols
+                )),
+            })
         })?;
     }
     Ok(())
+}
+
+thread_local! {
+    /// The bytes of the tensor being copied; grown to the largest one and kept for the thread's
+    /// next read.
+    static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Every tensor of the safetensors file at `path` as `(name, dtype name, shape)`, sorted by name
+/// (`__metadata__` left out); only the header is read.
+pub fn read_header(path: &Path) -> Result<Vec<(String, String, Vec<usize>)>, Error> {
+    let shown = path.display().to_string();
+    let file = File::open(path).map_err(|source| Error::Io {
+        path: shown.clone(),
+        source,
+    })?;
+    let (header, _, _) = header_of(&file, &shown)?;
+    header
+        .into_iter()
+        .filter(|(name, _)| name != "__metadata__")
+        .map(|(name, value)| {
+            let entry = Entry::deserialize(value).map_err(|e| Error::Tensor {
+                name: name.clone(),
+                problem: format!("has a malformed header entry: {e}"),
+            })?;
+            Ok((name, entry.dtype, entry.shape))
+        })
+        .collect()
+}
+
+/// The parsed header of an open safetensors file, where its data starts, and the data's length.
+fn header_of(
+    file: &File,
+    shown: &str,
+) -> Result<(serde_json::Map<String, serde_json::Value>, usize, usize), Error> {
+    let io = |source| Error::Io {
+        path: shown.to_string(),
+        source,
+    };
+    let format = |why: String| Error::Format {
+        path: shown.to_string(),
+        why,
+    };
+    let size = file.metadata().map_err(io)?.len();
+    if size < 8 {
+        return Err(format(format!(
+            "{size} bytes, shorter than the 8-byte header length"
+        )));
+    }
+    let mut len = [0u8; 8];
+    file.read_exact_at(&mut len, 0).map_err(io)?;
+    let header_len = u64::from_le_bytes(len);
+    if header_len > size - 8 {
+        return Err(format(format!(
+            "header length {header_len} exceeds the file's {size} bytes"
+        )));
+    }
+    let mut text = vec![0u8; header_len as usize];
+    file.read_exact_at(&mut text, 8).map_err(io)?;
+    let header = serde_json::from_slice(&text).map_err(|e| format(format!("header: {e}")))?;
+    Ok((
+        header,
+        8 + header_len as usize,
+        (size - 8 - header_len) as usize,
+    ))
 }
 
 /// What is wrong with a tensor's values: the row-major index of the first bad one.
@@ -600,6 +649,34 @@ mod tests {
             err(copy("i", 1, 1, 0, false)),
             "tensor 'i' has dtype I8; supported: F16, BF16, F32"
         );
+    }
+
+    #[test]
+    fn the_header_lists_every_tensor_without_reading_data() {
+        let f = write_file(&[
+            ("z.lora_B", "BF16", vec![8, 2], vec![0; 32]),
+            ("a.lora_A", "F32", vec![2, 8], vec![0; 64]),
+            ("i", "I8", vec![1, 1], vec![7]),
+        ]);
+        let h = read_header(f.path()).unwrap();
+        assert_eq!(
+            h,
+            [
+                ("a.lora_A".to_string(), "F32".to_string(), vec![2, 8]),
+                ("i".to_string(), "I8".to_string(), vec![1, 1]),
+                ("z.lora_B".to_string(), "BF16".to_string(), vec![8, 2]),
+            ]
+        );
+        let mut truncated = tempfile::NamedTempFile::new().unwrap();
+        truncated.write_all(&100u64.to_le_bytes()).unwrap();
+        truncated.write_all(b"{}").unwrap();
+        let e = read_header(truncated.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("header length 100 exceeds the file's 10 bytes"),
+            "{e}"
+        );
+        let e = read_header(Path::new("/nonexistent/x.safetensors")).unwrap_err();
+        assert!(matches!(e, Error::Io { .. }), "{e}");
     }
 
     #[test]
