@@ -61,6 +61,10 @@ def main_call_us(x: torch.Tensor, calls: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--targets", choices=("all", "qkvo"), default="all",
+                   help="all seven projections (S-LoRA S1) or q, k, v, o (S2)")
+    p.add_argument("--readers", default="python,native", help="which readers to time, comma-separated")
+    p.add_argument("--suffix", default="", help="appended to the experiment name of the result file")
     p.add_argument("--calls", type=int, default=20000)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -68,9 +72,12 @@ def main() -> None:
     base = ModelConfig.from_dict(cfg)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        adapter = write_random_lora_dir(Path(tmp) / "a", cfg, args.rank, SEVEN)
+        targets = SEVEN if args.targets == "all" else SEVEN[:4]
+        adapter = write_random_lora_dir(Path(tmp) / "a", cfg, args.rank, targets)
         readers = {"python": lambda: python_read(adapter),
                    "native": lambda: load_lora_adapter(adapter, base, dtype=torch.float16)}
+        readers = {k: v for k, v in readers.items() if k in args.readers.split(",")}
+        adapter_bytes = sum(f.stat().st_size for f in adapter.iterdir())
         x = torch.randn(64, 64)
         alone = statistics.median(main_call_us(x, args.calls) for _ in range(3))
         print(f"main-thread call alone: {alone:.2f} us", flush=True)
@@ -101,9 +108,10 @@ def main() -> None:
                              "main_call_us": us, "main_call_us_alone": alone, "reads_during": reads[0]})
                 print(f"{name:6s} reader, {threads} thread(s): read {read_ms:6.1f} ms alone; "
                       f"main-thread call {us:6.2f} us (alone {alone:.2f})", flush=True)
-    path = write_result("host_read_contention", {
+    path = write_result("host_read_contention" + args.suffix, {
         "device": "cpu", "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "shape": "llama-2-7b", "rank": args.rank, "targets": list(SEVEN), "rows": rows,
+        "shape": "llama-2-7b", "rank": args.rank, "targets": list(targets), "rows": rows,
+        "adapter_bytes": adapter_bytes,
     }, args.out)
     print(f"wrote {path}")
 

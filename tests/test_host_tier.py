@@ -78,6 +78,7 @@ def test_finished_reads_are_listed_once_until_taken() -> None:
     with pytest.raises(AdapterLoadError):
         tier.wait(1)
     assert tier.take_finished() == [0, 1, 3]
+    tier.wait(0)  # waiting again (a later to_gpu) lists nothing again
     assert tier.take_finished() == [], "each finish is listed once"
     tier.drop(2)
     gates[2].set()

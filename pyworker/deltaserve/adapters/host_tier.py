@@ -59,6 +59,8 @@ class HostEntry(Generic[C]):
     ``nbytes`` once loaded, 0 when the load failed or the entry was dropped."""
     dropped: bool = False
     """Forgotten by ``drop``: a load finishing later counts nothing."""
+    settled: bool = False
+    """Its finish was counted and listed for ``take_finished`` (once, by the first ``_settle``)."""
 
 
 class HostTier(Generic[C]):
@@ -104,7 +106,8 @@ class HostTier(Generic[C]):
         f = entry.future
         measured = 0 if f.cancelled() or f.exception() is not None else f.result().nbytes
         with self._lock:
-            if not entry.dropped:
+            if not entry.dropped and not entry.settled:
+                entry.settled = True
                 self._nbytes += measured - entry.counted
                 entry.counted = measured
                 self._finished.add(variant_id)

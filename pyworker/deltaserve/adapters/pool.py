@@ -291,6 +291,8 @@ class AdapterPool:
         """Static ``LoraMeta.tiles`` buffer (a tile holds at least one token, so at most one per token)."""
         self.step = LoraStep()
         """What the adapted linears read: the current step's LoraMeta, None when inactive."""
+        self._upload_buf: torch.Tensor | None = None
+        """Device buffer adapter uploads go through (``_upload``)."""
         self.inspected_bytes: dict[str, int] = {}
         """Adapter path -> its host copy's bytes, as the last ``inspect`` of it found (``to_host``
         counts a running load at this, without reading the header on the step's thread)."""
@@ -437,7 +439,7 @@ class AdapterPool:
         def base(region: int) -> int:
             return ((region % 2) * NB + pages[region // 2]) * S
 
-        src = host_to_device(copy.packed, self.device)
+        src = self._upload(copy.packed)
         pos = 0
         for region, used in enumerate(layout.region_used):
             start = base(region)
@@ -458,6 +460,22 @@ class AdapterPool:
             self.page_owner[p] = adapter_id
         log.debug("adapter %d placed on %d pages (%d bytes per layer)", adapter_id, len(pages),
                   layout.packed_elems * self.kv.kv.element_size())
+
+    def _upload(self, packed: torch.Tensor) -> torch.Tensor:
+        """``packed`` (pinned) on the device, in a buffer kept for the next adapter's upload (grown
+        to the largest adapter seen), so placing an adapter allocates no device memory: a new
+        100+ MB allocation per placement can make the caching allocator free and re-map memory
+        (device-synchronising) while steps are queued. Reusing it is safe: the next upload is
+        queued on the same stream after this one's page copies."""
+        if self.device.type == "cpu":
+            return packed
+        n = packed.numel()
+        if self._upload_buf is None or self._upload_buf.numel() < n:
+            self._upload_buf = None  # let the old one go first
+            self._upload_buf = torch.empty(n, dtype=packed.dtype, device=self.device)
+        dst = self._upload_buf[:n].view(packed.shape)
+        dst.copy_(packed, non_blocking=True)
+        return dst
 
     def drop_gpu(self, adapter_id: int) -> None:
         """Forgets the placement (its pages are the router's again) and frees its step slot."""
