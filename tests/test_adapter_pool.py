@@ -223,6 +223,21 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     with pytest.raises(AdapterLoadError, match=rf"adapter 4: loading .*spoiled.*'{key}' contains non-finite"):
         ops(ex, wire.AdapterOp(4, "to_gpu", "", [0, 1, 2]))
 
+    # Loads follow the plan registration made (no config or header parsing on the loader threads):
+    # a config deleted since is served as registered; weights of another shape are refused by name.
+    replanned = tmp_path / "replanned"
+    shutil.copytree(dirs["qv"], replanned)
+    assert ex.inspect_adapter(str(replanned)).error is None
+    (replanned / "adapter_config.json").unlink()
+    ops(ex, wire.AdapterOp(5, "to_host", str(replanned), []))
+    assert ex.adapters.wait_host(5).packed.shape == (ex.config.num_layers, ex.adapters.plans[str(replanned)].layout.packed_elems)
+    tensors = load_file(replanned / "adapter_model.safetensors")
+    tensors[key] = torch.zeros(4, tensors[key].shape[1])  # rank 8 -> 4
+    save_file(tensors, replanned / "adapter_model.safetensors")
+    ops(ex, wire.AdapterOp(5, "drop_host", "", []), wire.AdapterOp(6, "to_host", str(replanned), []))
+    with pytest.raises(AdapterLoadError, match=rf"adapter 6: .*'{key}' has shape \[4, 64\], expected \[8, 64\]"):
+        ops(ex, wire.AdapterOp(6, "to_gpu", "", [0, 1, 2]))
+
 
 # ------------------------------------------------------------------------------ adapted linears
 

@@ -62,6 +62,7 @@ A step without adapter tokens sets nothing: every adapted linear is then its bas
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -176,6 +177,28 @@ class AdapterLayout:
 
 
 # ----------------------------------------------------------------------------------- tiers
+
+
+PLANS_KEPT = 8192
+"""Read plans ``AdapterPool`` keeps (one per inspected adapter path; a few tens of KB each)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ReadPlan:
+    """How to read one adapter into a host copy, from its config and header (``AdapterPool._plan``)."""
+
+    spec: LoraSpec
+    """The validated config and tensor sites."""
+    layout: AdapterLayout
+    """Where its rows go inside its pages."""
+    copies: list[TensorCopy]
+    """The native reads that fill the packed copy (``AdapterPool._copies``)."""
+    rank: torch.Tensor
+    """[L, n_slices] int32: rows per layer and slice (0 = not adapted there)."""
+    scale: torch.Tensor
+    """[L, n_slices] float32: the LoRA scaling per layer and slice."""
+    host_bytes: int
+    """Bytes of the packed host copy."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -293,9 +316,9 @@ class AdapterPool:
         """What the adapted linears read: the current step's LoraMeta, None when inactive."""
         self._upload_buf: torch.Tensor | None = None
         """Device buffer adapter uploads go through (``_upload``)."""
-        self.inspected_bytes: dict[str, int] = {}
-        """Adapter path -> its host copy's bytes, as the last ``inspect`` of it found (``to_host``
-        counts a running load at this, without reading the header on the step's thread)."""
+        self.plans: OrderedDict[str, ReadPlan] = OrderedDict()
+        """Adapter path -> how to read it, as its last ``inspect`` found (at most ``PLANS_KEPT``, least
+        recently used dropped): ``to_host`` reuses it instead of parsing the config and header again."""
         self.host: HostTier[HostCopy] = HostTier("adapter")
         """Adapter id -> its host copy (or the load producing it), loaded in background threads."""
         self.gpu: dict[int, GpuEntry] = {}
@@ -340,15 +363,31 @@ class AdapterPool:
                 copies.append((site.b_key, s.out_dim, site.rank, start + s.rank * s.in_dim, True))
         return copies
 
+    def _plan(self, path: Path) -> ReadPlan:
+        """``_load`` plus the copies and the per-layer rank and scale tables of a host copy."""
+        spec, layout = self._load(path)
+        L, n = self.config.num_layers, len(self.order)
+        rank = torch.zeros(L, n, dtype=torch.int32)
+        scale = torch.zeros(L, n, dtype=torch.float32)
+        for (layer, proj), site in spec.sites.items():
+            index = self.order.index(proj)
+            rank[layer, index] = site.rank
+            scale[layer, index] = site.scaling
+        return ReadPlan(spec, layout, self._copies(spec, layout), rank, scale, self._host_bytes(layout))
+
     def inspect(self, path: str | Path) -> wire.AdapterInfo:
         """Validates the adapter at ``path`` and reports its footprint; changes no state, never raises
-        for a bad adapter (``error`` says what and where instead)."""
+        for a bad adapter (``error`` says what and where instead). Keeps its read plan for ``to_host``."""
         try:
-            spec, layout = self._load(Path(path))
-            spec.read_into(self._copies(spec, layout), None, self.dtype)  # values: finite, also in our dtype
+            plan = self._plan(Path(path))
+            plan.spec.read_into(plan.copies, None, self.dtype)  # values: finite, also in our dtype
         except (LoraAdapterError, OSError, ValueError, RuntimeError) as e:
             return wire.AdapterInfo(error=str(e) or type(e).__name__)
-        self.inspected_bytes[str(path)] = host_bytes = self._host_bytes(layout)
+        spec, layout, host_bytes = plan.spec, plan.layout, plan.host_bytes
+        self.plans[str(path)] = plan
+        self.plans.move_to_end(str(path))
+        while len(self.plans) > PLANS_KEPT:
+            self.plans.popitem(last=False)
         return wire.AdapterInfo(
             error=None,
             num_blocks=layout.num_blocks,
@@ -369,9 +408,9 @@ class AdapterPool:
     def _expected_bytes(self, path: Path) -> int:
         """Bytes of the packed copy: what ``inspect`` found, else from the config and header (0 when
         they cannot be read: the load itself reports the real problem)."""
-        known = self.inspected_bytes.get(str(path))
+        known = self.plans.get(str(path))
         if known is not None:
-            return known
+            return known.host_bytes
         try:
             return self._host_bytes(self._load(path)[1])
         except (LoraAdapterError, OSError, ValueError):
@@ -382,22 +421,22 @@ class AdapterPool:
         return self.config.num_layers * layout.packed_elems * self.kv.kv.element_size()
 
     def _read_host_copy(self, path: Path) -> HostCopy:
-        """The background half of ``to_host``: validate, then read and pack the tensors into the host
-        copy (pinned on CUDA) in one GIL-free native call, so loads streaming in do not slow the
-        thread that launches the steps."""
-        spec, layout = self._load(path)
-        L, n = self.config.num_layers, len(self.order)
+        """The background half of ``to_host``: read and pack the tensors into the host copy (pinned on
+        CUDA) in one GIL-free native call, so loads streaming in do not slow the thread that launches
+        the steps. The plan (config, header, layout) is the one ``inspect`` made at registration,
+        so a load runs almost no Python (parsing them again held the GIL for milliseconds per load);
+        the native read still checks every tensor's name, shape, dtype and values against it, so a
+        directory whose weights changed since is refused (its ``to_gpu`` fails). A changed config
+        with the same tensors is served as registered."""
+        plan = self.plans.get(str(path)) or self._plan(path)
+        layout = plan.layout
         # Page-locked from the start on CUDA (fast, asynchronous copies to the pool; no second copy to pin).
         # Zeros: the rows past a layer's smaller rank (rank_pattern) are never read, but stay defined.
-        packed = torch.zeros(L, layout.packed_elems, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        spec.read_into(self._copies(spec, layout), packed, self.dtype)
-        rank = torch.zeros(L, n, dtype=torch.int32)
-        scale = torch.zeros(L, n, dtype=torch.float32)
-        for (layer, proj), site in spec.sites.items():
-            index = self.order.index(proj)
-            rank[layer, index] = site.rank
-            scale[layer, index] = site.scaling
-        return HostCopy(layout, packed, rank, scale, spec.max_rank, tuple(s.proj for s in layout.slices))
+        packed = torch.zeros(self.config.num_layers, layout.packed_elems, dtype=self.dtype,
+                             pin_memory=self.device.type == "cuda")
+        plan.spec.read_into(plan.copies, packed, self.dtype)
+        return HostCopy(layout, packed, plan.rank.clone(), plan.scale.clone(), plan.spec.max_rank,
+                        tuple(s.proj for s in layout.slices))
 
     def to_host(self, adapter_id: int, path: str | Path) -> None:
         """Starts reading ``path`` into host memory in the background (``to_gpu`` waits for it)."""
