@@ -236,15 +236,38 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, String, Vec<usize>)>, Err
         path: shown.clone(),
         source,
     })?;
-    let (header, _, _) = header_of(&file, &shown)?;
+    let (header, _, data_len) = header_of(&file, &shown)?;
     header
         .into_iter()
         .filter(|(name, _)| name != "__metadata__")
         .map(|(name, value)| {
-            let entry = Entry::deserialize(value).map_err(|e| Error::Tensor {
-                name: name.clone(),
-                problem: format!("has a malformed header entry: {e}"),
-            })?;
+            let bad = |why: String| Error::Format {
+                path: shown.clone(),
+                why: format!("tensor '{name}' {why}"),
+            };
+            let entry = Entry::deserialize(value)
+                .map_err(|e| bad(format!("has a malformed entry: {e}")))?;
+            let [begin, end] = entry.data_offsets;
+            if begin > end || end > data_len {
+                return Err(bad(format!(
+                    "has data offsets [{begin}, {end}] outside the file's {data_len} data bytes \
+                     (truncated?)"
+                )));
+            }
+            let elems = entry
+                .shape
+                .iter()
+                .try_fold(1usize, |n, &d| n.checked_mul(d));
+            if let (Some(dtype), Some(elems)) = (Dtype::parse(&entry.dtype), elems) {
+                if elems.checked_mul(dtype.size()) != Some(end - begin) {
+                    return Err(bad(format!(
+                        "has {} data bytes for shape {:?} of {}",
+                        end - begin,
+                        entry.shape,
+                        entry.dtype
+                    )));
+                }
+            }
             Ok((name, entry.dtype, entry.shape))
         })
         .collect()
@@ -673,6 +696,17 @@ mod tests {
         let e = read_header(truncated.path()).unwrap_err().to_string();
         assert!(
             e.contains("header length 100 exceeds the file's 10 bytes"),
+            "{e}"
+        );
+        let cut = write_file(&[("a", "F16", vec![2, 3], f16_bytes(&[0.0; 6]))]);
+        let len = std::fs::metadata(cut.path()).unwrap().len();
+        cut.as_file().set_len(len - 2).unwrap();
+        let e = read_header(cut.path()).unwrap_err().to_string();
+        assert!(e.contains("is not a valid safetensors file: tensor 'a' has data offsets [0, 12] outside the file's 10 data bytes"), "{e}");
+        let odd = write_file(&[("a", "F32", vec![2, 3], vec![0; 12])]);
+        let e = read_header(odd.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("tensor 'a' has 12 data bytes for shape [2, 3] of F32"),
             "{e}"
         );
         let e = read_header(Path::new("/nonexistent/x.safetensors")).unwrap_err();
