@@ -22,8 +22,8 @@ import torch
 
 
 STAGING_BYTES = 8 << 20
-"""Pinned host memory per device that small host tensors reach the device through (``_Staging``);
-a step's inputs take a few KB to a few hundred KB."""
+"""Pinned host memory that small host tensors reach the device through (``_Staging``); a step's
+inputs take a few KB to a few hundred KB."""
 STAGED_MAX = STAGING_BYTES // 8
 """Larger host tensors are pinned on their own (an adapter's host copy already is)."""
 
@@ -33,13 +33,15 @@ class _Staging:
     to the device, so the thread that launches steps never allocates pinned memory per step.
 
     Allocating pinned memory waits behind the host tier's loader threads, which allocate pinned
-    copies of adapters all the time under S-LoRA's n = 2000 workloads; ``pinning each input``
-    stalled the launching thread for 4.8 s once in ``bench/pinned_alloc_contention.py`` (H200).
+    copies of adapters all the time under S-LoRA's n = 2000 workloads; pinning each input stalled
+    the launching thread for 4.8 s once in ``bench/pinned_alloc_contention.py`` (H200).
 
     The buffer is used in two halves: filling one, then the other. Leaving a half records an event
     behind the copies made from it; a half is reused only once its event has completed (long done
-    in practice: a half holds many steps' inputs). Copies go on the current stream of the calling
-    thread; the worker makes them all on its one stream.
+    in practice: a half holds many steps' inputs). The fence covers the copies queued before a half
+    is left, so every copy from a staged tensor must be queued, on the current stream, before the
+    next ``stage`` call: the worker's main thread stages and copies at once, on its one stream (the
+    lock only keeps the offsets consistent).
     """
 
     def __init__(self) -> None:
