@@ -35,12 +35,17 @@ executor validates the whole plan first, then applies them in order)::
     drop_gpu: forget the placement (the pages are the router's again, maybe KV this very step)
     drop_host: free the host copy (a GPU placement stays valid without it)
 
-``to_host`` validates the directory again (``read_lora_spec`` plus the layout) and packs the host
-copy in a background thread (a ``ThreadPoolExecutor``), so prefetching overlaps steps; the packing
-itself is one native read (``LoraSpec.read_into``: no GIL, values checked finite in the pool's
-dtype), so it does not slow the thread launching steps. ``to_gpu`` waits for it. A load that fails (the directory vanished or changed since
-``inspect``) is raised by ``to_gpu`` as ``AdapterLoadError``: the worker loop makes it a fatal
-``WorkerError`` and the router restarts the worker (its accounting no longer matches the worker's).
+``to_host`` packs the host copy in a background thread (the host tier's loaders), so prefetching
+overlaps steps. It follows the read plan ``inspect`` made at registration (``ReadPlan``: config,
+header, layout, copies), so a load runs almost no Python, and the packing is one native read
+(``LoraSpec.read_into``: no GIL, every tensor's name, shape and dtype checked against the plan and
+its values checked finite in the pool's dtype); the thread launching steps is not slowed. The
+worker reports each finished read with its next ``StepOutput`` (``host_ready``), so the router
+admits a request only once its adapter can be placed without waiting. ``to_gpu`` waits for the
+read (a step that admitted one into an idle worker). A load that fails (the directory vanished or
+changed since ``inspect``) is raised by ``to_gpu`` as ``AdapterLoadError``: the worker loop makes it
+a fatal ``WorkerError`` and the router restarts the worker (its accounting no longer matches the
+worker's).
 
 Per-step tables (static: allocated once, filled in place, so captured CUDA graphs stay valid)::
 
