@@ -598,12 +598,10 @@ class AdapterPool:
             if any(n != 1 for _, n in runs):
                 raise ValueError("begin_step: a decode step has one token per run")
             starts = list(range(len(runs) + 1))
-            max_len = 1 if runs else 0
         else:
             starts = [0]
             for _, n in runs:
                 starts.append(starts[-1] + n)
-            max_len = max(n for _, n in runs)
         seg_adapter = [s for s, _ in runs]
         total = starts[-1]
         if total > self.max_tokens:  # grow the static buffers (graph steps never get here)
@@ -621,7 +619,7 @@ class AdapterPool:
         self.step.meta = LoraMeta(
             seg_start=self.seg_start[: S + 1], seg_adapter=self.seg_adapter[:S],
             seg_start_host=tuple(starts), seg_adapter_host=tuple(seg_adapter), num_tokens=total,
-            max_seg_len=max_len, max_adapter=max(seg_adapter), decode=decode,
+            max_adapter=max(seg_adapter), decode=decode,
             tiles=None if decode else self.seg_tiles[:n_tiles], num_tiles=n_tiles,
         )  # fmt: skip
         return True

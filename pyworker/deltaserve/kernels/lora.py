@@ -145,8 +145,6 @@ class LoraMeta:
     """``seg_adapter`` on the host, for the same reason."""
     num_tokens: int
     """T: rows of x / out the step has."""
-    max_seg_len: int
-    """Longest segment: the SGMV grid's token-tile count."""
     max_adapter: int
     """Largest adapter slot used (-1 if none): checked against each weight set's num_adapters."""
     decode: bool
@@ -170,17 +168,16 @@ class LoraMeta:
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
-        return cls._build(starts, adapters, max(lens, default=0), False, device)
+        return cls._build(starts, adapters, False, device)
 
     @classmethod
     def mbgmv(cls, row_adapter: Sequence[int], device: torch.device | str) -> "LoraMeta":
         """Decode metadata: token t uses adapter ``row_adapter[t]`` (-1: none), in any order."""
         adapters = [int(a) for a in row_adapter]
-        return cls._build(list(range(len(adapters) + 1)), adapters, 1 if adapters else 0, True, device)
+        return cls._build(list(range(len(adapters) + 1)), adapters, True, device)
 
     @classmethod
-    def _build(cls, starts: list[int], adapters: list[int], max_len: int, decode: bool,
-               device: torch.device | str) -> "LoraMeta":
+    def _build(cls, starts: list[int], adapters: list[int], decode: bool, device: torch.device | str) -> "LoraMeta":
         bad = [a for a in adapters if a < -1]
         if bad:
             raise ValueError(f"lora: adapter id {bad[0]} out of range (slots are >= 0, -1 = no adapter)")
@@ -191,7 +188,7 @@ class LoraMeta:
             seg_start=torch.tensor(starts, dtype=torch.int32, device=device),
             seg_adapter=torch.tensor(adapters, dtype=torch.int32, device=device),
             seg_start_host=tuple(starts), seg_adapter_host=tuple(adapters), num_tokens=starts[-1],
-            max_seg_len=max_len, max_adapter=max(adapters, default=-1), decode=decode,
+            max_adapter=max(adapters, default=-1), decode=decode,
             tiles=None if tiles is None else torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 2),
             num_tiles=0 if tiles is None else len(tiles) // 2,
         )  # fmt: skip

@@ -160,7 +160,7 @@ class DecodeGraphs:
         return LoraMeta(
             seg_start=self.row_start[: b + 1], seg_adapter=self.row_slot[:b],
             seg_start_host=tuple(range(b + 1)), seg_adapter_host=(0,) * b, num_tokens=b,
-            max_seg_len=1, max_adapter=0, decode=True,
+            max_adapter=0, decode=True,
         )  # fmt: skip
 
     def bucket_for(self, n: int) -> int | None:
