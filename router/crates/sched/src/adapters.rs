@@ -384,6 +384,14 @@ impl AdapterTable {
         self.map.get(&id).is_some_and(|a| a.step_mark == self.form)
     }
 
+    /// Drops the host copies `drops` (the room a host drop plan found), then loads `id`'s.
+    pub(crate) fn load_host_after(&mut self, drops: Vec<u32>, id: u32, ops: &mut StepOps) {
+        for d in drops {
+            self.drop_host(d, ops);
+        }
+        self.load_host(id, ops);
+    }
+
     /// Loads a host copy of `id` (which has none) and marks it as loaded by the step being
     /// formed.
     pub(crate) fn load_host(&mut self, id: u32, ops: &mut StepOps) {

@@ -570,10 +570,7 @@ impl Scheduler {
                             head_blocked = true;
                             break;
                         };
-                        for d in drops {
-                            self.adapters.drop_host(d, &mut ops);
-                        }
-                        self.adapters.load_host(adapter_id, &mut ops);
+                        self.adapters.load_host_after(drops, adapter_id, &mut ops);
                     }
                     self.host_deferrals += 1;
                     pos += 1;
@@ -713,11 +710,9 @@ impl Scheduler {
     /// Carries out an [`AdmissionPlan`] for `adapter_id`: host drops, `ToHost`, GPU evictions
     /// (LoRA pages, a delta slot), `ToGpu` (the ops sort drops before loads).
     fn apply_admission(&mut self, adapter_id: u32, plan: AdmissionPlan, ops: &mut StepOps) {
-        for a in plan.host_drops {
-            self.adapters.drop_host(a, ops);
-        }
         if plan.to_host {
-            self.adapters.load_host(adapter_id, ops);
+            self.adapters
+                .load_host_after(plan.host_drops, adapter_id, ops);
         }
         for a in plan.gpu_evictions {
             self.adapters.evict_gpu(a, &mut self.blocks, ops);
@@ -887,10 +882,7 @@ impl Scheduler {
             let Some(drops) = self.host_room(a, &window, false) else {
                 break;
             };
-            for d in drops {
-                self.adapters.drop_host(d, ops);
-            }
-            self.adapters.load_host(a, ops);
+            self.adapters.load_host_after(drops, a, ops);
         }
     }
 
