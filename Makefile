@@ -77,7 +77,7 @@ GPU_PY ?= python3
 GPU_ENV = PYTHONPATH=$(abspath pyworker)$(if $(PYTHONPATH),:$(PYTHONPATH)) DELTASERVE_TEST_GPU=1 DELTASERVE_BIN=$(abspath target/release/deltaserve)
 
 test-gpu: ## (CUDA machine) kernels on the GPU; greedy = transformers through the daemon, CUDA graphs on and off
-	$(GPU_ENV) $(GPU_PY) -m pytest tests/kernels tests/test_fused_projections.py tests/test_delta_serving.py tests/test_host_to_device.py -q
+	$(GPU_ENV) $(GPU_PY) -m pytest tests/kernels tests/test_fused_projections.py tests/test_delta_serving.py tests/test_host_to_device.py tests/test_pinned_arena.py -q
 	for graphs in 256 0; do \
 	  $(GPU_ENV) DELTASERVE_TEST_DEVICES=0 DELTASERVE_CUDA_GRAPH_MAX_BATCH=$$graphs \
 	    $(GPU_PY) -m pytest tests/e2e/test_generation.py -q || exit 1; \

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltaserve import wire
+from deltaserve.adapters.pinned_arena import ALIGN
 from deltaserve.adapters import AdapterLoadError, DeltaLinear, LoraLinear, load_lora_adapter, lora_delta_ref
 from deltaserve.model.decoder import linear_slots
 from deltaserve.worker.executor import Executor
@@ -237,6 +238,52 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     ops(ex, wire.AdapterOp(5, "drop_host", "", []), wire.AdapterOp(6, "to_host", str(replanned), []))
     with pytest.raises(AdapterLoadError, match=rf"adapter 6: .*'{key}' has shape \[4, 64\], expected \[8, 64\]"):
         ops(ex, wire.AdapterOp(6, "to_gpu", "", [0, 1, 2]))
+
+
+def test_host_copies_come_from_the_arena_and_go_back(make_executor, dirs, tmp_path: Path) -> None:
+    """With ``host_arena_bytes`` the host copies are carved from one arena (pinned on CUDA): the same
+    bytes as copies allocated on their own, rows past a smaller rank zeroed even in reused memory, a
+    copy that does not fit allocated on its own, and the memory of dropped or failed reads reusable."""
+    ref = make_executor()
+    size = {n: ref.inspect_adapter(str(dirs[n])).host_bytes for n in SPECS}
+    ops(ref, *(wire.AdapterOp(i, "to_host", str(dirs[n]), []) for i, n in enumerate(SPECS, start=1)))
+    want = {n: ref.adapters.wait_host(i).packed for i, n in enumerate(SPECS, start=1)}
+
+    aligned = {n: -(-b // ALIGN) * ALIGN for n, b in size.items()}
+    ex = make_executor(host_arena_bytes=aligned["pattern"] + aligned["all"])
+    arena = ex.adapters.arena
+    assert arena is not None and not arena.pinned, "pinned only on CUDA"
+    ops(ex, wire.AdapterOp(1, "to_host", str(dirs["pattern"]), []))
+    first = ex.adapters.wait_host(1).packed
+    assert arena.owns(first) and torch.equal(first, want["pattern"])
+    ops(ex, wire.AdapterOp(1, "drop_host", "", []))
+    assert arena.free_bytes == arena.capacity
+    first.fill_(float("nan"))  # what a reused region holds before the next read
+    ops(ex, wire.AdapterOp(2, "to_host", str(dirs["pattern"]), []))
+    again = ex.adapters.wait_host(2).packed  # first fit: the region just given back
+    ops(ex, wire.AdapterOp(3, "to_host", str(dirs["all"]), []))
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, want["pattern"]), "unused rows not zeroed"
+    assert arena.owns(ex.adapters.wait_host(3).packed) and torch.equal(ex.adapters.wait_host(3).packed, want["all"])
+    assert arena.free_bytes == 0
+    ops(ex, wire.AdapterOp(4, "to_host", str(dirs["qv"]), []))  # no room left: allocated on its own
+    own = ex.adapters.wait_host(4).packed
+    assert not arena.owns(own) and torch.equal(own, want["qv"])
+    assert ex.adapter_host_bytes == size["pattern"] + size["all"] + size["qv"]
+
+    # A read that fails gives its region back; the placement of an arena copy is the same as ``ref``'s.
+    ops(ex, wire.AdapterOp(3, "drop_host", "", []))
+    gone = tmp_path / "vanishing"
+    shutil.copytree(dirs["all"], gone)
+    assert ex.inspect_adapter(str(gone)).error is None
+    (gone / "adapter_model.safetensors").write_bytes(b"")
+    ops(ex, wire.AdapterOp(5, "to_host", str(gone), []))
+    with pytest.raises(AdapterLoadError):
+        ex.adapters.wait_host(5)
+    assert arena.free_bytes == aligned["all"]
+    n = ex.inspect_adapter(str(dirs["pattern"])).num_blocks
+    for e in (ref, ex):
+        ops(e, wire.AdapterOp(2 if e is ex else 3, "to_gpu", "", list(range(n))))
+    assert torch.equal(ex.kv.kv, ref.kv.kv)
 
 
 # ------------------------------------------------------------------------------ adapted linears

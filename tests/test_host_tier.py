@@ -94,3 +94,42 @@ def test_finished_reads_are_listed_once_until_taken() -> None:
         threading.Event().wait(0.001)
     assert done == [7]
     tier.close()
+
+
+def test_dropped_copies_are_released_once_their_load_finished_well() -> None:
+    """``release`` gets each dropped copy back: at once, flagged as possibly read by queued copies,
+    when it was ready; when its load finishes, unflagged, when it was still loading; never for a
+    failed load or one that is kept."""
+    released: list[tuple[int, bool]] = []
+    tier: HostTier[Copy] = HostTier("adapter", release=lambda c, queued: released.append((c.nbytes, queued)))
+    gates = {i: threading.Event() for i in range(4)}
+
+    def read(path: Path) -> Copy:
+        i = int(path.name)
+        gates[i].wait(10)
+        if i == 2:
+            raise OSError("gone")
+        return Copy(nbytes=i)
+
+    for i in range(4):
+        tier.load(i, Path(str(i)), read, expected_bytes=1)
+    gates[0].set()
+    tier.wait(0)
+    tier.drop(0)
+    assert released == [(0, True)], "a ready copy comes back at once, maybe still being uploaded"
+    tier.drop(1)  # still loading
+    assert released == [(0, True)]
+    gates[1].set()
+    for _ in range(1000):
+        if len(released) == 2:
+            break
+        threading.Event().wait(0.001)
+    assert released == [(0, True), (1, False)], "a load dropped while running comes back when it ends"
+    gates[2].set()
+    with pytest.raises(AdapterLoadError):
+        tier.wait(2)
+    tier.drop(2)
+    gates[3].set()
+    tier.wait(3)
+    assert released == [(0, True), (1, False)], "a failed load has nothing to give back; a kept one stays"
+    tier.close()

@@ -9,6 +9,11 @@ as its host tier: finished copies measured, running loads as expected. A mapping
 ``nbytes`` is read after every step (``StepOutput.adapter_host_bytes``), so it is a running total
 kept as loads start, finish and are dropped, not a sum over the (thousands of) entries.
 
+``release`` (optional) gets back each copy the tier lets go of (``drop``), once its load has
+finished well: the LoRA pool returns the copy's memory to its pinned arena. Its second argument
+says whether the copy may be the source of copies still queued on the device (it was ready
+before the drop, so a ``to_gpu`` may have read it), or not (the load was still running).
+
 ``take_finished`` hands out the ids whose loads finished since it was last called
 (``StepOutput.host_ready``): the router admits a request whose variant is still being read only
 when the step would compute nothing else, since the step's ``to_gpu`` waits for the read.
@@ -66,9 +71,11 @@ class HostEntry(Generic[C]):
 class HostTier(Generic[C]):
     """Host copies of one pool's variants, loaded in the background (module docstring)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, release: Callable[[C, bool], None] | None = None) -> None:
         self.what = what
         """How errors name a variant: ``adapter`` or ``delta``."""
+        self._release = release
+        """Called with each dropped copy (module docstring)."""
         self.entries: dict[int, HostEntry[C]] = {}
         self._nbytes = 0
         self._finished: set[int] = set()
@@ -128,6 +135,14 @@ class HostTier(Generic[C]):
             entry.dropped = True
             self._nbytes -= entry.counted
             entry.counted = 0
+        if self._release is not None:
+            release, was_ready = self._release, entry.future.done()
+
+            def give_back(f: Future[C]) -> None:  # at once if done, else on the loader thread
+                if not f.cancelled() and f.exception() is None:
+                    release(f.result(), was_ready)
+
+            entry.future.add_done_callback(give_back)
 
     @property
     def nbytes(self) -> int:

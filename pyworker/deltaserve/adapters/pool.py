@@ -39,7 +39,9 @@ executor validates the whole plan first, then applies them in order)::
 overlaps steps. It follows the read plan ``inspect`` made at registration (``ReadPlan``: config,
 header, layout, copies), so a load runs almost no Python, and the packing is one native read
 (``LoraSpec.read_into``: no GIL, every tensor's name, shape and dtype checked against the plan and
-its values checked finite in the pool's dtype); the thread launching steps is not slowed. The
+its values checked finite in the pool's dtype); the thread launching steps is not slowed. On
+CUDA the copy goes into memory pinned once at start-up (``PinnedArena``, ``--host-arena-bytes``):
+pinning memory per read stalled every copy and launch of the steps meanwhile. The
 worker reports each finished read with its next ``StepOutput`` (``host_ready``), so the router
 admits a request only once its adapter can be placed without waiting. ``to_gpu`` waits for the
 read (a step that admitted one into an idle worker). A load that fails (the directory vanished or
@@ -83,6 +85,7 @@ from ..model.kv_cache import PagedKVCache
 from .host_tier import AdapterLoadError, HostTier
 from .lora import LoraAdapterError, LoraSpec, TensorCopy, projection_features, read_lora_spec
 from .lora_layers import LoraStep
+from .pinned_arena import PinnedArena
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -257,7 +260,9 @@ class AdapterPool:
     """LoRA adapters in host memory and in KV-pool pages, plus the step tables the kernels read."""
 
     def __init__(self, cfg: ModelConfig, kv: PagedKVCache, *, max_lora_rank: int, max_loras_per_step: int,
-                 max_tokens: int) -> None:
+                 max_tokens: int, host_arena_bytes: int = 0) -> None:
+        if host_arena_bytes < 0:
+            raise ValueError(f"AdapterPool: host_arena_bytes {host_arena_bytes} must be >= 0")
         if max_lora_rank < 1:
             raise ValueError(f"AdapterPool: max_lora_rank {max_lora_rank} must be >= 1")
         if max_loras_per_step < 1:
@@ -324,7 +329,10 @@ class AdapterPool:
         self.plans: OrderedDict[str, ReadPlan] = OrderedDict()
         """Adapter path -> how to read it, as its last ``inspect`` found (at most ``PLANS_KEPT``, least
         recently used dropped): ``to_host`` reuses it instead of parsing the config and header again."""
-        self.host: HostTier[HostCopy] = HostTier("adapter")
+        self.arena = PinnedArena(host_arena_bytes, pin=dev.type == "cuda") if host_arena_bytes else None
+        """Host memory the host copies are carved from (pinned at start-up on CUDA; ``pinned_arena.py``),
+        or None: each copy is allocated (and pinned on CUDA) on its own."""
+        self.host: HostTier[HostCopy] = HostTier("adapter", release=self._release_host_copy)
         """Adapter id -> its host copy (or the load producing it), loaded in background threads."""
         self.gpu: dict[int, GpuEntry] = {}
         """Adapter id -> its placement on pages."""
@@ -435,13 +443,41 @@ class AdapterPool:
         with the same tensors is served as registered."""
         plan = self.plans.get(str(path)) or self._plan(path)
         layout = plan.layout
-        # Page-locked from the start on CUDA (fast, asynchronous copies to the pool; no second copy to pin).
-        # Zeros: the rows past a layer's smaller rank (rank_pattern) are never read, but stay defined.
-        packed = torch.zeros(self.config.num_layers, layout.packed_elems, dtype=self.dtype,
-                             pin_memory=self.device.type == "cuda")
-        plan.spec.read_into(plan.copies, packed, self.dtype)
+        packed = self._host_buffer(layout)
+        try:
+            plan.spec.read_into(plan.copies, packed, self.dtype)
+        except BaseException:
+            self._give_back(packed, None)
+            raise
         return HostCopy(layout, packed, plan.rank.clone(), plan.scale.clone(), plan.spec.max_rank,
                         tuple(s.proj for s in layout.slices))
+
+    def _host_buffer(self, layout: AdapterLayout) -> torch.Tensor:
+        """A zeroed ``[L, packed_elems]`` host copy: from the arena when it has room, else allocated (and
+        pinned on CUDA: page-locked from the start, so copies to the pool are fast and asynchronous).
+        Zeros: the rows past a layer's smaller rank (rank_pattern) are never read, but stay defined."""
+        shape = (self.config.num_layers, layout.packed_elems)
+        if self.arena is not None:
+            raw = self.arena.take(self._host_bytes(layout))
+            if raw is not None:
+                return raw.view(self.dtype).view(shape).zero_()
+            log.warning("the pinned host arena (%d bytes) has no room for a %d-byte adapter copy: pinning it "
+                        "on its own (slow, and it stalls the steps launched meanwhile)", self.arena.capacity,
+                        self._host_bytes(layout))
+        return torch.zeros(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def _release_host_copy(self, copy: HostCopy, may_be_queued: bool) -> None:
+        """The host tier let ``copy`` go: its arena memory (if it has some) is free once the copies queued
+        from it have run (``may_be_queued``: an upload may still be in flight)."""
+        fence = None
+        if may_be_queued and self.device.type == "cuda":
+            fence = torch.cuda.Event()
+            fence.record()
+        self._give_back(copy.packed, fence)
+
+    def _give_back(self, packed: torch.Tensor, fence: torch.cuda.Event | None) -> None:
+        if self.arena is not None and self.arena.owns(packed):
+            self.arena.give(packed, fence)
 
     def to_host(self, adapter_id: int, path: str | Path) -> None:
         """Starts reading ``path`` into host memory in the background (``to_gpu`` waits for it)."""
@@ -629,7 +665,8 @@ class AdapterPool:
         self.step.meta = None
 
     def close(self) -> None:
-        """Stops the loader threads (running loads finish)."""
+        """Stops the loader threads (running loads finish). The arena stays pinned until the process
+        exits: a running load may still write into it."""
         self.host.close()
 
 

@@ -104,6 +104,14 @@ class WorkerConfig:
             "router passes its max_num_seqs."
         ),
     )
+    host_arena_bytes: int = field(
+        default=0,
+        metadata=_doc(
+            "Host memory for LoRA adapters' host copies, allocated once at start-up and pinned on CUDA, so "
+            "reading adapters never pins memory while steps run; 0 allocates each copy on its own. The "
+            "router passes its host budget (--lora-host-bytes) on CUDA."
+        ),
+    )
     max_deltas: int = field(
         default=3,
         metadata=_doc(
@@ -132,6 +140,8 @@ class WorkerConfig:
             raise ConfigError(f"--max-num-batched-tokens {self.max_num_batched_tokens}: expected >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"--max-model-len {self.max_model_len}: expected >= 1")
+        if self.host_arena_bytes < 0:
+            raise ConfigError(f"--host-arena-bytes {self.host_arena_bytes}: expected >= 0 (0 = no arena)")
         if self.num_threads < 0:
             raise ConfigError(f"--num-threads {self.num_threads}: expected >= 0 (0 = all available CPUs)")
         if self.kernels not in ("auto", "torch", "triton"):

@@ -194,6 +194,7 @@ class Executor:
         max_lora_rank: int = 256,
         max_loras_per_step: int = 256,
         max_deltas: int = 3,
+        host_arena_bytes: int = 0,
     ) -> None:
         started = time.monotonic()
         self.model_dir = Path(model_dir)
@@ -238,7 +239,7 @@ class Executor:
         if max_lora_rank > 0:
             self.adapters = AdapterPool(
                 self.config, self.kv, max_lora_rank=max_lora_rank, max_loras_per_step=max_loras_per_step,
-                max_tokens=max(max_num_batched_tokens, cuda_graph_max_batch),
+                max_tokens=max(max_num_batched_tokens, cuda_graph_max_batch), host_arena_bytes=host_arena_bytes,
             )
             attach_lora(self.model, self.adapters.step, self.adapters.weights)
         self.deltas: DeltaPool | None = None
@@ -284,6 +285,7 @@ class Executor:
             max_lora_rank=cfg.max_lora_rank,
             max_loras_per_step=cfg.max_loras_per_step,
             max_deltas=cfg.max_deltas,
+            host_arena_bytes=cfg.host_arena_bytes,
         )
 
     def inspect_adapter(self, path: str) -> wire.AdapterInfo:

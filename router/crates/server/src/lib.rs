@@ -70,6 +70,13 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             max_lora_rank: cfg.max_lora_rank,
             max_loras_per_step: cfg.max_num_seqs as u32,
             max_deltas: cfg.max_deltas,
+            // Pinned once on a GPU, so adapter reads never pin memory while steps run (pinning
+            // stalls the worker's launches); on the CPU there is nothing to pin.
+            host_arena_bytes: if device == "cpu" {
+                0
+            } else {
+                cfg.lora_host_bytes
+            },
             start_timeout: cfg.worker_start_timeout,
         })
         .collect();

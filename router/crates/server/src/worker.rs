@@ -58,6 +58,8 @@ pub struct WorkerSpec {
     /// GPU slots for compressed deltas (`--max-deltas`; the router keeps at most this many
     /// deltas on the GPU); 0 turns delta serving off.
     pub max_deltas: usize,
+    /// Host memory the worker allocates (and pins) once for LoRA adapters' host copies; 0: none.
+    pub host_arena_bytes: u64,
     /// How long model loading may take before the start counts as failed.
     pub start_timeout: Duration,
 }
@@ -233,7 +235,9 @@ impl WorkerProcess {
             .arg("--max-loras-per-step")
             .arg(spec.max_loras_per_step.to_string())
             .arg("--max-deltas")
-            .arg(spec.max_deltas.to_string());
+            .arg(spec.max_deltas.to_string())
+            .arg("--host-arena-bytes")
+            .arg(spec.host_arena_bytes.to_string());
         if let Some(len) = spec.max_model_len {
             cmd.arg("--max-model-len").arg(len.to_string());
         }

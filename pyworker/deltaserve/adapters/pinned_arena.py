@@ -1,0 +1,148 @@
+"""``PinnedArena``: one block of page-locked host memory, pinned once at start-up, that host copies of
+adapters are carved from.
+
+Why: pinning memory (``cudaHostAlloc``) is a slow driver call (tens of ms for an S2 adapter's
+64 MB) that stalls the main thread's own driver calls while it runs: every small host-to-device
+copy and event record of a step launched meanwhile waits for it (``bench/pinned_alloc_contention.py``).
+Under S-LoRA's n ≥ 1000 workloads the host tier pins a fresh copy for nearly every request. With
+an arena the loader threads only write into memory pinned before the first request, as vLLM pins
+its CPU swap space at start-up.
+
+The memory is an ordinary allocation registered with the driver (``cudaHostRegister``), so its size
+is exactly what was asked (torch's pinned allocator rounds up to a power of two). Regions are
+4 KiB-aligned, first fit over a free list that coalesces neighbours. A region given back may still
+be the source of a copy queued on the device, so ``give`` takes the event recorded after the last
+such copy, and the region is reused only once that event has completed (``take`` waits for it when
+nothing else fits: ``take`` runs on loader threads). ``take`` returns None when no free range is
+large enough (full or fragmented); the caller pins a copy on its own then.
+
+Thread-safe: loader threads take, the main thread gives.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import deque
+
+import torch
+
+ALIGN = 4096
+"""Region alignment in bytes (a page: DMA from any region is page-aligned)."""
+
+
+class PinnedArena:
+    """``capacity`` bytes of host memory, page-locked when ``pin`` (module docstring)."""
+
+    def __init__(self, capacity: int, *, pin: bool = True) -> None:
+        if capacity <= 0:
+            raise ValueError(f"PinnedArena: capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.buf = torch.empty(capacity, dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            err = int(torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), capacity, 0))
+            if err != 0:
+                raise RuntimeError(f"PinnedArena: cudaHostRegister of {capacity} bytes failed (cudaError {err})")
+            self.pinned = True
+        self._base = self.buf.data_ptr()
+        self._free_starts: list[int] = [0]
+        """Offsets of the free ranges, ascending (their sizes in ``_free``)."""
+        self._free: dict[int, int] = {0: capacity}
+        self._taken: dict[int, int] = {}
+        """Offset -> size of every region handed out."""
+        self._fenced: deque[tuple[int, int, torch.cuda.Event | None]] = deque()
+        """Regions given back whose last copy may still be queued: (offset, size, event), oldest first."""
+        self._lock = threading.Lock()
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not handed out (fenced regions included)."""
+        with self._lock:
+            return self.capacity - sum(self._taken.values())
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A uint8 view of ``nbytes`` bytes of the arena (contents undefined), or None when no free range
+        fits. Waits for the fences of given-back regions when only they could make room."""
+        if nbytes <= 0:
+            raise ValueError(f"PinnedArena.take: nbytes must be positive, got {nbytes}")
+        size = -(-nbytes // ALIGN) * ALIGN
+        while True:
+            with self._lock:
+                self._reclaim()
+                start = self._first_fit(size)
+                if start is not None:
+                    self._taken[start] = size
+                    return self.buf[start : start + nbytes]
+                if not self._fenced:
+                    return None
+                oldest = self._fenced[0][2]
+            assert oldest is not None  # fence-less regions are reclaimed at once
+            oldest.synchronize()  # outside the lock: ``give`` on the main thread never waits for the device
+
+    def owns(self, view: torch.Tensor) -> bool:
+        """Whether ``view``'s memory starts inside this arena (it may have been taken from it)."""
+        return self._base <= view.data_ptr() < self._base + self.capacity
+
+    def give(self, view: torch.Tensor, after: torch.cuda.Event | None = None) -> None:
+        """Returns the region ``view`` was taken as; ``after``: the event recorded after the last copy
+        queued from it (None: no copy can be pending). Raises ValueError for a view this arena did not
+        hand out (or one given back already)."""
+        start = view.data_ptr() - self._base
+        with self._lock:
+            size = self._taken.pop(start, None)
+            if size is None:
+                raise ValueError(f"PinnedArena.give: no region taken at offset {start}")
+            self._fenced.append((start, size, after))
+            self._reclaim()
+
+    def close(self) -> None:
+        """Unregisters the memory (no copy from it may be pending; the arena is unusable after)."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._base)
+            self.pinned = False
+
+    def _first_fit(self, size: int) -> int | None:
+        for start in self._free_starts:
+            have = self._free[start]
+            if have >= size:
+                self._remove_free(start)
+                if have > size:
+                    self._add_free(start + size, have - size)
+                return start
+        return None
+
+    def _reclaim(self) -> None:
+        """Frees the fenced regions whose events completed, oldest first."""
+        while self._fenced:
+            start, size, event = self._fenced[0]
+            if event is not None and not event.query():
+                return
+            self._fenced.popleft()
+            self._release(start, size)
+
+    def _release(self, start: int, size: int) -> None:
+        """Adds [start, start + size) to the free list, merged with free neighbours."""
+        i = bisect.bisect_left(self._free_starts, start)
+        if i < len(self._free_starts):
+            nxt = self._free_starts[i]
+            if start + size == nxt:
+                size += self._free[nxt]
+                self._remove_free(nxt)
+        if i > 0:
+            prev = self._free_starts[i - 1]
+            if prev + self._free[prev] == start:
+                start, size = prev, self._free[prev] + size
+                self._remove_free(prev)
+        self._add_free(start, size)
+
+    def _add_free(self, start: int, size: int) -> None:
+        bisect.insort(self._free_starts, start)
+        self._free[start] = size
+
+    def _remove_free(self, start: int) -> None:
+        self._free_starts.pop(bisect.bisect_left(self._free_starts, start))
+        del self._free[start]
+
+
+__all__ = ["ALIGN", "PinnedArena"]
