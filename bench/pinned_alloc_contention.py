@@ -1,13 +1,15 @@
 """What allocating pinned host copies on loader threads costs the thread that launches steps (GPU).
 
-S-LoRA's S2 at n = 2000 reads a rank-64/32/16/8 adapter (about 63 MB on average, 7B shape) into
+S-LoRA's S2 at n = 1000 reads a rank-64/32/16/8 adapter (about 63 MB on average, 7B shape) into
 a fresh pinned buffer for almost every request, on the host tier's loader threads, while the
-main thread launches steps: per step it copies a few small input tensors to the device (pinning
-each one first: ``host_to_device``) and launches a few hundred kernels. This times one such
-host-side "step" on the main thread (no device sync inside it), with 0 or 4 loader threads that
-each allocate and fill a 64 MB buffer in a loop, either pinned (as the host tier does on CUDA) or
-pageable (the control), and the step's inputs either pinned one by one (``host_to_device``) or
-written into one pinned staging buffer allocated once.
+main thread launches steps. Per step the main thread copies a few small input tensors to the
+device (through the pinned staging buffer, ``host_to_device``), records an event, and launches a
+few hundred kernels. This times those two parts of one host-side "step" separately (no device
+sync inside them) while 0 or 4 loader threads each fill a 64 MB buffer in a loop:
+
+- ``pageable``: a new pageable buffer each time (the control: memory traffic, no pinning);
+- ``pinned-new``: a new pinned buffer each time (``cudaHostAlloc``; what the host tier did);
+- ``pinned-arena``: a slice of one pinned buffer allocated before the run (``PinnedArena``).
 
     python3 bench/pinned_alloc_contention.py [--out DIR] [--seconds 3]
 """
@@ -28,85 +30,96 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import write_result  # noqa: E402
 
+from deltaserve.adapters.pinned_arena import PinnedArena  # noqa: E402
 from deltaserve.model.batch import host_to_device  # noqa: E402
 
 COPY_BYTES = 64 << 20
 """One loader thread's buffer: about an S2 adapter's host copy."""
 KEEP_BYTES = 8 << 30
-"""Buffers a loader keeps alive before letting them all go (S2 at n = 2000 drops none; kept
-bounded here), so most allocations are new pinned memory rather than cached blocks."""
+"""Bytes a loader keeps alive before letting them all go (more than it fills in a point, so with
+``pinned-new`` every allocation is new pinned memory, as while the host tier grows)."""
 INPUTS = 9
 """Small host tensors a step copies to the device (``ForwardBatch.build`` and the LoRA segments)."""
 LAUNCHES = 300
 """Small kernels a step launches."""
+LOADERS = ("none", "pageable", "pinned-new", "pinned-arena")
 
 
-def loader(stop: threading.Event, pinned: bool, count: list[int]) -> None:
+def loader(stop: threading.Event, kind: str, arena: PinnedArena | None, count: list[int]) -> None:
     kept: list[torch.Tensor] = []
     held = 0
+    elems = COPY_BYTES // 2
     while not stop.is_set():
-        buf = torch.empty(COPY_BYTES // 2, dtype=torch.float16, pin_memory=pinned)
+        if kind == "pinned-arena":
+            assert arena is not None
+            buf = arena.take(COPY_BYTES)
+            if buf is None:  # full: give this loader's copies back, as the host tier evicts
+                for b in kept:
+                    arena.give(b)
+                kept.clear()
+                continue
+            buf = buf.view(torch.float16)
+        else:
+            buf = torch.empty(elems, dtype=torch.float16, pin_memory=kind == "pinned-new")
         buf.fill_(1.0)  # the read writes every byte
-        kept.append(buf)
+        kept.append(buf if kind != "pinned-arena" else buf.view(torch.uint8))
         held += COPY_BYTES
         count[0] += 1
-        if held >= KEEP_BYTES // 4:
+        if held >= KEEP_BYTES and kind != "pinned-arena":
             kept.clear()
             held = 0
 
 
-def step_times(inputs: str, seconds: float) -> list[float]:
+def step_times(seconds: float) -> tuple[list[float], list[float]]:
+    """Main-thread seconds of each step's input copies (+ event record) and of its launches."""
     dev = torch.device("cuda")
     x = torch.zeros(1 << 16, device=dev)
     data = [list(range(64)) for _ in range(INPUTS)]
-    staging = torch.empty(INPUTS * 64, dtype=torch.int64, pin_memory=True)
-    done = torch.cuda.Event()
-    times = []
+    copies, launches = [], []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        if inputs == "pin-each":
-            outs = [host_to_device(torch.tensor(d, dtype=torch.int64), dev) for d in data]
-        else:  # one staging buffer: the previous step's copies must be done before it is rewritten
-            done.synchronize()
-            for i, d in enumerate(data):
-                staging[i * 64 : (i + 1) * 64] = torch.tensor(d, dtype=torch.int64)
-            outs = [staging.to(dev, non_blocking=True)]
-            done.record()
+        outs = [host_to_device(torch.tensor(d, dtype=torch.int64), dev) for d in data]
+        torch.cuda.Event().record()
+        t1 = time.perf_counter()
         for _ in range(LAUNCHES):
             x.add_(1.0)
-        times.append(time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        copies.append(t1 - t0)
+        launches.append(t2 - t1)
         del outs
-        if len(times) % 20 == 0:
+        if len(copies) % 20 == 0:
             torch.cuda.synchronize()  # keep the queue short: the host side is what is timed
     torch.cuda.synchronize()
-    return times
+    return copies, launches
 
 
-def run(inputs: str, loaders: int, pinned: bool, seconds: float) -> dict:
+def summary(prefix: str, seconds: list[float]) -> dict:
+    ms = sorted(v * 1e3 for v in seconds)
+    return {f"{prefix}_ms_mean": statistics.fmean(ms), f"{prefix}_ms_p50": ms[len(ms) // 2],
+            f"{prefix}_ms_p99": ms[int(len(ms) * 0.99)], f"{prefix}_ms_max": ms[-1]}
+
+
+def run(kind: str, seconds: float) -> dict:
     stop = threading.Event()
     count = [0]
-    threads = [threading.Thread(target=loader, args=(stop, pinned, count)) for _ in range(loaders)]
+    loaders = 0 if kind == "none" else 4
+    arenas = [PinnedArena(1 << 30) if kind == "pinned-arena" else None for _ in range(loaders)]
+    threads = [threading.Thread(target=loader, args=(stop, kind, arenas[i], count)) for i in range(loaders)]
     for t in threads:
         t.start()
     time.sleep(0.2)
     try:
-        t = step_times(inputs, seconds)
+        copies, launches = step_times(seconds)
     finally:
         stop.set()
         for th in threads:
             th.join()
-    t_ms = sorted(v * 1e3 for v in t)
-    return {
-        "inputs": inputs,
-        "loaders": loaders,
-        "loader_memory": ("pinned" if pinned else "pageable") if loaders else "-",
-        "steps": len(t_ms),
-        "step_ms_mean": statistics.fmean(t_ms),
-        "step_ms_p50": t_ms[len(t_ms) // 2],
-        "step_ms_p99": t_ms[int(len(t_ms) * 0.99)],
-        "loader_gb_per_s": count[0] * COPY_BYTES / (seconds + 0.2) / 1e9,
-    }
+        for a in arenas:
+            if a is not None:
+                a.close()
+    return {"loaders": loaders, "loader_memory": kind, "steps": len(copies), **summary("copies", copies),
+            **summary("launches", launches), "loader_gb_per_s": count[0] * COPY_BYTES / (seconds + 0.2) / 1e9}
 
 
 def main() -> None:
@@ -116,14 +129,14 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("pinned_alloc_contention needs a CUDA device")
-    step_times("pin-each", 0.5)  # warm up
+    step_times(0.5)  # warm up
     rows = []
-    for inputs in ("pin-each", "staging"):
-        for loaders, pinned in ((0, False), (4, False), (4, True)):
-            r = run(inputs, loaders, pinned, args.seconds)
-            rows.append(r)
-            print(f"{inputs:9s} loaders {loaders} {r['loader_memory']:8s}: step mean {r['step_ms_mean']:.3f} ms, "
-                  f"p50 {r['step_ms_p50']:.3f}, p99 {r['step_ms_p99']:.3f}; loaders {r['loader_gb_per_s']:.1f} GB/s")
+    for kind in LOADERS:
+        r = run(kind, args.seconds)
+        rows.append(r)
+        print(f"loaders {r['loaders']} {kind:12s}: copies mean {r['copies_ms_mean']:.3f} ms p99 {r['copies_ms_p99']:.3f} "
+              f"max {r['copies_ms_max']:.1f}; launches mean {r['launches_ms_mean']:.3f} p99 {r['launches_ms_p99']:.3f} "
+              f"max {r['launches_ms_max']:.1f}; loaders {r['loader_gb_per_s']:.1f} GB/s")
     path = write_result("pinned_alloc_contention", {
         "device": torch.cuda.get_device_name(), "copy_bytes": COPY_BYTES, "inputs_per_step": INPUTS,
         "launches_per_step": LAUNCHES, "seconds_per_point": args.seconds, "rows": rows}, Path(args.out))
