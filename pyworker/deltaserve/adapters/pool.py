@@ -78,6 +78,7 @@ import torch
 
 from .. import wire
 from ..kernels.lora import LoraMeta, LoraWeights, sgmv_tiles
+from ..kernels.region_copy import copy_regions
 from ..model.arch import ModelConfig
 from ..model.batch import copy_from_host, host_to_device
 from ..model.decoder import linear_slots
@@ -184,6 +185,33 @@ class AdapterLayout:
         return cls(region_elems, tuple(slices), tuple(used))
 
 
+@dataclass(frozen=True, eq=False)
+class PlacementTables:
+    """An adapter layout as host tensors, so placing it on pages is a few vector ops and one region copy
+    (``AdapterPool.to_gpu``), not a Python loop over its rows and regions."""
+
+    region_src: torch.Tensor
+    """[R] int64: where each region's used part starts in a layer's packed host row."""
+    region_used: torch.Tensor
+    """[R] int64: elements used at the front of each region."""
+    row_region: torch.Tensor
+    """[2, n_slices, r_max] int64: region of A row j (``[0]``) and B^T row j (``[1]``) of each slice; -1
+    past its rank or for a slice it does not target."""
+    row_inner: torch.Tensor
+    """[2, n_slices, r_max] int64: element offset of that row inside its region (0 where -1 above)."""
+
+    @classmethod
+    def of(cls, layout: AdapterLayout, n_slices: int, r_max: int) -> "PlacementTables":
+        used = torch.tensor(layout.region_used, dtype=torch.int64)
+        region = torch.full((2, n_slices, r_max), -1, dtype=torch.int64)
+        inner = torch.zeros(2, n_slices, r_max, dtype=torch.int64)
+        for s in layout.slices:
+            for half, pos in enumerate((s.a_pos, s.b_pos)):
+                region[half, s.index, : s.rank] = torch.tensor([k for k, _ in pos], dtype=torch.int64)
+                inner[half, s.index, : s.rank] = torch.tensor([o for _, o in pos], dtype=torch.int64)
+        return cls(torch.cumsum(used, 0) - used, used, region, inner)
+
+
 # ----------------------------------------------------------------------------------- tiers
 
 
@@ -207,6 +235,8 @@ class ReadPlan:
     """[L, n_slices] float32: the LoRA scaling per layer and slice."""
     host_bytes: int
     """Bytes of the packed host copy."""
+    tables: PlacementTables
+    """The layout as tensors, for ``to_gpu``."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -225,6 +255,8 @@ class HostCopy:
     """Largest rank over its modules."""
     target_modules: tuple[str, ...]
     """Adapted projections, in ``linear_slots`` order."""
+    tables: PlacementTables
+    """The layout as tensors, for ``to_gpu``."""
 
     @property
     def nbytes(self) -> int:
@@ -386,7 +418,8 @@ class AdapterPool:
             index = self.order.index(proj)
             rank[layer, index] = site.rank
             scale[layer, index] = site.scaling
-        return ReadPlan(spec, layout, self._copies(spec, layout), rank, scale, self._host_bytes(layout))
+        return ReadPlan(spec, layout, self._copies(spec, layout), rank, scale, self._host_bytes(layout),
+                        PlacementTables.of(layout, n, self.max_lora_rank))
 
     def inspect(self, path: str | Path) -> wire.AdapterInfo:
         """Validates the adapter at ``path`` and reports its footprint; changes no state, never raises
@@ -450,7 +483,7 @@ class AdapterPool:
             self._give_back(packed, None)
             raise
         return HostCopy(layout, packed, plan.rank.clone(), plan.scale.clone(), plan.spec.max_rank,
-                        tuple(s.proj for s in layout.slices))
+                        tuple(s.proj for s in layout.slices), plan.tables)
 
     def _host_buffer(self, layout: AdapterLayout) -> torch.Tensor:
         """A zeroed ``[L, packed_elems]`` host copy: from the arena when it has room, else allocated (and
@@ -514,27 +547,18 @@ class AdapterPool:
             raise AdapterLoadError(
                 f"adapter {adapter_id}: to_gpu got {len(pages)} pages, its layout needs {layout.num_blocks}"
             )
-        S, NB = self.region_elems, self.kv.num_blocks
-
-        def base(region: int) -> int:
-            return ((region % 2) * NB + pages[region // 2]) * S
-
-        src = self._upload(copy.packed)
-        pos = 0
-        for region, used in enumerate(layout.region_used):
-            start = base(region)
-            self.flat[:, start : start + used].copy_(src[:, pos : pos + used], non_blocking=True)
-            pos += used
-        n, r_max = len(self.order), self.max_lora_rank
-        a_off = torch.zeros(n, r_max, dtype=torch.int64)
-        b_off = torch.zeros(n, r_max, dtype=torch.int64)
-        for s in layout.slices:
-            a_off[s.index, : s.rank] = torch.tensor([base(k) + o for k, o in s.a_pos], dtype=torch.int64)
-            b_off[s.index, : s.rank] = torch.tensor([base(k) + o for k, o in s.b_pos], dtype=torch.int64)
+        S, NB, t = self.region_elems, self.kv.num_blocks, copy.tables
+        # Region k of the adapter is the K (even k) or V (odd k) half of page pages[k // 2]; index -1
+        # (rows past a slice's rank) reads the trailing 0.
+        page_of = torch.tensor(pages, dtype=torch.int64).repeat_interleave(2)[: layout.num_regions]
+        region_base = torch.zeros(layout.num_regions + 1, dtype=torch.int64)
+        region_base[:-1] = ((torch.arange(layout.num_regions) % 2) * NB + page_of) * S
+        table = torch.stack((t.region_src, region_base[:-1], t.region_used), 1)
         dev = self.device  # pinned, asynchronous copies: placing an adapter never waits for a running step
+        copy_regions(self._upload(copy.packed), self.flat, table, table_dev=host_to_device(table, dev))
+        offsets = host_to_device(region_base[t.row_region] + t.row_inner, dev)  # [2, n_slices, r_max]
         self.gpu[adapter_id] = GpuEntry(
-            pages, host_to_device(a_off, dev), host_to_device(b_off, dev), host_to_device(copy.rank, dev),
-            host_to_device(copy.scale, dev),
+            pages, offsets[0], offsets[1], host_to_device(copy.rank, dev), host_to_device(copy.scale, dev),
         )
         for p in pages:
             self.page_owner[p] = adapter_id
