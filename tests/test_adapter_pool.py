@@ -28,9 +28,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltaserve import wire
-from deltaserve.adapters.pinned_arena import ALIGN
+from deltaserve.adapters.pinned_arena import ALIGN, slack_for
 from deltaserve.adapters import AdapterLoadError, DeltaLinear, LoraLinear, load_lora_adapter, lora_delta_ref
 from deltaserve.model.decoder import linear_slots
+from deltaserve.worker import executor as executor_module
 from deltaserve.worker.executor import Executor
 
 peft = pytest.importorskip("peft")
@@ -240,10 +241,14 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
         ops(ex, wire.AdapterOp(6, "to_gpu", "", [0, 1, 2]))
 
 
-def test_host_copies_come_from_the_arena_and_go_back(make_executor, dirs, tmp_path: Path) -> None:
+def test_host_copies_come_from_the_arena_and_go_back(make_executor, dirs, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``host_arena_bytes`` the host copies are carved from one arena (pinned on CUDA): the same
     bytes as copies allocated on their own, rows past a smaller rank zeroed even in reused memory, a
-    copy that does not fit allocated on its own, and the memory of dropped or failed reads reusable."""
+    copy that does not fit allocated on its own, and the memory of dropped or failed reads reusable.
+    The arena is the host budget plus ``slack_for`` it (here without, to run it full)."""
+    assert make_executor(host_arena_bytes=1 << 20).adapters.arena.capacity == (1 << 20) + slack_for(1 << 20)
+    monkeypatch.setattr(executor_module, "slack_for", lambda budget: 0)
     ref = make_executor()
     size = {n: ref.inspect_adapter(str(dirs[n])).host_bytes for n in SPECS}
     ops(ref, *(wire.AdapterOp(i, "to_host", str(dirs[n]), []) for i, n in enumerate(SPECS, start=1)))
@@ -260,7 +265,7 @@ def test_host_copies_come_from_the_arena_and_go_back(make_executor, dirs, tmp_pa
     assert arena.free_bytes == arena.capacity
     first.fill_(float("nan"))  # what a reused region holds before the next read
     ops(ex, wire.AdapterOp(2, "to_host", str(dirs["pattern"]), []))
-    again = ex.adapters.wait_host(2).packed  # first fit: the region just given back
+    again = ex.adapters.wait_host(2).packed  # best fit: the region just given back (all of the arena)
     ops(ex, wire.AdapterOp(3, "to_host", str(dirs["all"]), []))
     assert again.data_ptr() == first.data_ptr() and torch.equal(again, want["pattern"]), "unused rows not zeroed"
     assert arena.owns(ex.adapters.wait_host(3).packed) and torch.equal(ex.adapters.wait_host(3).packed, want["all"])

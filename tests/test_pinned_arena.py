@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from deltaserve.adapters.pinned_arena import ALIGN, PinnedArena
+from deltaserve.adapters.pinned_arena import ALIGN, PinnedArena, slack_for
 
 
 class Fence:
@@ -45,7 +45,7 @@ def test_regions_are_aligned_disjoint_and_coalesce() -> None:
         v.fill_(fill)
     assert a.eq(1).all() and b.eq(2).all() and c.eq(3).all(), "regions overlap"
     arena.give(b)
-    d = arena.take(2 * ALIGN)  # first fit: b's hole
+    d = arena.take(2 * ALIGN)  # best fit: b's hole, not the tail
     assert offset(arena, d) == ALIGN
     arena.give(a)
     arena.give(d)
@@ -53,6 +53,24 @@ def test_regions_are_aligned_disjoint_and_coalesce() -> None:
     assert arena.free_bytes == 16 * ALIGN
     whole = arena.take(16 * ALIGN)  # every range merged back into one
     assert whole is not None and offset(arena, whole) == 0
+
+
+def test_best_fit_keeps_large_ranges_for_large_copies() -> None:
+    """A small copy goes into the smallest hole that holds it, not the first: the large hole stays
+    whole for a large copy (first fit would split it and refuse the large one)."""
+    arena = PinnedArena(10 * ALIGN, pin=False)
+    views = [arena.take(n * ALIGN) for n in (3, 1, 2, 4)]  # [0,3) [3,4) [4,6) [6,10)
+    arena.give(views[0])  # hole of 3 at 0
+    arena.give(views[2])  # hole of 2 at 4
+    small = arena.take(2 * ALIGN)
+    assert offset(arena, small) == 4 * ALIGN
+    large = arena.take(3 * ALIGN)
+    assert large is not None and offset(arena, large) == 0
+
+
+def test_slack_is_an_eighth_at_least_a_gib() -> None:
+    assert slack_for(1 << 30) == 1 << 30
+    assert slack_for(48 << 30) == 6 << 30
 
 
 def test_full_or_fragmented_arena_returns_none() -> None:

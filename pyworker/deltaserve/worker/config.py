@@ -107,9 +107,10 @@ class WorkerConfig:
     host_arena_bytes: int = field(
         default=0,
         metadata=_doc(
-            "Host memory for LoRA adapters' host copies, allocated once at start-up and pinned on CUDA, so "
-            "reading adapters never pins memory while steps run; 0 allocates each copy on its own. The "
-            "router passes its host budget (--lora-host-bytes) on CUDA."
+            "Host budget of LoRA adapters' host copies: that much (plus an eighth, at least 1 GiB, against "
+            "fragmentation) is allocated once at start-up and pinned on CUDA, so reading adapters never pins "
+            "memory while steps run; 0 allocates each copy on its own. The router passes its host budget "
+            "(--lora-host-bytes) on CUDA."
         ),
     )
     max_deltas: int = field(

@@ -70,6 +70,7 @@ from deltaserve import wire
 from deltaserve.adapters.delta_layers import attach_deltas
 from deltaserve.adapters.delta_pool import DeltaPool, delta_gpu_bytes, is_delta_dir
 from deltaserve.adapters.lora_layers import attach_lora
+from deltaserve.adapters.pinned_arena import slack_for
 from deltaserve.adapters.pool import OPS, AdapterPool
 from deltaserve.kernels import common as kernel_common
 from deltaserve.model.arch import ModelConfig
@@ -239,7 +240,8 @@ class Executor:
         if max_lora_rank > 0:
             self.adapters = AdapterPool(
                 self.config, self.kv, max_lora_rank=max_lora_rank, max_loras_per_step=max_loras_per_step,
-                max_tokens=max(max_num_batched_tokens, cuda_graph_max_batch), host_arena_bytes=host_arena_bytes,
+                max_tokens=max(max_num_batched_tokens, cuda_graph_max_batch),
+                host_arena_bytes=host_arena_bytes + slack_for(host_arena_bytes) if host_arena_bytes else 0,
             )
             attach_lora(self.model, self.adapters.step, self.adapters.weights)
         self.deltas: DeltaPool | None = None
