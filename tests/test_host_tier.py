@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -18,16 +19,25 @@ class Copy:
     nbytes: int
 
 
-def test_bytes_follow_loads_through_their_lifetime() -> None:
-    tier: HostTier[Copy] = HostTier("adapter")
-    gates = {i: threading.Event() for i in range(4)}
+def gated_read(gates: dict[int, threading.Event], fails: int, nbytes) -> Callable[[Path], Copy]:
+    """A read of path ``i`` that waits for ``gates[i]``, then fails (``i == fails``) or returns a copy of
+    ``nbytes(i)`` bytes."""
 
     def read(path: Path) -> Copy:
         i = int(path.name)
         gates[i].wait(10)
-        if i == 2:
+        if i == fails:
             raise OSError("gone")
-        return Copy(nbytes=1000 * (i + 1))
+        return Copy(nbytes=nbytes(i))
+
+    return read
+
+
+def test_bytes_follow_loads_through_their_lifetime() -> None:
+    tier: HostTier[Copy] = HostTier("adapter")
+    gates = {i: threading.Event() for i in range(4)}
+
+    read = gated_read(gates, fails=2, nbytes=lambda i: 1000 * (i + 1))
 
     for i in range(4):
         tier.load(i, Path(str(i)), read, expected_bytes=100)
@@ -61,12 +71,7 @@ def test_finished_reads_are_listed_once_until_taken() -> None:
     tier: HostTier[Copy] = HostTier("delta")
     gates = {i: threading.Event() for i in range(4)}
 
-    def read(path: Path) -> Copy:
-        i = int(path.name)
-        gates[i].wait(10)
-        if i == 1:
-            raise OSError("gone")
-        return Copy(nbytes=10)
+    read = gated_read(gates, fails=1, nbytes=lambda i: 10)
 
     for i in (3, 0, 1, 2):
         tier.load(i, Path(str(i)), read, expected_bytes=10)
@@ -104,12 +109,7 @@ def test_dropped_copies_are_released_once_their_load_finished_well() -> None:
     tier: HostTier[Copy] = HostTier("adapter", release=lambda c, queued: released.append((c.nbytes, queued)))
     gates = {i: threading.Event() for i in range(4)}
 
-    def read(path: Path) -> Copy:
-        i = int(path.name)
-        gates[i].wait(10)
-        if i == 2:
-            raise OSError("gone")
-        return Copy(nbytes=i)
+    read = gated_read(gates, fails=2, nbytes=lambda i: i)
 
     for i in range(4):
         tier.load(i, Path(str(i)), read, expected_bytes=1)
