@@ -18,8 +18,10 @@ them), then is checked against the pool's tensors:
 
 from __future__ import annotations
 
+import gc
 import json
 import random
+import weakref
 import shutil
 from pathlib import Path
 
@@ -286,9 +288,27 @@ def test_host_copies_come_from_the_arena_and_go_back(make_executor, dirs, tmp_pa
         ex.adapters.wait_host(5)
     assert arena.free_bytes == aligned["all"]
     n = ex.inspect_adapter(str(dirs["pattern"])).num_blocks
-    for e in (ref, ex):
-        ops(e, wire.AdapterOp(2 if e is ex else 3, "to_gpu", "", list(range(n))))
+    ops(ex, wire.AdapterOp(2, "to_gpu", "", list(range(n))))
+    ops(ref, wire.AdapterOp(3, "to_gpu", "", list(range(n))))
     assert torch.equal(ex.kv.kv, ref.kv.kv)
+
+
+
+def test_a_dropped_executor_frees_its_pool_at_once(make_executor, dirs) -> None:
+    """No reference cycle through the host tier's release hook: a dropped executor's adapter pool (and
+    the KV pool's device memory it views) goes at once, not at the next cyclic garbage collection
+    (benchmarks build one executor after another on one GPU)."""
+    ex = make_executor(host_arena_bytes=1 << 20)
+    n = ex.inspect_adapter(str(dirs["qv"])).num_blocks
+    place(ex, 1, dirs["qv"], list(range(n)))
+    ops(ex, wire.AdapterOp(1, "drop_host", "", []))  # through the release hook
+    pool = weakref.ref(ex.adapters)
+    gc.disable()
+    try:
+        del ex
+        assert pool() is None, "the adapter pool outlived its executor"
+    finally:
+        gc.enable()
 
 
 # ------------------------------------------------------------------------------ adapted linears

@@ -138,6 +138,8 @@ def test_bad_give_backs_and_sizes_are_refused_and_change_nothing() -> None:
     with pytest.raises(ValueError, match="capacity must be positive"):
         PinnedArena(0, pin=False)
     assert arena.owns(arena.buf[5:]) and not arena.owns(torch.empty(1))
+    arena.close()
+    assert arena.take(ALIGN) is None, "a closed arena hands out nothing"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make test-gpu)")

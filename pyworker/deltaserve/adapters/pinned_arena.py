@@ -63,6 +63,8 @@ class PinnedArena:
         self._fenced: deque[tuple[int, int, torch.cuda.Event | None]] = deque()
         """Regions given back whose last copy may still be queued: (offset, size, event), oldest first."""
         self._lock = threading.Lock()
+        self._closed = False
+        """Closed: ``take`` hands out nothing more."""
 
     @property
     def free_bytes(self) -> int:
@@ -76,7 +78,7 @@ class PinnedArena:
         if nbytes <= 0:
             raise ValueError(f"PinnedArena.take: nbytes must be positive, got {nbytes}")
         size = -(-nbytes // ALIGN) * ALIGN
-        while True:
+        while not self._closed:
             with self._lock:
                 self._reclaim()
                 start = self._best_fit(size)
@@ -88,6 +90,7 @@ class PinnedArena:
                 oldest = self._fenced[0][2]
             assert oldest is not None  # fence-less regions are reclaimed at once
             oldest.synchronize()  # outside the lock: ``give`` on the main thread never waits for the device
+        return None
 
     def owns(self, view: torch.Tensor) -> bool:
         """Whether ``view``'s memory starts inside this arena (it may have been taken from it)."""
@@ -106,10 +109,19 @@ class PinnedArena:
             self._reclaim()
 
     def close(self) -> None:
-        """Unregisters the memory (no copy from it may be pending; the arena is unusable after)."""
+        """Unregisters the memory after the device's queued work (a copy from it may be pending); the
+        arena hands out nothing after, and views still held are plain host memory."""
+        self._closed = True
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._base)
             self.pinned = False
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._base)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone already
+            pass
 
     def _best_fit(self, size: int) -> int | None:
         """The start of the smallest free range that holds ``size`` bytes (lowest address on ties),

@@ -68,6 +68,7 @@ A step without adapter tokens sets nothing: every adapted linear is then its bas
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -288,6 +289,21 @@ def _offset_align(dims: Sequence[int], itemsize: int) -> int:
     return align
 
 
+def _release_host_copy(arena: PinnedArena | None, device: torch.device, copy: HostCopy, may_be_queued: bool) -> None:
+    """The host tier let ``copy`` go: its arena memory (if it has some) is free once the copies queued
+    from it have run (``may_be_queued``: an upload may still be in flight)."""
+    fence = None
+    if may_be_queued and device.type == "cuda":
+        fence = torch.cuda.Event()
+        fence.record()
+    _give_back(arena, copy.packed, fence)
+
+
+def _give_back(arena: PinnedArena | None, packed: torch.Tensor, fence: torch.cuda.Event | None) -> None:
+    if arena is not None and arena.owns(packed):
+        arena.give(packed, fence)
+
+
 class AdapterPool:
     """LoRA adapters in host memory and in KV-pool pages, plus the step tables the kernels read."""
 
@@ -364,7 +380,10 @@ class AdapterPool:
         self.arena = PinnedArena(host_arena_bytes, pin=dev.type == "cuda") if host_arena_bytes else None
         """Host memory the host copies are carved from (pinned at start-up on CUDA; ``pinned_arena.py``),
         or None: each copy is allocated (and pinned on CUDA) on its own."""
-        self.host: HostTier[HostCopy] = HostTier("adapter", release=self._release_host_copy)
+        # The release hook holds the arena, not the pool: the pool (and the KV pool it views) stays free
+        # of reference cycles, so a dropped executor gives its device memory back at once.
+        self.host: HostTier[HostCopy] = HostTier("adapter", release=functools.partial(
+            _release_host_copy, self.arena, dev))
         """Adapter id -> its host copy (or the load producing it), loaded in background threads."""
         self.gpu: dict[int, GpuEntry] = {}
         """Adapter id -> its placement on pages."""
@@ -480,7 +499,7 @@ class AdapterPool:
         try:
             plan.spec.read_into(plan.copies, packed, self.dtype)
         except BaseException:
-            self._give_back(packed, None)
+            _give_back(self.arena, packed, None)
             raise
         return HostCopy(layout, packed, plan.rank.clone(), plan.scale.clone(), plan.spec.max_rank,
                         tuple(s.proj for s in layout.slices), plan.tables)
@@ -498,19 +517,6 @@ class AdapterPool:
                         "on its own (slow, and it stalls the steps launched meanwhile)", self.arena.capacity,
                         self._host_bytes(layout))
         return torch.zeros(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-
-    def _release_host_copy(self, copy: HostCopy, may_be_queued: bool) -> None:
-        """The host tier let ``copy`` go: its arena memory (if it has some) is free once the copies queued
-        from it have run (``may_be_queued``: an upload may still be in flight)."""
-        fence = None
-        if may_be_queued and self.device.type == "cuda":
-            fence = torch.cuda.Event()
-            fence.record()
-        self._give_back(copy.packed, fence)
-
-    def _give_back(self, packed: torch.Tensor, fence: torch.cuda.Event | None) -> None:
-        if self.arena is not None and self.arena.owns(packed):
-            self.arena.give(packed, fence)
 
     def to_host(self, adapter_id: int, path: str | Path) -> None:
         """Starts reading ``path`` into host memory in the background (``to_gpu`` waits for it)."""
