@@ -134,6 +134,32 @@ struct Entry {
     data_offsets: [usize; 2],
 }
 
+impl Entry {
+    /// The entry's data span `[begin, end)`, checked to lie in the file's `data_len` data bytes and
+    /// to hold `shape` × the dtype's size (when the dtype is one we read); else why not, worded as
+    /// what follows "tensor 'name'". Both readers (`read_into`, `read_header`) check with this.
+    fn span(&self, data_len: usize) -> Result<(usize, usize), String> {
+        let [begin, end] = self.data_offsets;
+        if begin > end || end > data_len {
+            return Err(format!(
+                "has data offsets [{begin}, {end}] outside the file's {data_len} data bytes (truncated?)"
+            ));
+        }
+        let elems = self.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if let (Some(dtype), Some(elems)) = (Dtype::parse(&self.dtype), elems) {
+            if elems.checked_mul(dtype.size()) != Some(end - begin) {
+                return Err(format!(
+                    "has {} data bytes for shape {:?} of {}",
+                    end - begin,
+                    self.shape,
+                    self.dtype
+                ));
+            }
+        }
+        Ok((begin, end))
+    }
+}
+
 /// Reads `copies` from the safetensors file at `path` into `dst` (elements of `out`), or only
 /// checks them when `dst` is None. Module docs: semantics and errors.
 pub fn read_into(
@@ -187,14 +213,7 @@ pub fn read_into(
                 [c.rows, c.cols]
             )));
         }
-        let [begin, end] = entry.data_offsets;
-        if begin > end || end > data_len || end - begin != c.rows * c.cols * dtype.size() {
-            return Err(tensor(format!(
-                "has data offsets [{begin}, {end}] that do not hold {} {} values within the file's {data_len} data bytes",
-                c.rows * c.cols,
-                entry.dtype,
-            )));
-        }
+        let (begin, end) = entry.span(data_len).map_err(tensor)?;
         let (start, stop) = (
             c.dst_offset * out.size(),
             (c.dst_offset + c.rows * c.cols) * out.size(),
@@ -247,27 +266,7 @@ pub fn read_header(path: &Path) -> Result<Vec<(String, String, Vec<usize>)>, Err
             };
             let entry = Entry::deserialize(value)
                 .map_err(|e| bad(format!("has a malformed entry: {e}")))?;
-            let [begin, end] = entry.data_offsets;
-            if begin > end || end > data_len {
-                return Err(bad(format!(
-                    "has data offsets [{begin}, {end}] outside the file's {data_len} data bytes \
-                     (truncated?)"
-                )));
-            }
-            let elems = entry
-                .shape
-                .iter()
-                .try_fold(1usize, |n, &d| n.checked_mul(d));
-            if let (Some(dtype), Some(elems)) = (Dtype::parse(&entry.dtype), elems) {
-                if elems.checked_mul(dtype.size()) != Some(end - begin) {
-                    return Err(bad(format!(
-                        "has {} data bytes for shape {:?} of {}",
-                        end - begin,
-                        entry.shape,
-                        entry.dtype
-                    )));
-                }
-            }
+            entry.span(data_len).map_err(bad)?;
             Ok((name, entry.dtype, entry.shape))
         })
         .collect()
@@ -759,7 +758,19 @@ mod tests {
         let cut = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(cut.path(), &bytes).unwrap();
         let e = read_into(cut.path(), &[copy("a", 2, 2, 0, false)], None, Dtype::F16).unwrap_err();
-        assert!(e.to_string().contains("data offsets [0, 8]"), "{e}");
+        assert!(
+            e.to_string().contains(
+                "tensor 'a' has data offsets [0, 8] outside the file's 6 data bytes (truncated?)"
+            ),
+            "{e}"
+        );
+        let h = read_header(cut.path()).unwrap_err();
+        assert!(
+            h.to_string().ends_with(
+                "tensor 'a' has data offsets [0, 8] outside the file's 6 data bytes (truncated?)"
+            ),
+            "one wording for both readers: {h}"
+        );
         let e = read_into(
             Path::new("/nonexistent/x.safetensors"),
             &[],
