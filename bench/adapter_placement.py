@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import SHAPES, device_name, write_random_lora_dir, write_random_model_dir, write_result  # noqa: E402
 
+from deltaserve.adapters.pinned_arena import PinnedArena  # noqa: E402
 from deltaserve.adapters.pool import AdapterPool  # noqa: E402
 from deltaserve.kernels import common as kernel_common  # noqa: E402
 from deltaserve.model.arch import ModelConfig  # noqa: E402
@@ -57,7 +58,7 @@ def main() -> None:
         kv = PagedKVCache(cfg.num_layers, 256 if args.smoke else 2048, 16, cfg.num_kv_heads, cfg.head_dim,
                           torch.float16, device)
         pool = AdapterPool(cfg, kv, max_lora_rank=max(RANKS), max_loras_per_step=256, max_tokens=2048,
-                           host_arena_bytes=1 << 30)
+                           arena=PinnedArena(1 << 30, pin=device.type == "cuda"))
         prof = cProfile.Profile() if args.profile else None  # the Triton placements
         dirs = {rank: write_random_lora_dir(tmp / f"r{rank}", shape, rank, QKVO, seed=rank) for rank in RANKS}
         for impl in ("torch", "triton"):

@@ -98,7 +98,10 @@ def test_mixed_batch_matches_each_alone(executor_factory, variants) -> None:
     solo = AdapterRouter(ex, dirs, adapter_of)
     alone = {i: solo.run({i: (p, max_new[i])})[i] for i, p in enumerate(ps)}
 
-    router = AdapterRouter(executor_factory(), dirs, adapter_of, chunk=7, seed=2)
+    # Together: LoRA and delta host copies carved from one shared host arena (as on a GPU worker).
+    shared = executor_factory(host_arena_bytes=64 << 20)
+    assert shared.host_arena is not None and shared.adapters.arena is shared.deltas.arena is shared.host_arena
+    router = AdapterRouter(shared, dirs, adapter_of, chunk=7, seed=2)
     reqs = {i: (p, max_new[i]) for i, p in enumerate(ps)}
     together = router.run_staggered(reqs, {i: i // 3 for i in range(n)}, preempt=6)  # 6 uses the 4-bit delta
     assert router.mixed_steps > 0
@@ -106,16 +109,25 @@ def test_mixed_batch_matches_each_alone(executor_factory, variants) -> None:
     assert len({tuple(alone[i]) for i in range(4)}) == 4
 
 
-def test_delta_dropped_and_reloaded_gives_the_same_tokens(executor_factory, variants) -> None:
-    ex = executor_factory(max_deltas=2)
+@pytest.mark.parametrize("arena", [0, 64 << 20], ids=["no-arena", "arena"])
+def test_delta_dropped_and_reloaded_gives_the_same_tokens(executor_factory, variants, arena: int) -> None:
+    """With a host arena the payloads are views of its regions, a dropped delta's region is free
+    again (and reused by the next read), and the reloaded delta still gives the same tokens."""
+    ex = executor_factory(max_deltas=2, host_arena_bytes=arena)
     dirs = {aid: d for aid, (d, _) in variants.items()}
     router = AdapterRouter(ex, dirs, {1: D4, 2: D2, 3: D4})
     prompt = prompts(1, ex.config.vocab_size, seed=9, lo=10, hi=10)[0]
     first = router.run({1: (prompt, 6)})[1]
     assert ex.deltas is not None and ex.deltas.slot_of == {D4: 0}
+    if arena:
+        assert ex.host_arena is not None and ex.host_arena.owns(ex.deltas.wait_host(D4).buf)
+        held = ex.host_arena.capacity - ex.host_arena.free_bytes
+        assert held >= ex.deltas.wait_host(D4).nbytes
     router.evict(D4)
     router.run({2: (prompt, 6)})  # the 2-bit delta now takes slot 0
     assert ex.deltas.slot_of == {D2: 0} and D4 not in ex.deltas.host
+    if arena:  # D4's region went back; D2's is the only one held
+        assert ex.host_arena.capacity - ex.host_arena.free_bytes < held + ex.deltas.wait_host(D2).nbytes
     assert router.run({3: (prompt, 6)})[3] == first
     assert ex.deltas.slot_of == {D2: 0, D4: 1}
 
@@ -207,3 +219,21 @@ def test_on_cuda_the_triton_path_serves_deltas_like_the_cpu_reference(tiny_llama
         assert got["cuda"] == got["cpu"]
     else:
         assert sum(got["cuda"][i][0] == got["cpu"][i][0] for i in got["cpu"]) >= 7
+
+
+def test_a_failed_delta_read_gives_its_arena_region_back(executor_factory, variants, tmp_path: Path) -> None:
+    import shutil
+
+    from deltaserve.adapters import AdapterLoadError
+
+    ex = executor_factory(max_deltas=2, host_arena_bytes=64 << 20)
+    assert ex.host_arena is not None
+    broken = tmp_path / "broken"
+    shutil.copytree(variants[D4][0], broken)
+    assert ex.inspect_adapter(str(broken)).error is None
+    payload = broken / "delta.safetensors"
+    payload.write_bytes(payload.read_bytes()[: payload.stat().st_size // 2])  # cut after registration
+    ex.step(wire.StepPlan(step_id=1, adapter_ops=[wire.AdapterOp(D4, "to_host", str(broken), [])]))
+    with pytest.raises(AdapterLoadError, match="broken"):
+        ex.deltas.wait_host(D4)
+    assert ex.host_arena.free_bytes == ex.host_arena.capacity, "the failed read kept its region"

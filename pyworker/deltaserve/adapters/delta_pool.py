@@ -31,6 +31,7 @@ and fills ``step`` (``DeltaStep``); ``end_step`` clears it. Loads failing after 
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from ..model.batch import host_to_device
 from ..model.decoder import DecoderLM, linear_slots
 from .delta_layers import ConfigKey, DeltaStep, dense_delta_names
 from .host_tier import HostTier
+from .pinned_arena import PinnedArena, give_back, host_buffer
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -91,13 +93,22 @@ class DeltaHostCopy:
     """HF tensor name -> its dense float16 delta."""
     nbytes: int
     """Host bytes it takes."""
+    buf: torch.Tensor
+    """The payload buffer every tensor above is a view of (uint8; given back to the arena when dropped)."""
+
+
+def _release_host_copy(arena: PinnedArena | None, device: torch.device, copy: DeltaHostCopy,
+                       may_be_queued: bool) -> None:
+    """The host tier let ``copy`` go: its payload's arena memory (if it has some) is free once the
+    copies queued from it have run."""
+    give_back(arena, copy.buf, may_be_queued=may_be_queued, device=device)
 
 
 class DeltaPool:
     """Compressed deltas in host memory and in GPU slots, plus the step rows the modules read."""
 
     def __init__(self, model: DecoderLM, base_dir: str | Path, *, max_deltas: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, arena: PinnedArena | None = None) -> None:
         if max_deltas < 1:
             raise ValueError(f"DeltaPool: max_deltas {max_deltas} must be >= 1")
         self.config = model.config
@@ -113,7 +124,12 @@ class DeltaPool:
         self.step = DeltaStep()
         """What the delta-aware modules read; its pools are this pool's."""
         self.step.dense = [{} for _ in range(max_deltas)]
-        self.host: HostTier[DeltaHostCopy] = HostTier("delta")
+        self.arena = arena
+        """Host memory the payloads are read into (pinned at start-up on CUDA, shared with the adapter
+        pool; ``pinned_arena.py``), or None: each payload is allocated (and pinned on CUDA) on its own."""
+        # The release hook holds the arena, not the pool (no reference cycle: see AdapterPool).
+        self.host: HostTier[DeltaHostCopy] = HostTier("delta", release=functools.partial(
+            _release_host_copy, arena, device))
         """Delta id -> its host copy (or the load producing it), loaded in background threads."""
         self.slot_of: dict[int, int] = {}
         """Delta id -> its GPU slot."""
@@ -174,7 +190,18 @@ class DeltaPool:
     def _read_host_copy(self, path: Path) -> DeltaHostCopy:
         """The background half of ``to_host``: validate again, load (into page-locked memory on CUDA)."""
         manifest = self._validate(path)
-        _, packed_by_name, dense = load_delta(path, pin=self.device.type == "cuda")
+        bufs: list[torch.Tensor] = []
+
+        def alloc(nbytes: int) -> torch.Tensor:
+            bufs.append(host_buffer(self.arena, nbytes, pin=self.device.type == "cuda", what="delta"))
+            return bufs[-1]
+
+        try:
+            _, packed_by_name, dense = load_delta(path, alloc=alloc)
+        except BaseException:
+            for b in bufs:
+                give_back(self.arena, b, may_be_queued=False, device=self.device)
+            raise
         comp = manifest["compression"]
         key: ConfigKey = (int(comp["bits"]), comp["sparsity"] == "2:4", int(comp["group_size"]))
         packed = {}
@@ -183,7 +210,7 @@ class DeltaPool:
             assert m is not None  # _validate checked every packed name
             packed[(int(m.group(1)), m.group(2))] = p
         nbytes = sum(p.nbytes() for p in packed.values()) + sum(t.nbytes for t in dense.values())
-        return DeltaHostCopy(key, packed, dense, nbytes)
+        return DeltaHostCopy(key, packed, dense, nbytes, bufs[0])
 
     def to_host(self, delta_id: int, path: str | Path) -> None:
         """Starts reading ``path`` into host memory in the background (``to_gpu`` waits for it)."""

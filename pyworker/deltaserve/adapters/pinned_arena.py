@@ -17,16 +17,21 @@ such copy, and the region is reused only once that event has completed (``take``
 nothing else fits: ``take`` runs on loader threads). ``take`` returns None when no free range is
 large enough (full or fragmented); the caller pins a copy on its own then.
 
-Thread-safe: loader threads take, the main thread gives.
+Thread-safe: loader threads take, the main thread gives. One arena per worker serves both host
+tiers (LoRA adapters and deltas: the router's host budget covers both); ``host_buffer`` and
+``give_back`` are how the pools use it.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 from collections import deque
 
 import torch
+
+log = logging.getLogger("deltaserve.worker")
 
 ALIGN = 4096
 """Region alignment in bytes (a page: DMA from any region is page-aligned)."""
@@ -170,4 +175,29 @@ class PinnedArena:
         del self._free[start]
 
 
-__all__ = ["ALIGN", "PinnedArena", "slack_for"]
+def host_buffer(arena: PinnedArena | None, nbytes: int, *, pin: bool, what: str) -> torch.Tensor:
+    """``nbytes`` of host memory (uint8, contents undefined) for a variant's host copy: a region of
+    ``arena`` when it has room, else allocated on its own (page-locked when ``pin``). ``what`` names
+    the copy in the warning a full or fragmented arena gives."""
+    if arena is not None:
+        region = arena.take(nbytes)
+        if region is not None:
+            return region
+        log.warning("the pinned host arena (%d bytes) has no room for a %d-byte %s copy: pinning it on its own "
+                    "(slow, and it stalls the steps launched meanwhile)", arena.capacity, nbytes, what)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def give_back(arena: PinnedArena | None, view: torch.Tensor, *, may_be_queued: bool, device: torch.device) -> None:
+    """Returns ``view``'s region to ``arena`` if it came from there; ``may_be_queued``: copies from it may
+    still be queued on ``device`` (an event after them fences the region)."""
+    if arena is None or not arena.owns(view):
+        return
+    fence = None
+    if may_be_queued and device.type == "cuda":
+        fence = torch.cuda.Event()
+        fence.record()
+    arena.give(view, fence)
+
+
+__all__ = ["ALIGN", "PinnedArena", "give_back", "host_buffer", "slack_for"]

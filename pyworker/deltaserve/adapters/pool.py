@@ -87,7 +87,7 @@ from ..model.kv_cache import PagedKVCache
 from .host_tier import AdapterLoadError, HostTier
 from .lora import LoraAdapterError, LoraSpec, TensorCopy, projection_features, read_lora_spec
 from .lora_layers import LoraStep
-from .pinned_arena import PinnedArena
+from .pinned_arena import PinnedArena, give_back, host_buffer
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -291,26 +291,15 @@ def _offset_align(dims: Sequence[int], itemsize: int) -> int:
 
 def _release_host_copy(arena: PinnedArena | None, device: torch.device, copy: HostCopy, may_be_queued: bool) -> None:
     """The host tier let ``copy`` go: its arena memory (if it has some) is free once the copies queued
-    from it have run (``may_be_queued``: an upload may still be in flight)."""
-    fence = None
-    if may_be_queued and device.type == "cuda":
-        fence = torch.cuda.Event()
-        fence.record()
-    _give_back(arena, copy.packed, fence)
-
-
-def _give_back(arena: PinnedArena | None, packed: torch.Tensor, fence: torch.cuda.Event | None) -> None:
-    if arena is not None and arena.owns(packed):
-        arena.give(packed, fence)
+    from it have run."""
+    give_back(arena, copy.packed, may_be_queued=may_be_queued, device=device)
 
 
 class AdapterPool:
     """LoRA adapters in host memory and in KV-pool pages, plus the step tables the kernels read."""
 
     def __init__(self, cfg: ModelConfig, kv: PagedKVCache, *, max_lora_rank: int, max_loras_per_step: int,
-                 max_tokens: int, host_arena_bytes: int = 0) -> None:
-        if host_arena_bytes < 0:
-            raise ValueError(f"AdapterPool: host_arena_bytes {host_arena_bytes} must be >= 0")
+                 max_tokens: int, arena: PinnedArena | None = None) -> None:
         if max_lora_rank < 1:
             raise ValueError(f"AdapterPool: max_lora_rank {max_lora_rank} must be >= 1")
         if max_loras_per_step < 1:
@@ -377,9 +366,9 @@ class AdapterPool:
         self.plans: OrderedDict[str, ReadPlan] = OrderedDict()
         """Adapter path -> how to read it, as its last ``inspect`` found (at most ``PLANS_KEPT``, least
         recently used dropped): ``to_host`` reuses it instead of parsing the config and header again."""
-        self.arena = PinnedArena(host_arena_bytes, pin=dev.type == "cuda") if host_arena_bytes else None
-        """Host memory the host copies are carved from (pinned at start-up on CUDA; ``pinned_arena.py``),
-        or None: each copy is allocated (and pinned on CUDA) on its own."""
+        self.arena = arena
+        """Host memory the host copies are carved from (pinned at start-up on CUDA, shared with the delta
+        pool; ``pinned_arena.py``), or None: each copy is allocated (and pinned on CUDA) on its own."""
         # The release hook holds the arena, not the pool: the pool (and the KV pool it views) stays free
         # of reference cycles, so a dropped executor gives its device memory back at once.
         self.host: HostTier[HostCopy] = HostTier("adapter", release=functools.partial(
@@ -499,7 +488,7 @@ class AdapterPool:
         try:
             plan.spec.read_into(plan.copies, packed, self.dtype)
         except BaseException:
-            _give_back(self.arena, packed, None)
+            give_back(self.arena, packed, may_be_queued=False, device=self.device)
             raise
         return HostCopy(layout, packed, plan.rank.clone(), plan.scale.clone(), plan.spec.max_rank,
                         tuple(s.proj for s in layout.slices), plan.tables)
@@ -508,15 +497,8 @@ class AdapterPool:
         """A zeroed ``[L, packed_elems]`` host copy: from the arena when it has room, else allocated (and
         pinned on CUDA: page-locked from the start, so copies to the pool are fast and asynchronous).
         Zeros: the rows past a layer's smaller rank (rank_pattern) are never read, but stay defined."""
-        shape = (self.config.num_layers, layout.packed_elems)
-        if self.arena is not None:
-            raw = self.arena.take(self._host_bytes(layout))
-            if raw is not None:
-                return raw.view(self.dtype).view(shape).zero_()
-            log.warning("the pinned host arena (%d bytes) has no room for a %d-byte adapter copy: pinning it "
-                        "on its own (slow, and it stalls the steps launched meanwhile)", self.arena.capacity,
-                        self._host_bytes(layout))
-        return torch.zeros(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        raw = host_buffer(self.arena, self._host_bytes(layout), pin=self.device.type == "cuda", what="adapter")
+        return raw.view(self.dtype).view(self.config.num_layers, layout.packed_elems).zero_()
 
     def to_host(self, adapter_id: int, path: str | Path) -> None:
         """Starts reading ``path`` into host memory in the background (``to_gpu`` waits for it)."""

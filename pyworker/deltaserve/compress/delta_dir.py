@@ -24,7 +24,7 @@ Layout (written by ``deltaserve compress``, read by serving and tests)::
 
 ``load_delta`` reads and validates a directory (every manifest entry present with its shape,
 every ``PackedLinear`` well formed) and decompresses a lossless payload transparently. The payload
-is read once into one host buffer (page-locked with ``pin=True``, for fast copies to a GPU) and every
+is read once into one host buffer (``alloc``: the worker's pinned arena, for fast copies to a GPU) and every
 tensor is a view of it (``_read_payload``: the safetensors layout parsed in place, no further copy).
 ``check_lineage`` refuses a delta whose base config or tensor shapes differ from a base directory,
 naming the field or tensor. ``materialize`` writes ``W_base + dequant(Δ̃)`` (or ``dequant(W̃)`` for
@@ -41,7 +41,7 @@ import math
 import shutil
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -278,19 +278,19 @@ _ST_DTYPES = {"I32": torch.int32, "F16": torch.float16, "BF16": torch.bfloat16, 
 """safetensors dtype tags a payload may hold (``deltaserve compress`` writes I32 and F16)."""
 
 
-def _read_payload(path: Path, codec: str, pin: bool) -> dict[str, torch.Tensor]:
-    """The payload's tensors as views of one host buffer (module docstring); DeltaFormatError if
-    the file is not a well-formed safetensors payload."""
+def _read_payload(path: Path, codec: str, alloc: Callable[[int], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The payload's tensors as views of one host buffer from ``alloc`` (module docstring);
+    DeltaFormatError if the file is not a well-formed safetensors payload."""
     if codec == "none":
         size = path.stat().st_size
-        buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        buf = alloc(size)
         with path.open("rb") as f:
             got = f.readinto(memoryview(buf.numpy()))
         if got != size:
             raise DeltaFormatError(f"{path}: read {got} of {size} bytes (the file changed while loading)")
     else:
         raw = decode_payload(path.read_bytes(), codec, str(path))
-        buf = torch.empty(len(raw), dtype=torch.uint8, pin_memory=pin)
+        buf = alloc(len(raw))
         buf.numpy()[:] = memoryview(raw)
     try:
         if len(buf) < 8:
@@ -317,13 +317,14 @@ def _read_payload(path: Path, codec: str, pin: bool) -> dict[str, torch.Tensor]:
 
 
 def load_delta(
-    delta_dir: str | Path, device: torch.device | str = "cpu", pin: bool = False
+    delta_dir: str | Path, device: torch.device | str = "cpu", alloc: Callable[[int], torch.Tensor] | None = None
 ) -> tuple[dict[str, Any], dict[str, PackedLinear], dict[str, torch.Tensor]]:
     """Read a delta directory: ``(manifest, {hf module name: PackedLinear}, {tensor name: float16 tensor})``.
 
     Validates every manifest entry against the payload (presence, shapes, packed layout) and
-    refuses payload tensors the manifest does not list. With ``pin`` (CPU only) the tensors live
-    in page-locked memory.
+    refuses payload tensors the manifest does not list. The host tensors are views of one buffer
+    ``alloc(nbytes)`` returns (uint8 [nbytes] in host memory; default a new pageable one): the worker
+    passes its pinned arena's (``adapters/pinned_arena.py``).
     """
     delta_dir = Path(delta_dir)
     manifest = read_manifest(delta_dir)
@@ -332,7 +333,7 @@ def load_delta(
     path = delta_dir / str(payload.get("file", ""))
     if not path.is_file():
         raise DeltaFormatError(f"{delta_dir}: payload file '{payload.get('file')}' named in {MANIFEST} is missing")
-    tensors = _read_payload(path, codec, pin)
+    tensors = _read_payload(path, codec, alloc or (lambda n: torch.empty(n, dtype=torch.uint8)))
     comp = manifest["compression"]
     bits, group = int(comp["bits"]), int(comp["group_size"])
     sparse = comp["sparsity"] == "2:4"

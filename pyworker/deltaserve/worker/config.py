@@ -107,10 +107,10 @@ class WorkerConfig:
     host_arena_bytes: int = field(
         default=0,
         metadata=_doc(
-            "Host budget of LoRA adapters' host copies: that much (plus an eighth, at least 1 GiB, against "
-            "fragmentation) is allocated once at start-up and pinned on CUDA, so reading adapters never pins "
-            "memory while steps run; 0 allocates each copy on its own. The router passes its host budget "
-            "(--lora-host-bytes) on CUDA."
+            "Host budget of the LoRA adapters' and deltas' host copies: that much (plus an eighth, at least "
+            "1 GiB, against fragmentation) is allocated once at start-up and pinned on CUDA, so reading a "
+            "variant never pins memory while steps run; 0 allocates each copy on its own. The router passes "
+            "its host budget (--lora-host-bytes) on CUDA."
         ),
     )
     max_deltas: int = field(

@@ -70,7 +70,7 @@ from deltaserve import wire
 from deltaserve.adapters.delta_layers import attach_deltas
 from deltaserve.adapters.delta_pool import DeltaPool, delta_gpu_bytes, is_delta_dir
 from deltaserve.adapters.lora_layers import attach_lora
-from deltaserve.adapters.pinned_arena import slack_for
+from deltaserve.adapters.pinned_arena import PinnedArena, slack_for
 from deltaserve.adapters.pool import OPS, AdapterPool
 from deltaserve.kernels import common as kernel_common
 from deltaserve.model.arch import ModelConfig
@@ -235,20 +235,25 @@ class Executor:
         )
         self.num_blocks = self.kv.num_blocks - (1 if use_graphs else 0)
         """Pages the router may allocate; with graphs the last page is the padding rows' scratch."""
+        self.host_arena: PinnedArena | None = None
+        """Host memory both host tiers' copies are carved from (``host_arena_bytes`` plus room against
+        fragmentation, pinned once here on CUDA); None when ``host_arena_bytes`` is 0."""
+        if host_arena_bytes > 0 and (max_lora_rank > 0 or max_deltas > 0):
+            self.host_arena = PinnedArena(host_arena_bytes + slack_for(host_arena_bytes),
+                                          pin=self.device.type == "cuda")
         self.adapters: AdapterPool | None = None
         """LoRA adapters' tiers and step tables; None when LoRA is off (``max_lora_rank`` 0)."""
         if max_lora_rank > 0:
             self.adapters = AdapterPool(
                 self.config, self.kv, max_lora_rank=max_lora_rank, max_loras_per_step=max_loras_per_step,
-                max_tokens=max(max_num_batched_tokens, cuda_graph_max_batch),
-                host_arena_bytes=host_arena_bytes + slack_for(host_arena_bytes) if host_arena_bytes else 0,
+                max_tokens=max(max_num_batched_tokens, cuda_graph_max_batch), arena=self.host_arena,
             )
             attach_lora(self.model, self.adapters.step, self.adapters.weights)
         self.deltas: DeltaPool | None = None
         """Compressed deltas' tiers and GPU slots; None when delta serving is off (``max_deltas`` 0)."""
         if max_deltas > 0:
             self.deltas = DeltaPool(self.model, self.model_dir, max_deltas=max_deltas, device=self.device,
-                                    dtype=self.dtype)
+                                    dtype=self.dtype, arena=self.host_arena)
             attach_deltas(self.model, self.deltas.step)
         limits = [self.config.max_position_embeddings, self.num_blocks * block_size]
         if max_model_len is not None:
