@@ -31,7 +31,6 @@ and fills ``step`` (``DeltaStep``); ``end_step`` clears it. Loads failing after 
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from ..model.batch import host_to_device
 from ..model.decoder import DecoderLM, linear_slots
 from .delta_layers import ConfigKey, DeltaStep, dense_delta_names
 from .host_tier import HostTier
-from .pinned_arena import PinnedArena, give_back, host_buffer
+from .pinned_arena import PinnedArena, give_back, host_buffer, release_hook
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -97,13 +96,6 @@ class DeltaHostCopy:
     """The payload buffer every tensor above is a view of (uint8; given back to the arena when dropped)."""
 
 
-def _release_host_copy(arena: PinnedArena | None, device: torch.device, copy: DeltaHostCopy,
-                       may_be_queued: bool) -> None:
-    """The host tier let ``copy`` go: its payload's arena memory (if it has some) is free once the
-    copies queued from it have run."""
-    give_back(arena, copy.buf, may_be_queued=may_be_queued, device=device)
-
-
 class DeltaPool:
     """Compressed deltas in host memory and in GPU slots, plus the step rows the modules read."""
 
@@ -127,9 +119,7 @@ class DeltaPool:
         self.arena = arena
         """Host memory the payloads are read into (pinned at start-up on CUDA, shared with the adapter
         pool; ``pinned_arena.py``), or None: each payload is allocated (and pinned on CUDA) on its own."""
-        # The release hook holds the arena, not the pool (no reference cycle: see AdapterPool).
-        self.host: HostTier[DeltaHostCopy] = HostTier("delta", release=functools.partial(
-            _release_host_copy, arena, device))
+        self.host: HostTier[DeltaHostCopy] = HostTier("delta", release=release_hook(arena, device, lambda c: c.buf))
         """Delta id -> its host copy (or the load producing it), loaded in background threads."""
         self.slot_of: dict[int, int] = {}
         """Delta id -> its GPU slot."""

@@ -10,7 +10,7 @@ as its host tier: finished copies measured, running loads as expected. A mapping
 kept as loads start, finish and are dropped, not a sum over the (thousands of) entries.
 
 ``release`` (optional) gets back each copy the tier lets go of (``drop``), once its load has
-finished well: the LoRA pool returns the copy's memory to its pinned arena. Its second argument
+finished well: the pools return the copy's memory to the worker's pinned arena. Its second argument
 says whether the copy may be the source of copies still queued on the device (it was ready
 before the drop, so a ``to_gpu`` may have read it), or not (the load was still running).
 

@@ -1,5 +1,5 @@
-"""``PinnedArena``: one block of page-locked host memory, pinned once at start-up, that host copies of
-adapters are carved from.
+"""``PinnedArena``: one block of page-locked host memory, pinned once at start-up, that the host copies
+of variants (LoRA adapters and deltas) are carved from.
 
 Why: pinning memory (``cudaHostAlloc``) is a slow driver call (tens of ms for an S2 adapter's
 64 MB) that stalls the main thread's own driver calls while it runs: every small host-to-device
@@ -18,8 +18,8 @@ nothing else fits: ``take`` runs on loader threads). ``take`` returns None when 
 large enough (full or fragmented); the caller pins a copy on its own then.
 
 Thread-safe: loader threads take, the main thread gives. One arena per worker serves both host
-tiers (LoRA adapters and deltas: the router's host budget covers both); ``host_buffer`` and
-``give_back`` are how the pools use it.
+tiers (LoRA adapters and deltas: the router's host budget covers both); ``host_buffer``,
+``give_back`` and ``release_hook`` are how the pools use it.
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ import bisect
 import logging
 import threading
 from collections import deque
+from typing import Callable, TypeVar
 
 import torch
 
 log = logging.getLogger("deltaserve.worker")
+
+C = TypeVar("C")
 
 ALIGN = 4096
 """Region alignment in bytes (a page: DMA from any region is page-aligned)."""
@@ -200,4 +203,16 @@ def give_back(arena: PinnedArena | None, view: torch.Tensor, *, may_be_queued: b
     arena.give(view, fence)
 
 
-__all__ = ["ALIGN", "PinnedArena", "give_back", "host_buffer", "slack_for"]
+def release_hook(arena: PinnedArena | None, device: torch.device,
+                 memory_of: Callable[[C], torch.Tensor]) -> Callable[[C, bool], None]:
+    """A ``HostTier`` release hook that gives a dropped copy's memory (``memory_of(copy)``) back to
+    ``arena``. It holds the arena and the device, never the pool: a pool (and the KV cache it views)
+    stays free of reference cycles, so a dropped executor gives its device memory back at once."""
+
+    def release(copy: C, may_be_queued: bool) -> None:
+        give_back(arena, memory_of(copy), may_be_queued=may_be_queued, device=device)
+
+    return release
+
+
+__all__ = ["ALIGN", "PinnedArena", "give_back", "host_buffer", "release_hook", "slack_for"]

@@ -68,7 +68,6 @@ A step without adapter tokens sets nothing: every adapted linear is then its bas
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -87,7 +86,7 @@ from ..model.kv_cache import PagedKVCache
 from .host_tier import AdapterLoadError, HostTier
 from .lora import LoraAdapterError, LoraSpec, TensorCopy, projection_features, read_lora_spec
 from .lora_layers import LoraStep
-from .pinned_arena import PinnedArena, give_back, host_buffer
+from .pinned_arena import PinnedArena, give_back, host_buffer, release_hook
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -289,12 +288,6 @@ def _offset_align(dims: Sequence[int], itemsize: int) -> int:
     return align
 
 
-def _release_host_copy(arena: PinnedArena | None, device: torch.device, copy: HostCopy, may_be_queued: bool) -> None:
-    """The host tier let ``copy`` go: its arena memory (if it has some) is free once the copies queued
-    from it have run."""
-    give_back(arena, copy.packed, may_be_queued=may_be_queued, device=device)
-
-
 class AdapterPool:
     """LoRA adapters in host memory and in KV-pool pages, plus the step tables the kernels read."""
 
@@ -369,10 +362,7 @@ class AdapterPool:
         self.arena = arena
         """Host memory the host copies are carved from (pinned at start-up on CUDA, shared with the delta
         pool; ``pinned_arena.py``), or None: each copy is allocated (and pinned on CUDA) on its own."""
-        # The release hook holds the arena, not the pool: the pool (and the KV pool it views) stays free
-        # of reference cycles, so a dropped executor gives its device memory back at once.
-        self.host: HostTier[HostCopy] = HostTier("adapter", release=functools.partial(
-            _release_host_copy, self.arena, dev))
+        self.host: HostTier[HostCopy] = HostTier("adapter", release=release_hook(arena, dev, lambda c: c.packed))
         """Adapter id -> its host copy (or the load producing it), loaded in background threads."""
         self.gpu: dict[int, GpuEntry] = {}
         """Adapter id -> its placement on pages."""
@@ -677,8 +667,8 @@ class AdapterPool:
         self.step.meta = None
 
     def close(self) -> None:
-        """Stops the loader threads (running loads finish). The arena stays pinned until the process
-        exits: a running load may still write into it."""
+        """Stops the loader threads (running loads finish, maybe into the arena, which the executor
+        owns and keeps)."""
         self.host.close()
 
 

@@ -32,9 +32,9 @@ class _Staging:
     """One pinned host buffer, allocated once, that small host tensors are copied through on their way
     to the device, so the thread that launches steps never allocates pinned memory per step.
 
-    Allocating pinned memory waits behind the host tier's loader threads, which allocate pinned
-    copies of adapters all the time under S-LoRA's n = 2000 workloads; pinning each input stalled
-    the launching thread for 4.8 s once in ``bench/pinned_alloc_contention.py`` (H200).
+    Pinning memory is a slow driver call that also stalls the other threads' copies and launches
+    while it runs (``bench/pinned_alloc_contention.py``, and why the host tiers' copies come from a
+    ``PinnedArena`` pinned at start-up): a step must not pin its inputs one by one.
 
     The buffer is used in two halves: filling one, then the other. Leaving a half records an event
     behind the copies made from it; a half is reused only once its event has completed (long done
