@@ -97,7 +97,7 @@ struct Args {
     max_deltas: usize,
     /// Host-memory budget per worker for variant copies in bytes, LoRA adapters and deltas
     /// together (the tier between disk and the GPU; least recently used copies are dropped
-    /// beyond it). A GPU worker pins this much host memory at start-up for adapters' host copies.
+    /// beyond it). A GPU worker pins this much host memory at start-up for these copies.
     #[arg(long, env = "DELTASERVE_LORA_HOST_BYTES", default_value_t = 4 << 30)]
     lora_host_bytes: u64,
     /// Largest LoRA rank accepted (adapters above it are refused at registration).

@@ -58,7 +58,8 @@ pub struct WorkerSpec {
     /// GPU slots for compressed deltas (`--max-deltas`; the router keeps at most this many
     /// deltas on the GPU); 0 turns delta serving off.
     pub max_deltas: usize,
-    /// Host memory the worker allocates (and pins) once for LoRA adapters' host copies; 0: none.
+    /// Host memory the worker allocates (and pins) once for its host copies of LoRA adapters and
+    /// deltas; 0: none.
     pub host_arena_bytes: u64,
     /// How long model loading may take before the start counts as failed.
     pub start_timeout: Duration,
