@@ -44,7 +44,8 @@ def slack_for(budget: int) -> int:
     """Bytes to add to a host tier's ``budget`` so copies of mixed sizes, evicted least recently used
     to stay within it, still find contiguous room: an eighth, at least 1 GiB. Simulated over S2's
     sizes (1 : 2 : 4 : 8) with power-law popularity (n = 1000-5000), budgets of 32 to 384 of the
-    largest copy never ran out of room with it; without it 1-3 % of reads did."""
+    largest copy never ran out of room with it; without it 1-3 % of reads did
+    (``bench/arena_fragmentation.py``)."""
     return max(budget // 8, 1 << 30)
 
 
