@@ -14,6 +14,7 @@ The delta half of DeltaZip's decoupled forward for one Llama-2-7B linear, float1
 Implementations per point, timed with ``triton.testing.do_bench`` (median, L2 flushed):
 
     triton      ``sbmm(..., use_triton=True)``: the one Triton launch
+    cuda        ``sbmm_cuda``: csrc/sbmm.cu on tensor cores (where it builds and takes the point)
     reference   ``sbmm_ref``: per delta, ``dequantize`` (pack.py) then one matmul over its tokens
                 (DeltaZip's naive loop; also the CPU path)
     dense_fp16  per delta, one matmul with the delta already dequantised to float16 (uncompressed
@@ -29,7 +30,7 @@ measured in the same run (``common.copy_bandwidth``), 1.0 being the memory floor
 
 (dense_fp16's own floor is higher: 2 * out * in bytes per delta; its row uses the same byte count so
 the columns compare times.) The Triton result is checked against the reference before it is timed.
-``--cudagraph`` adds the Triton path timed inside a CUDA graph (no launch overhead). ``--tune``
+``--cudagraph`` adds the Triton and CUDA paths timed inside a CUDA graph (no launch overhead). ``--tune``
 first times every launch config of ``TUNE_GRID`` (``TUNE_GRID_FMA`` for FMA tiles) for the point's work-tile size (``sbmm.LAUNCH``)
 and keeps the fastest for the point's ``triton`` rows; the rows record the config used.
 
@@ -141,6 +142,14 @@ class Point:
     def triton_fn(self) -> torch.Tensor:
         return sbmm(self.x, self.out, self.pool.weights, self.meta, use_triton=True)
 
+    def cuda_fn(self) -> torch.Tensor:
+        return sbmm_module.sbmm_cuda(self.x, self.out, self.pool.weights, self.meta)
+
+    def cuda_ok(self) -> bool:
+        """Whether csrc/sbmm.cu builds here and takes this point."""
+        return (sbmm_module.cuda_supports(self.x, self.pool.weights, self.meta) is None
+                and sbmm_module.cuda_ext.library("sbmm") is not None)  # fmt: skip
+
     def ref_fn(self) -> torch.Tensor:
         return sbmm_ref(self.x, self.out, self.pool.weights, self.meta)
 
@@ -148,6 +157,9 @@ class Point:
         got = sbmm(self.x, self.out.clone(), self.pool.weights, self.meta, use_triton=True)
         want = sbmm_ref(self.x, self.out.clone(), self.pool.weights, self.meta)
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+        if self.cuda_ok():
+            got = sbmm_module.sbmm_cuda(self.x, self.out.clone(), self.pool.weights, self.meta)
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
         if self.dense_fn is not None:
             saved = self.out.clone()
             torch.testing.assert_close(self.dense_fn(), want, rtol=2e-2, atol=2e-2)  # fp16 matmul rounds
@@ -244,6 +256,10 @@ def main() -> None:
                                 ("triton", pt.triton_fn, False)]
                             if args.cudagraph:
                                 impls.append(("triton_graph", pt.triton_fn, True))
+                            if pt.cuda_ok():
+                                impls.append(("cuda", pt.cuda_fn, False))
+                                if args.cudagraph:
+                                    impls.append(("cuda_graph", pt.cuda_fn, True))
                             if not args.no_reference:
                                 impls.append(("reference", pt.ref_fn, False))
                             impls.append(("dense_fp16", pt.dense_fn, False))
@@ -251,6 +267,9 @@ def main() -> None:
                             for impl, fn, graph in impls:
                                 row = {"mode": mode, "shape": shape, "config": config, "batch": batch, "deltas": nd,
                                        "impl": impl, "tokens": pt.tokens, "bytes": pt.nbytes}  # fmt: skip
+                                if impl.startswith("cuda"):
+                                    row["launch"] = {"BLOCK_M": pt.meta.block_m,
+                                                     "SPLIT_K": sbmm_module._cuda_split(pt.meta, pool.weights)}
                                 if impl.startswith("triton"):
                                     row["launch"] = {"BLOCK_M": pt.meta.block_m,
                                                      **sbmm_module.launch_config(pt.meta, pool.weights)}

@@ -389,3 +389,151 @@ def test_bad_pool_tables() -> None:
     with pytest.raises(ValueError, match="bits must be 2 or 4, got 3"):
         DeltaWeights(w.qvalues, w.qindices, w.scales, w.zeros, w.qvalues_offsets, w.qindices_offsets,
                      w.group_offsets, 3, w.sparse, w.group_size, w.out_features, w.in_features)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the CUDA C++ op (csrc/sbmm.cu)
+
+CUDA_SHAPES = [(256, 48, 64), (512, 40, 128), (768, 200, 32), (1024, 136, 64)]
+"""(in, out, group) the CUDA op takes (in % 256 == 0, group 32 / 64 / 128): one to four stages, one or
+two 128-row blocks with a partial last one."""
+
+
+def cuda_meta(mode: str, slots: list[int], seed: int) -> DeltaMeta:
+    """``make_meta`` with segments of 1..4 tokens: work tiles of at most 16 tokens, as the CUDA op takes."""
+    if mode == "rows":
+        return DeltaMeta.rows(slots, DEVICE)
+    lens = [int(n) for n in np.random.default_rng(seed).integers(1, 5, size=len(slots))]
+    return DeltaMeta.segments(lens, slots, DEVICE)
+
+
+def cuda_op_or_skip() -> None:
+    if DEVICE.type != "cuda":
+        pytest.skip("the CUDA op runs on CUDA only (DELTASERVE_TEST_GPU=1)")
+    if sbmm_mod.cuda_ext.library("sbmm") is None:
+        pytest.fail(f"csrc/sbmm.cu did not build: {sbmm_mod.cuda_ext.unavailable('sbmm')}")
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
+def test_cuda_op_equals_reference(config: tuple[int, bool], dtype: torch.dtype, popularity: str) -> None:
+    """csrc/sbmm.cu = ``sbmm_ref`` over the popularity shapes, prefill segments (tiles of up to 16 tokens)
+    and decode rows (tiles of 1..16), base-only tokens mixed in, every CUDA shape."""
+    cuda_op_or_skip()
+    bits, sparse = config
+    for i, shape in enumerate(CUDA_SHAPES):
+        for mode in ("segments", "rows"):
+            seed = zlib.crc32(f"cuda/{bits}/{sparse}/{dtype}/{popularity}/{mode}/{i}".encode()) % 10_000
+            w = pool(bits, sparse, shape)
+            meta = cuda_meta(mode, request_deltas(popularity, 4 if mode == "segments" else 20, seed), seed)
+            x = randn(meta.num_tokens, shape[0], dtype=dtype, seed=seed + 1)
+            base = randn(meta.num_tokens, shape[1], dtype=dtype, seed=seed + 2)
+            assert sbmm_mod.cuda_supports(x, w, meta) is None
+            want = sbmm_ref(x, base.clone(), w, meta)
+            got = sbmm_mod.sbmm_cuda(x, base.clone(), w, meta)
+            close(got, want)
+            ids = torch.tensor(token_deltas(meta), device=DEVICE)
+            assert torch.equal(got[ids < 0], base[ids < 0]), "tokens without a delta must keep out unchanged"
+
+
+@pytest.mark.parametrize("split", [None, 2, 3])
+def test_cuda_op_split_k_and_strided_out(split: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K split over blocks (as chosen for one token of one delta, and forced to 2 and 3: uneven
+    splits), partials summed by the reduction launch; ``out`` a column slice of a wider tensor (the
+    fused projections' case) and ``x`` a strided view."""
+    cuda_op_or_skip()
+    if split is not None:
+        monkeypatch.setattr(sbmm_mod, "_cuda_split", lambda meta, w: split)
+    shape = (1024, 136, 64)
+    w = make_delta_weights([random_packed(shape[1], shape[0], 4, True, 64, s) for s in range(3)])
+    for slots in ([1], [2, -1, 0, 2]):
+        meta = DeltaMeta.rows(slots, DEVICE)
+        if split is None:
+            assert sbmm_mod._cuda_split(meta, w) > 1
+        x = randn(meta.num_tokens, 2 * shape[0], dtype=torch.float16, seed=1)[:, ::2]
+        wide = randn(meta.num_tokens, shape[1] + 40, dtype=torch.float16, seed=2)
+        want = sbmm_ref(x, wide[:, 8 : 8 + shape[1]].clone(), w, meta)
+        got = wide.clone()
+        sbmm_mod.sbmm_cuda(x, got[:, 8 : 8 + shape[1]], w, meta)
+        close(got[:, 8 : 8 + shape[1]], want)
+        assert torch.equal(got[:, :8], wide[:, :8]) and torch.equal(got[:, 8 + shape[1] :], wide[:, 8 + shape[1] :])
+
+
+def test_cuda_op_follows_offset_tables_and_is_the_default() -> None:
+    """Permuted slot regions are read through the tables; ``sbmm`` picks the CUDA op on CUDA by default."""
+    cuda_op_or_skip()
+    w = pool(4, True, CUDA_SHAPES[0])
+    perm = [3, 0, 5, 1, 4, 2]
+    wp = DeltaWeights(w.qvalues, w.qindices, w.scales, w.zeros, w.qvalues_offsets[perm], w.qindices_offsets[perm],
+                      w.group_offsets[perm], w.bits, w.sparse, w.group_size, w.out_features, w.in_features,
+                      loaded=[w.loaded[p] for p in perm])  # fmt: skip
+    slots = [1, 1, 0, -1, 5, 3, 2]
+    meta_p = DeltaMeta.segments([2, 5, 3, 1, 4, 2, 6], slots, DEVICE)
+    meta = DeltaMeta.segments([2, 5, 3, 1, 4, 2, 6], [perm[s] if s >= 0 else -1 for s in slots], DEVICE)
+    x = randn(meta.num_tokens, CUDA_SHAPES[0][0], dtype=torch.float16, seed=1)
+    base = randn(meta.num_tokens, CUDA_SHAPES[0][1], dtype=torch.float16, seed=2)
+    want = sbmm_ref(x, base.clone(), w, meta)
+    close(sbmm_mod.sbmm_cuda(x, base.clone(), wp, meta_p), want)
+    calls = []
+    real = sbmm_mod.sbmm_cuda
+    try:
+        sbmm_mod.sbmm_cuda = lambda *a: calls.append(1) or real(*a)
+        close(sbmm(x, base.clone(), wp, meta_p), want)
+    finally:
+        sbmm_mod.sbmm_cuda = real
+    assert calls == [1]
+
+
+def test_cuda_op_in_a_cuda_graph() -> None:
+    """Captured once over static metadata, replayed with new inputs and new slots: still the reference."""
+    cuda_op_or_skip()
+    shape = CUDA_SHAPES[3]
+    w = pool(2, True, shape)
+    x = randn(8, shape[0], dtype=torch.bfloat16, seed=1)
+    out = torch.zeros(8, shape[1], dtype=torch.bfloat16, device=DEVICE)
+    meta = DeltaMeta.rows([0, 0, 1, -1, 2, 3, 3, 3], DEVICE)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sbmm_mod.sbmm_cuda(x, out, w, meta)
+    for seed, slots in ((5, [3, 3, 3, 3, 1, 1, 0, 2]), (6, [0, 0, 1, 0, 3, 5, 5, 0])):
+        new = DeltaMeta.rows(slots, DEVICE)
+        assert new.block_m == meta.block_m and new.grid_tiles == meta.grid_tiles
+        meta.order.copy_(new.order)
+        meta.tiles.copy_(new.tiles)
+        x.copy_(randn(8, shape[0], dtype=torch.bfloat16, seed=seed))
+        out.zero_()
+        graph.replay()
+        close(out, sbmm_ref(x, torch.zeros_like(out), w, new))
+
+
+def test_cuda_op_refuses_what_it_cannot_run() -> None:
+    """``cuda_supports`` names why a call keeps the Triton kernel; ``sbmm_cuda`` refuses such calls."""
+    meta = DeltaMeta.rows([0, 1], DEVICE)
+    w = pool(4, True, SHAPES[1])  # in = 96: not a multiple of 256
+    x = randn(2, 96, dtype=torch.float16, seed=1)
+    why = sbmm_mod.cuda_supports(x, w, meta)
+    assert why == "CPU tensors" if DEVICE.type == "cpu" else "in_features 96" in why
+    with pytest.raises(ValueError, match="sbmm_cuda: unsupported call"):
+        sbmm_mod.sbmm_cuda(x, randn(2, 80, dtype=torch.float16, seed=2), w, meta)
+    w = pool(4, True, CUDA_SHAPES[0])
+    x32 = randn(2, CUDA_SHAPES[0][0], dtype=torch.float32, seed=1)
+    long_runs = DeltaMeta.rows([0] * 17, DEVICE)
+    if DEVICE.type == "cuda":
+        assert "float32" in sbmm_mod.cuda_supports(x32, w, meta)
+        assert "work tiles of 64 tokens" in sbmm_mod.cuda_supports(x32.half().repeat(9, 1)[:17], w, long_runs)
+        assert "group size 96" in sbmm_mod.cuda_supports(x32.half(), pool(4, True, (384, 24, 96)), meta)
+
+
+def test_cuda_op_is_optional(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CUDA (or nvcc, or the source) no build is tried or it fails with a named reason; ``sbmm``
+    then keeps the Triton kernel / the reference."""
+    from deltaserve.kernels import cuda_ext
+
+    if not torch.cuda.is_available():
+        assert cuda_ext.library("sbmm") is None and cuda_ext.unavailable("sbmm") == "no CUDA device"
+    monkeypatch.setattr(cuda_ext, "nvcc", lambda: None)
+    with pytest.raises(FileNotFoundError, match="nvcc not found"):
+        cuda_ext.build("sbmm")
+    with pytest.raises(FileNotFoundError, match="no source"):
+        cuda_ext.build("no_such_op")

@@ -71,14 +71,21 @@ Two kernels, by work-tile size (``DeltaMeta.block_m``):
   the interpreter the tiles are fp32, because its low-precision dot is wrong; fp32 inputs use IEEE
   precision, not TF32.
 
-Entry point ``sbmm`` runs the Triton kernels on CUDA tensors (or when ``use_triton=True``: CPU tensors
-then need ``TRITON_INTERPRET=1``) and ``sbmm_ref`` (a loop over the step's deltas: dequantize with
-pack.py, then one matmul per delta over its tokens; the CPU path) otherwise. Metadata is validated
+A third implementation, ``sbmm_cuda``, is the CUDA C++ op of ``csrc/sbmm.cu`` (tensor cores, packed
+words copied ahead with cp.async, coalesced; drawn in its header): work tiles of at most 16 tokens,
+float16 / bfloat16, in_features % 256 == 0, group size 32 / 64 / 128 (``cuda_supports`` says why a call
+does not fit). On the H200 it takes about half the Triton kernels' time (bench/README.md).
+
+Entry point ``sbmm`` runs, on CUDA tensors, the CUDA op where it is built and fits the call, else the
+Triton kernels (``use_triton=True`` forces Triton; CPU tensors then need ``TRITON_INTERPRET=1``), and
+``sbmm_ref`` (a loop over the step's deltas: dequantize with pack.py, then one matmul per delta over its
+tokens; the CPU path) otherwise. Metadata is validated
 when built, weights when built; a call checks shapes and that every slot it uses holds a delta.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -88,6 +95,7 @@ import triton
 import triton.language as tl
 
 from ..compress.pack import PackedLinear, _check_layout, dequantize
+from . import cuda_ext
 from .common import needs_rne_by_hand, round_to, want_triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -270,6 +278,9 @@ class DeltaWeights:
     """Host flags, one per slot: the slot holds a delta (``store``d); left empty at construction, every
     slot counts as loaded. A step that uses an empty slot is refused (its zero-filled region would
     silently add nothing)."""
+    offset_alignment: tuple[int, int, int] = field(default=(0, 0, 0), init=False, repr=False, compare=False)
+    """(qvalues, qindices, scales / zeros): the largest power of two up to 4 dividing every slot's block
+    offset, in elements (set by the offset check); the CUDA op copies 16- and 4-byte pieces."""
     ref_cache: dict[tuple[int, torch.dtype], torch.Tensor] | None = field(default=None, repr=False, compare=False)
     """(slot, dtype) -> ``dequantize`` of that slot for ``sbmm_ref``, when enabled (``cache_reference``:
     the CPU serving path, which would otherwise dequantise every delta at every call); None: off.
@@ -314,12 +325,16 @@ class DeltaWeights:
                   ("zeros", self.group_offsets, g, self.zeros)]  # fmt: skip
         if qi is not None:
             checks.append(("qindices", self.qindices_offsets, qi, self.qindices))
+        align = {"qvalues": 4, "qindices": 4, "scales": 4, "zeros": 4}
         for name, offs, shape, buf in checks:
             size = shape[0] * shape[1]
             for slot, o in enumerate(offs.tolist()):
                 if o < 0 or o + size > buf.numel():
                     raise ValueError(f"sbmm: slot {slot}'s {name} block [{o}, {o + size}) is outside the "
                                      f"{buf.numel()}-element {name} buffer")
+                while name in align and o % align[name]:
+                    align[name] //= 2
+        object.__setattr__(self, "offset_alignment", (align["qvalues"], align["qindices"], align["scales"]))
 
     @property
     def num_slots(self) -> int:
@@ -760,10 +775,95 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
 # ----------------------------------------------------------------------------- entry point
 
 
+# ----------------------------------------------------------------------------- CUDA C++ op (csrc/sbmm.cu)
+
+_CUDA_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
+_CUDA_ROWS = 128
+"""Output rows per block of csrc/sbmm.cu (its ``ROWS``)."""
+_CUDA_KS = 256
+"""Input columns per pipelined stage of csrc/sbmm.cu (its ``KS``): K must be a multiple."""
+_CUDA_GROUPS = (32, 64, 128)
+"""Group sizes csrc/sbmm.cu takes (a stage's scales are copied as 4-byte pieces)."""
+_CUDA_MAX_M = 16
+"""Largest work tile csrc/sbmm.cu takes (two 8-token MMA fragments)."""
+
+
+def cuda_supports(x: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> str | None:
+    """None when csrc/sbmm.cu can run this call, else why not (then the Triton kernel runs)."""
+    if not x.is_cuda:
+        return "CPU tensors"
+    if x.dtype not in _CUDA_DTYPES:
+        return f"activations {x.dtype} (float16 / bfloat16 only)"
+    if w.in_features % _CUDA_KS or w.group_size not in _CUDA_GROUPS:
+        return (f"in_features {w.in_features} (want a multiple of {_CUDA_KS}) / group size {w.group_size} "
+                f"(want one of {_CUDA_GROUPS})")
+    if meta.block_m > _CUDA_MAX_M:
+        return f"work tiles of {meta.block_m} tokens (at most {_CUDA_MAX_M})"
+    qv_align, qi_align, group_align = w.offset_alignment
+    if qv_align < 4 or qi_align < 4 or group_align < 2:
+        return f"slot offsets aligned to {w.offset_alignment} elements (want 4, 4, 2)"
+    if any(t.data_ptr() % 16 for t in (w.qvalues, w.qindices, w.scales, w.zeros) if t.numel()):
+        return "pool buffers not 16-byte aligned"
+    return None
+
+
+_CUDA_BLOCKS_PER_SM = 3
+"""K is split until a launch has this many blocks per SM (what fits in shared memory at once)."""
+
+
+def _cuda_split(meta: DeltaMeta, w: DeltaWeights) -> int:
+    """K splits of one CUDA launch: the fewest of 1, 2, 4, 8, 16 that give ``_CUDA_BLOCKS_PER_SM`` blocks
+    per SM (each split keeps >= 2 stages of 256 columns)."""
+    blocks = meta.num_tiles * triton.cdiv(w.out_features, _CUDA_ROWS)
+    stages, want = w.in_features // _CUDA_KS, _CUDA_BLOCKS_PER_SM * _sm_count(w.device)
+    split = 1
+    while split < 16 and blocks * split < want and stages >= 4 * split:
+        split *= 2
+    return split
+
+
+_CUDA_ARGS = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+
+
+def sbmm_cuda(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
+    """csrc/sbmm.cu for ``sbmm`` (no dispatch), in place on ``out``: one launch for all deltas (plus a
+    reduction launch when K is split). Raises when the op is unavailable or does not fit the call."""
+    _check_call(x, out, w, meta)
+    why = cuda_supports(x, w, meta)
+    if why is not None:
+        raise ValueError(f"sbmm_cuda: unsupported call: {why}")
+    lib = cuda_ext.library("sbmm")
+    if lib is None:
+        raise RuntimeError(f"sbmm_cuda: the CUDA op is unavailable: {cuda_ext.unavailable('sbmm')}")
+    if meta.num_tiles == 0:
+        return out
+    if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()
+    split = _cuda_split(meta, w)
+    rows = meta.order.shape[0]  # partial sums by position in ``order``: a shape that depends on T only
+    ws = torch.empty((split, rows, w.out_features), dtype=torch.float32, device=x.device) if split > 1 else None
+    fn = lib.deltaserve_sbmm
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _CUDA_ARGS, ctypes.c_int
+    code = fn(
+        x.data_ptr(), out.data_ptr(), None if ws is None else ws.data_ptr(), meta.order.data_ptr(),
+        meta.tiles.data_ptr(), w.qvalues.data_ptr(), w.qindices.data_ptr() if w.sparse else None,
+        w.scales.data_ptr(), w.zeros.data_ptr(), w.qvalues_offsets.data_ptr(), w.qindices_offsets.data_ptr(),
+        w.group_offsets.data_ptr(), w.out_features, w.in_features, w.group_size, x.stride(0), out.stride(0),
+        w.bits, int(w.sparse), _CUDA_DTYPES[x.dtype], meta.block_m, meta.grid_tiles, split, rows,
+        torch.cuda.current_stream(x.device).cuda_stream,
+    )  # fmt: skip
+    cuda_ext.check(lib, code, "sbmm_cuda")
+    return out
+
+
 def sbmm(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta, *,
          use_triton: bool | None = None) -> torch.Tensor:
     """``out[t] += x[t] @ Δ̃_{slot(t)}^T`` in place for every token with a slot (module docstring);
-    returns ``out``. Triton on CUDA, the reference elsewhere."""
+    returns ``out``. On CUDA the kernels run: csrc/sbmm.cu where it is built and fits the call, else
+    Triton (``use_triton=True`` forces Triton); the reference elsewhere."""
     if want_triton("sbmm", x, use_triton):
+        if use_triton is None and cuda_supports(x, w, meta) is None and cuda_ext.library("sbmm") is not None:
+            return sbmm_cuda(x, out, w, meta)
         return sbmm_triton(x, out, w, meta)
     return sbmm_ref(x, out, w, meta)
