@@ -96,7 +96,7 @@ import triton.language as tl
 
 from ..compress.pack import PackedLinear, _check_layout, dequantize
 from . import cuda_ext
-from .common import needs_rne_by_hand, round_to, want_triton
+from .common import needs_rne_by_hand, round_to, use_triton_for, want_triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Activation dtypes the op accepts (the pool's scales / zeros are always float16, per the format)."""
@@ -194,14 +194,16 @@ class DeltaMeta:
         return cls._build(starts, slots, False, device)
 
     @classmethod
-    def rows(cls, row_delta: Sequence[int], device: torch.device | str) -> "DeltaMeta":
+    def rows(cls, row_delta: Sequence[int], device: torch.device | str, max_block_m: int | None = None) -> "DeltaMeta":
         """Decode metadata: token t uses slot ``row_delta[t]`` (-1: none), in any order (the rows of one
-        slot share work tiles wherever they are)."""
+        slot share work tiles wherever they are). ``max_block_m`` caps the tokens per work tile
+        (``decode_tile_cap``: the CUDA op's 16), cutting a longer run of one slot into several tiles."""
         slots = [int(d) for d in row_delta]
-        return cls._build(list(range(len(slots) + 1)), slots, True, device)
+        return cls._build(list(range(len(slots) + 1)), slots, True, device, max_block_m)
 
     @classmethod
-    def _build(cls, starts: list[int], slots: list[int], decode: bool, device: torch.device | str) -> "DeltaMeta":
+    def _build(cls, starts: list[int], slots: list[int], decode: bool, device: torch.device | str,
+               max_block_m: int | None = None) -> "DeltaMeta":
         bad = [d for d in slots if d < -1]
         if bad:
             raise ValueError(f"sbmm: delta slot {bad[0]} out of range (slots are >= 0, -1 = no delta)")
@@ -224,6 +226,10 @@ class DeltaMeta:
             block_m = 1 << max(longest - 1, 0).bit_length()  # 1, 2, 4
         else:
             block_m = _DOT_MIN_M if longest <= _DOT_MIN_M else _BLOCK_M_LARGE
+            if max_block_m is not None:
+                if max_block_m < _DOT_MIN_M:
+                    raise ValueError(f"sbmm: max_block_m {max_block_m} is below a tl.dot tile ({_DOT_MIN_M})")
+                block_m = min(block_m, max_block_m)
         tiles = [(m0, min(m0 + block_m, hi), d) for lo, hi, d in runs for m0 in range(lo, hi, block_m)]
         grid_tiles = num_tokens if decode else len(tiles)  # each tile holds >= 1 token: <= T tiles
         table = tiles + [(0, 0, -1)] * (grid_tiles - len(tiles))
@@ -809,6 +815,15 @@ def cuda_supports(x: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> str | No
 
 _CUDA_BLOCKS_PER_SM = 3
 """K is split until a launch has this many blocks per SM (what fits in shared memory at once)."""
+
+
+def decode_tile_cap(device: torch.device) -> int | None:
+    """``DeltaMeta.rows``'s ``max_block_m`` for decode steps on ``device``: the CUDA op's largest tile
+    where that op runs (a run of one delta then takes several CUDA tiles instead of one Triton tile of
+    64, about 5x slower on the H200), else None."""
+    if device.type != "cuda" or not use_triton_for(device) or cuda_ext.library("sbmm") is None:
+        return None
+    return _CUDA_MAX_M
 
 
 def _cuda_split(meta: DeltaMeta, w: DeltaWeights) -> int:

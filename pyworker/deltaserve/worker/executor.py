@@ -73,7 +73,6 @@ from deltaserve.adapters.lora_layers import attach_lora
 from deltaserve.adapters.pinned_arena import PinnedArena, slack_for
 from deltaserve.adapters.pool import OPS, AdapterPool
 from deltaserve.kernels import common as kernel_common
-from deltaserve.kernels import cuda_ext
 from deltaserve.model.arch import ModelConfig
 from deltaserve.model.batch import ForwardBatch, to_device
 from deltaserve.model.kv_cache import PagedKVCache
@@ -256,8 +255,6 @@ class Executor:
             self.deltas = DeltaPool(self.model, self.model_dir, max_deltas=max_deltas, device=self.device,
                                     dtype=self.dtype, arena=self.host_arena)
             attach_deltas(self.model, self.deltas.step)
-            if self.device.type == "cuda" and kernel_common.use_triton_for(self.device):
-                cuda_ext.library("sbmm")  # build (or find) the CUDA SBMM now, not at the first delta step
         limits = [self.config.max_position_embeddings, self.num_blocks * block_size]
         if max_model_len is not None:
             limits.append(max_model_len)
