@@ -219,9 +219,10 @@ def test_reference_equals_dense_delta(config: tuple[int, bool], mode: str) -> No
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_follows_offset_tables() -> None:
-    """Slot regions permuted in the buffers: the kernel reads the tables, not slot * size."""
-    w = pool(4, True, SHAPES[0])
+def permuted_pool(shape: tuple[int, int, int]) -> tuple[DeltaWeights, DeltaWeights, DeltaMeta, DeltaMeta]:
+    """A 4-bit 2:4 pool ``w``, the same buffers with the slot regions permuted (``wp``), and one step's
+    metadata for each that selects the same deltas."""
+    w = pool(4, True, shape)
     perm = [3, 0, 5, 1, 4, 2]  # slot s of the permuted pool = slot perm[s] of w
     wp = DeltaWeights(w.qvalues, w.qindices, w.scales, w.zeros, w.qvalues_offsets[perm], w.qindices_offsets[perm],
                       w.group_offsets[perm], w.bits, w.sparse, w.group_size, w.out_features, w.in_features,
@@ -229,6 +230,12 @@ def test_kernel_follows_offset_tables() -> None:
     slots = [1, 1, 0, -1, 5, 3, 2]
     meta_p = DeltaMeta.segments([2, 5, 3, 1, 4, 2, 6], slots, DEVICE)
     meta = DeltaMeta.segments([2, 5, 3, 1, 4, 2, 6], [perm[s] if s >= 0 else -1 for s in slots], DEVICE)
+    return w, wp, meta, meta_p
+
+
+def test_kernel_follows_offset_tables() -> None:
+    """Slot regions permuted in the buffers: the kernel reads the tables, not slot * size."""
+    w, wp, meta, meta_p = permuted_pool(SHAPES[0])
     x = randn(meta.num_tokens, 64, dtype=torch.float32, seed=1)
     base = randn(meta.num_tokens, 48, dtype=torch.float32, seed=2)
     close(sbmm_triton(x, base.clone(), wp, meta_p), sbmm_ref(x, base.clone(), w, meta))
@@ -462,14 +469,7 @@ def test_cuda_op_split_k_and_strided_out(split: int | None, monkeypatch: pytest.
 def test_cuda_op_follows_offset_tables_and_is_the_default() -> None:
     """Permuted slot regions are read through the tables; ``sbmm`` picks the CUDA op on CUDA by default."""
     cuda_op_or_skip()
-    w = pool(4, True, CUDA_SHAPES[0])
-    perm = [3, 0, 5, 1, 4, 2]
-    wp = DeltaWeights(w.qvalues, w.qindices, w.scales, w.zeros, w.qvalues_offsets[perm], w.qindices_offsets[perm],
-                      w.group_offsets[perm], w.bits, w.sparse, w.group_size, w.out_features, w.in_features,
-                      loaded=[w.loaded[p] for p in perm])  # fmt: skip
-    slots = [1, 1, 0, -1, 5, 3, 2]
-    meta_p = DeltaMeta.segments([2, 5, 3, 1, 4, 2, 6], slots, DEVICE)
-    meta = DeltaMeta.segments([2, 5, 3, 1, 4, 2, 6], [perm[s] if s >= 0 else -1 for s in slots], DEVICE)
+    w, wp, meta, meta_p = permuted_pool(CUDA_SHAPES[0])
     x = randn(meta.num_tokens, CUDA_SHAPES[0][0], dtype=torch.float16, seed=1)
     base = randn(meta.num_tokens, CUDA_SHAPES[0][1], dtype=torch.float16, seed=2)
     want = sbmm_ref(x, base.clone(), w, meta)
