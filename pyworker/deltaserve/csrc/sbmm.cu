@@ -366,9 +366,6 @@ cudaError_t by_tile(int nt, const void* x, void* out, float* ws, const int32_t* 
 
 extern "C" {
 
-// Tokens per work tile the kernel takes: block_m <= 8 * this.
-int deltaserve_sbmm_max_block_m() { return 16; }
-
 // One SBMM call (kernels/sbmm.py ``sbmm_cuda`` passes the arguments). dtype: 0 float16, 1 bfloat16;
 // block_m: the metadata's tokens per work tile (<= 16); splits: K splits (> 1 needs ws of
 // [splits, ws_rows, N] float32, ws_rows = the length of ``order``). Returns a cudaError_t.

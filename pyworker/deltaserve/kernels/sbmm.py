@@ -285,8 +285,9 @@ class DeltaWeights:
     slot counts as loaded. A step that uses an empty slot is refused (its zero-filled region would
     silently add nothing)."""
     offset_alignment: tuple[int, int, int] = field(default=(0, 0, 0), init=False, repr=False, compare=False)
-    """(qvalues, qindices, scales / zeros): the largest power of two up to 4 dividing every slot's block
-    offset, in elements (set by the offset check); the CUDA op copies 16- and 4-byte pieces."""
+    """(qvalues, qindices, scales / zeros): the largest power of two up to 4 dividing every slot block's
+    start address, in elements (buffer address plus slot offset; set by the offset check, the buffers
+    never move); the CUDA op copies 16- and 4-byte pieces."""
     ref_cache: dict[tuple[int, torch.dtype], torch.Tensor] | None = field(default=None, repr=False, compare=False)
     """(slot, dtype) -> ``dequantize`` of that slot for ``sbmm_ref``, when enabled (``cache_reference``:
     the CPU serving path, which would otherwise dequantise every delta at every call); None: off.
@@ -338,7 +339,8 @@ class DeltaWeights:
                 if o < 0 or o + size > buf.numel():
                     raise ValueError(f"sbmm: slot {slot}'s {name} block [{o}, {o + size}) is outside the "
                                      f"{buf.numel()}-element {name} buffer")
-                while name in align and o % align[name]:
+                at = buf.data_ptr() // buf.element_size() + o
+                while at % align[name]:
                     align[name] //= 2
         object.__setattr__(self, "offset_alignment", (align["qvalues"], align["qindices"], align["scales"]))
 
@@ -778,9 +780,6 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
     return out
 
 
-# ----------------------------------------------------------------------------- entry point
-
-
 # ----------------------------------------------------------------------------- CUDA C++ op (csrc/sbmm.cu)
 
 _CUDA_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
@@ -792,6 +791,10 @@ _CUDA_GROUPS = (32, 64, 128)
 """Group sizes csrc/sbmm.cu takes (a stage's scales are copied as 4-byte pieces)."""
 _CUDA_MAX_M = 16
 """Largest work tile csrc/sbmm.cu takes (two 8-token MMA fragments)."""
+_CUDA_BLOCKS_PER_SM = 3
+"""K is split until a launch has this many blocks per SM (what fits in shared memory at once)."""
+_CUDA_ARGS = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+"""``deltaserve_sbmm``'s C signature (csrc/sbmm.cu)."""
 
 
 def cuda_supports(x: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> str | None:
@@ -807,14 +810,8 @@ def cuda_supports(x: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> str | No
         return f"work tiles of {meta.block_m} tokens (at most {_CUDA_MAX_M})"
     qv_align, qi_align, group_align = w.offset_alignment
     if qv_align < 4 or qi_align < 4 or group_align < 2:
-        return f"slot offsets aligned to {w.offset_alignment} elements (want 4, 4, 2)"
-    if any(t.data_ptr() % 16 for t in (w.qvalues, w.qindices, w.scales, w.zeros) if t.numel()):
-        return "pool buffers not 16-byte aligned"
+        return f"slot blocks aligned to {w.offset_alignment} elements (want 4, 4, 2)"
     return None
-
-
-_CUDA_BLOCKS_PER_SM = 3
-"""K is split until a launch has this many blocks per SM (what fits in shared memory at once)."""
 
 
 def decode_tile_cap(device: torch.device) -> int | None:
@@ -837,9 +834,6 @@ def _cuda_split(meta: DeltaMeta, w: DeltaWeights) -> int:
     return split
 
 
-_CUDA_ARGS = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
-
-
 def sbmm_cuda(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
     """csrc/sbmm.cu for ``sbmm`` (no dispatch), in place on ``out``: one launch for all deltas (plus a
     reduction launch when K is split). Raises when the op is unavailable or does not fit the call."""
@@ -850,6 +844,11 @@ def sbmm_cuda(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMe
     lib = cuda_ext.library("sbmm")
     if lib is None:
         raise RuntimeError(f"sbmm_cuda: the CUDA op is unavailable: {cuda_ext.unavailable('sbmm')}")
+    return _launch_cuda(lib, x, out, w, meta)
+
+
+def _launch_cuda(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
+    """The launch of ``sbmm_cuda``, for callers that checked the call, ``cuda_supports`` and the library."""
     if meta.num_tiles == 0:
         return out
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
@@ -872,13 +871,18 @@ def sbmm_cuda(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMe
     return out
 
 
+# ----------------------------------------------------------------------------- entry point
+
+
 def sbmm(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta, *,
          use_triton: bool | None = None) -> torch.Tensor:
     """``out[t] += x[t] @ Δ̃_{slot(t)}^T`` in place for every token with a slot (module docstring);
     returns ``out``. On CUDA the kernels run: csrc/sbmm.cu where it is built and fits the call, else
     Triton (``use_triton=True`` forces Triton); the reference elsewhere."""
     if want_triton("sbmm", x, use_triton):
-        if use_triton is None and cuda_supports(x, w, meta) is None and cuda_ext.library("sbmm") is not None:
-            return sbmm_cuda(x, out, w, meta)
+        lib = cuda_ext.library("sbmm") if use_triton is None else None
+        if lib is not None and cuda_supports(x, w, meta) is None:
+            _check_call(x, out, w, meta)
+            return _launch_cuda(lib, x, out, w, meta)
         return sbmm_triton(x, out, w, meta)
     return sbmm_ref(x, out, w, meta)
