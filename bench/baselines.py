@@ -10,7 +10,8 @@ bench/replay.py uses, so bench/serving.py runs them like the daemon (``--server 
     swap    DeltaZip's whole-model swapping for full fine-tunes: --resident K device slots, each
             a full model; a variant not in a slot is read from its HF directory (safetensors,
             straight to the device) into the least recently used slot. Batches only requests of
-            one model, picked and run as in ``peft``.
+            one model, picked and run as in ``peft``. ``--resident auto`` holds as many full
+            models as fit (DeltaZip's vLLM-SCB does): :func:`models_that_fit`.
     merged  The upper bound: the deltaserve daemon serving ONE variant merged into the base
             (peft ``merge_and_unload``), every request's model mapped to it (serving.Endpoint.model).
 
@@ -30,7 +31,8 @@ runs until its longest request is done (as HF ``generate`` does); finished rows 
 SSE chunks are the daemon's (text per token: the tokenizer's piece when the model directory has
 a tokenizer, else ``" <id>"``), plus ``choices[0].token_ids`` (tests compare tokens), a finish
 chunk, a usage chunk with include_usage, ``[DONE]``. ``GET /stats`` returns the engine's counters
-(:meth:`Engine.stats`): resident variants, the most ever resident at once, loads, batches.
+(:meth:`Engine.stats`): resident variants, the most ever resident at once, loads, batches (swap
+also its number of device slots).
 
 Models: an HF directory with weights, or a ``random-weights.json`` directory (bench/common.py),
 whose weights are drawn N(0, std) on the device (peft only; swap needs real files to swap).
@@ -269,6 +271,55 @@ def model_dirs(models_dir: Path) -> dict[str, Path]:
     return found
 
 
+def models_that_fit(free_bytes: int, model_bytes: int, reserve_bytes: int, n_models: int) -> int:
+    """How many full models of ``model_bytes`` fit in ``free_bytes`` once ``reserve_bytes`` are
+    kept for a batch's KV cache and logits: at least 1 (a single model that does not fit fails
+    when it is loaded, with the allocator's message), at most ``n_models``."""
+    return max(1, min(n_models, (free_bytes - reserve_bytes) // max(model_bytes, 1)))
+
+
+def batch_reserve_bytes(model_dir: Path, dtype: Any, max_batch: int, max_seq: int) -> int:
+    """Device bytes one batch of ``max_batch`` sequences of ``max_seq`` tokens needs beside the
+    weights: its KV cache (2 × layers × KV heads × head size per token, in ``dtype``), the
+    prompt's logits (fp32, every position, as the decode loop of :func:`generate` computes them)
+    and 1 GiB for the other activations."""
+    import torch
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim
+    tokens = max_batch * max_seq
+    elem = torch.empty((), dtype=dtype).element_size()
+    return tokens * kv_per_token * elem + tokens * cfg["vocab_size"] * 4 + (1 << 30)
+
+
+def resident_slots(resident: str, models: dict[str, Path], device: Any, dtype: Any, max_batch: int,
+                   max_seq: int) -> int:
+    """``--resident``: a number, or ``auto``: :func:`models_that_fit` in the device's free memory
+    (the host's available memory on the CPU), each model the size of the first one's safetensors."""
+    if resident != "auto":
+        try:
+            k = int(resident)
+        except ValueError:
+            raise SystemExit(f"--resident {resident!r}: want a number of models or 'auto'") from None
+        if k < 1:
+            raise SystemExit(f"--resident {k}: need at least 1 model on the device")
+        return k
+    import torch
+
+    first = next(iter(models.values()))
+    model_bytes = sum(f.stat().st_size for f in first.glob("*.safetensors"))
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    k = models_that_fit(free, model_bytes, batch_reserve_bytes(first, dtype, max_batch, max_seq), len(models))
+    print(f"--resident auto: {k} of {len(models)} models ({model_bytes / 2**30:.2f} GiB each, "
+          f"{free / 2**30:.1f} GiB free on {device})", flush=True)
+    return k
+
+
 class PeftEngine(Engine):
     """One base model wrapped by peft; adapters loaded into it on demand, one active per batch.
     A load happens before the eviction it forces, so for that moment capacity + 1 are loaded
@@ -321,14 +372,13 @@ class SwapEngine(Engine):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         super().__init__(models, device, max_batch)
-        if resident < 1:
-            raise SystemExit(f"--resident {resident}: need at least 1 model on the device")
         cfg = AutoConfig.from_pretrained(next(iter(models.values())))
         self.slots: list[Any] = []
         """Models of the variants' shared architecture on the device; their weights are overwritten on a swap."""
         for _ in range(min(resident, len(models))):
             with torch.device(device):
                 self.slots.append(AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval())
+        self.counters["slots"] = len(self.slots)
         self.holder: OrderedDict[str, int] = OrderedDict()
         """Variant → its slot, least recently used first."""
 
@@ -495,7 +545,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lora-dir", type=Path, help="peft: a directory of PEFT adapter directories")
     p.add_argument("--device-adapters", type=int, default=8, help="peft: most adapters loaded on the device")
     p.add_argument("--models-dir", type=Path, help="swap: a directory of full-model HF directories")
-    p.add_argument("--resident", type=int, default=1, help="swap: most full models on the device at once")
+    p.add_argument("--resident", default="1",
+                   help="swap: most full models on the device at once, or 'auto': as many as fit beside one batch")
+    p.add_argument("--max-seq", type=int, default=1024,
+                   help="swap, --resident auto: prompt + output tokens one sequence of a batch is sized for")
     a = p.parse_args(argv)
     if a.max_batch < 1:
         p.error(f"--max-batch {a.max_batch}: need at least 1")
@@ -511,7 +564,9 @@ def main(argv: list[str] | None = None) -> None:
             p.error("swap needs --models-dir")
         models = model_dirs(a.models_dir)
         first = next(iter(models.values()))
-        engine = SwapEngine(models, device, model_dtype(first, device, a.dtype), a.max_batch, a.resident)
+        dtype = model_dtype(first, device, a.dtype)
+        slots = resident_slots(a.resident, models, device, dtype, a.max_batch, a.max_seq)
+        engine = SwapEngine(models, device, dtype, a.max_batch, slots)
         tok_dir = first
     serve(engine, _tokenizer(tok_dir), a.host, a.port)
 
@@ -561,7 +616,7 @@ def peft_server(spec: Any) -> Iterator[Any]:
 @contextlib.contextmanager
 def swap_server(spec: Any) -> Iterator[Any]:
     """``--server swap``: whole-model swapping over the full-model directories under
-    ``spec.lora_dir`` (one per variant, named like it); ``--resident K`` in ``spec.flags``."""
+    ``spec.lora_dir`` (one per variant, named like it); ``--resident K|auto`` in ``spec.flags``."""
     with _baseline("swap", spec, ["--models-dir", str(spec.lora_dir)]) as ep:
         yield ep
 

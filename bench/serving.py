@@ -75,7 +75,8 @@ Experiments (defaults; ``--smoke`` shrinks each to a few requests on a tiny mode
                  swap baseline, which swaps a 13.5 GB model for most batches, drains a point in
                  minutes on one H100; workload.deltazip has no paper lengths). deltaserve:
                  --max-deltas 3 (DeltaZip's N) and a 32 GiB host tier (~9 deltas of 3.4 GB);
-                 swap: --resident 3 (the same three variants on the GPU), --max-batch 32.
+                 swap: --resident auto (as many full models as fit beside one batch, as
+                 DeltaZip's vLLM-SCB baseline holds: 9 on an H200), --max-batch 32.
                  --distinct-weights 4 delta payloads, --distinct-checkpoints 2 (base + one).
                  Probes 4 variants after the points. Smoke: the tiny smoke-llama shape, 4
                  variants (all distinct), 2 slots, 4 requests per point.
@@ -137,7 +138,7 @@ DELTAZIP_LENGTHS = ((8, 512), (8, 128))
 """Prompt and output length ranges of the deltazip experiment (see the module docstring)."""
 DELTAZIP_FLAGS = {
     "deltaserve": ("--max-deltas", "3", "--lora-host-bytes", str(32 << 30)),
-    "swap": ("--resident", "3"),
+    "swap": ("--resident", "auto"),
 }
 """DeltaZip's N = 3 delta slots, a host tier of ~9 Llama-2-7B deltas; swap keeps as many full models."""
 DELTA_BITS, DELTA_SPARSE, DELTA_GROUP = 4, True, 64
@@ -754,6 +755,10 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
                 if m:
                     print("    server: " + ", ".join(f"{k.removeprefix('deltaserve_').removesuffix('_total')} {m[k]:g}"
                                                     for k in METRICS_SHOWN if k in m), flush=True)  # fmt: skip
+                stats = baseline_stats(endpoint)
+                if stats is not None:
+                    payload["points"][-1]["server_stats"] = stats
+                    print(f"    server: {stats}", flush=True)
                 write_result(name, payload, out_dir)
             if exp.probe_variants:
                 names = [v.name for v in traces[0].variants][: exp.probe_variants]
@@ -774,6 +779,17 @@ METRICS_SHOWN = ("deltaserve_steps_total", "deltaserve_preemptions_total", "delt
                  "deltaserve_adapter_host_deferrals_total",
                  "deltaserve_worker_step_us_total", "deltaserve_worker_forward_us_total", "deltaserve_step_gap_us_p50")
 """The metrics a point's summary line prints (all of them go to the result file)."""
+
+
+def baseline_stats(endpoint: Endpoint) -> dict[str, Any] | None:
+    """A baseline's ``/stats`` counters (bench/baselines.py ``Engine.stats``: loads, batches, slots,
+    resident variants), or None when the server has none (the daemon, the fake server)."""
+    base = endpoint.url.split("/v1/")[0]
+    try:
+        with urllib.request.urlopen(f"{base}/stats", timeout=5) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
 
 
 def server_metrics(endpoint: Endpoint) -> dict[str, float] | None:

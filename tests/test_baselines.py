@@ -7,6 +7,8 @@ tiny random Llama (CPU), replayed with bench/replay.py, their tokens checked aga
 - swap: 3 full models (tiny Llamas with different seeds), at most 2 resident: A, B, A, C, B in
   turn each get their own model's tokens, with 4 loads and never more than 2 resident.
 - merged: the daemon on the base with one adapter merged in answers with that adapter's tokens.
+- ``--resident auto``: the slot count is the number of whole models that fit beside one batch's
+  KV cache and logits, computed from the checkpoint's config.
 """
 
 from __future__ import annotations
@@ -166,6 +168,35 @@ def test_swap_baseline_serves_each_model_with_at_most_k_resident(full_models, tm
     # ft00 (load), ft01 (load), ft00 (hit), ft02 (load, evicts ft01: least recently used), ft01 (load, evicts ft00).
     assert st["loads"] == 4 and st["max_resident"] == 2 and sorted(st["resident"]) == ["ft01", "ft02"], st
     assert st_after["max_resident"] == 2, st_after
+
+
+def test_models_that_fit_keeps_the_batch_reserve_and_bounds():
+    gib = 1 << 30
+    # An H200's ~140 GiB free, 12.55 GiB fp16 7B models, ~21 GiB for a batch: 9 models.
+    assert baselines.models_that_fit(140 * gib, int(12.55 * gib), 21 * gib, 32) == 9
+    assert baselines.models_that_fit(140 * gib, int(12.55 * gib), 21 * gib, 4) == 4  # no more than exist
+    assert baselines.models_that_fit(10 * gib, int(12.55 * gib), 21 * gib, 32) == 1  # at least one
+
+
+def test_batch_reserve_counts_kv_cache_and_logits(tmp_path):
+    cfg = {"num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "num_hidden_layers": 32,
+           "vocab_size": 32000}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tokens = 2 * 100
+    kv = tokens * 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads of 128, fp16
+    logits = tokens * 32000 * 4
+    assert baselines.batch_reserve_bytes(tmp_path, torch.float16, 2, 100) == kv + logits + (1 << 30)
+
+
+def test_swap_resident_auto_and_bad_values(full_models):
+    models = baselines.model_dirs(full_models)
+    cpu = torch.device("cpu")
+    # Three tiny models always fit in this machine's memory: auto holds all of them.
+    assert baselines.resident_slots("auto", models, cpu, torch.float32, 32, 1024) == 3
+    assert baselines.resident_slots("2", models, cpu, torch.float32, 32, 1024) == 2
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit, match="--resident"):
+            baselines.resident_slots(bad, models, cpu, torch.float32, 32, 1024)
 
 
 def test_merged_baseline_serves_the_merged_adapter(tiny_llama, lora_dir, tmp_path):
