@@ -525,26 +525,35 @@ def test_cuda_op_refuses_what_it_cannot_run() -> None:
         assert "group size 96" in sbmm_mod.cuda_supports(x32.half(), pool(4, True, (384, 24, 96)), meta)
 
 
-def test_decode_tile_cap() -> None:
-    """``max_block_m`` cuts a long decode run of one slot into 16-token tiles (the CUDA op's size); the
-    Triton kernel (and, on CUDA, the CUDA op) still equal the reference on such metadata."""
-    meta = DeltaMeta.rows([0] * 40 + [-1, 3, 3], DEVICE, max_block_m=16)
-    assert meta.block_m == 16 and meta.num_tiles == 4 and meta.grid_tiles == 43
-    assert meta.tiles.tolist()[:4] == [[0, 16, 0], [16, 32, 0], [32, 40, 0], [40, 42, 3]]
+def test_cuda_tile_cap() -> None:
+    """``max_block_m`` cuts a long run of one slot into 16-token tiles (the CUDA op's size), in decode
+    rows and prefill segments alike; the Triton kernel (and, on CUDA, the CUDA op) still equal the
+    reference on such metadata."""
+    rows = DeltaMeta.rows([0] * 40 + [-1, 3, 3], DEVICE, max_block_m=16)
+    assert rows.block_m == 16 and rows.num_tiles == 4 and rows.grid_tiles == 43
+    assert rows.tiles.tolist()[:4] == [[0, 16, 0], [16, 32, 0], [32, 40, 0], [40, 42, 3]]
+    # Prefill: a 40-token prompt of slot 0, a base-only one, a 2-token chunk of slot 3.
+    segs = DeltaMeta.segments([40, 1, 2], [0, -1, 3], DEVICE, max_block_m=16)
+    assert segs.block_m == 16 and segs.num_tiles == 4 and segs.grid_tiles == 4
+    assert segs.tiles.tolist() == [[0, 16, 0], [16, 32, 0], [32, 40, 0], [40, 42, 3]]
     assert DeltaMeta.rows([0] * 40, DEVICE).block_m == 64
-    with pytest.raises(ValueError, match="max_block_m 8 is below"):
-        DeltaMeta.rows([0] * 40, DEVICE, max_block_m=8)
+    assert DeltaMeta.segments([40], [0], DEVICE).block_m == 64
+    for make in (lambda: DeltaMeta.rows([0] * 40, DEVICE, max_block_m=8),
+                 lambda: DeltaMeta.segments([40], [0], DEVICE, max_block_m=8)):
+        with pytest.raises(ValueError, match="max_block_m 8 is below"):
+            make()
     shape = CUDA_SHAPES[0]
     w = pool(4, True, shape)
     x = randn(43, shape[0], dtype=torch.float16, seed=1)
     base = randn(43, shape[1], dtype=torch.float16, seed=2)
-    want = sbmm_ref(x, base.clone(), w, meta)
-    close(sbmm_triton(x, base.clone(), w, meta), want)
-    if DEVICE.type == "cuda" and sbmm_mod.cuda_ext.library("sbmm") is not None:
-        assert sbmm_mod.decode_tile_cap(DEVICE) == 16
-        close(sbmm_mod.sbmm_cuda(x, base.clone(), w, meta), want)
-    elif DEVICE.type == "cpu":
-        assert sbmm_mod.decode_tile_cap(DEVICE) is None
+    for meta in (rows, segs):
+        want = sbmm_ref(x, base.clone(), w, meta)
+        close(sbmm_triton(x, base.clone(), w, meta), want)
+        if DEVICE.type == "cuda" and sbmm_mod.cuda_ext.library("sbmm") is not None:
+            assert sbmm_mod.cuda_tile_cap(DEVICE) == 16
+            close(sbmm_mod.sbmm_cuda(x, base.clone(), w, meta), want)
+        elif DEVICE.type == "cpu":
+            assert sbmm_mod.cuda_tile_cap(DEVICE) is None
 
 
 def test_cuda_op_is_optional(monkeypatch: pytest.MonkeyPatch) -> None:

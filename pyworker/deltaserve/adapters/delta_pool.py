@@ -42,7 +42,7 @@ import torch
 from .. import wire
 from ..compress.delta_dir import MANIFEST, check_lineage, load_delta, read_manifest
 from ..compress.pack import PackedLinear
-from ..kernels.sbmm import DeltaMeta, DeltaWeights, decode_tile_cap, make_delta_weights
+from ..kernels.sbmm import DeltaMeta, DeltaWeights, cuda_tile_cap, make_delta_weights
 from ..model.arch import ModelConfig
 from ..model.batch import host_to_device
 from ..model.decoder import DecoderLM, linear_slots
@@ -125,8 +125,8 @@ class DeltaPool:
         """Delta id -> its GPU slot."""
         self.key_of: dict[int, ConfigKey] = {}
         """GPU-resident delta id -> the packed config its slot is filled in."""
-        self.decode_tile_cap = decode_tile_cap(device)
-        """Tokens per SBMM work tile in decode steps: the CUDA op's largest where it runs (builds it now)."""
+        self.tile_cap = cuda_tile_cap(device)
+        """Most tokens per SBMM work tile: the CUDA op's largest where it runs (builds it now), else None."""
 
     # ------------------------------------------------------------------ inspect / validation
 
@@ -304,10 +304,10 @@ class DeltaPool:
         for key in sorted({self.key_of[slot_id[s]] for s in used}):
             of_key = [s if s >= 0 and self.key_of[slot_id[s]] == key else -1 for s in token_slot]
             if decode:
-                meta = DeltaMeta.rows(of_key, dev, max_block_m=self.decode_tile_cap)
+                meta = DeltaMeta.rows(of_key, dev, max_block_m=self.tile_cap)
             else:
                 meta = DeltaMeta.segments([n for _, n in slots], [s if s >= 0 and self.key_of[slot_id[s]] == key
-                                                                  else -1 for s, _ in slots], dev)
+                                                                  else -1 for s, _ in slots], dev, self.tile_cap)
             metas.append((key, meta))
         self.step.metas = tuple(metas)
         return True

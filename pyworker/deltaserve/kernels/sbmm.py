@@ -181,8 +181,10 @@ class DeltaMeta:
         return max(self.slots, default=-1)
 
     @classmethod
-    def segments(cls, seg_lens: Sequence[int], seg_delta: Sequence[int], device: torch.device | str) -> "DeltaMeta":
-        """Prefill metadata: segment s has ``seg_lens[s]`` consecutive tokens of slot ``seg_delta[s]``."""
+    def segments(cls, seg_lens: Sequence[int], seg_delta: Sequence[int], device: torch.device | str,
+                 max_block_m: int | None = None) -> "DeltaMeta":
+        """Prefill metadata: segment s has ``seg_lens[s]`` consecutive tokens of slot ``seg_delta[s]``;
+        ``max_block_m`` as in ``rows``."""
         lens, slots = [int(n) for n in seg_lens], [int(d) for d in seg_delta]
         if len(lens) != len(slots):
             raise ValueError(f"sbmm: {len(lens)} segment lengths but {len(slots)} segment deltas")
@@ -191,13 +193,13 @@ class DeltaMeta:
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
-        return cls._build(starts, slots, False, device)
+        return cls._build(starts, slots, False, device, max_block_m)
 
     @classmethod
     def rows(cls, row_delta: Sequence[int], device: torch.device | str, max_block_m: int | None = None) -> "DeltaMeta":
         """Decode metadata: token t uses slot ``row_delta[t]`` (-1: none), in any order (the rows of one
         slot share work tiles wherever they are). ``max_block_m`` caps the tokens per work tile
-        (``decode_tile_cap``: the CUDA op's 16), cutting a longer run of one slot into several tiles."""
+        (``cuda_tile_cap``: the CUDA op's 16), cutting a longer run of one slot into several tiles."""
         slots = [int(d) for d in row_delta]
         return cls._build(list(range(len(slots) + 1)), slots, True, device, max_block_m)
 
@@ -814,10 +816,11 @@ def cuda_supports(x: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> str | No
     return None
 
 
-def decode_tile_cap(device: torch.device) -> int | None:
-    """``DeltaMeta.rows``'s ``max_block_m`` for decode steps on ``device``: the CUDA op's largest tile
-    where that op runs (a run of one delta then takes several CUDA tiles instead of one Triton tile of
-    64, about 5x slower on the H200), else None."""
+def cuda_tile_cap(device: torch.device) -> int | None:
+    """``DeltaMeta``'s ``max_block_m`` on ``device``, for decode and prefill steps alike: the CUDA op's
+    largest tile where that op runs, else None. A run of one delta then takes several CUDA tiles
+    instead of Triton tiles of 64 tokens: 64 tokens of each of 8 deltas took 245 µs instead of 640 µs
+    on the H200 (11008x4096, bench/README.md), though each 16-token tile reads the delta again."""
     if device.type != "cuda" or not use_triton_for(device) or cuda_ext.library("sbmm") is None:
         return None
     return _CUDA_MAX_M
