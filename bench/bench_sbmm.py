@@ -14,7 +14,10 @@ The delta half of DeltaZip's decoupled forward for one Llama-2-7B linear, float1
 Implementations per point, timed with ``triton.testing.do_bench`` (median, L2 flushed):
 
     triton      ``sbmm(..., use_triton=True)``: the one Triton launch
-    cuda        ``sbmm_cuda``: csrc/sbmm.cu on tensor cores (where it builds and takes the point)
+    cuda        ``sbmm_cuda``: csrc/sbmm.cu on tensor cores (where it builds and takes the point; prefill
+                points cut each delta's tokens into its 16-token tiles, as the worker does)
+    dequant_mm  prefill only: every segment dense (``DeltaMeta.segments(dense_min_m=1)``): per delta,
+                ``dequantize_slot`` once, then one matmul over its tokens (what long prompts take)
     reference   ``sbmm_ref``: per delta, ``dequantize`` (pack.py) then one matmul over its tokens
                 (DeltaZip's naive loop; also the CPU path)
     dense_fp16  per delta, one matmul with the delta already dequantised to float16 (uncompressed
@@ -115,9 +118,13 @@ class Point:
         g = torch.Generator(device=device).manual_seed(seed)
         req = sorted(i % num_deltas for i in range(batch))  # grouped by delta, as the scheduler orders them
         if mode == "decode":
-            self.meta = DeltaMeta.rows(req, device)
+            self.meta = self.cuda_meta = DeltaMeta.rows(req, device)
+            self.dense_meta = None
         else:
-            self.meta = DeltaMeta.segments([prefill_len] * batch, req, device)
+            lens = [prefill_len] * batch
+            self.meta = DeltaMeta.segments(lens, req, device)
+            self.cuda_meta = DeltaMeta.segments(lens, req, device, max_block_m=16)
+            self.dense_meta = DeltaMeta.segments(lens, req, device, dense_min_m=1)
         t = self.tokens = self.meta.num_tokens
         self.pool = pool
         self.x = torch.randn(t, pool.in_f, generator=g, device=device).to(dtype)
@@ -143,12 +150,16 @@ class Point:
         return sbmm(self.x, self.out, self.pool.weights, self.meta, use_triton=True)
 
     def cuda_fn(self) -> torch.Tensor:
-        return sbmm_module.sbmm_cuda(self.x, self.out, self.pool.weights, self.meta)
+        return sbmm_module.sbmm_cuda(self.x, self.out, self.pool.weights, self.cuda_meta)
 
     def cuda_ok(self) -> bool:
         """Whether csrc/sbmm.cu builds here and takes this point."""
-        return (sbmm_module.cuda_supports(self.x, self.pool.weights, self.meta) is None
+        return (sbmm_module.cuda_supports(self.x, self.pool.weights, self.cuda_meta) is None
                 and sbmm_module.cuda_ext.library("sbmm") is not None)  # fmt: skip
+
+    def dequant_mm_fn(self) -> torch.Tensor:
+        assert self.dense_meta is not None
+        return sbmm(self.x, self.out, self.pool.weights, self.dense_meta)
 
     def ref_fn(self) -> torch.Tensor:
         return sbmm_ref(self.x, self.out, self.pool.weights, self.meta)
@@ -158,7 +169,10 @@ class Point:
         want = sbmm_ref(self.x, self.out.clone(), self.pool.weights, self.meta)
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
         if self.cuda_ok():
-            got = sbmm_module.sbmm_cuda(self.x, self.out.clone(), self.pool.weights, self.meta)
+            got = sbmm_module.sbmm_cuda(self.x, self.out.clone(), self.pool.weights, self.cuda_meta)
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+        if self.dense_meta is not None:
+            got = sbmm(self.x, self.out.clone(), self.pool.weights, self.dense_meta)
             torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
         if self.dense_fn is not None:
             saved = self.out.clone()
@@ -260,6 +274,8 @@ def main() -> None:
                                 impls.append(("cuda", pt.cuda_fn, False))
                                 if args.cudagraph:
                                     impls.append(("cuda_graph", pt.cuda_fn, True))
+                            if pt.dense_meta is not None:
+                                impls.append(("dequant_mm", pt.dequant_mm_fn, False))
                             if not args.no_reference:
                                 impls.append(("reference", pt.ref_fn, False))
                             impls.append(("dense_fp16", pt.dense_fn, False))
@@ -268,8 +284,8 @@ def main() -> None:
                                 row = {"mode": mode, "shape": shape, "config": config, "batch": batch, "deltas": nd,
                                        "impl": impl, "tokens": pt.tokens, "bytes": pt.nbytes}  # fmt: skip
                                 if impl.startswith("cuda"):
-                                    row["launch"] = {"BLOCK_M": pt.meta.block_m,
-                                                     "SPLIT_K": sbmm_module._cuda_split(pt.meta, pool.weights)}
+                                    row["launch"] = {"BLOCK_M": pt.cuda_meta.block_m,
+                                                     "SPLIT_K": sbmm_module._cuda_split(pt.cuda_meta, pool.weights)}
                                 if impl.startswith("triton"):
                                     row["launch"] = {"BLOCK_M": pt.meta.block_m,
                                                      **sbmm_module.launch_config(pt.meta, pool.weights)}

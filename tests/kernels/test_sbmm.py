@@ -11,6 +11,9 @@ Three checks:
 - the reference equals ``x @ dequantize(p).T`` computed per token from the original ``PackedLinear``s
   (not from the pool), so the pool layout, the slot mapping and the empty slot are checked too; the
   kernel follows the offset tables (slot regions permuted in the buffers);
+- dense segments (a long prefill segment's delta dequantised once by ``dequantize_slot``, one
+  matmul): ``dequantize_slot`` equals ``pack.dequantize`` bit for bit, and metadata mixing dense
+  segments with work tiles equals the reference over the popularity shapes (CUDA op too, on CUDA);
 - bad metadata, mismatched shapes and pools get ``ValueError``s naming the problem.
 
 On CPU the kernel runs under the Triton interpreter; with ``DELTASERVE_TEST_GPU=1`` on CUDA.
@@ -29,7 +32,9 @@ import torch
 
 from deltaserve.compress.pack import PackedLinear, dequantize, pack
 from deltaserve.kernels import sbmm as sbmm_mod
-from deltaserve.kernels.sbmm import DeltaMeta, DeltaWeights, make_delta_weights, sbmm, sbmm_ref, sbmm_triton
+from deltaserve.kernels.sbmm import (
+    DeltaMeta, DeltaWeights, dequantize_slot, make_delta_weights, sbmm, sbmm_ref, sbmm_triton,
+)
 
 DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -149,6 +154,71 @@ def test_shapes_and_long_segments(config: tuple[int, bool], shape: tuple[int, in
     x = randn(meta.num_tokens, shape[0], dtype=torch.float16, seed=1)
     base = randn(meta.num_tokens, shape[1], dtype=torch.float16, seed=2)
     close(sbmm(x, base.clone(), w, meta, use_triton=True), sbmm(x, base.clone(), w, meta, use_triton=False))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
+def test_dequantize_slot_equals_dequantize(config: tuple[int, bool], dtype: torch.dtype) -> None:
+    """Every loaded slot of every shape (each scale path, partial column tiles), bit for bit; into a
+    reused ``out``; an empty slot and a wrong ``out`` are refused."""
+    bits, sparse = config
+    for shape in SHAPES:
+        w = pool(bits, sparse, shape)
+        scratch = torch.full((shape[1], shape[0]), float("nan"), dtype=dtype, device=DEVICE)
+        for s, p in enumerate(deltas(bits, sparse, shape)):
+            if p is None:
+                with pytest.raises(ValueError, match=f"slot {s} holds no delta"):
+                    dequantize_slot(w, s, dtype)
+                continue
+            want = dequantize(p, dtype)
+            assert torch.equal(dequantize_slot(w, s, dtype), want), (shape, s)
+            assert dequantize_slot(w, s, dtype, out=scratch) is scratch and torch.equal(scratch, want)
+    with pytest.raises(ValueError, match="dequantize_slot out"):
+        dequantize_slot(w, 0, dtype, out=scratch[:, :-1])
+    with pytest.raises(ValueError, match="dequantize_slot dtype"):
+        dequantize_slot(w, 0, torch.int32)
+
+
+def test_dense_segments_metadata() -> None:
+    """Segments of at least ``dense_min_m`` tokens of a delta go to ``dense`` (sorted by slot), the
+    rest to work tiles; ``slot_tokens`` (the reference's groups, the slot checks) keeps them all."""
+    meta = DeltaMeta.segments([40, 3, 20, 1, 16], [0, 1, 0, -1, 2], DEVICE, max_block_m=16, dense_min_m=16)
+    assert meta.dense == ((0, 40, 0), (43, 63, 0), (64, 80, 2))
+    assert meta.tiles.tolist() == [[0, 3, 1]] and meta.num_tiles == 1 and meta.num_delta_tokens == 3
+    assert meta.order.tolist()[:3] == [40, 41, 42]
+    assert meta.slots == {0, 1, 2} and dict(meta.slot_tokens)[0] == (*range(40), *range(43, 63))
+    assert DeltaMeta.segments([40], [0], DEVICE).dense == ()
+    with pytest.raises(ValueError, match="dense_min_m 0"):
+        DeltaMeta.segments([40], [0], DEVICE, dense_min_m=0)
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
+def test_dense_segments_equal_reference(config: tuple[int, bool], popularity: str) -> None:
+    """Prefill segments of 1..40 tokens, those of >= 16 dense, the others in work tiles, float16 and
+    bfloat16: the Triton kernels (and, on CUDA, the CUDA op) equal ``sbmm_ref``; base tokens unchanged."""
+    bits, sparse = config
+    for dtype in (torch.float16, torch.bfloat16):
+        seed = zlib.crc32(f"dense/{bits}/{sparse}/{dtype}/{popularity}".encode()) % 10_000
+        shapes = [SHAPES[seed % len(SHAPES)]]
+        impls = [sbmm_triton]
+        if DEVICE.type == "cuda" and sbmm_mod.cuda_ext.library("sbmm") is not None:
+            shapes.append(CUDA_SHAPES[seed % len(CUDA_SHAPES)])
+        for shape in shapes:
+            w = pool(bits, sparse, shape)
+            slots = request_deltas(popularity, 6, seed)
+            rng = np.random.default_rng(seed)  # even segments long (dense), odd ones short (tiles)
+            lens = [int(rng.integers(16, 41) if i % 2 == 0 else rng.integers(1, 16)) for i in range(len(slots))]
+            meta = DeltaMeta.segments(lens, slots, DEVICE, max_block_m=16, dense_min_m=16)
+            assert meta.dense and meta.num_tiles, "the draw must mix dense segments and work tiles"
+            x = randn(meta.num_tokens, shape[0], dtype=dtype, seed=seed + 1)
+            base = randn(meta.num_tokens, shape[1], dtype=dtype, seed=seed + 2)
+            want = sbmm_ref(x, base.clone(), w, meta)
+            ids = torch.tensor(token_deltas(meta), device=DEVICE)
+            for impl in impls + ([sbmm_mod.sbmm_cuda] if shape in CUDA_SHAPES else []):
+                got = impl(x, base.clone(), w, meta)
+                close(got, want)
+                assert torch.equal(got[ids < 0], base[ids < 0]), "tokens without a delta must keep out unchanged"
 
 
 @pytest.mark.parametrize("run", [1, 2, 3, 4])

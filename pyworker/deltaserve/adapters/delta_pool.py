@@ -42,7 +42,7 @@ import torch
 from .. import wire
 from ..compress.delta_dir import MANIFEST, check_lineage, load_delta, read_manifest
 from ..compress.pack import PackedLinear
-from ..kernels.sbmm import DeltaMeta, DeltaWeights, cuda_tile_cap, make_delta_weights
+from ..kernels.sbmm import DeltaMeta, DeltaWeights, cuda_tile_cap, dense_min_m, make_delta_weights
 from ..model.arch import ModelConfig
 from ..model.batch import host_to_device
 from ..model.decoder import DecoderLM, linear_slots
@@ -127,6 +127,8 @@ class DeltaPool:
         """GPU-resident delta id -> the packed config its slot is filled in."""
         self.tile_cap = cuda_tile_cap(device)
         """Most tokens per SBMM work tile: the CUDA op's largest where it runs (builds it now), else None."""
+        self.dense_min_m = dense_min_m(device)
+        """Prefill segments of a delta this long or longer: dequantised once and one matmul (CUDA only)."""
 
     # ------------------------------------------------------------------ inspect / validation
 
@@ -307,7 +309,8 @@ class DeltaPool:
                 meta = DeltaMeta.rows(of_key, dev, max_block_m=self.tile_cap)
             else:
                 meta = DeltaMeta.segments([n for _, n in slots], [s if s >= 0 and self.key_of[slot_id[s]] == key
-                                                                  else -1 for s, _ in slots], dev, self.tile_cap)
+                                                                  else -1 for s, _ in slots], dev, self.tile_cap,
+                                           self.dense_min_m)
             metas.append((key, meta))
         self.step.metas = tuple(metas)
         return True

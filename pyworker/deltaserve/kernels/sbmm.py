@@ -76,6 +76,14 @@ words copied ahead with cp.async, coalesced; drawn in its header): work tiles of
 float16 / bfloat16, in_features % 256 == 0, group size 32 / 64 / 128 (``cuda_supports`` says why a call
 does not fit). On the H200 it takes about half the Triton kernels' time (bench/README.md).
 
+**Dense segments** (``DeltaMeta.dense``, prefill only: ``segments(dense_min_m=)``; the worker sets it
+on CUDA, ``dense_min_m``). A segment of at least that many tokens of one delta is in no work tile:
+``dequantize_slot`` writes the delta once as a dense ``[out, in]`` tensor (``_dequant_kernel``, the
+same tile dequantisation ``_dequant_tile`` the tl.dot kernel uses), and one cuBLAS matmul adds
+``x[a:b] Δ̃^T`` to ``out[a:b]`` (fp32 accumulation, one rounding). A long prompt then pays one
+dequantisation of its delta instead of one per work tile. Both ``sbmm_triton`` and ``sbmm_cuda`` run
+the dense segments, then their work tiles.
+
 Entry point ``sbmm`` runs, on CUDA tensors, the CUDA op where it is built and fits the call, else the
 Triton kernels (``use_triton=True`` forces Triton; CPU tensors then need ``TRITON_INTERPRET=1``), and
 ``sbmm_ref`` (a loop over the step's deltas: dequantize with pack.py, then one matmul per delta over its
@@ -164,6 +172,9 @@ class DeltaMeta:
     """Rows of ``tiles`` = the launch grid's first dimension (decode: T; prefill: ``num_tiles``)."""
     block_m: int
     """Tokens per work tile; the kernel's BLOCK_M."""
+    dense: tuple[tuple[int, int, int], ...] = ()
+    """(first token, end, slot) of each prefill segment computed with its delta dequantised once and
+    one dense matmul (``segments``' ``dense_min_m``); its tokens are in no work tile."""
 
     @property
     def slots(self) -> frozenset[int]:
@@ -172,8 +183,8 @@ class DeltaMeta:
 
     @property
     def num_delta_tokens(self) -> int:
-        """Tokens with a delta: the used length of ``order``."""
-        return sum(len(toks) for _, toks in self.slot_tokens)
+        """Tokens in work tiles (tokens with a delta, less the dense segments'): the used length of ``order``."""
+        return sum(len(toks) for _, toks in self.slot_tokens) - sum(e - s for s, e, _ in self.dense)
 
     @property
     def max_slot(self) -> int:
@@ -182,9 +193,10 @@ class DeltaMeta:
 
     @classmethod
     def segments(cls, seg_lens: Sequence[int], seg_delta: Sequence[int], device: torch.device | str,
-                 max_block_m: int | None = None) -> "DeltaMeta":
+                 max_block_m: int | None = None, dense_min_m: int | None = None) -> "DeltaMeta":
         """Prefill metadata: segment s has ``seg_lens[s]`` consecutive tokens of slot ``seg_delta[s]``;
-        ``max_block_m`` as in ``rows``."""
+        ``max_block_m`` as in ``rows``. A segment of a delta with at least ``dense_min_m`` tokens goes
+        to ``dense`` (its delta dequantised once, one matmul) instead of work tiles."""
         lens, slots = [int(n) for n in seg_lens], [int(d) for d in seg_delta]
         if len(lens) != len(slots):
             raise ValueError(f"sbmm: {len(lens)} segment lengths but {len(slots)} segment deltas")
@@ -193,7 +205,7 @@ class DeltaMeta:
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
-        return cls._build(starts, slots, False, device, max_block_m)
+        return cls._build(starts, slots, False, device, max_block_m, dense_min_m)
 
     @classmethod
     def rows(cls, row_delta: Sequence[int], device: torch.device | str, max_block_m: int | None = None) -> "DeltaMeta":
@@ -205,19 +217,30 @@ class DeltaMeta:
 
     @classmethod
     def _build(cls, starts: list[int], slots: list[int], decode: bool, device: torch.device | str,
-               max_block_m: int | None = None) -> "DeltaMeta":
+               max_block_m: int | None = None, dense_min_m: int | None = None) -> "DeltaMeta":
         bad = [d for d in slots if d < -1]
         if bad:
             raise ValueError(f"sbmm: delta slot {bad[0]} out of range (slots are >= 0, -1 = no delta)")
+        if dense_min_m is not None and dense_min_m < 1:
+            raise ValueError(f"sbmm: dense_min_m {dense_min_m} must be >= 1")
         num_tokens = starts[-1]
         if num_tokens >= 2**31:
             raise ValueError(f"sbmm: {num_tokens} tokens overflow int32 segment offsets")
-        # Tokens per slot in step order (slots in order of first use); base-only tokens dropped.
+        # Tokens per slot in step order (slots in order of first use); base-only tokens dropped. Long
+        # segments go to ``dense``; the rest to work tiles (``by_slot``).
+        all_by_slot: dict[int, list[int]] = {}
         by_slot: dict[int, list[int]] = {}
+        dense = []
         for s, d in enumerate(slots):
-            if d >= 0 and starts[s + 1] > starts[s]:
-                by_slot.setdefault(d, []).extend(range(starts[s], starts[s + 1]))
-        slot_tokens = tuple((d, tuple(toks)) for d, toks in by_slot.items())
+            lo, hi = starts[s], starts[s + 1]
+            if d >= 0 and hi > lo:
+                all_by_slot.setdefault(d, []).extend(range(lo, hi))
+                if dense_min_m is not None and hi - lo >= dense_min_m:
+                    dense.append((lo, hi, d))
+                else:
+                    by_slot.setdefault(d, []).extend(range(lo, hi))
+        slot_tokens = tuple((d, tuple(toks)) for d, toks in all_by_slot.items())
+        dense.sort(key=lambda seg: seg[2])  # one slot's segments next to each other: one dequantisation
         order = [t for toks in by_slot.values() for t in toks]
         runs, lo = [], 0
         for d, toks in by_slot.items():
@@ -243,7 +266,7 @@ class DeltaMeta:
             slot_tokens=slot_tokens, decode=decode,
             order=torch.tensor(order, dtype=torch.int32, device=device),
             tiles=torch.tensor(table, dtype=torch.int32, device=device).reshape(grid_tiles, 3),
-            num_tiles=len(tiles), grid_tiles=grid_tiles, block_m=block_m,
+            num_tiles=len(tiles), grid_tiles=grid_tiles, block_m=block_m, dense=tuple(dense),
         )  # fmt: skip
 
 
@@ -630,6 +653,59 @@ def _splitk_reduce_kernel(out_ptr, ws_ptr, order_ptr, N, WS_ROWS, out_stride, SP
 
 
 @triton.jit
+def _dequant_tile(qv_rows, qi_rows, g_off, sc_ptr, zr_ptr, n_ok, k0, K, QV_ROW, QI_ROW, NGROUPS,
+                  BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr, KEPT: tl.constexpr, WORDS: tl.constexpr,
+                  IWORDS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """THE dequantised delta tile of the Triton kernels: rows ``ns`` (``n_ok``: real; row pointers from
+    ``_slot_rows``), columns k0 .. k0 + BLOCK_K, as float32 ``(code - zero) * scale`` where kept, else
+    0 (past K too). KEPT: kept values per row in the tile (BLOCK_K, or half of it with 2:4); WORDS /
+    IWORDS: the qvalues / qindices words that hold them (32 / BITS codes, 16 positions per word)."""
+    PER: tl.constexpr = 32 // BITS
+    CMASK: tl.constexpr = (1 << BITS) - 1
+    shifts = tl.arange(0, PER) * BITS
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    # Codes of the tile's kept values: [BN, WORDS] words -> [BN, WORDS, PER] -> [BN, KEPT].
+    widx = (k0 * KEPT // BLOCK_K) // PER + tl.arange(0, WORDS)
+    words = tl.load(qv_rows + widx[None, :], mask=n_ok[:, None] & (widx < QV_ROW)[None, :], other=0)
+    codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & CMASK, (BLOCK_N, KEPT))
+    if SPARSE:
+        iidx = k0 // 32 + tl.arange(0, IWORDS)
+        iw = tl.load(qi_rows + iidx[None, :], mask=n_ok[:, None] & (iidx < QI_ROW)[None, :], other=0)
+        pos = tl.reshape((iw[:, :, None] >> (tl.arange(0, 16) * 2)[None, None, :]) & 3, (BLOCK_N, KEPT))
+        # The two kept values of each group of 4 columns, then each dense position's code / keep.
+        c0, c1 = tl.split(tl.reshape(codes, (BLOCK_N, BLOCK_K // 4, 2)))
+        p0, p1 = tl.split(tl.reshape(pos, (BLOCK_N, BLOCK_K // 4, 2)))
+        q = tl.arange(0, 4)[None, None, :]
+        at0 = p0[:, :, None] == q
+        at1 = p1[:, :, None] == q
+        code = tl.reshape(tl.where(at0, c0[:, :, None], c1[:, :, None]), (BLOCK_N, BLOCK_K))
+        keep = tl.reshape((at0 | at1).to(tl.int32), (BLOCK_N, BLOCK_K)) != 0
+        keep = keep & k_ok[None, :]
+    else:
+        code = codes
+        keep = tl.broadcast_to(k_ok[None, :], (BLOCK_N, BLOCK_K))
+    if G % BLOCK_K == 0:  # the whole tile is in one quantisation group: one scale / zero per row
+        gi = g_off + k0 // G
+        sc = tl.load(sc_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        zr = tl.load(zr_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    elif GROUPS_PER_TILE > 0:  # whole groups (G a power of two): load [BN, groups], broadcast to columns
+        gs = k0 // G + tl.arange(0, GROUPS_PER_TILE)
+        gi = g_off[:, None] + gs[None, :]
+        gmask = n_ok[:, None] & (gs < NGROUPS)[None, :]
+        sc = tl.load(sc_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+        zr = tl.load(zr_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, GROUPS_PER_TILE, G)), (BLOCK_N, BLOCK_K))
+        zr = tl.reshape(tl.broadcast_to(zr[:, :, None], (BLOCK_N, GROUPS_PER_TILE, G)), (BLOCK_N, BLOCK_K))
+    else:  # any other G: gather one scale / zero per column
+        gi = g_off[:, None] + (ks // G)[None, :]
+        gmask = n_ok[:, None] & k_ok[None, :]
+        sc = tl.load(sc_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+        zr = tl.load(zr_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
+    return tl.where(keep, (code.to(tl.float32) - zr) * sc, 0.0)
+
+
+@triton.jit
 def _sbmm_dot_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr,
                  N, K, x_stride, out_stride, QV_ROW, QI_ROW, NGROUPS,
                  BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr,
@@ -640,11 +716,6 @@ def _sbmm_dot_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_pt
     if slot < 0:  # a padding row of the tile table
         return
 
-    # KEPT: kept values per row per K tile (BLOCK_K, or half of it with 2:4); WORDS / IWORDS: the
-    # qvalues / qindices words that hold them (32 / BITS codes, 16 positions per word).
-    PER: tl.constexpr = 32 // BITS
-    CMASK: tl.constexpr = (1 << BITS) - 1
-
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
     qv_rows, qi_rows, g_off = _slot_rows(qv_ptr, qi_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, ns, QV_ROW, QI_ROW,
@@ -653,49 +724,12 @@ def _sbmm_dot_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_pt
     x_rows = x_ptr + rows[:, None] * x_stride
     ty = x_ptr.dtype.element_ty
 
-    shifts = tl.arange(0, PER) * BITS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        # Codes of the tile's kept values: [BN, WORDS] words -> [BN, WORDS, PER] -> [BN, KEPT].
-        widx = (k0 * KEPT // BLOCK_K) // PER + tl.arange(0, WORDS)
-        words = tl.load(qv_rows + widx[None, :], mask=n_ok[:, None] & (widx < QV_ROW)[None, :], other=0)
-        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & CMASK, (BLOCK_N, KEPT))
-        if SPARSE:
-            iidx = k0 // 32 + tl.arange(0, IWORDS)
-            iw = tl.load(qi_rows + iidx[None, :], mask=n_ok[:, None] & (iidx < QI_ROW)[None, :], other=0)
-            pos = tl.reshape((iw[:, :, None] >> (tl.arange(0, 16) * 2)[None, None, :]) & 3, (BLOCK_N, KEPT))
-            # The two kept values of each group of 4 columns, then each dense position's code / keep.
-            c0, c1 = tl.split(tl.reshape(codes, (BLOCK_N, BLOCK_K // 4, 2)))
-            p0, p1 = tl.split(tl.reshape(pos, (BLOCK_N, BLOCK_K // 4, 2)))
-            q = tl.arange(0, 4)[None, None, :]
-            at0 = p0[:, :, None] == q
-            at1 = p1[:, :, None] == q
-            code = tl.reshape(tl.where(at0, c0[:, :, None], c1[:, :, None]), (BLOCK_N, BLOCK_K))
-            keep = tl.reshape((at0 | at1).to(tl.int32), (BLOCK_N, BLOCK_K)) != 0
-            keep = keep & k_ok[None, :]
-        else:
-            code = codes
-            keep = tl.broadcast_to(k_ok[None, :], (BLOCK_N, BLOCK_K))
-        if G % BLOCK_K == 0:  # the whole tile is in one quantisation group: one scale / zero per row
-            gi = g_off + k0 // G
-            sc = tl.load(sc_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            zr = tl.load(zr_ptr + gi, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        elif GROUPS_PER_TILE > 0:  # whole groups (G a power of two): load [BN, groups], broadcast to columns
-            gs = k0 // G + tl.arange(0, GROUPS_PER_TILE)
-            gi = g_off[:, None] + gs[None, :]
-            gmask = n_ok[:, None] & (gs < NGROUPS)[None, :]
-            sc = tl.load(sc_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
-            zr = tl.load(zr_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
-            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, GROUPS_PER_TILE, G)), (BLOCK_N, BLOCK_K))
-            zr = tl.reshape(tl.broadcast_to(zr[:, :, None], (BLOCK_N, GROUPS_PER_TILE, G)), (BLOCK_N, BLOCK_K))
-        else:  # any other G: gather one scale / zero per column
-            gi = g_off[:, None] + (ks // G)[None, :]
-            gmask = n_ok[:, None] & k_ok[None, :]
-            sc = tl.load(sc_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
-            zr = tl.load(zr_ptr + gi, mask=gmask, other=0.0).to(tl.float32)
-        wt = tl.where(keep, (code.to(tl.float32) - zr) * sc, 0.0)  # [BN, BK] fp32, Δ̃ rows
+        wt = _dequant_tile(qv_rows, qi_rows, g_off, sc_ptr, zr_ptr, n_ok, k0, K, QV_ROW, QI_ROW, NGROUPS, BITS, SPARSE,
+                           G, KEPT, WORDS, IWORDS, GROUPS_PER_TILE, BLOCK_N, BLOCK_K)  # [BN, BK] fp32, Δ̃ rows
         xt = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:  # the interpreter's low-precision dot is wrong: fp32 tiles holding dtype values
             wt = round_to(wt, ty, RNE)
@@ -704,6 +738,27 @@ def _sbmm_dot_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_pt
             wt = wt.to(ty)
         acc = tl.dot(xt, tl.trans(wt), acc, input_precision=DOT_PREC)
     _add_to_out(out_ptr + rows[:, None] * out_stride + ns[None, :], acc, row_ok[:, None] & n_ok[None, :], RNE)
+
+
+@triton.jit
+def _dequant_kernel(dst_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, N, K, dst_stride,
+                    QV_ROW, QI_ROW, NGROUPS,
+                    BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr, KEPT: tl.constexpr, WORDS: tl.constexpr,
+                    IWORDS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    RNE: tl.constexpr):
+    """dst[n, k] = Δ̃_slot[n, k] in dst's dtype: one [BLOCK_N, BLOCK_K] tile per program (axis 0: rows,
+    axis 1: columns), the tile ``_dequant_tile`` gives the tl.dot kernel."""
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    k0 = tl.program_id(1) * BLOCK_K
+    ks = k0 + tl.arange(0, BLOCK_K)
+    qv_rows, qi_rows, g_off = _slot_rows(qv_ptr, qi_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, ns, QV_ROW, QI_ROW,
+                                         NGROUPS)
+    wt = _dequant_tile(qv_rows, qi_rows, g_off, sc_ptr, zr_ptr, n_ok, k0, K, QV_ROW, QI_ROW, NGROUPS, BITS, SPARSE, G,
+                       KEPT, WORDS, IWORDS, GROUPS_PER_TILE, BLOCK_N, BLOCK_K)
+    ty = dst_ptr.dtype.element_ty
+    dst = dst_ptr + ns.to(tl.int64)[:, None] * dst_stride + ks[None, :]
+    tl.store(dst, round_to(wt, ty, RNE).to(ty), mask=n_ok[:, None] & (ks < K)[None, :])
 
 
 def _step(w: DeltaWeights) -> int:
@@ -741,6 +796,8 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
     _check_call(x, out, w, meta)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if meta.dense:
+        _dense_segments(x, out, w, meta)
     if meta.num_tiles == 0:
         return out
     cfg = launch_config(meta, w)
@@ -779,6 +836,52 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
         IWORDS=max(kept // 16, 1) if w.sparse else 1, GROUPS_PER_TILE=groups_per_tile, BLOCK_M=meta.block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, DOT_PREC=prec, RNE=rne,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+    return out
+
+
+_DEQUANT = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
+"""Launch config of ``_dequant_kernel`` (BLOCK_K a power of two >= 32 and >= G)."""
+
+
+def dequantize_slot(w: DeltaWeights, slot: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Slot ``slot``'s delta as a dense ``[out_features, in_features]`` tensor of ``dtype`` (Triton, on
+    ``w``'s device): ``pack.dequantize(w.packed(slot), dtype)``, the value every SBMM kernel multiplies
+    by. ``out``: a contiguous tensor of that shape and dtype to write into (a reused scratch)."""
+    w.packed(slot)  # raises for an empty slot
+    if dtype not in DTYPES:
+        raise ValueError(f"sbmm: dequantize_slot dtype {dtype}: want one of float32, float16, bfloat16")
+    shape = (w.out_features, w.in_features)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=w.device)
+    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != w.device or not out.is_contiguous():
+        raise ValueError(f"sbmm: dequantize_slot out {list(out.shape)} {out.dtype} on {out.device}: want a contiguous "
+                         f"{list(shape)} {dtype} on {w.device}")  # fmt: skip
+    cfg = _DEQUANT
+    block_n, block_k = cfg["BLOCK_N"], max(cfg["BLOCK_K"], w.group_size)
+    qv, qi, g = w.slot_shapes()
+    qi_buf, qi_row = (w.qindices, qi[1]) if qi is not None else (w.qvalues, 1)
+    kept = block_k // 2 if w.sparse else block_k
+    groups_per_tile = block_k // w.group_size if block_k % w.group_size == 0 and w.group_size & (w.group_size - 1) == 0 else 0
+    _dequant_kernel[(triton.cdiv(w.out_features, block_n), triton.cdiv(w.in_features, block_k))](
+        out, w.qvalues, qi_buf, w.scales, w.zeros, w.qvalues_offsets, w.qindices_offsets, w.group_offsets, slot,
+        w.out_features, w.in_features, out.stride(0), qv[1], qi_row, g[1], BITS=w.bits, SPARSE=w.sparse,
+        G=w.group_size, KEPT=kept, WORDS=kept * w.bits // 32, IWORDS=max(kept // 16, 1) if w.sparse else 1,
+        GROUPS_PER_TILE=groups_per_tile, BLOCK_N=block_n, BLOCK_K=block_k, RNE=needs_rne_by_hand(out),
+        num_warps=cfg["num_warps"])  # fmt: skip
+    return out
+
+
+def _dense_segments(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
+    """The metadata's dense segments (``DeltaMeta.dense``): per segment, its delta dequantised once
+    (``dequantize_slot``) and one matmul ``out[a:b] += x[a:b] Δ̃^T`` (fp32 accumulation, one rounding:
+    cuBLAS's ``beta = 1``), instead of one dequantisation per work tile. Consecutive segments of one
+    slot share the dequantised delta."""
+    scratch, held = None, -1
+    for start, end, slot in meta.dense:
+        if slot != held:
+            scratch = dequantize_slot(w, slot, x.dtype, out=scratch)
+            held = slot
+        out[start:end].addmm_(x[start:end], scratch.t())
     return out
 
 
@@ -826,6 +929,17 @@ def cuda_tile_cap(device: torch.device) -> int | None:
     return _CUDA_MAX_M
 
 
+_DENSE_MIN_M = 64
+"""Prefill segments of a delta with at least this many tokens run dense on CUDA (``dense_min_m``)."""
+
+
+def dense_min_m(device: torch.device) -> int | None:
+    """``DeltaMeta.segments``' ``dense_min_m`` on ``device``: ``_DENSE_MIN_M`` on CUDA, where one
+    dequantisation plus a cuBLAS matmul beats a work tile per 16 (or 64) tokens that each dequantise
+    the delta again; None elsewhere (the CPU reference computes every segment that way already)."""
+    return _DENSE_MIN_M if device.type == "cuda" else None
+
+
 def _cuda_split(meta: DeltaMeta, w: DeltaWeights) -> int:
     """K splits of one CUDA launch: the fewest of 1, 2, 4, 8, 16 that give ``_CUDA_BLOCKS_PER_SM`` blocks
     per SM (each split keeps >= 2 stages of 256 columns)."""
@@ -852,6 +966,8 @@ def sbmm_cuda(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMe
 
 def _launch_cuda(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
     """The launch of ``sbmm_cuda``, for callers that checked the call, ``cuda_supports`` and the library."""
+    if meta.dense:
+        _dense_segments(x, out, w, meta)
     if meta.num_tiles == 0:
         return out
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
