@@ -159,8 +159,9 @@ def test_shapes_and_long_segments(config: tuple[int, bool], shape: tuple[int, in
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
 def test_dequantize_slot_equals_dequantize(config: tuple[int, bool], dtype: torch.dtype) -> None:
-    """Every loaded slot of every shape (each scale path, partial column tiles), bit for bit; into a
-    reused ``out``; an empty slot and a wrong ``out`` are refused."""
+    """Every loaded slot of every shape (each scale path, partial column tiles), bit for bit, by the CUDA
+    op (on CUDA, float16 / bfloat16) and the Triton kernel; into a reused ``out``; an empty slot and a
+    wrong ``out`` are refused."""
     bits, sparse = config
     for shape in SHAPES:
         w = pool(bits, sparse, shape)
@@ -171,8 +172,10 @@ def test_dequantize_slot_equals_dequantize(config: tuple[int, bool], dtype: torc
                     dequantize_slot(w, s, dtype)
                 continue
             want = dequantize(p, dtype)
-            assert torch.equal(dequantize_slot(w, s, dtype), want), (shape, s)
-            assert dequantize_slot(w, s, dtype, out=scratch) is scratch and torch.equal(scratch, want)
+            for kw in ({}, {"use_triton": True}):  # on CUDA: csrc/sbmm.cu's deltaserve_dequant, then Triton
+                assert torch.equal(dequantize_slot(w, s, dtype, **kw), want), (shape, s, kw)
+                scratch.fill_(float("nan"))
+                assert dequantize_slot(w, s, dtype, out=scratch, **kw) is scratch and torch.equal(scratch, want)
     with pytest.raises(ValueError, match="dequantize_slot out"):
         dequantize_slot(w, 0, dtype, out=scratch[:, :-1])
     with pytest.raises(ValueError, match="dequantize_slot dtype"):

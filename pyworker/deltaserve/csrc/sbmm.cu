@@ -25,6 +25,12 @@
 // Nothing is read for padding tiles (slot -1): their blocks return at once. The grid and the
 // arguments depend on the step's metadata tensors only, so the launch can be captured in a graph.
 //
+// A second entry, ``deltaserve_dequant``, writes one slot's delta as a dense [N, K] tensor of the
+// activation dtype (kernels/sbmm.py ``dequantize_slot``: long prefill segments multiply it with one
+// cuBLAS matmul). One thread per qvalues word: its 8 / 16 codes, their 2:4 positions, fp32
+// (code - zero) * scale rounded once (pack.dequantize's arithmetic, bit for bit), 16-byte stores;
+// consecutive threads write consecutive pieces of a row.
+//
 // Requirements (checked by the caller, kernels/sbmm.py ``cuda_supports``): float16 or bfloat16
 // activations, K % 256 == 0, G in {32, 64, 128}, x rows 16-byte aligned, slot offsets of qvalues /
 // qindices multiples of 4 words and of scales / zeros multiples of 2.
@@ -362,6 +368,68 @@ cudaError_t by_tile(int nt, const void* x, void* out, float* ws, const int32_t* 
   return cudaErrorInvalidValue;
 }
 
+// dst[n, k] = delta[n, k] of one slot, dense (module header). Thread = one qvalues word of one row.
+template <typename T, int BITS, bool SPARSE>
+__global__ void dequant_kernel(T* __restrict__ dst, const uint32_t* __restrict__ qvalues,
+                               const uint32_t* __restrict__ qindices, const __half* __restrict__ scales,
+                               const __half* __restrict__ zeros, const int64_t* __restrict__ qv_offsets,
+                               const int64_t* __restrict__ qi_offsets, const int64_t* __restrict__ group_offsets,
+                               int slot, int N, int K, int G) {
+  constexpr int PER = 32 / BITS;                 // codes per word
+  constexpr int SPAN = SPARSE ? 2 * PER : PER;   // dense columns per word
+  constexpr uint32_t MASK = (1u << BITS) - 1;
+  const int words_per_row = K / SPAN;
+  const int64_t total = static_cast<int64_t>(N) * words_per_row;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int n = static_cast<int>(i / words_per_row), w = static_cast<int>(i % words_per_row);
+  const uint32_t word = qvalues[qv_offsets[slot] + i];
+  uint32_t pos = 0;  // 2 bits per kept value, first value lowest
+  if constexpr (SPARSE) {
+    // Kept value w * PER of the row starts at bit (w * PER % 16) * 2 of qindices word w * PER / 16.
+    const uint32_t iw = qindices[qi_offsets[slot] + static_cast<int64_t>(n) * (K / 32) + (w * PER) / 16];
+    pos = iw >> (((w * PER) % 16) * 2);
+  }
+  const __half* sc = scales + group_offsets[slot] + static_cast<int64_t>(n) * (K / G);
+  const __half* zr = zeros + group_offsets[slot] + static_cast<int64_t>(n) * (K / G);
+  const int col0 = w * SPAN;
+  uint32_t packed[SPAN / 2];
+#pragma unroll
+  for (int j = 0; j < SPAN / 4; ++j) {  // 4 dense columns each
+    const int g = (col0 + 4 * j) / G;   // G % 4 == 0: one group for the 4 columns
+    const float s = __half2float(sc[g]), z = __half2float(zr[g]);
+    float v[4];
+    if constexpr (SPARSE) {
+      const float v0 = (static_cast<float>((word >> (2 * j * BITS)) & MASK) - z) * s;
+      const float v1 = (static_cast<float>((word >> ((2 * j + 1) * BITS)) & MASK) - z) * s;
+      const uint32_t p0 = (pos >> (4 * j)) & 3, p1 = (pos >> (4 * j + 2)) & 3;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) v[q] = q == p0 ? v0 : q == p1 ? v1 : 0.f;
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) v[q] = (static_cast<float>((word >> ((4 * j + q) * BITS)) & MASK) - z) * s;
+    }
+    packed[2 * j] = pack2<T>(v[0], v[1]);
+    packed[2 * j + 1] = pack2<T>(v[2], v[3]);
+  }
+  uint4* out = reinterpret_cast<uint4*>(dst + static_cast<int64_t>(n) * K + col0);
+#pragma unroll
+  for (int c = 0; c < SPAN / 8; ++c) out[c] = make_uint4(packed[4 * c], packed[4 * c + 1], packed[4 * c + 2], packed[4 * c + 3]);
+}
+
+template <typename T, int BITS, bool SPARSE>
+cudaError_t launch_dequant(void* dst, const void* qv, const void* qi, const void* sc, const void* zr,
+                           const int64_t* qv_off, const int64_t* qi_off, const int64_t* g_off, int slot, int N,
+                           int K, int G, cudaStream_t stream) {
+  constexpr int SPAN = SPARSE ? 2 * 32 / BITS : 32 / BITS;
+  const int64_t threads = static_cast<int64_t>(N) * (K / SPAN);
+  const int block = 256;
+  dequant_kernel<T, BITS, SPARSE><<<static_cast<unsigned>((threads + block - 1) / block), block, 0, stream>>>(
+      static_cast<T*>(dst), static_cast<const uint32_t*>(qv), static_cast<const uint32_t*>(qi),
+      static_cast<const __half*>(sc), static_cast<const __half*>(zr), qv_off, qi_off, g_off, slot, N, K, G);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 extern "C" {
@@ -395,6 +463,35 @@ int deltaserve_sbmm(const void* x, void* out, float* ws, const int32_t* order, c
     if (bits == 2 && !sparse) DS_SBMM_CFG(__nv_bfloat16, 2, false)
   }
 #undef DS_SBMM_CFG
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+// One slot's delta, dense, into dst [N, K] (contiguous, 16-byte aligned) of dtype 0 float16 / 1 bfloat16
+// (kernels/sbmm.py ``dequantize_slot``). K % 8 (dense 4-bit), % 16 (dense 2-bit) or % 32 (2:4) must be 0,
+// as the packed format requires, and G % 4 == 0. Returns a cudaError_t.
+int deltaserve_dequant(void* dst, const void* qv, const void* qi, const void* sc, const void* zr, const int64_t* qv_off,
+                       const int64_t* qi_off, const int64_t* g_off, int slot, int N, int K, int G, int bits,
+                       int sparse, int dtype, void* stream) {
+  const int span = (sparse ? 2 : 1) * 32 / (bits > 0 ? bits : 1);
+  if ((bits != 2 && bits != 4) || N < 0 || K <= 0 || K % span != 0 || G <= 0 || G % 4 != 0 || K % G != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (N == 0) return cudaSuccess;
+  auto st = static_cast<cudaStream_t>(stream);
+#define DS_DEQ(TY, B, SP) \
+  return static_cast<int>(launch_dequant<TY, B, SP>(dst, qv, qi, sc, zr, qv_off, qi_off, g_off, slot, N, K, G, st));
+  if (dtype == 0) {
+    if (bits == 4 && sparse) DS_DEQ(__half, 4, true)
+    if (bits == 2 && sparse) DS_DEQ(__half, 2, true)
+    if (bits == 4 && !sparse) DS_DEQ(__half, 4, false)
+    if (bits == 2 && !sparse) DS_DEQ(__half, 2, false)
+  } else if (dtype == 1) {
+    if (bits == 4 && sparse) DS_DEQ(__nv_bfloat16, 4, true)
+    if (bits == 2 && sparse) DS_DEQ(__nv_bfloat16, 2, true)
+    if (bits == 4 && !sparse) DS_DEQ(__nv_bfloat16, 4, false)
+    if (bits == 2 && !sparse) DS_DEQ(__nv_bfloat16, 2, false)
+  }
+#undef DS_DEQ
   return static_cast<int>(cudaErrorInvalidValue);
 }
 

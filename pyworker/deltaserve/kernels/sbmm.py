@@ -843,10 +843,13 @@ _DEQUANT = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
 """Launch config of ``_dequant_kernel`` (BLOCK_K a power of two >= 32 and >= G)."""
 
 
-def dequantize_slot(w: DeltaWeights, slot: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Slot ``slot``'s delta as a dense ``[out_features, in_features]`` tensor of ``dtype`` (Triton, on
-    ``w``'s device): ``pack.dequantize(w.packed(slot), dtype)``, the value every SBMM kernel multiplies
-    by. ``out``: a contiguous tensor of that shape and dtype to write into (a reused scratch)."""
+def dequantize_slot(w: DeltaWeights, slot: int, dtype: torch.dtype, out: torch.Tensor | None = None, *,
+                    use_triton: bool | None = None) -> torch.Tensor:
+    """Slot ``slot``'s delta as a dense ``[out_features, in_features]`` tensor of ``dtype`` on ``w``'s
+    device: ``pack.dequantize(w.packed(slot), dtype)`` bit for bit, the value every SBMM kernel
+    multiplies by. ``out``: a contiguous tensor of that shape and dtype to write into (a reused
+    scratch). csrc/sbmm.cu's ``deltaserve_dequant`` where it is built (float16 / bfloat16 on CUDA),
+    else the Triton ``_dequant_kernel`` (``use_triton=True`` forces it)."""
     w.packed(slot)  # raises for an empty slot
     if dtype not in DTYPES:
         raise ValueError(f"sbmm: dequantize_slot dtype {dtype}: want one of float32, float16, bfloat16")
@@ -856,6 +859,17 @@ def dequantize_slot(w: DeltaWeights, slot: int, dtype: torch.dtype, out: torch.T
     elif tuple(out.shape) != shape or out.dtype != dtype or out.device != w.device or not out.is_contiguous():
         raise ValueError(f"sbmm: dequantize_slot out {list(out.shape)} {out.dtype} on {out.device}: want a contiguous "
                          f"{list(shape)} {dtype} on {w.device}")  # fmt: skip
+    lib = cuda_ext.library("sbmm") if use_triton is None and out.is_cuda and dtype in _CUDA_DTYPES else None
+    if lib is not None:
+        fn = lib.deltaserve_dequant
+        if fn.argtypes is None:
+            fn.argtypes, fn.restype = _CUDA_DEQUANT_ARGS, ctypes.c_int
+        code = fn(out.data_ptr(), w.qvalues.data_ptr(), w.qindices.data_ptr() if w.sparse else None,
+                  w.scales.data_ptr(), w.zeros.data_ptr(), w.qvalues_offsets.data_ptr(), w.qindices_offsets.data_ptr(),
+                  w.group_offsets.data_ptr(), slot, w.out_features, w.in_features, w.group_size, w.bits, int(w.sparse),
+                  _CUDA_DTYPES[dtype], torch.cuda.current_stream(out.device).cuda_stream)  # fmt: skip
+        cuda_ext.check(lib, code, "dequantize_slot")
+        return out
     cfg = _DEQUANT
     block_n, block_k = cfg["BLOCK_N"], max(cfg["BLOCK_K"], w.group_size)
     qv, qi, g = w.slot_shapes()
@@ -900,6 +914,8 @@ _CUDA_BLOCKS_PER_SM = 3
 """K is split until a launch has this many blocks per SM (what fits in shared memory at once)."""
 _CUDA_ARGS = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
 """``deltaserve_sbmm``'s C signature (csrc/sbmm.cu)."""
+_CUDA_DEQUANT_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+"""``deltaserve_dequant``'s C signature (csrc/sbmm.cu)."""
 
 
 def cuda_supports(x: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> str | None:
