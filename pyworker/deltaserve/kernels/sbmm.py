@@ -850,7 +850,8 @@ def dequantize_slot(w: DeltaWeights, slot: int, dtype: torch.dtype, out: torch.T
     multiplies by. ``out``: a contiguous tensor of that shape and dtype to write into (a reused
     scratch). csrc/sbmm.cu's ``deltaserve_dequant`` where it is built (float16 / bfloat16 on CUDA),
     else the Triton ``_dequant_kernel`` (``use_triton=True`` forces it)."""
-    w.packed(slot)  # raises for an empty slot
+    if not 0 <= slot < w.num_slots or not w.loaded[slot]:  # what ``packed`` checks, without its device reads
+        w.packed(slot)  # raises, naming the loaded slots
     if dtype not in DTYPES:
         raise ValueError(f"sbmm: dequantize_slot dtype {dtype}: want one of float32, float16, bfloat16")
     shape = (w.out_features, w.in_features)
