@@ -195,6 +195,22 @@ def test_dense_segments_metadata() -> None:
         DeltaMeta.segments([40], [0], DEVICE, dense_min_m=0)
 
 
+def test_dense_segments_into_a_column_slice() -> None:
+    """A fused projection's slice of the output (rows strided by the full width), as ``DeltaLinear``
+    passes it: dense segments and tiles update only the slice."""
+    shape = SHAPES[1]
+    w = pool(4, True, shape)
+    meta = DeltaMeta.segments([20, 3, 17], [0, 1, 0], DEVICE, max_block_m=16, dense_min_m=16)
+    x = randn(meta.num_tokens, shape[0], dtype=torch.float16, seed=5)
+    wide = randn(meta.num_tokens, shape[1] + 24, dtype=torch.float16, seed=6)
+    want = wide.clone()
+    sbmm_ref(x, want[:, 8 : 8 + shape[1]], w, meta)
+    got = wide.clone()
+    sbmm_triton(x, got[:, 8 : 8 + shape[1]], w, meta)
+    close(got, want)
+    assert torch.equal(got[:, :8], wide[:, :8]) and torch.equal(got[:, 8 + shape[1] :], wide[:, 8 + shape[1] :])
+
+
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
 def test_dense_segments_equal_reference(config: tuple[int, bool], popularity: str) -> None:
