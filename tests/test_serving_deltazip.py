@@ -87,7 +87,7 @@ def test_deltazip_defaults_are_the_documented_ones():
         trace = wl.deltazip(**t)
         assert len(trace.requests) == int(t["rate"] * 60) and {v.kind for v in trace.variants} == {"full"}
     assert exp.server_flags["deltaserve"][:2] == ("--max-deltas", "3")
-    assert exp.server_flags["swap"] == ("--resident", "3")
+    assert exp.server_flags["swap"] == ("--resident", "auto")  # as many full models as fit (vLLM-SCB)
     one = serving.experiment("deltazip", rate=[2.0], popularity=["uniform"], duration=10)
     assert [(p.trace["popularity"], p.trace["rate"], p.trace["duration"]) for p in one.points] == [("uniform", 2.0, 10)]
     # Smoke: 4 requests per point, rates in the sweep's order.
