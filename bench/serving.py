@@ -781,25 +781,35 @@ METRICS_SHOWN = ("deltaserve_steps_total", "deltaserve_preemptions_total", "delt
 """The metrics a point's summary line prints (all of them go to the result file)."""
 
 
+def _server_get(endpoint: Endpoint, path: str) -> bytes | None:
+    """The body of GET ``path`` on the server, or None when it has no such route or does not answer."""
+    base = endpoint.url.split("/v1/")[0]
+    try:
+        with urllib.request.urlopen(f"{base}{path}", timeout=5) as r:
+            return r.read()
+    except (OSError, ValueError):
+        return None
+
+
 def baseline_stats(endpoint: Endpoint) -> dict[str, Any] | None:
     """A baseline's ``/stats`` counters (bench/baselines.py ``Engine.stats``: loads, batches, slots,
     resident variants), or None when the server has none (the daemon, the fake server)."""
-    base = endpoint.url.split("/v1/")[0]
+    body = _server_get(endpoint, "/stats")
     try:
-        with urllib.request.urlopen(f"{base}/stats", timeout=5) as r:
-            return json.loads(r.read())
-    except (OSError, ValueError):
+        return None if body is None else json.loads(body)
+    except ValueError:
         return None
 
 
 def server_metrics(endpoint: Endpoint) -> dict[str, float] | None:
     """The server's Prometheus ``/metrics`` as {name: value} (unlabelled samples only), or None
     when it has none (the baselines, the fake server) or does not answer."""
-    base = endpoint.url.split("/v1/")[0]
+    body = _server_get(endpoint, "/metrics")
+    if body is None:
+        return None
     try:
-        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except (OSError, ValueError):
+        text = body.decode()
+    except ValueError:
         return None
     out = {}
     for line in text.splitlines():

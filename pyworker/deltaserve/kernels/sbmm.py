@@ -377,11 +377,15 @@ class DeltaWeights:
     def device(self) -> torch.device:
         return self.qvalues.device
 
-    def packed(self, slot: int) -> PackedLinear:
-        """Slot ``slot``'s delta as a ``PackedLinear`` of views into the pool (for ``dequantize``)."""
+    def check_loaded(self, slot: int) -> None:
+        """Raises unless slot ``slot`` holds a delta (host state only: no device read)."""
         if not 0 <= slot < self.num_slots or not self.loaded[slot]:
             raise ValueError(f"sbmm: delta slot {slot} holds no delta (the pool has {self.num_slots} slots, "
                              f"loaded: {[s for s, ok in enumerate(self.loaded) if ok]})")
+
+    def packed(self, slot: int) -> PackedLinear:
+        """Slot ``slot``'s delta as a ``PackedLinear`` of views into the pool (for ``dequantize``)."""
+        self.check_loaded(slot)
         return self._views(slot)
 
     def _views(self, slot: int) -> PackedLinear:
@@ -826,17 +830,24 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
         return out
     upcast = not x.is_cuda
     prec = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
-    kept = block_k // 2 if w.sparse else block_k
-    # Scales per tile: one per row (G % BLOCK_K == 0), whole power-of-two groups broadcast, or gathered.
-    groups_per_tile = block_k // group if block_k % group == 0 and group & (group - 1) == 0 else 0
     _sbmm_dot_kernel[(meta.grid_tiles, n_tiles)](
         x, out, meta.order, meta.tiles, w.qvalues, qi_buf, w.scales, w.zeros, w.qvalues_offsets, w.qindices_offsets,
         w.group_offsets, w.out_features, w.in_features, x.stride(0), out.stride(0), qv[1], qi_row, g[1],
-        BITS=w.bits, SPARSE=w.sparse, G=group, KEPT=kept, WORDS=kept * w.bits // 32,
-        IWORDS=max(kept // 16, 1) if w.sparse else 1, GROUPS_PER_TILE=groups_per_tile, BLOCK_M=meta.block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, DOT_PREC=prec, RNE=rne,
+        **_tile_constexprs(w, block_k), BLOCK_M=meta.block_m, BLOCK_N=block_n, UPCAST=upcast, DOT_PREC=prec, RNE=rne,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     return out
+
+
+def _tile_constexprs(w: DeltaWeights, block_k: int) -> dict[str, int | bool]:
+    """``_dequant_tile``'s pool and K-tile constexprs for ``w`` and ``BLOCK_K = block_k``: KEPT values per
+    row and tile, the WORDS / IWORDS holding them, and GROUPS_PER_TILE (scales per tile: one per row when
+    G % BLOCK_K == 0, whole power-of-two groups broadcast, or 0: gathered per column)."""
+    group = w.group_size
+    kept = block_k // 2 if w.sparse else block_k
+    groups_per_tile = block_k // group if block_k % group == 0 and group & (group - 1) == 0 else 0
+    return {"BITS": w.bits, "SPARSE": w.sparse, "G": group, "KEPT": kept, "WORDS": kept * w.bits // 32,
+            "IWORDS": max(kept // 16, 1) if w.sparse else 1, "GROUPS_PER_TILE": groups_per_tile,
+            "BLOCK_K": block_k}  # fmt: skip
 
 
 _DEQUANT = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4}
@@ -850,8 +861,7 @@ def dequantize_slot(w: DeltaWeights, slot: int, dtype: torch.dtype, out: torch.T
     multiplies by. ``out``: a contiguous tensor of that shape and dtype to write into (a reused
     scratch). csrc/sbmm.cu's ``deltaserve_dequant`` where it is built (float16 / bfloat16 on CUDA),
     else the Triton ``_dequant_kernel`` (``use_triton=True`` forces it)."""
-    if not 0 <= slot < w.num_slots or not w.loaded[slot]:  # what ``packed`` checks, without its device reads
-        w.packed(slot)  # raises, naming the loaded slots
+    w.check_loaded(slot)
     if dtype not in DTYPES:
         raise ValueError(f"sbmm: dequantize_slot dtype {dtype}: want one of float32, float16, bfloat16")
     shape = (w.out_features, w.in_features)
@@ -875,14 +885,10 @@ def dequantize_slot(w: DeltaWeights, slot: int, dtype: torch.dtype, out: torch.T
     block_n, block_k = cfg["BLOCK_N"], max(cfg["BLOCK_K"], w.group_size)
     qv, qi, g = w.slot_shapes()
     qi_buf, qi_row = (w.qindices, qi[1]) if qi is not None else (w.qvalues, 1)
-    kept = block_k // 2 if w.sparse else block_k
-    groups_per_tile = block_k // w.group_size if block_k % w.group_size == 0 and w.group_size & (w.group_size - 1) == 0 else 0
     _dequant_kernel[(triton.cdiv(w.out_features, block_n), triton.cdiv(w.in_features, block_k))](
         out, w.qvalues, qi_buf, w.scales, w.zeros, w.qvalues_offsets, w.qindices_offsets, w.group_offsets, slot,
-        w.out_features, w.in_features, out.stride(0), qv[1], qi_row, g[1], BITS=w.bits, SPARSE=w.sparse,
-        G=w.group_size, KEPT=kept, WORDS=kept * w.bits // 32, IWORDS=max(kept // 16, 1) if w.sparse else 1,
-        GROUPS_PER_TILE=groups_per_tile, BLOCK_N=block_n, BLOCK_K=block_k, RNE=needs_rne_by_hand(out),
-        num_warps=cfg["num_warps"])  # fmt: skip
+        w.out_features, w.in_features, out.stride(0), qv[1], qi_row, g[1], **_tile_constexprs(w, block_k),
+        BLOCK_N=block_n, RNE=needs_rne_by_hand(out), num_warps=cfg["num_warps"])  # fmt: skip
     return out
 
 
