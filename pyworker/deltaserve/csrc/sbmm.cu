@@ -432,6 +432,21 @@ cudaError_t launch_dequant(void* dst, const void* qv, const void* qi, const void
 
 }  // namespace
 
+// The entries' dispatch: CALL(T, BITS, SPARSE) (a statement that returns) for the call's dtype (0 float16,
+// 1 bfloat16), bits (2, 4) and sparse; falls through for any other combination.
+#define DS_BY_CONFIG(CALL)                                        \
+  if (dtype == 0) {                                               \
+    if (bits == 4 && sparse) CALL(__half, 4, true)                \
+    if (bits == 2 && sparse) CALL(__half, 2, true)                \
+    if (bits == 4 && !sparse) CALL(__half, 4, false)              \
+    if (bits == 2 && !sparse) CALL(__half, 2, false)              \
+  } else if (dtype == 1) {                                        \
+    if (bits == 4 && sparse) CALL(__nv_bfloat16, 4, true)         \
+    if (bits == 2 && sparse) CALL(__nv_bfloat16, 2, true)         \
+    if (bits == 4 && !sparse) CALL(__nv_bfloat16, 4, false)       \
+    if (bits == 2 && !sparse) CALL(__nv_bfloat16, 2, false)       \
+  }
+
 extern "C" {
 
 // One SBMM call (kernels/sbmm.py ``sbmm_cuda`` passes the arguments). dtype: 0 float16, 1 bfloat16;
@@ -451,17 +466,7 @@ int deltaserve_sbmm(const void* x, void* out, float* ws, const int32_t* order, c
 #define DS_SBMM_CFG(TY, B, SP)                                                                                        \
   return static_cast<int>(by_tile<TY, B, SP>(nt, x, out, ws, order, tiles, qv, qi, sc, zr, qv_off, qi_off, g_off, N, \
                                              K, G, x_stride, out_stride, grid_tiles, splits, ws_rows, st));
-  if (dtype == 0) {
-    if (bits == 4 && sparse) DS_SBMM_CFG(__half, 4, true)
-    if (bits == 2 && sparse) DS_SBMM_CFG(__half, 2, true)
-    if (bits == 4 && !sparse) DS_SBMM_CFG(__half, 4, false)
-    if (bits == 2 && !sparse) DS_SBMM_CFG(__half, 2, false)
-  } else if (dtype == 1) {
-    if (bits == 4 && sparse) DS_SBMM_CFG(__nv_bfloat16, 4, true)
-    if (bits == 2 && sparse) DS_SBMM_CFG(__nv_bfloat16, 2, true)
-    if (bits == 4 && !sparse) DS_SBMM_CFG(__nv_bfloat16, 4, false)
-    if (bits == 2 && !sparse) DS_SBMM_CFG(__nv_bfloat16, 2, false)
-  }
+  DS_BY_CONFIG(DS_SBMM_CFG)
 #undef DS_SBMM_CFG
   return static_cast<int>(cudaErrorInvalidValue);
 }
@@ -480,17 +485,7 @@ int deltaserve_dequant(void* dst, const void* qv, const void* qi, const void* sc
   auto st = static_cast<cudaStream_t>(stream);
 #define DS_DEQ(TY, B, SP) \
   return static_cast<int>(launch_dequant<TY, B, SP>(dst, qv, qi, sc, zr, qv_off, qi_off, g_off, slot, N, K, G, st));
-  if (dtype == 0) {
-    if (bits == 4 && sparse) DS_DEQ(__half, 4, true)
-    if (bits == 2 && sparse) DS_DEQ(__half, 2, true)
-    if (bits == 4 && !sparse) DS_DEQ(__half, 4, false)
-    if (bits == 2 && !sparse) DS_DEQ(__half, 2, false)
-  } else if (dtype == 1) {
-    if (bits == 4 && sparse) DS_DEQ(__nv_bfloat16, 4, true)
-    if (bits == 2 && sparse) DS_DEQ(__nv_bfloat16, 2, true)
-    if (bits == 4 && !sparse) DS_DEQ(__nv_bfloat16, 4, false)
-    if (bits == 2 && !sparse) DS_DEQ(__nv_bfloat16, 2, false)
-  }
+  DS_BY_CONFIG(DS_DEQ)
 #undef DS_DEQ
   return static_cast<int>(cudaErrorInvalidValue);
 }
@@ -498,3 +493,5 @@ int deltaserve_dequant(void* dst, const void* qv, const void* qi, const void* sc
 const char* deltaserve_cuda_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
 
 }  // extern "C"
+
+#undef DS_BY_CONFIG
