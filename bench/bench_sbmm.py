@@ -79,7 +79,8 @@ its own memory, so the bytes read are those of distinct deltas; packing 32 7B-sh
 
 
 def random_packed(out_f: int, in_f: int, bits: int, sparse: bool, device: torch.device, seed: int) -> PackedLinear:
-    """A random delta in the packed format (random codes, 2:4 mask, scales ~ 1e-3, fractional zeros)."""
+    """A random delta in the packed format (random codes, 2:4 mask, scales ~ 1e-3, integral zeros as the
+    compressor writes them: the CUDA op's half2 dequantisation)."""
     g = torch.Generator(device=device).manual_seed(seed)
     codes = torch.randint(0, 2**bits, (out_f, in_f), generator=g, device=device, dtype=torch.int32)
     mask = None
@@ -88,7 +89,7 @@ def random_packed(out_f: int, in_f: int, bits: int, sparse: bool, device: torch.
         mask = torch.zeros(out_f, in_f // 4, 4, dtype=torch.bool, device=device)
         mask = mask.scatter_(-1, keep, True).reshape(out_f, in_f)
     scales = torch.rand(out_f, in_f // GROUP_SIZE, generator=g, device=device) * 1e-3 + 1e-4
-    zeros = torch.rand(out_f, in_f // GROUP_SIZE, generator=g, device=device) * (2**bits - 1)
+    zeros = torch.randint(0, 2**bits, (out_f, in_f // GROUP_SIZE), generator=g, device=device).float()
     return pack(codes, mask, scales, zeros, bits, GROUP_SIZE)
 
 

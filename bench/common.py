@@ -280,8 +280,8 @@ def _index_byte_table() -> torch.Tensor:
 def random_packed_linear(out_features: int, in_features: int, bits: int, sparse: bool, group_size: int,
                          generator: torch.Generator):
     """A ``PackedLinear`` of random codes (any int32 word is legal ``qvalues``), random legal 2:4
-    positions, scales in [1e-4, 3e-4] and zeros near the middle code: values of a few 1e-3, like a
-    fine-tune's delta. Benchmark data, vectorised; never a compressor output."""
+    positions, scales in [1e-4, 3e-4] and integral zeros at the middle codes: values of a few 1e-3,
+    like a fine-tune's delta. Benchmark data, vectorised; never a compressor output."""
     import sys
 
     from deltaserve.compress.pack import PackedLinear
@@ -297,7 +297,8 @@ def random_packed_linear(out_features: int, in_features: int, bits: int, sparse:
         qindices = _index_byte_table()[raw.view(torch.uint8).long()].view(torch.int32).contiguous()
     groups = (out_features, in_features // group_size)
     scales = (torch.rand(groups, generator=generator) * 2e-4 + 1e-4).to(torch.float16)
-    zeros = (torch.rand(groups, generator=generator) + ((1 << bits) - 2) / 2).to(torch.float16)
+    mid = (1 << bits) // 2  # integral zero points next to the middle code, as the compressor writes them
+    zeros = torch.randint(mid - 1, mid + 1, groups, generator=generator).to(torch.float16)
     return PackedLinear(bits, sparse, group_size, out_features, in_features, qvalues, qindices, scales, zeros)
 
 

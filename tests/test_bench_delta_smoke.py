@@ -51,9 +51,10 @@ def test_random_delta_dir_is_a_delta_the_worker_serves(tiny_llama: Path, tmp_pat
     ref = materialize(d, tiny_llama, tmp_path / "ref")
     base_w = load_file(tiny_llama / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
     diff = load_file(ref / "model.safetensors")["model.layers.1.mlp.down_proj.weight"] - base_w
-    half_range = ((1 << bits) - 1) / 2 + 0.5  # |code - zero| bound; scales <= 3e-4
+    half_range = 1 << (bits - 1)  # |code - zero| bound (zeros: the two middle codes); scales <= 3e-4
     assert 0 < float(diff.abs().max()) <= half_range * 3e-4 * 1.01 + 1e-6
-    assert abs(float((diff == 0).float().mean()) - (0.5 if sparse else 0.0)) < 0.05
+    kept = 0.5 if sparse else 1.0  # exact zeros: the pruned half, and kept codes equal to their zero
+    assert abs(float((diff == 0).float().mean()) - ((1 - kept) + kept / (1 << bits))) < 0.05
 
     ex = Executor(tiny_llama, device="cpu", dtype="float32", block_size=4, kv_cache_bytes=2 << 20)
     info = ex.inspect_adapter(str(d))

@@ -21,6 +21,7 @@ On CPU the kernel runs under the Triton interpreter; with ``DELTASERVE_TEST_GPU=
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -52,8 +53,10 @@ RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def random_packed(out_f: int, in_f: int, bits: int, sparse: bool, group: int, seed: int) -> PackedLinear:
-    """Random codes / 2:4 mask / scales / fractional zeros, packed by pack.py."""
+def random_packed(out_f: int, in_f: int, bits: int, sparse: bool, group: int, seed: int,
+                  integral_zeros: bool = False) -> PackedLinear:
+    """Random codes / 2:4 mask / scales / fractional zeros (or integral ones, as the compressor writes
+    them), packed by pack.py."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (out_f, in_f), generator=g)
     mask = None
@@ -62,19 +65,22 @@ def random_packed(out_f: int, in_f: int, bits: int, sparse: bool, group: int, se
         mask = torch.zeros(out_f, in_f // 4, 4, dtype=torch.bool).scatter_(-1, keep, True).reshape(out_f, in_f)
     scales = torch.rand(out_f, in_f // group, generator=g) * 0.05 + 0.005
     zeros = torch.rand(out_f, in_f // group, generator=g) * (2**bits - 1)
+    if integral_zeros:
+        zeros = zeros.round()
     return pack(codes, mask, scales, zeros, bits, group).to(DEVICE)
 
 
 @functools.lru_cache(maxsize=None)
-def deltas(bits: int, sparse: bool, shape: tuple[int, int, int]) -> tuple[PackedLinear | None, ...]:
+def deltas(bits: int, sparse: bool, shape: tuple[int, int, int],
+           integral_zeros: bool = False) -> tuple[PackedLinear | None, ...]:
     in_f, out_f, group = shape
     seed = zlib.crc32(f"{bits}/{sparse}/{shape}".encode())
-    return tuple(None if s == EMPTY_SLOT else random_packed(out_f, in_f, bits, sparse, group, seed + s)
+    return tuple(None if s == EMPTY_SLOT else random_packed(out_f, in_f, bits, sparse, group, seed + s, integral_zeros)
                  for s in range(NUM_SLOTS))  # fmt: skip
 
 
-def pool(bits: int, sparse: bool, shape: tuple[int, int, int]) -> DeltaWeights:
-    return make_delta_weights(deltas(bits, sparse, shape))
+def pool(bits: int, sparse: bool, shape: tuple[int, int, int], integral_zeros: bool = False) -> DeltaWeights:
+    return make_delta_weights(deltas(bits, sparse, shape, integral_zeros))
 
 
 def request_deltas(popularity: str, n: int, seed: int, base_every: int = 4) -> list[int]:
@@ -494,6 +500,35 @@ CUDA_SHAPES = [(256, 48, 64), (512, 40, 128), (768, 200, 32), (1024, 136, 64)]
 two 128-row blocks with a partial last one."""
 
 
+def test_integral_zero_flags_follow_each_store() -> None:
+    """``store`` records per slot whether every zero is an integer in (-1024, 1024) (the CUDA op's half2
+    dequantisation is exact only then); a call takes it only in float16 with every slot it reads so."""
+    shape = CUDA_SHAPES[0]
+    w = pool(4, True, shape, integral_zeros=True)
+    assert w.integral_zeros == [s != EMPTY_SLOT for s in range(NUM_SLOTS)]  # the empty slot: never stored
+    frac = deltas(4, True, shape)[1]
+    w.store(1, frac)
+    assert not w.integral_zeros[1] and w.integral_zeros[2]
+    x = randn(3, shape[0], dtype=torch.float16, seed=1)
+    assert sbmm_mod._half2_dequant(x, w, DeltaMeta.rows([2, 2, 3], DEVICE))
+    assert not sbmm_mod._half2_dequant(x, w, DeltaMeta.rows([2, 1, 3], DEVICE))
+    assert not sbmm_mod._half2_dequant(x.to(torch.bfloat16), w, DeltaMeta.rows([2, 2, 3], DEVICE))
+    big = deltas(4, True, shape, integral_zeros=True)[2]
+    big = dataclasses.replace(big, zeros=big.zeros + 1024)  # integral, but 1024 + zero is not exact in float16
+    w.store(2, big)
+    assert not w.integral_zeros[2]
+
+
+def test_tile_tokens_is_the_fullest_work_tile() -> None:
+    """``DeltaMeta.tile_tokens``: the CUDA op's token fragments follow the fullest tile, not ``block_m``."""
+    spread = DeltaMeta.rows([i % 8 for i in range(64)], DEVICE)
+    assert spread.block_m == 16 and spread.tile_tokens == 8
+    assert DeltaMeta.rows([0] * 40, DEVICE, max_block_m=16).tile_tokens == 16
+    assert DeltaMeta.rows([0, 0, 1], DEVICE).tile_tokens == 2
+    assert DeltaMeta.rows([-1, -1], DEVICE).tile_tokens == 0
+    assert DeltaMeta.segments([3, 70], [0, 1], DEVICE, dense_min_m=64).tile_tokens == 3
+
+
 def cuda_meta(mode: str, slots: list[int], seed: int) -> DeltaMeta:
     """``make_meta`` with segments of 1..4 tokens: work tiles of at most 16 tokens, as the CUDA op takes."""
     if mode == "rows":
@@ -509,22 +544,25 @@ def cuda_op_or_skip() -> None:
         pytest.fail(f"csrc/sbmm.cu did not build: {sbmm_mod.cuda_ext.unavailable('sbmm')}")
 
 
+@pytest.mark.parametrize("zeros", ["fractional", "integral"])
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
-def test_cuda_op_equals_reference(config: tuple[int, bool], dtype: torch.dtype, popularity: str) -> None:
+def test_cuda_op_equals_reference(config: tuple[int, bool], dtype: torch.dtype, popularity: str, zeros: str) -> None:
     """csrc/sbmm.cu = ``sbmm_ref`` over the popularity shapes, prefill segments (tiles of up to 16 tokens)
-    and decode rows (tiles of 1..16), base-only tokens mixed in, every CUDA shape."""
+    and decode rows (tiles of 1..16), base-only tokens mixed in, every CUDA shape; float16 with integral
+    zeros takes the half2 dequantisation, everything else the fp32 one."""
     cuda_op_or_skip()
     bits, sparse = config
     for i, shape in enumerate(CUDA_SHAPES):
         for mode in ("segments", "rows"):
             seed = zlib.crc32(f"cuda/{bits}/{sparse}/{dtype}/{popularity}/{mode}/{i}".encode()) % 10_000
-            w = pool(bits, sparse, shape)
+            w = pool(bits, sparse, shape, integral_zeros=zeros == "integral")
             meta = cuda_meta(mode, request_deltas(popularity, 4 if mode == "segments" else 20, seed), seed)
             x = randn(meta.num_tokens, shape[0], dtype=dtype, seed=seed + 1)
             base = randn(meta.num_tokens, shape[1], dtype=dtype, seed=seed + 2)
             assert sbmm_mod.cuda_supports(x, w, meta) is None
+            assert sbmm_mod._half2_dequant(x, w, meta) == (zeros == "integral" and dtype == torch.float16)
             want = sbmm_ref(x, base.clone(), w, meta)
             got = sbmm_mod.sbmm_cuda(x, base.clone(), w, meta)
             close(got, want)

@@ -13,14 +13,19 @@
 //                   [ROWS][qindices bytes + 16]  (2:4 only: 32 + 16)
 //       scales      [ROWS][16 bytes], zeros [ROWS][16 bytes]   (KS / G per row: G = 32, 64 or 128)
 //       x           [8 * NT tokens][KS + 8]      (the tile's rows through ``order``; past its end zeros)
-//     per 64-column sub-step, lane = one row of its warp's 32:
-//       expand: (code - zero) * scale in fp32, rounded to the activation dtype; 2:4 groups placed by a
-//               byte permute whose selector the position nibble picks from a 16-entry table
-//               -> w_s[warp][32 rows][64 + 8]
-//       wmma m32n8k16: A = w_s (row major), B = x stage (col major), NT fp32 accumulators
-//     end: accumulators -> shared memory -> lane = row:
-//          one split:  out[order[p], row] = dtype(out + acc)              (the op's one rounding)
-//          K split:    ws[split, p, row] = acc;  sbmm_splitk_reduce adds the splits in a fixed order
+//     warp = 32 rows = two MMA row tiles of 16; per k-step (2:4: 32 columns, dense: 16), per row tile:
+//       A (the delta, 16 rows) is built in registers, straight in the MMA's fragment layout: lane
+//         (g = lane / 4, t = lane % 4) holds rows g and g + 8, 2:4 chunks t and t + 4 (dense: columns
+//         2t, 2t + 1 and 2t + 8, 2t + 9). With the packed format that is byte t of the row's two
+//         words (4-bit) or nibbles t and t + 4 of its word (2-bit): a byte permute spreads each pair
+//         of codes to the two halves of a register, which become (code - zero) * scale there (fp32,
+//         rounded once to the activation dtype: pack.dequantize's values, bit for bit).
+//       2:4: the qindices word of the k-step is the MMA's sparsity metadata as it is (2 bits a kept
+//         value, chunk c at nibble c): lane t = 0 passes the low halves of rows g and g + 8, lane 1
+//         the high halves; ``mma.sp::ordered_metadata.m16n8k32`` then skips the pruned columns in
+//         hardware. Dense: ``mma.m16n8k16``. B (x) fragments come from shared memory; fp32 accumulators.
+//     end: out[order[p], row] = dtype(out + acc)  (one split: the op's one rounding), or
+//          ws[split, p, row] = acc and sbmm_splitk_reduce adds the splits in a fixed order.
 //
 // Nothing is read for padding tiles (slot -1): their blocks return at once. The grid and the
 // arguments depend on the step's metadata tensors only, so the launch can be captured in a graph.
@@ -33,27 +38,27 @@
 //
 // Requirements (checked by the caller, kernels/sbmm.py ``cuda_supports``): float16 or bfloat16
 // activations, K % 256 == 0, G in {32, 64, 128}, x rows 16-byte aligned, slot offsets of qvalues /
-// qindices multiples of 4 words and of scales / zeros multiples of 2.
+// qindices multiples of 4 words and of scales / zeros multiples of 2. sm_80 or newer (``mma.sp``).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <mma.h>
 #include <stdint.h>
 
-namespace {
+#include <type_traits>
 
-using namespace nvcuda;
+namespace {
 
 constexpr int WARPS = 4;
 constexpr int ROWS = 32 * WARPS;  // output rows per block
 constexpr int KS = 256;           // input columns per stage (one pipelined copy)
-constexpr int SUB = 64;           // input columns per expand + MMA sub-step
-constexpr int LDW = SUB + 8;      // w_s row stride in elements (16 bytes of padding: no bank conflicts)
-constexpr int LDX = KS + 8;       // x_s row stride in elements
+constexpr int LDX = KS + 8;       // x_s row stride in elements (16 bytes of padding: no bank conflicts)
 #ifndef SBMM_STAGES
 #define SBMM_STAGES 2
 #endif
 constexpr int STAGES = SBMM_STAGES;  // stages in flight (cp.async)
+#ifndef SBMM_MIN_BLOCKS
+#define SBMM_MIN_BLOCKS 4
+#endif
 
 __device__ __forceinline__ float to_float(__half h) { return __half2float(h); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 h) { return __bfloat162float(h); }
@@ -72,9 +77,6 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
   __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
   return *reinterpret_cast<uint32_t*>(&h);
 }
-
-// An unsigned code (< 2^23) as float: its bits under the exponent of 2^23, minus 2^23. Exact.
-__device__ __forceinline__ float code_to_float(uint32_t c) { return __uint_as_float(0x4B000000u | c) - 8388608.0f; }
 
 // Asynchronous global -> shared copy of 16 or 4 bytes; ``fill`` false zero-fills (nothing is read).
 template <int BYTES> __device__ __forceinline__ void cp_async(void* smem, const void* gmem, bool fill) {
@@ -99,89 +101,102 @@ template <int BITS, bool SPARSE, int NT> struct Layout {
   static constexpr int Q_OFF = 0, I_OFF = ROWS * QS, S_OFF = I_OFF + ROWS * IS, Z_OFF = S_OFF + ROWS * GS;
   static constexpr int X_OFF = Z_OFF + ROWS * GS;
   static constexpr int STAGE = X_OFF + TM * LDX * 2;
-  static constexpr int W_OFF = STAGES * STAGE;                      // [warp][32 rows][LDW] dense slice
-  static constexpr int P_OFF = W_OFF + WARPS * 32 * LDW * 2;        // 2:4 placement selectors
-  static constexpr int BYTES = P_OFF + 16 * 4;
-  static constexpr int SUB_QW = SUB * BITS / 32 / (SPARSE ? 2 : 1);  // qvalues words per sub-step
+  static constexpr int BYTES = STAGES * STAGE;
+  static constexpr int KSTEP = SPARSE ? 32 : 16;                    // input columns per MMA
+  static constexpr int WK = KSTEP / (SPARSE ? 2 : 1) * BITS / 32;   // qvalues words per row and k-step (2 or 1)
 };
 
-// 2:4 placement: byte-permute selectors putting a group's two values (v = v0 | v1 << 16) at its
-// positions p0, p1 of 4 columns (lo word: columns 0-1, hi word: 2-3), indexed by the position
-// nibble p0 | p1 << 2 of qindices. Entry: lo selector | hi selector << 16.
-__device__ __forceinline__ uint32_t placement(int nib) {
-  const int p0 = nib & 3, p1 = nib >> 2;
-  uint32_t sel = 0;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const uint32_t src = q == p0 ? 0x10u : q == p1 ? 0x32u : 0x44u;  // half 0 of v, half 1, zero bytes
-    sel |= src << (8 * q);
+// The codes of one row in lane t's A registers for one k-step (``w``: the row's k-step words), each
+// pair spread to bits 0 and 16: ``lo`` the pair of its first register (2:4 chunk t / dense columns
+// 2t, 2t + 1), ``hi`` of its second (chunk t + 4 / columns 2t + 8, 2t + 9).
+template <int BITS> __device__ __forceinline__ void lane_codes(const uint32_t* w, int t, uint32_t& lo, uint32_t& hi) {
+  if constexpr (BITS == 4) {  // byte t of each word: its low nibble to bit 0, its high nibble to bit 16
+    const uint2 v = *reinterpret_cast<const uint2*>(w);
+    const uint32_t sel = 0x4440u | static_cast<uint32_t>(t);
+    lo = (__byte_perm(v.x, 0, sel) * 0x1001u) & 0x000F000Fu;
+    hi = (__byte_perm(v.y, 0, sel) * 0x1001u) & 0x000F000Fu;
+  } else {  // nibbles t and t + 4 of the word: its low 2 bits to bit 0, its high 2 bits to bit 16
+    const uint32_t v = *w;
+    lo = (((v >> (4 * t)) & 0xFu) * 0x4001u) & 0x00030003u;
+    hi = (((v >> (4 * t + 16)) & 0xFu) * 0x4001u) & 0x00030003u;
   }
-  return sel;
 }
 
-// One sub-step: the dense, dequantised SUB columns of one row (dtype T) from its packed words in
-// shared memory (q: qvalues words, idx: qindices words, sc / zr: the row's scales / zeros of the stage).
-template <typename T, int BITS, bool SPARSE>
-__device__ __forceinline__ void expand(const uint32_t* q, const uint32_t* idx, float s0, float z0, float s1, float z1,
-                                       const uint32_t* place, T* dst) {
-  constexpr int PER = 32 / BITS;
-  constexpr uint32_t MASK = (1u << BITS) - 1;
-  constexpr int QW = SUB * BITS / 32 / (SPARSE ? 2 : 1);
-  uint32_t words[QW], iw[2];
-#pragma unroll
-  for (int i = 0; i < QW; i += (QW >= 4 ? 4 : 2)) {
-    if constexpr (QW >= 4) {
-      const uint4 v = *reinterpret_cast<const uint4*>(q + i);
-      words[i] = v.x; words[i + 1] = v.y; words[i + 2] = v.z; words[i + 3] = v.w;
-    } else {
-      const uint2 v = *reinterpret_cast<const uint2*>(q + i);
-      words[i] = v.x; words[i + 1] = v.y;
-    }
+// One row's (scale, zero) of the current group, and the dequantisation of a spread code pair with it:
+// pack.dequantize's value. zero * scale is exact in fp32 (11 x 11 significant bits), so
+// fma(code, scale, -zero * scale) is (code - zero) * scale rounded once to fp32, as pack.dequantize
+// computes it wherever code - zero is exact in fp32 (any zero the compressor writes); then once to T.
+template <typename T, bool HALF2> struct RowScale {
+  float s, nzs;  // scale, -zero * scale
+  __device__ __forceinline__ void set(__half sc, __half zr) {
+    s = __half2float(sc);
+    nzs = -(__half2float(zr) * s);
   }
+  __device__ __forceinline__ uint32_t operator()(uint32_t codes) const {
+    // Each code under the exponent of 2^23 (a byte permute puts 0x4B above it), minus 2^23: exact.
+    const float c0 = __uint_as_float(__byte_perm(codes, 0x4B000000u, 0x7410u)) - 8388608.0f;
+    const float c1 = __uint_as_float(__byte_perm(codes, 0x4B000000u, 0x7432u)) - 8388608.0f;
+    return pack2<T>(__fmaf_rn(c0, s, nzs), __fmaf_rn(c1, s, nzs));
+  }
+};
+// float16 with integral zeros in (-1024, 1024) (``half2`` launches: the caller checked every slot's
+// zeros): 0x6400 | code is 1024 + code, 1024 + zero is exact too, so their half2 difference is
+// code - zero exactly and one half2 multiply rounds (code - zero) * scale once: the same value in
+// half the instructions.
+template <> struct RowScale<__half, true> {
+  __half2 s, z;  // scale, 1024 + zero
+  __device__ __forceinline__ void set(__half sc, __half zr) {
+    s = __half2half2(sc);
+    z = __half2half2(__hadd(zr, __ushort_as_half(0x6400)));
+  }
+  __device__ __forceinline__ uint32_t operator()(uint32_t codes) const {
+    const uint32_t q = codes | 0x64006400u;
+    const __half2 v = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&q), z), s);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+
+// d += A (16 x KSTEP) B (KSTEP x 8): 2:4 ``mma.sp`` with metadata ``e`` (b: 4 registers), dense ``mma`` (b: 2).
+template <typename T, bool SPARSE> __device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b,
+                                                                       uint32_t e) {
   if constexpr (SPARSE) {
-    const uint2 v = *reinterpret_cast<const uint2*>(idx);
-    iw[0] = v.x; iw[1] = v.y;
-  }
-#pragma unroll
-  for (int c = 0; c < SUB; c += 8) {  // 8 columns = one 16-byte store
-    const float s = c < 32 ? s0 : s1, z = c < 32 ? z0 : z1;
-    uint32_t o[4];
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {  // 4 columns each
-      if constexpr (SPARSE) {
-        const int j = c / 4 + k, i0 = 2 * j, i1 = 2 * j + 1;
-        const uint32_t c0 = (words[i0 / PER] >> ((i0 % PER) * BITS)) & MASK;
-        const uint32_t c1 = (words[i1 / PER] >> ((i1 % PER) * BITS)) & MASK;
-        const uint32_t v = pack2<T>((code_to_float(c0) - z) * s, (code_to_float(c1) - z) * s);
-        const uint32_t sel = place[(iw[j / 8] >> (4 * (j % 8))) & 0xF];
-        o[2 * k] = __byte_perm(v, 0, sel & 0xFFFF);
-        o[2 * k + 1] = __byte_perm(v, 0, sel >> 16);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = c + 4 * k + 2 * e;
-          const uint32_t c0 = (words[i / PER] >> ((i % PER) * BITS)) & MASK;
-          const uint32_t c1 = (words[(i + 1) / PER] >> (((i + 1) % PER) * BITS)) & MASK;
-          o[2 * k + e] = pack2<T>((code_to_float(c0) - z) * s, (code_to_float(c1) - z) * s);
-        }
-      }
+    if constexpr (sizeof(T) == 2 && std::is_same<T, __half>::value) {
+      asm volatile(
+          "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, 0x0;\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e));
+    } else {
+      asm volatile(
+          "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, 0x0;\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e));
     }
-    *reinterpret_cast<uint4*>(dst + c) = make_uint4(o[0], o[1], o[2], o[3]);
+  } else {
+    if constexpr (std::is_same<T, __half>::value) {
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                   "{%0,%1,%2,%3};\n"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                   "{%0,%1,%2,%3};\n"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
   }
 }
 
-template <typename T, int BITS, bool SPARSE, int NT>
-#ifndef SBMM_MIN_BLOCKS
-#define SBMM_MIN_BLOCKS 3
-#endif
+template <typename T, int BITS, bool SPARSE, int NT, int G, bool HALF2>
 __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(
     const T* __restrict__ x, T* __restrict__ out, float* __restrict__ ws, const int32_t* __restrict__ order,
     const int32_t* __restrict__ tiles, const uint32_t* __restrict__ qvalues, const uint32_t* __restrict__ qindices,
     const __half* __restrict__ scales, const __half* __restrict__ zeros, const int64_t* __restrict__ qv_offsets,
-    const int64_t* __restrict__ qi_offsets, const int64_t* __restrict__ group_offsets, int N, int K, int G,
+    const int64_t* __restrict__ qi_offsets, const int64_t* __restrict__ group_offsets, int N, int K,
     int64_t x_stride, int64_t out_stride, int stages_per_split, int ws_rows) {
   using L = Layout<BITS, SPARSE, NT>;
-  constexpr int TM = L::TM;
+  constexpr int TM = L::TM, KSTEP = L::KSTEP, BREGS = KSTEP / 8;
 
   const int tile = blockIdx.y;
   const int slot = tiles[tile * 3 + 2];
@@ -189,13 +204,11 @@ __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(
   const int first = tiles[tile * 3], end = tiles[tile * 3 + 1];
 
   extern __shared__ __align__(128) unsigned char smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int row0 = blockIdx.x * ROWS;
   const int stages = K / KS;
   const int s_lo = blockIdx.z * stages_per_split;
   const int s_hi = min(stages, s_lo + stages_per_split);
-  uint32_t* place = reinterpret_cast<uint32_t*>(smem + L::P_OFF);
-  if (SPARSE && threadIdx.x < 16) place[threadIdx.x] = placement(threadIdx.x);
 
   // The slot's blocks; row strides in elements.
   const int64_t qv_row = K / (SPARSE ? 2 : 1) * BITS / 32, qi_row = SPARSE ? K / 32 : 0, g_row = K / G;
@@ -203,103 +216,144 @@ __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(
   const uint32_t* qi = SPARSE ? qindices + qi_offsets[slot] : qvalues;
   const __half* sc = scales + group_offsets[slot];
   const __half* zr = zeros + group_offsets[slot];
-  const int gb = KS / G * 2;  // scale bytes per row and stage (16, 8 or 4: G = 32, 64, 128)
-
+  constexpr int gb = KS / G * 2;  // scale bytes per row and stage (16, 8 or 4: G = 32, 64, 128)
   // Stage s's packed words, scales and x columns -> buffer s % STAGES (one commit group per call,
-  // empty past the split). Consecutive threads copy consecutive 16 bytes of a row: coalesced.
+  // empty past the split). Consecutive threads copy consecutive 16 bytes of a row: coalesced. A
+  // thread copies the same pieces of every stage, so their sources are set up once: piece i of a
+  // kind is row (thread / pieces per row) + i * (ROWS / pieces per row), at the thread's column.
+  constexpr int QP = L::QB / 16, IP = SPARSE ? L::IB / 16 : 1, GP = gb / 4, XP = KS / 8;  // pieces per row (token)
+  static_assert(ROWS % QP == 0 && ROWS % IP == 0 && ROWS % GP == 0 && ROWS % XP == 0, "piece split");
+  constexpr int QN = QP, IN = SPARSE ? IP : 0, GN = GP, XN = TM * XP / ROWS;  // pieces per thread and stage
+  const int tid = threadIdx.x;
+  const uint32_t* q_src = qv + (row0 + tid / QP) * qv_row + (tid % QP) * 4;
+  const uint32_t* i_src = qi + (row0 + tid / IP) * qi_row + (tid % IP) * 4;
+  const int64_t g_at = (row0 + tid / GP) * g_row + (tid % GP) * 2;
+  const T* x_src[XN];
+  bool x_ok[XN];
+#pragma unroll
+  for (int i = 0; i < XN; ++i) {
+    const int m = tid / XP + i * (ROWS / XP);
+    x_ok[i] = first + m < end;
+    x_src[i] = x + (x_ok[i] ? static_cast<int64_t>(order[first + m]) * x_stride : 0) + (tid % XP) * 8;
+  }
   auto issue = [&](int s) {
     if (s < s_hi) {
       unsigned char* buf = smem + (s % STAGES) * L::STAGE;
-      constexpr int QP = L::QB / 16;  // 16-byte pieces per row
-      for (int p = threadIdx.x; p < ROWS * QP; p += ROWS) {
-        const int r = p / QP, c = p % QP;
+#pragma unroll
+      for (int i = 0; i < QN; ++i) {
+        const int r = tid / QP + i * (ROWS / QP);
         const bool ok = row0 + r < N;
-        cp_async<16>(buf + L::Q_OFF + r * L::QS + c * 16, ok ? qv + (row0 + r) * qv_row + s * (L::QB / 4) + c * 4 : qv, ok);
+        cp_async<16>(buf + L::Q_OFF + r * L::QS + (tid % QP) * 16,
+                     ok ? q_src + i * (ROWS / QP) * qv_row + s * (L::QB / 4) : qv, ok);
       }
       if constexpr (SPARSE) {
-        constexpr int IP = L::IB / 16;
-        for (int p = threadIdx.x; p < ROWS * IP; p += ROWS) {
-          const int r = p / IP, c = p % IP;
+#pragma unroll
+        for (int i = 0; i < IN; ++i) {
+          const int r = tid / IP + i * (ROWS / IP);
           const bool ok = row0 + r < N;
-          cp_async<16>(buf + L::I_OFF + r * L::IS + c * 16, ok ? qi + (row0 + r) * qi_row + s * (L::IB / 4) + c * 4 : qi, ok);
+          cp_async<16>(buf + L::I_OFF + r * L::IS + (tid % IP) * 16,
+                       ok ? i_src + i * (ROWS / IP) * qi_row + s * (L::IB / 4) : qi, ok);
         }
       }
-      const int gp = gb / 4;  // 4-byte pieces of scales (and of zeros) per row
-      for (int p = threadIdx.x; p < ROWS * gp; p += ROWS) {
-        const int r = p / gp, c = p % gp;
+#pragma unroll
+      for (int i = 0; i < GN; ++i) {
+        const int r = tid / GP + i * (ROWS / GP);
         const bool ok = row0 + r < N;
-        const int64_t at = (row0 + r) * g_row + s * (KS / G) + c * 2;
-        cp_async<4>(buf + L::S_OFF + r * L::GS + c * 4, ok ? sc + at : sc, ok);
-        cp_async<4>(buf + L::Z_OFF + r * L::GS + c * 4, ok ? zr + at : zr, ok);
+        const int64_t at = g_at + i * (ROWS / GP) * g_row + s * (KS / G);
+        cp_async<4>(buf + L::S_OFF + r * L::GS + (tid % GP) * 4, ok ? sc + at : sc, ok);
+        cp_async<4>(buf + L::Z_OFF + r * L::GS + (tid % GP) * 4, ok ? zr + at : zr, ok);
       }
-      constexpr int XP = KS / 8;  // 16-byte pieces per token
-      for (int p = threadIdx.x; p < TM * XP; p += ROWS) {
-        const int m = p / XP, c = p % XP;
-        const bool ok = first + m < end;
-        const T* src = ok ? x + static_cast<int64_t>(order[first + m]) * x_stride + s * KS + c * 8 : x;
-        cp_async<16>(buf + L::X_OFF + (m * LDX + c * 8) * 2, src, ok);
+#pragma unroll
+      for (int i = 0; i < XN; ++i) {
+        const int m = tid / XP + i * (ROWS / XP);
+        cp_async<16>(buf + L::X_OFF + (m * LDX + (tid % XP) * 8) * 2, x_ok[i] ? x_src[i] + s * KS : x, x_ok[i]);
       }
     }
     cp_async_commit();
   };
 
-  wmma::fragment<wmma::accumulator, 32, 8, 16, float> acc[NT];
+  float acc[2][NT][4];
 #pragma unroll
-  for (int f = 0; f < NT; ++f) wmma::fill_fragment(acc[f], 0.f);
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int f = 0; f < NT; ++f)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][f][j] = 0.f;
+
+  // This lane's rows: row tile mt holds block rows warp * 32 + mt * 16 + g (+ 8). Rows past N were
+  // zero-filled; their all-zero 2:4 metadata would be invalid for the MMA, so they get positions 0, 1.
+  uint32_t meta_fix[2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    const int ra = row0 + warp * 32 + mt * 16 + g;
+    meta_fix[mt] = (ra < N ? 0u : 0x00004444u) | (ra + 8 < N ? 0u : 0x44440000u);
+  }
+  const uint32_t meta_sel = (t & 1) ? 0x7632u : 0x5410u;  // lane t = 0: low halves of both rows; 1: high
 
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) issue(s_lo + i);
 
-  T* w_mine = reinterpret_cast<T*>(smem + L::W_OFF) + warp * 32 * LDW;
-  const int r = warp * 32 + lane;  // this lane's row in the block
   for (int s = s_lo; s < s_hi; ++s) {
     cp_async_wait<STAGES - 2>();  // this thread's copies of stage s have landed
     __syncthreads();              // everyone's have; everyone is done with stage s - 1's buffer
     issue(s + STAGES - 1);
     const unsigned char* buf = smem + (s % STAGES) * L::STAGE;
-    const uint32_t* q_row = reinterpret_cast<const uint32_t*>(buf + L::Q_OFF + r * L::QS);
-    const uint32_t* i_row = reinterpret_cast<const uint32_t*>(buf + L::I_OFF + r * L::IS);
-    const __half* s_row = reinterpret_cast<const __half*>(buf + L::S_OFF + r * L::GS);
-    const __half* z_row = reinterpret_cast<const __half*>(buf + L::Z_OFF + r * L::GS);
     const T* x_s = reinterpret_cast<const T*>(buf + L::X_OFF);
+#ifdef SBMM_NO_COMPUTE  // bench only: the copies without the math (what the memory side alone reaches)
+    if (buf[threadIdx.x] == 0xFF && buf[threadIdx.x + 1] == 0xFE) acc[0][0][0] += 1.f;
+    continue;
+#endif
 #pragma unroll
-    for (int sub = 0; sub < KS / SUB; ++sub) {
-      const int g0 = (sub * SUB) / G, g1 = (sub * SUB + 32) / G;
-      expand<T, BITS, SPARSE>(q_row + sub * L::SUB_QW, i_row + sub * 2, __half2float(s_row[g0]),
-                              __half2float(z_row[g0]), __half2float(s_row[g1]), __half2float(z_row[g1]), place,
-                              w_mine + lane * LDW);
-      __syncwarp();
+    for (int ks = 0; ks < KS / KSTEP; ++ks) {
+      const int kk = ks * KSTEP, gi = kk / G;
+      uint32_t b[NT][BREGS];  // B fragment: k = 2t + 8r (+1), token g of fragment f
 #pragma unroll
-      for (int kk = 0; kk < SUB; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 32, 8, 16, T, wmma::row_major> a;
-        wmma::load_matrix_sync(a, w_mine + kk, LDW);
+      for (int f = 0; f < NT; ++f)
 #pragma unroll
-        for (int f = 0; f < NT; ++f) {
-          wmma::fragment<wmma::matrix_b, 32, 8, 16, T, wmma::col_major> b;
-          wmma::load_matrix_sync(b, x_s + f * 8 * LDX + sub * SUB + kk, LDX);
-          wmma::mma_sync(acc[f], a, b, acc[f]);
+        for (int r = 0; r < BREGS; ++r)
+          b[f][r] = *reinterpret_cast<const uint32_t*>(x_s + (f * 8 + g) * LDX + kk + 2 * t + 8 * r);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const int ra = warp * 32 + mt * 16 + g, rb = ra + 8;
+        uint32_t lo_a, hi_a, lo_b, hi_b;
+        lane_codes<BITS>(reinterpret_cast<const uint32_t*>(buf + L::Q_OFF + ra * L::QS) + ks * L::WK, t, lo_a, hi_a);
+        lane_codes<BITS>(reinterpret_cast<const uint32_t*>(buf + L::Q_OFF + rb * L::QS) + ks * L::WK, t, lo_b, hi_b);
+        RowScale<T, HALF2> sa, sb;
+        sa.set(reinterpret_cast<const __half*>(buf + L::S_OFF + ra * L::GS)[gi],
+               reinterpret_cast<const __half*>(buf + L::Z_OFF + ra * L::GS)[gi]);
+        sb.set(reinterpret_cast<const __half*>(buf + L::S_OFF + rb * L::GS)[gi],
+               reinterpret_cast<const __half*>(buf + L::Z_OFF + rb * L::GS)[gi]);
+        const uint32_t a[4] = {sa(lo_a), sb(lo_b), sa(hi_a), sb(hi_b)};
+        uint32_t e = 0;
+        if constexpr (SPARSE) {
+          const uint32_t ia = reinterpret_cast<const uint32_t*>(buf + L::I_OFF + ra * L::IS)[ks];
+          const uint32_t ib = reinterpret_cast<const uint32_t*>(buf + L::I_OFF + rb * L::IS)[ks];
+          e = __byte_perm(ia, ib, meta_sel) | meta_fix[mt];
         }
+#pragma unroll
+        for (int f = 0; f < NT; ++f) mma<T, SPARSE>(acc[mt][f], a, b[f], e);
       }
-      __syncwarp();  // the next sub-step's expand overwrites w_mine
     }
   }
   cp_async_wait<0>();
 
-  // Accumulators -> this warp's weight buffer as [32 rows][8 tokens] floats -> lane = row.
-  const int row = row0 + r;
-  float* acc_s = reinterpret_cast<float*>(w_mine);
+  // Accumulator j of (mt, f): row g (+ 8 for j >= 2) of row tile mt, token f * 8 + 2t (+ 1 for odd j).
 #pragma unroll
   for (int f = 0; f < NT; ++f) {
-    wmma::store_matrix_sync(acc_s, acc[f], 8, wmma::mem_row_major);
-    __syncwarp();
-    if (row < N) {
 #pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        const int p = first + f * 8 + n;
-        if (p < end) {
-          const float v = acc_s[lane * 8 + n];
+    for (int j = 0; j < 2; ++j) {
+      const int p = first + f * 8 + 2 * t + j;
+      if (p >= end) continue;
+      const int64_t o_row = static_cast<int64_t>(order[p]) * out_stride;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + warp * 32 + mt * 16 + g + 8 * h;
+          if (row >= N) continue;
+          const float v = acc[mt][f][2 * h + j];
           if (ws == nullptr) {
-            T* o = out + static_cast<int64_t>(order[p]) * out_stride + row;
+            T* o = out + o_row + row;
             *o = from_float<T>(to_float(*o) + v);
           } else {
             ws[(static_cast<int64_t>(blockIdx.z) * ws_rows + p) * N + row] = v;
@@ -307,7 +361,6 @@ __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(
         }
       }
     }
-    __syncwarp();
   }
 }
 
@@ -327,25 +380,25 @@ __global__ void sbmm_splitk_reduce(T* __restrict__ out, const float* __restrict_
   }
 }
 
-template <typename T, int BITS, bool SPARSE, int NT>
+template <typename T, int BITS, bool SPARSE, int NT, int G, bool HALF2>
 cudaError_t launch(const void* x, void* out, float* ws, const int32_t* order, const int32_t* tiles, const void* qv,
                    const void* qi, const void* sc, const void* zr, const int64_t* qv_off, const int64_t* qi_off,
-                   const int64_t* g_off, int N, int K, int G, int64_t x_stride, int64_t out_stride, int grid_tiles,
+                   const int64_t* g_off, int N, int K, int64_t x_stride, int64_t out_stride, int grid_tiles,
                    int splits, int ws_rows, cudaStream_t stream) {
   constexpr int bytes = Layout<BITS, SPARSE, NT>::BYTES;
   static bool configured = false;  // once per instantiation: shared memory above the 48 KB default
   if (!configured) {
     const cudaError_t e =
-        cudaFuncSetAttribute(sbmm_kernel<T, BITS, SPARSE, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+        cudaFuncSetAttribute(sbmm_kernel<T, BITS, SPARSE, NT, G, HALF2>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
     configured = true;
   }
   const int stages = K / KS, per = (stages + splits - 1) / splits;
   const dim3 grid((N + ROWS - 1) / ROWS, grid_tiles, splits);
-  sbmm_kernel<T, BITS, SPARSE, NT><<<grid, ROWS, bytes, stream>>>(
+  sbmm_kernel<T, BITS, SPARSE, NT, G, HALF2><<<grid, ROWS, bytes, stream>>>(
       static_cast<const T*>(x), static_cast<T*>(out), splits > 1 ? ws : nullptr, order, tiles,
       static_cast<const uint32_t*>(qv), static_cast<const uint32_t*>(qi), static_cast<const __half*>(sc),
-      static_cast<const __half*>(zr), qv_off, qi_off, g_off, N, K, G, x_stride, out_stride, per, ws_rows);
+      static_cast<const __half*>(zr), qv_off, qi_off, g_off, N, K, x_stride, out_stride, per, ws_rows);
   if (splits > 1) {
     const dim3 rgrid(grid_tiles, (N + 255) / 256);
     sbmm_splitk_reduce<T><<<rgrid, 256, 0, stream>>>(static_cast<T*>(out), ws, order, tiles, N, ws_rows, splits,
@@ -354,17 +407,25 @@ cudaError_t launch(const void* x, void* out, float* ws, const int32_t* order, co
   return cudaGetLastError();
 }
 
+// The launch for the call's token fragments (nt), group size (G) and dequantisation (half2: float16
+// with integral zeros, RowScale).
 template <typename T, int BITS, bool SPARSE>
-cudaError_t by_tile(int nt, const void* x, void* out, float* ws, const int32_t* order, const int32_t* tiles,
-                    const void* qv, const void* qi, const void* sc, const void* zr, const int64_t* qv_off,
-                    const int64_t* qi_off, const int64_t* g_off, int N, int K, int G, int64_t xs, int64_t os,
-                    int grid_tiles, int splits, int ws_rows, cudaStream_t st) {
-#define DS_SBMM_NT(V)                                                                                              \
-  if (nt == V)                                                                                                     \
-    return launch<T, BITS, SPARSE, V>(x, out, ws, order, tiles, qv, qi, sc, zr, qv_off, qi_off, g_off, N, K, G, xs, \
-                                      os, grid_tiles, splits, ws_rows, st);
-  DS_SBMM_NT(1) DS_SBMM_NT(2)
-#undef DS_SBMM_NT
+cudaError_t by_tile(int nt, int G, bool half2, const void* x, void* out, float* ws, const int32_t* order,
+                    const int32_t* tiles, const void* qv, const void* qi, const void* sc, const void* zr,
+                    const int64_t* qv_off, const int64_t* qi_off, const int64_t* g_off, int N, int K, int64_t xs,
+                    int64_t os, int grid_tiles, int splits, int ws_rows, cudaStream_t st) {
+  constexpr bool can_half2 = std::is_same<T, __half>::value;
+#define DS_SBMM_LAUNCH(V, GS, H)                                                                                   \
+  if (nt == V && G == GS && half2 == H)                                                                            \
+    return launch<T, BITS, SPARSE, V, GS, H>(x, out, ws, order, tiles, qv, qi, sc, zr, qv_off, qi_off, g_off, N, K, \
+                                             xs, os, grid_tiles, splits, ws_rows, st);
+#define DS_SBMM_G(V, H) DS_SBMM_LAUNCH(V, 32, H) DS_SBMM_LAUNCH(V, 64, H) DS_SBMM_LAUNCH(V, 128, H)
+  DS_SBMM_G(1, false) DS_SBMM_G(2, false)
+  if constexpr (can_half2) {
+    DS_SBMM_G(1, true) DS_SBMM_G(2, true)
+  }
+#undef DS_SBMM_G
+#undef DS_SBMM_LAUNCH
   return cudaErrorInvalidValue;
 }
 
@@ -450,22 +511,25 @@ cudaError_t launch_dequant(void* dst, const void* qv, const void* qi, const void
 extern "C" {
 
 // One SBMM call (kernels/sbmm.py ``sbmm_cuda`` passes the arguments). dtype: 0 float16, 1 bfloat16;
-// block_m: the metadata's tokens per work tile (<= 16); splits: K splits (> 1 needs ws of
-// [splits, ws_rows, N] float32, ws_rows = the length of ``order``). Returns a cudaError_t.
+// block_m: the most tokens of any work tile (<= 16); half2: 1 when dtype is float16 and every slot the
+// call reads has integral zeros in (-1024, 1024); splits: K splits (> 1 needs ws of [splits, ws_rows, N]
+// float32, ws_rows = the length of ``order``). Returns a cudaError_t.
 int deltaserve_sbmm(const void* x, void* out, float* ws, const int32_t* order, const int32_t* tiles, const void* qv,
                     const void* qi, const void* sc, const void* zr, const int64_t* qv_off, const int64_t* qi_off,
                     const int64_t* g_off, int N, int K, int G, int64_t x_stride, int64_t out_stride, int bits,
-                    int sparse, int dtype, int block_m, int grid_tiles, int splits, int ws_rows, void* stream) {
+                    int sparse, int dtype, int half2, int block_m, int grid_tiles, int splits, int ws_rows,
+                    void* stream) {
   if (K % KS != 0 || (G != 32 && G != 64 && G != 128) || block_m < 1 || block_m > 16 || splits < 1 ||
-      grid_tiles < 0) {
+      grid_tiles < 0 || (half2 && dtype != 0)) {
     return cudaErrorInvalidValue;
   }
   if (grid_tiles == 0) return cudaSuccess;
   const int nt = block_m <= 8 ? 1 : 2;
   auto st = static_cast<cudaStream_t>(stream);
 #define DS_SBMM_CFG(TY, B, SP)                                                                                        \
-  return static_cast<int>(by_tile<TY, B, SP>(nt, x, out, ws, order, tiles, qv, qi, sc, zr, qv_off, qi_off, g_off, N, \
-                                             K, G, x_stride, out_stride, grid_tiles, splits, ws_rows, st));
+  return static_cast<int>(by_tile<TY, B, SP>(nt, G, half2 != 0, x, out, ws, order, tiles, qv, qi, sc, zr, qv_off,  \
+                                             qi_off, g_off, N, K, x_stride, out_stride, grid_tiles, splits, ws_rows, \
+                                             st));
   DS_BY_CONFIG(DS_SBMM_CFG)
 #undef DS_SBMM_CFG
   return static_cast<int>(cudaErrorInvalidValue);

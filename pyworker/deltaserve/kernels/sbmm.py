@@ -172,6 +172,9 @@ class DeltaMeta:
     """Rows of ``tiles`` = the launch grid's first dimension (decode: T; prefill: ``num_tiles``)."""
     block_m: int
     """Tokens per work tile; the kernel's BLOCK_M."""
+    tile_tokens: int
+    """The most tokens any work tile holds (<= ``block_m``; 0 without tiles): the CUDA op sizes its
+    token fragments by it (8 tokens of each of 8 deltas take one 8-token fragment, not two)."""
     dense: tuple[tuple[int, int, int], ...] = ()
     """(first token, end, slot) of each prefill segment computed with its delta dequantised once and
     one dense matmul (``segments``' ``dense_min_m``); its tokens are in no work tile."""
@@ -266,7 +269,8 @@ class DeltaMeta:
             slot_tokens=slot_tokens, decode=decode,
             order=torch.tensor(order, dtype=torch.int32, device=device),
             tiles=torch.tensor(table, dtype=torch.int32, device=device).reshape(grid_tiles, 3),
-            num_tiles=len(tiles), grid_tiles=grid_tiles, block_m=block_m, dense=tuple(dense),
+            num_tiles=len(tiles), grid_tiles=grid_tiles, block_m=block_m,
+            tile_tokens=max((e - s for s, e, _ in tiles), default=0), dense=tuple(dense),
         )  # fmt: skip
 
 
@@ -309,6 +313,10 @@ class DeltaWeights:
     """Host flags, one per slot: the slot holds a delta (``store``d); left empty at construction, every
     slot counts as loaded. A step that uses an empty slot is refused (its zero-filled region would
     silently add nothing)."""
+    integral_zeros: list[bool] = field(default_factory=list)
+    """Host flags, one per slot: every zero point of the slot is an integer in (-1024, 1024), as the
+    compressor writes them (set by ``store``; False where unknown). Float16 calls whose slots all have
+    them take the CUDA op's half2 dequantisation, which is exact only then (csrc/sbmm.cu RowScale)."""
     offset_alignment: tuple[int, int, int] = field(default=(0, 0, 0), init=False, repr=False, compare=False)
     """(qvalues, qindices, scales / zeros): the largest power of two up to 4 dividing every slot block's
     start address, in elements (buffer address plus slot offset; set by the offset check, the buffers
@@ -322,6 +330,8 @@ class DeltaWeights:
         n = self.qvalues_offsets.shape[0] if self.qvalues_offsets.dim() == 1 else -1
         if not self.loaded:
             self.loaded.extend([True] * max(n, 0))
+        if not self.integral_zeros:
+            self.integral_zeros.extend([False] * max(n, 0))
         # The layout rules of the format (bits, group size, shape) are pack.py's; check them there.
         _check_layout(self.bits, self.sparse, self.group_size, self.out_features, self.in_features)
         bufs = {"qvalues": (self.qvalues, torch.int32), "qindices": (self.qindices, torch.int32),
@@ -335,8 +345,9 @@ class DeltaWeights:
             if t.dim() != 1 or t.shape[0] != n or n < 1 or t.dtype != torch.int64 or t.stride(0) != 1:
                 raise ValueError(f"sbmm: {name} {list(t.shape)} {t.dtype}: want [num_slots >= 1] int64, contiguous, "
                                  f"like qvalues_offsets {list(self.qvalues_offsets.shape)}")
-        if len(self.loaded) != n:
-            raise ValueError(f"sbmm: {len(self.loaded)} loaded flags for {n} slots")
+        if len(self.loaded) != n or len(self.integral_zeros) != n:
+            raise ValueError(f"sbmm: {len(self.loaded)} loaded / {len(self.integral_zeros)} integral-zeros flags "
+                             f"for {n} slots")
         devices = {t.device for t in (*[b for b, _ in bufs.values()], *tables.values())}
         if len(devices) != 1:
             raise ValueError("sbmm: pool buffers and offset tables must be on one device, got "
@@ -432,6 +443,8 @@ class DeltaWeights:
             getattr(dst, name).copy_(t)
         self._forget(slot)
         self.loaded[slot] = True
+        z = dst.zeros
+        self.integral_zeros[slot] = bool(((z == z.round()) & (z.abs() < 1024)).all())  # one sync, at load time
 
     def clear(self, slot: int) -> None:
         """Marks slot ``slot`` empty; a step that uses it is refused until the next ``store``."""
@@ -917,9 +930,10 @@ _CUDA_GROUPS = (32, 64, 128)
 """Group sizes csrc/sbmm.cu takes (a stage's scales are copied as 4-byte pieces)."""
 _CUDA_MAX_M = 16
 """Largest work tile csrc/sbmm.cu takes (two 8-token MMA fragments)."""
-_CUDA_BLOCKS_PER_SM = 3
-"""K is split until a launch has this many blocks per SM (what fits in shared memory at once)."""
-_CUDA_ARGS = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+_CUDA_BLOCKS_PER_SM = 4
+"""K is split until a launch has this many blocks per SM (csrc/sbmm.cu's SBMM_MIN_BLOCKS: what its
+registers and two stages of shared memory allow at once)."""
+_CUDA_ARGS = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
 """``deltaserve_sbmm``'s C signature (csrc/sbmm.cu)."""
 _CUDA_DEQUANT_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
 """``deltaserve_dequant``'s C signature (csrc/sbmm.cu)."""
@@ -974,6 +988,12 @@ def _cuda_split(meta: DeltaMeta, w: DeltaWeights) -> int:
     return split
 
 
+def _half2_dequant(x: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> bool:
+    """Whether the CUDA op may dequantise in half2 arithmetic: float16 activations and every slot the
+    call reads with integral zeros (``DeltaWeights.integral_zeros``); the values are the same either way."""
+    return x.dtype == torch.float16 and all(w.integral_zeros[s] for s in meta.slots)
+
+
 def sbmm_cuda(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
     """csrc/sbmm.cu for ``sbmm`` (no dispatch), in place on ``out``: one launch for all deltas (plus a
     reduction launch when K is split). Raises when the op is unavailable or does not fit the call."""
@@ -1006,7 +1026,8 @@ def _launch_cuda(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, w: DeltaW
         meta.tiles.data_ptr(), w.qvalues.data_ptr(), w.qindices.data_ptr() if w.sparse else None,
         w.scales.data_ptr(), w.zeros.data_ptr(), w.qvalues_offsets.data_ptr(), w.qindices_offsets.data_ptr(),
         w.group_offsets.data_ptr(), w.out_features, w.in_features, w.group_size, x.stride(0), out.stride(0),
-        w.bits, int(w.sparse), _CUDA_DTYPES[x.dtype], meta.block_m, meta.grid_tiles, split, rows,
+        w.bits, int(w.sparse), _CUDA_DTYPES[x.dtype], int(_half2_dequant(x, w, meta)), meta.tile_tokens,
+        meta.grid_tiles, split, rows,
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     cuda_ext.check(lib, code, "sbmm_cuda")
