@@ -10,7 +10,7 @@ compress``) is ``W_base + Δ̃`` for every tensor it changed, and ``W_base + Δ�
             kernels.sbmm.sbmm(x, out[:, slice], weights, meta) out[t, slice] += x[t] Δ̃_{d(t)}^T, packed
         out[rows of slot d, slice] += Δbias_d                  dense bias deltas (Qwen2's qkv biases)
     model.embed_tokens -> DeltaEmbedding    out[rows of d] += Δembed_d[ids]            dense fp16 delta
-    layer norms        -> DeltaRMSNorm      out[rows of d] = (w + Δw_d) * norm(x)[rows] (HF's order)
+    layer norms        -> DeltaRMSNorm      out[r] = norm(x)[r] * (w + Δw_{d(r)})  (HF's order; one gather)
     model.norm         -> DeltaRMSNorm over the logits rows (the final norm runs on them only)
     lm_head            -> DeltaLmHead       out[rows of d] += x[rows] Δhead_d^T       (tied: Δembed_d)
 
@@ -54,6 +54,14 @@ class DeltaStep:
         """Config -> (layer, HF proj) -> the packed pool (owned by ``DeltaPool``, filled in place)."""
         self.dense: list[dict[str, torch.Tensor]] = []
         """Slot -> HF tensor name -> dense delta in the model dtype (owned by ``DeltaPool``)."""
+        self.norm_tables: dict[str, torch.Tensor] = {}
+        """Norm weight name -> ``[slots + 1, hidden]`` table: row 0 zeros (no delta), row s + 1 slot s's
+        delta of that norm (zeros where it has none). ``DeltaPool`` keeps it in step with ``dense``, so a
+        delta step's norm gathers every row's delta at once instead of one update per slot."""
+        self.token_index: torch.Tensor | None = None
+        """[T] int64 on the device: slot + 1 of each token of the step (0: no delta): rows of ``norm_tables``."""
+        self.logit_index: torch.Tensor | None = None
+        """[logits rows] int64: the same for the logits rows."""
 
     @property
     def active(self) -> bool:
@@ -153,9 +161,9 @@ class DeltaRMSNorm(RMSNorm):
             normed = rmsnorm(x, ones, self.eps)  # 1 * x_normed: exact
         else:
             normed, residual = fused_add_rmsnorm(x, residual, ones, self.eps)
-        out = normed * self.weight
-        for rows, d in deltas:
-            out[rows] = normed[rows] * (self.weight + d)
+        # Row r: normed[r] * (w + Δw_{d(r)}), Δw = 0 without a delta: one gather for every slot.
+        index = self.step.logit_index if self.logits else self.step.token_index
+        out = normed * (self.weight + self.step.norm_tables[self.name].index_select(0, index))
         return out if residual is None else (out, residual)
 
 
@@ -179,16 +187,23 @@ class DeltaLmHead(nn.Linear):
         return out
 
 
+def norm_delta_names(model: DecoderLM) -> set[str]:
+    """The RMSNorm weight names ``attach_deltas`` wraps (``DeltaStep.norm_tables``' keys)."""
+    names = {"model.norm.weight"}
+    for i in range(len(model.model.layers)):
+        names.add(f"model.layers.{i}.input_layernorm.weight")
+        names.add(f"model.layers.{i}.post_attention_layernorm.weight")
+    return names
+
+
 def dense_delta_names(model: DecoderLM) -> set[str]:
     """Every dense tensor name a delta may change in ``model`` (what ``attach_deltas`` applies)."""
     cfg = model.config
-    names = {DeltaEmbedding.NAME, "model.norm.weight"}
+    names = {DeltaEmbedding.NAME} | norm_delta_names(model)
     if not cfg.tie_word_embeddings:
         names.add("lm_head.weight")
     slots = linear_slots(cfg)
     for i, layer in enumerate(model.model.layers):
-        names.add(f"model.layers.{i}.input_layernorm.weight")
-        names.add(f"model.layers.{i}.post_attention_layernorm.weight")
         for proj, s in slots.items():
             if layer.get_submodule(s.module).bias is not None:
                 names.add(f"{hf_module_name(i, proj)}.bias")
@@ -212,7 +227,7 @@ def attach_deltas(model: DecoderLM, step: DeltaStep) -> None:
             parent_path, _, leaf = module_path.rpartition(".")
             parent = layer.get_submodule(parent_path)
             setattr(parent, leaf, DeltaLinear(getattr(parent, leaf), step, i, slices))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for norm in ("input_layernorm", "post_attention_layernorm"):  # the names of norm_delta_names
             setattr(layer, norm, DeltaRMSNorm(getattr(layer, norm), step, f"model.layers.{i}.{norm}.weight", False))
     backbone = model.model
     backbone.embed_tokens = DeltaEmbedding(backbone.embed_tokens, step)

@@ -46,7 +46,7 @@ from ..kernels.sbmm import DeltaMeta, DeltaWeights, cuda_tile_cap, dense_min_m, 
 from ..model.arch import ModelConfig
 from ..model.batch import host_to_device
 from ..model.decoder import DecoderLM, linear_slots
-from .delta_layers import ConfigKey, DeltaStep, dense_delta_names
+from .delta_layers import ConfigKey, DeltaStep, dense_delta_names, norm_delta_names
 from .host_tier import HostTier
 from .pinned_arena import PinnedArena, give_back, host_buffer, release_hook
 
@@ -116,6 +116,8 @@ class DeltaPool:
         self.step = DeltaStep()
         """What the delta-aware modules read; its pools are this pool's."""
         self.step.dense = [{} for _ in range(max_deltas)]
+        self.step.norm_tables = {n: torch.zeros(max_deltas + 1, self.config.hidden_size, dtype=dtype, device=device)
+                                 for n in norm_delta_names(model)}  # fmt: skip
         self.arena = arena
         """Host memory the payloads are read into (pinned at start-up on CUDA, shared with the adapter
         pool; ``pinned_arena.py``), or None: each payload is allocated (and pinned on CUDA) on its own."""
@@ -255,6 +257,12 @@ class DeltaPool:
             for k, p in copy.packed.items():  # every delta packs every block linear (_validate)
                 pools[k].store(slot, p.to(self.device))
         self.step.dense[slot] = {n: t.to(self.device, non_blocking=True).to(self.dtype) for n, t in copy.dense.items()}
+        for name, table in self.step.norm_tables.items():
+            d = self.step.dense[slot].get(name)
+            if d is None:
+                table[slot + 1].zero_()
+            else:
+                table[slot + 1].copy_(d)
         self.slot_of[delta_id] = slot
         self.key_of[delta_id] = copy.key
 
@@ -266,6 +274,8 @@ class DeltaPool:
             if w.loaded[slot]:
                 w.clear(slot)
         self.step.dense[slot] = {}
+        for table in self.step.norm_tables.values():
+            table[slot + 1].zero_()
 
     def apply(self, op: wire.AdapterOp) -> None:
         """Executes one (already validated) op for a delta id."""
@@ -301,6 +311,8 @@ class DeltaPool:
         lt = torch.tensor([self.slot_of.get(v, -1) for v in logit_ids], dtype=torch.int64)
         self.step.logit_rows = {s: host_to_device(r, dev) for s in sorted(used)
                                 if (r := torch.nonzero(lt == s).flatten()).numel()}
+        self.step.token_index = host_to_device(t + 1, dev)
+        self.step.logit_index = host_to_device(lt + 1, dev)
         metas = []
         slot_id = {s: d for d, s in self.slot_of.items()}
         for key in sorted({self.key_of[slot_id[s]] for s in used}):
@@ -320,6 +332,7 @@ class DeltaPool:
         self.step.metas = ()
         self.step.token_rows = {}
         self.step.logit_rows = {}
+        self.step.token_index = self.step.logit_index = None
 
     def close(self) -> None:
         self.host.close()
