@@ -18,8 +18,8 @@
 //         (g = lane / 4, t = lane % 4) holds rows g and g + 8, 2:4 chunks t and t + 4 (dense: columns
 //         2t, 2t + 1 and 2t + 8, 2t + 9). With the packed format that is byte t of the row's two
 //         words (4-bit) or nibbles t and t + 4 of its word (2-bit): a byte permute spreads each pair
-//         of codes to the two halves of a register, which become (code - zero) * scale there (fp32,
-//         rounded once to the activation dtype: pack.dequantize's values, bit for bit).
+//         of codes to the two halves of a register, which become (code - zero) * scale there:
+//         pack.dequantize's values (RowScale: fp32, or half2 where that is exact too).
 //       2:4: the qindices word of the k-step is the MMA's sparsity metadata as it is (2 bits a kept
 //         value, chunk c at nibble c): lane t = 0 passes the low halves of rows g and g + 8, lane 1
 //         the high halves; ``mma.sp::ordered_metadata.m16n8k32`` then skips the pruned columns in
@@ -157,36 +157,32 @@ template <> struct RowScale<__half, true> {
 };
 
 // d += A (16 x KSTEP) B (KSTEP x 8): 2:4 ``mma.sp`` with metadata ``e`` (b: 4 registers), dense ``mma`` (b: 2).
+// TY: the PTX type of A and B ("f16" / "bf16"); one instruction text for both dtypes.
+#define DS_MMA_SP(TY)                                                                                            \
+  asm volatile("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32." TY "." TY                         \
+               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, 0x0;\n"                    \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                 \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e))
+#define DS_MMA_DENSE(TY)                                                                                         \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY                                                \
+               ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                    \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                 \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
 template <typename T, bool SPARSE> __device__ __forceinline__ void mma(float* d, const uint32_t* a, const uint32_t* b,
                                                                        uint32_t e) {
-  if constexpr (SPARSE) {
-    if constexpr (sizeof(T) == 2 && std::is_same<T, __half>::value) {
-      asm volatile(
-          "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-          "{%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, 0x0;\n"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e));
-    } else {
-      asm volatile(
-          "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-          "{%8,%9,%10,%11}, {%0,%1,%2,%3}, %12, 0x0;\n"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e));
-    }
+  constexpr bool f16 = std::is_same<T, __half>::value;
+  if constexpr (SPARSE && f16) {
+    DS_MMA_SP("f16");
+  } else if constexpr (SPARSE) {
+    DS_MMA_SP("bf16");
+  } else if constexpr (f16) {
+    DS_MMA_DENSE("f16");
   } else {
-    if constexpr (std::is_same<T, __half>::value) {
-      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                   "{%0,%1,%2,%3};\n"
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    } else {
-      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                   "{%0,%1,%2,%3};\n"
-                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
+    DS_MMA_DENSE("bf16");
   }
 }
+#undef DS_MMA_SP
+#undef DS_MMA_DENSE
 
 template <typename T, int BITS, bool SPARSE, int NT, int G, bool HALF2>
 __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(
