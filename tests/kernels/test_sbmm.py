@@ -502,21 +502,19 @@ two 128-row blocks with a partial last one."""
 
 def test_integral_zero_flags_follow_each_store() -> None:
     """``store`` records per slot whether every zero is an integer in (-1024, 1024) (the CUDA op's half2
-    dequantisation is exact only then); a call takes it only in float16 with every slot it reads so."""
+    dequantisation is exact only then), on the host and in the device flags the op reads per block."""
     shape = CUDA_SHAPES[0]
     w = pool(4, True, shape, integral_zeros=True)
     assert w.integral_zeros == [s != EMPTY_SLOT for s in range(NUM_SLOTS)]  # the empty slot: never stored
+    assert w.half2_ok.device == w.qvalues.device and w.half2_ok.tolist() == [int(f) for f in w.integral_zeros]
     frac = deltas(4, True, shape)[1]
     w.store(1, frac)
     assert not w.integral_zeros[1] and w.integral_zeros[2]
-    x = randn(3, shape[0], dtype=torch.float16, seed=1)
-    assert sbmm_mod._half2_dequant(x, w, DeltaMeta.rows([2, 2, 3], DEVICE))
-    assert not sbmm_mod._half2_dequant(x, w, DeltaMeta.rows([2, 1, 3], DEVICE))
-    assert not sbmm_mod._half2_dequant(x.to(torch.bfloat16), w, DeltaMeta.rows([2, 2, 3], DEVICE))
     big = deltas(4, True, shape, integral_zeros=True)[2]
     big = dataclasses.replace(big, zeros=big.zeros + 1024)  # integral, but 1024 + zero is not exact in float16
     w.store(2, big)
     assert not w.integral_zeros[2]
+    assert w.half2_ok.tolist() == [int(f) for f in w.integral_zeros] == [1, 0, 0, 1, 0, 1]
 
 
 def test_tile_tokens_is_the_fullest_work_tile() -> None:
@@ -562,7 +560,7 @@ def test_cuda_op_equals_reference(config: tuple[int, bool], dtype: torch.dtype, 
             x = randn(meta.num_tokens, shape[0], dtype=dtype, seed=seed + 1)
             base = randn(meta.num_tokens, shape[1], dtype=dtype, seed=seed + 2)
             assert sbmm_mod.cuda_supports(x, w, meta) is None
-            assert sbmm_mod._half2_dequant(x, w, meta) == (zeros == "integral" and dtype == torch.float16)
+            assert bool(w.half2_ok.any()) == (zeros == "integral")
             want = sbmm_ref(x, base.clone(), w, meta)
             got = sbmm_mod.sbmm_cuda(x, base.clone(), w, meta)
             close(got, want)
@@ -573,17 +571,18 @@ def test_cuda_op_equals_reference(config: tuple[int, bool], dtype: torch.dtype, 
 @pytest.mark.parametrize("split", [None, 2, 3])
 def test_cuda_op_split_k_and_strided_out(split: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """K split over blocks (as chosen for one token of one delta, and forced to 2 and 3: uneven
-    splits), partials summed by the reduction launch; ``out`` a column slice of a wider tensor (the
-    fused projections' case) and ``x`` a strided view."""
+    splits), partials summed by the split that arrives last; ``out`` a column slice of a wider tensor
+    (the fused projections' case) and ``x`` a strided view."""
     cuda_op_or_skip()
+    lib = sbmm_mod.cuda_ext.library("sbmm")
     if split is not None:
-        monkeypatch.setattr(sbmm_mod, "_cuda_split", lambda meta, w: split)
+        monkeypatch.setattr(sbmm_mod, "_cuda_split", lambda *args: split)
     shape = (1024, 136, 64)
     w = make_delta_weights([random_packed(shape[1], shape[0], 4, True, 64, s) for s in range(3)])
     for slots in ([1], [2, -1, 0, 2]):
         meta = DeltaMeta.rows(slots, DEVICE)
         if split is None:
-            assert sbmm_mod._cuda_split(meta, w) > 1
+            assert sbmm_mod._cuda_split(lib, 2, meta.num_tiles, shape[0], DEVICE) > 1
         x = randn(meta.num_tokens, 2 * shape[0], dtype=torch.float16, seed=1)[:, ::2]
         wide = randn(meta.num_tokens, shape[1] + 40, dtype=torch.float16, seed=2)
         want = sbmm_ref(x, wide[:, 8 : 8 + shape[1]].clone(), w, meta)
@@ -628,10 +627,122 @@ def test_cuda_op_in_a_cuda_graph() -> None:
         assert new.block_m == meta.block_m and new.grid_tiles == meta.grid_tiles
         meta.order.copy_(new.order)
         meta.tiles.copy_(new.tiles)
+        meta.tile_count.copy_(new.tile_count)
         x.copy_(randn(8, shape[0], dtype=torch.bfloat16, seed=seed))
         out.zero_()
         graph.replay()
         close(out, sbmm_ref(x, torch.zeros_like(out), w, new))
+
+
+def test_cuda_split_rule() -> None:
+    """csrc/sbmm.cu's split rule (the one copy; ``_cuda_split`` asks the library): the fewest splits that
+    give every SM its ``_CUDA_BLOCKS_PER_SM`` blocks, each split keeping at least two stages of 256 columns."""
+    cuda_op_or_skip()
+    lib = sbmm_mod.cuda_ext.library("sbmm")
+    split = functools.partial(sbmm_mod._cuda_split, lib)
+    slots = sbmm_mod._CUDA_BLOCKS_PER_SM * sbmm_mod._sm_count(DEVICE)
+    assert split(1, 1, 4096, DEVICE) == 8  # one block: split while each split keeps >= 2 stages (16 / 8)
+    assert split(1, 1, 512, DEVICE) == 1  # two stages: no split leaves each >= 2
+    assert split(slots, 1, 4096, DEVICE) == 1  # the SMs are full already
+    assert split(slots // 2, 1, 4096, DEVICE) == 2 and split(slots // 2 - 1, 1, 4096, DEVICE) == 4
+    for rb, tiles in ((86, 8), (32, 8), (32, 1), (172, 8)):
+        s = split(rb, tiles, 4096, DEVICE)
+        assert rb * tiles * s >= slots or s == 8
+        assert s == 1 or rb * tiles * (s // 2) < slots
+
+
+def stacked_pools(bits: int, sparse: bool, in_f: int, outs: tuple[int, ...], group: int,
+                  integral_zeros: bool = False) -> list[DeltaWeights]:
+    """One pool per slice (a fused module's projections), each with its own deltas in every slot."""
+    return [make_delta_weights([None if s == EMPTY_SLOT else
+                                random_packed(n, in_f, bits, sparse, group, 97 * i + s, integral_zeros)
+                                for s in range(NUM_SLOTS)]) for i, n in enumerate(outs)]  # fmt: skip
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_stacked_equals_per_slice(popularity: str) -> None:
+    """``sbmm_stacked`` over a fused module's slices (q, k, v of a GQA model: different widths, a gap
+    between two slices) equals ``sbmm`` on each slice's columns: the Triton path under the interpreter,
+    and on CUDA the one-launch CUDA op (float16 with per-slot half2 flags, and bfloat16)."""
+    in_f, outs, cols = 256, (136, 40, 40), (0, 136, 184)
+    for integral in (False, True):
+        ws = stacked_pools(4, True, in_f, outs, 64, integral_zeros=integral)
+        slices = list(zip(ws, cols))
+        for mode in ("segments", "rows"):
+            seed = zlib.crc32(f"stacked/{popularity}/{mode}/{integral}".encode()) % 10_000
+            meta = cuda_meta(mode, request_deltas(popularity, 4 if mode == "segments" else 12, seed), seed)
+            for dtype in (torch.float16, torch.bfloat16) if DEVICE.type == "cuda" else (torch.float32,):
+                x = randn(meta.num_tokens, in_f, dtype=dtype, seed=seed + 1)
+                base = randn(meta.num_tokens, 240, dtype=dtype, seed=seed + 2)
+                want = base.clone()
+                for w, col in slices:
+                    sbmm_ref(x, want[:, col : col + w.out_features], w, meta)
+                got = sbmm_mod.sbmm_stacked(x, base.clone(), slices, meta, use_triton=True)
+                close(got, want)
+                assert torch.equal(got[:, 224:], base[:, 224:]), "columns outside every slice stay as they are"
+                if DEVICE.type == "cuda":
+                    cuda_op_or_skip()
+                    close(sbmm_mod.sbmm_stacked_cuda(x, base.clone(), slices, meta), want)
+                    one = base.clone()  # the default dispatch takes the one-launch op
+                    assert torch.equal(sbmm_mod.sbmm_stacked(x, one, slices, meta),
+                                       sbmm_mod.sbmm_stacked_cuda(x, base.clone(), slices, meta))
+
+
+def test_stacked_refuses_bad_slices() -> None:
+    """Overlapping or out-of-range columns, slices of another config or width, and more slices than one
+    CUDA launch takes: a ValueError naming it, and ``out`` unchanged."""
+    ws = stacked_pools(4, True, 256, (48, 48), 64)
+    other = stacked_pools(2, True, 256, (48,), 64)[0]
+    meta = DeltaMeta.rows([0, 1, -1], DEVICE)
+    x = randn(3, 256, dtype=torch.float16 if DEVICE.type == "cuda" else torch.float32, seed=1)
+    out = randn(3, 100, dtype=x.dtype, seed=2)
+    keep = out.clone()
+    for slices, match in (([(ws[0], 0), (ws[1], 40)], "overlaps"), ([(ws[0], 0), (ws[1], 60)], "outside"),
+                          ([(ws[0], 0), (other, 50)], "has \\(bits"), ([], "at least one slice")):
+        with pytest.raises(ValueError, match=match):
+            sbmm_mod.sbmm_stacked(x, out, slices, meta, use_triton=True)
+        assert torch.equal(out, keep)
+    if DEVICE.type == "cuda":
+        cuda_op_or_skip()
+        four = stacked_pools(4, True, 256, (16, 16, 16, 16), 64)
+        with pytest.raises(ValueError, match="at most 3"):
+            sbmm_mod.sbmm_stacked_cuda(x, out, [(w, 16 * i) for i, w in enumerate(four)], meta)
+
+
+def test_cuda_graph_split_follows_the_step() -> None:
+    """A launch captured over static decode metadata takes the grid of the most splits any tile count
+    wants, and its blocks recompute the split from ``tile_count`` at every replay: the result equals an
+    eager launch of the same step bit for bit (same split, same summation order), for steps of 1 to many
+    tiles, through one fused launch of two slices."""
+    cuda_op_or_skip()
+    in_f, outs = 2048, (3072, 2048)  # 40 row blocks: 1 tile splits K by 4, 10 tiles by 2, 20 tiles not at all
+    ws = stacked_pools(4, True, in_f, outs, 64, integral_zeros=True)
+    slices = [(ws[0], 0), (ws[1], 3072)]
+    rows = 40
+    x = randn(rows, in_f, dtype=torch.float16, seed=1)
+    out = torch.zeros(rows, 5120, dtype=torch.float16, device=DEVICE)
+    meta = DeltaMeta.rows([-1] * rows, DEVICE, max_block_m=2)  # static buffers: no tile yet
+    meta = dataclasses.replace(meta, tile_tokens=2)
+    sbmm_mod.sbmm_stacked_cuda(x, out, slices, meta)  # eager warm-up (allocates the split counters)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sbmm_mod.sbmm_stacked_cuda(x, out, slices, meta)
+    lib = sbmm_mod.cuda_ext.library("sbmm")
+    seen = set()
+    for seed, slots in enumerate(([0], [1] * 20 + [-1] * 4, [0, 1, 2, 3, 5] * 4 + [-1] * 4,
+                                  [i % 6 if i % 6 != EMPTY_SLOT else -1 for i in range(rows)])):
+        slots = slots + [-1] * (rows - len(slots))
+        new = DeltaMeta.rows(slots, DEVICE, max_block_m=2)
+        seen.add(sbmm_mod._cuda_split(lib, 40, new.num_tiles, in_f, DEVICE))
+        for name in ("order", "tiles", "tile_count"):
+            getattr(meta, name).copy_(getattr(new, name))
+        x.copy_(randn(rows, in_f, dtype=torch.float16, seed=10 + seed))
+        out.zero_()
+        graph.replay()
+        eager = sbmm_mod.sbmm_stacked_cuda(x, torch.zeros_like(out), slices, dataclasses.replace(new, tile_tokens=2))
+        assert torch.equal(out, eager)
+    assert seen == {1, 2, 4}, f"the steps should want every split: {seen}"
 
 
 def test_cuda_op_refuses_what_it_cannot_run() -> None:
@@ -665,10 +776,14 @@ def test_cuda_tile_cap() -> None:
     assert segs.tiles.tolist() == [[0, 16, 0], [16, 32, 0], [32, 40, 0], [40, 42, 3]]
     assert DeltaMeta.rows([0] * 40, DEVICE).block_m == 64
     assert DeltaMeta.segments([40], [0], DEVICE).block_m == 64
-    for make in (lambda: DeltaMeta.rows([0] * 40, DEVICE, max_block_m=8),
-                 lambda: DeltaMeta.segments([40], [0], DEVICE, max_block_m=8)):
-        with pytest.raises(ValueError, match="max_block_m 8 is below"):
-            make()
+    for meta in (DeltaMeta.rows([0] * 40, DEVICE, max_block_m=8), DeltaMeta.segments([40], [0], DEVICE, max_block_m=8)):
+        assert meta.block_m == 8 and meta.num_tiles == 5  # one CUDA MMA fragment per tile: the CUDA op's only
+        w8 = pool(4, True, CUDA_SHAPES[0])
+        x8 = randn(40, CUDA_SHAPES[0][0], dtype=torch.float16, seed=3)
+        with pytest.raises(ValueError, match="work tiles of 8 tokens"):
+            sbmm_triton(x8, randn(40, CUDA_SHAPES[0][1], dtype=torch.float16, seed=4), w8, meta)
+    with pytest.raises(ValueError, match="max_block_m 0 must be >= 1"):
+        DeltaMeta.rows([0] * 40, DEVICE, max_block_m=0)
     shape = CUDA_SHAPES[0]
     w = pool(4, True, shape)
     x = randn(43, shape[0], dtype=torch.float16, seed=1)

@@ -6,7 +6,9 @@
 // and the call fits it (``sbmm.cuda_supports``); ``sbmm_ref`` is the reference it is tested against.
 //
 // Work split: block (row block, work tile, K split) computes ROWS = 128 output rows of one tile's
-// tokens (8 * NT, NT = 1 or 2 fragments of 8) over its share of K, in stages of KS = 256 columns:
+// tokens (8 * NT, NT = 1 or 2 fragments of 8) over its share of K, in stages of KS = 256 columns. A call
+// may hold up to three linears of one fused module (``Slice``: q, k, v or gate, up, each its own pool and
+// columns of out): their row blocks follow each other along the grid's x, one launch for the module.
 //
 //     stage s (cp.async, STAGES in flight; consecutive threads copy consecutive 16 bytes of a row):
 //       raw words   [ROWS][qvalues bytes + 16]   (4-bit 2:4: 64 + 16 bytes per row; +16: no bank conflicts)
@@ -24,11 +26,15 @@
 //         value, chunk c at nibble c): lane t = 0 passes the low halves of rows g and g + 8, lane 1
 //         the high halves; ``mma.sp::ordered_metadata.m16n8k32`` then skips the pruned columns in
 //         hardware. Dense: ``mma.m16n8k16``. B (x) fragments come from shared memory; fp32 accumulators.
+//     The half2 or the fp32 dequantisation is picked per block from the slot's flag (``Slice::half2``).
 //     end: out[order[p], row] = dtype(out + acc)  (one split: the op's one rounding), or
-//          ws[split, p, row] = acc and sbmm_splitk_reduce adds the splits in a fixed order.
+//          ws[split, p, row] = acc; the split of the (tile, row block) that arrives last (an atomic
+//          counter, reset by it) adds the splits in a fixed order to out: one rounding, deterministic.
 //
 // Nothing is read for padding tiles (slot -1): their blocks return at once. The grid and the
-// arguments depend on the step's metadata tensors only, so the launch can be captured in a graph.
+// arguments depend on the step's metadata tensors only, so the launch can be captured in a graph: a
+// captured grid has the most K splits any step takes, and its blocks recompute the split from the
+// step's tile count (``tile_count``, on the device), exactly as an eager launch of that step splits.
 //
 // A second entry, ``deltaserve_dequant``, writes one slot's delta as a dense [N, K] tensor of the
 // activation dtype (kernels/sbmm.py ``dequantize_slot``: long prefill segments multiply it with one
@@ -184,34 +190,69 @@ template <typename T, bool SPARSE> __device__ __forceinline__ void mma(float* d,
 #undef DS_MMA_SP
 #undef DS_MMA_DENSE
 
+// One linear of a call: a fused module (qkv, gate_up) passes one per HF projection it holds, each with its
+// own pool, writing its own columns of out; a plain call passes one at column 0.
+struct Slice {
+  const uint32_t* qv;
+  const uint32_t* qi;       // 2:4 position words (unused when dense)
+  const __half* sc;
+  const __half* zr;
+  const int64_t* qv_off;    // per-slot element offsets into the buffers above
+  const int64_t* qi_off;
+  const int64_t* g_off;
+  const uint8_t* half2;     // per-slot flags: 1 where half2 dequantisation is exact (float16 only; may be null)
+  int n;                    // the slice's rows (output features)
+  int col;                  // its first column of out (and of the workspace)
+  int rb0;                  // its first row block in the grid's x dimension
+};
+constexpr int MAX_SLICES = 3;
+
+template <typename T> struct Call {
+  Slice sl[MAX_SLICES];
+  int slices;
+  const T* x;
+  T* out;
+  float* ws;                 // [max splits, ws_rows, ws_cols] float32 partials (null when the grid has one split)
+  int* counters;             // [grid tiles, row blocks] arrival counts of the splits, zero between launches
+  const int32_t* order;
+  const int32_t* tiles;
+  const int32_t* tile_count; // [1] real work tiles of the step (device), or null: split = the grid's z
+  int K;
+  int64_t x_stride, out_stride;
+  int ws_rows, ws_cols;
+  int slots;                 // blocks the device runs at once (blocks per SM x SMs): the split rule's wave size
+};
+
+// K splits of a launch with ``row_blocks`` x ``tiles`` blocks per split, ``stages`` stages of KS columns: the
+// fewest of 1, 2, 4, .. up to ``cap`` that give ``slots`` blocks (SBMM_MIN_BLOCKS per SM, all of them
+// resident), each split keeping >= 2 stages. The kernel is bound by its dequantising instructions, so an SM
+// wants its full complement of blocks; splitting further only adds partials (measured on an H200: a split
+// by wave quantisation lost 10-25 % against this rule). The host sizes the grid with it
+// (``deltaserve_sbmm_split``); the blocks of a captured launch recompute it from the step's real tile
+// count, so a graph replay splits as an eager launch of the same step would.
+__host__ __device__ inline int split_for(int row_blocks, int tiles, int stages, int slots, int cap) {
+  const long long blocks = static_cast<long long>(row_blocks) * (tiles > 0 ? tiles : 1);
+  int split = 1;
+  while (split < cap && split < 16 && blocks * split < slots && stages >= 4 * split) split *= 2;
+  return split;
+}
+
+// The block's share of one tile x 128 rows of one slice, over stages [s_lo, s_hi): acc += delta x^T.
 template <typename T, int BITS, bool SPARSE, int NT, int G, bool HALF2>
-__global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(
-    const T* __restrict__ x, T* __restrict__ out, float* __restrict__ ws, const int32_t* __restrict__ order,
-    const int32_t* __restrict__ tiles, const uint32_t* __restrict__ qvalues, const uint32_t* __restrict__ qindices,
-    const __half* __restrict__ scales, const __half* __restrict__ zeros, const int64_t* __restrict__ qv_offsets,
-    const int64_t* __restrict__ qi_offsets, const int64_t* __restrict__ group_offsets, int N, int K,
-    int64_t x_stride, int64_t out_stride, int stages_per_split, int ws_rows) {
+__device__ __forceinline__ void sbmm_mainloop(const Call<T>& c, const Slice& sl, int slot, int row0, int first,
+                                              int end, int s_lo, int s_hi, float (&acc)[2][NT][4]) {
   using L = Layout<BITS, SPARSE, NT>;
   constexpr int TM = L::TM, KSTEP = L::KSTEP, BREGS = KSTEP / 8;
-
-  const int tile = blockIdx.y;
-  const int slot = tiles[tile * 3 + 2];
-  if (slot < 0) return;  // a padding row of the tile table
-  const int first = tiles[tile * 3], end = tiles[tile * 3 + 1];
-
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int row0 = blockIdx.x * ROWS;
-  const int stages = K / KS;
-  const int s_lo = blockIdx.z * stages_per_split;
-  const int s_hi = min(stages, s_lo + stages_per_split);
+  const int N = sl.n, K = c.K;
 
   // The slot's blocks; row strides in elements.
   const int64_t qv_row = K / (SPARSE ? 2 : 1) * BITS / 32, qi_row = SPARSE ? K / 32 : 0, g_row = K / G;
-  const uint32_t* qv = qvalues + qv_offsets[slot];
-  const uint32_t* qi = SPARSE ? qindices + qi_offsets[slot] : qvalues;
-  const __half* sc = scales + group_offsets[slot];
-  const __half* zr = zeros + group_offsets[slot];
+  const uint32_t* qv = sl.qv + sl.qv_off[slot];
+  const uint32_t* qi = SPARSE ? sl.qi + sl.qi_off[slot] : sl.qv;
+  const __half* sc = sl.sc + sl.g_off[slot];
+  const __half* zr = sl.zr + sl.g_off[slot];
   constexpr int gb = KS / G * 2;  // scale bytes per row and stage (16, 8 or 4: G = 32, 64, 128)
   // Stage s's packed words, scales and x columns -> buffer s % STAGES (one commit group per call,
   // empty past the split). Consecutive threads copy consecutive 16 bytes of a row: coalesced. A
@@ -230,7 +271,7 @@ __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(
   for (int i = 0; i < XN; ++i) {
     const int m = tid / XP + i * (ROWS / XP);
     x_ok[i] = first + m < end;
-    x_src[i] = x + (x_ok[i] ? static_cast<int64_t>(order[first + m]) * x_stride : 0) + (tid % XP) * 8;
+    x_src[i] = c.x + (x_ok[i] ? static_cast<int64_t>(c.order[first + m]) * c.x_stride : 0) + (tid % XP) * 8;
   }
   auto issue = [&](int s) {
     if (s < s_hi) {
@@ -262,19 +303,11 @@ __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(
 #pragma unroll
       for (int i = 0; i < XN; ++i) {
         const int m = tid / XP + i * (ROWS / XP);
-        cp_async<16>(buf + L::X_OFF + (m * LDX + (tid % XP) * 8) * 2, x_ok[i] ? x_src[i] + s * KS : x, x_ok[i]);
+        cp_async<16>(buf + L::X_OFF + (m * LDX + (tid % XP) * 8) * 2, x_ok[i] ? x_src[i] + s * KS : c.x, x_ok[i]);
       }
     }
     cp_async_commit();
   };
-
-  float acc[2][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int f = 0; f < NT; ++f)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) acc[mt][f][j] = 0.f;
 
   // This lane's rows: row tile mt holds block rows warp * 32 + mt * 16 + g (+ 8). Rows past N were
   // zero-filled; their all-zero 2:4 metadata would be invalid for the MMA, so they get positions 0, 1.
@@ -332,15 +365,58 @@ __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(
     }
   }
   cp_async_wait<0>();
+}
+
+// Block (row block of some slice, work tile, K split). With one split it adds its products to out (the op's
+// one rounding); with several it writes its float32 partials to the workspace, and the split that arrives
+// last adds all of them, in split order, to out (deterministic; the counter is zero again after it).
+template <typename T, int BITS, bool SPARSE, int NT, int G>
+__global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(const __grid_constant__ Call<T> c) {
+  const int tile = blockIdx.y;
+  const int slot = c.tiles[tile * 3 + 2];
+  if (slot < 0) return;  // a padding row of the tile table
+  const int first = c.tiles[tile * 3], end = c.tiles[tile * 3 + 1];
+
+  Slice sl = c.sl[0];  // the slice whose row blocks hold blockIdx.x (constant indices: no local copy)
+#pragma unroll
+  for (int i = 1; i < MAX_SLICES; ++i)
+    if (i < c.slices && static_cast<int>(blockIdx.x) >= c.sl[i].rb0) sl = c.sl[i];
+  const int row0 = (blockIdx.x - sl.rb0) * ROWS;
+
+  const int stages = c.K / KS;
+  const int splits = c.tile_count == nullptr ? static_cast<int>(gridDim.z)
+                                             : split_for(gridDim.x, *c.tile_count, stages, c.slots, gridDim.z);
+  if (static_cast<int>(blockIdx.z) >= splits) return;
+  const int per = (stages + splits - 1) / splits;
+  const int s_lo = min(stages, static_cast<int>(blockIdx.z) * per), s_hi = min(stages, s_lo + per);
+
+  float acc[2][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int f = 0; f < NT; ++f)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[mt][f][j] = 0.f;
+  if constexpr (std::is_same<T, __half>::value) {
+    if (sl.half2 != nullptr && sl.half2[slot])
+      sbmm_mainloop<T, BITS, SPARSE, NT, G, true>(c, sl, slot, row0, first, end, s_lo, s_hi, acc);
+    else
+      sbmm_mainloop<T, BITS, SPARSE, NT, G, false>(c, sl, slot, row0, first, end, s_lo, s_hi, acc);
+  } else {
+    sbmm_mainloop<T, BITS, SPARSE, NT, G, false>(c, sl, slot, row0, first, end, s_lo, s_hi, acc);
+  }
 
   // Accumulator j of (mt, f): row g (+ 8 for j >= 2) of row tile mt, token f * 8 + 2t (+ 1 for odd j).
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int N = sl.n;
 #pragma unroll
   for (int f = 0; f < NT; ++f) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int p = first + f * 8 + 2 * t + j;
       if (p >= end) continue;
-      const int64_t o_row = static_cast<int64_t>(order[p]) * out_stride;
+      const int64_t o_row = static_cast<int64_t>(c.order[p]) * c.out_stride + sl.col;
+      const int64_t w_row = (static_cast<int64_t>(blockIdx.z) * c.ws_rows + p) * c.ws_cols + sl.col;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -348,79 +424,65 @@ __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(
           const int row = row0 + warp * 32 + mt * 16 + g + 8 * h;
           if (row >= N) continue;
           const float v = acc[mt][f][2 * h + j];
-          if (ws == nullptr) {
-            T* o = out + o_row + row;
+          if (splits == 1) {
+            T* o = c.out + o_row + row;
             *o = from_float<T>(to_float(*o) + v);
           } else {
-            ws[(static_cast<int64_t>(blockIdx.z) * ws_rows + p) * N + row] = v;
+            c.ws[w_row + row] = v;
           }
         }
       }
     }
   }
-}
+  if (splits == 1) return;
 
-// For every token of every real tile: out[order[p], n] = dtype(out + sum over splits of ws[split, p, n]),
-// the splits summed in order. Walks the tile table, so the grid depends on its rows only.
-template <typename T>
-__global__ void sbmm_splitk_reduce(T* __restrict__ out, const float* __restrict__ ws, const int32_t* __restrict__ order,
-                                   const int32_t* __restrict__ tiles, int N, int ws_rows, int splits,
-                                   int64_t out_stride) {
-  const int tile = blockIdx.x, n = blockIdx.y * blockDim.x + threadIdx.x;
-  if (tiles[tile * 3 + 2] < 0 || n >= N) return;
-  for (int p = tiles[tile * 3]; p < tiles[tile * 3 + 1]; ++p) {
+  // Split-K fixup: the last of the tile's splits of this row block to arrive sums them (threadFenceReduction).
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* count = c.counters + static_cast<int64_t>(tile) * gridDim.x + blockIdx.x;
+    last = atomicAdd(count, 1) == splits - 1;
+    if (last) atomicExch(count, 0);  // ready for the next launch (graph replays reuse the buffer)
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int rows = min(ROWS, N - row0), tokens = end - first;
+  for (int i = threadIdx.x; i < tokens * ROWS; i += blockDim.x) {
+    const int m = i / ROWS, r = i % ROWS;
+    if (r >= rows) continue;
+    const int p = first + m;
     float total = 0.f;
-    for (int s = 0; s < splits; ++s) total += ws[(static_cast<int64_t>(s) * ws_rows + p) * N + n];
-    T* o = out + static_cast<int64_t>(order[p]) * out_stride + n;
+    for (int z = 0; z < splits; ++z)
+      total += __ldcg(c.ws + (static_cast<int64_t>(z) * c.ws_rows + p) * c.ws_cols + sl.col + row0 + r);
+    T* o = c.out + static_cast<int64_t>(c.order[p]) * c.out_stride + sl.col + row0 + r;
     *o = from_float<T>(to_float(*o) + total);
   }
 }
 
-template <typename T, int BITS, bool SPARSE, int NT, int G, bool HALF2>
-cudaError_t launch(const void* x, void* out, float* ws, const int32_t* order, const int32_t* tiles, const void* qv,
-                   const void* qi, const void* sc, const void* zr, const int64_t* qv_off, const int64_t* qi_off,
-                   const int64_t* g_off, int N, int K, int64_t x_stride, int64_t out_stride, int grid_tiles,
-                   int splits, int ws_rows, cudaStream_t stream) {
+template <typename T, int BITS, bool SPARSE, int NT, int G>
+cudaError_t launch(const Call<T>& c, int row_blocks, int grid_tiles, int splits, cudaStream_t stream) {
   constexpr int bytes = Layout<BITS, SPARSE, NT>::BYTES;
   static bool configured = false;  // once per instantiation: shared memory above the 48 KB default
   if (!configured) {
     const cudaError_t e =
-        cudaFuncSetAttribute(sbmm_kernel<T, BITS, SPARSE, NT, G, HALF2>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+        cudaFuncSetAttribute(sbmm_kernel<T, BITS, SPARSE, NT, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
     configured = true;
   }
-  const int stages = K / KS, per = (stages + splits - 1) / splits;
-  const dim3 grid((N + ROWS - 1) / ROWS, grid_tiles, splits);
-  sbmm_kernel<T, BITS, SPARSE, NT, G, HALF2><<<grid, ROWS, bytes, stream>>>(
-      static_cast<const T*>(x), static_cast<T*>(out), splits > 1 ? ws : nullptr, order, tiles,
-      static_cast<const uint32_t*>(qv), static_cast<const uint32_t*>(qi), static_cast<const __half*>(sc),
-      static_cast<const __half*>(zr), qv_off, qi_off, g_off, N, K, x_stride, out_stride, per, ws_rows);
-  if (splits > 1) {
-    const dim3 rgrid(grid_tiles, (N + 255) / 256);
-    sbmm_splitk_reduce<T><<<rgrid, 256, 0, stream>>>(static_cast<T*>(out), ws, order, tiles, N, ws_rows, splits,
-                                                     out_stride);
-  }
+  const dim3 grid(row_blocks, grid_tiles, splits);
+  sbmm_kernel<T, BITS, SPARSE, NT, G><<<grid, ROWS, bytes, stream>>>(c);
   return cudaGetLastError();
 }
 
-// The launch for the call's token fragments (nt), group size (G) and dequantisation (half2: float16
-// with integral zeros, RowScale).
+// The launch for the call's token fragments (nt) and group size (G).
 template <typename T, int BITS, bool SPARSE>
-cudaError_t by_tile(int nt, int G, bool half2, const void* x, void* out, float* ws, const int32_t* order,
-                    const int32_t* tiles, const void* qv, const void* qi, const void* sc, const void* zr,
-                    const int64_t* qv_off, const int64_t* qi_off, const int64_t* g_off, int N, int K, int64_t xs,
-                    int64_t os, int grid_tiles, int splits, int ws_rows, cudaStream_t st) {
-  constexpr bool can_half2 = std::is_same<T, __half>::value;
-#define DS_SBMM_LAUNCH(V, GS, H)                                                                                   \
-  if (nt == V && G == GS && half2 == H)                                                                            \
-    return launch<T, BITS, SPARSE, V, GS, H>(x, out, ws, order, tiles, qv, qi, sc, zr, qv_off, qi_off, g_off, N, K, \
-                                             xs, os, grid_tiles, splits, ws_rows, st);
-#define DS_SBMM_G(V, H) DS_SBMM_LAUNCH(V, 32, H) DS_SBMM_LAUNCH(V, 64, H) DS_SBMM_LAUNCH(V, 128, H)
-  DS_SBMM_G(1, false) DS_SBMM_G(2, false)
-  if constexpr (can_half2) {
-    DS_SBMM_G(1, true) DS_SBMM_G(2, true)
-  }
-#undef DS_SBMM_G
+cudaError_t by_tile(int nt, int G, const Call<T>& c, int row_blocks, int grid_tiles, int splits, cudaStream_t st) {
+#define DS_SBMM_LAUNCH(V, GS) \
+  if (nt == V && G == GS) return launch<T, BITS, SPARSE, V, GS>(c, row_blocks, grid_tiles, splits, st);
+  DS_SBMM_LAUNCH(1, 32) DS_SBMM_LAUNCH(1, 64) DS_SBMM_LAUNCH(1, 128)
+  DS_SBMM_LAUNCH(2, 32) DS_SBMM_LAUNCH(2, 64) DS_SBMM_LAUNCH(2, 128)
 #undef DS_SBMM_LAUNCH
   return cudaErrorInvalidValue;
 }
@@ -506,29 +568,67 @@ cudaError_t launch_dequant(void* dst, const void* qv, const void* qi, const void
 
 extern "C" {
 
-// One SBMM call (kernels/sbmm.py ``sbmm_cuda`` passes the arguments). dtype: 0 float16, 1 bfloat16;
-// block_m: the most tokens of any work tile (<= 16); half2: 1 when dtype is float16 and every slot the
-// call reads has integral zeros in (-1024, 1024); splits: K splits (> 1 needs ws of [splits, ws_rows, N]
-// float32, ws_rows = the length of ``order``). Returns a cudaError_t.
-int deltaserve_sbmm(const void* x, void* out, float* ws, const int32_t* order, const int32_t* tiles, const void* qv,
-                    const void* qi, const void* sc, const void* zr, const int64_t* qv_off, const int64_t* qi_off,
-                    const int64_t* g_off, int N, int K, int G, int64_t x_stride, int64_t out_stride, int bits,
-                    int sparse, int dtype, int half2, int block_m, int grid_tiles, int splits, int ws_rows,
-                    void* stream) {
-  if (K % KS != 0 || (G != 32 && G != 64 && G != 128) || block_m < 1 || block_m > 16 || splits < 1 ||
-      grid_tiles < 0 || (half2 && dtype != 0)) {
+// One SBMM call (kernels/sbmm.py ``_launch_cuda`` passes the arguments) over ``slices`` linears (1 to 3: a
+// fused module's projections, each its own pool, writing columns col[i] .. + n[i] of out). Per slice i:
+// qv[i] .. g_off[i] its pool's buffers and offset tables, half2[i] its per-slot half2 flags (null: fp32
+// dequantisation). dtype: 0 float16, 1 bfloat16; block_m: the most tokens of any work tile (<= 16);
+// max_splits: the grid's K splits (``deltaserve_sbmm_split``); > 1 needs ws of [max_splits, ws_rows, ws_cols]
+// float32 (ws_rows = the length of ``order``, ws_cols >= every col + n) and counters of [grid_tiles, row
+// blocks] int32, zero. tile_count: the step's real tiles on the device (the blocks recompute the split from it;
+// null: max_splits is the split). slots: blocks the device runs at once. Returns a cudaError_t.
+int deltaserve_sbmm(const void* x, void* out, float* ws, int* counters, const int32_t* order, const int32_t* tiles,
+                    const int32_t* tile_count, const void* const* qv, const void* const* qi, const void* const* sc,
+                    const void* const* zr, const int64_t* const* qv_off, const int64_t* const* qi_off,
+                    const int64_t* const* g_off, const uint8_t* const* half2, const int* n, const int* col,
+                    int slices, int K, int G, int64_t x_stride, int64_t out_stride, int bits, int sparse, int dtype,
+                    int block_m, int grid_tiles, int max_splits, int ws_rows, int ws_cols, int slots, void* stream) {
+  if (K % KS != 0 || (G != 32 && G != 64 && G != 128) || block_m < 1 || block_m > 16 || max_splits < 1 ||
+      max_splits > 16 || grid_tiles < 0 || slices < 1 || slices > MAX_SLICES || slots < 1 ||
+      (max_splits > 1 && (ws == nullptr || counters == nullptr))) {
     return cudaErrorInvalidValue;
   }
   if (grid_tiles == 0) return cudaSuccess;
+  int row_blocks = 0;
+  Slice sl[MAX_SLICES] = {};
+  for (int i = 0; i < slices; ++i) {
+    if (n[i] < 1 || col[i] < 0) return cudaErrorInvalidValue;
+    sl[i] = Slice{static_cast<const uint32_t*>(qv[i]), static_cast<const uint32_t*>(qi[i]),
+                  static_cast<const __half*>(sc[i]), static_cast<const __half*>(zr[i]), qv_off[i], qi_off[i],
+                  g_off[i], dtype == 0 ? half2[i] : nullptr, n[i], col[i], row_blocks};
+    row_blocks += (n[i] + ROWS - 1) / ROWS;
+  }
   const int nt = block_m <= 8 ? 1 : 2;
   auto st = static_cast<cudaStream_t>(stream);
-#define DS_SBMM_CFG(TY, B, SP)                                                                                        \
-  return static_cast<int>(by_tile<TY, B, SP>(nt, G, half2 != 0, x, out, ws, order, tiles, qv, qi, sc, zr, qv_off,  \
-                                             qi_off, g_off, N, K, x_stride, out_stride, grid_tiles, splits, ws_rows, \
-                                             st));
+#define DS_SBMM_CFG(TY, B, SP)                                                                                   \
+  {                                                                                                              \
+    Call<TY> c{};                                                                                                \
+    for (int i = 0; i < MAX_SLICES; ++i) c.sl[i] = sl[i];                                                        \
+    c.slices = slices;                                                                                           \
+    c.x = static_cast<const TY*>(x);                                                                             \
+    c.out = static_cast<TY*>(out);                                                                               \
+    c.ws = max_splits > 1 ? ws : nullptr;                                                                        \
+    c.counters = counters;                                                                                       \
+    c.order = order;                                                                                             \
+    c.tiles = tiles;                                                                                             \
+    c.tile_count = tile_count;                                                                                   \
+    c.K = K;                                                                                                     \
+    c.x_stride = x_stride;                                                                                       \
+    c.out_stride = out_stride;                                                                                   \
+    c.ws_rows = ws_rows;                                                                                         \
+    c.ws_cols = ws_cols;                                                                                         \
+    c.slots = slots;                                                                                             \
+    return static_cast<int>(by_tile<TY, B, SP>(nt, G, c, row_blocks, grid_tiles, max_splits, st));              \
+  }
   DS_BY_CONFIG(DS_SBMM_CFG)
 #undef DS_SBMM_CFG
   return static_cast<int>(cudaErrorInvalidValue);
+}
+
+// The K splits a launch of ``row_blocks`` x ``tiles`` blocks per split over ``K`` input columns takes when
+// ``slots`` blocks run at once (split_for, with no cap): the grid's z for an eager call; with one tile, the
+// most any step takes (a captured launch's grid).
+int deltaserve_sbmm_split(int row_blocks, int tiles, int K, int slots) {
+  return split_for(row_blocks, tiles, K / KS, slots > 0 ? slots : 1, 16);
 }
 
 // One slot's delta, dense, into dst [N, K] (contiguous, 16-byte aligned) of dtype 0 float16 / 1 bfloat16

@@ -74,7 +74,12 @@ Two kernels, by work-tile size (``DeltaMeta.block_m``):
 A third implementation, ``sbmm_cuda``, is the CUDA C++ op of ``csrc/sbmm.cu`` (tensor cores, packed
 words copied ahead with cp.async, coalesced; drawn in its header): work tiles of at most 16 tokens,
 float16 / bfloat16, in_features % 256 == 0, group size 32 / 64 / 128 (``cuda_supports`` says why a call
-does not fit). On the H200 it takes about half the Triton kernels' time (bench/README.md).
+does not fit). On the H200 it takes about half the Triton kernels' time (bench/README.md). It also takes
+up to three pools at once (``sbmm_stacked``: q, k, v of a fused qkv module, gate and up), one launch
+for the module. When too few blocks would fill the SMs it splits K, and the split that finishes last adds
+the partials (in split order: deterministic). It reads its per-slot half2 flags (``DeltaWeights.half2_ok``)
+and, inside a CUDA-graph capture, the step's tile count (``DeltaMeta.tile_count``) on the device, so one
+captured launch serves any later step as an eager launch of that step would.
 
 **Dense segments** (``DeltaMeta.dense``, prefill only: ``segments(dense_min_m=)``; the worker sets it
 on CUDA, ``dense_min_m``). A segment of at least that many tokens of one delta is in no work tile:
@@ -87,7 +92,8 @@ the dense segments, then their work tiles.
 Entry point ``sbmm`` runs, on CUDA tensors, the CUDA op where it is built and fits the call, else the
 Triton kernels (``use_triton=True`` forces Triton; CPU tensors then need ``TRITON_INTERPRET=1``), and
 ``sbmm_ref`` (a loop over the step's deltas: dequantize with pack.py, then one matmul per delta over its
-tokens; the CPU path) otherwise. Metadata is validated
+tokens; the CPU path) otherwise. ``sbmm_stacked`` is ``sbmm`` over a fused module's slices (columns of
+one ``out``), in one CUDA launch where the op takes them all. Metadata is validated
 when built, weights when built; a call checks shapes and that every slot it uses holds a delta.
 """
 
@@ -178,6 +184,9 @@ class DeltaMeta:
     dense: tuple[tuple[int, int, int], ...] = ()
     """(first token, end, slot) of each prefill segment computed with its delta dequantised once and
     one dense matmul (``segments``' ``dense_min_m``); its tokens are in no work tile."""
+    tile_count: torch.Tensor | None = None
+    """[1] int32 on the device: ``num_tiles`` (the element after ``tiles`` in one allocation). A launch
+    captured in a CUDA graph reads it to split K as an eager launch of the step would."""
 
     @property
     def slots(self) -> frozenset[int]:
@@ -214,7 +223,9 @@ class DeltaMeta:
     def rows(cls, row_delta: Sequence[int], device: torch.device | str, max_block_m: int | None = None) -> "DeltaMeta":
         """Decode metadata: token t uses slot ``row_delta[t]`` (-1: none), in any order (the rows of one
         slot share work tiles wherever they are). ``max_block_m`` caps the tokens per work tile
-        (``cuda_tile_cap``: the CUDA op's 16), cutting a longer run of one slot into several tiles."""
+        (``cuda_tile_cap``: the CUDA op's 16), cutting a longer run of one slot into several tiles. A cap
+        that is not one of the Triton kernels' tile sizes (1, 2, 4, 16, 64; e.g. 8, one CUDA MMA fragment,
+        as captured decode steps use) makes metadata only the CUDA op takes."""
         slots = [int(d) for d in row_delta]
         return cls._build(list(range(len(slots) + 1)), slots, True, device, max_block_m)
 
@@ -255,20 +266,21 @@ class DeltaMeta:
         else:
             block_m = _DOT_MIN_M if longest <= _DOT_MIN_M else _BLOCK_M_LARGE
             if max_block_m is not None:
-                if max_block_m < _DOT_MIN_M:
-                    raise ValueError(f"sbmm: max_block_m {max_block_m} is below a tl.dot tile ({_DOT_MIN_M})")
+                if max_block_m < 1:
+                    raise ValueError(f"sbmm: max_block_m {max_block_m} must be >= 1")
                 block_m = min(block_m, max_block_m)
         tiles = [(m0, min(m0 + block_m, hi), d) for lo, hi, d in runs for m0 in range(lo, hi, block_m)]
         grid_tiles = num_tokens if decode else len(tiles)  # each tile holds >= 1 token: <= T tiles
         table = tiles + [(0, 0, -1)] * (grid_tiles - len(tiles))
         order += [0] * (max(num_tokens, 1) - len(order))
+        flat = torch.tensor([v for row in table for v in row] + [len(tiles)], dtype=torch.int32, device=device)
         return cls(
             seg_start=torch.tensor(starts, dtype=torch.int32, device=device),
             seg_delta=torch.tensor(slots, dtype=torch.int32, device=device),
             seg_start_host=tuple(starts), seg_delta_host=tuple(slots), num_tokens=num_tokens,
             slot_tokens=slot_tokens, decode=decode,
             order=torch.tensor(order, dtype=torch.int32, device=device),
-            tiles=torch.tensor(table, dtype=torch.int32, device=device).reshape(grid_tiles, 3),
+            tiles=flat[: 3 * grid_tiles].view(grid_tiles, 3), tile_count=flat[3 * grid_tiles :],
             num_tiles=len(tiles), grid_tiles=grid_tiles, block_m=block_m,
             tile_tokens=max((e - s for s, e, _ in tiles), default=0), dense=tuple(dense),
         )  # fmt: skip
@@ -317,6 +329,10 @@ class DeltaWeights:
     """Host flags, one per slot: every zero point of the slot is an integer in (-1024, 1024), as the
     compressor writes them (set by ``store``; False where unknown). Float16 calls whose slots all have
     them take the CUDA op's half2 dequantisation, which is exact only then (csrc/sbmm.cu RowScale)."""
+    half2_ok: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """[num_slots] uint8 on the pool's device: ``integral_zeros`` where the kernels read it (the CUDA op
+    picks the half2 dequantisation per block from its slot's flag, so a call needs no host check and a
+    captured launch stays right whatever deltas come later). Made at construction, set by ``store``."""
     offset_alignment: tuple[int, int, int] = field(default=(0, 0, 0), init=False, repr=False, compare=False)
     """(qvalues, qindices, scales / zeros): the largest power of two up to 4 dividing every slot block's
     start address, in elements (buffer address plus slot offset; set by the offset check, the buffers
@@ -352,6 +368,12 @@ class DeltaWeights:
         if len(devices) != 1:
             raise ValueError("sbmm: pool buffers and offset tables must be on one device, got "
                              f"{sorted(map(str, devices))}")
+        if self.half2_ok is None:
+            flags = torch.tensor(self.integral_zeros, dtype=torch.uint8).to(self.qvalues.device)
+            object.__setattr__(self, "half2_ok", flags)
+        elif self.half2_ok.shape != (n,) or self.half2_ok.dtype != torch.uint8 or self.half2_ok.device not in devices:
+            raise ValueError(f"sbmm: half2_ok {list(self.half2_ok.shape)} {self.half2_ok.dtype}: want [{n}] uint8 "
+                             "on the pool's device")
         self._check_offsets()
 
     def slot_shapes(self) -> tuple[tuple[int, int], tuple[int, int] | None, tuple[int, int]]:
@@ -444,7 +466,9 @@ class DeltaWeights:
         self._forget(slot)
         self.loaded[slot] = True
         z = dst.zeros
-        self.integral_zeros[slot] = bool(((z == z.round()) & (z.abs() < 1024)).all())  # one sync, at load time
+        ok = ((z == z.round()) & (z.abs() < 1024)).all()
+        self.half2_ok[slot] = ok
+        self.integral_zeros[slot] = bool(ok)  # one sync, at load time
 
     def clear(self, slot: int) -> None:
         """Marks slot ``slot`` empty; a step that uses it is refused until the next ``store``."""
@@ -811,6 +835,9 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
     """Triton kernels for ``sbmm`` (no dispatch), in place on ``out``: one launch for all deltas (plus a
     reduction launch when FMA tiles split K)."""
     _check_call(x, out, w, meta)
+    if meta.block_m not in LAUNCH:
+        raise ValueError(f"sbmm_triton: work tiles of {meta.block_m} tokens (the Triton kernels take "
+                         f"{', '.join(map(str, sorted(LAUNCH)))}; metadata capped there is the CUDA op's)")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if meta.dense:
@@ -931,16 +958,30 @@ _CUDA_GROUPS = (32, 64, 128)
 _CUDA_MAX_M = 16
 """Largest work tile csrc/sbmm.cu takes (two 8-token MMA fragments)."""
 _CUDA_BLOCKS_PER_SM = 4
-"""K is split until a launch has this many blocks per SM (csrc/sbmm.cu's SBMM_MIN_BLOCKS: what its
-registers and two stages of shared memory allow at once)."""
-_CUDA_ARGS = [ctypes.c_void_p] * 12 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
+"""Blocks of csrc/sbmm.cu one SM runs at once (its SBMM_MIN_BLOCKS: what its registers and two stages of
+shared memory allow): K is split until a launch has this many blocks per SM."""
+_CUDA_MAX_SLICES = 3
+"""Most linears one CUDA launch takes (csrc/sbmm.cu ``MAX_SLICES``: q, k, v of a fused qkv)."""
+_P = ctypes.c_void_p
+_CUDA_ARGS = ([_P] * 7 + [ctypes.POINTER(_P)] * 8 + [ctypes.POINTER(ctypes.c_int)] * 2 + [ctypes.c_int] * 3
+              + [ctypes.c_int64] * 2 + [ctypes.c_int] * 9 + [_P])
 """``deltaserve_sbmm``'s C signature (csrc/sbmm.cu)."""
+_CUDA_SPLIT_ARGS = [ctypes.c_int] * 4
+"""``deltaserve_sbmm_split``'s C signature."""
 _CUDA_DEQUANT_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
 """``deltaserve_dequant``'s C signature (csrc/sbmm.cu)."""
 
 
 def cuda_supports(x: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> str | None:
     """None when csrc/sbmm.cu can run this call, else why not (then the Triton kernel runs)."""
+    if meta.block_m > _CUDA_MAX_M:
+        return f"work tiles of {meta.block_m} tokens (at most {_CUDA_MAX_M})"
+    return cuda_shape_problem(x, w)
+
+
+def cuda_shape_problem(x: torch.Tensor, w: DeltaWeights) -> str | None:
+    """``cuda_supports`` for any metadata: why csrc/sbmm.cu cannot take activations like ``x`` (device,
+    dtype) with pool ``w``, or None."""
     if not x.is_cuda:
         return "CPU tensors"
     if x.dtype not in _CUDA_DTYPES:
@@ -948,8 +989,6 @@ def cuda_supports(x: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> str | No
     if w.in_features % _CUDA_KS or w.group_size not in _CUDA_GROUPS:
         return (f"in_features {w.in_features} (want a multiple of {_CUDA_KS}) / group size {w.group_size} "
                 f"(want one of {_CUDA_GROUPS})")
-    if meta.block_m > _CUDA_MAX_M:
-        return f"work tiles of {meta.block_m} tokens (at most {_CUDA_MAX_M})"
     qv_align, qi_align, group_align = w.offset_alignment
     if qv_align < 4 or qi_align < 4 or group_align < 2:
         return f"slot blocks aligned to {w.offset_alignment} elements (want 4, 4, 2)"
@@ -977,57 +1016,100 @@ def dense_min_m(device: torch.device) -> int | None:
     return _DENSE_MIN_M if device.type == "cuda" else None
 
 
-def _cuda_split(meta: DeltaMeta, w: DeltaWeights) -> int:
-    """K splits of one CUDA launch: the fewest of 1, 2, 4, 8, 16 that give ``_CUDA_BLOCKS_PER_SM`` blocks
-    per SM (each split keeps >= 2 stages of 256 columns)."""
-    blocks = meta.num_tiles * triton.cdiv(w.out_features, _CUDA_ROWS)
-    stages, want = w.in_features // _CUDA_KS, _CUDA_BLOCKS_PER_SM * _sm_count(w.device)
-    split = 1
-    while split < 16 and blocks * split < want and stages >= 4 * split:
-        split *= 2
-    return split
+def _cuda_split(lib: ctypes.CDLL, row_blocks: int, tiles: int, in_features: int, device: torch.device) -> int:
+    """K splits of a CUDA launch of ``row_blocks`` x ``tiles`` blocks (csrc/sbmm.cu ``split_for``, the one copy
+    of the rule: the fewest that fill every SM with ``_CUDA_BLOCKS_PER_SM`` blocks, each split >= 2 stages)."""
+    fn = lib.deltaserve_sbmm_split
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _CUDA_SPLIT_ARGS, ctypes.c_int
+    return fn(row_blocks, tiles, in_features, _CUDA_BLOCKS_PER_SM * _sm_count(device))
 
 
-def _half2_dequant(x: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> bool:
-    """Whether the CUDA op may dequantise in half2 arithmetic: float16 activations and every slot the
-    call reads with integral zeros (``DeltaWeights.integral_zeros``); the values are the same either way."""
-    return x.dtype == torch.float16 and all(w.integral_zeros[s] for s in meta.slots)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The CUDA op's split-K arrival counters on ``device`` (int32, at least ``n``; zero between launches:
+    the last split of each block resets its counter). One buffer kept per device, so captured graphs keep
+    its address; grown only outside a capture."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            kept = 0 if buf is None else buf.numel()
+            raise RuntimeError(f"sbmm_cuda: split-K counters of {n} entries do not fit the {kept} kept; run the "
+                               "launch once before capturing it")
+        buf = _counters[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return buf
 
 
 def sbmm_cuda(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
-    """csrc/sbmm.cu for ``sbmm`` (no dispatch), in place on ``out``: one launch for all deltas (plus a
-    reduction launch when K is split). Raises when the op is unavailable or does not fit the call."""
-    _check_call(x, out, w, meta)
-    why = cuda_supports(x, w, meta)
-    if why is not None:
-        raise ValueError(f"sbmm_cuda: unsupported call: {why}")
+    """csrc/sbmm.cu for ``sbmm`` (no dispatch), in place on ``out``: one launch for all deltas. Raises when
+    the op is unavailable or does not fit the call."""
+    return sbmm_stacked_cuda(x, out, [(w, 0)], meta)
+
+
+def sbmm_stacked_cuda(x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]],
+                      meta: DeltaMeta) -> torch.Tensor:
+    """csrc/sbmm.cu for ``sbmm_stacked`` (no dispatch): every slice in one launch. Raises when the op is
+    unavailable or does not fit the call."""
+    _check_stacked(x, out, slices, meta)
+    if len(slices) > _CUDA_MAX_SLICES:
+        raise ValueError(f"sbmm_cuda: {len(slices)} slices (one launch takes at most {_CUDA_MAX_SLICES})")
+    for w, _ in slices:
+        why = cuda_supports(x, w, meta)
+        if why is not None:
+            raise ValueError(f"sbmm_cuda: unsupported call: {why}")
     lib = cuda_ext.library("sbmm")
     if lib is None:
         raise RuntimeError(f"sbmm_cuda: the CUDA op is unavailable: {cuda_ext.unavailable('sbmm')}")
-    return _launch_cuda(lib, x, out, w, meta)
+    return _launch_cuda(lib, x, out, slices, meta)
 
 
-def _launch_cuda(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
-    """The launch of ``sbmm_cuda``, for callers that checked the call, ``cuda_supports`` and the library."""
-    if meta.dense:
-        _dense_segments(x, out, w, meta)
-    if meta.num_tiles == 0:
+def _launch_cuda(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]],
+                 meta: DeltaMeta) -> torch.Tensor:
+    """The launch of ``sbmm_stacked_cuda``, for callers that checked the call, ``cuda_supports`` and the
+    library. Eagerly the grid has the step's split; inside a CUDA-graph capture it has the most splits any
+    tile count could want, and the blocks recompute the split from ``meta.tile_count`` at every replay."""
+    for w, col in slices:
+        if meta.dense:
+            _dense_segments(x, out[:, col : col + w.out_features], w, meta)
+    w0 = slices[0][0]
+    row_blocks = sum(triton.cdiv(w.out_features, _CUDA_ROWS) for w, _ in slices)
+    counters = _split_counters(x.device, meta.grid_tiles * row_blocks)  # before any capture: graphs keep it
+    capturing = torch.cuda.is_current_stream_capturing()
+    if meta.num_tiles == 0 and not capturing:
         return out
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
-    split = _cuda_split(meta, w)
+    if capturing:  # the most splits any step takes (one tile); the blocks split as the step wants
+        split = _cuda_split(lib, row_blocks, 1, w0.in_features, x.device)
+        tile_count = meta.tile_count
+    else:
+        split = _cuda_split(lib, row_blocks, meta.num_tiles, w0.in_features, x.device)
+        tile_count = None  # the grid's split is the step's
     rows = meta.order.shape[0]  # partial sums by position in ``order``: a shape that depends on T only
-    ws = torch.empty((split, rows, w.out_features), dtype=torch.float32, device=x.device) if split > 1 else None
+    cols = max(col + w.out_features for w, col in slices)
+    ws = torch.empty((split, rows, cols), dtype=torch.float32, device=x.device) if split > 1 else None
+    n = len(slices)
+
+    def ptrs(values: list) -> ctypes.Array:
+        return (_P * n)(*values)
+
     fn = lib.deltaserve_sbmm
     if fn.argtypes is None:
         fn.argtypes, fn.restype = _CUDA_ARGS, ctypes.c_int
+    half2 = x.dtype == torch.float16
     code = fn(
-        x.data_ptr(), out.data_ptr(), None if ws is None else ws.data_ptr(), meta.order.data_ptr(),
-        meta.tiles.data_ptr(), w.qvalues.data_ptr(), w.qindices.data_ptr() if w.sparse else None,
-        w.scales.data_ptr(), w.zeros.data_ptr(), w.qvalues_offsets.data_ptr(), w.qindices_offsets.data_ptr(),
-        w.group_offsets.data_ptr(), w.out_features, w.in_features, w.group_size, x.stride(0), out.stride(0),
-        w.bits, int(w.sparse), _CUDA_DTYPES[x.dtype], int(_half2_dequant(x, w, meta)), meta.tile_tokens,
-        meta.grid_tiles, split, rows,
+        x.data_ptr(), out.data_ptr(), None if ws is None else ws.data_ptr(),
+        counters.data_ptr(), meta.order.data_ptr(), meta.tiles.data_ptr(),
+        None if tile_count is None else tile_count.data_ptr(),
+        *(ptrs([getattr(w, name).data_ptr() if name != "qindices" or w.sparse else None for w, _ in slices])
+          for name in ("qvalues", "qindices", "scales", "zeros", "qvalues_offsets", "qindices_offsets",
+                       "group_offsets")),
+        ptrs([w.half2_ok.data_ptr() if half2 else None for w, _ in slices]),
+        (ctypes.c_int * n)(*[w.out_features for w, _ in slices]), (ctypes.c_int * n)(*[col for _, col in slices]), n,
+        w0.in_features, w0.group_size, x.stride(0), out.stride(0), w0.bits, int(w0.sparse), _CUDA_DTYPES[x.dtype],
+        max(meta.tile_tokens, 1), meta.grid_tiles, split, rows, cols, _CUDA_BLOCKS_PER_SM * _sm_count(x.device),
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     cuda_ext.check(lib, code, "sbmm_cuda")
@@ -1046,6 +1128,45 @@ def sbmm(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta, *
         lib = cuda_ext.library("sbmm") if use_triton is None else None
         if lib is not None and cuda_supports(x, w, meta) is None:
             _check_call(x, out, w, meta)
-            return _launch_cuda(lib, x, out, w, meta)
+            return _launch_cuda(lib, x, out, [(w, 0)], meta)
         return sbmm_triton(x, out, w, meta)
     return sbmm_ref(x, out, w, meta)
+
+
+def sbmm_stacked(x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]], meta: DeltaMeta, *,
+                 use_triton: bool | None = None) -> torch.Tensor:
+    """``sbmm(x, out[:, col : col + w.out_features], w, meta)`` for every ``(w, col)`` of ``slices`` (the
+    projections of a fused module: q, k, v or gate, up, each its own pool, same in_features and config),
+    in place; returns ``out``. On CUDA, where the op fits every slice, one launch computes them all (up to
+    ``_CUDA_MAX_SLICES``); otherwise each slice runs as ``sbmm`` does."""
+    _check_stacked(x, out, slices, meta)
+    if want_triton("sbmm", x, use_triton):
+        lib = cuda_ext.library("sbmm") if use_triton is None else None
+        if lib is not None and len(slices) <= _CUDA_MAX_SLICES and all(cuda_supports(x, w, meta) is None
+                                                                       for w, _ in slices):
+            return _launch_cuda(lib, x, out, slices, meta)
+    for w, col in slices:
+        sbmm(x, out[:, col : col + w.out_features], w, meta, use_triton=use_triton)
+    return out
+
+
+def _check_stacked(x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]],
+                   meta: DeltaMeta) -> None:
+    """Every slice is a valid ``sbmm`` call on its columns; the slices share one config and in_features and
+    do not overlap."""
+    if not slices:
+        raise ValueError("sbmm: a stacked call needs at least one slice")
+    if out.dim() != 2:
+        raise ValueError(f"sbmm: out {list(out.shape)} must be [T, columns]")
+    w0 = slices[0][0]
+    end = 0
+    for i, (w, col) in enumerate(sorted(slices, key=lambda s: s[1])):
+        if (w.bits, w.sparse, w.group_size, w.in_features) != (w0.bits, w0.sparse, w0.group_size, w0.in_features):
+            raise ValueError(f"sbmm: stacked slice {i} has (bits, sparse, group, in) = "
+                             f"{(w.bits, w.sparse, w.group_size, w.in_features)}, the first "
+                             f"{(w0.bits, w0.sparse, w0.group_size, w0.in_features)}")
+        if col < end or col + w.out_features > out.shape[1]:
+            raise ValueError(f"sbmm: stacked slice at columns {col} .. {col + w.out_features} overlaps another or is "
+                             f"outside out's {out.shape[1]} columns")
+        end = col + w.out_features
+        _check_call(x, out[:, col : col + w.out_features], w, meta)
