@@ -237,3 +237,43 @@ def test_a_failed_delta_read_gives_its_arena_region_back(executor_factory, varia
     with pytest.raises(AdapterLoadError, match="broken"):
         ex.deltas.wait_host(D4)
     assert ex.host_arena.free_bytes == ex.host_arena.capacity, "the failed read kept its region"
+
+
+def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
+    """The delta pool's static decode buffers, what a captured delta graph reads: ``graph_state`` points
+    the step at them with no delta row yet; ``fill_graph_rows`` writes each row's slot and, per packed
+    config and for the lm_head delta, the work tiles of the same rows built directly (graph tiles of at
+    most ``GRAPH_TILE`` tokens); on the CPU no config is graphable (the CUDA SBMM op is not there)."""
+    from deltaserve.adapters.delta_pool import GRAPH_TILE, HEAD_TILE
+    from deltaserve.kernels.sbmm import DeltaMeta
+
+    ex = executor_factory()
+    op = wire.AdapterOp
+    ex.step(wire.StepPlan(step_id=1, adapter_ops=[op(aid, kind, str(variants[aid][0]) if kind == "to_host" else "", [])
+                                                  for aid in (D4, D2) for kind in ("to_host", "to_gpu")]))
+    pool = ex.deltas
+    assert pool is not None
+    keys = pool.graph_keys([D4, 0, D2, LORA])
+    assert keys == ((2, True, 64), (4, True, 64)) and pool.graph_keys([0, LORA]) == ()
+    assert not pool.graphable(keys)
+    with pool.graph_state(9, 16, keys):
+        assert pool.step.active and pool.step.token_index.tolist() == [0] * 9
+        assert [k for k, _ in pool.step.metas] == list(keys)
+        for _, meta in (*pool.step.metas, (None, pool.step.head_meta)):
+            assert meta.tile_count.item() == 0 and meta.grid_tiles == 9 and all(t[2] == -1 for t in meta.tiles.tolist())
+        assert pool.step.metas[0][1].block_m == GRAPH_TILE and pool.step.head_meta.block_m == HEAD_TILE
+    assert not pool.step.active
+    s4, s2 = pool.slot_of[D4], pool.slot_of[D2]
+    ids = [D4, 0, D2] + [D4] * 10 + [LORA]
+    pool.fill_graph_rows(ids, 16, keys)
+    g = pool.graph_rows
+    slots = [s4, -1, s2] + [s4] * 10 + [-1] * 3
+    assert g.index[:16].tolist() == [s + 1 for s in slots]
+    cases = [(key, [s if s == slot else -1 for s in slots], GRAPH_TILE, g.metas[key])
+             for key, slot in (((4, True, 64), s4), ((2, True, 64), s2))] + [(None, slots, HEAD_TILE, g.head)]
+    for key, rows, cap, bufs in cases:
+        want = DeltaMeta.rows(rows, "cpu", max_block_m=cap)
+        order, tiles, count = bufs
+        assert order[:16].tolist() == want.order.tolist() and tiles[:16].tolist() == want.tiles.tolist(), key
+        assert count.item() == want.num_tiles and max(e - s for s, e, _ in want.tiles.tolist()) <= cap
+    assert g.metas[(4, True, 64)][2].item() == 2  # 11 rows of one delta: two 8-token tiles

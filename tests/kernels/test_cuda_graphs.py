@@ -52,3 +52,45 @@ def test_lora_decode_steps_replay_from_graphs_and_equal_eager(tiny_llama, tmp_pa
     router = AdapterRouter(graphs, dirs, adapter_of)
     assert router.run(reqs) == want
     assert router.adapter_decode_steps > 0 and graphs.graphs.replays >= router.adapter_decode_steps
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2"])
+def test_delta_decode_steps_replay_from_graphs_and_equal_eager(arch: str, tmp_path) -> None:
+    """Decode steps with rows of two compressed deltas of different packed configs (4-bit and 2-bit
+    2:4), a LoRA adapter and the base replay delta graphs (captured at the first such step, one per
+    config set) and give exactly the eager tokens: the SBMM tiles, the embedding / norm / bias gathers
+    and the lm_head delta all read the static buffers. A model the CUDA SBMM op takes (in_features a
+    multiple of 256), float16; tied embeddings (the embedding delta moves lm_head) and Qwen2 (bias
+    deltas)."""
+    from helpers.deltas import make_delta
+    from helpers.peft_adapters import make_peft_adapter
+    from helpers.tiny_models import make_tiny_model
+    from test_lora_serving import AdapterRouter
+
+    kw = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    if arch == "llama-tied":
+        kw["tie_word_embeddings"] = True
+    base = make_tiny_model(tmp_path, "qwen2" if arch == "qwen2" else "llama", seed=5, **kw)
+    dirs = {1: make_peft_adapter(base, tmp_path / "lora", seed=3, target_modules=["q_proj", "v_proj"], r=8,
+                                 lora_alpha=16)[1],
+            2: make_delta(base, tmp_path / "d4", seed=21, bits=4)[0],
+            3: make_delta(base, tmp_path / "d2", seed=22, bits=2)[0]}
+
+    def executor(graph_batch: int) -> Executor:
+        return Executor(base, device="cuda:0", dtype="float16", block_size=4, kv_cache_bytes=16 << 20,
+                        cuda_graph_max_batch=graph_batch)
+
+    n = 14
+    seen: set = set()
+    for adapter_of in ({i: (0, 1, 2, 3)[i % 4] for i in range(n)},  # every kind in one batch
+                       {i: 2 for i in range(n)}):  # one delta, more rows than a graph work tile
+        eager, graphs = executor(0), executor(32)
+        reqs = {i: (p, 10) for i, p in enumerate(prompts(n, graphs.config.vocab_size, seed=7))}
+        want = AdapterRouter(eager, dirs, adapter_of).run(reqs)
+        got = AdapterRouter(graphs, dirs, adapter_of).run(reqs)
+        assert got == want
+        assert graphs.graphs.replays > 0 and graphs.graphs.delta_graphs, "decode steps with deltas should replay graphs"
+        seen |= set(graphs.graphs.delta_graphs)
+    keys = {k for _, _, k in seen}
+    assert ((2, True, 64), (4, True, 64)) in keys and ((4, True, 64),) in keys, keys
+    assert any(lora for _, lora, _ in seen), "the mixed steps had LoRA rows"

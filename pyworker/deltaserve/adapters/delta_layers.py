@@ -5,20 +5,27 @@ compress``) is ``W_base + Δ̃`` for every tensor it changed, and ``W_base + Δ�
 ``attach_deltas(model, step)`` wraps, once at start-up:
 
     block linears (qkv_proj, o_proj, gate_up_proj, down_proj; LoRA-wrapped or plain) -> DeltaLinear
-        out = inner(x)                                         base (+ LoRA): once for the whole batch
-        for each delta config of the step, each HF slice (q|k|v, gate|up, ...) of the module:
-            kernels.sbmm.sbmm(x, out[:, slice], weights, meta) out[t, slice] += x[t] Δ̃_{d(t)}^T, packed
-        out[rows of slot d, slice] += Δbias_d                  dense bias deltas (Qwen2's qkv biases)
-    model.embed_tokens -> DeltaEmbedding    out[rows of d] += Δembed_d[ids]            dense fp16 delta
-    layer norms        -> DeltaRMSNorm      out[r] = norm(x)[r] * (w + Δw_{d(r)})  (HF's order; one gather)
+        out = inner(x)                                     base (+ LoRA): once for the whole batch
+        for each delta config of the step:
+            kernels.sbmm.sbmm_stacked(x, out, slices, meta)  out[t, slice] += x[t] Δ̃_{d(t)}^T, packed,
+                                                            every HF slice (q|k|v, gate|up) in one call
+        out[:, slice] += bias_table[index]                  dense bias deltas (Qwen2's qkv biases)
+    model.embed_tokens -> DeltaEmbedding   out += embed_table[d(t) * V + ids]   (a zero row for no delta)
+    layer norms        -> DeltaRMSNorm     out[r] = norm(x)[r] * (w + norm_table[index[r]])  (HF's order)
     model.norm         -> DeltaRMSNorm over the logits rows (the final norm runs on them only)
-    lm_head            -> DeltaLmHead       out[rows of d] += x[rows] Δhead_d^T       (tied: Δembed_d)
+    lm_head            -> DeltaLmHead      out[r] += x[r] Δhead_{d(r)}^T   (kernels.dense_delta; tied:
+                                                                           the embedding delta)
+
+Every per-token delta is a gather from a slot-indexed table or a kernel over the step's metadata
+tensors: no op's shape depends on which rows have which delta. So a decode step with deltas can be
+captured in a CUDA graph over static copies of ``DeltaStep``'s tensors (``DeltaPool.graph_state``)
+and replayed for any rows and slots, as base-only and LoRA steps are.
 
 ``DeltaStep`` (set by ``DeltaPool.begin_step``, cleared by ``end_step``) says which tokens and which
 logits rows belong to which delta slot, and holds the slot-indexed pools: ``weights[config]
-[(layer, proj)]`` (``kernels.sbmm.DeltaWeights``, one per packed config) and ``dense[slot]`` (HF
-tensor name -> delta in the model dtype, on the device). While ``step.active`` is False every
-wrapper is exactly the module it wraps: no extra op.
+[(layer, proj)]`` (``kernels.sbmm.DeltaWeights``, one per packed config) and ``tables`` (``DeltaTables``:
+the dense deltas, one table per tensor with a row block per slot). While ``step.active`` is False
+every wrapper is exactly the module it wraps: no extra op.
 
 The wrappers adopt the wrapped module's Parameters (same tensors), like ``LoraLinear``: parameter
 names, ``state_dict`` and the tied lm_head stay those of the plain model. A wrapped LoRA linear is
@@ -27,17 +34,40 @@ called through ``DeltaLinear.inner`` (kept out of the module tree, so it is not 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..kernels.dense_delta import dense_delta_rows
 from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
-from ..kernels.sbmm import DeltaMeta, DeltaWeights, sbmm
+from ..kernels.sbmm import DeltaMeta, DeltaWeights, sbmm_stacked
 from ..model.decoder import DecoderLM, RMSNorm, linear_slots
 from .lora import hf_module_name
 
 ConfigKey = tuple[int, bool, int]
 """(bits, 2:4 sparse, group size): one ``DeltaWeights`` pool per linear and per key."""
+
+
+@dataclass
+class DeltaTables:
+    """The dense deltas of every slot (owned and filled by ``DeltaPool``; zeros where a delta has none).
+
+    Row blocks are indexed by slot so one gather serves every row of a step: ``norms`` / ``biases`` by
+    ``DeltaStep.token_index`` (slot + 1; row 0 is zeros: no delta), ``embed`` by ``slot * vocab + token``
+    (its last row is zeros: no delta), ``head`` by the SBMM-style work tiles of ``DeltaStep.head_meta``.
+    """
+
+    norms: dict[str, torch.Tensor] = field(default_factory=dict)
+    """RMSNorm weight name -> ``[slots + 1, hidden]``."""
+    biases: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Linear bias name (``model.layers.{i}.self_attn.q_proj.bias``) -> ``[slots + 1, out]``."""
+    embed: torch.Tensor | None = None
+    """``[slots * vocab + 1, hidden]``: slot s's embedding delta at rows ``s * vocab ..``; None until the
+    first delta is loaded."""
+    head: torch.Tensor | None = None
+    """``[slots, vocab, hidden]``: each slot's lm_head delta (tied embeddings: a view of ``embed``)."""
 
 
 class DeltaStep:
@@ -46,37 +76,22 @@ class DeltaStep:
     def __init__(self) -> None:
         self.metas: tuple[tuple[ConfigKey, DeltaMeta], ...] = ()
         """Per packed config used this step: SBMM metadata over all T tokens (other tokens slot -1)."""
-        self.token_rows: dict[int, torch.Tensor] = {}
-        """Slot -> indices (int64, on the device) of the step's tokens that use it."""
-        self.logit_rows: dict[int, torch.Tensor] = {}
-        """Slot -> indices of the logits rows (sampled positions) that use it."""
-        self.weights: dict[ConfigKey, dict[tuple[int, str], DeltaWeights]] = {}
-        """Config -> (layer, HF proj) -> the packed pool (owned by ``DeltaPool``, filled in place)."""
-        self.dense: list[dict[str, torch.Tensor]] = []
-        """Slot -> HF tensor name -> dense delta in the model dtype (owned by ``DeltaPool``)."""
-        self.norm_tables: dict[str, torch.Tensor] = {}
-        """Norm weight name -> ``[slots + 1, hidden]`` table: row 0 zeros (no delta), row s + 1 slot s's
-        delta of that norm (zeros where it has none). ``DeltaPool`` keeps it in step with ``dense``, so a
-        delta step's norm gathers every row's delta at once instead of one update per slot."""
+        self.head_meta: DeltaMeta | None = None
+        """Metadata over the logits rows whose delta changes lm_head (others slot -1): the lm_head delta's
+        work tiles (``kernels.dense_delta``)."""
         self.token_index: torch.Tensor | None = None
-        """[T] int64 on the device: slot + 1 of each token of the step (0: no delta): rows of ``norm_tables``."""
+        """[T] int64 on the device: slot + 1 of each token of the step (0: no delta). None: inactive."""
         self.logit_index: torch.Tensor | None = None
         """[logits rows] int64: the same for the logits rows."""
+        self.weights: dict[ConfigKey, dict[tuple[int, str], DeltaWeights]] = {}
+        """Config -> (layer, HF proj) -> the packed pool (owned by ``DeltaPool``, filled in place)."""
+        self.tables = DeltaTables()
+        """The dense deltas by slot (owned by ``DeltaPool``, filled in place)."""
 
     @property
     def active(self) -> bool:
-        """True when some token of the current step uses a delta."""
-        return bool(self.token_rows)
-
-    def dense_rows(self, name: str, logits: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(rows, delta)`` for each slot of the step whose delta changes tensor ``name``."""
-        rows_of = self.logit_rows if logits else self.token_rows
-        out = []
-        for slot, rows in rows_of.items():
-            d = self.dense[slot].get(name)
-            if d is not None:
-                out.append((rows, d))
-        return out
+        """True when the current step has delta tokens (its modules add the deltas)."""
+        return self.token_index is not None
 
 
 class DeltaLinear(nn.Linear):
@@ -103,13 +118,13 @@ class DeltaLinear(nn.Linear):
             return out
         for key, meta in step.metas:
             pools = step.weights[key]
-            for proj, start, size in self.slices:
-                w = pools.get((self.layer, proj))
-                if w is not None:
-                    sbmm(x, out[:, start : start + size], w, meta)
+            slices = [(w, start) for proj, start, _ in self.slices if (w := pools.get((self.layer, proj))) is not None]
+            if slices:
+                sbmm_stacked(x, out, slices, meta)
         for (_, start, size), name in zip(self.slices, self.bias_names):
-            for rows, d in step.dense_rows(name):
-                out[rows, start : start + size] += d
+            table = step.tables.biases.get(name)
+            if table is not None:
+                out[:, start : start + size] += table.index_select(0, step.token_index)
         return out
 
     def extra_repr(self) -> str:
@@ -117,7 +132,7 @@ class DeltaLinear(nn.Linear):
 
 
 class DeltaEmbedding(nn.Embedding):
-    """Token embeddings plus each token's dense embedding delta."""
+    """Token embeddings plus each token's dense embedding delta (one gather for every row)."""
 
     NAME = "model.embed_tokens.weight"
 
@@ -131,9 +146,12 @@ class DeltaEmbedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = F.embedding(ids, self.weight)
-        if self.step.active:
-            for rows, d in self.step.dense_rows(self.NAME):
-                out[rows] += d[ids[rows]]
+        table = self.step.tables.embed
+        if self.step.active and table is not None:
+            index = self.step.token_index
+            vocab = self.num_embeddings
+            rows = torch.where(index > 0, (index - 1) * vocab + ids, table.shape[0] - 1)  # last row: zeros
+            out += table.index_select(0, rows)
         return out
 
 
@@ -153,17 +171,16 @@ class DeltaRMSNorm(RMSNorm):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        deltas = self.step.dense_rows(self.name, self.logits) if self.step.active else []
-        if not deltas:
+        if not self.step.active:
             return super().forward(x, residual)
         ones = torch.ones_like(self.weight)
         if residual is None:
             normed = rmsnorm(x, ones, self.eps)  # 1 * x_normed: exact
         else:
             normed, residual = fused_add_rmsnorm(x, residual, ones, self.eps)
-        # Row r: normed[r] * (w + Δw_{d(r)}), Δw = 0 without a delta: one gather for every slot.
+        # Row r: normed[r] * (w + Δw_{d(r)}); Δw is the zero row without a delta: the base norm's value.
         index = self.step.logit_index if self.logits else self.step.token_index
-        out = normed * (self.weight + self.step.norm_tables[self.name].index_select(0, index))
+        out = normed * (self.weight + self.step.tables.norms[self.name].index_select(0, index))
         return out if residual is None else (out, residual)
 
 
@@ -181,14 +198,14 @@ class DeltaLmHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        if self.step.active:
-            for rows, d in self.step.dense_rows(self.name, logits=True):
-                out[rows] += x[rows] @ d.T
+        step = self.step
+        if step.active and step.head_meta is not None and step.tables.head is not None:
+            dense_delta_rows(x, out, step.tables.head, step.head_meta)
         return out
 
 
 def norm_delta_names(model: DecoderLM) -> set[str]:
-    """The RMSNorm weight names ``attach_deltas`` wraps (``DeltaStep.norm_tables``' keys)."""
+    """The RMSNorm weight names ``attach_deltas`` wraps (``DeltaTables.norms``' keys)."""
     names = {"model.norm.weight"}
     for i in range(len(model.model.layers)):
         names.add(f"model.layers.{i}.input_layernorm.weight")

@@ -17,42 +17,72 @@ GPU storage, per slot s (N slots; slot ids are shared by every linear and every 
                     of N slots per linear and per packed config, allocated the first time a delta
                     of that config goes to the GPU (a slot holds a delta in the pool of its config
                     only; the other pools leave that slot empty)
-    dense tensors   ``dense[s]``: HF name -> the fp16 delta cast to the model dtype (embedding,
-                    lm_head, norms, biases), allocated on ``to_gpu`` and freed on ``drop_gpu``
+    dense tensors   ``tables`` (``delta_layers.DeltaTables``): one table per tensor with a row block
+                    per slot, in the model dtype (norms from start-up; embedding, lm_head and biases
+                    allocated for all N slots when the first delta goes to the GPU); ``to_gpu`` copies
+                    the delta's dense deltas into its slot's blocks and zeroes the blocks of tensors it
+                    does not change
+
+CUDA graphs (``DecodeGraphs``): ``graph_state(b, keys)`` points the step at static buffers (token
+index, per-config work tiles, the lm_head's tiles) sized for ``b`` rows while a decode bucket is
+captured; ``fill_graph_rows`` writes a decode step's rows into them before a replay. Graph work tiles
+hold at most ``GRAPH_TILE`` tokens (the CUDA op's one 8-token fragment, fixed at capture).
 
 Only deltas made for this base are accepted (``check_lineage`` against the base directory), in
 mode ``delta`` (a ``--full-weights`` directory is the compressed fine-tune itself, not a delta),
 whose packed tensors are block linears and whose dense tensors are ones ``attach_deltas`` applies.
 
 ``begin_step(runs, logit_ids, decode)`` maps each token run and each logits row to its delta's slot
-and fills ``step`` (``DeltaStep``); ``end_step`` clears it. Loads failing after inspection raise
-``AdapterLoadError`` from ``to_gpu``, fatal for the worker, exactly like LoRA adapters.
+and fills ``step`` (``DeltaStep``) for an eager forward; ``end_step`` clears it. Loads failing after
+inspection raise ``AdapterLoadError`` from ``to_gpu``, fatal for the worker, exactly like LoRA adapters.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from .. import wire
 from ..compress.delta_dir import MANIFEST, check_lineage, load_delta, read_manifest
 from ..compress.pack import PackedLinear
-from ..kernels.sbmm import DeltaMeta, DeltaWeights, cuda_tile_cap, dense_min_m, make_delta_weights
+from ..kernels.sbmm import (
+    DeltaMeta, cuda_shape_problem, cuda_tile_cap, dense_min_m, make_delta_weights,
+)
 from ..model.arch import ModelConfig
-from ..model.batch import host_to_device
+from ..model.batch import copy_from_host, host_to_device
 from ..model.decoder import DecoderLM, linear_slots
-from .delta_layers import ConfigKey, DeltaStep, dense_delta_names, norm_delta_names
+from .delta_layers import ConfigKey, DeltaEmbedding, DeltaStep, dense_delta_names, norm_delta_names
 from .host_tier import HostTier
 from .pinned_arena import PinnedArena, give_back, host_buffer, release_hook
 
 log = logging.getLogger("deltaserve.worker")
 
 _PACKED_RE = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)$")
+GRAPH_TILE = 8
+"""Most tokens of one delta per SBMM work tile in a captured decode step: one 8-token MMA fragment
+(csrc/sbmm.cu NT = 1), fixed when the graph is captured; more rows of one delta take more tiles."""
+HEAD_TILE = 16
+"""Most logits rows of one delta per work tile of the lm_head delta (``kernels.dense_delta``)."""
+
+
+@dataclass
+class _GraphRows:
+    """Static device buffers a captured decode step reads (``DeltaPool.graph_state``), for up to B rows."""
+
+    index: torch.Tensor
+    """[B] int64: slot + 1 of each row (0: none); the token and logits index alike (decode: one each)."""
+    metas: dict[ConfigKey, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """Config -> (order [B], tiles [B, 3], tile count [1]) int32: a ``DeltaMeta``'s tensors."""
+    head: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """The lm_head delta's (order, tiles, tile count), as in ``metas``."""
 
 
 class DeltaError(ValueError):
@@ -114,10 +144,16 @@ class DeltaPool:
         self.linear_names = set(linear_slots(self.config))
         """HF projections a packed delta may target."""
         self.step = DeltaStep()
-        """What the delta-aware modules read; its pools are this pool's."""
-        self.step.dense = [{} for _ in range(max_deltas)]
-        self.step.norm_tables = {n: torch.zeros(max_deltas + 1, self.config.hidden_size, dtype=dtype, device=device)
-                                 for n in norm_delta_names(model)}  # fmt: skip
+        """What the delta-aware modules read; its pools and tables are this pool's."""
+        self.step.tables.norms = {n: torch.zeros(max_deltas + 1, self.config.hidden_size, dtype=dtype, device=device)
+                                  for n in norm_delta_names(model)}  # fmt: skip
+        self.head_name = DeltaEmbedding.NAME if self.config.tie_word_embeddings else "lm_head.weight"
+        """The dense delta lm_head adds (the embedding's when tied)."""
+        self.has_head = [False] * max_deltas
+        """Per slot: its delta changes lm_head (a ``head_name`` delta): its logits rows get the lm_head
+        delta's work (other slots' rows are left out of it, their table blocks are zeros anyway)."""
+        self.graph_rows: _GraphRows | None = None
+        """Static buffers of captured decode steps (``graph_state``); None until graphs ask for them."""
         self.arena = arena
         """Host memory the payloads are read into (pinned at start-up on CUDA, shared with the adapter
         pool; ``pinned_arena.py``), or None: each payload is allocated (and pinned on CUDA) on its own."""
@@ -256,13 +292,7 @@ class DeltaPool:
         else:
             for k, p in copy.packed.items():  # every delta packs every block linear (_validate)
                 pools[k].store(slot, p.to(self.device))
-        self.step.dense[slot] = {n: t.to(self.device, non_blocking=True).to(self.dtype) for n, t in copy.dense.items()}
-        for name, table in self.step.norm_tables.items():
-            d = self.step.dense[slot].get(name)
-            if d is None:
-                table[slot + 1].zero_()
-            else:
-                table[slot + 1].copy_(d)
+        self._fill_tables(slot, copy.dense)
         self.slot_of[delta_id] = slot
         self.key_of[delta_id] = copy.key
 
@@ -273,9 +303,37 @@ class DeltaPool:
         for w in self.step.weights.get(key, {}).values():
             if w.loaded[slot]:
                 w.clear(slot)
-        self.step.dense[slot] = {}
-        for table in self.step.norm_tables.values():
-            table[slot + 1].zero_()
+        self.has_head[slot] = False  # the tables' blocks are refilled (or zeroed) by the slot's next to_gpu
+
+    def _fill_tables(self, slot: int, dense: dict[str, torch.Tensor]) -> None:
+        """Copies a delta's dense deltas into slot ``slot``'s blocks of the tables (allocated for every
+        slot the first time), zeroing the blocks of tensors it does not change."""
+        tables = self.step.tables
+        cfg, n = self.config, self.max_deltas
+        if tables.embed is None:
+            zeros = functools.partial(torch.zeros, dtype=self.dtype, device=self.device)
+            tables.embed = zeros(n * cfg.vocab_size + 1, cfg.hidden_size)
+            tables.head = (tables.embed[:-1].view(n, cfg.vocab_size, cfg.hidden_size) if cfg.tie_word_embeddings
+                           else zeros(n, cfg.vocab_size, cfg.hidden_size))
+            for name in sorted(self.dense_names):
+                if name.endswith(".bias"):
+                    tables.biases[name] = zeros(n + 1, self._bias_width(name))
+        v = cfg.vocab_size
+        blocks = {DeltaEmbedding.NAME: tables.embed[slot * v : (slot + 1) * v]}
+        if not cfg.tie_word_embeddings:
+            blocks["lm_head.weight"] = tables.head[slot]
+        blocks.update({name: t[slot + 1] for name, t in (*tables.norms.items(), *tables.biases.items())})
+        for name, block in blocks.items():
+            d = dense.get(name)
+            if d is None:
+                block.zero_()
+            else:
+                block.copy_(d.to(self.device, non_blocking=True).view(block.shape))  # the cast on the device
+        self.has_head[slot] = self.head_name in dense
+
+    def _bias_width(self, name: str) -> int:
+        """Output features of the linear whose bias ``name`` is (``model.layers.{i}.<parent>.<proj>.bias``)."""
+        return linear_slots(self.config)[name.split(".")[-2]].size
 
     def apply(self, op: wire.AdapterOp) -> None:
         """Executes one (already validated) op for a delta id."""
@@ -305,34 +363,118 @@ class DeltaPool:
         token_slot: list[int] = []
         for s, n in slots:
             token_slot.extend([s] * n)
-        t = torch.tensor(token_slot, dtype=torch.int64)
+        logit_slot = [self.slot_of.get(v, -1) for v in logit_ids]
         # From pinned memory: a pageable copy would wait for the step still running (overlapped steps).
-        self.step.token_rows = {s: host_to_device(torch.nonzero(t == s).flatten(), dev) for s in sorted(used)}
-        lt = torch.tensor([self.slot_of.get(v, -1) for v in logit_ids], dtype=torch.int64)
-        self.step.logit_rows = {s: host_to_device(r, dev) for s in sorted(used)
-                                if (r := torch.nonzero(lt == s).flatten()).numel()}
-        self.step.token_index = host_to_device(t + 1, dev)
-        self.step.logit_index = host_to_device(lt + 1, dev)
+        self.step.token_index = host_to_device(torch.tensor(token_slot, dtype=torch.int64) + 1, dev)
+        self.step.logit_index = host_to_device(torch.tensor(logit_slot, dtype=torch.int64) + 1, dev)
         metas = []
-        slot_id = {s: d for d, s in self.slot_of.items()}
-        for key in sorted({self.key_of[slot_id[s]] for s in used}):
-            of_key = [s if s >= 0 and self.key_of[slot_id[s]] == key else -1 for s in token_slot]
+        for key in self._keys(used):
+            of_key = self._of_key(key, [s for s, _ in slots])
             if decode:
                 meta = DeltaMeta.rows(of_key, dev, max_block_m=self.tile_cap)
             else:
-                meta = DeltaMeta.segments([n for _, n in slots], [s if s >= 0 and self.key_of[slot_id[s]] == key
-                                                                  else -1 for s, _ in slots], dev, self.tile_cap,
-                                           self.dense_min_m)
+                meta = DeltaMeta.segments([n for _, n in slots], of_key, dev, self.tile_cap, self.dense_min_m)
             metas.append((key, meta))
         self.step.metas = tuple(metas)
+        self.step.head_meta = DeltaMeta.rows(self._head_rows(logit_slot), dev, max_block_m=HEAD_TILE)
         return True
+
+    def _keys(self, used: set[int]) -> list[ConfigKey]:
+        """The packed configs of the deltas in slots ``used``, sorted."""
+        slot_id = {s: d for d, s in self.slot_of.items()}
+        return sorted({self.key_of[slot_id[s]] for s in used})
+
+    def _of_key(self, key: ConfigKey, slots: Sequence[int]) -> list[int]:
+        """``slots`` with every slot whose delta is not of config ``key`` replaced by -1."""
+        slot_key = {s: self.key_of[d] for d, s in self.slot_of.items()}
+        return [s if s >= 0 and slot_key[s] == key else -1 for s in slots]
+
+    def _head_rows(self, logit_slot: Sequence[int]) -> list[int]:
+        """Each logits row's slot where its delta changes lm_head, else -1."""
+        return [s if s >= 0 and self.has_head[s] else -1 for s in logit_slot]
 
     def end_step(self) -> None:
         """Back to inactive: the delta-aware modules compute their base alone."""
         self.step.metas = ()
-        self.step.token_rows = {}
-        self.step.logit_rows = {}
+        self.step.head_meta = None
         self.step.token_index = self.step.logit_index = None
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def graphable(self, keys: Sequence[ConfigKey]) -> bool:
+        """Whether decode steps of packed configs ``keys`` can be captured: the CUDA SBMM op runs here
+        (``tile_cap``) and takes every linear of those configs (their work tiles of ``GRAPH_TILE`` tokens
+        are the CUDA op's only), and the dtype is one it takes."""
+        if self.tile_cap is None or self.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        x = torch.empty(0, 0, dtype=self.dtype, device=self.device)
+        for key in keys:
+            pools = self.step.weights.get(key)
+            if not pools or any(cuda_shape_problem(x, w) for w in pools.values()):
+                return False
+        return True
+
+    def graph_keys(self, delta_ids: Sequence[int]) -> tuple[ConfigKey, ...]:
+        """The packed configs a decode step of rows ``delta_ids`` (variant ids; others count as none)
+        uses: the delta part of its graph's key."""
+        return tuple(self._keys({self.slot_of[v] for v in delta_ids if v in self.slot_of}))
+
+    def _graph_buffers(self, max_batch: int, keys: Sequence[ConfigKey]) -> _GraphRows:
+        """The static buffers, (re)made for ``max_batch`` rows; per-config ones added as configs appear."""
+        def tile_buffers() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            def zeros(*shape: int) -> torch.Tensor:
+                return torch.zeros(*shape, dtype=torch.int32, device=self.device)
+
+            return zeros(max_batch), zeros(max_batch, 3), zeros(1)
+
+        g = self.graph_rows
+        if g is None or g.index.shape[0] != max_batch:
+            g = self.graph_rows = _GraphRows(torch.zeros(max_batch, dtype=torch.int64, device=self.device), {},
+                                             tile_buffers())
+        for key in keys:
+            if key not in g.metas:
+                g.metas[key] = tile_buffers()
+        return g
+
+    @contextmanager
+    def graph_state(self, b: int, max_batch: int, keys: Sequence[ConfigKey]) -> Iterator[None]:
+        """While a decode bucket of ``b`` rows is captured: the step reads the static buffers (configs
+        ``keys``), with no delta row yet (slot -1 everywhere); inactive again after."""
+        g = self._graph_buffers(max_batch, keys)
+        self._write_rows(g, b, [-1] * b, keys)
+
+        def static(order: torch.Tensor, tiles: torch.Tensor, count: torch.Tensor, cap: int) -> DeltaMeta:
+            meta = DeltaMeta.rows([-1] * b, self.device, max_block_m=cap)
+            return dataclasses.replace(meta, order=order[:b], tiles=tiles[:b], tile_count=count, block_m=cap,
+                                       tile_tokens=cap)
+
+        self.step.token_index = self.step.logit_index = g.index[:b]
+        self.step.metas = tuple((key, static(*g.metas[key], GRAPH_TILE)) for key in keys)
+        self.step.head_meta = static(*g.head, HEAD_TILE)
+        try:
+            yield
+        finally:
+            self.end_step()
+
+    def fill_graph_rows(self, delta_ids: Sequence[int], b: int, keys: Sequence[ConfigKey]) -> None:
+        """Writes a decode step's rows (variant id per row, ``len <= b``; padding up to ``b``) into the
+        static buffers a graph captured with ``graph_state(b, .., keys)`` reads."""
+        g = self.graph_rows
+        assert g is not None and all(k in g.metas for k in keys), "graph_state first"
+        slots = [self.slot_of.get(v, -1) for v in delta_ids] + [-1] * (b - len(delta_ids))
+        self._write_rows(g, b, slots, keys)
+
+    def _write_rows(self, g: _GraphRows, b: int, slots: list[int], keys: Sequence[ConfigKey]) -> None:
+        copy_from_host(g.index[:b], torch.tensor(slots, dtype=torch.int64) + 1)
+
+        def write(bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: list[int], cap: int) -> None:
+            meta = DeltaMeta.rows(rows, "cpu", max_block_m=cap)  # built on the host, copied in
+            for buf, host in zip(bufs, (meta.order, meta.tiles, meta.tile_count)):
+                copy_from_host(buf[: host.shape[0]], host)
+
+        for key in keys:
+            write(g.metas[key], self._of_key(key, slots), GRAPH_TILE)
+        write(g.head, self._head_rows(slots), HEAD_TILE)
 
     def close(self) -> None:
         self.host.close()

@@ -28,6 +28,14 @@ graph; the MBGMV launch grid depends on the bucket only, so adapters coming and 
 invalidate a graph. Base-only steps keep replaying the plain graphs, which contain no LoRA work. Padding rows write their K/V into ``scratch_slot``, a KV slot the executor
 keeps out of the router's pool. Only the Triton attention path is capturable (the torch reference
 shapes its tensors by each step's lengths), so graphs need CUDA and the Triton kernels.
+
+With compressed deltas (``deltas``: the executor's ``DeltaPool``, where the CUDA SBMM op runs) a
+decode step with delta rows replays a graph captured with the delta-aware modules active over the
+pool's static buffers (``DeltaPool.graph_state``: each row's slot, per-config work tiles, the lm_head
+delta's tiles), one per (bucket, LoRA rows or not, the step's packed configs), captured the first time
+such a step comes: which configs a step needs is known only once deltas arrive. Before a replay the
+pool writes the step's rows into those buffers (``fill_graph_rows``); the captured SBMM launches split
+K from the step's tile count on the device, as an eager launch would.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
 from deltaserve.model.batch import copy_from_host
 
 if TYPE_CHECKING:
+    from deltaserve.adapters.delta_pool import DeltaPool
     from deltaserve.adapters.pool import AdapterPool
 
 log = logging.getLogger(__name__)
@@ -68,6 +77,7 @@ class DecodeGraphs:
         max_model_len: int,
         scratch_slot: int,
         lora: "AdapterPool | None" = None,
+        deltas: "DeltaPool | None" = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"DecodeGraphs: max_batch must be >= 1, got {max_batch}")
@@ -103,8 +113,16 @@ class DecodeGraphs:
         """Static MBGMV metadata: row r is segment r."""
         self.lora_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         """Bucket size -> (its graph with the adapted linears active, its logits)."""
+        self.deltas = deltas
+        """The delta pool whose static buffers the delta graphs read; None: steps with deltas run eagerly
+        (as do steps whose configs the CUDA SBMM op does not take: ``takes_deltas``)."""
+        self.delta_graphs: dict[tuple[int, bool, tuple], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        """(bucket, with LoRA rows, the step's packed configs) -> its graph with the deltas active and its
+        logits; captured at the first step that needs it."""
         self.replays = 0
         """Steps served by a graph so far (tests and logs check graphs are really used)."""
+        self.pool = torch.cuda.graph_pool_handle()
+        """The memory pool every graph of this runner shares (they never replay at once)."""
         self._capture(buckets_up_to(max_batch))
 
     def _batch(self, b: int) -> ForwardBatch:
@@ -122,7 +140,7 @@ class DecodeGraphs:
 
     def _capture(self, sizes: list[int]) -> None:
         started = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool
         # Every row is padding while capturing: attention reads nothing, K/V go to the scratch slot.
         with torch.inference_mode():
             for b in sorted(sizes, reverse=True):  # largest first: later graphs reuse its pool
@@ -153,6 +171,33 @@ class DecodeGraphs:
             time.monotonic() - started,
         )
 
+    def _capture_delta(self, b: int, lora: bool, keys: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Captures bucket ``b`` with the deltas of configs ``keys`` active (and LoRA when ``lora``), every
+        row padding meanwhile: its warm-up forwards run eagerly and must touch no request's KV pages."""
+        assert self.deltas is not None
+        started = time.monotonic()
+        self.seq_lens[:b].zero_()
+        self.slot_mapping[:b].fill_(self.scratch_slot)
+        self.row_slot[:b].fill_(-1)
+        batch = self._batch(b)
+        if lora:
+            assert self.lora is not None
+            self.lora.step.meta = self._lora_meta(b)
+        try:
+            with torch.inference_mode(), self.deltas.graph_state(b, self.max_batch, keys):
+                for _ in range(2):
+                    self.model.forward(batch, self.kv)
+                torch.cuda.synchronize(self.kv.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    logits = self.model.forward(batch, self.kv)
+        finally:
+            if lora:
+                self.lora.step.meta = None
+        log.info("captured the decode graph of batch %d with deltas %s%s in %.2f s", b, list(keys),
+                 " and LoRA" if lora else "", time.monotonic() - started)
+        return graph, logits
+
     def _lora_meta(self, b: int) -> LoraMeta:
         """MBGMV metadata over the static row buffers for a bucket of ``b`` rows. Its host fields
         only size the launch (decode grids depend on ``b`` alone); the rows' slots are read from
@@ -162,6 +207,11 @@ class DecodeGraphs:
             seg_start_host=tuple(range(b + 1)), seg_adapter_host=(0,) * b, num_tokens=b,
             max_adapter=0, decode=True,
         )  # fmt: skip
+
+    def takes_deltas(self, delta_ids: list[int]) -> bool:
+        """Whether a decode step whose rows use ``delta_ids`` can replay a delta graph: the runner has the
+        delta pool and every packed config of the step fits the CUDA SBMM op (``DeltaPool.graphable``)."""
+        return self.deltas is not None and self.deltas.graphable(self.deltas.graph_keys(delta_ids))
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size that holds ``n`` rows (None: run eagerly)."""
@@ -175,6 +225,7 @@ class DecodeGraphs:
         step: ForwardBatch,
         row_slots: list[int] | None = None,
         device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+        delta_ids: list[int] | None = None,
     ) -> torch.Tensor:
         """Replays the decode ``step`` (one token per sequence, every row wants logits).
 
@@ -182,8 +233,10 @@ class DecodeGraphs:
         static buffers. ``row_slots``: each row's adapter table slot (-1: base), already filled by
         ``AdapterPool.assign_rows``; given, the LoRA graph replays. ``device_inputs``: (rows, token
         ids) on the device that replace those rows' input ids (tokens the previous step sampled
-        and the host does not know yet). Returns float32 logits [num_seqs, vocab] (a view valid
-        until the next run).
+        and the host does not know yet). ``delta_ids``: each row's variant id where rows use compressed
+        deltas (ids the delta pool does not hold count as none); given, the delta graph of the step's
+        configs replays (captured first if it is the first such step). Returns float32 logits
+        [num_seqs, vocab] (a view valid until the next run).
         """
         n = step.num_seqs
         b = self.bucket_for(n)
@@ -192,6 +245,14 @@ class DecodeGraphs:
         width = step.block_tables.shape[1]
         if width > self.max_blocks:
             raise ValueError(f"DecodeGraphs.run: block tables of {width} pages exceed {self.max_blocks}")
+        variant = None
+        if delta_ids is not None:
+            if self.deltas is None or len(delta_ids) != n:
+                raise ValueError(f"DecodeGraphs.run: no delta graphs here, or {len(delta_ids)} delta ids for {n} rows")
+            keys = self.deltas.graph_keys(delta_ids)
+            variant = (b, row_slots is not None, keys)
+            if variant not in self.delta_graphs:  # before the step's inputs go in: capture pads every row
+                self.delta_graphs[variant] = self._capture_delta(*variant)
         copy_from_host(self.input_ids[:n], step.input_ids)
         if device_inputs is not None:
             self.input_ids.index_copy_(0, *device_inputs)
@@ -209,7 +270,11 @@ class DecodeGraphs:
             slots = torch.tensor(row_slots + [-1] * (b - n), dtype=torch.int32)
             copy_from_host(self.row_slot[:b], slots)
             graphs = self.lora_graphs
-        graph, logits = graphs[b]
+        if variant is not None:
+            self.deltas.fill_graph_rows(delta_ids, b, variant[2])
+            graph, logits = self.delta_graphs[variant]
+        else:
+            graph, logits = graphs[b]
         graph.replay()
         self.replays += 1
         return logits[:n]

@@ -47,13 +47,14 @@ apart by the directory (``manifest.json`` of ``deltaserve compress``, not ``adap
 A delta's ``to_gpu`` carries no pages: it takes one of ``--max-deltas`` slots (the router keeps at
 most that many deltas resident; the auto KV budget on CUDA leaves room for that many 4-bit 2:4
 deltas). Every block linear, the embedding, the norms and lm_head are delta-aware from start-up
-(``attach_deltas``, after ``attach_lora``): base once for the batch, then each token's delta. Steps
-with delta tokens run eagerly (no CUDA graph).
+(``attach_deltas``, after ``attach_lora``): base once for the batch, then each token's delta.
 
 CUDA graphs: each decode bucket has a plain graph (no LoRA work, for base-only steps) and, with
 LoRA on, a graph captured with the adapted linears active over static metadata (``DecodeGraphs``);
 a decode step with adapter rows fills its adapters' table slots (``AdapterPool.assign_rows``) and
-replays the latter. Prefill and mixed steps run eagerly.
+replays the latter. Decode steps with delta rows replay a graph of the step's delta configs (and
+LoRA rows, if any), captured the first time such a step comes, where the CUDA SBMM op runs (else
+they run eagerly). Prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -264,6 +265,7 @@ class Executor:
             self.graphs = DecodeGraphs(
                 self.model, self.kv, cuda_graph_max_batch, self.max_model_len,
                 scratch_slot=self.num_blocks * block_size, lora=self.adapters,
+                deltas=self.deltas,
             )
         self.requests: dict[int, RequestState] = {}
         """Requests the worker holds, by req_id."""
@@ -503,13 +505,15 @@ class Executor:
                               in_flight.sampled.token_ids.index_select(0, to_device(patch_from, torch.long, self.device)))
         with torch.inference_mode():
             decode = len(samplers) == len(seqs) and all(n == 1 for _, n in scheduled)
-            if (decode and not with_deltas and self.graphs is not None
-                    and self.graphs.bucket_for(len(seqs)) is not None):  # fmt: skip
+            delta_ids = [s.adapter_id if is_delta[s.adapter_id] else 0 for s, _ in scheduled] if with_deltas else None
+            if (decode and self.graphs is not None and self.graphs.bucket_for(len(seqs)) is not None
+                    and (delta_ids is None or self.graphs.takes_deltas(delta_ids))):  # fmt: skip
                 row_slots = None
                 if with_adapters:
                     assert self.adapters is not None  # _validate admits adapter ids only when resident
                     row_slots = self.adapters.assign_rows(lora_ids)
-                logits = self.graphs.run(ForwardBatch.build(seqs, self.block_size, "cpu"), row_slots, pending_inputs)
+                logits = self.graphs.run(ForwardBatch.build(seqs, self.block_size, "cpu"), row_slots, pending_inputs,
+                                         delta_ids)
             else:
                 batch = ForwardBatch.build(seqs, self.block_size, self.device)
                 if pending_inputs is not None:
