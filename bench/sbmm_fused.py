@@ -1,0 +1,99 @@
+"""SBMM per fused module: one CUDA launch for q|k|v (gate|up) vs one launch per HF projection.
+
+The delta-aware linears of a Llama layer (``adapters/delta_layers.py``) hold fused modules: qkv (three
+4096-row projections of Llama-2-7B), o, gate_up (two of 11008 rows) and down. ``sbmm_stacked`` runs a
+module's slices in one launch of csrc/sbmm.cu; this times that against one launch per slice, per module
+and per layer, decode rows (``DeltaMeta.rows`` with the worker's 16-token tiles), 4-bit 2:4 group 64,
+float16 with integral zeros (the half2 dequantisation), each timed replayed from a CUDA graph
+(``triton.testing.do_bench_cudagraph``, median) as decode steps run. Bytes are the packed bytes of the
+deltas the step reads; the fraction is of the device-to-device copy bandwidth measured in the same run.
+
+    python3 bench/sbmm_fused.py [--points 64x8,64x1,8x8,16x8,1x1] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import copy_bandwidth, device_name, random_packed_linear, write_result  # noqa: E402
+from deltaserve.kernels import sbmm as S  # noqa: E402
+from deltaserve.kernels.sbmm import DeltaMeta, make_delta_weights  # noqa: E402
+
+MODULES = {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)), "gate_up": (4096, (11008, 11008)),
+           "down": (11008, (4096,))}
+"""Llama-2-7B's fused modules: (in_features, out_features of each HF projection)."""
+SLOTS = 8
+"""Delta slots per pool (each its own memory; the first ``deltas`` of a point are read)."""
+
+
+def pool(out_f: int, in_f: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    unique = [random_packed_linear(out_f, in_f, 4, True, 64, g) for _ in range(4)]
+    return make_delta_weights([unique[s % 4].to("cuda") for s in range(SLOTS)])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--points", default="64x8,64x1,16x8,8x8,1x1", help="ROWSxDELTAS, comma-separated")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    import triton.testing
+
+    dev = torch.device("cuda:0")
+    bw = copy_bandwidth(dev)
+    lib = S.cuda_ext.library("sbmm")
+    if lib is None:
+        raise SystemExit(f"the CUDA SBMM op is unavailable: {S.cuda_ext.unavailable('sbmm')}")
+    pools = {m: [pool(o, i, 31 * k + j) for j, o in enumerate(outs)] for k, (m, (i, outs)) in enumerate(MODULES.items())}
+    rows = []
+    for point in args.points.split(","):
+        n_rows, n_deltas = (int(v) for v in point.split("x"))
+        meta = DeltaMeta.rows(sorted(i % n_deltas for i in range(n_rows)), dev, max_block_m=16)
+        layer = {"per_slice": 0.0, "fused": 0.0}
+        for m, (in_f, outs) in MODULES.items():
+            ws = pools[m]
+            x = torch.randn(n_rows, in_f, device=dev).half()
+            out = torch.randn(n_rows, sum(outs), device=dev).half()
+            slices = [(w, sum(outs[:j])) for j, w in enumerate(ws)]
+            fused = S.sbmm_stacked_cuda(x, out.clone(), slices, meta)
+            apart = out.clone()
+            for w, c in slices:
+                S.sbmm_cuda(x, apart[:, c : c + w.out_features], w, meta)
+            torch.testing.assert_close(fused, apart, rtol=2e-3, atol=2e-3)  # split sums may differ in order
+
+            def per_slice() -> None:
+                for w, c in slices:
+                    S._launch_cuda(lib, x, out[:, c : c + w.out_features], [(w, 0)], meta)
+
+            torch.cuda.synchronize()
+            t_apart = triton.testing.do_bench_cudagraph(per_slice, rep=60, return_mode="median") * 1e3
+            t_fused = triton.testing.do_bench_cudagraph(lambda: S._launch_cuda(lib, x, out, slices, meta), rep=60,
+                                                        return_mode="median") * 1e3
+            nbytes = n_deltas * sum(w.qvalues.numel() * 4 + w.qindices.numel() * 4 + 2 * w.scales.numel() * 2
+                                    for w in ws) // SLOTS
+            row = {"module": m, "rows": n_rows, "deltas": n_deltas, "per_slice_us": t_apart, "fused_us": t_fused,
+                   "bytes": nbytes, "fused_fraction_of_copy_bw": nbytes / (t_fused * 1e-6) / bw}
+            rows.append(row)
+            layer["per_slice"] += t_apart
+            layer["fused"] += t_fused
+            print(f"{m:8s} {n_rows:3d} rows x {n_deltas} deltas: per slice {t_apart:7.1f} us, fused {t_fused:7.1f} us "
+                  f"({row['fused_fraction_of_copy_bw']:.2f} of copy bw)", flush=True)
+        rows.append({"module": "layer", "rows": n_rows, "deltas": n_deltas, "per_slice_us": layer["per_slice"],
+                     "fused_us": layer["fused"]})
+        print(f"layer    {n_rows:3d} rows x {n_deltas} deltas: per slice {layer['per_slice']:7.1f} us, "
+              f"fused {layer['fused']:7.1f} us", flush=True)
+    path = write_result("sbmm_fused", {"device": device_name(dev), "dtype": "float16", "bits": 4, "sparsity": "2:4",
+                                       "group_size": 64, "copy_bandwidth_GBps": bw / 1e9, "modules": MODULES,
+                                       "rows": rows}, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
