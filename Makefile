@@ -91,6 +91,10 @@ bench-gpu: ## (CUDA machine) benchmarks; each writes bench/results/*.json
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_lora.py --modes decode --cudagraph
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/lora_decode_step.py
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_sbmm.py
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/sbmm_fused.py
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_dense_delta.py
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/delta_decode_step.py
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/lora_overlap.py
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/router_overhead.py --daemon target/release/deltaserve --device 0
 
 eval-quality: ## (slow, CPU) train the demo full fine-tunes, compress them, measure accuracy through the daemon
