@@ -414,6 +414,12 @@ class DeltaPool:
                 return False
         return True
 
+    def graph_tiles(self, b: int, cap: int) -> int:
+        """Rows of a captured step's tile table (its launches' grid): the most work tiles of ``cap`` tokens
+        ``b`` rows can make, one partial tile at most per slot (eager decode metadata has ``b`` rows, most of
+        them padding blocks that launch and exit)."""
+        return min(b, self.max_deltas + b // cap)
+
     def graph_keys(self, delta_ids: Sequence[int]) -> tuple[ConfigKey, ...]:
         """The packed configs a decode step of rows ``delta_ids`` (variant ids; others count as none)
         uses: the delta part of its graph's key."""
@@ -445,8 +451,9 @@ class DeltaPool:
 
         def static(order: torch.Tensor, tiles: torch.Tensor, count: torch.Tensor, cap: int) -> DeltaMeta:
             meta = DeltaMeta.rows([-1] * b, self.device, max_block_m=cap)
-            return dataclasses.replace(meta, order=order[:b], tiles=tiles[:b], tile_count=count, block_m=cap,
-                                       tile_tokens=cap)
+            grid = self.graph_tiles(b, cap)
+            return dataclasses.replace(meta, order=order[:b], tiles=tiles[:grid], tile_count=count, grid_tiles=grid,
+                                       block_m=cap, tile_tokens=cap)
 
         self.step.token_index = self.step.logit_index = g.index[:b]
         self.step.metas = tuple((key, static(*g.metas[key], GRAPH_TILE)) for key in keys)
@@ -469,7 +476,9 @@ class DeltaPool:
 
         def write(bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: list[int], cap: int) -> None:
             meta = DeltaMeta.rows(rows, "cpu", max_block_m=cap)  # built on the host, copied in
-            for buf, host in zip(bufs, (meta.order, meta.tiles, meta.tile_count)):
+            grid = self.graph_tiles(b, cap)
+            assert meta.num_tiles <= grid  # its real tiles come first, padding after
+            for buf, host in zip(bufs, (meta.order, meta.tiles[:grid], meta.tile_count)):
                 copy_from_host(buf[: host.shape[0]], host)
 
         for key in keys:
