@@ -138,30 +138,29 @@ class DecodeGraphs:
             max_query_len=1,
         )
 
+    def _capture_forward(self, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One graph of ``model.forward(batch)`` in the runner's pool, as the adapter steps are set now,
+        and its logits. Two eager forwards first compile the Triton kernels and allocate cuBLAS
+        workspaces (they run for real: every row must be padding)."""
+        for _ in range(2):
+            self.model.forward(batch, self.kv)
+        torch.cuda.synchronize(self.kv.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model.forward(batch, self.kv)
+        return graph, logits
+
     def _capture(self, sizes: list[int]) -> None:
         started = time.monotonic()
-        pool = self.pool
         # Every row is padding while capturing: attention reads nothing, K/V go to the scratch slot.
         with torch.inference_mode():
             for b in sorted(sizes, reverse=True):  # largest first: later graphs reuse its pool
                 batch = self._batch(b)
-                for _ in range(2):  # compile the Triton kernels, allocate cuBLAS workspaces
-                    self.model.forward(batch, self.kv)
-                torch.cuda.synchronize(self.kv.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model.forward(batch, self.kv)
-                self.graphs[b] = (graph, logits)
+                self.graphs[b] = self._capture_forward(batch)
                 if self.lora is not None:
                     self.lora.step.meta = self._lora_meta(b)
                     try:
-                        for _ in range(2):
-                            self.model.forward(batch, self.kv)
-                        torch.cuda.synchronize(self.kv.device)
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool):
-                            logits = self.model.forward(batch, self.kv)
-                        self.lora_graphs[b] = (graph, logits)
+                        self.lora_graphs[b] = self._capture_forward(batch)
                     finally:
                         self.lora.step.meta = None
         torch.cuda.synchronize(self.kv.device)
@@ -185,18 +184,13 @@ class DecodeGraphs:
             self.lora.step.meta = self._lora_meta(b)
         try:
             with torch.inference_mode(), self.deltas.graph_state(b, self.max_batch, keys):
-                for _ in range(2):
-                    self.model.forward(batch, self.kv)
-                torch.cuda.synchronize(self.kv.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    logits = self.model.forward(batch, self.kv)
+                captured = self._capture_forward(batch)
         finally:
             if lora:
                 self.lora.step.meta = None
         log.info("captured the decode graph of batch %d with deltas %s%s in %.2f s", b, list(keys),
                  " and LoRA" if lora else "", time.monotonic() - started)
-        return graph, logits
+        return captured
 
     def _lora_meta(self, b: int) -> LoraMeta:
         """MBGMV metadata over the static row buffers for a bucket of ``b`` rows. Its host fields
