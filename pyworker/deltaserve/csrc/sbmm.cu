@@ -145,8 +145,8 @@ template <typename T, bool HALF2> struct RowScale {
     return pack2<T>(__fmaf_rn(c0, s, nzs), __fmaf_rn(c1, s, nzs));
   }
 };
-// float16 with integral zeros in (-1024, 1024) (``half2`` launches: the caller checked every slot's
-// zeros): 0x6400 | code is 1024 + code, 1024 + zero is exact too, so their half2 difference is
+// float16 with integral zeros in (-1024, 1024) (a block whose slot's ``Slice::half2`` flag says so, set
+// when the slot is stored): 0x6400 | code is 1024 + code, 1024 + zero is exact too, so their half2 difference is
 // code - zero exactly and one half2 multiply rounds (code - zero) * scale once: the same value in
 // half the instructions.
 template <> struct RowScale<__half, true> {

@@ -325,14 +325,12 @@ class DeltaWeights:
     """Host flags, one per slot: the slot holds a delta (``store``d); left empty at construction, every
     slot counts as loaded. A step that uses an empty slot is refused (its zero-filled region would
     silently add nothing)."""
-    integral_zeros: list[bool] = field(default_factory=list)
-    """Host flags, one per slot: every zero point of the slot is an integer in (-1024, 1024), as the
-    compressor writes them (set by ``store``; False where unknown). Float16 calls whose slots all have
-    them take the CUDA op's half2 dequantisation, which is exact only then (csrc/sbmm.cu RowScale)."""
     half2_ok: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    """[num_slots] uint8 on the pool's device: ``integral_zeros`` where the kernels read it (the CUDA op
-    picks the half2 dequantisation per block from its slot's flag, so a call needs no host check and a
-    captured launch stays right whatever deltas come later). Made at construction, set by ``store``."""
+    """[num_slots] uint8 on the pool's device, one flag per slot: every zero point of the slot is an
+    integer in (-1024, 1024), as the compressor writes them (set by ``store``; 0 where unknown, zeros at
+    construction). The CUDA op reads it per block and takes its half2 dequantisation, exact only then
+    (csrc/sbmm.cu RowScale), for float16 slots so flagged: no host check per call, no sync per ``store``,
+    and a captured launch stays right whatever deltas come later."""
     offset_alignment: tuple[int, int, int] = field(default=(0, 0, 0), init=False, repr=False, compare=False)
     """(qvalues, qindices, scales / zeros): the largest power of two up to 4 dividing every slot block's
     start address, in elements (buffer address plus slot offset; set by the offset check, the buffers
@@ -346,8 +344,6 @@ class DeltaWeights:
         n = self.qvalues_offsets.shape[0] if self.qvalues_offsets.dim() == 1 else -1
         if not self.loaded:
             self.loaded.extend([True] * max(n, 0))
-        if not self.integral_zeros:
-            self.integral_zeros.extend([False] * max(n, 0))
         # The layout rules of the format (bits, group size, shape) are pack.py's; check them there.
         _check_layout(self.bits, self.sparse, self.group_size, self.out_features, self.in_features)
         bufs = {"qvalues": (self.qvalues, torch.int32), "qindices": (self.qindices, torch.int32),
@@ -361,16 +357,14 @@ class DeltaWeights:
             if t.dim() != 1 or t.shape[0] != n or n < 1 or t.dtype != torch.int64 or t.stride(0) != 1:
                 raise ValueError(f"sbmm: {name} {list(t.shape)} {t.dtype}: want [num_slots >= 1] int64, contiguous, "
                                  f"like qvalues_offsets {list(self.qvalues_offsets.shape)}")
-        if len(self.loaded) != n or len(self.integral_zeros) != n:
-            raise ValueError(f"sbmm: {len(self.loaded)} loaded / {len(self.integral_zeros)} integral-zeros flags "
-                             f"for {n} slots")
+        if len(self.loaded) != n:
+            raise ValueError(f"sbmm: {len(self.loaded)} loaded flags for {n} slots")
         devices = {t.device for t in (*[b for b, _ in bufs.values()], *tables.values())}
         if len(devices) != 1:
             raise ValueError("sbmm: pool buffers and offset tables must be on one device, got "
                              f"{sorted(map(str, devices))}")
         if self.half2_ok is None:
-            flags = torch.tensor(self.integral_zeros, dtype=torch.uint8).to(self.qvalues.device)
-            object.__setattr__(self, "half2_ok", flags)
+            object.__setattr__(self, "half2_ok", torch.zeros(max(n, 0), dtype=torch.uint8, device=self.qvalues.device))
         elif self.half2_ok.shape != (n,) or self.half2_ok.dtype != torch.uint8 or self.half2_ok.device not in devices:
             raise ValueError(f"sbmm: half2_ok {list(self.half2_ok.shape)} {self.half2_ok.dtype}: want [{n}] uint8 "
                              "on the pool's device")
@@ -466,9 +460,7 @@ class DeltaWeights:
         self._forget(slot)
         self.loaded[slot] = True
         z = dst.zeros
-        ok = ((z == z.round()) & (z.abs() < 1024)).all()
-        self.half2_ok[slot] = ok
-        self.integral_zeros[slot] = bool(ok)  # one sync, at load time
+        self.half2_ok[slot] = ((z == z.round()) & (z.abs() < 1024)).all()  # on the device: no sync
 
     def clear(self, slot: int) -> None:
         """Marks slot ``slot`` empty; a step that uses it is refused until the next ``store``."""
