@@ -1,0 +1,11 @@
+//! One Python worker process as the router sees it: starting it and handshaking
+//! ([`spawn`]), and the shared-memory link that carries its frames back ([`link`]).
+//!
+//! A worker that dies is noticed by the actor through [`WorkerProcess::child`] and the link's
+//! errors; restarting it is the actor's job.
+
+mod link;
+mod spawn;
+
+pub use link::{FrameReceiver, SpinWindow};
+pub use spawn::{check_schema, WorkerProcess, WorkerSpec, WorkerStartError};
