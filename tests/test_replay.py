@@ -1,6 +1,7 @@
 """bench/replay.py against bench/fake_server.py with known latencies: TTFT, TPOT, throughput and
-SLO attainment come out as scheduled, errors are recorded, and the client keeps up with 5× the
-highest rate the serving experiments use.
+SLO attainment come out as scheduled, errors are recorded, and every request of an open loop at 5×
+the highest rate the serving experiments use completes (how closely the client keeps to that
+schedule is a wall-clock figure: bench/replay_capacity.py measures it).
 
 Timing tolerances: the fake server writes token k of a request at received + ttft + k·tpot
 (absolute times, so delays never accumulate). A client can never see a token before the server
@@ -32,6 +33,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 import replay as rp  # noqa: E402
+import replay_capacity as capacity  # noqa: E402
 import serving  # noqa: E402
 import workload as wl  # noqa: E402
 from fake_server import FakeServer  # noqa: E402
@@ -149,34 +151,24 @@ def test_unreachable_server_is_an_error_not_a_hang():
     assert r.error is not None and r.e2e is None
 
 
-def test_client_sustains_five_times_the_highest_rate():
-    """Open loop at 5× the highest experiment rate, prompt and output lengths U[8, 512] as in the
-    experiments, against a zero-delay fake server in its own process: every request completes
-    with its full output, the client is never more than 50 ms late sending, and the measured
-    throughput equals the offered rate (the client, not the server, would be the bound)."""
-    rate = 5 * serving.MAX_RATE
-    trace = wl.slora(10, 1.0, rate, 1.0, 3.0, input_range=(8, 512), output_range=(8, 512), seed=9)
-    proc = subprocess.Popen([sys.executable, str(BENCH / "fake_server.py"), "--port", "0"], stdout=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    try:
-        line = proc.stdout.readline()
-        url = line.split()[3]
-        t0 = time.perf_counter()
-        records = rp.run_replay(trace, url, protocol="sse")
-        wall = time.perf_counter() - t0
-    finally:
-        proc.terminate()
-        proc.wait(10)
+def test_client_completes_five_times_the_highest_rate():
+    """Open loop at 5× the highest experiment rate (bench/replay_capacity.py's workload) against a
+    zero-delay fake server in its own process: every request completes with its full output and
+    nothing is recorded twice or lost. How closely the client keeps to the schedule (send lag,
+    throughput vs offered rate) is wall-clock and machine-dependent: bench/replay_capacity.py
+    measures it and writes its JSON to bench/results/."""
+    trace = capacity.capacity_trace(factor=5.0, duration=3.0, seed=9)
+    assert len(trace.requests) / trace.duration > 0.8 * 5 * serving.MAX_RATE
+    records, _ = capacity.run_capacity(trace, protocol="sse")
     s = rp.summarize(records)
     assert s["failed"] == 0 and s["output_len_mismatch"] == 0, s["errors"]
-    assert s["client_lag_s"]["p99"] < 0.05, s["client_lag_s"]
-    offered = len(trace.requests) / trace.duration
-    assert offered > 0.8 * rate
-    assert s["throughput_req_s"] == pytest.approx(offered, rel=0.1), (s["throughput_req_s"], offered, wall)
-    assert s["throughput_out_tok_s"] > 0.8 * rate * 260
-    print(f"{rate:.0f} req/s offered: {s['throughput_req_s']:.1f} req/s, {s['throughput_out_tok_s']:.0f} tok/s, "
-          f"lag p99 {s['client_lag_s']['p99'] * 1e3:.1f} ms, ttft p99 {s['ttft_s']['p99'] * 1e3:.1f} ms")  # fmt: skip
-    assert np.isfinite(s["ttft_s"]["p99"])
+    assert s["requests"] == s["completed"] == len(trace.requests)
+    assert sorted(r.i for r in records) == [q.i for q in trace.requests]
+    by_i = {q.i: q for q in trace.requests}
+    for r in records:
+        assert r.n_out == r.output_len == by_i[r.i].output_len, r
+        assert r.sent >= r.scheduled, r  # never sent early
+    assert np.isfinite(s["ttft_s"]["p99"]) and s["throughput_out_tok_s"] > 0
 
 
 # ---------------------------------------------------------------------------------------------
