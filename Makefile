@@ -84,22 +84,22 @@ test-gpu: ## (CUDA machine) kernels on the GPU; greedy = transformers through th
 	done
 
 bench-gpu: ## (CUDA machine) benchmarks; each writes bench/results/*.json
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/decode_step.py
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/prefill.py
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_paged_attention.py
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_fused_ops.py
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_lora.py --modes decode --cudagraph
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/lora_decode_step.py
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_sbmm.py
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/sbmm_fused.py
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/bench_dense_delta.py
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/delta_decode_step.py
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/lora_overlap.py
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) bench/router_overhead.py --daemon target/release/deltaserve --device 0
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.decode_step
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.prefill
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.bench_paged_attention
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.bench_fused_ops
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.bench_lora --modes decode --cudagraph
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.lora_decode_step
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.bench_sbmm
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.sbmm_fused
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.bench_dense_delta
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.delta_decode_step
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.lora_overlap
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.router_overhead --daemon target/release/deltaserve --device 0
 
 eval-quality: ## (slow, CPU) train the demo full fine-tunes, compress them, measure accuracy through the daemon
 	$(PY) -m deltaserve.demo_finetunes --train --no-eval
-	DELTASERVE_BIN=target/release/deltaserve $(PY) bench/eval_quality.py
+	DELTASERVE_BIN=target/release/deltaserve $(PY) -m bench.eval_quality
 
 clean:
 	cargo clean; rm -rf $(VENV) dist

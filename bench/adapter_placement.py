@@ -5,8 +5,8 @@ this host time adds to the step's. Also the device time of the placement's copie
 where the host time goes (cProfile, top functions). Both region copies are timed: the Triton kernel
 (``kernels/region_copy.py``, one launch) and its torch reference (one ``copy_`` per region).
 
-    python3 bench/adapter_placement.py [--out DIR] [--reps 20] [--profile]
-    python3 bench/adapter_placement.py --smoke      # 2 layers on the CPU: checks the script runs
+    python3 -m bench.adapter_placement [--out DIR] [--reps 20] [--profile]
+    python3 -m bench.adapter_placement --smoke      # 2 layers on the CPU: checks the script runs
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ import cProfile
 import io
 import pstats
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import SHAPES, device_name, write_random_lora_dir, write_random_model_dir, write_result  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import SHAPES, device_name, write_random_lora_dir, write_random_model_dir, write_result  # noqa: E402
 
 from deltaserve.adapters.pinned_arena import PinnedArena  # noqa: E402
 from deltaserve.adapters.pool import AdapterPool  # noqa: E402

@@ -8,7 +8,7 @@ adapters. The arena (unpinned, one ``ALIGN``-byte page per 16 MiB unit) is the b
 (none, 5 %, or the worker's ``slack_for``), and its regions are placed best fit (``PinnedArena``)
 or, for comparison, first fit.
 
-    python3 bench/arena_fragmentation.py [--out DIR] [--requests 20000]
+    python3 -m bench.arena_fragmentation [--out DIR] [--requests 20000]
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import collections
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import write_result  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import write_result  # noqa: E402
 
 from deltaserve.adapters.pinned_arena import ALIGN, PinnedArena, slack_for  # noqa: E402
 

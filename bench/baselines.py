@@ -1,5 +1,7 @@
 """The baselines deltaserve is measured against, speaking the daemon's HTTP API subset that
-bench/replay.py uses, so bench/serving.py runs them like the daemon (``--server peft|swap|merged``).
+bench/replay.py uses, so bench/serving runs them like the daemon (``--server peft|swap|merged``).
+This module is the server program of ``peft`` and ``swap``; bench/serving/servers.py starts it (and
+the ``merged`` daemon) and imports nothing from it: it is a child process, not a library.
 
     peft    S-LoRA's "PEFT" baseline: HF transformers + peft, ONE adapter active at a time.
             Requests queue per adapter; the engine takes the adapter whose oldest request waited
@@ -13,11 +15,11 @@ bench/replay.py uses, so bench/serving.py runs them like the daemon (``--server 
             one model, picked and run as in ``peft``. ``--resident auto`` holds as many full
             models as fit (DeltaZip's vLLM-SCB does): :func:`models_that_fit`.
     merged  The upper bound: the deltaserve daemon serving ONE variant merged into the base
-            (peft ``merge_and_unload``), every request's model mapped to it (serving.Endpoint.model).
+            (peft ``merge_and_unload``), every request's model mapped to it (launch.Endpoint.model).
 
 Process layout (peft, swap)::
 
-    python bench/baselines.py peft|swap ...           one process, started by the launchers below
+    python -m bench.baselines peft|swap ...           one process, started by bench/serving/servers.py
       asyncio thread   HTTP/SSE (bench/http_sse.py): /ready, /health, /stats, /v1/models,
                        POST /v1/completions → Pending into Engine.queues, tokens back through an
                        asyncio.Queue per request (loop.call_soon_threadsafe)
@@ -42,25 +44,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import http_sse  # noqa: E402
+from bench import http_sse
+from bench.common import RANDOM_WEIGHTS_FILE, adapter_dirs, checkpoint_dtype
 
-RANDOM_WEIGHTS_FILE = "random-weights.json"
-"""Marks a model directory whose weights are drawn at random (bench/common.py)."""
 BASELINES = ("peft", "swap")
 """Engines this file's server runs (``merged`` is the daemon)."""
 
@@ -219,14 +215,6 @@ def model_dtype(model_dir: Path, device: Any, dtype: str) -> Any:
     return torch.float32 if device.type == "cpu" else checkpoint_dtype(model_dir)
 
 
-def checkpoint_dtype(model_dir: Path) -> Any:
-    """The dtype config.json names (float16 when it names none)."""
-    import torch
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return getattr(torch, cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
-
-
 def load_model(model_dir: Path, device: Any, dtype: Any) -> Any:
     """An HF causal LM on ``device``: from its weights, or drawn N(0, std) for a random-weights dir."""
     import torch
@@ -247,14 +235,6 @@ def load_model(model_dir: Path, device: Any, dtype: Any) -> Any:
             else:
                 p.normal_(0.0, float(spec.get("std", 0.02)), generator=gen)
     return model.eval()
-
-
-def adapter_dirs(lora_dir: Path) -> dict[str, Path]:
-    """Every subdirectory of ``lora_dir`` with an adapter_config.json, by name (the daemon's rule)."""
-    found = {d.name: d for d in sorted(Path(lora_dir).iterdir()) if (d / "adapter_config.json").is_file()}
-    if not found:
-        raise SystemExit(f"--lora-dir {lora_dir}: no subdirectory has an adapter_config.json")
-    return found
 
 
 def model_dirs(models_dir: Path) -> dict[str, Path]:
@@ -569,100 +549,6 @@ def main(argv: list[str] | None = None) -> None:
         engine = SwapEngine(models, device, dtype, a.max_batch, slots)
         tok_dir = first
     serve(engine, _tokenizer(tok_dir), a.host, a.port)
-
-
-# ---------------------------------------------------------------------------------------------
-# Launchers (bench/serving.py SERVERS entries)
-
-
-def _option(flags: list[str], name: str) -> tuple[str | None, list[str]]:
-    """The value of ``name=V`` / ``name V`` in ``flags`` and the flags without it."""
-    rest, value, i = [], None, 0
-    while i < len(flags):
-        f = flags[i]
-        if f.startswith(name + "="):
-            value = f.split("=", 1)[1]
-        elif f == name and i + 1 < len(flags):
-            value, i = flags[i + 1], i + 1
-        else:
-            rest.append(f)
-        i += 1
-    return value, rest
-
-
-@contextlib.contextmanager
-def _baseline(kind: str, spec: Any, args: list[str]) -> Iterator[Any]:
-    import serving
-
-    port = serving._free_port()
-    cmd = [sys.executable, str(Path(__file__).resolve()), kind, "--port", str(port), "--devices", spec.devices, *args,
-           *spec.flags]  # fmt: skip
-    with serving.launch(cmd, f"http://127.0.0.1:{port}", spec.log) as url:
-        yield serving.Endpoint(url)
-
-
-@contextlib.contextmanager
-def peft_server(spec: Any) -> Iterator[Any]:
-    """``--server peft``: the PEFT baseline on ``spec.model_dir`` (the demo model when None) with
-    every adapter of ``spec.lora_dir``; ``spec.flags`` go to bench/baselines.py (``--max-batch``,
-    ``--device-adapters``)."""
-    import serving
-
-    model = spec.model_dir or serving.demo_model_dir()
-    with _baseline("peft", spec, ["--model", str(model), "--lora-dir", str(spec.lora_dir)]) as ep:
-        yield ep
-
-
-@contextlib.contextmanager
-def swap_server(spec: Any) -> Iterator[Any]:
-    """``--server swap``: whole-model swapping over the full-model directories under
-    ``spec.lora_dir`` (one per variant, named like it); ``--resident K|auto`` in ``spec.flags``."""
-    with _baseline("swap", spec, ["--models-dir", str(spec.lora_dir)]) as ep:
-        yield ep
-
-
-def merge_lora(model_dir: Path, adapter_dir: Path, out: Path) -> Path:
-    """``out``: the base with the adapter merged in (peft ``merge_and_unload``), an HF directory
-    with the base's tokenizer files; float32 on the CPU, saved in the base's dtype."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    merged.to(checkpoint_dtype(model_dir)).save_pretrained(out, safe_serialization=True)
-    for f in model_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab", "merges")) and f.is_file():
-            shutil.copy(f, out / f.name)
-    return out
-
-
-@contextlib.contextmanager
-def merged_server(spec: Any) -> Iterator[Any]:
-    """``--server merged``: the deltaserve daemon serving one variant merged into the base, every
-    request's model mapped to it. The variant is ``--merge=NAME`` in ``spec.flags`` (default: the
-    first adapter of ``spec.lora_dir``). A random-weights base (bench/common.py) is served as it
-    is: merging changes weight values, not the work, so the base's cost is the merged variant's."""
-    import serving
-
-    name, flags = _option(list(spec.flags), "--merge")
-    adapters = adapter_dirs(spec.lora_dir)
-    name = name or next(iter(adapters))
-    if name not in adapters:
-        raise SystemExit(f"--merge={name}: no such adapter in {spec.lora_dir}")
-    model = spec.model_dir or serving.demo_model_dir()
-    with tempfile.TemporaryDirectory(prefix="deltaserve-merged-") as tmp:
-        tmp = Path(tmp)
-        if (model / RANDOM_WEIGHTS_FILE).is_file():
-            served = model
-        else:
-            served = merge_lora(model, adapters[name], tmp / f"merged-{name}")
-        (tmp / "no-adapters").mkdir()
-        inner = serving.ServerSpec(model_dir=served, lora_dir=tmp / "no-adapters", devices=spec.devices,
-                                   flags=[*flags, "--served-model-name", "merged"], daemon=spec.daemon,
-                                   log=spec.log)  # fmt: skip
-        with serving.deltaserve_server(inner) as ep:
-            yield serving.Endpoint(ep.url, ep.ws_url, model="merged")
 
 
 if __name__ == "__main__":

@@ -32,30 +32,27 @@ measured in the same run (``common.copy_bandwidth``), 1.0 being the memory floor
 (masked_all's own floor is ``2 * N * K * num_slots``; its rows use the same byte count so the columns
 compare times.) The Triton op and masked_all are checked against the reference before they are timed.
 
-    python3 bench/bench_dense_delta.py                    # full sweep: bench/results/dense_delta-<GPU>-<date>.json
-    python3 bench/bench_dense_delta.py --batch 8,64 --deltas 8 --popularity spread
-    python3 bench/bench_dense_delta.py --smoke            # CPU, Triton interpreter, tiny shapes: checks the script only
+    python3 -m bench.bench_dense_delta                    # full sweep: bench/results/dense_delta-<GPU>-<date>.json
+    python3 -m bench.bench_dense_delta --batch 8,64 --deltas 8 --popularity spread
+    python3 -m bench.bench_dense_delta --smoke            # CPU, Triton interpreter, tiny shapes: checks the script only
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Callable
 
-if "--smoke" in sys.argv:  # must precede the first import of triton
-    os.environ["TRITON_INTERPRET"] = "1"
+from bench import script_env
+
+script_env.prepare()  # before triton's first import: --smoke runs the kernels in the CPU interpreter
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import bench_device, device_name, write_result  # noqa: E402
+from bench.common import bench_device, device_name, write_result  # noqa: E402
 from deltaserve.kernels import dense_delta as dd  # noqa: E402
 from deltaserve.kernels.sbmm import DeltaMeta  # noqa: E402
 

@@ -20,27 +20,23 @@ Bytes per op (fp16 = 2 bytes per element; T tokens):
 
 Every kernel is checked against its reference before it is timed.
 
-    python3 bench/bench_fused_ops.py [--tokens 1,64,256,2048] [--cudagraph] [--out DIR]
-    python3 bench/bench_fused_ops.py --smoke      # CPU, Triton interpreter, tiny shapes: checks the script only
+    python3 -m bench.bench_fused_ops [--tokens 1,64,256,2048] [--cudagraph] [--out DIR]
+    python3 -m bench.bench_fused_ops --smoke      # CPU, Triton interpreter, tiny shapes: checks the script only
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 from typing import Callable
 
-if "--smoke" in sys.argv:  # must precede the first import of triton
-    os.environ["TRITON_INTERPRET"] = "1"
+from bench import script_env
+
+script_env.prepare()  # before triton's first import: --smoke runs the kernels in the CPU interpreter
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import bench_device, device_name, write_result  # noqa: E402
+from bench.common import bench_device, device_name, write_result  # noqa: E402
 from deltaserve.kernels.rmsnorm import (  # noqa: E402
     fused_add_rmsnorm_ref,
     fused_add_rmsnorm_triton,

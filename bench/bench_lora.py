@@ -53,14 +53,14 @@ flat pool with stacked tables (``LoraStack``). Implementations:
 (``_graph`` variants with ``--cudagraph``; bytes as above summed over the slices with x counted
 once.) The stacked result is checked against the per-slice path and the reference first.
 
-    python3 bench/bench_lora.py                                    # full sweep, writes bench/results/lora-<GPU>-<date>.json
-    python3 bench/bench_lora.py --ranks 16 --batch 64 --modes decode --cudagraph
-    python3 bench/bench_lora.py --modes decode --popularity distinct --dims 4096x4096,11008x4096 \
+    python3 -m bench.bench_lora                                    # full sweep, writes bench/results/lora-<GPU>-<date>.json
+    python3 -m bench.bench_lora --ranks 16 --batch 64 --modes decode --cudagraph
+    python3 -m bench.bench_lora --modes decode --popularity distinct --dims 4096x4096,11008x4096 \
         --cudagraph --parts --no-reference                         # decode bandwidth per kernel
-    python3 bench/bench_lora.py --stacked 4096,4096,4096 --ranks 16 --batch 1,16,64 --modes decode \
+    python3 -m bench.bench_lora --stacked 4096,4096,4096 --ranks 16 --batch 1,16,64 --modes decode \
         --popularity distinct --cudagraph --no-reference      # qkv module: stacked vs per-slice launches
-    python3 bench/bench_lora.py --smoke     # CPU, Triton interpreter, tiny shapes: checks the script only
-    python3 bench/bench_lora.py --smoke --stacked 4096,4096,4096   # the same for the stacked mode
+    python3 -m bench.bench_lora --smoke     # CPU, Triton interpreter, tiny shapes: checks the script only
+    python3 -m bench.bench_lora --smoke --stacked 4096,4096,4096   # the same for the stacked mode
 """
 
 from __future__ import annotations
@@ -69,21 +69,18 @@ import argparse
 import dataclasses
 import itertools
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Callable
 
-if "--smoke" in sys.argv:  # must precede the first import of triton
-    os.environ["TRITON_INTERPRET"] = "1"
+from bench import script_env
+
+script_env.prepare()  # before triton's first import: --smoke runs the kernels in the CPU interpreter
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import bench_device, device_name, write_result  # noqa: E402
+from bench.common import bench_device, device_name, write_result  # noqa: E402
 from deltaserve.kernels.lora import (  # noqa: E402
     LoraMeta,
     LoraSlice,

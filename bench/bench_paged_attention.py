@@ -13,7 +13,7 @@ the reference, counting 4·D·H FLOPs per visible (query, key) pair (QK^T and PV
 
 Each configuration is first checked: kernel vs reference, max |difference| in the JSON.
 
-    python3 bench/bench_paged_attention.py [--batches 1,8,32,64,128,256] [--ctx 512,2048] [--out DIR]
+    python3 -m bench.bench_paged_attention [--batches 1,8,32,64,128,256] [--ctx 512,2048] [--out DIR]
 
 Needs a CUDA GPU, TRITON_INTERPRET unset. Writes bench/results/paged_attention-<device>-<date>.json.
 """
@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import copy_bandwidth, device_name, write_result  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import copy_bandwidth, device_name, write_result  # noqa: E402
 from deltaserve.kernels.paged_attention import decode_num_splits, paged_attention, paged_decode  # noqa: E402
 from deltaserve.model import ForwardBatch  # noqa: E402
 from deltaserve.model.attention import attention_metadata, paged_attention_ref  # noqa: E402

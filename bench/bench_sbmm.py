@@ -37,29 +37,26 @@ the columns compare times.) The Triton result is checked against the reference b
 first times every launch config of ``TUNE_GRID`` (``TUNE_GRID_FMA`` for FMA tiles) for the point's work-tile size (``sbmm.LAUNCH``)
 and keeps the fastest for the point's ``triton`` rows; the rows record the config used.
 
-    python3 bench/bench_sbmm.py                       # full sweep, writes bench/results/sbmm-<GPU>-<date>.json
-    python3 bench/bench_sbmm.py --shapes 4096x4096 --batch 64 --deltas 8 --configs 4b-2:4 --cudagraph
-    python3 bench/bench_sbmm.py --shapes 4096x11008 --batch 1,64 --deltas 1,8 --tune
-    python3 bench/bench_sbmm.py --smoke               # CPU, Triton interpreter, tiny shapes: checks the script only
+    python3 -m bench.bench_sbmm                       # full sweep, writes bench/results/sbmm-<GPU>-<date>.json
+    python3 -m bench.bench_sbmm --shapes 4096x4096 --batch 64 --deltas 8 --configs 4b-2:4 --cudagraph
+    python3 -m bench.bench_sbmm --shapes 4096x11008 --batch 1,64 --deltas 1,8 --tune
+    python3 -m bench.bench_sbmm --smoke               # CPU, Triton interpreter, tiny shapes: checks the script only
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Callable
 
-if "--smoke" in sys.argv:  # must precede the first import of triton
-    os.environ["TRITON_INTERPRET"] = "1"
+from bench import script_env
+
+script_env.prepare()  # before triton's first import: --smoke runs the kernels in the CPU interpreter
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import bench_device, device_name, write_result  # noqa: E402
+from bench.common import bench_device, device_name, write_result  # noqa: E402
 from deltaserve.compress.pack import PackedLinear, dequantize, pack  # noqa: E402
 from deltaserve.kernels import sbmm as sbmm_module  # noqa: E402
 from deltaserve.kernels.sbmm import DeltaMeta, DeltaWeights, make_delta_weights, sbmm, sbmm_ref  # noqa: E402
@@ -72,7 +69,7 @@ TUNE_GRID = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 3}
 """--tune: the launch configs tried per point with tl.dot work tiles (``sbmm.LAUNCH`` entries)."""
 TUNE_GRID_FMA = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 2, "SPLIT_K": sk}
                  for n in (16, 32, 64, 128) for k in (128, 256) for w in (1, 2, 4) for sk in (0, 1)]  # fmt: skip
-"""--tune: the configs tried with FMA work tiles (at most ``sbmm._FMA_MAX_M`` tokens; SPLIT_K 0 = auto)."""
+"""--tune: the configs tried with FMA work tiles (at most ``sbmm.FMA_MAX_M`` tokens; SPLIT_K 0 = auto)."""
 UNIQUE_DELTAS = 4
 """Distinct random deltas packed per (shape, config); the pool's slots hold copies of them (each slot
 its own memory, so the bytes read are those of distinct deltas; packing 32 7B-shaped deltas is slow)."""
@@ -185,7 +182,7 @@ def tune(pt: Point, timer: Callable) -> dict:
     """The fastest ``TUNE_GRID`` config for ``pt`` (checked against the reference), now in ``sbmm.LAUNCH``."""
     bm = pt.meta.block_m
     best: tuple[float, dict] | None = None
-    for cfg in TUNE_GRID_FMA if bm <= sbmm_module._FMA_MAX_M else TUNE_GRID:
+    for cfg in TUNE_GRID_FMA if bm <= sbmm_module.FMA_MAX_M else TUNE_GRID:
         sbmm_module.LAUNCH[bm] = cfg
         try:
             pt.check()

@@ -1,5 +1,6 @@
-"""Shared pieces of the benchmarks: model shapes, the device-to-device copy bandwidth that every
-memory floor is measured against, and the JSON result files (device, commit, shapes)."""
+"""Shared pieces of the benchmarks: model shapes, random model / adapter / delta directories (and
+reading their config), the device-to-device copy bandwidth that every memory floor is measured
+against, and the JSON result files (device, commit, shapes)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
+RANDOM_WEIGHTS_FILE = "random-weights.json"
+"""Marks a model directory whose weights are drawn at random (``write_random_model_dir``; the
+worker's loader and bench/baselines.py draw them)."""
 
 # Real shapes (random weights: real checkpoints cannot reach the GPU machine).
 SHAPES: dict[str, dict] = {
@@ -33,8 +37,34 @@ def write_random_model_dir(shape: str, out: Path, seed: int = 0) -> Path:
     """An HF-style directory whose weights the loader draws at random (``random-weights.json``)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(SHAPES[shape], indent=1))
-    (out / "random-weights.json").write_text(json.dumps({"seed": seed, "std": 0.02}))
+    (out / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": seed, "std": 0.02}))
     return out
+
+
+def write_word_tokenizer(out: Path, vocab_size: int) -> None:
+    """A whitespace word-level tokenizer with ``vocab_size`` entries, so any id decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+
+
+def checkpoint_dtype(model_dir: Path) -> torch.dtype:
+    """The dtype an HF directory's config.json names (float16 when it names none)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return getattr(torch, cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
+
+
+def adapter_dirs(lora_dir: Path) -> dict[str, Path]:
+    """Every subdirectory of ``lora_dir`` with an adapter_config.json, by name (the daemon's rule)."""
+    found = {d.name: d for d in sorted(Path(lora_dir).iterdir()) if (d / "adapter_config.json").is_file()}
+    if not found:
+        raise SystemExit(f"--lora-dir {lora_dir}: no subdirectory has an adapter_config.json")
+    return found
 
 
 def lora_config(rank: int, targets) -> dict:

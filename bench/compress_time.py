@@ -20,9 +20,9 @@ to the full depth: measured seconds + mean seconds per layer x (full layers - N)
 the same work, so this bounds a run that would not fit a short session.
 Target: <= 15 minutes for the 7B shape, 4-bit 2:4, on one GPU (``target.seconds_full_depth``).
 
-    python3 bench/compress_time.py [--shape llama-2-7b] [--num-layers N] [--bits 4] [--sparsity 2:4]
+    python3 -m bench.compress_time [--shape llama-2-7b] [--num-layers N] [--bits 4] [--sparsity 2:4]
         [--nsamples 128] [--seqlen 512] [--lossless] [--workdir DIR] [--out DIR]
-    python3 bench/compress_time.py --smoke [--out DIR]    # tiny shape on the CPU: checks the script
+    python3 -m bench.compress_time --smoke [--out DIR]    # tiny shape on the CPU: checks the script
 
 Disk: two fp16 checkpoints and the delta (~30 GB for 7B) under ``--workdir`` (default: a temp dir).
 """
@@ -40,10 +40,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import SHAPES, SMOKE_SHAPE, device_name, shape_config, write_random_checkpoint, write_result  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import SHAPES, SMOKE_SHAPE, device_name, shape_config, write_random_checkpoint, write_result  # noqa: E402
 from deltaserve.compress.compressor import CompressConfig, compress  # noqa: E402
 
 TARGET_SECONDS = 15 * 60

@@ -15,24 +15,24 @@ Floors, each from the device-to-device copy bandwidth measured in the same run:
   weight floor = weight bytes / bandwidth
   memory floor = (weight bytes + KV bytes the step reads) / bandwidth
 
-    python3 bench/decode_step.py [--batches 1,8,32,64,128,256] [--out DIR]
+    python3 -m bench.decode_step [--batches 1,8,32,64,128,256] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import copy_bandwidth, device_name, write_random_model_dir, write_result  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import copy_bandwidth, device_name, write_random_model_dir, write_result  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 

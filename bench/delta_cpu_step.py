@@ -3,7 +3,7 @@ executor: a decode step with base rows only vs with delta rows (the reference SB
 dequantises each delta once and keeps it: ``DeltaWeights.cache_reference``), and ``dequantize``
 of one packed MLP linear.
 
-    python bench/delta_cpu_step.py [--delta ~/.cache/deltaserve/deltas/json] [--batch 4] [--steps 10]
+    python -m bench.delta_cpu_step [--delta ~/.cache/deltaserve/deltas/json] [--batch 4] [--steps 10]
 
 The delta is a ``deltaserve compress`` directory of the demo model (README: compressed full
 fine-tunes). Writes ``bench/results/delta_cpu_step-cpu-<date>.json``.
@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import write_result  # noqa: E402
-from decode_step import bench_batch  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import write_result  # noqa: E402
+from bench.decode_step import bench_batch  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.compress.delta_dir import load_delta  # noqa: E402
 from deltaserve.compress.pack import dequantize  # noqa: E402

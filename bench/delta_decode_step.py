@@ -19,9 +19,9 @@ Delta directories beyond ``--distinct-weights`` link to the same payload (disk);
 still gets its own host copy and its own GPU slot. Ops go through ``Executor.step`` as the
 router sends them (``AdapterOp`` to_host / to_gpu). LoRA is off (``--max-lora-rank 0``) unless asked.
 
-    python3 bench/delta_decode_step.py [--shape llama-2-7b] [--batch 64] [--deltas 8] [--ctx 512]
+    python3 -m bench.delta_decode_step [--shape llama-2-7b] [--batch 64] [--deltas 8] [--ctx 512]
         [--bits 4] [--sparsity 2:4] [--no-graphs] [--workdir DIR] [--out DIR]
-    python3 bench/delta_decode_step.py --smoke [--out DIR]    # tiny shape on the CPU: checks the script
+    python3 -m bench.delta_decode_step --smoke [--out DIR]    # tiny shape on the CPU: checks the script
 """
 
 from __future__ import annotations
@@ -30,21 +30,21 @@ import argparse
 import gc
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import (  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import (  # noqa: E402
     SMOKE_SHAPE, copy_bandwidth, device_name, shape_config, write_random_checkpoint, write_random_delta_dir,
     write_result,
 )
-from decode_step import bench_batch  # noqa: E402
+from bench.decode_step import bench_batch  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.adapters.delta_pool import delta_gpu_bytes  # noqa: E402
 from deltaserve.compress.delta_dir import MANIFEST, read_manifest  # noqa: E402

@@ -22,7 +22,7 @@ Writes ``bench/results/eval_quality-<device>-<date>.json`` (``common.write_resul
 table: accuracy per variant, and for the compressed ones the payload bytes and the compression
 ratio (fp16 fine-tune bytes ÷ payload bytes) from the manifest.
 
-    python bench/eval_quality.py [--task json] [--heldout 80] [--nsamples 128] [--keep]
+    python -m bench.eval_quality [--task json] [--heldout 80] [--nsamples 128] [--keep]
 
 Compressed delta directories and materialised models go under ``--work``
 (default ``$DELTASERVE_HOME/eval_quality``); materialised models (≈540 MB each) are deleted after
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -43,9 +42,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
-from serving import default_daemon, launch  # noqa: E402
+from bench.common import write_result
+from bench.launch import default_daemon, free_port, launch
 
 #: (name, --full-weights, --bits) of the compressed variants, all 2:4-sparse.
 COMPRESSED = (
@@ -59,12 +57,6 @@ SERVING_NOTE = (
     "'delta-*' variants are served by the daemon as base + compressed delta (--delta, decoupled forward); the "
     "SparseGPT baseline 'full-*' as a materialised HF model dequant(W) (--model); float32 on CPU"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ask_all(daemon: Path, model_dir: Path, prompts: list[str], max_tokens: int, log: Path,

@@ -22,22 +22,19 @@ times (``time.monotonic()``, one clock for the whole host) are appended to ``log
 Failures are scripted per model: ``errors[model] = (status, message)`` refuses the request with
 that status; ``fail_after[model] = k`` sends k tokens and then a mid-stream error.
 
-    python bench/fake_server.py --port 8001 --ttft 0.05 --tpot 0.01     # standalone
+    python -m bench.fake_server --port 8001 --ttft 0.05 --tpot 0.01     # standalone
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import http_sse  # noqa: E402
+from bench import http_sse
 
 FAKE_TEXT = "tok "
 """The text of every fake token (non-empty, so every token is its own SSE chunk, as in the daemon)."""

@@ -9,7 +9,7 @@ two ways:
   cast, an ``aminmax`` finiteness check and a copy per tensor);
 - ``native``: ``read_lora_spec`` plus one ``LoraSpec.read_into`` (GIL released), as now.
 
-    python3 bench/host_read_contention.py [--out DIR]
+    python3 -m bench.host_read_contention [--out DIR]
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -25,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import shape_config, write_random_lora_dir, write_result  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import shape_config, write_random_lora_dir, write_result  # noqa: E402
 
 from deltaserve.adapters.lora import load_lora_adapter  # noqa: E402
 from deltaserve.model.arch import ModelConfig  # noqa: E402

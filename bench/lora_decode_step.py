@@ -10,27 +10,27 @@ adapter loads host -> GPU pool.
 Adapters are PEFT directories of random weights (bench/common.py) placed through the same
 ``AdapterOp``s the router sends.
 
-    python3 bench/lora_decode_step.py [--batch 64] [--adapters 64] [--rank 16] [--out DIR]
+    python3 -m bench.lora_decode_step [--batch 64] [--adapters 64] [--rank 16] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import (  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import (  # noqa: E402
     SHAPES, copy_bandwidth, device_name, write_random_lora_dir, write_random_model_dir, write_result,
 )
-from decode_step import bench_batch  # noqa: E402
+from bench.decode_step import bench_batch  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.adapters.lora import projection_features  # noqa: E402
 from deltaserve.model.arch import ModelConfig  # noqa: E402

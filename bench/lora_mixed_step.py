@@ -10,26 +10,26 @@ why n = 1000-2000 serve slower than n = 5 when the decode kernels barely notice 
 Each is timed on the wall (median) and by its kernels' device time (torch.profiler); a step whose
 wall time exceeds its device time is bound by the host.
 
-    python3 bench/lora_mixed_step.py [--out DIR]
+    python3 -m bench.lora_mixed_step [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import SHAPES, device_name, write_random_lora_dir, write_random_model_dir, write_result  # noqa: E402
-from decode_step import bench_batch  # noqa: E402
-from lora_decode_step import place  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import SHAPES, device_name, write_random_lora_dir, write_random_model_dir, write_result  # noqa: E402
+from bench.decode_step import bench_batch  # noqa: E402
+from bench.lora_decode_step import place  # noqa: E402
 
 from deltaserve import wire  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402

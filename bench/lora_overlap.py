@@ -15,7 +15,7 @@ projections (r_max 128, as the worker's pool), adapter rows at scattered offsets
 for Punica's distinct (64 adapters) and identical (one adapter) popularity. The answer decides whether
 ``LoraLinear`` should fork a stream (it does not: see bench/README.md).
 
-    python3 bench/lora_overlap.py [--out DIR]
+    python3 -m bench.lora_overlap [--out DIR]
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import copy_bandwidth, device_name, write_result  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import copy_bandwidth, device_name, write_result  # noqa: E402
 from deltaserve.kernels import lora as L  # noqa: E402
 
 HIDDEN, INTER, ROWS, RANK, LAYERS = 4096, 11008, 64, 16, 8
@@ -89,19 +89,19 @@ def main() -> None:
                     if variant in ("base", "serial"):
                         torch.mm(x, w.t(), out=out)
                     if variant in ("lora", "serial"):
-                        L._mbgmv_expand(L._mbgmv_shrink_partials(x, st, meta), st, meta, out)
+                        L.mbgmv_expand(L.mbgmv_shrink_partials(x, st, meta), st, meta, out)
                     elif variant == "ov_shrink":
                         side.wait_stream(cur)
                         with torch.cuda.stream(side):
-                            part = L._mbgmv_shrink_partials(x, st, meta)
+                            part = L.mbgmv_shrink_partials(x, st, meta)
                         torch.mm(x, w.t(), out=out)
                         cur.wait_stream(side)
-                        L._mbgmv_expand(part, st, meta, out)
+                        L.mbgmv_expand(part, st, meta, out)
                     elif variant == "ov_full":
                         side.wait_stream(cur)
                         with torch.cuda.stream(side):
                             d.zero_()
-                            L._mbgmv_expand(L._mbgmv_shrink_partials(x, st, meta), st, meta, d)
+                            L.mbgmv_expand(L.mbgmv_shrink_partials(x, st, meta), st, meta, d)
                         torch.mm(x, w.t(), out=out)
                         cur.wait_stream(side)
                         out.add_(d)

@@ -11,24 +11,24 @@ sync inside them) while 0 or 4 loader threads each fill a 64 MB buffer in a loop
 - ``pinned-new``: a new pinned buffer each time (``cudaHostAlloc``; what the host tier did);
 - ``pinned-arena``: a slice of one pinned buffer allocated before the run (``PinnedArena``).
 
-    python3 bench/pinned_alloc_contention.py [--out DIR] [--seconds 3]
+    python3 -m bench.pinned_alloc_contention [--out DIR] [--seconds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import write_result  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import write_result  # noqa: E402
 
 from deltaserve.adapters.pinned_arena import PinnedArena  # noqa: E402
 from deltaserve.model.batch import host_to_device  # noqa: E402

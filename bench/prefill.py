@@ -6,24 +6,24 @@ reports tokens/s. The compute bound is the step's FLOPs (every linear layer on e
 token, causal attention, lm_head on the last token of each prompt) divided by the dense fp16
 matmul throughput measured in the same run (an 8192^3 ``torch.matmul``).
 
-    python3 bench/prefill.py [--cases 1x2048,16x512]
+    python3 -m bench.prefill [--cases 1x2048,16x512]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import device_name, write_random_model_dir, write_result  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import device_name, write_random_model_dir, write_result  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 

@@ -1,23 +1,23 @@
 """Where a decode step's time goes: torch.profiler over ``Executor.step`` (Llama-2-7B shape,
 random weights, KV length 512), printing the top operators by host and device time.
 
-    python3 bench/profile_step.py [--batch 1] [--steps 5]
+    python3 -m bench.profile_step [--batch 1] [--steps 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import write_random_model_dir  # noqa: E402
-from decode_step import bench_batch  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import write_random_model_dir  # noqa: E402
+from bench.decode_step import bench_batch  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
 

@@ -39,7 +39,7 @@ gaps; SLO attainment = share of *all* requests (failed and interrupted ones coun
 with ttft ≤ the TTFT SLO (S-LoRA: 6 s), with tpot ≤ the TPOT SLO (a request with one output
 token meets any TPOT SLO), and with both.
 
-    python bench/replay.py trace.jsonl --url http://127.0.0.1:8000 [--protocol ws] [--out r.json]
+    python -m bench.replay trace.jsonl --url http://127.0.0.1:8000 [--protocol ws] [--out r.json]
 """
 
 from __future__ import annotations
@@ -61,8 +61,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import Request, Trace  # noqa: E402
+from bench.workload import Request, Trace
 
 SLO_TTFT_S = 6.0
 """S-LoRA's SLO: the first token within 6 seconds."""

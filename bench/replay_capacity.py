@@ -8,8 +8,8 @@ send time) should stay far below the latencies being measured. Those are wall-cl
 they live here and not in the test suite (tests/test_replay.py runs :func:`run_capacity` and checks
 only what cannot depend on the machine's speed: every request completes with its full output).
 
-    python bench/replay_capacity.py                 # 5× MAX_RATE for 3 s, writes results/replay_capacity-cpu-DATE.json
-    python bench/replay_capacity.py --factor 10 --duration 5 --repeats 3
+    python -m bench.replay_capacity                 # 5× MAX_RATE for 3 s, writes results/replay_capacity-cpu-DATE.json
+    python -m bench.replay_capacity --factor 10 --duration 5 --repeats 3
 """
 
 from __future__ import annotations
@@ -18,15 +18,12 @@ import argparse
 import os
 import platform
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-import replay as rp  # noqa: E402
-import serving  # noqa: E402
-import workload as wl  # noqa: E402
+from bench import replay as rp
+from bench import serving
+from bench import workload as wl
+from bench.launch import bench_env, module_command
 
 
 def capacity_trace(factor: float = 5.0, duration: float = 3.0, seed: int = 9) -> wl.Trace:
@@ -38,8 +35,8 @@ def capacity_trace(factor: float = 5.0, duration: float = 3.0, seed: int = 9) ->
 def run_capacity(trace: wl.Trace, protocol: str = "sse") -> tuple[list[rp.Record], float]:
     """Replays ``trace`` against a zero-delay fake server started in its own process; returns the
     records and the replay's wall time (s). The server is always stopped."""
-    proc = subprocess.Popen([sys.executable, str(BENCH / "fake_server.py"), "--port", "0"],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(module_command("bench.fake_server", "--port", "0"), stdout=subprocess.PIPE, text=True,
+                            env=bench_env())  # fmt: skip
     try:
         line = proc.stdout.readline()
         fields = line.split()
@@ -86,7 +83,7 @@ def main() -> None:
               f"failed {run['failed']}")  # fmt: skip
     if a.no_write:
         return
-    from common import write_result
+    from bench.common import write_result
 
     path = write_result("replay_capacity", {
         "device": "cpu", "host": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),

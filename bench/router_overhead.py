@@ -7,8 +7,8 @@ completions (prompt 128 tokens, 256 output tokens, EOS ignored), then reads the 
 and the output tokens/s. ``--overlap-steps false`` runs the daemon one step at a time (the
 default sends step N+1 ahead; its gap is then mostly 0, and tokens/s is the measure).
 
-    python3 bench/router_overhead.py --daemon target/release/deltaserve --device 0 [--shape llama-2-7b]
-    python3 bench/router_overhead.py --daemon target/release/deltaserve --device cpu --shape tiny   # smoke run
+    python3 -m bench.router_overhead --daemon target/release/deltaserve --device 0 [--shape llama-2-7b]
+    python3 -m bench.router_overhead --daemon target/release/deltaserve --device cpu --shape tiny   # smoke run
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SHAPES, write_random_model_dir, write_result  # noqa: E402
+from bench.common import RANDOM_WEIGHTS_FILE, SHAPES, write_random_model_dir, write_result, write_word_tokenizer
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
@@ -36,18 +35,6 @@ TINY = {
     "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
     "bos_token_id": 1, "eos_token_id": 2,
 }
-
-
-def write_word_tokenizer(out: Path, vocab_size: int) -> None:
-    """A whitespace word-level tokenizer with ``vocab_size`` entries, so any id decodes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
 
 
 def stream_one(url: str, body: dict, errors: list) -> None:
@@ -85,7 +72,7 @@ def main() -> None:
         if args.shape == "tiny":
             model_dir.mkdir()
             (model_dir / "config.json").write_text(json.dumps(TINY))
-            (model_dir / "random-weights.json").write_text(json.dumps({"seed": 0, "std": 0.02}))
+            (model_dir / RANDOM_WEIGHTS_FILE).write_text(json.dumps({"seed": 0, "std": 0.02}))
         else:
             write_random_model_dir(args.shape, model_dir)
         write_word_tokenizer(model_dir, json.loads((model_dir / "config.json").read_text())["vocab_size"])

@@ -8,21 +8,21 @@ float16 with integral zeros (the half2 dequantisation), each timed replayed from
 (``triton.testing.do_bench_cudagraph``, median) as decode steps run. Bytes are the packed bytes of the
 deltas the step reads; the fraction is of the device-to-device copy bandwidth measured in the same run.
 
-    python3 bench/sbmm_fused.py [--points 64x8,64x1,8x8,16x8,1x1] [--out DIR]
+    python3 -m bench.sbmm_fused [--points 64x8,64x1,8x8,16x8,1x1] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import script_env
 
-from common import copy_bandwidth, device_name, random_packed_linear, write_result  # noqa: E402
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import copy_bandwidth, device_name, random_packed_linear, write_result  # noqa: E402
 from deltaserve.kernels import sbmm as S  # noqa: E402
 from deltaserve.kernels.sbmm import DeltaMeta, make_delta_weights  # noqa: E402
 
@@ -70,11 +70,11 @@ def main() -> None:
 
             def per_slice() -> None:
                 for w, c in slices:
-                    S._launch_cuda(lib, x, out[:, c : c + w.out_features], [(w, 0)], meta)
+                    S.launch_cuda(lib, x, out[:, c : c + w.out_features], [(w, 0)], meta)
 
             torch.cuda.synchronize()
             t_apart = triton.testing.do_bench_cudagraph(per_slice, rep=60, return_mode="median") * 1e3
-            t_fused = triton.testing.do_bench_cudagraph(lambda: S._launch_cuda(lib, x, out, slices, meta), rep=60,
+            t_fused = triton.testing.do_bench_cudagraph(lambda: S.launch_cuda(lib, x, out, slices, meta), rep=60,
                                                         return_mode="median") * 1e3
             nbytes = n_deltas * sum(w.qvalues.numel() * 4 + w.qindices.numel() * 4 + 2 * w.scales.numel() * 2
                                     for w in ws) // SLOTS

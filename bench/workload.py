@@ -291,7 +291,7 @@ def deltazip(rate: float, duration: float, popularity: str = "zipf-1.5", n_varia
 
 
 def main() -> None:
-    """``python bench/workload.py slora --n 100 --rate 4 --out trace.jsonl`` (and punica, deltazip)."""
+    """``python -m bench.workload slora --n 100 --rate 4 --out trace.jsonl`` (and punica, deltazip)."""
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -14,11 +14,17 @@ import os
 if os.environ.get("DELTASERVE_TEST_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest
 
 from helpers.tiny_models import make_tiny_model
+
+# The benchmarks are the `bench` package at the repository root (tests import `from bench import
+# replay`); appended, so nothing installed is shadowed by a directory of the checkout.
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The baseline servers of bench/baselines.py, started by their bench/serving.py launchers on the
+"""The baseline servers of bench/baselines.py, started by their bench/serving launchers on the
 tiny random Llama (CPU), replayed with bench/replay.py, their tokens checked against references:
 
 - peft: 3 adapters (different ranks and targets), at most 2 on the device: a concurrent burst
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import httpx
@@ -26,11 +25,10 @@ import torch
 from helpers.peft_adapters import hf_model, make_peft_adapter
 from helpers.tiny_models import make_tiny_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import baselines  # noqa: E402
-import replay as rp  # noqa: E402
-import serving  # noqa: E402
-import workload as wl  # noqa: E402
+from bench import baselines
+from bench import replay as rp
+from bench import serving
+from bench import workload as wl
 
 ADAPTERS = {"a0000": dict(r=4, target_modules=["q_proj", "v_proj"]),
             "a0001": dict(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),

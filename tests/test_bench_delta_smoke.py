@@ -12,16 +12,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import common  # noqa: E402
-from decode_step import bench_batch  # noqa: E402
+from bench import common
+from bench.decode_step import bench_batch
 
 from deltaserve import wire  # noqa: E402
 from deltaserve.compress.delta_dir import check_lineage, load_delta, materialize  # noqa: E402
@@ -105,7 +103,7 @@ def _positive(x) -> bool:
 
 
 def test_delta_decode_step_smoke(tmp_path: Path) -> None:
-    import delta_decode_step
+    from bench import delta_decode_step
 
     path = delta_decode_step.main(["--smoke", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "w")])
     r = json.loads(Path(path).read_text())
@@ -127,7 +125,7 @@ def test_delta_decode_step_smoke(tmp_path: Path) -> None:
 
 
 def test_compress_time_smoke(tmp_path: Path) -> None:
-    import compress_time
+    from bench import compress_time
 
     path = compress_time.main(["--smoke", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "w")])
     r = json.loads(Path(path).read_text())

@@ -21,22 +21,19 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
-import replay as rp  # noqa: E402
-import replay_capacity as capacity  # noqa: E402
-import serving  # noqa: E402
-import workload as wl  # noqa: E402
-from fake_server import FakeServer  # noqa: E402
+from bench import replay as rp
+from bench import replay_capacity as capacity
+from bench import serving
+from bench import workload as wl
+from bench.common import SMOKE_SHAPE
+from bench.fake_server import FakeServer
+from bench.serving import runner
 
 JITTER = 0.040
 
@@ -284,16 +281,16 @@ def test_run_writes_the_point_it_was_interrupted_in(stalling, tmp_path, monkeypa
     monkeypatch.setitem(serving.WORKLOADS, "test", lambda which: traces[which])
     monkeypatch.setitem(serving.SERVERS, "fake", contextlib.contextmanager(
         lambda spec: (yield serving.Endpoint(stalling.url, stalling.ws_url))))  # fmt: skip
-    monkeypatch.setattr(serving, "detect_devices", lambda: ("cpu", "cpu"))
-    write_result = serving.write_result
+    monkeypatch.setattr(runner, "detect_devices", lambda: ("cpu", "cpu"))
+    write_result = runner.write_result
 
     def write_signalled_again(name, payload, out_dir):
         if payload["points"][-1]["interrupted"]:
             os.kill(os.getpid(), getattr(signal, sig))
         return write_result(name, payload, out_dir)
 
-    monkeypatch.setattr(serving, "write_result", write_signalled_again)
-    exp = serving.Experiment("interrupt", serving.SMOKE_SHAPE, timeout_s=120.0,
+    monkeypatch.setattr(runner, "write_result", write_signalled_again)
+    exp = serving.Experiment("interrupt", SMOKE_SHAPE, timeout_s=120.0,
                              points=tuple(serving.Point(label=k, trace={"which": k}, workload="test") for k in "ab"))  # fmt: skip
 
     def interrupt() -> None:  # once point b's fast request is done and its stalled one has a token
@@ -302,7 +299,7 @@ def test_run_writes_the_point_it_was_interrupted_in(stalling, tmp_path, monkeypa
         time.sleep(0.3)
         os.kill(os.getpid(), getattr(signal, sig))
 
-    old = signal.signal(signal.SIGTERM, serving._exit_on_sigterm) if sig == "SIGTERM" else None
+    old = signal.signal(signal.SIGTERM, serving.exit_on_sigterm) if sig == "SIGTERM" else None
     killer = threading.Thread(target=interrupt, daemon=True)
     try:
         killer.start()
@@ -310,7 +307,7 @@ def test_run_writes_the_point_it_was_interrupted_in(stalling, tmp_path, monkeypa
             serving.run(exp, server="fake", out_dir=tmp_path, plots=False)
         killer.join(10)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
-        assert signal.getsignal(signal.SIGTERM) is (serving._exit_on_sigterm if old is not None else signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGTERM) is (serving.exit_on_sigterm if old is not None else signal.SIG_DFL)
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)

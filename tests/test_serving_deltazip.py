@@ -1,4 +1,4 @@
-"""The DeltaZip-analogue serving experiment (bench/serving.py deltazip) end to end on the CPU: its
+"""The DeltaZip-analogue serving experiment (bench/serving deltazip) end to end on the CPU: its
 smoke version served by the real daemon (4 compressed deltas of the tiny smoke-llama base, 2 GPU
 slots) and by the whole-model swapping baseline (4 full checkpoints, 2 resident), one after the
 other on the same files (``--server deltaserve,swap``). Every point of both result files must be
@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import serving  # noqa: E402
-import workload as wl  # noqa: E402
-from common import SHAPES, SMOKE_SHAPE  # noqa: E402
+from bench import serving
+from bench import workload as wl
+from bench.common import SHAPES, SMOKE_SHAPE
+from bench.serving import variants
 
 VARIANTS = {f"ft{i:02d}" for i in range(4)}
 """The smoke experiment's variants (workload.deltazip names)."""
@@ -69,7 +67,7 @@ def test_deltazip_smoke_through_deltaserve_and_swap(tmp_path):
         m = shape_dir / "deltazip-swap" / name
         assert m.is_symlink() and (m / "config.json").is_file() and list(m.glob("*.safetensors"))
     # The disk-space estimate used before writing 7B files matches what was written.
-    full_est, delta_est = serving._checkpoint_bytes(SHAPES[SMOKE_SHAPE])
+    full_est, delta_est = variants.checkpoint_bytes(SHAPES[SMOKE_SHAPE])
     delta_real = (shape_dir / "delta-payloads-4bit-2of4" / "w0" / "delta.safetensors").stat().st_size
     full_real = sum(f.stat().st_size for f in (shape_dir / "base").glob("*.safetensors"))
     assert 0.9 < delta_real / delta_est < 1.1 and 0.9 < full_real / full_est < 1.1, (delta_real, delta_est)

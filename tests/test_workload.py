@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import workload as wl  # noqa: E402
+from bench import workload as wl
 
 # Statistics need many requests but no prompt tokens: one-token prompts keep the traces cheap.
 CHEAP = {"input_range": (1, 1), "output_range": (1, 1)}

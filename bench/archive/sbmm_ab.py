@@ -7,23 +7,24 @@ gate_up, down): the old kernel one launch per HF projection, the new one per pro
 integral zeros (half2), each timed replayed from a CUDA graph (``do_bench_cudagraph``, median).
 
     git show 2c40788:pyworker/deltaserve/csrc/sbmm.cu > /tmp/sbmm_2c40788.cu
-    python3 bench/sbmm_ab.py --old-source /tmp/sbmm_2c40788.cu [--out DIR]
+    python3 -m bench.archive.sbmm_ab --old-source /tmp/sbmm_2c40788.cu [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pyworker"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, device_name, random_packed_linear, write_result  # noqa: E402
+from bench import script_env
+
+script_env.prepare()  # deltaserve importable from pyworker/
+
+from bench.common import copy_bandwidth, device_name, random_packed_linear, write_result  # noqa: E402
 from deltaserve.kernels import sbmm as S  # noqa: E402
 from deltaserve.kernels.sbmm import DeltaMeta, make_delta_weights  # noqa: E402
 
@@ -93,14 +94,14 @@ for rows_n, ndelta in ((64, 8), (64, 1), (8, 8), (1, 1), (16, 8)):
         cols = [sum(outs[:j]) for j in range(len(outs))]
         slices = list(zip(ws, cols))
         # correctness: fused == per-slice old kernel (same math; splits may differ -> tolerance)
-        a = out.clone(); S._launch_cuda(new, x, a, slices, meta)
+        a = out.clone(); S.launch_cuda(new, x, a, slices, meta)
         b = out.clone()
         for w, c in slices:
             old_launch(x, b[:, c:c + w.out_features], w, meta)
         err = (a.float() - b.float()).abs().max().item()
         t_old = timed(lambda: [old_launch(x, out[:, c:c + w.out_features], w, meta) for w, c in slices])
-        t_ps = timed(lambda: [S._launch_cuda(new, x, out[:, c:c + w.out_features], [(w, 0)], meta) for w, c in slices])
-        t_f = timed(lambda: S._launch_cuda(new, x, out, slices, meta))
+        t_ps = timed(lambda: [S.launch_cuda(new, x, out[:, c:c + w.out_features], [(w, 0)], meta) for w, c in slices])
+        t_f = timed(lambda: S.launch_cuda(new, x, out, slices, meta))
         nbytes = sum(w.qvalues.numel() * 4 // NSLOT * ndelta + w.qindices.numel() * 4 // NSLOT * ndelta
                      + 2 * w.scales.numel() * 2 // NSLOT * ndelta for w in ws)
         r = {"module": m, "rows": rows_n, "deltas": ndelta, "old_us": t_old, "new_per_slice_us": t_ps,

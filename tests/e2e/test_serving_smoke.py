@@ -1,4 +1,4 @@
-"""The whole serving-benchmark pipeline (bench/serving.py smoke) on the CPU demo model: random
+"""The whole serving-benchmark pipeline (bench/serving smoke) on the CPU demo model: random
 PEFT adapters of the demo model's shape served with --lora-dir, a tiny trace replayed over SSE and
 WebSocket, every request answered with exactly its forced output length, a result file written
 with the daemon's metrics over each point."""
@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
+
+from bench import serving
 
 from .daemon import daemon_binary
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import serving  # noqa: E402
 
 
 def test_smoke_experiment_end_to_end(tmp_path):
