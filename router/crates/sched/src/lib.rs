@@ -185,6 +185,13 @@ pub mod error;
 pub mod scheduler;
 pub mod step;
 
+mod admission;
+mod inflight;
+mod invariants;
+mod queues;
+mod request;
+mod skip_line;
+
 pub use adapters::{AdapterOp, AdapterOpKind, AdapterResidency, AdapterSpec, VariantKind};
 pub use block::{BlockAllocator, PageOwner};
 pub use config::{

@@ -6,10 +6,10 @@
 //!   models, health, readiness, metrics; OpenAI-style errors.
 //! - [`validate`]: request checks and defaults, before anything is queued.
 //! - [`text`]: tokenizer, incremental detokenizer with stop strings, chat templates.
-//! - [`engine`]: the handle the API calls; one actor per worker behind it.
+//! - [`engine`]: the handle the API calls; one actor per worker behind it, which owns that
+//!   worker's scheduler (`deltaserve-sched`) and drives its steps.
 //! - [`registry`]: the served variants (LoRA adapters, compressed deltas) by name (client
 //!   name -> internal id).
-//! - `actor`: owns a worker's scheduler (`deltaserve-sched`) and drives its steps.
 //! - [`worker`]: spawns a Python worker, links to it over shared-memory rings
 //!   (`deltaserve-ipc`), handshakes.
 //! - [`config`]: the one typed configuration.
@@ -24,8 +24,6 @@ pub mod text;
 pub mod validate;
 pub mod worker;
 
-mod actor;
-
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -34,9 +32,8 @@ use anyhow::Context;
 use deltaserve_sched::VariantKind;
 use tokio::net::TcpListener;
 
-use crate::actor::{Actor, SchedLimits};
 use crate::config::ServerConfig;
-use crate::engine::{EngineHandle, ServedModel};
+use crate::engine::{Actor, EngineHandle, RequestLatency, SchedLimits, ServedModel};
 use crate::registry::AdapterRegistry;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
@@ -126,9 +123,17 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         max_deltas: cfg.max_deltas,
         overlap_steps: cfg.overlap_steps,
     };
+    let latency = RequestLatency::default();
     let mut actors = Vec::new();
     for (i, (worker, spec)) in workers.into_iter().zip(specs).enumerate() {
-        let (actor, handle) = Actor::new(i, spec, limits.clone(), tokenizer.clone(), worker)?;
+        let (actor, handle) = Actor::new(
+            i,
+            spec,
+            limits.clone(),
+            tokenizer.clone(),
+            worker,
+            latency.clone(),
+        )?;
         tokio::spawn(actor.run());
         actors.push(handle);
     }

@@ -2,10 +2,8 @@
 //!
 //! - `GET /health`: 200 `{"status":"ok"}` while the process serves HTTP at all.
 //! - `GET /ready`: 200 when the engine can take requests, else 503 with `Retry-After`.
-//! - `GET /metrics`: Prometheus text format: engine gauges and counters (`deltaserve_*`) and
-//!   the API's error counts per error type.
-
-use std::fmt::Write;
+//! - `GET /metrics`: Prometheus text format: engine gauges, counters and latency histograms
+//!   (`deltaserve_*`, declared in `engine::metrics`) and the API's error counts per error type.
 
 use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
@@ -15,6 +13,7 @@ use serde_json::json;
 
 use super::error::{error_counts, RETRY_AFTER_SECS};
 use super::Backend;
+use crate::engine::metrics as engine_metrics;
 
 /// `GET /health`.
 pub async fn health() -> Json<serde_json::Value> {
@@ -37,190 +36,23 @@ pub async fn ready<B: Backend>(State(backend): State<B>) -> Response {
     }
 }
 
-/// `GET /metrics`.
+/// `GET /metrics`: the engine's table (`engine::metrics`), its latency histograms, then the API's
+/// error counts.
 pub async fn metrics<B: Backend>(State(backend): State<B>) -> Response {
     let m = backend.metrics().await;
-    let mut out = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
-        let _ = writeln!(out, "# HELP deltaserve_{name} {help}\n# TYPE deltaserve_{name} {kind}\ndeltaserve_{name} {value}");
-    };
-    metric(
-        "requests_waiting",
-        "gauge",
-        "Requests queued, not yet running.",
-        m.requests_waiting,
-    );
-    metric(
-        "requests_running",
-        "gauge",
-        "Requests in the running batch.",
-        m.requests_running,
-    );
-    metric(
-        "kv_blocks_total",
-        "gauge",
-        "KV cache pages in the pool.",
-        m.kv_blocks_total,
-    );
-    metric(
-        "kv_blocks_free",
-        "gauge",
-        "KV cache pages free.",
-        m.kv_blocks_free,
-    );
-    metric("steps_total", "counter", "Engine steps run.", m.steps_total);
-    metric(
-        "steps_ahead_total",
-        "counter",
-        "Steps sent before the previous step's output was back (overlapped steps).",
-        m.steps_ahead_total,
-    );
-    metric(
-        "preemptions_total",
-        "counter",
-        "Requests preempted to free KV pages.",
-        m.preemptions_total,
-    );
-    metric(
-        "requests_finished_total",
-        "counter",
-        "Requests that ended (stop or length).",
-        m.requests_finished_total,
-    );
-    metric(
-        "requests_aborted_total",
-        "counter",
-        "Requests cancelled by their client.",
-        m.requests_aborted_total,
-    );
-    metric(
-        "tokens_generated_total",
-        "counter",
-        "Output tokens generated.",
-        m.tokens_generated_total,
-    );
-    metric(
-        "step_gap_us_p50",
-        "gauge",
-        "Median router + IPC gap between worker steps, microseconds.",
-        m.step_gap_us_p50,
-    );
-    metric(
-        "step_gap_us_p99",
-        "gauge",
-        "99th percentile router + IPC gap between worker steps, microseconds.",
-        m.step_gap_us_p99,
-    );
-    metric("step_router_us_p50", "gauge", "Median time from a worker's step output to the router sending the next plan, microseconds (the router's share of the gap).", m.step_router_us_p50);
-    metric(
-        "step_router_us_p99",
-        "gauge",
-        "99th percentile of the router's share of the step gap, microseconds.",
-        m.step_router_us_p99,
-    );
-    metric(
-        "worker_restarts_total",
-        "counter",
-        "Worker processes restarted.",
-        m.worker_restarts_total,
-    );
-    metric(
-        "adapters_registered",
-        "gauge",
-        "Variants (LoRA adapters and compressed deltas) registered and selectable.",
-        m.adapters_registered,
-    );
-    metric(
-        "adapters_on_gpu",
-        "gauge",
-        "LoRA adapters whose weights are in a GPU pool.",
-        m.adapters_on_gpu,
-    );
-    metric(
-        "adapter_blocks",
-        "gauge",
-        "Pool pages holding adapter weights (the other used pages hold KV).",
-        m.adapter_blocks,
-    );
-    metric(
-        "adapter_host_bytes",
-        "gauge",
-        "Host-memory bytes of adapter copies, as the schedulers account them.",
-        m.adapter_host_bytes,
-    );
-    metric(
-        "adapter_host_bytes_measured",
-        "gauge",
-        "Host-memory bytes of adapter copies, as the workers measured them after their last step.",
-        m.adapter_host_bytes_measured,
-    );
-    metric(
-        "adapter_gpu_loads_total",
-        "counter",
-        "Adapter copies from host memory onto the GPU (LoRA pool pages or delta slots).",
-        m.adapter_gpu_loads_total,
-    );
-    metric(
-        "adapter_host_loads_total",
-        "counter",
-        "Adapter reads (LoRA and delta) from disk into host memory.",
-        m.adapter_host_loads_total,
-    );
-    metric(
-        "adapter_gpu_evictions_total",
-        "counter",
-        "Adapters evicted from the GPU to make room (LoRA pool pages or delta slots).",
-        m.adapter_gpu_evictions_total,
-    );
-    metric(
-        "adapter_host_deferrals_total",
-        "counter",
-        "Times a waiting request was passed over for a step because its adapter's host read was still running (it keeps its place).",
-        m.adapter_host_deferrals_total,
-    );
-    metric(
-        "worker_step_us_total",
-        "counter",
-        "Worker time of the steps run (plan decoded to output encoded), microseconds.",
-        m.worker_step_us_total,
-    );
-    metric(
-        "worker_forward_us_total",
-        "counter",
-        "The forward-and-sampling part of that worker time, microseconds (the rest: adapter ops, waits for adapter loads included, and batch building).",
-        m.worker_forward_us_total,
-    );
-    metric(
-        "deltas_on_gpu",
-        "gauge",
-        "Compressed deltas in the workers' delta slots (at most --max-deltas per worker).",
-        m.deltas_on_gpu,
-    );
-    metric(
-        "delta_skips_total",
-        "counter",
-        "Requests admitted past a blocked queue head because their delta was already running (DeltaZip's skip-the-line).",
-        m.delta_skips_total,
-    );
-    metric(
-        "delta_skip_preemptions_total",
-        "counter",
-        "Skip-the-line requests preempted (recomputed later) because their delta's last in-order request left.",
-        m.delta_skip_preemptions_total,
-    );
-    let _ = writeln!(out, "# HELP deltaserve_api_errors_total Error responses by error type.\n# TYPE deltaserve_api_errors_total counter");
-    for (kind, count) in error_counts() {
-        let _ = writeln!(
-            out,
-            "deltaserve_api_errors_total{{type=\"{kind}\"}} {count}"
-        );
-    }
+    let mut families = engine_metrics::families(&m);
+    families.push(engine_metrics::labeled_counter(
+        "deltaserve_api_errors_total",
+        "Error responses by error type.",
+        "type",
+        &error_counts(),
+    ));
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        out,
+        engine_metrics::text(&families),
     )
         .into_response()
 }
@@ -265,5 +97,25 @@ mod tests {
         let (status, headers, _) = send(router_with(fake), "GET", "/ready", None, "").await;
         assert_eq!(status, 503);
         assert!(headers.contains_key("retry-after"));
+    }
+
+    #[tokio::test]
+    async fn metrics_has_the_latency_histograms() {
+        let fake = FakeBackend::new(FakeBackend::tokens(&[], FinishReason::Stop));
+        let (_, _, body) = send(router_with(fake), "GET", "/metrics", None, "").await;
+        for name in [
+            "time_to_first_token_seconds",
+            "time_per_output_token_seconds",
+            "e2e_request_latency_seconds",
+            "request_queue_time_seconds",
+        ] {
+            for line in [
+                format!("# TYPE deltaserve_{name} histogram\n"),
+                format!("deltaserve_{name}_bucket{{le=\"+Inf\"}} 0\n"),
+                format!("deltaserve_{name}_count 0\n"),
+            ] {
+                assert!(body.contains(&line), "{line:?} missing from\n{body}");
+            }
+        }
     }
 }

@@ -7,5 +7,5 @@
 mod link;
 mod spawn;
 
-pub use link::{FrameReceiver, SpinWindow};
+pub use link::{FrameReceiver, SpinWindow, StepPace};
 pub use spawn::{check_schema, WorkerProcess, WorkerSpec, WorkerStartError};

@@ -1,0 +1,62 @@
+//! The actor protocol: what the engine handle sends one worker's actor ([`Command`]), what it
+//! keeps of the actor ([`ActorRef`]), and the actor's answer to a removal ([`RemoveOutcome`]).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::Arc;
+use std::time::Instant;
+
+use deltaserve_ipc::wire::AdapterInfo;
+use deltaserve_sched::AdapterSpec;
+use tokio::sync::{mpsc, oneshot};
+
+use super::{EngineMetrics, GenerateEvent, GenerateRequest};
+
+/// How an actor answered a request to forget an adapter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RemoveOutcome {
+    /// Forgotten: its pages are free and the worker drops it with the next step.
+    Removed,
+    /// Live requests still use it; ask again later.
+    InUse(usize),
+}
+
+/// Commands an actor accepts (STYLE.md #7).
+#[derive(Debug)]
+pub(crate) enum Command {
+    Generate {
+        req: GenerateRequest,
+        events: mpsc::UnboundedSender<GenerateEvent>,
+        /// When the engine accepted it (the latency histograms start here).
+        arrived: Instant,
+    },
+    Metrics {
+        reply: oneshot::Sender<EngineMetrics>,
+    },
+    /// Ask the worker to validate an adapter directory (changes nothing).
+    Inspect {
+        path: String,
+        reply: oneshot::Sender<Result<AdapterInfo, String>>,
+    },
+    /// Register an inspected adapter with the actor's scheduler.
+    AddAdapter {
+        id: u32,
+        spec: AdapterSpec,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    /// Forget an adapter once no live request uses it.
+    RemoveAdapter {
+        id: u32,
+        reply: oneshot::Sender<RemoveOutcome>,
+    },
+}
+
+/// One worker's actor, as the handle sees it.
+#[derive(Debug)]
+pub(crate) struct ActorRef {
+    /// Commands into the actor.
+    pub tx: mpsc::UnboundedSender<Command>,
+    /// Requests handed to this actor and not yet ended: the load-balancing signal.
+    pub outstanding: Arc<AtomicUsize>,
+    /// True while the actor's worker is up and handshaken.
+    pub ready: Arc<AtomicBool>,
+}

@@ -1,0 +1,343 @@
+//! The engine: what the API layer talks to. A cloneable [`EngineHandle`] in front of one
+//! engine actor per worker process, each owning its own scheduler.
+//!
+//! ```text
+//!  api ──generate()──▶ EngineHandle ──(least loaded)──▶ actor[i] ──StepPlan──▶ worker[i]
+//!   ▲                                                     │  ◀──StepOutput──
+//!   └──────────── GenerateEvent (mpsc, per request) ◀─────┘
+//! ```
+//!
+//! A request's events arrive on the receiver returned by [`EngineHandle::generate`]; dropping
+//! that receiver is how a client cancels (the actor notices the closed channel at its next step,
+//! STYLE.md #14).
+//!
+//! # Layout
+//!
+//! - this file: the handle, load balancing, and the request/event types;
+//! - `command.rs`: the actor protocol (`Command`, `ActorRef`, `RemoveOutcome`);
+//! - `actor.rs`: one worker's actor: its loop, commands, steps and the worker's lifecycle;
+//! - `plan.rs`: scheduler ⇄ wire translation (step plans, adapter ops, scheduler config);
+//! - `streams.rs`: the live requests: detokenizing, stop strings, event fan-out, latencies;
+//! - `admin.rs`: registering and deleting adapters (inspect, register with rollback, delete);
+//! - [`metrics`]: the one table of engine metrics, its sum over workers and its Prometheus
+//!   families, and the request latency histograms.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use deltaserve_ipc::wire::{SamplingParams, TokenLogprob};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::registry::AdapterRegistry;
+use crate::text::chat_template::ChatTemplate;
+use crate::text::tokenizer::TextTokenizer;
+use command::{ActorRef, Command};
+
+mod actor;
+mod admin;
+mod command;
+pub mod metrics;
+mod plan;
+mod streams;
+
+pub(crate) use actor::Actor;
+pub use admin::{check_kind, variant_kind_of_dir, AdapterError};
+pub use metrics::{EngineMetrics, RequestLatency};
+pub use plan::SchedLimits;
+
+/// One generation, already tokenized and validated by the API layer.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// The prompt, as token ids.
+    pub prompt_token_ids: Vec<u32>,
+    /// Most tokens to generate (≥ 1; prompt + max_tokens fits the context, checked upstream).
+    pub max_tokens: u32,
+    /// Sampling parameters, passed to the worker unchanged.
+    pub sampling: SamplingParams,
+    /// Stop strings: the request ends when one appears, and it is never emitted.
+    pub stop: Vec<String>,
+    /// Keep generating past EOS tokens (benchmarks force output lengths with this).
+    pub ignore_eos: bool,
+    /// The variant to apply, a LoRA adapter or a delta (its worker id from the registry), 0 for
+    /// the base model.
+    pub adapter_id: u32,
+}
+
+/// What a request's receiver gets, in order: `Token`s, then exactly one `Finished` or `Error`.
+#[derive(Debug, Clone)]
+pub enum GenerateEvent {
+    /// One generated token and the text it made safe to emit (may be empty; held back while it
+    /// could start a stop string).
+    Token {
+        token_id: u32,
+        text: String,
+        logprob: Option<f64>,
+        top_logprobs: Vec<TokenLogprob>,
+    },
+    /// Last event: why it ended and the usage.
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+    },
+    /// The request failed (worker error or restart); last event.
+    Error { message: String },
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// Cancelled by the client.
+    Abort,
+}
+
+impl FinishReason {
+    /// The OpenAI spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// Why the engine could not take a request.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineError {
+    /// Too much queued work; the client should retry later (429).
+    #[error("{0}")]
+    Overloaded(String),
+    /// No worker can take requests right now, e.g. while one restarts (503).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The request cannot be served as given (400).
+    #[error("{0}")]
+    InvalidRequest(String),
+}
+
+/// The model as clients see it.
+#[derive(Debug, Clone)]
+pub struct ServedModel {
+    /// Name clients put in the `model` field.
+    pub name: String,
+    /// Longest prompt + output accepted (the smallest over all workers).
+    pub max_model_len: u32,
+    /// Tokens the model knows; ids at or above are refused.
+    pub vocab_size: u32,
+    /// Unix time the server started, for `/v1/models`.
+    pub created: u64,
+    /// The variants (LoRA adapters and compressed deltas) served on top of the base, selectable
+    /// as `"<name>:<adapter>"` or by adapter name while active.
+    pub adapters: Arc<AdapterRegistry>,
+}
+
+impl ServedModel {
+    /// The name responses report for adapter `id` (what `/v1/models` lists): `<base>:<adapter>`,
+    /// or the base name for 0.
+    pub fn display_name(&self, id: u32) -> String {
+        match self.adapters.name_of(id) {
+            Some(a) if id != 0 => format!("{}:{a}", self.name),
+            _ => self.name.clone(),
+        }
+    }
+
+    /// The adapter id a `model` field selects: absent or the base name → 0 (base only);
+    /// `"<base>:<adapter>"` or a bare adapter name of an active adapter → that adapter;
+    /// anything else → `None`.
+    pub fn resolve(&self, requested: Option<&str>) -> Option<u32> {
+        let Some(name) = requested else {
+            return Some(0);
+        };
+        if name == self.name {
+            return Some(0);
+        }
+        let adapter = match name.split_once(':') {
+            Some((base, adapter)) if base == self.name => adapter,
+            Some(_) => return None,
+            None => name,
+        };
+        self.adapters.active_id(adapter)
+    }
+}
+
+/// Cloneable front of the engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    inner: Arc<HandleInner>,
+}
+
+struct HandleInner {
+    actors: Vec<ActorRef>,
+    model: ServedModel,
+    tokenizer: Arc<TextTokenizer>,
+    chat_template: Option<Arc<ChatTemplate>>,
+    /// Most requests queued or running per worker before new ones get 429.
+    max_outstanding_per_worker: usize,
+}
+
+impl EngineHandle {
+    pub(crate) fn new(
+        actors: Vec<ActorRef>,
+        model: ServedModel,
+        tokenizer: Arc<TextTokenizer>,
+        chat_template: Option<Arc<ChatTemplate>>,
+        max_outstanding_per_worker: usize,
+    ) -> Self {
+        Self {
+            inner: Arc::new(HandleInner {
+                actors,
+                model,
+                tokenizer,
+                chat_template,
+                max_outstanding_per_worker,
+            }),
+        }
+    }
+
+    /// Queues a request on the least loaded ready worker; events arrive on the receiver.
+    /// Dropping the receiver cancels the request at the next step.
+    pub async fn generate(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<mpsc::UnboundedReceiver<GenerateEvent>, EngineError> {
+        let len = req.prompt_token_ids.len() as u64 + req.max_tokens as u64;
+        if len > self.inner.model.max_model_len as u64 {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt ({} tokens) + max_tokens ({}) exceeds the context of {} tokens",
+                req.prompt_token_ids.len(),
+                req.max_tokens,
+                self.inner.model.max_model_len
+            )));
+        }
+        let actor = self
+            .inner
+            .actors
+            .iter()
+            .filter(|a| a.ready.load(Ordering::Acquire))
+            .min_by_key(|a| a.outstanding.load(Ordering::Relaxed))
+            .ok_or_else(|| {
+                EngineError::Unavailable("no worker is ready (starting or restarting)".into())
+            })?;
+        if actor.outstanding.load(Ordering::Relaxed) >= self.inner.max_outstanding_per_worker {
+            return Err(EngineError::Overloaded(format!(
+                "{} requests already queued or running on the least loaded worker",
+                self.inner.max_outstanding_per_worker
+            )));
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        actor.outstanding.fetch_add(1, Ordering::Relaxed);
+        if actor
+            .tx
+            .send(Command::Generate {
+                req,
+                events: tx,
+                arrived: Instant::now(),
+            })
+            .is_err()
+        {
+            actor.outstanding.fetch_sub(1, Ordering::Relaxed);
+            return Err(EngineError::Unavailable(
+                "the engine is shutting down".into(),
+            ));
+        }
+        Ok(rx)
+    }
+
+    /// The model as clients see it.
+    pub fn model(&self) -> &ServedModel {
+        &self.inner.model
+    }
+
+    /// The tokenizer of the served model.
+    pub fn tokenizer(&self) -> &Arc<TextTokenizer> {
+        &self.inner.tokenizer
+    }
+
+    /// The model's chat template, if it has one.
+    pub fn chat_template(&self) -> Option<&Arc<ChatTemplate>> {
+        self.inner.chat_template.as_ref()
+    }
+
+    /// True when every worker is up.
+    pub fn is_ready(&self) -> bool {
+        self.inner
+            .actors
+            .iter()
+            .all(|a| a.ready.load(Ordering::Acquire))
+    }
+
+    /// The engine's metrics: every worker's merged by the table's rules (counters and most
+    /// gauges summed, step gap percentiles the slowest worker's), the registry's adapter count,
+    /// and the shared latency histograms.
+    pub async fn metrics(&self) -> EngineMetrics {
+        let mut total = EngineMetrics {
+            adapters_registered: self.inner.model.adapters.num_active() as u64,
+            ..Default::default()
+        };
+        for actor in &self.inner.actors {
+            let (reply, rx) = oneshot::channel();
+            if actor.tx.send(Command::Metrics { reply }).is_err() {
+                continue;
+            }
+            if let Ok(m) = rx.await {
+                total.merge(&m);
+            }
+        }
+        total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use deltaserve_sched::VariantKind;
+
+    fn served() -> ServedModel {
+        let adapters = Arc::new(AdapterRegistry::new("base"));
+        for name in ["a", "b"] {
+            let id = adapters.reserve(name, "/x".into(), 0).unwrap();
+            adapters.activate(id, footprint()).unwrap();
+        }
+        adapters.reserve("pending", "/x".into(), 0).unwrap();
+        ServedModel {
+            name: "base".into(),
+            max_model_len: 64,
+            vocab_size: 100,
+            created: 0,
+            adapters,
+        }
+    }
+
+    fn footprint() -> crate::registry::AdapterFootprint {
+        crate::registry::AdapterFootprint {
+            kind: VariantKind::Lora,
+            summary: "rank 1".into(),
+            num_blocks: 1,
+            host_bytes: 1,
+            max_rank: 1,
+            target_modules: vec![],
+        }
+    }
+
+    #[test]
+    fn model_names_resolve_to_adapter_ids() {
+        let m = served();
+        assert_eq!(m.resolve(None), Some(0));
+        assert_eq!(m.resolve(Some("base")), Some(0));
+        assert_eq!(m.resolve(Some("base:a")), Some(1));
+        assert_eq!(m.resolve(Some("b")), Some(2));
+        assert_eq!(m.resolve(Some("base:c")), None);
+        assert_eq!(m.resolve(Some("other:a")), None);
+        assert_eq!(m.resolve(Some("c")), None);
+        assert_eq!(m.resolve(Some("")), None);
+        assert_eq!(m.resolve(Some("pending")), None, "not active yet");
+        assert_eq!(m.display_name(0), "base");
+        assert_eq!(m.display_name(2), "base:b");
+    }
+}

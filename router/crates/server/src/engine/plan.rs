@@ -1,0 +1,173 @@
+//! Scheduler ⇄ wire translation: a scheduled step as the worker's `StepPlan`, the scheduler's
+//! adapter ops as wire `AdapterOp`s, and the scheduler's configuration from the worker's
+//! Hello plus the operator's limits. Pure functions: no IO, no actor state.
+
+use deltaserve_ipc::wire::{self, SamplingParams, StepPlan};
+use deltaserve_sched::{
+    AdapterOp as SchedAdapterOp, AdapterOpKind, ScheduledStep, SchedulerConfig,
+};
+
+use crate::worker::WorkerProcess;
+
+/// Scheduler limits that do not come from the worker.
+#[derive(Debug, Clone)]
+pub struct SchedLimits {
+    /// Most requests running in one step.
+    pub max_num_seqs: usize,
+    /// Token budget of one step.
+    pub max_num_batched_tokens: usize,
+    /// Host-memory budget for adapter copies on each worker (LoRA adapters and deltas share it).
+    pub host_adapter_bytes: u64,
+    /// Deltas a worker may hold on the GPU at once (its `--max-deltas` slots).
+    pub max_deltas: usize,
+    /// Send step N+1 before step N's output is back (see "Overlapped steps" in `actor.rs`).
+    pub overlap_steps: bool,
+}
+
+/// Scheduler configuration from what the worker reported plus the operator's limits.
+pub(super) fn sched_config(worker: &WorkerProcess, limits: &SchedLimits) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: worker.hello.kv.block_size,
+        num_blocks: worker.hello.kv.num_blocks,
+        max_num_seqs: limits.max_num_seqs,
+        max_num_batched_tokens: limits.max_num_batched_tokens,
+        max_model_len: worker.hello.model.max_model_len,
+        host_adapter_bytes: limits.host_adapter_bytes,
+        prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
+        max_deltas: limits.max_deltas,
+        host_copy_reports: true,
+    }
+}
+
+/// The worker's plan for `step`, and the ids of the requests it schedules (new ones first).
+/// `sampling` gives a request's sampling parameters, sent with it whenever it is sent in full.
+pub(super) fn wire_plan(
+    step: ScheduledStep,
+    sampling: impl Fn(u64) -> SamplingParams,
+) -> (StepPlan, Vec<u64>) {
+    let mut ids = Vec::with_capacity(step.new.len() + step.running.len());
+    let new_requests = step
+        .new
+        .into_iter()
+        .map(|n| {
+            ids.push(n.id);
+            wire::NewRequest {
+                req_id: n.id,
+                token_ids: n.token_ids,
+                num_prompt_tokens: n.num_prompt_tokens,
+                num_computed_tokens: n.num_computed_tokens,
+                num_scheduled_tokens: n.num_scheduled_tokens,
+                block_ids: n.block_ids,
+                sampling: sampling(n.id),
+                adapter_id: n.adapter_id,
+            }
+        })
+        .collect();
+    let running = step
+        .running
+        .into_iter()
+        .map(|r| {
+            ids.push(r.id);
+            wire::RunningRequest {
+                req_id: r.id,
+                num_scheduled_tokens: r.num_scheduled_tokens,
+                new_block_ids: r.new_block_ids,
+            }
+        })
+        .collect();
+    let plan = StepPlan {
+        step_id: step.step_id,
+        new_requests,
+        running,
+        released: step.released,
+        adapter_ops: step.adapter_ops.into_iter().map(wire_op).collect(),
+    };
+    (plan, ids)
+}
+
+/// The wire form of a scheduler's adapter op (`AdapterOp::op` strings are the wire's contract).
+fn wire_op(op: SchedAdapterOp) -> wire::AdapterOp {
+    let (name, path, block_ids) = match op.kind {
+        AdapterOpKind::ToHost { path } => ("to_host", path, Vec::new()),
+        AdapterOpKind::ToGpu { block_ids } => ("to_gpu", String::new(), block_ids),
+        AdapterOpKind::DropGpu => ("drop_gpu", String::new(), Vec::new()),
+        AdapterOpKind::DropHost => ("drop_host", String::new(), Vec::new()),
+    };
+    wire::AdapterOp {
+        adapter_id: op.adapter_id,
+        op: name.into(),
+        path,
+        block_ids,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use deltaserve_sched::{ScheduledNew, ScheduledRunning};
+
+    #[test]
+    fn a_step_becomes_a_plan_with_new_requests_first() {
+        let step = ScheduledStep {
+            step_id: 4,
+            new: vec![ScheduledNew {
+                id: 7,
+                token_ids: vec![1, 2, 3],
+                num_prompt_tokens: 3,
+                num_computed_tokens: 0,
+                num_scheduled_tokens: 3,
+                block_ids: vec![0],
+                adapter_id: 2,
+            }],
+            running: vec![ScheduledRunning {
+                id: 5,
+                num_scheduled_tokens: 1,
+                new_block_ids: vec![9],
+            }],
+            released: vec![3],
+            preempted: vec![],
+            adapter_ops: vec![
+                SchedAdapterOp {
+                    adapter_id: 2,
+                    kind: AdapterOpKind::ToHost { path: "/a".into() },
+                },
+                SchedAdapterOp {
+                    adapter_id: 2,
+                    kind: AdapterOpKind::ToGpu { block_ids: vec![1] },
+                },
+                SchedAdapterOp {
+                    adapter_id: 1,
+                    kind: AdapterOpKind::DropGpu,
+                },
+                SchedAdapterOp {
+                    adapter_id: 1,
+                    kind: AdapterOpKind::DropHost,
+                },
+            ],
+        };
+        let (plan, ids) = wire_plan(step, |id| SamplingParams {
+            seed: Some(id),
+            ..Default::default()
+        });
+        assert_eq!(ids, vec![7, 5]);
+        assert_eq!(plan.step_id, 4);
+        assert_eq!(plan.new_requests[0].sampling.seed, Some(7));
+        assert_eq!(plan.new_requests[0].adapter_id, 2);
+        assert_eq!(plan.running[0].new_block_ids, vec![9]);
+        assert_eq!(plan.released, vec![3]);
+        let ops: Vec<(&str, &str, &[u32])> = plan
+            .adapter_ops
+            .iter()
+            .map(|o| (o.op.as_str(), o.path.as_str(), o.block_ids.as_slice()))
+            .collect();
+        assert_eq!(
+            ops,
+            vec![
+                ("to_host", "/a", &[][..]),
+                ("to_gpu", "", &[1][..]),
+                ("drop_gpu", "", &[][..]),
+                ("drop_host", "", &[][..]),
+            ]
+        );
+    }
+}

@@ -1,0 +1,376 @@
+//! The requests one actor serves, as streams of events to their clients: each request's
+//! incremental detokenizer and stop strings, the fan-out of a step's sampled tokens to their
+//! receivers, the last event (`Finished` or `Error`), and the latency histograms observed as
+//! those events happen. [`Streams`] also keeps the handle's count of outstanding requests.
+//!
+//! What the scheduler decided (EOS, length) arrives with each token; stop strings are decided
+//! here. The caller tells the scheduler about stop-string ends ([`Ended::stopped`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use deltaserve_ipc::wire::{RequestOutput, SamplingParams};
+use deltaserve_sched::{FinishReason as SchedFinish, SeqUpdate};
+use tokio::sync::mpsc;
+
+use super::metrics::RequestLatency;
+use super::{FinishReason, GenerateEvent, GenerateRequest};
+use crate::text::detok::DetokStream;
+use crate::text::tokenizer::TextTokenizer;
+
+/// A request this actor owns.
+struct Live {
+    /// Where the request's events go; closed when the client went away.
+    events: mpsc::UnboundedSender<GenerateEvent>,
+    /// Incremental detokenizer with the request's stop strings.
+    detok: DetokStream,
+    /// Sampling parameters, sent with the request whenever it is (re)sent in full.
+    sampling: SamplingParams,
+    /// Prompt length, for usage.
+    prompt_tokens: u32,
+    /// Tokens generated so far, for usage.
+    completion_tokens: u32,
+    /// When the engine accepted it.
+    arrived: Instant,
+    /// When its first token was sent; `None` before.
+    first_token_at: Option<Instant>,
+    /// Whether a step has scheduled it yet (its queue time is observed once).
+    scheduled: bool,
+}
+
+/// A request that a step's tokens ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Ended {
+    pub id: u64,
+    pub reason: FinishReason,
+    /// Ended by a stop string: the scheduler does not know yet.
+    pub stopped: bool,
+}
+
+/// The live requests of one actor.
+pub(super) struct Streams {
+    live: BTreeMap<u64, Live>,
+    tokenizer: Arc<TextTokenizer>,
+    /// Requests handed to the actor and not yet ended (the handle's load-balancing signal).
+    outstanding: Arc<AtomicUsize>,
+    latency: RequestLatency,
+}
+
+impl Streams {
+    pub fn new(
+        tokenizer: Arc<TextTokenizer>,
+        outstanding: Arc<AtomicUsize>,
+        latency: RequestLatency,
+    ) -> Self {
+        Self {
+            live: BTreeMap::new(),
+            tokenizer,
+            outstanding,
+            latency,
+        }
+    }
+
+    /// The shared latency histograms.
+    pub fn latency(&self) -> &RequestLatency {
+        &self.latency
+    }
+
+    /// Starts streaming request `id` (already accepted by the scheduler).
+    pub fn open(
+        &mut self,
+        id: u64,
+        req: GenerateRequest,
+        events: mpsc::UnboundedSender<GenerateEvent>,
+        arrived: Instant,
+    ) {
+        let detok = DetokStream::new(self.tokenizer.clone(), &req.prompt_token_ids, req.stop);
+        let live = Live {
+            events,
+            detok,
+            sampling: req.sampling,
+            prompt_tokens: req.prompt_token_ids.len() as u32,
+            completion_tokens: 0,
+            arrived,
+            first_token_at: None,
+            scheduled: false,
+        };
+        self.live.insert(id, live);
+    }
+
+    /// Refuses a request that never became live: its only event is an `Error`.
+    pub fn refuse(&self, events: mpsc::UnboundedSender<GenerateEvent>, message: String) {
+        let _ = events.send(GenerateEvent::Error { message });
+        self.outstanding.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    pub fn contains(&self, id: u64) -> bool {
+        self.live.contains_key(&id)
+    }
+
+    /// Every live id.
+    pub fn ids(&self) -> Vec<u64> {
+        self.live.keys().copied().collect()
+    }
+
+    /// Ids whose client went away (receiver dropped).
+    pub fn abandoned(&self) -> Vec<u64> {
+        self.live
+            .iter()
+            .filter(|(_, l)| l.events.is_closed())
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    /// Request `id`'s sampling parameters (defaults for an unknown id).
+    pub fn sampling(&self, id: u64) -> SamplingParams {
+        self.live
+            .get(&id)
+            .map(|l| l.sampling.clone())
+            .unwrap_or_default()
+    }
+
+    /// A step scheduled `id` in full: the first time, its queue time is observed.
+    pub fn scheduled(&mut self, id: u64) {
+        if let Some(live) = self.live.get_mut(&id) {
+            if !live.scheduled {
+                live.scheduled = true;
+                self.latency
+                    .request_queue_time
+                    .observe(live.arrived.elapsed().as_secs_f64());
+            }
+        }
+    }
+
+    /// Streams a step's tokens (`updates`, from the scheduler, with `outputs`' logprobs) to
+    /// their clients: detokenized, stop strings held back and applied. Returns how many tokens
+    /// went to live requests and which requests they ended (not yet closed: see [`Self::end`]).
+    pub fn stream(
+        &mut self,
+        updates: Vec<SeqUpdate>,
+        outputs: &[RequestOutput],
+    ) -> (u64, Vec<Ended>) {
+        let by_id: HashMap<u64, &RequestOutput> = outputs.iter().map(|o| (o.req_id, o)).collect();
+        let mut tokens = 0;
+        let mut ended = Vec::new();
+        for u in updates {
+            let Some(live) = self.live.get_mut(&u.id) else {
+                continue;
+            };
+            live.completion_tokens += 1;
+            tokens += 1;
+            let step_text = live.detok.push(u.token);
+            let mut text = step_text.delta;
+            let reason = if step_text.stopped {
+                Some(FinishReason::Stop)
+            } else {
+                match u.finished {
+                    Some(SchedFinish::Eos) => Some(FinishReason::Stop),
+                    Some(SchedFinish::Length) => Some(FinishReason::Length),
+                    None => None,
+                }
+            };
+            if reason.is_some() && !step_text.stopped {
+                text.push_str(&live.detok.flush());
+            }
+            let (logprob, top_logprobs) = match by_id.get(&u.id) {
+                Some(o) => (o.logprob, o.top_logprobs.clone()),
+                None => (None, Vec::new()),
+            };
+            let _ = live.events.send(GenerateEvent::Token {
+                token_id: u.token,
+                text,
+                logprob,
+                top_logprobs,
+            });
+            if live.first_token_at.is_none() {
+                let now = Instant::now();
+                live.first_token_at = Some(now);
+                self.latency
+                    .time_to_first_token
+                    .observe((now - live.arrived).as_secs_f64());
+            }
+            if let Some(reason) = reason {
+                ended.push(Ended {
+                    id: u.id,
+                    reason,
+                    stopped: step_text.stopped,
+                });
+            }
+        }
+        (tokens, ended)
+    }
+
+    /// Ends request `id`: a `Finished` event (`Some(reason)`, observing its end-to-end time and
+    /// time per output token), or silently when the client is gone. False if it was not live.
+    pub fn end(&mut self, id: u64, reason: Option<FinishReason>) -> bool {
+        let Some(live) = self.live.remove(&id) else {
+            return false;
+        };
+        if let Some(reason) = reason {
+            let _ = live.events.send(GenerateEvent::Finished {
+                reason,
+                prompt_tokens: live.prompt_tokens,
+                completion_tokens: live.completion_tokens,
+            });
+            self.latency.request_finished(
+                live.arrived.elapsed(),
+                live.first_token_at.map(|t| t - live.arrived),
+                live.completion_tokens,
+            );
+        }
+        self.outstanding.fetch_sub(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Ends request `id` with an `Error` event. False if it was not live.
+    pub fn fail(&mut self, id: u64, message: String) -> bool {
+        let Some(live) = self.live.remove(&id) else {
+            return false;
+        };
+        let _ = live.events.send(GenerateEvent::Error { message });
+        self.outstanding.fetch_sub(1, Ordering::Relaxed);
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::text::test_support::tiny_tokenizer;
+
+    fn request(stop: &[&str]) -> GenerateRequest {
+        GenerateRequest {
+            prompt_token_ids: vec![104, 105],
+            max_tokens: 4,
+            sampling: SamplingParams::default(),
+            stop: stop.iter().map(|s| s.to_string()).collect(),
+            ignore_eos: false,
+            adapter_id: 0,
+        }
+    }
+
+    fn token(id: u64, token: u32, finished: Option<SchedFinish>) -> SeqUpdate {
+        SeqUpdate {
+            id,
+            token,
+            finished,
+        }
+    }
+
+    fn drain(rx: &mut mpsc::UnboundedReceiver<GenerateEvent>) -> Vec<GenerateEvent> {
+        std::iter::from_fn(|| rx.try_recv().ok()).collect()
+    }
+
+    #[test]
+    fn events_fan_out_and_latencies_are_observed_as_they_happen() {
+        let outstanding = Arc::new(AtomicUsize::new(3));
+        let mut streams = Streams::new(
+            tiny_tokenizer(),
+            outstanding.clone(),
+            RequestLatency::default(),
+        );
+        let (tx_a, mut rx_a) = mpsc::unbounded_channel();
+        let (tx_b, mut rx_b) = mpsc::unbounded_channel();
+        let (tx_c, mut rx_c) = mpsc::unbounded_channel();
+        streams.open(1, request(&[]), tx_a, Instant::now());
+        streams.open(2, request(&["i"]), tx_b, Instant::now());
+        streams.refuse(tx_c, "no".into());
+        assert!(matches!(
+            drain(&mut rx_c)[..],
+            [GenerateEvent::Error { .. }]
+        ));
+        assert_eq!(outstanding.load(Ordering::Relaxed), 2);
+
+        streams.scheduled(1);
+        streams.scheduled(1);
+        streams.scheduled(2);
+        let latency = streams.latency().clone();
+        assert_eq!(
+            latency.request_queue_time.get_sample_count(),
+            2,
+            "once each"
+        );
+
+        let (tokens, ended) = streams.stream(vec![token(1, 104, None), token(2, 104, None)], &[]);
+        assert_eq!((tokens, ended.len()), (2, 0));
+        assert_eq!(latency.time_to_first_token.get_sample_count(), 2);
+        let (tokens, ended) = streams.stream(
+            vec![
+                token(1, 105, Some(SchedFinish::Length)),
+                token(2, 105, None),
+                token(9, 105, None),
+            ],
+            &[],
+        );
+        assert_eq!(tokens, 2, "id 9 is not live");
+        assert_eq!(
+            ended,
+            vec![
+                Ended {
+                    id: 1,
+                    reason: FinishReason::Length,
+                    stopped: false
+                },
+                Ended {
+                    id: 2,
+                    reason: FinishReason::Stop,
+                    stopped: true
+                }
+            ]
+        );
+        assert_eq!(latency.time_to_first_token.get_sample_count(), 2);
+
+        assert!(streams.end(1, Some(FinishReason::Length)));
+        assert!(!streams.end(1, Some(FinishReason::Length)), "already ended");
+        let a = drain(&mut rx_a);
+        let texts: Vec<&str> = a
+            .iter()
+            .filter_map(|e| match e {
+                GenerateEvent::Token { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(texts.concat(), "hi");
+        assert!(matches!(
+            a.last(),
+            Some(GenerateEvent::Finished {
+                reason: FinishReason::Length,
+                prompt_tokens: 2,
+                completion_tokens: 2
+            })
+        ));
+        assert_eq!(latency.e2e_request_latency.get_sample_count(), 1);
+        assert_eq!(latency.time_per_output_token.get_sample_count(), 1);
+
+        // The stop string is never emitted; a failed request gets an Error and no latency.
+        assert!(streams.fail(2, "boom".into()));
+        let b = drain(&mut rx_b);
+        let text: String = b
+            .iter()
+            .filter_map(|e| match e {
+                GenerateEvent::Token { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(text, "h");
+        assert!(matches!(b.last(), Some(GenerateEvent::Error { .. })));
+        assert_eq!(latency.e2e_request_latency.get_sample_count(), 1);
+        assert_eq!(outstanding.load(Ordering::Relaxed), 0);
+        assert!(streams.ids().is_empty());
+    }
+
+    #[test]
+    fn a_dropped_receiver_marks_the_request_abandoned() {
+        let outstanding = Arc::new(AtomicUsize::new(1));
+        let mut streams = Streams::new(tiny_tokenizer(), outstanding.clone(), Default::default());
+        let (tx, rx) = mpsc::unbounded_channel();
+        streams.open(5, request(&[]), tx, Instant::now());
+        assert!(streams.abandoned().is_empty());
+        drop(rx);
+        assert_eq!(streams.abandoned(), vec![5]);
+        assert!(streams.end(5, None));
+        assert_eq!(outstanding.load(Ordering::Relaxed), 0);
+    }
+}
