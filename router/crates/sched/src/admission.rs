@@ -9,10 +9,12 @@
 //!   adapters are evicted least recently used first (the LRU stamp is taken when a request
 //!   using it is admitted, when its last running request leaves, and when its host copy is
 //!   loaded). A preempted request only unpins its adapter.
-//! - Delta slots: admitting a request whose delta is not resident takes a free slot, else
-//!   evicts the least recently used *idle* resident delta (no running request), else the
-//!   request cannot be admitted now. Deltas are never evicted for pages (they free none), LoRA
-//!   adapters never for slots.
+//! - Delta slots: a delta holds no pool pages; at most `max_deltas` deltas are GPU-resident
+//!   after every op of every step, each in a worker slot (its host tier, prefetch and LRU
+//!   stamps are exactly a LoRA adapter's). Admitting a request whose delta is not resident
+//!   takes a free slot, else evicts the least recently used *idle* resident delta (no running
+//!   request), else the request cannot be admitted now. Deltas are never evicted for pages
+//!   (they free none), LoRA adapters never for slots.
 //! - Host: the accounted host bytes never exceed `host_adapter_bytes`, one budget for the host
 //!   copies of LoRA adapters and deltas together. Room is made by dropping least recently used
 //!   host copies of adapters this step does not load (a drop goes out before every load of its
