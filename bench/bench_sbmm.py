@@ -57,7 +57,7 @@ script_env.prepare()  # before triton's first import: --smoke runs the kernels i
 import torch  # noqa: E402
 
 from bench.common import bench_device, device_name, write_result  # noqa: E402
-from deltaserve.compress.pack import PackedLinear, dequantize, pack  # noqa: E402
+from deltaserve.formats.packed_delta import PackedLinear, dequantize, pack  # noqa: E402
 from deltaserve.kernels import sbmm as sbmm_module  # noqa: E402
 from deltaserve.kernels.sbmm import DeltaMeta, DeltaWeights, make_delta_weights, sbmm, sbmm_ref  # noqa: E402
 

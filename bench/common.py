@@ -314,7 +314,7 @@ def random_packed_linear(out_features: int, in_features: int, bits: int, sparse:
     like a fine-tune's delta. Benchmark data, vectorised; never a compressor output."""
     import sys
 
-    from deltaserve.compress.pack import PackedLinear
+    from deltaserve.formats.packed_delta import PackedLinear
 
     if sys.byteorder != "little":
         raise RuntimeError("random_packed_linear builds qindices words from bytes: needs a little-endian host")

@@ -26,7 +26,7 @@ from bench.common import write_result  # noqa: E402
 from bench.decode_step import bench_batch  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.compress.delta_dir import load_delta  # noqa: E402
-from deltaserve.compress.pack import dequantize  # noqa: E402
+from deltaserve.formats.packed_delta import dequantize  # noqa: E402
 from deltaserve.demo_model import deltaserve_home, default_out_dir  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 

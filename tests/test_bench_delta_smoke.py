@@ -23,7 +23,7 @@ from bench.decode_step import bench_batch
 
 from deltaserve import wire  # noqa: E402
 from deltaserve.compress.delta_dir import check_lineage, load_delta, materialize  # noqa: E402
-from deltaserve.compress.pack import unpack  # noqa: E402
+from deltaserve.formats.packed_delta import unpack  # noqa: E402
 from deltaserve.model.loader import load_model  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 

@@ -23,7 +23,7 @@ from deltaserve.compress.__main__ import main as compress_main
 from deltaserve.compress.calib import DEFAULT_TEXTS, calibration_samples, load_calibration
 from deltaserve.compress.compressor import CompressConfig, compress
 from deltaserve.compress.obs import layer_objective, obs_compress, rtn_compress
-from deltaserve.compress.pack import dequantize, pack
+from deltaserve.formats.packed_delta import dequantize, pack
 from helpers.tiny_models import make_tiny_model
 
 TASK_VOCAB = 32

@@ -1,4 +1,4 @@
-"""The packed compressed-delta format (deltaserve.compress.pack): exact round-trips, the dequantize
+"""The packed compressed-delta format (deltaserve.formats.packed_delta): exact round-trips, the dequantize
 semantics written out by hand, a hand-packed example from the module docstring, and shape refusals."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.compress.pack import PackedLinear, dequantize, pack, unpack
+from deltaserve.formats.packed_delta import PackedLinear, dequantize, pack, unpack
 
 
 def _random_mask(out_f: int, in_f: int, gen: torch.Generator) -> torch.Tensor:

@@ -52,7 +52,7 @@ import torch
 
 from .. import wire
 from ..compress.delta_dir import MANIFEST, check_lineage, load_delta, read_manifest
-from ..compress.pack import PackedLinear
+from ..formats.packed_delta import PackedLinear
 from ..kernels.sbmm import (
     DeltaMeta, cuda_shape_problem, cuda_tile_cap, dense_min_m, make_delta_weights,
 )

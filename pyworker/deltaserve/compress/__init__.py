@@ -5,8 +5,8 @@ Layout (the data flow of ``python -m deltaserve.compress``, i.e. ``deltaserve co
 - ``calib``       calibration set: JSONL texts / token ids (or built-in texts) -> token sequences
 - ``obs``         one layer's solver: SparseGPT/OBS joint 2:4 mask + group quantization of Δ under
                   the Hessian of its calibration inputs; ``rtn_compress`` is the naive baseline
-- ``pack``        the packed format of one linear delta (``PackedLinear``, ``pack``, ``unpack``,
-                  ``dequantize``: THE reference semantics the kernels are tested against)
+- (the packed format of one linear delta it writes, ``PackedLinear``, ``pack``, ``unpack``,
+  ``dequantize``, is ``deltaserve.formats.packed_delta``'s, re-exported here)
 - ``compressor``  Algorithm 1: layer by layer through the repo's ``DecoderLayer``, compressing each
                   HF linear and feeding the *reconstructed* layer's outputs to the next
 - ``delta_dir``   the directory on disk (manifest + safetensors payload), ``load_delta``,
@@ -22,7 +22,7 @@ from .delta_dir import (
     materialize,
     read_manifest,
 )
-from .pack import PackedLinear, dequantize, pack, unpack
+from ..formats.packed_delta import PackedLinear, dequantize, pack, unpack
 
 __all__ = [
     "DeltaFormatError", "DeltaLineageError", "check_lineage", "load_delta", "materialize", "read_manifest",

@@ -57,7 +57,7 @@ from .delta_dir import (
     write_delta_dir,
 )
 from .obs import DEFAULT_BLOCK_SIZE, DEFAULT_PERCDAMP, layer_objective, obs_compress
-from .pack import PackedLinear, pack
+from ..formats.packed_delta import PackedLinear, pack
 
 _KV_BLOCK = 16
 """Tokens per page of the scratch KV cache the calibration forwards write into."""

@@ -49,7 +49,7 @@ from safetensors.torch import save as st_save
 
 from ..model.arch import ModelConfig
 from ..model.loader import checkpoint_files
-from .pack import PackedLinear
+from ..formats.packed_delta import PackedLinear
 
 FORMAT = "deltaserve-delta"
 """``manifest.json`` ``format`` value."""
@@ -388,7 +388,7 @@ def materialize(
     The reference model of tests and evaluations (it holds the whole model in memory). Config and
     tokenizer files are copied from ``base_dir``; lineage is checked first.
     """
-    from .pack import dequantize
+    from ..formats.packed_delta import dequantize
 
     delta_dir, base_dir, out_dir = Path(delta_dir), Path(base_dir), Path(out_dir)
     manifest, packed, dense = load_delta(delta_dir)

@@ -1,8 +1,9 @@
 """The packed format of one compressed linear delta: ``PackedLinear``, ``pack``, ``unpack``, ``dequantize``.
 
 This module is the single owner of the bit layout (spec: issue 5, "compressed-delta packed format");
-the compressor writes it, the serving path and the SBMM kernel read it, and ``dequantize`` is THE
-reference semantics every consumer is tested against.
+the compressor (``deltaserve.compress``) writes it, the serving path and the SBMM kernels
+(``deltaserve.kernels.sbmm``) read it, and ``dequantize`` is THE reference semantics every consumer is
+tested against. It imports torch only, so every layer may depend on it.
 
 A delta ``Δ̃ ≈ W_ft − W_base`` of a linear with HF weight ``[out, in]`` (``y = x @ W.T``), with
 bits ``b ∈ {2, 4}``, 2:4 sparsity on or off, and a quantization group size ``G``::
@@ -40,8 +41,9 @@ import torch
 SUPPORTED_BITS = (2, 4)
 
 
-def _check_layout(bits: int, sparse: bool, group_size: int, out_features: int, in_features: int) -> int:
-    """Validate the format's shape rules; return ``kept`` (values stored per row)."""
+def check_layout(bits: int, sparse: bool, group_size: int, out_features: int, in_features: int) -> int:
+    """Validates the format's shape rules (module docstring, "Requirements"); returns ``kept`` (values
+    stored per row). Raises ``ValueError`` naming the shape."""
     shape = f"[{out_features}, {in_features}]"
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"packed delta {shape}: bits must be 2 or 4, got {bits}")
@@ -92,7 +94,7 @@ class PackedLinear:
     """float16 ``[out, in/group_size]``: per (row, group) zero point, in code units."""
 
     def __post_init__(self) -> None:
-        kept = _check_layout(self.bits, self.sparse, self.group_size, self.out_features, self.in_features)
+        kept = check_layout(self.bits, self.sparse, self.group_size, self.out_features, self.in_features)
         shape = f"[{self.out_features}, {self.in_features}]"
         n_groups = self.in_features // self.group_size
         expect: dict[str, tuple[torch.Tensor | None, tuple[int, int] | None, torch.dtype]] = {
@@ -178,7 +180,7 @@ def pack(
         raise ValueError(f"pack: codes must be an integer tensor, got {codes.dtype} of shape {list(codes.shape)}")
     out_f, in_f = codes.shape
     sparse = mask is not None
-    _check_layout(bits, sparse, group_size, out_f, in_f)
+    check_layout(bits, sparse, group_size, out_f, in_f)
     shape = f"[{out_f}, {in_f}]"
     for name, t in (("scales", scales), ("zeros", zeros)):
         if tuple(t.shape) != (out_f, in_f // group_size):
