@@ -31,8 +31,10 @@ import numpy as np
 import pytest
 import torch
 
-from deltaserve.compress.pack import PackedLinear, dequantize, pack
+from deltaserve.formats.packed_delta import PackedLinear, dequantize, pack
 from deltaserve.kernels import sbmm as sbmm_mod
+from deltaserve.kernels.common import sm_count
+from deltaserve.kernels.sbmm import cuda as sbmm_cuda_mod
 from deltaserve.kernels.sbmm import (
     DeltaMeta, DeltaWeights, dequantize_slot, make_delta_weights, sbmm, sbmm_ref, sbmm_triton,
 )
@@ -56,7 +58,7 @@ ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 def random_packed(out_f: int, in_f: int, bits: int, sparse: bool, group: int, seed: int,
                   integral_zeros: bool = False) -> PackedLinear:
     """Random codes / 2:4 mask / scales / fractional zeros (or integral ones, as the compressor writes
-    them), packed by pack.py."""
+    them), packed by packed_delta.py."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (out_f, in_f), generator=g)
     mask = None
@@ -576,13 +578,13 @@ def test_cuda_op_split_k_and_strided_out(split: int | None, monkeypatch: pytest.
     cuda_op_or_skip()
     lib = sbmm_mod.cuda_ext.library("sbmm")
     if split is not None:
-        monkeypatch.setattr(sbmm_mod, "_cuda_split", lambda *args: split)
+        monkeypatch.setattr(sbmm_cuda_mod, "_cuda_split", lambda *args: split)
     shape = (1024, 136, 64)
     w = make_delta_weights([random_packed(shape[1], shape[0], 4, True, 64, s) for s in range(3)])
     for slots in ([1], [2, -1, 0, 2]):
         meta = DeltaMeta.rows(slots, DEVICE)
         if split is None:
-            assert sbmm_mod._cuda_split(lib, 2, meta.num_tiles, shape[0], DEVICE) > 1
+            assert sbmm_cuda_mod._cuda_split(lib, 2, meta.num_tiles, shape[0], DEVICE) > 1
         x = randn(meta.num_tokens, 2 * shape[0], dtype=torch.float16, seed=1)[:, ::2]
         wide = randn(meta.num_tokens, shape[1] + 40, dtype=torch.float16, seed=2)
         want = sbmm_ref(x, wide[:, 8 : 8 + shape[1]].clone(), w, meta)
@@ -601,12 +603,12 @@ def test_cuda_op_follows_offset_tables_and_is_the_default() -> None:
     want = sbmm_ref(x, base.clone(), w, meta)
     close(sbmm_mod.sbmm_cuda(x, base.clone(), wp, meta_p), want)
     calls = []
-    real = sbmm_mod._launch_cuda
+    real = sbmm_mod.launch_cuda
     try:
-        sbmm_mod._launch_cuda = lambda *a: calls.append(1) or real(*a)
+        sbmm_mod.launch_cuda = lambda *a: calls.append(1) or real(*a)
         close(sbmm(x, base.clone(), wp, meta_p), want)
     finally:
-        sbmm_mod._launch_cuda = real
+        sbmm_mod.launch_cuda = real
     assert calls == [1]
 
 
@@ -639,8 +641,8 @@ def test_cuda_split_rule() -> None:
     give every SM its ``_CUDA_BLOCKS_PER_SM`` blocks, each split keeping at least two stages of 256 columns."""
     cuda_op_or_skip()
     lib = sbmm_mod.cuda_ext.library("sbmm")
-    split = functools.partial(sbmm_mod._cuda_split, lib)
-    slots = sbmm_mod._CUDA_BLOCKS_PER_SM * sbmm_mod._sm_count(DEVICE)
+    split = functools.partial(sbmm_cuda_mod._cuda_split, lib)
+    slots = sbmm_cuda_mod._CUDA_BLOCKS_PER_SM * sm_count(DEVICE)
     assert split(1, 1, 4096, DEVICE) == 8  # one block: split while each split keeps >= 2 stages (16 / 8)
     assert split(1, 1, 512, DEVICE) == 1  # two stages: no split leaves each >= 2
     assert split(slots, 1, 4096, DEVICE) == 1  # the SMs are full already
@@ -734,7 +736,7 @@ def test_cuda_graph_split_follows_the_step() -> None:
                                   [i % 6 if i % 6 != EMPTY_SLOT else -1 for i in range(rows)])):
         slots = slots + [-1] * (rows - len(slots))
         new = DeltaMeta.rows(slots, DEVICE, max_block_m=2)
-        seen.add(sbmm_mod._cuda_split(lib, 40, new.num_tiles, in_f, DEVICE))
+        seen.add(sbmm_cuda_mod._cuda_split(lib, 40, new.num_tiles, in_f, DEVICE))
         for name in ("order", "tiles", "tile_count"):
             getattr(meta, name).copy_(getattr(new, name))
         x.copy_(randn(rows, in_f, dtype=torch.float16, seed=10 + seed))

@@ -9,11 +9,18 @@ torch references, never a mix by accident:
             triton is imported (the CPU tests do this in tests/conftest.py)
 
 The worker sets it from its ``--kernels`` flag; tests call ``set_backend`` (and restore it).
+
+Also shared: ``sm_count`` (launches size their grids by it) and ``read_launch_configs`` (tuned launch
+configs are data files next to their op, ``<op package>/configs/*.json``, STYLE #23).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -77,3 +84,20 @@ def round_to(x, ty: tl.constexpr, RNE_BY_HAND: tl.constexpr):
 def needs_rne_by_hand(t: torch.Tensor) -> bool:
     """``round_to``'s flag: a bfloat16 tensor the interpreter runs (CPU tensors only run there)."""
     return t.dtype == torch.bfloat16 and not t.is_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _read_json(path: Path) -> str:
+    return path.read_text()
+
+
+def read_launch_configs(package_file: str, name: str = "launch.json") -> dict[str, Any]:
+    """The launch configs of an op package: ``configs/<name>`` next to ``package_file`` (a module of the
+    package: pass ``__file__``), parsed afresh (callers may change what they get); read from disk once."""
+    return json.loads(_read_json(Path(package_file).resolve().parent / "configs" / name))

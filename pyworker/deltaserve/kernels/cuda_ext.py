@@ -38,6 +38,9 @@ SOURCES = Path(__file__).resolve().parent.parent / "csrc"
 
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+"""The ``dtype`` argument of the ops' C entry points (csrc/sbmm.cu: 0 float16, 1 bfloat16)."""
+
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _why_not: dict[str, str] = {}

@@ -1,7 +1,7 @@
 """Dense delta rows (Triton): every logits row's dense lm_head / embedding delta, in one launch.
 
 A compressed full fine-tune (a *delta*, ``deltaserve.compress``) packs its block linears (SBMM,
-``kernels/sbmm.py``) but keeps a few tensors as dense deltas in the model dtype, the widest being
+``kernels/sbmm/``) but keeps a few tensors as dense deltas in the model dtype, the widest being
 the lm_head delta (or the embedding delta when the weights are tied), ``[vocab, hidden]``. In a
 step every logits row may belong to a different delta, and the head adds ``x[r] @ D_{slot(r)}^T``
 to row r. Eagerly that is a loop over the step's deltas with shapes that depend on the step
@@ -50,7 +50,8 @@ import triton
 import triton.language as tl
 
 from .common import needs_rne_by_hand, round_to, want_triton
-from .sbmm import DeltaMeta, _tile_tokens, _work_tile
+from .sbmm.meta import DeltaMeta
+from .sbmm.tiles import tile_tokens, work_tile
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Dtypes of x, out and table (all three the same)."""
@@ -128,12 +129,12 @@ def _dense_delta_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, d_ptr, N, K, x_str
                         UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
     """Program (work tile, n block): ``out[rows, ns] = dtype(out + dtype(x[rows] @ D_slot[ns, :]^T))``
     for the tile's rows (through ``order``); padding tiles exit at once."""
-    slot, start, end = _work_tile(tiles_ptr)
+    slot, start, end = work_tile(tiles_ptr)
     if slot < 0:  # a padding row of the tile table
         return
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
-    at, row_ok, rows = _tile_tokens(order_ptr, start, end, BLOCK_M)
+    at, row_ok, rows = tile_tokens(order_ptr, start, end, BLOCK_M)
     x_rows = x_ptr + rows[:, None] * x_stride
     d_rows = d_ptr + slot * N * K + ns.to(tl.int64)[:, None] * K  # slot is int64: no overflow past 2^31
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -1,0 +1,250 @@
+"""One linear's delta pool (``DeltaWeights``): every GPU-resident delta of that linear, slot by slot.
+
+One pool per linear and per (bits, sparse, group size) config: every delta of that linear lives in
+one of ``num_slots`` slots; each tensor kind of the packed format (``deltaserve.formats.packed_delta``)
+has one flat buffer, and a slot's tensor is a row-major block at an element offset::
+
+    qvalues  [*] int32     slot s: qvalues_offsets[s] .. + out * kept*bits/32     (rows of packed codes)
+    qindices [*] int32     slot s: qindices_offsets[s] .. + out * kept/16         (2:4 only; else empty)
+    scales   [*] float16   slot s: group_offsets[s] .. + out * in/G               (rows of groups)
+    zeros    [*] float16   slot s: group_offsets[s] .. + out * in/G               (same offsets as scales)
+    qvalues_offsets, qindices_offsets, group_offsets   [num_slots] int64
+
+    e.g. 3 slots, slot 1 empty (make_delta_weights reserves a region for every slot):
+    qvalues | slot 0 codes | slot 1 (zeros) | slot 2 codes |     offsets 0, R, 2R (R = out*kept*bits/32)
+
+bits, sparse, group size and the linear's [out, in] are fixed per pool (the kernels specialise on
+them); a model whose deltas mix configs holds one pool per config. Slot ids are shared by all linears
+of a model; ``-1`` means "no delta" (base-only tokens, LoRA tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ...formats.packed_delta import PackedLinear, check_layout, dequantize
+
+
+@dataclass(frozen=True)
+class DeltaWeights:
+    """One linear's delta pool: flat buffers per tensor kind plus per-slot offsets (module docstring).
+
+    Validated once at construction (one host sync for the offset tables). ``store`` / ``clear``
+    refill a slot in place, so the buffers' addresses (and CUDA graphs that captured them) stay.
+    """
+
+    qvalues: torch.Tensor
+    """1-D int32: every slot's packed codes, slot s's ``[out, kept*bits/32]`` block at qvalues_offsets[s]."""
+    qindices: torch.Tensor
+    """1-D int32: every slot's 2:4 position words ``[out, kept/16]`` at qindices_offsets[s]; empty when dense."""
+    scales: torch.Tensor
+    """1-D float16: every slot's ``[out, in/G]`` scales at group_offsets[s]."""
+    zeros: torch.Tensor
+    """1-D float16: every slot's ``[out, in/G]`` zero points at group_offsets[s]."""
+    qvalues_offsets: torch.Tensor
+    """[num_slots] int64: element offset of each slot's qvalues block."""
+    qindices_offsets: torch.Tensor
+    """[num_slots] int64: element offset of each slot's qindices block (unread when dense)."""
+    group_offsets: torch.Tensor
+    """[num_slots] int64: element offset of each slot's scales block and of its zeros block."""
+    bits: int
+    """Bits per code of every slot (2 or 4)."""
+    sparse: bool
+    """Whether every slot is 2:4-sparse along the input dimension."""
+    group_size: int
+    """Input columns per (scale, zero) of every slot."""
+    out_features: int
+    """Rows of the linear's weight (the op's output width)."""
+    in_features: int
+    """Columns of the linear's weight (the op's input width)."""
+    loaded: list[bool] = field(default_factory=list)
+    """Host flags, one per slot: the slot holds a delta (``store``d); left empty at construction, every
+    slot counts as loaded. A step that uses an empty slot is refused (its zero-filled region would
+    silently add nothing)."""
+    half2_ok: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """[num_slots] uint8 on the pool's device, one flag per slot: every zero point of the slot is an
+    integer in (-1024, 1024), as the compressor writes them (set by ``store``; 0 where unknown, zeros at
+    construction). The CUDA op reads it per block and takes its half2 dequantisation, exact only then
+    (csrc/sbmm.cu RowScale), for float16 slots so flagged: no host check per call, no sync per ``store``,
+    and a captured launch stays right whatever deltas come later."""
+    offset_alignment: tuple[int, int, int] = field(default=(0, 0, 0), init=False, repr=False, compare=False)
+    """(qvalues, qindices, scales / zeros): the largest power of two up to 4 dividing every slot block's
+    start address, in elements (buffer address plus slot offset; set by the offset check, the buffers
+    never move); the CUDA op copies 16- and 4-byte pieces."""
+    ref_cache: dict[tuple[int, torch.dtype], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    """(slot, dtype) -> ``dequantize`` of that slot for ``sbmm_ref``, when enabled (``cache_reference``:
+    the CPU serving path, which would otherwise dequantise every delta at every call); None: off.
+    ``store`` / ``clear`` drop the slot's entries; writing the buffers directly would not."""
+
+    def __post_init__(self) -> None:
+        n = self.qvalues_offsets.shape[0] if self.qvalues_offsets.dim() == 1 else -1
+        if not self.loaded:
+            self.loaded.extend([True] * max(n, 0))
+        # The layout rules of the format (bits, group size, shape) are packed_delta.py's; check them there.
+        check_layout(self.bits, self.sparse, self.group_size, self.out_features, self.in_features)
+        bufs = {"qvalues": (self.qvalues, torch.int32), "qindices": (self.qindices, torch.int32),
+                "scales": (self.scales, torch.float16), "zeros": (self.zeros, torch.float16)}  # fmt: skip
+        for name, (t, dtype) in bufs.items():
+            if t.dim() != 1 or t.dtype != dtype or (t.numel() and t.stride(0) != 1):
+                raise ValueError(f"sbmm: pool {name} {list(t.shape)} {t.dtype}: want a 1-D contiguous {dtype} buffer")
+        tables = {"qvalues_offsets": self.qvalues_offsets, "qindices_offsets": self.qindices_offsets,
+                  "group_offsets": self.group_offsets}  # fmt: skip
+        for name, t in tables.items():
+            if t.dim() != 1 or t.shape[0] != n or n < 1 or t.dtype != torch.int64 or t.stride(0) != 1:
+                raise ValueError(f"sbmm: {name} {list(t.shape)} {t.dtype}: want [num_slots >= 1] int64, contiguous, "
+                                 f"like qvalues_offsets {list(self.qvalues_offsets.shape)}")
+        if len(self.loaded) != n:
+            raise ValueError(f"sbmm: {len(self.loaded)} loaded flags for {n} slots")
+        devices = {t.device for t in (*[b for b, _ in bufs.values()], *tables.values())}
+        if len(devices) != 1:
+            raise ValueError("sbmm: pool buffers and offset tables must be on one device, got "
+                             f"{sorted(map(str, devices))}")
+        if self.half2_ok is None:
+            object.__setattr__(self, "half2_ok", torch.zeros(max(n, 0), dtype=torch.uint8, device=self.qvalues.device))
+        elif self.half2_ok.shape != (n,) or self.half2_ok.dtype != torch.uint8 or self.half2_ok.device not in devices:
+            raise ValueError(f"sbmm: half2_ok {list(self.half2_ok.shape)} {self.half2_ok.dtype}: want [{n}] uint8 "
+                             "on the pool's device")
+        self._check_offsets()
+
+    def slot_shapes(self) -> tuple[tuple[int, int], tuple[int, int] | None, tuple[int, int]]:
+        """Shapes of one slot's qvalues, qindices (None when dense) and scales / zeros blocks."""
+        out, inf, b = self.out_features, self.in_features, self.bits
+        kept = inf // 2 if self.sparse else inf
+        qi = (out, kept // 16) if self.sparse else None
+        return (out, kept * b // 32), qi, (out, inf // self.group_size)
+
+    def _check_offsets(self) -> None:
+        """Every slot's blocks lie inside their buffers (one host sync)."""
+        qv, qi, g = self.slot_shapes()
+        checks = [("qvalues", self.qvalues_offsets, qv, self.qvalues), ("scales", self.group_offsets, g, self.scales),
+                  ("zeros", self.group_offsets, g, self.zeros)]  # fmt: skip
+        if qi is not None:
+            checks.append(("qindices", self.qindices_offsets, qi, self.qindices))
+        align = {"qvalues": 4, "qindices": 4, "scales": 4, "zeros": 4}
+        for name, offs, shape, buf in checks:
+            size = shape[0] * shape[1]
+            for slot, o in enumerate(offs.tolist()):
+                if o < 0 or o + size > buf.numel():
+                    raise ValueError(f"sbmm: slot {slot}'s {name} block [{o}, {o + size}) is outside the "
+                                     f"{buf.numel()}-element {name} buffer")
+                at = buf.data_ptr() // buf.element_size() + o
+                while at % align[name]:
+                    align[name] //= 2
+        object.__setattr__(self, "offset_alignment", (align["qvalues"], align["qindices"], align["scales"]))
+
+    @property
+    def num_slots(self) -> int:
+        return self.qvalues_offsets.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.qvalues.device
+
+    def check_loaded(self, slot: int) -> None:
+        """Raises unless slot ``slot`` holds a delta (host state only: no device read)."""
+        if not 0 <= slot < self.num_slots or not self.loaded[slot]:
+            raise ValueError(f"sbmm: delta slot {slot} holds no delta (the pool has {self.num_slots} slots, "
+                             f"loaded: {[s for s, ok in enumerate(self.loaded) if ok]})")
+
+    def packed(self, slot: int) -> PackedLinear:
+        """Slot ``slot``'s delta as a ``PackedLinear`` of views into the pool (for ``dequantize``)."""
+        self.check_loaded(slot)
+        return self._views(slot)
+
+    def _views(self, slot: int) -> PackedLinear:
+        """Slot ``slot``'s region as a ``PackedLinear`` of views, loaded or not."""
+        qv, qi, g = self.slot_shapes()
+
+        def view(buf: torch.Tensor, offs: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+            o = int(offs[slot])
+            return buf[o : o + shape[0] * shape[1]].view(shape)
+
+        return PackedLinear(self.bits, self.sparse, self.group_size, self.out_features, self.in_features,
+                            view(self.qvalues, self.qvalues_offsets, qv),
+                            None if qi is None else view(self.qindices, self.qindices_offsets, qi),
+                            view(self.scales, self.group_offsets, g),
+                            view(self.zeros, self.group_offsets, g))  # fmt: skip
+
+    def cache_reference(self) -> None:
+        """Lets ``sbmm_ref`` keep each slot's dequantised delta (more memory, no repeated unpacking)."""
+        if self.ref_cache is None:
+            object.__setattr__(self, "ref_cache", {})
+
+    def reference_delta(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        """``dequantize(packed(slot), dtype)`` as float32 ``[out, in]``: what ``sbmm_ref`` multiplies by."""
+        key = (slot, dtype)
+        if self.ref_cache is not None and key in self.ref_cache:
+            return self.ref_cache[key]
+        delta = dequantize(self.packed(slot), dtype).float()
+        if self.ref_cache is not None:
+            self.ref_cache[key] = delta
+        return delta
+
+    def _forget(self, slot: int) -> None:
+        if self.ref_cache:
+            for key in [k for k in self.ref_cache if k[0] == slot]:
+                del self.ref_cache[key]
+
+    def store(self, slot: int, p: PackedLinear) -> None:
+        """Copies ``p`` into slot ``slot`` (in place) and marks it loaded."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"sbmm: delta slot {slot} out of range (the pool has {self.num_slots} slots)")
+        _check_same_config(f"slot {slot}", p, self)
+        dst = self._views(slot)
+        for name, t in p.tensors().items():
+            getattr(dst, name).copy_(t)
+        self._forget(slot)
+        self.loaded[slot] = True
+        z = dst.zeros
+        self.half2_ok[slot] = ((z == z.round()) & (z.abs() < 1024)).all()  # on the device: no sync
+
+    def clear(self, slot: int) -> None:
+        """Marks slot ``slot`` empty; a step that uses it is refused until the next ``store``."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"sbmm: delta slot {slot} out of range (the pool has {self.num_slots} slots)")
+        self._forget(slot)
+        self.loaded[slot] = False
+
+
+def _check_same_config(what: str, p: PackedLinear, ref: PackedLinear | DeltaWeights) -> None:
+    for name in ("bits", "sparse", "group_size", "out_features", "in_features"):
+        if getattr(p, name) != getattr(ref, name):
+            raise ValueError(f"sbmm: {what} has {name} = {getattr(p, name)}, the pool has {getattr(ref, name)} "
+                             "(one pool holds one linear's deltas of one bits / sparsity / group-size config)")
+
+
+def make_delta_weights(packed: Sequence[PackedLinear | None], device: torch.device | str | None = None) -> DeltaWeights:
+    """A pool with one slot per entry (None: an empty slot, its region reserved and zero-filled).
+
+    Every delta must share bits, sparsity, group size and shape; the pool goes to ``device`` (default:
+    the first delta's). Slot s's blocks sit at s times the slot size in each buffer.
+    """
+    if not packed:
+        raise ValueError("sbmm: make_delta_weights needs at least one slot")
+    present = [(s, p) for s, p in enumerate(packed) if p is not None]
+    if not present:
+        raise ValueError("sbmm: make_delta_weights needs at least one delta (all slots are None)")
+    first = present[0][1]
+    for s, p in present[1:]:
+        _check_same_config(f"slot {s}", p, first)
+    dev = torch.device(device) if device is not None else first.qvalues.device
+    n = len(packed)
+    sizes = {name: t.numel() for name, t in first.tensors().items()}
+    qi_size = sizes.get("qindices", 0)
+    w = DeltaWeights(
+        qvalues=torch.zeros(n * sizes["qvalues"], dtype=torch.int32, device=dev),
+        qindices=torch.zeros(n * qi_size, dtype=torch.int32, device=dev),
+        scales=torch.zeros(n * sizes["scales"], dtype=torch.float16, device=dev),
+        zeros=torch.zeros(n * sizes["zeros"], dtype=torch.float16, device=dev),
+        qvalues_offsets=torch.arange(n, dtype=torch.int64, device=dev) * sizes["qvalues"],
+        qindices_offsets=torch.arange(n, dtype=torch.int64, device=dev) * qi_size,
+        group_offsets=torch.arange(n, dtype=torch.int64, device=dev) * sizes["scales"],
+        bits=first.bits, sparse=first.sparse, group_size=first.group_size,
+        out_features=first.out_features, in_features=first.in_features, loaded=[False] * n,
+    )  # fmt: skip
+    for s, p in present:
+        w.store(s, p)
+    return w
