@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from deltaserve.kernels import lora as lora_kernels
+from deltaserve.kernels.lora import mbgmv as mbgmv_kernels
 from deltaserve.kernels.lora import (
     LoraMeta,
     LoraSlice,
@@ -658,8 +659,8 @@ def test_mbgmv_row_blocks(popularity: str, shrink: tuple, expand: tuple, monkeyp
     """Decode rows in blocks of several rows per program (the launch tables' BLOCK_T), whatever
     the tuned tables say: rows of different adapters, ranks (4..64) and base rows in one block, a
     partial last block, rank tiles narrower and wider than a rank; one slice and a GQA stack."""
-    monkeypatch.setattr(lora_kernels, "MB_SHRINK_LAUNCH", ((1 << 30, shrink),))
-    monkeypatch.setattr(lora_kernels, "MB_EXPAND_LAUNCH", ((1 << 30, expand),))
+    monkeypatch.setattr(mbgmv_kernels, "MB_SHRINK_LAUNCH", ((1 << 30, shrink),))
+    monkeypatch.setattr(mbgmv_kernels, "MB_EXPAND_LAUNCH", ((1 << 30, expand),))
     seed, tokens, in_dim, dtype = zlib.crc32(f"blocks/{popularity}/{shrink}".encode()) % 1000, 11, 96, torch.float16
     meta = LoraMeta.mbgmv(request_adapters(popularity, tokens, seed, base_every=3), DEVICE)
     w = pooled(dense_adapters(in_dim, 72, dtype, seed), seed)

@@ -1,0 +1,205 @@
+"""Multi-LoRA delta kernels (Triton): SGMV for prefill segments, MBGMV for decode rows, multi-slice expand.
+
+A batch mixes tokens of many adapters (and of none). The base projection ``y = x W^T`` runs once
+over the whole batch; these ops add each token's LoRA delta ``scale_a * (x A_a^T) B_a^T`` in two
+launches, *shrink* (hidden -> rank) then *expand* (rank -> hidden), as in Punica: per slice
+(``lora_delta``), or per fused module for all its slices at once (``lora_delta_stacked``).
+
+The package::
+
+    layout.py     LoraWeights (one projection's adapters as rank rows in flat pools), LoraSlice,
+                  LoraStack (a fused module's slices), make_weights
+    meta.py       LoraMeta: which tokens use which adapter in one step (SGMV segments, MBGMV rows)
+    checks.py     what every entry point checks of a call
+    ref.py        lora_shrink_ref, lora_expand_ref: the torch references, the CPU path
+    tables.py     what every launch passes of its weights (one slice or a stack), ALIGN
+    sgmv.py       SGMV kernels (prefill: segments, tl.dot tiles)
+    mbgmv.py      MBGMV kernels (decode: rows of any adapters, bandwidth kernels)
+    configs/launch.json   the kernels' tuned launch configs
+    __init__.py   the entry points (below)
+
+Semantics::
+
+    # lora_shrink: v = zeros(T, r_max); for each token t with adapter a >= 0, r = rank[a]:
+    v[t, j] = dtype(sum_k x[t, k] * a_pool[a_offsets[a, j] + k])    for j < r  # fp32 accumulation
+    # lora_expand (in place, one slice at columns off .. off + size):
+    out[t, off:off + size] = dtype(out[t, off:off + size]
+                                   + scale[a] * sum_{j<r} v[t, j] * b_pool[b_offsets[a, j] + n])
+    # lora_delta: for each slice with weights: v = lora_shrink(x, w); lora_expand(v, w, out[:, off:off+size])
+    # tokens with adapter -1 keep out unchanged; a slice with weights None is untouched
+    # lora_delta_stacked(x, out, stack) == lora_delta(x, out, stack.as_slices())   (its reference is exactly that)
+
+Shape:
+    x:         [T, in_dim]          float32 / float16 / bfloat16, last dim contiguous
+    v:         [T, r_max]           dtype of x (shrink output; rows of adapter -1 and columns >= rank are 0)
+    out:       [T, out_width]       dtype of x, last dim contiguous, updated in place
+    a_pool:    [a_elems] dtype of x;  b_pool: [b_elems] dtype of x (out_dim = the slice's size)
+    a_offsets, b_offsets: [num_adapters, r_max] int64;  rank: [num_adapters] int32;  scale: [num_adapters] float32
+    seg_start: [S + 1] int32;  seg_adapter: [S] int32 (MBGMV: S = T)
+
+Stacked (one module, n slices): each kernel is the per-slice one with a slice grid axis, so every
+program computes exactly what the per-slice path's does, and the results are equal (sgmv.py and
+mbgmv.py draw the grids).
+
+Entry points ``lora_delta`` / ``lora_delta_stacked`` / ``lora_shrink`` / ``lora_expand`` run the Triton kernels on CUDA
+tensors (or when ``use_triton=True``: CPU tensors then need ``TRITON_INTERPRET=1``) and the torch
+references ``*_ref`` (a loop per adapter over gathered rows; the CPU path) otherwise. Metadata is
+validated on the host when it is built (no device sync per call); weights when they are built.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..common import want_triton
+from .checks import check_call, check_out
+from .layout import DTYPES, LoraSlice, LoraStack, LoraWeights, make_weights
+from .mbgmv import MB_EXPAND_LAUNCH, MB_SHRINK_LAUNCH, mbgmv_expand, mbgmv_shrink, mbgmv_shrink_partials
+from .meta import SGMV_TILE, LoraMeta, sgmv_tiles
+from .ref import lora_expand_ref, lora_shrink_ref
+from .sgmv import sgmv_expand, sgmv_shrink
+
+__all__ = [
+    "DTYPES", "MB_EXPAND_LAUNCH", "MB_SHRINK_LAUNCH", "SGMV_TILE", "LoraMeta", "LoraSlice", "LoraStack",
+    "LoraWeights", "lora_delta", "lora_delta_stacked", "lora_delta_stacked_ref", "lora_expand", "lora_expand_ref",
+    "lora_expand_triton", "lora_shrink", "lora_shrink_ref", "lora_shrink_triton", "make_weights", "sgmv_tiles",
+]  # fmt: skip
+
+
+def lora_shrink_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch.Tensor:
+    """Triton kernel for ``lora_shrink`` (no dispatch): MBGMV if ``meta.decode`` else SGMV."""
+    check_call("lora_shrink", x, w, meta, w.in_dim, "in_dim")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t = x.shape[0]
+    if meta.decode:  # launched whatever the rows' adapters: the grid depends on shapes only
+        return mbgmv_shrink(x, w, meta)
+    v = torch.zeros(t, w.r_max, dtype=x.dtype, device=x.device)
+    if meta.max_adapter < 0 or t == 0:
+        return v
+    sgmv_shrink(x, w, meta, v)
+    return v
+
+
+def lora_expand_triton(v: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: torch.Tensor) -> torch.Tensor:
+    """Triton kernel for ``lora_expand`` (no dispatch), in place on ``out``: MBGMV if ``meta.decode`` else SGMV."""
+    check_call("lora_expand", v, w, meta, w.r_max, "r_max")
+    check_out("lora_expand", out, w, meta)
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    if out.shape[0] == 0:
+        return out
+    if meta.decode:
+        mbgmv_expand(v, w, meta, out)
+        return out
+    if meta.max_adapter < 0:
+        return out
+    sgmv_expand(v, w, meta, out)
+    return out
+
+
+def _lora_delta_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: torch.Tensor) -> None:
+    """One slice on the Triton path. Decode: the expand reads the shrink's float32 partials directly
+    (two launches, no zero fill, no finished v); prefill: SGMV shrink then expand."""
+    if not meta.decode:
+        lora_expand_triton(lora_shrink_triton(x, w, meta), w, meta, out)
+        return
+    check_call("lora_shrink", x, w, meta, w.in_dim, "in_dim")
+    check_out("lora_expand", out, w, meta)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.shape[0]:
+        mbgmv_expand(mbgmv_shrink_partials(x, w, meta), w, meta, out)
+
+
+def lora_shrink(x: torch.Tensor, w: LoraWeights, meta: LoraMeta, *, use_triton: bool | None = None) -> torch.Tensor:
+    """``v[t, :rank_a] = x[t] A_a^T`` (module docstring); Triton on CUDA, the reference elsewhere."""
+    if want_triton("lora_shrink", x, use_triton):
+        return lora_shrink_triton(x, w, meta)
+    return lora_shrink_ref(x, w, meta)
+
+
+def lora_expand(v: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: torch.Tensor, *,
+                use_triton: bool | None = None) -> torch.Tensor:
+    """``out[t] += scale_a * v[t, :rank_a] B_a^T`` in place (module docstring); returns ``out``."""
+    if want_triton("lora_expand", v, use_triton):
+        return lora_expand_triton(v, w, meta, out)
+    return lora_expand_ref(v, w, meta, out)
+
+
+def lora_delta(x: torch.Tensor, out: torch.Tensor, slices: Sequence[LoraSlice], meta: LoraMeta, *,
+               use_triton: bool | None = None) -> torch.Tensor:
+    """Adds every slice's LoRA delta of ``x`` into its columns of ``out`` (in place); returns ``out``.
+
+    A plain projection is one slice ``LoraSlice(0, out_dim, w)``; qkv is three, gate_up two. The
+    adapted linear computes ``out = base(x)`` and then ``lora_delta(x, out, slices, meta)``.
+    """
+    if out.dim() != 2 or out.shape[0] != x.shape[0]:
+        raise ValueError(f"lora_delta: out {list(out.shape)} must be [T = {x.shape[0]}, out_width]")
+    for i, s in enumerate(slices):
+        if s.offset < 0 or s.size < 0 or s.offset + s.size > out.shape[1]:
+            raise ValueError(f"lora_delta: slice {i} (columns {s.offset} .. {s.offset + s.size}) is outside "
+                             f"out's {out.shape[1]} columns")
+        if s.weights is not None and s.weights.out_dim != s.size:
+            raise ValueError(f"lora_delta: slice {i} has {s.size} columns, its weights out_dim {s.weights.out_dim}")
+    triton_path = want_triton("lora_delta", x, use_triton)
+    for s in slices:
+        if s.weights is None:
+            continue
+        cols = out[:, s.offset : s.offset + s.size]
+        if triton_path:
+            _lora_delta_triton(x, s.weights, meta, cols)
+        else:
+            lora_expand_ref(lora_shrink_ref(x, s.weights, meta), s.weights, meta, cols)
+    return out
+
+
+def lora_delta_stacked(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta, *,
+                       use_triton: bool | None = None) -> torch.Tensor:
+    """``lora_delta(x, out, stack.as_slices(), meta)`` in two launches for all the stack's slices
+    (one shrink, one expand), in place on ``out``; returns ``out``. The adapted linear of a fused
+    module (qkv, gate_up) computes ``out = base(x)`` then ``lora_delta_stacked(x, out, stack, meta)``.
+    """
+    _check_stacked(x, out, stack, meta)
+    if want_triton("lora_delta_stacked", x, use_triton):
+        _lora_delta_stacked_triton(x, out, stack, meta)
+        return out
+    return lora_delta_stacked_ref(x, out, stack, meta)
+
+
+def lora_delta_stacked_ref(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta) -> torch.Tensor:
+    """Torch reference and CPU path of ``lora_delta_stacked``: the per-slice references, slice by slice."""
+    _check_stacked(x, out, stack, meta)
+    return lora_delta(x, out, stack.as_slices(), meta, use_triton=False)
+
+
+def _check_stacked(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta) -> None:
+    check_call("lora_delta_stacked", x, stack.slice_weights[0], meta, stack.in_dim, "in_dim")
+    if out.dim() != 2 or out.shape[0] != meta.num_tokens or out.shape[1] < stack.out_width:
+        raise ValueError(f"lora_delta_stacked: out {list(out.shape)} must be [T = {meta.num_tokens}, "
+                         f">= {stack.out_width}] (the last slice ends at column {stack.out_width})")
+    if out.dtype != stack.b_pool.dtype:
+        raise ValueError(f"lora_delta_stacked: dtype mismatch: out {out.dtype}, adapter weights {stack.b_pool.dtype}")
+    if out.stride(-1) != 1:
+        raise ValueError("lora_delta_stacked: out needs a contiguous last dim (it is updated in place)")
+
+
+def _lora_delta_stacked_triton(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta) -> None:
+    """All slices on the Triton path, two launches. Decode: MBGMV shrink over (T, SPLIT, n_slices)
+    into float32 partials, MBGMV expand over (T, column tiles, n_slices); prefill: SGMV shrink into
+    v [n_slices, T, r_max], SGMV expand. Each program computes what the per-slice path's does."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t = x.shape[0]
+    if t == 0:
+        return
+    if meta.decode:  # launched whatever the rows' adapters: the grid depends on shapes only
+        mbgmv_expand(mbgmv_shrink_partials(x, stack, meta), stack, meta, out)
+        return
+    if meta.max_adapter < 0:
+        return
+    v = torch.zeros(stack.num_slices, t, stack.r_max, dtype=x.dtype, device=x.device)
+    sgmv_shrink(x, stack, meta, v)
+    sgmv_expand(v, stack, meta, out)
