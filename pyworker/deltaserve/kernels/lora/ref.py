@@ -23,7 +23,8 @@ def _gather_rows(pool: torch.Tensor, offsets: torch.Tensor, dim: int) -> torch.T
 
 
 def lora_shrink_ref(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch.Tensor:
-    """Torch reference and CPU path of ``lora_shrink`` (module docstring): gather + matmul per adapter."""
+    """Torch reference and CPU path of ``lora_shrink`` (the Semantics in ``kernels.lora``): gather + matmul
+    per adapter."""
     check_call("lora_shrink", x, w, meta, w.in_dim, "in_dim")
     v = torch.zeros(x.shape[0], w.r_max, dtype=x.dtype, device=x.device)
     ranks = w.rank.tolist()
