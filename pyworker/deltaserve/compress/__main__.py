@@ -6,17 +6,28 @@
 
 Progress goes to stderr, the size report to stdout. Exit codes: 0 done, 2 bad arguments or inputs
 (the message names the flag, file, field or tensor; nothing is written).
+
+``help.txt`` beside this file is :func:`help_text` written out, so that ``deltaserve compress
+--help`` prints it from the daemon binary without a working Python (``python -m
+deltaserve.compress --write-help`` rewrites it; tests/test_compress_help.py checks it is current).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+
+HELP_FILE = Path(__file__).with_name("help.txt")
+"""The help text as the daemon binary embeds it."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="deltaserve compress",
+        # A fixed width: the help text is the same on every terminal, and in help.txt.
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, width=100, max_help_position=32),
         description="Compress a full fine-tune into a 2:4-sparse, 2/4-bit delta against its base "
         "(DeltaZip ΔCompress).",
     )
@@ -40,7 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def help_text() -> str:
+    """``deltaserve compress --help``'s text."""
+    return build_parser().format_help()
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv == ["--write-help"]:
+        HELP_FILE.write_text(help_text())
+        print(f"wrote {HELP_FILE}")
+        return 0
     args = build_parser().parse_args(argv)
     from .compressor import CompressConfig, compress, format_report  # torch only after arguments parse
 

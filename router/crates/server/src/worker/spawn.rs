@@ -57,6 +57,11 @@ pub struct WorkerSpec {
     pub host_arena_bytes: u64,
     /// How long model loading may take before the start counts as failed.
     pub start_timeout: Duration,
+    /// CPU threads of the worker's torch ops (`--num-threads`); `None`: the worker's default.
+    pub num_threads: Option<usize>,
+    /// Environment of the worker's process beyond the router's own: the CUDA-ops and profiling
+    /// settings (`ServerConfig::worker_env`).
+    pub env: Vec<(String, String)>,
 }
 
 /// Why a worker could not be started.
@@ -69,8 +74,8 @@ pub enum WorkerStartError {
         python: String,
         source: std::io::Error,
     },
-    #[error("worker exited during start-up ({0}); its stderr above says why")]
-    Exited(ExitStatus),
+    #[error("worker (`{python} -m deltaserve.worker`) exited during start-up ({status}); its stderr above says why")]
+    Exited { python: String, status: ExitStatus },
     #[error("worker did not finish loading within {0:?}")]
     Timeout(Duration),
     #[error(
@@ -154,6 +159,10 @@ impl WorkerProcess {
         if let Some(len) = spec.max_model_len {
             cmd.arg("--max-model-len").arg(len.to_string());
         }
+        if let Some(n) = spec.num_threads {
+            cmd.arg("--num-threads").arg(n.to_string());
+        }
+        cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
         cmd.env("PYTHONUNBUFFERED", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::inherit())
@@ -168,7 +177,10 @@ impl WorkerProcess {
             msg = from_worker.recv(None) => msg,
             status = child.wait() => {
                 return Err(match status {
-                    Ok(s) => WorkerStartError::Exited(s),
+                    Ok(status) => WorkerStartError::Exited {
+                        python: spec.python.display().to_string(),
+                        status,
+                    },
                     Err(e) => WorkerStartError::Ipc(e.to_string()),
                 });
             }
