@@ -1,7 +1,7 @@
 """Typed stub of ``deltaserve._native``, the private Rust extension (``router/crates/py``).
 
 Conversion only: the ring, doorbells and schema live in the Rust ``ipc`` crate, the safetensors
-reader in ``tensorfile``. Blocking calls
+reader in ``tensorfile``, the scheduler in ``sched``. Blocking calls
 release the GIL and check for signals at least every 100 ms (Ctrl-C interrupts them).
 
 Errors: problems with the link's files or shared state raise ``OSError`` (with ``errno`` where the
@@ -11,7 +11,7 @@ OS gave one, e.g. ``FileNotFoundError`` for a missing ring); bad arguments (a fr
 """
 
 import os
-from typing import Final, Optional, Sequence
+from typing import Final, Literal, Optional, Sequence
 
 #: Ring capacity in bytes used when none is given (4 MiB; frames up to half of it).
 DEFAULT_CAPACITY: Final[int]
@@ -101,3 +101,157 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[str
     reading only its header, without the GIL and without mapping the file. ``ValueError`` for a
     malformed header, ``OSError`` when the file cannot be read."""
 
+
+class SchedError(ValueError):
+    """The scheduler refused a config, a request or a variant; the message names it and the numbers."""
+
+    error_type: str
+    """Stable label of the refusal, as in the router's metrics and HTTP errors: ``invalid_config``,
+    ``duplicate_id``, ``empty_prompt``, ``zero_max_tokens``, ``context_length_exceeded``,
+    ``kv_pool_too_small``, ``unknown_adapter``, ``invalid_adapter``, ``duplicate_adapter``,
+    ``adapter_too_big``, ``adapter_in_use`` or ``deltas_disabled``."""
+
+class Scheduler:
+    """The router's scheduler (``router/crates/sched``): continuous batching over one paged pool that
+    holds the KV cache and LoRA adapter pages, plus the variants' tiers (disk, host, GPU pages or
+    delta slots). The plans it forms are the ones the router sends its worker.
+
+    Pure and deterministic: no IO and no clock (arrival stamps are the caller's numbers), so the
+    same calls give the same plans. Steps go out as encoded ``wire.StepPlan`` frames and worker
+    answers come back as encoded ``wire.StepOutput`` frames (``deltaserve.wire.encode`` /
+    ``decode``), translated as the router translates them. Drive it like the router's engine::
+
+        frame = sched.schedule()              # None: nothing can run now
+        out = executor.step(wire.decode(frame))
+        sched.update(wire.encode(out))
+
+    With one step outstanding, ``schedule_ahead`` forms the next one before the first's output
+    (the worker feeds each request the token it sampled in the step before).
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        host_adapter_bytes: int = 4 << 30,
+        prefetch_window: int = 64,
+        max_deltas: int = 3,
+        host_copy_reports: bool = False,
+    ) -> None:
+        """A scheduler over an empty queue and ``num_blocks`` free pages of ``block_size`` tokens.
+
+        The router takes ``block_size``, ``num_blocks`` and ``max_model_len`` from the worker's
+        ``Hello``. ``max_num_seqs``: most requests running at once; ``max_num_batched_tokens``: the
+        token budget of a step (prefill chunks plus decode tokens); ``host_adapter_bytes``: the
+        budget of variant host copies; ``prefetch_window``: waiting requests whose variants are read
+        into host memory ahead (0: off); ``max_deltas``: the worker's delta slots (0: deltas off);
+        ``host_copy_reports``: the worker reports finished host reads (``StepOutput.host_ready``)
+        and requests whose variant is still being read wait (the router turns it on; off, a host
+        copy counts as ready once its ``to_host`` is sent). ``SchedError`` for a value out of range.
+        """
+
+    def register_adapter(
+        self, adapter_id: int, kind: Literal["lora", "delta"], num_blocks: int, host_bytes: int, path: str
+    ) -> None:
+        """Registers a variant in the disk tier, with its footprint from the worker's ``AdapterInfo``:
+        ``num_blocks`` pool pages on the GPU (at least 1 for LoRA, 0 for a delta), ``host_bytes`` of
+        host copy, and the directory ``to_host`` sends. It moves up when a request needs it.
+        ``SchedError`` for id 0, an id already registered, a footprint that cannot fit, a delta with
+        ``max_deltas`` 0; ``ValueError`` for another ``kind``."""
+
+    def unregister_adapter(self, adapter_id: int) -> None:
+        """Forgets a variant no live request names: its pages are free at once, its ``drop_gpu`` /
+        ``drop_host`` go out with the next step. ``SchedError`` for an unknown or used id."""
+
+    def add_request(
+        self,
+        req_id: int,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        arrival: int = 0,
+        adapter_id: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        sampling: Optional[bytes] = None,
+    ) -> None:
+        """Queues a request for at most ``max_tokens`` output tokens (fewer when it samples one of
+        ``eos_token_ids``, unless ``ignore_eos``), with variant ``adapter_id`` (0: the base model).
+        ``arrival`` orders admission and preemption (ties: the order of calls). ``sampling`` is the
+        msgpack body of a ``wire.SamplingParams`` (``msgpack.packb(params.to_wire())``), sent with
+        the request whenever it goes to the worker in full; ``None`` sends the wire defaults
+        (greedy). ``SchedError`` for a live id, an empty prompt, ``max_tokens`` 0, a request longer
+        than ``max_model_len`` or larger than the pool, an unregistered variant."""
+
+    def schedule(self) -> Optional[bytes]:
+        """The next step as an encoded ``wire.StepPlan`` frame, or ``None`` when nothing can run (its
+        releases and adapter ops then wait for the next step). Calling it with a step outstanding
+        abandons that step: its requests are scheduled again from their last update."""
+
+    def schedule_ahead(self) -> Optional[bytes]:
+        """With exactly one step outstanding, the step after it as an encoded ``wire.StepPlan``,
+        formed before that step's output: a request it samples for is scheduled for that token.
+        ``None`` (nothing changed) when it would have to preempt or nothing can run: wait for the
+        output, ``update``, then ``schedule``."""
+
+    def update(self, output: bytes) -> list[tuple[int, int, Optional[Literal["length", "eos"]]]]:
+        """Applies an encoded ``wire.StepOutput`` frame answering the oldest outstanding step: its
+        ``host_ready`` first, then its tokens. Returns the tokens appended, as ``(req_id, token,
+        finish_reason)``; a request that finished is released in the next step. A request the step
+        scheduled to sample but the output gives no token for is scheduled again, or, when a later
+        outstanding step builds on that token, preempted (released, then sent again in full).
+        ``ValueError`` for a frame that is not a ``StepOutput`` or answers another step."""
+
+    def host_copies_ready(self, adapter_ids: Sequence[int]) -> int:
+        """The worker finished reading these variants' host copies (``update`` applies
+        ``StepOutput.host_ready`` itself); returns how many pending reads this settled."""
+
+    def abort(self, req_id: int) -> bool:
+        """Ends a request (its client went away); a running one is released in the next step.
+        Returns whether it was live."""
+
+    def finish(self, req_id: int) -> bool:
+        """Ends a request for a reason the caller decided (a stop string), counted as finished.
+        Returns whether it was live."""
+
+    def reset_worker(self) -> list[int]:
+        """The worker lost its state (restarted): forgets outstanding steps, pending releases and
+        every variant's residency, and requeues every running request to be sent in full. Returns
+        the requeued ids, oldest first."""
+
+    def contains(self, req_id: int) -> bool:
+        """Whether the request is waiting or running."""
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+
+    def output_tokens(self, req_id: int) -> Optional[list[int]]:
+        """The output tokens of a live request so far; ``None`` for one that is not live."""
+
+    def skip_parent(self, req_id: int) -> Optional[int]:
+        """The running request a delta request rides on after skipping the queue (DeltaZip's
+        skip-the-line); ``None`` for any other request."""
+
+    def adapter_users(self, adapter_id: int) -> int:
+        """Live requests naming the variant; 0 for an unknown one."""
+
+    def adapter_residency(self, adapter_id: int) -> Optional[tuple[bool, Optional[list[int]]]]:
+        """``(on_host, gpu_blocks)`` of a registered variant: whether the worker holds a host copy,
+        and its GPU pages (``None`` when off the GPU, empty for a delta in its slot); ``None`` for
+        an unknown id."""
+
+    def stats(self) -> dict[str, int]:
+        """The scheduler's counters by name (``SchedStats``): ``waiting``, ``running``,
+        ``free_blocks``, ``used_blocks``, ``total_blocks``, ``num_preemptions``, ``steps``,
+        ``pending_released``, ``num_finished``, ``num_aborted``, the variants' tiers and loads
+        (``adapters_registered``, ``adapters_on_gpu``, ``deltas_on_gpu``, ``adapters_on_host``,
+        ``adapter_blocks``, ``host_adapter_bytes``, ``adapter_gpu_loads``, ``adapter_host_loads``,
+        ``adapter_gpu_evictions``), ``delta_skips``, ``delta_skip_preemptions`` and
+        ``host_deferrals``."""
+
+    def check_invariants(self) -> None:
+        """Raises ``AssertionError`` naming the first broken internal invariant (for tests)."""

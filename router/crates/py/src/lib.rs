@@ -1,6 +1,6 @@
 //! `deltaserve._native`: the private Python extension. Conversion only: every behaviour lives in
-//! the `deltaserve-ipc` and `deltaserve-tensorfile` crates, and this file turns their types and
-//! errors into Python ones.
+//! the `deltaserve-ipc`, `deltaserve-sched` and `deltaserve-tensorfile` crates, and this crate
+//! turns their types and errors into Python ones.
 //!
 //! # Exports (typed in `pyworker/deltaserve/_native.pyi`)
 //!
@@ -14,6 +14,9 @@
 //!   safetensors file into a host buffer ([`deltaserve_tensorfile::read_into`]), GIL released.
 //! - `read_safetensors_header(path)`: `{name: (dtype, shape)}` of a safetensors file from its
 //!   header alone ([`deltaserve_tensorfile::read_header`]), GIL released.
+//! - `Scheduler(block_size, num_blocks, max_model_len, ...)` and its `SchedError`: the router's
+//!   scheduler, plans out and worker outputs in as wire frames (`scheduler.rs`, translating
+//!   through `wire_plan.rs`).
 //!
 //! Blocking calls release the GIL and wake at least every [`SIGNAL_CHECK`] to run Python signal
 //! handlers, so Ctrl-C interrupts a worker blocked in `recv`.
@@ -22,6 +25,9 @@
 //! errno where the OS gave one, so e.g. a missing ring is `FileNotFoundError`); bad arguments
 //! (`FrameTooLarge`, `BadCapacity`) raise `ValueError`; a bounded `send` that found the ring full
 //! for its whole timeout raises `TimeoutError`.
+
+mod scheduler;
+mod wire_plan;
 
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -381,5 +387,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkerLink>()?;
     m.add_class::<RouterLink>()?;
     m.add("DEFAULT_CAPACITY", DEFAULT_CAPACITY)?;
+    m.add_class::<scheduler::Scheduler>()?;
+    m.add("SchedError", m.py().get_type::<scheduler::SchedError>())?;
     Ok(())
 }

@@ -1,0 +1,133 @@
+//! Scheduler -> wire translation for the Python binding: a [`ScheduledStep`] as the worker's
+//! `StepPlan`, the scheduler's adapter ops as wire `AdapterOp`s. Pure functions.
+//!
+//! The router's own copy is `router/crates/server/src/engine/plan.rs` (`wire_plan`, `wire_op`);
+//! this one repeats it rather than depend on the server crate (tokio, axum). Both follow the
+//! same rule, so a plan from `_native.Scheduler` is the plan the router would send.
+
+use deltaserve_ipc::wire::{self, SamplingParams, StepPlan};
+use deltaserve_sched::{AdapterOp, AdapterOpKind, ScheduledStep};
+
+/// The worker's plan for `step`; `sampling` gives a request's sampling parameters, sent with it
+/// whenever it is sent in full.
+pub(crate) fn wire_plan(step: ScheduledStep, sampling: impl Fn(u64) -> SamplingParams) -> StepPlan {
+    let new_requests = step
+        .new
+        .into_iter()
+        .map(|n| wire::NewRequest {
+            req_id: n.id,
+            token_ids: n.token_ids,
+            num_prompt_tokens: n.num_prompt_tokens,
+            num_computed_tokens: n.num_computed_tokens,
+            num_scheduled_tokens: n.num_scheduled_tokens,
+            block_ids: n.block_ids,
+            sampling: sampling(n.id),
+            adapter_id: n.adapter_id,
+        })
+        .collect();
+    let running = step
+        .running
+        .into_iter()
+        .map(|r| wire::RunningRequest {
+            req_id: r.id,
+            num_scheduled_tokens: r.num_scheduled_tokens,
+            new_block_ids: r.new_block_ids,
+        })
+        .collect();
+    StepPlan {
+        step_id: step.step_id,
+        new_requests,
+        running,
+        released: step.released,
+        adapter_ops: step.adapter_ops.into_iter().map(wire_op).collect(),
+    }
+}
+
+/// The wire form of a scheduler's adapter op (the `op` strings are the wire's contract).
+fn wire_op(op: AdapterOp) -> wire::AdapterOp {
+    let name = op.op_name();
+    let (path, block_ids) = match op.kind {
+        AdapterOpKind::ToHost { path } => (path, Vec::new()),
+        AdapterOpKind::ToGpu { block_ids } => (String::new(), block_ids),
+        AdapterOpKind::DropGpu | AdapterOpKind::DropHost => (String::new(), Vec::new()),
+    };
+    wire::AdapterOp {
+        adapter_id: op.adapter_id,
+        op: name.into(),
+        path,
+        block_ids,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use deltaserve_sched::{ScheduledNew, ScheduledRunning};
+
+    #[test]
+    fn a_step_becomes_the_plan_the_router_sends() {
+        let step = ScheduledStep {
+            step_id: 4,
+            new: vec![ScheduledNew {
+                id: 7,
+                token_ids: vec![1, 2, 3],
+                num_prompt_tokens: 3,
+                num_computed_tokens: 0,
+                num_scheduled_tokens: 3,
+                block_ids: vec![0],
+                adapter_id: 2,
+            }],
+            running: vec![ScheduledRunning {
+                id: 5,
+                num_scheduled_tokens: 1,
+                new_block_ids: vec![9],
+            }],
+            released: vec![3],
+            preempted: vec![],
+            adapter_ops: vec![
+                AdapterOp {
+                    adapter_id: 2,
+                    kind: AdapterOpKind::ToHost { path: "/a".into() },
+                },
+                AdapterOp {
+                    adapter_id: 2,
+                    kind: AdapterOpKind::ToGpu { block_ids: vec![1] },
+                },
+                AdapterOp {
+                    adapter_id: 1,
+                    kind: AdapterOpKind::DropGpu,
+                },
+                AdapterOp {
+                    adapter_id: 1,
+                    kind: AdapterOpKind::DropHost,
+                },
+            ],
+        };
+        let plan = wire_plan(step, |id| SamplingParams {
+            seed: Some(id),
+            ..Default::default()
+        });
+        assert_eq!(plan.step_id, 4);
+        assert_eq!(plan.new_requests[0].sampling.seed, Some(7));
+        assert_eq!(plan.new_requests[0].adapter_id, 2);
+        assert_eq!(plan.running[0].new_block_ids, vec![9]);
+        assert_eq!(plan.released, vec![3]);
+        let ops: Vec<(u32, &str, &str, &[u32])> = plan
+            .adapter_ops
+            .iter()
+            .map(|o| {
+                let blocks = o.block_ids.as_slice();
+                (o.adapter_id, o.op.as_str(), o.path.as_str(), blocks)
+            })
+            .collect();
+        assert_eq!(
+            ops,
+            vec![
+                (2, "to_host", "/a", &[][..]),
+                (2, "to_gpu", "", &[1][..]),
+                (1, "drop_gpu", "", &[][..]),
+                (1, "drop_host", "", &[][..]),
+            ]
+        );
+    }
+}
