@@ -101,7 +101,7 @@ def test_mixed_batch_matches_each_alone(executor_factory, variants) -> None:
     # Together: LoRA and delta host copies carved from one shared host arena (as on a GPU worker).
     shared = executor_factory(host_arena_bytes=64 << 20)
     assert shared.host_arena is not None and shared.adapters.arena is shared.deltas.arena is shared.host_arena
-    router = AdapterRouter(shared, dirs, adapter_of, chunk=7, seed=2)
+    router = AdapterRouter(shared, dirs, adapter_of, max_num_batched_tokens=7)
     reqs = {i: (p, max_new[i]) for i, p in enumerate(ps)}
     together = router.run_staggered(reqs, {i: i // 3 for i in range(n)}, preempt=6)  # 6 uses the 4-bit delta
     assert router.mixed_steps > 0

@@ -1,14 +1,14 @@
-"""Executor on a tiny Llama: plans built as the router builds them, against HF transformers.
+"""Executor on a tiny Llama: plans from the router's own scheduler, against HF transformers.
 
-``MiniRouter`` below plays the router's part (page allocation, chunked prefill, decode diffs,
-release after finishing, preemption + resume) so the tests exercise the real plan protocol.
+``SchedDriver`` (``helpers/sched_driver.py``) runs the real scheduler through ``deltaserve._native``
+(page allocation, chunked prefill, decode diffs, release after finishing, preemption + resume), so
+the tests exercise the plans the router sends.
 """
 
 from __future__ import annotations
 
 import copy
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -16,8 +16,10 @@ import torch
 
 from deltaserve import wire
 from deltaserve.worker.executor import Executor, PlanError
+from helpers.sched_driver import GREEDY, SchedDriver
 
-GREEDY = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=None)
+MiniRouter = SchedDriver
+"""The name ``tests/kernels/test_cuda_graphs.py`` imports."""
 KV_BYTES = 2 << 20
 
 
@@ -46,135 +48,6 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@dataclass
-class Req:
-    req_id: int
-    prompt: list[int]
-    max_new: int
-    sampling: wire.SamplingParams
-    tokens: list[int] = field(default_factory=list)  # prompt + outputs
-    computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-    sent: bool = False
-    outputs: list[int] = field(default_factory=list)
-    num_prompt: int = 0
-    pending: int = 0  # tokens that launched, unfinished steps will sample
-
-
-class MiniRouter:
-    """Builds StepPlans the way the router's scheduler does (pages, chunks, diffs, releases)."""
-
-    def __init__(self, executor: Executor, chunk: int = 1 << 30, seed: int = 0) -> None:
-        self.ex = executor
-        self.chunk = chunk
-        self.bs = executor.block_size
-        self.free = list(range(executor.num_blocks))
-        random.Random(seed).shuffle(self.free)  # non-contiguous block tables
-        self.active: dict[int, Req] = {}
-        self.to_release: list[int] = []
-        self.step_id = 0
-        self.samples: dict[tuple[int, int], bool] = {}  # (step, request) -> the step samples its next token
-
-    def add(self, req_id: int, prompt: list[int], max_new: int, sampling: wire.SamplingParams = GREEDY) -> Req:
-        r = Req(req_id, list(prompt), max_new, sampling, tokens=list(prompt), num_prompt=len(prompt))
-        self.active[req_id] = r
-        return r
-
-    def preempt(self, req_id: int) -> None:
-        """Drop the request's KV; it comes back as a NewRequest with all its tokens."""
-        r = self.active[req_id]
-        self.free.extend(r.blocks)
-        r.blocks, r.computed, r.sent = [], 0, False
-        self.to_release.append(req_id)
-
-    def plan(self) -> wire.StepPlan:
-        self.step_id += 1
-        new, running = [], []
-        for r in self.active.values():
-            n = min(self.chunk, len(r.tokens) + r.pending - r.computed)
-            if n == 0 or len(r.outputs) + r.pending >= r.max_new:
-                continue  # waits for the token an unfinished step samples
-            need = -(-(r.computed + n) // self.bs) - len(r.blocks)
-            added = [self.free.pop() for _ in range(max(0, need))]
-            r.blocks.extend(added)
-            if not r.sent:
-                new.append(wire.NewRequest(
-                    req_id=r.req_id, token_ids=list(r.tokens), num_prompt_tokens=r.num_prompt,
-                    num_computed_tokens=r.computed, num_scheduled_tokens=n, block_ids=list(r.blocks),
-                    sampling=r.sampling,
-                ))
-                r.sent = True
-            else:
-                running.append(wire.RunningRequest(req_id=r.req_id, num_scheduled_tokens=n, new_block_ids=added))
-            r.computed += n
-            samples = r.computed == len(r.tokens) + r.pending
-            r.pending += samples
-            self.samples[(self.step_id, r.req_id)] = samples
-        plan = wire.StepPlan(step_id=self.step_id, new_requests=new, running=running, released=self.to_release)
-        self.to_release = []
-        return plan
-
-    def apply(self, out: wire.StepOutput, step_id: int | None = None) -> None:
-        assert out.step_id == (self.step_id if step_id is None else step_id)
-        for o in out.outputs:
-            r = self.active[o.req_id]
-            samples = self.samples.pop((out.step_id, o.req_id))
-            assert (o.token_id is not None) == samples, "exactly the requests that reach their end sample"
-            if o.token_id is None:
-                continue
-            assert r.computed in (len(r.tokens), len(r.tokens) + 1) and r.pending > 0
-            r.pending -= 1
-            r.tokens.append(o.token_id)
-            r.outputs.append(o.token_id)
-            if len(r.outputs) >= r.max_new:
-                self.free.extend(r.blocks)
-                del self.active[o.req_id]
-                self.to_release.append(o.req_id)
-
-    def step(self) -> wire.StepOutput:
-        out = self.ex.step(self.plan())
-        self.apply(out)
-        return out
-
-    def run(self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int] | None = None,
-            sampling: dict[int, wire.SamplingParams] | None = None) -> dict[int, list[int]]:
-        done: dict[int, Req] = {}
-        pending = dict(reqs)
-        steps = 0
-        while pending or self.active:
-            for rid in [rid for rid in pending if (arrivals or {}).get(rid, 0) <= steps]:
-                prompt, n = pending.pop(rid)
-                done[rid] = self.add(rid, prompt, n, (sampling or {}).get(rid, GREEDY))
-            if self.active:
-                self.step()
-            steps += 1
-            assert steps < 10_000
-        return {rid: r.outputs for rid, r in done.items()}
-
-
-    def run_pipelined(self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int] | None = None,
-                      sampling: dict[int, wire.SamplingParams] | None = None) -> dict[int, list[int]]:
-        """Like ``run``, but plans and launches step N+1 before finishing step N, as the worker
-        loop does when the router sends the next plan ahead: a request that samples in N is
-        scheduled in N+1 for that token before anyone knows it."""
-        done: dict[int, Req] = {}
-        pending = dict(reqs)
-        in_flight = None
-        steps = 0
-        while pending or self.active:
-            for rid in [rid for rid in pending if (arrivals or {}).get(rid, 0) <= steps]:
-                prompt, n = pending.pop(rid)
-                done[rid] = self.add(rid, prompt, n, (sampling or {}).get(rid, GREEDY))
-            launched = self.ex.launch(self.plan(), None if in_flight is None else in_flight[0])
-            if in_flight is not None:
-                self.apply(self.ex.finish(in_flight[0]), step_id=in_flight[1])
-            in_flight = (launched, self.step_id)
-            steps += 1
-            assert steps < 10_000
-        self.apply(self.ex.finish(in_flight[0]), step_id=in_flight[1])
-        return {rid: r.outputs for rid, r in done.items()}
-
-
 def prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 40) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -183,33 +56,33 @@ def prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 40) -> lis
 def test_greedy_matches_hf_generate(executor_factory, hf_model) -> None:
     ex = executor_factory()
     for i, prompt in enumerate(prompts(3, ex.config.vocab_size, seed=1, lo=5, hi=30)):
-        got = MiniRouter(ex).run({i: (prompt, 12)})[i]
+        got = SchedDriver(ex).run({i: (prompt, 12)})[i]
         assert got == hf_greedy(hf_model, prompt, 12), f"prompt {i}"
 
 
 def test_chunked_prefill_in_three_steps_gives_the_same_tokens(executor_factory) -> None:
     ex = executor_factory()
     prompt = prompts(1, ex.config.vocab_size, seed=2, lo=20, hi=20)[0]
-    whole = MiniRouter(ex).run({1: (prompt, 8)})[1]
-    router = MiniRouter(executor_factory(), chunk=7)
+    whole = SchedDriver(ex).run({1: (prompt, 8)})[1]
+    router = SchedDriver(executor_factory(), max_num_batched_tokens=7)
     router.add(2, prompt, 8)
     first, second, third = router.step(), router.step(), router.step()
     assert [o.token_id for o in first.outputs] == [None] and [o.token_id for o in second.outputs] == [None]
     assert third.outputs[0].token_id == whole[0]
-    while router.active:
+    while router.unfinished:
         router.step()
-    # Chunk size 7 applies to prefill only; decode schedules 1 token per step.
+    # The 7-token budget chunks the prefill (7 + 7 + 6); decode schedules 1 token per step.
     assert router.step_id == 3 + 7
-    rerun = MiniRouter(executor_factory(), chunk=7).run({2: (prompt, 8)})[2]
+    rerun = SchedDriver(executor_factory(), max_num_batched_tokens=7).run({2: (prompt, 8)})[2]
     assert rerun == whole
 
 
 def test_batch_of_16_matches_each_alone(executor_factory) -> None:
     ex = executor_factory()
     ps = prompts(16, ex.config.vocab_size, seed=3, lo=1, hi=37)
-    alone = {i: MiniRouter(ex).run({i: (p, 6 + i % 5)})[i] for i, p in enumerate(ps)}
-    # Staggered arrivals and a prefill chunk: steps mix new prefills, chunks and decodes.
-    batched = MiniRouter(executor_factory(), chunk=9, seed=5).run(
+    alone = {i: SchedDriver(ex).run({i: (p, 6 + i % 5)})[i] for i, p in enumerate(ps)}
+    # Staggered arrivals and a small token budget: steps mix new prefills, chunks and decodes.
+    batched = SchedDriver(executor_factory(), max_num_batched_tokens=9).run(
         {i: (p, 6 + i % 5) for i, p in enumerate(ps)}, arrivals={i: i // 3 for i in range(16)}
     )
     assert batched == alone
@@ -223,9 +96,9 @@ def test_steps_launched_before_the_previous_one_finished_give_the_same_tokens(ex
     sampling = {i: seeded for i in (1, 4, 7)}
     reqs = {i: (p, 3 + i % 6) for i, p in enumerate(ps)}
     arrivals = {i: i // 2 for i in range(10)}
-    in_order = MiniRouter(ex, chunk=6, seed=1).run(reqs, arrivals, sampling)
+    in_order = SchedDriver(ex, max_num_batched_tokens=6).run(reqs, arrivals, sampling)
     overlapped_ex = executor_factory()
-    overlapped = MiniRouter(overlapped_ex, chunk=6, seed=2).run_pipelined(reqs, arrivals, sampling)
+    overlapped = SchedDriver(overlapped_ex, max_num_batched_tokens=6).run_pipelined(reqs, arrivals, sampling)
     assert [len(overlapped[i]) for i in range(10)] == [3 + i % 6 for i in range(10)]
     assert overlapped == in_order
     assert all(st.pending == 0 for st in overlapped_ex.requests.values())
@@ -233,13 +106,15 @@ def test_steps_launched_before_the_previous_one_finished_give_the_same_tokens(ex
 
 def test_released_requests_are_dropped(executor_factory) -> None:
     ex = executor_factory()
-    router = MiniRouter(ex)
+    router = SchedDriver(ex)
     router.add(7, [5, 6, 7, 8, 9], 3)
     router.step()
     assert 7 in ex.requests
-    router.preempt(7)
-    del router.active[7]
-    ex.step(wire.StepPlan(step_id=99, new_requests=[], running=[], released=router.to_release))
+    router.sched.abort(7)  # the client went away: the next plan releases it
+    router.add(8, [5, 6], 1)
+    plan = router.plan()
+    assert plan.released == [7]
+    router.apply(ex.step(plan))
     assert 7 not in ex.requests
     with pytest.raises(PlanError, match="does not hold"):
         ex.step(wire.StepPlan(step_id=100, running=[wire.RunningRequest(req_id=7, num_scheduled_tokens=1, new_block_ids=[])]))
@@ -252,26 +127,27 @@ def test_resumed_request_continues_identically(executor_factory, sampling) -> No
     prompt = prompts(1, executor_factory().config.vocab_size, seed=4, lo=11, hi=11)[0]
     expected = _outputs_of(executor_factory(), prompt, sampling)
     # A different global seed must not matter for seeded or greedy requests.
-    router = MiniRouter(executor_factory(seed=1))
-    req = router.add(1, prompt, 12, sampling)
-    while len(req.outputs) < 5:
+    router = SchedDriver(executor_factory(seed=1))
+    router.add(1, prompt, 12, sampling)
+    while len(router.outputs[1]) < 5:
         router.step()
-    router.preempt(1)  # next plan releases it and re-sends it in full (prompt + 5 outputs)
+    assert router.preempt(1)  # next plan releases it and re-sends it in full (prompt + 5 outputs)
     plan = router.plan()
-    assert plan.released == [1] and plan.new_requests[0].token_ids == prompt + req.outputs
+    assert len(router.outputs[1]) == 5
+    assert plan.released == [1] and plan.new_requests[0].token_ids == prompt + router.outputs[1]
     assert plan.new_requests[0].num_prompt_tokens == len(prompt)
     router.apply(router.ex.step(plan))
-    while router.active:
+    while router.unfinished:
         router.step()
-    assert req.outputs == expected
+    assert router.outputs[1] == expected
 
 
 def _outputs_of(ex: Executor, prompt: list[int], sampling: wire.SamplingParams) -> list[int]:
-    router = MiniRouter(ex)
-    req = router.add(1, prompt, 12, sampling)
-    while router.active:
+    router = SchedDriver(ex)
+    router.add(1, prompt, 12, sampling)
+    while router.unfinished:
         router.step()
-    return req.outputs
+    return router.outputs[1]
 
 
 def test_logprobs_reach_the_output(executor_factory, hf_model) -> None:
@@ -296,7 +172,7 @@ def snapshot(ex: Executor) -> dict:
 
 def test_bad_plans_raise_and_leave_state_unchanged(executor_factory) -> None:
     ex = executor_factory()
-    router = MiniRouter(ex)
+    router = SchedDriver(ex)
     router.add(1, [4, 5, 6, 7, 8, 9], 20)
     router.step()
     router.step()
@@ -330,7 +206,7 @@ def test_bad_plans_raise_and_leave_state_unchanged(executor_factory) -> None:
 
 def test_failed_step_drops_its_requests(executor_factory) -> None:
     ex = executor_factory()
-    router = MiniRouter(ex)
+    router = SchedDriver(ex)
     router.add(1, [4, 5, 6], 20)
     router.step()
     plan = wire.StepPlan(step_id=9, running=[wire.RunningRequest(req_id=1, num_scheduled_tokens=5, new_block_ids=[])])
@@ -495,17 +371,17 @@ def test_worker_process_end_to_end(tiny_llama: Path, tmp_path: Path, executor_fa
 
         # Same plans through the in-process executor give the reference tokens.
         prompt = [3, 14, 15, 92, 65, 35, 89, 79]
-        reference = MiniRouter(executor_factory()).run({1: (prompt, 5)})[1]
-        router = MiniRouter(executor_factory())
-        req = router.add(1, prompt, 5)
-        while router.active:
+        reference = SchedDriver(executor_factory()).run({1: (prompt, 5)})[1]
+        router = SchedDriver(executor_factory())
+        router.add(1, prompt, 5)
+        while router.unfinished:
             plan = router.plan()
             link.send(wire.encode(plan))
             out = _recv(link)
             assert isinstance(out, wire.StepOutput) and out.step_id == plan.step_id, out
             assert out.timing.total_us > 0
             router.apply(out)
-        assert req.outputs == reference
+        assert router.outputs[1] == reference
 
         link.send(wire.encode(wire.StepPlan(step_id=77, running=[
             wire.RunningRequest(req_id=12345, num_scheduled_tokens=1, new_block_ids=[])])))

@@ -3,9 +3,9 @@
 Three adapters made by the ``peft`` library on the tiny Llama (non-zero random A and B, so each
 visibly changes the output): A = rank 8 on q, v (alpha 16); B = rank 16 on all seven projections
 with rsLoRA (alpha 8); C = rank 4 on gate, up, down with ``rank_pattern`` (down rank 12, up rank 2
-in layer 1). ``AdapterRouter`` plays the router: it registers adapters with ``inspect_adapter``,
-gives them pages from the same free list as KV, and sends ``to_host`` / ``to_gpu`` /
-``drop_gpu`` / ``drop_host`` in its plans. Checked:
+in layer 1). ``SchedDriver`` (``helpers/sched_driver.py``) plays the router with its own scheduler:
+it registers the adapters ``inspect_adapter`` describes, the scheduler gives them pages of the same
+pool as KV and sends ``to_host`` / ``to_gpu`` / ``drop_gpu`` / ``drop_host`` in its plans. Checked:
 
 - greedy tokens of each adapter equal HF ``generate`` on the PEFT model itself (unmerged), and
   base requests equal plain HF;
@@ -35,9 +35,10 @@ from deltaserve.worker.executor import Executor, PlanError
 
 peft = pytest.importorskip("peft")
 from test_executor import (  # noqa: E402
-    GREEDY, FakeLink, MiniRouter, executor_factory, hf_greedy, hf_model, prompts,
+    GREEDY, FakeLink, executor_factory, hf_greedy, hf_model, prompts,
 )
 from helpers.peft_adapters import SEVEN, make_peft_adapter  # noqa: E402
+from helpers.sched_driver import SchedDriver  # noqa: E402
 
 SPECS = {
     1: dict(target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16),
@@ -47,88 +48,8 @@ SPECS = {
 }
 
 
-class AdapterRouter(MiniRouter):
-    """MiniRouter that also places adapters in the page pool and sends the ops, as the router does.
-
-    ``adapter_of[req_id]`` names each request's adapter (0 when absent). Adding a request whose
-    adapter is not on the GPU queues ``to_host`` (if needed) and ``to_gpu`` for the next plan.
-    """
-
-    def __init__(self, executor: Executor, dirs: dict[int, Path], adapter_of: dict[int, int], **kw) -> None:
-        super().__init__(executor, **kw)
-        self.dirs = dirs
-        self.adapter_of = adapter_of
-        self.need = {}
-        for aid, d in dirs.items():
-            info = executor.inspect_adapter(str(d))
-            assert info.error is None, info.error
-            self.need[aid] = info.num_blocks
-        self.on_host: set[int] = set()
-        self.pages: dict[int, list[int]] = {}
-        self.ops: list[wire.AdapterOp] = []
-        self.avoid: dict[int, set[int]] = {}
-        self.mixed_steps = 0
-        self.adapter_decode_steps = 0
-
-    def ensure(self, aid: int) -> None:
-        if aid == 0 or aid in self.pages:
-            return
-        if aid not in self.on_host:
-            self.ops.append(wire.AdapterOp(aid, "to_host", str(self.dirs[aid]), []))
-            self.on_host.add(aid)
-        avoid = self.avoid.get(aid, set())
-        pages = [b for b in reversed(self.free) if b not in avoid][: self.need[aid]]
-        assert len(pages) == self.need[aid]
-        self.free = [b for b in self.free if b not in pages]
-        self.pages[aid] = pages
-        self.ops.append(wire.AdapterOp(aid, "to_gpu", "", pages))
-
-    def evict(self, aid: int) -> list[int]:
-        """Drops the adapter from both tiers; its pages go where KV is taken next. Returns them."""
-        pages = self.pages.pop(aid)
-        self.ops += [wire.AdapterOp(aid, "drop_gpu", "", []), wire.AdapterOp(aid, "drop_host", "", [])]
-        self.on_host.discard(aid)
-        self.free.extend(pages)
-        self.avoid[aid] = set(pages)
-        return pages
-
-    def add(self, req_id, prompt, max_new, sampling=GREEDY):
-        self.ensure(self.adapter_of.get(req_id, 0))
-        return super().add(req_id, prompt, max_new, sampling)
-
-    def plan(self) -> wire.StepPlan:
-        plan = super().plan()
-        for new in plan.new_requests:
-            new.adapter_id = self.adapter_of.get(new.req_id, 0)
-        plan.adapter_ops, self.ops = self.ops, []
-        rows = [(n.num_scheduled_tokens, n.adapter_id) for n in plan.new_requests] + [
-            (r.num_scheduled_tokens, self.adapter_of.get(r.req_id, 0)) for r in plan.running
-        ]
-        adapters = {a for _, a in rows if a}
-        if len(adapters) >= 2 and any(n > 1 for n, _ in rows) and any(n == 1 for n, _ in rows):
-            self.mixed_steps += 1
-        if adapters and rows and all(n == 1 for n, _ in rows):
-            self.adapter_decode_steps += 1
-        return plan
-
-    def run_staggered(self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int],
-                      preempt: int) -> dict[int, list[int]]:
-        """Runs ``reqs`` arriving at their step numbers, preempting request ``preempt`` once after
-        its second token (it comes back as a NewRequest and must keep its variant); returns outputs."""
-        pending, steps, preempted, added = dict(reqs), 0, False, {}
-        while pending or self.active:
-            for rid in [r for r in pending if arrivals[r] <= steps]:
-                prompt, k = pending.pop(rid)
-                added[rid] = self.add(rid, prompt, k)
-            if not preempted and preempt in self.active and len(self.active[preempt].outputs) == 2:
-                self.preempt(preempt)
-                preempted = True
-            if self.active:
-                self.step()
-            steps += 1
-            assert steps < 1000
-        assert preempted, f"request {preempt} finished before it could be preempted"
-        return {rid: r.outputs for rid, r in added.items()}
+AdapterRouter = SchedDriver
+"""The name ``tests/test_delta_serving.py`` and ``tests/kernels/test_cuda_graphs.py`` import."""
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +69,7 @@ def test_greedy_matches_peft_and_base_matches_hf(executor_factory, adapters, dir
     ps = prompts(3, ex.config.vocab_size, seed=3, lo=3, hi=20)
     refs = {0: hf_model, **{aid: pm for aid, (_, pm) in adapters.items()}}
     outputs: dict[int, list[list[int]]] = {}
-    router = AdapterRouter(ex, dirs, {})
+    router = SchedDriver(ex, dirs, {})
     for aid, ref in refs.items():
         for j, prompt in enumerate(ps):
             rid = 100 * aid + j
@@ -167,10 +88,10 @@ def test_mixed_batch_matches_each_alone(executor_factory, dirs) -> None:
     ps = prompts(n, ex.config.vocab_size, seed=7, lo=2, hi=30)
     adapter_of = {i: i % 4 for i in range(n)}  # base, A, B, C interleaved
     max_new = {i: 4 + i % 6 for i in range(n)}
-    solo = AdapterRouter(ex, dirs, adapter_of)
+    solo = SchedDriver(ex, dirs, adapter_of)
     alone = {i: solo.run({i: (p, max_new[i])})[i] for i, p in enumerate(ps)}
 
-    router = AdapterRouter(executor_factory(), dirs, adapter_of, chunk=9, seed=5)
+    router = SchedDriver(executor_factory(), dirs, adapter_of, max_num_batched_tokens=9)
     reqs = {i: (p, max_new[i]) for i, p in enumerate(ps)}
     together = router.run_staggered(reqs, {i: i // 3 for i in range(n)}, preempt=6)  # 6 uses adapter B
     assert router.mixed_steps > 0 and router.adapter_decode_steps > 0
@@ -180,20 +101,20 @@ def test_mixed_batch_matches_each_alone(executor_factory, dirs) -> None:
 
 def test_evicted_adapter_reloaded_on_other_pages_gives_the_same_tokens(executor_factory, dirs) -> None:
     ex = executor_factory()
-    router = AdapterRouter(ex, dirs, {1: 2, 2: 2})
+    router = SchedDriver(ex, dirs, {1: 2, 2: 2})
     prompt = prompts(1, ex.config.vocab_size, seed=11, lo=12, hi=12)[0]
     first = router.run({1: (prompt, 8)})[1]
     old = router.evict(2)
-    # Base requests now take pages from the end of the free list: the adapter's old pages.
-    filler = {10 + i: (p, 3) for i, p in enumerate(prompts(4, ex.config.vocab_size, seed=12, lo=30, hi=40))}
+    # The scheduler hands out the pages freed last first: the fillers' KV (at least 8 x 9 pages)
+    # takes all of the adapter's old pages (64).
+    filler = {10 + i: (p, 3) for i, p in enumerate(prompts(8, ex.config.vocab_size, seed=12, lo=33, hi=40))}
     for rid, (p, k) in filler.items():
         router.add(rid, p, k)
     router.step()
     used = {b for rid in filler for b in ex.requests[rid].block_table}
     assert used & set(old), "the filler's KV should land in the evicted adapter's pages"
     assert 2 not in ex.adapters.gpu and 2 not in ex.adapters.host
-    while router.active:
-        router.step()
+    # Loaded again while the fillers still hold those pages.
     again = router.run({2: (prompt, 8)})[2]
     assert not set(ex.adapters.gpu[2].block_ids) & set(old)
     assert again == first
@@ -211,16 +132,17 @@ def _same(a, b) -> bool:
 
 def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> None:
     ex = executor_factory()
-    router = AdapterRouter(ex, dirs, {1: 1})
+    router = SchedDriver(ex, dirs, {1: 1})
     router.add(1, [4, 5, 6, 7, 8], 20)
     router.step()
     ops = [wire.AdapterOp(2, "to_host", str(dirs[2]), [])]
     ex.step(wire.StepPlan(step_id=1000, adapter_ops=ops))  # B on host only
     ex.adapters.wait_host(2)
-    a_pages, kv_page = router.pages[1], ex.requests[1].block_table[0]
-    nb = router.need[2]
-    free = [b for b in router.free if b not in a_pages][:nb]
+    a_pages, kv_page = router.adapter_pages(1), ex.requests[1].block_table[0]
+    nb = router.info[2].num_blocks
     good = router.plan()  # request 1's next decode step
+    held = {*a_pages, *ex.requests[1].block_table, *(b for r in good.running for b in r.new_block_ids)}
+    free = [b for b in range(ex.num_blocks) if b not in held][:nb]
 
     def plan(*adapter_ops, new=(), running=None):
         return wire.StepPlan(step_id=good.step_id, new_requests=list(new),
@@ -263,11 +185,10 @@ def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> 
     assert out.outputs[0].req_id == 1 and out.outputs[0].token_id is not None
 
     one = executor_factory(max_loras_per_step=1)
-    r1 = AdapterRouter(one, dirs, {1: 1, 2: 2})
-    r1.ensure(1), r1.ensure(2)
-    one.step(wire.StepPlan(step_id=1, adapter_ops=r1.ops))
+    r1 = SchedDriver(one, dirs, {1: 1, 2: 2})  # its scheduler allows 256 requests per step, so 256 adapters
+    r1.add(1, [3, 4, 5], 1), r1.add(2, [3, 4, 5], 1)
     with pytest.raises(PlanError, match=r"2 distinct adapters in one step exceed --max-loras-per-step 1"):
-        one.step(wire.StepPlan(step_id=2, new_requests=[new_req(1, 1, r1.free[:1]), new_req(2, 2, r1.free[1:2])]))
+        one.step(r1.plan())
     off = executor_factory(max_lora_rank=0)
     with pytest.raises(PlanError, match=r"LoRA is off on this worker \(--max-lora-rank 0\)"):
         off.step(wire.StepPlan(step_id=1, adapter_ops=[op(1, "to_host", str(dirs[1]), [])]))
