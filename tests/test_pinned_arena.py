@@ -12,6 +12,8 @@ import torch
 
 from deltaserve.adapters.pinned_arena import ALIGN, PinnedArena, slack_for
 
+pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
+
 
 class Fence:
     """Stands in for a ``torch.cuda.Event``: done once ``finish`` is called."""

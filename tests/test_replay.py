@@ -37,6 +37,10 @@ from bench.serving import runner
 
 JITTER = 0.040
 
+# The latency checks above hold on an idle core, not beside other test processes: `make test` runs
+# this module after the parallel ones, alone (see the `serial` marker in pyproject.toml).
+pytestmark = pytest.mark.serial
+
 
 def trace_of(rows: list[tuple[float, str, int]], kind: str = "lora") -> wl.Trace:
     """A hand-made trace: (arrival s, variant, output tokens) per request, 4-token prompts;

@@ -40,7 +40,7 @@ MAX_RATE = 40.0
 """The highest request rate any experiment below offers (req/s)."""
 S2_RANKS = (64, 32, 16, 8)
 """S-LoRA Table 1, S2."""
-GPU_FLAGS = ("--lora-host-bytes", str(48 << 30), "--max-deltas", "0")
+GPU_FLAGS = ("--variant-host-bytes", str(48 << 30), "--max-deltas", "0")
 """S-LoRA keeps every adapter in host memory: 2000 rank-8 Llama-2-7B adapters are 34 GB (S2's
 average rank ~30: too many for host RAM at n = 2000, so the host tier evicts there). No delta
 slots: the LoRA experiments give the whole pool to KV and adapters, as S-LoRA does."""
@@ -52,7 +52,7 @@ for most batches (not measured yet)."""
 DELTAZIP_LENGTHS = ((8, 512), (8, 128))
 """Prompt and output length ranges of the deltazip experiment (see the module docstring)."""
 DELTAZIP_FLAGS = {
-    "deltaserve": ("--max-deltas", "3", "--lora-host-bytes", str(32 << 30)),
+    "deltaserve": ("--max-deltas", "3", "--variant-host-bytes", str(32 << 30)),
     "swap": ("--resident", "auto"),
 }
 """DeltaZip's N = 3 delta slots, a host tier of ~9 Llama-2-7B deltas; swap keeps as many full models."""

@@ -3,14 +3,16 @@
     python -m deltaserve.client --url http://127.0.0.1:8000 --wait 600 chat "What is the capital of France?"
     python -m deltaserve.client complete "Once upon a time" --max-tokens 32
 
-``--wait`` polls ``GET /ready`` first, so a script can start the daemon and call this at once.
-Answers are streamed (server-sent events) and printed as they arrive.
+``--url`` defaults to ``$DELTASERVE_URL``, else ``http://127.0.0.1:8000``. ``--wait`` polls
+``GET /ready`` first, so a script can start the daemon and call this at once. Answers are streamed
+(server-sent events) and printed as they arrive; when no daemon answers, one line says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -62,7 +64,8 @@ def stream_events(url: str, path: str, body: dict) -> Iterator[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deltaserve.client", description=__doc__.splitlines()[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="daemon base URL")
+    p.add_argument("--url", default=os.environ.get("DELTASERVE_URL", "http://127.0.0.1:8000"),
+                   help="daemon base URL [env DELTASERVE_URL; default http://127.0.0.1:8000]")  # fmt: skip
     p.add_argument("--wait", type=float, default=0, help="seconds to wait for /ready first")
     p.add_argument("--model", default=None, help="model name (default: the first one served)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -74,7 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--max-tokens", type=int, default=64)
         s.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args(argv)
+    try:
+        return _run(args)
+    except (TimeoutError, urllib.error.URLError, ConnectionError) as e:  # one line, not a traceback
+        reason = getattr(e, "reason", e)
+        print(f"error: no deltaserve daemon answers at {args.url} ({reason}); start one with "
+              f"`make serve` or `.venv/bin/deltaserve`, or pass --url", file=sys.stderr)  # fmt: skip
+        return 1
 
+
+def _run(args: argparse.Namespace) -> int:
     if args.wait:
         wait_ready(args.url, args.wait)
     model = args.model

@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from .wsclient import ws_generate
 
+pytestmark = pytest.mark.gpu_e2e  # `make test-gpu-e2e` selects it on a GPU
+
 PROMPTS = [
     "the quick brown fox",
     "once upon a time there was a small model that",

@@ -63,7 +63,7 @@ def test_thousand_adapters_evict_and_reload_correctly_within_the_host_budget(tin
     adapters, refs, one = zoo
     host_budget = 5 * one  # room for five host copies
     pool_pages = 40  # KV for a batch of 16 short requests plus a couple of dozen adapter pages
-    args = ["--lora-dir", str(adapters), "--lora-host-bytes", str(host_budget),
+    args = ["--lora-dir", str(adapters), "--variant-host-bytes", str(host_budget),
             "--kv-cache-bytes", str(pool_pages * _bytes_per_page(tiny_llama)), "--max-num-seqs", "16"]
     with Daemon(tiny_llama, *args).wait_ready(600) as d:
         listed = httpx.get(f"{d.url}/v1/adapters", timeout=60).json()["data"]

@@ -12,10 +12,13 @@ from test_executor import MiniRouter, prompts
 
 from deltaserve.worker.executor import Executor
 
-pytestmark = pytest.mark.skipif(
-    not (os.environ.get("DELTASERVE_TEST_GPU") == "1" and torch.cuda.is_available()),
-    reason="CUDA graphs need a GPU (make test-gpu)",
-)
+pytestmark = [
+    pytest.mark.gpu_graphs,  # `make test-gpu-graphs` selects it on a GPU
+    pytest.mark.skipif(
+        not (os.environ.get("DELTASERVE_TEST_GPU") == "1" and torch.cuda.is_available()),
+        reason="CUDA graphs need a GPU (make test-gpu)",
+    ),
+]
 
 
 def _executor(model_dir, graph_batch: int) -> Executor:

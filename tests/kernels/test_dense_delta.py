@@ -31,6 +31,8 @@ import torch
 from deltaserve.kernels.dense_delta import dense_delta_rows, dense_delta_rows_ref, dense_delta_rows_triton
 from deltaserve.kernels.sbmm import DeltaMeta
 
+pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
+
 DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 POPULARITY = ["identical", "distinct", "uniform", "skewed"]

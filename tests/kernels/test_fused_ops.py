@@ -31,6 +31,8 @@ from deltaserve.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 from deltaserve.model.arch import ModelConfig
 from deltaserve.model.decoder import rope_cos_sin_cache, rope_inv_freq
 
+pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
+
 DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOKENS = [1, 7, 64]

@@ -51,6 +51,8 @@ from deltaserve.kernels.lora import (
     make_weights,
 )
 
+pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
+
 DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HIDDEN = [64, 96, 128]

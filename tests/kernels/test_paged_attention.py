@@ -22,6 +22,8 @@ from deltaserve.model import ForwardBatch, PagedKVCache, load_model, paged_atten
 from deltaserve.kernels import common as kernel_common
 from deltaserve.model import attention as attn_mod
 
+pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
+
 DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
 KV_HEADS = 2
 # Per dtype: how far the kernel may sit from the reference (both round the output to the dtype;

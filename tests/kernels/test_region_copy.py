@@ -23,6 +23,8 @@ import torch
 from deltaserve.adapters.pool import AdapterLayout
 from deltaserve.kernels.region_copy import copy_regions, copy_regions_ref
 
+pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
+
 DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
 L, S, NB = 3, 512, 40  # layers, elements per page half, pages
 FEATURES = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),

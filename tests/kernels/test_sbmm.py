@@ -39,6 +39,8 @@ from deltaserve.kernels.sbmm import (
     DeltaMeta, DeltaWeights, dequantize_slot, make_delta_weights, sbmm, sbmm_ref, sbmm_triton,
 )
 
+pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
+
 DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 POPULARITY = ["identical", "distinct", "uniform", "skewed"]

@@ -110,7 +110,7 @@ class WorkerConfig:
             "Host budget of the LoRA adapters' and deltas' host copies: that much (plus an eighth, at least "
             "1 GiB, against fragmentation) is allocated once at start-up and pinned on CUDA, so reading a "
             "variant never pins memory while steps run; 0 allocates each copy on its own. The router passes "
-            "its host budget (--lora-host-bytes) on CUDA."
+            "its host budget (--variant-host-bytes) on CUDA."
         ),
     )
     max_deltas: int = field(
