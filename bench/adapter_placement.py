@@ -1,4 +1,4 @@
-"""What placing one LoRA adapter in the KV pool's pages (``AdapterPool.to_gpu``) costs the thread that
+"""What placing one LoRA adapter in the KV pool's pages (``LoraPool.to_gpu``) costs the thread that
 launches steps, by rank (S-LoRA's S2 ranks on q, k, v, o; Llama-2-7B shape, fp16, host copies already
 read). Under S2 at n = 1000 about one adapter is placed per mixed step, on the launching thread, so
 this host time adds to the step's. Also the device time of the placement's copies, and (``--profile``)
@@ -29,7 +29,7 @@ script_env.prepare()  # deltaserve importable from pyworker/
 from bench.common import SHAPES, device_name, write_random_lora_dir, write_random_model_dir, write_result  # noqa: E402
 
 from deltaserve.adapters.pinned_arena import PinnedArena  # noqa: E402
-from deltaserve.adapters.pool import AdapterPool  # noqa: E402
+from deltaserve.adapters.lora_pool import LoraPool  # noqa: E402
 from deltaserve.kernels import common as kernel_common  # noqa: E402
 from deltaserve.model.arch import ModelConfig  # noqa: E402
 from deltaserve.model.kv_cache import PagedKVCache  # noqa: E402
@@ -57,8 +57,8 @@ def main() -> None:
         cfg = ModelConfig.from_model_dir(model_dir)
         kv = PagedKVCache(cfg.num_layers, 256 if args.smoke else 2048, 16, cfg.num_kv_heads, cfg.head_dim,
                           torch.float16, device)
-        pool = AdapterPool(cfg, kv, max_lora_rank=max(RANKS), max_loras_per_step=256, max_tokens=2048,
-                           arena=PinnedArena(1 << 30, pin=device.type == "cuda"))
+        pool = LoraPool(cfg, kv, max_lora_rank=max(RANKS), max_loras_per_step=256, max_tokens=2048,
+                        arena=PinnedArena(1 << 30, pin=device.type == "cuda"))
         prof = cProfile.Profile() if args.profile else None  # the Triton placements
         dirs = {rank: write_random_lora_dir(tmp / f"r{rank}", shape, rank, QKVO, seed=rank) for rank in RANKS}
         for impl in ("torch", "triton"):

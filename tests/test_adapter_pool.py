@@ -1,4 +1,4 @@
-"""The adapter pool (``deltaserve.adapters.pool``) on the tiny Llama, adapters made by ``peft``.
+"""The LoRA pool (``deltaserve.adapters.lora_pool``) on the tiny Llama, adapters made by ``peft``.
 
 Everything goes through ``Executor.step`` plans carrying ``adapter_ops`` (as the router sends
 them), then is checked against the pool's tensors:
@@ -331,7 +331,7 @@ def _run_all(ex: Executor, segments, decode: bool, seed: int = 0) -> dict[tuple[
     """Every adapted linear on a random x under the step ``segments``: (x, output) per module."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(n for _, n in segments)
-    assert ex.adapters.begin_step(segments, decode)
+    assert ex.adapters.begin_segments(segments, decode)
     try:
         res = {}
         for layer, path, mod, _ in _modules(ex):
@@ -372,7 +372,7 @@ def test_linears_add_each_tokens_delta_and_survive_replacement_and_kv_writes(mak
     qkv = ex.model.model.layers[0].self_attn.qkv_proj
     assert not ex.adapters.step.active
     assert torch.equal(qkv(x), torch.nn.functional.linear(x, qkv.weight, qkv.bias))
-    assert not ex.adapters.begin_step([(0, 4)], False) and not ex.adapters.step.active
+    assert not ex.adapters.begin_segments([(0, 4)], False) and not ex.adapters.step.active
 
     prefill = [(0, 2), (1, 3), (3, 2), (2, 1), (1, 1)]  # adapter 1's tokens in two runs
     prefill_tokens = [a for a, n in prefill for _ in range(n)]
@@ -409,7 +409,7 @@ def test_linears_add_each_tokens_delta_and_survive_replacement_and_kv_writes(mak
     ops(ex, wire.AdapterOp(3, "to_gpu", "", pages[3]))  # its host copy is still there
     _check_deltas(ex, _run_all(ex, prefill, False, seed=5), prefill_tokens, loaded)
     with pytest.raises(ValueError, match="not on the GPU"):
-        ex.adapters.begin_step([(9, 1)], True)
+        ex.adapters.begin_segments([(9, 1)], True)
     assert not ex.adapters.step.active
 
 
@@ -423,7 +423,7 @@ def test_one_slot_is_refilled_as_steps_alternate_adapters(make_executor, dirs) -
         _check_deltas(ex, _run_all(ex, segs, False, seed=step), [0, aid, aid], loaded)
         assert ex.adapters.slot_of == {aid: 0}
     with pytest.raises(ValueError, match="--max-loras-per-step 1"):
-        ex.adapters.begin_step([(1, 1), (2, 1)], True)
+        ex.adapters.begin_segments([(1, 1), (2, 1)], True)
 
 
 def test_triton_kernels_over_the_pool_match_the_reference(make_executor, dirs) -> None:

@@ -6,8 +6,11 @@ Layout:
             which site, ranks, scalings; ``read_into`` reads values GIL-free, checked finite) and
             ``LoraAdapter`` (the spec plus ``A [r, in]``, ``B [out, r]`` on CPU), plus the torch
             references ``lora_delta_ref`` and ``merged_weight`` that kernels and serving are tested against.
-- ``pool``  the adapter tiers the router drives (``AdapterOp``: host memory, pages of the KV pool),
-            ``inspect`` for registration, and the per-step slot tables + ``LoraMeta`` the kernels read.
+- ``variants``  the seam: ``VariantPool``, the interface every kind's pool implements (inspect, apply
+            an op, begin / end a step, host bytes, finished reads), ``StepRows``, ``VariantKind``.
+- ``lora_pool``  LoRA adapters' tiers the router drives (``AdapterOp``: host memory, pages of the KV
+            pool), ``inspect`` for registration, and the per-step slot tables + ``LoraMeta`` the kernels
+            read; ``lora_layout`` where an adapter's rows go in pages, and its host and GPU copies.
 - ``lora_layers``  ``attach_lora(model, step, weights)`` wraps the block linears in ``LoraLinear``
             (base + ``kernels.lora.lora_delta_stacked`` over the pool when the step has adapter tokens).
 - ``host_tier``  the host-memory tier both pools share: background loads by variant id, bytes, errors.
@@ -21,10 +24,12 @@ from .lora import LoraAdapter, LoraAdapterError, LoraWeights, load_lora_adapter,
 from .lora_layers import LoraLinear, LoraStep, attach_lora
 from .delta_layers import DeltaLinear, DeltaStep, attach_deltas
 from .delta_pool import DeltaError, DeltaPool, is_delta_dir
-from .pool import AdapterLayout, AdapterLoadError, AdapterPool
+from .lora_pool import AdapterLayout, AdapterLoadError, AdapterPool, LoraPool
+from .variants import StepRows, VariantKind, VariantPool
 
 __all__ = [
     "LoraAdapter", "LoraAdapterError", "LoraWeights", "load_lora_adapter", "lora_delta_ref", "merged_weight",
-    "LoraLinear", "LoraStep", "attach_lora", "AdapterLayout", "AdapterLoadError", "AdapterPool",
+    "LoraLinear", "LoraStep", "attach_lora", "AdapterLayout", "AdapterLoadError", "AdapterPool", "LoraPool",
+    "StepRows", "VariantKind", "VariantPool",
     "DeltaLinear", "DeltaStep", "attach_deltas", "DeltaError", "DeltaPool", "is_delta_dir",
 ]  # fmt: skip

@@ -1,16 +1,14 @@
 """The delta pool: compressed full fine-tunes' tiers on the worker (host memory, GPU delta slots) and
-the per-step rows the delta-aware modules read (``delta_layers.py``).
+the per-step rows the delta-aware modules read (``delta_layers.py``). The ``VariantPool`` of kind
+``delta`` (``variants.py``).
 
 A delta directory is what ``deltaserve compress`` writes (``compress/delta_dir.py`` owns the format
 and the lineage checks). The router decides where every variant lives (``sched`` crate: at most
 ``--max-deltas N`` deltas on the GPU, DeltaZip's N); this module executes its ``AdapterOp``s for
-delta ids and answers ``InspectAdapter`` for delta directories::
-
-    (disk) ──to_host(path)──> host: loading ──background load──> host: ready (or failed)
-                                                                   │
-                                         to_gpu (no block ids) ────┴──> + gpu: slot s in [0, N)
-    drop_gpu: slot s is free again (its regions are zeroed in place)
-    drop_host: the host copy is freed (a GPU copy stays valid without it)
+delta ids and answers ``InspectAdapter`` for delta directories. Tiers: the router's state machine
+(drawn in ``router/crates/sched/src/adapters.rs``); a delta's ``to_gpu`` names no pages, it fills a
+slot s in [0, N); ``drop_gpu`` frees the slot (its regions are zeroed in place); ``drop_host`` frees
+the host copy (a GPU copy stays valid without it).
 
 GPU storage, per slot s (N slots; slot ids are shared by every linear and every config):
     packed linears  ``weights[(bits, sparse, group)][(layer, proj)]``: a ``kernels.sbmm.DeltaWeights``
@@ -32,7 +30,7 @@ Only deltas made for this base are accepted (``check_lineage`` against the base 
 mode ``delta`` (a ``--full-weights`` directory is the compressed fine-tune itself, not a delta),
 whose packed tensors are block linears and whose dense tensors are ones ``attach_deltas`` applies.
 
-``begin_step(runs, logit_ids, decode)`` maps each token run and each logits row to its delta's slot
+``begin_step(rows)`` maps each token run and each logits row (``StepRows``) to its delta's slot
 and fills ``step`` (``DeltaStep``) for an eager forward; ``end_step`` clears it. Loads failing after
 inspection raise ``AdapterLoadError`` from ``to_gpu``, fatal for the worker, exactly like LoRA adapters.
 """
@@ -46,7 +44,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Mapping, Sequence
 
 import torch
 
@@ -62,6 +60,7 @@ from ..model.decoder import DecoderLM, linear_slots
 from .delta_layers import ConfigKey, DeltaEmbedding, DeltaStep, dense_delta_names, norm_delta_names
 from .host_tier import HostTier
 from .pinned_arena import PinnedArena, give_back, host_buffer, release_hook
+from .variants import StepRows, VariantKind
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -126,8 +125,38 @@ class DeltaHostCopy:
     """The payload buffer every tensor above is a view of (uint8; given back to the arena when dropped)."""
 
 
+class DeltaPlacements:
+    """A copy of the delta pool's slots for the plan check (``variants.Placements``)."""
+
+    def __init__(self, pool: "DeltaPool") -> None:
+        self.max_deltas = pool.max_deltas
+        self.slot_of = dict(pool.slot_of)
+
+    def ids(self) -> Collection[int]:
+        return self.slot_of.keys()
+
+    def pages(self) -> Mapping[int, int]:
+        return {}
+
+    def problem(self, op: wire.AdapterOp) -> str | None:
+        if op.block_ids:
+            return "a delta takes a delta slot, not pool pages: block_ids must be empty"
+        if len(self.slot_of) >= self.max_deltas:
+            return f"all {self.max_deltas} delta slots (--max-deltas) are taken"
+        return None
+
+    def place(self, op: wire.AdapterOp) -> None:
+        taken = set(self.slot_of.values())
+        self.slot_of[op.adapter_id] = next(s for s in range(self.max_deltas) if s not in taken)
+
+    def remove(self, variant_id: int) -> None:
+        del self.slot_of[variant_id]
+
+
 class DeltaPool:
     """Compressed deltas in host memory and in GPU slots, plus the step rows the modules read."""
+
+    kind = VariantKind.DELTA
 
     def __init__(self, model: DecoderLM, base_dir: str | Path, *, max_deltas: int, device: torch.device,
                  dtype: torch.dtype, arena: PinnedArena | None = None) -> None:
@@ -261,6 +290,12 @@ class DeltaPool:
         """Bytes of the host copies held: finished ones measured, running loads as expected."""
         return self.host.nbytes
 
+    def host_ids(self) -> Collection[int]:
+        return self.host
+
+    def take_finished(self) -> list[int]:
+        return self.host.take_finished()
+
     def wait_host(self, delta_id: int) -> DeltaHostCopy:
         return self.host.wait(delta_id)
 
@@ -335,6 +370,12 @@ class DeltaPool:
         """Output features of the linear whose bias ``name`` is (``model.layers.{i}.<parent>.<proj>.bias``)."""
         return linear_slots(self.config)[name.split(".")[-2]].size
 
+    def placements(self) -> DeltaPlacements:
+        return DeltaPlacements(self)
+
+    def step_problem(self, variant_ids: Collection[int]) -> str | None:
+        return None  # at most max_deltas are resident, and a step may use all of them
+
     def apply(self, op: wire.AdapterOp) -> None:
         """Executes one (already validated) op for a delta id."""
         if op.op == "to_host":
@@ -350,11 +391,12 @@ class DeltaPool:
 
     # ------------------------------------------------------------------ steps
 
-    def begin_step(self, runs: Sequence[tuple[int, int]], logit_ids: Sequence[int], decode: bool) -> bool:
+    def begin_step(self, rows: StepRows) -> bool:
         """Sets the step's delta rows from its token runs ``(variant id, n_tokens)`` in batch order and
         the variant id of each logits row (ids not in this pool count as "no delta"); returns whether
         the step has delta tokens (False: nothing was set)."""
-        slots = [(self.slot_of.get(v, -1), n) for v, n in runs if n > 0]
+        logit_ids, decode = rows.logit_ids, rows.decode
+        slots = [(self.slot_of.get(v, -1), n) for v, n in rows.runs if n > 0]
         used = {s for s, _ in slots if s >= 0}
         if not used:
             self.end_step()

@@ -1,6 +1,6 @@
 """The host-memory tier of variants on the worker: copies read in background threads, by variant id.
 
-Shared by the LoRA adapter pool (``pool.py``) and the delta pool (``delta_pool.py``): ``to_host``
+Shared by the LoRA pool (``lora_pool.py``) and the delta pool (``delta_pool.py``): ``to_host``
 starts a load (``load``), ``to_gpu`` waits for it (``wait``: a failed load is ``AdapterLoadError``,
 fatal for the worker), ``drop_host`` forgets it (``drop``). ``nbytes`` is what the worker reports
 as its host tier: finished copies measured, running loads as expected. A mapping of variant id ->

@@ -43,7 +43,7 @@ from ..model.decoder import DecoderLM, linear_slots
 class LoraStep:
     """The current step's adapter metadata, shared by every ``LoraLinear`` of a model.
 
-    Set by the adapter pool before a forward (``AdapterPool.begin_step``) and cleared after it;
+    Set by the adapter pool before a forward (``LoraPool.begin_step``) and cleared after it;
     while ``meta`` is None every ``LoraLinear`` is exactly its base linear.
     """
 

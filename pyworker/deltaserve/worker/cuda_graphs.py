@@ -19,11 +19,11 @@ Layout::
 Everything the captured forward reads lives in those buffers, so a graph stays valid whatever
 requests come and go.
 
-With LoRA (``lora``: the executor's ``AdapterPool``) every bucket gets a second graph, captured
+With LoRA (``lora``: the executor's ``LoraPool``) every bucket gets a second graph, captured
 with the adapted linears active over static metadata: ``row_slot [B]`` int32 (each row's table
 slot, -1 for base rows and padding) and ``row_start = arange(B + 1)`` form the MBGMV ``LoraMeta``,
 and the pool's slot tables (offsets, ranks, scales) are static too. A decode step with adapter
-rows fills its slots' tables (``AdapterPool.assign_rows``) and ``row_slot``, then replays that
+rows fills its slots' tables (``LoraPool.assign_rows``) and ``row_slot``, then replays that
 graph; the MBGMV launch grid depends on the bucket only, so adapters coming and going never
 invalidate a graph. Base-only steps keep replaying the plain graphs, which contain no LoRA work. Padding rows write their K/V into ``scratch_slot``, a KV slot the executor
 keeps out of the router's pool. Only the Triton attention path is capturable (the torch reference
@@ -52,7 +52,8 @@ from deltaserve.model.batch import copy_from_host
 
 if TYPE_CHECKING:
     from deltaserve.adapters.delta_pool import DeltaPool
-    from deltaserve.adapters.pool import AdapterPool
+    from deltaserve.adapters.lora_pool import LoraPool
+    from deltaserve.adapters.variants import StepRows
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class DecodeGraphs:
         max_batch: int,
         max_model_len: int,
         scratch_slot: int,
-        lora: "AdapterPool | None" = None,
+        lora: "LoraPool | None" = None,
         deltas: "DeltaPool | None" = None,
     ) -> None:
         if max_batch < 1:
@@ -207,6 +208,34 @@ class DecodeGraphs:
         delta pool and every packed config of the step fits the CUDA SBMM op (``DeltaPool.graphable``)."""
         return self.deltas is not None and self.deltas.graphable(self.deltas.graph_keys(delta_ids))
 
+    def _delta_ids(self, rows: "StepRows") -> list[int] | None:
+        """Each row's variant id where it is a delta (else 0), or None when no row is one."""
+        if self.deltas is None:
+            return None
+        held = self.deltas.slot_of
+        ids = [v if v in held else 0 for v, _ in rows.runs]
+        return ids if any(ids) else None
+
+    def takes(self, rows: "StepRows") -> bool:
+        """Whether the decode step of ``rows`` can replay a graph: a bucket holds it, and its delta rows
+        (if any) have configs the CUDA SBMM op takes (``takes_deltas``)."""
+        if self.bucket_for(len(rows.runs)) is None:
+            return False
+        delta_ids = self._delta_ids(rows)
+        return delta_ids is None or self.takes_deltas(delta_ids)
+
+    def run_rows(self, step: ForwardBatch, rows: "StepRows",
+                 device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``run`` for a step given as ``StepRows`` (``takes`` said yes): fills the table slots of its
+        LoRA rows (``LoraPool.assign_rows``) and picks the delta graph of its delta rows."""
+        row_slots = None
+        if self.lora is not None:
+            gpu = self.lora.gpu
+            lora_ids = [v if v in gpu else 0 for v, _ in rows.runs]
+            if any(lora_ids):
+                row_slots = self.lora.assign_rows(lora_ids)
+        return self.run(step, row_slots, device_inputs, self._delta_ids(rows))
+
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size that holds ``n`` rows (None: run eagerly)."""
         for b in sorted(self.graphs):
@@ -225,7 +254,7 @@ class DecodeGraphs:
 
         ``step`` is the step's ``ForwardBatch`` built on the host; its tensors are copied into the
         static buffers. ``row_slots``: each row's adapter table slot (-1: base), already filled by
-        ``AdapterPool.assign_rows``; given, the LoRA graph replays. ``device_inputs``: (rows, token
+        ``LoraPool.assign_rows``; given, the LoRA graph replays. ``device_inputs``: (rows, token
         ids) on the device that replace those rows' input ids (tokens the previous step sampled
         and the host does not know yet). ``delta_ids``: each row's variant id where rows use compressed
         deltas (ids the delta pool does not hold count as none); given, the delta graph of the step's

@@ -1,39 +1,14 @@
-"""The adapter pool: LoRA adapters' tiers on the worker (host memory, pages of the KV pool) and the
-per-step adapter tables the LoRA kernels read.
+"""The LoRA pool: LoRA adapters' tiers on the worker (host memory, pages of the KV pool) and the
+per-step adapter tables the LoRA kernels read. The ``VariantPool`` of kind ``lora`` (``variants.py``).
 
 The router decides where every adapter lives (S-LoRA's unified paging, ``sched`` crate); this
-module executes its ``AdapterOp``s and answers ``InspectAdapter``. There is ONE GPU pool: the KV
-cache tensor ``[L, 2, NB, block_size, H_kv, D]`` (``model/kv_cache.py``). A page ``p`` is, in
-every layer ``l``, two regions of ``S = block_size * H_kv * D`` elements of the layer's flat view
-``kv.kv[l].view(-1)``: K half at ``p * S``, V half at ``(NB + p) * S``. A page holds either a
-request's K/V or part of an adapter.
+module executes its ``AdapterOp``s for LoRA ids and answers ``InspectAdapter`` for PEFT directories.
+An adapter's rows live in pages of the one GPU pool, the KV cache (``lora_layout.py`` draws where).
 
-Layout of one adapter (``AdapterLayout``; the same in every layer, so one offsets table serves all)::
-
-    rows, in order: for each projection the adapter targets, in linear_slots order (q k v o gate up down),
-                    r_p = its largest rank over layers:
-                        r_p rows of A   (A[j, :],  in_dim elements each)
-                        r_p rows of B^T (B[:, j],  out_dim elements each)
-    regions of pages [p1, p2, ...]:  K(p1) V(p1) K(p2) V(p2) ...
-    first fit, in order: a row goes at the current position of the current region if it fits
-                         entirely, else at the start of the next region
-    num_blocks = ceil(regions used / 2); a row wider than S cannot be placed (inspect refuses it)
-
-    layer flat view:  |K(p1): A_q0 A_q1 .. B_q0 ..  (tail) | ... | V(p1): .. | ...
-    host copy:        [L, sum(used part of each region)]  the regions' used parts back to back
-                      (so every row is contiguous in it and each region is one slice of it)
-
-Layers where a projection has a smaller rank (PEFT ``rank_pattern``) or no adapter leave its last
-rows zero; the per-layer rank table says how many rows are read (0 = not adapted there).
-
-Tiers, one state machine per adapter id (the router sends the ops in ``StepPlan.adapter_ops``; the
-executor validates the whole plan first, then applies them in order)::
-
-    (disk) ──to_host(path)──> host: pending ──background load──> host: ready (or failed)
-                                  │                                   │
-                                  └───────────── to_gpu(pages) ───────┴──> + gpu: placed on pages
-    drop_gpu: forget the placement (the pages are the router's again, maybe KV this very step)
-    drop_host: free the host copy (a GPU placement stays valid without it)
+Tiers: the state machine is the router's, drawn in ``router/crates/sched/src/adapters.rs``; here a
+host copy is first *pending* (read in the background), then ready or failed, and ``to_gpu`` waits
+for it. ``drop_gpu`` forgets the placement (the pages are the router's again, maybe KV this very
+step); ``drop_host`` frees the host copy (a GPU placement stays valid without it).
 
 ``to_host`` packs the host copy in a background thread (the host tier's loaders), so prefetching
 overlaps steps. It follows the read plan ``inspect`` made at registration (``ReadPlan``: config,
@@ -59,20 +34,20 @@ Per-step tables (static: allocated once, filled in place, so captured CUDA graph
         ``attach_lora`` stacks them into one ``LoraStack`` view per (layer, module): two launches per module
     seg_start [max_tokens + 1], seg_adapter [max_tokens], seg_tiles [max_tokens, 2] int32: the step's LoraMeta
 
-``begin_step(segments, decode)`` maps the step's adapters to slots (sticky: an adapter keeps its
+``begin_segments(segments, decode)`` maps the step's adapters to slots (sticky: an adapter keeps its
 slot while it stays on the GPU, so steady decode rewrites no table; a new one takes a free slot or
 one whose adapter this step does not use), fills the metadata and sets ``step.meta`` (MBGMV, one
 row per token, for decode steps; SGMV, one segment per run, otherwise); ``end_step`` clears it.
 A step without adapter tokens sets nothing: every adapted linear is then its base alone.
+``begin_step(rows)`` is the same for a step's ``StepRows`` (rows of other kinds count as base).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 
@@ -86,221 +61,80 @@ from ..model.kv_cache import PagedKVCache
 from .host_tier import AdapterLoadError, HostTier
 from .lora import LoraAdapterError, LoraSpec, TensorCopy, projection_features, read_lora_spec
 from .lora_layers import LoraStep
+from .lora_layout import AdapterLayout, GpuEntry, HostCopy, PlacementTables, ReadPlan, SliceRows, offset_align
 from .pinned_arena import PinnedArena, give_back, host_buffer, release_hook
+from .variants import StepRows, VariantKind
 
 log = logging.getLogger("deltaserve.worker")
 
 OPS = ("to_host", "to_gpu", "drop_gpu", "drop_host")
 """The ``AdapterOp.op`` strings the worker executes."""
-_MAX_VEC_BYTES = 16
-"""Widest vector load the kernels may use on aligned rows (``LoraWeights.offset_align``)."""
-
-
-# ----------------------------------------------------------------------------------- layout
-
-
-@dataclass(frozen=True)
-class SliceRows:
-    """Where one projection's rank rows sit in an adapter's regions."""
-
-    index: int
-    """Position of the projection in ``linear_slots`` order (its row in the a_off/b_off tables)."""
-    proj: str
-    """HF projection name, e.g. ``"q_proj"``."""
-    rank: int
-    """r_p: the largest rank this projection has over layers (rows placed for A and for B^T)."""
-    in_dim: int
-    """Width of an A row."""
-    out_dim: int
-    """Width of a B^T row."""
-    a_pos: tuple[tuple[int, int], ...]
-    """(region, element offset inside it) of ``A[j, :]`` for j < rank."""
-    b_pos: tuple[tuple[int, int], ...]
-    """(region, element offset inside it) of ``B[:, j]`` for j < rank."""
-    packed_start: int
-    """Element offset of this projection's first A row in a layer's packed host row."""
-
-
-@dataclass(frozen=True)
-class AdapterLayout:
-    """One adapter's rows inside pages (module docstring); independent of which pages it gets."""
-
-    region_elems: int
-    """S: elements per region (half a page of one layer)."""
-    slices: tuple[SliceRows, ...]
-    """The targeted projections, in ``linear_slots`` order."""
-    region_used: tuple[int, ...]
-    """Elements used at the front of each region (its tail is left unused)."""
-
-    @property
-    def num_regions(self) -> int:
-        return len(self.region_used)
-
-    @property
-    def num_blocks(self) -> int:
-        """Pages the adapter takes: two regions (K and V half) per page."""
-        return -(-self.num_regions // 2)
-
-    @property
-    def packed_elems(self) -> int:
-        """Elements of one layer's packed host row (every row, back to back)."""
-        return sum(self.region_used)
-
-    @classmethod
-    def plan(cls, ranks: dict[str, int], features: dict[str, tuple[int, int]], order: Sequence[str],
-             region_elems: int) -> "AdapterLayout":
-        """First-fit placement of the rows of projections ``ranks`` (proj -> r_p) in ``order``.
-
-        Raises ValueError naming the projection when a row is wider than a region.
-        """
-        region, off, used = 0, 0, [0]
-        packed = 0
-        slices = []
-
-        def place(width: int) -> tuple[int, int]:
-            nonlocal region, off
-            if off + width > region_elems:
-                region, off = region + 1, 0
-                used.append(0)
-            pos = (region, off)
-            off += width
-            used[region] = off
-            return pos
-
-        for index, proj in enumerate(order):
-            r = ranks.get(proj, 0)
-            if r == 0:
-                continue
-            fin, fout = features[proj]
-            for what, width in (("lora_A row (in_features)", fin), ("lora_B column (out_features)", fout)):
-                if width > region_elems:
-                    raise ValueError(
-                        f"{proj}: a {what} has {width} elements but a page half holds {region_elems} "
-                        f"(block_size x kv heads x head_dim); raise --block-size"
-                    )
-            a_pos = tuple(place(fin) for _ in range(r))
-            b_pos = tuple(place(fout) for _ in range(r))
-            slices.append(SliceRows(index, proj, r, fin, fout, a_pos, b_pos, packed))
-            packed += r * (fin + fout)
-        return cls(region_elems, tuple(slices), tuple(used))
-
-
-@dataclass(frozen=True, eq=False)
-class PlacementTables:
-    """An adapter layout as host tensors, so placing it on pages is a few vector ops and one region copy
-    (``AdapterPool.to_gpu``), not a Python loop over its rows and regions."""
-
-    region_src: torch.Tensor
-    """[R] int64: where each region's used part starts in a layer's packed host row."""
-    region_used: torch.Tensor
-    """[R] int64: elements used at the front of each region."""
-    row_region: torch.Tensor
-    """[2, n_slices, r_max] int64: region of A row j (``[0]``) and B^T row j (``[1]``) of each slice; -1
-    past its rank or for a slice it does not target."""
-    row_inner: torch.Tensor
-    """[2, n_slices, r_max] int64: element offset of that row inside its region (0 where -1 above)."""
-
-    @classmethod
-    def of(cls, layout: AdapterLayout, n_slices: int, r_max: int) -> "PlacementTables":
-        used = torch.tensor(layout.region_used, dtype=torch.int64)
-        region = torch.full((2, n_slices, r_max), -1, dtype=torch.int64)
-        inner = torch.zeros(2, n_slices, r_max, dtype=torch.int64)
-        for s in layout.slices:
-            for half, pos in enumerate((s.a_pos, s.b_pos)):
-                region[half, s.index, : s.rank] = torch.tensor([k for k, _ in pos], dtype=torch.int64)
-                inner[half, s.index, : s.rank] = torch.tensor([o for _, o in pos], dtype=torch.int64)
-        return cls(torch.cumsum(used, 0) - used, used, region, inner)
-
-
-# ----------------------------------------------------------------------------------- tiers
-
-
 PLANS_KEPT = 8192
-"""Read plans ``AdapterPool`` keeps (one per inspected adapter path; a few tens of KB each)."""
+"""Read plans ``LoraPool`` keeps (one per inspected adapter path; a few tens of KB each)."""
 
 
-@dataclass(frozen=True, eq=False)
-class ReadPlan:
-    """How to read one adapter into a host copy, from its config and header (``AdapterPool._plan``)."""
 
-    spec: LoraSpec
-    """The validated config and tensor sites."""
-    layout: AdapterLayout
-    """Where its rows go inside its pages."""
-    copies: list[TensorCopy]
-    """The native reads that fill the packed copy (``AdapterPool._copies``)."""
-    rank: torch.Tensor
-    """[L, n_slices] int32: rows per layer and slice (0 = not adapted there)."""
-    scale: torch.Tensor
-    """[L, n_slices] float32: the LoRA scaling per layer and slice."""
-    host_bytes: int
-    """Bytes of the packed host copy."""
-    tables: PlacementTables
-    """The layout as tensors, for ``to_gpu``."""
+class LoraPlacements:
+    """A copy of the LoRA pool's placements for the plan check (``variants.Placements``): which adapters
+    hold which pages of the pool, and the rules a ``to_gpu``'s pages must follow."""
 
+    def __init__(self, pool: "LoraPool") -> None:
+        self.pool = pool
+        self.gpu = set(pool.gpu)
+        self.page_owner = dict(pool.page_owner)
 
-@dataclass(frozen=True, eq=False)
-class HostCopy:
-    """An adapter read, validated and packed in host memory, ready to be copied into pages."""
+    def ids(self) -> Collection[int]:
+        return self.gpu
 
-    layout: AdapterLayout
-    """Where its rows go inside its pages."""
-    packed: torch.Tensor
-    """[L, layout.packed_elems] in the pool dtype (pinned on CUDA): every layer's rows back to back."""
-    rank: torch.Tensor
-    """[L, n_slices] int32 on CPU: rows read per layer and slice (0 = not adapted there)."""
-    scale: torch.Tensor
-    """[L, n_slices] float32 on CPU: the LoRA scaling per layer and slice."""
-    max_rank: int
-    """Largest rank over its modules."""
-    target_modules: tuple[str, ...]
-    """Adapted projections, in ``linear_slots`` order."""
-    tables: PlacementTables
-    """The layout as tensors, for ``to_gpu``."""
+    def pages(self) -> Mapping[int, int]:
+        return self.page_owner
 
-    @property
-    def nbytes(self) -> int:
-        return self.packed.nbytes
+    def problem(self, op: wire.AdapterOp) -> str | None:
+        """Why ``op.block_ids`` cannot hold the adapter: outside the router's pool, repeated, held by
+        another adapter, or not as many as its finished host copy needs."""
+        blocks, num_blocks = list(op.block_ids), self.pool.router_blocks
+        if not blocks:
+            return "no block ids"
+        outside = [b for b in blocks if not 0 <= b < num_blocks]
+        repeated = sorted({b for b in blocks if blocks.count(b) > 1})
+        taken = [b for b in blocks if b in self.page_owner]
+        need = self.pool.num_blocks_of(op.adapter_id)
+        if outside:
+            return f"block ids {outside[:4]} outside the pool of {num_blocks} blocks"
+        if repeated:
+            return f"block ids {repeated[:4]} repeated"
+        if taken:
+            return f"block ids {taken[:4]} hold adapter {self.page_owner[taken[0]]}"
+        if need is not None and need != len(blocks):
+            return f"{len(blocks)} block ids, the adapter needs {need}"
+        return None
 
+    def place(self, op: wire.AdapterOp) -> None:
+        self.gpu.add(op.adapter_id)
+        self.page_owner.update((b, op.adapter_id) for b in op.block_ids)
 
-@dataclass(eq=False)
-class GpuEntry:
-    """An adapter placed on pages: the device tables one step slot is filled from."""
-
-    block_ids: tuple[int, ...]
-    """The pages holding it, in region order."""
-    a_off: torch.Tensor
-    """[n_slices, r_max] int64 on the device: element offset of A row j of each slice (0 beyond its rank)."""
-    b_off: torch.Tensor
-    """[n_slices, r_max] int64 on the device: element offset of B^T row j of each slice."""
-    rank: torch.Tensor
-    """[L, n_slices] int32 on the device."""
-    scale: torch.Tensor
-    """[L, n_slices] float32 on the device."""
+    def remove(self, variant_id: int) -> None:
+        self.gpu.discard(variant_id)
+        self.page_owner = {b: a for b, a in self.page_owner.items() if a != variant_id}
 
 
-def _offset_align(dims: Sequence[int], itemsize: int) -> int:
-    """Largest power of two (at most 16 bytes of elements) dividing every dim: every row offset is a
-    sum of them, so every offset the tables ever hold is a multiple of it."""
-    align = max(1, _MAX_VEC_BYTES // itemsize)
-    while align > 1 and any(d % align for d in dims):
-        align //= 2
-    return align
-
-
-class AdapterPool:
+class LoraPool:
     """LoRA adapters in host memory and in KV-pool pages, plus the step tables the kernels read."""
 
+    kind = VariantKind.LORA
+
     def __init__(self, cfg: ModelConfig, kv: PagedKVCache, *, max_lora_rank: int, max_loras_per_step: int,
-                 max_tokens: int, arena: PinnedArena | None = None) -> None:
+                 max_tokens: int, arena: PinnedArena | None = None, router_blocks: int | None = None) -> None:
         if max_lora_rank < 1:
-            raise ValueError(f"AdapterPool: max_lora_rank {max_lora_rank} must be >= 1")
+            raise ValueError(f"LoraPool: max_lora_rank {max_lora_rank} must be >= 1")
         if max_loras_per_step < 1:
-            raise ValueError(f"AdapterPool: max_loras_per_step {max_loras_per_step} must be >= 1")
+            raise ValueError(f"LoraPool: max_loras_per_step {max_loras_per_step} must be >= 1")
         self.config = cfg
         """The base model the adapters are validated against."""
         self.kv = kv
         """The one GPU pool: adapter rows live in its pages."""
+        self.router_blocks = kv.num_blocks if router_blocks is None else router_blocks
+        """Pages of the pool the router allocates (all of them, less the CUDA graphs' scratch page)."""
         self.dtype = kv.dtype
         """dtype of the pool, the host copies and the model."""
         self.device = kv.device
@@ -317,7 +151,7 @@ class AdapterPool:
         """S: elements of one page half in one layer."""
         self.flat = kv.kv.view(kv.num_layers, -1)
         """[L, 2 * NB * S]: every layer's flat view (row l is ``kv.kv[l].view(-1)``)."""
-        self.offset_align = _offset_align(
+        self.offset_align = offset_align(
             [self.region_elems, *(d for f in self.features.values() for d in f)], kv.kv.element_size()
         )
         """What every offset is a multiple of (lets the kernels use vector loads)."""
@@ -504,6 +338,12 @@ class AdapterPool:
         """Bytes of the host copies held: finished ones measured, running loads as expected."""
         return self.host.nbytes
 
+    def host_ids(self) -> Collection[int]:
+        return self.host
+
+    def take_finished(self) -> list[int]:
+        return self.host.take_finished()
+
     def wait_host(self, adapter_id: int) -> HostCopy:
         """The host copy, after its load finishes; AdapterLoadError if the load failed."""
         return self.host.wait(adapter_id)
@@ -568,6 +408,9 @@ class AdapterPool:
         if slot is not None:
             self.slot_adapter[slot] = 0
 
+    def placements(self) -> LoraPlacements:
+        return LoraPlacements(self)
+
     def apply(self, op: wire.AdapterOp) -> None:
         """Executes one (already validated) op."""
         if op.op == "to_host":
@@ -614,12 +457,22 @@ class AdapterPool:
     def assign_rows(self, row_adapters: Sequence[int]) -> list[int]:
         """For a decode step replayed from a CUDA graph: fills the table slots of the rows' adapters
         and returns each row's slot (-1 for base rows). The graph's static metadata takes it from
-        there (``DecodeGraphs.run``). Raises ValueError like ``begin_step``."""
+        there (``DecodeGraphs.run``). Raises ValueError like ``begin_segments``."""
         adapters = [a for a in row_adapters if a != 0]
         slot = self._assign_slots(adapters) if adapters else {}
         return [slot[a] if a != 0 else -1 for a in row_adapters]
 
-    def begin_step(self, segments: Sequence[tuple[int, int]], decode: bool) -> bool:
+    def step_problem(self, variant_ids: Collection[int]) -> str | None:
+        if len(variant_ids) > self.max_slots:
+            return f"{len(variant_ids)} distinct adapters in one step exceed --max-loras-per-step {self.max_slots}"
+        return None
+
+    def begin_step(self, rows: StepRows) -> bool:
+        """``begin_segments`` over the step's rows; rows of variants not on this pool's GPU count as base."""
+        gpu = self.gpu
+        return self.begin_segments([(v if v in gpu else 0, n) for v, n in rows.runs], rows.decode)
+
+    def begin_segments(self, segments: Sequence[tuple[int, int]], decode: bool) -> bool:
         """Sets the step's adapter metadata from its token runs ``(adapter_id, n_tokens)`` (0 = base),
         in batch order; returns whether the step has adapter tokens (False: nothing was set).
 
@@ -634,7 +487,7 @@ class AdapterPool:
         runs = [(slot[a] if a != 0 else -1, n) for a, n in segments if n > 0]
         if decode:
             if any(n != 1 for _, n in runs):
-                raise ValueError("begin_step: a decode step has one token per run")
+                raise ValueError("begin_segments: a decode step has one token per run")
             starts = list(range(len(runs) + 1))
         else:
             starts = [0]
@@ -672,4 +525,8 @@ class AdapterPool:
         self.host.close()
 
 
-__all__ = ["AdapterLayout", "AdapterLoadError", "AdapterPool", "GpuEntry", "HostCopy", "OPS", "SliceRows"]
+AdapterPool = LoraPool
+"""The pool's former name (``deltaserve.adapters.AdapterPool``)."""
+
+__all__ = ["AdapterLayout", "AdapterLoadError", "AdapterPool", "GpuEntry", "HostCopy", "LoraPlacements", "LoraPool", "OPS",
+           "PlacementTables", "ReadPlan", "SliceRows"]

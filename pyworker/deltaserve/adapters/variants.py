@@ -1,0 +1,152 @@
+"""The variant seam: the interface every kind of variant pool implements, keyed by kind.
+
+A *variant* is whatever a request runs with besides the base model: a LoRA adapter (``lora_pool.py``)
+or a compressed full fine-tune, a *delta* (``delta_pool.py``). Every kind shares the router's adapter
+id space and its tier ops (``wire.AdapterOp``: to_host / to_gpu / drop_gpu / drop_host, one state
+machine per id, drawn once in ``router/crates/sched/src/adapters.rs``). What differs per kind is how a
+directory is validated and read, where a GPU copy lives (pages of the KV pool, a delta slot) and what a
+step's forward reads. The executor holds one ``VariantPool`` per kind that is on
+(``dict[VariantKind, VariantPool]``) and never asks which kind it talks to::
+
+    InspectAdapter(path, kind) ──> pools[kind].inspect(path)           (or "kind is off" when absent)
+    StepPlan.adapter_ops       ──> plan check: the tier replay over every pool's ``placements()``
+                               ──> pools[op.kind].apply(op), in order
+    forward                    ──> pool.begin_step(StepRows) for every pool ... pool.end_step()
+    StepOutput                 ──> sum of pool.host_bytes, concat of pool.take_finished()
+
+A third kind is one more implementation of ``VariantPool`` plus one entry where the executor builds
+its pools, not a branch in each of these places.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Collection, Mapping, Protocol, Sequence
+
+from .. import wire
+
+
+class VariantKind(IntEnum):
+    """The kinds of variant (the wire's ``AdapterOp.kind`` once the wire carries it)."""
+
+    LORA = 0
+    DELTA = 1
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+NOUN = {VariantKind.LORA: "LoRA adapter", VariantKind.DELTA: "delta"}
+"""How messages name a variant of each kind."""
+WITH_ARTICLE = {VariantKind.LORA: "a LoRA adapter", VariantKind.DELTA: "a delta"}
+"""The same with its article ("the id is a delta on this worker")."""
+OFF_REASON = {
+    VariantKind.LORA: "LoRA is off on this worker (--max-lora-rank 0)",
+    VariantKind.DELTA: "delta serving is off on this worker (--max-deltas 0)",
+}
+"""Why a worker without a pool of that kind refuses its variants (the flag that turned it off)."""
+
+
+def refused_as_off(kind: VariantKind, path: str | Path) -> wire.AdapterInfo:
+    """The inspection answer of a worker whose pool of ``kind`` is off."""
+    return wire.AdapterInfo(error=f"{NOUN[kind]} {path}: {OFF_REASON[kind]}", kind=kind.label)
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """Which variant every row of a forward uses, in ``ForwardBatch`` order (0: the base model).
+
+    Ids of every kind are mixed; each pool picks out the ones it holds on the GPU (the plan check
+    made sure each non-zero id is GPU-resident in exactly one pool).
+    """
+
+    runs: Sequence[tuple[int, int]]
+    """(variant id, tokens) of each scheduled request: scheduled new requests, then running ones."""
+    logit_ids: Sequence[int]
+    """The variant id of each logits row (the requests that sample, in order)."""
+    decode: bool
+    """Every run is one token that wants logits (MBGMV / per-row metadata; a CUDA graph may replay)."""
+
+    @property
+    def variant_ids(self) -> set[int]:
+        """The distinct non-zero variant ids of the step."""
+        return {v for v, _ in self.runs if v != 0}
+
+
+class Placements(Protocol):
+    """A copy of one pool's GPU placements that a plan's ops are replayed on before anything is
+    applied (``worker/plan_check.py``); changing it changes nothing in the pool."""
+
+    def ids(self) -> Collection[int]:
+        """Variant ids on the GPU."""
+        ...
+
+    def pages(self) -> Mapping[int, int]:
+        """KV-pool page -> the variant whose weights it holds (empty for kinds that hold no pages)."""
+        ...
+
+    def problem(self, op: wire.AdapterOp) -> str | None:
+        """Why the ``to_gpu`` ``op`` cannot be placed now (its host copy is known to exist), or None."""
+        ...
+
+    def place(self, op: wire.AdapterOp) -> None:
+        """Records the ``to_gpu`` ``op`` (``problem`` was None)."""
+        ...
+
+    def remove(self, variant_id: int) -> None:
+        """Records a ``drop_gpu`` of a resident variant."""
+        ...
+
+
+class VariantPool(Protocol):
+    """One kind's variants on the worker: host copies, GPU copies, and what a step's forward reads."""
+
+    kind: VariantKind
+    """The kind of every variant this pool holds."""
+
+    def inspect(self, path: str | Path) -> wire.AdapterInfo:
+        """Validates the directory as a variant of this kind for this model and reports its footprint;
+        changes nothing and never raises for a bad variant (``error`` says what and where)."""
+        ...
+
+    def host_ids(self) -> Collection[int]:
+        """Variant ids with a host copy (loaded or loading)."""
+        ...
+
+    def placements(self) -> Placements:
+        """A copy of the GPU placements, for the plan check's replay."""
+        ...
+
+    def step_problem(self, variant_ids: Collection[int]) -> str | None:
+        """Why one step cannot use these (GPU-resident) variants of this pool together, or None."""
+        ...
+
+    def apply(self, op: wire.AdapterOp) -> None:
+        """Executes one tier op the plan check accepted (a failed host read surfaces here, at the
+        ``to_gpu`` that needs it, as ``AdapterLoadError``)."""
+        ...
+
+    def begin_step(self, rows: StepRows) -> bool:
+        """Sets what the forward reads for the rows of this pool's variants; returns whether the step
+        has any (False: nothing was set, the modules compute their base alone)."""
+        ...
+
+    def end_step(self) -> None:
+        """Back to inactive after the forward."""
+        ...
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host copies held (finished reads measured, running ones as expected)."""
+        ...
+
+    def take_finished(self) -> list[int]:
+        """Ids whose host reads finished since the last call (``StepOutput.host_ready``)."""
+        ...
+
+    def close(self) -> None:
+        """Stops the background readers."""
+        ...

@@ -1,0 +1,174 @@
+"""The forward runner: one step's forward pass and sampling queued on the device, then its tokens.
+
+``launch`` builds the step's rows from the scheduled requests (each computes tokens
+``[num_computed, num_computed + n)`` and wants logits only when that reaches the end of its known
+tokens; a partial prefill chunk does not), picks how to run them and queues the sampling::
+
+    decode step a captured graph takes (``DecodeGraphs.takes``) ──> DecodeGraphs.run_rows: replay
+    anything else ──> every variant pool's begin_step(rows) ── DecoderLM.forward ── end_step
+    ──> Sampler.launch over the logits rows
+
+CUDA graphs: each decode bucket has a plain graph (no LoRA work, for base-only steps) and, with
+LoRA on, a graph captured with the adapted linears active over static metadata; decode steps with
+delta rows replay a graph of the step's delta configs (and LoRA rows, if any), captured the first
+time such a step comes, where the CUDA SBMM op runs (else they run eagerly). Prefill and mixed steps
+run eagerly (``cuda_graphs.py``).
+
+A running request whose last sampled token is still on the device (the step before is in flight)
+computes it anyway: its input row is copied on the device from that step's sampled tensor.
+``finish`` waits for the sampled tokens and appends them to their requests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from deltaserve import wire
+from deltaserve.adapters.variants import StepRows, VariantKind, VariantPool
+from deltaserve.model.batch import ForwardBatch, to_device
+from deltaserve.model.decoder import DecoderLM
+from deltaserve.model.kv_cache import PagedKVCache
+
+from .cuda_graphs import DecodeGraphs
+from .requests import RequestState
+from .sampler import LaunchedSample, Sampler
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; ``Executor.finish`` completes it."""
+
+    #: The plan's step id.
+    step_id: int
+    #: Every scheduled request and its token count, in batch order.
+    scheduled: list[tuple[RequestState, int]]
+    #: The requests that sample a token, in the sampled tensor's row order.
+    samplers: list[RequestState]
+    #: When the launch began (``timing.forward_us`` runs from here to the tokens being on the host).
+    started: float
+    #: The queued sampling (None when no request samples).
+    sampled: LaunchedSample | None = None
+    #: req_id -> its row in ``sampled``.
+    sample_row: dict[int, int] = field(default_factory=dict)
+    #: Recorded after the step's work on CUDA; None on CPU (work there is done when launch returns).
+    done: torch.cuda.Event | None = None
+
+    def is_done(self) -> bool:
+        """Whether the device has finished the step (``finish`` would not wait)."""
+        return self.done is None or self.done.query()
+
+
+class ForwardRunner:
+    """Queues steps' forwards (graph replay or eager, with every variant pool's step state) and sampling."""
+
+    def __init__(self, model: DecoderLM, kv: PagedKVCache, sampler: Sampler, pools: Mapping[VariantKind, VariantPool],
+                 graphs: DecodeGraphs | None, block_size: int) -> None:
+        self.model = model
+        self.kv = kv
+        self.sampler = sampler
+        self.pools = pools
+        """The executor's variant pools by kind (the same dict)."""
+        self.graphs = graphs
+        """Captured decode steps, when enabled."""
+        self.block_size = block_size
+        self.device = kv.device
+
+    def launch(self, step_id: int, scheduled: list[tuple[RequestState, int]],
+               in_flight: LaunchedStep | None) -> LaunchedStep:
+        """Queues the forward and sampling of ``scheduled`` (requests already updated by the plan)."""
+        launched = LaunchedStep(step_id=step_id, scheduled=scheduled, samplers=[], started=time.perf_counter())
+        if not scheduled:
+            return launched
+        seqs = []
+        samplers = launched.samplers
+        # Input rows that are tokens still being sampled by ``in_flight``: (row, its sampled row).
+        patch_rows: list[int] = []
+        patch_from: list[int] = []
+        row = 0
+        for state, n in scheduled:
+            end = state.num_computed + n
+            known = len(state.token_ids)
+            wants_logits = end == known + state.pending
+            tokens = state.token_ids[state.num_computed:end]
+            if end > known:  # the pending token: a placeholder here, filled on the device below
+                assert in_flight is not None and end == known + 1 == state.num_computed + 1
+                patch_rows.append(row)
+                patch_from.append(in_flight.sample_row[state.req_id])
+                tokens = [0]
+            seqs.append((tokens, state.num_computed, state.block_table, wants_logits))
+            if wants_logits:
+                samplers.append(state)
+            row += n
+        pending_inputs = None
+        if patch_rows:
+            assert in_flight is not None and in_flight.sampled is not None
+            pending_inputs = (to_device(patch_rows, torch.long, self.device),
+                              in_flight.sampled.token_ids.index_select(0, to_device(patch_from, torch.long, self.device)))
+        decode = len(samplers) == len(seqs) and all(n == 1 for _, n in scheduled)
+        rows = StepRows([(s.adapter_id, n) for s, n in scheduled], [s.adapter_id for s in samplers], decode)
+        with torch.inference_mode():
+            logits = self.forward(seqs, rows, pending_inputs)
+            if samplers:
+                launched.sampled = self.sampler.launch(
+                    logits,
+                    [s.sampling for s in samplers],
+                    [len(s.token_ids) + s.pending - s.num_prompt_tokens for s in samplers],
+                )
+        # The step's tokens are computed (or queued to be): the next step continues from there.
+        for state, n in scheduled:
+            state.num_computed += n
+        for j, state in enumerate(samplers):
+            state.pending += 1
+            launched.sample_row[state.req_id] = j
+        if self.device.type == "cuda":
+            launched.done = torch.cuda.Event()
+            launched.done.record()
+        return launched
+
+    def forward(self, seqs: list, rows: StepRows,
+                pending_inputs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Logits of the rows that want them: a captured graph's replay when one takes the step, else an
+        eager forward with every variant pool's step state set (pools without rows of the step set nothing)."""
+        if rows.decode and self.graphs is not None and self.graphs.takes(rows):
+            return self.graphs.run_rows(ForwardBatch.build(seqs, self.block_size, "cpu"), rows, pending_inputs)
+        batch = ForwardBatch.build(seqs, self.block_size, self.device)
+        if pending_inputs is not None:
+            batch.input_ids.index_copy_(0, *pending_inputs)
+        begun: list[VariantPool] = []
+        try:
+            if any(v != 0 for v, _ in rows.runs):  # a base-only step sets nothing
+                for pool in self.pools.values():
+                    if pool.begin_step(rows):
+                        begun.append(pool)
+            return self.model.forward(batch, self.kv)
+        finally:
+            for pool in begun:
+                pool.end_step()
+
+    def finish(self, launched: LaunchedStep) -> tuple[list[wire.RequestOutput], int]:
+        """Waits for ``launched``'s sampled tokens and appends them to their requests; returns each
+        scheduled request's output (``token_id`` None for partial prefill chunks) and ``forward_us``."""
+        sampled = launched.sampled.result() if launched.sampled is not None else None
+        forward_us = int((time.perf_counter() - launched.started) * 1e6)
+        outputs = []
+        for state, _ in launched.scheduled:
+            j = launched.sample_row.get(state.req_id)
+            if j is None or sampled is None:  # a partial prefill chunk: nothing to sample yet
+                outputs.append(wire.RequestOutput(req_id=state.req_id, token_id=None, logprob=None, top_logprobs=[]))
+                continue
+            token = sampled.token_ids[j]
+            state.token_ids.append(token)
+            state.pending -= 1
+            outputs.append(
+                wire.RequestOutput(
+                    req_id=state.req_id,
+                    token_id=token,
+                    logprob=sampled.logprobs[j],
+                    top_logprobs=[wire.TokenLogprob(token_id=t, logprob=lp) for t, lp in sampled.top_logprobs[j]],
+                )
+            )
+        return outputs, forward_us
