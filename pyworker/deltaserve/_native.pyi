@@ -11,7 +11,20 @@ OS gave one, e.g. ``FileNotFoundError`` for a missing ring); bad arguments (a fr
 """
 
 import os
-from typing import Final, Literal, Optional, Sequence
+from collections.abc import Sequence
+from typing import Final, Literal, Self, final
+
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "RouterLink",
+    "SchedError",
+    "Scheduler",
+    "WorkerLink",
+    "read_safetensors_header",
+    "read_safetensors_into",
+    "schema_hash",
+    "schema_text",
+]
 
 #: Ring capacity in bytes used when none is given (4 MiB; frames up to half of it).
 DEFAULT_CAPACITY: Final[int]
@@ -22,6 +35,7 @@ def schema_hash() -> str:
 def schema_text() -> str:
     """The canonical schema text the hash is computed from; must equal ``wire.SCHEMA_TEXT``."""
 
+@final
 class WorkerLink:
     """The worker's half of a router<->worker link in ``ipc_dir`` (created by the router).
 
@@ -29,20 +43,20 @@ class WorkerLink:
     frames (encode/decode them with ``deltaserve.wire``).
     """
 
-    def __init__(self, ipc_dir: str, spin_us: int = 0) -> None:
+    def __new__(cls, ipc_dir: str, spin_us: int = 0) -> Self:
         """Opens ``to_worker.ring``/``.bell`` (incoming) and ``from_worker.ring``/``.bell`` (outgoing).
 
         ``recv`` polls the ring for ``spin_us`` microseconds before sleeping on the doorbell.
         """
 
-    def send(self, data: bytes, timeout_s: Optional[float] = None) -> None:
+    def send(self, data: bytes, timeout_s: float | None = None) -> None:
         """Sends one frame, waiting while the ring is full (``None``: as long as it takes).
 
         Raises ``ValueError`` if ``len(data) > max_frame_len`` (large bytes never travel on the
         ring) and ``TimeoutError`` if the ring stayed full for ``timeout_s`` seconds.
         """
 
-    def recv(self, timeout_s: Optional[float] = None) -> Optional[bytes]:
+    def recv(self, timeout_s: float | None = None) -> bytes | None:
         """The next frame, waiting at most ``timeout_s`` seconds (``None``: forever); ``None`` on timeout."""
 
     @property
@@ -53,20 +67,21 @@ class WorkerLink:
     def max_frame_len(self) -> int:
         """Largest frame ``send`` accepts: half the ring capacity minus the 4-byte length prefix."""
 
+@final
 class RouterLink:
     """The router's half of a link, so Python tests and tools can play the router."""
 
-    def __init__(self, ipc_dir: str, create: bool = True, capacity: int = ...) -> None:
+    def __new__(cls, ipc_dir: str, create: bool = True, capacity: int = 4194304) -> Self:
         """Opens the router's half; with ``create`` first creates ``ipc_dir`` and its four files.
 
         ``capacity`` (bytes, a power of two, default ``DEFAULT_CAPACITY``) sizes each ring when
         creating. Creating replaces stale files of an earlier link in the same directory.
         """
 
-    def send(self, data: bytes, timeout_s: Optional[float] = None) -> None:
+    def send(self, data: bytes, timeout_s: float | None = None) -> None:
         """Sends one frame to the worker; same contract as ``WorkerLink.send``."""
 
-    def recv(self, timeout_s: Optional[float] = None) -> Optional[bytes]:
+    def recv(self, timeout_s: float | None = None) -> bytes | None:
         """The next frame from the worker; same contract as ``WorkerLink.recv``."""
 
     @property
@@ -111,6 +126,7 @@ class SchedError(ValueError):
     ``kv_pool_too_small``, ``unknown_adapter``, ``invalid_adapter``, ``duplicate_adapter``,
     ``adapter_too_big``, ``adapter_in_use`` or ``deltas_disabled``."""
 
+@final
 class Scheduler:
     """The router's scheduler (``router/crates/sched``): continuous batching over one paged pool that
     holds the KV cache and LoRA adapter pages, plus the variants' tiers (disk, host, GPU pages or
@@ -129,25 +145,25 @@ class Scheduler:
     (the worker feeds each request the token it sampled in the step before).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         block_size: int,
         num_blocks: int,
         max_model_len: int,
         *,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
-        host_adapter_bytes: int = 4 << 30,
+        host_adapter_bytes: int = 4294967296,
         prefetch_window: int = 64,
         max_deltas: int = 3,
         host_copy_reports: bool = False,
-    ) -> None:
+    ) -> Self:
         """A scheduler over an empty queue and ``num_blocks`` free pages of ``block_size`` tokens.
 
         The router takes ``block_size``, ``num_blocks`` and ``max_model_len`` from the worker's
         ``Hello``. ``max_num_seqs``: most requests running at once; ``max_num_batched_tokens``: the
         token budget of a step (prefill chunks plus decode tokens); ``host_adapter_bytes``: the
-        budget of variant host copies; ``prefetch_window``: waiting requests whose variants are read
+        budget of variant host copies (4 GiB); ``prefetch_window``: waiting requests whose variants are read
         into host memory ahead (0: off); ``max_deltas``: the worker's delta slots (0: deltas off);
         ``host_copy_reports``: the worker reports finished host reads (``StepOutput.host_ready``)
         and requests whose variant is still being read wait (the router turns it on; off, a host
@@ -177,7 +193,7 @@ class Scheduler:
         adapter_id: int = 0,
         eos_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
-        sampling: Optional[bytes] = None,
+        sampling: bytes | None = None,
     ) -> None:
         """Queues a request for at most ``max_tokens`` output tokens (fewer when it samples one of
         ``eos_token_ids``, unless ``ignore_eos``), with variant ``adapter_id`` (0: the base model).
@@ -187,18 +203,18 @@ class Scheduler:
         (greedy). ``SchedError`` for a live id, an empty prompt, ``max_tokens`` 0, a request longer
         than ``max_model_len`` or larger than the pool, an unregistered variant."""
 
-    def schedule(self) -> Optional[bytes]:
+    def schedule(self) -> bytes | None:
         """The next step as an encoded ``wire.StepPlan`` frame, or ``None`` when nothing can run (its
         releases and adapter ops then wait for the next step). Calling it with a step outstanding
         abandons that step: its requests are scheduled again from their last update."""
 
-    def schedule_ahead(self) -> Optional[bytes]:
+    def schedule_ahead(self) -> bytes | None:
         """With exactly one step outstanding, the step after it as an encoded ``wire.StepPlan``,
         formed before that step's output: a request it samples for is scheduled for that token.
         ``None`` (nothing changed) when it would have to preempt or nothing can run: wait for the
         output, ``update``, then ``schedule``."""
 
-    def update(self, output: bytes) -> list[tuple[int, int, Optional[Literal["length", "eos"]]]]:
+    def update(self, output: bytes) -> list[tuple[int, int, Literal["length", "eos"] | None]]:
         """Applies an encoded ``wire.StepOutput`` frame answering the oldest outstanding step: its
         ``host_ready`` first, then its tokens. Returns the tokens appended, as ``(req_id, token,
         finish_reason)``; a request that finished is released in the next step. A request the step
@@ -229,17 +245,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
 
-    def output_tokens(self, req_id: int) -> Optional[list[int]]:
+    def output_tokens(self, req_id: int) -> list[int] | None:
         """The output tokens of a live request so far; ``None`` for one that is not live."""
 
-    def skip_parent(self, req_id: int) -> Optional[int]:
+    def skip_parent(self, req_id: int) -> int | None:
         """The running request a delta request rides on after skipping the queue (DeltaZip's
         skip-the-line); ``None`` for any other request."""
 
     def adapter_users(self, adapter_id: int) -> int:
         """Live requests naming the variant; 0 for an unknown one."""
 
-    def adapter_residency(self, adapter_id: int) -> Optional[tuple[bool, Optional[list[int]]]]:
+    def adapter_residency(self, adapter_id: int) -> tuple[bool, list[int] | None] | None:
         """``(on_host, gpu_blocks)`` of a registered variant: whether the worker holds a host copy,
         and its GPU pages (``None`` when off the GPU, empty for a delta in its slot); ``None`` for
         an unknown id."""

@@ -244,11 +244,21 @@ struct RouterLink {
     link: Link,
 }
 
+const _: () = assert!(
+    DEFAULT_CAPACITY == 4194304,
+    "update RouterLink's text_signature"
+);
+
 #[pymethods]
 impl RouterLink {
     /// Opens the router's half; with `create`, first creates `ipc_dir` and its four files.
     #[new]
-    #[pyo3(signature = (ipc_dir, create=true, capacity=DEFAULT_CAPACITY))]
+    #[pyo3(
+        signature = (ipc_dir, create=true, capacity=DEFAULT_CAPACITY),
+        // The default spelled out for `help()` and stubtest (`...` otherwise); the assert above
+        // keeps it equal to the constant.
+        text_signature = "(ipc_dir, create=True, capacity=4194304)"
+    )]
     fn new(ipc_dir: &str, create: bool, capacity: usize) -> PyResult<Self> {
         let dir = if create {
             IpcDir::create(ipc_dir, capacity).map_err(py_err)?

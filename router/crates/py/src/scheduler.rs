@@ -75,6 +75,15 @@ impl Scheduler {
     }
 }
 
+// `Scheduler.__new__`'s text_signature spells these out.
+const _: () = {
+    assert!(DEFAULT_MAX_NUM_SEQS == 256);
+    assert!(DEFAULT_MAX_NUM_BATCHED_TOKENS == 2048);
+    assert!(DEFAULT_HOST_ADAPTER_BYTES == 4294967296);
+    assert!(DEFAULT_PREFETCH_WINDOW == 64);
+    assert!(DEFAULT_MAX_DELTAS == 3);
+};
+
 #[pymethods]
 impl Scheduler {
     /// A scheduler over an empty queue and an all-free pool (`SchedulerConfig`; the router takes
@@ -88,7 +97,13 @@ impl Scheduler {
         prefetch_window = DEFAULT_PREFETCH_WINDOW,
         max_deltas = DEFAULT_MAX_DELTAS,
         host_copy_reports = false,
-    ))]
+    ),
+    // The defaults spelled out for `help()` and stubtest (`...` otherwise); the asserts above
+    // keep them equal to the constants (before `impl Scheduler`).
+    text_signature = "(block_size, num_blocks, max_model_len, *, max_num_seqs=256, \
+        max_num_batched_tokens=2048, host_adapter_bytes=4294967296, prefetch_window=64, \
+        max_deltas=3, host_copy_reports=False)"
+    )]
     #[allow(clippy::too_many_arguments)] // one keyword per config field
     fn new(
         py: Python<'_>,
@@ -157,7 +172,10 @@ impl Scheduler {
     #[pyo3(signature = (
         req_id, prompt, max_tokens, *,
         arrival = 0, adapter_id = 0, eos_token_ids = Vec::new(), ignore_eos = false, sampling = None,
-    ))]
+    ),
+    text_signature = "($self, req_id, prompt, max_tokens, *, arrival=0, adapter_id=0, \
+        eos_token_ids=(), ignore_eos=False, sampling=None)"
+    )]
     #[allow(clippy::too_many_arguments)] // one keyword per request field
     fn add_request(
         &mut self,
