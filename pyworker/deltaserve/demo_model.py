@@ -128,7 +128,8 @@ def _convert_into(source: Path, tmp: Path, source_sha256: str) -> None:
     cfg.pop("quantization_config", None)
     if cfg.get("architectures") in (None, []):
         cfg["architectures"] = ["LlamaForCausalLM"]
-    clean = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)
+    # transformers types PreTrainedModel.to through functools.wraps, which loses the bound self.
+    clean = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)  # type: ignore[arg-type]
     state = {k: v.to(torch.bfloat16) for k, v in gguf_model.state_dict().items()}
     missing, unexpected = clean.load_state_dict(state, strict=False)
     # A tied lm_head may be absent from one side; anything else means the names did not line up.

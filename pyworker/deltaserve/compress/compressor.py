@@ -406,13 +406,16 @@ def _collect_hessian(
 ) -> torch.Tensor:
     """``(2/n) Σ x xᵀ`` over the inputs of ``layer.<module_path>`` for every calibration token."""
     module = layer.get_submodule(module_path)
-    in_f = module.weight.shape[1]
-    acc = {"H": torch.zeros(in_f, in_f, dtype=torch.float32, device=module.weight.device), "n": 0}
+    weight = layer.get_parameter(f"{module_path}.weight")
+    in_f = weight.shape[1]
+    hessian = torch.zeros(in_f, in_f, dtype=torch.float32, device=weight.device)
+    n = 0
 
     def hook(_mod: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        nonlocal n
         x = args[0].reshape(-1, in_f).to(torch.float32)
-        acc["H"].addmm_(x.T, x)
-        acc["n"] += x.shape[0]
+        hessian.addmm_(x.T, x)
+        n += x.shape[0]
         raise _StopForward
 
     handle = module.register_forward_pre_hook(hook)
@@ -424,7 +427,7 @@ def _collect_hessian(
                 pass
     finally:
         handle.remove()
-    return acc["H"] * (2.0 / max(acc["n"], 1))
+    return hessian * (2.0 / max(n, 1))
 
 
 def format_report(manifest: dict[str, Any], per_tensor: bool = True) -> str:

@@ -285,7 +285,7 @@ def _read_payload(path: Path, codec: str, alloc: Callable[[int], torch.Tensor]) 
         size = path.stat().st_size
         buf = alloc(size)
         with path.open("rb") as f:
-            got = f.readinto(memoryview(buf.numpy()))
+            got = f.readinto(buf.numpy().data)
         if got != size:
             raise DeltaFormatError(f"{path}: read {got} of {size} bytes (the file changed while loading)")
     else:

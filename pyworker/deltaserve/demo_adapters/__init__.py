@@ -235,7 +235,7 @@ def train_task(task: Task, model_dir: Path, out_dir: Path) -> float:
         if "lora_" in name:
             p.data = p.data.to(torch.bfloat16)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
     cfg_path = out_dir / "adapter_config.json"  # drop the machine-local base path peft records
     cfg = json.loads(cfg_path.read_text())
     cfg["base_model_name_or_path"] = "SmolLM2-135M-Instruct"

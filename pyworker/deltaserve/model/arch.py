@@ -243,6 +243,7 @@ class ModelConfig:
 def _resolve_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either ``rope_parameters`` (transformers 5) or the classic keys."""
     params = raw.get("rope_parameters")
+    scaling: dict[str, Any] | None
     if params is not None:
         field_name = "rope_parameters"
         if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):

@@ -340,8 +340,12 @@ def _split_fused_state_dict(model: DecoderLM, state_dict: dict[str, Any], prefix
     items = list(state_dict.items())
     state_dict.clear()
     for key, value in items:
-        for hf_key, start, size in parts.get(key, [(key, None, None)]):
-            state_dict[hf_key] = value if start is None else value[start : start + size]
+        pieces = parts.get(key)
+        if pieces is None:
+            state_dict[key] = value
+            continue
+        for hf_key, start, size in pieces:
+            state_dict[hf_key] = value[start : start + size]
 
 
 def _join_fused_state_dict(model: DecoderLM, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:

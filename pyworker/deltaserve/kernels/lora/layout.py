@@ -231,12 +231,12 @@ class LoraStack:
         and whose tables are views of one tensor each, a uniform stride apart (the adapter pool's
         per-projection weights). No copy: refilling the per-slice tables refills the stack. Raises
         ValueError naming what differs when the slices cannot be stacked that way."""
-        used = [(i, s) for i, s in enumerate(slices) if s.weights is not None]
+        used = [(i, s, s.weights) for i, s in enumerate(slices) if s.weights is not None]
         if not used:
             raise ValueError("lora: LoraStack.from_slices needs at least one slice with weights")
-        ws = [s.weights for _, s in used]
+        ws = [w for _, _, w in used]
         w0 = ws[0]
-        for (i, s), w in zip(used, ws):
+        for i, s, w in used:
             if w.a_pool.data_ptr() != w0.a_pool.data_ptr() or w.a_pool.shape != w0.a_pool.shape \
                     or w.b_pool.data_ptr() != w0.b_pool.data_ptr() or w.b_pool.shape != w0.b_pool.shape:
                 raise ValueError(f"lora: slice {i} does not share the first slice's a_pool / b_pool")
@@ -246,8 +246,8 @@ class LoraStack:
                 raise ValueError(f"lora: slice {i} has {s.size} columns, its weights out_dim {w.out_dim}")
         stacked = {name: _stack_views(name, [getattr(w, name) for w in ws])
                    for name in ("a_offsets", "b_offsets", "rank", "scale")}
-        return cls(w0.a_pool, w0.b_pool, in_dim=w0.in_dim, out_dims=tuple(s.size for _, s in used),
-                   out_offsets=tuple(s.offset for _, s in used), check=all(w.check for w in ws),
+        return cls(w0.a_pool, w0.b_pool, in_dim=w0.in_dim, out_dims=tuple(s.size for _, s, _ in used),
+                   out_offsets=tuple(s.offset for _, s, _ in used), check=all(w.check for w in ws),
                    offset_align=min(w.offset_align for w in ws), **stacked)
 
     def as_slices(self) -> list[LoraSlice]:

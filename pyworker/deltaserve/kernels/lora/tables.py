@@ -50,6 +50,6 @@ class LaunchTables:
                             w.b_offsets.stride(0), 0, 0, w.rank, w.rank, w.out_dim, False)
 
 
-def align(w: LoraWeights, pool: torch.Tensor) -> int:
+def align(w: LoraWeights | LoraStack, pool: torch.Tensor) -> int:
     """ALIGN for the kernels: the offsets' promised alignment, capped at one 16-byte vector."""
     return min(w.offset_align, 16 // pool.element_size())

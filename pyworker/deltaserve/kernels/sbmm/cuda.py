@@ -172,7 +172,7 @@ def launch_cuda(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, slices: Se
         *(ptrs([getattr(w, name).data_ptr() if name != "qindices" or w.sparse else None for w, _ in slices])
           for name in ("qvalues", "qindices", "scales", "zeros", "qvalues_offsets", "qindices_offsets",
                        "group_offsets")),
-        ptrs([w.half2_ok.data_ptr() if half2 else None for w, _ in slices]),
+        ptrs([w.half2_flags.data_ptr() if half2 else None for w, _ in slices]),
         (ctypes.c_int * n)(*[w.out_features for w, _ in slices]), (ctypes.c_int * n)(*[col for _, col in slices]), n,
         w0.in_features, w0.group_size, x.stride(0), out.stride(0), w0.bits, int(w0.sparse), _CUDA_DTYPES[x.dtype],
         max(meta.tile_tokens, 1), meta.grid_tiles, split, rows, cols, _CUDA_BLOCKS_PER_SM * sm_count(x.device),

@@ -167,13 +167,13 @@ def dense_segments(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: De
     (``dequantize_slot``) and one matmul ``out[a:b] += x[a:b] Δ̃^T`` (fp32 accumulation, one rounding:
     cuBLAS's ``beta = 1``), instead of one dequantisation per work tile. Consecutive segments of one
     slot share the dequantised delta."""
-    scratch, held = None, -1
+    scratch: torch.Tensor | None = None
+    held = -1
     for start, end, slot in meta.dense:
-        if slot != held:
+        if scratch is None or slot != held:
             scratch = dequantize_slot(w, slot, x.dtype, out=scratch)
             held = slot
         out[start:end].addmm_(x[start:end], scratch.t())
-    return out
     return out
 
 

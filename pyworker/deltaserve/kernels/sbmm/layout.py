@@ -109,6 +109,12 @@ class DeltaWeights:
                              "on the pool's device")
         self._check_offsets()
 
+    @property
+    def half2_flags(self) -> torch.Tensor:
+        """``half2_ok`` as construction leaves it: never None (``__post_init__`` fills a None)."""
+        assert self.half2_ok is not None
+        return self.half2_ok
+
     def slot_shapes(self) -> tuple[tuple[int, int], tuple[int, int] | None, tuple[int, int]]:
         """Shapes of one slot's qvalues, qindices (None when dense) and scales / zeros blocks."""
         out, inf, b = self.out_features, self.in_features, self.bits
@@ -199,7 +205,7 @@ class DeltaWeights:
         self._forget(slot)
         self.loaded[slot] = True
         z = dst.zeros
-        self.half2_ok[slot] = ((z == z.round()) & (z.abs() < 1024)).all()  # on the device: no sync
+        self.half2_flags[slot] = ((z == z.round()) & (z.abs() < 1024)).all()  # on the device: no sync
 
     def clear(self, slot: int) -> None:
         """Marks slot ``slot`` empty; a step that uses it is refused until the next ``store``."""
