@@ -114,11 +114,14 @@ gen-wire: ## regenerate pyworker/deltaserve/wire.py from the Rust schema
 GPU_PY ?= python3
 GPU_ENV = PYTHONPATH=$(abspath pyworker)$(if $(PYTHONPATH),:$(PYTHONPATH)) DELTASERVE_TEST_GPU=1 DELTASERVE_BIN=$(abspath target/release/deltaserve)
 
-# Three parts, each within 10 minutes on one H100 or H200, selected by markers (pyproject.toml).
-test-gpu: test-gpu-kernels test-gpu-graphs test-gpu-e2e ## (CUDA machine) every GPU part below
+# Four parts, each well within 10 minutes on one H100, selected by markers (pyproject.toml).
+test-gpu: test-gpu-kernels test-gpu-sbmm test-gpu-graphs test-gpu-e2e ## (CUDA machine) every GPU part below
 
-test-gpu-kernels: ## (CUDA machine) every kernel against its torch reference on the GPU
+test-gpu-kernels: ## (CUDA machine) attention, fused ops, LoRA kernels, host copies against their torch references
 	$(GPU_ENV) $(GPU_PY) -m pytest tests -q -m gpu_kernels
+
+test-gpu-sbmm: ## (CUDA machine) the compressed-delta kernels (Triton and CUDA SBMM, dense delta rows) against references
+	$(GPU_ENV) $(GPU_PY) -m pytest tests -q -m gpu_sbmm
 
 test-gpu-graphs: ## (CUDA machine) CUDA-graph capture and replay (base, LoRA, delta rows)
 	$(GPU_ENV) $(GPU_PY) -m pytest tests -q -m gpu_graphs

@@ -31,7 +31,7 @@ import torch
 from deltaserve.kernels.dense_delta import dense_delta_rows, dense_delta_rows_ref, dense_delta_rows_triton
 from deltaserve.kernels.sbmm import DeltaMeta
 
-pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
+pytestmark = pytest.mark.gpu_sbmm  # `make test-gpu-sbmm` selects it on a GPU
 
 DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

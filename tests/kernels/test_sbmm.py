@@ -39,7 +39,7 @@ from deltaserve.kernels.sbmm import (
     DeltaMeta, DeltaWeights, dequantize_slot, make_delta_weights, sbmm, sbmm_ref, sbmm_triton,
 )
 
-pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
+pytestmark = pytest.mark.gpu_sbmm  # `make test-gpu-sbmm` selects it on a GPU
 
 DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
