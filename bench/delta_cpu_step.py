@@ -42,11 +42,12 @@ def main(argv: list[str] | None = None) -> Path:
     args = p.parse_args(argv)
     threads = torch.get_num_threads()
     ex = Executor(default_out_dir(), device="cpu", dtype="float32", block_size=16)
-    info = ex.inspect_adapter(str(args.delta))
+    info = ex.inspect_adapter(str(args.delta), wire.VariantKind.DELTA)
     if info.error:
         raise SystemExit(info.error)
-    ex.step(wire.StepPlan(step_id=10**9, adapter_ops=[wire.AdapterOp(1, "to_host", str(args.delta), []),
-                                                      wire.AdapterOp(1, "to_gpu", "", [])]))  # fmt: skip
+    delta = wire.VariantKind.DELTA
+    ex.step(wire.StepPlan(step_id=10**9, adapter_ops=[wire.AdapterOp(1, wire.TierOp.TO_HOST, str(args.delta), [], delta),
+                                                      wire.AdapterOp(1, wire.TierOp.TO_GPU, "", [], delta, 0)]))  # fmt: skip
     rows = {}
     for k, (name, ids) in enumerate((("base", [0] * args.batch), ("delta", [1] * args.batch))):
         times = bench_batch(ex, args.batch, args.ctx, args.steps, args.warmup, first_id=(k + 1) * 100_000,

@@ -80,12 +80,12 @@ def make_delta_dirs(base: Path, root: Path, n: int, distinct: int, bits: int, sp
 def place(ex: Executor, dirs: dict[int, Path], step_id: int) -> None:
     """Loads every delta to host and into a GPU slot through one plan's ops (what the router sends)."""
     ops = []
-    for aid, d in dirs.items():
-        info = ex.inspect_adapter(str(d))
+    for slot, (aid, d) in enumerate(dirs.items()):
+        info = ex.inspect_adapter(str(d), wire.VariantKind.DELTA)
         if info.error is not None:
             raise SystemExit(f"delta {aid} refused by the executor: {info.error}")
-        ops.append(wire.AdapterOp(aid, "to_host", str(d), []))
-        ops.append(wire.AdapterOp(aid, "to_gpu", "", []))
+        ops.append(wire.AdapterOp(aid, wire.TierOp.TO_HOST, str(d), [], wire.VariantKind.DELTA))
+        ops.append(wire.AdapterOp(aid, wire.TierOp.TO_GPU, "", [], wire.VariantKind.DELTA, slot))
     ex.step(wire.StepPlan(step_id=step_id, adapter_ops=ops))
 
 

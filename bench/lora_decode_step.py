@@ -46,8 +46,8 @@ def place(ex: Executor, dirs: dict[int, Path], first_page: int) -> int:
     for aid, d in dirs.items():
         info = ex.inspect_adapter(str(d))
         assert info.error is None, info.error
-        ops.append(wire.AdapterOp(aid, "to_host", str(d), []))
-        ops.append(wire.AdapterOp(aid, "to_gpu", "", list(range(page, page + info.num_blocks))))
+        ops.append(wire.AdapterOp(aid, wire.TierOp.TO_HOST, str(d), []))
+        ops.append(wire.AdapterOp(aid, wire.TierOp.TO_GPU, "", list(range(page, page + info.num_blocks))))
         page += info.num_blocks
     ex.step(wire.StepPlan(step_id=999_999, adapter_ops=ops))
     return page

@@ -73,7 +73,7 @@ def ops(ex: Executor, *adapter_ops: wire.AdapterOp) -> wire.StepOutput:
 
 
 def place(ex: Executor, aid: int, path: Path, pages: list[int]) -> None:
-    ops(ex, wire.AdapterOp(aid, "to_host", str(path), []), wire.AdapterOp(aid, "to_gpu", "", pages))
+    ops(ex, wire.AdapterOp(aid, wire.TierOp.TO_HOST, str(path), []), wire.AdapterOp(aid, wire.TierOp.TO_GPU, "", pages))
 
 
 def first_fit_pages(adapter, features, order, region: int) -> int:
@@ -184,11 +184,12 @@ def test_inspect_reports_footprint_and_errors_and_changes_nothing(make_executor,
 def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     ex = make_executor()
     size = {n: ex.inspect_adapter(str(dirs[n])).host_bytes for n in ("qv", "all")}
-    out = ops(ex, wire.AdapterOp(1, "to_host", str(dirs["qv"]), []), wire.AdapterOp(2, "to_host", str(dirs["all"]), []))
+    out = ops(ex, wire.AdapterOp(1, wire.TierOp.TO_HOST, str(dirs["qv"]), []),
+              wire.AdapterOp(2, wire.TierOp.TO_HOST, str(dirs["all"]), []))
     assert out.adapter_host_bytes == size["qv"] + size["all"]  # counted while loading, too
     ex.adapters.wait_host(1), ex.adapters.wait_host(2)
     assert ex.adapter_host_bytes == size["qv"] + size["all"]
-    out2 = ops(ex, wire.AdapterOp(1, "drop_host", "", []))
+    out2 = ops(ex, wire.AdapterOp(1, wire.TierOp.DROP_HOST, "", []))
     assert out2.adapter_host_bytes == size["all"]
     # Finished reads are reported once each (in the output after they finish), a dropped one never
     # after its drop: the router admits requests for adapter 2 without stalling a step on its read.
@@ -197,7 +198,8 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
 
     # A GPU placement outlives its host copy.
     n = ex.inspect_adapter(str(dirs["all"])).num_blocks
-    ops(ex, wire.AdapterOp(2, "to_gpu", "", list(range(10, 10 + n))), wire.AdapterOp(2, "drop_host", "", []))
+    ops(ex, wire.AdapterOp(2, wire.TierOp.TO_GPU, "", list(range(10, 10 + n))),
+        wire.AdapterOp(2, wire.TierOp.DROP_HOST, "", []))
     assert ex.adapter_host_bytes == 0 and set(ex.adapters.gpu) == {2}
     assert set(ex.adapters.page_owner) == set(range(10, 10 + n))
 
@@ -206,13 +208,13 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     shutil.copytree(dirs["qv"], gone)
     assert ex.inspect_adapter(str(gone)).error is None
     shutil.rmtree(gone)
-    ops(ex, wire.AdapterOp(3, "to_host", str(gone), []))
+    ops(ex, wire.AdapterOp(3, wire.TierOp.TO_HOST, str(gone), []))
     with pytest.raises(AdapterLoadError, match="vanishing"):
         ex.adapters.wait_host(3)
     assert ex.adapter_host_bytes == 0
     assert ops(ex).host_ready == [3], "a failed read is reported too: its to_gpu says why"
     with pytest.raises(AdapterLoadError, match=r"adapter 3: loading .*vanishing"):
-        ops(ex, wire.AdapterOp(3, "to_gpu", "", [0, 1, 2]))
+        ops(ex, wire.AdapterOp(3, wire.TierOp.TO_GPU, "", [0, 1, 2]))
     assert set(ex.adapters.gpu) == {2}
 
     # Values changed after registration: the background read refuses them, naming the tensor.
@@ -223,9 +225,9 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     tensors[key][0, 0] = float("inf")
     save_file(tensors, spoiled / "adapter_model.safetensors")
-    ops(ex, wire.AdapterOp(4, "to_host", str(spoiled), []))
+    ops(ex, wire.AdapterOp(4, wire.TierOp.TO_HOST, str(spoiled), []))
     with pytest.raises(AdapterLoadError, match=rf"adapter 4: loading .*spoiled.*'{key}' contains non-finite"):
-        ops(ex, wire.AdapterOp(4, "to_gpu", "", [0, 1, 2]))
+        ops(ex, wire.AdapterOp(4, wire.TierOp.TO_GPU, "", [0, 1, 2]))
 
     # Loads follow the plan registration made (no config or header parsing on the loader threads):
     # a config deleted since is served as registered; weights of another shape are refused by name.
@@ -233,14 +235,14 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     shutil.copytree(dirs["qv"], replanned)
     assert ex.inspect_adapter(str(replanned)).error is None
     (replanned / "adapter_config.json").unlink()
-    ops(ex, wire.AdapterOp(5, "to_host", str(replanned), []))
+    ops(ex, wire.AdapterOp(5, wire.TierOp.TO_HOST, str(replanned), []))
     assert ex.adapters.wait_host(5).packed.shape == (ex.config.num_layers, ex.adapters.plans[str(replanned)].layout.packed_elems)
     tensors = load_file(replanned / "adapter_model.safetensors")
     tensors[key] = torch.zeros(4, tensors[key].shape[1])  # rank 8 -> 4
     save_file(tensors, replanned / "adapter_model.safetensors")
-    ops(ex, wire.AdapterOp(5, "drop_host", "", []), wire.AdapterOp(6, "to_host", str(replanned), []))
+    ops(ex, wire.AdapterOp(5, wire.TierOp.DROP_HOST, "", []), wire.AdapterOp(6, wire.TierOp.TO_HOST, str(replanned), []))
     with pytest.raises(AdapterLoadError, match=rf"adapter 6: .*'{key}' has shape \[4, 64\], expected \[8, 64\]"):
-        ops(ex, wire.AdapterOp(6, "to_gpu", "", [0, 1, 2]))
+        ops(ex, wire.AdapterOp(6, wire.TierOp.TO_GPU, "", [0, 1, 2]))
 
 
 def test_host_copies_come_from_the_arena_and_go_back(make_executor, dirs, tmp_path: Path,
@@ -253,43 +255,43 @@ def test_host_copies_come_from_the_arena_and_go_back(make_executor, dirs, tmp_pa
     monkeypatch.setattr(executor_module, "slack_for", lambda budget: 0)
     ref = make_executor()
     size = {n: ref.inspect_adapter(str(dirs[n])).host_bytes for n in SPECS}
-    ops(ref, *(wire.AdapterOp(i, "to_host", str(dirs[n]), []) for i, n in enumerate(SPECS, start=1)))
+    ops(ref, *(wire.AdapterOp(i, wire.TierOp.TO_HOST, str(dirs[n]), []) for i, n in enumerate(SPECS, start=1)))
     want = {n: ref.adapters.wait_host(i).packed for i, n in enumerate(SPECS, start=1)}
 
     aligned = {n: -(-b // ALIGN) * ALIGN for n, b in size.items()}
     ex = make_executor(host_arena_bytes=aligned["pattern"] + aligned["all"])
     arena = ex.adapters.arena
     assert arena is not None and not arena.pinned, "pinned only on CUDA"
-    ops(ex, wire.AdapterOp(1, "to_host", str(dirs["pattern"]), []))
+    ops(ex, wire.AdapterOp(1, wire.TierOp.TO_HOST, str(dirs["pattern"]), []))
     first = ex.adapters.wait_host(1).packed
     assert arena.owns(first) and torch.equal(first, want["pattern"])
-    ops(ex, wire.AdapterOp(1, "drop_host", "", []))
+    ops(ex, wire.AdapterOp(1, wire.TierOp.DROP_HOST, "", []))
     assert arena.free_bytes == arena.capacity
     first.fill_(float("nan"))  # what a reused region holds before the next read
-    ops(ex, wire.AdapterOp(2, "to_host", str(dirs["pattern"]), []))
+    ops(ex, wire.AdapterOp(2, wire.TierOp.TO_HOST, str(dirs["pattern"]), []))
     again = ex.adapters.wait_host(2).packed  # best fit: the region just given back (all of the arena)
-    ops(ex, wire.AdapterOp(3, "to_host", str(dirs["all"]), []))
+    ops(ex, wire.AdapterOp(3, wire.TierOp.TO_HOST, str(dirs["all"]), []))
     assert again.data_ptr() == first.data_ptr() and torch.equal(again, want["pattern"]), "unused rows not zeroed"
     assert arena.owns(ex.adapters.wait_host(3).packed) and torch.equal(ex.adapters.wait_host(3).packed, want["all"])
     assert arena.free_bytes == 0
-    ops(ex, wire.AdapterOp(4, "to_host", str(dirs["qv"]), []))  # no room left: allocated on its own
+    ops(ex, wire.AdapterOp(4, wire.TierOp.TO_HOST, str(dirs["qv"]), []))  # no room left: allocated on its own
     own = ex.adapters.wait_host(4).packed
     assert not arena.owns(own) and torch.equal(own, want["qv"])
     assert ex.adapter_host_bytes == size["pattern"] + size["all"] + size["qv"]
 
     # A read that fails gives its region back; the placement of an arena copy is the same as ``ref``'s.
-    ops(ex, wire.AdapterOp(3, "drop_host", "", []))
+    ops(ex, wire.AdapterOp(3, wire.TierOp.DROP_HOST, "", []))
     gone = tmp_path / "vanishing"
     shutil.copytree(dirs["all"], gone)
     assert ex.inspect_adapter(str(gone)).error is None
     (gone / "adapter_model.safetensors").write_bytes(b"")
-    ops(ex, wire.AdapterOp(5, "to_host", str(gone), []))
+    ops(ex, wire.AdapterOp(5, wire.TierOp.TO_HOST, str(gone), []))
     with pytest.raises(AdapterLoadError):
         ex.adapters.wait_host(5)
     assert arena.free_bytes == aligned["all"]
     n = ex.inspect_adapter(str(dirs["pattern"])).num_blocks
-    ops(ex, wire.AdapterOp(2, "to_gpu", "", list(range(n))))
-    ops(ref, wire.AdapterOp(3, "to_gpu", "", list(range(n))))
+    ops(ex, wire.AdapterOp(2, wire.TierOp.TO_GPU, "", list(range(n))))
+    ops(ref, wire.AdapterOp(3, wire.TierOp.TO_GPU, "", list(range(n))))
     assert torch.equal(ex.kv.kv, ref.kv.kv)
 
 
@@ -301,7 +303,7 @@ def test_a_dropped_executor_frees_its_pool_at_once(make_executor, dirs) -> None:
     ex = make_executor(host_arena_bytes=1 << 20)
     n = ex.inspect_adapter(str(dirs["qv"])).num_blocks
     place(ex, 1, dirs["qv"], list(range(n)))
-    ops(ex, wire.AdapterOp(1, "drop_host", "", []))  # through the release hook
+    ops(ex, wire.AdapterOp(1, wire.TierOp.DROP_HOST, "", []))  # through the release hook
     pool = weakref.ref(ex.adapters)
     gc.disable()
     try:
@@ -389,14 +391,14 @@ def test_linears_add_each_tokens_delta_and_survive_replacement_and_kv_writes(mak
     # Drop adapter 1 and put it on other pages: identical outputs.
     new_pages = [free.pop() for _ in range(need[1])]
     assert not set(new_pages) & set(pages[1])
-    ops(ex, wire.AdapterOp(1, "drop_gpu", "", []), wire.AdapterOp(1, "drop_host", "", []))
+    ops(ex, wire.AdapterOp(1, wire.TierOp.DROP_GPU, "", []), wire.AdapterOp(1, wire.TierOp.DROP_HOST, "", []))
     place(ex, 1, dirs["qv"], new_pages)
     for segs, is_decode, seed, before in ((prefill, False, 1, before_prefill), (decode, True, 2, before_decode)):
         after = _run_all(ex, segs, is_decode, seed=seed)
         assert all(torch.equal(after[k][1], before[k][1]) for k in before)
 
     # Drop adapter 3 and scribble "KV" over its pages: 1 and 2 are unaffected.
-    ops(ex, wire.AdapterOp(3, "drop_gpu", "", []))
+    ops(ex, wire.AdapterOp(3, wire.TierOp.DROP_GPU, "", []))
     ex.kv.kv[:, :, pages[3]] = torch.randn_like(ex.kv.kv[:, :, pages[3]])
     only12 = [(0, 2), (1, 3), (2, 2), (1, 1)]
     ref = _run_all(ex, only12, False, seed=4)
@@ -406,7 +408,7 @@ def test_linears_add_each_tokens_delta_and_survive_replacement_and_kv_writes(mak
     slot_before = dict(ex.adapters.slot_of)
     _run_all(ex, [(2, 1), (1, 1)], True)
     assert ex.adapters.slot_of == slot_before and 3 not in ex.adapters.slot_of
-    ops(ex, wire.AdapterOp(3, "to_gpu", "", pages[3]))  # its host copy is still there
+    ops(ex, wire.AdapterOp(3, wire.TierOp.TO_GPU, "", pages[3]))  # its host copy is still there
     _check_deltas(ex, _run_all(ex, prefill, False, seed=5), prefill_tokens, loaded)
     with pytest.raises(ValueError, match="not on the GPU"):
         ex.adapters.begin_segments([(9, 1)], True)

@@ -55,10 +55,11 @@ def test_random_delta_dir_is_a_delta_the_worker_serves(tiny_llama: Path, tmp_pat
     assert abs(float((diff == 0).float().mean()) - ((1 - kept) + kept / (1 << bits))) < 0.05
 
     ex = Executor(tiny_llama, device="cpu", dtype="float32", block_size=4, kv_cache_bytes=2 << 20)
-    info = ex.inspect_adapter(str(d))
-    assert info.error is None and info.kind == "delta" and info.summary.startswith(f"{bits}-bit")
-    ex.step(wire.StepPlan(step_id=1, adapter_ops=[wire.AdapterOp(5, "to_host", str(d), []),
-                                                  wire.AdapterOp(5, "to_gpu", "", [])]))
+    delta = wire.VariantKind.DELTA
+    info = ex.inspect_adapter(str(d), delta)
+    assert info.error is None and info.kind == delta and info.summary.startswith(f"{bits}-bit")
+    ex.step(wire.StepPlan(step_id=1, adapter_ops=[wire.AdapterOp(5, wire.TierOp.TO_HOST, str(d), [], delta),
+                                                  wire.AdapterOp(5, wire.TierOp.TO_GPU, "", [], delta, 0)]))
     times = bench_batch(ex, 2, 8, 2, 0, first_id=10, adapter_ids=[5, 0])
     assert len(times) == 2 and ex.deltas is not None and ex.deltas.slot_of == {5: 0}
 

@@ -35,6 +35,15 @@ from test_lora_serving import AdapterRouter  # noqa: E402
 
 LORA, D4, D2 = 1, 2, 3
 """Variant ids of the mixed tests: a LoRA adapter, a 4-bit 2:4 delta, a 2-bit 2:4 delta."""
+DELTA = wire.VariantKind.DELTA
+TO_HOST, TO_GPU = wire.TierOp.TO_HOST, wire.TierOp.TO_GPU
+DROP_GPU, DROP_HOST = wire.TierOp.DROP_GPU, wire.TierOp.DROP_HOST
+
+
+def delta_op(aid: int, move: wire.TierOp, path: str = "", blocks: list[int] | None = None, *,
+             kind: wire.VariantKind = DELTA, slot: int = 0) -> wire.AdapterOp:
+    """An op as the router sends it for a delta (a ``to_gpu`` names its slot, ``slot``)."""
+    return wire.AdapterOp(aid, move, path, blocks or [], kind, slot if move is TO_GPU and kind is DELTA else None)
 
 pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
 
@@ -137,20 +146,21 @@ def test_delta_dropped_and_reloaded_gives_the_same_tokens(executor_factory, vari
 def test_inspect_reports_and_refuses(executor_factory, variants, tiny_qwen2: Path, tiny_llama: Path,
                                      tmp_path: Path) -> None:
     ex = executor_factory()
-    info = ex.inspect_adapter(str(variants[D4][0]))
-    assert info.error is None and info.kind == "delta" and info.num_blocks == 0 and info.max_rank == 0
+    info = ex.inspect_adapter(str(variants[D4][0]), DELTA)
+    assert info.error is None and info.kind == DELTA and info.num_blocks == 0 and info.max_rank == 0
     assert info.summary.startswith("4-bit 2:4, ") and "smaller than fp16" in info.summary
     assert info.host_bytes > 0 and "q_proj" in info.target_modules
     lora = ex.inspect_adapter(str(variants[LORA][0]))
-    assert lora.error is None and lora.kind == "lora" and lora.summary == "rank 8"
+    assert lora.error is None and lora.kind == wire.VariantKind.LORA and lora.summary == "rank 8"
 
     full, _ = make_delta(tiny_llama, tmp_path / "full", seed=5, full_weights=True)
-    assert "not a delta of the base" in ex.inspect_adapter(str(full)).error
+    assert "not a delta of the base" in ex.inspect_adapter(str(full), DELTA).error
     other, _ = make_delta(tiny_qwen2, tmp_path / "qwen", seed=5)
-    err = ex.inspect_adapter(str(other)).error
+    err = ex.inspect_adapter(str(other), DELTA).error
     assert err is not None and "architectures" in err, err
     off = executor_factory(max_deltas=0)
-    assert "delta serving is off on this worker (--max-deltas 0)" in off.inspect_adapter(str(variants[D4][0])).error
+    off_info = off.inspect_adapter(str(variants[D4][0]), DELTA)
+    assert "delta serving is off on this worker (--max-deltas 0)" in off_info.error
     assert off.deltas is None
 
 
@@ -162,9 +172,9 @@ def _snapshot(ex: Executor):
 def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, variants) -> None:
     ex = executor_factory(max_deltas=1)
     d4, d2, lora = (str(variants[a][0]) for a in (D4, D2, LORA))
-    op = wire.AdapterOp
-    ex.step(wire.StepPlan(step_id=1, adapter_ops=[op(D4, "to_host", d4, []), op(D4, "to_gpu", "", []),
-                                                  op(D2, "to_host", d2, [])]))
+    op = delta_op
+    ex.step(wire.StepPlan(step_id=1, adapter_ops=[op(D4, TO_HOST, d4, []), op(D4, TO_GPU, "", []),
+                                                  op(D2, TO_HOST, d2, [])]))
     ex.deltas.wait_host(D2)
 
     def new_req(rid, aid):
@@ -172,14 +182,15 @@ def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, var
                                num_scheduled_tokens=3, block_ids=[0], sampling=wire.SamplingParams(), adapter_id=aid)
 
     cases = [
-        ([op(D2, "to_gpu", "", [])], r"all 1 delta slots \(--max-deltas\) are taken"),
-        ([op(D4, "drop_gpu", "", []), op(D2, "to_gpu", "", [5])], r"block_ids must be empty"),
-        ([op(D4, "to_gpu", "", [])], r"already on the GPU"),
-        ([op(D4, "to_host", d4, [])], r"already in host memory"),
-        ([op(D4, "drop_gpu", "", []), op(D4, "drop_gpu", "", [])], r"drop_gpu adapter 2\): not on the GPU"),
-        ([op(D4, "to_host", lora, [])], r"to_host adapter 2\): the id is a delta on this worker"),  # a LoRA dir
-        ([op(D2, "drop_host", "", []), op(D2, "to_gpu", "", [])], r"not in host memory"),
-        ([op(D4, "drop_host", "", []), op(D4, "to_host", "", [])], r"to_host adapter 2\): no path"),
+        ([op(D2, TO_GPU, "", [])], r"all 1 delta slots \(--max-deltas\) are taken"),
+        ([op(D4, DROP_GPU, "", []), op(D2, TO_GPU, "", [5])], r"block_ids must be empty"),
+        ([op(D4, TO_GPU, "", [])], r"already on the GPU"),
+        ([op(D4, TO_HOST, d4, [])], r"already in host memory"),
+        ([op(D4, DROP_GPU, "", []), op(D4, DROP_GPU, "", [])], r"drop_gpu adapter 2\): not on the GPU"),
+        ([op(D4, TO_HOST, lora, [], kind=wire.VariantKind.LORA)],
+         r"to_host adapter 2\): the id is a delta on this worker"),  # a LoRA adapter's op
+        ([op(D2, DROP_HOST, "", []), op(D2, TO_GPU, "", [])], r"not in host memory"),
+        ([op(D4, DROP_HOST, "", []), op(D4, TO_HOST, "", [])], r"to_host adapter 2\): no path"),
     ]
     for ops, match in cases:
         before = _snapshot(ex)
@@ -191,7 +202,7 @@ def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, var
         ex.step(wire.StepPlan(step_id=2, new_requests=[new_req(7, D2)]))
     assert before == _snapshot(ex)
     # Swapping the slot's delta in one plan (drop before load) is fine, and serves the new one.
-    out = ex.step(wire.StepPlan(step_id=3, adapter_ops=[op(D4, "drop_gpu", "", []), op(D2, "to_gpu", "", [])],
+    out = ex.step(wire.StepPlan(step_id=3, adapter_ops=[op(D4, DROP_GPU, "", []), op(D2, TO_GPU, "", [])],
                                 new_requests=[new_req(7, D2)]))
     assert out.outputs[0].token_id is not None and ex.deltas.slot_of == {D2: 0}
 
@@ -232,10 +243,10 @@ def test_a_failed_delta_read_gives_its_arena_region_back(executor_factory, varia
     assert ex.host_arena is not None
     broken = tmp_path / "broken"
     shutil.copytree(variants[D4][0], broken)
-    assert ex.inspect_adapter(str(broken)).error is None
+    assert ex.inspect_adapter(str(broken), DELTA).error is None
     payload = broken / "delta.safetensors"
     payload.write_bytes(payload.read_bytes()[: payload.stat().st_size // 2])  # cut after registration
-    ex.step(wire.StepPlan(step_id=1, adapter_ops=[wire.AdapterOp(D4, "to_host", str(broken), [])]))
+    ex.step(wire.StepPlan(step_id=1, adapter_ops=[delta_op(D4, TO_HOST, str(broken))]))
     with pytest.raises(AdapterLoadError, match="broken"):
         ex.deltas.wait_host(D4)
     assert ex.host_arena.free_bytes == ex.host_arena.capacity, "the failed read kept its region"
@@ -250,9 +261,9 @@ def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
     from deltaserve.kernels.sbmm import DeltaMeta
 
     ex = executor_factory()
-    op = wire.AdapterOp
-    ex.step(wire.StepPlan(step_id=1, adapter_ops=[op(aid, kind, str(variants[aid][0]) if kind == "to_host" else "", [])
-                                                  for aid in (D4, D2) for kind in ("to_host", "to_gpu")]))
+    ex.step(wire.StepPlan(step_id=1, adapter_ops=[
+        delta_op(aid, move, str(variants[aid][0]) if move is TO_HOST else "", slot=slot)
+        for slot, aid in enumerate((D4, D2)) for move in (TO_HOST, TO_GPU)]))
     pool = ex.deltas
     assert pool is not None
     keys = pool.graph_keys([D4, 0, D2, LORA])

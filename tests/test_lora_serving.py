@@ -135,7 +135,7 @@ def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> 
     router = SchedDriver(ex, dirs, {1: 1})
     router.add(1, [4, 5, 6, 7, 8], 20)
     router.step()
-    ops = [wire.AdapterOp(2, "to_host", str(dirs[2]), [])]
+    ops = [wire.AdapterOp(2, wire.TierOp.TO_HOST, str(dirs[2]), [])]
     ex.step(wire.StepPlan(step_id=1000, adapter_ops=ops))  # B on host only
     ex.adapters.wait_host(2)
     a_pages, kv_page = router.adapter_pages(1), ex.requests[1].block_table[0]
@@ -154,23 +154,23 @@ def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> 
 
     op = wire.AdapterOp
     cases = [
-        (plan(op(2, "to_disk", "", [])), r"unknown op 'to_disk'"),
-        (plan(op(5, "to_gpu", "", free)), r"to_gpu adapter 5\): not in host memory \(a to_host must come first"),
-        (plan(op(2, "to_gpu", "", [ex.num_blocks] + free[1:])), r"outside the pool of \d+ blocks"),
-        (plan(op(2, "to_gpu", "", [a_pages[0]] + free[1:])), r"hold adapter 1"),
-        (plan(op(2, "to_gpu", "", [kv_page] + free[1:])), r"hold request KV"),
-        (plan(op(2, "to_gpu", "", free[:-1])), rf"{nb - 1} block ids, the adapter needs {nb}"),
-        (plan(op(2, "to_gpu", "", [free[0]] * nb)), r"repeated"),
-        (plan(op(2, "drop_gpu", "", [])), r"drop_gpu adapter 2\): not on the GPU"),
-        (plan(op(7, "drop_host", "", [])), r"drop_host adapter 7\): not in host memory"),
-        (plan(op(1, "to_host", str(dirs[1]), [])), r"already in host memory"),
-        (plan(op(1, "to_gpu", "", free)), r"already on the GPU"),
-        (plan(op(0, "to_host", str(dirs[1]), [])), r"adapter id 0 is the base model"),
+        (plan(op(2, 9, "", [])), r"unknown op 9"),
+        (plan(op(5, wire.TierOp.TO_GPU, "", free)), r"to_gpu adapter 5\): not in host memory \(a to_host must come first"),
+        (plan(op(2, wire.TierOp.TO_GPU, "", [ex.num_blocks] + free[1:])), r"outside the pool of \d+ blocks"),
+        (plan(op(2, wire.TierOp.TO_GPU, "", [a_pages[0]] + free[1:])), r"hold adapter 1"),
+        (plan(op(2, wire.TierOp.TO_GPU, "", [kv_page] + free[1:])), r"hold request KV"),
+        (plan(op(2, wire.TierOp.TO_GPU, "", free[:-1])), rf"{nb - 1} block ids, the adapter needs {nb}"),
+        (plan(op(2, wire.TierOp.TO_GPU, "", [free[0]] * nb)), r"repeated"),
+        (plan(op(2, wire.TierOp.DROP_GPU, "", [])), r"drop_gpu adapter 2\): not on the GPU"),
+        (plan(op(7, wire.TierOp.DROP_HOST, "", [])), r"drop_host adapter 7\): not in host memory"),
+        (plan(op(1, wire.TierOp.TO_HOST, str(dirs[1]), [])), r"already in host memory"),
+        (plan(op(1, wire.TierOp.TO_GPU, "", free)), r"already on the GPU"),
+        (plan(op(0, wire.TierOp.TO_HOST, str(dirs[1]), [])), r"adapter id 0 is the base model"),
         (plan(new=[new_req(2, 2, [free[0]])]), r"request 2: adapter_id 2 is not on the GPU"),
-        (plan(op(1, "drop_gpu", "", [])), r"request 1: adapter_id 1 is not on the GPU .*resident: none"),
+        (plan(op(1, wire.TierOp.DROP_GPU, "", [])), r"request 1: adapter_id 1 is not on the GPU .*resident: none"),
         (plan(new=[new_req(2, 0, [a_pages[0]])]), r"request 2: KV block ids \[\d+\] hold adapter 1's weights"),
         # A valid op followed by a bad one: neither is applied.
-        (plan(op(2, "to_gpu", "", free), op(9, "drop_gpu", "", [])), r"drop_gpu adapter 9"),
+        (plan(op(2, wire.TierOp.TO_GPU, "", free), op(9, wire.TierOp.DROP_GPU, "", [])), r"drop_gpu adapter 9"),
     ]
     for bad, match in cases:
         before = _snapshot(ex)
@@ -191,7 +191,7 @@ def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> 
         one.step(r1.plan())
     off = executor_factory(max_lora_rank=0)
     with pytest.raises(PlanError, match=r"LoRA is off on this worker \(--max-lora-rank 0\)"):
-        off.step(wire.StepPlan(step_id=1, adapter_ops=[op(1, "to_host", str(dirs[1]), [])]))
+        off.step(wire.StepPlan(step_id=1, adapter_ops=[op(1, wire.TierOp.TO_HOST, str(dirs[1]), [])]))
     with pytest.raises(PlanError, match=r"adapter_id 1 is not on the GPU"):
         off.step(wire.StepPlan(step_id=1, new_requests=[new_req(1, 1, [0])]))
 
@@ -206,7 +206,7 @@ def test_loop_answers_inspect_and_a_failed_load_is_fatal(executor_factory, dirs,
     frames = [
         wire.InspectAdapter(inspect_id=41, path=str(gone)),
         wire.InspectAdapter(inspect_id=42, path=str(tmp_path / "missing")),
-        wire.StepPlan(step_id=1, adapter_ops=[wire.AdapterOp(1, "to_host", str(dirs[1]), [])]),
+        wire.StepPlan(step_id=1, adapter_ops=[wire.AdapterOp(1, wire.TierOp.TO_HOST, str(dirs[1]), [])]),
     ]
     link = FakeLink([wire.encode(f) for f in frames])
     loop = WorkerLoop(ex, link)
@@ -222,7 +222,8 @@ def test_loop_answers_inspect_and_a_failed_load_is_fatal(executor_factory, dirs,
     # The directory vanishes after registration: the to_gpu that needs it is a fatal error.
     shutil.rmtree(gone)
     fatal = wire.StepPlan(step_id=2, adapter_ops=[
-        wire.AdapterOp(3, "to_host", str(gone), []), wire.AdapterOp(3, "to_gpu", "", list(range(good_info.num_blocks)))
+        wire.AdapterOp(3, wire.TierOp.TO_HOST, str(gone), []),
+        wire.AdapterOp(3, wire.TierOp.TO_GPU, "", list(range(good_info.num_blocks))),
     ], new_requests=[wire.NewRequest(req_id=8, token_ids=[3, 4], num_prompt_tokens=2, num_computed_tokens=0,
                                      num_scheduled_tokens=2, block_ids=[900], sampling=GREEDY, adapter_id=3)])
     link = FakeLink([wire.encode(fatal), wire.encode(wire.Shutdown(reason="never reached"))])

@@ -19,6 +19,7 @@ Messages: StepPlan=2, StepOutput=3, Hello=1, InspectAdapter=6, AdapterInfo=7, Sh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import ClassVar, Optional, Union
 
 import msgpack
@@ -26,6 +27,8 @@ import msgpack
 __all__ = [
     "SCHEMA_TEXT",
     "SCHEMA_HASH",
+    "VariantKind",
+    "TierOp",
     "SamplingParams",
     "NewRequest",
     "RunningRequest",
@@ -52,7 +55,7 @@ SCHEMA_TEXT = (
     "SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>}\n"
     "NewRequest=0{req_id:u64,token_ids:Vec<u32>,num_prompt_tokens:u32,num_computed_tokens:u32,num_scheduled_tokens:u32,block_ids:Vec<u32>,sampling:SamplingParams,adapter_id:u32}\n"
     "RunningRequest=0{req_id:u64,num_scheduled_tokens:u32,new_block_ids:Vec<u32>}\n"
-    "AdapterOp=0{adapter_id:u32,op:String,path:String,block_ids:Vec<u32>}\n"
+    "AdapterOp=0{adapter_id:u32,op:TierOp,path:String,block_ids:Vec<u32>,kind:VariantKind,slot:Option<u32>}\n"
     "StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>,adapter_ops:Vec<AdapterOp>}\n"
     "TokenLogprob=0{token_id:u32,logprob:f64}\n"
     "RequestOutput=0{req_id:u64,token_id:Option<u32>,logprob:Option<f64>,top_logprobs:Vec<TokenLogprob>}\n"
@@ -61,10 +64,12 @@ SCHEMA_TEXT = (
     "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
     "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
     "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
-    "InspectAdapter=6{inspect_id:u64,path:String}\n"
-    "AdapterInfo=7{inspect_id:u64,error:Option<String>,num_blocks:u32,host_bytes:u64,max_rank:u32,target_modules:Vec<String>,kind:String,summary:String}\n"
+    "InspectAdapter=6{inspect_id:u64,path:String,kind:VariantKind}\n"
+    "AdapterInfo=7{inspect_id:u64,error:Option<String>,num_blocks:u32,host_bytes:u64,max_rank:u32,target_modules:Vec<String>,kind:VariantKind,summary:String}\n"
     "Shutdown=4{reason:String}\n"
-    "WorkerError=5{step_id:u64,message:String,fatal:bool,req_ids:Vec<u64>}"
+    "WorkerError=5{step_id:u64,message:String,fatal:bool,req_ids:Vec<u64>}\n"
+    "VariantKind:u8{lora=0,delta=1}\n"
+    "TierOp:u8{to_host=0,to_gpu=1,drop_gpu=2,drop_host=3}"
 )
 
 
@@ -79,6 +84,46 @@ def _fnv1a64(text: str) -> str:
 #: Hash of ``SCHEMA_TEXT``, computed here; the worker sends it in ``Hello``.
 SCHEMA_HASH: str = _fnv1a64(SCHEMA_TEXT)
 
+
+
+class VariantKind(IntEnum):
+    """The kinds of variant a request may run with besides the base model. They share the adapter
+    id space and the tier ops; they differ in where a GPU copy lives.
+    """
+
+    #: A PEFT LoRA adapter: `num_blocks` pages of the KV pool while GPU-resident (S-LoRA).
+    LORA = 0
+    #: A compressed full fine-tune (DeltaZip, `deltaserve compress`): one of the worker's
+    #: `--max-deltas` delta slots while GPU-resident, no pool pages.
+    DELTA = 1
+
+    @property
+    def label(self) -> str:
+        """The lower-case label logs, errors and the HTTP API show (Rust's ``label()``)."""
+        return self.name.lower()
+
+
+class TierOp(IntEnum):
+    """One move of a variant between tiers (S-LoRA's tiers: disk -> host memory -> GPU). The
+    state machine is the scheduler's (`router/crates/sched/src/adapters.rs` draws it).
+    """
+
+    #: Read and validate `AdapterOp::path` into host memory (the worker may do it in the
+    #: background; a later `to_gpu` waits for it).
+    TO_HOST = 0
+    #: Copy the host copy to the GPU: into `block_ids` of the pool (a LoRA adapter), or into
+    #: delta slot `slot` (a delta).
+    TO_GPU = 1
+    #: Forget the GPU placement (a LoRA adapter's pages already belong to the router again;
+    #: a delta's slot is free).
+    DROP_GPU = 2
+    #: Free the host copy (a GPU copy stays valid without it).
+    DROP_HOST = 3
+
+    @property
+    def label(self) -> str:
+        """The lower-case label logs, errors and the HTTP API show (Rust's ``label()``)."""
+        return self.name.lower()
 
 
 @dataclass(slots=True)
@@ -144,8 +189,8 @@ class NewRequest:
     block_ids: list[int] = field(default_factory=list)
     #: How to sample once the whole sequence is computed.
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    #: The LoRA adapter whose delta this request's tokens get: one GPU-resident once this
-    #: step's `adapter_ops` are applied (see `AdapterOp`), 0 for the base model alone.
+    #: The variant (LoRA adapter or delta) this request's tokens run with: one GPU-resident
+    #: once this step's `adapter_ops` are applied (see `AdapterOp`), 0 for the base model alone.
     adapter_id: int = 0
 
     def to_wire(self) -> list:
@@ -214,48 +259,52 @@ class RunningRequest:
 
 @dataclass(slots=True)
 class AdapterOp:
-    """One change to where a LoRA adapter's weights live (S-LoRA's tiers: disk -> host memory ->
-    pages of the GPU pool). The router decides; the worker applies a plan's ops in order, after
-    `released` and before the plan's requests run.
+    """One change to where a variant's weights live (`TierOp`). The router decides every one,
+    including where on the GPU; the worker applies a plan's ops in order, after `released` and
+    before the plan's requests run, each with the pool of its `kind`.
     """
 
     KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
 
-    #: The adapter (router-assigned, > 0; requests name it in `NewRequest::adapter_id`).
+    #: The variant (router-assigned, > 0; requests name it in `NewRequest::adapter_id`).
     adapter_id: int = 0
-    #: `to_host`: read and validate `path` into host memory (the worker may do it in the
-    #: background; a later `to_gpu` waits for it). `to_gpu`: copy the host copy into
-    #: `block_ids` of the pool (a LoRA adapter), or into one of the worker's `--max-deltas`
-    #: delta slots (a compressed delta: `block_ids` empty; the router keeps at most that many
-    #: deltas on the GPU). `drop_gpu`: forget the GPU placement (a LoRA adapter's pages
-    #: already belong to the router again; a delta's slot is free). `drop_host`: free the
-    #: host copy.
-    op: str = ""
+    #: The move.
+    op: TierOp = TierOp.TO_HOST
     #: The PEFT or delta directory (`to_host`).
     path: str = ""
-    #: Pool pages that hold a LoRA adapter, in order (`to_gpu`); the same page ids as KV
-    #: pages. Empty for a delta.
+    #: Pool pages that hold a LoRA adapter, in order (`to_gpu` of a LoRA adapter); the same
+    #: page ids as KV pages. Empty for a delta.
     block_ids: list[int] = field(default_factory=list)
+    #: The variant's kind: which of the worker's pools applies the op (the router knows it
+    #: from registration; the worker never guesses it from the files).
+    kind: VariantKind = VariantKind.LORA
+    #: The delta slot, in `0..max_deltas`, a delta's `to_gpu` fills (the router picks it; a
+    #: slot taken on the worker is refused). `None` for every other op.
+    slot: Optional[int] = None
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.adapter_id, self.op, self.path, self.block_ids]
+        return [self.adapter_id, self.op, self.path, self.block_ids, self.kind, self.slot]
 
     @classmethod
     def from_wire(cls, a: list) -> AdapterOp:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 4:
-            return cls(a[0], a[1], a[2], a[3])
+        if n >= 6:
+            return cls(a[0], TierOp(a[1]), a[2], a[3], VariantKind(a[4]), a[5])
         m = cls()
         if n > 0:
             m.adapter_id = a[0]
         if n > 1:
-            m.op = a[1]
+            m.op = TierOp(a[1])
         if n > 2:
             m.path = a[2]
         if n > 3:
             m.block_ids = a[3]
+        if n > 4:
+            m.kind = VariantKind(a[4])
+        if n > 5:
+            m.slot = a[5]
         return m
 
 
@@ -567,7 +616,7 @@ class Hello:
 
 @dataclass(slots=True)
 class InspectAdapter:
-    """Asks the worker to validate a LoRA adapter directory against its model and report its
+    """Asks the worker to validate a variant directory against its model and report its
     footprint. Changes no worker state; answered by an `AdapterInfo` with the same id, in order
     with the step outputs.
     """
@@ -578,22 +627,27 @@ class InspectAdapter:
     inspect_id: int = 0
     #: The PEFT directory (LoRA) or `deltaserve compress` output directory (delta).
     path: str = ""
+    #: What the directory holds, as the router found it (its marker file): the worker
+    #: inspects it as that kind.
+    kind: VariantKind = VariantKind.LORA
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.inspect_id, self.path]
+        return [self.inspect_id, self.path, self.kind]
 
     @classmethod
     def from_wire(cls, a: list) -> InspectAdapter:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 2:
-            return cls(a[0], a[1])
+        if n >= 3:
+            return cls(a[0], a[1], VariantKind(a[2]))
         m = cls()
         if n > 0:
             m.inspect_id = a[0]
         if n > 1:
             m.path = a[1]
+        if n > 2:
+            m.kind = VariantKind(a[2])
         return m
 
 
@@ -615,9 +669,9 @@ class AdapterInfo:
     max_rank: int = 0
     #: Adapted projections, e.g. `q_proj`, `v_proj`.
     target_modules: list[str] = field(default_factory=list)
-    #: `lora` (a PEFT adapter: `num_blocks` pool pages on the GPU) or `delta` (a compressed
-    #: full fine-tune: one of the worker's delta slots on the GPU, `num_blocks` 0).
-    kind: str = ""
+    #: The kind inspected (`InspectAdapter::kind`): a LoRA adapter takes `num_blocks` pool
+    #: pages on the GPU, a delta one of the worker's delta slots (`num_blocks` 0).
+    kind: VariantKind = VariantKind.LORA
     #: One line for people, e.g. `rank 8` or `4-bit 2:4, 2.6x smaller than fp16`.
     summary: str = ""
 
@@ -630,7 +684,7 @@ class AdapterInfo:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
         if n >= 8:
-            return cls(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7])
+            return cls(a[0], a[1], a[2], a[3], a[4], a[5], VariantKind(a[6]), a[7])
         m = cls()
         if n > 0:
             m.inspect_id = a[0]
@@ -645,7 +699,7 @@ class AdapterInfo:
         if n > 5:
             m.target_modules = a[5]
         if n > 6:
-            m.kind = a[6]
+            m.kind = VariantKind(a[6])
         if n > 7:
             m.summary = a[7]
         return m

@@ -48,7 +48,9 @@ class SchedDriver:
         self.info: dict[int, wire.AdapterInfo] = {}
         """The executor's inspection of each variant: kind, pages, host bytes."""
         for aid, path in self.variants.items():
-            info = executor.inspect_adapter(str(path))
+            # As the router's admin workflow (engine/admin.rs): the marker file says the kind.
+            kind = wire.VariantKind.DELTA if (Path(path) / "manifest.json").is_file() else wire.VariantKind.LORA
+            info = executor.inspect_adapter(str(path), kind)
             assert info.error is None, info.error
             self.info[aid] = info
         hello = executor.hello(wire.SCHEMA_HASH)  # the router sizes its scheduler from the Hello
@@ -79,7 +81,7 @@ class SchedDriver:
         aid = self.adapter_of.get(req_id, 0)
         if aid and self.sched.adapter_residency(aid) is None:
             info = self.info[aid]
-            self.sched.register_adapter(aid, info.kind, info.num_blocks, info.host_bytes, str(self.variants[aid]))
+            self.sched.register_adapter(aid, info.kind.label, info.num_blocks, info.host_bytes, str(self.variants[aid]))
         self.sched.add_request(req_id, list(prompt), max_new, arrival=self.clock, adapter_id=aid,
                                sampling=msgpack.packb(sampling.to_wire(), use_bin_type=True))
         self.outputs[req_id] = []

@@ -23,7 +23,7 @@ Layout:
 from .lora import LoraAdapter, LoraAdapterError, LoraWeights, load_lora_adapter, lora_delta_ref, merged_weight
 from .lora_layers import LoraLinear, LoraStep, attach_lora
 from .delta_layers import DeltaLinear, DeltaStep, attach_deltas
-from .delta_pool import DeltaError, DeltaPool, is_delta_dir
+from .delta_pool import DeltaError, DeltaPool
 from .lora_pool import AdapterLayout, AdapterLoadError, AdapterPool, LoraPool
 from .variants import StepRows, VariantKind, VariantPool
 
@@ -31,5 +31,5 @@ __all__ = [
     "LoraAdapter", "LoraAdapterError", "LoraWeights", "load_lora_adapter", "lora_delta_ref", "merged_weight",
     "LoraLinear", "LoraStep", "attach_lora", "AdapterLayout", "AdapterLoadError", "AdapterPool", "LoraPool",
     "StepRows", "VariantKind", "VariantPool",
-    "DeltaLinear", "DeltaStep", "attach_deltas", "DeltaError", "DeltaPool", "is_delta_dir",
+    "DeltaLinear", "DeltaStep", "attach_deltas", "DeltaError", "DeltaPool",
 ]  # fmt: skip

@@ -49,7 +49,7 @@ from typing import Any, Collection, Iterator, Mapping, Sequence
 import torch
 
 from .. import wire
-from ..compress.delta_dir import MANIFEST, check_lineage, load_delta, read_manifest
+from ..compress.delta_dir import check_lineage, load_delta, read_manifest
 from ..formats.packed_delta import PackedLinear
 from ..kernels.sbmm import (
     DeltaMeta, cuda_shape_problem, cuda_tile_cap, dense_min_m, make_delta_weights,
@@ -102,11 +102,6 @@ def delta_gpu_bytes(cfg: ModelConfig, dtype: torch.dtype, bits: int = 4, sparse:
     dense = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     dense += cfg.hidden_size * (2 * cfg.num_layers + 1)
     return int(linears * per_param) + dense * item
-
-
-def is_delta_dir(path: str | Path) -> bool:
-    """True when ``path`` looks like a ``deltaserve compress`` output (has a manifest)."""
-    return (Path(path) / MANIFEST).is_file()
 
 
 @dataclass(frozen=True, eq=False)
@@ -231,13 +226,13 @@ class DeltaPool:
         try:
             manifest = self._validate(p)
         except (ValueError, OSError, KeyError, TypeError) as e:
-            return wire.AdapterInfo(error=f"delta {p}: {e}" if str(p) not in str(e) else str(e), kind="delta")
+            return wire.AdapterInfo(error=f"delta {p}: {e}" if str(p) not in str(e) else str(e), kind=self.kind)
         comp, sizes = manifest["compression"], manifest["sizes"]
         targets = sorted({_PACKED_RE.match(n).group(2) for n, e in manifest["tensors"].items()  # type: ignore[union-attr]
                           if e["kind"] == "packed"})
         return wire.AdapterInfo(
             error=None, num_blocks=0, host_bytes=self._expected_bytes(manifest), max_rank=0, target_modules=targets,
-            kind="delta",
+            kind=self.kind,
             summary=f"{comp['bits']}-bit {comp['sparsity']}, {float(sizes['compression_ratio']):.1f}x smaller than fp16",
         )  # fmt: skip
 
@@ -378,16 +373,15 @@ class DeltaPool:
 
     def apply(self, op: wire.AdapterOp) -> None:
         """Executes one (already validated) op for a delta id."""
-        if op.op == "to_host":
+        move = wire.TierOp(op.op)
+        if move is wire.TierOp.TO_HOST:
             self.to_host(op.adapter_id, op.path)
-        elif op.op == "to_gpu":
+        elif move is wire.TierOp.TO_GPU:
             self.to_gpu(op.adapter_id)
-        elif op.op == "drop_gpu":
+        elif move is wire.TierOp.DROP_GPU:
             self.drop_gpu(op.adapter_id)
-        elif op.op == "drop_host":
-            self.drop_host(op.adapter_id)
         else:
-            raise ValueError(f"unknown adapter op {op.op!r}")
+            self.drop_host(op.adapter_id)
 
     # ------------------------------------------------------------------ steps
 

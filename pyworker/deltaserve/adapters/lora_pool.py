@@ -67,8 +67,6 @@ from .variants import StepRows, VariantKind
 
 log = logging.getLogger("deltaserve.worker")
 
-OPS = ("to_host", "to_gpu", "drop_gpu", "drop_host")
-"""The ``AdapterOp.op`` strings the worker executes."""
 PLANS_KEPT = 8192
 """Read plans ``LoraPool`` keeps (one per inspected adapter path; a few tens of KB each)."""
 
@@ -272,7 +270,7 @@ class LoraPool:
             host_bytes=host_bytes,
             max_rank=spec.max_rank,
             target_modules=[s.proj for s in layout.slices],
-            kind="lora",
+            kind=self.kind,
             summary=f"rank {spec.max_rank}",
         )
 
@@ -413,16 +411,15 @@ class LoraPool:
 
     def apply(self, op: wire.AdapterOp) -> None:
         """Executes one (already validated) op."""
-        if op.op == "to_host":
+        move = wire.TierOp(op.op)
+        if move is wire.TierOp.TO_HOST:
             self.to_host(op.adapter_id, op.path)
-        elif op.op == "to_gpu":
+        elif move is wire.TierOp.TO_GPU:
             self.to_gpu(op.adapter_id, op.block_ids)
-        elif op.op == "drop_gpu":
+        elif move is wire.TierOp.DROP_GPU:
             self.drop_gpu(op.adapter_id)
-        elif op.op == "drop_host":
-            self.drop_host(op.adapter_id)
         else:
-            raise ValueError(f"unknown adapter op {op.op!r} (expected one of {', '.join(OPS)})")
+            self.drop_host(op.adapter_id)
 
     # ------------------------------------------------------------------ steps
 
@@ -528,5 +525,5 @@ class LoraPool:
 AdapterPool = LoraPool
 """The pool's former name (``deltaserve.adapters.AdapterPool``)."""
 
-__all__ = ["AdapterLayout", "AdapterLoadError", "AdapterPool", "GpuEntry", "HostCopy", "LoraPlacements", "LoraPool", "OPS",
+__all__ = ["AdapterLayout", "AdapterLoadError", "AdapterPool", "GpuEntry", "HostCopy", "LoraPlacements", "LoraPool",
            "PlacementTables", "ReadPlan", "SliceRows"]

@@ -2,8 +2,10 @@
 
 A *variant* is whatever a request runs with besides the base model: a LoRA adapter (``lora_pool.py``)
 or a compressed full fine-tune, a *delta* (``delta_pool.py``). Every kind shares the router's adapter
-id space and its tier ops (``wire.AdapterOp``: to_host / to_gpu / drop_gpu / drop_host, one state
-machine per id, drawn once in ``router/crates/sched/src/adapters.rs``). What differs per kind is how a
+id space and its tier ops (``wire.AdapterOp``: ``wire.TierOp`` to_host / to_gpu / drop_gpu / drop_host,
+one state machine per id, drawn once in ``router/crates/sched/src/adapters.rs``). The kinds are the
+wire's (``wire.VariantKind``, generated from the Rust schema): the router says the kind of every op
+and inspection, so the worker never tells a kind from the files. What differs per kind is how a
 directory is validated and read, where a GPU copy lives (pages of the KV pool, a delta slot) and what a
 step's forward reads. The executor holds one ``VariantPool`` per kind that is on
 (``dict[VariantKind, VariantPool]``) and never asks which kind it talks to::
@@ -21,23 +23,13 @@ its pools, not a branch in each of these places.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
 from typing import Collection, Mapping, Protocol, Sequence
 
 from .. import wire
 
-
-class VariantKind(IntEnum):
-    """The kinds of variant (the wire's ``AdapterOp.kind`` once the wire carries it)."""
-
-    LORA = 0
-    DELTA = 1
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
+VariantKind = wire.VariantKind
+"""The kinds of variant (``LORA``, ``DELTA``), as on the wire."""
 
 NOUN = {VariantKind.LORA: "LoRA adapter", VariantKind.DELTA: "delta"}
 """How messages name a variant of each kind."""
@@ -52,7 +44,7 @@ OFF_REASON = {
 
 def refused_as_off(kind: VariantKind, path: str | Path) -> wire.AdapterInfo:
     """The inspection answer of a worker whose pool of ``kind`` is off."""
-    return wire.AdapterInfo(error=f"{NOUN[kind]} {path}: {OFF_REASON[kind]}", kind=kind.label)
+    return wire.AdapterInfo(error=f"{NOUN[kind]} {path}: {OFF_REASON[kind]}", kind=kind)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ It wires the worker's parts and owns nothing the router decides (policy is the r
 
     StepPlan ─ check_plan (plan_check.py: the whole plan, nothing mutated) ──> PlanError on any bad reference
         │
-        ├─ release (requests.py) ─ adapter_ops in order, each to the pool of its kind (variants.py)
+        ├─ release (requests.py) ─ adapter_ops in order, each to the pool of its ``kind`` (variants.py)
         │      ─ admit new requests (full state) ─ append running.new_block_ids
         ├─ ForwardRunner.launch (runner.py): rows, graph or eager forward, sampling queued
         └─ finish: the sampled tokens ──> StepOutput (token_id None for partial prefill chunks),
@@ -33,7 +33,7 @@ import torch
 
 from deltaserve import wire
 from deltaserve.adapters.delta_layers import attach_deltas
-from deltaserve.adapters.delta_pool import DeltaPool, delta_gpu_bytes, is_delta_dir
+from deltaserve.adapters.delta_pool import DeltaPool, delta_gpu_bytes
 from deltaserve.adapters.lora_layers import attach_lora
 from deltaserve.adapters.lora_pool import LoraPool
 from deltaserve.adapters.pinned_arena import PinnedArena, slack_for
@@ -47,7 +47,7 @@ from . import requests as request_diffs
 from .config import WorkerConfig
 from .cuda_graphs import DecodeGraphs
 from .memory import kv_budget
-from .plan_check import PlanError, PlanLimits, check_plan, op_kind
+from .plan_check import PlanError, PlanLimits, check_plan
 from .requests import RequestState
 from .runner import ForwardRunner, LaunchedStep
 from .sampler import Sampler
@@ -213,9 +213,9 @@ class Executor:
 
     # ------------------------------------------------------------------ variants
 
-    def inspect_adapter(self, path: str) -> wire.AdapterInfo:
-        """The answer to ``InspectAdapter`` (``inspect_id`` left 0 for the caller to set); no state change."""
-        kind = VariantKind.DELTA if is_delta_dir(path) else VariantKind.LORA
+    def inspect_adapter(self, path: str, kind: VariantKind = VariantKind.LORA) -> wire.AdapterInfo:
+        """The answer to ``InspectAdapter`` (``inspect_id`` left 0 for the caller to set): ``path`` validated
+        as a variant of ``kind`` (the router tells the kind; its default is the wire's); no state change."""
         pool = self.pools.get(kind)
         return refused_as_off(kind, path) if pool is None else pool.inspect(path)
 
@@ -231,11 +231,6 @@ class Executor:
         ready = [aid for pool in self.pools.values() for aid in pool.take_finished()]
         return wire.StepOutput(step_id=step_id, outputs=outputs, timing=timing,
                                adapter_host_bytes=self.adapter_host_bytes, host_ready=ready)
-
-    def _held_as(self, variant_id: int) -> VariantKind | None:
-        """The kind of pool holding ``variant_id`` (host or GPU), if any."""
-        return next((kind for kind, pool in self.pools.items()
-                     if variant_id in pool.host_ids() or variant_id in pool.placements().ids()), None)
 
     # ------------------------------------------------------------------ handshake
 
@@ -287,7 +282,7 @@ class Executor:
         check_plan(plan, self.requests, self.pools, self.limits)
         request_diffs.release(self.requests, plan)
         for op in plan.adapter_ops:  # AdapterLoadError here is fatal (module docstring)
-            self.pools[op_kind(op, self._held_as)].apply(op)
+            self.pools[op.kind].apply(op)
         scheduled = request_diffs.admit(self.requests, plan)
         return self.runner.launch(plan.step_id, scheduled, in_flight)
 

@@ -22,12 +22,10 @@ and its scheduler keeps to it: the worker must never index past its KV pool, who
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Mapping
 
 from deltaserve import wire
-from deltaserve.adapters.delta_pool import is_delta_dir
-from deltaserve.adapters.lora_pool import OPS
-from deltaserve.adapters.variants import WITH_ARTICLE, OFF_REASON, Placements, VariantKind, VariantPool
+from deltaserve.adapters.variants import OFF_REASON, WITH_ARTICLE, Placements, VariantKind, VariantPool
 
 from .requests import RequestState
 
@@ -65,12 +63,8 @@ class VariantsAfter:
     """KV-pool page -> the variant whose weights it holds."""
 
 
-def op_kind(op: wire.AdapterOp, held_as: Callable[[int], VariantKind | None]) -> VariantKind:
-    """The kind of variant ``op`` moves: a ``to_host``'s directory says it, else the kind the worker
-    holds the id as (LoRA when it holds it as nothing)."""
-    if op.op == "to_host" and op.path:
-        return VariantKind.DELTA if is_delta_dir(op.path) else VariantKind.LORA
-    return held_as(op.adapter_id) or VariantKind.LORA
+OPS = ", ".join(op.label for op in wire.TierOp)
+KINDS = ", ".join(kind.label for kind in VariantKind)
 
 
 def replay_variant_ops(plan: wire.StepPlan, pools: Mapping[VariantKind, VariantPool],
@@ -84,29 +78,37 @@ def replay_variant_ops(plan: wire.StepPlan, pools: Mapping[VariantKind, VariantP
 
     for i, op in enumerate(plan.adapter_ops):
         aid = op.adapter_id
+        move = next((m for m in wire.TierOp if m == op.op), None)  # op.op may be any int in-process
+        kind = next((k for k in VariantKind if k == op.kind), None)
 
         def bad(what: str) -> None:
-            problems.append(f"adapter op {i} ({op.op} adapter {aid}): {what}")
+            name = move.label if move is not None else f"op {op.op!r}"
+            problems.append(f"adapter op {i} ({name} adapter {aid}): {what}")
 
+        if move is None:
+            bad(f"unknown op {op.op!r} (expected one of {OPS})")
+            continue
+        if kind is None:
+            bad(f"unknown variant kind {op.kind!r} (expected one of {KINDS})")
+            continue
         if aid == 0:
             bad("adapter id 0 is the base model")
             continue
         holder = held_as(aid)
-        kind = op_kind(op, held_as)
         if kind not in pools:
             bad(OFF_REASON[kind])
             continue
         on_host, gpu = host[kind], placed[kind]
         if holder is not None and holder != kind:
             bad(f"the id is {WITH_ARTICLE[holder]} on this worker")
-        elif op.op == "to_host":
+        elif move is wire.TierOp.TO_HOST:
             if aid in on_host:
                 bad("already in host memory (drop_host first)")
             elif not op.path:
                 bad("no path")
             else:
                 on_host.add(aid)
-        elif op.op == "to_gpu":
+        elif move is wire.TierOp.TO_GPU:
             if aid not in on_host:
                 bad("not in host memory (a to_host must come first)")
             elif aid in gpu.ids():
@@ -115,18 +117,16 @@ def replay_variant_ops(plan: wire.StepPlan, pools: Mapping[VariantKind, VariantP
                 bad(problem)
             else:
                 gpu.place(op)
-        elif op.op == "drop_gpu":
+        elif move is wire.TierOp.DROP_GPU:
             if aid not in gpu.ids():
                 bad("not on the GPU")
             else:
                 gpu.remove(aid)
-        elif op.op == "drop_host":
+        else:  # drop_host
             if aid not in on_host:
                 bad("not in host memory")
             else:
                 on_host.discard(aid)
-        else:
-            bad(f"unknown op {op.op!r} (expected one of {', '.join(OPS)})")
     after = VariantsAfter()
     for kind, p in placed.items():
         after.on_gpu.update((aid, kind) for aid in p.ids())
@@ -223,7 +223,7 @@ def check_plan(plan: wire.StepPlan, requests: Mapping[int, RequestState], pools:
         if problem is not None:
             problems.append(problem)
 
-    placed = [(i, op) for i, op in enumerate(plan.adapter_ops) if op.op == "to_gpu" and op.block_ids]
+    placed = [(i, op) for i, op in enumerate(plan.adapter_ops) if op.op == wire.TierOp.TO_GPU and op.block_ids]
     if placed:  # pages a variant moves into must hold no request's KV after this step
         kv_pages = {b for rid in held_after_release for b in requests[rid].block_table}
         kv_pages.update(b for new in plan.new_requests for b in new.block_ids)

@@ -11,10 +11,11 @@ use crate::schema::schema_hash;
 use crate::wire::{
     AdapterInfo, AdapterOp, Hello, InspectAdapter, KvCapacity, ModelInfo, NewRequest,
     RequestOutput, RunningRequest, SamplingParams, Shutdown, StepOutput, StepPlan, StepTiming,
-    TokenLogprob, WorkerError,
+    TierOp, TokenLogprob, VariantKind, WorkerError,
 };
 
-/// A plan with one sampled and one greedy new request, two running requests and two releases.
+/// A plan with one sampled and one greedy new request, two running requests, two releases, and
+/// variant ops of both kinds (a LoRA adapter's pages, a delta's slot).
 pub fn step_plan() -> StepPlan {
     StepPlan {
         step_id: 12_345_678_901,
@@ -68,21 +69,43 @@ pub fn step_plan() -> StepPlan {
         adapter_ops: vec![
             AdapterOp {
                 adapter_id: 9,
-                op: "drop_gpu".into(),
+                op: TierOp::DropGpu,
                 path: String::new(),
                 block_ids: vec![],
+                kind: VariantKind::Lora,
+                slot: None,
             },
             AdapterOp {
                 adapter_id: 1000,
-                op: "to_host".into(),
+                op: TierOp::ToHost,
                 path: "/srv/adapters/sql-助手".into(),
                 block_ids: vec![],
+                kind: VariantKind::Lora,
+                slot: None,
             },
             AdapterOp {
                 adapter_id: 1000,
-                op: "to_gpu".into(),
+                op: TierOp::ToGpu,
                 path: String::new(),
                 block_ids: vec![65_535, 12, 70_002],
+                kind: VariantKind::Lora,
+                slot: None,
+            },
+            AdapterOp {
+                adapter_id: 4_000_000_000,
+                op: TierOp::ToGpu,
+                path: String::new(),
+                block_ids: vec![],
+                kind: VariantKind::Delta,
+                slot: Some(63),
+            },
+            AdapterOp {
+                adapter_id: 31,
+                op: TierOp::DropHost,
+                path: String::new(),
+                block_ids: vec![],
+                kind: VariantKind::Delta,
+                slot: None,
             },
         ],
     }
@@ -160,6 +183,7 @@ pub fn inspect_adapter() -> InspectAdapter {
     InspectAdapter {
         inspect_id: 77,
         path: "/srv/adapters/sql-助手".into(),
+        kind: VariantKind::Lora,
     }
 }
 
@@ -172,7 +196,7 @@ pub fn adapter_info() -> AdapterInfo {
         host_bytes: 80 << 20,
         max_rank: 16,
         target_modules: vec!["q_proj".into(), "v_proj".into()],
-        kind: "lora".into(),
+        kind: VariantKind::Lora,
         summary: "rank 16".into(),
     }
 }

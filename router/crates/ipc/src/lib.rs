@@ -2,12 +2,13 @@
 //!
 //! # Layout (the data flow, bottom up)
 //!
-//! - [`wire`]     the wire structs (`StepPlan`, `StepOutput`, `Hello`, …) and the [`wire::SCHEMA`]
-//!   table built from the same definitions by one macro.
+//! - [`wire`]     the wire structs (`StepPlan`, `StepOutput`, `Hello`, …) and enums
+//!   ([`wire::VariantKind`], [`wire::TierOp`], with their labels), and the [`wire::SCHEMA`] /
+//!   [`wire::ENUMS`] tables built from the same definitions by two macros.
 //! - [`codec`]    struct ⇄ frame bytes (`[KIND, body]` msgpack), direction-typed decoding
 //!   ([`codec::ToWorker`], [`codec::FromWorker`]) with [`codec::CodecError`].
-//! - [`schema`]   canonical schema text, its FNV-1a hash (checked in the worker handshake), and
-//!   the generator of the Python mirror `pyworker/deltaserve/wire.py`
+//! - [`schema`]   canonical schema text and its FNV-1a hash (checked in the worker handshake).
+//! - [`gen_py`]   the generator of the Python mirror `pyworker/deltaserve/wire.py`
 //!   (`cargo run -p deltaserve-ipc --bin ipc-schema -- gen-py`).
 //! - [`ring`]     single-producer single-consumer byte ring in a shared-memory file.
 //! - [`doorbell`] named-FIFO doorbells: sleep until the ring has data, without losing wake-ups.
@@ -23,6 +24,7 @@ pub mod codec;
 pub mod doorbell;
 pub mod error;
 pub mod examples;
+pub mod gen_py;
 pub mod ring;
 pub mod schema;
 pub mod wire;

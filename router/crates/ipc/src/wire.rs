@@ -24,10 +24,116 @@
 //! `src/bin/ipc-schema.rs`); a test fails when the checked-in file is stale. Golden frames written
 //! by this crate's tests are decoded and re-encoded byte-identically by `tests/test_wire_golden.py`.
 //!
-//! Only unsigned integers, `f64`, `bool`, `String`, `Vec`, `Option` and other wire structs appear
-//! here, so both encoders produce the same bytes (smallest int form, float64, str8/16/32).
+//! Only unsigned integers, `f64`, `bool`, `String`, `Vec`, `Option`, wire enums and other wire
+//! structs appear here, so both encoders produce the same bytes (smallest int form, float64,
+//! str8/16/32).
+//!
+//! # Enums
+//!
+//! A wire enum ([`VariantKind`], [`TierOp`]) is one small unsigned integer on the wire (a positive
+//! fixint), defined with its lower-case label (`lora`, `to_gpu`: what logs, errors and the HTTP
+//! API show). Both are generated into the Python mirror (an `IntEnum` per enum, members named by
+//! the upper-cased label), so neither side spells a value or a label by hand. Evolution: a new
+//! variant gets a new value; values and labels never change meaning. A value the decoder does not
+//! know is a decode error (the schema hash has already refused a peer with other enums).
 
-use serde::{Deserialize, Serialize};
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// Defines the wire enums and, from the same token trees, the [`ENUMS`] table the schema hash and
+/// the Python generator read (as [`wire_structs!`] does for structs). The first variant has value
+/// 0 and is the default (a field's value when a frame leaves it out).
+macro_rules! wire_enums {
+    ($(
+        $(#[doc = $doc:literal])*
+        enum $name:ident {
+            $( $(#[doc = $vdoc:literal])* $variant:ident = $value:literal $label:literal ),+ $(,)?
+        }
+    )*) => {
+        $(
+            $(#[doc = $doc])*
+            #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+            #[repr(u8)]
+            pub enum $name {
+                $( $(#[doc = $vdoc])* $variant = $value, )+
+            }
+
+            impl $name {
+                /// Every variant, in declaration order.
+                pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+                /// The lower-case label logs, errors and the HTTP API show.
+                pub fn label(self) -> &'static str {
+                    match self {
+                        $($name::$variant => $label,)+
+                    }
+                }
+
+                /// The variant `label` names; `None` for anything else.
+                pub fn from_label(label: &str) -> Option<Self> {
+                    match label {
+                        $($label => Some($name::$variant),)+
+                        _ => None,
+                    }
+                }
+
+                /// The variant the wire value `value` encodes; `None` for a value no variant has.
+                pub fn from_u8(value: u8) -> Option<Self> {
+                    match value {
+                        $($value => Some($name::$variant),)+
+                        _ => None,
+                    }
+                }
+            }
+
+            impl Default for $name {
+                fn default() -> Self {
+                    Self::ALL[0]
+                }
+            }
+
+            impl std::fmt::Display for $name {
+                fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str(self.label())
+                }
+            }
+
+            impl Serialize for $name {
+                fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                    s.serialize_u8(*self as u8)
+                }
+            }
+
+            impl<'de> Deserialize<'de> for $name {
+                fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                    let value = u8::deserialize(d)?;
+                    Self::from_u8(value).ok_or_else(|| {
+                        D::Error::custom(format!(
+                            concat!("unknown ", stringify!($name), " {} (expected one of {})"),
+                            value,
+                            [$(concat!($label, "=", $value)),+].join(", ")
+                        ))
+                    })
+                }
+            }
+        )*
+
+        /// Every wire enum in declaration order: `(name, [(variant, value, label)])`.
+        pub const ENUMS: &[(&str, &[(&str, u8, &str)])] = &[
+            $( (stringify!($name), &[ $( (stringify!($variant), $value, $label) ),+ ]), )*
+        ];
+
+        /// The `///` docs of every wire enum, parallel to [`ENUMS`]: `(name, enum doc,
+        /// [(variant, variant doc)])`. Not part of the schema hash.
+        pub const ENUM_DOCS: &[(&str, &str, &[(&str, &str)])] = &[
+            $( (
+                stringify!($name),
+                concat!($($doc, "\n",)*),
+                &[ $( (stringify!($variant), concat!($($vdoc, "\n",)*)) ),+ ],
+            ), )*
+        ];
+    };
+}
 
 /// Defines the wire structs and, from the same token trees, the [`SCHEMA`] table that the schema
 /// hash and the Python generator read. One definition, so the two can never disagree.
@@ -80,6 +186,34 @@ pub trait WireStruct: Serialize + for<'de> Deserialize<'de> {
     const KIND: u8;
 }
 
+wire_enums! {
+    /// The kinds of variant a request may run with besides the base model. They share the adapter
+    /// id space and the tier ops; they differ in where a GPU copy lives.
+    enum VariantKind {
+        /// A PEFT LoRA adapter: `num_blocks` pages of the KV pool while GPU-resident (S-LoRA).
+        Lora = 0 "lora",
+        /// A compressed full fine-tune (DeltaZip, `deltaserve compress`): one of the worker's
+        /// `--max-deltas` delta slots while GPU-resident, no pool pages.
+        Delta = 1 "delta",
+    }
+
+    /// One move of a variant between tiers (S-LoRA's tiers: disk -> host memory -> GPU). The
+    /// state machine is the scheduler's (`router/crates/sched/src/adapters.rs` draws it).
+    enum TierOp {
+        /// Read and validate `AdapterOp::path` into host memory (the worker may do it in the
+        /// background; a later `to_gpu` waits for it).
+        ToHost = 0 "to_host",
+        /// Copy the host copy to the GPU: into `block_ids` of the pool (a LoRA adapter), or into
+        /// delta slot `slot` (a delta).
+        ToGpu = 1 "to_gpu",
+        /// Forget the GPU placement (a LoRA adapter's pages already belong to the router again;
+        /// a delta's slot is free).
+        DropGpu = 2 "drop_gpu",
+        /// Free the host copy (a GPU copy stays valid without it).
+        DropHost = 3 "drop_host",
+    }
+}
+
 wire_structs! {
     /// How to pick the next token of one request. `temperature == 0` means greedy.
     struct SamplingParams = 0 {
@@ -113,8 +247,8 @@ wire_structs! {
         block_ids: Vec<u32>,
         /// How to sample once the whole sequence is computed.
         sampling: SamplingParams,
-        /// The LoRA adapter whose delta this request's tokens get: one GPU-resident once this
-        /// step's `adapter_ops` are applied (see `AdapterOp`), 0 for the base model alone.
+        /// The variant (LoRA adapter or delta) this request's tokens run with: one GPU-resident
+        /// once this step's `adapter_ops` are applied (see `AdapterOp`), 0 for the base model alone.
         adapter_id: u32,
     }
 
@@ -129,25 +263,25 @@ wire_structs! {
         new_block_ids: Vec<u32>,
     }
 
-    /// One change to where a LoRA adapter's weights live (S-LoRA's tiers: disk -> host memory ->
-    /// pages of the GPU pool). The router decides; the worker applies a plan's ops in order, after
-    /// `released` and before the plan's requests run.
+    /// One change to where a variant's weights live (`TierOp`). The router decides every one,
+    /// including where on the GPU; the worker applies a plan's ops in order, after `released` and
+    /// before the plan's requests run, each with the pool of its `kind`.
     struct AdapterOp = 0 {
-        /// The adapter (router-assigned, > 0; requests name it in `NewRequest::adapter_id`).
+        /// The variant (router-assigned, > 0; requests name it in `NewRequest::adapter_id`).
         adapter_id: u32,
-        /// `to_host`: read and validate `path` into host memory (the worker may do it in the
-        /// background; a later `to_gpu` waits for it). `to_gpu`: copy the host copy into
-        /// `block_ids` of the pool (a LoRA adapter), or into one of the worker's `--max-deltas`
-        /// delta slots (a compressed delta: `block_ids` empty; the router keeps at most that many
-        /// deltas on the GPU). `drop_gpu`: forget the GPU placement (a LoRA adapter's pages
-        /// already belong to the router again; a delta's slot is free). `drop_host`: free the
-        /// host copy.
-        op: String,
+        /// The move.
+        op: TierOp,
         /// The PEFT or delta directory (`to_host`).
         path: String,
-        /// Pool pages that hold a LoRA adapter, in order (`to_gpu`); the same page ids as KV
-        /// pages. Empty for a delta.
+        /// Pool pages that hold a LoRA adapter, in order (`to_gpu` of a LoRA adapter); the same
+        /// page ids as KV pages. Empty for a delta.
         block_ids: Vec<u32>,
+        /// The variant's kind: which of the worker's pools applies the op (the router knows it
+        /// from registration; the worker never guesses it from the files).
+        kind: VariantKind,
+        /// The delta slot, in `0..max_deltas`, a delta's `to_gpu` fills (the router picks it; a
+        /// slot taken on the worker is refused). `None` for every other op.
+        slot: Option<u32>,
     }
 
     /// One iteration of continuous batching, decided by the router's scheduler.
@@ -250,7 +384,7 @@ wire_structs! {
         kv: KvCapacity,
     }
 
-    /// Asks the worker to validate a LoRA adapter directory against its model and report its
+    /// Asks the worker to validate a variant directory against its model and report its
     /// footprint. Changes no worker state; answered by an `AdapterInfo` with the same id, in order
     /// with the step outputs.
     struct InspectAdapter = 6 {
@@ -258,6 +392,9 @@ wire_structs! {
         inspect_id: u64,
         /// The PEFT directory (LoRA) or `deltaserve compress` output directory (delta).
         path: String,
+        /// What the directory holds, as the router found it (its marker file): the worker
+        /// inspects it as that kind.
+        kind: VariantKind,
     }
 
     /// The worker's answer to `InspectAdapter`.
@@ -274,9 +411,9 @@ wire_structs! {
         max_rank: u32,
         /// Adapted projections, e.g. `q_proj`, `v_proj`.
         target_modules: Vec<String>,
-        /// `lora` (a PEFT adapter: `num_blocks` pool pages on the GPU) or `delta` (a compressed
-        /// full fine-tune: one of the worker's delta slots on the GPU, `num_blocks` 0).
-        kind: String,
+        /// The kind inspected (`InspectAdapter::kind`): a LoRA adapter takes `num_blocks` pool
+        /// pages on the GPU, a delta one of the worker's delta slots (`num_blocks` 0).
+        kind: VariantKind,
         /// One line for people, e.g. `rank 8` or `4-bit 2:4, 2.6x smaller than fp16`.
         summary: String,
     }
@@ -296,5 +433,42 @@ wire_structs! {
         fatal: bool,
         /// Requests that failed (all of the step's requests when the whole step failed).
         req_ids: Vec<u64>,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kind_labels_are_the_wire_and_api_labels() {
+        assert_eq!(VariantKind::from_label("delta"), Some(VariantKind::Delta));
+        assert_eq!(VariantKind::from_label("lora"), Some(VariantKind::Lora));
+        assert_eq!(VariantKind::from_label("LoRA"), None);
+        assert_eq!(VariantKind::Delta.to_string(), "delta");
+        let ops: Vec<&str> = TierOp::ALL.iter().map(|op| op.label()).collect();
+        assert_eq!(ops, ["to_host", "to_gpu", "drop_gpu", "drop_host"]);
+        for op in TierOp::ALL {
+            assert_eq!(TierOp::from_label(op.label()), Some(*op));
+            assert_eq!(TierOp::from_u8(*op as u8), Some(*op));
+        }
+        assert_eq!(
+            (VariantKind::default(), TierOp::default()),
+            (VariantKind::Lora, TierOp::ToHost)
+        );
+    }
+
+    #[test]
+    fn enums_are_one_small_int_and_unknown_values_do_not_decode() {
+        let bytes = rmp_serde::to_vec(&(TierOp::DropHost, VariantKind::Delta)).unwrap();
+        assert_eq!(bytes, [0x92, 0x03, 0x01]);
+        let err = rmp_serde::from_slice::<TierOp>(&[0x07])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("unknown TierOp 7") && err.contains("to_gpu=1"),
+            "{err}"
+        );
+        assert!(rmp_serde::from_slice::<VariantKind>(&[0xa4, b'l', b'o', b'r', b'a']).is_err());
     }
 }

@@ -16,9 +16,9 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use deltaserve_ipc::codec::{self, FromWorker};
-use deltaserve_ipc::wire::SamplingParams;
+use deltaserve_ipc::wire::{self, SamplingParams};
 use deltaserve_sched::{
-    AdapterSpec, SchedStats, ScheduledStep, SchedulerConfig, SeqRequest, VariantKind,
+    AdapterSpec, SchedStats, ScheduledStep, SchedulerConfig, SeqRequest,
     DEFAULT_HOST_ADAPTER_BYTES, DEFAULT_MAX_DELTAS, DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFETCH_WINDOW,
 };
@@ -27,7 +27,7 @@ use pyo3::exceptions::{PyAssertionError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::wire_plan::wire_plan;
+use crate::wire_plan::{sched_kind, wire_plan};
 
 create_exception!(
     deltaserve._native,
@@ -146,11 +146,11 @@ impl Scheduler {
         host_bytes: u64,
         path: String,
     ) -> PyResult<()> {
-        let kind = VariantKind::from_label(kind).ok_or_else(|| {
+        let kind = wire::VariantKind::from_label(kind).ok_or_else(|| {
             PyValueError::new_err(format!("kind must be 'lora' or 'delta', got {kind:?}"))
         })?;
         let spec = AdapterSpec {
-            kind,
+            kind: sched_kind(kind),
             num_blocks,
             host_bytes,
             path,

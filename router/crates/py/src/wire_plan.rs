@@ -5,8 +5,8 @@
 //! this one repeats it rather than depend on the server crate (tokio, axum). Both follow the
 //! same rule, so a plan from `_native.Scheduler` is the plan the router would send.
 
-use deltaserve_ipc::wire::{self, SamplingParams, StepPlan};
-use deltaserve_sched::{AdapterOp, AdapterOpKind, ScheduledStep};
+use deltaserve_ipc::wire::{self, SamplingParams, StepPlan, TierOp};
+use deltaserve_sched::{AdapterOp, AdapterOpKind, ScheduledStep, VariantKind};
 
 /// The worker's plan for `step`; `sampling` gives a request's sampling parameters, sent with it
 /// whenever it is sent in full.
@@ -43,19 +43,37 @@ pub(crate) fn wire_plan(step: ScheduledStep, sampling: impl Fn(u64) -> SamplingP
     }
 }
 
-/// The wire form of a scheduler's adapter op (the `op` strings are the wire's contract).
+/// The wire form of a scheduler's adapter op.
 fn wire_op(op: AdapterOp) -> wire::AdapterOp {
-    let name = op.op_name();
-    let (path, block_ids) = match op.kind {
-        AdapterOpKind::ToHost { path } => (path, Vec::new()),
-        AdapterOpKind::ToGpu { block_ids } => (String::new(), block_ids),
-        AdapterOpKind::DropGpu | AdapterOpKind::DropHost => (String::new(), Vec::new()),
+    let (tier_op, path, block_ids) = match op.kind {
+        AdapterOpKind::ToHost { path } => (TierOp::ToHost, path, Vec::new()),
+        AdapterOpKind::ToGpu { block_ids } => (TierOp::ToGpu, String::new(), block_ids),
+        AdapterOpKind::DropGpu => (TierOp::DropGpu, String::new(), Vec::new()),
+        AdapterOpKind::DropHost => (TierOp::DropHost, String::new(), Vec::new()),
     };
     wire::AdapterOp {
         adapter_id: op.adapter_id,
-        op: name.into(),
+        op: tier_op,
         path,
         block_ids,
+        kind: wire_kind(op.variant),
+        slot: None,
+    }
+}
+
+/// The scheduler's kind of a wire variant kind.
+pub(crate) fn sched_kind(kind: wire::VariantKind) -> VariantKind {
+    match kind {
+        wire::VariantKind::Lora => VariantKind::Lora,
+        wire::VariantKind::Delta => VariantKind::Delta,
+    }
+}
+
+/// The wire's kind of a scheduler variant kind.
+fn wire_kind(kind: VariantKind) -> wire::VariantKind {
+    match kind {
+        VariantKind::Lora => wire::VariantKind::Lora,
+        VariantKind::Delta => wire::VariantKind::Delta,
     }
 }
 
@@ -87,18 +105,22 @@ mod tests {
             adapter_ops: vec![
                 AdapterOp {
                     adapter_id: 2,
+                    variant: VariantKind::Lora,
                     kind: AdapterOpKind::ToHost { path: "/a".into() },
                 },
                 AdapterOp {
                     adapter_id: 2,
+                    variant: VariantKind::Lora,
                     kind: AdapterOpKind::ToGpu { block_ids: vec![1] },
                 },
                 AdapterOp {
                     adapter_id: 1,
+                    variant: VariantKind::Lora,
                     kind: AdapterOpKind::DropGpu,
                 },
                 AdapterOp {
                     adapter_id: 1,
+                    variant: VariantKind::Lora,
                     kind: AdapterOpKind::DropHost,
                 },
             ],
@@ -117,7 +139,7 @@ mod tests {
             .iter()
             .map(|o| {
                 let blocks = o.block_ids.as_slice();
-                (o.adapter_id, o.op.as_str(), o.path.as_str(), blocks)
+                (o.adapter_id, o.op.label(), o.path.as_str(), blocks)
             })
             .collect();
         assert_eq!(

@@ -44,7 +44,8 @@ use crate::error::SchedError;
 
 mod tiers;
 
-/// The two kinds of variant that share the adapter id space.
+/// The two kinds of variant that share the adapter id space. Their labels (`lora`, `delta`) and
+/// wire values are the wire's (`deltaserve_ipc::wire::VariantKind`); the router translates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum VariantKind {
     /// A PEFT LoRA adapter: `num_blocks` pages of the KV pool while GPU-resident (S-LoRA).
@@ -52,31 +53,6 @@ pub enum VariantKind {
     /// A compressed full fine-tune (DeltaZip): one of the worker's `max_deltas` slots while
     /// GPU-resident, no pool pages.
     Delta,
-}
-
-impl VariantKind {
-    /// Stable lower-case label, as on the wire (`AdapterInfo::kind`): `lora` or `delta`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            VariantKind::Lora => "lora",
-            VariantKind::Delta => "delta",
-        }
-    }
-
-    /// The kind a wire label names (`lora`, `delta`); `None` for anything else.
-    pub fn from_label(label: &str) -> Option<Self> {
-        match label {
-            "lora" => Some(VariantKind::Lora),
-            "delta" => Some(VariantKind::Delta),
-            _ => None,
-        }
-    }
-}
-
-impl std::fmt::Display for VariantKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// What the scheduler needs to know about an adapter, from the worker's inspection of it.
@@ -100,6 +76,8 @@ pub struct AdapterSpec {
 pub struct AdapterOp {
     /// The adapter it moves.
     pub adapter_id: u32,
+    /// Its kind (from its registration): the worker applies the op with the pool of that kind.
+    pub variant: VariantKind,
     /// The move.
     pub kind: AdapterOpKind,
 }
@@ -133,8 +111,8 @@ impl AdapterOp {
         matches!(self.kind, AdapterOpKind::DropGpu | AdapterOpKind::DropHost)
     }
 
-    /// Stable lower-case label of the kind, as on the wire (`to_host`, `to_gpu`, `drop_gpu`,
-    /// `drop_host`).
+    /// A short name of the move for logs and tests (`to_host`, `to_gpu`, `drop_gpu`,
+    /// `drop_host`; the wire sends a number, `deltaserve_ipc::wire::TierOp`).
     pub fn op_name(&self) -> &'static str {
         match self.kind {
             AdapterOpKind::ToHost { .. } => "to_host",

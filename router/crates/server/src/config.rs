@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use deltaserve_sched::VariantKind;
+use deltaserve_ipc::wire::VariantKind;
 
 /// Default for [`ServerConfig::max_deltas`] (DeltaZip's profiled number of deltas worth
 /// batching at once).

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-use deltaserve_sched::VariantKind;
+use deltaserve_ipc::wire::VariantKind;
 use tokio::net::TcpListener;
 
 use crate::config::ServerConfig;

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::RwLock;
 
-use deltaserve_sched::VariantKind;
+use deltaserve_ipc::wire::VariantKind;
 use serde::{Serialize, Serializer};
 
 /// Where an entry is in its life.
@@ -54,7 +54,7 @@ pub struct AdapterFootprint {
 
 /// Serializes a [`VariantKind`] as its wire label (`lora`, `delta`).
 fn kind_label<S: Serializer>(kind: &VariantKind, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(kind.as_str())
+    s.serialize_str(kind.label())
 }
 
 /// One registered adapter.

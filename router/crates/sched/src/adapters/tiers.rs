@@ -26,13 +26,14 @@ impl AdapterTable {
         a.on_host = true;
         a.host_loading = true;
         a.step_mark = form;
-        let (bytes, path) = (a.spec.host_bytes, a.spec.path.clone());
+        let (bytes, path, variant) = (a.spec.host_bytes, a.spec.path.clone(), a.spec.kind);
         self.host_bytes += bytes;
         self.on_host += 1;
         self.host_loads += 1;
         self.touch(id);
         ops.loads.push(AdapterOp {
             adapter_id: id,
+            variant,
             kind: AdapterOpKind::ToHost { path },
         });
     }
@@ -65,11 +66,12 @@ impl AdapterTable {
         debug_assert!(a.on_host, "adapter {id} has no host copy to drop");
         a.on_host = false;
         a.host_loading = false;
-        let bytes = a.spec.host_bytes;
+        let (bytes, variant) = (a.spec.host_bytes, a.spec.kind);
         self.host_bytes -= bytes;
         self.on_host -= 1;
         ops.drops.push(AdapterOp {
             adapter_id: id,
+            variant,
             kind: AdapterOpKind::DropHost,
         });
     }
@@ -96,7 +98,8 @@ impl AdapterTable {
         a.step_mark = form;
         // The worker's `ToGpu` waits for the read, so the copy is ready for every later step.
         a.host_loading = false;
-        match a.spec.kind {
+        let variant = a.spec.kind;
+        match variant {
             VariantKind::Lora => self.on_gpu += 1,
             VariantKind::Delta => self.deltas_on_gpu += 1,
         }
@@ -104,6 +107,7 @@ impl AdapterTable {
         self.gpu_loads += 1;
         ops.loads.push(AdapterOp {
             adapter_id: id,
+            variant,
             kind: AdapterOpKind::ToGpu { block_ids: pages },
         });
     }
@@ -117,7 +121,8 @@ impl AdapterTable {
             "adapter {id} evicted while running requests use it"
         );
         let pages = a.gpu_blocks.take().expect("adapter is GPU-resident");
-        match a.spec.kind {
+        let variant = a.spec.kind;
+        match variant {
             VariantKind::Lora => self.on_gpu -= 1,
             VariantKind::Delta => self.deltas_on_gpu -= 1,
         }
@@ -125,6 +130,7 @@ impl AdapterTable {
         self.gpu_blocks -= pages.len() as u32;
         ops.drops.push(AdapterOp {
             adapter_id: id,
+            variant,
             kind: AdapterOpKind::DropGpu,
         });
     }

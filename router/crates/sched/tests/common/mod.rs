@@ -249,6 +249,7 @@ impl FakeWorker {
                         .get(path)
                         .unwrap_or_else(|| panic!("to_host of {path}: no such directory"));
                     assert_eq!(*disk_id, id, "to_host of {path} for the wrong adapter");
+                    assert_eq!(op.variant, spec.kind, "to_host of adapter {id}: wrong kind");
                     let spec = spec.clone();
                     assert!(
                         self.host.insert(id, spec).is_none(),
@@ -268,6 +269,7 @@ impl FakeWorker {
                         spec.num_blocks,
                         "adapter {id} placed on the wrong number of pages"
                     );
+                    assert_eq!(op.variant, spec.kind, "to_gpu of adapter {id}: wrong kind");
                     if let Some(i) = self.reading.iter().position(|&r| r == id) {
                         assert!(
                             step.running.is_empty(),

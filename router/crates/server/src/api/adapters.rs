@@ -23,7 +23,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 
-use deltaserve_sched::VariantKind;
+use deltaserve_ipc::wire::VariantKind;
 
 use super::error::{ApiError, ApiJson};
 use super::Backend;
@@ -102,7 +102,7 @@ impl AdapterCard {
             id: e.name,
             object: "adapter",
             parent: base.to_string(),
-            kind: fp.as_ref().map(|f| f.kind.as_str()),
+            kind: fp.as_ref().map(|f| f.kind.label()),
             summary: fp.as_ref().map(|f| f.summary.clone()),
             path: e.path.display().to_string(),
             created: e.created,

@@ -39,7 +39,7 @@ use axum::response::sse::Event;
 use axum::routing::{get, post};
 use axum::Router;
 use deltaserve_ipc::wire::TokenLogprob;
-use deltaserve_sched::VariantKind;
+use deltaserve_ipc::wire::VariantKind;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api::openai::Usage;

@@ -30,7 +30,7 @@ pub async fn list_models<B: Backend>(State(backend): State<B>) -> Json<ModelList
         data.push(card(
             format!("{}:{}", model.name, adapter.name),
             Some(model.name.clone()),
-            adapter.footprint.as_ref().map(|f| f.kind.as_str()),
+            adapter.footprint.as_ref().map(|f| f.kind.label()),
         ));
     }
     Json(ModelList {

@@ -228,7 +228,7 @@ impl Actor {
             Command::Metrics { reply } => {
                 let _ = reply.send(self.metrics());
             }
-            Command::Inspect { path, reply } => self.inspect(path, reply),
+            Command::Inspect { path, kind, reply } => self.inspect(path, kind, reply),
             Command::AddAdapter { id, spec, reply } => self.add_adapter(id, spec, reply),
             Command::RemoveAdapter { id, reply } => self.remove_adapter(id, reply),
         }

@@ -1,16 +1,19 @@
 //! The adapter admin workflow, on the engine handle: registering a variant directory
 //! (inspected by one worker, then added to every actor's scheduler, rolled back on any
 //! failure) and deleting one (it stops resolving at once; its memory is freed once no live
-//! request uses it). Also the file-system check that tells a LoRA adapter from a delta.
+//! request uses it). Also the file-system check that tells a LoRA adapter from a delta: the one
+//! place a variant's kind is found (the worker is told it, in `InspectAdapter` and every op).
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use deltaserve_sched::{AdapterSpec, VariantKind};
+use deltaserve_ipc::wire::VariantKind;
+use deltaserve_sched::AdapterSpec;
 use tokio::sync::oneshot;
 
 use super::command::{ActorRef, Command, RemoveOutcome};
+use super::plan::sched_kind;
 use super::EngineHandle;
 use crate::registry::{AdapterEntry, AdapterFootprint, RegistryError};
 
@@ -98,6 +101,7 @@ impl EngineHandle {
             .tx
             .send(Command::Inspect {
                 path: path.clone(),
+                kind: found,
                 reply,
             })
             .map_err(|_| gone())?;
@@ -111,13 +115,7 @@ impl EngineHandle {
                 param: "path",
             });
         }
-        let kind = VariantKind::from_label(&info.kind).ok_or_else(|| AdapterError::Invalid {
-            message: format!(
-                "the worker inspected {path} as kind `{}`; expected `lora` or `delta`",
-                info.kind
-            ),
-            param: "path",
-        })?;
+        let kind = info.kind;
         if kind != found {
             return Err(AdapterError::Invalid {
                 message: format!(
@@ -129,7 +127,7 @@ impl EngineHandle {
             });
         }
         let spec = AdapterSpec {
-            kind,
+            kind: sched_kind(kind),
             num_blocks: info.num_blocks,
             host_bytes: info.host_bytes,
             path,

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
 use std::time::Instant;
 
-use deltaserve_ipc::wire::AdapterInfo;
+use deltaserve_ipc::wire::{AdapterInfo, VariantKind};
 use deltaserve_sched::AdapterSpec;
 use tokio::sync::{mpsc, oneshot};
 
@@ -32,9 +32,10 @@ pub(crate) enum Command {
     Metrics {
         reply: oneshot::Sender<EngineMetrics>,
     },
-    /// Ask the worker to validate an adapter directory (changes nothing).
+    /// Ask the worker to validate an adapter directory as a variant of `kind` (changes nothing).
     Inspect {
         path: String,
+        kind: VariantKind,
         reply: oneshot::Sender<Result<AdapterInfo, String>>,
     },
     /// Register an inspected adapter with the actor's scheduler.

@@ -296,7 +296,7 @@ impl EngineHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use deltaserve_sched::VariantKind;
+    use deltaserve_ipc::wire::VariantKind;
 
     fn served() -> ServedModel {
         let adapters = Arc::new(AdapterRegistry::new("base"));

@@ -1,10 +1,11 @@
 //! Scheduler ⇄ wire translation: a scheduled step as the worker's `StepPlan`, the scheduler's
-//! adapter ops as wire `AdapterOp`s, and the scheduler's configuration from the worker's
-//! Hello plus the operator's limits. Pure functions: no IO, no actor state.
+//! adapter ops as wire `AdapterOp`s, variant kinds both ways, and the scheduler's configuration
+//! from the worker's Hello plus the operator's limits. Pure functions: no IO, no actor state.
 
-use deltaserve_ipc::wire::{self, SamplingParams, StepPlan};
+use deltaserve_ipc::wire::{self, SamplingParams, StepPlan, TierOp};
 use deltaserve_sched::{
     AdapterOp as SchedAdapterOp, AdapterOpKind, ScheduledStep, SchedulerConfig,
+    VariantKind as SchedKind,
 };
 
 use crate::worker::WorkerProcess;
@@ -85,19 +86,37 @@ pub(super) fn wire_plan(
     (plan, ids)
 }
 
-/// The wire form of a scheduler's adapter op (`AdapterOp::op` strings are the wire's contract).
+/// The wire form of a scheduler's adapter op.
 fn wire_op(op: SchedAdapterOp) -> wire::AdapterOp {
-    let (name, path, block_ids) = match op.kind {
-        AdapterOpKind::ToHost { path } => ("to_host", path, Vec::new()),
-        AdapterOpKind::ToGpu { block_ids } => ("to_gpu", String::new(), block_ids),
-        AdapterOpKind::DropGpu => ("drop_gpu", String::new(), Vec::new()),
-        AdapterOpKind::DropHost => ("drop_host", String::new(), Vec::new()),
+    let (tier_op, path, block_ids) = match op.kind {
+        AdapterOpKind::ToHost { path } => (TierOp::ToHost, path, Vec::new()),
+        AdapterOpKind::ToGpu { block_ids } => (TierOp::ToGpu, String::new(), block_ids),
+        AdapterOpKind::DropGpu => (TierOp::DropGpu, String::new(), Vec::new()),
+        AdapterOpKind::DropHost => (TierOp::DropHost, String::new(), Vec::new()),
     };
     wire::AdapterOp {
         adapter_id: op.adapter_id,
-        op: name.into(),
+        op: tier_op,
         path,
         block_ids,
+        kind: wire_kind(op.variant),
+        slot: None,
+    }
+}
+
+/// The scheduler's kind of a wire (or API) variant kind.
+pub(crate) fn sched_kind(kind: wire::VariantKind) -> SchedKind {
+    match kind {
+        wire::VariantKind::Lora => SchedKind::Lora,
+        wire::VariantKind::Delta => SchedKind::Delta,
+    }
+}
+
+/// The wire's kind of a scheduler variant kind.
+pub(crate) fn wire_kind(kind: SchedKind) -> wire::VariantKind {
+    match kind {
+        SchedKind::Lora => wire::VariantKind::Lora,
+        SchedKind::Delta => wire::VariantKind::Delta,
     }
 }
 
@@ -129,18 +148,22 @@ mod tests {
             adapter_ops: vec![
                 SchedAdapterOp {
                     adapter_id: 2,
+                    variant: SchedKind::Lora,
                     kind: AdapterOpKind::ToHost { path: "/a".into() },
                 },
                 SchedAdapterOp {
                     adapter_id: 2,
+                    variant: SchedKind::Lora,
                     kind: AdapterOpKind::ToGpu { block_ids: vec![1] },
                 },
                 SchedAdapterOp {
                     adapter_id: 1,
+                    variant: SchedKind::Delta,
                     kind: AdapterOpKind::DropGpu,
                 },
                 SchedAdapterOp {
                     adapter_id: 1,
+                    variant: SchedKind::Delta,
                     kind: AdapterOpKind::DropHost,
                 },
             ],
@@ -158,7 +181,7 @@ mod tests {
         let ops: Vec<(&str, &str, &[u32])> = plan
             .adapter_ops
             .iter()
-            .map(|o| (o.op.as_str(), o.path.as_str(), o.block_ids.as_slice()))
+            .map(|o| (o.op.label(), o.path.as_str(), o.block_ids.as_slice()))
             .collect();
         assert_eq!(
             ops,
@@ -169,5 +192,15 @@ mod tests {
                 ("drop_host", "", &[][..]),
             ]
         );
+        let kinds: Vec<wire::VariantKind> = plan.adapter_ops.iter().map(|o| o.kind).collect();
+        let (lora, delta) = (wire::VariantKind::Lora, wire::VariantKind::Delta);
+        assert_eq!(
+            kinds,
+            [lora, lora, delta, delta],
+            "each op names its variant's kind"
+        );
+        for kind in wire::VariantKind::ALL {
+            assert_eq!(wire_kind(sched_kind(*kind)), *kind);
+        }
     }
 }

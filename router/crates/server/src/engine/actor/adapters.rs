@@ -10,10 +10,12 @@ use tokio::sync::oneshot;
 use super::{Actor, RemoveOutcome};
 
 impl Actor {
-    /// Sends an `InspectAdapter` for `path`; `reply` gets the worker's `AdapterInfo`.
+    /// Sends an `InspectAdapter` for `path` (a variant of `kind`); `reply` gets the worker's
+    /// `AdapterInfo`.
     pub(super) fn inspect(
         &mut self,
         path: String,
+        kind: wire::VariantKind,
         reply: oneshot::Sender<Result<wire::AdapterInfo, String>>,
     ) {
         let Some(worker) = self.worker.as_mut() else {
@@ -22,7 +24,11 @@ impl Actor {
         };
         let inspect_id = self.next_inspect_id;
         self.next_inspect_id += 1;
-        let frame = codec::encode(&wire::InspectAdapter { inspect_id, path });
+        let frame = codec::encode(&wire::InspectAdapter {
+            inspect_id,
+            path,
+            kind,
+        });
         if let Err(e) = worker.to_worker.send(&frame) {
             let _ = reply.send(Err(format!("could not reach the worker: {e}")));
             self.worker_lost(&format!("could not send an inspection to the worker: {e}"));
