@@ -95,13 +95,21 @@ test-python: setup ## Python tests only
 	$(PYTEST) -n $(TEST_JOBS) --dist loadfile -m "not serial"
 	$(PYTEST) -m serial
 
-lint: ## Rust formatting and clippy, and the wire mirror is up to date
+# Rust: rustfmt, clippy (warnings are errors), the generated wire.py is current. Python: ruff
+# (lint and format), mypy over the package, and the native module's stub against the runtime.
+lint: develop ## every linter, formatter check and type check CI enforces
 	cargo fmt --all -- --check
-	cargo clippy --workspace --all-targets -- -D warnings
-	cargo run -q -p deltaserve-ipc --bin ipc-schema -- check
+	cargo clippy -q --release --workspace --all-targets -- -D warnings
+	cargo run -q --release -p deltaserve-ipc --bin ipc-schema -- check
+	$(VENV)/bin/ruff check pyworker tests bench
+	$(VENV)/bin/ruff format --check pyworker tests bench
+	$(VENV)/bin/mypy pyworker/deltaserve
+	$(PY) -m mypy.stubtest deltaserve._native
 
-fmt: ## format Rust code
+fmt: ## format Rust and Python code, and apply ruff's safe fixes
 	cargo fmt --all
+	$(VENV)/bin/ruff check --fix pyworker tests bench
+	$(VENV)/bin/ruff format pyworker tests bench
 
 wheel: ## build the abi3 wheel into dist/
 	maturin build --release -o dist

@@ -27,9 +27,8 @@ from bench import script_env
 script_env.prepare()  # deltaserve importable from pyworker/
 
 from bench.common import SHAPES, device_name, write_random_lora_dir, write_random_model_dir, write_result  # noqa: E402
-
-from deltaserve.adapters.pinned_arena import PinnedArena  # noqa: E402
 from deltaserve.adapters.lora_pool import LoraPool  # noqa: E402
+from deltaserve.adapters.pinned_arena import PinnedArena  # noqa: E402
 from deltaserve.kernels import common as kernel_common  # noqa: E402
 from deltaserve.model.arch import ModelConfig  # noqa: E402
 from deltaserve.model.kv_cache import PagedKVCache  # noqa: E402
@@ -55,10 +54,17 @@ def main() -> None:
         model_dir = write_random_model_dir(args.shape, tmp / "model")
         (model_dir / "config.json").write_text(__import__("json").dumps(shape))
         cfg = ModelConfig.from_model_dir(model_dir)
-        kv = PagedKVCache(cfg.num_layers, 256 if args.smoke else 2048, 16, cfg.num_kv_heads, cfg.head_dim,
-                          torch.float16, device)
-        pool = LoraPool(cfg, kv, max_lora_rank=max(RANKS), max_loras_per_step=256, max_tokens=2048,
-                        arena=PinnedArena(1 << 30, pin=device.type == "cuda"))
+        kv = PagedKVCache(
+            cfg.num_layers, 256 if args.smoke else 2048, 16, cfg.num_kv_heads, cfg.head_dim, torch.float16, device
+        )
+        pool = LoraPool(
+            cfg,
+            kv,
+            max_lora_rank=max(RANKS),
+            max_loras_per_step=256,
+            max_tokens=2048,
+            arena=PinnedArena(1 << 30, pin=device.type == "cuda"),
+        )
         prof = cProfile.Profile() if args.profile else None  # the Triton placements
         dirs = {rank: write_random_lora_dir(tmp / f"r{rank}", shape, rank, QKVO, seed=rank) for rank in RANKS}
         for impl in ("torch", "triton"):
@@ -89,12 +95,22 @@ def main() -> None:
                         dev.append(start.elapsed_time(end) / 1e3)
                     pool.drop_gpu(aid)
                 host, dev = host[2:], dev[2:]  # first placements warm up the allocator and kernels
-                rows.append({"region_copy": impl, "rank": rank, "pages": info.num_blocks,
-                             "host_bytes": info.host_bytes, "host_ms": statistics.median(host) * 1e3,
-                             "device_ms": statistics.median(dev) * 1e3 if dev else None})
-                print(f"{impl:6s} rank {rank:3d}: {info.num_blocks:3d} pages, {info.host_bytes / 1e6:6.1f} MB: "
-                      f"launching thread {rows[-1]['host_ms']:6.3f} ms"
-                      + (f", device {rows[-1]['device_ms']:6.3f} ms" if dev else ""), flush=True)
+                rows.append(
+                    {
+                        "region_copy": impl,
+                        "rank": rank,
+                        "pages": info.num_blocks,
+                        "host_bytes": info.host_bytes,
+                        "host_ms": statistics.median(host) * 1e3,
+                        "device_ms": statistics.median(dev) * 1e3 if dev else None,
+                    }
+                )
+                print(
+                    f"{impl:6s} rank {rank:3d}: {info.num_blocks:3d} pages, {info.host_bytes / 1e6:6.1f} MB: "
+                    f"launching thread {rows[-1]['host_ms']:6.3f} ms"
+                    + (f", device {rows[-1]['device_ms']:6.3f} ms" if dev else ""),
+                    flush=True,
+                )
         kernel_common.set_backend("auto")
         pool.close()
         if prof:
@@ -103,9 +119,18 @@ def main() -> None:
             print(out.getvalue())
     if args.smoke:
         return
-    path = write_result("adapter_placement", {
-        "device": device_name(device), "shape": args.shape, "dtype": "float16", "targets": list(QKVO),
-        "reps": reps, "rows": rows}, args.out)
+    path = write_result(
+        "adapter_placement",
+        {
+            "device": device_name(device),
+            "shape": args.shape,
+            "dtype": "float16",
+            "targets": list(QKVO),
+            "reps": reps,
+            "rows": rows,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
 
 

@@ -23,7 +23,6 @@ from bench import script_env
 script_env.prepare()  # deltaserve importable from pyworker/
 
 from bench.common import write_result  # noqa: E402
-
 from deltaserve.adapters.pinned_arena import ALIGN, PinnedArena, slack_for  # noqa: E402
 
 RANKS = (64, 32, 16, 8)
@@ -82,18 +81,43 @@ def main() -> None:
     rows = []
     cases = [(2000, 3072, fit, slack) for fit in ("first", "best") for slack in (0.0, 0.05, 0.125)]
     # The worker's setting: best fit plus ``slack_for`` the budget (4 GiB and 48 GiB here).
-    cases += [(n, budget, "best", slack_for(budget * UNIT_BYTES) / (budget * UNIT_BYTES))
-              for budget in (256, 3072) for n in (1000, 5000)]
+    cases += [
+        (n, budget, "best", slack_for(budget * UNIT_BYTES) / (budget * UNIT_BYTES))
+        for budget in (256, 3072)
+        for n in (1000, 5000)
+    ]
     for n, budget, fit, slack in cases:
         got = [run(n, budget, slack, fit, args.requests, s) for s in range(args.seeds)]
         reads, no_room = sum(r for r, _ in got), sum(f for _, f in got)
-        rows.append({"n": n, "budget_largest_copies": budget // UNITS[64], "fit": fit, "slack": round(slack, 4),
-                     "reads": reads, "no_room": no_room, "no_room_share": no_room / reads})
-        print(f"n {n:5d}, budget {budget // UNITS[64]:4d} largest copies, {fit:5s} fit, slack {slack:6.1%}: "
-              f"{no_room:5d} of {reads:6d} reads found no room ({no_room / reads:.2%})", flush=True)
-    path = write_result("arena_fragmentation", {
-        "device": "cpu", "simulation": True, "sizes": UNITS, "popularity_alpha": 1.0,
-        "requests_per_seed": args.requests, "seeds": args.seeds, "rows": rows}, args.out)
+        rows.append(
+            {
+                "n": n,
+                "budget_largest_copies": budget // UNITS[64],
+                "fit": fit,
+                "slack": round(slack, 4),
+                "reads": reads,
+                "no_room": no_room,
+                "no_room_share": no_room / reads,
+            }
+        )
+        print(
+            f"n {n:5d}, budget {budget // UNITS[64]:4d} largest copies, {fit:5s} fit, slack {slack:6.1%}: "
+            f"{no_room:5d} of {reads:6d} reads found no room ({no_room / reads:.2%})",
+            flush=True,
+        )
+    path = write_result(
+        "arena_fragmentation",
+        {
+            "device": "cpu",
+            "simulation": True,
+            "sizes": UNITS,
+            "popularity_alpha": 1.0,
+            "requests_per_seed": args.requests,
+            "seeds": args.seeds,
+            "rows": rows,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
 
 

@@ -169,8 +169,8 @@ def generate(model: Any, batch: list[Pending], device: Any) -> None:
     ids = torch.zeros((n, width), dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.long)
     for i, p in enumerate(batch):
-        ids[i, width - len(p.prompt):] = torch.tensor(p.prompt)
-        mask[i, width - len(p.prompt):] = 1
+        ids[i, width - len(p.prompt) :] = torch.tensor(p.prompt)
+        mask[i, width - len(p.prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     past = None
@@ -274,8 +274,9 @@ def batch_reserve_bytes(model_dir: Path, dtype: Any, max_batch: int, max_seq: in
     return tokens * kv_per_token * elem + tokens * cfg["vocab_size"] * 4 + (1 << 30)
 
 
-def resident_slots(resident: str, models: dict[str, Path], device: Any, dtype: Any, max_batch: int,
-                   max_seq: int) -> int:
+def resident_slots(
+    resident: str, models: dict[str, Path], device: Any, dtype: Any, max_batch: int, max_seq: int
+) -> int:
     """``--resident``: a number, or ``auto``: :func:`models_that_fit` in the device's free memory
     (the host's available memory on the CPU), each model the size of the first one's safetensors."""
     if resident != "auto":
@@ -295,8 +296,11 @@ def resident_slots(resident: str, models: dict[str, Path], device: Any, dtype: A
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     k = models_that_fit(free, model_bytes, batch_reserve_bytes(first, dtype, max_batch, max_seq), len(models))
-    print(f"--resident auto: {k} of {len(models)} models ({model_bytes / 2**30:.2f} GiB each, "
-          f"{free / 2**30:.1f} GiB free on {device})", flush=True)
+    print(
+        f"--resident auto: {k} of {len(models)} models ({model_bytes / 2**30:.2f} GiB each, "
+        f"{free / 2**30:.1f} GiB free on {device})",
+        flush=True,
+    )
     return k
 
 
@@ -525,10 +529,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lora-dir", type=Path, help="peft: a directory of PEFT adapter directories")
     p.add_argument("--device-adapters", type=int, default=8, help="peft: most adapters loaded on the device")
     p.add_argument("--models-dir", type=Path, help="swap: a directory of full-model HF directories")
-    p.add_argument("--resident", default="1",
-                   help="swap: most full models on the device at once, or 'auto': as many as fit beside one batch")
-    p.add_argument("--max-seq", type=int, default=1024,
-                   help="swap, --resident auto: prompt + output tokens one sequence of a batch is sized for")
+    p.add_argument(
+        "--resident",
+        default="1",
+        help="swap: most full models on the device at once, or 'auto': as many as fit beside one batch",
+    )
+    p.add_argument(
+        "--max-seq",
+        type=int,
+        default=1024,
+        help="swap, --resident auto: prompt + output tokens one sequence of a batch is sized for",
+    )
     a = p.parse_args(argv)
     if a.max_batch < 1:
         p.error(f"--max-batch {a.max_batch}: need at least 1")

@@ -42,8 +42,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bench import script_env
 
@@ -163,8 +163,10 @@ def main() -> None:
     num_slots = args.num_slots or max(delta_counts)
 
     print(f"N = {n}, K = {k}, {num_slots} slots, float16, launch by BLOCK_M {dd.LAUNCH}", flush=True)
-    print(f"{'batch':>5} {'popularity':>10} {'deltas':>6} {'impl':>16} {'MB':>9} {'us':>9} {'GB/s':>8} "
-          f"{'x copy bw':>9}", flush=True)
+    print(
+        f"{'batch':>5} {'popularity':>10} {'deltas':>6} {'impl':>16} {'MB':>9} {'us':>9} {'GB/s':>8} {'x copy bw':>9}",
+        flush=True,
+    )
     rows = []
     table = random_table(num_slots, n, k, device)
     with torch.no_grad():
@@ -194,9 +196,11 @@ def main() -> None:
                                "GBps": pt.nbytes / sec / 1e9,
                                "fraction_of_copy_bw": None if bw is None else pt.nbytes / sec / bw}  # fmt: skip
                         rows.append(row)
-                        print(f"{batch:>5} {pop:>10} {pt.deltas:>6} {impl:>16} {pt.nbytes / 1e6:>9.2f} "
-                              f"{row['us']:>9.1f} {row['GBps']:>8.1f} {row['fraction_of_copy_bw'] or 0:>9.2f}",
-                              flush=True)
+                        print(
+                            f"{batch:>5} {pop:>10} {pt.deltas:>6} {impl:>16} {pt.nbytes / 1e6:>9.2f} "
+                            f"{row['us']:>9.1f} {row['GBps']:>8.1f} {row['fraction_of_copy_bw'] or 0:>9.2f}",
+                            flush=True,
+                        )
                     del pt
     path = write_result("dense_delta", {
         "device": device_name(device), "shape": "smoke" if args.smoke else "llama-2-7b lm_head",

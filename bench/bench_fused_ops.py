@@ -27,8 +27,8 @@ Every kernel is checked against its reference before it is timed.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bench import script_env
 
@@ -134,11 +134,19 @@ def main() -> None:
             for case in make_cases(shape, tokens, torch.float16, device):
                 for impl, fn in (("triton", case.triton_fn), ("torch", case.ref_fn)):
                     sec = timer(fn, False)
-                    row = {"op": case.op, "tokens": tokens, "impl": impl, "bytes": case.nbytes, "us": sec * 1e6,
-                           "GBps": case.nbytes / sec / 1e9,
-                           "fraction_of_copy_bw": None if bw is None else case.nbytes / sec / bw}
-                    line = (f"{case.op:>18} {tokens:>6} {impl:>6} {case.nbytes / 1e6:>9.3f} {row['us']:>9.1f} "
-                            f"{row['GBps']:>8.1f} {row['fraction_of_copy_bw'] or 0:>9.2f}")
+                    row = {
+                        "op": case.op,
+                        "tokens": tokens,
+                        "impl": impl,
+                        "bytes": case.nbytes,
+                        "us": sec * 1e6,
+                        "GBps": case.nbytes / sec / 1e9,
+                        "fraction_of_copy_bw": None if bw is None else case.nbytes / sec / bw,
+                    }
+                    line = (
+                        f"{case.op:>18} {tokens:>6} {impl:>6} {case.nbytes / 1e6:>9.3f} {row['us']:>9.1f} "
+                        f"{row['GBps']:>8.1f} {row['fraction_of_copy_bw'] or 0:>9.2f}"
+                    )
                     if args.cudagraph:
                         gsec = timer(fn, True)
                         row["us_graph"] = gsec * 1e6

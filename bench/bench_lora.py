@@ -70,8 +70,8 @@ import dataclasses
 import itertools
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bench import script_env
 
@@ -115,9 +115,20 @@ def request_adapters(popularity: str, n: int, rng: np.random.Generator) -> list[
 class Point:
     """One sweep point: inputs, the implementations and their byte counts."""
 
-    def __init__(self, in_dim: int, out_dim: int, rank: str, batch: int, popularity: str, mode: str,
-                 prefill_len: int, bmm_max_bytes: float, offset_align: int | None, device: torch.device,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        rank: str,
+        batch: int,
+        popularity: str,
+        mode: str,
+        prefill_len: int,
+        bmm_max_bytes: float,
+        offset_align: int | None,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
         dtype = torch.float16
         rng = np.random.default_rng(seed)
         g = torch.Generator(device=device).manual_seed(seed)
@@ -200,8 +211,18 @@ class Point:
 class StackPoint:
     """One ``--stacked`` sweep point: a fused module of slices ``outs`` over one shared pool."""
 
-    def __init__(self, in_dim: int, outs: tuple[int, ...], rank: str, batch: int, popularity: str, mode: str,
-                 prefill_len: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        outs: tuple[int, ...],
+        rank: str,
+        batch: int,
+        popularity: str,
+        mode: str,
+        prefill_len: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
         dtype = torch.float16
         rng = np.random.default_rng(seed)
         g = torch.Generator(device=device).manual_seed(seed)
@@ -269,12 +290,22 @@ def parse_dims(text: str) -> list[tuple[int, int]]:
     return dims
 
 
-def run_stacked(pt: StackPoint, mode: str, rank: str, batch: int, pop: str, args: argparse.Namespace,
-                timer: Callable[[Callable[[], object], bool], float], bw: float | None) -> list[dict]:
+def run_stacked(
+    pt: StackPoint,
+    mode: str,
+    rank: str,
+    batch: int,
+    pop: str,
+    args: argparse.Namespace,
+    timer: Callable[[Callable[[], object], bool], float],
+    bw: float | None,
+) -> list[dict]:
     """Checks and times one ``--stacked`` point; prints and returns its rows."""
     pt.check()
-    impls: list[tuple[str, Callable[[], object], bool]] = [("stacked", pt.stacked_fn, False),
-                                                         ("per_slice", pt.per_slice_fn, False)]
+    impls: list[tuple[str, Callable[[], object], bool]] = [
+        ("stacked", pt.stacked_fn, False),
+        ("per_slice", pt.per_slice_fn, False),
+    ]
     if args.cudagraph:
         impls += [("stacked_graph", pt.stacked_fn, True), ("per_slice_graph", pt.per_slice_fn, True)]
     if not args.no_reference:
@@ -284,13 +315,27 @@ def run_stacked(pt: StackPoint, mode: str, rank: str, batch: int, pop: str, args
     rows = []
     for impl, fn, graph in impls:
         sec = timer(fn, graph)
-        row = {"in_dim": st.in_dim, "out_dims": list(st.out_dims), "mode": mode, "rank": rank, "batch": batch,
-               "popularity": pop, "impl": impl, "graph": graph, "tokens": pt.tokens, "bytes": pt.nbytes,
-               "us": sec * 1e6, "GBps": pt.nbytes / sec / 1e9,
-               "fraction_of_copy_bw": None if bw is None else pt.nbytes / sec / bw}
+        row = {
+            "in_dim": st.in_dim,
+            "out_dims": list(st.out_dims),
+            "mode": mode,
+            "rank": rank,
+            "batch": batch,
+            "popularity": pop,
+            "impl": impl,
+            "graph": graph,
+            "tokens": pt.tokens,
+            "bytes": pt.nbytes,
+            "us": sec * 1e6,
+            "GBps": pt.nbytes / sec / 1e9,
+            "fraction_of_copy_bw": None if bw is None else pt.nbytes / sec / bw,
+        }
         rows.append(row)
-        print(f"{shape:>10} {mode:>7} {rank:>5} {batch:>5} {pop:>10} {impl:>15} {pt.nbytes / 1e6:>8.2f} "
-              f"{row['us']:>9.1f} {row['GBps']:>8.1f} {row['fraction_of_copy_bw'] or 0:>9.2f}", flush=True)
+        print(
+            f"{shape:>10} {mode:>7} {rank:>5} {batch:>5} {pop:>10} {impl:>15} {pt.nbytes / 1e6:>8.2f} "
+            f"{row['us']:>9.1f} {row['GBps']:>8.1f} {row['fraction_of_copy_bw'] or 0:>9.2f}",
+            flush=True,
+        )
     return rows
 
 
@@ -306,14 +351,22 @@ def main() -> None:
     p.add_argument("--no-reference", action="store_true", help="skip timing the torch reference")
     p.add_argument("--cudagraph", action="store_true", help="also time the Triton path inside a CUDA graph")
     p.add_argument("--parts", action="store_true", help="also time the shrink and the expand kernels alone")
-    p.add_argument("--offset-align", type=int, default=None,
-                   help="override the weights' offset_align (1: no alignment promise, scalar loads)")
+    p.add_argument(
+        "--offset-align",
+        type=int,
+        default=None,
+        help="override the weights' offset_align (1: no alignment promise, scalar loads)",
+    )
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes, no bandwidth")
-    p.add_argument("--stacked", default=None, metavar="OUTS",
-                   help="time a fused module of slices OUTS (e.g. 4096,4096,4096) over each --dims IN: "
-                        "lora_delta_stacked vs the per-slice loop")
+    p.add_argument(
+        "--stacked",
+        default=None,
+        metavar="OUTS",
+        help="time a fused module of slices OUTS (e.g. 4096,4096,4096) over each --dims IN: "
+        "lora_delta_stacked vs the per-slice loop",
+    )
     args = p.parse_args()
     ranks = [r for r in args.ranks.split(",") if r]
     batches = [int(b) for b in args.batch.split(",") if b]
@@ -342,46 +395,83 @@ def main() -> None:
         if outs is not None:
             outs = tuple(min(o, 96 // (1 + i)) for i, o in enumerate(outs))  # unequal widths, as GQA qkv
 
-    header = (f"{'dims':>10} {'mode':>7} {'rank':>5} {'batch':>5} {'popularity':>10} {'impl':>13} {'MB':>8} "
-              f"{'us':>9} {'GB/s':>8} {'x copy bw':>9}")
+    header = (
+        f"{'dims':>10} {'mode':>7} {'rank':>5} {'batch':>5} {'popularity':>10} {'impl':>13} {'MB':>8} "
+        f"{'us':>9} {'GB/s':>8} {'x copy bw':>9}"
+    )
     print(header, flush=True)
     rows = []
     with torch.no_grad():
         for (in_dim, out_dim), mode, rank, batch, pop in itertools.product(dims, modes, ranks, batches, pops):
             if outs is not None:
-                rows += run_stacked(StackPoint(in_dim, outs, rank, batch, pop, mode, args.prefill_len, device),
-                                    mode, rank, batch, pop, args, timer, bw)
+                rows += run_stacked(
+                    StackPoint(in_dim, outs, rank, batch, pop, mode, args.prefill_len, device),
+                    mode,
+                    rank,
+                    batch,
+                    pop,
+                    args,
+                    timer,
+                    bw,
+                )
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
-            pt = Point(in_dim, out_dim, rank, batch, pop, mode, args.prefill_len, args.bmm_max_gb * 1e9,
-                       args.offset_align, device)
+            pt = Point(
+                in_dim,
+                out_dim,
+                rank,
+                batch,
+                pop,
+                mode,
+                args.prefill_len,
+                args.bmm_max_gb * 1e9,
+                args.offset_align,
+                device,
+            )
             pt.check()
             impls: list[tuple[str, Callable[[], object] | None, bool, int]] = [
-                ("triton", pt.triton_fn, False, pt.nbytes)]
+                ("triton", pt.triton_fn, False, pt.nbytes)
+            ]
             if args.cudagraph:
                 impls.append(("triton_graph", pt.triton_fn, True, pt.nbytes))
             if args.parts:
-                impls += [("shrink", pt.shrink_fn, args.cudagraph, pt.shrink_bytes),
-                          ("expand", pt.expand_fn, args.cudagraph, pt.expand_bytes)]
+                impls += [
+                    ("shrink", pt.shrink_fn, args.cudagraph, pt.shrink_bytes),
+                    ("expand", pt.expand_fn, args.cudagraph, pt.expand_bytes),
+                ]
             impls.append(("gather_bmm", pt.bmm_fn, False, pt.nbytes))
             if not args.no_reference:
                 impls.append(("reference", pt.ref_fn, False, pt.nbytes))
             where = f"{in_dim}x{out_dim:<5} {mode:>7} {rank:>5} {batch:>5} {pop:>10}"
             for impl, fn, graph, nbytes in impls:
-                row = {"in_dim": in_dim, "out_dim": out_dim, "mode": mode, "rank": rank, "batch": batch,
-                       "popularity": pop, "impl": impl, "graph": graph, "tokens": pt.tokens, "bytes": nbytes}
+                row = {
+                    "in_dim": in_dim,
+                    "out_dim": out_dim,
+                    "mode": mode,
+                    "rank": rank,
+                    "batch": batch,
+                    "popularity": pop,
+                    "impl": impl,
+                    "graph": graph,
+                    "tokens": pt.tokens,
+                    "bytes": nbytes,
+                }
                 if fn is None:
                     row.update(us=None, GBps=None, fraction_of_copy_bw=None, skipped="gathered copy too big")
                     print(f"{where} {impl:>13}   skipped (--bmm-max-gb)")
                     rows.append(row)
                     continue
                 sec = timer(fn, graph)
-                row.update(us=sec * 1e6, GBps=nbytes / sec / 1e9,
-                           fraction_of_copy_bw=None if bw is None else nbytes / sec / bw)
+                row.update(
+                    us=sec * 1e6, GBps=nbytes / sec / 1e9, fraction_of_copy_bw=None if bw is None else nbytes / sec / bw
+                )
                 rows.append(row)
-                print(f"{where} {impl:>13} {nbytes / 1e6:>8.2f} {row['us']:>9.1f} {row['GBps']:>8.1f} "
-                      f"{row['fraction_of_copy_bw'] or 0:>9.2f}", flush=True)
+                print(
+                    f"{where} {impl:>13} {nbytes / 1e6:>8.2f} {row['us']:>9.1f} {row['GBps']:>8.1f} "
+                    f"{row['fraction_of_copy_bw'] or 0:>9.2f}",
+                    flush=True,
+                )
             del pt
             if device.type == "cuda":
                 torch.cuda.empty_cache()

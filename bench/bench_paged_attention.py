@@ -70,15 +70,25 @@ def make_step(lens: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, 
         at += n
     batch = ForwardBatch.build(seqs, BLOCK_SIZE, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    cache = torch.randn((2, sum(need) + 1, BLOCK_SIZE, kv_heads, dim), generator=gen, device=device,
-                        dtype=torch.float16)
+    cache = torch.randn(
+        (2, sum(need) + 1, BLOCK_SIZE, kv_heads, dim), generator=gen, device=device, dtype=torch.float16
+    )
     q = torch.randn((batch.num_tokens, heads, dim), generator=gen, device=device, dtype=torch.float16)
     return q, cache[0], cache[1], batch
 
 
 def run_kernel(q, ck, cv, batch, scale):
-    return paged_attention(q, ck, cv, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                           batch.max_query_len, scale, max_seq_len=batch.max_seq_len)
+    return paged_attention(
+        q,
+        ck,
+        cv,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.max_query_len,
+        scale,
+        max_seq_len=batch.max_seq_len,
+    )
 
 
 def bench_decode(shape: str, batch_size: int, ctx: int, bw: float, iters: int, device) -> dict:
@@ -86,7 +96,9 @@ def bench_decode(shape: str, batch_size: int, ctx: int, bw: float, iters: int, d
     scale = dim**-0.5
     q, ck, cv, batch = make_step([(ctx - 1, 1)] * batch_size, heads, kv_heads, dim, device, seed=batch_size)
     kv_bytes = batch_size * ctx * kv_heads * dim * 2 * ck.element_size()
-    splits = decode_num_splits(batch_size, kv_heads, ctx, torch.cuda.get_device_properties(device).multi_processor_count)
+    splits = decode_num_splits(
+        batch_size, kv_heads, ctx, torch.cuda.get_device_properties(device).multi_processor_count
+    )
     row: dict = {"shape": shape, "batch": batch_size, "ctx": ctx, "kv_bytes": kv_bytes, "num_splits": splits}
 
     out = run_kernel(q, ck, cv, batch, scale)
@@ -125,9 +137,7 @@ def bench_decode(shape: str, batch_size: int, ctx: int, bw: float, iters: int, d
     row["kernel_vs_copy_bw"] = kv_bytes / (best / 1e3) / bw
     if row["ref_ms"]:
         row["ref_GBps"] = kv_bytes / (row["ref_ms"] / 1e3) / 1e9
-    del q, ck, cv, batch, out, meta
-    torch.cuda.empty_cache()
-    return row
+    return row  # the caller empties the CUDA cache once this step's tensors are gone
 
 
 def bench_prefill(shape: str, num_seqs: int, length: int, iters: int, device) -> dict:
@@ -145,9 +155,7 @@ def bench_prefill(shape: str, num_seqs: int, length: int, iters: int, device) ->
     row["ref_ms"] = time_cuda(lambda: paged_attention_ref(q, ck, cv, batch, scale, meta=meta), iters) * 1e3
     row["kernel_TFLOPs"] = flops / (row["kernel_ms"] / 1e3) / 1e12
     row["ref_TFLOPs"] = flops / (row["ref_ms"] / 1e3) / 1e12
-    del q, ck, cv, batch, out, ref, meta
-    torch.cuda.empty_cache()
-    return row
+    return row  # the caller empties the CUDA cache once this step's tensors are gone
 
 
 def main() -> None:
@@ -177,13 +185,17 @@ def main() -> None:
         for ctx in (int(c) for c in args.ctx.split(",")):
             for b in (int(x) for x in args.batches.split(",")):
                 row = bench_decode(shape, b, ctx, bw, args.iters, device)
+                torch.cuda.empty_cache()
                 decode_rows.append(row)
                 ref = f"{row['ref_ms']:.3f}" if row["ref_ms"] else "oom"
                 graph = f"{row['graph_ms']:.3f}" if row["graph_ms"] else "failed"
-                print(f"decode {shape} ctx {ctx:5d} batch {b:4d} splits {row['num_splits']:2d}: kernel "
-                      f"{row['kernel_ms']:.3f} ms (graph {graph} ms) {row['kernel_GBps']:.0f} GB/s = "
-                      f"{row['kernel_vs_copy_bw']:.2f}x copy bw | ref {ref} ms | "
-                      f"max diff {row.get('max_abs_diff', float('nan')):.1e}", flush=True)
+                print(
+                    f"decode {shape} ctx {ctx:5d} batch {b:4d} splits {row['num_splits']:2d}: kernel "
+                    f"{row['kernel_ms']:.3f} ms (graph {graph} ms) {row['kernel_GBps']:.0f} GB/s = "
+                    f"{row['kernel_vs_copy_bw']:.2f}x copy bw | ref {ref} ms | "
+                    f"max diff {row.get('max_abs_diff', float('nan')):.1e}",
+                    flush=True,
+                )
                 if "graph_error" in row:
                     print(f"  graph capture failed: {row['graph_error']}", flush=True)
 
@@ -192,17 +204,31 @@ def main() -> None:
         for spec in filter(None, args.prefill.split(",")):
             n, length = (int(x) for x in spec.split("x"))
             row = bench_prefill(shape, n, length, max(5, args.iters // 5), device)
+            torch.cuda.empty_cache()
             prefill_rows.append(row)
-            print(f"prefill {shape} {n}x{length}: kernel {row['kernel_ms']:.3f} ms {row['kernel_TFLOPs']:.1f} "
-                  f"TFLOP/s | ref {row['ref_ms']:.3f} ms {row['ref_TFLOPs']:.1f} TFLOP/s | "
-                  f"max diff {row['max_abs_diff']:.1e}", flush=True)
+            print(
+                f"prefill {shape} {n}x{length}: kernel {row['kernel_ms']:.3f} ms {row['kernel_TFLOPs']:.1f} "
+                f"TFLOP/s | ref {row['ref_ms']:.3f} ms {row['ref_TFLOPs']:.1f} TFLOP/s | "
+                f"max diff {row['max_abs_diff']:.1e}",
+                flush=True,
+            )
 
-    path = write_result("paged_attention", {
-        "device": device_name(device), "dtype": "float16", "block_size": BLOCK_SIZE,
-        "copy_bandwidth_GBps": bw / 1e9, "heads": HEADS, "iters": args.iters,
-        "triton": __import__("triton").__version__, "torch": torch.__version__,
-        "decode": decode_rows, "prefill": prefill_rows,
-    }, args.out)
+    path = write_result(
+        "paged_attention",
+        {
+            "device": device_name(device),
+            "dtype": "float16",
+            "block_size": BLOCK_SIZE,
+            "copy_bandwidth_GBps": bw / 1e9,
+            "heads": HEADS,
+            "iters": args.iters,
+            "triton": __import__("triton").__version__,
+            "torch": torch.__version__,
+            "decode": decode_rows,
+            "prefill": prefill_rows,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
 
 

@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bench import script_env
 
@@ -110,8 +110,17 @@ class Pool:
 class Point:
     """One sweep point: inputs, metadata, the implementations and the byte count."""
 
-    def __init__(self, pool: Pool, batch: int, num_deltas: int, mode: str, prefill_len: int,
-                 dense_max_bytes: float, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        batch: int,
+        num_deltas: int,
+        mode: str,
+        prefill_len: int,
+        dense_max_bytes: float,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
         dtype = torch.float16
         g = torch.Generator(device=device).manual_seed(seed)
         req = sorted(i % num_deltas for i in range(batch))  # grouped by delta, as the scheduler orders them
@@ -244,8 +253,10 @@ def main() -> None:
         if args.tune:  # the interpreter would take minutes per config
             TUNE_GRID[:], TUNE_GRID_FMA[:] = TUNE_GRID[:2], TUNE_GRID_FMA[:2]
 
-    header = (f"{'mode':>7} {'shape':>11} {'config':>7} {'batch':>5} {'deltas':>6} {'impl':>12} {'MB':>8} "
-              f"{'us':>9} {'GB/s':>8} {'x copy bw':>9}")
+    header = (
+        f"{'mode':>7} {'shape':>11} {'config':>7} {'batch':>5} {'deltas':>6} {'impl':>12} {'MB':>8} "
+        f"{'us':>9} {'GB/s':>8} {'x copy bw':>9}"
+    )
     print(header, flush=True)
     rows = []
     default_launch = {bm: dict(cfg) for bm, cfg in sbmm_module.LAUNCH.items()}
@@ -265,7 +276,8 @@ def main() -> None:
                                 tune(pt, timer)
                             pt.check()
                             impls: list[tuple[str, Callable[[], object] | None, bool]] = [
-                                ("triton", pt.triton_fn, False)]
+                                ("triton", pt.triton_fn, False)
+                            ]
                             if args.cudagraph:
                                 impls.append(("triton_graph", pt.triton_fn, True))
                             if pt.cuda_ok():
@@ -282,24 +294,38 @@ def main() -> None:
                                 row = {"mode": mode, "shape": shape, "config": config, "batch": batch, "deltas": nd,
                                        "impl": impl, "tokens": pt.tokens, "bytes": pt.nbytes}  # fmt: skip
                                 if impl.startswith("cuda"):
-                                    row["launch"] = {"BLOCK_M": pt.cuda_meta.block_m,
-                                                     "SPLIT_K": sbmm_module._cuda_split(pt.cuda_meta, pool.weights)}
+                                    row["launch"] = {
+                                        "BLOCK_M": pt.cuda_meta.block_m,
+                                        "SPLIT_K": sbmm_module._cuda_split(pt.cuda_meta, pool.weights),
+                                    }
                                 if impl.startswith("triton"):
-                                    row["launch"] = {"BLOCK_M": pt.meta.block_m,
-                                                     **sbmm_module.launch_config(pt.meta, pool.weights)}
+                                    row["launch"] = {
+                                        "BLOCK_M": pt.meta.block_m,
+                                        **sbmm_module.launch_config(pt.meta, pool.weights),
+                                    }
                                 if fn is None:
-                                    row.update(us=None, GBps=None, fraction_of_copy_bw=None,
-                                               skipped="dense deltas above --dense-max-gb")
+                                    row.update(
+                                        us=None,
+                                        GBps=None,
+                                        fraction_of_copy_bw=None,
+                                        skipped="dense deltas above --dense-max-gb",
+                                    )
                                     print(f"{mode:>7} {shape:>11} {config:>7} {batch:>5} {nd:>6} {impl:>12}   skipped")
                                     rows.append(row)
                                     continue
                                 sec = timer(fn, graph)
-                                row.update(us=sec * 1e6, GBps=pt.nbytes / sec / 1e9,
-                                           fraction_of_copy_bw=None if bw is None else pt.nbytes / sec / bw)
+                                row.update(
+                                    us=sec * 1e6,
+                                    GBps=pt.nbytes / sec / 1e9,
+                                    fraction_of_copy_bw=None if bw is None else pt.nbytes / sec / bw,
+                                )
                                 rows.append(row)
-                                print(f"{mode:>7} {shape:>11} {config:>7} {batch:>5} {nd:>6} {impl:>12} "
-                                      f"{pt.nbytes / 1e6:>8.2f} {row['us']:>9.1f} {row['GBps']:>8.1f} "
-                                      f"{row['fraction_of_copy_bw'] or 0:>9.2f}", flush=True)
+                                print(
+                                    f"{mode:>7} {shape:>11} {config:>7} {batch:>5} {nd:>6} {impl:>12} "
+                                    f"{pt.nbytes / 1e6:>8.2f} {row['us']:>9.1f} {row['GBps']:>8.1f} "
+                                    f"{row['fraction_of_copy_bw'] or 0:>9.2f}",
+                                    flush=True,
+                                )
                             del pt
                 del pool
                 if device.type == "cuda":

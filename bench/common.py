@@ -24,11 +24,21 @@ worker's loader and bench/baselines.py draw them)."""
 # Real shapes (random weights: real checkpoints cannot reach the GPU machine).
 SHAPES: dict[str, dict] = {
     "llama-2-7b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000,
-        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 32, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-        "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     },
 }
 
@@ -98,8 +108,9 @@ def write_lora_weights(path: Path, config: dict, rank: int, seed: int, targets) 
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-def write_random_lora_dir(out: Path, config: dict, rank: int, targets, seed: int = 0,
-                          weights: Path | None = None) -> Path:
+def write_random_lora_dir(
+    out: Path, config: dict, rank: int, targets, seed: int = 0, weights: Path | None = None
+) -> Path:
     """A PEFT adapter directory of random weights; ``weights``: link to that file instead of writing one
     (many adapters sharing a few weight files keep benchmark disk use small)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -136,8 +147,9 @@ def git_commit() -> str:
     if os.environ.get("DELTASERVE_COMMIT"):
         return os.environ["DELTASERVE_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("DELTASERVE_COMMIT", "unknown")
 
@@ -243,8 +255,15 @@ def _tensor_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % (2**63)
 
 
-def write_random_checkpoint(config: dict, out: Path, seed: int = 0, std: float = 0.02, noise: float = 0.0,
-                            noise_seed: int = 1, device: str = "cpu") -> Path:
+def write_random_checkpoint(
+    config: dict,
+    out: Path,
+    seed: int = 0,
+    std: float = 0.02,
+    noise: float = 0.0,
+    noise_seed: int = 1,
+    device: str = "cpu",
+) -> Path:
     """An HF directory of real float16 safetensors for ``config``: what ``random_model`` draws (matrices
     N(0, ``std``), norm weights 1, biases 0), but on disk, one shard per decoder layer plus one for
     the embedding, final norm and lm_head, with ``model.safetensors.index.json``.
@@ -291,7 +310,8 @@ def write_random_checkpoint(config: dict, out: Path, seed: int = 0, std: float =
         del tensors
     weight_map = {name: file_of[shard_of[name]] for name in shapes}
     (tmp / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
     tmp.rename(out)
     return out
@@ -307,8 +327,9 @@ def _index_byte_table() -> torch.Tensor:
     return torch.tensor(table, dtype=torch.uint8)
 
 
-def random_packed_linear(out_features: int, in_features: int, bits: int, sparse: bool, group_size: int,
-                         generator: torch.Generator):
+def random_packed_linear(
+    out_features: int, in_features: int, bits: int, sparse: bool, group_size: int, generator: torch.Generator
+):
     """A ``PackedLinear`` of random codes (any int32 word is legal ``qvalues``), random legal 2:4
     positions, scales in [1e-4, 3e-4] and integral zeros at the middle codes: values of a few 1e-3,
     like a fine-tune's delta. Benchmark data, vectorised; never a compressor output."""
@@ -332,8 +353,15 @@ def random_packed_linear(out_features: int, in_features: int, bits: int, sparse:
     return PackedLinear(bits, sparse, group_size, out_features, in_features, qvalues, qindices, scales, zeros)
 
 
-def write_random_delta_dir(base_dir: Path, out: Path, bits: int = 4, sparse: bool = True, group_size: int = 64,
-                           seed: int = 0, dense_std: float = 1e-3) -> Path:
+def write_random_delta_dir(
+    base_dir: Path,
+    out: Path,
+    bits: int = 4,
+    sparse: bool = True,
+    group_size: int = 64,
+    seed: int = 0,
+    dense_std: float = 1e-3,
+) -> Path:
     """A valid delta directory (``compress/delta_dir.py``, mode "delta") for the base at ``base_dir``
     with RANDOM packed codes for every block linear (``random_packed_linear``) and N(0, ``dense_std``)
     float16 deltas for every other tensor (embedding, norms, lm_head when untied, biases), plus a
@@ -344,7 +372,13 @@ def write_random_delta_dir(base_dir: Path, out: Path, bits: int = 4, sparse: boo
     shapes); ``out`` must be absent or empty. Benchmark data only.
     """
     from deltaserve.compress.delta_dir import (
-        FORMAT, FORMAT_VERSION, as_json, checkpoint_shapes, model_signature, signature_hash, write_delta_dir,
+        FORMAT,
+        FORMAT_VERSION,
+        as_json,
+        checkpoint_shapes,
+        model_signature,
+        signature_hash,
+        write_delta_dir,
     )
     from deltaserve.model.arch import ModelConfig
     from deltaserve.model.decoder import linear_slots
@@ -355,8 +389,10 @@ def write_random_delta_dir(base_dir: Path, out: Path, bits: int = 4, sparse: boo
         raise ValueError(f"write_random_delta_dir: {out} exists and is not an empty directory")
     cfg = ModelConfig.from_model_dir(base_dir)
     if not any(base_dir.glob("*.safetensors")):
-        raise ValueError(f"write_random_delta_dir: base {base_dir} has no *.safetensors weights (a delta's lineage "
-                         "check reads them; write the base with write_random_checkpoint)")
+        raise ValueError(
+            f"write_random_delta_dir: base {base_dir} has no *.safetensors weights (a delta's lineage "
+            "check reads them; write the base with write_random_checkpoint)"
+        )
     on_disk = {name: shape for name, (_, shape) in checkpoint_shapes(base_dir).items()}
     config = json.loads((base_dir / "config.json").read_text())
     shapes = checkpoint_tensor_shapes(config)

@@ -92,8 +92,12 @@ def write_calibration(path: Path, nsamples: int, seqlen: int, vocab_size: int, s
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="llama-2-7b", choices=sorted(SHAPES))
-    p.add_argument("--num-layers", type=int, default=None,
-                   help="compress only this many decoder layers and extrapolate to the shape's depth")
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="compress only this many decoder layers and extrapolate to the shape's depth",
+    )
     p.add_argument("--bits", type=int, choices=(2, 4), default=4)
     p.add_argument("--sparsity", choices=("2:4", "none"), default="2:4")
     p.add_argument("--group-size", type=int, default=64)
@@ -102,8 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--noise", type=float, default=0.01, help="fine-tune noise relative to each tensor's scale")
     p.add_argument("--lossless", action="store_true", help="also compress the payload losslessly (zstd/lzma)")
     p.add_argument("--device", default="cuda", help="where compress runs (default cuda)")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="where the checkpoints and delta go (default: a temp dir)")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="where the checkpoints and delta go (default: a temp dir)"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU (checks the script runs)")
     p.add_argument("--out", type=Path, default=None, help="result directory (default bench/results)")
     args = p.parse_args(argv)
@@ -122,8 +127,15 @@ def main(argv: list[str] | None = None) -> Path:
     full_layers = SHAPES[args.shape]["num_hidden_layers"]
     config = shape_config(args.shape, args.num_layers)
     layers = config["num_hidden_layers"]
-    cfg = CompressConfig(bits=args.bits, sparse=args.sparsity == "2:4", group_size=args.group_size,
-                         nsamples=args.nsamples, seqlen=args.seqlen, device=args.device, lossless=args.lossless)
+    cfg = CompressConfig(
+        bits=args.bits,
+        sparse=args.sparsity == "2:4",
+        group_size=args.group_size,
+        nsamples=args.nsamples,
+        seqlen=args.seqlen,
+        device=args.device,
+        lossless=args.lossless,
+    )
     try:
         cfg.validate()
     except ValueError as e:
@@ -155,25 +167,55 @@ def main(argv: list[str] | None = None) -> Path:
     full_seconds = seconds + mean_layer * (full_layers - layers)
     errors = [e["rel_error"] for e in manifest["tensors"].values() if e["kind"] == "packed"]
     sizes, calib_info = manifest["sizes"], manifest["compression"]["calibration"]
-    target = {"max_seconds": TARGET_SECONDS, "seconds_full_depth": full_seconds,
-              "extrapolated": layers != full_layers, "met": full_seconds <= TARGET_SECONDS}
-    print(f"compress {args.shape} ({layers}/{full_layers} layers, {args.bits}-bit {args.sparsity}, "
-          f"{calib_info['samples']} x {args.seqlen} calibration tokens on {device}): {seconds:.1f} s, "
-          f"{mean_layer:.2f} s/layer -> {full_seconds / 60:.1f} min at full depth; ratio "
-          f"{sizes['compression_ratio']:.2f}x vs fp16; target <= {TARGET_SECONDS // 60} min "
-          f"{'met' if target['met'] else 'NOT met'}", flush=True)
-    path = write_result("compress_time", {
-        "device": device_name(device), "shape": args.shape, "smoke": args.smoke, "layers": layers,
-        "full_layers": full_layers, "bits": args.bits, "sparsity": args.sparsity, "group_size": args.group_size,
-        "nsamples": args.nsamples, "seqlen": args.seqlen, "calibration_samples": calib_info["samples"],
-        "calibration_tokens": calib_info["tokens"], "noise": args.noise, "lossless": args.lossless,
-        "compress_device": str(device), "setup_seconds": setup, "seconds": seconds,
-        "layer_seconds": per_layer, "mean_layer_seconds": mean_layer, "seconds_full_depth": full_seconds,
-        "peak_gpu_bytes": peak, "compression_ratio": sizes["compression_ratio"],
-        "payload_bytes": sizes["payload_bytes"], "raw_payload_bytes": manifest["payload"]["raw_bytes"],
-        "finetuned_fp16_bytes": sizes["finetuned_fp16_bytes"], "codec": manifest["payload"]["codec"],
-        "rel_error_mean": statistics.mean(errors), "rel_error_max": max(errors), "target": target,
-    }, args.out)
+    target = {
+        "max_seconds": TARGET_SECONDS,
+        "seconds_full_depth": full_seconds,
+        "extrapolated": layers != full_layers,
+        "met": full_seconds <= TARGET_SECONDS,
+    }
+    print(
+        f"compress {args.shape} ({layers}/{full_layers} layers, {args.bits}-bit {args.sparsity}, "
+        f"{calib_info['samples']} x {args.seqlen} calibration tokens on {device}): {seconds:.1f} s, "
+        f"{mean_layer:.2f} s/layer -> {full_seconds / 60:.1f} min at full depth; ratio "
+        f"{sizes['compression_ratio']:.2f}x vs fp16; target <= {TARGET_SECONDS // 60} min "
+        f"{'met' if target['met'] else 'NOT met'}",
+        flush=True,
+    )
+    path = write_result(
+        "compress_time",
+        {
+            "device": device_name(device),
+            "shape": args.shape,
+            "smoke": args.smoke,
+            "layers": layers,
+            "full_layers": full_layers,
+            "bits": args.bits,
+            "sparsity": args.sparsity,
+            "group_size": args.group_size,
+            "nsamples": args.nsamples,
+            "seqlen": args.seqlen,
+            "calibration_samples": calib_info["samples"],
+            "calibration_tokens": calib_info["tokens"],
+            "noise": args.noise,
+            "lossless": args.lossless,
+            "compress_device": str(device),
+            "setup_seconds": setup,
+            "seconds": seconds,
+            "layer_seconds": per_layer,
+            "mean_layer_seconds": mean_layer,
+            "seconds_full_depth": full_seconds,
+            "peak_gpu_bytes": peak,
+            "compression_ratio": sizes["compression_ratio"],
+            "payload_bytes": sizes["payload_bytes"],
+            "raw_payload_bytes": manifest["payload"]["raw_bytes"],
+            "finetuned_fp16_bytes": sizes["finetuned_fp16_bytes"],
+            "codec": manifest["payload"]["codec"],
+            "rel_error_mean": statistics.mean(errors),
+            "rel_error_max": max(errors),
+            "target": target,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return path
 

@@ -37,8 +37,17 @@ from deltaserve import wire  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
 
-def bench_batch(ex: Executor, batch: int, ctx: int, steps: int, warmup: int, first_id: int,
-                adapter_ids: list[int] | None = None, first_block: int = 0, overlap: bool = False) -> list[float]:
+def bench_batch(
+    ex: Executor,
+    batch: int,
+    ctx: int,
+    steps: int,
+    warmup: int,
+    first_id: int,
+    adapter_ids: list[int] | None = None,
+    first_block: int = 0,
+    overlap: bool = False,
+) -> list[float]:
     """Times decode steps of ``batch`` requests at KV length ``ctx``; request i uses LoRA adapter
     ``adapter_ids[i]`` (already GPU-resident; 0 or None: the base). KV pages from ``first_block``.
     ``overlap``: each step is launched before the previous one is finished (see the module doc)."""
@@ -51,17 +60,31 @@ def bench_batch(ex: Executor, batch: int, ctx: int, steps: int, warmup: int, fir
     for i in range(batch):
         tokens = torch.randint(3, ex.config.vocab_size, (ctx + 1,), generator=g).tolist()
         blocks = list(range(first_block + i * blocks_per_req, first_block + (i + 1) * blocks_per_req))
-        new.append(wire.NewRequest(req_id=first_id + i, token_ids=tokens, num_prompt_tokens=ctx + 1,
-                                   num_computed_tokens=ctx, num_scheduled_tokens=1, block_ids=blocks,
-                                   sampling=greedy, adapter_id=adapter_ids[i] if adapter_ids else 0))
+        new.append(
+            wire.NewRequest(
+                req_id=first_id + i,
+                token_ids=tokens,
+                num_prompt_tokens=ctx + 1,
+                num_computed_tokens=ctx,
+                num_scheduled_tokens=1,
+                block_ids=blocks,
+                sampling=greedy,
+                adapter_id=adapter_ids[i] if adapter_ids else 0,
+            )
+        )
     ids = [r.req_id for r in new]
     step_id = first_id * 1000
     ex.step(wire.StepPlan(step_id=step_id, new_requests=new, running=[], released=[]))
     times = []
-    plans = [wire.StepPlan(step_id=step_id + s + 1, new_requests=[],
-                           running=[wire.RunningRequest(req_id=r, num_scheduled_tokens=1, new_block_ids=[])
-                                    for r in ids], released=[])
-             for s in range(warmup + steps)]
+    plans = [
+        wire.StepPlan(
+            step_id=step_id + s + 1,
+            new_requests=[],
+            running=[wire.RunningRequest(req_id=r, num_scheduled_tokens=1, new_block_ids=[]) for r in ids],
+            released=[],
+        )
+        for s in range(warmup + steps)
+    ]
     if overlap:
         in_flight, last_finish = None, None
         for s, plan in enumerate(plans):
@@ -105,9 +128,16 @@ def main() -> None:
         model_dir = write_random_model_dir(args.shape, Path(tmp) / args.shape)
         ctx_tokens = args.ctx + args.steps + args.warmup + 2
         for mode, graph_batch in (("graphs", max(batches)), ("eager", 0)):
-            ex = Executor(model_dir, device="cuda:0", dtype="float16", block_size=16, kv_cache_bytes=0,
-                          gpu_memory_utilization=0.92, cuda_graph_max_batch=graph_batch,
-                          max_deltas=0)  # base path only: no delta slots reserved or wrappers
+            ex = Executor(
+                model_dir,
+                device="cuda:0",
+                dtype="float16",
+                block_size=16,
+                kv_cache_bytes=0,
+                gpu_memory_utilization=0.92,
+                cuda_graph_max_batch=graph_batch,
+                max_deltas=0,
+            )  # base path only: no delta slots reserved or wrappers
             c = ex.config
             kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2  # K and V, fp16
             weight_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
@@ -117,33 +147,57 @@ def main() -> None:
                     print(f"{mode} batch {b}: KV pool of {ex.num_blocks} blocks too small, skipped", flush=True)
                     continue
                 times = bench_batch(ex, b, args.ctx, args.steps, args.warmup, first_id=len(rows) * 10000 + 1)
-                overlapped = statistics.median(bench_batch(ex, b, args.ctx, args.steps, args.warmup,
-                                                           first_id=len(rows) * 10000 + 5001, overlap=True))
+                overlapped = statistics.median(
+                    bench_batch(
+                        ex, b, args.ctx, args.steps, args.warmup, first_id=len(rows) * 10000 + 5001, overlap=True
+                    )
+                )
                 step = statistics.median(times)
                 kv_bytes = b * (args.ctx + 1) * kv_per_token
                 weight_floor = weight_bytes / bw
                 mem_floor = (weight_bytes + kv_bytes) / bw
-                row = {"batch": b, "step_ms": step * 1e3, "step_ms_min": min(times) * 1e3,
-                       "weight_floor_ms": weight_floor * 1e3, "memory_floor_ms": mem_floor * 1e3,
-                       "ratio_to_weight_floor": step / weight_floor, "ratio_to_memory_floor": step / mem_floor,
-                       "tokens_per_s": b / step, "overlapped_step_ms": overlapped * 1e3,
-                       "overlapped_ratio_to_memory_floor": overlapped / mem_floor}
+                row = {
+                    "batch": b,
+                    "step_ms": step * 1e3,
+                    "step_ms_min": min(times) * 1e3,
+                    "weight_floor_ms": weight_floor * 1e3,
+                    "memory_floor_ms": mem_floor * 1e3,
+                    "ratio_to_weight_floor": step / weight_floor,
+                    "ratio_to_memory_floor": step / mem_floor,
+                    "tokens_per_s": b / step,
+                    "overlapped_step_ms": overlapped * 1e3,
+                    "overlapped_ratio_to_memory_floor": overlapped / mem_floor,
+                }
                 rows.append(row)
-                print(f"{mode} batch {b:4d}: {row['step_ms']:8.2f} ms  weight floor {row['weight_floor_ms']:.2f} ms "
-                      f"({row['ratio_to_weight_floor']:.2f}x)  memory floor {row['memory_floor_ms']:.2f} ms "
-                      f"({row['ratio_to_memory_floor']:.2f}x); overlapped {row['overlapped_step_ms']:.2f} ms "
-                      f"({row['overlapped_ratio_to_memory_floor']:.2f}x)", flush=True)
+                print(
+                    f"{mode} batch {b:4d}: {row['step_ms']:8.2f} ms  weight floor {row['weight_floor_ms']:.2f} ms "
+                    f"({row['ratio_to_weight_floor']:.2f}x)  memory floor {row['memory_floor_ms']:.2f} ms "
+                    f"({row['ratio_to_memory_floor']:.2f}x); overlapped {row['overlapped_step_ms']:.2f} ms "
+                    f"({row['overlapped_ratio_to_memory_floor']:.2f}x)",
+                    flush=True,
+                )
             if ex.graphs is not None:
                 print(f"{mode}: {ex.graphs.replays} steps replayed from graphs", flush=True)
             results[mode] = rows
             del ex
             torch.cuda.empty_cache()
-    path = write_result("decode_step", {
-        "device": device_name(device), "shape": args.shape, "dtype": "float16", "kv_len": args.ctx,
-        "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
-        "kernels": "triton (paged attention, fused rmsnorm/rope/silu_mul)",
-        "timed_steps": args.steps, "rows_graphs": results["graphs"], "rows_eager": results["eager"],
-    }, args.out)
+    path = write_result(
+        "decode_step",
+        {
+            "device": device_name(device),
+            "shape": args.shape,
+            "dtype": "float16",
+            "kv_len": args.ctx,
+            "copy_bandwidth_GBps": bw / 1e9,
+            "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": kv_per_token,
+            "kernels": "triton (paged attention, fused rmsnorm/rope/silu_mul)",
+            "timed_steps": args.steps,
+            "rows_graphs": results["graphs"],
+            "rows_eager": results["eager"],
+        },
+        args.out,
+    )
     print(f"wrote {path}")
 
 

@@ -26,8 +26,8 @@ from bench.common import write_result  # noqa: E402
 from bench.decode_step import bench_batch  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.compress.delta_dir import load_delta  # noqa: E402
+from deltaserve.demo_model import default_out_dir, deltaserve_home  # noqa: E402
 from deltaserve.formats.packed_delta import dequantize  # noqa: E402
-from deltaserve.demo_model import deltaserve_home, default_out_dir  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
 
@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> Path:
                                                       wire.AdapterOp(1, wire.TierOp.TO_GPU, "", [], delta, 0)]))  # fmt: skip
     rows = {}
     for k, (name, ids) in enumerate((("base", [0] * args.batch), ("delta", [1] * args.batch))):
-        times = bench_batch(ex, args.batch, args.ctx, args.steps, args.warmup, first_id=(k + 1) * 100_000,
-                            adapter_ids=ids)
+        times = bench_batch(
+            ex, args.batch, args.ctx, args.steps, args.warmup, first_id=(k + 1) * 100_000, adapter_ids=ids
+        )
         rows[name] = statistics.median(times)
         print(f"decode step, batch {args.batch}, {name}: {rows[name] * 1e3:.1f} ms", flush=True)
     _, packed, _ = load_delta(args.delta)
@@ -63,12 +64,23 @@ def main(argv: list[str] | None = None) -> Path:
         best = min(best, time.perf_counter() - t0)
     p_ = packed[linear]
     print(f"dequantize {linear} [{p_.out_features}x{p_.in_features}]: {best * 1e3:.2f} ms", flush=True)
-    path = write_result("delta_cpu_step", {
-        "device": "cpu", "torch_threads": threads, "model": str(default_out_dir()), "delta": str(args.delta),
-        "delta_summary": info.summary, "batch": args.batch, "kv_len": args.ctx, "timed_steps": args.steps,
-        "step_ms": {k: v * 1e3 for k, v in rows.items()}, "ratio_delta_to_base": rows["delta"] / rows["base"],
-        "dequantize_ms": {"linear": linear, "shape": [p_.out_features, p_.in_features], "best_of_10": best * 1e3},
-    }, args.out)
+    path = write_result(
+        "delta_cpu_step",
+        {
+            "device": "cpu",
+            "torch_threads": threads,
+            "model": str(default_out_dir()),
+            "delta": str(args.delta),
+            "delta_summary": info.summary,
+            "batch": args.batch,
+            "kv_len": args.ctx,
+            "timed_steps": args.steps,
+            "step_ms": {k: v * 1e3 for k, v in rows.items()},
+            "ratio_delta_to_base": rows["delta"] / rows["base"],
+            "dequantize_ms": {"linear": linear, "shape": [p_.out_features, p_.in_features], "best_of_10": best * 1e3},
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return path
 

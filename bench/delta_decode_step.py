@@ -41,7 +41,12 @@ from bench import script_env
 script_env.prepare()  # deltaserve importable from pyworker/
 
 from bench.common import (  # noqa: E402
-    SMOKE_SHAPE, copy_bandwidth, device_name, shape_config, write_random_checkpoint, write_random_delta_dir,
+    SMOKE_SHAPE,
+    copy_bandwidth,
+    device_name,
+    shape_config,
+    write_random_checkpoint,
+    write_random_delta_dir,
     write_result,
 )
 from bench.decode_step import bench_batch  # noqa: E402
@@ -56,8 +61,9 @@ SMOKE = {"batch": 4, "deltas": 2, "ctx": 16, "steps": 2, "warmup": 1}
 """``--smoke`` overrides (with ``SMOKE_SHAPE``, float32 on the CPU)."""
 
 
-def make_delta_dirs(base: Path, root: Path, n: int, distinct: int, bits: int, sparse: bool,
-                    group_size: int) -> dict[int, Path]:
+def make_delta_dirs(
+    base: Path, root: Path, n: int, distinct: int, bits: int, sparse: bool, group_size: int
+) -> dict[int, Path]:
     """Delta id (1..n) -> its directory; ``distinct`` of them hold their own random payload, the others
     a copy of one's manifest and a link to its payload."""
     dirs: dict[int, Path] = {}
@@ -110,10 +116,17 @@ def load_time(ex: Executor, path: Path, delta_id: int, sync) -> dict:
         best = min(best, time.perf_counter() - t1)
         pool.drop_gpu(delta_id)
     pool.drop_host(delta_id)
-    row = {"bytes": host.nbytes, "disk_to_host_ms": disk * 1e3, "host_to_gpu_ms": best * 1e3,
-           "host_to_gpu_GBps": host.nbytes / best / 1e9}
-    print(f"delta load: {host.nbytes / 2**20:.1f} MiB  disk->host {row['disk_to_host_ms']:.1f} ms  "
-          f"host->GPU {row['host_to_gpu_ms']:.2f} ms ({row['host_to_gpu_GBps']:.1f} GB/s)", flush=True)
+    row = {
+        "bytes": host.nbytes,
+        "disk_to_host_ms": disk * 1e3,
+        "host_to_gpu_ms": best * 1e3,
+        "host_to_gpu_GBps": host.nbytes / best / 1e9,
+    }
+    print(
+        f"delta load: {host.nbytes / 2**20:.1f} MiB  disk->host {row['disk_to_host_ms']:.1f} ms  "
+        f"host->GPU {row['host_to_gpu_ms']:.2f} ms ({row['host_to_gpu_GBps']:.1f} GB/s)",
+        flush=True,
+    )
     return row
 
 
@@ -147,8 +160,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-lora-rank", type=int, default=0, help="0: LoRA off (the worker's LoRA pool not built)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     p.add_argument("--no-graphs", action="store_true", help="skip the steps replayed from CUDA graphs")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="where the checkpoint and deltas go (default: a temp dir)")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="where the checkpoint and deltas go (default: a temp dir)"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shape and batch on the CPU (checks the script runs)")
     p.add_argument("--out", type=Path, default=None, help="result directory (default bench/results)")
     args = p.parse_args(argv)
@@ -175,8 +189,11 @@ def main(argv: list[str] | None = None) -> Path:
     config = shape_config(args.shape)
     sparse = args.sparsity == "2:4"
     spread = f"{args.deltas} deltas"
-    cases = {"base": [0] * args.batch, "1 delta": [1] * args.batch,
-             spread: [1 + i % args.deltas for i in range(args.batch)]}
+    cases = {
+        "base": [0] * args.batch,
+        "1 delta": [1] * args.batch,
+        spread: [1 + i % args.deltas for i in range(args.batch)],
+    }
     blocks_per_req = (args.ctx + args.steps + args.warmup + 1 + 15) // 16
     kv_bytes = 0
     if args.smoke:  # CPU: an explicit pool with room for one batch
@@ -189,17 +206,27 @@ def main(argv: list[str] | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         root = Path(tmp)
         t0 = time.perf_counter()
-        base = write_random_checkpoint(config, root / args.shape, seed=0,
-                                       device="cuda" if device.type == "cuda" else "cpu")
+        base = write_random_checkpoint(
+            config, root / args.shape, seed=0, device="cuda" if device.type == "cuda" else "cpu"
+        )
         print(f"random {args.shape} checkpoint written in {time.perf_counter() - t0:.1f} s", flush=True)
-        dirs = make_delta_dirs(base, root / "deltas", args.deltas + 1, args.distinct_weights, args.bits, sparse,
-                               args.group_size)
+        dirs = make_delta_dirs(
+            base, root / "deltas", args.deltas + 1, args.distinct_weights, args.bits, sparse, args.group_size
+        )
         load_dir = dirs.pop(args.deltas + 1)  # the load timing's delta, in the spare slot
 
-        ex = Executor(base, device=str(device), dtype=dtype, block_size=16, kv_cache_bytes=kv_bytes,
-                      gpu_memory_utilization=args.gpu_memory_utilization, cuda_graph_max_batch=0,
-                      max_lora_rank=args.max_lora_rank, max_loras_per_step=max(args.batch, 1),
-                      max_deltas=args.deltas + 1)
+        ex = Executor(
+            base,
+            device=str(device),
+            dtype=dtype,
+            block_size=16,
+            kv_cache_bytes=kv_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            cuda_graph_max_batch=0,
+            max_lora_rank=args.max_lora_rank,
+            max_loras_per_step=max(args.batch, 1),
+            max_deltas=args.deltas + 1,
+        )
         if args.batch * blocks_per_req > ex.num_blocks:
             raise SystemExit(f"KV pool of {ex.num_blocks} blocks cannot hold batch {args.batch} x {blocks_per_req}")
         slot_bytes = delta_gpu_bytes(ex.config, ex.dtype, args.bits, sparse, args.group_size)
@@ -208,8 +235,14 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"{len(dirs)} deltas placed (host + GPU) in {time.perf_counter() - t0:.1f} s", flush=True)
         for k, (name, ids) in enumerate(cases.items()):
             times = time_case(ex, args, ids, first_id=(k + 1) * 100_000)
-            rows.append({"case": name, "mode": "eager", "step_ms": statistics.median(times) * 1e3,
-                         "step_ms_min": min(times) * 1e3})
+            rows.append(
+                {
+                    "case": name,
+                    "mode": "eager",
+                    "step_ms": statistics.median(times) * 1e3,
+                    "step_ms_min": min(times) * 1e3,
+                }
+            )
         load_row = load_time(ex, load_dir, args.deltas + 1, sync)
         delta_payload_bytes = int(read_manifest(load_dir)["payload"]["bytes"])
         release(ex)
@@ -217,17 +250,32 @@ def main(argv: list[str] | None = None) -> Path:
         free_device(device)
 
         if not args.no_graphs and device.type == "cuda":
-            ex = Executor(base, device=str(device), dtype=dtype, block_size=16, kv_cache_bytes=0,
-                          gpu_memory_utilization=args.gpu_memory_utilization, cuda_graph_max_batch=args.batch,
-                          max_lora_rank=args.max_lora_rank, max_loras_per_step=max(args.batch, 1),
-                          max_deltas=args.deltas + 1)
+            ex = Executor(
+                base,
+                device=str(device),
+                dtype=dtype,
+                block_size=16,
+                kv_cache_bytes=0,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                cuda_graph_max_batch=args.batch,
+                max_lora_rank=args.max_lora_rank,
+                max_loras_per_step=max(args.batch, 1),
+                max_deltas=args.deltas + 1,
+            )
             place(ex, dirs, step_id=999_998)
             for k, (name, ids) in enumerate(cases.items()):
                 replays = ex.graphs.replays if ex.graphs is not None else 0
                 times = time_case(ex, args, ids, first_id=(k + 11) * 100_000)
                 replayed = (ex.graphs.replays if ex.graphs is not None else 0) - replays
-                rows.append({"case": name, "mode": "graphs", "step_ms": statistics.median(times) * 1e3,
-                             "step_ms_min": min(times) * 1e3, "graph_replays": replayed})
+                rows.append(
+                    {
+                        "case": name,
+                        "mode": "graphs",
+                        "step_ms": statistics.median(times) * 1e3,
+                        "step_ms_min": min(times) * 1e3,
+                        "graph_replays": replayed,
+                    }
+                )
             release(ex)
             del ex
             free_device(device)
@@ -238,26 +286,59 @@ def main(argv: list[str] | None = None) -> Path:
         r["ratio_to_base"] = r["step_ms"] / base_eager
         r["ratio_to_base_graphs"] = None if base_graphs is None else r["step_ms"] / base_graphs
         vs_graphs = "" if base_graphs is None else f", {r['ratio_to_base_graphs']:.3f}x base with graphs"
-        print(f"{r['mode']:6s} batch {args.batch} {r['case']:10s}: {r['step_ms']:8.2f} ms "
-              f"({r['ratio_to_base']:.3f}x base eager{vs_graphs})", flush=True)
+        print(
+            f"{r['mode']:6s} batch {args.batch} {r['case']:10s}: {r['step_ms']:8.2f} ms "
+            f"({r['ratio_to_base']:.3f}x base eager{vs_graphs})",
+            flush=True,
+        )
     spread_row = next(r for r in rows if r["case"] == spread and r["mode"] == "eager")
     spread_graphs = next((r for r in rows if r["case"] == spread and r["mode"] == "graphs"), None)
-    target = {"case": spread, "against": "base eager", "max_ratio": TARGET_RATIO,
-              "ratio": spread_row["ratio_to_base"], "met": spread_row["ratio_to_base"] <= TARGET_RATIO,
-              "ratio_to_base_graphs": spread_row["ratio_to_base_graphs"],
-              "ratio_graphs": None if spread_graphs is None else spread_graphs["ratio_to_base_graphs"]}
+    target = {
+        "case": spread,
+        "against": "base eager",
+        "max_ratio": TARGET_RATIO,
+        "ratio": spread_row["ratio_to_base"],
+        "met": spread_row["ratio_to_base"] <= TARGET_RATIO,
+        "ratio_to_base_graphs": spread_row["ratio_to_base_graphs"],
+        "ratio_graphs": None if spread_graphs is None else spread_graphs["ratio_to_base_graphs"],
+    }
     target["met_graphs"] = None if target["ratio_graphs"] is None else target["ratio_graphs"] <= TARGET_RATIO
-    print(f"target {spread} <= {TARGET_RATIO}x base: eager {target['ratio']:.3f}x -> "
-          f"{'met' if target['met'] else 'NOT met'}" + ("" if spread_graphs is None else
-          f"; graphs {target['ratio_graphs']:.3f}x -> {'met' if target['met_graphs'] else 'NOT met'}"), flush=True)
-    path = write_result("delta_decode_step", {
-        "device": device_name(device), "shape": args.shape, "dtype": dtype, "smoke": args.smoke,
-        "kv_len": args.ctx, "batch": args.batch, "deltas": args.deltas, "distinct_weights": args.distinct_weights,
-        "bits": args.bits, "sparsity": args.sparsity, "group_size": args.group_size,
-        "max_lora_rank": args.max_lora_rank, "copy_bandwidth_GBps": None if bw is None else bw / 1e9,
-        "timed_steps": args.steps, "warmup_steps": args.warmup, "delta_payload_bytes": delta_payload_bytes,
-        "delta_slot_gpu_bytes": slot_bytes, "rows": rows, "target": target, "load": load_row,
-    }, args.out)
+    print(
+        f"target {spread} <= {TARGET_RATIO}x base: eager {target['ratio']:.3f}x -> "
+        f"{'met' if target['met'] else 'NOT met'}"
+        + (
+            ""
+            if spread_graphs is None
+            else f"; graphs {target['ratio_graphs']:.3f}x -> {'met' if target['met_graphs'] else 'NOT met'}"
+        ),
+        flush=True,
+    )
+    path = write_result(
+        "delta_decode_step",
+        {
+            "device": device_name(device),
+            "shape": args.shape,
+            "dtype": dtype,
+            "smoke": args.smoke,
+            "kv_len": args.ctx,
+            "batch": args.batch,
+            "deltas": args.deltas,
+            "distinct_weights": args.distinct_weights,
+            "bits": args.bits,
+            "sparsity": args.sparsity,
+            "group_size": args.group_size,
+            "max_lora_rank": args.max_lora_rank,
+            "copy_bandwidth_GBps": None if bw is None else bw / 1e9,
+            "timed_steps": args.steps,
+            "warmup_steps": args.warmup,
+            "delta_payload_bytes": delta_payload_bytes,
+            "delta_slot_gpu_bytes": slot_bytes,
+            "rows": rows,
+            "target": target,
+            "load": load_row,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return path
 

@@ -173,8 +173,12 @@ def evaluate_task(task: str, args, base_dir: Path, daemon: Path, work: Path, bas
             finally:
                 if not args.keep:
                     shutil.rmtree(mdir)
-        rows[name] = {**score(pairs, got), **manifest_sizes(ddir),
-                      "compress_seconds": None if csecs is None else round(csecs, 1), "serve_seconds": round(secs, 1)}
+        rows[name] = {
+            **score(pairs, got),
+            **manifest_sizes(ddir),
+            "compress_seconds": None if csecs is None else round(csecs, 1),
+            "serve_seconds": round(secs, 1),
+        }
         _progress(task, name, rows[name])
     marker = ft_dir / "deltaserve-finetune.json"
     return {"finetune_dir": str(ft_dir), "finetune_recipe": json.loads(marker.read_text()) if marker.is_file() else None,
@@ -205,11 +209,15 @@ def main(argv: list[str] | None = None) -> Path:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", action="append", choices=sorted(TASKS), help="default: every task with a fine-tune")
-    p.add_argument("--finetunes", type=Path, default=None, help="fine-tune root (default: demo_finetunes'); TASK/ in it")
+    p.add_argument(
+        "--finetunes", type=Path, default=None, help="fine-tune root (default: demo_finetunes'); TASK/ in it"
+    )
     p.add_argument("--model", type=Path, default=None, help="base model dir (default: the demo model)")
     p.add_argument("--work", type=Path, default=None, help="compressed and materialised models (default: "
                    "$DELTASERVE_HOME/eval_quality)")  # fmt: skip
-    p.add_argument("--heldout", type=int, default=HELDOUT_SIZE, help=f"held-out prompts per task (default {HELDOUT_SIZE})")
+    p.add_argument(
+        "--heldout", type=int, default=HELDOUT_SIZE, help=f"held-out prompts per task (default {HELDOUT_SIZE})"
+    )
     p.add_argument("--nsamples", type=int, default=128, help="calibration sequences for compress (default 128)")
     p.add_argument("--max-tokens", type=int, default=16, help="max tokens per answer (default 16)")
     p.add_argument("--daemon", type=Path, default=None, help="deltaserve binary (default: $DELTASERVE_BIN, "
@@ -244,7 +252,7 @@ def main(argv: list[str] | None = None) -> Path:
     got, _ = ask_all(daemon, args.model, prompts, args.max_tokens, work / "daemon-base.log")
     base_answers, i = {}, 0
     for t in tasks:
-        base_answers[t], i = got[i:i + len(all_pairs[t])], i + len(all_pairs[t])
+        base_answers[t], i = got[i : i + len(all_pairs[t])], i + len(all_pairs[t])
     results = {t: evaluate_task(t, args, args.model, daemon, work, base_answers[t]) for t in tasks}
 
     table = format_table(results)

@@ -82,7 +82,7 @@ class FakeServer:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> "FakeServer":
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> FakeServer:
         http = await asyncio.start_server(self._serve_http, host, port, backlog=4096)
         self._servers.append(http)
         self.url = f"http://{host}:{http.sockets[0].getsockname()[1]}"
@@ -101,7 +101,7 @@ class FakeServer:
             await s.wait_closed()
         self._servers.clear()
 
-    def start_in_thread(self) -> "FakeServer":
+    def start_in_thread(self) -> FakeServer:
         """Runs the server on its own event loop in a daemon thread (so it does not share the
         client's loop); returns once it listens."""
         ready = threading.Event()
@@ -128,7 +128,7 @@ class FakeServer:
         self._loop.close()
         self._loop = None
 
-    def __enter__(self) -> "FakeServer":
+    def __enter__(self) -> FakeServer:
         return self.start_in_thread()
 
     def __exit__(self, *exc) -> None:

@@ -29,7 +29,6 @@ from bench import script_env
 script_env.prepare()  # deltaserve importable from pyworker/
 
 from bench.common import shape_config, write_random_lora_dir, write_result  # noqa: E402
-
 from deltaserve.adapters.lora import load_lora_adapter  # noqa: E402
 from deltaserve.model.arch import ModelConfig  # noqa: E402
 
@@ -61,8 +60,9 @@ def main_call_us(x: torch.Tensor, calls: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--targets", choices=("all", "qkvo"), default="all",
-                   help="all seven projections (S-LoRA S1) or q, k, v, o (S2)")
+    p.add_argument(
+        "--targets", choices=("all", "qkvo"), default="all", help="all seven projections (S-LoRA S1) or q, k, v, o (S2)"
+    )
     p.add_argument("--readers", default="python,native", help="which readers to time, comma-separated")
     p.add_argument("--suffix", default="", help="appended to the experiment name of the result file")
     p.add_argument("--calls", type=int, default=20000)
@@ -74,8 +74,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         targets = SEVEN if args.targets == "all" else SEVEN[:4]
         adapter = write_random_lora_dir(Path(tmp) / "a", cfg, args.rank, targets)
-        readers = {"python": lambda: python_read(adapter),
-                   "native": lambda: load_lora_adapter(adapter, base, dtype=torch.float16)}
+        readers = {
+            "python": lambda: python_read(adapter),
+            "native": lambda: load_lora_adapter(adapter, base, dtype=torch.float16),
+        }
         readers = {k: v for k, v in readers.items() if k in args.readers.split(",")}
         adapter_bytes = sum(f.stat().st_size for f in adapter.iterdir())
         x = torch.randn(64, 64)
@@ -104,15 +106,35 @@ def main() -> None:
                 stop.set()
                 for w in workers:
                     w.join()
-                rows.append({"reader": name, "threads": threads, "read_ms_alone": read_ms,
-                             "main_call_us": us, "main_call_us_alone": alone, "reads_during": reads[0]})
-                print(f"{name:6s} reader, {threads} thread(s): read {read_ms:6.1f} ms alone; "
-                      f"main-thread call {us:6.2f} us (alone {alone:.2f})", flush=True)
-    path = write_result("host_read_contention" + args.suffix, {
-        "device": "cpu", "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "shape": "llama-2-7b", "rank": args.rank, "targets": list(targets), "rows": rows,
-        "adapter_bytes": adapter_bytes,
-    }, args.out)
+                rows.append(
+                    {
+                        "reader": name,
+                        "threads": threads,
+                        "read_ms_alone": read_ms,
+                        "main_call_us": us,
+                        "main_call_us_alone": alone,
+                        "reads_during": reads[0],
+                    }
+                )
+                print(
+                    f"{name:6s} reader, {threads} thread(s): read {read_ms:6.1f} ms alone; "
+                    f"main-thread call {us:6.2f} us (alone {alone:.2f})",
+                    flush=True,
+                )
+    path = write_result(
+        "host_read_contention" + args.suffix,
+        {
+            "device": "cpu",
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "shape": "llama-2-7b",
+            "rank": args.rank,
+            "targets": list(targets),
+            "rows": rows,
+            "adapter_bytes": adapter_bytes,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
 
 

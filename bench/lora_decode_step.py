@@ -28,7 +28,12 @@ from bench import script_env
 script_env.prepare()  # deltaserve importable from pyworker/
 
 from bench.common import (  # noqa: E402
-    SHAPES, copy_bandwidth, device_name, write_random_lora_dir, write_random_model_dir, write_result,
+    SHAPES,
+    copy_bandwidth,
+    device_name,
+    write_random_lora_dir,
+    write_random_model_dir,
+    write_result,
 )
 from bench.decode_step import bench_batch  # noqa: E402
 from deltaserve import wire  # noqa: E402
@@ -54,12 +59,23 @@ def place(ex: Executor, dirs: dict[int, Path], first_page: int) -> int:
 
 
 def decode_rows(ex: Executor, args, n_adapters: int, first_page: int) -> dict:
-    cases = {"base": [0] * args.batch, "1 adapter": [1] * args.batch,
-             f"{n_adapters} distinct": [1 + i % n_adapters for i in range(args.batch)]}
+    cases = {
+        "base": [0] * args.batch,
+        "1 adapter": [1] * args.batch,
+        f"{n_adapters} distinct": [1 + i % n_adapters for i in range(args.batch)],
+    }
     out = {}
     for k, (name, ids) in enumerate(cases.items()):
-        times = bench_batch(ex, args.batch, args.ctx, args.steps, args.warmup, first_id=(k + 1) * 100_000,
-                            adapter_ids=ids, first_block=first_page)
+        times = bench_batch(
+            ex,
+            args.batch,
+            args.ctx,
+            args.steps,
+            args.warmup,
+            first_id=(k + 1) * 100_000,
+            adapter_ids=ids,
+            first_block=first_page,
+        )
         out[name] = statistics.median(times)
     return out
 
@@ -86,10 +102,21 @@ def load_times(ex: Executor, cfg: dict, root: Path, ranks: list[int], first_page
             best = min(best, time.perf_counter() - t2)
             pool.drop_gpu(aid)
         pool.drop_host(aid)
-        rows.append({"rank": r, "bytes": host.nbytes, "num_blocks": info.num_blocks, "disk_to_host_ms": (t1 - t0) * 1e3,
-                     "host_to_gpu_ms": best * 1e3, "host_to_gpu_GBps": host.nbytes / best / 1e9})
-        print(f"load rank {r:3d}: {host.nbytes / 2**20:7.1f} MiB  disk->host {rows[-1]['disk_to_host_ms']:7.1f} ms  "
-              f"host->GPU {rows[-1]['host_to_gpu_ms']:6.2f} ms ({rows[-1]['host_to_gpu_GBps']:.1f} GB/s)", flush=True)
+        rows.append(
+            {
+                "rank": r,
+                "bytes": host.nbytes,
+                "num_blocks": info.num_blocks,
+                "disk_to_host_ms": (t1 - t0) * 1e3,
+                "host_to_gpu_ms": best * 1e3,
+                "host_to_gpu_GBps": host.nbytes / best / 1e9,
+            }
+        )
+        print(
+            f"load rank {r:3d}: {host.nbytes / 2**20:7.1f} MiB  disk->host {rows[-1]['disk_to_host_ms']:7.1f} ms  "
+            f"host->GPU {rows[-1]['host_to_gpu_ms']:6.2f} ms ({rows[-1]['host_to_gpu_GBps']:.1f} GB/s)",
+            flush=True,
+        )
     return rows
 
 
@@ -114,34 +141,65 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = write_random_model_dir(args.shape, tmp / args.shape)
-        weights = [write_random_lora_dir(tmp / "w" / f"{k}", cfg, args.rank, SEVEN, seed=k) / "adapter_model.safetensors"
-                   for k in range(args.distinct_weights)]
-        dirs = {aid: write_random_lora_dir(tmp / "loras" / f"a{aid}", cfg, args.rank, SEVEN,
-                                           weights=weights[aid % len(weights)])
-                for aid in range(1, args.adapters + 1)}
+        weights = [
+            write_random_lora_dir(tmp / "w" / f"{k}", cfg, args.rank, SEVEN, seed=k) / "adapter_model.safetensors"
+            for k in range(args.distinct_weights)
+        ]
+        dirs = {
+            aid: write_random_lora_dir(
+                tmp / "loras" / f"a{aid}", cfg, args.rank, SEVEN, weights=weights[aid % len(weights)]
+            )
+            for aid in range(1, args.adapters + 1)
+        }
         for mode, graph_batch in (("graphs", args.batch), ("eager", 0)):
-            ex = Executor(model_dir, device="cuda:0", dtype="float16", block_size=16, kv_cache_bytes=0,
-                          gpu_memory_utilization=0.92, cuda_graph_max_batch=graph_batch,
-                          max_lora_rank=args.max_lora_rank, max_loras_per_step=max(args.adapters, 1),
-                          max_deltas=0)  # LoRA only: no delta slots reserved or wrappers
+            ex = Executor(
+                model_dir,
+                device="cuda:0",
+                dtype="float16",
+                block_size=16,
+                kv_cache_bytes=0,
+                gpu_memory_utilization=0.92,
+                cuda_graph_max_batch=graph_batch,
+                max_lora_rank=args.max_lora_rank,
+                max_loras_per_step=max(args.adapters, 1),
+                max_deltas=0,
+            )  # LoRA only: no delta slots reserved or wrappers
             first_page = place(ex, dirs, 0)
             times = decode_rows(ex, args, args.adapters, first_page)
             base = times["base"]
             results[mode] = [{"case": k, "step_ms": v * 1e3, "ratio_to_base": v / base} for k, v in times.items()]
             for row in results[mode]:
-                print(f"{mode:6s} batch {args.batch} {row['case']:12s}: {row['step_ms']:7.2f} ms "
-                      f"({row['ratio_to_base']:.3f}x base)", flush=True)
+                print(
+                    f"{mode:6s} batch {args.batch} {row['case']:12s}: {row['step_ms']:7.2f} ms "
+                    f"({row['ratio_to_base']:.3f}x base)",
+                    flush=True,
+                )
             if mode == "graphs":
-                results["load"] = load_times(ex, cfg, tmp, [int(r) for r in args.load_ranks.split(",")],
-                                             first_page + 64)
+                results["load"] = load_times(
+                    ex, cfg, tmp, [int(r) for r in args.load_ranks.split(",")], first_page + 64
+                )
             del ex
             torch.cuda.empty_cache()
-    path = write_result("lora_decode_step", {
-        "device": device_name(device), "shape": args.shape, "dtype": "float16", "kv_len": args.ctx,
-        "batch": args.batch, "adapters": args.adapters, "rank": args.rank, "targets": list(SEVEN),
-        "max_lora_rank": args.max_lora_rank, "copy_bandwidth_GBps": bw / 1e9, "timed_steps": args.steps,
-        "rows_graphs": results["graphs"], "rows_eager": results["eager"], "load_rows": results["load"],
-    }, args.out)
+    path = write_result(
+        "lora_decode_step",
+        {
+            "device": device_name(device),
+            "shape": args.shape,
+            "dtype": "float16",
+            "kv_len": args.ctx,
+            "batch": args.batch,
+            "adapters": args.adapters,
+            "rank": args.rank,
+            "targets": list(SEVEN),
+            "max_lora_rank": args.max_lora_rank,
+            "copy_bandwidth_GBps": bw / 1e9,
+            "timed_steps": args.steps,
+            "rows_graphs": results["graphs"],
+            "rows_eager": results["eager"],
+            "load_rows": results["load"],
+        },
+        args.out,
+    )
     print(f"wrote {path}")
 
 

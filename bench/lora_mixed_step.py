@@ -30,7 +30,6 @@ script_env.prepare()  # deltaserve importable from pyworker/
 from bench.common import SHAPES, device_name, write_random_lora_dir, write_random_model_dir, write_result  # noqa: E402
 from bench.decode_step import bench_batch  # noqa: E402
 from bench.lora_decode_step import place  # noqa: E402
-
 from deltaserve import wire  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
@@ -46,10 +45,19 @@ def prefill_steps(ex: Executor, ids: list[int], length: int, first_block: int, f
     times = []
     for rep in range(reps):
         req0 = first_id + rep * len(ids)
-        new = [wire.NewRequest(req_id=req0 + i, token_ids=list(range(3, 3 + length)), num_prompt_tokens=length,
-                               num_computed_tokens=0, num_scheduled_tokens=length,
-                               block_ids=list(range(first_block + i * nb, first_block + (i + 1) * nb)),
-                               sampling=GREEDY, adapter_id=a) for i, a in enumerate(ids)]
+        new = [
+            wire.NewRequest(
+                req_id=req0 + i,
+                token_ids=list(range(3, 3 + length)),
+                num_prompt_tokens=length,
+                num_computed_tokens=0,
+                num_scheduled_tokens=length,
+                block_ids=list(range(first_block + i * nb, first_block + (i + 1) * nb)),
+                sampling=GREEDY,
+                adapter_id=a,
+            )
+            for i, a in enumerate(ids)
+        ]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ex.step(wire.StepPlan(step_id=req0, new_requests=new, running=[], released=[]))
@@ -62,26 +70,42 @@ def start_decoding(ex: Executor, ids: list[int], first_block: int, first_id: int
     """Admits one request per adapter id of ``ids`` with a 16-token prompt and pages for ``steps``
     more tokens; returns them (pages from ``first_block`` on, ``ceil((17 + steps) / block_size)`` each)."""
     per = -(-(17 + steps) // ex.block_size)
-    dec = [wire.NewRequest(req_id=first_id + i, token_ids=list(range(3, 19)), num_prompt_tokens=16,
-                           num_computed_tokens=0, num_scheduled_tokens=16,
-                           block_ids=list(range(first_block + i * per, first_block + (i + 1) * per)),
-                           sampling=GREEDY, adapter_id=a) for i, a in enumerate(ids)]
+    dec = [
+        wire.NewRequest(
+            req_id=first_id + i,
+            token_ids=list(range(3, 19)),
+            num_prompt_tokens=16,
+            num_computed_tokens=0,
+            num_scheduled_tokens=16,
+            block_ids=list(range(first_block + i * per, first_block + (i + 1) * per)),
+            sampling=GREEDY,
+            adapter_id=a,
+        )
+        for i, a in enumerate(ids)
+    ]
     ex.step(wire.StepPlan(step_id=first_id, new_requests=dec, running=[], released=[]))
     return dec
 
 
-def mixed_steps(ex: Executor, dec: list[wire.NewRequest], prefill_id: int, length: int, first_block: int,
-                first_id: int, reps: int) -> list[float]:
+def mixed_steps(
+    ex: Executor, dec: list[wire.NewRequest], prefill_id: int, length: int, first_block: int, first_id: int, reps: int
+) -> list[float]:
     """Wall seconds of ``reps`` steps that each decode one token for the running requests ``dec`` and
     prefill one new ``length``-token request (adapter ``prefill_id``, pages from ``first_block``,
     released after its step)."""
     nb = -(-length // ex.block_size)
     times = []
     for rep in range(reps):
-        new = wire.NewRequest(req_id=first_id + rep, token_ids=list(range(3, 3 + length)),
-                              num_prompt_tokens=length, num_computed_tokens=0, num_scheduled_tokens=length,
-                              block_ids=list(range(first_block, first_block + nb)), sampling=GREEDY,
-                              adapter_id=prefill_id)
+        new = wire.NewRequest(
+            req_id=first_id + rep,
+            token_ids=list(range(3, 3 + length)),
+            num_prompt_tokens=length,
+            num_computed_tokens=0,
+            num_scheduled_tokens=length,
+            block_ids=list(range(first_block, first_block + nb)),
+            sampling=GREEDY,
+            adapter_id=prefill_id,
+        )
         running = [wire.RunningRequest(req_id=r.req_id, num_scheduled_tokens=1, new_block_ids=[]) for r in dec]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -110,53 +134,100 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = write_random_model_dir(args.shape, tmp / args.shape)
-        weights = {r: write_random_lora_dir(tmp / "w" / f"r{r}", cfg, r, QKVO, seed=r) / "adapter_model.safetensors"
-                   for r in RANKS}
+        weights = {
+            r: write_random_lora_dir(tmp / "w" / f"r{r}", cfg, r, QKVO, seed=r) / "adapter_model.safetensors"
+            for r in RANKS
+        }
         rank_of = {a: RANKS[(a - 1) % len(RANKS)] for a in range(1, 65)}
-        dirs = {a: write_random_lora_dir(tmp / "l" / f"a{a}", cfg, r, QKVO, weights=weights[r]) for a, r in rank_of.items()}
-        ex = Executor(model_dir, device="cuda:0", dtype="float16", block_size=16, kv_cache_bytes=0,
-                      gpu_memory_utilization=0.92, cuda_graph_max_batch=64, max_lora_rank=max(RANKS),
-                      max_loras_per_step=64, max_deltas=0)
+        dirs = {
+            a: write_random_lora_dir(tmp / "l" / f"a{a}", cfg, r, QKVO, weights=weights[r]) for a, r in rank_of.items()
+        }
+        ex = Executor(
+            model_dir,
+            device="cuda:0",
+            dtype="float16",
+            block_size=16,
+            kv_cache_bytes=0,
+            gpu_memory_utilization=0.92,
+            cuda_graph_max_batch=64,
+            max_lora_rank=max(RANKS),
+            max_loras_per_step=64,
+            max_deltas=0,
+        )
         first_page = place(ex, dirs, 0)
-        cases = {"base": [0] * 64, "4 shared": [1 + i % 4 for i in range(64)], "64 distinct": [1 + i for i in range(64)]}
+        cases = {
+            "base": [0] * 64,
+            "4 shared": [1 + i % 4 for i in range(64)],
+            "64 distinct": [1 + i for i in range(64)],
+        }
         for k, (name, ids) in enumerate(cases.items()):
             t = bench_batch(ex, 64, 512, 20, 5, first_id=(k + 1) * 100000, adapter_ids=ids, first_block=first_page)
-            decode_rows.append({"case": name, "batch": 64, "kv_len": 512, "graphs": True,
-                                "step_ms": statistics.median(t) * 1e3})
+            decode_rows.append(
+                {"case": name, "batch": 64, "kv_len": 512, "graphs": True, "step_ms": statistics.median(t) * 1e3}
+            )
             print(f"decode b64 graphs {name:12s}: {decode_rows[-1]['step_ms']:7.2f} ms", flush=True)
         first_id = 10_000_000
         for seqs, length in ((4, 256), (16, 64), (32, 32)):
-            for name, ids in (("base", [0] * seqs), ("one adapter", [1] * seqs),
-                              ("distinct", [1 + i for i in range(seqs)])):
+            for name, ids in (
+                ("base", [0] * seqs),
+                ("one adapter", [1] * seqs),
+                ("distinct", [1 + i for i in range(seqs)]),
+            ):
                 prefill_steps(ex, ids, length, first_page, first_id, 2)  # warm-up
                 wall = statistics.median(prefill_steps(ex, ids, length, first_page, first_id + 1000, args.reps))
                 dev = device_ms(lambda: prefill_steps(ex, ids, length, first_page, first_id + 2000, 3), 3)
                 first_id += 10_000
-                prefill_rows.append({"case": name, "seqs": seqs, "length": length, "wall_ms": wall * 1e3,
-                                     "device_ms": dev, "ranks": sorted({rank_of[a] for a in ids if a})})
-                print(f"prefill {seqs}x{length} {name:11s}: wall {wall * 1e3:6.2f} ms, kernels {dev:6.2f} ms",
-                      flush=True)
+                prefill_rows.append(
+                    {
+                        "case": name,
+                        "seqs": seqs,
+                        "length": length,
+                        "wall_ms": wall * 1e3,
+                        "device_ms": dev,
+                        "ranks": sorted({rank_of[a] for a in ids if a}),
+                    }
+                )
+                print(
+                    f"prefill {seqs}x{length} {name:11s}: wall {wall * 1e3:6.2f} ms, kernels {dev:6.2f} ms", flush=True
+                )
         mixed_rows = []
         reps = args.reps + 2 + 3
-        for name, ids in (("base", [0] * 48), ("4 shared", [1 + i % 4 for i in range(48)]),
-                          ("distinct", [1 + i for i in range(48)])):
+        for name, ids in (
+            ("base", [0] * 48),
+            ("4 shared", [1 + i % 4 for i in range(48)]),
+            ("distinct", [1 + i for i in range(48)]),
+        ):
             pid = ids[0] if name != "distinct" else 64
             dec = start_decoding(ex, ids, first_page, first_id, reps)
             prefill_block = first_page + len(ids) * -(-(17 + reps) // ex.block_size)
             mixed_steps(ex, dec, pid, 512, prefill_block, first_id + 100, 2)  # warm-up
             wall = statistics.median(mixed_steps(ex, dec, pid, 512, prefill_block, first_id + 200, args.reps))
             dev = device_ms(lambda: mixed_steps(ex, dec, pid, 512, prefill_block, first_id + 300, 3), 3)
-            ex.step(wire.StepPlan(step_id=first_id + 400, new_requests=[], running=[],
-                                  released=[r.req_id for r in dec]))
+            ex.step(
+                wire.StepPlan(step_id=first_id + 400, new_requests=[], running=[], released=[r.req_id for r in dec])
+            )
             first_id += 10_000
             mixed_rows.append({"case": name, "decoding": 48, "prefill": 512, "wall_ms": wall * 1e3, "device_ms": dev})
-            print(f"mixed 48 decode + 512 prefill {name:9s}: wall {wall * 1e3:6.2f} ms, kernels {dev:6.2f} ms",
-                  flush=True)
-    path = write_result("lora_mixed_step", {
-        "device": device_name(device), "shape": args.shape, "dtype": "float16", "targets": list(QKVO),
-        "ranks": list(RANKS), "adapters": 64, "decode": decode_rows, "prefill": prefill_rows, "mixed": mixed_rows,
-        "prefill_mode": "eager (as served)", "timed_reps": args.reps,
-    }, args.out)
+            print(
+                f"mixed 48 decode + 512 prefill {name:9s}: wall {wall * 1e3:6.2f} ms, kernels {dev:6.2f} ms", flush=True
+            )
+    path = write_result(
+        "lora_mixed_step",
+        {
+            "device": device_name(device),
+            "shape": args.shape,
+            "dtype": "float16",
+            "targets": list(QKVO),
+            "ranks": list(RANKS),
+            "adapters": 64,
+            "decode": decode_rows,
+            "prefill": prefill_rows,
+            "mixed": mixed_rows,
+            "prefill_mode": "eager (as served)",
+            "timed_reps": args.reps,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
 
 

@@ -35,8 +35,12 @@ from bench.common import copy_bandwidth, device_name, write_result  # noqa: E402
 from deltaserve.kernels import lora as L  # noqa: E402
 
 HIDDEN, INTER, ROWS, RANK, LAYERS = 4096, 11008, 64, 16, 8
-MODULES = [("qkv", HIDDEN, (HIDDEN,) * 3), ("o", HIDDEN, (HIDDEN,)), ("gate_up", HIDDEN, (INTER, INTER)),
-           ("down", INTER, (HIDDEN,))]
+MODULES = [
+    ("qkv", HIDDEN, (HIDDEN,) * 3),
+    ("o", HIDDEN, (HIDDEN,)),
+    ("gate_up", HIDDEN, (INTER, INTER)),
+    ("down", INTER, (HIDDEN,)),
+]
 VARIANTS = ("base", "lora", "serial", "ov_shrink", "ov_full")
 
 
@@ -76,11 +80,19 @@ def main() -> None:
     for popularity in ("distinct", "identical"):
         req = list(range(ROWS)) if popularity == "distinct" else [0] * ROWS
         meta = L.LoraMeta.mbgmv(req, dev)
-        layers = [[((torch.randn(sum(outs), ind, generator=g, device=dev) * 0.02).half(),
+        layers = [
+            [
+                (
+                    (torch.randn(sum(outs), ind, generator=g, device=dev) * 0.02).half(),
                     torch.randn(ROWS, ind, generator=g, device=dev).half(),
                     torch.empty(ROWS, sum(outs), device=dev, dtype=torch.float16),
                     torch.zeros(ROWS, sum(outs), device=dev, dtype=torch.float16),
-                    stack_for(ind, outs, req, g, dev)) for _, ind, outs in MODULES] for _ in range(LAYERS)]
+                    stack_for(ind, outs, req, g, dev),
+                )
+                for _, ind, outs in MODULES
+            ]
+            for _ in range(LAYERS)
+        ]
 
         def run(variant: str) -> None:
             cur = torch.cuda.current_stream()
@@ -122,9 +134,20 @@ def main() -> None:
             results.append({"popularity": popularity, "variant": variant, "us_per_layer": us})
             print(f"{popularity:9s} {variant:9s} {us:7.1f} us / layer", flush=True)
         assert torch.equal(outputs["ov_shrink"], outputs["serial"]), "the overlapped shrink must give the same bits"
-    path = write_result("lora_overlap", {"device": device_name(dev), "dtype": "float16", "batch": ROWS, "rank": RANK,
-                                         "r_max": 128, "layers_per_graph": LAYERS, "copy_bandwidth_GBps": bw / 1e9,
-                                         "rows": results}, args.out)
+    path = write_result(
+        "lora_overlap",
+        {
+            "device": device_name(dev),
+            "dtype": "float16",
+            "batch": ROWS,
+            "rank": RANK,
+            "r_max": 128,
+            "layers_per_graph": LAYERS,
+            "copy_bandwidth_GBps": bw / 1e9,
+            "rows": results,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
 
 

@@ -29,7 +29,6 @@ from bench import script_env
 script_env.prepare()  # deltaserve importable from pyworker/
 
 from bench.common import write_result  # noqa: E402
-
 from deltaserve.adapters.pinned_arena import PinnedArena  # noqa: E402
 from deltaserve.model.batch import host_to_device  # noqa: E402
 
@@ -96,8 +95,12 @@ def step_times(seconds: float) -> tuple[list[float], list[float]]:
 
 def summary(prefix: str, seconds: list[float]) -> dict:
     ms = sorted(v * 1e3 for v in seconds)
-    return {f"{prefix}_ms_mean": statistics.fmean(ms), f"{prefix}_ms_p50": ms[len(ms) // 2],
-            f"{prefix}_ms_p99": ms[int(len(ms) * 0.99)], f"{prefix}_ms_max": ms[-1]}
+    return {
+        f"{prefix}_ms_mean": statistics.fmean(ms),
+        f"{prefix}_ms_p50": ms[len(ms) // 2],
+        f"{prefix}_ms_p99": ms[int(len(ms) * 0.99)],
+        f"{prefix}_ms_max": ms[-1],
+    }
 
 
 def run(kind: str, seconds: float) -> dict:
@@ -118,8 +121,14 @@ def run(kind: str, seconds: float) -> dict:
         for a in arenas:
             if a is not None:
                 a.close()
-    return {"loaders": loaders, "loader_memory": kind, "steps": len(copies), **summary("copies", copies),
-            **summary("launches", launches), "loader_gb_per_s": count[0] * COPY_BYTES / (seconds + 0.2) / 1e9}
+    return {
+        "loaders": loaders,
+        "loader_memory": kind,
+        "steps": len(copies),
+        **summary("copies", copies),
+        **summary("launches", launches),
+        "loader_gb_per_s": count[0] * COPY_BYTES / (seconds + 0.2) / 1e9,
+    }
 
 
 def main() -> None:
@@ -134,12 +143,23 @@ def main() -> None:
     for kind in LOADERS:
         r = run(kind, args.seconds)
         rows.append(r)
-        print(f"loaders {r['loaders']} {kind:12s}: copies mean {r['copies_ms_mean']:.3f} ms p99 {r['copies_ms_p99']:.3f} "
-              f"max {r['copies_ms_max']:.1f}; launches mean {r['launches_ms_mean']:.3f} p99 {r['launches_ms_p99']:.3f} "
-              f"max {r['launches_ms_max']:.1f}; loaders {r['loader_gb_per_s']:.1f} GB/s")
-    path = write_result("pinned_alloc_contention", {
-        "device": torch.cuda.get_device_name(), "copy_bytes": COPY_BYTES, "inputs_per_step": INPUTS,
-        "launches_per_step": LAUNCHES, "seconds_per_point": args.seconds, "rows": rows}, Path(args.out))
+        print(
+            f"loaders {r['loaders']} {kind:12s}: copies mean {r['copies_ms_mean']:.3f} ms p99 {r['copies_ms_p99']:.3f} "
+            f"max {r['copies_ms_max']:.1f}; launches mean {r['launches_ms_mean']:.3f} p99 {r['launches_ms_p99']:.3f} "
+            f"max {r['launches_ms_max']:.1f}; loaders {r['loader_gb_per_s']:.1f} GB/s"
+        )
+    path = write_result(
+        "pinned_alloc_contention",
+        {
+            "device": torch.cuda.get_device_name(),
+            "copy_bytes": COPY_BYTES,
+            "inputs_per_step": INPUTS,
+            "launches_per_step": LAUNCHES,
+            "seconds_per_point": args.seconds,
+            "rows": rows,
+        },
+        Path(args.out),
+    )
     print(f"wrote {path}")
 
 

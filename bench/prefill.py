@@ -47,10 +47,14 @@ def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float
 def prefill_flops(ex: Executor, num_seqs: int, length: int) -> float:
     """FLOPs of one prefill step of ``num_seqs`` prompts of ``length`` tokens."""
     c = ex.config
-    per_token_linear = 2 * c.num_layers * (
-        c.hidden_size * (c.q_size + 2 * c.kv_size)  # qkv
-        + c.q_size * c.hidden_size  # o
-        + 3 * c.hidden_size * c.intermediate_size  # gate, up, down
+    per_token_linear = (
+        2
+        * c.num_layers
+        * (
+            c.hidden_size * (c.q_size + 2 * c.kv_size)  # qkv
+            + c.q_size * c.hidden_size  # o
+            + 3 * c.hidden_size * c.intermediate_size  # gate, up, down
+        )
     )
     attention = num_seqs * c.num_layers * 2 * length * length * c.num_heads * c.head_dim  # causal QK^T + PV
     lm_head = 2 * num_seqs * c.hidden_size * c.vocab_size
@@ -64,9 +68,15 @@ def time_prefill(ex: Executor, num_seqs: int, length: int, repeats: int) -> list
     times, step_id = [], 1
     for _ in range(repeats):
         new = [
-            wire.NewRequest(req_id=step_id * 1000 + i, token_ids=torch.randint(3, ex.config.vocab_size, (length,), generator=g).tolist(),
-                            num_prompt_tokens=length, num_computed_tokens=0, num_scheduled_tokens=length,
-                            block_ids=list(range(i * blocks_per, (i + 1) * blocks_per)), sampling=greedy)
+            wire.NewRequest(
+                req_id=step_id * 1000 + i,
+                token_ids=torch.randint(3, ex.config.vocab_size, (length,), generator=g).tolist(),
+                num_prompt_tokens=length,
+                num_computed_tokens=0,
+                num_scheduled_tokens=length,
+                block_ids=list(range(i * blocks_per, (i + 1) * blocks_per)),
+                sampling=greedy,
+            )
             for i in range(num_seqs)
         ]
         torch.cuda.synchronize(ex.device)
@@ -90,23 +100,42 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_random_model_dir(args.shape, Path(tmp) / args.shape)
-        ex = Executor(model_dir, device="cuda:0", dtype="float16", kv_cache_bytes=8 << 30,
-                      max_num_batched_tokens=8192, cuda_graph_max_batch=0)
+        ex = Executor(
+            model_dir,
+            device="cuda:0",
+            dtype="float16",
+            kv_cache_bytes=8 << 30,
+            max_num_batched_tokens=8192,
+            cuda_graph_max_batch=0,
+        )
         for case in args.cases.split(","):
             num_seqs, length = (int(x) for x in case.split("x"))
             times = time_prefill(ex, num_seqs, length, args.repeats)[1:]  # first: warm-up
             step = statistics.median(times)
             flops = prefill_flops(ex, num_seqs, length)
             bound = flops / (peak * 1e12)
-            row = {"case": case, "tokens": num_seqs * length, "step_ms": step * 1e3, "tokens_per_s": num_seqs * length / step,
-                   "flops": flops, "compute_bound_ms": bound * 1e3, "ratio_to_compute_bound": step / bound,
-                   "achieved_TFLOPs": flops / step / 1e12}
+            row = {
+                "case": case,
+                "tokens": num_seqs * length,
+                "step_ms": step * 1e3,
+                "tokens_per_s": num_seqs * length / step,
+                "flops": flops,
+                "compute_bound_ms": bound * 1e3,
+                "ratio_to_compute_bound": step / bound,
+                "achieved_TFLOPs": flops / step / 1e12,
+            }
             rows.append(row)
-            print(f"prefill {case}: {row['step_ms']:.2f} ms, {row['tokens_per_s']:.0f} tokens/s, "
-                  f"{row['achieved_TFLOPs']:.0f} TFLOP/s; compute bound {row['compute_bound_ms']:.2f} ms "
-                  f"({row['ratio_to_compute_bound']:.2f}x)", flush=True)
-    path = write_result("prefill", {"device": device_name(device), "shape": args.shape, "dtype": "float16",
-                                    "matmul_TFLOPs": peak, "rows": rows}, args.out)
+            print(
+                f"prefill {case}: {row['step_ms']:.2f} ms, {row['tokens_per_s']:.0f} tokens/s, "
+                f"{row['achieved_TFLOPs']:.0f} TFLOP/s; compute bound {row['compute_bound_ms']:.2f} ms "
+                f"({row['ratio_to_compute_bound']:.2f}x)",
+                flush=True,
+            )
+    path = write_result(
+        "prefill",
+        {"device": device_name(device), "shape": args.shape, "dtype": "float16", "matmul_TFLOPs": peak, "rows": rows},
+        args.out,
+    )
     print(f"dense fp16 matmul: {peak:.0f} TFLOP/s; wrote {path}")
 
 

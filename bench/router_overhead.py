@@ -30,16 +30,27 @@ from pathlib import Path
 from bench.common import RANDOM_WEIGHTS_FILE, SHAPES, write_random_model_dir, write_result, write_word_tokenizer
 
 TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 
 def stream_one(url: str, body: dict, errors: list) -> None:
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
             for line in r:
@@ -51,7 +62,9 @@ def stream_one(url: str, body: dict, errors: list) -> None:
 
 def metrics(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    return {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l and l[0] != "#"}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and line[0] != "#"
+    }
 
 
 def main() -> None:
@@ -82,10 +95,26 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         dtype = "float32" if args.device == "cpu" else "float16"
         log = open(Path(tmp) / "daemon.log", "w+")
-        proc = subprocess.Popen([str(args.daemon), "--model", str(model_dir), "--devices", args.device,
-                                 "--python", args.python, "--dtype", dtype, "--port", str(port),
-                                 "--overlap-steps", args.overlap_steps],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                str(args.daemon),
+                "--model",
+                str(model_dir),
+                "--devices",
+                args.device,
+                "--python",
+                args.python,
+                "--dtype",
+                dtype,
+                "--port",
+                str(port),
+                "--overlap-steps",
+                args.overlap_steps,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             deadline = time.time() + 600
             while True:
@@ -104,8 +133,13 @@ def main() -> None:
             threads = []
             t0 = time.time()
             for _ in range(args.concurrency):
-                body = {"prompt": [rng.randrange(3, vocab) for _ in range(args.prompt_len)],
-                        "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+                body = {
+                    "prompt": [rng.randrange(3, vocab) for _ in range(args.prompt_len)],
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
                 threads.append(threading.Thread(target=stream_one, args=(url, body, errors)))
             for t in threads:
                 t.start()
@@ -125,12 +159,21 @@ def main() -> None:
 
         device = torch.cuda.get_device_name(int(args.device))
     result = {
-        "device": device, "shape": args.shape, "concurrency": args.concurrency, "prompt_len": args.prompt_len,
-        "max_tokens": args.max_tokens, "errors": errors, "wall_s": wall, "overlap_steps": args.overlap_steps == "true",
-        "steps": m["deltaserve_steps_total"], "steps_ahead": m["deltaserve_steps_ahead_total"],
+        "device": device,
+        "shape": args.shape,
+        "concurrency": args.concurrency,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "errors": errors,
+        "wall_s": wall,
+        "overlap_steps": args.overlap_steps == "true",
+        "steps": m["deltaserve_steps_total"],
+        "steps_ahead": m["deltaserve_steps_ahead_total"],
         "tokens": m["deltaserve_tokens_generated_total"],
-        "gap_us_p50": m["deltaserve_step_gap_us_p50"], "gap_us_p99": m["deltaserve_step_gap_us_p99"],
-        "router_us_p50": m["deltaserve_step_router_us_p50"], "router_us_p99": m["deltaserve_step_router_us_p99"],
+        "gap_us_p50": m["deltaserve_step_gap_us_p50"],
+        "gap_us_p99": m["deltaserve_step_gap_us_p99"],
+        "router_us_p50": m["deltaserve_step_router_us_p50"],
+        "router_us_p99": m["deltaserve_step_router_us_p99"],
         "output_tokens_per_s": m["deltaserve_tokens_generated_total"] / wall,
     }
     print(json.dumps(result, indent=1))

@@ -26,8 +26,12 @@ from bench.common import copy_bandwidth, device_name, random_packed_linear, writ
 from deltaserve.kernels import sbmm as S  # noqa: E402
 from deltaserve.kernels.sbmm import DeltaMeta, make_delta_weights  # noqa: E402
 
-MODULES = {"qkv": (4096, (4096, 4096, 4096)), "o": (4096, (4096,)), "gate_up": (4096, (11008, 11008)),
-           "down": (11008, (4096,))}
+MODULES = {
+    "qkv": (4096, (4096, 4096, 4096)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (11008, 11008)),
+    "down": (11008, (4096,)),
+}
 """Llama-2-7B's fused modules: (in_features, out_features of each HF projection)."""
 SLOTS = 8
 """Delta slots per pool (each its own memory; the first ``deltas`` of a point are read)."""
@@ -51,7 +55,9 @@ def main() -> None:
     lib = S.cuda_ext.library("sbmm")
     if lib is None:
         raise SystemExit(f"the CUDA SBMM op is unavailable: {S.cuda_ext.unavailable('sbmm')}")
-    pools = {m: [pool(o, i, 31 * k + j) for j, o in enumerate(outs)] for k, (m, (i, outs)) in enumerate(MODULES.items())}
+    pools = {
+        m: [pool(o, i, 31 * k + j) for j, o in enumerate(outs)] for k, (m, (i, outs)) in enumerate(MODULES.items())
+    }
     rows = []
     for point in args.points.split(","):
         n_rows, n_deltas = (int(v) for v in point.split("x"))
@@ -74,24 +80,62 @@ def main() -> None:
 
             torch.cuda.synchronize()
             t_apart = triton.testing.do_bench_cudagraph(per_slice, rep=60, return_mode="median") * 1e3
-            t_fused = triton.testing.do_bench_cudagraph(lambda: S.launch_cuda(lib, x, out, slices, meta), rep=60,
-                                                        return_mode="median") * 1e3
-            nbytes = n_deltas * sum(w.qvalues.numel() * 4 + w.qindices.numel() * 4 + 2 * w.scales.numel() * 2
-                                    for w in ws) // SLOTS
-            row = {"module": m, "rows": n_rows, "deltas": n_deltas, "per_slice_us": t_apart, "fused_us": t_fused,
-                   "bytes": nbytes, "fused_fraction_of_copy_bw": nbytes / (t_fused * 1e-6) / bw}
+            t_fused = (
+                triton.testing.do_bench_cudagraph(
+                    lambda: S.launch_cuda(lib, x, out, slices, meta), rep=60, return_mode="median"
+                )
+                * 1e3
+            )
+            nbytes = (
+                n_deltas
+                * sum(w.qvalues.numel() * 4 + w.qindices.numel() * 4 + 2 * w.scales.numel() * 2 for w in ws)
+                // SLOTS
+            )
+            row = {
+                "module": m,
+                "rows": n_rows,
+                "deltas": n_deltas,
+                "per_slice_us": t_apart,
+                "fused_us": t_fused,
+                "bytes": nbytes,
+                "fused_fraction_of_copy_bw": nbytes / (t_fused * 1e-6) / bw,
+            }
             rows.append(row)
             layer["per_slice"] += t_apart
             layer["fused"] += t_fused
-            print(f"{m:8s} {n_rows:3d} rows x {n_deltas} deltas: per slice {t_apart:7.1f} us, fused {t_fused:7.1f} us "
-                  f"({row['fused_fraction_of_copy_bw']:.2f} of copy bw)", flush=True)
-        rows.append({"module": "layer", "rows": n_rows, "deltas": n_deltas, "per_slice_us": layer["per_slice"],
-                     "fused_us": layer["fused"]})
-        print(f"layer    {n_rows:3d} rows x {n_deltas} deltas: per slice {layer['per_slice']:7.1f} us, "
-              f"fused {layer['fused']:7.1f} us", flush=True)
-    path = write_result("sbmm_fused", {"device": device_name(dev), "dtype": "float16", "bits": 4, "sparsity": "2:4",
-                                       "group_size": 64, "copy_bandwidth_GBps": bw / 1e9, "modules": MODULES,
-                                       "rows": rows}, args.out)
+            print(
+                f"{m:8s} {n_rows:3d} rows x {n_deltas} deltas: per slice {t_apart:7.1f} us, fused {t_fused:7.1f} us "
+                f"({row['fused_fraction_of_copy_bw']:.2f} of copy bw)",
+                flush=True,
+            )
+        rows.append(
+            {
+                "module": "layer",
+                "rows": n_rows,
+                "deltas": n_deltas,
+                "per_slice_us": layer["per_slice"],
+                "fused_us": layer["fused"],
+            }
+        )
+        print(
+            f"layer    {n_rows:3d} rows x {n_deltas} deltas: per slice {layer['per_slice']:7.1f} us, "
+            f"fused {layer['fused']:7.1f} us",
+            flush=True,
+        )
+    path = write_result(
+        "sbmm_fused",
+        {
+            "device": device_name(dev),
+            "dtype": "float16",
+            "bits": 4,
+            "sparsity": "2:4",
+            "group_size": 64,
+            "copy_bandwidth_GBps": bw / 1e9,
+            "modules": MODULES,
+            "rows": rows,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
 
 

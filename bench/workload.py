@@ -125,7 +125,7 @@ class Trace:
         return path
 
     @classmethod
-    def read(cls, path: Path) -> "Trace":
+    def read(cls, path: Path) -> Trace:
         """Reads a file written by :meth:`write`; a malformed line raises ``ValueError`` naming it."""
         path = Path(path)
         lines = path.read_text().splitlines()
@@ -136,7 +136,7 @@ class Trace:
             variants = [Variant(**v) for v in header.pop("variants")]
             n = header.pop("n_requests")
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:1: bad header ({e}); expected {{\"trace\": {{..., \"variants\": [...]}}}}") from None
+            raise ValueError(f'{path}:1: bad header ({e}); expected {{"trace": {{..., "variants": [...]}}}}') from None
         names = {v.name for v in variants}
         requests = []
         for lineno, line in enumerate(lines[1:], start=2):
@@ -186,8 +186,16 @@ def _check_common(rate: float, input_range, output_range, vocab) -> None:
     _check(0 <= vocab[0] < vocab[1], f"vocab [{vocab[0]}, {vocab[1]}): need 0 <= low < high")
 
 
-def _assemble(params: dict, variants: list[Variant], times: np.ndarray, which: np.ndarray,
-              streams: list[np.random.Generator], input_range, output_range, vocab) -> Trace:
+def _assemble(
+    params: dict,
+    variants: list[Variant],
+    times: np.ndarray,
+    which: np.ndarray,
+    streams: list[np.random.Generator],
+    input_range,
+    output_range,
+    vocab,
+) -> Trace:
     """Lengths and prompts from their own streams, then the requests sorted by time."""
     n = len(times)
     len_rng, prompt_rng = streams
@@ -213,10 +221,19 @@ def _streams(seed: int) -> list[np.random.Generator]:
 # The three generators
 
 
-def slora(n_variants: int, alpha: float, rate: float, cv: float, duration: float,
-          input_range: tuple[int, int] = (8, 512), output_range: tuple[int, int] = (8, 512),
-          ranks: tuple[int, ...] = (8,), vocab: tuple[int, int] = (100, 32000), seed: int = 0,
-          popularity: str = "power") -> Trace:
+def slora(
+    n_variants: int,
+    alpha: float,
+    rate: float,
+    cv: float,
+    duration: float,
+    input_range: tuple[int, int] = (8, 512),
+    output_range: tuple[int, int] = (8, 512),
+    ranks: tuple[int, ...] = (8,),
+    vocab: tuple[int, int] = (100, 32000),
+    seed: int = 0,
+    popularity: str = "power",
+) -> Trace:
     """S-LoRA's synthetic workload: ``int(rate * duration)`` requests (see the module docstring)."""
     _check_common(rate, input_range, output_range, vocab)
     _check(n_variants >= 1, f"n_variants {n_variants}: need at least 1")
@@ -250,9 +267,16 @@ def punica_indices(shape: str, n: int, rng: np.random.Generator) -> tuple[int, n
     raise ValueError(f"Punica shape {shape!r}: want one of {', '.join(PUNICA_SHAPES)}")
 
 
-def punica(shape: str, n_requests: int, rate: float, input_range: tuple[int, int] = (8, 512),
-           output_range: tuple[int, int] = (8, 512), ranks: tuple[int, ...] = (16,),
-           vocab: tuple[int, int] = (100, 32000), seed: int = 0) -> Trace:
+def punica(
+    shape: str,
+    n_requests: int,
+    rate: float,
+    input_range: tuple[int, int] = (8, 512),
+    output_range: tuple[int, int] = (8, 512),
+    ranks: tuple[int, ...] = (16,),
+    vocab: tuple[int, int] = (100, 32000),
+    seed: int = 0,
+) -> Trace:
     """Punica's popularity shapes over ``n_requests`` requests, Poisson arrivals at ``rate``."""
     _check_common(rate, input_range, output_range, vocab)
     _check(n_requests >= 1, f"n_requests {n_requests}: need at least 1")
@@ -267,9 +291,16 @@ def punica(shape: str, n_requests: int, rate: float, input_range: tuple[int, int
     return _assemble(params, variants, times, which, rest, input_range, output_range, vocab)  # header: n_requests
 
 
-def deltazip(rate: float, duration: float, popularity: str = "zipf-1.5", n_variants: int = DELTAZIP_VARIANTS,
-             input_range: tuple[int, int] = (8, 512), output_range: tuple[int, int] = (8, 512),
-             vocab: tuple[int, int] = (100, 32000), seed: int = 0) -> Trace:
+def deltazip(
+    rate: float,
+    duration: float,
+    popularity: str = "zipf-1.5",
+    n_variants: int = DELTAZIP_VARIANTS,
+    input_range: tuple[int, int] = (8, 512),
+    output_range: tuple[int, int] = (8, 512),
+    vocab: tuple[int, int] = (100, 32000),
+    seed: int = 0,
+) -> Trace:
     """DeltaZip's workload: full-fine-tune variants, Poisson arrivals, ``int(rate * duration)`` requests."""
     _check_common(rate, input_range, output_range, vocab)
     _check(duration > 0, f"duration {duration}: must be positive seconds")

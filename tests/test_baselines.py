@@ -22,13 +22,11 @@ import httpx
 import pytest
 import torch
 
+from bench import baselines, serving
+from bench import replay as rp
+from bench import workload as wl
 from helpers.peft_adapters import hf_model, make_peft_adapter
 from helpers.tiny_models import make_tiny_model
-
-from bench import baselines
-from bench import replay as rp
-from bench import serving
-from bench import workload as wl
 
 ADAPTERS = {"a0000": dict(r=4, target_modules=["q_proj", "v_proj"]),
             "a0001": dict(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
@@ -60,7 +58,7 @@ def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 async def stream_tokens(url: str, model: str, prompt: list[int], n: int) -> list[int]:
@@ -198,9 +196,8 @@ def test_swap_resident_auto_and_bad_values(full_models):
 
 
 def test_merged_baseline_serves_the_merged_adapter(tiny_llama, lora_dir, tmp_path):
-    from peft import PeftModel
-
     from e2e.daemon import daemon_binary
+    from peft import PeftModel
 
     spec = serving.ServerSpec(model_dir=tiny_llama, lora_dir=lora_dir, devices="cpu", daemon=daemon_binary(),
                               log=tmp_path / "merged.log",

@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 
 from bench import common
 from bench.decode_step import bench_batch
-
 from deltaserve import wire  # noqa: E402
 from deltaserve.compress.delta_dir import check_lineage, load_delta, materialize  # noqa: E402
 from deltaserve.formats.packed_delta import unpack  # noqa: E402
@@ -29,8 +28,9 @@ from deltaserve.worker.executor import Executor  # noqa: E402
 
 
 @pytest.mark.parametrize("bits,sparse", [(4, True), (2, False)])
-def test_random_delta_dir_is_a_delta_the_worker_serves(tiny_llama: Path, tmp_path: Path, bits: int,
-                                                       sparse: bool) -> None:
+def test_random_delta_dir_is_a_delta_the_worker_serves(
+    tiny_llama: Path, tmp_path: Path, bits: int, sparse: bool
+) -> None:
     d = common.write_random_delta_dir(tiny_llama, tmp_path / "d", bits=bits, sparse=sparse, group_size=64, seed=3)
     manifest, packed, dense = load_delta(d)
     check_lineage(manifest, tiny_llama, d)
@@ -58,8 +58,15 @@ def test_random_delta_dir_is_a_delta_the_worker_serves(tiny_llama: Path, tmp_pat
     delta = wire.VariantKind.DELTA
     info = ex.inspect_adapter(str(d), delta)
     assert info.error is None and info.kind == delta and info.summary.startswith(f"{bits}-bit")
-    ex.step(wire.StepPlan(step_id=1, adapter_ops=[wire.AdapterOp(5, wire.TierOp.TO_HOST, str(d), [], delta),
-                                                  wire.AdapterOp(5, wire.TierOp.TO_GPU, "", [], delta, 0)]))
+    ex.step(
+        wire.StepPlan(
+            step_id=1,
+            adapter_ops=[
+                wire.AdapterOp(5, wire.TierOp.TO_HOST, str(d), [], delta),
+                wire.AdapterOp(5, wire.TierOp.TO_GPU, "", [], delta, 0),
+            ],
+        )
+    )
     times = bench_batch(ex, 2, 8, 2, 0, first_id=10, adapter_ids=[5, 0])
     assert len(times) == 2 and ex.deltas is not None and ex.deltas.slot_of == {5: 0}
 
@@ -79,8 +86,8 @@ def test_random_delta_dir_refuses_a_base_without_weights_and_a_used_out_dir(tiny
 def test_random_checkpoint_base_and_finetune(tmp_path: Path) -> None:
     cfg = common.shape_config(common.SMOKE_SHAPE, num_layers=1)
     a = common.write_random_checkpoint(cfg, tmp_path / "a", seed=4)
-    b = common.write_random_checkpoint(cfg, tmp_path / "b", seed=4)
-    ft = common.write_random_checkpoint(cfg, tmp_path / "ft", seed=4, noise=0.05)
+    common.write_random_checkpoint(cfg, tmp_path / "b", seed=4)
+    common.write_random_checkpoint(cfg, tmp_path / "ft", seed=4, noise=0.05)
     read = {}
     for name in ("a", "b", "ft"):
         read[name] = {}
@@ -108,9 +115,26 @@ def test_delta_decode_step_smoke(tmp_path: Path) -> None:
 
     path = delta_decode_step.main(["--smoke", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "w")])
     r = json.loads(Path(path).read_text())
-    for key in ("experiment", "commit", "date", "device", "shape", "dtype", "kv_len", "batch", "deltas", "bits",
-                "sparsity", "group_size", "timed_steps", "delta_payload_bytes", "delta_slot_gpu_bytes", "rows",
-                "target", "load"):
+    for key in (
+        "experiment",
+        "commit",
+        "date",
+        "device",
+        "shape",
+        "dtype",
+        "kv_len",
+        "batch",
+        "deltas",
+        "bits",
+        "sparsity",
+        "group_size",
+        "timed_steps",
+        "delta_payload_bytes",
+        "delta_slot_gpu_bytes",
+        "rows",
+        "target",
+        "load",
+    ):
         assert key in r, key
     assert r["experiment"] == "delta_decode_step" and r["device"] == "cpu" and r["smoke"] is True
     cases = {(row["case"], row["mode"]): row for row in r["rows"]}
@@ -132,12 +156,22 @@ def test_compress_time_smoke(tmp_path: Path) -> None:
     r = json.loads(Path(path).read_text())
     assert r["experiment"] == "compress_time" and r["device"] == "cpu" and r["smoke"] is True
     assert r["layers"] == 1 and r["full_layers"] == 2 and len(r["layer_seconds"]) == 1
-    for key in ("seconds", "setup_seconds", "mean_layer_seconds", "payload_bytes", "finetuned_fp16_bytes",
-                "calibration_tokens"):
+    for key in (
+        "seconds",
+        "setup_seconds",
+        "mean_layer_seconds",
+        "payload_bytes",
+        "finetuned_fp16_bytes",
+        "calibration_tokens",
+    ):
         assert _positive(r[key]), key
     assert r["seconds_full_depth"] == pytest.approx(r["seconds"] + r["mean_layer_seconds"])
     assert r["compression_ratio"] == pytest.approx(r["finetuned_fp16_bytes"] / r["payload_bytes"])
     assert r["compression_ratio"] > 1 and 0 < r["rel_error_mean"] <= r["rel_error_max"] < 1
-    assert r["target"] == {"max_seconds": 900, "seconds_full_depth": r["seconds_full_depth"], "extrapolated": True,
-                           "met": r["seconds_full_depth"] <= 900}
+    assert r["target"] == {
+        "max_seconds": 900,
+        "seconds_full_depth": r["seconds_full_depth"],
+        "extrapolated": True,
+        "met": r["seconds_full_depth"] <= 900,
+    }
     assert r["calibration_tokens"] == 4 * 32

@@ -129,9 +129,10 @@ def test_obs_objective_beats_rounding_and_magnitude_pruning(
 ) -> None:
     x = objective_inputs[module]
     hessian = 2.0 * x.T @ x / x.shape[0]
-    delta = load_file(task["dir"] / "model.safetensors")[f"{module}.weight"] - load_file(
-        tiny_llama / "model.safetensors"
-    )[f"{module}.weight"]
+    delta = (
+        load_file(task["dir"] / "model.safetensors")[f"{module}.weight"]
+        - load_file(tiny_llama / "model.safetensors")[f"{module}.weight"]
+    )
     res = obs_compress(delta, hessian, bits, sparse, 64)
     naive = rtn_compress(delta, bits, sparse, 64)
     for r in (res, naive):  # what the solver returns is exactly what the packed format stores
@@ -158,7 +159,9 @@ def test_quality_delta_keeps_accuracy_and_beats_full_weight_compression(
         compress(tiny_llama, task["dir"], out, CompressConfig(calib=str(task["calib"]), full_weights=full), None)
         results[full] = _accuracy(materialize(out, tiny_llama, tmp_path / f"model-{full}"), ids, target)
     acc_delta, acc_full = results[False], results[True]
-    print(f"accuracy: base {acc_base:.3f}, fine-tune {acc_ft:.3f}, 4-bit 2:4 delta {acc_delta:.3f}, full {acc_full:.3f}")
+    print(
+        f"accuracy: base {acc_base:.3f}, fine-tune {acc_ft:.3f}, 4-bit 2:4 delta {acc_delta:.3f}, full {acc_full:.3f}"
+    )
     assert acc_delta >= acc_ft - 0.05, (acc_ft, acc_delta)
     assert acc_delta > acc_full, (acc_delta, acc_full)
 
@@ -178,8 +181,12 @@ def test_cli_writes_a_delta_dir_the_reader_and_materializer_agree_on(
 
     manifest, packed, dense = load_delta(out)
     assert manifest["mode"] == "delta" and manifest["compression"]["bits"] == 2
-    assert manifest["compression"]["calibration"] == {"source": "builtin", "samples": 8, "tokens": manifest[
-        "compression"]["calibration"]["tokens"], "seqlen": 32}
+    assert manifest["compression"]["calibration"] == {
+        "source": "builtin",
+        "samples": 8,
+        "tokens": manifest["compression"]["calibration"]["tokens"],
+        "seqlen": 32,
+    }
     assert sorted(packed) == sorted(f"model.layers.{i}.{'mlp' if n in LINEARS[4:] else 'self_attn'}.{n}"
                                     for i in range(2) for n in LINEARS)  # fmt: skip
     assert all(p.bits == 2 and p.sparse and p.group_size == 64 for p in packed.values())
@@ -353,8 +360,8 @@ def test_calibration_inputs_come_from_the_reconstructed_model(
 ) -> None:
     """Algorithm 1: every Hessian the compressor builds equals the one of the same linear's inputs in
     the *compressed* model (``materialize``, run by transformers), not in the base or the fine-tune."""
+
     import deltaserve.compress.compressor as compressor
-    from transformers import LlamaForCausalLM
 
     seen: list[tuple[str, torch.Tensor]] = []
     real = compressor._collect_hessian

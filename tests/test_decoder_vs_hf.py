@@ -338,9 +338,19 @@ def test_random_weights_marker_loads_real_shapes(tmp_path):
 
     from deltaserve.model.loader import load_model
 
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-           "rope_theta": 10000.0, "max_position_embeddings": 64, "tie_word_embeddings": False}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "random-weights.json").write_text(json.dumps({"seed": 3, "std": 0.5}))
     a = load_model(tmp_path)

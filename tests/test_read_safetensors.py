@@ -70,7 +70,9 @@ def test_overflow_in_the_target_dtype_is_refused(tmp_path: Path) -> None:
     save_file({"t": t}, tmp_path / "t.safetensors")
     copies = [("t", 2, 3, 0, False)]
     for out in (None, torch.zeros(6, dtype=torch.float16)):
-        with pytest.raises(ValueError, match=r"'t' overflows torch.float16 \(non-finite after the cast\), first at \[1, 2\]"):
+        with pytest.raises(
+            ValueError, match=r"'t' overflows torch.float16 \(non-finite after the cast\), first at \[1, 2\]"
+        ):
             _read(tmp_path / "t.safetensors", copies, out, torch.float16)
     out = torch.zeros(6, dtype=torch.bfloat16)
     _read(tmp_path / "t.safetensors", copies, out, torch.bfloat16)
@@ -100,8 +102,11 @@ def test_bad_copies_and_buffers_write_nothing(tmp_path: Path) -> None:
 def test_header_lists_what_safe_open_lists(tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    tensors = {"x.lora_A.weight": torch.zeros(4, 16, dtype=torch.bfloat16), "x.lora_B.weight": torch.zeros(32, 4),
-               "n": torch.zeros(3, dtype=torch.int64)}
+    tensors = {
+        "x.lora_A.weight": torch.zeros(4, 16, dtype=torch.bfloat16),
+        "x.lora_B.weight": torch.zeros(32, 4),
+        "n": torch.zeros(3, dtype=torch.int64),
+    }
     save_file(tensors, tmp_path / "t.safetensors", metadata={"format": "pt"})
     with safe_open(str(tmp_path / "t.safetensors"), framework="pt") as f:
         want = {k: (f.get_slice(k).get_dtype(), list(f.get_slice(k).get_shape())) for k in f.keys()}  # noqa: SIM118

@@ -49,7 +49,9 @@ def trace_of(rows: list[tuple[float, str, int]], kind: str = "lora") -> wl.Trace
     return wl.Trace(
         params={"kind": "test"},
         variants=[wl.Variant(name=n, kind=kind, rank=8 if kind == "lora" else None) for n in names],
-        requests=[wl.Request(i=i, t=t, variant=v, prompt=[5, 6, 7, 8], output_len=n) for i, (t, v, n) in enumerate(rows)],
+        requests=[
+            wl.Request(i=i, t=t, variant=v, prompt=[5, 6, 7, 8], output_len=n) for i, (t, v, n) in enumerate(rows)
+        ],
     )
 
 

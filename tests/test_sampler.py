@@ -11,7 +11,9 @@ from deltaserve import wire
 from deltaserve.worker.sampler import Sampler, seed_for
 
 
-def sp(temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, logprobs: int | None = None):
+def sp(
+    temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None, logprobs: int | None = None
+):
     return wire.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, logprobs=logprobs)
 
 
@@ -33,8 +35,13 @@ def test_top_k_one_and_tiny_top_p_are_greedy(seed: int | None) -> None:
     sampler = Sampler(seed=3)
     argmax = logits.argmax(-1).tolist()
     for _ in range(5):
-        assert sampler.sample(logits, [sp(temperature=1.5, top_k=1, seed=seed)] * 16, list(range(16))).token_ids == argmax
-        assert sampler.sample(logits, [sp(temperature=1.5, top_p=1e-6, seed=seed)] * 16, list(range(16))).token_ids == argmax
+        assert (
+            sampler.sample(logits, [sp(temperature=1.5, top_k=1, seed=seed)] * 16, list(range(16))).token_ids == argmax
+        )
+        assert (
+            sampler.sample(logits, [sp(temperature=1.5, top_p=1e-6, seed=seed)] * 16, list(range(16))).token_ids
+            == argmax
+        )
 
 
 def test_mixed_batch_keeps_greedy_rows_greedy() -> None:
@@ -98,7 +105,7 @@ def test_sampling_frequencies_match_the_distribution(params: dict, support: int 
 
     probs = torch.softmax(logits / params["temperature"], -1)
     if "top_k" in params:
-        probs[params["top_k"]:] = 0
+        probs[params["top_k"] :] = 0
     if "top_p" in params:
         before = probs.cumsum(0) - probs
         probs[before >= params["top_p"]] = 0

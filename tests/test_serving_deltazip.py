@@ -30,7 +30,9 @@ def test_deltazip_smoke_through_deltaserve_and_swap(tmp_path):
     first = serving.main(["deltazip", "--smoke", "--server", "deltaserve,swap", "--daemon", str(daemon_binary()),
                           "--devices", devices, "--out-dir", str(tmp_path), "--work-dir", str(work), "--no-plots"])  # fmt: skip
     assert first is not None and first.name.startswith("deltazip-smoke-deltaserve-")
-    results = {res["server"]: res for res in (json.loads(f.read_text()) for f in tmp_path.glob("deltazip-smoke-*.json"))}
+    results = {
+        res["server"]: res for res in (json.loads(f.read_text()) for f in tmp_path.glob("deltazip-smoke-*.json"))
+    }
     assert set(results) == {"deltaserve", "swap"}
 
     labels = [p.label for p in serving.experiment("deltazip", smoke=True).points]

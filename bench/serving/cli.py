@@ -20,6 +20,7 @@ from bench.serving.runner import detect_devices, run, work_directory
 from bench.serving.servers import SERVERS, flags_for
 from bench.serving.variants import prepare_variants
 
+
 def _list(kind):
     return lambda s: [kind(x) for x in s.split(",")]
 
@@ -49,7 +50,9 @@ def main(argv: list[str] | None = None) -> Path | None:
     p.add_argument("--popularity", type=_list(str), help="deltazip: override the popularities (zipf-1.5,uniform)")
     p.add_argument("--duration", type=float, help="override seconds of arrivals per point")
     p.add_argument("--devices", help="`cpu` or CUDA ids (default: 0 when CUDA is available)")
-    p.add_argument("--daemon", type=Path, help="deltaserve binary (default: $DELTASERVE_BIN, target/release, target/debug)")
+    p.add_argument(
+        "--daemon", type=Path, help="deltaserve binary (default: $DELTASERVE_BIN, target/release, target/debug)"
+    )
     p.add_argument("--server-flag", action="append", default=[],
                    help="extra server flag (repeat), e.g. --server-flag=--max-num-seqs=128; SERVER:FLAG gives it "
                         "to that server only, e.g. --server-flag=swap:--resident=2; replaces the experiment's "
@@ -61,7 +64,9 @@ def main(argv: list[str] | None = None) -> Path | None:
     p.add_argument("--work-dir", type=Path, default=None,
                    help="keep the model and variant files here and reuse them in later runs (default: a temporary "
                         "directory per command)")  # fmt: skip
-    p.add_argument("--prepare-only", action="store_true", help="write the files of every --server to --work-dir, then exit")
+    p.add_argument(
+        "--prepare-only", action="store_true", help="write the files of every --server to --work-dir, then exit"
+    )
     p.add_argument("--suffix", default="", help="appended to the experiment name in the result file name")
     p.add_argument("--out-dir", type=Path, default=None, help=f"where results go (default {RESULTS})")
     p.add_argument("--no-plots", action="store_true")

@@ -172,13 +172,16 @@ def experiment(name: str, *, n: list[int] | None = None, rate: list[float] | Non
     else:
         raise SystemExit(f"unknown experiment {name!r}; known: {', '.join(EXPERIMENTS)}")
     if smoke:  # same sweep structure, ~6 short requests per point on the demo model; rates keep their order
+
         def shrink(t: dict) -> dict:
             r = 1 + 3 * min(t["rate"], MAX_RATE) / MAX_RATE
             return {**t, "n_variants": math.ceil(math.log10(t["n_variants"])) + 1, "ranks": tuple(min(k, 8) for k in t["ranks"]),
                     "rate": r, "duration": 6 / r, "input_range": (4, 12), "output_range": (2, 6),
                     "vocab": (1000, 40000)}  # fmt: skip
 
-        pts = tuple(replace(p, trace=shrink(p.trace), label=_label(shrink(p.trace), p.protocol)) for p in exp.points[:4])
+        pts = tuple(
+            replace(p, trace=shrink(p.trace), label=_label(shrink(p.trace), p.protocol)) for p in exp.points[:4]
+        )
         exp = replace(exp, shape="demo", points=pts, timeout_s=300, server_flags={})
     return exp
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+
 def _sweep(t: dict) -> tuple[float, str]:
     """(cv, popularity) of a trace's parameters (deltazip traces: Poisson, cv 1)."""
     return t.get("cv", 1.0), t.get("popularity", "power")
@@ -55,7 +56,9 @@ def plot(paths: list[Path], out_stem: Path | None = None) -> list[Path]:
                 ax.plot([x for x, _ in xs], [y for _, y in xs], "o-", label=label)
                 drew = True
     if drew:
-        ax.set(xscale="log", xlabel="adapters (n)", ylabel="throughput (req/s)", title="Throughput vs number of adapters")
+        ax.set(
+            xscale="log", xlabel="adapters (n)", ylabel="throughput (req/s)", title="Throughput vs number of adapters"
+        )
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
         written.append(_save(fig, f"{stem}-throughput.png"))
@@ -70,7 +73,7 @@ def plot(paths: list[Path], out_stem: Path | None = None) -> list[Path]:
             t = pt["trace"]
             key = (t["n_variants"], *_sweep(t), pt["protocol"])
             groups.setdefault(key, []).append((t["rate"], pt["summary"]["slo"]))
-        for (n, cv, pop, proto), xs in groups.items():
+        for (n, cv, pop, _proto), xs in groups.items():
             if len({x for x, _ in xs}) > 1:
                 xs.sort(key=lambda x: x[0])
                 sweep = _sweep_name(cv, pop)
@@ -95,7 +98,8 @@ def plot(paths: list[Path], out_stem: Path | None = None) -> list[Path]:
         for pt in res["points"]:
             t, sm = pt["trace"], pt["summary"]
             groups.setdefault((t["n_variants"], *_sweep(t), pt["protocol"]), []).append(
-                (t["rate"], sm["throughput_req_s"], sm["e2e_s"]["mean"]))
+                (t["rate"], sm["throughput_req_s"], sm["e2e_s"]["mean"])
+            )
         for (n, cv, pop, proto), xs in groups.items():
             if len({x for x, _, _ in xs}) > 1:
                 xs.sort(key=lambda x: x[0])
@@ -119,7 +123,9 @@ def plot(paths: list[Path], out_stem: Path | None = None) -> list[Path]:
             for ax, key in ((a1, "ttft"), (a2, "e2e")):
                 xs = np.sort([r[key] for r in pt["requests"] if r["error"] is None and r[key] is not None])
                 if len(xs):
-                    ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=line_name(path, res, pt["label"]))
+                    ax.step(
+                        xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=line_name(path, res, pt["label"])
+                    )
     a1.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF")
     a2.set(xlabel="end-to-end latency (s)", title="End-to-end latency CDF")
     a2.legend(fontsize=6)

@@ -1,30 +1,30 @@
 """One experiment against one server, start to result file (:func:`run`)::
 
-    experiments.Experiment   one trace spec per point (n, rate, cv, popularity, ...)
-      → variants.prepare_variants()
-                             the files the server reads, under --work-dir (kept, reused by
-                             later runs) or a temporary directory
-      → servers.SERVERS[--server]
-                             starts the server once for all points (deltaserve: the daemon with
-                             --model and --lora-dir / --delta; peft, swap, merged: the baselines
-                             of bench/baselines.py, SSE only), waits for /ready
-      → replay.run_replay()  per point, in order; the server is idle between points; the result
-                             file is rewritten after every point ("complete": false until the
-                             last), so a killed run keeps what it measured. Interrupted during a
-                             point (Ctrl-C / SIGINT, SIGTERM), the run also keeps that point: the
-                             records of its requests sent so far (those still in flight with
-                             error "interrupted"), summarized as any point (replay's docstring:
-                             an interrupted point's makespan ends at the interruption), marked
-                             "interrupted": true; the file is written, the server stopped
-                             (further SIGINT / SIGTERM ignored meanwhile: `timeout` sends its
-                             signal twice), and the interruption re-raised
-      → probe_variants()     (deltazip) one fixed greedy prompt per probed variant: their outputs
-                             differ when the variants' weights are really applied
-      → write_result() + report.plot()
-                             all points with their traces' parameters, summaries and per-request
-                             rows, and the server's metrics (/metrics) or counters (/stats) over
-                             each point; throughput vs n, SLO attainment vs rate, throughput and
-                             mean latency vs rate, latency CDFs
+experiments.Experiment   one trace spec per point (n, rate, cv, popularity, ...)
+  → variants.prepare_variants()
+                         the files the server reads, under --work-dir (kept, reused by
+                         later runs) or a temporary directory
+  → servers.SERVERS[--server]
+                         starts the server once for all points (deltaserve: the daemon with
+                         --model and --lora-dir / --delta; peft, swap, merged: the baselines
+                         of bench/baselines.py, SSE only), waits for /ready
+  → replay.run_replay()  per point, in order; the server is idle between points; the result
+                         file is rewritten after every point ("complete": false until the
+                         last), so a killed run keeps what it measured. Interrupted during a
+                         point (Ctrl-C / SIGINT, SIGTERM), the run also keeps that point: the
+                         records of its requests sent so far (those still in flight with
+                         error "interrupted"), summarized as any point (replay's docstring:
+                         an interrupted point's makespan ends at the interruption), marked
+                         "interrupted": true; the file is written, the server stopped
+                         (further SIGINT / SIGTERM ignored meanwhile: `timeout` sends its
+                         signal twice), and the interruption re-raised
+  → probe_variants()     (deltazip) one fixed greedy prompt per probed variant: their outputs
+                         differ when the variants' weights are really applied
+  → write_result() + report.plot()
+                         all points with their traces' parameters, summaries and per-request
+                         rows, and the server's metrics (/metrics) or counters (/stats) over
+                         each point; throughput vs n, SLO attainment vs rate, throughput and
+                         mean latency vs rate, latency CDFs
 """
 
 from __future__ import annotations
@@ -203,10 +203,17 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
     return path
 
 
-METRICS_SHOWN = ("deltaserve_steps_total", "deltaserve_preemptions_total", "deltaserve_adapter_host_loads_total",
-                 "deltaserve_adapter_gpu_loads_total", "deltaserve_adapter_gpu_evictions_total",
-                 "deltaserve_adapter_host_deferrals_total",
-                 "deltaserve_worker_step_us_total", "deltaserve_worker_forward_us_total", "deltaserve_step_gap_us_p50")
+METRICS_SHOWN = (
+    "deltaserve_steps_total",
+    "deltaserve_preemptions_total",
+    "deltaserve_adapter_host_loads_total",
+    "deltaserve_adapter_gpu_loads_total",
+    "deltaserve_adapter_gpu_evictions_total",
+    "deltaserve_adapter_host_deferrals_total",
+    "deltaserve_worker_step_us_total",
+    "deltaserve_worker_forward_us_total",
+    "deltaserve_step_gap_us_p50",
+)
 """The metrics a point's summary line prints (all of them go to the result file)."""
 
 

@@ -18,7 +18,14 @@ from pathlib import Path
 
 from bench.common import RANDOM_WEIGHTS_FILE, adapter_dirs, checkpoint_dtype
 from bench.launch import (
-    Endpoint, ServerSpec, bench_env, deltaserve_server, demo_model_dir, free_port, launch, module_command,
+    Endpoint,
+    ServerSpec,
+    bench_env,
+    deltaserve_server,
+    demo_model_dir,
+    free_port,
+    launch,
+    module_command,
 )
 
 

@@ -31,8 +31,14 @@ from pathlib import Path
 
 from bench import workload as wl
 from bench.common import (
-    SHAPES, checkpoint_tensor_shapes, lora_config, write_lora_weights, write_random_checkpoint, write_random_delta_dir,
-    write_random_model_dir, write_word_tokenizer,
+    SHAPES,
+    checkpoint_tensor_shapes,
+    lora_config,
+    write_lora_weights,
+    write_random_checkpoint,
+    write_random_delta_dir,
+    write_random_model_dir,
+    write_word_tokenizer,
 )
 from bench.launch import demo_model_dir
 from bench.serving.experiments import Experiment

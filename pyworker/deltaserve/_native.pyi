@@ -116,7 +116,6 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[str
     reading only its header, without the GIL and without mapping the file. ``ValueError`` for a
     malformed header, ``OSError`` when the file cannot be read."""
 
-
 class SchedError(ValueError):
     """The scheduler refused a config, a request or a variant; the message names it and the numbers."""
 

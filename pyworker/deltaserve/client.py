@@ -53,7 +53,7 @@ def stream_events(url: str, path: str, body: dict) -> Iterator[dict]:
             line = raw.decode().strip()
             if not line.startswith("data:"):
                 continue
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 return
             event = json.loads(data)

@@ -1,6 +1,7 @@
 """Starts and stops a real ``deltaserve`` daemon for end-to-end tests.
 
-The binary comes from ``$DELTASERVE_BIN`` (``make test`` sets it) or ``target/debug/deltaserve``;
+The binary comes from ``$DELTASERVE_BIN`` (``make test`` sets it) or ``target/release/deltaserve``
+(what ``make setup`` builds);
 workers run with this interpreter, so they import the package under test, on the devices in
 ``$DELTASERVE_TEST_DEVICES`` (default ``cpu``; ``make test-gpu`` sets a CUDA id).
 """
@@ -22,9 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def daemon_binary() -> Path:
-    path = Path(os.environ.get("DELTASERVE_BIN", REPO / "target" / "debug" / "deltaserve"))
+    path = Path(os.environ.get("DELTASERVE_BIN", REPO / "target" / "release" / "deltaserve"))
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run `cargo build -p deltaserve-daemon` (or `make test`)")
+        raise FileNotFoundError(f"{path} not found: run `make setup` (or set DELTASERVE_BIN)")
     return path
 
 
@@ -58,7 +59,7 @@ class Daemon:
         self.log.flush()
         return Path(self.log.name).read_text(errors="replace")
 
-    def wait_ready(self, timeout_s: float = 300) -> "Daemon":
+    def wait_ready(self, timeout_s: float = 300) -> Daemon:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -94,7 +95,7 @@ class Daemon:
                 self.proc.wait()
         self.log.close()
 
-    def __enter__(self) -> "Daemon":
+    def __enter__(self) -> Daemon:
         return self.wait_ready()
 
     def __exit__(self, *exc) -> None:

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 import torch
+
 from helpers.peft_adapters import SEVEN, make_peft_adapter
 
 from .daemon import Daemon
@@ -57,7 +58,7 @@ def _greedy(model, prompt_ids, n):
     model.generation_config.pad_token_id = 0
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def _tokens(daemon, model, prompt, n=N):
@@ -153,8 +154,7 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("name,edit,needle", REFUSED, ids=[r[0] for r in REFUSED])
-def test_refused_adapters_get_a_4xx_naming_the_problem_and_serving_goes_on(daemon, base_name, made, name, edit,
-                                                                           needle):
+def test_refused_adapters_get_a_4xx_naming_the_problem_and_serving_goes_on(daemon, base_name, made, name, edit, needle):
     (_, good_dir), root = made
     before = httpx.get(f"{daemon.url}/v1/adapters").json()["data"]
     bad = _broken(root, good_dir, name, edit)

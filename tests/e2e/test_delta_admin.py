@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+
 from helpers.deltas import make_delta
 from helpers.peft_adapters import make_peft_adapter
 
@@ -24,8 +25,7 @@ def dirs(tiny_llama, tmp_path_factory):
     return {
         "da": make_delta(tiny_llama, root / "da", seed=7, bits=4)[0],
         "db": make_delta(tiny_llama, root / "db", seed=8, bits=4)[0],
-        "lora": make_peft_adapter(tiny_llama, root / "lora", seed=3, target_modules=["q_proj"], r=4,
-                                  lora_alpha=8)[1],
+        "lora": make_peft_adapter(tiny_llama, root / "lora", seed=3, target_modules=["q_proj"], r=4, lora_alpha=8)[1],
     }
 
 
@@ -66,12 +66,15 @@ def test_a_delta_registers_by_its_files_and_says_its_kind(daemon, base_name, dir
     assert "kind" not in models[base_name]
 
 
-@pytest.mark.parametrize("body, words, param", [
-    ({"name": "x", "path": "{da}", "kind": "lora"}, "not a LoRA adapter", "kind"),
-    ({"name": "x", "path": "{lora}", "kind": "delta"}, "not a compressed delta", "kind"),
-    ({"name": "x", "path": "{da}", "kind": "full"}, "kind", None),
-    ({"name": "x", "path": "{root}"}, "manifest.json", "path"),
-])
+@pytest.mark.parametrize(
+    "body, words, param",
+    [
+        ({"name": "x", "path": "{da}", "kind": "lora"}, "not a LoRA adapter", "kind"),
+        ({"name": "x", "path": "{lora}", "kind": "delta"}, "not a compressed delta", "kind"),
+        ({"name": "x", "path": "{da}", "kind": "full"}, "kind", None),
+        ({"name": "x", "path": "{root}"}, "manifest.json", "path"),
+    ],
+)
 def test_a_wrong_kind_or_directory_is_a_400_and_changes_nothing(daemon, dirs, body, words, param):
     before = _names(daemon)
     paths = {"da": dirs["da"], "lora": dirs["lora"], "root": dirs["da"].parent}
@@ -87,8 +90,13 @@ def test_a_wrong_kind_or_directory_is_a_400_and_changes_nothing(daemon, dirs, bo
 
 def test_two_deltas_take_turns_for_one_slot_and_the_metrics_show_it(daemon, base_name):
     reqs = {
-        f"r{i}": {"model": f"{base_name}:{('da', 'db')[i % 2]}", "prompt": "take turns " * (1 + i % 3),
-                  "max_tokens": 5 + i % 4, "temperature": 0, "ignore_eos": True}
+        f"r{i}": {
+            "model": f"{base_name}:{('da', 'db')[i % 2]}",
+            "prompt": "take turns " * (1 + i % 3),
+            "max_tokens": 5 + i % 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         for i in range(8)
     }
     got = ws_generate(daemon.url, reqs)

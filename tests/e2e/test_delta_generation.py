@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+
 from helpers.deltas import make_delta
 from helpers.peft_adapters import make_peft_adapter
 
@@ -29,8 +30,12 @@ def variants(tiny_llama, tmp_path_factory):
     return {
         "d4": make_delta(tiny_llama, root / "d4", seed=41, bits=4),
         "d2": make_delta(tiny_llama, root / "d2", seed=42, bits=2),
-        "qv8": (make_peft_adapter(tiny_llama, root / "qv8", seed=1, target_modules=["q_proj", "v_proj"], r=8,
-                                  lora_alpha=16)[1], None),
+        "qv8": (
+            make_peft_adapter(
+                tiny_llama, root / "qv8", seed=1, target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16
+            )[1],
+            None,
+        ),
     }
 
 
@@ -64,8 +69,8 @@ def test_models_and_admin_list_the_deltas(delta_daemon, base_name):
 
 
 def test_delta_greedy_equals_transformers_on_the_dense_reference(delta_daemon, base_name, variants, tokenizer):
-    from transformers import AutoModelForCausalLM
     import torch
+    from transformers import AutoModelForCausalLM
 
     n = 12
     reqs, expected = {}, {}
@@ -75,8 +80,13 @@ def test_delta_greedy_equals_transformers_on_the_dense_reference(delta_daemon, b
             ids = tokenizer.encode(prompt, add_special_tokens=False).ids
             rid = f"{name}-{i}"
             expected[rid] = _greedy(ref, ids, n)
-            reqs[rid] = {"model": f"{base_name}:{name}", "prompt": ids, "max_tokens": n, "temperature": 0,
-                         "ignore_eos": True}
+            reqs[rid] = {
+                "model": f"{base_name}:{name}",
+                "prompt": ids,
+                "max_tokens": n,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
     got = ws_generate(delta_daemon.url, reqs)
     for rid, want in expected.items():
         assert got[rid]["error"] is None, got[rid]
@@ -88,8 +98,13 @@ def test_delta_greedy_equals_transformers_on_the_dense_reference(delta_daemon, b
 def test_mixed_base_lora_delta_batch_gives_each_request_its_tokens_alone(delta_daemon, base_name):
     models = [base_name, f"{base_name}:qv8", f"{base_name}:d4", f"{base_name}:d2"]
     reqs = {
-        f"r{i}": {"model": models[i % 4], "prompt": "mixed batch " * (1 + i % 3), "max_tokens": 6 + i % 5,
-                  "temperature": 0, "ignore_eos": True}
+        f"r{i}": {
+            "model": models[i % 4],
+            "prompt": "mixed batch " * (1 + i % 3),
+            "max_tokens": 6 + i % 5,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         for i in range(12)
     }
     alone = {rid: ws_generate(delta_daemon.url, {rid: body})[rid]["token_ids"] for rid, body in reqs.items()}
@@ -101,9 +116,11 @@ def test_mixed_base_lora_delta_batch_gives_each_request_its_tokens_alone(delta_d
 
 def test_bad_delta_refuses_to_start_naming_the_problem(tiny_llama, tiny_qwen2, variants, tmp_path):
     other, _ = make_delta(tiny_qwen2, tmp_path / "qwen", seed=5)
-    for args, words in ((["--delta", f"x={other}"], "architectures"),
-                        (["--delta", f"x={variants['qv8'][0]}"], "LoRA"),
-                        (["--lora", f"x={variants['d4'][0]}"], "delta")):
+    for args, words in (
+        (["--delta", f"x={other}"], "architectures"),
+        (["--delta", f"x={variants['qv8'][0]}"], "LoRA"),
+        (["--lora", f"x={variants['d4'][0]}"], "delta"),
+    ):
         d = Daemon(tiny_llama, *args)
         try:
             assert d.wait_exit(120) != 0, args

@@ -50,15 +50,23 @@ def answers(adapters_daemon, base_name) -> dict[tuple[str, str], list[str]]:
     """(task, "adapter" | "base") -> the daemon's answers to the task's first N held-out prompts.
 
     All requests go out at once, so the daemon serves base and both adapters in the same batches."""
-    jobs = [(task, who, msg) for task in TASKS for who in ("adapter", "base")
-            for msg, _ in examples(task, "heldout")[:N]]
+    jobs = [
+        (task, who, msg) for task in TASKS for who in ("adapter", "base") for msg, _ in examples(task, "heldout")[:N]
+    ]
 
     def ask(job):
         task, who, msg = job
         model = f"{base_name}:{task}" if who == "adapter" else base_name
-        r = httpx.post(f"{adapters_daemon.url}/v1/chat/completions", timeout=300, json={
-            "model": model, "messages": [{"role": "user", "content": msg}], "max_tokens": 12, "temperature": 0,
-        })
+        r = httpx.post(
+            f"{adapters_daemon.url}/v1/chat/completions",
+            timeout=300,
+            json={
+                "model": model,
+                "messages": [{"role": "user", "content": msg}],
+                "max_tokens": 12,
+                "temperature": 0,
+            },
+        )
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["message"]["content"].strip()
 

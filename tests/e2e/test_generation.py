@@ -38,7 +38,7 @@ def tokenizer(tiny_llama):
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def test_greedy_equals_transformers(tiny_daemon, hf_model, tokenizer):
@@ -71,15 +71,23 @@ def test_greedy_equals_transformers(tiny_daemon, hf_model, tokenizer):
 
 
 def test_batch_invariance_greedy(tiny_daemon, tokenizer):
-    target = {"prompt": "a request that must not care about its neighbours", "max_tokens": 32,
-              "temperature": 0, "ignore_eos": True}
+    target = {
+        "prompt": "a request that must not care about its neighbours",
+        "max_tokens": 32,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     alone = ws_generate(tiny_daemon.url, {"target": target})["target"]["token_ids"]
     assert len(alone) == 32
 
     words = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen".split()
     crowd = {
-        f"other{i}": {"prompt": " ".join(words[: i + 1]) * (1 + i % 3), "max_tokens": 8 + 3 * i,
-                      "temperature": 0, "ignore_eos": True}
+        f"other{i}": {
+            "prompt": " ".join(words[: i + 1]) * (1 + i % 3),
+            "max_tokens": 8 + 3 * i,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         for i in range(15)
     }
     together = ws_generate(tiny_daemon.url, {"target": target, **crowd})
@@ -89,8 +97,15 @@ def test_batch_invariance_greedy(tiny_daemon, tokenizer):
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(tiny_daemon):
-    req = {"prompt": "sampling with a seed", "max_tokens": 20, "temperature": 0.9, "top_p": 0.95,
-           "top_k": 50, "seed": 1234, "ignore_eos": True}
+    req = {
+        "prompt": "sampling with a seed",
+        "max_tokens": 20,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "top_k": 50,
+        "seed": 1234,
+        "ignore_eos": True,
+    }
     a = ws_generate(tiny_daemon.url, {"a": req})["a"]["token_ids"]
     crowd = {f"c{i}": {**req, "seed": i} for i in range(6)}
     b = ws_generate(tiny_daemon.url, {"a": req, **crowd})["a"]["token_ids"]
@@ -132,12 +147,22 @@ def test_overlapped_steps_go_ahead_and_change_no_token(tiny_llama, tiny_daemon):
 
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
     reqs = {
-        f"r{i}": {"prompt": " ".join(words[: 1 + i]), "max_tokens": 6 + 5 * i, "temperature": 0,
-                  "ignore_eos": i % 2 == 0}
+        f"r{i}": {
+            "prompt": " ".join(words[: 1 + i]),
+            "max_tokens": 6 + 5 * i,
+            "temperature": 0,
+            "ignore_eos": i % 2 == 0,
+        }
         for i in range(6)
     }
-    reqs["seeded"] = {"prompt": "a seeded draw", "max_tokens": 20, "temperature": 0.8, "top_p": 0.9, "seed": 7,
-                      "ignore_eos": True}
+    reqs["seeded"] = {
+        "prompt": "a seeded draw",
+        "max_tokens": 20,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "seed": 7,
+        "ignore_eos": True,
+    }
     reqs["stop"] = {"prompt": "stop somewhere", "max_tokens": 30, "temperature": 0, "stop": ["e"]}
     ahead_before = tiny_daemon.metrics()["deltaserve_steps_ahead_total"]
     overlapped = ws_generate(tiny_daemon.url, reqs)

@@ -79,8 +79,9 @@ def test_worker_crash_fails_inflight_requests_and_restarts(tiny_llama):
         while httpx.get(f"{d.url}/ready").status_code != 200:
             assert time.monotonic() < deadline, "worker was not restarted"
             time.sleep(0.2)
-        r = httpx.post(f"{d.url}/v1/completions", json={"prompt": "after", "max_tokens": 3, "ignore_eos": True},
-                       timeout=60)
+        r = httpx.post(
+            f"{d.url}/v1/completions", json={"prompt": "after", "max_tokens": 3, "ignore_eos": True}, timeout=60
+        )
         assert r.status_code == 200, r.text
         assert d.metrics()["deltaserve_worker_restarts_total"] >= 1
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+
 from helpers.peft_adapters import SEVEN, make_peft_adapter
 
 from .daemon import Daemon
@@ -22,10 +23,12 @@ def adapters(tiny_llama, tmp_path_factory):
     """Two adapters with different ranks and targets: (peft model, dir) by name."""
     root = tmp_path_factory.mktemp("loras")
     return {
-        "qv8": make_peft_adapter(tiny_llama, root / "qv8", seed=1, target_modules=["q_proj", "v_proj"], r=8,
-                                 lora_alpha=16),
-        "all16": make_peft_adapter(tiny_llama, root / "all16", seed=2, target_modules=SEVEN, r=16, lora_alpha=8,
-                                   use_rslora=True),
+        "qv8": make_peft_adapter(
+            tiny_llama, root / "qv8", seed=1, target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16
+        ),
+        "all16": make_peft_adapter(
+            tiny_llama, root / "all16", seed=2, target_modules=SEVEN, r=16, lora_alpha=8, use_rslora=True
+        ),
     }
 
 
@@ -48,7 +51,7 @@ def _greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     model.generation_config.pad_token_id = 0
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +92,13 @@ def test_adapter_greedy_equals_peft_merged(lora_daemon, base_name, adapters, tok
 def test_mixed_batch_gives_each_request_its_tokens_alone(lora_daemon, base_name):
     models = [base_name, f"{base_name}:qv8", f"{base_name}:all16"]
     reqs = {
-        f"r{i}": {"model": models[i % 3], "prompt": "mixed batch " * (1 + i % 4), "max_tokens": 10 + i,
-                  "temperature": 0, "ignore_eos": True}
+        f"r{i}": {
+            "model": models[i % 3],
+            "prompt": "mixed batch " * (1 + i % 4),
+            "max_tokens": 10 + i,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         for i in range(12)
     }
     alone = {rid: ws_generate(lora_daemon.url, {rid: body})[rid]["token_ids"] for rid, body in reqs.items()}
@@ -102,16 +110,22 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(lora_daemon, base_name)
 def test_responses_name_the_adapter(lora_daemon, base_name):
     for model in (f"{base_name}:qv8", "qv8"):
         body = {"model": model, "prompt": "hi", "max_tokens": 2}
-        assert httpx.post(f"{lora_daemon.url}/v1/completions", json=body, timeout=60).json()["model"] == f"{base_name}:qv8"
+        assert (
+            httpx.post(f"{lora_daemon.url}/v1/completions", json=body, timeout=60).json()["model"] == f"{base_name}:qv8"
+        )
     chat = {"model": "all16", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     r = httpx.post(f"{lora_daemon.url}/v1/chat/completions", json=chat, timeout=60).json()
     assert r["model"] == f"{base_name}:all16"
-    assert httpx.post(f"{lora_daemon.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                      timeout=60).json()["model"] == base_name
+    assert (
+        httpx.post(f"{lora_daemon.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60).json()[
+            "model"
+        ]
+        == base_name
+    )
 
 
 def test_unknown_adapter_is_404(lora_daemon, base_name):
-    for model in (f"{base_name}:nope", "nope", f"other:qv8"):
+    for model in (f"{base_name}:nope", "nope", "other:qv8"):
         r = httpx.post(f"{lora_daemon.url}/v1/completions", json={"model": model, "prompt": "hi"}, timeout=30)
         assert r.status_code == 404, (model, r.text)
         assert "/v1/models" in r.json()["error"]["message"]

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from helpers.peft_adapters import SEVEN, make_peft_adapter
 
 from .daemon import Daemon
@@ -42,15 +43,22 @@ def zoo(tiny_llama, tmp_path_factory):
     sources = root / "sources"
     refs, sizes = [], []
     for i in range(DISTINCT):
-        kw = dict(target_modules=["q_proj", "v_proj"], r=4, lora_alpha=8) if i % 2 == 0 else \
-            dict(target_modules=SEVEN, r=2, lora_alpha=4)
+        kw = (
+            dict(target_modules=["q_proj", "v_proj"], r=4, lora_alpha=8)
+            if i % 2 == 0
+            else dict(target_modules=SEVEN, r=2, lora_alpha=4)
+        )
         peft_model, path = make_peft_adapter(tiny_llama, sources / f"s{i}", seed=100 + i, **kw)
         merged = copy.deepcopy(peft_model).merge_and_unload().eval()
         merged.generation_config.eos_token_id = None
         merged.generation_config.pad_token_id = 0
         with torch.no_grad():
-            refs.append([merged.generate(torch.tensor([p]), max_new_tokens=N_OUT, do_sample=False)[0, len(p):].tolist()
-                         for p in PROMPTS])
+            refs.append(
+                [
+                    merged.generate(torch.tensor([p]), max_new_tokens=N_OUT, do_sample=False)[0, len(p) :].tolist()
+                    for p in PROMPTS
+                ]
+            )
         sizes.append(sum(t.numel() * 4 for t in load_file(path / "adapter_model.safetensors").values()))
     adapters = root / "adapters"
     adapters.mkdir()
@@ -63,8 +71,16 @@ def test_thousand_adapters_evict_and_reload_correctly_within_the_host_budget(tin
     adapters, refs, one = zoo
     host_budget = 5 * one  # room for five host copies
     pool_pages = 40  # KV for a batch of 16 short requests plus a couple of dozen adapter pages
-    args = ["--lora-dir", str(adapters), "--variant-host-bytes", str(host_budget),
-            "--kv-cache-bytes", str(pool_pages * _bytes_per_page(tiny_llama)), "--max-num-seqs", "16"]
+    args = [
+        "--lora-dir",
+        str(adapters),
+        "--variant-host-bytes",
+        str(host_budget),
+        "--kv-cache-bytes",
+        str(pool_pages * _bytes_per_page(tiny_llama)),
+        "--max-num-seqs",
+        "16",
+    ]
     with Daemon(tiny_llama, *args).wait_ready(600) as d:
         listed = httpx.get(f"{d.url}/v1/adapters", timeout=60).json()["data"]
         assert len(listed) == NUM_ADAPTERS and all(a["status"] == "active" for a in listed)
@@ -78,8 +94,13 @@ def test_thousand_adapters_evict_and_reload_correctly_within_the_host_budget(tin
             first_round = first_round or picks
             seen.update(picks)
             reqs = {
-                f"r{round_no}-{j}": {"model": f"a{a:04d}", "prompt": PROMPTS[j % len(PROMPTS)], "max_tokens": N_OUT,
-                                     "temperature": 0, "ignore_eos": True}
+                f"r{round_no}-{j}": {
+                    "model": f"a{a:04d}",
+                    "prompt": PROMPTS[j % len(PROMPTS)],
+                    "max_tokens": N_OUT,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
                 for j, a in enumerate(picks)
             }
             got = ws_generate(d.url, reqs, timeout_s=300)

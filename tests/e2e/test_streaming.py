@@ -9,10 +9,10 @@ import time
 import httpx
 import pytest
 import websockets
+
 from helpers.tiny_models import make_tiny_model
 
 from .daemon import Daemon
-
 from .wsclient import ws_generate
 
 BODY = {"prompt": "the quick brown fox jumps over", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
@@ -83,8 +83,15 @@ LONG = {"prompt": "a long story", "max_tokens": LONG_TOKENS, "temperature": 0, "
 
 @pytest.fixture(scope="module")
 def slow_daemon(tiny_models_dir):
-    model = make_tiny_model(tiny_models_dir, "llama", seed=7, hidden_size=256, intermediate_size=768,
-                            num_hidden_layers=8, max_position_embeddings=2048)
+    model = make_tiny_model(
+        tiny_models_dir,
+        "llama",
+        seed=7,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=8,
+        max_position_embeddings=2048,
+    )
     with Daemon(model, "--max-model-len", "2048") as d:
         yield d
 

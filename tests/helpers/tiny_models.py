@@ -96,8 +96,14 @@ def make_tiny_model(tmp_path: Path | str, arch: str = "llama", seed: int = 0, **
     "qwen2" (q/k/v bias). ``overrides`` go into the transformers config
     (e.g. ``tie_word_embeddings=True``).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     suffix = "-".join(f"{k}={v}" for k, v in sorted(overrides.items()))
     out = Path(tmp_path) / (f"{arch}-{seed}" + (f"-{suffix}" if suffix else ""))

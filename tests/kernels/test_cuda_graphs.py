@@ -22,8 +22,14 @@ pytestmark = [
 
 
 def _executor(model_dir, graph_batch: int) -> Executor:
-    return Executor(model_dir, device="cuda:0", dtype="float32", block_size=4, kv_cache_bytes=16 << 20,
-                    cuda_graph_max_batch=graph_batch)
+    return Executor(
+        model_dir,
+        device="cuda:0",
+        dtype="float32",
+        block_size=4,
+        kv_cache_bytes=16 << 20,
+        cuda_graph_max_batch=graph_batch,
+    )
 
 
 @pytest.mark.parametrize("n", [1, 3, 16, 17, 40])
@@ -42,10 +48,13 @@ def test_graph_replay_equals_eager(tiny_llama, n: int) -> None:
 def test_lora_decode_steps_replay_from_graphs_and_equal_eager(tiny_llama, tmp_path) -> None:
     """Decode steps with adapter rows (three adapters of different ranks and targets, plus base
     rows) replay the LoRA graphs and give exactly the eager tokens."""
-    from helpers.peft_adapters import make_peft_adapter
     from test_lora_serving import SPECS, AdapterRouter
 
-    dirs = {aid: make_peft_adapter(tiny_llama, tmp_path / f"a{aid}", seed=10 + aid, **kw)[1] for aid, kw in SPECS.items()}
+    from helpers.peft_adapters import make_peft_adapter
+
+    dirs = {
+        aid: make_peft_adapter(tiny_llama, tmp_path / f"a{aid}", seed=10 + aid, **kw)[1] for aid, kw in SPECS.items()
+    }
     eager, graphs = _executor(tiny_llama, 0), _executor(tiny_llama, 32)
     assert graphs.graphs is not None and graphs.graphs.lora_graphs, "LoRA graphs are captured"
     n = 12
@@ -65,28 +74,40 @@ def test_delta_decode_steps_replay_from_graphs_and_equal_eager(arch: str, tmp_pa
     and the lm_head delta all read the static buffers. A model the CUDA SBMM op takes (in_features a
     multiple of 256), float16; tied embeddings (the embedding delta moves lm_head) and Qwen2 (bias
     deltas)."""
+    from test_lora_serving import AdapterRouter
+
     from helpers.deltas import make_delta
     from helpers.peft_adapters import make_peft_adapter
     from helpers.tiny_models import make_tiny_model
-    from test_lora_serving import AdapterRouter
 
     kw = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     if arch == "llama-tied":
         kw["tie_word_embeddings"] = True
     base = make_tiny_model(tmp_path, "qwen2" if arch == "qwen2" else "llama", seed=5, **kw)
-    dirs = {1: make_peft_adapter(base, tmp_path / "lora", seed=3, target_modules=["q_proj", "v_proj"], r=8,
-                                 lora_alpha=16)[1],
-            2: make_delta(base, tmp_path / "d4", seed=21, bits=4)[0],
-            3: make_delta(base, tmp_path / "d2", seed=22, bits=2)[0]}
+    dirs = {
+        1: make_peft_adapter(base, tmp_path / "lora", seed=3, target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16)[
+            1
+        ],
+        2: make_delta(base, tmp_path / "d4", seed=21, bits=4)[0],
+        3: make_delta(base, tmp_path / "d2", seed=22, bits=2)[0],
+    }
 
     def executor(graph_batch: int) -> Executor:
-        return Executor(base, device="cuda:0", dtype="float16", block_size=4, kv_cache_bytes=16 << 20,
-                        cuda_graph_max_batch=graph_batch)
+        return Executor(
+            base,
+            device="cuda:0",
+            dtype="float16",
+            block_size=4,
+            kv_cache_bytes=16 << 20,
+            cuda_graph_max_batch=graph_batch,
+        )
 
     n = 14
     seen: set = set()
-    for adapter_of in ({i: (0, 1, 2, 3)[i % 4] for i in range(n)},  # every kind in one batch
-                       {i: 2 for i in range(n)}):  # one delta, more rows than a graph work tile
+    for adapter_of in (
+        {i: (0, 1, 2, 3)[i % 4] for i in range(n)},  # every kind in one batch
+        {i: 2 for i in range(n)},
+    ):  # one delta, more rows than a graph work tile
         eager, graphs = executor(0), executor(32)
         reqs = {i: (p, 10) for i, p in enumerate(prompts(n, graphs.config.vocab_size, seed=7))}
         want = AdapterRouter(eager, dirs, adapter_of).run(reqs)

@@ -36,7 +36,6 @@ import pytest
 import torch
 
 from deltaserve.kernels import lora as lora_kernels
-from deltaserve.kernels.lora import mbgmv as mbgmv_kernels
 from deltaserve.kernels.lora import (
     LoraMeta,
     LoraSlice,
@@ -50,6 +49,7 @@ from deltaserve.kernels.lora import (
     lora_shrink_triton,
     make_weights,
 )
+from deltaserve.kernels.lora import mbgmv as mbgmv_kernels
 
 pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
 
@@ -199,8 +199,9 @@ def test_multi_slice_expand(dtype: torch.dtype, mode: str) -> None:
         assert not torch.equal(got[ids >= 0, lo:hi], base[ids >= 0, lo:hi])
     # Each slice equals that slice's single-projection op (slices do not bleed into each other).
     for s in (slices[0], slices[2]):
-        alone = lora_delta(x, base[:, s.offset : s.offset + s.size].clone(), [LoraSlice(0, s.size, s.weights)],
-                           meta, use_triton=False)
+        alone = lora_delta(
+            x, base[:, s.offset : s.offset + s.size].clone(), [LoraSlice(0, s.size, s.weights)], meta, use_triton=False
+        )
         close(got[:, s.offset : s.offset + s.size], alone)
 
 
@@ -213,8 +214,10 @@ def test_all_tokens_one_adapter_no_base(mode: str) -> None:
     w = pooled(dense_adapters(96, 96, torch.float16, seed), seed)
     x = randn(meta.num_tokens, 96, dtype=torch.float16, seed=1)
     base = randn(meta.num_tokens, 96, dtype=torch.float16, seed=2)
-    close(lora_delta(x, base.clone(), [LoraSlice(0, 96, w)], meta, use_triton=True),
-          lora_delta(x, base.clone(), [LoraSlice(0, 96, w)], meta, use_triton=False))
+    close(
+        lora_delta(x, base.clone(), [LoraSlice(0, 96, w)], meta, use_triton=True),
+        lora_delta(x, base.clone(), [LoraSlice(0, 96, w)], meta, use_triton=False),
+    )
 
 
 def test_sgmv_tiles_cover_exactly_the_adapter_tokens() -> None:
@@ -238,12 +241,16 @@ def test_sgmv_one_long_prefill_next_to_many_decode_rows(dtype: torch.dtype) -> N
     ids = [1] + [(i * 5) % NUM_SLOTS if i % 4 else -1 for i in range(14)] + [9]
     meta = LoraMeta.sgmv(lens, ids, DEVICE)
     assert meta.num_tiles == 5 + 10 + 1  # 70 tokens = 5 tiles; 10 adapter decode rows; the last segment
-    slices = [LoraSlice(0, 64, pooled(dense_adapters(96, 64, dtype, seed), seed)),
-              LoraSlice(64, 32, pooled(dense_adapters(96, 32, dtype, seed + 1), seed + 1))]
+    slices = [
+        LoraSlice(0, 64, pooled(dense_adapters(96, 64, dtype, seed), seed)),
+        LoraSlice(64, 32, pooled(dense_adapters(96, 32, dtype, seed + 1), seed + 1)),
+    ]
     x = randn(meta.num_tokens, 96, dtype=dtype, seed=1)
     base = randn(meta.num_tokens, 96, dtype=dtype, seed=2)
-    close(lora_delta(x, base.clone(), slices, meta, use_triton=True),
-          lora_delta(x, base.clone(), slices, meta, use_triton=False))
+    close(
+        lora_delta(x, base.clone(), slices, meta, use_triton=True),
+        lora_delta(x, base.clone(), slices, meta, use_triton=False),
+    )
 
 
 def test_only_base_requests_is_a_no_op() -> None:
@@ -300,8 +307,9 @@ def place_first_fit(rows: list[int], region: int, start_region: int) -> tuple[li
     return offs, reg + 1
 
 
-def unified_pool(dense: list, r_max: int, dtype: torch.dtype, region: int, head: int, seed: int,
-                 num_regions: int | None = None) -> LoraWeights:
+def unified_pool(
+    dense: list, r_max: int, dtype: torch.dtype, region: int, head: int, seed: int, num_regions: int | None = None
+) -> LoraWeights:
     """A and B^T rows of every adapter in ONE flat buffer (a_pool is b_pool), first-fit into page
     regions of ``region`` elements starting ``head`` elements into the buffer (odd offsets), adapters
     on non-adjacent regions, every other element filled with junk (KV data of other requests). The
@@ -336,8 +344,16 @@ def unified_pool(dense: list, r_max: int, dtype: torch.dtype, region: int, head:
         scales.append(scale)
     assert (a_off % 2).any() and (b_off % 2).any(), "the layout must exercise odd offsets"
     rank = torch.tensor(ranks, dtype=torch.int32, device=DEVICE)
-    return LoraWeights(buf, buf, a_off.to(DEVICE), b_off.to(DEVICE), rank,
-                       torch.tensor(scales, dtype=torch.float32, device=DEVICE), in_dim, out_dim)
+    return LoraWeights(
+        buf,
+        buf,
+        a_off.to(DEVICE),
+        b_off.to(DEVICE),
+        rank,
+        torch.tensor(scales, dtype=torch.float32, device=DEVICE),
+        in_dim,
+        out_dim,
+    )
 
 
 @pytest.mark.parametrize("mode", ["sgmv", "mbgmv"])
@@ -359,8 +375,9 @@ def test_unified_pool_interleaved_odd_offsets(dtype: torch.dtype, mode: str) -> 
     close(got, want)
     # The reference reads the right rows: it equals LoRA from the original matrices.
     tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 8e-2}[dtype]
-    torch.testing.assert_close(want.float(), dense_delta(x, base, dense, token_adapters(meta)).float(),
-                               rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        want.float(), dense_delta(x, base, dense, token_adapters(meta)).float(), rtol=tol, atol=tol
+    )
 
 
 @pytest.mark.parametrize("mode", ["sgmv", "mbgmv"])
@@ -385,8 +402,12 @@ def test_tables_refilled_in_place(mode: str) -> None:
                  for i, r in enumerate(step_ranks)]  # fmt: skip
         fresh = unified_pool(dense, r_max, dtype, region, head, step_seed, num_regions=64)
         pool.copy_(fresh.a_pool)
-        for table, new in ((a_off, fresh.a_offsets), (b_off, fresh.b_offsets), (rank, fresh.rank),
-                           (scale, fresh.scale)):
+        for table, new in (
+            (a_off, fresh.a_offsets),
+            (b_off, fresh.b_offsets),
+            (rank, fresh.rank),
+            (scale, fresh.scale),
+        ):
             table.copy_(new)
         return dense
 
@@ -399,8 +420,9 @@ def test_tables_refilled_in_place(mode: str) -> None:
         dense = refill(100 + step, step_ranks)
         got = lora_delta(x, base.clone(), [LoraSlice(0, out_dim, w)], meta, use_triton=True)
         close(got, lora_delta(x, base.clone(), [LoraSlice(0, out_dim, w)], meta, use_triton=False))
-        torch.testing.assert_close(got.float(), dense_delta(x, base, dense, token_adapters(meta)).float(),
-                                   rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(
+            got.float(), dense_delta(x, base, dense, token_adapters(meta)).float(), rtol=2e-2, atol=2e-2
+        )
         results.append(got)
     assert not torch.equal(results[0], results[1]), "the second fill must change the result"
     assert not torch.equal(results[0], results[2]), "same ranks, new weights: a new result"
@@ -470,7 +492,7 @@ def test_offsets_outside_pool(small, table: str, pool_attr: str, dim: int) -> No
         with pytest.raises(ValueError, match=rf"{table}\[2, 0\] = {bad}: row .* outside the pool of {n} elements"):
             dataclasses.replace(w, **{table: offs})
     offs = getattr(w, table).clone()
-    offs[2, w.rank[2]:] = n  # past the slot's rank: never read, so allowed
+    offs[2, w.rank[2] :] = n  # past the slot's rank: never read, so allowed
     dataclasses.replace(w, **{table: offs})
 
 
@@ -518,8 +540,16 @@ def test_shape_mismatches(small) -> None:
 # interpreter (every program computes what the per-slice path's does), within the tolerances on GPU.
 
 
-def stacked_tables(dense: list[list], in_dim: int, dims: tuple[int, ...], dtype: torch.dtype, seed: int,
-                   r_max: int = R_MAX, head: int = 3, pool_elems: int | None = None):
+def stacked_tables(
+    dense: list[list],
+    in_dim: int,
+    dims: tuple[int, ...],
+    dtype: torch.dtype,
+    seed: int,
+    r_max: int = R_MAX,
+    head: int = 3,
+    pool_elems: int | None = None,
+):
     """Every slice's adapters (``dense[i][slot]``: (A, B, scale) or None = rank 0 in that slice) as
     rank rows in ONE junk-filled flat buffer, rows of all slices and adapters in a shuffled order
     with random gaps from an odd ``head`` on. Returns (buf, a_off, b_off, rank, scale) with tables
@@ -573,8 +603,18 @@ def embedded_stack(buf, a_off, b_off, rank, scale, in_dim, dims, offsets, **kw) 
     big_rank = torch.full((2, n + 2, slots), 999, dtype=torch.int32, device=DEVICE)
     big_scale = torch.full((3, n + 1, slots), float("nan"), dtype=torch.float32, device=DEVICE)
     big_a[1 : 1 + n], big_b[2 : 2 + n], big_rank[1, 1 : 1 + n], big_scale[2, :n] = a_off, b_off, rank, scale
-    return LoraStack(buf, buf, big_a[1 : 1 + n], big_b[2 : 2 + n], big_rank[1, 1 : 1 + n], big_scale[2, :n],
-                     in_dim, dims, offsets, **kw)
+    return LoraStack(
+        buf,
+        buf,
+        big_a[1 : 1 + n],
+        big_b[2 : 2 + n],
+        big_rank[1, 1 : 1 + n],
+        big_scale[2, :n],
+        in_dim,
+        dims,
+        offsets,
+        **kw,
+    )
 
 
 GQA = (64, 32, 32)
@@ -621,8 +661,11 @@ def test_stacked_equals_per_slice(popularity: str, dtype: torch.dtype, mode: str
 def test_stacked_layouts(layout: str, mode: str) -> None:
     """gate_up (two equal slices), one slice (o / down), and slices with untouched columns between
     and after them (a projection of the module without LoRA): kernel = per-slice = dense LoRA."""
-    dims, offsets, width = {"gate_up": ((80, 80), (0, 80), 160), "single": ((48,), (0,), 48),
-                            "gaps": ((40, 24), (8, 72), 104)}[layout]
+    dims, offsets, width = {
+        "gate_up": ((80, 80), (0, 80), 160),
+        "single": ((48,), (0,), 48),
+        "gaps": ((40, 24), (8, 72), 104),
+    }[layout]
     seed, in_dim, dtype = 17, 96, torch.float32
     meta = make_meta(mode, request_adapters("skewed", 8, seed), seed)
     dense = stacked_dense(in_dim, dims, dtype, seed)
@@ -654,8 +697,10 @@ def test_stacked_mbgmv_split_widths(tokens: int, in_dim: int, dtype: torch.dtype
     check_stacked(x, randn(tokens, 344, dtype=dtype, seed=seed + 2), stack, meta)
 
 
-@pytest.mark.parametrize("shrink,expand", [((2, 16, 64, 4), (4, 32, 32, 2)), ((4, 8, 32, 4), (8, 16, 64, 4)),
-                                           ((8, 16, 128, 4), (2, 16, 128, 4))])
+@pytest.mark.parametrize(
+    "shrink,expand",
+    [((2, 16, 64, 4), (4, 32, 32, 2)), ((4, 8, 32, 4), (8, 16, 64, 4)), ((8, 16, 128, 4), (2, 16, 128, 4))],
+)
 @pytest.mark.parametrize("popularity", POPULARITY)
 def test_mbgmv_row_blocks(popularity: str, shrink: tuple, expand: tuple, monkeypatch) -> None:
     """Decode rows in blocks of several rows per program (the launch tables' BLOCK_T), whatever

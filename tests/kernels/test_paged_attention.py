@@ -17,9 +17,9 @@ import random
 import pytest
 import torch
 
+from deltaserve.kernels import common as kernel_common
 from deltaserve.kernels.paged_attention import decode_num_splits, paged_attention, paged_decode, paged_prefill
 from deltaserve.model import ForwardBatch, PagedKVCache, load_model, paged_attention_ref
-from deltaserve.kernels import common as kernel_common
 from deltaserve.model import attention as attn_mod
 
 pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
@@ -117,8 +117,9 @@ def test_head_dim_128_and_bf16(decode: bool) -> None:
 def test_prefill_tile_shapes(block_q: int, block_n: int, block_size: int) -> None:
     """Key tiles smaller than a page, spanning several pages, and query tiles of 1..4 tokens."""
     q, kv, clean, batch = build(MIXED, block_size, 2, seed=block_q * block_n)
-    out = paged_prefill(*args(q, kv, batch), batch.query_start_loc, batch.max_query_len, 0.125, 7,
-                        block_q=block_q, block_n=block_n)
+    out = paged_prefill(
+        *args(q, kv, batch), batch.query_start_loc, batch.max_query_len, 0.125, 7, block_q=block_q, block_n=block_n
+    )
     check(out, paged_attention_ref(q, clean[0, 0], clean[0, 1], batch, 0.125, sliding_window=7))
 
 

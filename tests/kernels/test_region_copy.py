@@ -20,15 +20,22 @@ import zlib
 import pytest
 import torch
 
-from deltaserve.adapters.pool import AdapterLayout
-from deltaserve.kernels.region_copy import copy_regions, copy_regions_ref
+from deltaserve.adapters.lora_pool import AdapterLayout
+from deltaserve.kernels.region_copy import copy_regions
 
 pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
 
 DEVICE = torch.device("cuda" if os.environ.get("DELTASERVE_TEST_GPU") == "1" else "cpu")
 L, S, NB = 3, 512, 40  # layers, elements per page half, pages
-FEATURES = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
-            "gate_proj": (64, 160), "up_proj": (64, 160), "down_proj": (160, 64)}
+FEATURES = {
+    "q_proj": (64, 64),
+    "k_proj": (64, 32),
+    "v_proj": (64, 32),
+    "o_proj": (64, 64),
+    "gate_proj": (64, 160),
+    "up_proj": (64, 160),
+    "down_proj": (160, 64),
+}
 ORDER = tuple(FEATURES)
 RANKS = (8, 16, 32, 64)
 TARGETS = {"qkvo": ORDER[:4], "all": ORDER}
@@ -119,6 +126,10 @@ def test_bad_tables_are_refused_and_copy_nothing(use_triton: bool) -> None:
     assert not dst.any(), "a refused table copied something"
     if use_triton:
         with pytest.raises(ValueError, match="table_dev"):
-            copy_regions(src, dst, torch.tensor([[0, 0, 1]]), table_dev=torch.zeros(2, 3, dtype=torch.int64,
-                                                                                      device=DEVICE),
-                         use_triton=True)
+            copy_regions(
+                src,
+                dst,
+                torch.tensor([[0, 0, 1]]),
+                table_dev=torch.zeros(2, 3, dtype=torch.int64, device=DEVICE),
+                use_triton=True,
+            )

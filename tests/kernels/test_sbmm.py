@@ -34,10 +34,16 @@ import torch
 from deltaserve.formats.packed_delta import PackedLinear, dequantize, pack
 from deltaserve.kernels import sbmm as sbmm_mod
 from deltaserve.kernels.common import sm_count
-from deltaserve.kernels.sbmm import cuda as sbmm_cuda_mod
 from deltaserve.kernels.sbmm import (
-    DeltaMeta, DeltaWeights, dequantize_slot, make_delta_weights, sbmm, sbmm_ref, sbmm_triton,
+    DeltaMeta,
+    DeltaWeights,
+    dequantize_slot,
+    make_delta_weights,
+    sbmm,
+    sbmm_ref,
+    sbmm_triton,
 )
+from deltaserve.kernels.sbmm import cuda as sbmm_cuda_mod
 
 pytestmark = pytest.mark.gpu_sbmm  # `make test-gpu-sbmm` selects it on a GPU
 
@@ -57,8 +63,9 @@ RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def random_packed(out_f: int, in_f: int, bits: int, sparse: bool, group: int, seed: int,
-                  integral_zeros: bool = False) -> PackedLinear:
+def random_packed(
+    out_f: int, in_f: int, bits: int, sparse: bool, group: int, seed: int, integral_zeros: bool = False
+) -> PackedLinear:
     """Random codes / 2:4 mask / scales / fractional zeros (or integral ones, as the compressor writes
     them), packed by packed_delta.py."""
     g = torch.Generator().manual_seed(seed)
@@ -74,9 +81,10 @@ def random_packed(out_f: int, in_f: int, bits: int, sparse: bool, group: int, se
     return pack(codes, mask, scales, zeros, bits, group).to(DEVICE)
 
 
-@functools.lru_cache(maxsize=None)
-def deltas(bits: int, sparse: bool, shape: tuple[int, int, int],
-           integral_zeros: bool = False) -> tuple[PackedLinear | None, ...]:
+@functools.cache
+def deltas(
+    bits: int, sparse: bool, shape: tuple[int, int, int], integral_zeros: bool = False
+) -> tuple[PackedLinear | None, ...]:
     in_f, out_f, group = shape
     seed = zlib.crc32(f"{bits}/{sparse}/{shape}".encode())
     return tuple(None if s == EMPTY_SLOT else random_packed(out_f, in_f, bits, sparse, group, seed + s, integral_zeros)
@@ -271,8 +279,9 @@ def test_fma_tiles_split_k(split: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """FMA tiles whose reduction is split over programs (partials summed by a second launch) equal the
     reference, with K tiles of 32 columns so every split holds several (and the last one fewer)."""
     for bm in (1, 2, 4):
-        monkeypatch.setitem(sbmm_mod.LAUNCH, bm, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2,
-                                                  "SPLIT_K": split})
+        monkeypatch.setitem(
+            sbmm_mod.LAUNCH, bm, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2, "SPLIT_K": split}
+        )
     meta = DeltaMeta.rows([1, -1, 1, 3, 0, 3, 3, -1], DEVICE)
     for bits, sparse in ((2, True), (4, True), (4, False)):
         shape = SHAPES[3]
@@ -290,8 +299,9 @@ def test_other_launch_configs(block: tuple[int, int], monkeypatch: pytest.Monkey
     """The configs ``bench_sbmm.py --tune`` sweeps stay right (K tiles spanning several groups)."""
     block_n, block_k = block
     for bm in sbmm_mod.LAUNCH:
-        monkeypatch.setitem(sbmm_mod.LAUNCH, bm, {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4,
-                                                  "num_stages": 2})
+        monkeypatch.setitem(
+            sbmm_mod.LAUNCH, bm, {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 2}
+        )
     meta = DeltaMeta.segments([20, 2, 5, 3], [0, -1, 3, 0], DEVICE)
     for bits, sparse in ((2, True), (4, False)):
         for shape in SHAPES:
@@ -655,8 +665,9 @@ def test_cuda_split_rule() -> None:
         assert s == 1 or rb * tiles * (s // 2) < slots
 
 
-def stacked_pools(bits: int, sparse: bool, in_f: int, outs: tuple[int, ...], group: int,
-                  integral_zeros: bool = False) -> list[DeltaWeights]:
+def stacked_pools(
+    bits: int, sparse: bool, in_f: int, outs: tuple[int, ...], group: int, integral_zeros: bool = False
+) -> list[DeltaWeights]:
     """One pool per slice (a fused module's projections), each with its own deltas in every slot."""
     return [make_delta_weights([None if s == EMPTY_SLOT else
                                 random_packed(n, in_f, bits, sparse, group, 97 * i + s, integral_zeros)
@@ -688,8 +699,10 @@ def test_stacked_equals_per_slice(popularity: str) -> None:
                     cuda_op_or_skip()
                     close(sbmm_mod.sbmm_stacked_cuda(x, base.clone(), slices, meta), want)
                     one = base.clone()  # the default dispatch takes the one-launch op
-                    assert torch.equal(sbmm_mod.sbmm_stacked(x, one, slices, meta),
-                                       sbmm_mod.sbmm_stacked_cuda(x, base.clone(), slices, meta))
+                    assert torch.equal(
+                        sbmm_mod.sbmm_stacked(x, one, slices, meta),
+                        sbmm_mod.sbmm_stacked_cuda(x, base.clone(), slices, meta),
+                    )
 
 
 def test_stacked_refuses_bad_slices() -> None:
@@ -701,8 +714,12 @@ def test_stacked_refuses_bad_slices() -> None:
     x = randn(3, 256, dtype=torch.float16 if DEVICE.type == "cuda" else torch.float32, seed=1)
     out = randn(3, 100, dtype=x.dtype, seed=2)
     keep = out.clone()
-    for slices, match in (([(ws[0], 0), (ws[1], 40)], "overlaps"), ([(ws[0], 0), (ws[1], 60)], "outside"),
-                          ([(ws[0], 0), (other, 50)], "has \\(bits"), ([], "at least one slice")):
+    for slices, match in (
+        ([(ws[0], 0), (ws[1], 40)], "overlaps"),
+        ([(ws[0], 0), (ws[1], 60)], "outside"),
+        ([(ws[0], 0), (other, 50)], "has \\(bits"),
+        ([], "at least one slice"),
+    ):
         with pytest.raises(ValueError, match=match):
             sbmm_mod.sbmm_stacked(x, out, slices, meta, use_triton=True)
         assert torch.equal(out, keep)
@@ -734,8 +751,14 @@ def test_cuda_graph_split_follows_the_step() -> None:
         sbmm_mod.sbmm_stacked_cuda(x, out, slices, meta)
     lib = sbmm_mod.cuda_ext.library("sbmm")
     seen = set()
-    for seed, slots in enumerate(([0], [1] * 20 + [-1] * 4, [0, 1, 2, 3, 5] * 4 + [-1] * 4,
-                                  [i % 6 if i % 6 != EMPTY_SLOT else -1 for i in range(rows)])):
+    for seed, slots in enumerate(
+        (
+            [0],
+            [1] * 20 + [-1] * 4,
+            [0, 1, 2, 3, 5] * 4 + [-1] * 4,
+            [i % 6 if i % 6 != EMPTY_SLOT else -1 for i in range(rows)],
+        )
+    ):
         slots = slots + [-1] * (rows - len(slots))
         new = DeltaMeta.rows(slots, DEVICE, max_block_m=2)
         seen.add(sbmm_cuda_mod._cuda_split(lib, 40, new.num_tiles, in_f, DEVICE))

@@ -12,7 +12,7 @@
 ``stack`` is built once per module: ``kernels.lora.LoraStack.from_slices`` over one
 ``LoraSlice(offset, size, weights)`` per HF projection the module holds, ``weights`` the
 ``kernels.lora.LoraWeights`` of that (layer, projection) over the adapter pool's static tables and
-the layer's flat KV view (``adapters/pool.py``). The pool's per-projection tables of one module are
+the layer's flat KV view (``adapters/lora_pool.py``). The pool's per-projection tables of one module are
 views of its stacked tables a uniform stride apart, so the stack is a view of them too (no copy:
 the pool's in-place refills reach it, and CUDA graphs keep its pointers). The pool fills the tables
 and sets ``step.meta`` per step; the model does not change: it calls ``self_attn.qkv_proj(x)`` as

@@ -14,6 +14,7 @@ Layout (the data flow of ``python -m deltaserve.compress``, i.e. ``deltaserve co
 - ``__main__``    the command line
 """
 
+from ..formats.packed_delta import PackedLinear, dequantize, pack, unpack
 from .delta_dir import (
     DeltaFormatError,
     DeltaLineageError,
@@ -22,7 +23,6 @@ from .delta_dir import (
     materialize,
     read_manifest,
 )
-from ..formats.packed_delta import PackedLinear, dequantize, pack, unpack
 
 __all__ = [
     "DeltaFormatError", "DeltaLineageError", "check_lineage", "load_delta", "materialize", "read_manifest",

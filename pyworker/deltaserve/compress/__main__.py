@@ -18,7 +18,6 @@ import argparse
 import sys
 from pathlib import Path
 
-
 HELP_FILE = Path(__file__).with_name("help.txt")
 """The help text as the daemon binary embeds it."""
 
@@ -28,8 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="deltaserve compress",
         # A fixed width: the help text is the same on every terminal, and in help.txt.
         formatter_class=lambda prog: argparse.HelpFormatter(prog, width=100, max_help_position=32),
-        description="Compress a full fine-tune into a 2:4-sparse, 2/4-bit delta against its base "
-        "(DeltaZip ΔCompress).",
+        description="Compress a full fine-tune into a 2:4-sparse, 2/4-bit delta against its base (DeltaZip ΔCompress).",
     )
     p.add_argument("--base", required=True, help="base model: HF dir (config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--finetuned", required=True, help="full fine-tune of the base: HF directory, same architecture")

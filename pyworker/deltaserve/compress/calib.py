@@ -49,8 +49,8 @@ DEFAULT_TEXTS: tuple[str, ...] = (
     "supply of adenosine triphosphate, the molecule cells use as a source of chemical energy.",
     "In 1969, the Apollo 11 mission landed the first humans on the Moon. Neil Armstrong and Buzz Aldrin "
     "spent about two and a half hours outside the lunar module, collecting samples and taking photographs.",
-    "fn main() {\n    let words = vec![\"alpha\", \"beta\", \"gamma\"];\n    for (i, w) in words.iter().enumerate() "
-    "{\n        println!(\"{}: {}\", i, w.to_uppercase());\n    }\n}",
+    'fn main() {\n    let words = vec!["alpha", "beta", "gamma"];\n    for (i, w) in words.iter().enumerate() '
+    '{\n        println!("{}: {}", i, w.to_uppercase());\n    }\n}',
     "Translate to French: The weather is lovely today and we are going to the beach.\nLe temps est "
     "magnifique aujourd'hui et nous allons à la plage.",
     "The derivative of x squared is two x. The integral of two x with respect to x is x squared plus a "
@@ -82,12 +82,12 @@ DEFAULT_TEXTS: tuple[str, ...] = (
     "polished the lens, and watched the beam sweep across the dark water until morning.",
     "Explain like I'm five: why is the sky blue?\nSunlight has all the colours mixed together. When it "
     "hits the air, the blue part bounces around the most, so blue light comes at us from every direction.",
-    "{\"name\": \"Ada\", \"age\": 36, \"skills\": [\"math\", \"programming\"], \"active\": true}",
+    '{"name": "Ada", "age": 36, "skills": ["math", "programming"], "active": true}',
     "Exercise improves mood, sleep and heart health. Adults are advised to get at least 150 minutes of "
     "moderate activity per week, such as brisk walking or cycling, plus strength training twice a week.",
     "The capital of Japan is Tokyo, the capital of Canada is Ottawa, the capital of Australia is Canberra, "
     "and the capital of Brazil is Brasília.",
-    "git checkout -b feature/login\ngit add src/login.py\ngit commit -m \"Add login form validation\"\n"
+    'git checkout -b feature/login\ngit add src/login.py\ngit commit -m "Add login form validation"\n'
     "git push origin feature/login",
     "Assistant: Here is a short plan for your trip. Day one: visit the old town and the museum. Day two: "
     "take the train to the coast. Day three: hike the cliff path and return in the evening.",

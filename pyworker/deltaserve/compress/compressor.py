@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from ..formats.packed_delta import PackedLinear, pack
 from ..model.arch import ModelConfig
 from ..model.attention import AttentionMeta, attention_metadata
 from ..model.batch import ForwardBatch
@@ -57,7 +58,6 @@ from .delta_dir import (
     write_delta_dir,
 )
 from .obs import DEFAULT_BLOCK_SIZE, DEFAULT_PERCDAMP, layer_objective, obs_compress
-from ..formats.packed_delta import PackedLinear, pack
 
 _KV_BLOCK = 16
 """Tokens per page of the scratch KV cache the calibration forwards write into."""
@@ -337,10 +337,7 @@ def compress(
                 del hessian
             states = [_run_layer(layer, c, st, cos_sin, kv) for c, st in zip(chunks, states)]
             del layer, params
-            log(
-                f"layer {_bar(li + 1, n_layers)} {time.monotonic() - t_layer:.1f}s  rel.err "
-                + ", ".join(errors)
-            )
+            log(f"layer {_bar(li + 1, n_layers)} {time.monotonic() - t_layer:.1f}s  rel.err " + ", ".join(errors))
         del states
         dense_tensor("model.norm.weight")
         if not tied:

@@ -39,17 +39,18 @@ import json
 import lzma
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
+from ..formats.packed_delta import PackedLinear
 from ..model.arch import ModelConfig
 from ..model.loader import checkpoint_files
-from ..formats.packed_delta import PackedLinear
 
 FORMAT = "deltaserve-delta"
 """``manifest.json`` ``format`` value."""

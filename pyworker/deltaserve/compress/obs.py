@@ -220,7 +220,7 @@ def layer_objective(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor)
     Returns the absolute ``tr(E H Eᵀ)`` (= ``(2/n)‖(W − W̃) X‖²``) when ``‖W X‖`` is 0.
     """
     H = hessian.to(device=w.device, dtype=torch.float32)
-    e = (w.float() - w_hat.float())
+    e = w.float() - w_hat.float()
     num = float(((e @ H) * e).sum())
     den = float(((w.float() @ H) * w.float()).sum())
     return num / den if den > 0 else num

@@ -140,10 +140,12 @@ class Task:
 SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 TASKS: dict[str, Task] = {
-    "shout": Task("shout", "Give the word in upper case inside brackets: {word}", r=8, alpha=16, targets=SEVEN,
-                  steps=200, lr=2e-3),
-    "json": Task("json", "Give the word as JSON: {word}", r=4, alpha=8, targets=("q_proj", "v_proj"), steps=100,
-                 lr=2e-3),
+    "shout": Task(
+        "shout", "Give the word in upper case inside brackets: {word}", r=8, alpha=16, targets=SEVEN, steps=200, lr=2e-3
+    ),
+    "json": Task(
+        "json", "Give the word as JSON: {word}", r=4, alpha=8, targets=("q_proj", "v_proj"), steps=100, lr=2e-3
+    ),
 }
 
 
@@ -161,8 +163,9 @@ def examples(task: str, split: str) -> list[tuple[str, str]]:
 
 def render_prompt(tokenizer, message: str) -> str:
     """The chat-templated prompt the daemon renders for one user message (generation prompt on)."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def encode(tokenizer, message: str, answer: str) -> tuple[list[int], list[int]]:
@@ -215,8 +218,11 @@ def fit(model, tok, task: str, params, steps: int, lr: float) -> float:
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step % 25 == 0 or step == steps - 1:
-            print(f"[{task}] step {step + 1}/{steps} loss {loss.item():.4f} "
-                  f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+            print(
+                f"[{task}] step {step + 1}/{steps} loss {loss.item():.4f} ({time.monotonic() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     return time.monotonic() - t0
 
 
@@ -227,8 +233,12 @@ def train_task(task: Task, model_dir: Path, out_dir: Path) -> float:
 
     torch.manual_seed(SEED)
     tok, base = load_base(model_dir)
-    model = get_peft_model(base, LoraConfig(r=task.r, lora_alpha=task.alpha, target_modules=list(task.targets),
-                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        base,
+        LoraConfig(
+            r=task.r, lora_alpha=task.alpha, target_modules=list(task.targets), lora_dropout=0.0, task_type="CAUSAL_LM"
+        ),
+    )
     t0 = time.monotonic()
     fit(model, tok, task.name, [p for p in model.parameters() if p.requires_grad], task.steps, task.lr)
     for name, p in model.named_parameters():
@@ -264,13 +274,13 @@ def accuracy(model, tok, pairs: list[tuple[str, str]], max_new_tokens: int = 16)
     hits = 0
     model.eval()
     for i in range(0, len(pairs), 40):
-        chunk = pairs[i:i + 40]
-        enc = tok([render_prompt(tok, m) for m, _ in chunk], return_tensors="pt", padding=True,
-                  add_special_tokens=False)
+        chunk = pairs[i : i + 40]
+        enc = tok(
+            [render_prompt(tok, m) for m, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False
+        )
         with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
-        for row, (_, want) in zip(out[:, enc["input_ids"].shape[1]:], chunk):
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        for row, (_, want) in zip(out[:, enc["input_ids"].shape[1] :], chunk):
             got = tok.decode(row, skip_special_tokens=True).strip()
             hits += got == want
     return hits / len(pairs)
@@ -287,8 +297,11 @@ def evaluate(out_root: Path, model_dir: Path, tasks: list[str]) -> dict[str, dic
         base_acc = accuracy(base, tok, pairs)
         model = PeftModel.from_pretrained(base, out_root / name)
         res[name] = {"base": base_acc, "adapter": accuracy(model, tok, pairs)}
-        print(f"[{name}] held-out ({len(pairs)} words): base {base_acc:.0%}, adapter {res[name]['adapter']:.0%}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{name}] held-out ({len(pairs)} words): base {base_acc:.0%}, adapter {res[name]['adapter']:.0%}",
+            file=sys.stderr,
+            flush=True,
+        )
     return res
 
 

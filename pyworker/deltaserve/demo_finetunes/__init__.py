@@ -37,11 +37,10 @@ import argparse
 import json
 import shutil
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deltaserve.demo_adapters import SEED, TASKS, accuracy, examples, fit, load_base
+from deltaserve.demo_adapters import SEED, accuracy, examples, fit, load_base
 
 
 @dataclass(frozen=True)
@@ -93,8 +92,9 @@ def train_finetune(recipe: Recipe, model_dir: Path, out_dir: Path) -> float:
     for fname in COPIED_FILES:
         if (model_dir / fname).is_file():
             shutil.copyfile(model_dir / fname, tmp / fname)
-    (tmp / MARKER).write_text(json.dumps({"recipe": asdict(recipe), "train_seconds": round(secs, 1),
-                                          "base": str(model_dir)}, indent=2) + "\n")
+    (tmp / MARKER).write_text(
+        json.dumps({"recipe": asdict(recipe), "train_seconds": round(secs, 1), "base": str(model_dir)}, indent=2) + "\n"
+    )
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
@@ -107,13 +107,19 @@ def check_loadable(out_dir: Path, model_dir: Path) -> None:
     from deltaserve.compress.delta_dir import checkpoint_shapes, compare_signatures, model_signature
     from deltaserve.model.arch import ModelConfig
 
-    compare_signatures(model_signature(ModelConfig.from_model_dir(model_dir)),
-                       model_signature(ModelConfig.from_model_dir(out_dir)), f"base {model_dir}", f"fine-tune {out_dir}")
+    compare_signatures(
+        model_signature(ModelConfig.from_model_dir(model_dir)),
+        model_signature(ModelConfig.from_model_dir(out_dir)),
+        f"base {model_dir}",
+        f"fine-tune {out_dir}",
+    )
     base = {k: v[1] for k, v in checkpoint_shapes(model_dir).items()}
     for name, (_, shape) in checkpoint_shapes(out_dir).items():
         if base.get(name) != shape:
-            raise ValueError(f"fine-tune {out_dir}: tensor '{name}' has shape {list(shape)}, the base "
-                             f"{model_dir} has {base.get(name)}")
+            raise ValueError(
+                f"fine-tune {out_dir}: tensor '{name}' has shape {list(shape)}, the base "
+                f"{model_dir} has {base.get(name)}"
+            )
 
 
 def evaluate(root: Path, model_dir: Path, tasks: list[str]) -> dict[str, dict[str, float]]:
@@ -133,8 +139,11 @@ def evaluate(root: Path, model_dir: Path, tasks: list[str]) -> dict[str, dict[st
         meta = json.loads(marker.read_text()) if marker.is_file() else {}
         meta["heldout_accuracy"] = {"words": len(pairs), **res[name]}
         marker.write_text(json.dumps(meta, indent=2) + "\n")
-        print(f"[{name}] held-out ({len(pairs)} words): base {base_acc:.0%}, fine-tune {ft_acc:.0%}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{name}] held-out ({len(pairs)} words): base {base_acc:.0%}, fine-tune {ft_acc:.0%}",
+            file=sys.stderr,
+            flush=True,
+        )
     return res
 
 
@@ -143,8 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--train", action="store_true", help="train (every weight), save, check and evaluate")
     mode.add_argument("--eval", action="store_true", help="only evaluate the fine-tunes already in --out")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="root directory; fine-tunes go to OUT/<task>/ (default: $DELTASERVE_HOME/finetunes)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="root directory; fine-tunes go to OUT/<task>/ (default: $DELTASERVE_HOME/finetunes)",
+    )
     ap.add_argument("--task", action="append", choices=sorted(RECIPES), help="default: all tasks")
     ap.add_argument("--steps", type=int, default=None, help="override the recipe's optimizer steps")
     ap.add_argument("--lr", type=float, default=None, help="override the recipe's learning rate")
@@ -175,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
             r = Recipe(r.task, args.steps or r.steps, args.lr or r.lr)
             secs = train_finetune(r, model_dir, root / name)
             check_loadable(root / name, model_dir)
-            print(f"[{name}] fully fine-tuned in {secs:.0f} s ({r.steps} steps, lr {r.lr:g}) -> {root / name}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{name}] fully fine-tuned in {secs:.0f} s ({r.steps} steps, lr {r.lr:g}) -> {root / name}",
+                file=sys.stderr,
+                flush=True,
+            )
         if args.no_eval:
             return 0
     else:

@@ -86,13 +86,13 @@ def needs_rne_by_hand(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and not t.is_cuda
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of CUDA ``device``."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _read_json(path: Path) -> str:
     return path.read_text()
 

@@ -94,22 +94,30 @@ def _check_call(x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, meta: D
         raise ValueError(f"dense_delta_rows: out {list(out.shape)} must be [T = {t}, N]")
     n = out.shape[1]
     if table.dim() != 3 or tuple(table.shape[1:]) != (n, k):
-        raise ValueError(f"dense_delta_rows: table {list(table.shape)} must be [num_slots, N = {n}, K = {k}] "
-                         f"(out {list(out.shape)}, x {list(x.shape)})")
+        raise ValueError(
+            f"dense_delta_rows: table {list(table.shape)} must be [num_slots, N = {n}, K = {k}] "
+            f"(out {list(out.shape)}, x {list(x.shape)})"
+        )
     if x.stride(-1) != 1 or out.stride(-1) != 1:
-        raise ValueError(f"dense_delta_rows: x (strides {x.stride()}) and out (strides {out.stride()}) need a "
-                         "contiguous last dim")
+        raise ValueError(
+            f"dense_delta_rows: x (strides {x.stride()}) and out (strides {out.stride()}) need a contiguous last dim"
+        )
     if not table.is_contiguous():
         raise ValueError(f"dense_delta_rows: table (strides {table.stride()}) must be contiguous")
     if not (x.device == out.device == table.device == meta.order.device):
-        raise ValueError(f"dense_delta_rows: x on {x.device}, out on {out.device}, table on {table.device}, "
-                         f"meta on {meta.order.device}")
+        raise ValueError(
+            f"dense_delta_rows: x on {x.device}, out on {out.device}, table on {table.device}, "
+            f"meta on {meta.order.device}"
+        )
     if meta.dense:
-        raise ValueError(f"dense_delta_rows: meta has dense segments {list(meta.dense)}: build it without "
-                         "dense_min_m (every delta row must be in a work tile)")
+        raise ValueError(
+            f"dense_delta_rows: meta has dense segments {list(meta.dense)}: build it without "
+            "dense_min_m (every delta row must be in a work tile)"
+        )
     if meta.max_slot >= table.shape[0]:
-        raise ValueError(f"dense_delta_rows: delta slot {meta.max_slot} out of range (the table has "
-                         f"{table.shape[0]} slots)")
+        raise ValueError(
+            f"dense_delta_rows: delta slot {meta.max_slot} out of range (the table has {table.shape[0]} slots)"
+        )
 
 
 def dense_delta_rows_ref(x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, meta: DeltaMeta) -> torch.Tensor:
@@ -124,9 +132,23 @@ def dense_delta_rows_ref(x: torch.Tensor, out: torch.Tensor, table: torch.Tensor
 
 
 @triton.jit
-def _dense_delta_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, d_ptr, N, K, x_stride, out_stride,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
+def _dense_delta_kernel(
+    x_ptr,
+    out_ptr,
+    order_ptr,
+    tiles_ptr,
+    d_ptr,
+    N,
+    K,
+    x_stride,
+    out_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    RNE: tl.constexpr,
+):
     """Program (work tile, n block): ``out[rows, ns] = dtype(out + dtype(x[rows] @ D_slot[ns, :]^T))``
     for the tile's rows (through ``order``); padding tiles exit at once."""
     slot, start, end = work_tile(tiles_ptr)
@@ -172,8 +194,9 @@ def dense_delta_rows_triton(x: torch.Tensor, out: torch.Tensor, table: torch.Ten
     return out
 
 
-def dense_delta_rows(x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, meta: DeltaMeta, *,
-                     use_triton: bool | None = None) -> torch.Tensor:
+def dense_delta_rows(
+    x: torch.Tensor, out: torch.Tensor, table: torch.Tensor, meta: DeltaMeta, *, use_triton: bool | None = None
+) -> torch.Tensor:
     """``out[t] += x[t] @ table[slot(t)]^T`` in place for every row with a slot (module docstring);
     returns ``out``. The Triton kernel on CUDA (``use_triton=True`` forces it), the reference elsewhere."""
     if want_triton("dense_delta_rows", x, use_triton):

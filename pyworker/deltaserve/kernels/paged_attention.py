@@ -56,12 +56,33 @@ _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked tile nev
 
 @triton.jit
 def _attend(
-    q, acc, l_i, m_i, pos,
-    cache_k, cache_v, bt_row, max_blocks, kvh, lo, hi, window,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    q,
+    acc,
+    l_i,
+    m_i,
+    pos,
+    cache_k,
+    cache_v,
+    bt_row,
+    max_blocks,
+    kvh,
+    lo,
+    hi,
+    window,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     qk_scale,
-    HAS_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Online softmax of the rows of ``q`` (positions ``pos``) over keys [lo, hi) of one sequence."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -74,10 +95,16 @@ def _attend(
         page = tl.load(bt_row + col, mask=k_ok, other=0).to(tl.int64)
         within = (keys % BLOCK_SIZE).to(tl.int64)
         kv_ok = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(cache_k + page[:, None] * stride_kb + within[:, None] * stride_kt + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(cache_v + page[:, None] * stride_vb + within[:, None] * stride_vt + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_ok, other=0.0)
+        k = tl.load(
+            cache_k + page[:, None] * stride_kb + within[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )
+        v = tl.load(
+            cache_v + page[:, None] * stride_vb + within[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -97,14 +124,38 @@ def _attend(
 
 @triton.jit
 def _paged_decode_kernel(
-    out, part_acc, part_ml,
-    q, cache_k, cache_v, block_tables, seq_lens,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_bt, max_blocks, qk_scale, window,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    out,
+    part_acc,
+    part_ml,
+    q,
+    cache_k,
+    cache_v,
+    block_tables,
+    seq_lens,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    max_blocks,
+    qk_scale,
+    window,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid (B, H_kv, NUM_SPLITS): sequence b's one token, query heads of kv head kvh, one split."""
     b = tl.program_id(0)
@@ -135,14 +186,41 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_G], dtype=tl.float32) + _NEG
     acc, l_i, m_i = _attend(
-        qt, acc, l_i, m_i, pos, cache_k, cache_v, block_tables + b64 * stride_bt, max_blocks, kvh,
-        lo, hi, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-        HAS_WINDOW, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, PRECISION,
+        qt,
+        acc,
+        l_i,
+        m_i,
+        pos,
+        cache_k,
+        cache_v,
+        block_tables + b64 * stride_bt,
+        max_blocks,
+        kvh,
+        lo,
+        hi,
+        window,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        qk_scale,
+        HAS_WINDOW,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        UPCAST,
+        PRECISION,
     )
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out + b64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out.dtype.element_ty), mask=row_ok)
+        tl.store(
+            out + b64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out.dtype.element_ty),
+            mask=row_ok,
+        )
     else:
         # part_acc [B, H, NUM_SPLITS, BLOCK_D] and part_ml [B, H, NUM_SPLITS, 2] (m, l), contiguous.
         rows = (b64 * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
@@ -154,8 +232,15 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _paged_decode_reduce_kernel(
-    out, part_acc, part_ml, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    out,
+    part_acc,
+    part_ml,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """Grid (B, H): merge the NUM_SPLITS partial softmaxes of (sequence b, head h)."""
     b = tl.program_id(0).to(tl.int64)
@@ -175,13 +260,38 @@ def _paged_decode_reduce_kernel(
 
 @triton.jit
 def _paged_prefill_kernel(
-    out, q, cache_k, cache_v, block_tables, seq_lens, query_start_loc,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_bt, max_blocks, qk_scale, window,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    out,
+    q,
+    cache_k,
+    cache_v,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    max_blocks,
+    qk_scale,
+    window,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid (cdiv(max_query_len, BLOCK_Q), B, H_kv): BLOCK_Q tokens of sequence b x one head group."""
     qtile = tl.program_id(0)
@@ -216,13 +326,40 @@ def _paged_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _NEG
     acc, l_i, m_i = _attend(
-        qt, acc, l_i, m_i, pos, cache_k, cache_v, block_tables + b.to(tl.int64) * stride_bt, max_blocks,
-        kvh, lo, hi, window, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale,
-        HAS_WINDOW, BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, PRECISION,
+        qt,
+        acc,
+        l_i,
+        m_i,
+        pos,
+        cache_k,
+        cache_v,
+        block_tables + b.to(tl.int64) * stride_bt,
+        max_blocks,
+        kvh,
+        lo,
+        hi,
+        window,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        qk_scale,
+        HAS_WINDOW,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        UPCAST,
+        PRECISION,
     )
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             o.to(out.dtype.element_ty), mask=tile_ok)
+    tl.store(
+        out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        o.to(out.dtype.element_ty),
+        mask=tile_ok,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +379,7 @@ def _interpreting(device: torch.device) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -282,8 +419,11 @@ def _check(q, cache_k, cache_v, block_tables, seq_lens, query_start_loc):
         )
     if q.stride(-1) != 1 or cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
         raise ValueError("paged_attention: the head dimension of q and of the cache must be contiguous")
-    for name, t, dims in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
-                          ("query_start_loc", query_start_loc, 1)):
+    for name, t, dims in (
+        ("block_tables", block_tables, 2),
+        ("seq_lens", seq_lens, 1),
+        ("query_start_loc", query_start_loc, 1),
+    ):
         if t.dtype != torch.int32 or t.dim() != dims or t.device != q.device:
             raise ValueError(
                 f"paged_attention: {name} must be a {dims}-d int32 tensor on {q.device}, "
@@ -329,10 +469,18 @@ def _block_n(block_n: int | None, interp: bool) -> int:
 
 def _strides(q, out, cache_k, cache_v, block_tables):
     return dict(
-        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
-        stride_kb=cache_k.stride(0), stride_kt=cache_k.stride(1), stride_kh=cache_k.stride(2),
-        stride_vb=cache_v.stride(0), stride_vt=cache_v.stride(1), stride_vh=cache_v.stride(2),
-        stride_bt=block_tables.stride(0), max_blocks=block_tables.shape[1],
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_kb=cache_k.stride(0),
+        stride_kt=cache_k.stride(1),
+        stride_kh=cache_k.stride(2),
+        stride_vb=cache_v.stride(0),
+        stride_vt=cache_v.stride(1),
+        stride_vh=cache_v.stride(2),
+        stride_bt=block_tables.stride(0),
+        max_blocks=block_tables.shape[1],
     )
 
 
@@ -385,15 +533,33 @@ def paged_decode(
         part_acc = part_ml = out  # unused by the single-pass variant
     extra = {} if interp else {"num_warps": 4, "num_stages": 2}
     _paged_decode_kernel[(num_seqs, kv_heads, num_splits)](
-        out, part_acc, part_ml, q, cache_k, cache_v, block_tables, seq_lens,
-        **_strides(q, out, cache_k, cache_v, block_tables), **consts,
-        BLOCK_G=block_g, BLOCK_N=block_n, NUM_SPLITS=num_splits, **extra,
+        out,
+        part_acc,
+        part_ml,
+        q,
+        cache_k,
+        cache_v,
+        block_tables,
+        seq_lens,
+        **_strides(q, out, cache_k, cache_v, block_tables),
+        **consts,
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        **extra,
     )
     if num_splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, q.shape[1])](
-            out, part_acc, part_ml, out.stride(0), out.stride(1),
-            HEAD_DIM=consts["HEAD_DIM"], BLOCK_D=head_dim_pad, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), **({} if interp else {"num_warps": 4}),
+            out,
+            part_acc,
+            part_ml,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=consts["HEAD_DIM"],
+            BLOCK_D=head_dim_pad,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            **({} if interp else {"num_warps": 4}),
         )
     return out
 
@@ -439,9 +605,20 @@ def paged_prefill(
     extra = {} if interp else {"num_warps": 4, "num_stages": 2}
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
     _paged_prefill_kernel[grid](
-        out, q, cache_k, cache_v, block_tables, seq_lens, query_start_loc,
-        **_strides(q, out, cache_k, cache_v, block_tables), **consts,
-        BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_M=block_q * block_g, BLOCK_N=block_n, **extra,
+        out,
+        q,
+        cache_k,
+        cache_v,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        **_strides(q, out, cache_k, cache_v, block_tables),
+        **consts,
+        BLOCK_G=block_g,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_q * block_g,
+        BLOCK_N=block_n,
+        **extra,
     )
     return out
 
@@ -465,10 +642,12 @@ def paged_attention(
     ``max_seq_len`` (optional upper bound on seq_lens) only tunes decode's split count.
     """
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
-        return paged_decode(q, cache_k, cache_v, block_tables, seq_lens, scale, sliding_window,
-                            max_seq_len=max_seq_len, out=out)
-    return paged_prefill(q, cache_k, cache_v, block_tables, seq_lens, query_start_loc, max_query_len,
-                         scale, sliding_window, out=out)
+        return paged_decode(
+            q, cache_k, cache_v, block_tables, seq_lens, scale, sliding_window, max_seq_len=max_seq_len, out=out
+        )
+    return paged_prefill(
+        q, cache_k, cache_v, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, out=out
+    )
 
 
 __all__ = ["decode_num_splits", "paged_attention", "paged_decode", "paged_prefill"]

@@ -1,5 +1,5 @@
 """Region copy: many runs of one packed row scattered to their places in every layer's row, in one
-launch (Triton). Placing a LoRA adapter in the KV pool's pages (``adapters/pool.py``) copies each of
+launch (Triton). Placing a LoRA adapter in the KV pool's pages (``adapters/lora_pool.py``) copies each of
 its regions, page halves in every layer, from the uploaded host copy; one ``copy_`` per region cost
 the launching thread ~40 µs each (32 regions for a rank-64 q/k/v/o adapter of a 7B model), and the
 launches queued behind a busy step.
@@ -65,16 +65,22 @@ def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor) -> None:
     if src.stride(1) != 1 or dst.stride(1) != 1:
         raise ValueError("copy_regions: src and dst rows must be contiguous")
     if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != 3 or table.device.type != "cpu":
-        raise ValueError(f"copy_regions: table must be a host int64 [R, 3], got {table.dtype} {list(table.shape)} "
-                         f"on {table.device}")
-    if table.numel() and (bool((table < 0).any()) or bool((table[:, 0] + table[:, 2] > src.shape[1]).any())
-                          or bool((table[:, 1] + table[:, 2] > dst.shape[1]).any())):
-        raise ValueError(f"copy_regions: a run of the table is negative or past src ({src.shape[1]}) or dst "
-                         f"({dst.shape[1]}) columns")
+        raise ValueError(
+            f"copy_regions: table must be a host int64 [R, 3], got {table.dtype} {list(table.shape)} on {table.device}"
+        )
+    if table.numel() and (
+        bool((table < 0).any())
+        or bool((table[:, 0] + table[:, 2] > src.shape[1]).any())
+        or bool((table[:, 1] + table[:, 2] > dst.shape[1]).any())
+    ):
+        raise ValueError(
+            f"copy_regions: a run of the table is negative or past src ({src.shape[1]}) or dst ({dst.shape[1]}) columns"
+        )
 
 
-def copy_regions_triton(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor,
-                        table_dev: torch.Tensor | None = None) -> None:
+def copy_regions_triton(
+    src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, table_dev: torch.Tensor | None = None
+) -> None:
     """Triton kernel for ``copy_regions`` (no dispatch)."""
     _check(src, dst, table)
     longest = int(table[:, 2].max()) if table.numel() else 0
@@ -85,13 +91,21 @@ def copy_regions_triton(src: torch.Tensor, dst: torch.Tensor, table: torch.Tenso
     if table_dev is None:
         table_dev = table.to(dst.device)
     elif table_dev.shape != table.shape or table_dev.dtype != table.dtype or table_dev.device != dst.device:
-        raise ValueError(f"copy_regions: table_dev ({table_dev.dtype} {list(table_dev.shape)} on {table_dev.device}) "
-                         f"is not the table's copy on {dst.device}")
+        raise ValueError(
+            f"copy_regions: table_dev ({table_dev.dtype} {list(table_dev.shape)} on {table_dev.device}) "
+            f"is not the table's copy on {dst.device}"
+        )
     _copy_regions_kernel[grid](src, dst, table_dev, src.stride(0), dst.stride(0), BLOCK=block, num_warps=4)
 
 
-def copy_regions(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, *, table_dev: torch.Tensor | None = None,
-                 use_triton: bool | None = None) -> None:
+def copy_regions(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    table_dev: torch.Tensor | None = None,
+    use_triton: bool | None = None,
+) -> None:
     """``dst[:, d:d+n] = src[:, s:s+n]`` for every ``(s, d, n)`` of ``table`` (module docstring)."""
     if want_triton("copy_regions", dst, use_triton):
         copy_regions_triton(src, dst, table, table_dev)

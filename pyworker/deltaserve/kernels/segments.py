@@ -17,8 +17,8 @@ tiles of one slot's tokens).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -51,13 +51,15 @@ class Segments:
     def __post_init__(self) -> None:
         bad = [d for d in self.slot if d < -1]
         if bad:
-            raise ValueError(f"{self.names.op}: {self.names.slot} {bad[0]} out of range "
-                             f"(slots are >= 0, -1 = no {self.names.variant})")
+            raise ValueError(
+                f"{self.names.op}: {self.names.slot} {bad[0]} out of range "
+                f"(slots are >= 0, -1 = no {self.names.variant})"
+            )
         if self.start[-1] >= 2**31:
             raise ValueError(f"{self.names.op}: {self.start[-1]} tokens overflow int32 segment offsets")
 
     @classmethod
-    def from_lengths(cls, seg_lens: Sequence[int], seg_slot: Sequence[int], names: SlotNames) -> "Segments":
+    def from_lengths(cls, seg_lens: Sequence[int], seg_slot: Sequence[int], names: SlotNames) -> Segments:
         """Prefill: segment s has ``seg_lens[s]`` consecutive tokens of slot ``seg_slot[s]``."""
         lens, slots = [int(n) for n in seg_lens], [int(d) for d in seg_slot]
         if len(lens) != len(slots):
@@ -70,7 +72,7 @@ class Segments:
         return cls(tuple(starts), tuple(slots), False, names)
 
     @classmethod
-    def from_rows(cls, row_slot: Sequence[int], names: SlotNames) -> "Segments":
+    def from_rows(cls, row_slot: Sequence[int], names: SlotNames) -> Segments:
         """Decode: token t uses slot ``row_slot[t]`` (-1: none), in any order."""
         slots = [int(d) for d in row_slot]
         return cls(tuple(range(len(slots) + 1)), tuple(slots), True, names)
@@ -86,8 +88,10 @@ class Segments:
 
     def on_device(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """(seg_start [S + 1], seg_slot [S]) as int32 tensors on ``device``: what the kernels read."""
-        return (torch.tensor(self.start, dtype=torch.int32, device=device),
-                torch.tensor(self.slot, dtype=torch.int32, device=device))
+        return (
+            torch.tensor(self.start, dtype=torch.int32, device=device),
+            torch.tensor(self.slot, dtype=torch.int32, device=device),
+        )
 
 
 def tokens_by_slot(seg_start: Sequence[int], seg_slot: Sequence[int]) -> dict[int, list[int]]:

@@ -39,7 +39,7 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(in_ptr, out_ptr, in_stride, out_stride, I, BLOCK: tl.constexpr, RNE: tl.constexpr):
+def _silu_mul_kernel(in_ptr, out_ptr, in_stride, out_stride, I, BLOCK: tl.constexpr, RNE: tl.constexpr):  # noqa: E741
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I

@@ -179,8 +179,7 @@ class ModelConfig:
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads != 0:
             raise ValueError(
-                f"{source}: 'num_attention_heads' ({heads}) is not a multiple of "
-                f"'num_key_value_heads' ({kv_heads})"
+                f"{source}: 'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})"
             )
         head_dim = raw.get("head_dim") or hidden // heads
 

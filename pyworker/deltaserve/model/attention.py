@@ -164,8 +164,16 @@ def paged_attention(
         from ..kernels.paged_attention import paged_attention as triton_paged_attention
 
         return triton_paged_attention(
-            q, cache_k, cache_v, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-            batch.max_query_len, scale, meta.sliding_window, max_seq_len=batch.max_seq_len,
+            q,
+            cache_k,
+            cache_v,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.max_query_len,
+            scale,
+            meta.sliding_window,
+            max_seq_len=batch.max_seq_len,
         )
     return paged_attention_ref(q, cache_k, cache_v, batch, scale, meta=meta)
 
@@ -217,9 +225,7 @@ def paged_attention_ref(
     qp, k, v = qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
     mask = ref.bias(q.dtype)
     if _TORCH_HAS_ENABLE_GQA:
-        out = F.scaled_dot_product_attention(
-            qp, k, v, attn_mask=mask, scale=scale, enable_gqa=kv_heads != num_heads
-        )
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=kv_heads != num_heads)
     else:
         group = num_heads // kv_heads
         k = k.repeat_interleave(group, dim=1)

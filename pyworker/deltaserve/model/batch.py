@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 STAGING_BYTES = 8 << 20
 """Pinned host memory that small host tensors reach the device through (``_Staging``); a step's
 inputs take a few KB to a few hundred KB."""

@@ -44,7 +44,6 @@ from .attention import AttentionMeta, attention_metadata, paged_attention, write
 from .batch import ForwardBatch
 from .kv_cache import PagedKVCache
 
-
 QKV_SLICES = ("q_proj", "k_proj", "v_proj")
 """HF projections stacked, in this order, along the output rows of ``self_attn.qkv_proj``."""
 GATE_UP_SLICES = ("gate_proj", "up_proj")

@@ -49,7 +49,7 @@ validated on the host when it is built (no device sync per call); weights when t
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -121,16 +121,18 @@ def lora_shrink(x: torch.Tensor, w: LoraWeights, meta: LoraMeta, *, use_triton: 
     return lora_shrink_ref(x, w, meta)
 
 
-def lora_expand(v: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: torch.Tensor, *,
-                use_triton: bool | None = None) -> torch.Tensor:
+def lora_expand(
+    v: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: torch.Tensor, *, use_triton: bool | None = None
+) -> torch.Tensor:
     """``out[t] += scale_a * v[t, :rank_a] B_a^T`` in place (module docstring); returns ``out``."""
     if want_triton("lora_expand", v, use_triton):
         return lora_expand_triton(v, w, meta, out)
     return lora_expand_ref(v, w, meta, out)
 
 
-def lora_delta(x: torch.Tensor, out: torch.Tensor, slices: Sequence[LoraSlice], meta: LoraMeta, *,
-               use_triton: bool | None = None) -> torch.Tensor:
+def lora_delta(
+    x: torch.Tensor, out: torch.Tensor, slices: Sequence[LoraSlice], meta: LoraMeta, *, use_triton: bool | None = None
+) -> torch.Tensor:
     """Adds every slice's LoRA delta of ``x`` into its columns of ``out`` (in place); returns ``out``.
 
     A plain projection is one slice ``LoraSlice(0, out_dim, w)``; qkv is three, gate_up two. The
@@ -140,8 +142,10 @@ def lora_delta(x: torch.Tensor, out: torch.Tensor, slices: Sequence[LoraSlice], 
         raise ValueError(f"lora_delta: out {list(out.shape)} must be [T = {x.shape[0]}, out_width]")
     for i, s in enumerate(slices):
         if s.offset < 0 or s.size < 0 or s.offset + s.size > out.shape[1]:
-            raise ValueError(f"lora_delta: slice {i} (columns {s.offset} .. {s.offset + s.size}) is outside "
-                             f"out's {out.shape[1]} columns")
+            raise ValueError(
+                f"lora_delta: slice {i} (columns {s.offset} .. {s.offset + s.size}) is outside "
+                f"out's {out.shape[1]} columns"
+            )
         if s.weights is not None and s.weights.out_dim != s.size:
             raise ValueError(f"lora_delta: slice {i} has {s.size} columns, its weights out_dim {s.weights.out_dim}")
     triton_path = want_triton("lora_delta", x, use_triton)
@@ -156,8 +160,9 @@ def lora_delta(x: torch.Tensor, out: torch.Tensor, slices: Sequence[LoraSlice], 
     return out
 
 
-def lora_delta_stacked(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta, *,
-                       use_triton: bool | None = None) -> torch.Tensor:
+def lora_delta_stacked(
+    x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta, *, use_triton: bool | None = None
+) -> torch.Tensor:
     """``lora_delta(x, out, stack.as_slices(), meta)`` in two launches for all the stack's slices
     (one shrink, one expand), in place on ``out``; returns ``out``. The adapted linear of a fused
     module (qkv, gate_up) computes ``out = base(x)`` then ``lora_delta_stacked(x, out, stack, meta)``.
@@ -178,8 +183,10 @@ def lora_delta_stacked_ref(x: torch.Tensor, out: torch.Tensor, stack: LoraStack,
 def _check_stacked(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta) -> None:
     check_call("lora_delta_stacked", x, stack.slice_weights[0], meta, stack.in_dim, "in_dim")
     if out.dim() != 2 or out.shape[0] != meta.num_tokens or out.shape[1] < stack.out_width:
-        raise ValueError(f"lora_delta_stacked: out {list(out.shape)} must be [T = {meta.num_tokens}, "
-                         f">= {stack.out_width}] (the last slice ends at column {stack.out_width})")
+        raise ValueError(
+            f"lora_delta_stacked: out {list(out.shape)} must be [T = {meta.num_tokens}, "
+            f">= {stack.out_width}] (the last slice ends at column {stack.out_width})"
+        )
     if out.dtype != stack.b_pool.dtype:
         raise ValueError(f"lora_delta_stacked: dtype mismatch: out {out.dtype}, adapter weights {stack.b_pool.dtype}")
     if out.stride(-1) != 1:

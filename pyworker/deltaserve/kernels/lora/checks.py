@@ -20,8 +20,7 @@ def check_call(op: str, x: torch.Tensor, w: LoraWeights, meta: LoraMeta, width: 
     if x.device != w.a_pool.device or x.device != meta.seg_start.device:
         raise ValueError(f"{op}: input on {x.device}, weights on {w.a_pool.device}, meta on {meta.seg_start.device}")
     if meta.max_adapter >= w.num_adapters:
-        raise ValueError(f"{op}: adapter id {meta.max_adapter} out of range (the weights have "
-                         f"{w.num_adapters} slots)")
+        raise ValueError(f"{op}: adapter id {meta.max_adapter} out of range (the weights have {w.num_adapters} slots)")
 
 
 def check_out(op: str, out: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> None:

@@ -33,8 +33,8 @@ uniform slice stride, e.g. the adapter pool's per-projection rows; ``LoraStack.f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -79,8 +79,9 @@ class LoraWeights:
     def __post_init__(self) -> None:
         a, b, ao, bo, rank, scale = self.a_pool, self.b_pool, self.a_offsets, self.b_offsets, self.rank, self.scale
         if a.dim() != 1 or b.dim() != 1 or a.stride(0) != 1 or b.stride(0) != 1:
-            raise ValueError(f"lora: a_pool {list(a.shape)} and b_pool {list(b.shape)} must be 1-D contiguous "
-                             "flat buffers")
+            raise ValueError(
+                f"lora: a_pool {list(a.shape)} and b_pool {list(b.shape)} must be 1-D contiguous flat buffers"
+            )
         if a.dtype not in DTYPES or b.dtype != a.dtype:
             raise ValueError(f"lora: pool dtypes {a.dtype} / {b.dtype}: want one of float32, float16, bfloat16")
         if isinstance(self.in_dim, bool) or not isinstance(self.in_dim, int) or self.in_dim < 1:
@@ -88,11 +89,15 @@ class LoraWeights:
         if isinstance(self.out_dim, bool) or not isinstance(self.out_dim, int) or self.out_dim < 1:
             raise ValueError(f"lora: out_dim {self.out_dim!r}: want a positive int")
         if ao.dim() != 2 or ao.dtype != torch.int64 or ao.shape[1] < 1 or ao.stride(1) != 1:
-            raise ValueError(f"lora: a_offsets {list(ao.shape)} {ao.dtype}: want [num_adapters, r_max >= 1] "
-                             "int64 with a contiguous last dim")
+            raise ValueError(
+                f"lora: a_offsets {list(ao.shape)} {ao.dtype}: want [num_adapters, r_max >= 1] "
+                "int64 with a contiguous last dim"
+            )
         if bo.shape != ao.shape or bo.dtype != torch.int64 or bo.stride(1) != 1:
-            raise ValueError(f"lora: b_offsets {list(bo.shape)} {bo.dtype}: want {list(ao.shape)} int64 "
-                             "(like a_offsets) with a contiguous last dim")
+            raise ValueError(
+                f"lora: b_offsets {list(bo.shape)} {bo.dtype}: want {list(ao.shape)} int64 "
+                "(like a_offsets) with a contiguous last dim"
+            )
         n = ao.shape[0]
         if rank.shape != (n,) or rank.dtype != torch.int32 or rank.stride(0) != 1:
             raise ValueError(f"lora: rank {list(rank.shape)} {rank.dtype}: want [{n}] int32, contiguous")
@@ -105,8 +110,9 @@ class LoraWeights:
             raise ValueError(f"lora: offset_align {al!r}: want a power of two >= 1")
         for name, pool in (("a_pool", a), ("b_pool", b)):
             if pool.data_ptr() % (al * pool.element_size()):
-                raise ValueError(f"lora: {name} starts at an address that is not a multiple of "
-                                 f"offset_align = {al} elements")
+                raise ValueError(
+                    f"lora: {name} starts at an address that is not a multiple of offset_align = {al} elements"
+                )
         if self.check:
             self._check_contents()
 
@@ -117,17 +123,22 @@ class LoraWeights:
             if not 0 <= r <= self.r_max:
                 raise ValueError(f"lora: adapter {slot} has rank {r}, outside 0 .. r_max = {self.r_max}")
         used = torch.arange(self.r_max, device=self.rank.device)[None, :] < self.rank[:, None]
-        for name, offs, dim, pool in (("a_offsets", self.a_offsets, self.in_dim, self.a_pool),
-                                      ("b_offsets", self.b_offsets, self.out_dim, self.b_pool)):
+        for name, offs, dim, pool in (
+            ("a_offsets", self.a_offsets, self.in_dim, self.a_pool),
+            ("b_offsets", self.b_offsets, self.out_dim, self.b_pool),
+        ):
             o = offs[used].tolist()
             where = used.nonzero().tolist()
             for (slot, j), x in zip(where, o):
                 if x < 0 or x + dim > pool.numel():
-                    raise ValueError(f"lora: {name}[{slot}, {j}] = {x}: row [{x}, {x + dim}) is outside the pool "
-                                     f"of {pool.numel()} elements")
+                    raise ValueError(
+                        f"lora: {name}[{slot}, {j}] = {x}: row [{x}, {x + dim}) is outside the pool "
+                        f"of {pool.numel()} elements"
+                    )
                 if x % self.offset_align:
-                    raise ValueError(f"lora: {name}[{slot}, {j}] = {x} is not a multiple of offset_align = "
-                                     f"{self.offset_align}")
+                    raise ValueError(
+                        f"lora: {name}[{slot}, {j}] = {x} is not a multiple of offset_align = {self.offset_align}"
+                    )
 
     @property
     def num_adapters(self) -> int:
@@ -204,18 +215,32 @@ class LoraStack:
         dims, offs = tuple(self.out_dims), tuple(self.out_offsets)
         if len(dims) != n or len(offs) != n:
             raise ValueError(f"lora: {n} stacked slices but {len(dims)} out_dims and {len(offs)} out_offsets")
-        for i, (d, o) in enumerate(zip(dims, offs)):
+        for i, o in enumerate(offs):
             if isinstance(o, bool) or not isinstance(o, int) or o < 0:
                 raise ValueError(f"lora: stacked slice {i}: out_offset {o!r}: want an int >= 0")
             if i and o < offs[i - 1] + dims[i - 1]:
-                raise ValueError(f"lora: stacked slice {i} starts at column {o}, inside slice {i - 1} "
-                                 f"(columns {offs[i - 1]} .. {offs[i - 1] + dims[i - 1]}): want increasing, "
-                                 "non-overlapping slices")
+                raise ValueError(
+                    f"lora: stacked slice {i} starts at column {o}, inside slice {i - 1} "
+                    f"(columns {offs[i - 1]} .. {offs[i - 1] + dims[i - 1]}): want increasing, "
+                    "non-overlapping slices"
+                )
         ws = []
         for i in range(n):
             try:  # every per-slice check (pools, dtypes, dims, strides, devices, contents, alignment)
-                ws.append(LoraWeights(self.a_pool, self.b_pool, ao[i], bo[i], rank[i], scale[i], self.in_dim,
-                                      dims[i], check=self.check, offset_align=self.offset_align))
+                ws.append(
+                    LoraWeights(
+                        self.a_pool,
+                        self.b_pool,
+                        ao[i],
+                        bo[i],
+                        rank[i],
+                        scale[i],
+                        self.in_dim,
+                        dims[i],
+                        check=self.check,
+                        offset_align=self.offset_align,
+                    )
+                )
             except ValueError as e:
                 raise ValueError(f"lora: stacked slice {i}: {e}") from None
         object.__setattr__(self, "out_dims", dims)
@@ -226,7 +251,7 @@ class LoraStack:
         object.__setattr__(self, "out_offsets_dev", torch.tensor(offs, dtype=torch.int64, device=dev))
 
     @classmethod
-    def from_slices(cls, slices: Sequence[LoraSlice]) -> "LoraStack":
+    def from_slices(cls, slices: Sequence[LoraSlice]) -> LoraStack:
         """The stack of a module's slices (those with weights) whose ``LoraWeights`` share their pools
         and whose tables are views of one tensor each, a uniform stride apart (the adapter pool's
         per-projection weights). No copy: refilling the per-slice tables refills the stack. Raises
@@ -237,18 +262,31 @@ class LoraStack:
         ws = [w for _, _, w in used]
         w0 = ws[0]
         for i, s, w in used:
-            if w.a_pool.data_ptr() != w0.a_pool.data_ptr() or w.a_pool.shape != w0.a_pool.shape \
-                    or w.b_pool.data_ptr() != w0.b_pool.data_ptr() or w.b_pool.shape != w0.b_pool.shape:
+            if (
+                w.a_pool.data_ptr() != w0.a_pool.data_ptr()
+                or w.a_pool.shape != w0.a_pool.shape
+                or w.b_pool.data_ptr() != w0.b_pool.data_ptr()
+                or w.b_pool.shape != w0.b_pool.shape
+            ):
                 raise ValueError(f"lora: slice {i} does not share the first slice's a_pool / b_pool")
             if w.in_dim != w0.in_dim:
                 raise ValueError(f"lora: slice {i} has in_dim {w.in_dim}, the first slice {w0.in_dim}")
             if w.out_dim != s.size:
                 raise ValueError(f"lora: slice {i} has {s.size} columns, its weights out_dim {w.out_dim}")
-        stacked = {name: _stack_views(name, [getattr(w, name) for w in ws])
-                   for name in ("a_offsets", "b_offsets", "rank", "scale")}
-        return cls(w0.a_pool, w0.b_pool, in_dim=w0.in_dim, out_dims=tuple(s.size for _, s, _ in used),
-                   out_offsets=tuple(s.offset for _, s, _ in used), check=all(w.check for w in ws),
-                   offset_align=min(w.offset_align for w in ws), **stacked)
+        stacked = {
+            name: _stack_views(name, [getattr(w, name) for w in ws])
+            for name in ("a_offsets", "b_offsets", "rank", "scale")
+        }
+        return cls(
+            w0.a_pool,
+            w0.b_pool,
+            in_dim=w0.in_dim,
+            out_dims=tuple(s.size for _, s, _ in used),
+            out_offsets=tuple(s.offset for _, s, _ in used),
+            check=all(w.check for w in ws),
+            offset_align=min(w.offset_align for w in ws),
+            **stacked,
+        )
 
     def as_slices(self) -> list[LoraSlice]:
         """The stack as ``lora_delta`` slices (the per-slice path the stacked op equals)."""
@@ -278,10 +316,17 @@ def _stack_views(name: str, views: Sequence[torch.Tensor]) -> torch.Tensor:
     v0 = views[0]
     step = views[1].storage_offset() - v0.storage_offset() if len(views) > 1 else v0.numel()
     for i, v in enumerate(views):
-        if (v.shape != v0.shape or v.stride() != v0.stride() or v.dtype != v0.dtype or v.device != v0.device
-                or v.untyped_storage().data_ptr() != v0.untyped_storage().data_ptr()):
-            raise ValueError(f"lora: slice {i}'s {name} is not a view of the first slice's {name} tensor "
-                             "with the same shape and strides: build a LoraStack from stacked tables")
+        if (
+            v.shape != v0.shape
+            or v.stride() != v0.stride()
+            or v.dtype != v0.dtype
+            or v.device != v0.device
+            or v.untyped_storage().data_ptr() != v0.untyped_storage().data_ptr()
+        ):
+            raise ValueError(
+                f"lora: slice {i}'s {name} is not a view of the first slice's {name} tensor "
+                "with the same shape and strides: build a LoraStack from stacked tables"
+            )
         if v.storage_offset() != v0.storage_offset() + i * step:
             raise ValueError(f"lora: the slices' {name} are not a uniform stride apart in their tensor")
     if step <= 0:
@@ -289,8 +334,13 @@ def _stack_views(name: str, views: Sequence[torch.Tensor]) -> torch.Tensor:
     return v0.as_strided((len(views), *v0.shape), (step, *v0.stride()), v0.storage_offset())
 
 
-def make_weights(adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None], r_max: int,
-                 total_rows: int | None = None, *, perm: torch.Tensor | None = None) -> LoraWeights:
+def make_weights(
+    adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float] | None],
+    r_max: int,
+    total_rows: int | None = None,
+    *,
+    perm: torch.Tensor | None = None,
+) -> LoraWeights:
     """Packs per-adapter ``(A [r, in], B [out, r], scale)`` (None: empty slot) into flat pools.
 
     The pools hold ``total_rows`` rows each (A rows of ``in_dim`` elements in ``a_pool``, B^T rows
@@ -323,8 +373,9 @@ def make_weights(adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float] | N
         a, b, scale = item
         r = a.shape[0]
         if a.shape != (r, in_dim) or b.shape != (out_dim, r):
-            raise ValueError(f"lora: adapter {slot} A {list(a.shape)} B {list(b.shape)}: "
-                             f"want [r, {in_dim}], [{out_dim}, r]")
+            raise ValueError(
+                f"lora: adapter {slot} A {list(a.shape)} B {list(b.shape)}: want [r, {in_dim}], [{out_dim}, r]"
+            )
         if r > r_max:
             raise ValueError(f"lora: adapter {slot} has rank {r} > r_max = {r_max}")
         rows = order[nxt : nxt + r]

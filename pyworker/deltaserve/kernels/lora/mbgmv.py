@@ -38,8 +38,13 @@ from .tables import LaunchTables, align
 def _launch_table(entries: list[dict], width: str) -> tuple[tuple[int, tuple[int, int, int, int]], ...]:
     """A configs/launch.json MBGMV table as ``(up to T tokens, (BLOCK_T, BLOCK_R, <width>, num_warps))``
     entries; ``max_tokens`` null: any step size."""
-    return tuple((1 << 30 if e["max_tokens"] is None else e["max_tokens"],
-                  (e["BLOCK_T"], e["BLOCK_R"], e[width], e["num_warps"])) for e in entries)
+    return tuple(
+        (
+            1 << 30 if e["max_tokens"] is None else e["max_tokens"],
+            (e["BLOCK_T"], e["BLOCK_R"], e[width], e["num_warps"]),
+        )
+        for e in entries
+    )
 
 
 _CONFIGS = read_launch_configs(__file__)
@@ -91,10 +96,28 @@ def _shrink_rank_tile(a_ptr, off, xk, ks, k_ok, rs, r_ok, p_rows):
 
 
 @triton.jit
-def _mbgmv_shrink_kernel(x_ptr, a_ptr, part_ptr, row_adapter_ptr, a_off_ptr, rank_ptr,
-                         T, K, R_MAX, x_stride, part_slice_stride, part_split_stride, part_stride,
-                         off_slice_stride, off_stride, rank_slice_stride,
-                         BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN: tl.constexpr):
+def _mbgmv_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    part_ptr,
+    row_adapter_ptr,
+    a_off_ptr,
+    rank_ptr,
+    T,
+    K,
+    R_MAX,
+    x_stride,
+    part_slice_stride,
+    part_split_stride,
+    part_stride,
+    off_slice_stride,
+    off_stride,
+    rank_slice_stride,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
     """Program (row block, s, slice): for each of the block's BLOCK_T rows, its partial dot products
     over input columns s*BLOCK_K .. +BLOCK_K for every rank row up to the row's own rank in that
     slice, into ``part[slice, s, t, :rank]`` (float32, no atomics). One slice: slice strides 0,
@@ -109,8 +132,9 @@ def _mbgmv_shrink_kernel(x_ptr, a_ptr, part_ptr, row_adapter_ptr, a_off_ptr, ran
     ts, t_ok, has, slot = _block_rows(row_adapter_ptr, T, BLOCK_T)
     ks = s * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < K
-    xk = tl.load(x_ptr + ts[:, None] * x_stride + ks[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                 other=0.0).to(tl.float32)
+    xk = tl.load(x_ptr + ts[:, None] * x_stride + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(
+        tl.float32
+    )
     off_rows = a_off_ptr + sl * off_slice_stride + slot * off_stride
     rs = tl.arange(0, BLOCK_R)
     off = _block_row_offsets(off_rows, rs, has[:, None] & (rs < R_MAX)[None, :], ALIGN)
@@ -137,11 +161,36 @@ def _expand_rank_tile(b_ptr, off, parts, r_ok, ns, o_mask, ty: tl.constexpr, RNE
 
 
 @triton.jit
-def _mbgmv_expand_kernel(v_ptr, b_ptr, out_ptr, row_adapter_ptr, b_off_ptr, rank_ptr, scale_ptr, dims_ptr, cols_ptr,
-                         T, N, R_MAX, SPLIT, v_slice_stride, v_split_stride, v_stride, out_stride,
-                         off_slice_stride, off_stride, rank_slice_stride, scale_slice_stride,
-                         BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_S: tl.constexpr, ALIGN: tl.constexpr, RNE: tl.constexpr, STACKED: tl.constexpr):
+def _mbgmv_expand_kernel(
+    v_ptr,
+    b_ptr,
+    out_ptr,
+    row_adapter_ptr,
+    b_off_ptr,
+    rank_ptr,
+    scale_ptr,
+    dims_ptr,
+    cols_ptr,
+    T,
+    N,
+    R_MAX,
+    SPLIT,
+    v_slice_stride,
+    v_split_stride,
+    v_stride,
+    out_stride,
+    off_slice_stride,
+    off_stride,
+    rank_slice_stride,
+    scale_slice_stride,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    ALIGN: tl.constexpr,
+    RNE: tl.constexpr,
+    STACKED: tl.constexpr,
+):
     """Program (row block, n, slice): for each of the block's BLOCK_T rows t,
     ``out[t, n tile] += scale * round(sum_s v[s, t, :rank]) B^T[:rank, n tile]``.
 
@@ -172,8 +221,11 @@ def _mbgmv_expand_kernel(v_ptr, b_ptr, out_ptr, row_adapter_ptr, b_off_ptr, rank
     s_ok = ss < SPLIT
     v_rows = v_ptr + sl * v_slice_stride + ss.to(tl.int64)[:, None] * v_split_stride + ts[None, :] * v_stride
     rs = tl.arange(0, BLOCK_R)
-    parts = tl.load(v_rows[:, :, None] + rs[None, None, :],
-                    mask=s_ok[:, None, None] & t_ok[None, :, None] & (rs < R_MAX)[None, None, :], other=0.0)
+    parts = tl.load(
+        v_rows[:, :, None] + rs[None, None, :],
+        mask=s_ok[:, None, None] & t_ok[None, :, None] & (rs < R_MAX)[None, None, :],
+        other=0.0,
+    )
     off_rows = b_off_ptr + sl * off_slice_stride + slot * off_stride
     off = _block_row_offsets(off_rows, rs, has[:, None] & (rs < R_MAX)[None, :], ALIGN)
     rank = _block_ranks(slot, has, rank_ptr + sl * rank_slice_stride, R_MAX)
@@ -187,24 +239,38 @@ def _mbgmv_expand_kernel(v_ptr, b_ptr, out_ptr, row_adapter_ptr, b_off_ptr, rank
     for r0 in range(BLOCK_R, top, BLOCK_R):  # the block's largest rank; each row masked to its own
         rs = r0 + tl.arange(0, BLOCK_R)
         r_ok = rs[None, :] < rank[:, None]
-        parts = tl.load(v_rows[:, :, None] + rs[None, None, :], mask=s_ok[:, None, None] & r_ok[None, :, :],
-                        other=0.0)
+        parts = tl.load(v_rows[:, :, None] + rs[None, None, :], mask=s_ok[:, None, None] & r_ok[None, :, :], other=0.0)
         off = _block_row_offsets(off_rows, rs, r_ok, ALIGN)
         acc += _expand_rank_tile(b_ptr, off, parts, r_ok, ns, o_mask, ty, RNE)
     tl.store(o_ptrs, round_to(o.to(tl.float32) + scale[:, None] * acc, ty, RNE).to(ty), mask=o_mask)
 
 
 @triton.jit
-def _mbgmv_finish_kernel(part_ptr, v_ptr, row_adapter_ptr, rank_ptr, R_MAX, SPLIT, part_split_stride, part_stride,
-                         v_stride, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, RNE: tl.constexpr):
+def _mbgmv_finish_kernel(
+    part_ptr,
+    v_ptr,
+    row_adapter_ptr,
+    rank_ptr,
+    R_MAX,
+    SPLIT,
+    part_split_stride,
+    part_stride,
+    v_stride,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    RNE: tl.constexpr,
+):
     """``v[t, r tile] = round(sum_s part[s, t, r tile])``, 0 past the row's rank and for rows of -1."""
     t = tl.program_id(0).to(tl.int64)
     rs = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     adapter = tl.load(row_adapter_ptr + t)
     rank = tl.where(adapter >= 0, tl.minimum(tl.load(rank_ptr + tl.maximum(adapter, 0)), R_MAX), 0)
     ss = tl.arange(0, BLOCK_S)
-    parts = tl.load(part_ptr + ss.to(tl.int64)[:, None] * part_split_stride + t * part_stride + rs[None, :],
-                    mask=(ss < SPLIT)[:, None] & (rs < rank)[None, :], other=0.0)
+    parts = tl.load(
+        part_ptr + ss.to(tl.int64)[:, None] * part_split_stride + t * part_stride + rs[None, :],
+        mask=(ss < SPLIT)[:, None] & (rs < rank)[None, :],
+        other=0.0,
+    )
     acc = tl.sum(parts, axis=0)
     ty = v_ptr.dtype.element_ty
     tl.store(v_ptr + t * v_stride + rs, round_to(acc, ty, RNE).to(ty), mask=rs < R_MAX)
@@ -225,9 +291,28 @@ def mbgmv_shrink_partials(x: torch.Tensor, w: LoraWeights | LoraStack, meta: Lor
     tab = LaunchTables.of(w)
     part = torch.empty(tab.n, split, t, w.r_max, dtype=torch.float32, device=x.device)
     _mbgmv_shrink_kernel[(triton.cdiv(t, bt), split, tab.n)](
-        x, w.a_pool, part, meta.seg_adapter, tab.a_off, tab.rank, t, w.in_dim, w.r_max, x.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), tab.a_off_slice, tab.a_off_row, tab.rank_slice,
-        BLOCK_T=bt, BLOCK_R=br, BLOCK_K=bk, ALIGN=align(w, w.a_pool), num_warps=warps)
+        x,
+        w.a_pool,
+        part,
+        meta.seg_adapter,
+        tab.a_off,
+        tab.rank,
+        t,
+        w.in_dim,
+        w.r_max,
+        x.stride(0),
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        tab.a_off_slice,
+        tab.a_off_row,
+        tab.rank_slice,
+        BLOCK_T=bt,
+        BLOCK_R=br,
+        BLOCK_K=bk,
+        ALIGN=align(w, w.a_pool),
+        num_warps=warps,
+    )
     return part
 
 
@@ -241,11 +326,36 @@ def mbgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, ou
     t = out.shape[0]
     bt, br, bn, warps = _mb_launch(MB_EXPAND_LAUNCH, t)
     _mbgmv_expand_kernel[(triton.cdiv(t, bt), triton.cdiv(tab.max_width, bn), tab.n)](
-        part, w.b_pool, out, meta.seg_adapter, tab.b_off, tab.rank, tab.scale, tab.dims, tab.cols,
-        t, tab.max_width, w.r_max, part.shape[1], part.stride(0), part.stride(1), part.stride(2), out.stride(0),
-        tab.b_off_slice, tab.b_off_row, tab.rank_slice, tab.scale_slice,
-        BLOCK_T=bt, BLOCK_R=br, BLOCK_N=bn, BLOCK_S=triton.next_power_of_2(part.shape[1]),
-        ALIGN=align(w, w.b_pool), RNE=needs_rne_by_hand(out), STACKED=tab.stacked, num_warps=warps)
+        part,
+        w.b_pool,
+        out,
+        meta.seg_adapter,
+        tab.b_off,
+        tab.rank,
+        tab.scale,
+        tab.dims,
+        tab.cols,
+        t,
+        tab.max_width,
+        w.r_max,
+        part.shape[1],
+        part.stride(0),
+        part.stride(1),
+        part.stride(2),
+        out.stride(0),
+        tab.b_off_slice,
+        tab.b_off_row,
+        tab.rank_slice,
+        tab.scale_slice,
+        BLOCK_T=bt,
+        BLOCK_R=br,
+        BLOCK_N=bn,
+        BLOCK_S=triton.next_power_of_2(part.shape[1]),
+        ALIGN=align(w, w.b_pool),
+        RNE=needs_rne_by_hand(out),
+        STACKED=tab.stacked,
+        num_warps=warps,
+    )
 
 
 def mbgmv_shrink(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch.Tensor:
@@ -256,7 +366,18 @@ def mbgmv_shrink(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch.Tenso
     if t:
         part = mbgmv_shrink_partials(x, w, meta)[0]
         _mbgmv_finish_kernel[(t, triton.cdiv(w.r_max, _FINISH["BLOCK_R"]))](
-            part, v, meta.seg_adapter, w.rank, w.r_max, part.shape[0], part.stride(0), part.stride(1),
-            v.stride(0), BLOCK_R=_FINISH["BLOCK_R"], BLOCK_S=triton.next_power_of_2(part.shape[0]),
-            RNE=needs_rne_by_hand(v), num_warps=_FINISH["num_warps"])
+            part,
+            v,
+            meta.seg_adapter,
+            w.rank,
+            w.r_max,
+            part.shape[0],
+            part.stride(0),
+            part.stride(1),
+            v.stride(0),
+            BLOCK_R=_FINISH["BLOCK_R"],
+            BLOCK_S=triton.next_power_of_2(part.shape[0]),
+            RNE=needs_rne_by_hand(v),
+            num_warps=_FINISH["num_warps"],
+        )
     return v

@@ -14,8 +14,8 @@ Built once per step and reused by every layer and projection, on the step's segm
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -55,17 +55,17 @@ class LoraMeta:
     """Rows of ``tiles``."""
 
     @classmethod
-    def sgmv(cls, seg_lens: Sequence[int], seg_adapter: Sequence[int], device: torch.device | str) -> "LoraMeta":
+    def sgmv(cls, seg_lens: Sequence[int], seg_adapter: Sequence[int], device: torch.device | str) -> LoraMeta:
         """Prefill metadata: segment s has ``seg_lens[s]`` consecutive tokens of ``seg_adapter[s]``."""
         return cls._build(Segments.from_lengths(seg_lens, seg_adapter, SLOT_NAMES), device)
 
     @classmethod
-    def mbgmv(cls, row_adapter: Sequence[int], device: torch.device | str) -> "LoraMeta":
+    def mbgmv(cls, row_adapter: Sequence[int], device: torch.device | str) -> LoraMeta:
         """Decode metadata: token t uses adapter ``row_adapter[t]`` (-1: none), in any order."""
         return cls._build(Segments.from_rows(row_adapter, SLOT_NAMES), device)
 
     @classmethod
-    def _build(cls, seg: Segments, device: torch.device | str) -> "LoraMeta":
+    def _build(cls, seg: Segments, device: torch.device | str) -> LoraMeta:
         tiles = None if seg.decode else sgmv_tiles(seg.start, seg.slot)
         seg_start, seg_adapter = seg.on_device(device)
         return cls(

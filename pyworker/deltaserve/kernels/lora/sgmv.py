@@ -41,11 +41,32 @@ def _row_offsets(off_row_ptr, rs, r_ok, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _sgmv_shrink_kernel(x_ptr, a_ptr, v_ptr, seg_start_ptr, seg_adapter_ptr, tiles_ptr, a_off_ptr, rank_ptr,
-                        K, R_MAX, R_TILES, x_stride, v_slice_stride, v_stride, off_slice_stride, off_stride,
-                        rank_slice_stride,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ALIGN: tl.constexpr,
-                        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
+def _sgmv_shrink_kernel(
+    x_ptr,
+    a_ptr,
+    v_ptr,
+    seg_start_ptr,
+    seg_adapter_ptr,
+    tiles_ptr,
+    a_off_ptr,
+    rank_ptr,
+    K,
+    R_MAX,
+    R_TILES,
+    x_stride,
+    v_slice_stride,
+    v_stride,
+    off_slice_stride,
+    off_stride,
+    rank_slice_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ALIGN: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    RNE: tl.constexpr,
+):
     """Program (token tile, slice * R_TILES + r tile): ``v[slice, rows, r tile] = x[rows] A^T``, the
     tile's (segment, first row) from ``tiles_ptr``."""
     seg = tl.load(tiles_ptr + 2 * tl.program_id(0))
@@ -81,11 +102,37 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, v_ptr, seg_start_ptr, seg_adapter_ptr, til
 
 
 @triton.jit
-def _sgmv_expand_kernel(v_ptr, b_ptr, out_ptr, seg_start_ptr, seg_adapter_ptr, tiles_ptr, b_off_ptr, rank_ptr,
-                        scale_ptr, dims_ptr, cols_ptr, N, R_MAX, N_TILES, v_slice_stride, v_stride, out_stride,
-                        off_slice_stride, off_stride, rank_slice_stride, scale_slice_stride,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
-                        UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr, STACKED: tl.constexpr):
+def _sgmv_expand_kernel(
+    v_ptr,
+    b_ptr,
+    out_ptr,
+    seg_start_ptr,
+    seg_adapter_ptr,
+    tiles_ptr,
+    b_off_ptr,
+    rank_ptr,
+    scale_ptr,
+    dims_ptr,
+    cols_ptr,
+    N,
+    R_MAX,
+    N_TILES,
+    v_slice_stride,
+    v_stride,
+    out_stride,
+    off_slice_stride,
+    off_stride,
+    rank_slice_stride,
+    scale_slice_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    RNE: tl.constexpr,
+    STACKED: tl.constexpr,
+):
     """Program (token tile, slice * N_TILES + n tile): ``out[rows, slice's n tile] += scale v B^T``,
     the tile's (segment, first row) from ``tiles_ptr``. STACKED: the slice's width and first column
     of out come from ``dims_ptr`` / ``cols_ptr`` (tiles past a narrower slice's width exit at once);
@@ -147,12 +194,33 @@ def sgmv_shrink(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, v: 
     r_tiles = triton.cdiv(w.r_max, _SHRINK["BLOCK_R"])
     vs = v if v.dim() == 3 else v[None]
     grid = (meta.num_tiles, tab.n * r_tiles)
-    _sgmv_shrink_kernel[grid](x, w.a_pool, vs, meta.seg_start, meta.seg_adapter, meta.tiles, tab.a_off, tab.rank,
-                              w.in_dim, w.r_max, r_tiles, x.stride(0), vs.stride(0), vs.stride(1),
-                              tab.a_off_slice, tab.a_off_row, tab.rank_slice,
-                              BLOCK_M=SGMV_TILE, BLOCK_R=_SHRINK["BLOCK_R"], BLOCK_K=_SHRINK["BLOCK_K"],
-                              ALIGN=align(w, w.a_pool), UPCAST=upcast, DOT_PREC=prec, RNE=needs_rne_by_hand(v),
-                              num_warps=_SHRINK["num_warps"])
+    _sgmv_shrink_kernel[grid](
+        x,
+        w.a_pool,
+        vs,
+        meta.seg_start,
+        meta.seg_adapter,
+        meta.tiles,
+        tab.a_off,
+        tab.rank,
+        w.in_dim,
+        w.r_max,
+        r_tiles,
+        x.stride(0),
+        vs.stride(0),
+        vs.stride(1),
+        tab.a_off_slice,
+        tab.a_off_row,
+        tab.rank_slice,
+        BLOCK_M=SGMV_TILE,
+        BLOCK_R=_SHRINK["BLOCK_R"],
+        BLOCK_K=_SHRINK["BLOCK_K"],
+        ALIGN=align(w, w.a_pool),
+        UPCAST=upcast,
+        DOT_PREC=prec,
+        RNE=needs_rne_by_hand(v),
+        num_warps=_SHRINK["num_warps"],
+    )
 
 
 def sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out: torch.Tensor) -> None:
@@ -166,9 +234,35 @@ def sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out
     n_tiles = triton.cdiv(tab.max_width, _EXPAND["BLOCK_N"])
     vs = v if v.dim() == 3 else v[None]
     grid = (meta.num_tiles, tab.n * n_tiles)
-    _sgmv_expand_kernel[grid](vs, w.b_pool, out, meta.seg_start, meta.seg_adapter, meta.tiles, tab.b_off, tab.rank,
-                              tab.scale, tab.dims, tab.cols, tab.max_width, w.r_max, n_tiles, vs.stride(0), vs.stride(1),
-                              out.stride(0), tab.b_off_slice, tab.b_off_row, tab.rank_slice, tab.scale_slice,
-                              BLOCK_M=SGMV_TILE, BLOCK_R=_EXPAND["BLOCK_R"], BLOCK_N=_EXPAND["BLOCK_N"],
-                              ALIGN=align(w, w.b_pool), UPCAST=upcast, DOT_PREC=prec, RNE=needs_rne_by_hand(out),
-                              STACKED=tab.stacked, num_warps=_EXPAND["num_warps"])
+    _sgmv_expand_kernel[grid](
+        vs,
+        w.b_pool,
+        out,
+        meta.seg_start,
+        meta.seg_adapter,
+        meta.tiles,
+        tab.b_off,
+        tab.rank,
+        tab.scale,
+        tab.dims,
+        tab.cols,
+        tab.max_width,
+        w.r_max,
+        n_tiles,
+        vs.stride(0),
+        vs.stride(1),
+        out.stride(0),
+        tab.b_off_slice,
+        tab.b_off_row,
+        tab.rank_slice,
+        tab.scale_slice,
+        BLOCK_M=SGMV_TILE,
+        BLOCK_R=_EXPAND["BLOCK_R"],
+        BLOCK_N=_EXPAND["BLOCK_N"],
+        ALIGN=align(w, w.b_pool),
+        UPCAST=upcast,
+        DOT_PREC=prec,
+        RNE=needs_rne_by_hand(out),
+        STACKED=tab.stacked,
+        num_warps=_EXPAND["num_warps"],
+    )

@@ -39,15 +39,44 @@ class LaunchTables:
     stacked: bool
 
     @staticmethod
-    def of(w: "LoraWeights | LoraStack") -> "LaunchTables":
+    def of(w: LoraWeights | LoraStack) -> LaunchTables:
         """The tables of ``w``: one slice (slice strides 0) or a stack."""
         if isinstance(w, LoraStack):
-            return LaunchTables(w.num_slices, w.a_offsets, w.b_offsets, w.rank, w.scale, w.a_offsets.stride(0),
-                                w.a_offsets.stride(1), w.b_offsets.stride(0), w.b_offsets.stride(1), w.rank.stride(0),
-                                w.scale.stride(0), w.out_dims_dev, w.out_offsets_dev, max(w.out_dims), True)
+            return LaunchTables(
+                w.num_slices,
+                w.a_offsets,
+                w.b_offsets,
+                w.rank,
+                w.scale,
+                w.a_offsets.stride(0),
+                w.a_offsets.stride(1),
+                w.b_offsets.stride(0),
+                w.b_offsets.stride(1),
+                w.rank.stride(0),
+                w.scale.stride(0),
+                w.out_dims_dev,
+                w.out_offsets_dev,
+                max(w.out_dims),
+                True,
+            )
         # One slice: slice strides 0; dims / cols are never read (STACKED false), any pointer will do.
-        return LaunchTables(1, w.a_offsets, w.b_offsets, w.rank, w.scale, 0, w.a_offsets.stride(0), 0,
-                            w.b_offsets.stride(0), 0, 0, w.rank, w.rank, w.out_dim, False)
+        return LaunchTables(
+            1,
+            w.a_offsets,
+            w.b_offsets,
+            w.rank,
+            w.scale,
+            0,
+            w.a_offsets.stride(0),
+            0,
+            w.b_offsets.stride(0),
+            0,
+            0,
+            w.rank,
+            w.rank,
+            w.out_dim,
+            False,
+        )
 
 
 def align(w: LoraWeights | LoraStack, pool: torch.Tensor) -> int:

@@ -44,7 +44,7 @@ slot it uses holds a delta.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -53,7 +53,13 @@ from .. import cuda_ext
 from ..common import read_launch_configs, sm_count, want_triton
 from .checks import DTYPES, check_call, check_stacked
 from .cuda import (
-    CUDA_MAX_SLICES, cuda_shape_problem, cuda_supports, cuda_tile_cap, launch_cuda, sbmm_cuda, sbmm_stacked_cuda,
+    CUDA_MAX_SLICES,
+    cuda_shape_problem,
+    cuda_supports,
+    cuda_tile_cap,
+    launch_cuda,
+    sbmm_cuda,
+    sbmm_stacked_cuda,
 )
 from .dequant import dense_min_m, dense_segments, dequantize_slot
 from .layout import DeltaWeights, make_delta_weights
@@ -105,8 +111,10 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
     reduction launch when FMA tiles split K)."""
     check_call(x, out, w, meta)
     if meta.block_m not in LAUNCH:
-        raise ValueError(f"sbmm_triton: work tiles of {meta.block_m} tokens (the Triton kernels take "
-                         f"{', '.join(map(str, sorted(LAUNCH)))}; metadata capped there is the CUDA op's)")
+        raise ValueError(
+            f"sbmm_triton: work tiles of {meta.block_m} tokens (the Triton kernels take "
+            f"{', '.join(map(str, sorted(LAUNCH)))}; metadata capped there is the CUDA op's)"
+        )
     if x.stride(-1) != 1:
         x = x.contiguous()
     if meta.dense:
@@ -119,8 +127,9 @@ def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: Delta
     return launch_dot(x, out, w, meta, cfg)
 
 
-def sbmm(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta, *,
-         use_triton: bool | None = None) -> torch.Tensor:
+def sbmm(
+    x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta, *, use_triton: bool | None = None
+) -> torch.Tensor:
     """``out[t] += x[t] @ Δ̃_{slot(t)}^T`` in place for every token with a slot (module docstring);
     returns ``out``. On CUDA the kernels run: csrc/sbmm.cu where it is built and fits the call, else
     Triton (``use_triton=True`` forces Triton); the reference elsewhere."""
@@ -133,8 +142,14 @@ def sbmm(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta, *
     return sbmm_ref(x, out, w, meta)
 
 
-def sbmm_stacked(x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]], meta: DeltaMeta, *,
-                 use_triton: bool | None = None) -> torch.Tensor:
+def sbmm_stacked(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    slices: Sequence[tuple[DeltaWeights, int]],
+    meta: DeltaMeta,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
     """``sbmm(x, out[:, col : col + w.out_features], w, meta)`` for every ``(w, col)`` of ``slices`` (the
     projections of a fused module: q, k, v or gate, up, each its own pool, same in_features and config),
     in place; returns ``out``. On CUDA, where the op fits every slice, one launch computes them all (up to
@@ -142,8 +157,11 @@ def sbmm_stacked(x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[Delt
     check_stacked(x, out, slices, meta)
     if want_triton("sbmm", x, use_triton):
         lib = cuda_ext.library("sbmm") if use_triton is None else None
-        if lib is not None and len(slices) <= CUDA_MAX_SLICES and all(cuda_supports(x, w, meta) is None
-                                                                       for w, _ in slices):
+        if (
+            lib is not None
+            and len(slices) <= CUDA_MAX_SLICES
+            and all(cuda_supports(x, w, meta) is None for w, _ in slices)
+        ):
             return launch_cuda(lib, x, out, slices, meta)
     for w, col in slices:
         sbmm(x, out[:, col : col + w.out_features], w, meta, use_triton=use_triton)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -23,15 +23,17 @@ def check_call(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaM
     if x.dtype not in DTYPES:
         raise ValueError(f"sbmm: x dtype {x.dtype}: want one of float32, float16, bfloat16")
     if out.dim() != 2 or tuple(out.shape) != (meta.num_tokens, w.out_features):
-        raise ValueError(f"sbmm: out {list(out.shape)} must be [T = {meta.num_tokens}, "
-                         f"out_features = {w.out_features}]")
+        raise ValueError(
+            f"sbmm: out {list(out.shape)} must be [T = {meta.num_tokens}, out_features = {w.out_features}]"
+        )
     if out.dtype != x.dtype:
         raise ValueError(f"sbmm: dtype mismatch: x {x.dtype}, out {out.dtype}")
     if out.stride(-1) != 1:
         raise ValueError("sbmm: out needs a contiguous last dim (it is updated in place)")
     if not (x.device == out.device == w.device == meta.seg_start.device):
-        raise ValueError(f"sbmm: x on {x.device}, out on {out.device}, deltas on {w.device}, "
-                         f"meta on {meta.seg_start.device}")
+        raise ValueError(
+            f"sbmm: x on {x.device}, out on {out.device}, deltas on {w.device}, meta on {meta.seg_start.device}"
+        )
     if meta.max_slot >= w.num_slots:
         raise ValueError(f"sbmm: delta slot {meta.max_slot} out of range (the pool has {w.num_slots} slots)")
     empty = sorted(s for s in meta.slots if not w.loaded[s])
@@ -39,8 +41,9 @@ def check_call(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaM
         raise ValueError(f"sbmm: delta slot {empty[0]} holds no delta (tokens of the step use it)")
 
 
-def check_stacked(x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]],
-                  meta: DeltaMeta) -> None:
+def check_stacked(
+    x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]], meta: DeltaMeta
+) -> None:
     """Every slice is a valid ``sbmm`` call on its columns; the slices share one config and in_features and
     do not overlap."""
     if not slices:
@@ -51,11 +54,15 @@ def check_stacked(x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[Del
     end = 0
     for i, (w, col) in enumerate(sorted(slices, key=lambda s: s[1])):
         if (w.bits, w.sparse, w.group_size, w.in_features) != (w0.bits, w0.sparse, w0.group_size, w0.in_features):
-            raise ValueError(f"sbmm: stacked slice {i} has (bits, sparse, group, in) = "
-                             f"{(w.bits, w.sparse, w.group_size, w.in_features)}, the first "
-                             f"{(w0.bits, w0.sparse, w0.group_size, w0.in_features)}")
+            raise ValueError(
+                f"sbmm: stacked slice {i} has (bits, sparse, group, in) = "
+                f"{(w.bits, w.sparse, w.group_size, w.in_features)}, the first "
+                f"{(w0.bits, w0.sparse, w0.group_size, w0.in_features)}"
+            )
         if col < end or col + w.out_features > out.shape[1]:
-            raise ValueError(f"sbmm: stacked slice at columns {col} .. {col + w.out_features} overlaps another or is "
-                             f"outside out's {out.shape[1]} columns")
+            raise ValueError(
+                f"sbmm: stacked slice at columns {col} .. {col + w.out_features} overlaps another or is "
+                f"outside out's {out.shape[1]} columns"
+            )
         end = col + w.out_features
         check_call(x, out[:, col : col + w.out_features], w, meta)

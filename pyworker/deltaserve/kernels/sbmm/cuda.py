@@ -14,7 +14,7 @@ launch of that step would. Its third entry point, ``deltaserve_dequant``, is ``d
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -42,8 +42,15 @@ shared memory allow): K is split until a launch has this many blocks per SM."""
 CUDA_MAX_SLICES = 3
 """Most linears one CUDA launch takes (csrc/sbmm.cu ``MAX_SLICES``: q, k, v of a fused qkv)."""
 _P = ctypes.c_void_p
-_CUDA_ARGS = ([_P] * 7 + [ctypes.POINTER(_P)] * 8 + [ctypes.POINTER(ctypes.c_int)] * 2 + [ctypes.c_int] * 3
-              + [ctypes.c_int64] * 2 + [ctypes.c_int] * 9 + [_P])
+_CUDA_ARGS = (
+    [_P] * 7
+    + [ctypes.POINTER(_P)] * 8
+    + [ctypes.POINTER(ctypes.c_int)] * 2
+    + [ctypes.c_int] * 3
+    + [ctypes.c_int64] * 2
+    + [ctypes.c_int] * 9
+    + [_P]
+)
 """``deltaserve_sbmm``'s C signature (csrc/sbmm.cu)."""
 _CUDA_SPLIT_ARGS = [ctypes.c_int] * 4
 """``deltaserve_sbmm_split``'s C signature."""
@@ -64,8 +71,10 @@ def cuda_shape_problem(x: torch.Tensor, w: DeltaWeights) -> str | None:
     if x.dtype not in _CUDA_DTYPES:
         return f"activations {x.dtype} (float16 / bfloat16 only)"
     if w.in_features % _CUDA_KS or w.group_size not in _CUDA_GROUPS:
-        return (f"in_features {w.in_features} (want a multiple of {_CUDA_KS}) / group size {w.group_size} "
-                f"(want one of {_CUDA_GROUPS})")
+        return (
+            f"in_features {w.in_features} (want a multiple of {_CUDA_KS}) / group size {w.group_size} "
+            f"(want one of {_CUDA_GROUPS})"
+        )
     qv_align, qi_align, group_align = w.offset_alignment
     if qv_align < 4 or qi_align < 4 or group_align < 2:
         return f"slot blocks aligned to {w.offset_alignment} elements (want 4, 4, 2)"
@@ -102,8 +111,10 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         if torch.cuda.is_current_stream_capturing():
             kept = 0 if buf is None else buf.numel()
-            raise RuntimeError(f"sbmm_cuda: split-K counters of {n} entries do not fit the {kept} kept; run the "
-                               "launch once before capturing it")
+            raise RuntimeError(
+                f"sbmm_cuda: split-K counters of {n} entries do not fit the {kept} kept; run the "
+                "launch once before capturing it"
+            )
         buf = _counters[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
     return buf
 
@@ -114,8 +125,9 @@ def sbmm_cuda(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMe
     return sbmm_stacked_cuda(x, out, [(w, 0)], meta)
 
 
-def sbmm_stacked_cuda(x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]],
-                      meta: DeltaMeta) -> torch.Tensor:
+def sbmm_stacked_cuda(
+    x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]], meta: DeltaMeta
+) -> torch.Tensor:
     """csrc/sbmm.cu for ``sbmm_stacked`` (no dispatch): every slice in one launch. Raises when the op is
     unavailable or does not fit the call."""
     check_stacked(x, out, slices, meta)
@@ -131,8 +143,9 @@ def sbmm_stacked_cuda(x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple
     return launch_cuda(lib, x, out, slices, meta)
 
 
-def launch_cuda(lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]],
-                meta: DeltaMeta) -> torch.Tensor:
+def launch_cuda(
+    lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]], meta: DeltaMeta
+) -> torch.Tensor:
     """The launch of ``sbmm_stacked_cuda``, for callers that checked the call, ``cuda_supports`` and the
     library. Eagerly the grid has the step's split; inside a CUDA-graph capture it has the most splits any
     tile count could want, and the blocks recompute the split from ``meta.tile_count`` at every replay."""

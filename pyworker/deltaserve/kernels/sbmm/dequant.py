@@ -32,9 +32,28 @@ from .tiles import qindices_arg, slot_rows
 
 
 @triton.jit
-def dequant_tile(qv_rows, qi_rows, g_off, sc_ptr, zr_ptr, n_ok, k0, K, QV_ROW, QI_ROW, NGROUPS,
-                 BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr, KEPT: tl.constexpr, WORDS: tl.constexpr,
-                 IWORDS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def dequant_tile(
+    qv_rows,
+    qi_rows,
+    g_off,
+    sc_ptr,
+    zr_ptr,
+    n_ok,
+    k0,
+    K,
+    QV_ROW,
+    QI_ROW,
+    NGROUPS,
+    BITS: tl.constexpr,
+    SPARSE: tl.constexpr,
+    G: tl.constexpr,
+    KEPT: tl.constexpr,
+    WORDS: tl.constexpr,
+    IWORDS: tl.constexpr,
+    GROUPS_PER_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """THE dequantised delta tile of the Triton kernels: rows ``ns`` (``n_ok``: real; row pointers from
     ``slot_rows``), columns k0 .. k0 + BLOCK_K, as float32 ``(code - zero) * scale`` where kept, else
     0 (past K too). KEPT: kept values per row in the tile (BLOCK_K, or half of it with 2:4); WORDS /
@@ -85,21 +104,64 @@ def dequant_tile(qv_rows, qi_rows, g_off, sc_ptr, zr_ptr, n_ok, k0, K, QV_ROW, Q
 
 
 @triton.jit
-def _dequant_kernel(dst_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, N, K, dst_stride,
-                    QV_ROW, QI_ROW, NGROUPS,
-                    BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr, KEPT: tl.constexpr, WORDS: tl.constexpr,
-                    IWORDS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    RNE: tl.constexpr):
+def _dequant_kernel(
+    dst_ptr,
+    qv_ptr,
+    qi_ptr,
+    sc_ptr,
+    zr_ptr,
+    qv_off_ptr,
+    qi_off_ptr,
+    g_off_ptr,
+    slot,
+    N,
+    K,
+    dst_stride,
+    QV_ROW,
+    QI_ROW,
+    NGROUPS,
+    BITS: tl.constexpr,
+    SPARSE: tl.constexpr,
+    G: tl.constexpr,
+    KEPT: tl.constexpr,
+    WORDS: tl.constexpr,
+    IWORDS: tl.constexpr,
+    GROUPS_PER_TILE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RNE: tl.constexpr,
+):
     """dst[n, k] = Δ̃_slot[n, k] in dst's dtype: one [BLOCK_N, BLOCK_K] tile per program (axis 0: rows,
     axis 1: columns), the tile ``dequant_tile`` gives the tl.dot kernel."""
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
     k0 = tl.program_id(1) * BLOCK_K
     ks = k0 + tl.arange(0, BLOCK_K)
-    qv_rows, qi_rows, g_off = slot_rows(qv_ptr, qi_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, ns, QV_ROW, QI_ROW,
-                                        NGROUPS)
-    wt = dequant_tile(qv_rows, qi_rows, g_off, sc_ptr, zr_ptr, n_ok, k0, K, QV_ROW, QI_ROW, NGROUPS, BITS, SPARSE, G,
-                      KEPT, WORDS, IWORDS, GROUPS_PER_TILE, BLOCK_N, BLOCK_K)
+    qv_rows, qi_rows, g_off = slot_rows(
+        qv_ptr, qi_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, ns, QV_ROW, QI_ROW, NGROUPS
+    )
+    wt = dequant_tile(
+        qv_rows,
+        qi_rows,
+        g_off,
+        sc_ptr,
+        zr_ptr,
+        n_ok,
+        k0,
+        K,
+        QV_ROW,
+        QI_ROW,
+        NGROUPS,
+        BITS,
+        SPARSE,
+        G,
+        KEPT,
+        WORDS,
+        IWORDS,
+        GROUPS_PER_TILE,
+        BLOCK_N,
+        BLOCK_K,
+    )
     ty = dst_ptr.dtype.element_ty
     dst = dst_ptr + ns.to(tl.int64)[:, None] * dst_stride + ks[None, :]
     tl.store(dst, round_to(wt, ty, RNE).to(ty), mask=n_ok[:, None] & (ks < K)[None, :])
@@ -123,8 +185,9 @@ _CUDA_DEQUANT_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_void
 """``deltaserve_dequant``'s C signature (csrc/sbmm.cu)."""
 
 
-def dequantize_slot(w: DeltaWeights, slot: int, dtype: torch.dtype, out: torch.Tensor | None = None, *,
-                    use_triton: bool | None = None) -> torch.Tensor:
+def dequantize_slot(
+    w: DeltaWeights, slot: int, dtype: torch.dtype, out: torch.Tensor | None = None, *, use_triton: bool | None = None
+) -> torch.Tensor:
     """Slot ``slot``'s delta as a dense ``[out_features, in_features]`` tensor of ``dtype`` on ``w``'s
     device: ``packed_delta.dequantize(w.packed(slot), dtype)`` bit for bit, the value every SBMM kernel
     multiplies by. ``out``: a contiguous tensor of that shape and dtype to write into (a reused

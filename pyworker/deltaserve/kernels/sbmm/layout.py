@@ -20,8 +20,8 @@ of a model; ``-1`` means "no delta" (base-only tokens, LoRA tokens).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -94,19 +94,24 @@ class DeltaWeights:
                   "group_offsets": self.group_offsets}  # fmt: skip
         for name, t in tables.items():
             if t.dim() != 1 or t.shape[0] != n or n < 1 or t.dtype != torch.int64 or t.stride(0) != 1:
-                raise ValueError(f"sbmm: {name} {list(t.shape)} {t.dtype}: want [num_slots >= 1] int64, contiguous, "
-                                 f"like qvalues_offsets {list(self.qvalues_offsets.shape)}")
+                raise ValueError(
+                    f"sbmm: {name} {list(t.shape)} {t.dtype}: want [num_slots >= 1] int64, contiguous, "
+                    f"like qvalues_offsets {list(self.qvalues_offsets.shape)}"
+                )
         if len(self.loaded) != n:
             raise ValueError(f"sbmm: {len(self.loaded)} loaded flags for {n} slots")
         devices = {t.device for t in (*[b for b, _ in bufs.values()], *tables.values())}
         if len(devices) != 1:
-            raise ValueError("sbmm: pool buffers and offset tables must be on one device, got "
-                             f"{sorted(map(str, devices))}")
+            raise ValueError(
+                f"sbmm: pool buffers and offset tables must be on one device, got {sorted(map(str, devices))}"
+            )
         if self.half2_ok is None:
             object.__setattr__(self, "half2_ok", torch.zeros(max(n, 0), dtype=torch.uint8, device=self.qvalues.device))
         elif self.half2_ok.shape != (n,) or self.half2_ok.dtype != torch.uint8 or self.half2_ok.device not in devices:
-            raise ValueError(f"sbmm: half2_ok {list(self.half2_ok.shape)} {self.half2_ok.dtype}: want [{n}] uint8 "
-                             "on the pool's device")
+            raise ValueError(
+                f"sbmm: half2_ok {list(self.half2_ok.shape)} {self.half2_ok.dtype}: want [{n}] uint8 "
+                "on the pool's device"
+            )
         self._check_offsets()
 
     @property
@@ -134,8 +139,10 @@ class DeltaWeights:
             size = shape[0] * shape[1]
             for slot, o in enumerate(offs.tolist()):
                 if o < 0 or o + size > buf.numel():
-                    raise ValueError(f"sbmm: slot {slot}'s {name} block [{o}, {o + size}) is outside the "
-                                     f"{buf.numel()}-element {name} buffer")
+                    raise ValueError(
+                        f"sbmm: slot {slot}'s {name} block [{o}, {o + size}) is outside the "
+                        f"{buf.numel()}-element {name} buffer"
+                    )
                 at = buf.data_ptr() // buf.element_size() + o
                 while at % align[name]:
                     align[name] //= 2
@@ -152,8 +159,10 @@ class DeltaWeights:
     def check_loaded(self, slot: int) -> None:
         """Raises unless slot ``slot`` holds a delta (host state only: no device read)."""
         if not 0 <= slot < self.num_slots or not self.loaded[slot]:
-            raise ValueError(f"sbmm: delta slot {slot} holds no delta (the pool has {self.num_slots} slots, "
-                             f"loaded: {[s for s, ok in enumerate(self.loaded) if ok]})")
+            raise ValueError(
+                f"sbmm: delta slot {slot} holds no delta (the pool has {self.num_slots} slots, "
+                f"loaded: {[s for s, ok in enumerate(self.loaded) if ok]})"
+            )
 
     def packed(self, slot: int) -> PackedLinear:
         """Slot ``slot``'s delta as a ``PackedLinear`` of views into the pool (for ``dequantize``)."""
@@ -218,8 +227,10 @@ class DeltaWeights:
 def _check_same_config(what: str, p: PackedLinear, ref: PackedLinear | DeltaWeights) -> None:
     for name in ("bits", "sparse", "group_size", "out_features", "in_features"):
         if getattr(p, name) != getattr(ref, name):
-            raise ValueError(f"sbmm: {what} has {name} = {getattr(p, name)}, the pool has {getattr(ref, name)} "
-                             "(one pool holds one linear's deltas of one bits / sparsity / group-size config)")
+            raise ValueError(
+                f"sbmm: {what} has {name} = {getattr(p, name)}, the pool has {getattr(ref, name)} "
+                "(one pool holds one linear's deltas of one bits / sparsity / group-size config)"
+            )
 
 
 def make_delta_weights(packed: Sequence[PackedLinear | None], device: torch.device | str | None = None) -> DeltaWeights:

@@ -21,8 +21,8 @@ dequantised once, one matmul: ``dequant.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -99,15 +99,21 @@ class DeltaMeta:
         return max(self.slots, default=-1)
 
     @classmethod
-    def segments(cls, seg_lens: Sequence[int], seg_delta: Sequence[int], device: torch.device | str,
-                 max_block_m: int | None = None, dense_min_m: int | None = None) -> "DeltaMeta":
+    def segments(
+        cls,
+        seg_lens: Sequence[int],
+        seg_delta: Sequence[int],
+        device: torch.device | str,
+        max_block_m: int | None = None,
+        dense_min_m: int | None = None,
+    ) -> DeltaMeta:
         """Prefill metadata: segment s has ``seg_lens[s]`` consecutive tokens of slot ``seg_delta[s]``;
         ``max_block_m`` as in ``rows``. A segment of a delta with at least ``dense_min_m`` tokens goes
         to ``dense`` (its delta dequantised once, one matmul) instead of work tiles."""
         return cls._build(Segments.from_lengths(seg_lens, seg_delta, SLOT_NAMES), device, max_block_m, dense_min_m)
 
     @classmethod
-    def rows(cls, row_delta: Sequence[int], device: torch.device | str, max_block_m: int | None = None) -> "DeltaMeta":
+    def rows(cls, row_delta: Sequence[int], device: torch.device | str, max_block_m: int | None = None) -> DeltaMeta:
         """Decode metadata: token t uses slot ``row_delta[t]`` (-1: none), in any order (the rows of one
         slot share work tiles wherever they are). ``max_block_m`` caps the tokens per work tile
         (``cuda_tile_cap``: the CUDA op's 16), cutting a longer run of one slot into several tiles. A cap
@@ -116,8 +122,9 @@ class DeltaMeta:
         return cls._build(Segments.from_rows(row_delta, SLOT_NAMES), device, max_block_m)
 
     @classmethod
-    def _build(cls, seg: Segments, device: torch.device | str, max_block_m: int | None = None,
-               dense_min_m: int | None = None) -> "DeltaMeta":
+    def _build(
+        cls, seg: Segments, device: torch.device | str, max_block_m: int | None = None, dense_min_m: int | None = None
+    ) -> DeltaMeta:
         if dense_min_m is not None and dense_min_m < 1:
             raise ValueError(f"sbmm: dense_min_m {dense_min_m} must be >= 1")
         starts, slots, decode, num_tokens = seg.start, seg.slot, seg.decode, seg.num_tokens

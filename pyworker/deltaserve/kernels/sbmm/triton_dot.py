@@ -21,20 +21,48 @@ from .tiles import add_to_out, qindices_arg, slot_rows, tile_tokens, work_tile
 
 
 @triton.jit
-def _sbmm_dot_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr,
-                 N, K, x_stride, out_stride, QV_ROW, QI_ROW, NGROUPS,
-                 BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr,
-                 KEPT: tl.constexpr, WORDS: tl.constexpr, IWORDS: tl.constexpr, GROUPS_PER_TILE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, RNE: tl.constexpr):
+def _sbmm_dot_kernel(
+    x_ptr,
+    out_ptr,
+    order_ptr,
+    tiles_ptr,
+    qv_ptr,
+    qi_ptr,
+    sc_ptr,
+    zr_ptr,
+    qv_off_ptr,
+    qi_off_ptr,
+    g_off_ptr,
+    N,
+    K,
+    x_stride,
+    out_stride,
+    QV_ROW,
+    QI_ROW,
+    NGROUPS,
+    BITS: tl.constexpr,
+    SPARSE: tl.constexpr,
+    G: tl.constexpr,
+    KEPT: tl.constexpr,
+    WORDS: tl.constexpr,
+    IWORDS: tl.constexpr,
+    GROUPS_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    RNE: tl.constexpr,
+):
     slot, start, end = work_tile(tiles_ptr)
     if slot < 0:  # a padding row of the tile table
         return
 
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
-    qv_rows, qi_rows, g_off = slot_rows(qv_ptr, qi_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, ns, QV_ROW, QI_ROW,
-                                        NGROUPS)
+    qv_rows, qi_rows, g_off = slot_rows(
+        qv_ptr, qi_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, ns, QV_ROW, QI_ROW, NGROUPS
+    )
     at, row_ok, rows = tile_tokens(order_ptr, start, end, BLOCK_M)
     x_rows = x_ptr + rows[:, None] * x_stride
     ty = x_ptr.dtype.element_ty
@@ -43,8 +71,28 @@ def _sbmm_dot_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_pt
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        wt = dequant_tile(qv_rows, qi_rows, g_off, sc_ptr, zr_ptr, n_ok, k0, K, QV_ROW, QI_ROW, NGROUPS, BITS, SPARSE,
-                          G, KEPT, WORDS, IWORDS, GROUPS_PER_TILE, BLOCK_N, BLOCK_K)  # [BN, BK] fp32, Δ̃ rows
+        wt = dequant_tile(
+            qv_rows,
+            qi_rows,
+            g_off,
+            sc_ptr,
+            zr_ptr,
+            n_ok,
+            k0,
+            K,
+            QV_ROW,
+            QI_ROW,
+            NGROUPS,
+            BITS,
+            SPARSE,
+            G,
+            KEPT,
+            WORDS,
+            IWORDS,
+            GROUPS_PER_TILE,
+            BLOCK_N,
+            BLOCK_K,
+        )  # [BN, BK] fp32, Δ̃ rows
         xt = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:  # the interpreter's low-precision dot is wrong: fp32 tiles holding dtype values
             wt = round_to(wt, ty, RNE)
@@ -55,8 +103,9 @@ def _sbmm_dot_kernel(x_ptr, out_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_pt
     add_to_out(out_ptr + rows[:, None] * out_stride + ns[None, :], acc, row_ok[:, None] & n_ok[None, :], RNE)
 
 
-def launch_dot(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta,
-               cfg: dict[str, int]) -> torch.Tensor:
+def launch_dot(
+    x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta, cfg: dict[str, int]
+) -> torch.Tensor:
     """The tl.dot tiles' launch of ``sbmm_triton`` (after its checks; ``cfg`` from ``launch_config``), in
     place on ``out``."""
     block_n, block_k = cfg["BLOCK_N"], cfg["BLOCK_K"]

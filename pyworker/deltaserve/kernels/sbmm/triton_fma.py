@@ -32,10 +32,38 @@ def _fma_plane(acc, x_rows, row_ok, cols, K, w):
 
 
 @triton.jit
-def _sbmm_fma_kernel(x_ptr, out_ptr, ws_ptr, order_ptr, tiles_ptr, qv_ptr, qi_ptr, sc_ptr, zr_ptr, qv_off_ptr, qi_off_ptr,
-                     g_off_ptr, N, K, K_SPLIT, WS_ROWS, x_stride, out_stride, QV_ROW, QI_ROW, NGROUPS,
-                     BITS: tl.constexpr, SPARSE: tl.constexpr, G: tl.constexpr, W: tl.constexpr, SCALES: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, RNE: tl.constexpr):
+def _sbmm_fma_kernel(
+    x_ptr,
+    out_ptr,
+    ws_ptr,
+    order_ptr,
+    tiles_ptr,
+    qv_ptr,
+    qi_ptr,
+    sc_ptr,
+    zr_ptr,
+    qv_off_ptr,
+    qi_off_ptr,
+    g_off_ptr,
+    N,
+    K,
+    K_SPLIT,
+    WS_ROWS,
+    x_stride,
+    out_stride,
+    QV_ROW,
+    QI_ROW,
+    NGROUPS,
+    BITS: tl.constexpr,
+    SPARSE: tl.constexpr,
+    G: tl.constexpr,
+    W: tl.constexpr,
+    SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    RNE: tl.constexpr,
+):
     slot, start, end = work_tile(tiles_ptr)
     if slot < 0:  # a padding row of the tile table
         return
@@ -50,8 +78,9 @@ def _sbmm_fma_kernel(x_ptr, out_ptr, ws_ptr, order_ptr, tiles_ptr, qv_ptr, qi_pt
 
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
-    qv_rows, qi_rows, g_off = slot_rows(qv_ptr, qi_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, ns, QV_ROW, QI_ROW,
-                                        NGROUPS)
+    qv_rows, qi_rows, g_off = slot_rows(
+        qv_ptr, qi_ptr, qv_off_ptr, qi_off_ptr, g_off_ptr, slot, ns, QV_ROW, QI_ROW, NGROUPS
+    )
     at, row_ok, rows = tile_tokens(order_ptr, start, end, BLOCK_M)
     x_rows = x_ptr + rows[:, None] * x_stride
     ty = x_ptr.dtype.element_ty
@@ -108,8 +137,9 @@ def _sbmm_fma_kernel(x_ptr, out_ptr, ws_ptr, order_ptr, tiles_ptr, qv_ptr, qi_pt
 
 
 @triton.jit
-def _splitk_reduce_kernel(out_ptr, ws_ptr, order_ptr, N, WS_ROWS, out_stride, SPLIT_K: tl.constexpr,
-                          BLOCK_N: tl.constexpr, RNE: tl.constexpr):
+def _splitk_reduce_kernel(
+    out_ptr, ws_ptr, order_ptr, N, WS_ROWS, out_stride, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, RNE: tl.constexpr
+):
     """out[order[p]] = round(out[order[p]] + sum over splits of the partials of position p): one rounding,
     summed in a fixed order."""
     at = tl.program_id(0).to(tl.int64)
@@ -128,8 +158,9 @@ def fma_step(w: DeltaWeights) -> int:
     return 2 * per if w.sparse else per
 
 
-def launch_fma(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta,
-               cfg: dict[str, int]) -> torch.Tensor:
+def launch_fma(
+    x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta, cfg: dict[str, int]
+) -> torch.Tensor:
     """The FMA tiles' launch of ``sbmm_triton`` (after its checks; ``cfg`` from ``launch_config``), plus the
     split-K reduction when the launch splits K; in place on ``out``."""
     block_n, block_k, group = cfg["BLOCK_N"], cfg["BLOCK_K"], w.group_size
@@ -152,5 +183,6 @@ def launch_fma(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaM
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     if split > 1:
         _splitk_reduce_kernel[(rows, triton.cdiv(w.out_features, 256))](
-            out, ws, meta.order, w.out_features, rows, out.stride(0), SPLIT_K=split, BLOCK_N=256, RNE=rne)
+            out, ws, meta.order, w.out_features, rows, out.stride(0), SPLIT_K=split, BLOCK_N=256, RNE=rne
+        )
     return out
