@@ -207,6 +207,52 @@ def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, var
     assert out.outputs[0].token_id is not None and ex.deltas.slot_of == {D2: 0}
 
 
+def test_a_delta_goes_to_the_slot_the_router_names(executor_factory, variants) -> None:
+    """The router picks every delta's slot (``AdapterOp.slot``); the worker fills exactly that one and
+    refuses, as a PlanError that changes nothing, a slot that is taken, outside ``--max-deltas`` or
+    missing."""
+    ex = executor_factory(max_deltas=2)
+    d4, d2 = (str(variants[a][0]) for a in (D4, D2))
+    ex.step(wire.StepPlan(step_id=1, adapter_ops=[delta_op(D4, TO_HOST, d4), delta_op(D4, TO_GPU, slot=1),
+                                                  delta_op(D2, TO_HOST, d2)]))
+    assert ex.deltas is not None and ex.deltas.slot_of == {D4: 1}
+    ex.deltas.wait_host(D2)
+    no_slot = wire.AdapterOp(D2, TO_GPU, "", [], DELTA, None)
+    for bad, match in [(delta_op(D2, TO_GPU, slot=1), r"to_gpu adapter 3\): delta slot 1 holds delta 2"),
+                       (delta_op(D2, TO_GPU, slot=2), r"slot 2 is not one of the 2 delta slots \(--max-deltas\)"),
+                       (no_slot, r"slot None is not one of the 2 delta slots")]:
+        before = _snapshot(ex)
+        with pytest.raises(PlanError, match=match):
+            ex.step(wire.StepPlan(step_id=2, adapter_ops=[bad]))
+        assert before == _snapshot(ex), match
+    ex.step(wire.StepPlan(step_id=3, adapter_ops=[delta_op(D2, TO_GPU, slot=0)]))
+    assert ex.deltas.slot_of == {D4: 1, D2: 0}
+    with pytest.raises(ValueError, match="delta slot 0 holds delta 3"):  # the pool itself refuses too
+        ex.deltas.to_gpu(99, 0)
+
+
+def test_deltas_of_any_packed_configs_take_the_reserved_bytes_and_no_more(executor_factory, variants,
+                                                                         tiny_llama: Path, tmp_path: Path) -> None:
+    """Every packed config's pools are views of one arena per linear: the delta slots take exactly the
+    bytes the KV budget left for them (``delta_reserve_bytes``), whether their deltas are one config
+    or three (4-bit 2:4, 2-bit 2:4, 4-bit dense), and a config no slot can hold is refused at inspection."""
+    dense, _ = make_delta(tiny_llama, tmp_path / "dense", seed=35, bits=4, sparse=False)
+    dirs = {D4: variants[D4][0], D2: variants[D2][0], 9: dense}
+    ex = executor_factory(max_deltas=3)
+    assert ex.deltas is not None
+    router = AdapterRouter(ex, dirs, {1: D4, 2: D2, 3: 9})
+    prompt = prompts(1, ex.config.vocab_size, seed=13, lo=6, hi=6)[0]
+    router.run({1: (prompt, 2)})
+    assert ex.deltas.gpu_bytes == ex.delta_reserve_bytes  # every slot's storage, from the first delta
+    router.run({2: (prompt, 2)})
+    router.run({3: (prompt, 2)})
+    assert len(ex.deltas.step.weights) == 3 and sorted(ex.deltas.slot_of) == [D4, D2, 9]
+    assert ex.deltas.gpu_bytes == ex.delta_reserve_bytes, "a second and third config took more"
+    too_wide, _ = make_delta(tiny_llama, tmp_path / "wide", seed=36, bits=4, sparse=False, group_size=32)
+    err = ex.inspect_adapter(str(too_wide), DELTA).error
+    assert err is not None and "more than a delta slot's" in err and "--group-size 64" in err, err
+
+
 def test_max_deltas_flag(tiny_llama: Path, tmp_path: Path) -> None:
     base = ["--model", str(tiny_llama), "--ipc-dir", str(tmp_path)]
     assert WorkerConfig.from_args(base).max_deltas == 3

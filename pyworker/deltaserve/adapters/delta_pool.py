@@ -6,14 +6,15 @@ A delta directory is what ``deltaserve compress`` writes (``compress/delta_dir.p
 and the lineage checks). The router decides where every variant lives (``sched`` crate: at most
 ``--max-deltas N`` deltas on the GPU, DeltaZip's N); this module executes its ``AdapterOp``s for
 delta ids and answers ``InspectAdapter`` for delta directories. Tiers: the router's state machine
-(drawn in ``router/crates/sched/src/adapters.rs``); a delta's ``to_gpu`` names no pages, it fills a
-slot s in [0, N); ``drop_gpu`` frees the slot (its regions are zeroed in place); ``drop_host`` frees
-the host copy (a GPU copy stays valid without it).
+(drawn in ``router/crates/sched/src/adapters.rs``); a delta's ``to_gpu`` names no pages, it fills the
+slot s in [0, N) the router picked (``AdapterOp.slot``; a slot taken here is refused); ``drop_gpu``
+frees the slot; ``drop_host`` frees the host copy (a GPU copy stays valid without it).
 
 GPU storage, per slot s (N slots; slot ids are shared by every linear and every config):
     packed linears  ``weights[(bits, sparse, group)][(layer, proj)]``: a ``kernels.sbmm.DeltaWeights``
-                    of N slots per linear and per packed config, allocated the first time a delta
-                    of that config goes to the GPU (a slot holds a delta in the pool of its config
+                    of N slots per linear and per packed config, every config's a view of the same
+                    arena per linear (``delta_slots.py``): N slots take the bytes the worker reserved
+                    whatever mix of configs fills them (a slot holds a delta in the pool of its config
                     only; the other pools leave that slot empty)
     dense tensors   ``tables`` (``delta_layers.DeltaTables``): one table per tensor with a row block
                     per slot, in the model dtype (norms from start-up; embedding, lm_head and biases
@@ -28,7 +29,8 @@ hold at most ``GRAPH_TILE`` tokens (the CUDA op's one 8-token fragment, fixed at
 
 Only deltas made for this base are accepted (``check_lineage`` against the base directory), in
 mode ``delta`` (a ``--full-weights`` directory is the compressed fine-tune itself, not a delta),
-whose packed tensors are block linears and whose dense tensors are ones ``attach_deltas`` applies.
+whose packed tensors are block linears and fit a slot, and whose dense tensors are ones
+``attach_deltas`` applies.
 
 ``begin_step(rows)`` maps each token run and each logits row (``StepRows``) to its delta's slot
 and fills ``step`` (``DeltaStep``) for an eager forward; ``end_step`` clears it. Loads failing after
@@ -51,13 +53,11 @@ import torch
 from .. import wire
 from ..compress.delta_dir import check_lineage, load_delta, read_manifest
 from ..formats.packed_delta import PackedLinear
-from ..kernels.sbmm import (
-    DeltaMeta, cuda_shape_problem, cuda_tile_cap, dense_min_m, make_delta_weights,
-)
-from ..model.arch import ModelConfig
+from ..kernels.sbmm import DeltaMeta, cuda_shape_problem, cuda_tile_cap, dense_min_m
 from ..model.batch import copy_from_host, host_to_device
 from ..model.decoder import DecoderLM, linear_slots
 from .delta_layers import ConfigKey, DeltaEmbedding, DeltaStep, dense_delta_names, norm_delta_names
+from .delta_slots import DeltaSlots, delta_gpu_bytes
 from .host_tier import HostTier
 from .pinned_arena import PinnedArena, give_back, host_buffer, release_hook
 from .variants import StepRows, VariantKind
@@ -86,22 +86,6 @@ class _GraphRows:
 
 class DeltaError(ValueError):
     """A delta directory this worker cannot serve (the message names the file, field or tensor)."""
-
-
-def delta_gpu_bytes(cfg: ModelConfig, dtype: torch.dtype, bits: int = 4, sparse: bool = True,
-                    group_size: int = 64) -> int:
-    """GPU bytes one delta slot takes for a ``deltaserve compress`` default delta of ``cfg``: every block
-    linear packed (codes, 2:4 indices, fp16 scales and zeros) plus dense embedding, lm_head (untied)
-    and norm deltas in the model dtype. What the worker reserves per ``--max-deltas`` slot."""
-    from .lora import projection_features
-
-    kept = 0.5 if sparse else 1.0
-    per_param = kept * bits / 8 + (kept * 4 / 16 if sparse else 0) + 4 / group_size  # codes, indices, scales+zeros
-    linears = sum(i * o for i, o in projection_features(cfg).values()) * cfg.num_layers
-    item = torch.empty((), dtype=dtype).element_size()
-    dense = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    dense += cfg.hidden_size * (2 * cfg.num_layers + 1)
-    return int(linears * per_param) + dense * item
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,15 +118,21 @@ class DeltaPlacements:
         return {}
 
     def problem(self, op: wire.AdapterOp) -> str | None:
+        """Why ``op.slot`` cannot take the delta: no slot named, pages named, all slots or that one taken."""
         if op.block_ids:
             return "a delta takes a delta slot, not pool pages: block_ids must be empty"
         if len(self.slot_of) >= self.max_deltas:
             return f"all {self.max_deltas} delta slots (--max-deltas) are taken"
+        if op.slot is None or not 0 <= op.slot < self.max_deltas:
+            return f"slot {op.slot} is not one of the {self.max_deltas} delta slots (--max-deltas)"
+        holder = next((d for d, s in self.slot_of.items() if s == op.slot), None)
+        if holder is not None:
+            return f"delta slot {op.slot} holds delta {holder}"
         return None
 
     def place(self, op: wire.AdapterOp) -> None:
-        taken = set(self.slot_of.values())
-        self.slot_of[op.adapter_id] = next(s for s in range(self.max_deltas) if s not in taken)
+        assert op.slot is not None  # problem() refused a to_gpu without one
+        self.slot_of[op.adapter_id] = op.slot
 
     def remove(self, variant_id: int) -> None:
         del self.slot_of[variant_id]
@@ -169,6 +159,8 @@ class DeltaPool:
         """HF projections a packed delta may target."""
         self.step = DeltaStep()
         """What the delta-aware modules read; its pools and tables are this pool's."""
+        self.slots = DeltaSlots(self.config, max_deltas, device)
+        """The packed linears' slot arenas, which every config's pools view."""
         self.step.tables.norms = {n: torch.zeros(max_deltas + 1, self.config.hidden_size, dtype=dtype, device=device)
                                   for n in norm_delta_names(model)}  # fmt: skip
         self.head_name = DeltaEmbedding.NAME if self.config.tie_word_embeddings else "lm_head.weight"
@@ -217,6 +209,10 @@ class DeltaPool:
         if missing:
             raise DeltaError(f"{path}: {len(missing)} block linears have no packed delta, e.g. '{missing[0]}' "
                              "(deltaserve compress packs every one)")
+        comp = manifest["compression"]
+        problem = self.slots.fits(int(comp["bits"]), comp["sparsity"] == "2:4", int(comp["group_size"]))
+        if problem is not None:
+            raise DeltaError(f"{path}: {problem}")
         return manifest
 
     def inspect(self, path: str | Path) -> wire.AdapterInfo:
@@ -297,31 +293,41 @@ class DeltaPool:
     # ------------------------------------------------------------------ GPU tier
 
     @property
+    def gpu_bytes(self) -> int:
+        """Device bytes the pool holds: the slot arenas and the dense tables, each storage once (after
+        the first ``to_gpu``, ``delta_slots.reserve_bytes``; the CPU path's dequantised reference
+        caches are not device memory and not counted)."""
+        t = self.step.tables
+        tensors = [*self.slots.arenas.values(), *t.norms.values(), *t.biases.values(), t.embed, t.head]
+        storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors if x is not None}
+        return sum(storages.values())
+
+    @property
     def gpu(self) -> set[int]:
         """Delta ids resident in GPU slots."""
         return set(self.slot_of)
 
-    def to_gpu(self, delta_id: int) -> None:
-        """Copies the host copy into a free slot of every pool of its config (allocating the pools the
-        first time the config is seen) and its dense deltas to the device."""
+    def to_gpu(self, delta_id: int, slot: int) -> None:
+        """Copies the host copy into slot ``slot`` (the router's pick) of every pool of its config (the
+        config's views of the slot arenas made the first time it is seen) and its dense deltas to the
+        device. ValueError for a slot out of range or taken, or a delta already on the GPU."""
         if delta_id in self.slot_of:
             raise ValueError(f"delta {delta_id} is already on the GPU")
-        free = [s for s in range(self.max_deltas) if s not in self.slot_of.values()]
-        if not free:
-            raise ValueError(f"no free delta slot for delta {delta_id}: all {self.max_deltas} (--max-deltas) are taken")
+        if not 0 <= slot < self.max_deltas:
+            raise ValueError(f"delta {delta_id}: slot {slot} is not one of the {self.max_deltas} delta slots")
+        holder = next((d for d, s in self.slot_of.items() if s == slot), None)
+        if holder is not None:
+            raise ValueError(f"delta {delta_id}: delta slot {slot} holds delta {holder}")
         copy = self.wait_host(delta_id)
-        slot = free[0]
         pools = self.step.weights.get(copy.key)
         if pools is None:
-            pools = {}
-            for k, p in copy.packed.items():
-                pools[k] = make_delta_weights([p if s == slot else None for s in range(self.max_deltas)], self.device)
-                if self.device.type == "cpu":  # sbmm_ref serves: dequantise each delta once, not every step
-                    pools[k].cache_reference()
+            pools = self.slots.pools(copy.key, copy.packed)
+            if self.device.type == "cpu":  # sbmm_ref serves: dequantise each delta once, not every step
+                for w in pools.values():
+                    w.cache_reference()
             self.step.weights[copy.key] = pools
-        else:
-            for k, p in copy.packed.items():  # every delta packs every block linear (_validate)
-                pools[k].store(slot, p.to(self.device))
+        for k, p in copy.packed.items():  # every delta packs every block linear (_validate)
+            pools[k].store(slot, p.to(self.device))
         self._fill_tables(slot, copy.dense)
         self.slot_of[delta_id] = slot
         self.key_of[delta_id] = copy.key
@@ -377,7 +383,8 @@ class DeltaPool:
         if move is wire.TierOp.TO_HOST:
             self.to_host(op.adapter_id, op.path)
         elif move is wire.TierOp.TO_GPU:
-            self.to_gpu(op.adapter_id)
+            assert op.slot is not None  # the plan check refused a delta's to_gpu without a slot
+            self.to_gpu(op.adapter_id, op.slot)
         elif move is wire.TierOp.DROP_GPU:
             self.drop_gpu(op.adapter_id)
         else:
@@ -523,3 +530,6 @@ class DeltaPool:
 
     def close(self) -> None:
         self.host.close()
+
+
+__all__ = ["DeltaError", "DeltaHostCopy", "DeltaPlacements", "DeltaPool", "GRAPH_TILE", "HEAD_TILE", "delta_gpu_bytes"]

@@ -33,7 +33,8 @@ import torch
 
 from deltaserve import wire
 from deltaserve.adapters.delta_layers import attach_deltas
-from deltaserve.adapters.delta_pool import DeltaPool, delta_gpu_bytes
+from deltaserve.adapters.delta_pool import DeltaPool
+from deltaserve.adapters.delta_slots import reserve_bytes
 from deltaserve.adapters.lora_layers import attach_lora
 from deltaserve.adapters.lora_pool import LoraPool
 from deltaserve.adapters.pinned_arena import PinnedArena, slack_for
@@ -121,8 +122,9 @@ class Executor:
         """Wall time to load the weights."""
         self.sampler = Sampler(self.device, seed)
         """Token sampling with the worker-global generator."""
-        self.delta_reserve_bytes = max_deltas * delta_gpu_bytes(self.config, self.dtype)
-        """GPU bytes the auto KV budget leaves for ``max_deltas`` 4-bit 2:4 deltas (their slots)."""
+        self.delta_reserve_bytes = reserve_bytes(self.model, self.dtype, max_deltas)
+        """GPU bytes the auto KV budget leaves for the ``max_deltas`` delta slots: all the delta pool
+        allocates, whatever packed configs its deltas have (``adapters/delta_slots.py``)."""
         budget = kv_budget(self.model, self.sampler, device=self.device, dtype=self.dtype, block_size=block_size,
                            max_num_batched_tokens=max_num_batched_tokens, kv_cache_bytes=kv_cache_bytes,
                            gpu_memory_utilization=gpu_memory_utilization, reserve_bytes=self.delta_reserve_bytes)

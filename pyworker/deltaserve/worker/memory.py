@@ -7,7 +7,7 @@ vLLM::
     gpu_memory_utilization x total
       - memory in use after loading the weights        (torch.cuda.mem_get_info: other processes count)
       - activation peak of the worst steps we expect   (profiled: max_memory_allocated around forwards)
-      - what the variant pools may take besides pages  (the delta slots: ``delta_gpu_bytes`` each)
+      - what the variant pools may take besides pages  (the delta slots: ``delta_slots.reserve_bytes``)
 
 LoRA adapters take pages of the KV pool itself, which the router allocates, so they reserve nothing
 here; every other byte the router may make the worker allocate must be in the last term.

@@ -45,11 +45,11 @@ pub(crate) fn wire_plan(step: ScheduledStep, sampling: impl Fn(u64) -> SamplingP
 
 /// The wire form of a scheduler's adapter op.
 fn wire_op(op: AdapterOp) -> wire::AdapterOp {
-    let (tier_op, path, block_ids) = match op.kind {
-        AdapterOpKind::ToHost { path } => (TierOp::ToHost, path, Vec::new()),
-        AdapterOpKind::ToGpu { block_ids } => (TierOp::ToGpu, String::new(), block_ids),
-        AdapterOpKind::DropGpu => (TierOp::DropGpu, String::new(), Vec::new()),
-        AdapterOpKind::DropHost => (TierOp::DropHost, String::new(), Vec::new()),
+    let (tier_op, path, block_ids, slot) = match op.kind {
+        AdapterOpKind::ToHost { path } => (TierOp::ToHost, path, Vec::new(), None),
+        AdapterOpKind::ToGpu { block_ids, slot } => (TierOp::ToGpu, String::new(), block_ids, slot),
+        AdapterOpKind::DropGpu => (TierOp::DropGpu, String::new(), Vec::new(), None),
+        AdapterOpKind::DropHost => (TierOp::DropHost, String::new(), Vec::new(), None),
     };
     wire::AdapterOp {
         adapter_id: op.adapter_id,
@@ -57,7 +57,7 @@ fn wire_op(op: AdapterOp) -> wire::AdapterOp {
         path,
         block_ids,
         kind: wire_kind(op.variant),
-        slot: None,
+        slot,
     }
 }
 
@@ -111,7 +111,10 @@ mod tests {
                 AdapterOp {
                     adapter_id: 2,
                     variant: VariantKind::Lora,
-                    kind: AdapterOpKind::ToGpu { block_ids: vec![1] },
+                    kind: AdapterOpKind::ToGpu {
+                        block_ids: vec![1],
+                        slot: None,
+                    },
                 },
                 AdapterOp {
                     adapter_id: 1,

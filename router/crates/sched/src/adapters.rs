@@ -6,7 +6,8 @@
 //!
 //! On the GPU the two kinds live in different places: a LoRA adapter in `num_blocks` pages of
 //! the one pool that also holds the KV cache, a delta in one of the worker's `max_deltas` delta
-//! slots (DeltaZip; no pool pages: its `num_blocks` is 0 and its `ToGpu` carries no page ids).
+//! slots (DeltaZip; no pool pages: its `num_blocks` is 0 and its `ToGpu` carries no page ids but
+//! the slot). The table picks both, pages and slots: the worker allocates nothing it decides.
 //! Host copies of both kinds share the one host budget (`host_adapter_bytes`).
 //!
 //! Residency of one adapter (the router's accounting; the worker follows the ops):
@@ -91,12 +92,15 @@ pub enum AdapterOpKind {
         /// The adapter's directory (PEFT or delta).
         path: String,
     },
-    /// Copy the host copy into these pool pages, in order (LoRA), or into a free delta slot
+    /// Copy the host copy into these pool pages, in order (LoRA), or into delta slot `slot`
     /// (delta: `block_ids` empty). A `ToHost` came earlier and no `DropHost` since.
     ToGpu {
         /// The pages, `AdapterSpec::num_blocks` of them; the same ids as KV pages. Empty for a
         /// delta.
         block_ids: Vec<u32>,
+        /// The delta slot, in `0..max_deltas`, free until now (the lowest free one); `None` for
+        /// a LoRA adapter.
+        slot: Option<u32>,
     },
     /// Forget the GPU placement; a LoRA adapter's pages already belong to the router again, a
     /// delta's slot is free.
@@ -130,6 +134,8 @@ pub struct AdapterResidency<'a> {
     pub on_host: bool,
     /// The pool pages holding its weights, when GPU-resident (empty for a resident delta).
     pub gpu_blocks: Option<&'a [u32]>,
+    /// The delta slot holding it, when it is a GPU-resident delta.
+    pub delta_slot: Option<u32>,
 }
 
 /// One registered adapter.
@@ -145,6 +151,8 @@ pub(crate) struct Adapter {
     pub(crate) host_loading: bool,
     /// Its pool pages while GPU-resident (an empty list for a delta in its slot).
     pub(crate) gpu_blocks: Option<Vec<u32>>,
+    /// Its delta slot while it is a GPU-resident delta.
+    pub(crate) delta_slot: Option<u32>,
     /// Live (waiting + running) requests naming it; unregistering waits for 0.
     pub(crate) users: usize,
     /// Running requests naming it; its GPU copy is pinned while non-zero.
@@ -183,8 +191,8 @@ pub(crate) struct AdapterTable {
     gpu_blocks: u32,
     /// GPU-resident LoRA adapters (in pool pages).
     on_gpu: usize,
-    /// GPU-resident deltas (each in one worker delta slot); at most `max_deltas`.
-    deltas_on_gpu: usize,
+    /// Delta slot -> the GPU-resident delta in it; at most `max_deltas` slots, each below it.
+    delta_slots: BTreeMap<u32, u32>,
     /// Adapters with a host copy.
     on_host: usize,
     /// Source of `last_use` stamps.
@@ -265,6 +273,7 @@ impl AdapterTable {
                 on_host: false,
                 host_loading: false,
                 gpu_blocks: None,
+                delta_slot: None,
                 users: 0,
                 running: 0,
                 last_use: 0,
@@ -395,7 +404,7 @@ impl AdapterTable {
 
     /// GPU-resident deltas (delta slots taken).
     pub(crate) fn num_deltas_on_gpu(&self) -> usize {
-        self.deltas_on_gpu
+        self.delta_slots.len()
     }
 
     /// Adapters with a host copy.
@@ -405,7 +414,8 @@ impl AdapterTable {
 
     /// Table-level invariants: totals match the entries, the host budget holds, every
     /// GPU-resident adapter owns exactly its `num_blocks` pages in `blocks` (none for a delta),
-    /// at most `max_deltas` deltas are GPU-resident, and a running user implies GPU residency.
+    /// every GPU-resident delta (and only those) holds its own slot below `max_deltas`, and a
+    /// running user implies GPU residency.
     /// Returns the number of pages adapters own.
     pub(crate) fn check(
         &self,
@@ -451,10 +461,35 @@ impl AdapterTable {
                         }
                     }
                     pages += p.len() as u64;
-                    match a.spec.kind {
-                        VariantKind::Lora => on_gpu += 1,
-                        VariantKind::Delta => deltas_on_gpu += 1,
+                    match (a.spec.kind, a.delta_slot) {
+                        (VariantKind::Lora, None) => on_gpu += 1,
+                        (VariantKind::Delta, Some(slot)) => {
+                            if slot as usize >= cfg.max_deltas {
+                                return Err(format!(
+                                    "delta {id} is in slot {slot}, outside max_deltas {}",
+                                    cfg.max_deltas
+                                ));
+                            }
+                            if self.delta_slots.get(&slot) != Some(&id) {
+                                return Err(format!(
+                                    "delta {id} is in slot {slot}, which the table gives to {:?}",
+                                    self.delta_slots.get(&slot)
+                                ));
+                            }
+                            deltas_on_gpu += 1;
+                        }
+                        (kind, slot) => {
+                            return Err(format!(
+                                "GPU-resident {kind:?} adapter {id} has delta slot {slot:?}"
+                            ));
+                        }
                     }
+                }
+                None if a.delta_slot.is_some() => {
+                    return Err(format!(
+                        "adapter {id} is off the GPU but holds delta slot {:?}",
+                        a.delta_slot
+                    ));
                 }
                 None if a.running > 0 => {
                     return Err(format!(
@@ -479,10 +514,10 @@ impl AdapterTable {
                 self.host_bytes, self.gpu_blocks, self.on_gpu, self.on_host
             ));
         }
-        if deltas_on_gpu != self.deltas_on_gpu {
+        if deltas_on_gpu != self.delta_slots.len() {
             return Err(format!(
-                "{} deltas counted on the GPU, the entries say {deltas_on_gpu}",
-                self.deltas_on_gpu
+                "{} delta slots taken, the entries say {deltas_on_gpu}",
+                self.delta_slots.len()
             ));
         }
         if deltas_on_gpu > cfg.max_deltas {

@@ -158,6 +158,7 @@ impl Scheduler {
         self.adapters.map.get(&id).map(|a| AdapterResidency {
             on_host: a.on_host,
             gpu_blocks: a.gpu_blocks.as_deref(),
+            delta_slot: a.delta_slot,
         })
     }
 

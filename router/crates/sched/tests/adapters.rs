@@ -141,7 +141,8 @@ fn a_cold_adapter_loads_to_host_then_gpu_and_a_warm_one_needs_no_ops() {
     assert_eq!(
         st.adapter_ops[1].kind,
         AdapterOpKind::ToGpu {
-            block_ids: vec![0, 1]
+            block_ids: vec![0, 1],
+            slot: None
         }
     );
     assert_eq!(st.new[0].adapter_id, 1);

@@ -154,7 +154,7 @@ fn at_most_max_deltas_are_resident_and_only_idle_ones_are_evicted_lru_first() {
     assert_eq!(ops(&st), ["to_host:1", "to_gpu:1", "to_host:2", "to_gpu:2"]);
     assert!(
         st.adapter_ops.iter().all(|op| match &op.kind {
-            deltaserve_sched::AdapterOpKind::ToGpu { block_ids } => block_ids.is_empty(),
+            deltaserve_sched::AdapterOpKind::ToGpu { block_ids, .. } => block_ids.is_empty(),
             _ => true,
         }),
         "a delta's to_gpu names no pages"

@@ -77,10 +77,11 @@ impl AdapterTable {
     }
 
     /// Places `id` (host copy present, not GPU-resident) into freshly allocated pages (a LoRA
-    /// adapter) or a delta slot (a delta) and marks it as loaded by the step being formed. The
-    /// caller made sure the pages, or a slot, are free.
+    /// adapter) or the lowest free delta slot (a delta) and marks it as loaded by the step being
+    /// formed. The caller made sure the pages, or a slot, are free.
     pub(crate) fn load_gpu(&mut self, id: u32, blocks: &mut BlockAllocator, ops: &mut StepOps) {
         let form = self.form;
+        let slot = (self.get(id).spec.kind == VariantKind::Delta).then(|| self.lowest_free_slot());
         let a = self.get_mut(id);
         debug_assert!(
             a.on_host,
@@ -95,21 +96,35 @@ impl AdapterTable {
             "adapter {id}: {n} free pages were checked by the caller"
         );
         a.gpu_blocks = Some(pages.clone());
+        a.delta_slot = slot;
         a.step_mark = form;
         // The worker's `ToGpu` waits for the read, so the copy is ready for every later step.
         a.host_loading = false;
         let variant = a.spec.kind;
-        match variant {
-            VariantKind::Lora => self.on_gpu += 1,
-            VariantKind::Delta => self.deltas_on_gpu += 1,
+        match slot {
+            None => self.on_gpu += 1,
+            Some(s) => {
+                self.delta_slots.insert(s, id);
+            }
         }
         self.gpu_blocks += n;
         self.gpu_loads += 1;
         ops.loads.push(AdapterOp {
             adapter_id: id,
             variant,
-            kind: AdapterOpKind::ToGpu { block_ids: pages },
+            kind: AdapterOpKind::ToGpu {
+                block_ids: pages,
+                slot,
+            },
         });
+    }
+
+    /// The lowest delta slot no delta holds (the caller checked one is free below `max_deltas`).
+    fn lowest_free_slot(&self) -> u32 {
+        (0..)
+            .zip(self.delta_slots.keys())
+            .find(|(want, &taken)| *want != taken)
+            .map_or(self.delta_slots.len() as u32, |(free, _)| free)
     }
 
     /// Frees the pages (or the delta slot) of GPU-resident `id` (no running request may use
@@ -122,9 +137,11 @@ impl AdapterTable {
         );
         let pages = a.gpu_blocks.take().expect("adapter is GPU-resident");
         let variant = a.spec.kind;
-        match variant {
-            VariantKind::Lora => self.on_gpu -= 1,
-            VariantKind::Delta => self.deltas_on_gpu -= 1,
+        match a.delta_slot.take() {
+            None => self.on_gpu -= 1,
+            Some(s) => {
+                self.delta_slots.remove(&s);
+            }
         }
         blocks.release(PageOwner::Adapter(id), &pages);
         self.gpu_blocks -= pages.len() as u32;
@@ -173,7 +190,7 @@ impl AdapterTable {
 
     /// Whether one more delta may be placed on the GPU without evicting one.
     pub(crate) fn delta_slot_free(&self, max_deltas: usize) -> bool {
-        self.deltas_on_gpu < max_deltas
+        self.delta_slots.len() < max_deltas
     }
 
     /// Whether `id` is a registered delta.
@@ -228,11 +245,12 @@ impl AdapterTable {
             }
             a.on_host = false;
             a.host_loading = false;
+            a.delta_slot = None;
         }
         self.host_bytes = 0;
         self.gpu_blocks = 0;
         self.on_gpu = 0;
-        self.deltas_on_gpu = 0;
+        self.delta_slots.clear();
         self.on_host = 0;
     }
 }
@@ -300,10 +318,23 @@ mod tests {
         assert_eq!(blocks.num_free(), 6, "only the LoRA adapter took pages");
         assert_eq!((t.num_on_gpu(), t.num_deltas_on_gpu()), (1, 2));
         assert!(!t.delta_slot_free(2));
-        assert!(ops
-            .loads
-            .iter()
-            .any(|op| op.adapter_id == 2 && op.kind == AdapterOpKind::ToGpu { block_ids: vec![] }));
+        let to_gpu = |id: u32| -> Vec<AdapterOpKind> {
+            let ops = ops.loads.iter().filter(|op| op.adapter_id == id);
+            let kinds = ops.map(|op| op.kind.clone());
+            kinds
+                .filter(|k| matches!(k, AdapterOpKind::ToGpu { .. }))
+                .collect()
+        };
+        let slot = |s| AdapterOpKind::ToGpu {
+            block_ids: vec![],
+            slot: Some(s),
+        };
+        assert_eq!(to_gpu(2), [slot(0)], "a delta takes a slot, no pages");
+        assert_eq!(to_gpu(3), [slot(1)]);
+        assert!(
+            matches!(&to_gpu(1)[..], [AdapterOpKind::ToGpu { slot: None, .. }]),
+            "a LoRA adapter has no slot"
+        );
         t.begin_step();
         // Pages come from LoRA adapters only; slots from deltas only.
         assert_eq!(t.lru_idle_gpu(0), Some(1));
@@ -317,6 +348,17 @@ mod tests {
         let mut drops = StepOps::default();
         t.evict_gpu(3, &mut blocks, &mut drops);
         assert!(t.delta_slot_free(2));
+        // The freed slot is the lowest free one: the next delta takes it.
+        t.register(4, delta(10), &cfg).unwrap();
+        t.load_host(4, &mut ops);
+        t.load_gpu(4, &mut blocks, &mut ops);
+        assert_eq!(
+            (t.get(2).delta_slot, t.get(4).delta_slot),
+            (Some(0), Some(1))
+        );
+        t.begin_step();
+        let mut drops = StepOps::default();
+        t.evict_gpu(4, &mut blocks, &mut drops);
         assert_eq!(t.check(&blocks, &cfg), Ok(2));
         let no_slots = SchedulerConfig {
             max_deltas: 0,

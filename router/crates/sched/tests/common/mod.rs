@@ -10,7 +10,7 @@
 
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 use deltaserve_sched::{
     AdapterOpKind, AdapterSpec, PageOwner, ScheduledStep, Scheduler, SchedulerConfig, SeqRequest,
@@ -138,8 +138,9 @@ pub struct FakeWorker {
     pub host: BTreeMap<u32, AdapterSpec>,
     /// GPU placements: adapter id -> its pages (none for a delta in its slot).
     pub gpu: BTreeMap<u32, Vec<u32>>,
-    /// Deltas in delta slots (a subset of `gpu`'s keys), at most `cfg.max_deltas`.
-    pub delta_slots: BTreeSet<u32>,
+    /// Deltas in delta slots (a subset of `gpu`'s keys) -> the slot each holds: distinct slots
+    /// below `cfg.max_deltas`, as the scheduler picked them.
+    pub delta_slots: BTreeMap<u32, u32>,
     /// Most deltas ever in slots at once.
     pub max_deltas_seen: usize,
     /// Tokens computed for requests with an adapter (cumulative).
@@ -161,7 +162,7 @@ impl FakeWorker {
             disk: BTreeMap::new(),
             host: BTreeMap::new(),
             gpu: BTreeMap::new(),
-            delta_slots: BTreeSet::new(),
+            delta_slots: BTreeMap::new(),
             max_deltas_seen: 0,
             adapter_tokens: 0,
             op_counts: [0; 4],
@@ -204,6 +205,7 @@ impl FakeWorker {
     pub fn assert_matches(&self, s: &Scheduler, ids: impl IntoIterator<Item = u32>) {
         let mut want_host = Vec::new();
         let mut want_gpu = BTreeMap::new();
+        let mut want_slots = BTreeMap::new();
         for id in ids {
             let r = s
                 .adapter_residency(id)
@@ -214,6 +216,9 @@ impl FakeWorker {
             if let Some(p) = r.gpu_blocks {
                 want_gpu.insert(id, p.to_vec());
             }
+            if let Some(s) = r.delta_slot {
+                want_slots.insert(id, s);
+            }
         }
         assert_eq!(
             self.host.keys().copied().collect::<Vec<_>>(),
@@ -223,6 +228,7 @@ impl FakeWorker {
         assert_eq!(self.gpu, want_gpu, "GPU placements differ");
         assert_eq!(self.host_bytes(), s.stats().host_adapter_bytes);
         assert_eq!(self.delta_slots.len(), s.stats().deltas_on_gpu);
+        assert_eq!(self.delta_slots, want_slots, "delta slots differ");
     }
 
     /// Applies the step's adapter ops in order, checking each against the contract.
@@ -260,7 +266,7 @@ impl FakeWorker {
                     }
                     self.op_counts[0] += 1;
                 }
-                AdapterOpKind::ToGpu { block_ids } => {
+                AdapterOpKind::ToGpu { block_ids, slot } => {
                     let spec = self.host.get(&id).unwrap_or_else(|| {
                         panic!("to_gpu of adapter {id} with no host copy (no to_host, or dropped)")
                     });
@@ -288,8 +294,22 @@ impl FakeWorker {
                             step.step_id,
                             self.cfg.max_deltas
                         );
-                        self.delta_slots.insert(id);
+                        let s =
+                            slot.unwrap_or_else(|| panic!("to_gpu of delta {id} names no slot"));
+                        assert!(
+                            s < self.cfg.max_deltas as u32,
+                            "delta {id} in slot {s} >= max_deltas"
+                        );
+                        if let Some((other, _)) = self.delta_slots.iter().find(|(_, &t)| t == s) {
+                            panic!("slot {s} given to delta {id} while delta {other} holds it");
+                        }
+                        self.delta_slots.insert(id, s);
                         self.max_deltas_seen = self.max_deltas_seen.max(self.delta_slots.len());
+                    } else {
+                        assert_eq!(
+                            *slot, None,
+                            "to_gpu of LoRA adapter {id} names a delta slot"
+                        );
                     }
                     assert!(
                         !self.gpu.contains_key(&id),

@@ -88,11 +88,11 @@ pub(super) fn wire_plan(
 
 /// The wire form of a scheduler's adapter op.
 fn wire_op(op: SchedAdapterOp) -> wire::AdapterOp {
-    let (tier_op, path, block_ids) = match op.kind {
-        AdapterOpKind::ToHost { path } => (TierOp::ToHost, path, Vec::new()),
-        AdapterOpKind::ToGpu { block_ids } => (TierOp::ToGpu, String::new(), block_ids),
-        AdapterOpKind::DropGpu => (TierOp::DropGpu, String::new(), Vec::new()),
-        AdapterOpKind::DropHost => (TierOp::DropHost, String::new(), Vec::new()),
+    let (tier_op, path, block_ids, slot) = match op.kind {
+        AdapterOpKind::ToHost { path } => (TierOp::ToHost, path, Vec::new(), None),
+        AdapterOpKind::ToGpu { block_ids, slot } => (TierOp::ToGpu, String::new(), block_ids, slot),
+        AdapterOpKind::DropGpu => (TierOp::DropGpu, String::new(), Vec::new(), None),
+        AdapterOpKind::DropHost => (TierOp::DropHost, String::new(), Vec::new(), None),
     };
     wire::AdapterOp {
         adapter_id: op.adapter_id,
@@ -100,7 +100,7 @@ fn wire_op(op: SchedAdapterOp) -> wire::AdapterOp {
         path,
         block_ids,
         kind: wire_kind(op.variant),
-        slot: None,
+        slot,
     }
 }
 
@@ -154,12 +154,23 @@ mod tests {
                 SchedAdapterOp {
                     adapter_id: 2,
                     variant: SchedKind::Lora,
-                    kind: AdapterOpKind::ToGpu { block_ids: vec![1] },
+                    kind: AdapterOpKind::ToGpu {
+                        block_ids: vec![1],
+                        slot: None,
+                    },
                 },
                 SchedAdapterOp {
                     adapter_id: 1,
                     variant: SchedKind::Delta,
                     kind: AdapterOpKind::DropGpu,
+                },
+                SchedAdapterOp {
+                    adapter_id: 3,
+                    variant: SchedKind::Delta,
+                    kind: AdapterOpKind::ToGpu {
+                        block_ids: vec![],
+                        slot: Some(1),
+                    },
                 },
                 SchedAdapterOp {
                     adapter_id: 1,
@@ -189,6 +200,7 @@ mod tests {
                 ("to_host", "/a", &[][..]),
                 ("to_gpu", "", &[1][..]),
                 ("drop_gpu", "", &[][..]),
+                ("to_gpu", "", &[][..]),
                 ("drop_host", "", &[][..]),
             ]
         );
@@ -196,8 +208,14 @@ mod tests {
         let (lora, delta) = (wire::VariantKind::Lora, wire::VariantKind::Delta);
         assert_eq!(
             kinds,
-            [lora, lora, delta, delta],
+            [lora, lora, delta, delta, delta],
             "each op names its variant's kind"
+        );
+        let slots: Vec<Option<u32>> = plan.adapter_ops.iter().map(|o| o.slot).collect();
+        assert_eq!(
+            slots,
+            [None, None, None, Some(1), None],
+            "a delta's to_gpu names its slot"
         );
         for kind in wire::VariantKind::ALL {
             assert_eq!(wire_kind(sched_kind(*kind)), *kind);
