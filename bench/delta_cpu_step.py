@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = p.parse_args(argv)
     threads = torch.get_num_threads()
     ex = Executor(default_out_dir(), device="cpu", dtype="float32", block_size=16)
-    info = ex.inspect_adapter(str(args.delta), wire.VariantKind.DELTA)
+    info = ex.inspect_variant(str(args.delta), wire.VariantKind.DELTA)
     if info.error:
         raise SystemExit(info.error)
     delta = wire.VariantKind.DELTA

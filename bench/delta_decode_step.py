@@ -87,7 +87,7 @@ def place(ex: Executor, dirs: dict[int, Path], step_id: int) -> None:
     """Loads every delta to host and into a GPU slot through one plan's ops (what the router sends)."""
     ops = []
     for slot, (aid, d) in enumerate(dirs.items()):
-        info = ex.inspect_adapter(str(d), wire.VariantKind.DELTA)
+        info = ex.inspect_variant(str(d), wire.VariantKind.DELTA)
         if info.error is not None:
             raise SystemExit(f"delta {aid} refused by the executor: {info.error}")
         ops.append(wire.AdapterOp(aid, wire.TierOp.TO_HOST, str(d), [], wire.VariantKind.DELTA))
@@ -101,7 +101,7 @@ def time_case(ex: Executor, args, ids: list[int], first_id: int) -> list[float]:
 
 def load_time(ex: Executor, path: Path, delta_id: int, sync) -> dict:
     """Disk -> host (read, validate, pin) once, then host -> a free GPU slot best of 5."""
-    pool = ex.deltas
+    pool = ex.delta_pool
     assert pool is not None
     t0 = time.perf_counter()
     pool.to_host(delta_id, path)
@@ -133,7 +133,7 @@ def load_time(ex: Executor, path: Path, delta_id: int, sync) -> dict:
 
 def release(ex: Executor) -> None:
     """Stops the executor's loader threads; the caller drops its last reference, then ``free_device``."""
-    for pool in (ex.deltas, ex.adapters):
+    for pool in (ex.delta_pool, ex.lora_pool):
         if pool is not None:
             pool.close()
 

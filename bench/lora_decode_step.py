@@ -49,7 +49,7 @@ def place(ex: Executor, dirs: dict[int, Path], first_page: int) -> int:
     """Loads every adapter to host and GPU through one plan's ops; returns the next free page."""
     ops, page = [], first_page
     for aid, d in dirs.items():
-        info = ex.inspect_adapter(str(d))
+        info = ex.inspect_variant(str(d))
         assert info.error is None, info.error
         ops.append(wire.AdapterOp(aid, wire.TierOp.TO_HOST, str(d), []))
         ops.append(wire.AdapterOp(aid, wire.TierOp.TO_GPU, "", list(range(page, page + info.num_blocks))))
@@ -84,10 +84,10 @@ def load_times(ex: Executor, cfg: dict, root: Path, ranks: list[int], first_page
     rows = []
     for j, r in enumerate(ranks):
         d = write_random_lora_dir(root / f"load-r{r}", cfg, r, SEVEN, seed=r)
-        info = ex.inspect_adapter(str(d))
+        info = ex.inspect_variant(str(d))
         assert info.error is None, info.error
         aid = 10_000 + j
-        pool = ex.adapters
+        pool = ex.lora_pool
         t0 = time.perf_counter()
         pool.to_host(aid, d)
         host = pool.wait_host(aid)

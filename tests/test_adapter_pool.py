@@ -93,7 +93,7 @@ def first_fit_pages(adapter, features, order, region: int) -> int:
 
 def test_layout_rows_inside_own_pages_and_offsets_point_at_the_weights(make_executor, dirs) -> None:
     ex = make_executor()
-    pool, cfg = ex.adapters, ex.config
+    pool, cfg = ex.lora_pool, ex.config
     S, NB = pool.region_elems, ex.kv.num_blocks
     free = list(range(ex.num_blocks))
     random.Random(1).shuffle(free)
@@ -101,7 +101,7 @@ def test_layout_rows_inside_own_pages_and_offsets_point_at_the_weights(make_exec
     for aid, name in enumerate(SPECS, start=1):
         ad = load_lora_adapter(dirs[name], cfg)
         loaded[aid] = ad
-        info = ex.inspect_adapter(str(dirs[name]))
+        info = ex.inspect_variant(str(dirs[name]))
         assert info.error is None
         assert info.num_blocks == first_fit_pages(ad, pool.features, pool.order, S)
         assert info.max_rank == ad.max_rank and set(info.target_modules) == set(ad.target_modules)
@@ -140,7 +140,7 @@ def test_layout_rows_inside_own_pages_and_offsets_point_at_the_weights(make_exec
 def test_inspect_reports_footprint_and_errors_and_changes_nothing(make_executor, dirs, tmp_path: Path) -> None:
     ex = make_executor()
     cfg = ex.config
-    info = ex.inspect_adapter(str(dirs["qv"]))
+    info = ex.inspect_variant(str(dirs["qv"]))
     # q and v, rank 8: 8 A rows of 64 + 8 B^T rows of (64 for q, 32 for v), per layer, float32.
     slots = linear_slots(cfg)
     per_layer = 8 * (cfg.hidden_size + slots["q_proj"].size) + 8 * (cfg.hidden_size + slots["v_proj"].size)
@@ -148,13 +148,13 @@ def test_inspect_reports_footprint_and_errors_and_changes_nothing(make_executor,
     assert (info.max_rank, info.target_modules) == (8, ["q_proj", "v_proj"])
 
     missing = tmp_path / "gone"
-    assert str(missing) in ex.inspect_adapter(str(missing)).error
+    assert str(missing) in ex.inspect_variant(str(missing)).error
     dora = tmp_path / "dora"
     shutil.copytree(dirs["qv"], dora)
     conf = json.loads((dora / "adapter_config.json").read_text())
     conf["use_dora"] = True
     (dora / "adapter_config.json").write_text(json.dumps(conf))
-    err = ex.inspect_adapter(str(dora)).error
+    err = ex.inspect_variant(str(dora)).error
     assert "dora" in err and "use_dora" in err
     # Values are checked too (by the native reader the host tier packs with), without loading them.
     nan = tmp_path / "nan"
@@ -163,32 +163,32 @@ def test_inspect_reports_footprint_and_errors_and_changes_nothing(make_executor,
     key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
     tensors[key][5, 3] = float("nan")
     save_file(tensors, nan / "adapter_model.safetensors")
-    err = ex.inspect_adapter(str(nan)).error
+    err = ex.inspect_variant(str(nan)).error
     assert str(nan) in err and f"'{key}' contains non-finite values" in err and "[5, 3]" in err
 
     low = make_executor(max_lora_rank=8)
-    err = low.inspect_adapter(str(dirs["all"])).error
+    err = low.inspect_variant(str(dirs["all"])).error
     assert "--max-lora-rank 8" in err and "rank 16" in err and str(dirs["all"]) in err
-    assert low.inspect_adapter(str(dirs["qv"])).error is None  # rank 8 fits exactly
+    assert low.inspect_variant(str(dirs["qv"])).error is None  # rank 8 fits exactly
 
     # block_size 1: a page half holds 1 x 2 kv heads x 16 = 32 elements, a q row has 64.
     narrow = make_executor(block_size=1)
-    err = narrow.inspect_adapter(str(dirs["qv"])).error
+    err = narrow.inspect_variant(str(dirs["qv"])).error
     assert "raise --block-size" in err and "q_proj" in err and "32" in err
 
-    assert len(ex.adapters.host) == 0 and ex.adapters.gpu == {} and ex.adapter_host_bytes == 0
+    assert len(ex.lora_pool.host) == 0 and ex.lora_pool.gpu == {} and ex.variant_host_bytes == 0
     off = make_executor(max_lora_rank=0)
-    assert off.adapters is None and "--max-lora-rank 0" in off.inspect_adapter(str(dirs["qv"])).error
+    assert off.lora_pool is None and "--max-lora-rank 0" in off.inspect_variant(str(dirs["qv"])).error
 
 
 def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     ex = make_executor()
-    size = {n: ex.inspect_adapter(str(dirs[n])).host_bytes for n in ("qv", "all")}
+    size = {n: ex.inspect_variant(str(dirs[n])).host_bytes for n in ("qv", "all")}
     out = ops(ex, wire.AdapterOp(1, wire.TierOp.TO_HOST, str(dirs["qv"]), []),
               wire.AdapterOp(2, wire.TierOp.TO_HOST, str(dirs["all"]), []))
     assert out.adapter_host_bytes == size["qv"] + size["all"]  # counted while loading, too
-    ex.adapters.wait_host(1), ex.adapters.wait_host(2)
-    assert ex.adapter_host_bytes == size["qv"] + size["all"]
+    ex.lora_pool.wait_host(1), ex.lora_pool.wait_host(2)
+    assert ex.variant_host_bytes == size["qv"] + size["all"]
     out2 = ops(ex, wire.AdapterOp(1, wire.TierOp.DROP_HOST, "", []))
     assert out2.adapter_host_bytes == size["all"]
     # Finished reads are reported once each (in the output after they finish), a dropped one never
@@ -197,30 +197,30 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     assert sorted(out.host_ready + out2.host_ready) in ([1, 2], [2])
 
     # A GPU placement outlives its host copy.
-    n = ex.inspect_adapter(str(dirs["all"])).num_blocks
+    n = ex.inspect_variant(str(dirs["all"])).num_blocks
     ops(ex, wire.AdapterOp(2, wire.TierOp.TO_GPU, "", list(range(10, 10 + n))),
         wire.AdapterOp(2, wire.TierOp.DROP_HOST, "", []))
-    assert ex.adapter_host_bytes == 0 and set(ex.adapters.gpu) == {2}
-    assert set(ex.adapters.page_owner) == set(range(10, 10 + n))
+    assert ex.variant_host_bytes == 0 and set(ex.lora_pool.gpu) == {2}
+    assert set(ex.lora_pool.page_owner) == set(range(10, 10 + n))
 
     # A directory that vanished after registration: the load fails in the background, to_gpu raises.
     gone = tmp_path / "vanishing"
     shutil.copytree(dirs["qv"], gone)
-    assert ex.inspect_adapter(str(gone)).error is None
+    assert ex.inspect_variant(str(gone)).error is None
     shutil.rmtree(gone)
     ops(ex, wire.AdapterOp(3, wire.TierOp.TO_HOST, str(gone), []))
     with pytest.raises(AdapterLoadError, match="vanishing"):
-        ex.adapters.wait_host(3)
-    assert ex.adapter_host_bytes == 0
+        ex.lora_pool.wait_host(3)
+    assert ex.variant_host_bytes == 0
     assert ops(ex).host_ready == [3], "a failed read is reported too: its to_gpu says why"
     with pytest.raises(AdapterLoadError, match=r"adapter 3: loading .*vanishing"):
         ops(ex, wire.AdapterOp(3, wire.TierOp.TO_GPU, "", [0, 1, 2]))
-    assert set(ex.adapters.gpu) == {2}
+    assert set(ex.lora_pool.gpu) == {2}
 
     # Values changed after registration: the background read refuses them, naming the tensor.
     spoiled = tmp_path / "spoiled"
     shutil.copytree(dirs["qv"], spoiled)
-    assert ex.inspect_adapter(str(spoiled)).error is None
+    assert ex.inspect_variant(str(spoiled)).error is None
     tensors = load_file(spoiled / "adapter_model.safetensors")
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     tensors[key][0, 0] = float("inf")
@@ -233,10 +233,10 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     # a config deleted since is served as registered; weights of another shape are refused by name.
     replanned = tmp_path / "replanned"
     shutil.copytree(dirs["qv"], replanned)
-    assert ex.inspect_adapter(str(replanned)).error is None
+    assert ex.inspect_variant(str(replanned)).error is None
     (replanned / "adapter_config.json").unlink()
     ops(ex, wire.AdapterOp(5, wire.TierOp.TO_HOST, str(replanned), []))
-    assert ex.adapters.wait_host(5).packed.shape == (ex.config.num_layers, ex.adapters.plans[str(replanned)].layout.packed_elems)
+    assert ex.lora_pool.wait_host(5).packed.shape == (ex.config.num_layers, ex.lora_pool.plans[str(replanned)].layout.packed_elems)
     tensors = load_file(replanned / "adapter_model.safetensors")
     tensors[key] = torch.zeros(4, tensors[key].shape[1])  # rank 8 -> 4
     save_file(tensors, replanned / "adapter_model.safetensors")
@@ -251,45 +251,45 @@ def test_host_copies_come_from_the_arena_and_go_back(make_executor, dirs, tmp_pa
     bytes as copies allocated on their own, rows past a smaller rank zeroed even in reused memory, a
     copy that does not fit allocated on its own, and the memory of dropped or failed reads reusable.
     The arena is the host budget plus ``slack_for`` it (here without, to run it full)."""
-    assert make_executor(host_arena_bytes=1 << 20).adapters.arena.capacity == (1 << 20) + slack_for(1 << 20)
+    assert make_executor(host_arena_bytes=1 << 20).lora_pool.arena.capacity == (1 << 20) + slack_for(1 << 20)
     monkeypatch.setattr(executor_module, "slack_for", lambda budget: 0)
     ref = make_executor()
-    size = {n: ref.inspect_adapter(str(dirs[n])).host_bytes for n in SPECS}
+    size = {n: ref.inspect_variant(str(dirs[n])).host_bytes for n in SPECS}
     ops(ref, *(wire.AdapterOp(i, wire.TierOp.TO_HOST, str(dirs[n]), []) for i, n in enumerate(SPECS, start=1)))
-    want = {n: ref.adapters.wait_host(i).packed for i, n in enumerate(SPECS, start=1)}
+    want = {n: ref.lora_pool.wait_host(i).packed for i, n in enumerate(SPECS, start=1)}
 
     aligned = {n: -(-b // ALIGN) * ALIGN for n, b in size.items()}
     ex = make_executor(host_arena_bytes=aligned["pattern"] + aligned["all"])
-    arena = ex.adapters.arena
+    arena = ex.lora_pool.arena
     assert arena is not None and not arena.pinned, "pinned only on CUDA"
     ops(ex, wire.AdapterOp(1, wire.TierOp.TO_HOST, str(dirs["pattern"]), []))
-    first = ex.adapters.wait_host(1).packed
+    first = ex.lora_pool.wait_host(1).packed
     assert arena.owns(first) and torch.equal(first, want["pattern"])
     ops(ex, wire.AdapterOp(1, wire.TierOp.DROP_HOST, "", []))
     assert arena.free_bytes == arena.capacity
     first.fill_(float("nan"))  # what a reused region holds before the next read
     ops(ex, wire.AdapterOp(2, wire.TierOp.TO_HOST, str(dirs["pattern"]), []))
-    again = ex.adapters.wait_host(2).packed  # best fit: the region just given back (all of the arena)
+    again = ex.lora_pool.wait_host(2).packed  # best fit: the region just given back (all of the arena)
     ops(ex, wire.AdapterOp(3, wire.TierOp.TO_HOST, str(dirs["all"]), []))
     assert again.data_ptr() == first.data_ptr() and torch.equal(again, want["pattern"]), "unused rows not zeroed"
-    assert arena.owns(ex.adapters.wait_host(3).packed) and torch.equal(ex.adapters.wait_host(3).packed, want["all"])
+    assert arena.owns(ex.lora_pool.wait_host(3).packed) and torch.equal(ex.lora_pool.wait_host(3).packed, want["all"])
     assert arena.free_bytes == 0
     ops(ex, wire.AdapterOp(4, wire.TierOp.TO_HOST, str(dirs["qv"]), []))  # no room left: allocated on its own
-    own = ex.adapters.wait_host(4).packed
+    own = ex.lora_pool.wait_host(4).packed
     assert not arena.owns(own) and torch.equal(own, want["qv"])
-    assert ex.adapter_host_bytes == size["pattern"] + size["all"] + size["qv"]
+    assert ex.variant_host_bytes == size["pattern"] + size["all"] + size["qv"]
 
     # A read that fails gives its region back; the placement of an arena copy is the same as ``ref``'s.
     ops(ex, wire.AdapterOp(3, wire.TierOp.DROP_HOST, "", []))
     gone = tmp_path / "vanishing"
     shutil.copytree(dirs["all"], gone)
-    assert ex.inspect_adapter(str(gone)).error is None
+    assert ex.inspect_variant(str(gone)).error is None
     (gone / "adapter_model.safetensors").write_bytes(b"")
     ops(ex, wire.AdapterOp(5, wire.TierOp.TO_HOST, str(gone), []))
     with pytest.raises(AdapterLoadError):
-        ex.adapters.wait_host(5)
+        ex.lora_pool.wait_host(5)
     assert arena.free_bytes == aligned["all"]
-    n = ex.inspect_adapter(str(dirs["pattern"])).num_blocks
+    n = ex.inspect_variant(str(dirs["pattern"])).num_blocks
     ops(ex, wire.AdapterOp(2, wire.TierOp.TO_GPU, "", list(range(n))))
     ops(ref, wire.AdapterOp(3, wire.TierOp.TO_GPU, "", list(range(n))))
     assert torch.equal(ex.kv.kv, ref.kv.kv)
@@ -301,10 +301,10 @@ def test_a_dropped_executor_frees_its_pool_at_once(make_executor, dirs) -> None:
     the KV pool's device memory it views) goes at once, not at the next cyclic garbage collection
     (benchmarks build one executor after another on one GPU)."""
     ex = make_executor(host_arena_bytes=1 << 20)
-    n = ex.inspect_adapter(str(dirs["qv"])).num_blocks
+    n = ex.inspect_variant(str(dirs["qv"])).num_blocks
     place(ex, 1, dirs["qv"], list(range(n)))
     ops(ex, wire.AdapterOp(1, wire.TierOp.DROP_HOST, "", []))  # through the release hook
-    pool = weakref.ref(ex.adapters)
+    pool = weakref.ref(ex.lora_pool)
     gc.disable()
     try:
         del ex
@@ -333,7 +333,7 @@ def _run_all(ex: Executor, segments, decode: bool, seed: int = 0) -> dict[tuple[
     """Every adapted linear on a random x under the step ``segments``: (x, output) per module."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(n for _, n in segments)
-    assert ex.adapters.begin_segments(segments, decode)
+    assert ex.lora_pool.begin_segments(segments, decode)
     try:
         res = {}
         for layer, path, mod, _ in _modules(ex):
@@ -341,7 +341,7 @@ def _run_all(ex: Executor, segments, decode: bool, seed: int = 0) -> dict[tuple[
             res[(layer, path)] = (x, mod(x))
         return res
     finally:
-        ex.adapters.end_step()
+        ex.lora_pool.end_step()
 
 
 def _check_deltas(ex: Executor, res, token_adapter: list[int], loaded) -> None:
@@ -362,7 +362,7 @@ def test_linears_add_each_tokens_delta_and_survive_replacement_and_kv_writes(mak
     cfg = ex.config
     names = {1: "qv", 2: "all", 3: "pattern"}
     loaded = {aid: load_lora_adapter(dirs[n], cfg) for aid, n in names.items()}
-    need = {aid: ex.inspect_adapter(str(dirs[n])).num_blocks for aid, n in names.items()}
+    need = {aid: ex.inspect_variant(str(dirs[n])).num_blocks for aid, n in names.items()}
     free = list(range(ex.num_blocks))
     random.Random(3).shuffle(free)
     pages = {aid: [free.pop() for _ in range(need[aid])] for aid in names}
@@ -372,9 +372,9 @@ def test_linears_add_each_tokens_delta_and_survive_replacement_and_kv_writes(mak
     # Inactive: every adapted linear is exactly its base.
     x = torch.randn(3, cfg.hidden_size)
     qkv = ex.model.model.layers[0].self_attn.qkv_proj
-    assert not ex.adapters.step.active
+    assert not ex.lora_pool.step.active
     assert torch.equal(qkv(x), torch.nn.functional.linear(x, qkv.weight, qkv.bias))
-    assert not ex.adapters.begin_segments([(0, 4)], False) and not ex.adapters.step.active
+    assert not ex.lora_pool.begin_segments([(0, 4)], False) and not ex.lora_pool.step.active
 
     prefill = [(0, 2), (1, 3), (3, 2), (2, 1), (1, 1)]  # adapter 1's tokens in two runs
     prefill_tokens = [a for a, n in prefill for _ in range(n)]
@@ -405,27 +405,27 @@ def test_linears_add_each_tokens_delta_and_survive_replacement_and_kv_writes(mak
     _check_deltas(ex, ref, [a for a, n in only12 for _ in range(n)], loaded)
 
     # Slots: at most max_loras_per_step (3) distinct adapters per step, reused while resident.
-    slot_before = dict(ex.adapters.slot_of)
+    slot_before = dict(ex.lora_pool.slot_of)
     _run_all(ex, [(2, 1), (1, 1)], True)
-    assert ex.adapters.slot_of == slot_before and 3 not in ex.adapters.slot_of
+    assert ex.lora_pool.slot_of == slot_before and 3 not in ex.lora_pool.slot_of
     ops(ex, wire.AdapterOp(3, wire.TierOp.TO_GPU, "", pages[3]))  # its host copy is still there
     _check_deltas(ex, _run_all(ex, prefill, False, seed=5), prefill_tokens, loaded)
     with pytest.raises(ValueError, match="not on the GPU"):
-        ex.adapters.begin_segments([(9, 1)], True)
-    assert not ex.adapters.step.active
+        ex.lora_pool.begin_segments([(9, 1)], True)
+    assert not ex.lora_pool.step.active
 
 
 def test_one_slot_is_refilled_as_steps_alternate_adapters(make_executor, dirs) -> None:
     ex = make_executor(max_loras_per_step=1)
     loaded = {1: load_lora_adapter(dirs["qv"], ex.config), 2: load_lora_adapter(dirs["all"], ex.config)}
-    place(ex, 1, dirs["qv"], list(range(0, ex.inspect_adapter(str(dirs["qv"])).num_blocks)))
-    place(ex, 2, dirs["all"], list(range(100, 100 + ex.inspect_adapter(str(dirs["all"])).num_blocks)))
+    place(ex, 1, dirs["qv"], list(range(0, ex.inspect_variant(str(dirs["qv"])).num_blocks)))
+    place(ex, 2, dirs["all"], list(range(100, 100 + ex.inspect_variant(str(dirs["all"])).num_blocks)))
     for step, aid in enumerate([1, 2, 2, 1]):
         segs = [(0, 1), (aid, 2)]
         _check_deltas(ex, _run_all(ex, segs, False, seed=step), [0, aid, aid], loaded)
-        assert ex.adapters.slot_of == {aid: 0}
+        assert ex.lora_pool.slot_of == {aid: 0}
     with pytest.raises(ValueError, match="--max-loras-per-step 1"):
-        ex.adapters.begin_segments([(1, 1), (2, 1)], True)
+        ex.lora_pool.begin_segments([(1, 1), (2, 1)], True)
 
 
 def test_triton_kernels_over_the_pool_match_the_reference(make_executor, dirs) -> None:
@@ -434,8 +434,8 @@ def test_triton_kernels_over_the_pool_match_the_reference(make_executor, dirs) -
 
     ex = make_executor(max_lora_rank=16, max_loras_per_step=2)
     loaded = {1: load_lora_adapter(dirs["qv"], ex.config), 2: load_lora_adapter(dirs["all"], ex.config)}
-    place(ex, 1, dirs["qv"], list(range(0, ex.inspect_adapter(str(dirs["qv"])).num_blocks)))
-    place(ex, 2, dirs["all"], list(range(200, 200 + ex.inspect_adapter(str(dirs["all"])).num_blocks)))
+    place(ex, 1, dirs["qv"], list(range(0, ex.inspect_variant(str(dirs["qv"])).num_blocks)))
+    place(ex, 2, dirs["all"], list(range(200, 200 + ex.inspect_variant(str(dirs["all"])).num_blocks)))
     previous = kernel_common.set_backend("triton")
     try:
         prefill = _run_all(ex, [(1, 2), (0, 1), (2, 3)], False, seed=6)

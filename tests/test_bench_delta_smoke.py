@@ -56,7 +56,7 @@ def test_random_delta_dir_is_a_delta_the_worker_serves(
 
     ex = Executor(tiny_llama, device="cpu", dtype="float32", block_size=4, kv_cache_bytes=2 << 20)
     delta = wire.VariantKind.DELTA
-    info = ex.inspect_adapter(str(d), delta)
+    info = ex.inspect_variant(str(d), delta)
     assert info.error is None and info.kind == delta and info.summary.startswith(f"{bits}-bit")
     ex.step(
         wire.StepPlan(
@@ -68,7 +68,7 @@ def test_random_delta_dir_is_a_delta_the_worker_serves(
         )
     )
     times = bench_batch(ex, 2, 8, 2, 0, first_id=10, adapter_ids=[5, 0])
-    assert len(times) == 2 and ex.deltas is not None and ex.deltas.slot_of == {5: 0}
+    assert len(times) == 2 and ex.delta_pool is not None and ex.delta_pool.slot_of == {5: 0}
 
 
 def test_random_delta_dir_refuses_a_base_without_weights_and_a_used_out_dir(tiny_llama: Path, tmp_path: Path) -> None:

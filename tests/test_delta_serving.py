@@ -82,7 +82,7 @@ def test_greedy_equals_the_dense_reference_in_transformers(executor_factory, var
             assert got == hf_greedy(ref, prompt, 10), (aid, j)
             outputs.setdefault(aid, []).append(got)
     assert outputs[0] != outputs[D4] != outputs[D2] != outputs[0]  # the deltas change the output
-    assert ex.deltas is not None and sorted(ex.deltas.slot_of) == [D4, D2]
+    assert ex.delta_pool is not None and sorted(ex.delta_pool.slot_of) == [D4, D2]
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_tied", "tiny_qwen2"])
@@ -111,7 +111,7 @@ def test_mixed_batch_matches_each_alone(executor_factory, variants) -> None:
 
     # Together: LoRA and delta host copies carved from one shared host arena (as on a GPU worker).
     shared = executor_factory(host_arena_bytes=64 << 20)
-    assert shared.host_arena is not None and shared.adapters.arena is shared.deltas.arena is shared.host_arena
+    assert shared.host_arena is not None and shared.lora_pool.arena is shared.delta_pool.arena is shared.host_arena
     router = AdapterRouter(shared, dirs, adapter_of, max_num_batched_tokens=7)
     reqs = {i: (p, max_new[i]) for i, p in enumerate(ps)}
     together = router.run_staggered(reqs, {i: i // 3 for i in range(n)}, preempt=6)  # 6 uses the 4-bit delta
@@ -129,44 +129,44 @@ def test_delta_dropped_and_reloaded_gives_the_same_tokens(executor_factory, vari
     router = AdapterRouter(ex, dirs, {1: D4, 2: D2, 3: D4})
     prompt = prompts(1, ex.config.vocab_size, seed=9, lo=10, hi=10)[0]
     first = router.run({1: (prompt, 6)})[1]
-    assert ex.deltas is not None and ex.deltas.slot_of == {D4: 0}
+    assert ex.delta_pool is not None and ex.delta_pool.slot_of == {D4: 0}
     if arena:
-        assert ex.host_arena is not None and ex.host_arena.owns(ex.deltas.wait_host(D4).buf)
+        assert ex.host_arena is not None and ex.host_arena.owns(ex.delta_pool.wait_host(D4).buf)
         held = ex.host_arena.capacity - ex.host_arena.free_bytes
-        assert held >= ex.deltas.wait_host(D4).nbytes
+        assert held >= ex.delta_pool.wait_host(D4).nbytes
     router.evict(D4)
     router.run({2: (prompt, 6)})  # the 2-bit delta now takes slot 0
-    assert ex.deltas.slot_of == {D2: 0} and D4 not in ex.deltas.host
+    assert ex.delta_pool.slot_of == {D2: 0} and D4 not in ex.delta_pool.host
     if arena:  # D4's region went back; D2's is the only one held
-        assert ex.host_arena.capacity - ex.host_arena.free_bytes < held + ex.deltas.wait_host(D2).nbytes
+        assert ex.host_arena.capacity - ex.host_arena.free_bytes < held + ex.delta_pool.wait_host(D2).nbytes
     assert router.run({3: (prompt, 6)})[3] == first
-    assert ex.deltas.slot_of == {D2: 0, D4: 1}
+    assert ex.delta_pool.slot_of == {D2: 0, D4: 1}
 
 
 def test_inspect_reports_and_refuses(executor_factory, variants, tiny_qwen2: Path, tiny_llama: Path,
                                      tmp_path: Path) -> None:
     ex = executor_factory()
-    info = ex.inspect_adapter(str(variants[D4][0]), DELTA)
+    info = ex.inspect_variant(str(variants[D4][0]), DELTA)
     assert info.error is None and info.kind == DELTA and info.num_blocks == 0 and info.max_rank == 0
     assert info.summary.startswith("4-bit 2:4, ") and "smaller than fp16" in info.summary
     assert info.host_bytes > 0 and "q_proj" in info.target_modules
-    lora = ex.inspect_adapter(str(variants[LORA][0]))
+    lora = ex.inspect_variant(str(variants[LORA][0]))
     assert lora.error is None and lora.kind == wire.VariantKind.LORA and lora.summary == "rank 8"
 
     full, _ = make_delta(tiny_llama, tmp_path / "full", seed=5, full_weights=True)
-    assert "not a delta of the base" in ex.inspect_adapter(str(full), DELTA).error
+    assert "not a delta of the base" in ex.inspect_variant(str(full), DELTA).error
     other, _ = make_delta(tiny_qwen2, tmp_path / "qwen", seed=5)
-    err = ex.inspect_adapter(str(other), DELTA).error
+    err = ex.inspect_variant(str(other), DELTA).error
     assert err is not None and "architectures" in err, err
     off = executor_factory(max_deltas=0)
-    off_info = off.inspect_adapter(str(variants[D4][0]), DELTA)
+    off_info = off.inspect_variant(str(variants[D4][0]), DELTA)
     assert "delta serving is off on this worker (--max-deltas 0)" in off_info.error
-    assert off.deltas is None
+    assert off.delta_pool is None
 
 
 def _snapshot(ex: Executor):
-    assert ex.deltas is not None
-    return (copy.deepcopy(ex.requests), sorted(ex.deltas.host), dict(ex.deltas.slot_of), sorted(ex.adapters.host))
+    assert ex.delta_pool is not None
+    return (copy.deepcopy(ex.requests), sorted(ex.delta_pool.host), dict(ex.delta_pool.slot_of), sorted(ex.lora_pool.host))
 
 
 def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, variants) -> None:
@@ -175,7 +175,7 @@ def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, var
     op = delta_op
     ex.step(wire.StepPlan(step_id=1, adapter_ops=[op(D4, TO_HOST, d4, []), op(D4, TO_GPU, "", []),
                                                   op(D2, TO_HOST, d2, [])]))
-    ex.deltas.wait_host(D2)
+    ex.delta_pool.wait_host(D2)
 
     def new_req(rid, aid):
         return wire.NewRequest(req_id=rid, token_ids=[3, 4, 5], num_prompt_tokens=3, num_computed_tokens=0,
@@ -204,7 +204,7 @@ def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, var
     # Swapping the slot's delta in one plan (drop before load) is fine, and serves the new one.
     out = ex.step(wire.StepPlan(step_id=3, adapter_ops=[op(D4, DROP_GPU, "", []), op(D2, TO_GPU, "", [])],
                                 new_requests=[new_req(7, D2)]))
-    assert out.outputs[0].token_id is not None and ex.deltas.slot_of == {D2: 0}
+    assert out.outputs[0].token_id is not None and ex.delta_pool.slot_of == {D2: 0}
 
 
 def test_a_delta_goes_to_the_slot_the_router_names(executor_factory, variants) -> None:
@@ -215,8 +215,8 @@ def test_a_delta_goes_to_the_slot_the_router_names(executor_factory, variants) -
     d4, d2 = (str(variants[a][0]) for a in (D4, D2))
     ex.step(wire.StepPlan(step_id=1, adapter_ops=[delta_op(D4, TO_HOST, d4), delta_op(D4, TO_GPU, slot=1),
                                                   delta_op(D2, TO_HOST, d2)]))
-    assert ex.deltas is not None and ex.deltas.slot_of == {D4: 1}
-    ex.deltas.wait_host(D2)
+    assert ex.delta_pool is not None and ex.delta_pool.slot_of == {D4: 1}
+    ex.delta_pool.wait_host(D2)
     no_slot = wire.AdapterOp(D2, TO_GPU, "", [], DELTA, None)
     for bad, match in [(delta_op(D2, TO_GPU, slot=1), r"to_gpu adapter 3\): delta slot 1 holds delta 2"),
                        (delta_op(D2, TO_GPU, slot=2), r"slot 2 is not one of the 2 delta slots \(--max-deltas\)"),
@@ -226,9 +226,9 @@ def test_a_delta_goes_to_the_slot_the_router_names(executor_factory, variants) -
             ex.step(wire.StepPlan(step_id=2, adapter_ops=[bad]))
         assert before == _snapshot(ex), match
     ex.step(wire.StepPlan(step_id=3, adapter_ops=[delta_op(D2, TO_GPU, slot=0)]))
-    assert ex.deltas.slot_of == {D4: 1, D2: 0}
+    assert ex.delta_pool.slot_of == {D4: 1, D2: 0}
     with pytest.raises(ValueError, match="delta slot 0 holds delta 3"):  # the pool itself refuses too
-        ex.deltas.to_gpu(99, 0)
+        ex.delta_pool.to_gpu(99, 0)
 
 
 def test_deltas_of_any_packed_configs_take_the_reserved_bytes_and_no_more(executor_factory, variants,
@@ -239,17 +239,17 @@ def test_deltas_of_any_packed_configs_take_the_reserved_bytes_and_no_more(execut
     dense, _ = make_delta(tiny_llama, tmp_path / "dense", seed=35, bits=4, sparse=False)
     dirs = {D4: variants[D4][0], D2: variants[D2][0], 9: dense}
     ex = executor_factory(max_deltas=3)
-    assert ex.deltas is not None
+    assert ex.delta_pool is not None
     router = AdapterRouter(ex, dirs, {1: D4, 2: D2, 3: 9})
     prompt = prompts(1, ex.config.vocab_size, seed=13, lo=6, hi=6)[0]
     router.run({1: (prompt, 2)})
-    assert ex.deltas.gpu_bytes == ex.delta_reserve_bytes  # every slot's storage, from the first delta
+    assert ex.delta_pool.gpu_bytes == ex.delta_reserve_bytes  # every slot's storage, from the first delta
     router.run({2: (prompt, 2)})
     router.run({3: (prompt, 2)})
-    assert len(ex.deltas.step.weights) == 3 and sorted(ex.deltas.slot_of) == [D4, D2, 9]
-    assert ex.deltas.gpu_bytes == ex.delta_reserve_bytes, "a second and third config took more"
+    assert len(ex.delta_pool.step.weights) == 3 and sorted(ex.delta_pool.slot_of) == [D4, D2, 9]
+    assert ex.delta_pool.gpu_bytes == ex.delta_reserve_bytes, "a second and third config took more"
     too_wide, _ = make_delta(tiny_llama, tmp_path / "wide", seed=36, bits=4, sparse=False, group_size=32)
-    err = ex.inspect_adapter(str(too_wide), DELTA).error
+    err = ex.inspect_variant(str(too_wide), DELTA).error
     assert err is not None and "more than a delta slot's" in err and "--group-size 64" in err, err
 
 
@@ -289,12 +289,12 @@ def test_a_failed_delta_read_gives_its_arena_region_back(executor_factory, varia
     assert ex.host_arena is not None
     broken = tmp_path / "broken"
     shutil.copytree(variants[D4][0], broken)
-    assert ex.inspect_adapter(str(broken), DELTA).error is None
+    assert ex.inspect_variant(str(broken), DELTA).error is None
     payload = broken / "delta.safetensors"
     payload.write_bytes(payload.read_bytes()[: payload.stat().st_size // 2])  # cut after registration
     ex.step(wire.StepPlan(step_id=1, adapter_ops=[delta_op(D4, TO_HOST, str(broken))]))
     with pytest.raises(AdapterLoadError, match="broken"):
-        ex.deltas.wait_host(D4)
+        ex.delta_pool.wait_host(D4)
     assert ex.host_arena.free_bytes == ex.host_arena.capacity, "the failed read kept its region"
 
 
@@ -310,7 +310,7 @@ def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
     ex.step(wire.StepPlan(step_id=1, adapter_ops=[
         delta_op(aid, move, str(variants[aid][0]) if move is TO_HOST else "", slot=slot)
         for slot, aid in enumerate((D4, D2)) for move in (TO_HOST, TO_GPU)]))
-    pool = ex.deltas
+    pool = ex.delta_pool
     assert pool is not None
     keys = pool.graph_keys([D4, 0, D2, LORA])
     assert keys == ((2, True, 64), (4, True, 64)) and pool.graph_keys([0, LORA]) == ()

@@ -4,7 +4,7 @@ Three adapters made by the ``peft`` library on the tiny Llama (non-zero random A
 visibly changes the output): A = rank 8 on q, v (alpha 16); B = rank 16 on all seven projections
 with rsLoRA (alpha 8); C = rank 4 on gate, up, down with ``rank_pattern`` (down rank 12, up rank 2
 in layer 1). ``SchedDriver`` (``helpers/sched_driver.py``) plays the router with its own scheduler:
-it registers the adapters ``inspect_adapter`` describes, the scheduler gives them pages of the same
+it registers the adapters ``inspect_variant`` describes, the scheduler gives them pages of the same
 pool as KV and sends ``to_host`` / ``to_gpu`` / ``drop_gpu`` / ``drop_host`` in its plans. Checked:
 
 - greedy tokens of each adapter equal HF ``generate`` on the PEFT model itself (unmerged), and
@@ -113,15 +113,15 @@ def test_evicted_adapter_reloaded_on_other_pages_gives_the_same_tokens(executor_
     router.step()
     used = {b for rid in filler for b in ex.requests[rid].block_table}
     assert used & set(old), "the filler's KV should land in the evicted adapter's pages"
-    assert 2 not in ex.adapters.gpu and 2 not in ex.adapters.host
+    assert 2 not in ex.lora_pool.gpu and 2 not in ex.lora_pool.host
     # Loaded again while the fillers still hold those pages.
     again = router.run({2: (prompt, 8)})[2]
-    assert not set(ex.adapters.gpu[2].block_ids) & set(old)
+    assert not set(ex.lora_pool.gpu[2].block_ids) & set(old)
     assert again == first
 
 
 def _snapshot(ex: Executor):
-    pool = ex.adapters
+    pool = ex.lora_pool
     return (copy.deepcopy(ex.requests), sorted(pool.host), {a: g.block_ids for a, g in pool.gpu.items()},
             dict(pool.page_owner), dict(pool.slot_of), ex.kv.kv.clone())
 
@@ -137,7 +137,7 @@ def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> 
     router.step()
     ops = [wire.AdapterOp(2, wire.TierOp.TO_HOST, str(dirs[2]), [])]
     ex.step(wire.StepPlan(step_id=1000, adapter_ops=ops))  # B on host only
-    ex.adapters.wait_host(2)
+    ex.lora_pool.wait_host(2)
     a_pages, kv_page = router.adapter_pages(1), ex.requests[1].block_table[0]
     nb = router.info[2].num_blocks
     good = router.plan()  # request 1's next decode step
@@ -177,7 +177,7 @@ def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> 
         with pytest.raises(PlanError, match=match):
             ex.step(bad)
         assert _same(before, _snapshot(ex)), match
-    assert 2 not in ex.adapters.gpu
+    assert 2 not in ex.lora_pool.gpu
 
     # The good plan still works afterwards, with the adapter's delta.
     out = ex.step(good)
@@ -202,7 +202,7 @@ def test_loop_answers_inspect_and_a_failed_load_is_fatal(executor_factory, dirs,
     ex = executor_factory()
     gone = tmp_path / "gone"
     shutil.copytree(dirs[1], gone)
-    good_info = ex.inspect_adapter(str(gone))
+    good_info = ex.inspect_variant(str(gone))
     frames = [
         wire.InspectAdapter(inspect_id=41, path=str(gone)),
         wire.InspectAdapter(inspect_id=42, path=str(tmp_path / "missing")),

@@ -50,14 +50,14 @@ class SchedDriver:
         for aid, path in self.variants.items():
             # As the router's admin workflow (engine/admin.rs): the marker file says the kind.
             kind = wire.VariantKind.DELTA if (Path(path) / "manifest.json").is_file() else wire.VariantKind.LORA
-            info = executor.inspect_adapter(str(path), kind)
+            info = executor.inspect_variant(str(path), kind)
             assert info.error is None, info.error
             self.info[aid] = info
         hello = executor.hello(wire.SCHEMA_HASH)  # the router sizes its scheduler from the Hello
         self.sched = _native.Scheduler(
             hello.kv.block_size, hello.kv.num_blocks, hello.model.max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_deltas=0 if executor.deltas is None else executor.deltas.max_deltas,
+            max_deltas=0 if executor.delta_pool is None else executor.delta_pool.max_deltas,
         )
         self.outputs: dict[int, list[int]] = {}
         """Output tokens of each request added, as the scheduler appended them."""

@@ -150,23 +150,23 @@ class Executor:
                                           pin=self.device.type == "cuda")
         self.pools: dict[VariantKind, VariantPool] = {}
         """The variant pools by kind: one per kind that is on (the seam, ``adapters/variants.py``)."""
-        self.adapters: LoraPool | None = None
+        self.lora_pool: LoraPool | None = None
         """The LoRA pool; None when LoRA is off (``max_lora_rank`` 0)."""
         if max_lora_rank > 0:
-            self.adapters = LoraPool(
+            self.lora_pool = LoraPool(
                 self.config, self.kv, max_lora_rank=max_lora_rank, max_loras_per_step=max_loras_per_step,
                 max_tokens=max(max_num_batched_tokens, cuda_graph_max_batch), arena=self.host_arena,
                 router_blocks=self.num_blocks,
             )
-            attach_lora(self.model, self.adapters.step, self.adapters.weights)
-            self.pools[VariantKind.LORA] = self.adapters
-        self.deltas: DeltaPool | None = None
+            attach_lora(self.model, self.lora_pool.step, self.lora_pool.weights)
+            self.pools[VariantKind.LORA] = self.lora_pool
+        self.delta_pool: DeltaPool | None = None
         """The delta pool; None when delta serving is off (``max_deltas`` 0)."""
         if max_deltas > 0:
-            self.deltas = DeltaPool(self.model, self.model_dir, max_deltas=max_deltas, device=self.device,
+            self.delta_pool = DeltaPool(self.model, self.model_dir, max_deltas=max_deltas, device=self.device,
                                     dtype=self.dtype, arena=self.host_arena)
-            attach_deltas(self.model, self.deltas.step)
-            self.pools[VariantKind.DELTA] = self.deltas
+            attach_deltas(self.model, self.delta_pool.step)
+            self.pools[VariantKind.DELTA] = self.delta_pool
         limits = [self.config.max_position_embeddings, self.num_blocks * block_size]
         if max_model_len is not None:
             limits.append(max_model_len)
@@ -177,7 +177,7 @@ class Executor:
         if use_graphs:
             self.graphs = DecodeGraphs(
                 self.model, self.kv, cuda_graph_max_batch, self.max_model_len,
-                scratch_slot=self.num_blocks * block_size, lora=self.adapters, deltas=self.deltas,
+                scratch_slot=self.num_blocks * block_size, lora=self.lora_pool, deltas=self.delta_pool,
             )
         self.runner = ForwardRunner(self.model, self.kv, self.sampler, self.pools, self.graphs, block_size)
         """Queues each step's forward and sampling."""
@@ -215,14 +215,14 @@ class Executor:
 
     # ------------------------------------------------------------------ variants
 
-    def inspect_adapter(self, path: str, kind: VariantKind = VariantKind.LORA) -> wire.AdapterInfo:
+    def inspect_variant(self, path: str, kind: VariantKind = VariantKind.LORA) -> wire.AdapterInfo:
         """The answer to ``InspectAdapter`` (``inspect_id`` left 0 for the caller to set): ``path`` validated
         as a variant of ``kind`` (the router tells the kind; its default is the wire's); no state change."""
         pool = self.pools.get(kind)
         return refused_as_off(kind, path) if pool is None else pool.inspect(path)
 
     @property
-    def adapter_host_bytes(self) -> int:
+    def variant_host_bytes(self) -> int:
         """Bytes of variant copies (every kind) in host memory (finished loads measured, running ones
         expected)."""
         return sum(pool.host_bytes for pool in self.pools.values())
@@ -232,7 +232,7 @@ class Executor:
         host reads finished since the previous output."""
         ready = [aid for pool in self.pools.values() for aid in pool.take_finished()]
         return wire.StepOutput(step_id=step_id, outputs=outputs, timing=timing,
-                               adapter_host_bytes=self.adapter_host_bytes, host_ready=ready)
+                               adapter_host_bytes=self.variant_host_bytes, host_ready=ready)
 
     # ------------------------------------------------------------------ handshake
 

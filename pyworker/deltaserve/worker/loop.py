@@ -19,7 +19,7 @@ rings the router created in ``--ipc-dir``)::
       │     └─ anything else (CUDA error, OOM, bug, AdapterLoadError: an adapter op that cannot be
       │        applied, e.g. a to_host whose directory vanished since InspectAdapter)
       │        ──> send WorkerError(fatal) ── exit 1
-      ├─ InspectAdapter ──> finish the step in flight; executor.inspect_adapter(path, kind) ──> send
+      ├─ InspectAdapter ──> finish the step in flight; executor.inspect_variant(path, kind) ──> send
       │                     AdapterInfo(same inspect_id); state unchanged
       ├─ frame that does not decode / unexpected kind ──> finish the step in flight; send
       │                                                  WorkerError(fatal=False); serve on
@@ -166,7 +166,7 @@ class WorkerLoop:
                     log.info("shutdown requested: %s", msg.reason or "(no reason)")
                     return 0
                 if isinstance(msg, wire.InspectAdapter):
-                    info = self.executor.inspect_adapter(msg.path, msg.kind)
+                    info = self.executor.inspect_variant(msg.path, msg.kind)
                     info.inspect_id = msg.inspect_id
                     if info.error is not None:
                         log.warning("adapter %s refused: %s", msg.path, info.error)

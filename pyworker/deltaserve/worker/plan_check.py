@@ -212,11 +212,11 @@ def check_plan(plan: wire.StepPlan, requests: Mapping[int, RequestState], pools:
         if end > known:
             fail(rid, f"schedules tokens up to {end} but only {known} are known")
         check_blocks(rid, list(run.new_block_ids), end, len(state.block_table))
-        check_variant(rid, state.adapter_id)
+        check_variant(rid, state.variant_id)
         check_not_variant_pages(rid, list(run.new_block_ids))
 
     step_variants = {n.adapter_id for n in plan.new_requests if n.num_scheduled_tokens > 0} | {
-        requests[r.req_id].adapter_id for r in plan.running if r.req_id in requests
+        requests[r.req_id].variant_id for r in plan.running if r.req_id in requests
     }
     for kind, pool in pools.items():
         problem = pool.step_problem({v for v in step_variants if after.on_gpu.get(v) == kind})

@@ -33,9 +33,9 @@ class RequestState:
     block_table: list[int]
     #: How to sample this request's tokens.
     sampling: wire.SamplingParams
-    #: The variant (LoRA adapter or delta) this request's tokens run with (GPU-resident whenever the
-    #: request is scheduled), 0 for the base alone.
-    adapter_id: int = 0
+    #: The variant (LoRA adapter or delta; the wire's ``adapter_id``) this request's tokens run with
+    #: (GPU-resident whenever the request is scheduled), 0 for the base alone.
+    variant_id: int = 0
     #: Tokens sampled by a launched step that ``finish`` has not appended yet (0 or 1): they are
     #: known to exist, so the next step may compute them (from the device) before they reach us.
     pending: int = 0
@@ -58,7 +58,7 @@ def admit(requests: dict[int, RequestState], plan: wire.StepPlan) -> list[tuple[
             num_computed=new.num_computed_tokens,
             block_table=list(new.block_ids),
             sampling=new.sampling,
-            adapter_id=new.adapter_id,
+            variant_id=new.adapter_id,
         )
     for run in plan.running:
         requests[run.req_id].block_table.extend(run.new_block_ids)

@@ -109,7 +109,7 @@ class ForwardRunner:
             pending_inputs = (to_device(patch_rows, torch.long, self.device),
                               in_flight.sampled.token_ids.index_select(0, to_device(patch_from, torch.long, self.device)))
         decode = len(samplers) == len(seqs) and all(n == 1 for _, n in scheduled)
-        rows = StepRows([(s.adapter_id, n) for s, n in scheduled], [s.adapter_id for s in samplers], decode)
+        rows = StepRows([(s.variant_id, n) for s, n in scheduled], [s.variant_id for s in samplers], decode)
         with torch.inference_mode():
             logits = self.forward(seqs, rows, pending_inputs)
             if samplers:
