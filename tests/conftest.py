@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: tiny HF checkpoints (with real tokenizers) built once per session.
+"""Shared pytest fixtures: tiny HF checkpoints (with real tokenizers) built once per session, and the
+worker tests' executors on them (``executor_factory``, ``hf_model``: helpers/executors.py).
 
 ``tiny_llama`` is the default model for tests across the project; the others cover the
 architecture table (Llama-3 rope scaling, Mistral sliding window, Qwen2 q/k/v bias, tied
@@ -19,6 +20,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest
 
+from helpers.executors import make_executor
 from helpers.tiny_models import make_tiny_model
 
 # The benchmarks are the `bench` package at the repository root (tests import `from bench import
@@ -55,3 +57,22 @@ def tiny_qwen2(tiny_models_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_tied(tiny_models_dir: Path) -> Path:
     return make_tiny_model(tiny_models_dir, "llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def executor_factory(tiny_llama: Path):
+    """``make(**kw)``: an Executor on the tiny Llama (``helpers.executors.make_executor``)."""
+
+    def make(**kw):
+        return make_executor(tiny_llama, **kw)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama: Path):
+    """The tiny Llama in transformers, float32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()

@@ -21,8 +21,8 @@ from __future__ import annotations
 import gc
 import json
 import random
-import weakref
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deltaserve import wire
-from deltaserve.adapters.pinned_arena import ALIGN, slack_for
 from deltaserve.adapters import AdapterLoadError, DeltaLinear, LoraLinear, load_lora_adapter, lora_delta_ref
+from deltaserve.adapters.pinned_arena import ALIGN, slack_for
 from deltaserve.model.decoder import linear_slots
 from deltaserve.worker import executor as executor_module
 from deltaserve.worker.executor import Executor
@@ -44,15 +44,22 @@ SPECS = {
     "qv": dict(target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16),
     "all": dict(target_modules=SEVEN, r=16, lora_alpha=8, use_rslora=True),
     # q is rank 12 in layer 0 and 4 in layer 1 (rows 4..11 unused there); down is rank 6.
-    "pattern": dict(target_modules=["q_proj", "up_proj", "down_proj"], r=4, lora_alpha=6,
-                    rank_pattern={"layers.0.self_attn.q_proj": 12, "down_proj": 6}),
+    "pattern": dict(
+        target_modules=["q_proj", "up_proj", "down_proj"],
+        r=4,
+        lora_alpha=6,
+        rank_pattern={"layers.0.self_attn.q_proj": 12, "down_proj": 6},
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def dirs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pool_adapters")
-    return {name: make_peft_adapter(tiny_llama, root / name, seed=20 + i, **kw)[1] for i, (name, kw) in enumerate(SPECS.items())}
+    return {
+        name: make_peft_adapter(tiny_llama, root / name, seed=20 + i, **kw)[1]
+        for i, (name, kw) in enumerate(SPECS.items())
+    }
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +139,7 @@ def test_layout_rows_inside_own_pages_and_offsets_point_at_the_weights(make_exec
                     assert torch.equal(flat[layer, a0 : a0 + fin], w.a[j]), (aid, layer, proj, j)
                     assert torch.equal(flat[layer, b0 : b0 + fout], w.b[:, j]), (aid, layer, proj, j)
     intervals.sort()
-    for (s0, e0, a0), (s1, e1, a1) in zip(intervals, intervals[1:]):
+    for (_, e0, a0), (s1, _, a1) in zip(intervals, intervals[1:]):
         assert e0 <= s1, f"rows of adapters {a0} and {a1} overlap at {s1}"
     assert {a for _, _, a in intervals} == set(loaded)
 
@@ -184,8 +191,11 @@ def test_inspect_reports_footprint_and_errors_and_changes_nothing(make_executor,
 def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     ex = make_executor()
     size = {n: ex.inspect_variant(str(dirs[n])).host_bytes for n in ("qv", "all")}
-    out = ops(ex, wire.AdapterOp(1, wire.TierOp.TO_HOST, str(dirs["qv"]), []),
-              wire.AdapterOp(2, wire.TierOp.TO_HOST, str(dirs["all"]), []))
+    out = ops(
+        ex,
+        wire.AdapterOp(1, wire.TierOp.TO_HOST, str(dirs["qv"]), []),
+        wire.AdapterOp(2, wire.TierOp.TO_HOST, str(dirs["all"]), []),
+    )
     assert out.adapter_host_bytes == size["qv"] + size["all"]  # counted while loading, too
     ex.lora_pool.wait_host(1), ex.lora_pool.wait_host(2)
     assert ex.variant_host_bytes == size["qv"] + size["all"]
@@ -198,8 +208,11 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
 
     # A GPU placement outlives its host copy.
     n = ex.inspect_variant(str(dirs["all"])).num_blocks
-    ops(ex, wire.AdapterOp(2, wire.TierOp.TO_GPU, "", list(range(10, 10 + n))),
-        wire.AdapterOp(2, wire.TierOp.DROP_HOST, "", []))
+    ops(
+        ex,
+        wire.AdapterOp(2, wire.TierOp.TO_GPU, "", list(range(10, 10 + n))),
+        wire.AdapterOp(2, wire.TierOp.DROP_HOST, "", []),
+    )
     assert ex.variant_host_bytes == 0 and set(ex.lora_pool.gpu) == {2}
     assert set(ex.lora_pool.page_owner) == set(range(10, 10 + n))
 
@@ -236,17 +249,23 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     assert ex.inspect_variant(str(replanned)).error is None
     (replanned / "adapter_config.json").unlink()
     ops(ex, wire.AdapterOp(5, wire.TierOp.TO_HOST, str(replanned), []))
-    assert ex.lora_pool.wait_host(5).packed.shape == (ex.config.num_layers, ex.lora_pool.plans[str(replanned)].layout.packed_elems)
+    assert ex.lora_pool.wait_host(5).packed.shape == (
+        ex.config.num_layers,
+        ex.lora_pool.plans[str(replanned)].layout.packed_elems,
+    )
     tensors = load_file(replanned / "adapter_model.safetensors")
     tensors[key] = torch.zeros(4, tensors[key].shape[1])  # rank 8 -> 4
     save_file(tensors, replanned / "adapter_model.safetensors")
-    ops(ex, wire.AdapterOp(5, wire.TierOp.DROP_HOST, "", []), wire.AdapterOp(6, wire.TierOp.TO_HOST, str(replanned), []))
+    ops(
+        ex, wire.AdapterOp(5, wire.TierOp.DROP_HOST, "", []), wire.AdapterOp(6, wire.TierOp.TO_HOST, str(replanned), [])
+    )
     with pytest.raises(AdapterLoadError, match=rf"adapter 6: .*'{key}' has shape \[4, 64\], expected \[8, 64\]"):
         ops(ex, wire.AdapterOp(6, wire.TierOp.TO_GPU, "", [0, 1, 2]))
 
 
-def test_host_copies_come_from_the_arena_and_go_back(make_executor, dirs, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_copies_come_from_the_arena_and_go_back(
+    make_executor, dirs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With ``host_arena_bytes`` the host copies are carved from one arena (pinned on CUDA): the same
     bytes as copies allocated on their own, rows past a smaller rank zeroed even in reused memory, a
     copy that does not fit allocated on its own, and the memory of dropped or failed reads reusable.
@@ -295,7 +314,6 @@ def test_host_copies_come_from_the_arena_and_go_back(make_executor, dirs, tmp_pa
     assert torch.equal(ex.kv.kv, ref.kv.kv)
 
 
-
 def test_a_dropped_executor_frees_its_pool_at_once(make_executor, dirs) -> None:
     """No reference cycle through the host tier's release hook: a dropped executor's adapter pool (and
     the KV pool's device memory it views) goes at once, not at the next cyclic garbage collection
@@ -319,8 +337,12 @@ def test_a_dropped_executor_frees_its_pool_at_once(make_executor, dirs) -> None:
 def _modules(ex: Executor) -> list[tuple[int, str, LoraLinear, list[str]]]:
     out = []
     for layer, block in enumerate(ex.model.model.layers):
-        for path, projs in (("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("self_attn.o_proj", ["o_proj"]),
-                            ("mlp.gate_up_proj", ["gate_proj", "up_proj"]), ("mlp.down_proj", ["down_proj"])):
+        for path, projs in (
+            ("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]),
+            ("self_attn.o_proj", ["o_proj"]),
+            ("mlp.gate_up_proj", ["gate_proj", "up_proj"]),
+            ("mlp.down_proj", ["down_proj"]),
+        ):
             mod = block.get_submodule(path)
             if isinstance(mod, DeltaLinear):  # deltas on (the default) wrap the LoRA linear
                 mod = mod.inner
@@ -329,7 +351,9 @@ def _modules(ex: Executor) -> list[tuple[int, str, LoraLinear, list[str]]]:
     return out
 
 
-def _run_all(ex: Executor, segments, decode: bool, seed: int = 0) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+def _run_all(
+    ex: Executor, segments, decode: bool, seed: int = 0
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """Every adapted linear on a random x under the step ``segments``: (x, output) per module."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(n for _, n in segments)

@@ -28,10 +28,11 @@ from deltaserve.worker.config import ConfigError, WorkerConfig
 from deltaserve.worker.executor import Executor, PlanError
 
 pytest.importorskip("peft")
-from helpers.deltas import make_delta  # noqa: E402
-from helpers.peft_adapters import make_peft_adapter  # noqa: E402
-from test_executor import KV_BYTES, executor_factory, hf_greedy, hf_model, prompts  # noqa: E402, F401
 from test_lora_serving import AdapterRouter  # noqa: E402
+
+from helpers.deltas import make_delta  # noqa: E402
+from helpers.executors import KV_BYTES, hf_greedy, prompts  # noqa: E402
+from helpers.peft_adapters import make_peft_adapter  # noqa: E402
 
 LORA, D4, D2 = 1, 2, 3
 """Variant ids of the mixed tests: a LoRA adapter, a 4-bit 2:4 delta, a 2-bit 2:4 delta."""
@@ -40,10 +41,18 @@ TO_HOST, TO_GPU = wire.TierOp.TO_HOST, wire.TierOp.TO_GPU
 DROP_GPU, DROP_HOST = wire.TierOp.DROP_GPU, wire.TierOp.DROP_HOST
 
 
-def delta_op(aid: int, move: wire.TierOp, path: str = "", blocks: list[int] | None = None, *,
-             kind: wire.VariantKind = DELTA, slot: int = 0) -> wire.AdapterOp:
+def delta_op(
+    aid: int,
+    move: wire.TierOp,
+    path: str = "",
+    blocks: list[int] | None = None,
+    *,
+    kind: wire.VariantKind = DELTA,
+    slot: int = 0,
+) -> wire.AdapterOp:
     """An op as the router sends it for a delta (a ``to_gpu`` names its slot, ``slot``)."""
     return wire.AdapterOp(aid, move, path, blocks or [], kind, slot if move is TO_GPU and kind is DELTA else None)
+
 
 pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
 
@@ -52,8 +61,9 @@ pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a 
 def variants(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, Path | None]]:
     """Variant id -> (directory, dense reference directory or None for the LoRA adapter)."""
     root = tmp_path_factory.mktemp("delta_serving")
-    lora = make_peft_adapter(tiny_llama, root / "lora", seed=3, target_modules=["q_proj", "v_proj"], r=8,
-                             lora_alpha=16)[1]
+    lora = make_peft_adapter(
+        tiny_llama, root / "lora", seed=3, target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16
+    )[1]
     return {
         LORA: (lora, None),
         D4: make_delta(tiny_llama, root / "d4", seed=21, bits=4),
@@ -143,8 +153,9 @@ def test_delta_dropped_and_reloaded_gives_the_same_tokens(executor_factory, vari
     assert ex.delta_pool.slot_of == {D2: 0, D4: 1}
 
 
-def test_inspect_reports_and_refuses(executor_factory, variants, tiny_qwen2: Path, tiny_llama: Path,
-                                     tmp_path: Path) -> None:
+def test_inspect_reports_and_refuses(
+    executor_factory, variants, tiny_qwen2: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
     ex = executor_factory()
     info = ex.inspect_variant(str(variants[D4][0]), DELTA)
     assert info.error is None and info.kind == DELTA and info.num_blocks == 0 and info.max_rank == 0
@@ -166,20 +177,34 @@ def test_inspect_reports_and_refuses(executor_factory, variants, tiny_qwen2: Pat
 
 def _snapshot(ex: Executor):
     assert ex.delta_pool is not None
-    return (copy.deepcopy(ex.requests), sorted(ex.delta_pool.host), dict(ex.delta_pool.slot_of), sorted(ex.lora_pool.host))
+    return (
+        copy.deepcopy(ex.requests),
+        sorted(ex.delta_pool.host),
+        dict(ex.delta_pool.slot_of),
+        sorted(ex.lora_pool.host),
+    )
 
 
 def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, variants) -> None:
     ex = executor_factory(max_deltas=1)
     d4, d2, lora = (str(variants[a][0]) for a in (D4, D2, LORA))
     op = delta_op
-    ex.step(wire.StepPlan(step_id=1, adapter_ops=[op(D4, TO_HOST, d4, []), op(D4, TO_GPU, "", []),
-                                                  op(D2, TO_HOST, d2, [])]))
+    ex.step(
+        wire.StepPlan(step_id=1, adapter_ops=[op(D4, TO_HOST, d4, []), op(D4, TO_GPU, "", []), op(D2, TO_HOST, d2, [])])
+    )
     ex.delta_pool.wait_host(D2)
 
     def new_req(rid, aid):
-        return wire.NewRequest(req_id=rid, token_ids=[3, 4, 5], num_prompt_tokens=3, num_computed_tokens=0,
-                               num_scheduled_tokens=3, block_ids=[0], sampling=wire.SamplingParams(), adapter_id=aid)
+        return wire.NewRequest(
+            req_id=rid,
+            token_ids=[3, 4, 5],
+            num_prompt_tokens=3,
+            num_computed_tokens=0,
+            num_scheduled_tokens=3,
+            block_ids=[0],
+            sampling=wire.SamplingParams(),
+            adapter_id=aid,
+        )
 
     cases = [
         ([op(D2, TO_GPU, "", [])], r"all 1 delta slots \(--max-deltas\) are taken"),
@@ -187,8 +212,10 @@ def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, var
         ([op(D4, TO_GPU, "", [])], r"already on the GPU"),
         ([op(D4, TO_HOST, d4, [])], r"already in host memory"),
         ([op(D4, DROP_GPU, "", []), op(D4, DROP_GPU, "", [])], r"drop_gpu adapter 2\): not on the GPU"),
-        ([op(D4, TO_HOST, lora, [], kind=wire.VariantKind.LORA)],
-         r"to_host adapter 2\): the id is a delta on this worker"),  # a LoRA adapter's op
+        (
+            [op(D4, TO_HOST, lora, [], kind=wire.VariantKind.LORA)],
+            r"to_host adapter 2\): the id is a delta on this worker",
+        ),  # a LoRA adapter's op
         ([op(D2, DROP_HOST, "", []), op(D2, TO_GPU, "", [])], r"not in host memory"),
         ([op(D4, DROP_HOST, "", []), op(D4, TO_HOST, "", [])], r"to_host adapter 2\): no path"),
     ]
@@ -202,8 +229,11 @@ def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, var
         ex.step(wire.StepPlan(step_id=2, new_requests=[new_req(7, D2)]))
     assert before == _snapshot(ex)
     # Swapping the slot's delta in one plan (drop before load) is fine, and serves the new one.
-    out = ex.step(wire.StepPlan(step_id=3, adapter_ops=[op(D4, DROP_GPU, "", []), op(D2, TO_GPU, "", [])],
-                                new_requests=[new_req(7, D2)]))
+    out = ex.step(
+        wire.StepPlan(
+            step_id=3, adapter_ops=[op(D4, DROP_GPU, "", []), op(D2, TO_GPU, "", [])], new_requests=[new_req(7, D2)]
+        )
+    )
     assert out.outputs[0].token_id is not None and ex.delta_pool.slot_of == {D2: 0}
 
 
@@ -213,14 +243,19 @@ def test_a_delta_goes_to_the_slot_the_router_names(executor_factory, variants) -
     missing."""
     ex = executor_factory(max_deltas=2)
     d4, d2 = (str(variants[a][0]) for a in (D4, D2))
-    ex.step(wire.StepPlan(step_id=1, adapter_ops=[delta_op(D4, TO_HOST, d4), delta_op(D4, TO_GPU, slot=1),
-                                                  delta_op(D2, TO_HOST, d2)]))
+    ex.step(
+        wire.StepPlan(
+            step_id=1, adapter_ops=[delta_op(D4, TO_HOST, d4), delta_op(D4, TO_GPU, slot=1), delta_op(D2, TO_HOST, d2)]
+        )
+    )
     assert ex.delta_pool is not None and ex.delta_pool.slot_of == {D4: 1}
     ex.delta_pool.wait_host(D2)
     no_slot = wire.AdapterOp(D2, TO_GPU, "", [], DELTA, None)
-    for bad, match in [(delta_op(D2, TO_GPU, slot=1), r"to_gpu adapter 3\): delta slot 1 holds delta 2"),
-                       (delta_op(D2, TO_GPU, slot=2), r"slot 2 is not one of the 2 delta slots \(--max-deltas\)"),
-                       (no_slot, r"slot None is not one of the 2 delta slots")]:
+    for bad, match in [
+        (delta_op(D2, TO_GPU, slot=1), r"to_gpu adapter 3\): delta slot 1 holds delta 2"),
+        (delta_op(D2, TO_GPU, slot=2), r"slot 2 is not one of the 2 delta slots \(--max-deltas\)"),
+        (no_slot, r"slot None is not one of the 2 delta slots"),
+    ]:
         before = _snapshot(ex)
         with pytest.raises(PlanError, match=match):
             ex.step(wire.StepPlan(step_id=2, adapter_ops=[bad]))
@@ -231,8 +266,9 @@ def test_a_delta_goes_to_the_slot_the_router_names(executor_factory, variants) -
         ex.delta_pool.to_gpu(99, 0)
 
 
-def test_deltas_of_any_packed_configs_take_the_reserved_bytes_and_no_more(executor_factory, variants,
-                                                                         tiny_llama: Path, tmp_path: Path) -> None:
+def test_deltas_of_any_packed_configs_take_the_reserved_bytes_and_no_more(
+    executor_factory, variants, tiny_llama: Path, tmp_path: Path
+) -> None:
     """Every packed config's pools are views of one arena per linear: the delta slots take exactly the
     bytes the KV budget left for them (``delta_reserve_bytes``), whether their deltas are one config
     or three (4-bit 2:4, 2-bit 2:4, 4-bit dense), and a config no slot can hold is refused at inspection."""
@@ -261,8 +297,10 @@ def test_max_deltas_flag(tiny_llama: Path, tmp_path: Path) -> None:
         WorkerConfig.from_args(base + ["--max-deltas", "65"])
 
 
-@pytest.mark.skipif(not (os.environ.get("DELTASERVE_TEST_GPU") == "1" and torch.cuda.is_available()),
-                    reason="the Triton SBMM path needs a GPU (make test-gpu)")
+@pytest.mark.skipif(
+    not (os.environ.get("DELTASERVE_TEST_GPU") == "1" and torch.cuda.is_available()),
+    reason="the Triton SBMM path needs a GPU (make test-gpu)",
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_on_cuda_the_triton_path_serves_deltas_like_the_cpu_reference(tiny_llama: Path, variants, dtype: str) -> None:
     """The executor on CUDA (SBMM in Triton, dense deltas on the device) against the same executor on
@@ -307,9 +345,16 @@ def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
     from deltaserve.kernels.sbmm import DeltaMeta
 
     ex = executor_factory()
-    ex.step(wire.StepPlan(step_id=1, adapter_ops=[
-        delta_op(aid, move, str(variants[aid][0]) if move is TO_HOST else "", slot=slot)
-        for slot, aid in enumerate((D4, D2)) for move in (TO_HOST, TO_GPU)]))
+    ex.step(
+        wire.StepPlan(
+            step_id=1,
+            adapter_ops=[
+                delta_op(aid, move, str(variants[aid][0]) if move is TO_HOST else "", slot=slot)
+                for slot, aid in enumerate((D4, D2))
+                for move in (TO_HOST, TO_GPU)
+            ],
+        )
+    )
     pool = ex.delta_pool
     assert pool is not None
     keys = pool.graph_keys([D4, 0, D2, LORA])
@@ -330,8 +375,10 @@ def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
     g = pool.graph_rows
     slots = [s4, -1, s2] + [s4] * 10 + [-1] * 3
     assert g.index[:16].tolist() == [s + 1 for s in slots]
-    cases = [(key, [s if s == slot else -1 for s in slots], GRAPH_TILE, g.metas[key])
-             for key, slot in (((4, True, 64), s4), ((2, True, 64), s2))] + [(None, slots, HEAD_TILE, g.head)]
+    cases = [
+        (key, [s if s == slot else -1 for s in slots], GRAPH_TILE, g.metas[key])
+        for key, slot in (((4, True, 64), s4), ((2, True, 64), s2))
+    ] + [(None, slots, HEAD_TILE, g.head)]
     for key, rows, cap, bufs in cases:
         want = DeltaMeta.rows(rows, "cpu", max_block_m=cap)
         order, tiles, count = bufs

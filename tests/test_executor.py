@@ -8,7 +8,6 @@ the tests exercise the plans the router sends.
 from __future__ import annotations
 
 import copy
-import random
 from pathlib import Path
 
 import pytest
@@ -16,41 +15,12 @@ import torch
 
 from deltaserve import wire
 from deltaserve.worker.executor import Executor, PlanError
+from helpers.executors import KV_BYTES, hf_greedy, prompts
 from helpers.sched_driver import GREEDY, SchedDriver
 
 MiniRouter = SchedDriver
-"""The name ``tests/kernels/test_cuda_graphs.py`` imports."""
-KV_BYTES = 2 << 20
-
-
-@pytest.fixture(scope="module")
-def executor_factory(tiny_llama: Path):
-    def make(**kw) -> Executor:
-        kw.setdefault("kv_cache_bytes", KV_BYTES)
-        return Executor(tiny_llama, device="cpu", dtype="float32", block_size=4, **kw)
-
-    return make
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_llama: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-
-
-def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
-    from transformers import GenerationConfig
-
-    gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), generation_config=gen, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
-
-
-def prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 40) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+"""The name ``tests/kernels/test_cuda_graphs.py`` imports (with ``prompts``)."""
+__all__ = ["KV_BYTES", "MiniRouter", "hf_greedy", "prompts"]  # for the tests that import them from here
 
 
 def test_greedy_matches_hf_generate(executor_factory, hf_model) -> None:
@@ -117,7 +87,11 @@ def test_released_requests_are_dropped(executor_factory) -> None:
     router.apply(ex.step(plan))
     assert 7 not in ex.requests
     with pytest.raises(PlanError, match="does not hold"):
-        ex.step(wire.StepPlan(step_id=100, running=[wire.RunningRequest(req_id=7, num_scheduled_tokens=1, new_block_ids=[])]))
+        ex.step(
+            wire.StepPlan(
+                step_id=100, running=[wire.RunningRequest(req_id=7, num_scheduled_tokens=1, new_block_ids=[])]
+            )
+        )
 
 
 @pytest.mark.parametrize(
@@ -154,9 +128,22 @@ def test_logprobs_reach_the_output(executor_factory, hf_model) -> None:
     ex = executor_factory()
     prompt = [10, 20, 30, 40]
     params = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=3)
-    out = ex.step(wire.StepPlan(step_id=1, new_requests=[wire.NewRequest(
-        req_id=1, token_ids=prompt, num_prompt_tokens=4, num_computed_tokens=0, num_scheduled_tokens=4,
-        block_ids=[0], sampling=params)]))
+    out = ex.step(
+        wire.StepPlan(
+            step_id=1,
+            new_requests=[
+                wire.NewRequest(
+                    req_id=1,
+                    token_ids=prompt,
+                    num_prompt_tokens=4,
+                    num_computed_tokens=0,
+                    num_scheduled_tokens=4,
+                    block_ids=[0],
+                    sampling=params,
+                )
+            ],
+        )
+    )
     (o,) = out.outputs
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, -1].float(), -1)
@@ -180,18 +167,36 @@ def test_bad_plans_raise_and_leave_state_unchanged(executor_factory) -> None:
     vocab, pool = ex.config.vocab_size, ex.kv.num_blocks
 
     def new(req_id=2, tokens=(3, 4, 5), computed=0, scheduled=3, blocks=(pool - 1,)):
-        return wire.NewRequest(req_id=req_id, token_ids=list(tokens), num_prompt_tokens=len(tokens),
-                               num_computed_tokens=computed, num_scheduled_tokens=scheduled,
-                               block_ids=list(blocks), sampling=GREEDY)
+        return wire.NewRequest(
+            req_id=req_id,
+            token_ids=list(tokens),
+            num_prompt_tokens=len(tokens),
+            num_computed_tokens=computed,
+            num_scheduled_tokens=scheduled,
+            block_ids=list(blocks),
+            sampling=GREEDY,
+        )
 
     ok_running = wire.RunningRequest(req_id=1, num_scheduled_tokens=1, new_block_ids=[])
     cases = {
-        "unknown running": ([], [wire.RunningRequest(req_id=77, num_scheduled_tokens=1, new_block_ids=[])], "does not hold"),
+        "unknown running": (
+            [],
+            [wire.RunningRequest(req_id=77, num_scheduled_tokens=1, new_block_ids=[])],
+            "does not hold",
+        ),
         "block outside pool": ([new(blocks=[pool])], [ok_running], "outside the pool"),
         "token >= vocab": ([new(tokens=[3, vocab, 5])], [ok_running], "outside the vocab size"),
         "scheduled beyond known (new)": ([new(scheduled=4)], [ok_running], "only 3 are known"),
-        "scheduled beyond known (running)": ([], [wire.RunningRequest(req_id=1, num_scheduled_tokens=2, new_block_ids=[])], "only 8 are known"),
-        "too few blocks": ([new(tokens=list(range(3, 12)), scheduled=9, blocks=[pool - 1])], [ok_running], "cannot hold"),
+        "scheduled beyond known (running)": (
+            [],
+            [wire.RunningRequest(req_id=1, num_scheduled_tokens=2, new_block_ids=[])],
+            "only 8 are known",
+        ),
+        "too few blocks": (
+            [new(tokens=list(range(3, 12)), scheduled=9, blocks=[pool - 1])],
+            [ok_running],
+            "cannot hold",
+        ),
         "duplicate new": ([new(req_id=1)], [], "already holds"),
     }
     for name, (news, runs, match) in cases.items():
@@ -224,7 +229,11 @@ def test_hello_reports_model_and_kv(executor_factory, tiny_llama: Path) -> None:
     assert hello.model.device == "cpu" and hello.model.num_layers == ex.config.num_layers
     assert hello.model.num_params == sum(p.numel() for p in ex.model.parameters())
     assert hello.kv.block_size == 4
-    assert hello.kv.num_blocks * hello.kv.bytes_per_block <= KV_BYTES < (hello.kv.num_blocks + 1) * hello.kv.bytes_per_block
+    assert (
+        hello.kv.num_blocks * hello.kv.bytes_per_block
+        <= KV_BYTES
+        < (hello.kv.num_blocks + 1) * hello.kv.bytes_per_block
+    )
     assert hello.model.max_model_len == min(512, hello.kv.num_blocks * 4)
     assert executor_factory(max_model_len=100).hello("x").model.max_model_len == 100
     small = executor_factory(kv_cache_bytes=hello.kv.bytes_per_block * 10)
@@ -253,15 +262,42 @@ def test_loop_serves_reports_plan_errors_and_shuts_down(executor_factory) -> Non
     from deltaserve.worker.loop import WorkerLoop
 
     ex = executor_factory()
-    good = wire.StepPlan(step_id=1, new_requests=[wire.NewRequest(
-        req_id=5, token_ids=[3, 4, 5], num_prompt_tokens=3, num_computed_tokens=0, num_scheduled_tokens=3,
-        block_ids=[0], sampling=GREEDY)])
+    good = wire.StepPlan(
+        step_id=1,
+        new_requests=[
+            wire.NewRequest(
+                req_id=5,
+                token_ids=[3, 4, 5],
+                num_prompt_tokens=3,
+                num_computed_tokens=0,
+                num_scheduled_tokens=3,
+                block_ids=[0],
+                sampling=GREEDY,
+            )
+        ],
+    )
     bad = wire.StepPlan(step_id=2, running=[wire.RunningRequest(req_id=5, num_scheduled_tokens=9, new_block_ids=[])])
-    again = wire.StepPlan(step_id=3, new_requests=[wire.NewRequest(
-        req_id=6, token_ids=[7], num_prompt_tokens=1, num_computed_tokens=0, num_scheduled_tokens=1,
-        block_ids=[1], sampling=GREEDY)])
-    frames = [wire.encode(good), b"\x01garbage", wire.encode(bad), wire.encode(again),
-              wire.encode(wire.Shutdown(reason="test"))]
+    again = wire.StepPlan(
+        step_id=3,
+        new_requests=[
+            wire.NewRequest(
+                req_id=6,
+                token_ids=[7],
+                num_prompt_tokens=1,
+                num_computed_tokens=0,
+                num_scheduled_tokens=1,
+                block_ids=[1],
+                sampling=GREEDY,
+            )
+        ],
+    )
+    frames = [
+        wire.encode(good),
+        b"\x01garbage",
+        wire.encode(bad),
+        wire.encode(again),
+        wire.encode(wire.Shutdown(reason="test")),
+    ]
     link = FakeLink(frames)
     assert WorkerLoop(ex, link).run() == 0
     hello, out1, err_frame, err_plan, out3 = link.sent
@@ -282,13 +318,28 @@ def test_loop_launches_the_next_plan_before_answering_the_running_step(executor_
     from deltaserve.worker.loop import WorkerLoop
 
     def plans() -> list[wire.StepPlan]:
-        first = wire.StepPlan(step_id=1, new_requests=[wire.NewRequest(
-            req_id=5, token_ids=[3, 4, 5, 6, 7], num_prompt_tokens=5, num_computed_tokens=0,
-            num_scheduled_tokens=5, block_ids=[0, 1], sampling=GREEDY)])
+        first = wire.StepPlan(
+            step_id=1,
+            new_requests=[
+                wire.NewRequest(
+                    req_id=5,
+                    token_ids=[3, 4, 5, 6, 7],
+                    num_prompt_tokens=5,
+                    num_computed_tokens=0,
+                    num_scheduled_tokens=5,
+                    block_ids=[0, 1],
+                    sampling=GREEDY,
+                )
+            ],
+        )
         # Steps 2 and 3 compute the tokens sampled by 1 and 2, planned before those are known.
-        rest = [wire.StepPlan(step_id=i, running=[wire.RunningRequest(req_id=5, num_scheduled_tokens=1,
-                                                                     new_block_ids=[2] if i == 4 else [])])
-                for i in (2, 3, 4)]
+        rest = [
+            wire.StepPlan(
+                step_id=i,
+                running=[wire.RunningRequest(req_id=5, num_scheduled_tokens=1, new_block_ids=[2] if i == 4 else [])],
+            )
+            for i in (2, 3, 4)
+        ]
         return [first, *rest]
 
     one_at_a_time = executor_factory()
@@ -298,7 +349,9 @@ def test_loop_launches_the_next_plan_before_answering_the_running_step(executor_
     link = FakeLink([wire.encode(p) for p in plans()] + [wire.encode(wire.Shutdown(reason="test"))])
     events: list[tuple[str, int]] = []
     launch = ex.launch
-    monkeypatch.setattr(ex, "launch", lambda plan, in_flight: events.append(("launch", plan.step_id)) or launch(plan, in_flight))
+    monkeypatch.setattr(
+        ex, "launch", lambda plan, in_flight: events.append(("launch", plan.step_id)) or launch(plan, in_flight)
+    )
     send = link.send
     link.send = lambda data: (send(data), events.append(("send", getattr(link.sent[-1], "step_id", 0))))
     # The CPU finishes a step inside launch; pretend the device is busy while frames are waiting.
@@ -307,8 +360,16 @@ def test_loop_launches_the_next_plan_before_answering_the_running_step(executor_
     outs = link.sent[1:]
     assert [o.step_id for o in outs] == [1, 2, 3, 4]
     assert [o.outputs[0].token_id for o in outs] == expected
-    assert events[1:] == [("launch", 1), ("launch", 2), ("send", 1), ("launch", 3), ("send", 2),
-                          ("launch", 4), ("send", 3), ("send", 4)]
+    assert events[1:] == [
+        ("launch", 1),
+        ("launch", 2),
+        ("send", 1),
+        ("launch", 3),
+        ("send", 2),
+        ("launch", 4),
+        ("send", 3),
+        ("send", 4),
+    ]
     assert [o.timing.gap_us for o in outs[1:]] == [0, 0, 0]  # each plan came while a step ran
     assert ex.requests[5].pending == 0 and ex.requests[5].token_ids[5:] == expected
 
@@ -339,9 +400,26 @@ def _worker_cmd(model: Path, ipc_dir: Path, *extra: str) -> tuple[list[str], dic
     env = dict(os.environ)
     src = str(Path(deltaserve.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([src] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    cmd = [sys.executable, "-m", "deltaserve.worker", "--model", str(model), "--ipc-dir", str(ipc_dir),
-           "--device", "cpu", "--dtype", "float32", "--block-size", "4", "--kv-cache-bytes", str(KV_BYTES),
-           "--num-threads", "1", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deltaserve.worker",
+        "--model",
+        str(model),
+        "--ipc-dir",
+        str(ipc_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--block-size",
+        "4",
+        "--kv-cache-bytes",
+        str(KV_BYTES),
+        "--num-threads",
+        "1",
+        *extra,
+    ]
     return cmd, env
 
 
@@ -383,15 +461,35 @@ def test_worker_process_end_to_end(tiny_llama: Path, tmp_path: Path, executor_fa
             router.apply(out)
         assert router.outputs[1] == reference
 
-        link.send(wire.encode(wire.StepPlan(step_id=77, running=[
-            wire.RunningRequest(req_id=12345, num_scheduled_tokens=1, new_block_ids=[])])))
+        link.send(
+            wire.encode(
+                wire.StepPlan(
+                    step_id=77, running=[wire.RunningRequest(req_id=12345, num_scheduled_tokens=1, new_block_ids=[])]
+                )
+            )
+        )
         err = _recv(link)
         assert isinstance(err, wire.WorkerError) and not err.fatal and err.req_ids == [12345] and err.step_id == 77
 
         # Still serving after the recoverable error.
-        link.send(wire.encode(wire.StepPlan(step_id=78, new_requests=[wire.NewRequest(
-            req_id=2, token_ids=[5, 6], num_prompt_tokens=2, num_computed_tokens=0, num_scheduled_tokens=2,
-            block_ids=[0], sampling=GREEDY)])))
+        link.send(
+            wire.encode(
+                wire.StepPlan(
+                    step_id=78,
+                    new_requests=[
+                        wire.NewRequest(
+                            req_id=2,
+                            token_ids=[5, 6],
+                            num_prompt_tokens=2,
+                            num_computed_tokens=0,
+                            num_scheduled_tokens=2,
+                            block_ids=[0],
+                            sampling=GREEDY,
+                        )
+                    ],
+                )
+            )
+        )
         out = _recv(link)
         assert isinstance(out, wire.StepOutput) and out.step_id == 78 and out.outputs[0].token_id is not None
 

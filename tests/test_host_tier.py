@@ -5,9 +5,9 @@ finished loads it lists for ``StepOutput.host_ready``."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -94,7 +94,7 @@ def test_finished_reads_are_listed_once_until_taken() -> None:
     entry = tier.get(7)
     assert entry is not None and entry.future.result().nbytes == 5
     for _ in range(1000):  # the callback runs on the loader thread just after the result is set
-        if (done := tier.take_finished()):
+        if done := tier.take_finished():
             break
         threading.Event().wait(0.001)
     assert done == [7]

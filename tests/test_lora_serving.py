@@ -34,17 +34,21 @@ from deltaserve.worker.config import MAX_LORA_RANK, ConfigError, WorkerConfig
 from deltaserve.worker.executor import Executor, PlanError
 
 peft = pytest.importorskip("peft")
-from test_executor import (  # noqa: E402
-    GREEDY, FakeLink, executor_factory, hf_greedy, hf_model, prompts,
-)
+from test_executor import FakeLink  # noqa: E402
+
+from helpers.executors import hf_greedy, prompts  # noqa: E402
 from helpers.peft_adapters import SEVEN, make_peft_adapter  # noqa: E402
-from helpers.sched_driver import SchedDriver  # noqa: E402
+from helpers.sched_driver import GREEDY, SchedDriver  # noqa: E402
 
 SPECS = {
     1: dict(target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16),
     2: dict(target_modules=SEVEN, r=16, lora_alpha=8, use_rslora=True),
-    3: dict(target_modules=["gate_proj", "up_proj", "down_proj"], r=4, lora_alpha=6,
-            rank_pattern={"down_proj": 12, "layers.1.mlp.up_proj": 2}),
+    3: dict(
+        target_modules=["gate_proj", "up_proj", "down_proj"],
+        r=4,
+        lora_alpha=6,
+        rank_pattern={"down_proj": 12, "layers.1.mlp.up_proj": 2},
+    ),
 }
 
 
@@ -56,7 +60,9 @@ AdapterRouter = SchedDriver
 def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, torch.nn.Module]]:
     """Adapter id -> (PEFT dir, the PEFT model itself: HF base + unmerged LoRA layers)."""
     root = tmp_path_factory.mktemp("lora_serving")
-    return {aid: make_peft_adapter(tiny_llama, root / f"a{aid}", seed=10 + aid, **kw)[::-1] for aid, kw in SPECS.items()}
+    return {
+        aid: make_peft_adapter(tiny_llama, root / f"a{aid}", seed=10 + aid, **kw)[::-1] for aid, kw in SPECS.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +128,14 @@ def test_evicted_adapter_reloaded_on_other_pages_gives_the_same_tokens(executor_
 
 def _snapshot(ex: Executor):
     pool = ex.lora_pool
-    return (copy.deepcopy(ex.requests), sorted(pool.host), {a: g.block_ids for a, g in pool.gpu.items()},
-            dict(pool.page_owner), dict(pool.slot_of), ex.kv.kv.clone())
+    return (
+        copy.deepcopy(ex.requests),
+        sorted(pool.host),
+        {a: g.block_ids for a, g in pool.gpu.items()},
+        dict(pool.page_owner),
+        dict(pool.slot_of),
+        ex.kv.kv.clone(),
+    )
 
 
 def _same(a, b) -> bool:
@@ -145,17 +157,32 @@ def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> 
     free = [b for b in range(ex.num_blocks) if b not in held][:nb]
 
     def plan(*adapter_ops, new=(), running=None):
-        return wire.StepPlan(step_id=good.step_id, new_requests=list(new),
-                             running=good.running if running is None else running, adapter_ops=list(adapter_ops))
+        return wire.StepPlan(
+            step_id=good.step_id,
+            new_requests=list(new),
+            running=good.running if running is None else running,
+            adapter_ops=list(adapter_ops),
+        )
 
     def new_req(rid, aid, blocks):
-        return wire.NewRequest(req_id=rid, token_ids=[3, 4, 5], num_prompt_tokens=3, num_computed_tokens=0,
-                               num_scheduled_tokens=3, block_ids=blocks, sampling=GREEDY, adapter_id=aid)
+        return wire.NewRequest(
+            req_id=rid,
+            token_ids=[3, 4, 5],
+            num_prompt_tokens=3,
+            num_computed_tokens=0,
+            num_scheduled_tokens=3,
+            block_ids=blocks,
+            sampling=GREEDY,
+            adapter_id=aid,
+        )
 
     op = wire.AdapterOp
     cases = [
         (plan(op(2, 9, "", [])), r"unknown op 9"),
-        (plan(op(5, wire.TierOp.TO_GPU, "", free)), r"to_gpu adapter 5\): not in host memory \(a to_host must come first"),
+        (
+            plan(op(5, wire.TierOp.TO_GPU, "", free)),
+            r"to_gpu adapter 5\): not in host memory \(a to_host must come first",
+        ),
         (plan(op(2, wire.TierOp.TO_GPU, "", [ex.num_blocks] + free[1:])), r"outside the pool of \d+ blocks"),
         (plan(op(2, wire.TierOp.TO_GPU, "", [a_pages[0]] + free[1:])), r"hold adapter 1"),
         (plan(op(2, wire.TierOp.TO_GPU, "", [kv_page] + free[1:])), r"hold request KV"),
@@ -221,11 +248,25 @@ def test_loop_answers_inspect_and_a_failed_load_is_fatal(executor_factory, dirs,
 
     # The directory vanishes after registration: the to_gpu that needs it is a fatal error.
     shutil.rmtree(gone)
-    fatal = wire.StepPlan(step_id=2, adapter_ops=[
-        wire.AdapterOp(3, wire.TierOp.TO_HOST, str(gone), []),
-        wire.AdapterOp(3, wire.TierOp.TO_GPU, "", list(range(good_info.num_blocks))),
-    ], new_requests=[wire.NewRequest(req_id=8, token_ids=[3, 4], num_prompt_tokens=2, num_computed_tokens=0,
-                                     num_scheduled_tokens=2, block_ids=[900], sampling=GREEDY, adapter_id=3)])
+    fatal = wire.StepPlan(
+        step_id=2,
+        adapter_ops=[
+            wire.AdapterOp(3, wire.TierOp.TO_HOST, str(gone), []),
+            wire.AdapterOp(3, wire.TierOp.TO_GPU, "", list(range(good_info.num_blocks))),
+        ],
+        new_requests=[
+            wire.NewRequest(
+                req_id=8,
+                token_ids=[3, 4],
+                num_prompt_tokens=2,
+                num_computed_tokens=0,
+                num_scheduled_tokens=2,
+                block_ids=[900],
+                sampling=GREEDY,
+                adapter_id=3,
+            )
+        ],
+    )
     link = FakeLink([wire.encode(fatal), wire.encode(wire.Shutdown(reason="never reached"))])
     assert WorkerLoop(ex, link).run() == EXIT_FATAL
     err = link.sent[-1]
@@ -241,8 +282,11 @@ def test_lora_flags(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
     assert (cfg.max_lora_rank, cfg.max_loras_per_step) == (64, 32)
     monkeypatch.setenv("DELTASERVE_WORKER_MAX_LORA_RANK", "0")
     assert WorkerConfig.from_args(base).max_lora_rank == 0
-    for bad, match in [(["--max-lora-rank", "257"], "--max-lora-rank"), (["--max-lora-rank", "-1"], "--max-lora-rank"),
-                       (["--max-loras-per-step", "0"], "--max-loras-per-step")]:
+    for bad, match in [
+        (["--max-lora-rank", "257"], "--max-lora-rank"),
+        (["--max-lora-rank", "-1"], "--max-lora-rank"),
+        (["--max-loras-per-step", "0"], "--max-loras-per-step"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             WorkerConfig.from_args(base + bad)
     with pytest.raises(SystemExit):  # adapters arrive as ops now: the old flag is refused

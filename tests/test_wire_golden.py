@@ -52,14 +52,17 @@ def test_golden_values_decode_into_the_right_fields() -> None:
     assert len(first.block_ids) == 20
     assert first.sampling == wire.SamplingParams(temperature=0.7, top_p=0.95, top_k=50, seed=(1 << 63) + 5, logprobs=5)
     assert greedy.sampling.seed is None and greedy.sampling.logprobs is None
-    assert plan.running[1] == wire.RunningRequest(req_id=2**64 - 1, num_scheduled_tokens=512, new_block_ids=[70_000, 70_001])
+    assert plan.running[1] == wire.RunningRequest(
+        req_id=2**64 - 1, num_scheduled_tokens=512, new_block_ids=[70_000, 70_001]
+    )
     assert plan.released == [2, 1 << 33]
     assert [op.op.label for op in plan.adapter_ops] == ["drop_gpu", "to_host", "to_gpu", "to_gpu", "drop_host"]
     assert [op.kind.label for op in plan.adapter_ops] == ["lora", "lora", "lora", "delta", "delta"]
     assert plan.adapter_ops[1].path == "/srv/adapters/sql-助手"
     assert plan.adapter_ops[2].block_ids == [65_535, 12, 70_002]
-    assert plan.adapter_ops[3] == wire.AdapterOp(adapter_id=4_000_000_000, op=wire.TierOp.TO_GPU,
-                                                 kind=wire.VariantKind.DELTA, slot=63)
+    assert plan.adapter_ops[3] == wire.AdapterOp(
+        adapter_id=4_000_000_000, op=wire.TierOp.TO_GPU, kind=wire.VariantKind.DELTA, slot=63
+    )
     assert [op.slot for op in plan.adapter_ops] == [None, None, None, 63, None]
 
     inspect = wire.decode((GOLDEN / "InspectAdapter.msgpack").read_bytes())
@@ -127,8 +130,12 @@ def test_extra_trailing_fields_are_ignored() -> None:
 
 def test_floats_always_encode_as_float64() -> None:
     # An int stored in a float field must still produce Rust's bytes (0xcb float64).
-    as_int = wire.encode(wire.StepOutput(outputs=[wire.RequestOutput(logprob=0, top_logprobs=[wire.TokenLogprob(logprob=-1)])]))
-    as_float = wire.encode(wire.StepOutput(outputs=[wire.RequestOutput(logprob=0.0, top_logprobs=[wire.TokenLogprob(logprob=-1.0)])]))
+    as_int = wire.encode(
+        wire.StepOutput(outputs=[wire.RequestOutput(logprob=0, top_logprobs=[wire.TokenLogprob(logprob=-1)])])
+    )
+    as_float = wire.encode(
+        wire.StepOutput(outputs=[wire.RequestOutput(logprob=0.0, top_logprobs=[wire.TokenLogprob(logprob=-1.0)])])
+    )
     assert as_int == as_float
     assert as_float.count(b"\xcb") == 2
 

@@ -769,7 +769,7 @@ class WorkerError:
 #: Every top-level message (the structs with a non-zero ``KIND``).
 Message = Union[StepPlan, StepOutput, Hello, InspectAdapter, AdapterInfo, Shutdown, WorkerError]
 
-_BY_KIND: dict[int, type] = {2: StepPlan, 3: StepOutput, 1: Hello, 6: InspectAdapter, 7: AdapterInfo, 4: Shutdown, 5: WorkerError}
+_BY_KIND: dict[int, type[Message]] = {2: StepPlan, 3: StepOutput, 1: Hello, 6: InspectAdapter, 7: AdapterInfo, 4: Shutdown, 5: WorkerError}
 _KINDS = "StepPlan=2, StepOutput=3, Hello=1, InspectAdapter=6, AdapterInfo=7, Shutdown=4, WorkerError=5"
 _packb = msgpack.packb
 _unpackb = msgpack.unpackb

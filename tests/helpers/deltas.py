@@ -30,13 +30,21 @@ def make_finetune(base: Path, out: Path, seed: int, scale: float = 0.3) -> Path:
     return out
 
 
-def make_delta(base: Path, root: Path, seed: int, bits: int = 4, sparse: bool = True,
-               full_weights: bool = False, group_size: int = 64) -> tuple[Path, Path]:
+def make_delta(
+    base: Path,
+    root: Path,
+    seed: int,
+    bits: int = 4,
+    sparse: bool = True,
+    full_weights: bool = False,
+    group_size: int = 64,
+) -> tuple[Path, Path]:
     """A compressed delta of a perturbed ``base`` under ``root``; returns (delta dir, dense reference dir)."""
     root.mkdir(parents=True, exist_ok=True)
     ft = make_finetune(base, root / "finetuned", seed)
     delta = root / "delta"
-    cfg = CompressConfig(bits=bits, sparse=sparse, nsamples=8, seqlen=32, full_weights=full_weights,
-                         group_size=group_size)
+    cfg = CompressConfig(
+        bits=bits, sparse=sparse, nsamples=8, seqlen=32, full_weights=full_weights, group_size=group_size
+    )
     compress(base, ft, delta, cfg, None)
     return delta, materialize(delta, base, root / "reference")

@@ -40,8 +40,14 @@ class SchedDriver:
     ``max_num_batched_tokens`` is the scheduler's token budget per step, which chunks prefills.
     """
 
-    def __init__(self, executor: Executor, variants: dict[int, Path] | None = None,
-                 adapter_of: dict[int, int] | None = None, *, max_num_batched_tokens: int = 2048) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        variants: dict[int, Path] | None = None,
+        adapter_of: dict[int, int] | None = None,
+        *,
+        max_num_batched_tokens: int = 2048,
+    ) -> None:
         self.ex = executor
         self.variants = dict(variants or {})
         self.adapter_of = {} if adapter_of is None else adapter_of
@@ -55,7 +61,9 @@ class SchedDriver:
             self.info[aid] = info
         hello = executor.hello(wire.SCHEMA_HASH)  # the router sizes its scheduler from the Hello
         self.sched = _native.Scheduler(
-            hello.kv.block_size, hello.kv.num_blocks, hello.model.max_model_len,
+            hello.kv.block_size,
+            hello.kv.num_blocks,
+            hello.model.max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             max_deltas=0 if executor.delta_pool is None else executor.delta_pool.max_deltas,
         )
@@ -82,8 +90,14 @@ class SchedDriver:
         if aid and self.sched.adapter_residency(aid) is None:
             info = self.info[aid]
             self.sched.register_adapter(aid, info.kind.label, info.num_blocks, info.host_bytes, str(self.variants[aid]))
-        self.sched.add_request(req_id, list(prompt), max_new, arrival=self.clock, adapter_id=aid,
-                               sampling=msgpack.packb(sampling.to_wire(), use_bin_type=True))
+        self.sched.add_request(
+            req_id,
+            list(prompt),
+            max_new,
+            arrival=self.clock,
+            adapter_id=aid,
+            sampling=msgpack.packb(sampling.to_wire(), use_bin_type=True),
+        )
         self.outputs[req_id] = []
 
     def evict(self, aid: int) -> list[int]:
@@ -193,8 +207,12 @@ class SchedDriver:
 
     # ------------------------------------------------------------------------------ whole runs
 
-    def run(self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int] | None = None,
-            sampling: dict[int, wire.SamplingParams] | None = None) -> dict[int, list[int]]:
+    def run(
+        self,
+        reqs: dict[int, tuple[list[int], int]],
+        arrivals: dict[int, int] | None = None,
+        sampling: dict[int, wire.SamplingParams] | None = None,
+    ) -> dict[int, list[int]]:
         """Runs ``reqs`` (``id -> (prompt, max_new)``), each added at its arrival step (default
         0), one step at a time until all are done; returns their outputs."""
         pending, added, steps = dict(reqs), [], 0
@@ -206,8 +224,12 @@ class SchedDriver:
             assert steps < 10_000
         return {rid: self.outputs[rid] for rid in added}
 
-    def run_pipelined(self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int] | None = None,
-                      sampling: dict[int, wire.SamplingParams] | None = None) -> dict[int, list[int]]:
+    def run_pipelined(
+        self,
+        reqs: dict[int, tuple[list[int], int]],
+        arrivals: dict[int, int] | None = None,
+        sampling: dict[int, wire.SamplingParams] | None = None,
+    ) -> dict[int, list[int]]:
         """Like ``run``, but as the router's engine overlaps steps: while step N runs, step N+1 is
         formed (``schedule_ahead``) and launched behind it, scheduling the requests N samples
         for that token before anyone knows it; N is finished and applied after."""
@@ -227,8 +249,9 @@ class SchedDriver:
             assert steps < 10_000
         return {rid: self.outputs[rid] for rid in added}
 
-    def run_staggered(self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int],
-                      preempt: int) -> dict[int, list[int]]:
+    def run_staggered(
+        self, reqs: dict[int, tuple[list[int], int]], arrivals: dict[int, int], preempt: int
+    ) -> dict[int, list[int]]:
         """Runs ``reqs`` arriving at their step numbers, preempting request ``preempt`` once after
         its second token (it comes back as a NewRequest and must keep its variant); returns outputs."""
         pending, added, steps, preempted = dict(reqs), [], 0, False
@@ -243,8 +266,13 @@ class SchedDriver:
         assert preempted, f"request {preempt} finished before it could be preempted"
         return {rid: self.outputs[rid] for rid in added}
 
-    def _arrive(self, pending: dict[int, tuple[list[int], int]], arrivals: dict[int, int] | None,
-                sampling: dict[int, wire.SamplingParams] | None, steps: int) -> list[int]:
+    def _arrive(
+        self,
+        pending: dict[int, tuple[list[int], int]],
+        arrivals: dict[int, int] | None,
+        sampling: dict[int, wire.SamplingParams] | None,
+        steps: int,
+    ) -> list[int]:
         """Adds the requests of ``pending`` that arrive by step ``steps``; returns their ids."""
         due = [rid for rid in pending if (arrivals or {}).get(rid, 0) <= steps]
         for rid in due:

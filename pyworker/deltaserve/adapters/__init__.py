@@ -20,10 +20,10 @@ Layout:
             token's delta (``kernels.sbmm`` for packed linears; dense embedding, norm, bias, lm_head deltas).
 """
 
-from .lora import LoraAdapter, LoraAdapterError, LoraWeights, load_lora_adapter, lora_delta_ref, merged_weight
-from .lora_layers import LoraLinear, LoraStep, attach_lora
 from .delta_layers import DeltaLinear, DeltaStep, attach_deltas
 from .delta_pool import DeltaError, DeltaPool
+from .lora import LoraAdapter, LoraAdapterError, LoraWeights, load_lora_adapter, lora_delta_ref, merged_weight
+from .lora_layers import LoraLinear, LoraStep, attach_lora
 from .lora_pool import AdapterLayout, AdapterLoadError, AdapterPool, LoraPool
 from .variants import StepRows, VariantKind, VariantPool
 

@@ -97,6 +97,9 @@ class DeltaStep:
 class DeltaLinear(nn.Linear):
     """A block linear (maybe LoRA-wrapped) plus each token's packed delta (module docstring)."""
 
+    inner: nn.Linear
+    """The wrapped linear (set with ``object.__setattr__``: not a child module)."""
+
     def __init__(self, inner: nn.Linear, step: DeltaStep, layer: int, slices: list[tuple[str, int, int]]) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = inner.in_features, inner.out_features
@@ -114,7 +117,8 @@ class DeltaLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.inner(x)
         step = self.step
-        if not step.active:
+        token_index = step.token_index
+        if token_index is None:  # inactive
             return out
         for key, meta in step.metas:
             pools = step.weights[key]
@@ -124,7 +128,7 @@ class DeltaLinear(nn.Linear):
         for (_, start, size), name in zip(self.slices, self.bias_names):
             table = step.tables.biases.get(name)
             if table is not None:
-                out[:, start : start + size] += table.index_select(0, step.token_index)
+                out[:, start : start + size] += table.index_select(0, token_index)
         return out
 
     def extra_repr(self) -> str:
@@ -147,8 +151,8 @@ class DeltaEmbedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = F.embedding(ids, self.weight)
         table = self.step.tables.embed
-        if self.step.active and table is not None:
-            index = self.step.token_index
+        index = self.step.token_index
+        if index is not None and table is not None:  # active, with an embedding delta table
             vocab = self.num_embeddings
             rows = torch.where(index > 0, (index - 1) * vocab + ids, table.shape[0] - 1)  # last row: zeros
             out += table.index_select(0, rows)
@@ -180,6 +184,7 @@ class DeltaRMSNorm(RMSNorm):
             normed, residual = fused_add_rmsnorm(x, residual, ones, self.eps)
         # Row r: normed[r] * (w + Δw_{d(r)}); Δw is the zero row without a delta: the base norm's value.
         index = self.step.logit_index if self.logits else self.step.token_index
+        assert index is not None  # active: both are set
         out = normed * (self.weight + self.step.tables.norms[self.name].index_select(0, index))
         return out if residual is None else (out, residual)
 

@@ -43,10 +43,11 @@ import dataclasses
 import functools
 import logging
 import re
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -107,7 +108,7 @@ class DeltaHostCopy:
 class DeltaPlacements:
     """A copy of the delta pool's slots for the plan check (``variants.Placements``)."""
 
-    def __init__(self, pool: "DeltaPool") -> None:
+    def __init__(self, pool: DeltaPool) -> None:
         self.max_deltas = pool.max_deltas
         self.slot_of = dict(pool.slot_of)
 
@@ -143,8 +144,16 @@ class DeltaPool:
 
     kind = VariantKind.DELTA
 
-    def __init__(self, model: DecoderLM, base_dir: str | Path, *, max_deltas: int, device: torch.device,
-                 dtype: torch.dtype, arena: PinnedArena | None = None) -> None:
+    def __init__(
+        self,
+        model: DecoderLM,
+        base_dir: str | Path,
+        *,
+        max_deltas: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        arena: PinnedArena | None = None,
+    ) -> None:
         if max_deltas < 1:
             raise ValueError(f"DeltaPool: max_deltas {max_deltas} must be >= 1")
         self.config = model.config
@@ -207,8 +216,10 @@ class DeltaPool:
                 for i in range(self.config.num_layers) for p in self.linear_names}  # fmt: skip
         missing = sorted(want - packed)
         if missing:
-            raise DeltaError(f"{path}: {len(missing)} block linears have no packed delta, e.g. '{missing[0]}' "
-                             "(deltaserve compress packs every one)")
+            raise DeltaError(
+                f"{path}: {len(missing)} block linears have no packed delta, e.g. '{missing[0]}' "
+                "(deltaserve compress packs every one)"
+            )
         comp = manifest["compression"]
         problem = self.slots.fits(int(comp["bits"]), comp["sparsity"] == "2:4", int(comp["group_size"]))
         if problem is not None:
@@ -224,8 +235,13 @@ class DeltaPool:
         except (ValueError, OSError, KeyError, TypeError) as e:
             return wire.AdapterInfo(error=f"delta {p}: {e}" if str(p) not in str(e) else str(e), kind=self.kind)
         comp, sizes = manifest["compression"], manifest["sizes"]
-        targets = sorted({_PACKED_RE.match(n).group(2) for n, e in manifest["tensors"].items()  # type: ignore[union-attr]
-                          if e["kind"] == "packed"})
+        targets = sorted(
+            {
+                m.group(2)
+                for n, e in manifest["tensors"].items()
+                if e["kind"] == "packed" and (m := _PACKED_RE.match(n)) is not None  # _validate matched each
+            }
+        )
         return wire.AdapterInfo(
             error=None, num_blocks=0, host_bytes=self._expected_bytes(manifest), max_rank=0, target_modules=targets,
             kind=self.kind,
@@ -349,14 +365,18 @@ class DeltaPool:
         if tables.embed is None:
             zeros = functools.partial(torch.zeros, dtype=self.dtype, device=self.device)
             tables.embed = zeros(n * cfg.vocab_size + 1, cfg.hidden_size)
-            tables.head = (tables.embed[:-1].view(n, cfg.vocab_size, cfg.hidden_size) if cfg.tie_word_embeddings
-                           else zeros(n, cfg.vocab_size, cfg.hidden_size))
+            tables.head = (
+                tables.embed[:-1].view(n, cfg.vocab_size, cfg.hidden_size)
+                if cfg.tie_word_embeddings
+                else zeros(n, cfg.vocab_size, cfg.hidden_size)
+            )
             for name in sorted(self.dense_names):
                 if name.endswith(".bias"):
                     tables.biases[name] = zeros(n + 1, self._bias_width(name))
         v = cfg.vocab_size
         blocks = {DeltaEmbedding.NAME: tables.embed[slot * v : (slot + 1) * v]}
         if not cfg.tie_word_embeddings:
+            assert tables.head is not None  # allocated with embed above
             blocks["lm_head.weight"] = tables.head[slot]
         blocks.update({name: t[slot + 1] for name, t in (*tables.norms.items(), *tables.biases.items())})
         for name, block in blocks.items():
@@ -470,6 +490,7 @@ class DeltaPool:
 
     def _graph_buffers(self, max_batch: int, keys: Sequence[ConfigKey]) -> _GraphRows:
         """The static buffers, (re)made for ``max_batch`` rows; per-config ones added as configs appear."""
+
         def tile_buffers() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             def zeros(*shape: int) -> torch.Tensor:
                 return torch.zeros(*shape, dtype=torch.int32, device=self.device)
@@ -478,8 +499,9 @@ class DeltaPool:
 
         g = self.graph_rows
         if g is None or g.index.shape[0] != max_batch:
-            g = self.graph_rows = _GraphRows(torch.zeros(max_batch, dtype=torch.int64, device=self.device), {},
-                                             tile_buffers())
+            g = self.graph_rows = _GraphRows(
+                torch.zeros(max_batch, dtype=torch.int64, device=self.device), {}, tile_buffers()
+            )
         for key in keys:
             if key not in g.metas:
                 g.metas[key] = tile_buffers()
@@ -495,8 +517,15 @@ class DeltaPool:
         def static(order: torch.Tensor, tiles: torch.Tensor, count: torch.Tensor, cap: int) -> DeltaMeta:
             meta = DeltaMeta.rows([-1] * b, self.device, max_block_m=cap)
             grid = self.graph_tiles(b, cap)
-            return dataclasses.replace(meta, order=order[:b], tiles=tiles[:grid], tile_count=count, grid_tiles=grid,
-                                       block_m=cap, tile_tokens=cap)
+            return dataclasses.replace(
+                meta,
+                order=order[:b],
+                tiles=tiles[:grid],
+                tile_count=count,
+                grid_tiles=grid,
+                block_m=cap,
+                tile_tokens=cap,
+            )
 
         self.step.token_index = self.step.logit_index = g.index[:b]
         self.step.metas = tuple((key, static(*g.metas[key], GRAPH_TILE)) for key in keys)
@@ -522,6 +551,7 @@ class DeltaPool:
             grid = self.graph_tiles(b, cap)
             assert meta.num_tiles <= grid  # its real tiles come first, padding after
             for buf, host in zip(bufs, (meta.order, meta.tiles[:grid], meta.tile_count)):
+                assert host is not None  # row metadata has an order and a tile count
                 copy_from_host(buf[: host.shape[0]], host)
 
         for key in keys:

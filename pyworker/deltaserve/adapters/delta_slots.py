@@ -79,8 +79,9 @@ def reserve_bytes(model: DecoderLM, dtype: torch.dtype, max_deltas: int) -> int:
     return max_deltas * packed + dense_table_bytes(model, dtype, max_deltas)
 
 
-def delta_gpu_bytes(cfg: ModelConfig, dtype: torch.dtype, bits: int = 4, sparse: bool = True,
-                    group_size: int = 64) -> int:
+def delta_gpu_bytes(
+    cfg: ModelConfig, dtype: torch.dtype, bits: int = 4, sparse: bool = True, group_size: int = 64
+) -> int:
     """GPU bytes of one delta of ``cfg`` in the given packed config, as if alone (every block linear
     packed, plus dense embedding, lm_head (untied) and norm deltas in the model dtype): its own size,
     not the slot it takes (``reserve_bytes``)."""
@@ -112,9 +113,11 @@ class DeltaSlots:
             need = packed_bytes(bits, sparse, group_size, o, i)
             if need > self.slot_bytes[proj]:
                 kind = "2:4" if sparse else "dense"
-                return (f"its {bits}-bit {kind} packing with groups of {group_size} takes {need} bytes for {proj}, "
-                        f"more than a delta slot's {self.slot_bytes[proj]} (slots hold up to {SLOT_BITS}-bit deltas "
-                        f"with groups of {SLOT_GROUP} columns or more; compress it with --group-size {SLOT_GROUP})")
+                return (
+                    f"its {bits}-bit {kind} packing with groups of {group_size} takes {need} bytes for {proj}, "
+                    f"more than a delta slot's {self.slot_bytes[proj]} (slots hold up to {SLOT_BITS}-bit deltas "
+                    f"with groups of {SLOT_GROUP} columns or more; compress it with --group-size {SLOT_GROUP})"
+                )
         return None
 
     @property
@@ -135,8 +138,9 @@ class DeltaSlots:
             pools[(layer, proj)] = self._views(arena, self.slot_bytes[proj], bits, sparse, group, p)
         return pools
 
-    def _views(self, arena: torch.Tensor, size: int, bits: int, sparse: bool, group: int,
-               p: PackedLinear) -> DeltaWeights:
+    def _views(
+        self, arena: torch.Tensor, size: int, bits: int, sparse: bool, group: int, p: PackedLinear
+    ) -> DeltaWeights:
         """A ``DeltaWeights`` of N empty slots whose slot s is bytes [s * size, ...) of ``arena``."""
         out, inf = p.out_features, p.in_features
         kept = inf // 2 if sparse else inf

@@ -22,10 +22,11 @@ when the step would compute nothing else, since the step's ``to_gpu`` waits for 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Generic, Iterator, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 LOAD_THREADS = 4
 """Background threads reading variants into host memory per pool (disk and parsing bound; torch and

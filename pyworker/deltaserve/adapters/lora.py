@@ -55,9 +55,10 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -323,7 +324,9 @@ def read_lora_spec(adapter_dir: str | Path, base: ModelConfig) -> LoraSpec:
             )
         layer, proj = int(m["layer"]), m["proj"]
         if proj not in names or _PARENT.get(proj) != m["parent"]:
-            raise fail(f"tensor '{key}': '{m['parent']}.{proj}' is not one of the base's adaptable linears {list(names)}")
+            raise fail(
+                f"tensor '{key}': '{m['parent']}.{proj}' is not one of the base's adaptable linears {list(names)}"
+            )
         if layer >= base.num_layers:
             raise fail(f"tensor '{key}': layer {layer} is beyond the base's num_layers={base.num_layers}")
         dtype = _SAFETENSORS_DTYPE.get(dtype_name)
@@ -339,7 +342,9 @@ def read_lora_spec(adapter_dir: str | Path, base: ModelConfig) -> LoraSpec:
 
     for site in sorted(expected, key=lambda s: (s[0], names.index(s[1]))):
         if site not in pairs:
-            raise fail(f"module '{hf_module_name(*site)}' is targeted by 'target_modules' but has no lora_A/lora_B tensors")
+            raise fail(
+                f"module '{hf_module_name(*site)}' is targeted by 'target_modules' but has no lora_A/lora_B tensors"
+            )
 
     sites: dict[tuple[int, str], LoraSite] = {}
     for (layer, proj), ab in sorted(pairs.items(), key=lambda kv: (kv[0][0], names.index(kv[0][1]))):
@@ -349,8 +354,9 @@ def read_lora_spec(adapter_dir: str | Path, base: ModelConfig) -> LoraSpec:
                 other = next(iter(ab.values()))[0]
                 raise fail(f"tensor '{other}' has no matching lora_{which}")
         (a_key, a_shape), (b_key, b_shape) = ab["A"], ab["B"]
-        r = rank_pattern.get(_pattern_key(rank_pattern, module), rank)
-        mod_alpha = alpha_pattern.get(_pattern_key(alpha_pattern, module), alpha)
+        rank_key, alpha_key = _pattern_key(rank_pattern, module), _pattern_key(alpha_pattern, module)
+        r = rank if rank_key is None else rank_pattern[rank_key]
+        mod_alpha = alpha if alpha_key is None else alpha_pattern[alpha_key]
         fin, fout = features[proj]
         if a_shape != [r, fin]:
             raise fail(
@@ -525,7 +531,9 @@ def _targeted_sites(cfg: dict[str, Any], base: ModelConfig, names: tuple[str, ..
                 raise fail(f"field 'target_modules' is not a valid regex {targets!r}: {e}") from None
             for outside in _NON_BLOCK_MODULES:
                 if regex.fullmatch(outside):
-                    raise fail(f"field 'target_modules' regex {targets!r} matches '{outside}': LoRA there is not supported")
+                    raise fail(
+                        f"field 'target_modules' regex {targets!r} matches '{outside}': LoRA there is not supported"
+                    )
             chosen = {s for s in sites if regex.fullmatch(module[s])}
             if not chosen:
                 raise fail(f"field 'target_modules' regex {targets!r} matches none of the base's linears")

@@ -28,8 +28,8 @@ rows zero; the per-layer rank table says how many rows are read (0 = not adapted
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -87,8 +87,9 @@ class AdapterLayout:
         return sum(self.region_used)
 
     @classmethod
-    def plan(cls, ranks: dict[str, int], features: dict[str, tuple[int, int]], order: Sequence[str],
-             region_elems: int) -> "AdapterLayout":
+    def plan(
+        cls, ranks: dict[str, int], features: dict[str, tuple[int, int]], order: Sequence[str], region_elems: int
+    ) -> AdapterLayout:
         """First-fit placement of the rows of projections ``ranks`` (proj -> r_p) in ``order``.
 
         Raises ValueError naming the projection when a row is wider than a region.
@@ -141,7 +142,7 @@ class PlacementTables:
     """[2, n_slices, r_max] int64: element offset of that row inside its region (0 where -1 above)."""
 
     @classmethod
-    def of(cls, layout: AdapterLayout, n_slices: int, r_max: int) -> "PlacementTables":
+    def of(cls, layout: AdapterLayout, n_slices: int, r_max: int) -> PlacementTables:
         used = torch.tensor(layout.region_used, dtype=torch.int64)
         region = torch.full((2, n_slices, r_max), -1, dtype=torch.int64)
         inner = torch.zeros(2, n_slices, r_max, dtype=torch.int64)
@@ -150,6 +151,7 @@ class PlacementTables:
                 region[half, s.index, : s.rank] = torch.tensor([k for k, _ in pos], dtype=torch.int64)
                 inner[half, s.index, : s.rank] = torch.tensor([o for _, o in pos], dtype=torch.int64)
         return cls(torch.cumsum(used, 0) - used, used, region, inner)
+
 
 @dataclass(frozen=True, eq=False)
 class ReadPlan:
@@ -220,5 +222,13 @@ def offset_align(dims: Sequence[int], itemsize: int) -> int:
     return align
 
 
-__all__ = ["AdapterLayout", "GpuEntry", "HostCopy", "MAX_VEC_BYTES", "PlacementTables", "ReadPlan", "SliceRows",
-           "offset_align"]
+__all__ = [
+    "AdapterLayout",
+    "GpuEntry",
+    "HostCopy",
+    "MAX_VEC_BYTES",
+    "PlacementTables",
+    "ReadPlan",
+    "SliceRows",
+    "offset_align",
+]

@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Collection, Mapping, Sequence
 
 import torch
 
@@ -71,12 +71,11 @@ PLANS_KEPT = 8192
 """Read plans ``LoraPool`` keeps (one per inspected adapter path; a few tens of KB each)."""
 
 
-
 class LoraPlacements:
     """A copy of the LoRA pool's placements for the plan check (``variants.Placements``): which adapters
     hold which pages of the pool, and the rules a ``to_gpu``'s pages must follow."""
 
-    def __init__(self, pool: "LoraPool") -> None:
+    def __init__(self, pool: LoraPool) -> None:
         self.pool = pool
         self.gpu = set(pool.gpu)
         self.page_owner = dict(pool.page_owner)
@@ -121,8 +120,17 @@ class LoraPool:
 
     kind = VariantKind.LORA
 
-    def __init__(self, cfg: ModelConfig, kv: PagedKVCache, *, max_lora_rank: int, max_loras_per_step: int,
-                 max_tokens: int, arena: PinnedArena | None = None, router_blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        kv: PagedKVCache,
+        *,
+        max_lora_rank: int,
+        max_loras_per_step: int,
+        max_tokens: int,
+        arena: PinnedArena | None = None,
+        router_blocks: int | None = None,
+    ) -> None:
         if max_lora_rank < 1:
             raise ValueError(f"LoraPool: max_lora_rank {max_lora_rank} must be >= 1")
         if max_loras_per_step < 1:
@@ -213,8 +221,10 @@ class LoraPool:
         spec = read_lora_spec(path, self.config)
         if spec.max_rank > self.max_lora_rank:
             (layer, proj), worst = max(spec.sites.items(), key=lambda kv: kv[1].rank)
-            raise spec.fail(f"rank {spec.max_rank} (layer {layer} {proj}) exceeds this worker's --max-lora-rank "
-                            f"{self.max_lora_rank}")
+            raise spec.fail(
+                f"rank {spec.max_rank} (layer {layer} {proj}) exceeds this worker's --max-lora-rank "
+                f"{self.max_lora_rank}"
+            )
         ranks: dict[str, int] = {}
         for (_, proj), site in spec.sites.items():
             ranks[proj] = max(ranks.get(proj, 0), site.rank)
@@ -248,8 +258,15 @@ class LoraPool:
             index = self.order.index(proj)
             rank[layer, index] = site.rank
             scale[layer, index] = site.scaling
-        return ReadPlan(spec, layout, self._copies(spec, layout), rank, scale, self._host_bytes(layout),
-                        PlacementTables.of(layout, n, self.max_lora_rank))
+        return ReadPlan(
+            spec,
+            layout,
+            self._copies(spec, layout),
+            rank,
+            scale,
+            self._host_bytes(layout),
+            PlacementTables.of(layout, n, self.max_lora_rank),
+        )
 
     def inspect(self, path: str | Path) -> wire.AdapterInfo:
         """Validates the adapter at ``path`` and reports its footprint; changes no state, never raises
@@ -312,8 +329,15 @@ class LoraPool:
         except BaseException:
             give_back(self.arena, packed, may_be_queued=False, device=self.device)
             raise
-        return HostCopy(layout, packed, plan.rank.clone(), plan.scale.clone(), plan.spec.max_rank,
-                        tuple(s.proj for s in layout.slices), plan.tables)
+        return HostCopy(
+            layout,
+            packed,
+            plan.rank.clone(),
+            plan.scale.clone(),
+            plan.spec.max_rank,
+            tuple(s.proj for s in layout.slices),
+            plan.tables,
+        )
 
     def _host_buffer(self, layout: AdapterLayout) -> torch.Tensor:
         """A zeroed ``[L, packed_elems]`` host copy: from the arena when it has room, else allocated (and
@@ -374,12 +398,20 @@ class LoraPool:
         copy_regions(self._upload(copy.packed), self.flat, table, table_dev=host_to_device(table, dev))
         offsets = host_to_device(region_base[t.row_region] + t.row_inner, dev)  # [2, n_slices, r_max]
         self.gpu[adapter_id] = GpuEntry(
-            pages, offsets[0], offsets[1], host_to_device(copy.rank, dev), host_to_device(copy.scale, dev),
+            pages,
+            offsets[0],
+            offsets[1],
+            host_to_device(copy.rank, dev),
+            host_to_device(copy.scale, dev),
         )
         for p in pages:
             self.page_owner[p] = adapter_id
-        log.debug("adapter %d placed on %d pages (%d bytes per layer)", adapter_id, len(pages),
-                  layout.packed_elems * self.kv.kv.element_size())
+        log.debug(
+            "adapter %d placed on %d pages (%d bytes per layer)",
+            adapter_id,
+            len(pages),
+            layout.packed_elems * self.kv.kv.element_size(),
+        )
 
     def _upload(self, packed: torch.Tensor) -> torch.Tensor:
         """``packed`` (pinned) on the device, in a buffer kept for the next adapter's upload (grown
@@ -427,9 +459,7 @@ class LoraPool:
         """Slots for the step's distinct adapters: kept if held, else a free or unused-this-step one."""
         wanted = set(adapter_ids)
         if len(wanted) > self.max_slots:
-            raise ValueError(
-                f"{len(wanted)} adapters in one step exceed --max-loras-per-step {self.max_slots}"
-            )
+            raise ValueError(f"{len(wanted)} adapters in one step exceed --max-loras-per-step {self.max_slots}")
         missing = [a for a in adapter_ids if a not in self.gpu]
         if missing:
             raise ValueError(f"adapters {sorted(set(missing))} are not on the GPU")
@@ -525,5 +555,15 @@ class LoraPool:
 AdapterPool = LoraPool
 """The pool's former name (``deltaserve.adapters.AdapterPool``)."""
 
-__all__ = ["AdapterLayout", "AdapterLoadError", "AdapterPool", "GpuEntry", "HostCopy", "LoraPlacements", "LoraPool",
-           "PlacementTables", "ReadPlan", "SliceRows"]
+__all__ = [
+    "AdapterLayout",
+    "AdapterLoadError",
+    "AdapterPool",
+    "GpuEntry",
+    "HostCopy",
+    "LoraPlacements",
+    "LoraPool",
+    "PlacementTables",
+    "ReadPlan",
+    "SliceRows",
+]

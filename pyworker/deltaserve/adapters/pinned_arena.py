@@ -28,7 +28,8 @@ import bisect
 import logging
 import threading
 from collections import deque
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -187,8 +188,13 @@ def host_buffer(arena: PinnedArena | None, nbytes: int, *, pin: bool, what: str)
         region = arena.take(nbytes)
         if region is not None:
             return region
-        log.warning("the pinned host arena (%d bytes) has no room for a %d-byte %s copy: pinning it on its own "
-                    "(slow, and it stalls the steps launched meanwhile)", arena.capacity, nbytes, what)
+        log.warning(
+            "the pinned host arena (%d bytes) has no room for a %d-byte %s copy: pinning it on its own "
+            "(slow, and it stalls the steps launched meanwhile)",
+            arena.capacity,
+            nbytes,
+            what,
+        )
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
@@ -204,8 +210,9 @@ def give_back(arena: PinnedArena | None, view: torch.Tensor, *, may_be_queued: b
     arena.give(view, fence)
 
 
-def release_hook(arena: PinnedArena | None, device: torch.device,
-                 memory_of: Callable[[C], torch.Tensor]) -> Callable[[C, bool], None]:
+def release_hook(
+    arena: PinnedArena | None, device: torch.device, memory_of: Callable[[C], torch.Tensor]
+) -> Callable[[C, bool], None]:
     """A ``HostTier`` release hook that gives a dropped copy's memory (``memory_of(copy)``) back to
     ``arena``. It holds the arena and the device, never the pool: a pool (and the KV cache it views)
     stays free of reference cycles, so a dropped executor gives its device memory back at once."""

@@ -22,9 +22,10 @@ its pools, not a branch in each of these places.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection, Mapping, Protocol, Sequence
+from typing import Protocol
 
 from .. import wire
 

@@ -77,8 +77,8 @@ class DecodeGraphs:
         max_batch: int,
         max_model_len: int,
         scratch_slot: int,
-        lora: "LoraPool | None" = None,
-        deltas: "DeltaPool | None" = None,
+        lora: LoraPool | None = None,
+        deltas: DeltaPool | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"DecodeGraphs: max_batch must be >= 1, got {max_batch}")
@@ -167,7 +167,9 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.kv.device)
         log.info(
             "captured %d decode CUDA graphs (batch %s%s) in %.1f s",
-            len(sizes), ",".join(map(str, sorted(sizes))), ", each also with LoRA" if self.lora_graphs else "",
+            len(sizes),
+            ",".join(map(str, sorted(sizes))),
+            ", each also with LoRA" if self.lora_graphs else "",
             time.monotonic() - started,
         )
 
@@ -187,10 +189,15 @@ class DecodeGraphs:
             with torch.inference_mode(), self.deltas.graph_state(b, self.max_batch, keys):
                 captured = self._capture_forward(batch)
         finally:
-            if lora:
+            if self.lora is not None and lora:
                 self.lora.step.meta = None
-        log.info("captured the decode graph of batch %d with deltas %s%s in %.2f s", b, list(keys),
-                 " and LoRA" if lora else "", time.monotonic() - started)
+        log.info(
+            "captured the decode graph of batch %d with deltas %s%s in %.2f s",
+            b,
+            list(keys),
+            " and LoRA" if lora else "",
+            time.monotonic() - started,
+        )
         return captured
 
     def _lora_meta(self, b: int) -> LoraMeta:
@@ -208,7 +215,7 @@ class DecodeGraphs:
         delta pool and every packed config of the step fits the CUDA SBMM op (``DeltaPool.graphable``)."""
         return self.deltas is not None and self.deltas.graphable(self.deltas.graph_keys(delta_ids))
 
-    def _delta_ids(self, rows: "StepRows") -> list[int] | None:
+    def _delta_ids(self, rows: StepRows) -> list[int] | None:
         """Each row's variant id where it is a delta (else 0), or None when no row is one."""
         if self.deltas is None:
             return None
@@ -216,7 +223,7 @@ class DecodeGraphs:
         ids = [v if v in held else 0 for v, _ in rows.runs]
         return ids if any(ids) else None
 
-    def takes(self, rows: "StepRows") -> bool:
+    def takes(self, rows: StepRows) -> bool:
         """Whether the decode step of ``rows`` can replay a graph: a bucket holds it, and its delta rows
         (if any) have configs the CUDA SBMM op takes (``takes_deltas``)."""
         if self.bucket_for(len(rows.runs)) is None:
@@ -224,8 +231,9 @@ class DecodeGraphs:
         delta_ids = self._delta_ids(rows)
         return delta_ids is None or self.takes_deltas(delta_ids)
 
-    def run_rows(self, step: ForwardBatch, rows: "StepRows",
-                 device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def run_rows(
+        self, step: ForwardBatch, rows: StepRows, device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """``run`` for a step given as ``StepRows`` (``takes`` said yes): fills the table slots of its
         LoRA rows (``LoraPool.assign_rows``) and picks the delta graph of its delta rows."""
         row_slots = None
@@ -294,6 +302,7 @@ class DecodeGraphs:
             copy_from_host(self.row_slot[:b], slots)
             graphs = self.lora_graphs
         if variant is not None:
+            assert self.deltas is not None and delta_ids is not None  # a variant means both
             self.deltas.fill_graph_rows(delta_ids, b, variant[2])
             graph, logits = self.delta_graphs[variant]
         else:

@@ -125,9 +125,17 @@ class Executor:
         self.delta_reserve_bytes = reserve_bytes(self.model, self.dtype, max_deltas)
         """GPU bytes the auto KV budget leaves for the ``max_deltas`` delta slots: all the delta pool
         allocates, whatever packed configs its deltas have (``adapters/delta_slots.py``)."""
-        budget = kv_budget(self.model, self.sampler, device=self.device, dtype=self.dtype, block_size=block_size,
-                           max_num_batched_tokens=max_num_batched_tokens, kv_cache_bytes=kv_cache_bytes,
-                           gpu_memory_utilization=gpu_memory_utilization, reserve_bytes=self.delta_reserve_bytes)
+        budget = kv_budget(
+            self.model,
+            self.sampler,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_bytes=kv_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            reserve_bytes=self.delta_reserve_bytes,
+        )
         self.kv = PagedKVCache.for_budget(self.config, block_size, budget, self.dtype, self.device)
         """The paged KV pool; the router allocates its pages."""
         self.bytes_per_block = PagedKVCache.bytes_per_block(
@@ -146,16 +154,21 @@ class Executor:
         """Host memory both host tiers' copies are carved from (``host_arena_bytes`` plus room against
         fragmentation, pinned once here on CUDA); None when ``host_arena_bytes`` is 0."""
         if host_arena_bytes > 0 and (max_lora_rank > 0 or max_deltas > 0):
-            self.host_arena = PinnedArena(host_arena_bytes + slack_for(host_arena_bytes),
-                                          pin=self.device.type == "cuda")
+            self.host_arena = PinnedArena(
+                host_arena_bytes + slack_for(host_arena_bytes), pin=self.device.type == "cuda"
+            )
         self.pools: dict[VariantKind, VariantPool] = {}
         """The variant pools by kind: one per kind that is on (the seam, ``adapters/variants.py``)."""
         self.lora_pool: LoraPool | None = None
         """The LoRA pool; None when LoRA is off (``max_lora_rank`` 0)."""
         if max_lora_rank > 0:
             self.lora_pool = LoraPool(
-                self.config, self.kv, max_lora_rank=max_lora_rank, max_loras_per_step=max_loras_per_step,
-                max_tokens=max(max_num_batched_tokens, cuda_graph_max_batch), arena=self.host_arena,
+                self.config,
+                self.kv,
+                max_lora_rank=max_lora_rank,
+                max_loras_per_step=max_loras_per_step,
+                max_tokens=max(max_num_batched_tokens, cuda_graph_max_batch),
+                arena=self.host_arena,
                 router_blocks=self.num_blocks,
             )
             attach_lora(self.model, self.lora_pool.step, self.lora_pool.weights)
@@ -163,8 +176,14 @@ class Executor:
         self.delta_pool: DeltaPool | None = None
         """The delta pool; None when delta serving is off (``max_deltas`` 0)."""
         if max_deltas > 0:
-            self.delta_pool = DeltaPool(self.model, self.model_dir, max_deltas=max_deltas, device=self.device,
-                                    dtype=self.dtype, arena=self.host_arena)
+            self.delta_pool = DeltaPool(
+                self.model,
+                self.model_dir,
+                max_deltas=max_deltas,
+                device=self.device,
+                dtype=self.dtype,
+                arena=self.host_arena,
+            )
             attach_deltas(self.model, self.delta_pool.step)
             self.pools[VariantKind.DELTA] = self.delta_pool
         limits = [self.config.max_position_embeddings, self.num_blocks * block_size]
@@ -176,8 +195,13 @@ class Executor:
         """Captured decode steps, when enabled (CUDA with the Triton kernels)."""
         if use_graphs:
             self.graphs = DecodeGraphs(
-                self.model, self.kv, cuda_graph_max_batch, self.max_model_len,
-                scratch_slot=self.num_blocks * block_size, lora=self.lora_pool, deltas=self.delta_pool,
+                self.model,
+                self.kv,
+                cuda_graph_max_batch,
+                self.max_model_len,
+                scratch_slot=self.num_blocks * block_size,
+                lora=self.lora_pool,
+                deltas=self.delta_pool,
             )
         self.runner = ForwardRunner(self.model, self.kv, self.sampler, self.pools, self.graphs, block_size)
         """Queues each step's forward and sampling."""
@@ -188,13 +212,22 @@ class Executor:
         log.info(
             "loaded %s (%s, %d layers, vocab %d) on %s as %s in %.1f s; KV pool %d blocks x %d tokens "
             "(%.1f MiB, %d bytes/block); max_model_len %d",
-            self.model_dir, self.config.architecture, self.config.num_layers, self.config.vocab_size,
-            self.device, dtype_name(self.dtype), self.load_seconds, self.kv.num_blocks, block_size,
-            self.kv.num_blocks * self.bytes_per_block / (1 << 20), self.bytes_per_block, self.max_model_len,
+            self.model_dir,
+            self.config.architecture,
+            self.config.num_layers,
+            self.config.vocab_size,
+            self.device,
+            dtype_name(self.dtype),
+            self.load_seconds,
+            self.kv.num_blocks,
+            block_size,
+            self.kv.num_blocks * self.bytes_per_block / (1 << 20),
+            self.bytes_per_block,
+            self.max_model_len,
         )
 
     @classmethod
-    def from_config(cls, cfg: WorkerConfig) -> "Executor":
+    def from_config(cls, cfg: WorkerConfig) -> Executor:
         """Builds the executor a ``python -m deltaserve.worker`` command line describes."""
         return cls(
             cfg.model,
@@ -231,8 +264,13 @@ class Executor:
         """A ``StepOutput`` with the host tier's state: its bytes, and the variants (every kind) whose
         host reads finished since the previous output."""
         ready = [aid for pool in self.pools.values() for aid in pool.take_finished()]
-        return wire.StepOutput(step_id=step_id, outputs=outputs, timing=timing,
-                               adapter_host_bytes=self.variant_host_bytes, host_ready=ready)
+        return wire.StepOutput(
+            step_id=step_id,
+            outputs=outputs,
+            timing=timing,
+            adapter_host_bytes=self.variant_host_bytes,
+            host_ready=ready,
+        )
 
     # ------------------------------------------------------------------ handshake
 

@@ -44,8 +44,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -104,8 +105,13 @@ class InFlight:
 class WorkerLoop:
     """Serves StepPlans from one link with one executor until Shutdown or a fatal error."""
 
-    def __init__(self, executor: Executor, link: Link, poll_s: float = POLL_SECONDS,
-                 on_iteration: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        link: Link,
+        poll_s: float = POLL_SECONDS,
+        on_iteration: Callable[[], None] | None = None,
+    ) -> None:
         self.executor = executor
         """Runs the plans."""
         self.link = link
@@ -122,7 +128,7 @@ class WorkerLoop:
         """Called at the top of every loop iteration, on this thread (``__main__``'s profiler
         dumps its stats from here: the router kills the worker right after Shutdown)."""
 
-    def _send(self, msg: object) -> None:
+    def _send(self, msg: wire.Message) -> None:
         self.link.send(wire.encode(msg))
         self.last_send_end = time.perf_counter()
 
@@ -142,8 +148,11 @@ class WorkerLoop:
             while True:
                 if self.on_iteration is not None:
                     self.on_iteration()
-                busy = self.in_flight is not None
-                frame = self._recv_while_busy(self.in_flight) if busy else self.link.recv(timeout_s=self.poll_s)
+                in_flight = self.in_flight
+                busy = in_flight is not None
+                frame = (
+                    self._recv_while_busy(in_flight) if in_flight is not None else self.link.recv(timeout_s=self.poll_s)
+                )
                 if frame is None:
                     if busy:  # the device finished the step and no plan came: answer it
                         self._finish_in_flight()
@@ -152,7 +161,7 @@ class WorkerLoop:
                         return EXIT_PARENT_GONE
                     continue
                 decoded = time.perf_counter()
-                device_idle = not busy or self.in_flight.launched.is_done()
+                device_idle = in_flight is None or in_flight.launched.is_done()
                 try:
                     msg = wire.decode(frame)
                 except Exception as e:  # noqa: BLE001 - a bad frame is the sender's bug, reported back
@@ -175,13 +184,15 @@ class WorkerLoop:
                 if not isinstance(msg, wire.StepPlan):
                     log.error("unexpected message %s", type(msg).__name__)
                     kind = type(msg).__name__
-                    self._send_error(0, f"worker expected a StepPlan, InspectAdapter or Shutdown, got {kind}", False, [])
+                    self._send_error(
+                        0, f"worker expected a StepPlan, InspectAdapter or Shutdown, got {kind}", False, []
+                    )
                     continue
                 current = msg
                 gap_us = int((decoded - self.last_send_end) * 1e6) if device_idle else 0
                 try:
                     with torch.inference_mode():
-                        launched = self.executor.launch(msg, self.in_flight.launched if busy else None)
+                        launched = self.executor.launch(msg, in_flight.launched if in_flight is not None else None)
                 except PlanError as e:
                     self._finish_in_flight()
                     failed = self.executor.drop_step_requests(msg)

@@ -34,9 +34,18 @@ CPU_KV_BYTES = 256 << 20
 PROFILE_MAX_SEQS = 256
 
 
-def kv_budget(model: DecoderLM, sampler: Sampler, *, device: torch.device, dtype: torch.dtype, block_size: int,
-              max_num_batched_tokens: int, kv_cache_bytes: int, gpu_memory_utilization: float,
-              reserve_bytes: int) -> int:
+def kv_budget(
+    model: DecoderLM,
+    sampler: Sampler,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    max_num_batched_tokens: int,
+    kv_cache_bytes: int,
+    gpu_memory_utilization: float,
+    reserve_bytes: int,
+) -> int:
     """Bytes for the KV pool: the explicit setting, or auto (module docstring); ``reserve_bytes`` is
     what the variant pools may allocate outside the pool."""
     if kv_cache_bytes > 0:
@@ -46,14 +55,20 @@ def kv_budget(model: DecoderLM, sampler: Sampler, *, device: torch.device, dtype
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     used_after_weights = total - free
-    activation = profile_activation_bytes(model, sampler, device=device, dtype=dtype, block_size=block_size,
-                                          max_num_batched_tokens=max_num_batched_tokens)
+    activation = profile_activation_bytes(
+        model, sampler, device=device, dtype=dtype, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens
+    )
     budget = int(gpu_memory_utilization * total) - used_after_weights - activation - reserve_bytes
     log.info(
         "auto KV budget: %.2f x %.0f MiB total - %.0f MiB in use after weights - %.0f MiB activations "
         "(profiled, %d tokens) - %.0f MiB delta slots = %.0f MiB",
-        gpu_memory_utilization, total / (1 << 20), used_after_weights / (1 << 20), activation / (1 << 20),
-        max_num_batched_tokens, reserve_bytes / (1 << 20), budget / (1 << 20),
+        gpu_memory_utilization,
+        total / (1 << 20),
+        used_after_weights / (1 << 20),
+        activation / (1 << 20),
+        max_num_batched_tokens,
+        reserve_bytes / (1 << 20),
+        budget / (1 << 20),
     )
     if budget <= 0:
         raise RuntimeError(
@@ -65,8 +80,15 @@ def kv_budget(model: DecoderLM, sampler: Sampler, *, device: torch.device, dtype
 
 
 @torch.inference_mode()
-def profile_activation_bytes(model: DecoderLM, sampler: Sampler, *, device: torch.device, dtype: torch.dtype,
-                             block_size: int, max_num_batched_tokens: int) -> int:
+def profile_activation_bytes(
+    model: DecoderLM,
+    sampler: Sampler,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    max_num_batched_tokens: int,
+) -> int:
     """Peak extra CUDA memory of the worst steps we expect, measured by running them.
 
     Two shapes, max of both: one long prefill (attention over the whole context), and
@@ -77,12 +99,21 @@ def profile_activation_bytes(model: DecoderLM, sampler: Sampler, *, device: torc
     tokens = max_num_batched_tokens
     long_len = min(tokens, cfg.max_position_embeddings)
     num_seqs = min(PROFILE_MAX_SEQS, tokens)
-    shapes = [[long_len] * max(1, tokens // long_len), [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]]
+    shapes = [
+        [long_len] * max(1, tokens // long_len),
+        [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)],
+    ]
     peak = 0
     for lengths in shapes:
         blocks_per_seq = [-(-n // block_size) for n in lengths]
         scratch = PagedKVCache(
-            cfg.num_layers, sum(blocks_per_seq), block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device,
+            cfg.num_layers,
+            sum(blocks_per_seq),
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+            device,
         )
         seqs, first = [], 0
         for n, nb in zip(lengths, blocks_per_seq):

@@ -21,8 +21,8 @@ and its scheduler keeps to it: the worker must never index past its KV pool, who
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from deltaserve import wire
 from deltaserve.adapters.variants import OFF_REASON, WITH_ARTICLE, Placements, VariantKind, VariantPool
@@ -67,8 +67,9 @@ OPS = ", ".join(op.label for op in wire.TierOp)
 KINDS = ", ".join(kind.label for kind in VariantKind)
 
 
-def replay_variant_ops(plan: wire.StepPlan, pools: Mapping[VariantKind, VariantPool],
-                       problems: list[str]) -> VariantsAfter:
+def replay_variant_ops(
+    plan: wire.StepPlan, pools: Mapping[VariantKind, VariantPool], problems: list[str]
+) -> VariantsAfter:
     """Replays ``plan.adapter_ops`` on copies of every pool's tiers, appending what is wrong."""
     host = {kind: set(pool.host_ids()) for kind, pool in pools.items()}
     placed: dict[VariantKind, Placements] = {kind: pool.placements() for kind, pool in pools.items()}
@@ -134,8 +135,12 @@ def replay_variant_ops(plan: wire.StepPlan, pools: Mapping[VariantKind, VariantP
     return after
 
 
-def check_plan(plan: wire.StepPlan, requests: Mapping[int, RequestState], pools: Mapping[VariantKind, VariantPool],
-               limits: PlanLimits) -> None:
+def check_plan(
+    plan: wire.StepPlan,
+    requests: Mapping[int, RequestState],
+    pools: Mapping[VariantKind, VariantPool],
+    limits: PlanLimits,
+) -> None:
     """Checks every reference in ``plan`` against the state; raises PlanError listing all problems."""
     problems: list[str] = []
     bad: list[int] = []
@@ -161,8 +166,11 @@ def check_plan(plan: wire.StepPlan, requests: Mapping[int, RequestState], pools:
 
     def check_variant(req_id: int, adapter_id: int) -> None:
         if adapter_id != 0 and adapter_id not in after.on_gpu:
-            fail(req_id, f"adapter_id {adapter_id} is not on the GPU after this step's adapter ops "
-                 f"(resident: {resident}; 0 = base model)")
+            fail(
+                req_id,
+                f"adapter_id {adapter_id} is not on the GPU after this step's adapter ops "
+                f"(resident: {resident}; 0 = base model)",
+            )
 
     def check_not_variant_pages(req_id: int, blocks: list[int]) -> None:
         taken = [b for b in blocks if b in after.pages]
@@ -231,8 +239,9 @@ def check_plan(plan: wire.StepPlan, requests: Mapping[int, RequestState], pools:
         for i, op in placed:
             clash = [b for b in op.block_ids if b in kv_pages]
             if clash:
-                problems.append(f"adapter op {i} (to_gpu adapter {op.adapter_id}): block ids {clash[:4]} "
-                                "hold request KV")
+                problems.append(
+                    f"adapter op {i} (to_gpu adapter {op.adapter_id}): block ids {clash[:4]} hold request KV"
+                )
 
     if problems:
         raise PlanError(f"step {plan.step_id}: bad plan: " + "; ".join(problems), bad)

@@ -62,9 +62,9 @@ def admit(requests: dict[int, RequestState], plan: wire.StepPlan) -> list[tuple[
         )
     for run in plan.running:
         requests[run.req_id].block_table.extend(run.new_block_ids)
-    return [
-        (requests[n.req_id], n.num_scheduled_tokens) for n in plan.new_requests if n.num_scheduled_tokens > 0
-    ] + [(requests[r.req_id], r.num_scheduled_tokens) for r in plan.running]
+    return [(requests[n.req_id], n.num_scheduled_tokens) for n in plan.new_requests if n.num_scheduled_tokens > 0] + [
+        (requests[r.req_id], r.num_scheduled_tokens) for r in plan.running
+    ]
 
 
 def drop_step_requests(requests: dict[int, RequestState], plan: wire.StepPlan) -> list[int]:

@@ -22,8 +22,8 @@ computes it anyway: its input row is copied on the device from that step's sampl
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 
@@ -65,8 +65,15 @@ class LaunchedStep:
 class ForwardRunner:
     """Queues steps' forwards (graph replay or eager, with every variant pool's step state) and sampling."""
 
-    def __init__(self, model: DecoderLM, kv: PagedKVCache, sampler: Sampler, pools: Mapping[VariantKind, VariantPool],
-                 graphs: DecodeGraphs | None, block_size: int) -> None:
+    def __init__(
+        self,
+        model: DecoderLM,
+        kv: PagedKVCache,
+        sampler: Sampler,
+        pools: Mapping[VariantKind, VariantPool],
+        graphs: DecodeGraphs | None,
+        block_size: int,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.sampler = sampler
@@ -77,8 +84,9 @@ class ForwardRunner:
         self.block_size = block_size
         self.device = kv.device
 
-    def launch(self, step_id: int, scheduled: list[tuple[RequestState, int]],
-               in_flight: LaunchedStep | None) -> LaunchedStep:
+    def launch(
+        self, step_id: int, scheduled: list[tuple[RequestState, int]], in_flight: LaunchedStep | None
+    ) -> LaunchedStep:
         """Queues the forward and sampling of ``scheduled`` (requests already updated by the plan)."""
         launched = LaunchedStep(step_id=step_id, scheduled=scheduled, samplers=[], started=time.perf_counter())
         if not scheduled:
@@ -93,7 +101,7 @@ class ForwardRunner:
             end = state.num_computed + n
             known = len(state.token_ids)
             wants_logits = end == known + state.pending
-            tokens = state.token_ids[state.num_computed:end]
+            tokens = state.token_ids[state.num_computed : end]
             if end > known:  # the pending token: a placeholder here, filled on the device below
                 assert in_flight is not None and end == known + 1 == state.num_computed + 1
                 patch_rows.append(row)
@@ -106,8 +114,10 @@ class ForwardRunner:
         pending_inputs = None
         if patch_rows:
             assert in_flight is not None and in_flight.sampled is not None
-            pending_inputs = (to_device(patch_rows, torch.long, self.device),
-                              in_flight.sampled.token_ids.index_select(0, to_device(patch_from, torch.long, self.device)))
+            pending_inputs = (
+                to_device(patch_rows, torch.long, self.device),
+                in_flight.sampled.token_ids.index_select(0, to_device(patch_from, torch.long, self.device)),
+            )
         decode = len(samplers) == len(seqs) and all(n == 1 for _, n in scheduled)
         rows = StepRows([(s.variant_id, n) for s, n in scheduled], [s.variant_id for s in samplers], decode)
         with torch.inference_mode():
@@ -129,8 +139,9 @@ class ForwardRunner:
             launched.done.record()
         return launched
 
-    def forward(self, seqs: list, rows: StepRows,
-                pending_inputs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self, seqs: list, rows: StepRows, pending_inputs: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         """Logits of the rows that want them: a captured graph's replay when one takes the step, else an
         eager forward with every variant pool's step state set (pools without rows of the step set nothing)."""
         if rows.decode and self.graphs is not None and self.graphs.takes(rows):

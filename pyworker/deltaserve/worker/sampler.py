@@ -102,11 +102,13 @@ class LaunchedSample:
             return None if t is None else t.tolist()
 
         rows = self.num_rows
-        result = SampleResult(token_ids=values("token_ids"), logprobs=[None] * rows,
-                              top_logprobs=[[] for _ in range(rows)])
+        token_ids = values("token_ids")
+        assert token_ids is not None  # every row samples a token
+        result = SampleResult(token_ids=token_ids, logprobs=[None] * rows, top_logprobs=[[] for _ in range(rows)])
         if self.picked is None:
             return result
         picked = values("picked")
+        assert picked is not None  # self.picked is set
         top_vals, top_ids = values("top_vals"), values("top_ids")
         for j, r in enumerate(self.logprob_rows):
             result.logprobs[r] = float(picked[j])
@@ -150,7 +152,9 @@ class Sampler:
         """
         num_rows, vocab = logits.shape
         if len(params) != num_rows or len(output_index) != num_rows:
-            raise ValueError(f"sampler got {num_rows} logit rows but {len(params)} params / {len(output_index)} indices")
+            raise ValueError(
+                f"sampler got {num_rows} logit rows but {len(params)} params / {len(output_index)} indices"
+            )
         logits = logits.float()
         device = logits.device
         chosen = torch.empty(num_rows, dtype=torch.long, device=device)
@@ -165,7 +169,9 @@ class Sampler:
                 chosen[rows] = logits[rows].argmax(dim=-1)
         if sampled:
             rows = to_device(sampled, torch.long, device)
-            chosen[rows] = self._sample_rows(logits[rows], [params[r] for r in sampled], [output_index[r] for r in sampled])
+            chosen[rows] = self._sample_rows(
+                logits[rows], [params[r] for r in sampled], [output_index[r] for r in sampled]
+            )
 
         launched = LaunchedSample(token_ids=chosen, num_rows=num_rows)
         want = [r for r, p in enumerate(params) if p.logprobs is not None]
@@ -181,7 +187,9 @@ class Sampler:
         launched.copy_to_host()
         return launched
 
-    def _sample_rows(self, logits: torch.Tensor, params: list[wire.SamplingParams], output_index: list[int]) -> torch.Tensor:
+    def _sample_rows(
+        self, logits: torch.Tensor, params: list[wire.SamplingParams], output_index: list[int]
+    ) -> torch.Tensor:
         """Random draw for rows with temperature > 0. Shape: logits [R, V] -> token ids [R]."""
         num_rows, vocab = logits.shape
         device = logits.device

@@ -416,7 +416,7 @@ SCHEMA_HASH: str = _fnv1a64(SCHEMA_TEXT)
 #: Every top-level message (the structs with a non-zero ``KIND``).
 Message = Union[{union}]
 
-_BY_KIND: dict[int, type] = {{{by_kind}}}
+_BY_KIND: dict[int, type[Message]] = {{{by_kind}}}
 _KINDS = "{kinds_list}"
 _packb = msgpack.packb
 _unpackb = msgpack.unpackb
