@@ -72,5 +72,6 @@ def _serve_profiled(cfg: WorkerConfig, path: str) -> int:
         prof.disable()
         write()
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -45,7 +45,9 @@ class WorkerConfig:
     device: str = field(default="cpu", metadata=_doc("Torch device: cpu, cuda or cuda:N."))
     dtype: str = field(
         default="auto",
-        metadata=_doc("Compute dtype: auto (float32 on CPU; checkpoint half type or bfloat16 on CUDA), float32, float16, bfloat16."),
+        metadata=_doc(
+            "Compute dtype: auto (float32 on CPU; checkpoint half type or bfloat16 on CUDA), float32, float16, bfloat16."
+        ),
     )
     block_size: int = field(default=16, metadata=_doc("Tokens per KV page (the router's accounting unit)."))
     kv_cache_bytes: int = field(
@@ -121,7 +123,7 @@ class WorkerConfig:
         ),
     )
 
-    def validate(self) -> "WorkerConfig":
+    def validate(self) -> WorkerConfig:
         """Raises ConfigError naming the first bad setting; returns self for chaining."""
         if not (self.model / "config.json").is_file():
             raise ConfigError(f"--model {self.model}: not an HF model directory (no config.json)")
@@ -188,8 +190,7 @@ class WorkerConfig:
         return parser
 
     @classmethod
-    def from_args(cls, argv: list[str] | None = None) -> "WorkerConfig":
+    def from_args(cls, argv: list[str] | None = None) -> WorkerConfig:
         """Parses and validates the command line (``argv`` defaults to ``sys.argv[1:]``)."""
         ns = cls.parser().parse_args(argv)
         return cls(**vars(ns)).validate()
-
