@@ -11,7 +11,9 @@ reference in ``bench/``.
 - ``sbmm/``           compressed full-fine-tune deltas (packed 2/4-bit, 2:4), Triton and csrc/sbmm.cu
 - ``segments``        a step's tokens grouped by variant slot: what LoRA and SBMM metadata build on
 - ``dense_delta``     dense lm_head / embedding deltas of every logits row, one launch
-- ``paged_attention``, ``rmsnorm``, ``rope``, ``silu_mul``, ``region_copy``   one op per file
+- ``paged_attention`` decode and ragged prefill over the paged KV cache (host side; the Triton
+                      programs in ``paged_attention_kernels``)
+- ``rmsnorm``, ``rope``, ``silu_mul``, ``region_copy``   one op per file
 - ``common``          backend selection, bf16 rounding, launch-config files; ``cuda_ext`` builds csrc/
 
 An op package holds its layout types, metadata, reference, one file per kernel family, and its tuned

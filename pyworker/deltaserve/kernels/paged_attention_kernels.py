@@ -1,0 +1,321 @@
+"""The Triton programs of paged attention (device code only): one tile walk (``_attend``), the decode
+kernel with its split-merge kernel (flash-decoding), and the ragged prefill kernel. Their semantics,
+shapes and the way they tile the work are in ``kernels/paged_attention.py``, which validates the
+inputs and launches them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked tile never makes exp(-inf - -inf) = NaN
+# (a constexpr: compiled Triton refuses plain Python globals inside @triton.jit functions)
+
+
+@triton.jit
+def _attend(
+    q,
+    acc,
+    l_i,
+    m_i,
+    pos,
+    cache_k,
+    cache_v,
+    bt_row,
+    max_blocks,
+    kvh,
+    lo,
+    hi,
+    window,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    qk_scale,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online softmax of the rows of ``q`` (positions ``pos``) over keys [lo, hi) of one sequence."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + offs_n
+        col = keys // BLOCK_SIZE
+        k_ok = (keys < hi) & (col < max_blocks)
+        page = tl.load(bt_row + col, mask=k_ok, other=0).to(tl.int64)
+        within = (keys % BLOCK_SIZE).to(tl.int64)
+        kv_ok = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            cache_k + page[:, None] * stride_kb + within[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )
+        v = tl.load(
+            cache_v + page[:, None] * stride_vb + within[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=kv_ok,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 domain
+        visible = (keys[None, :] <= pos[:, None]) & k_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, _NEG)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def paged_decode_kernel(
+    out,
+    part_acc,
+    part_ml,
+    q,
+    cache_k,
+    cache_v,
+    block_tables,
+    seq_lens,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    max_blocks,
+    qk_scale,
+    window,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid (B, H_kv, NUM_SPLITS): sequence b's one token, query heads of kv head kvh, one split."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    p_last = seq_len - 1
+    lo = seq_len * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(p_last - window + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N  # page-aligned tiles when BLOCK_N is a multiple of block_size
+    hi = seq_len
+    if NUM_SPLITS > 1:
+        per = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * per
+        hi = tl.minimum(hi, lo + per)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    row_ok = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    b64 = b.to(tl.int64)
+    qt = tl.load(q + b64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=row_ok, other=0.0)
+    if UPCAST:
+        qt = qt.to(tl.float32)
+    pos = tl.zeros([BLOCK_G], dtype=tl.int32) + p_last
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) + _NEG
+    acc, l_i, m_i = _attend(
+        qt,
+        acc,
+        l_i,
+        m_i,
+        pos,
+        cache_k,
+        cache_v,
+        block_tables + b64 * stride_bt,
+        max_blocks,
+        kvh,
+        lo,
+        hi,
+        window,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        qk_scale,
+        HAS_WINDOW,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        UPCAST,
+        PRECISION,
+    )
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out + b64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out.dtype.element_ty),
+            mask=row_ok,
+        )
+    else:
+        # part_acc [B, H, NUM_SPLITS, BLOCK_D] and part_ml [B, H, NUM_SPLITS, 2] (m, l), contiguous.
+        rows = (b64 * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_acc + rows[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok)
+        g_ok = offs_g < GROUP
+        tl.store(part_ml + rows * 2, m_i, mask=g_ok)
+        tl.store(part_ml + rows * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def paged_decode_reduce_kernel(
+    out,
+    part_acc,
+    part_ml,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Grid (B, H): merge the NUM_SPLITS partial softmaxes of (sequence b, head h)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < NUM_SPLITS
+    rows = (b * tl.num_programs(1) + h) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml + rows * 2, mask=s_ok, other=_NEG)
+    l_s = tl.load(part_ml + rows * 2 + 1, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc + rows[:, None] * BLOCK_D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    total = tl.sum(w * l_s, 0)
+    o = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out + b * stride_ot + h * stride_oh + offs_d, o.to(out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@triton.jit
+def paged_prefill_kernel(
+    out,
+    q,
+    cache_k,
+    cache_v,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    max_blocks,
+    qk_scale,
+    window,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid (cdiv(max_query_len, BLOCK_Q), B, H_kv): BLOCK_Q tokens of sequence b x one head group."""
+    qtile = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(query_start_loc + b)
+    q_len = tl.load(query_start_loc + b + 1) - q_start
+    if qtile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens + b)
+    ctx0 = seq_len - q_len  # position of the sequence's first query token
+
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qi = qtile * BLOCK_Q + offs_r // BLOCK_G  # query token within the sequence
+    g = offs_r % BLOCK_G
+    heads = kvh * GROUP + g
+    r_ok = (qi < q_len) & (g < GROUP)
+    tile_ok = r_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tok = (q_start + qi).to(tl.int64)
+    qt = tl.load(q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=tile_ok, other=0.0)
+    if UPCAST:
+        qt = qt.to(tl.float32)
+    pos = ctx0 + qi
+    first = ctx0 + qtile * BLOCK_Q
+    hi = tl.minimum(first + BLOCK_Q, seq_len)  # one past the tile's last real position
+    lo = first * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first - window + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _NEG
+    acc, l_i, m_i = _attend(
+        qt,
+        acc,
+        l_i,
+        m_i,
+        pos,
+        cache_k,
+        cache_v,
+        block_tables + b.to(tl.int64) * stride_bt,
+        max_blocks,
+        kvh,
+        lo,
+        hi,
+        window,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        qk_scale,
+        HAS_WINDOW,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        BLOCK_D,
+        UPCAST,
+        PRECISION,
+    )
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        o.to(out.dtype.element_ty),
+        mask=tile_ok,
+    )
