@@ -8,7 +8,7 @@ send time) should stay far below the latencies being measured. Those are wall-cl
 they live here and not in the test suite (tests/test_replay.py runs :func:`run_capacity` and checks
 only what cannot depend on the machine's speed: every request completes with its full output).
 
-    python -m bench.replay_capacity                 # 5× MAX_RATE for 3 s, writes results/replay_capacity-cpu-DATE.json
+    python -m bench.replay_capacity                 # 5× MAX_RATE for 3 s, writes results/replay_capacity-x5-cpu-DATE.json
     python -m bench.replay_capacity --factor 10 --duration 5 --repeats 3
 """
 
@@ -85,7 +85,7 @@ def main() -> None:
         return
     from bench.common import write_result
 
-    path = write_result("replay_capacity", {
+    path = write_result(f"replay_capacity-x{a.factor:g}", {
         "device": "cpu", "host": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
                                   "machine": platform.machine(), "python": platform.python_version()},
         "params": {"factor": a.factor, "max_rate": serving.MAX_RATE, "rate": a.factor * serving.MAX_RATE,
