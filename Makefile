@@ -15,7 +15,7 @@ TEST_JOBS ?= 2
 export VIRTUAL_ENV := $(abspath $(VENV))
 export CARGO_TERM_COLOR := $(if $(V),auto,never)
 
-.PHONY: help setup develop demo demo-model serve test test-rust test-python test-gpu test-gpu-kernels test-gpu-graphs test-gpu-e2e lint fmt wheel gen-wire bench-gpu eval-quality daemon daemon-release clean
+.PHONY: help setup develop demo demo-model serve test test-rust test-python test-gpu test-gpu-kernels test-gpu-sbmm test-gpu-graphs test-gpu-e2e lint fmt wheel gen-wire bench-gpu eval-quality daemon daemon-release clean
 
 help: ## list the commands
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'

@@ -10,6 +10,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use deltaserve_server::config::{parse_lora, ServerConfig};
 use deltaserve_server::interpreter;
+use tokio::io::{AsyncBufReadExt, BufReader};
 
 /// Serve a base model and its fine-tuned variants (LoRA adapters, compressed deltas) over an
 /// OpenAI-compatible API.
@@ -49,7 +50,7 @@ enum Tool {
 }
 
 /// `deltaserve compress --help`: the Python command line's own help, written out by
-/// `python -m deltaserve.compress --write-help` (tests/test_compress_help.py keeps it current).
+/// `python -m deltaserve.compress --write-help` (tests/e2e/test_cli.py keeps it current).
 const COMPRESS_HELP: &str = include_str!("../../../../pyworker/deltaserve/compress/help.txt");
 
 /// Runs `python -m deltaserve.<module> args...` with inherited stdio; returns its exit code.
@@ -68,7 +69,8 @@ fn run_python_tool(python: &Path, module: &str, args: &[String]) -> anyhow::Resu
 /// stderr is shown as it runs and its last lines are quoted in the error when it fails.
 async fn demo_model(python: &Path) -> anyhow::Result<(PathBuf, Vec<(String, PathBuf)>)> {
     tracing::info!("no --model given: serving the bundled demo model (SmolLM2-135M-Instruct)");
-    let out = tokio::process::Command::new(python)
+    let run = || format!("running `{} -m deltaserve.demo_model`", python.display());
+    let mut child = tokio::process::Command::new(python)
         .args([
             "-m",
             "deltaserve.demo_model",
@@ -76,10 +78,22 @@ async fn demo_model(python: &Path) -> anyhow::Result<(PathBuf, Vec<(String, Path
             "--print-adapters",
         ])
         .stdin(Stdio::null())
-        .output()
-        .await
-        .with_context(|| format!("running `{} -m deltaserve.demo_model`", python.display()))?;
-    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(run)?;
+    // Tee the child's stderr: shown line by line as the conversion runs, kept for the error.
+    let mut said = String::new();
+    if let Some(stderr) = child.stderr.take() {
+        let mut lines = BufReader::new(stderr).lines();
+        while let Some(line) = lines.next_line().await.with_context(run)? {
+            eprintln!("{line}");
+            said.push_str(&line);
+            said.push('\n');
+        }
+    }
+    let mut out = child.wait_with_output().await.with_context(run)?;
+    out.stderr = said.into_bytes();
     if !out.status.success() {
         bail!(
             "{}; or pass --model DIR",

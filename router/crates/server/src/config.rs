@@ -95,7 +95,8 @@ pub struct ServerConfig {
     #[arg(
         long = "lora-host-bytes",
         env = "DELTASERVE_LORA_HOST_BYTES",
-        hide = true
+        hide = true,
+        conflicts_with = "variant_host_bytes"
     )]
     pub lora_host_bytes: Option<u64>,
     /// Largest LoRA rank accepted (adapters above it are refused at registration).
@@ -232,7 +233,7 @@ impl ServerConfig {
     }
 
     /// Host budget of variant copies: --variant-host-bytes, or the deprecated --lora-host-bytes
-    /// when only that one is given.
+    /// (clap refuses both at once).
     pub fn host_bytes(&self) -> u64 {
         self.lora_host_bytes.unwrap_or(self.variant_host_bytes)
     }
@@ -412,6 +413,17 @@ mod tests {
         assert_eq!(old.host_bytes(), 99);
         let new = parse(&["deltaserve", "--variant-host-bytes", "7"].map(String::from));
         assert_eq!(new.host_bytes(), 7);
+        let both = [
+            "deltaserve",
+            "--variant-host-bytes",
+            "7",
+            "--lora-host-bytes",
+            "9",
+        ];
+        assert!(
+            Flags::try_parse_from(both).is_err(),
+            "the two names of one budget conflict"
+        );
         assert!(Flags::try_parse_from(["deltaserve", "--devices", "gpu"]).is_err());
         assert!(Flags::try_parse_from(["deltaserve", "--worker-start-timeout", "1.5"]).is_err());
     }
