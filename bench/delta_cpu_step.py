@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> Path:
     if info.error:
         raise SystemExit(info.error)
     delta = wire.VariantKind.DELTA
-    ex.step(wire.StepPlan(step_id=10**9, adapter_ops=[wire.AdapterOp(1, wire.TierOp.TO_HOST, str(args.delta), [], delta),
-                                                      wire.AdapterOp(1, wire.TierOp.TO_GPU, "", [], delta, 0)]))  # fmt: skip
+    ex.step(wire.StepPlan(step_id=10**9, adapter_ops=[wire.VariantOp(1, wire.TierOp.TO_HOST, str(args.delta), [], delta),
+                                                      wire.VariantOp(1, wire.TierOp.TO_GPU, "", [], delta, 0)]))  # fmt: skip
     rows = {}
     for k, (name, ids) in enumerate((("base", [0] * args.batch), ("delta", [1] * args.batch))):
         times = bench_batch(

@@ -17,7 +17,7 @@ compressor run); the base is a random fp16 checkpoint on disk (``common.write_ra
 a delta's lineage check reads the base's safetensors). Step times do not depend on the values.
 Delta directories beyond ``--distinct-weights`` link to the same payload (disk); each delta id
 still gets its own host copy and its own GPU slot. Ops go through ``Executor.step`` as the
-router sends them (``AdapterOp`` to_host / to_gpu). LoRA is off (``--max-lora-rank 0``) unless asked.
+router sends them (``VariantOp`` to_host / to_gpu). LoRA is off (``--max-lora-rank 0``) unless asked.
 
     python3 -m bench.delta_decode_step [--shape llama-2-7b] [--batch 64] [--deltas 8] [--ctx 512]
         [--bits 4] [--sparsity 2:4] [--no-graphs] [--workdir DIR] [--out DIR]
@@ -90,8 +90,8 @@ def place(ex: Executor, dirs: dict[int, Path], step_id: int) -> None:
         info = ex.inspect_variant(str(d), wire.VariantKind.DELTA)
         if info.error is not None:
             raise SystemExit(f"delta {aid} refused by the executor: {info.error}")
-        ops.append(wire.AdapterOp(aid, wire.TierOp.TO_HOST, str(d), [], wire.VariantKind.DELTA))
-        ops.append(wire.AdapterOp(aid, wire.TierOp.TO_GPU, "", [], wire.VariantKind.DELTA, slot))
+        ops.append(wire.VariantOp(aid, wire.TierOp.TO_HOST, str(d), [], wire.VariantKind.DELTA))
+        ops.append(wire.VariantOp(aid, wire.TierOp.TO_GPU, "", [], wire.VariantKind.DELTA, slot))
     ex.step(wire.StepPlan(step_id=step_id, adapter_ops=ops))
 
 

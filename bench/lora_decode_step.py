@@ -8,7 +8,7 @@ adapter loads host -> GPU pool.
    ranks 8..128 on all seven projections, and the disk -> host read for reference.
 
 Adapters are PEFT directories of random weights (bench/common.py) placed through the same
-``AdapterOp``s the router sends.
+``VariantOp``s the router sends.
 
     python3 -m bench.lora_decode_step [--batch 64] [--adapters 64] [--rank 16] [--out DIR]
 """
@@ -51,8 +51,8 @@ def place(ex: Executor, dirs: dict[int, Path], first_page: int) -> int:
     for aid, d in dirs.items():
         info = ex.inspect_variant(str(d))
         assert info.error is None, info.error
-        ops.append(wire.AdapterOp(aid, wire.TierOp.TO_HOST, str(d), []))
-        ops.append(wire.AdapterOp(aid, wire.TierOp.TO_GPU, "", list(range(page, page + info.num_blocks))))
+        ops.append(wire.VariantOp(aid, wire.TierOp.TO_HOST, str(d), []))
+        ops.append(wire.VariantOp(aid, wire.TierOp.TO_GPU, "", list(range(page, page + info.num_blocks))))
         page += info.num_blocks
     ex.step(wire.StepPlan(step_id=999_999, adapter_ops=ops))
     return page

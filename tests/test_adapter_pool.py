@@ -75,12 +75,12 @@ def make_executor(tiny_llama: Path):
 _step_ids = iter(range(1, 1 << 30))
 
 
-def ops(ex: Executor, *adapter_ops: wire.AdapterOp) -> wire.StepOutput:
+def ops(ex: Executor, *adapter_ops: wire.VariantOp) -> wire.StepOutput:
     return ex.step(wire.StepPlan(step_id=next(_step_ids), adapter_ops=list(adapter_ops)))
 
 
 def place(ex: Executor, aid: int, path: Path, pages: list[int]) -> None:
-    ops(ex, wire.AdapterOp(aid, wire.TierOp.TO_HOST, str(path), []), wire.AdapterOp(aid, wire.TierOp.TO_GPU, "", pages))
+    ops(ex, wire.VariantOp(aid, wire.TierOp.TO_HOST, str(path), []), wire.VariantOp(aid, wire.TierOp.TO_GPU, "", pages))
 
 
 def first_fit_pages(adapter, features, order, region: int) -> int:
@@ -193,13 +193,13 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     size = {n: ex.inspect_variant(str(dirs[n])).host_bytes for n in ("qv", "all")}
     out = ops(
         ex,
-        wire.AdapterOp(1, wire.TierOp.TO_HOST, str(dirs["qv"]), []),
-        wire.AdapterOp(2, wire.TierOp.TO_HOST, str(dirs["all"]), []),
+        wire.VariantOp(1, wire.TierOp.TO_HOST, str(dirs["qv"]), []),
+        wire.VariantOp(2, wire.TierOp.TO_HOST, str(dirs["all"]), []),
     )
     assert out.adapter_host_bytes == size["qv"] + size["all"]  # counted while loading, too
     ex.lora_pool.wait_host(1), ex.lora_pool.wait_host(2)
     assert ex.variant_host_bytes == size["qv"] + size["all"]
-    out2 = ops(ex, wire.AdapterOp(1, wire.TierOp.DROP_HOST, "", []))
+    out2 = ops(ex, wire.VariantOp(1, wire.TierOp.DROP_HOST, "", []))
     assert out2.adapter_host_bytes == size["all"]
     # Finished reads are reported once each (in the output after they finish), a dropped one never
     # after its drop: the router admits requests for adapter 2 without stalling a step on its read.
@@ -210,8 +210,8 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     n = ex.inspect_variant(str(dirs["all"])).num_blocks
     ops(
         ex,
-        wire.AdapterOp(2, wire.TierOp.TO_GPU, "", list(range(10, 10 + n))),
-        wire.AdapterOp(2, wire.TierOp.DROP_HOST, "", []),
+        wire.VariantOp(2, wire.TierOp.TO_GPU, "", list(range(10, 10 + n))),
+        wire.VariantOp(2, wire.TierOp.DROP_HOST, "", []),
     )
     assert ex.variant_host_bytes == 0 and set(ex.lora_pool.gpu) == {2}
     assert set(ex.lora_pool.page_owner) == set(range(10, 10 + n))
@@ -221,13 +221,13 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     shutil.copytree(dirs["qv"], gone)
     assert ex.inspect_variant(str(gone)).error is None
     shutil.rmtree(gone)
-    ops(ex, wire.AdapterOp(3, wire.TierOp.TO_HOST, str(gone), []))
+    ops(ex, wire.VariantOp(3, wire.TierOp.TO_HOST, str(gone), []))
     with pytest.raises(AdapterLoadError, match="vanishing"):
         ex.lora_pool.wait_host(3)
     assert ex.variant_host_bytes == 0
     assert ops(ex).host_ready == [3], "a failed read is reported too: its to_gpu says why"
     with pytest.raises(AdapterLoadError, match=r"adapter 3: loading .*vanishing"):
-        ops(ex, wire.AdapterOp(3, wire.TierOp.TO_GPU, "", [0, 1, 2]))
+        ops(ex, wire.VariantOp(3, wire.TierOp.TO_GPU, "", [0, 1, 2]))
     assert set(ex.lora_pool.gpu) == {2}
 
     # Values changed after registration: the background read refuses them, naming the tensor.
@@ -238,9 +238,9 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     tensors[key][0, 0] = float("inf")
     save_file(tensors, spoiled / "adapter_model.safetensors")
-    ops(ex, wire.AdapterOp(4, wire.TierOp.TO_HOST, str(spoiled), []))
+    ops(ex, wire.VariantOp(4, wire.TierOp.TO_HOST, str(spoiled), []))
     with pytest.raises(AdapterLoadError, match=rf"adapter 4: loading .*spoiled.*'{key}' contains non-finite"):
-        ops(ex, wire.AdapterOp(4, wire.TierOp.TO_GPU, "", [0, 1, 2]))
+        ops(ex, wire.VariantOp(4, wire.TierOp.TO_GPU, "", [0, 1, 2]))
 
     # Loads follow the plan registration made (no config or header parsing on the loader threads):
     # a config deleted since is served as registered; weights of another shape are refused by name.
@@ -248,7 +248,7 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     shutil.copytree(dirs["qv"], replanned)
     assert ex.inspect_variant(str(replanned)).error is None
     (replanned / "adapter_config.json").unlink()
-    ops(ex, wire.AdapterOp(5, wire.TierOp.TO_HOST, str(replanned), []))
+    ops(ex, wire.VariantOp(5, wire.TierOp.TO_HOST, str(replanned), []))
     assert ex.lora_pool.wait_host(5).packed.shape == (
         ex.config.num_layers,
         ex.lora_pool.plans[str(replanned)].layout.packed_elems,
@@ -257,10 +257,10 @@ def test_host_and_gpu_tiers(make_executor, dirs, tmp_path: Path) -> None:
     tensors[key] = torch.zeros(4, tensors[key].shape[1])  # rank 8 -> 4
     save_file(tensors, replanned / "adapter_model.safetensors")
     ops(
-        ex, wire.AdapterOp(5, wire.TierOp.DROP_HOST, "", []), wire.AdapterOp(6, wire.TierOp.TO_HOST, str(replanned), [])
+        ex, wire.VariantOp(5, wire.TierOp.DROP_HOST, "", []), wire.VariantOp(6, wire.TierOp.TO_HOST, str(replanned), [])
     )
     with pytest.raises(AdapterLoadError, match=rf"adapter 6: .*'{key}' has shape \[4, 64\], expected \[8, 64\]"):
-        ops(ex, wire.AdapterOp(6, wire.TierOp.TO_GPU, "", [0, 1, 2]))
+        ops(ex, wire.VariantOp(6, wire.TierOp.TO_GPU, "", [0, 1, 2]))
 
 
 def test_host_copies_come_from_the_arena_and_go_back(
@@ -274,43 +274,43 @@ def test_host_copies_come_from_the_arena_and_go_back(
     monkeypatch.setattr(executor_module, "slack_for", lambda budget: 0)
     ref = make_executor()
     size = {n: ref.inspect_variant(str(dirs[n])).host_bytes for n in SPECS}
-    ops(ref, *(wire.AdapterOp(i, wire.TierOp.TO_HOST, str(dirs[n]), []) for i, n in enumerate(SPECS, start=1)))
+    ops(ref, *(wire.VariantOp(i, wire.TierOp.TO_HOST, str(dirs[n]), []) for i, n in enumerate(SPECS, start=1)))
     want = {n: ref.lora_pool.wait_host(i).packed for i, n in enumerate(SPECS, start=1)}
 
     aligned = {n: -(-b // ALIGN) * ALIGN for n, b in size.items()}
     ex = make_executor(host_arena_bytes=aligned["pattern"] + aligned["all"])
     arena = ex.lora_pool.arena
     assert arena is not None and not arena.pinned, "pinned only on CUDA"
-    ops(ex, wire.AdapterOp(1, wire.TierOp.TO_HOST, str(dirs["pattern"]), []))
+    ops(ex, wire.VariantOp(1, wire.TierOp.TO_HOST, str(dirs["pattern"]), []))
     first = ex.lora_pool.wait_host(1).packed
     assert arena.owns(first) and torch.equal(first, want["pattern"])
-    ops(ex, wire.AdapterOp(1, wire.TierOp.DROP_HOST, "", []))
+    ops(ex, wire.VariantOp(1, wire.TierOp.DROP_HOST, "", []))
     assert arena.free_bytes == arena.capacity
     first.fill_(float("nan"))  # what a reused region holds before the next read
-    ops(ex, wire.AdapterOp(2, wire.TierOp.TO_HOST, str(dirs["pattern"]), []))
+    ops(ex, wire.VariantOp(2, wire.TierOp.TO_HOST, str(dirs["pattern"]), []))
     again = ex.lora_pool.wait_host(2).packed  # best fit: the region just given back (all of the arena)
-    ops(ex, wire.AdapterOp(3, wire.TierOp.TO_HOST, str(dirs["all"]), []))
+    ops(ex, wire.VariantOp(3, wire.TierOp.TO_HOST, str(dirs["all"]), []))
     assert again.data_ptr() == first.data_ptr() and torch.equal(again, want["pattern"]), "unused rows not zeroed"
     assert arena.owns(ex.lora_pool.wait_host(3).packed) and torch.equal(ex.lora_pool.wait_host(3).packed, want["all"])
     assert arena.free_bytes == 0
-    ops(ex, wire.AdapterOp(4, wire.TierOp.TO_HOST, str(dirs["qv"]), []))  # no room left: allocated on its own
+    ops(ex, wire.VariantOp(4, wire.TierOp.TO_HOST, str(dirs["qv"]), []))  # no room left: allocated on its own
     own = ex.lora_pool.wait_host(4).packed
     assert not arena.owns(own) and torch.equal(own, want["qv"])
     assert ex.variant_host_bytes == size["pattern"] + size["all"] + size["qv"]
 
     # A read that fails gives its region back; the placement of an arena copy is the same as ``ref``'s.
-    ops(ex, wire.AdapterOp(3, wire.TierOp.DROP_HOST, "", []))
+    ops(ex, wire.VariantOp(3, wire.TierOp.DROP_HOST, "", []))
     gone = tmp_path / "vanishing"
     shutil.copytree(dirs["all"], gone)
     assert ex.inspect_variant(str(gone)).error is None
     (gone / "adapter_model.safetensors").write_bytes(b"")
-    ops(ex, wire.AdapterOp(5, wire.TierOp.TO_HOST, str(gone), []))
+    ops(ex, wire.VariantOp(5, wire.TierOp.TO_HOST, str(gone), []))
     with pytest.raises(AdapterLoadError):
         ex.lora_pool.wait_host(5)
     assert arena.free_bytes == aligned["all"]
     n = ex.inspect_variant(str(dirs["pattern"])).num_blocks
-    ops(ex, wire.AdapterOp(2, wire.TierOp.TO_GPU, "", list(range(n))))
-    ops(ref, wire.AdapterOp(3, wire.TierOp.TO_GPU, "", list(range(n))))
+    ops(ex, wire.VariantOp(2, wire.TierOp.TO_GPU, "", list(range(n))))
+    ops(ref, wire.VariantOp(3, wire.TierOp.TO_GPU, "", list(range(n))))
     assert torch.equal(ex.kv.kv, ref.kv.kv)
 
 
@@ -321,7 +321,7 @@ def test_a_dropped_executor_frees_its_pool_at_once(make_executor, dirs) -> None:
     ex = make_executor(host_arena_bytes=1 << 20)
     n = ex.inspect_variant(str(dirs["qv"])).num_blocks
     place(ex, 1, dirs["qv"], list(range(n)))
-    ops(ex, wire.AdapterOp(1, wire.TierOp.DROP_HOST, "", []))  # through the release hook
+    ops(ex, wire.VariantOp(1, wire.TierOp.DROP_HOST, "", []))  # through the release hook
     pool = weakref.ref(ex.lora_pool)
     gc.disable()
     try:
@@ -415,14 +415,14 @@ def test_linears_add_each_tokens_delta_and_survive_replacement_and_kv_writes(mak
     # Drop adapter 1 and put it on other pages: identical outputs.
     new_pages = [free.pop() for _ in range(need[1])]
     assert not set(new_pages) & set(pages[1])
-    ops(ex, wire.AdapterOp(1, wire.TierOp.DROP_GPU, "", []), wire.AdapterOp(1, wire.TierOp.DROP_HOST, "", []))
+    ops(ex, wire.VariantOp(1, wire.TierOp.DROP_GPU, "", []), wire.VariantOp(1, wire.TierOp.DROP_HOST, "", []))
     place(ex, 1, dirs["qv"], new_pages)
     for segs, is_decode, seed, before in ((prefill, False, 1, before_prefill), (decode, True, 2, before_decode)):
         after = _run_all(ex, segs, is_decode, seed=seed)
         assert all(torch.equal(after[k][1], before[k][1]) for k in before)
 
     # Drop adapter 3 and scribble "KV" over its pages: 1 and 2 are unaffected.
-    ops(ex, wire.AdapterOp(3, wire.TierOp.DROP_GPU, "", []))
+    ops(ex, wire.VariantOp(3, wire.TierOp.DROP_GPU, "", []))
     ex.kv.kv[:, :, pages[3]] = torch.randn_like(ex.kv.kv[:, :, pages[3]])
     only12 = [(0, 2), (1, 3), (2, 2), (1, 1)]
     ref = _run_all(ex, only12, False, seed=4)
@@ -432,7 +432,7 @@ def test_linears_add_each_tokens_delta_and_survive_replacement_and_kv_writes(mak
     slot_before = dict(ex.lora_pool.slot_of)
     _run_all(ex, [(2, 1), (1, 1)], True)
     assert ex.lora_pool.slot_of == slot_before and 3 not in ex.lora_pool.slot_of
-    ops(ex, wire.AdapterOp(3, wire.TierOp.TO_GPU, "", pages[3]))  # its host copy is still there
+    ops(ex, wire.VariantOp(3, wire.TierOp.TO_GPU, "", pages[3]))  # its host copy is still there
     _check_deltas(ex, _run_all(ex, prefill, False, seed=5), prefill_tokens, loaded)
     with pytest.raises(ValueError, match="not on the GPU"):
         ex.lora_pool.begin_segments([(9, 1)], True)

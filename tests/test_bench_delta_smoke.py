@@ -62,8 +62,8 @@ def test_random_delta_dir_is_a_delta_the_worker_serves(
         wire.StepPlan(
             step_id=1,
             adapter_ops=[
-                wire.AdapterOp(5, wire.TierOp.TO_HOST, str(d), [], delta),
-                wire.AdapterOp(5, wire.TierOp.TO_GPU, "", [], delta, 0),
+                wire.VariantOp(5, wire.TierOp.TO_HOST, str(d), [], delta),
+                wire.VariantOp(5, wire.TierOp.TO_GPU, "", [], delta, 0),
             ],
         )
     )

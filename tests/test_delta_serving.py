@@ -49,9 +49,9 @@ def delta_op(
     *,
     kind: wire.VariantKind = DELTA,
     slot: int = 0,
-) -> wire.AdapterOp:
+) -> wire.VariantOp:
     """An op as the router sends it for a delta (a ``to_gpu`` names its slot, ``slot``)."""
-    return wire.AdapterOp(aid, move, path, blocks or [], kind, slot if move is TO_GPU and kind is DELTA else None)
+    return wire.VariantOp(aid, move, path, blocks or [], kind, slot if move is TO_GPU and kind is DELTA else None)
 
 
 pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
@@ -238,7 +238,7 @@ def test_bad_delta_ops_are_plan_errors_that_change_nothing(executor_factory, var
 
 
 def test_a_delta_goes_to_the_slot_the_router_names(executor_factory, variants) -> None:
-    """The router picks every delta's slot (``AdapterOp.slot``); the worker fills exactly that one and
+    """The router picks every delta's slot (``VariantOp.slot``); the worker fills exactly that one and
     refuses, as a PlanError that changes nothing, a slot that is taken, outside ``--max-deltas`` or
     missing."""
     ex = executor_factory(max_deltas=2)
@@ -250,7 +250,7 @@ def test_a_delta_goes_to_the_slot_the_router_names(executor_factory, variants) -
     )
     assert ex.delta_pool is not None and ex.delta_pool.slot_of == {D4: 1}
     ex.delta_pool.wait_host(D2)
-    no_slot = wire.AdapterOp(D2, TO_GPU, "", [], DELTA, None)
+    no_slot = wire.VariantOp(D2, TO_GPU, "", [], DELTA, None)
     for bad, match in [
         (delta_op(D2, TO_GPU, slot=1), r"to_gpu adapter 3\): delta slot 1 holds delta 2"),
         (delta_op(D2, TO_GPU, slot=2), r"slot 2 is not one of the 2 delta slots \(--max-deltas\)"),

@@ -15,7 +15,7 @@ pool as KV and sends ``to_host`` / ``to_gpu`` / ``drop_gpu`` / ``drop_host`` in 
 - an adapter evicted (its pages then filled with other requests' KV) and re-loaded on other pages
   gives the same tokens;
 - bad ops and requests on non-resident adapters are a PlanError that changes nothing;
-- the loop answers ``InspectAdapter`` and turns a failed adapter load into a fatal WorkerError;
+- the loop answers ``InspectVariant`` and turns a failed adapter load into a fatal WorkerError;
 - ``--max-lora-rank`` / ``--max-loras-per-step`` flags (``--loras`` is gone).
 """
 
@@ -147,7 +147,7 @@ def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> 
     router = SchedDriver(ex, dirs, {1: 1})
     router.add(1, [4, 5, 6, 7, 8], 20)
     router.step()
-    ops = [wire.AdapterOp(2, wire.TierOp.TO_HOST, str(dirs[2]), [])]
+    ops = [wire.VariantOp(2, wire.TierOp.TO_HOST, str(dirs[2]), [])]
     ex.step(wire.StepPlan(step_id=1000, adapter_ops=ops))  # B on host only
     ex.lora_pool.wait_host(2)
     a_pages, kv_page = router.adapter_pages(1), ex.requests[1].block_table[0]
@@ -176,7 +176,7 @@ def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> 
             adapter_id=aid,
         )
 
-    op = wire.AdapterOp
+    op = wire.VariantOp
     cases = [
         (plan(op(2, 9, "", [])), r"unknown op 9"),
         (
@@ -231,9 +231,9 @@ def test_loop_answers_inspect_and_a_failed_load_is_fatal(executor_factory, dirs,
     shutil.copytree(dirs[1], gone)
     good_info = ex.inspect_variant(str(gone))
     frames = [
-        wire.InspectAdapter(inspect_id=41, path=str(gone)),
-        wire.InspectAdapter(inspect_id=42, path=str(tmp_path / "missing")),
-        wire.StepPlan(step_id=1, adapter_ops=[wire.AdapterOp(1, wire.TierOp.TO_HOST, str(dirs[1]), [])]),
+        wire.InspectVariant(inspect_id=41, path=str(gone)),
+        wire.InspectVariant(inspect_id=42, path=str(tmp_path / "missing")),
+        wire.StepPlan(step_id=1, adapter_ops=[wire.VariantOp(1, wire.TierOp.TO_HOST, str(dirs[1]), [])]),
     ]
     link = FakeLink([wire.encode(f) for f in frames])
     loop = WorkerLoop(ex, link)
@@ -241,9 +241,9 @@ def test_loop_answers_inspect_and_a_failed_load_is_fatal(executor_factory, dirs,
     loop.parent_alive = lambda: False  # type: ignore[method-assign]
     loop.run()
     _, info41, info42, out = link.sent
-    assert isinstance(info41, wire.AdapterInfo) and info41.inspect_id == 41 and info41.error is None
+    assert isinstance(info41, wire.VariantInfo) and info41.inspect_id == 41 and info41.error is None
     assert info41.num_blocks == good_info.num_blocks > 0 and info41.host_bytes == good_info.host_bytes > 0
-    assert isinstance(info42, wire.AdapterInfo) and info42.inspect_id == 42 and "missing" in info42.error
+    assert isinstance(info42, wire.VariantInfo) and info42.inspect_id == 42 and "missing" in info42.error
     assert isinstance(out, wire.StepOutput) and out.adapter_host_bytes == info41.host_bytes
 
     # The directory vanishes after registration: the to_gpu that needs it is a fatal error.
@@ -251,8 +251,8 @@ def test_loop_answers_inspect_and_a_failed_load_is_fatal(executor_factory, dirs,
     fatal = wire.StepPlan(
         step_id=2,
         adapter_ops=[
-            wire.AdapterOp(3, wire.TierOp.TO_HOST, str(gone), []),
-            wire.AdapterOp(3, wire.TierOp.TO_GPU, "", list(range(good_info.num_blocks))),
+            wire.VariantOp(3, wire.TierOp.TO_HOST, str(gone), []),
+            wire.VariantOp(3, wire.TierOp.TO_GPU, "", list(range(good_info.num_blocks))),
         ],
         new_requests=[
             wire.NewRequest(

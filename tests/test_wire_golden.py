@@ -60,14 +60,14 @@ def test_golden_values_decode_into_the_right_fields() -> None:
     assert [op.kind.label for op in plan.adapter_ops] == ["lora", "lora", "lora", "delta", "delta"]
     assert plan.adapter_ops[1].path == "/srv/adapters/sql-助手"
     assert plan.adapter_ops[2].block_ids == [65_535, 12, 70_002]
-    assert plan.adapter_ops[3] == wire.AdapterOp(
+    assert plan.adapter_ops[3] == wire.VariantOp(
         adapter_id=4_000_000_000, op=wire.TierOp.TO_GPU, kind=wire.VariantKind.DELTA, slot=63
     )
     assert [op.slot for op in plan.adapter_ops] == [None, None, None, 63, None]
 
-    inspect = wire.decode((GOLDEN / "InspectAdapter.msgpack").read_bytes())
-    assert inspect == wire.InspectAdapter(inspect_id=77, path="/srv/adapters/sql-助手", kind=wire.VariantKind.LORA)
-    info = wire.decode((GOLDEN / "AdapterInfo.msgpack").read_bytes())
+    inspect = wire.decode((GOLDEN / "InspectVariant.msgpack").read_bytes())
+    assert inspect == wire.InspectVariant(inspect_id=77, path="/srv/adapters/sql-助手", kind=wire.VariantKind.LORA)
+    info = wire.decode((GOLDEN / "VariantInfo.msgpack").read_bytes())
     assert info.error is None and info.num_blocks == 300 and info.host_bytes == 80 << 20
     assert info.kind is wire.VariantKind.LORA
     assert info.target_modules == ["q_proj", "v_proj"]
@@ -115,10 +115,10 @@ def test_enums_are_generated_with_the_rust_values_and_labels() -> None:
     assert [int(op) for op in wire.TierOp] == [0, 1, 2, 3]
     assert "VariantKind:u8{lora=0,delta=1}" in wire.SCHEMA_TEXT.split("\n")
     # On the wire an enum is its value; a value no member has does not decode (as in Rust).
-    op = wire.AdapterOp(adapter_id=3, op=wire.TierOp.DROP_HOST, kind=wire.VariantKind.DELTA)
+    op = wire.VariantOp(adapter_id=3, op=wire.TierOp.DROP_HOST, kind=wire.VariantKind.DELTA)
     assert op.to_wire() == [3, 3, "", [], 1, None]
     assert msgpack.packb(op.to_wire()) == msgpack.packb([3, 3, "", [], 1, None])
-    decoded = wire.AdapterOp.from_wire([3, 3, "", [], 1, None])
+    decoded = wire.VariantOp.from_wire([3, 3, "", [], 1, None])
     assert decoded == op and decoded.op is wire.TierOp.DROP_HOST and decoded.kind is wire.VariantKind.DELTA
     with pytest.raises(ValueError, match="cannot decode StepPlan body"):
         wire.decode(msgpack.packb([2, [1, [], [], [], [[3, 9, "", [], 0, None]]]]))

@@ -172,7 +172,7 @@ class Scheduler:
     def register_adapter(
         self, adapter_id: int, kind: Literal["lora", "delta"], num_blocks: int, host_bytes: int, path: str
     ) -> None:
-        """Registers a variant in the disk tier, with its footprint from the worker's ``AdapterInfo``:
+        """Registers a variant in the disk tier, with its footprint from the worker's ``VariantInfo``:
         ``num_blocks`` pool pages on the GPU (at least 1 for LoRA, 0 for a delta), ``host_bytes`` of
         host copy, and the directory ``to_host`` sends. It moves up when a request needs it.
         ``SchedError`` for id 0, an id already registered, a footprint that cannot fit, a delta with

@@ -13,7 +13,7 @@ append-only: fields missing at the end of a body take their defaults, extra trai
 newer peer are ignored. ``SCHEMA_HASH`` is computed here from ``SCHEMA_TEXT`` at import, so a stale
 mirror announces a hash the router refuses.
 
-Messages: StepPlan=2, StepOutput=3, Hello=1, InspectAdapter=6, AdapterInfo=7, Shutdown=4, WorkerError=5.
+Messages: StepPlan=2, StepOutput=3, Hello=1, InspectVariant=6, VariantInfo=7, Shutdown=4, WorkerError=5.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = [
     "SamplingParams",
     "NewRequest",
     "RunningRequest",
-    "AdapterOp",
+    "VariantOp",
     "StepPlan",
     "TokenLogprob",
     "RequestOutput",
@@ -41,8 +41,8 @@ __all__ = [
     "ModelInfo",
     "KvCapacity",
     "Hello",
-    "InspectAdapter",
-    "AdapterInfo",
+    "InspectVariant",
+    "VariantInfo",
     "Shutdown",
     "WorkerError",
     "Message",
@@ -55,8 +55,8 @@ SCHEMA_TEXT = (
     "SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>}\n"
     "NewRequest=0{req_id:u64,token_ids:Vec<u32>,num_prompt_tokens:u32,num_computed_tokens:u32,num_scheduled_tokens:u32,block_ids:Vec<u32>,sampling:SamplingParams,adapter_id:u32}\n"
     "RunningRequest=0{req_id:u64,num_scheduled_tokens:u32,new_block_ids:Vec<u32>}\n"
-    "AdapterOp=0{adapter_id:u32,op:TierOp,path:String,block_ids:Vec<u32>,kind:VariantKind,slot:Option<u32>}\n"
-    "StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>,adapter_ops:Vec<AdapterOp>}\n"
+    "VariantOp=0{adapter_id:u32,op:TierOp,path:String,block_ids:Vec<u32>,kind:VariantKind,slot:Option<u32>}\n"
+    "StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>,adapter_ops:Vec<VariantOp>}\n"
     "TokenLogprob=0{token_id:u32,logprob:f64}\n"
     "RequestOutput=0{req_id:u64,token_id:Option<u32>,logprob:Option<f64>,top_logprobs:Vec<TokenLogprob>}\n"
     "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64}\n"
@@ -64,8 +64,8 @@ SCHEMA_TEXT = (
     "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
     "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
     "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
-    "InspectAdapter=6{inspect_id:u64,path:String,kind:VariantKind}\n"
-    "AdapterInfo=7{inspect_id:u64,error:Option<String>,num_blocks:u32,host_bytes:u64,max_rank:u32,target_modules:Vec<String>,kind:VariantKind,summary:String}\n"
+    "InspectVariant=6{inspect_id:u64,path:String,kind:VariantKind}\n"
+    "VariantInfo=7{inspect_id:u64,error:Option<String>,num_blocks:u32,host_bytes:u64,max_rank:u32,target_modules:Vec<String>,kind:VariantKind,summary:String}\n"
     "Shutdown=4{reason:String}\n"
     "WorkerError=5{step_id:u64,message:String,fatal:bool,req_ids:Vec<u64>}\n"
     "VariantKind:u8{lora=0,delta=1}\n"
@@ -108,7 +108,7 @@ class TierOp(IntEnum):
     state machine is the scheduler's (`router/crates/sched/src/adapters.rs` draws it).
     """
 
-    #: Read and validate `AdapterOp::path` into host memory (the worker may do it in the
+    #: Read and validate `VariantOp::path` into host memory (the worker may do it in the
     #: background; a later `to_gpu` waits for it).
     TO_HOST = 0
     #: Copy the host copy to the GPU: into `block_ids` of the pool (a LoRA adapter), or into
@@ -190,7 +190,7 @@ class NewRequest:
     #: How to sample once the whole sequence is computed.
     sampling: SamplingParams = field(default_factory=SamplingParams)
     #: The variant (LoRA adapter or delta) this request's tokens run with: one GPU-resident
-    #: once this step's `adapter_ops` are applied (see `AdapterOp`), 0 for the base model alone.
+    #: once this step's `adapter_ops` are applied (see `VariantOp`), 0 for the base model alone.
     adapter_id: int = 0
 
     def to_wire(self) -> list:
@@ -258,7 +258,7 @@ class RunningRequest:
 
 
 @dataclass(slots=True)
-class AdapterOp:
+class VariantOp:
     """One change to where a variant's weights live (`TierOp`). The router decides every one,
     including where on the GPU; the worker applies a plan's ops in order, after `released` and
     before the plan's requests run, each with the pool of its `kind`.
@@ -287,7 +287,7 @@ class AdapterOp:
         return [self.adapter_id, self.op, self.path, self.block_ids, self.kind, self.slot]
 
     @classmethod
-    def from_wire(cls, a: list) -> AdapterOp:
+    def from_wire(cls, a: list) -> VariantOp:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
         if n >= 6:
@@ -324,7 +324,7 @@ class StepPlan:
     #: preempted); their KV pages already belong to the router again.
     released: list[int] = field(default_factory=list)
     #: Adapter tier changes, applied in order after `released` and before the requests.
-    adapter_ops: list[AdapterOp] = field(default_factory=list)
+    adapter_ops: list[VariantOp] = field(default_factory=list)
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
@@ -335,7 +335,7 @@ class StepPlan:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
         if n >= 5:
-            return cls(a[0], [NewRequest.from_wire(x0) for x0 in a[1]], [RunningRequest.from_wire(x0) for x0 in a[2]], a[3], [AdapterOp.from_wire(x0) for x0 in a[4]])
+            return cls(a[0], [NewRequest.from_wire(x0) for x0 in a[1]], [RunningRequest.from_wire(x0) for x0 in a[2]], a[3], [VariantOp.from_wire(x0) for x0 in a[4]])
         m = cls()
         if n > 0:
             m.step_id = a[0]
@@ -346,7 +346,7 @@ class StepPlan:
         if n > 3:
             m.released = a[3]
         if n > 4:
-            m.adapter_ops = [AdapterOp.from_wire(x0) for x0 in a[4]]
+            m.adapter_ops = [VariantOp.from_wire(x0) for x0 in a[4]]
         return m
 
 
@@ -615,9 +615,9 @@ class Hello:
 
 
 @dataclass(slots=True)
-class InspectAdapter:
+class InspectVariant:
     """Asks the worker to validate a variant directory against its model and report its
-    footprint. Changes no worker state; answered by an `AdapterInfo` with the same id, in order
+    footprint. Changes no worker state; answered by an `VariantInfo` with the same id, in order
     with the step outputs.
     """
 
@@ -636,7 +636,7 @@ class InspectAdapter:
         return [self.inspect_id, self.path, self.kind]
 
     @classmethod
-    def from_wire(cls, a: list) -> InspectAdapter:
+    def from_wire(cls, a: list) -> InspectVariant:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
         if n >= 3:
@@ -652,12 +652,12 @@ class InspectAdapter:
 
 
 @dataclass(slots=True)
-class AdapterInfo:
-    """The worker's answer to `InspectAdapter`."""
+class VariantInfo:
+    """The worker's answer to `InspectVariant`."""
 
     KIND: ClassVar[int] = 7  # frame kind
 
-    #: The `InspectAdapter`'s id.
+    #: The `InspectVariant`'s id.
     inspect_id: int = 0
     #: Why the adapter cannot be served (names the file or field); `None` when it is valid.
     error: Optional[str] = None
@@ -669,7 +669,7 @@ class AdapterInfo:
     max_rank: int = 0
     #: Adapted projections, e.g. `q_proj`, `v_proj`.
     target_modules: list[str] = field(default_factory=list)
-    #: The kind inspected (`InspectAdapter::kind`): a LoRA adapter takes `num_blocks` pool
+    #: The kind inspected (`InspectVariant::kind`): a LoRA adapter takes `num_blocks` pool
     #: pages on the GPU, a delta one of the worker's delta slots (`num_blocks` 0).
     kind: VariantKind = VariantKind.LORA
     #: One line for people, e.g. `rank 8` or `4-bit 2:4, 2.6x smaller than fp16`.
@@ -680,7 +680,7 @@ class AdapterInfo:
         return [self.inspect_id, self.error, self.num_blocks, self.host_bytes, self.max_rank, self.target_modules, self.kind, self.summary]
 
     @classmethod
-    def from_wire(cls, a: list) -> AdapterInfo:
+    def from_wire(cls, a: list) -> VariantInfo:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
         if n >= 8:
@@ -767,10 +767,10 @@ class WorkerError:
 
 
 #: Every top-level message (the structs with a non-zero ``KIND``).
-Message = Union[StepPlan, StepOutput, Hello, InspectAdapter, AdapterInfo, Shutdown, WorkerError]
+Message = Union[StepPlan, StepOutput, Hello, InspectVariant, VariantInfo, Shutdown, WorkerError]
 
-_BY_KIND: dict[int, type[Message]] = {2: StepPlan, 3: StepOutput, 1: Hello, 6: InspectAdapter, 7: AdapterInfo, 4: Shutdown, 5: WorkerError}
-_KINDS = "StepPlan=2, StepOutput=3, Hello=1, InspectAdapter=6, AdapterInfo=7, Shutdown=4, WorkerError=5"
+_BY_KIND: dict[int, type[Message]] = {2: StepPlan, 3: StepOutput, 1: Hello, 6: InspectVariant, 7: VariantInfo, 4: Shutdown, 5: WorkerError}
+_KINDS = "StepPlan=2, StepOutput=3, Hello=1, InspectVariant=6, VariantInfo=7, Shutdown=4, WorkerError=5"
 _packb = msgpack.packb
 _unpackb = msgpack.unpackb
 

@@ -51,7 +51,7 @@ class SchedDriver:
         self.ex = executor
         self.variants = dict(variants or {})
         self.adapter_of = {} if adapter_of is None else adapter_of
-        self.info: dict[int, wire.AdapterInfo] = {}
+        self.info: dict[int, wire.VariantInfo] = {}
         """The executor's inspection of each variant: kind, pages, host bytes."""
         for aid, path in self.variants.items():
             # As the router's admin workflow (engine/admin.rs): the marker file says the kind.

@@ -8,7 +8,7 @@ Layout:
             references ``lora_delta_ref`` and ``merged_weight`` that kernels and serving are tested against.
 - ``variants``  the seam: ``VariantPool``, the interface every kind's pool implements (inspect, apply
             an op, begin / end a step, host bytes, finished reads), ``StepRows``, ``VariantKind``.
-- ``lora_pool``  LoRA adapters' tiers the router drives (``AdapterOp``: host memory, pages of the KV
+- ``lora_pool``  LoRA adapters' tiers the router drives (``VariantOp``: host memory, pages of the KV
             pool), ``inspect`` for registration, and the per-step slot tables + ``LoraMeta`` the kernels
             read; ``lora_layout`` where an adapter's rows go in pages, and its host and GPU copies.
 - ``lora_layers``  ``attach_lora(model, step, weights)`` wraps the block linears in ``LoraLinear``

@@ -4,10 +4,10 @@ the per-step rows the delta-aware modules read (``delta_layers.py``). The ``Vari
 
 A delta directory is what ``deltaserve compress`` writes (``compress/delta_dir.py`` owns the format
 and the lineage checks). The router decides where every variant lives (``sched`` crate: at most
-``--max-deltas N`` deltas on the GPU, DeltaZip's N); this module executes its ``AdapterOp``s for
-delta ids and answers ``InspectAdapter`` for delta directories. Tiers: the router's state machine
+``--max-deltas N`` deltas on the GPU, DeltaZip's N); this module executes its ``VariantOp``s for
+delta ids and answers ``InspectVariant`` for delta directories. Tiers: the router's state machine
 (drawn in ``router/crates/sched/src/adapters.rs``); a delta's ``to_gpu`` names no pages, it fills the
-slot s in [0, N) the router picked (``AdapterOp.slot``; a slot taken here is refused); ``drop_gpu``
+slot s in [0, N) the router picked (``VariantOp.slot``; a slot taken here is refused); ``drop_gpu``
 frees the slot; ``drop_host`` frees the host copy (a GPU copy stays valid without it).
 
 GPU storage, per slot s (N slots; slot ids are shared by every linear and every config):
@@ -118,7 +118,7 @@ class DeltaPlacements:
     def pages(self) -> Mapping[int, int]:
         return {}
 
-    def problem(self, op: wire.AdapterOp) -> str | None:
+    def problem(self, op: wire.VariantOp) -> str | None:
         """Why ``op.slot`` cannot take the delta: no slot named, pages named, all slots or that one taken."""
         if op.block_ids:
             return "a delta takes a delta slot, not pool pages: block_ids must be empty"
@@ -131,7 +131,7 @@ class DeltaPlacements:
             return f"delta slot {op.slot} holds delta {holder}"
         return None
 
-    def place(self, op: wire.AdapterOp) -> None:
+    def place(self, op: wire.VariantOp) -> None:
         assert op.slot is not None  # problem() refused a to_gpu without one
         self.slot_of[op.adapter_id] = op.slot
 
@@ -226,14 +226,14 @@ class DeltaPool:
             raise DeltaError(f"{path}: {problem}")
         return manifest
 
-    def inspect(self, path: str | Path) -> wire.AdapterInfo:
+    def inspect(self, path: str | Path) -> wire.VariantInfo:
         """Validates the delta at ``path`` and reports its footprint; changes no state, never raises
         for a bad delta (``error`` says what and where instead)."""
         p = Path(path)
         try:
             manifest = self._validate(p)
         except (ValueError, OSError, KeyError, TypeError) as e:
-            return wire.AdapterInfo(error=f"delta {p}: {e}" if str(p) not in str(e) else str(e), kind=self.kind)
+            return wire.VariantInfo(error=f"delta {p}: {e}" if str(p) not in str(e) else str(e), kind=self.kind)
         comp, sizes = manifest["compression"], manifest["sizes"]
         targets = sorted(
             {
@@ -242,7 +242,7 @@ class DeltaPool:
                 if e["kind"] == "packed" and (m := _PACKED_RE.match(n)) is not None  # _validate matched each
             }
         )
-        return wire.AdapterInfo(
+        return wire.VariantInfo(
             error=None, num_blocks=0, host_bytes=self._expected_bytes(manifest), max_rank=0, target_modules=targets,
             kind=self.kind,
             summary=f"{comp['bits']}-bit {comp['sparsity']}, {float(sizes['compression_ratio']):.1f}x smaller than fp16",
@@ -397,7 +397,7 @@ class DeltaPool:
     def step_problem(self, variant_ids: Collection[int]) -> str | None:
         return None  # at most max_deltas are resident, and a step may use all of them
 
-    def apply(self, op: wire.AdapterOp) -> None:
+    def apply(self, op: wire.VariantOp) -> None:
         """Executes one (already validated) op for a delta id."""
         move = wire.TierOp(op.op)
         if move is wire.TierOp.TO_HOST:

@@ -1,6 +1,6 @@
 """GPU storage of the delta slots, sized once: what the worker reserves is what it allocates.
 
-The router picks every delta's slot (``AdapterOp.slot``) and keeps at most ``--max-deltas`` N deltas
+The router picks every delta's slot (``VariantOp.slot``) and keeps at most ``--max-deltas`` N deltas
 on the GPU; the worker leaves ``reserve_bytes`` out of the KV pool for them (``worker/memory.py``).
 Deltas come in several packed configs (bits x 2:4-or-dense x group size) and the kernels take one
 pool per config and linear (``kernels.sbmm.DeltaWeights``). So that N slots take the same bytes

@@ -2,7 +2,7 @@
 per-step adapter tables the LoRA kernels read. The ``VariantPool`` of kind ``lora`` (``variants.py``).
 
 The router decides where every adapter lives (S-LoRA's unified paging, ``sched`` crate); this
-module executes its ``AdapterOp``s for LoRA ids and answers ``InspectAdapter`` for PEFT directories.
+module executes its ``VariantOp``s for LoRA ids and answers ``InspectVariant`` for PEFT directories.
 An adapter's rows live in pages of the one GPU pool, the KV cache (``lora_layout.py`` draws where).
 
 Tiers: the state machine is the router's, drawn in ``router/crates/sched/src/adapters.rs``; here a
@@ -86,7 +86,7 @@ class LoraPlacements:
     def pages(self) -> Mapping[int, int]:
         return self.page_owner
 
-    def problem(self, op: wire.AdapterOp) -> str | None:
+    def problem(self, op: wire.VariantOp) -> str | None:
         """Why ``op.block_ids`` cannot hold the adapter: outside the router's pool, repeated, held by
         another adapter, or not as many as its finished host copy needs."""
         blocks, num_blocks = list(op.block_ids), self.pool.router_blocks
@@ -106,7 +106,7 @@ class LoraPlacements:
             return f"{len(blocks)} block ids, the adapter needs {need}"
         return None
 
-    def place(self, op: wire.AdapterOp) -> None:
+    def place(self, op: wire.VariantOp) -> None:
         self.gpu.add(op.adapter_id)
         self.page_owner.update((b, op.adapter_id) for b in op.block_ids)
 
@@ -268,20 +268,20 @@ class LoraPool:
             PlacementTables.of(layout, n, self.max_lora_rank),
         )
 
-    def inspect(self, path: str | Path) -> wire.AdapterInfo:
+    def inspect(self, path: str | Path) -> wire.VariantInfo:
         """Validates the adapter at ``path`` and reports its footprint; changes no state, never raises
         for a bad adapter (``error`` says what and where instead). Keeps its read plan for ``to_host``."""
         try:
             plan = self._plan(Path(path))
             plan.spec.read_into(plan.copies, None, self.dtype)  # values: finite, also in our dtype
         except (LoraAdapterError, OSError, ValueError, RuntimeError) as e:
-            return wire.AdapterInfo(error=str(e) or type(e).__name__)
+            return wire.VariantInfo(error=str(e) or type(e).__name__)
         spec, layout, host_bytes = plan.spec, plan.layout, plan.host_bytes
         self.plans[str(path)] = plan
         self.plans.move_to_end(str(path))
         while len(self.plans) > PLANS_KEPT:
             self.plans.popitem(last=False)
-        return wire.AdapterInfo(
+        return wire.VariantInfo(
             error=None,
             num_blocks=layout.num_blocks,
             host_bytes=host_bytes,
@@ -441,7 +441,7 @@ class LoraPool:
     def placements(self) -> LoraPlacements:
         return LoraPlacements(self)
 
-    def apply(self, op: wire.AdapterOp) -> None:
+    def apply(self, op: wire.VariantOp) -> None:
         """Executes one (already validated) op."""
         move = wire.TierOp(op.op)
         if move is wire.TierOp.TO_HOST:

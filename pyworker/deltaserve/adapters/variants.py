@@ -2,7 +2,7 @@
 
 A *variant* is whatever a request runs with besides the base model: a LoRA adapter (``lora_pool.py``)
 or a compressed full fine-tune, a *delta* (``delta_pool.py``). Every kind shares the router's adapter
-id space and its tier ops (``wire.AdapterOp``: ``wire.TierOp`` to_host / to_gpu / drop_gpu / drop_host,
+id space and its tier ops (``wire.VariantOp``: ``wire.TierOp`` to_host / to_gpu / drop_gpu / drop_host,
 one state machine per id, drawn once in ``router/crates/sched/src/adapters.rs``). The kinds are the
 wire's (``wire.VariantKind``, generated from the Rust schema): the router says the kind of every op
 and inspection, so the worker never tells a kind from the files. What differs per kind is how a
@@ -10,7 +10,7 @@ directory is validated and read, where a GPU copy lives (pages of the KV pool, a
 step's forward reads. The executor holds one ``VariantPool`` per kind that is on
 (``dict[VariantKind, VariantPool]``) and never asks which kind it talks to::
 
-    InspectAdapter(path, kind) ──> pools[kind].inspect(path)           (or "kind is off" when absent)
+    InspectVariant(path, kind) ──> pools[kind].inspect(path)           (or "kind is off" when absent)
     StepPlan.adapter_ops       ──> plan check: the tier replay over every pool's ``placements()``
                                ──> pools[op.kind].apply(op), in order
     forward                    ──> pool.begin_step(StepRows) for every pool ... pool.end_step()
@@ -43,9 +43,9 @@ OFF_REASON = {
 """Why a worker without a pool of that kind refuses its variants (the flag that turned it off)."""
 
 
-def refused_as_off(kind: VariantKind, path: str | Path) -> wire.AdapterInfo:
+def refused_as_off(kind: VariantKind, path: str | Path) -> wire.VariantInfo:
     """The inspection answer of a worker whose pool of ``kind`` is off."""
-    return wire.AdapterInfo(error=f"{NOUN[kind]} {path}: {OFF_REASON[kind]}", kind=kind)
+    return wire.VariantInfo(error=f"{NOUN[kind]} {path}: {OFF_REASON[kind]}", kind=kind)
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,11 @@ class Placements(Protocol):
         """KV-pool page -> the variant whose weights it holds (empty for kinds that hold no pages)."""
         ...
 
-    def problem(self, op: wire.AdapterOp) -> str | None:
+    def problem(self, op: wire.VariantOp) -> str | None:
         """Why the ``to_gpu`` ``op`` cannot be placed now (its host copy is known to exist), or None."""
         ...
 
-    def place(self, op: wire.AdapterOp) -> None:
+    def place(self, op: wire.VariantOp) -> None:
         """Records the ``to_gpu`` ``op`` (``problem`` was None)."""
         ...
 
@@ -100,7 +100,7 @@ class VariantPool(Protocol):
     kind: VariantKind
     """The kind of every variant this pool holds."""
 
-    def inspect(self, path: str | Path) -> wire.AdapterInfo:
+    def inspect(self, path: str | Path) -> wire.VariantInfo:
         """Validates the directory as a variant of this kind for this model and reports its footprint;
         changes nothing and never raises for a bad variant (``error`` says what and where)."""
         ...
@@ -117,7 +117,7 @@ class VariantPool(Protocol):
         """Why one step cannot use these (GPU-resident) variants of this pool together, or None."""
         ...
 
-    def apply(self, op: wire.AdapterOp) -> None:
+    def apply(self, op: wire.VariantOp) -> None:
         """Executes one tier op the plan check accepted (a failed host read surfaces here, at the
         ``to_gpu`` that needs it, as ``AdapterLoadError``)."""
         ...

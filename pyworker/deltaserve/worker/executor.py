@@ -248,8 +248,8 @@ class Executor:
 
     # ------------------------------------------------------------------ variants
 
-    def inspect_variant(self, path: str, kind: VariantKind = VariantKind.LORA) -> wire.AdapterInfo:
-        """The answer to ``InspectAdapter`` (``inspect_id`` left 0 for the caller to set): ``path`` validated
+    def inspect_variant(self, path: str, kind: VariantKind = VariantKind.LORA) -> wire.VariantInfo:
+        """The answer to ``InspectVariant`` (``inspect_id`` left 0 for the caller to set): ``path`` validated
         as a variant of ``kind`` (the router tells the kind; its default is the wire's); no state change."""
         pool = self.pools.get(kind)
         return refused_as_off(kind, path) if pool is None else pool.inspect(path)

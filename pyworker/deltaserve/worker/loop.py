@@ -17,10 +17,10 @@ rings the router created in ``--ipc-dir``)::
       │     ├─ PlanError ──> finish the step in flight; send WorkerError(fatal=False, the step's
       │     │                req_ids); serve on
       │     └─ anything else (CUDA error, OOM, bug, AdapterLoadError: an adapter op that cannot be
-      │        applied, e.g. a to_host whose directory vanished since InspectAdapter)
+      │        applied, e.g. a to_host whose directory vanished since InspectVariant)
       │        ──> send WorkerError(fatal) ── exit 1
-      ├─ InspectAdapter ──> finish the step in flight; executor.inspect_variant(path, kind) ──> send
-      │                     AdapterInfo(same inspect_id); state unchanged
+      ├─ InspectVariant ──> finish the step in flight; executor.inspect_variant(path, kind) ──> send
+      │                     VariantInfo(same inspect_id); state unchanged
       ├─ frame that does not decode / unexpected kind ──> finish the step in flight; send
       │                                                  WorkerError(fatal=False); serve on
       └─ Shutdown ──> finish the step in flight; exit 0
@@ -174,7 +174,7 @@ class WorkerLoop:
                 if isinstance(msg, wire.Shutdown):
                     log.info("shutdown requested: %s", msg.reason or "(no reason)")
                     return 0
-                if isinstance(msg, wire.InspectAdapter):
+                if isinstance(msg, wire.InspectVariant):
                     info = self.executor.inspect_variant(msg.path, msg.kind)
                     info.inspect_id = msg.inspect_id
                     if info.error is not None:
@@ -185,7 +185,7 @@ class WorkerLoop:
                     log.error("unexpected message %s", type(msg).__name__)
                     kind = type(msg).__name__
                     self._send_error(
-                        0, f"worker expected a StepPlan, InspectAdapter or Shutdown, got {kind}", False, []
+                        0, f"worker expected a StepPlan, InspectVariant or Shutdown, got {kind}", False, []
                     )
                     continue
                 current = msg

@@ -12,7 +12,7 @@
 use std::io::Cursor;
 
 use crate::wire::{
-    AdapterInfo, Hello, InspectAdapter, Shutdown, StepOutput, StepPlan, WireStruct, WorkerError,
+    Hello, InspectVariant, Shutdown, StepOutput, StepPlan, VariantInfo, WireStruct, WorkerError,
 };
 
 /// First byte of every frame: msgpack fixarray of length 2.
@@ -93,7 +93,7 @@ pub enum ToWorker {
     /// Exit cleanly.
     Shutdown(Shutdown),
     /// Validate an adapter directory and report its footprint.
-    InspectAdapter(InspectAdapter),
+    InspectVariant(InspectVariant),
 }
 
 /// Messages a worker sends to the router.
@@ -105,8 +105,8 @@ pub enum FromWorker {
     StepOutput(StepOutput),
     /// A failure instead of a `StepOutput`.
     WorkerError(WorkerError),
-    /// The answer to one `InspectAdapter`.
-    AdapterInfo(AdapterInfo),
+    /// The answer to one `InspectVariant`.
+    VariantInfo(VariantInfo),
 }
 
 /// Decodes a frame the router sent (worker side).
@@ -115,14 +115,14 @@ pub fn decode_to_worker(frame: &[u8]) -> Result<ToWorker, CodecError> {
     match kind {
         StepPlan::KIND => decode_body(kind, body).map(ToWorker::StepPlan),
         Shutdown::KIND => decode_body(kind, body).map(ToWorker::Shutdown),
-        InspectAdapter::KIND => decode_body(kind, body).map(ToWorker::InspectAdapter),
+        InspectVariant::KIND => decode_body(kind, body).map(ToWorker::InspectVariant),
         _ => Err(unknown(
             kind,
             "router -> worker",
             &[
                 kinded::<StepPlan>(),
                 kinded::<Shutdown>(),
-                kinded::<InspectAdapter>(),
+                kinded::<InspectVariant>(),
             ],
         )),
     }
@@ -135,7 +135,7 @@ pub fn decode_from_worker(frame: &[u8]) -> Result<FromWorker, CodecError> {
         Hello::KIND => decode_body(kind, body).map(FromWorker::Hello),
         StepOutput::KIND => decode_body(kind, body).map(FromWorker::StepOutput),
         WorkerError::KIND => decode_body(kind, body).map(FromWorker::WorkerError),
-        AdapterInfo::KIND => decode_body(kind, body).map(FromWorker::AdapterInfo),
+        VariantInfo::KIND => decode_body(kind, body).map(FromWorker::VariantInfo),
         _ => Err(unknown(
             kind,
             "worker -> router",
@@ -143,7 +143,7 @@ pub fn decode_from_worker(frame: &[u8]) -> Result<FromWorker, CodecError> {
                 kinded::<Hello>(),
                 kinded::<StepOutput>(),
                 kinded::<WorkerError>(),
-                kinded::<AdapterInfo>(),
+                kinded::<VariantInfo>(),
             ],
         )),
     }
@@ -230,11 +230,11 @@ mod tests {
         let info = examples::adapter_info();
         assert_eq!(
             decode_to_worker(&encode(&inspect)).unwrap(),
-            ToWorker::InspectAdapter(inspect)
+            ToWorker::InspectVariant(inspect)
         );
         assert_eq!(
             decode_from_worker(&encode(&info)).unwrap(),
-            FromWorker::AdapterInfo(info)
+            FromWorker::VariantInfo(info)
         );
     }
 

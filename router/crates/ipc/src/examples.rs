@@ -9,9 +9,9 @@
 
 use crate::schema::schema_hash;
 use crate::wire::{
-    AdapterInfo, AdapterOp, Hello, InspectAdapter, KvCapacity, ModelInfo, NewRequest,
-    RequestOutput, RunningRequest, SamplingParams, Shutdown, StepOutput, StepPlan, StepTiming,
-    TierOp, TokenLogprob, VariantKind, WorkerError,
+    Hello, InspectVariant, KvCapacity, ModelInfo, NewRequest, RequestOutput, RunningRequest,
+    SamplingParams, Shutdown, StepOutput, StepPlan, StepTiming, TierOp, TokenLogprob, VariantInfo,
+    VariantKind, VariantOp, WorkerError,
 };
 
 /// A plan with one sampled and one greedy new request, two running requests, two releases, and
@@ -67,7 +67,7 @@ pub fn step_plan() -> StepPlan {
         ],
         released: vec![2, 1 << 33],
         adapter_ops: vec![
-            AdapterOp {
+            VariantOp {
                 adapter_id: 9,
                 op: TierOp::DropGpu,
                 path: String::new(),
@@ -75,7 +75,7 @@ pub fn step_plan() -> StepPlan {
                 kind: VariantKind::Lora,
                 slot: None,
             },
-            AdapterOp {
+            VariantOp {
                 adapter_id: 1000,
                 op: TierOp::ToHost,
                 path: "/srv/adapters/sql-助手".into(),
@@ -83,7 +83,7 @@ pub fn step_plan() -> StepPlan {
                 kind: VariantKind::Lora,
                 slot: None,
             },
-            AdapterOp {
+            VariantOp {
                 adapter_id: 1000,
                 op: TierOp::ToGpu,
                 path: String::new(),
@@ -91,7 +91,7 @@ pub fn step_plan() -> StepPlan {
                 kind: VariantKind::Lora,
                 slot: None,
             },
-            AdapterOp {
+            VariantOp {
                 adapter_id: 4_000_000_000,
                 op: TierOp::ToGpu,
                 path: String::new(),
@@ -99,7 +99,7 @@ pub fn step_plan() -> StepPlan {
                 kind: VariantKind::Delta,
                 slot: Some(63),
             },
-            AdapterOp {
+            VariantOp {
                 adapter_id: 31,
                 op: TierOp::DropHost,
                 path: String::new(),
@@ -179,8 +179,8 @@ pub fn hello() -> Hello {
 }
 
 /// A request to inspect an adapter directory with a non-ASCII path.
-pub fn inspect_adapter() -> InspectAdapter {
-    InspectAdapter {
+pub fn inspect_adapter() -> InspectVariant {
+    InspectVariant {
         inspect_id: 77,
         path: "/srv/adapters/sql-助手".into(),
         kind: VariantKind::Lora,
@@ -188,8 +188,8 @@ pub fn inspect_adapter() -> InspectAdapter {
 }
 
 /// A valid adapter's footprint (`error: None`).
-pub fn adapter_info() -> AdapterInfo {
-    AdapterInfo {
+pub fn adapter_info() -> VariantInfo {
+    VariantInfo {
         inspect_id: 77,
         error: None,
         num_blocks: 300,

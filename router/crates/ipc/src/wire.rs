@@ -200,7 +200,7 @@ wire_enums! {
     /// One move of a variant between tiers (S-LoRA's tiers: disk -> host memory -> GPU). The
     /// state machine is the scheduler's (`router/crates/sched/src/adapters.rs` draws it).
     enum TierOp {
-        /// Read and validate `AdapterOp::path` into host memory (the worker may do it in the
+        /// Read and validate `VariantOp::path` into host memory (the worker may do it in the
         /// background; a later `to_gpu` waits for it).
         ToHost = 0 "to_host",
         /// Copy the host copy to the GPU: into `block_ids` of the pool (a LoRA adapter), or into
@@ -248,7 +248,7 @@ wire_structs! {
         /// How to sample once the whole sequence is computed.
         sampling: SamplingParams,
         /// The variant (LoRA adapter or delta) this request's tokens run with: one GPU-resident
-        /// once this step's `adapter_ops` are applied (see `AdapterOp`), 0 for the base model alone.
+        /// once this step's `adapter_ops` are applied (see `VariantOp`), 0 for the base model alone.
         adapter_id: u32,
     }
 
@@ -266,7 +266,7 @@ wire_structs! {
     /// One change to where a variant's weights live (`TierOp`). The router decides every one,
     /// including where on the GPU; the worker applies a plan's ops in order, after `released` and
     /// before the plan's requests run, each with the pool of its `kind`.
-    struct AdapterOp = 0 {
+    struct VariantOp = 0 {
         /// The variant (router-assigned, > 0; requests name it in `NewRequest::adapter_id`).
         adapter_id: u32,
         /// The move.
@@ -296,7 +296,7 @@ wire_structs! {
         /// preempted); their KV pages already belong to the router again.
         released: Vec<u64>,
         /// Adapter tier changes, applied in order after `released` and before the requests.
-        adapter_ops: Vec<AdapterOp>,
+        adapter_ops: Vec<VariantOp>,
     }
 
     /// One alternative token with its log-probability.
@@ -385,9 +385,9 @@ wire_structs! {
     }
 
     /// Asks the worker to validate a variant directory against its model and report its
-    /// footprint. Changes no worker state; answered by an `AdapterInfo` with the same id, in order
+    /// footprint. Changes no worker state; answered by an `VariantInfo` with the same id, in order
     /// with the step outputs.
-    struct InspectAdapter = 6 {
+    struct InspectVariant = 6 {
         /// Router-chosen id, echoed in the answer.
         inspect_id: u64,
         /// The PEFT directory (LoRA) or `deltaserve compress` output directory (delta).
@@ -397,9 +397,9 @@ wire_structs! {
         kind: VariantKind,
     }
 
-    /// The worker's answer to `InspectAdapter`.
-    struct AdapterInfo = 7 {
-        /// The `InspectAdapter`'s id.
+    /// The worker's answer to `InspectVariant`.
+    struct VariantInfo = 7 {
+        /// The `InspectVariant`'s id.
         inspect_id: u64,
         /// Why the adapter cannot be served (names the file or field); `None` when it is valid.
         error: Option<String>,
@@ -411,7 +411,7 @@ wire_structs! {
         max_rank: u32,
         /// Adapted projections, e.g. `q_proj`, `v_proj`.
         target_modules: Vec<String>,
-        /// The kind inspected (`InspectAdapter::kind`): a LoRA adapter takes `num_blocks` pool
+        /// The kind inspected (`InspectVariant::kind`): a LoRA adapter takes `num_blocks` pool
         /// pages on the GPU, a delta one of the worker's delta slots (`num_blocks` 0).
         kind: VariantKind,
         /// One line for people, e.g. `rank 8` or `4-bit 2:4, 2.6x smaller than fp16`.

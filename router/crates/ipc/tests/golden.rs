@@ -90,12 +90,12 @@ fn golden_frames_match() {
         FromWorker::StepOutput(examples::step_output())
     );
     assert_eq!(
-        decode_to_worker(&read("InspectAdapter.msgpack")).unwrap(),
-        ToWorker::InspectAdapter(examples::inspect_adapter())
+        decode_to_worker(&read("InspectVariant.msgpack")).unwrap(),
+        ToWorker::InspectVariant(examples::inspect_adapter())
     );
     assert_eq!(
-        decode_from_worker(&read("AdapterInfo.msgpack")).unwrap(),
-        FromWorker::AdapterInfo(examples::adapter_info())
+        decode_from_worker(&read("VariantInfo.msgpack")).unwrap(),
+        FromWorker::VariantInfo(examples::adapter_info())
     );
     assert_eq!(
         decode_from_worker(&read("WorkerError.msgpack")).unwrap(),

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use deltaserve_ipc::codec::{self, FromWorker};
 use deltaserve_ipc::wire::{self, SamplingParams};
 use deltaserve_sched::{
-    AdapterSpec, SchedStats, ScheduledStep, SchedulerConfig, SeqRequest,
+    SchedStats, ScheduledStep, SchedulerConfig, SeqRequest, VariantSpec,
     DEFAULT_HOST_ADAPTER_BYTES, DEFAULT_MAX_DELTAS, DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFETCH_WINDOW,
 };
@@ -149,7 +149,7 @@ impl Scheduler {
         let kind = wire::VariantKind::from_label(kind).ok_or_else(|| {
             PyValueError::new_err(format!("kind must be 'lora' or 'delta', got {kind:?}"))
         })?;
-        let spec = AdapterSpec {
+        let spec = VariantSpec {
             kind: sched_kind(kind),
             num_blocks,
             host_bytes,

@@ -1,12 +1,12 @@
 //! Scheduler -> wire translation for the Python binding: a [`ScheduledStep`] as the worker's
-//! `StepPlan`, the scheduler's adapter ops as wire `AdapterOp`s. Pure functions.
+//! `StepPlan`, the scheduler's adapter ops as wire `VariantOp`s. Pure functions.
 //!
 //! The router's own copy is `router/crates/server/src/engine/plan.rs` (`wire_plan`, `wire_op`);
 //! this one repeats it rather than depend on the server crate (tokio, axum). Both follow the
 //! same rule, so a plan from `_native.Scheduler` is the plan the router would send.
 
 use deltaserve_ipc::wire::{self, SamplingParams, StepPlan, TierOp};
-use deltaserve_sched::{AdapterOp, AdapterOpKind, ScheduledStep, VariantKind};
+use deltaserve_sched::{ScheduledStep, VariantKind, VariantOp, VariantOpKind};
 
 /// The worker's plan for `step`; `sampling` gives a request's sampling parameters, sent with it
 /// whenever it is sent in full.
@@ -44,14 +44,14 @@ pub(crate) fn wire_plan(step: ScheduledStep, sampling: impl Fn(u64) -> SamplingP
 }
 
 /// The wire form of a scheduler's adapter op.
-fn wire_op(op: AdapterOp) -> wire::AdapterOp {
+fn wire_op(op: VariantOp) -> wire::VariantOp {
     let (tier_op, path, block_ids, slot) = match op.kind {
-        AdapterOpKind::ToHost { path } => (TierOp::ToHost, path, Vec::new(), None),
-        AdapterOpKind::ToGpu { block_ids, slot } => (TierOp::ToGpu, String::new(), block_ids, slot),
-        AdapterOpKind::DropGpu => (TierOp::DropGpu, String::new(), Vec::new(), None),
-        AdapterOpKind::DropHost => (TierOp::DropHost, String::new(), Vec::new(), None),
+        VariantOpKind::ToHost { path } => (TierOp::ToHost, path, Vec::new(), None),
+        VariantOpKind::ToGpu { block_ids, slot } => (TierOp::ToGpu, String::new(), block_ids, slot),
+        VariantOpKind::DropGpu => (TierOp::DropGpu, String::new(), Vec::new(), None),
+        VariantOpKind::DropHost => (TierOp::DropHost, String::new(), Vec::new(), None),
     };
-    wire::AdapterOp {
+    wire::VariantOp {
         adapter_id: op.adapter_id,
         op: tier_op,
         path,
@@ -103,28 +103,28 @@ mod tests {
             released: vec![3],
             preempted: vec![],
             adapter_ops: vec![
-                AdapterOp {
+                VariantOp {
                     adapter_id: 2,
                     variant: VariantKind::Lora,
-                    kind: AdapterOpKind::ToHost { path: "/a".into() },
+                    kind: VariantOpKind::ToHost { path: "/a".into() },
                 },
-                AdapterOp {
+                VariantOp {
                     adapter_id: 2,
                     variant: VariantKind::Lora,
-                    kind: AdapterOpKind::ToGpu {
+                    kind: VariantOpKind::ToGpu {
                         block_ids: vec![1],
                         slot: None,
                     },
                 },
-                AdapterOp {
+                VariantOp {
                     adapter_id: 1,
                     variant: VariantKind::Lora,
-                    kind: AdapterOpKind::DropGpu,
+                    kind: VariantOpKind::DropGpu,
                 },
-                AdapterOp {
+                VariantOp {
                     adapter_id: 1,
                     variant: VariantKind::Lora,
-                    kind: AdapterOpKind::DropHost,
+                    kind: VariantOpKind::DropHost,
                 },
             ],
         };

@@ -37,7 +37,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use deltaserve_sched::{AdapterSpec, Scheduler, SchedulerConfig, SeqRequest, VariantKind};
+use deltaserve_sched::{Scheduler, SchedulerConfig, SeqRequest, VariantKind, VariantSpec};
 
 /// Tokens per KV page (the worker's usual page size).
 const BLOCK_SIZE: u32 = 16;
@@ -185,7 +185,7 @@ fn fixture(case: Case) -> Fixture {
     };
     let mut sched = Scheduler::new(cfg).expect("benchmark config is valid");
     for a in 1..=case.variants {
-        let spec = AdapterSpec {
+        let spec = VariantSpec {
             kind: VariantKind::Lora,
             num_blocks: ADAPTER_PAGES,
             host_bytes: ADAPTER_HOST_BYTES,
@@ -212,7 +212,7 @@ fn fixture(case: Case) -> Fixture {
         step(&mut sched, &mut outputs);
     }
     if case.waiting > 0 {
-        let spec = AdapterSpec {
+        let spec = VariantSpec {
             kind: VariantKind::Lora,
             num_blocks: num_blocks - waiting_pages,
             host_bytes: ADAPTER_HOST_BYTES,

@@ -48,13 +48,13 @@
 //! relax it only through skip-the-line (`skip_line.rs`), whose parent-based preemption keeps
 //! it starvation-free.
 
-use crate::adapters::{StepOps, VariantKind};
 use crate::block::PageOwner;
 use crate::inflight::{record_chunk, Chunk};
 use crate::queues::insert_sorted_vec;
 use crate::request::{OrderKey, Phase};
 use crate::scheduler::{Scheduler, StepDraft};
 use crate::step::{ScheduledNew, ScheduledStep};
+use crate::variants::{StepOps, VariantKind};
 
 /// What admitting one waiting request takes besides its KV pages, decided before anything
 /// changes so that a refused admission changes nothing.

@@ -20,7 +20,7 @@
 //!
 //! - [`block`]: [`BlockAllocator`], the page free list with one owner ([`PageOwner`]: a
 //!   request's KV or an adapter's weights) per page.
-//! - [`adapters`]: [`AdapterSpec`] (with its [`VariantKind`]) in, [`AdapterOp`]s out, and the
+//! - [`adapters`]: [`VariantSpec`] (with its [`VariantKind`]) in, [`VariantOp`]s out, and the
 //!   adapter table (tiers, pages or delta slots, users, LRU stamps); its docs draw the tier
 //!   state machine.
 //! - `request`: one request's state and life cycle; `queues`: the waiting and running queues,
@@ -53,12 +53,12 @@
 //! [`Scheduler::schedule_ahead`] may form the next one before the first's `update`; the worker
 //! feeds a request the token it sampled in the step before.
 
-pub mod adapters;
 pub mod block;
 pub mod config;
 pub mod error;
 pub mod scheduler;
 pub mod step;
+pub mod variants;
 
 mod admission;
 mod inflight;
@@ -67,7 +67,6 @@ mod queues;
 mod request;
 mod skip_line;
 
-pub use adapters::{AdapterOp, AdapterOpKind, AdapterResidency, AdapterSpec, VariantKind};
 pub use block::{BlockAllocator, PageOwner};
 pub use config::{
     SchedulerConfig, DEFAULT_HOST_ADAPTER_BYTES, DEFAULT_MAX_DELTAS,
@@ -79,3 +78,4 @@ pub use scheduler::Scheduler;
 pub use step::{
     FinishReason, SchedStats, ScheduledNew, ScheduledRunning, ScheduledStep, SeqRequest, SeqUpdate,
 };
+pub use variants::{VariantKind, VariantOp, VariantOpKind, VariantResidency, VariantSpec};

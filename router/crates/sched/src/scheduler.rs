@@ -16,7 +16,6 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
-use crate::adapters::{AdapterOp, AdapterResidency, AdapterSpec, AdapterTable, StepOps};
 use crate::block::BlockAllocator;
 use crate::config::SchedulerConfig;
 use crate::error::SchedError;
@@ -25,6 +24,7 @@ use crate::queues::insert_sorted_deque;
 use crate::request::{OrderKey, Seq};
 use crate::skip_line::Skip;
 use crate::step::{SchedStats, ScheduledRunning, ScheduledStep, SeqRequest};
+use crate::variants::{StepOps, VariantOp, VariantResidency, VariantSpec, VariantTable};
 
 /// The pure iteration-level scheduler: owns the queues, the page pool, every block table and
 /// the adapter table. Deterministic: the same sequence of calls yields the same plans.
@@ -35,10 +35,10 @@ pub struct Scheduler {
     /// The one page pool: KV pages of requests and weight pages of GPU-resident adapters.
     pub(crate) blocks: BlockAllocator,
     /// Registered adapters, their tiers, users and LRU stamps.
-    pub(crate) adapters: AdapterTable,
+    pub(crate) adapters: VariantTable,
     /// Adapter ops formed outside a non-empty step (unregistering), in application order;
     /// only drops, so prepending them to a step keeps its drops before its loads.
-    pub(crate) pending_ops: Vec<AdapterOp>,
+    pub(crate) pending_ops: Vec<VariantOp>,
     /// Every live (waiting or running) request by id.
     pub(crate) seqs: BTreeMap<u64, Seq>,
     /// Requests not on the worker, sorted by `OrderKey`; admission takes the front.
@@ -94,7 +94,7 @@ impl Scheduler {
         cfg.validate()?;
         Ok(Self {
             blocks: BlockAllocator::new(cfg.num_blocks),
-            adapters: AdapterTable::default(),
+            adapters: VariantTable::default(),
             pending_ops: Vec::new(),
             cfg,
             seqs: BTreeMap::new(),
@@ -125,7 +125,7 @@ impl Scheduler {
     /// registered, a LoRA adapter with `num_blocks == 0`, a delta with `num_blocks != 0`, a
     /// delta while `max_deltas` is 0 (`DeltasDisabled`), an empty path, `num_blocks` above the
     /// pool size and `host_bytes` above `host_adapter_bytes`.
-    pub fn register_adapter(&mut self, id: u32, spec: AdapterSpec) -> Result<(), SchedError> {
+    pub fn register_adapter(&mut self, id: u32, spec: VariantSpec) -> Result<(), SchedError> {
         self.adapters.register(id, spec, &self.cfg)
     }
 
@@ -154,8 +154,8 @@ impl Scheduler {
     }
 
     /// Where a registered adapter's weights are (host copy, GPU pages); `None` if unknown.
-    pub fn adapter_residency(&self, id: u32) -> Option<AdapterResidency<'_>> {
-        self.adapters.map.get(&id).map(|a| AdapterResidency {
+    pub fn adapter_residency(&self, id: u32) -> Option<VariantResidency<'_>> {
+        self.adapters.map.get(&id).map(|a| VariantResidency {
             on_host: a.on_host,
             gpu_blocks: a.gpu_blocks.as_deref(),
             delta_slot: a.delta_slot,

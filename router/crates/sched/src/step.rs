@@ -3,7 +3,7 @@
 //! one-to-one onto the ipc crate's `StepPlan` / `StepOutput`, which the engine converts; this
 //! crate does not depend on the wire.
 
-use crate::adapters::AdapterOp;
+use crate::variants::VariantOp;
 
 /// A request as the scheduler needs it: tokens and stopping rules, nothing about sampling.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,7 +79,7 @@ pub struct ScheduledStep {
     /// Adapter tier moves, in application order (after `released`, before the requests run):
     /// every drop (`DropGpu`, `DropHost`) before every load (`ToHost`, `ToGpu`). Includes the
     /// drops queued since the previous non-empty step (`unregister_adapter`).
-    pub adapter_ops: Vec<AdapterOp>,
+    pub adapter_ops: Vec<VariantOp>,
 }
 
 impl ScheduledStep {

@@ -7,7 +7,7 @@ mod common;
 
 use common::{adapter, areq, cfg, req, run_to_completion, sample_token, FakeWorker};
 use deltaserve_sched::{
-    AdapterOpKind, AdapterSpec, ScheduledStep, Scheduler, SchedulerConfig, SeqRequest,
+    ScheduledStep, Scheduler, SchedulerConfig, SeqRequest, VariantOpKind, VariantSpec,
 };
 
 /// A config with the host tier given (host budget in bytes, prefetch window).
@@ -56,7 +56,7 @@ fn registration_errors_change_nothing() {
     s.add_request(areq(1, 4, 3, 1)).unwrap();
     let before = s.clone();
 
-    let bad: Vec<(u32, AdapterSpec, &str, &[&str])> = vec![
+    let bad: Vec<(u32, VariantSpec, &str, &[&str])> = vec![
         (0, adapter(0, 0, 1, 1), "invalid_adapter", &["id 0"]),
         (1, adapter(1, 1, 1, 1), "duplicate_adapter", &["adapter 1"]),
         (
@@ -79,7 +79,7 @@ fn registration_errors_change_nothing() {
         ),
         (
             5,
-            AdapterSpec {
+            VariantSpec {
                 path: String::new(),
                 ..adapter(5, 0, 1, 1)
             },
@@ -134,13 +134,13 @@ fn a_cold_adapter_loads_to_host_then_gpu_and_a_warm_one_needs_no_ops() {
     assert_eq!(ops(&st), ["to_host:1", "to_gpu:1"]);
     assert_eq!(
         st.adapter_ops[0].kind,
-        AdapterOpKind::ToHost {
+        VariantOpKind::ToHost {
             path: "/adapters/1/v0".to_string()
         }
     );
     assert_eq!(
         st.adapter_ops[1].kind,
-        AdapterOpKind::ToGpu {
+        VariantOpKind::ToGpu {
             block_ids: vec![0, 1],
             slot: None
         }
@@ -472,7 +472,7 @@ fn unregister_is_refused_while_used_and_its_drops_go_out_with_the_next_step() {
     );
     assert_eq!(
         st.adapter_ops[2].kind,
-        AdapterOpKind::ToHost {
+        VariantOpKind::ToHost {
             path: "/adapters/1/v1".to_string()
         }
     );

@@ -9,7 +9,7 @@ mod common;
 
 use common::{adapter, areq, cfg, delta, req, FakeWorker};
 use deltaserve_sched::{
-    AdapterSpec, ScheduledStep, Scheduler, SchedulerConfig, SeqRequest, VariantKind,
+    ScheduledStep, Scheduler, SchedulerConfig, SeqRequest, VariantKind, VariantSpec,
 };
 
 /// A config with `num_blocks` pages of 4 tokens, 8 sequences, a 64-token budget, `max_deltas`
@@ -85,15 +85,15 @@ fn delta_registration_is_checked_and_refusals_change_nothing() {
     let mut s = Scheduler::new(c.clone()).unwrap();
     s.register_adapter(1, delta(1, 0, 10)).unwrap();
     let before = s.stats();
-    let with_pages = AdapterSpec {
+    let with_pages = VariantSpec {
         num_blocks: 2,
         ..delta(2, 0, 10)
     };
-    let pageless_lora = AdapterSpec {
+    let pageless_lora = VariantSpec {
         kind: VariantKind::Lora,
         ..delta(3, 0, 10)
     };
-    let bad: Vec<(u32, AdapterSpec, &str, &[&str])> = vec![
+    let bad: Vec<(u32, VariantSpec, &str, &[&str])> = vec![
         (
             2,
             with_pages,
@@ -151,7 +151,7 @@ fn at_most_max_deltas_are_resident_and_only_idle_ones_are_evicted_lru_first() {
     assert_eq!(ops(&st), ["to_host:1", "to_gpu:1", "to_host:2", "to_gpu:2"]);
     assert!(
         st.adapter_ops.iter().all(|op| match &op.kind {
-            deltaserve_sched::AdapterOpKind::ToGpu { block_ids, .. } => block_ids.is_empty(),
+            deltaserve_sched::VariantOpKind::ToGpu { block_ids, .. } => block_ids.is_empty(),
             _ => true,
         }),
         "a delta's to_gpu names no pages"

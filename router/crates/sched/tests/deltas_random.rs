@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::{adapter, cfg, delta, FakeWorker, Rng};
-use deltaserve_sched::{AdapterSpec, FinishReason, Scheduler, SchedulerConfig, SeqRequest};
+use deltaserve_sched::{FinishReason, Scheduler, SchedulerConfig, SeqRequest, VariantSpec};
 
 /// What the randomized test knows about one accepted request.
 struct Truth {
@@ -54,7 +54,7 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) {
     };
     let mut s = Scheduler::new(c.clone()).unwrap();
     let mut w = FakeWorker::new(c.clone());
-    let mut specs: BTreeMap<u32, AdapterSpec> = BTreeMap::new();
+    let mut specs: BTreeMap<u32, VariantSpec> = BTreeMap::new();
     for id in LORAS {
         specs.insert(id, adapter(id, 0, rng.range(1, 2) as u32, rng.range(1, 20)));
     }

@@ -30,7 +30,7 @@ fn state_of(s: &Scheduler) -> String {
     let debug = format!("{s:?}");
     let start = debug
         .find(" form: ")
-        .expect("AdapterTable has a form counter");
+        .expect("VariantTable has a form counter");
     let end = start + debug[start..].find(',').unwrap();
     format!("{}{}", &debug[..start], &debug[end..])
 }

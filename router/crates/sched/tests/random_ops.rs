@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 use common::{adapter, cfg, FakeWorker, Rng};
 use deltaserve_sched::{
-    AdapterSpec, FinishReason, ScheduledStep, Scheduler, SchedulerConfig, SeqRequest,
+    FinishReason, ScheduledStep, Scheduler, SchedulerConfig, SeqRequest, VariantSpec,
 };
 
 const EOS: u32 = 0;
@@ -49,7 +49,7 @@ struct Coverage {
 }
 
 /// A random adapter spec; sometimes too big for the pool or the host budget.
-fn random_spec(rng: &mut Rng, c: &SchedulerConfig, id: u32, generation: u32) -> AdapterSpec {
+fn random_spec(rng: &mut Rng, c: &SchedulerConfig, id: u32, generation: u32) -> VariantSpec {
     let pages = if rng.pct(5) {
         c.num_blocks + 1
     } else {
@@ -81,11 +81,11 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) -> Vec<ScheduledStep> {
     let mut s = Scheduler::new(c.clone()).unwrap();
     let mut w = FakeWorker::new(c.clone());
     // Registered adapters as the test knows them, and a generation counter for unique paths.
-    let mut registered: BTreeMap<u32, AdapterSpec> = BTreeMap::new();
+    let mut registered: BTreeMap<u32, VariantSpec> = BTreeMap::new();
     let mut generation = 0u32;
     let mut register = |s: &mut Scheduler,
                         w: &mut FakeWorker,
-                        registered: &mut BTreeMap<u32, AdapterSpec>,
+                        registered: &mut BTreeMap<u32, VariantSpec>,
                         rng: &mut Rng,
                         id: u32| {
         generation += 1;
@@ -126,7 +126,7 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) -> Vec<ScheduledStep> {
     let mut step_once = |s: &mut Scheduler,
                          w: &mut FakeWorker,
                          live: &mut BTreeMap<u64, Truth>,
-                         registered: &BTreeMap<u32, AdapterSpec>,
+                         registered: &BTreeMap<u32, VariantSpec>,
                          ended: &mut u64,
                          rng: &mut Rng,
                          plans: &mut Vec<ScheduledStep>,

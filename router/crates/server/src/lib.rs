@@ -36,7 +36,7 @@ use tokio::net::TcpListener;
 
 use crate::config::ServerConfig;
 use crate::engine::{Actor, EngineHandle, RequestLatency, SchedLimits, ServedModel};
-use crate::registry::AdapterRegistry;
+use crate::registry::VariantRegistry;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
 use crate::worker::{WorkerProcess, WorkerSpec};
@@ -116,7 +116,7 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        adapters: Arc::new(AdapterRegistry::new(cfg.model_name())),
+        adapters: Arc::new(VariantRegistry::new(cfg.model_name())),
     };
     let limits = SchedLimits {
         max_num_seqs: cfg.max_num_seqs,

@@ -1,4 +1,4 @@
-//! [`AdapterRegistry`]: the served variants (LoRA adapters and compressed deltas, one id space)
+//! [`VariantRegistry`]: the served variants (LoRA adapters and compressed deltas, one id space)
 //! by name, the one place a client's variant name becomes the internal id workers and
 //! schedulers know it by (STYLE.md #15).
 //!
@@ -25,7 +25,7 @@ use serde::{Serialize, Serializer};
 /// Where an entry is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum AdapterState {
+pub enum VariantState {
     /// Being inspected by a worker and registered with the schedulers; not selectable yet.
     Pending,
     /// Selectable by requests.
@@ -36,7 +36,7 @@ pub enum AdapterState {
 
 /// What the worker's inspection reported about an adapter.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct AdapterFootprint {
+pub struct VariantFootprint {
     /// `lora` (pool pages on the GPU) or `delta` (a worker delta slot on the GPU).
     #[serde(serialize_with = "kind_label")]
     pub kind: VariantKind,
@@ -59,7 +59,7 @@ fn kind_label<S: Serializer>(kind: &VariantKind, s: S) -> Result<S::Ok, S::Error
 
 /// One registered adapter.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct AdapterEntry {
+pub struct VariantEntry {
     /// The client-facing name: requests select it as `"<base>:<name>"` or `"<name>"`.
     pub name: String,
     /// The internal id (`NewRequest::adapter_id`), > 0.
@@ -69,9 +69,9 @@ pub struct AdapterEntry {
     /// Unix seconds of registration.
     pub created: u64,
     /// Where it is in its life.
-    pub state: AdapterState,
+    pub state: VariantState,
     /// Its footprint once inspected (`None` while pending).
-    pub footprint: Option<AdapterFootprint>,
+    pub footprint: Option<VariantFootprint>,
 }
 
 /// Why the registry refused a name.
@@ -93,7 +93,7 @@ pub enum RegistryError {
 
 /// The registry: adapters by name, behind one lock (reads are per request, writes rare).
 #[derive(Debug)]
-pub struct AdapterRegistry {
+pub struct VariantRegistry {
     /// The base model's served name, which no adapter may take.
     base_name: String,
     inner: RwLock<Inner>,
@@ -101,12 +101,12 @@ pub struct AdapterRegistry {
 
 #[derive(Debug, Default)]
 struct Inner {
-    by_name: BTreeMap<String, AdapterEntry>,
+    by_name: BTreeMap<String, VariantEntry>,
     /// The last id handed out.
     last_id: u32,
 }
 
-impl AdapterRegistry {
+impl VariantRegistry {
     /// An empty registry for a base model served as `base_name`.
     pub fn new(base_name: impl Into<String>) -> Self {
         Self {
@@ -138,12 +138,12 @@ impl AdapterRegistry {
         let id = inner.last_id;
         inner.by_name.insert(
             name.to_string(),
-            AdapterEntry {
+            VariantEntry {
                 name: name.to_string(),
                 id,
                 path,
                 created,
-                state: AdapterState::Pending,
+                state: VariantState::Pending,
                 footprint: None,
             },
         );
@@ -151,10 +151,10 @@ impl AdapterRegistry {
     }
 
     /// Makes a pending entry selectable, with its inspected footprint; returns the entry.
-    pub fn activate(&self, id: u32, footprint: AdapterFootprint) -> Option<AdapterEntry> {
+    pub fn activate(&self, id: u32, footprint: VariantFootprint) -> Option<VariantEntry> {
         let mut inner = self.inner.write().expect("registry lock");
         let entry = inner.by_name.values_mut().find(|e| e.id == id)?;
-        entry.state = AdapterState::Active;
+        entry.state = VariantState::Active;
         entry.footprint = Some(footprint);
         Some(entry.clone())
     }
@@ -169,20 +169,20 @@ impl AdapterRegistry {
     }
 
     /// Stops `name` from resolving and returns it; its memory is freed by the caller once its
-    /// in-flight requests are done, then [`AdapterRegistry::remove`] forgets it.
-    pub fn begin_delete(&self, name: &str) -> Result<AdapterEntry, RegistryError> {
+    /// in-flight requests are done, then [`VariantRegistry::remove`] forgets it.
+    pub fn begin_delete(&self, name: &str) -> Result<VariantEntry, RegistryError> {
         let mut inner = self.inner.write().expect("registry lock");
         let entry = inner
             .by_name
             .get_mut(name)
             .ok_or_else(|| RegistryError::NotFound(name.to_string()))?;
         match entry.state {
-            AdapterState::Active => {
-                entry.state = AdapterState::Deleting;
+            VariantState::Active => {
+                entry.state = VariantState::Deleting;
                 Ok(entry.clone())
             }
-            AdapterState::Deleting => Err(RegistryError::Deleting(name.to_string())),
-            AdapterState::Pending => Err(RegistryError::NotFound(name.to_string())),
+            VariantState::Deleting => Err(RegistryError::Deleting(name.to_string())),
+            VariantState::Pending => Err(RegistryError::NotFound(name.to_string())),
         }
     }
 
@@ -192,7 +192,7 @@ impl AdapterRegistry {
         inner
             .by_name
             .get(name)
-            .filter(|e| e.state == AdapterState::Active)
+            .filter(|e| e.state == VariantState::Active)
             .map(|e| e.id)
     }
 
@@ -207,9 +207,9 @@ impl AdapterRegistry {
     }
 
     /// Every entry, in registration order.
-    pub fn list(&self) -> Vec<AdapterEntry> {
+    pub fn list(&self) -> Vec<VariantEntry> {
         let inner = self.inner.read().expect("registry lock");
-        let mut all: Vec<AdapterEntry> = inner.by_name.values().cloned().collect();
+        let mut all: Vec<VariantEntry> = inner.by_name.values().cloned().collect();
         all.sort_by_key(|e| e.id);
         all
     }
@@ -220,7 +220,7 @@ impl AdapterRegistry {
         inner
             .by_name
             .values()
-            .filter(|e| e.state == AdapterState::Active)
+            .filter(|e| e.state == VariantState::Active)
             .count()
     }
 }
@@ -229,8 +229,8 @@ impl AdapterRegistry {
 mod tests {
     use super::*;
 
-    fn fp() -> AdapterFootprint {
-        AdapterFootprint {
+    fn fp() -> VariantFootprint {
+        VariantFootprint {
             kind: VariantKind::Lora,
             summary: "rank 8".into(),
             num_blocks: 3,
@@ -242,7 +242,7 @@ mod tests {
 
     #[test]
     fn names_are_checked_and_ids_never_reused() {
-        let r = AdapterRegistry::new("base");
+        let r = VariantRegistry::new("base");
         for bad in ["", "a:b", "a/b", "a b", &"x".repeat(129)] {
             assert_eq!(
                 r.reserve(bad, "/x".into(), 0),
@@ -269,7 +269,7 @@ mod tests {
 
     #[test]
     fn deletion_stops_resolution_but_keeps_the_name() {
-        let r = AdapterRegistry::new("base");
+        let r = VariantRegistry::new("base");
         let id = r.reserve("a", "/a".into(), 0).unwrap();
         assert_eq!(
             r.begin_delete("a"),
@@ -278,7 +278,7 @@ mod tests {
         );
         r.activate(id, fp()).unwrap();
         let e = r.begin_delete("a").unwrap();
-        assert_eq!(e.state, AdapterState::Deleting);
+        assert_eq!(e.state, VariantState::Deleting);
         assert_eq!(r.active_id("a"), None);
         assert_eq!(
             r.begin_delete("a"),

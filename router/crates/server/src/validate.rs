@@ -441,7 +441,7 @@ mod tests {
             max_model_len: 64,
             vocab_size: 300,
             created: 1,
-            adapters: std::sync::Arc::new(crate::registry::AdapterRegistry::new("tiny")),
+            adapters: std::sync::Arc::new(crate::registry::VariantRegistry::new("tiny")),
         }
     }
 

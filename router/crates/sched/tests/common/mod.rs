@@ -13,8 +13,8 @@
 use std::collections::BTreeMap;
 
 use deltaserve_sched::{
-    AdapterOpKind, AdapterSpec, PageOwner, ScheduledStep, Scheduler, SchedulerConfig, SeqRequest,
-    VariantKind,
+    PageOwner, ScheduledStep, Scheduler, SchedulerConfig, SeqRequest, VariantKind, VariantOpKind,
+    VariantSpec,
 };
 
 /// A config with the given geometry and limits.
@@ -39,8 +39,8 @@ pub fn cfg(
 }
 
 /// A LoRA adapter spec with a path unique to `(id, generation)`.
-pub fn adapter(id: u32, generation: u32, num_blocks: u32, host_bytes: u64) -> AdapterSpec {
-    AdapterSpec {
+pub fn adapter(id: u32, generation: u32, num_blocks: u32, host_bytes: u64) -> VariantSpec {
+    VariantSpec {
         kind: VariantKind::Lora,
         num_blocks,
         host_bytes,
@@ -49,8 +49,8 @@ pub fn adapter(id: u32, generation: u32, num_blocks: u32, host_bytes: u64) -> Ad
 }
 
 /// A delta spec (no pool pages) with a path unique to `(id, generation)`.
-pub fn delta(id: u32, generation: u32, host_bytes: u64) -> AdapterSpec {
-    AdapterSpec {
+pub fn delta(id: u32, generation: u32, host_bytes: u64) -> VariantSpec {
+    VariantSpec {
         kind: VariantKind::Delta,
         num_blocks: 0,
         host_bytes,
@@ -133,9 +133,9 @@ pub struct FakeWorker {
     /// Page -> worker-side request or adapter holding it.
     pub pages: BTreeMap<u32, PageOwner>,
     /// What a `to_host` finds on "disk": path -> (adapter id, spec). Survives resets.
-    pub disk: BTreeMap<String, (u32, AdapterSpec)>,
+    pub disk: BTreeMap<String, (u32, VariantSpec)>,
     /// Host copies: adapter id -> its spec (bytes, pages).
-    pub host: BTreeMap<u32, AdapterSpec>,
+    pub host: BTreeMap<u32, VariantSpec>,
     /// GPU placements: adapter id -> its pages (none for a delta in its slot).
     pub gpu: BTreeMap<u32, Vec<u32>>,
     /// Deltas in delta slots (a subset of `gpu`'s keys) -> the slot each holds: distinct slots
@@ -172,7 +172,7 @@ impl FakeWorker {
     }
 
     /// Puts an adapter directory on the fake disk (what registration inspected).
-    pub fn put_on_disk(&mut self, id: u32, spec: &AdapterSpec) {
+    pub fn put_on_disk(&mut self, id: u32, spec: &VariantSpec) {
         self.disk.insert(spec.path.clone(), (id, spec.clone()));
     }
 
@@ -249,7 +249,7 @@ impl FakeWorker {
                 loading = true;
             }
             match &op.kind {
-                AdapterOpKind::ToHost { path } => {
+                VariantOpKind::ToHost { path } => {
                     let (disk_id, spec) = self
                         .disk
                         .get(path)
@@ -266,7 +266,7 @@ impl FakeWorker {
                     }
                     self.op_counts[0] += 1;
                 }
-                AdapterOpKind::ToGpu { block_ids, slot } => {
+                VariantOpKind::ToGpu { block_ids, slot } => {
                     let spec = self.host.get(&id).unwrap_or_else(|| {
                         panic!("to_gpu of adapter {id} with no host copy (no to_host, or dropped)")
                     });
@@ -324,7 +324,7 @@ impl FakeWorker {
                     self.gpu.insert(id, block_ids.clone());
                     self.op_counts[1] += 1;
                 }
-                AdapterOpKind::DropGpu => {
+                VariantOpKind::DropGpu => {
                     let pages = self
                         .gpu
                         .remove(&id)
@@ -335,7 +335,7 @@ impl FakeWorker {
                     self.delta_slots.remove(&id);
                     self.op_counts[2] += 1;
                 }
-                AdapterOpKind::DropHost => {
+                VariantOpKind::DropHost => {
                     assert!(
                         self.host.remove(&id).is_some(),
                         "drop_host of adapter {id}, not on the host"

@@ -16,7 +16,7 @@ use axum::Json;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::engine::{AdapterError, EngineError};
+use crate::engine::{EngineError, VariantError};
 use crate::registry::RegistryError;
 
 /// Seconds a client should wait before retrying after a 429 or 503.
@@ -200,18 +200,18 @@ impl From<EngineError> for ApiError {
     }
 }
 
-impl From<AdapterError> for ApiError {
-    fn from(e: AdapterError) -> Self {
+impl From<VariantError> for ApiError {
+    fn from(e: VariantError) -> Self {
         match e {
-            AdapterError::Invalid { message, param } => ApiError::invalid(param, message),
-            AdapterError::Registry(r @ RegistryError::BadName(_)) => {
+            VariantError::Invalid { message, param } => ApiError::invalid(param, message),
+            VariantError::Registry(r @ RegistryError::BadName(_)) => {
                 ApiError::invalid("name", r.to_string())
             }
-            AdapterError::Registry(r @ RegistryError::NotFound(_)) => {
+            VariantError::Registry(r @ RegistryError::NotFound(_)) => {
                 ApiError::AdapterNotFound(r.to_string())
             }
-            AdapterError::Registry(r) => ApiError::Conflict(r.to_string()),
-            AdapterError::Unavailable(m) => ApiError::Unavailable(m),
+            VariantError::Registry(r) => ApiError::Conflict(r.to_string()),
+            VariantError::Unavailable(m) => ApiError::Unavailable(m),
         }
     }
 }

@@ -18,13 +18,13 @@
 //! stream owns its request's event receiver, so a client that goes away drops the stream, which
 //! drops the receiver, which the engine notices (STYLE.md #14).
 
-pub mod adapters;
 pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod health;
 pub mod models;
 pub mod openai;
+pub mod variants;
 pub mod ws;
 
 use std::future::Future;
@@ -44,10 +44,10 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api::openai::Usage;
 use crate::engine::{
-    AdapterError, EngineError, EngineHandle, EngineMetrics, FinishReason, GenerateEvent,
-    GenerateRequest, ServedModel,
+    EngineError, EngineHandle, EngineMetrics, FinishReason, GenerateEvent, GenerateRequest,
+    ServedModel, VariantError,
 };
-use crate::registry::AdapterEntry;
+use crate::registry::VariantEntry;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
 use crate::validate::ModelContext;
@@ -80,12 +80,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
         name: String,
         path: PathBuf,
         kind: Option<VariantKind>,
-    ) -> impl Future<Output = Result<AdapterEntry, AdapterError>> + Send;
+    ) -> impl Future<Output = Result<VariantEntry, VariantError>> + Send;
     /// Deletes adapter `name` once its in-flight requests are done.
     fn delete_adapter(
         &self,
         name: String,
-    ) -> impl Future<Output = Result<AdapterEntry, AdapterError>> + Send;
+    ) -> impl Future<Output = Result<VariantEntry, VariantError>> + Send;
 }
 
 impl Backend for EngineHandle {
@@ -115,10 +115,10 @@ impl Backend for EngineHandle {
         name: String,
         path: PathBuf,
         kind: Option<VariantKind>,
-    ) -> Result<AdapterEntry, AdapterError> {
+    ) -> Result<VariantEntry, VariantError> {
         EngineHandle::register_adapter(self, &name, &path, kind).await
     }
-    async fn delete_adapter(&self, name: String) -> Result<AdapterEntry, AdapterError> {
+    async fn delete_adapter(&self, name: String) -> Result<VariantEntry, VariantError> {
         EngineHandle::delete_adapter(self, &name).await
     }
 }
@@ -136,11 +136,11 @@ pub fn router_with<B: Backend>(backend: B) -> Router {
         .route("/v1/models", get(models::list_models::<B>))
         .route(
             "/v1/adapters",
-            get(adapters::list_adapters::<B>).post(adapters::create_adapter::<B>),
+            get(variants::list_adapters::<B>).post(variants::create_adapter::<B>),
         )
         .route(
             "/v1/adapters/{name}",
-            axum::routing::delete(adapters::delete_adapter::<B>),
+            axum::routing::delete(variants::delete_adapter::<B>),
         )
         .route("/v1/ws", get(ws::ws_upgrade::<B>))
         .route("/health", get(health::health))
@@ -348,7 +348,7 @@ pub(crate) mod fake {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::registry::{AdapterFootprint, AdapterRegistry};
+    use crate::registry::{VariantFootprint, VariantRegistry};
     use crate::text::test_support::tiny_tokenizer;
 
     /// What the fake engine does with one request.
@@ -384,7 +384,7 @@ pub(crate) mod fake {
                     max_model_len: 64,
                     vocab_size: 300,
                     created: 1_700_000_000,
-                    adapters: Arc::new(AdapterRegistry::new("tiny")),
+                    adapters: Arc::new(VariantRegistry::new("tiny")),
                 }),
                 tokenizer: tiny_tokenizer(),
                 template: Some(Arc::new(
@@ -488,7 +488,7 @@ pub(crate) mod fake {
             name: String,
             path: PathBuf,
             kind: Option<VariantKind>,
-        ) -> Result<AdapterEntry, AdapterError> {
+        ) -> Result<VariantEntry, VariantError> {
             let found = if path.to_string_lossy().contains("delta") {
                 VariantKind::Delta
             } else {
@@ -499,7 +499,7 @@ pub(crate) mod fake {
             let id = registry.reserve(&name, path.clone(), 1_700_000_001)?;
             if path.to_string_lossy().contains("bad-dora") {
                 registry.remove(id);
-                return Err(AdapterError::Invalid {
+                return Err(VariantError::Invalid {
                     message: format!(
                         "{}: adapter_config.json: use_dora is not supported",
                         path.display()
@@ -508,7 +508,7 @@ pub(crate) mod fake {
                 });
             }
             let footprint = match found {
-                VariantKind::Lora => AdapterFootprint {
+                VariantKind::Lora => VariantFootprint {
                     kind: found,
                     summary: "rank 8".into(),
                     num_blocks: 2,
@@ -516,7 +516,7 @@ pub(crate) mod fake {
                     max_rank: 8,
                     target_modules: vec!["q_proj".into(), "v_proj".into()],
                 },
-                VariantKind::Delta => AdapterFootprint {
+                VariantKind::Delta => VariantFootprint {
                     kind: found,
                     summary: "4-bit 2:4, 2.6x smaller than fp16".into(),
                     num_blocks: 0,
@@ -527,7 +527,7 @@ pub(crate) mod fake {
             };
             Ok(registry.activate(id, footprint).unwrap())
         }
-        async fn delete_adapter(&self, name: String) -> Result<AdapterEntry, AdapterError> {
+        async fn delete_adapter(&self, name: String) -> Result<VariantEntry, VariantError> {
             let entry = self.model.adapters.begin_delete(&name)?;
             self.model.adapters.remove(entry.id);
             Ok(entry)

@@ -6,7 +6,7 @@ use axum::Json;
 
 use super::openai::{ModelCard, ModelList};
 use super::Backend;
-use crate::registry::AdapterState;
+use crate::registry::VariantState;
 
 /// The handler.
 pub async fn list_models<B: Backend>(State(backend): State<B>) -> Json<ModelList> {
@@ -25,7 +25,7 @@ pub async fn list_models<B: Backend>(State(backend): State<B>) -> Json<ModelList
         .adapters
         .list()
         .into_iter()
-        .filter(|a| a.state == AdapterState::Active);
+        .filter(|a| a.state == VariantState::Active);
     for adapter in active {
         data.push(card(
             format!("{}:{}", model.name, adapter.name),

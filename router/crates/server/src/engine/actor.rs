@@ -29,8 +29,8 @@
 //! The scheduler decides where each variant lives (disk, host memory, pages of the worker's pool
 //! for a LoRA adapter, one of the worker's `--max-deltas` slots for a compressed delta) and puts
 //! the moves in the plan (`StepPlan::adapter_ops`); the actor only translates them (`plan.rs`).
-//! Registration asks the worker to inspect a directory (`InspectAdapter`, answered in order with
-//! the step outputs by an `AdapterInfo`), then the engine registers the footprint with every
+//! Registration asks the worker to inspect a directory (`InspectVariant`, answered in order with
+//! the step outputs by an `VariantInfo`), then the engine registers the footprint with every
 //! actor's scheduler. Registrations outlive a worker restart; residency starts cold again.
 //!
 //! # Failures
@@ -47,7 +47,7 @@ use std::time::{Duration, Instant};
 
 use deltaserve_ipc::codec::{self, FromWorker};
 use deltaserve_ipc::wire::{self, StepOutput};
-use deltaserve_sched::{AdapterSpec, Scheduler, SeqRequest};
+use deltaserve_sched::{Scheduler, SeqRequest, VariantSpec};
 use tokio::sync::{mpsc, oneshot};
 
 use super::command::{ActorRef, Command, RemoveOutcome};
@@ -58,8 +58,8 @@ use super::FinishReason;
 use crate::text::tokenizer::TextTokenizer;
 use crate::worker::{SpinWindow, StepPace, WorkerProcess, WorkerSpec};
 
-mod adapters;
 mod lifecycle;
+mod variants;
 
 /// A plan sent to the worker and not answered yet.
 struct SentStep {
@@ -90,9 +90,9 @@ pub(crate) struct Actor {
     counters: ActorCounters,
     /// Adapters registered with this actor's scheduler, kept to re-register them with the fresh
     /// scheduler a restarted worker gets.
-    adapters: BTreeMap<u32, AdapterSpec>,
-    /// `InspectAdapter`s sent to the worker and not answered yet, by inspect id.
-    inspections: HashMap<u64, oneshot::Sender<Result<wire::AdapterInfo, String>>>,
+    adapters: BTreeMap<u32, VariantSpec>,
+    /// `InspectVariant`s sent to the worker and not answered yet, by inspect id.
+    inspections: HashMap<u64, oneshot::Sender<Result<wire::VariantInfo, String>>>,
     /// Next inspect id.
     next_inspect_id: u64,
 }
@@ -186,7 +186,7 @@ impl Actor {
                         self.step_failed(err.step_id, &err.message);
                     }
                 }
-                Wake::Worker(Ok(FromWorker::AdapterInfo(info))) => self.inspected(info),
+                Wake::Worker(Ok(FromWorker::VariantInfo(info))) => self.inspected(info),
                 Wake::Worker(Ok(FromWorker::Hello(_))) => {
                     self.worker_lost("worker sent a second Hello");
                 }

@@ -2,24 +2,24 @@
 //! (inspected by one worker, then added to every actor's scheduler, rolled back on any
 //! failure) and deleting one (it stops resolving at once; its memory is freed once no live
 //! request uses it). Also the file-system check that tells a LoRA adapter from a delta: the one
-//! place a variant's kind is found (the worker is told it, in `InspectAdapter` and every op).
+//! place a variant's kind is found (the worker is told it, in `InspectVariant` and every op).
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use deltaserve_ipc::wire::VariantKind;
-use deltaserve_sched::AdapterSpec;
+use deltaserve_sched::VariantSpec;
 use tokio::sync::oneshot;
 
 use super::command::{ActorRef, Command, RemoveOutcome};
 use super::plan::sched_kind;
 use super::EngineHandle;
-use crate::registry::{AdapterEntry, AdapterFootprint, RegistryError};
+use crate::registry::{RegistryError, VariantEntry, VariantFootprint};
 
 /// Why registering or deleting an adapter failed.
 #[derive(Debug, Clone, thiserror::Error)]
-pub enum AdapterError {
+pub enum VariantError {
     /// The adapter cannot be served as given (400); `param` is the request field at fault.
     #[error("{message}")]
     Invalid {
@@ -47,8 +47,8 @@ impl EngineHandle {
         name: &str,
         dir: &Path,
         want: Option<VariantKind>,
-    ) -> Result<AdapterEntry, AdapterError> {
-        let invalid = |message: String| AdapterError::Invalid {
+    ) -> Result<VariantEntry, VariantError> {
+        let invalid = |message: String| VariantError::Invalid {
             message,
             param: "path",
         };
@@ -84,18 +84,18 @@ impl EngineHandle {
         id: u32,
         path: String,
         found: VariantKind,
-    ) -> Result<AdapterFootprint, AdapterError> {
+    ) -> Result<VariantFootprint, VariantError> {
         let actor = self
             .inner
             .actors
             .iter()
             .find(|a| a.ready.load(Ordering::Acquire))
             .ok_or_else(|| {
-                AdapterError::Unavailable(
+                VariantError::Unavailable(
                     "no worker is ready to inspect the adapter; retry shortly".into(),
                 )
             })?;
-        let gone = || AdapterError::Unavailable("the engine is shutting down".into());
+        let gone = || VariantError::Unavailable("the engine is shutting down".into());
         let (reply, rx) = oneshot::channel();
         actor
             .tx
@@ -108,16 +108,16 @@ impl EngineHandle {
         let info = rx
             .await
             .map_err(|_| gone())?
-            .map_err(AdapterError::Unavailable)?;
+            .map_err(VariantError::Unavailable)?;
         if let Some(message) = info.error {
-            return Err(AdapterError::Invalid {
+            return Err(VariantError::Invalid {
                 message,
                 param: "path",
             });
         }
         let kind = info.kind;
         if kind != found {
-            return Err(AdapterError::Invalid {
+            return Err(VariantError::Invalid {
                 message: format!(
                     "the worker inspected {path} as a {} but its files make it a {}",
                     describe(kind),
@@ -126,7 +126,7 @@ impl EngineHandle {
                 param: "path",
             });
         }
-        let spec = AdapterSpec {
+        let spec = VariantSpec {
             kind: sched_kind(kind),
             num_blocks: info.num_blocks,
             host_bytes: info.host_bytes,
@@ -150,14 +150,14 @@ impl EngineHandle {
                 for done in added {
                     let _ = self.remove_from(done, id).await;
                 }
-                return Err(AdapterError::Invalid {
+                return Err(VariantError::Invalid {
                     message,
                     param: "path",
                 });
             }
             added.push(actor);
         }
-        Ok(AdapterFootprint {
+        Ok(VariantFootprint {
             kind,
             summary: info.summary,
             num_blocks: info.num_blocks,
@@ -170,7 +170,7 @@ impl EngineHandle {
     /// Deletes adapter `name`: it stops resolving at once; this waits until no live request uses
     /// it on any worker, then frees its memory and forgets it. The wait runs in its own task, so
     /// a client that goes away does not leave the adapter half deleted.
-    pub async fn delete_adapter(&self, name: &str) -> Result<AdapterEntry, AdapterError> {
+    pub async fn delete_adapter(&self, name: &str) -> Result<VariantEntry, VariantError> {
         let entry = self.inner.model.adapters.begin_delete(name)?;
         let this = self.clone();
         let id = entry.id;
@@ -181,7 +181,7 @@ impl EngineHandle {
             this.inner.model.adapters.remove(id);
         });
         task.await
-            .map_err(|e| AdapterError::Unavailable(format!("deleting the adapter failed: {e}")))?;
+            .map_err(|e| VariantError::Unavailable(format!("deleting the adapter failed: {e}")))?;
         Ok(entry)
     }
 
@@ -228,9 +228,9 @@ pub fn check_kind(
     found: VariantKind,
     want: Option<VariantKind>,
     dir: &Path,
-) -> Result<(), AdapterError> {
+) -> Result<(), VariantError> {
     match want {
-        Some(want) if want != found => Err(AdapterError::Invalid {
+        Some(want) if want != found => Err(VariantError::Invalid {
             message: format!(
                 "{} holds a {}, not a {}",
                 dir.display(),
@@ -281,7 +281,7 @@ mod tests {
 
         assert!(check_kind(VariantKind::Lora, None, &lora).is_ok());
         assert!(check_kind(VariantKind::Delta, Some(VariantKind::Delta), &delta).is_ok());
-        let AdapterError::Invalid { message, param } =
+        let VariantError::Invalid { message, param } =
             check_kind(VariantKind::Lora, Some(VariantKind::Delta), &lora).unwrap_err()
         else {
             panic!("a kind mismatch is invalid input");
@@ -291,7 +291,7 @@ mod tests {
             message.contains("holds a LoRA adapter") && message.contains("not a compressed delta"),
             "{message}"
         );
-        let AdapterError::Invalid { message, .. } =
+        let VariantError::Invalid { message, .. } =
             check_kind(VariantKind::Delta, Some(VariantKind::Lora), &delta).unwrap_err()
         else {
             panic!("a kind mismatch is invalid input");

@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::Arc;
 use std::time::Instant;
 
-use deltaserve_ipc::wire::{AdapterInfo, VariantKind};
-use deltaserve_sched::AdapterSpec;
+use deltaserve_ipc::wire::{VariantInfo, VariantKind};
+use deltaserve_sched::VariantSpec;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{EngineMetrics, GenerateEvent, GenerateRequest};
@@ -36,12 +36,12 @@ pub(crate) enum Command {
     Inspect {
         path: String,
         kind: VariantKind,
-        reply: oneshot::Sender<Result<AdapterInfo, String>>,
+        reply: oneshot::Sender<Result<VariantInfo, String>>,
     },
     /// Register an inspected adapter with the actor's scheduler.
     AddAdapter {
         id: u32,
-        spec: AdapterSpec,
+        spec: VariantSpec,
         reply: oneshot::Sender<Result<(), String>>,
     },
     /// Forget an adapter once no live request uses it.

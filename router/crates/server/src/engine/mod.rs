@@ -29,7 +29,7 @@ use std::time::Instant;
 use deltaserve_ipc::wire::{SamplingParams, TokenLogprob};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::registry::AdapterRegistry;
+use crate::registry::VariantRegistry;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
 use command::{ActorRef, Command};
@@ -42,7 +42,7 @@ mod plan;
 mod streams;
 
 pub(crate) use actor::Actor;
-pub use admin::{check_kind, variant_kind_of_dir, AdapterError};
+pub use admin::{check_kind, variant_kind_of_dir, VariantError};
 pub use metrics::{EngineMetrics, RequestLatency};
 pub use plan::SchedLimits;
 
@@ -134,7 +134,7 @@ pub struct ServedModel {
     pub created: u64,
     /// The variants (LoRA adapters and compressed deltas) served on top of the base, selectable
     /// as `"<name>:<adapter>"` or by adapter name while active.
-    pub adapters: Arc<AdapterRegistry>,
+    pub adapters: Arc<VariantRegistry>,
 }
 
 impl ServedModel {
@@ -299,7 +299,7 @@ mod tests {
     use deltaserve_ipc::wire::VariantKind;
 
     fn served() -> ServedModel {
-        let adapters = Arc::new(AdapterRegistry::new("base"));
+        let adapters = Arc::new(VariantRegistry::new("base"));
         for name in ["a", "b"] {
             let id = adapters.reserve(name, "/x".into(), 0).unwrap();
             adapters.activate(id, footprint()).unwrap();
@@ -314,8 +314,8 @@ mod tests {
         }
     }
 
-    fn footprint() -> crate::registry::AdapterFootprint {
-        crate::registry::AdapterFootprint {
+    fn footprint() -> crate::registry::VariantFootprint {
+        crate::registry::VariantFootprint {
             kind: VariantKind::Lora,
             summary: "rank 1".into(),
             num_blocks: 1,

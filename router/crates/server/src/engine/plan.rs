@@ -1,11 +1,11 @@
 //! Scheduler ⇄ wire translation: a scheduled step as the worker's `StepPlan`, the scheduler's
-//! adapter ops as wire `AdapterOp`s, variant kinds both ways, and the scheduler's configuration
+//! adapter ops as wire `VariantOp`s, variant kinds both ways, and the scheduler's configuration
 //! from the worker's Hello plus the operator's limits. Pure functions: no IO, no actor state.
 
 use deltaserve_ipc::wire::{self, SamplingParams, StepPlan, TierOp};
 use deltaserve_sched::{
-    AdapterOp as SchedAdapterOp, AdapterOpKind, ScheduledStep, SchedulerConfig,
-    VariantKind as SchedKind,
+    ScheduledStep, SchedulerConfig, VariantKind as SchedKind, VariantOp as SchedAdapterOp,
+    VariantOpKind,
 };
 
 use crate::worker::WorkerProcess;
@@ -87,14 +87,14 @@ pub(super) fn wire_plan(
 }
 
 /// The wire form of a scheduler's adapter op.
-fn wire_op(op: SchedAdapterOp) -> wire::AdapterOp {
+fn wire_op(op: SchedAdapterOp) -> wire::VariantOp {
     let (tier_op, path, block_ids, slot) = match op.kind {
-        AdapterOpKind::ToHost { path } => (TierOp::ToHost, path, Vec::new(), None),
-        AdapterOpKind::ToGpu { block_ids, slot } => (TierOp::ToGpu, String::new(), block_ids, slot),
-        AdapterOpKind::DropGpu => (TierOp::DropGpu, String::new(), Vec::new(), None),
-        AdapterOpKind::DropHost => (TierOp::DropHost, String::new(), Vec::new(), None),
+        VariantOpKind::ToHost { path } => (TierOp::ToHost, path, Vec::new(), None),
+        VariantOpKind::ToGpu { block_ids, slot } => (TierOp::ToGpu, String::new(), block_ids, slot),
+        VariantOpKind::DropGpu => (TierOp::DropGpu, String::new(), Vec::new(), None),
+        VariantOpKind::DropHost => (TierOp::DropHost, String::new(), Vec::new(), None),
     };
-    wire::AdapterOp {
+    wire::VariantOp {
         adapter_id: op.adapter_id,
         op: tier_op,
         path,
@@ -149,12 +149,12 @@ mod tests {
                 SchedAdapterOp {
                     adapter_id: 2,
                     variant: SchedKind::Lora,
-                    kind: AdapterOpKind::ToHost { path: "/a".into() },
+                    kind: VariantOpKind::ToHost { path: "/a".into() },
                 },
                 SchedAdapterOp {
                     adapter_id: 2,
                     variant: SchedKind::Lora,
-                    kind: AdapterOpKind::ToGpu {
+                    kind: VariantOpKind::ToGpu {
                         block_ids: vec![1],
                         slot: None,
                     },
@@ -162,12 +162,12 @@ mod tests {
                 SchedAdapterOp {
                     adapter_id: 1,
                     variant: SchedKind::Delta,
-                    kind: AdapterOpKind::DropGpu,
+                    kind: VariantOpKind::DropGpu,
                 },
                 SchedAdapterOp {
                     adapter_id: 3,
                     variant: SchedKind::Delta,
-                    kind: AdapterOpKind::ToGpu {
+                    kind: VariantOpKind::ToGpu {
                         block_ids: vec![],
                         slot: Some(1),
                     },
@@ -175,7 +175,7 @@ mod tests {
                 SchedAdapterOp {
                     adapter_id: 1,
                     variant: SchedKind::Delta,
-                    kind: AdapterOpKind::DropHost,
+                    kind: VariantOpKind::DropHost,
                 },
             ],
         };

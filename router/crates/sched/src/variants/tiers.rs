@@ -2,13 +2,13 @@
 //! the table): loading and dropping host copies, placing a variant on the GPU (LoRA pages or a
 //! delta slot) and evicting it, and the LRU plans that pick which host copies to drop or which
 //! idle GPU copies to evict to make room. Each move keeps the table's totals in step and
-//! records the [`AdapterOp`] the worker must apply; the [`crate::Scheduler`] decides when to
+//! records the [`VariantOp`] the worker must apply; the [`crate::Scheduler`] decides when to
 //! move.
 
-use super::{Adapter, AdapterOp, AdapterOpKind, AdapterTable, StepOps, VariantKind};
+use super::{Adapter, StepOps, VariantKind, VariantOp, VariantOpKind, VariantTable};
 use crate::block::{BlockAllocator, PageOwner};
 
-impl AdapterTable {
+impl VariantTable {
     /// Drops the host copies `drops` (the room a host drop plan found), then loads `id`'s.
     pub(crate) fn load_host_after(&mut self, drops: Vec<u32>, id: u32, ops: &mut StepOps) {
         for d in drops {
@@ -31,10 +31,10 @@ impl AdapterTable {
         self.on_host += 1;
         self.host_loads += 1;
         self.touch(id);
-        ops.loads.push(AdapterOp {
+        ops.loads.push(VariantOp {
             adapter_id: id,
             variant,
-            kind: AdapterOpKind::ToHost { path },
+            kind: VariantOpKind::ToHost { path },
         });
     }
 
@@ -69,10 +69,10 @@ impl AdapterTable {
         let (bytes, variant) = (a.spec.host_bytes, a.spec.kind);
         self.host_bytes -= bytes;
         self.on_host -= 1;
-        ops.drops.push(AdapterOp {
+        ops.drops.push(VariantOp {
             adapter_id: id,
             variant,
-            kind: AdapterOpKind::DropHost,
+            kind: VariantOpKind::DropHost,
         });
     }
 
@@ -109,10 +109,10 @@ impl AdapterTable {
         }
         self.gpu_blocks += n;
         self.gpu_loads += 1;
-        ops.loads.push(AdapterOp {
+        ops.loads.push(VariantOp {
             adapter_id: id,
             variant,
-            kind: AdapterOpKind::ToGpu {
+            kind: VariantOpKind::ToGpu {
                 block_ids: pages,
                 slot,
             },
@@ -145,10 +145,10 @@ impl AdapterTable {
         }
         blocks.release(PageOwner::Adapter(id), &pages);
         self.gpu_blocks -= pages.len() as u32;
-        ops.drops.push(AdapterOp {
+        ops.drops.push(VariantOp {
             adapter_id: id,
             variant,
-            kind: AdapterOpKind::DropGpu,
+            kind: VariantOpKind::DropGpu,
         });
     }
 
@@ -273,11 +273,11 @@ fn take_until(items: impl Iterator<Item = (u32, u64)>, need: u64) -> Option<Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::adapters::AdapterSpec;
     use crate::config::SchedulerConfig;
+    use crate::variants::VariantSpec;
 
-    fn spec(num_blocks: u32, host_bytes: u64) -> AdapterSpec {
-        AdapterSpec {
+    fn spec(num_blocks: u32, host_bytes: u64) -> VariantSpec {
+        VariantSpec {
             kind: VariantKind::Lora,
             num_blocks,
             host_bytes,
@@ -302,9 +302,9 @@ mod tests {
             ..SchedulerConfig::new(4, 8, 64)
         };
         let mut blocks = BlockAllocator::new(8);
-        let mut t = AdapterTable::default();
+        let mut t = VariantTable::default();
         let mut ops = StepOps::default();
-        let delta = |host_bytes| AdapterSpec {
+        let delta = |host_bytes| VariantSpec {
             kind: VariantKind::Delta,
             ..spec(0, host_bytes)
         };
@@ -318,21 +318,21 @@ mod tests {
         assert_eq!(blocks.num_free(), 6, "only the LoRA adapter took pages");
         assert_eq!((t.num_on_gpu(), t.num_deltas_on_gpu()), (1, 2));
         assert!(!t.delta_slot_free(2));
-        let to_gpu = |id: u32| -> Vec<AdapterOpKind> {
+        let to_gpu = |id: u32| -> Vec<VariantOpKind> {
             let ops = ops.loads.iter().filter(|op| op.adapter_id == id);
             let kinds = ops.map(|op| op.kind.clone());
             kinds
-                .filter(|k| matches!(k, AdapterOpKind::ToGpu { .. }))
+                .filter(|k| matches!(k, VariantOpKind::ToGpu { .. }))
                 .collect()
         };
-        let slot = |s| AdapterOpKind::ToGpu {
+        let slot = |s| VariantOpKind::ToGpu {
             block_ids: vec![],
             slot: Some(s),
         };
         assert_eq!(to_gpu(2), [slot(0)], "a delta takes a slot, no pages");
         assert_eq!(to_gpu(3), [slot(1)]);
         assert!(
-            matches!(&to_gpu(1)[..], [AdapterOpKind::ToGpu { slot: None, .. }]),
+            matches!(&to_gpu(1)[..], [VariantOpKind::ToGpu { slot: None, .. }]),
             "a LoRA adapter has no slot"
         );
         t.begin_step();
@@ -374,7 +374,7 @@ mod tests {
     fn eviction_plans_follow_lru_and_skip_pinned_adapters() {
         let cfg = SchedulerConfig::new(4, 16, 64);
         let mut blocks = BlockAllocator::new(16);
-        let mut t = AdapterTable::default();
+        let mut t = VariantTable::default();
         let mut ops = StepOps::default();
         for id in 1..=3 {
             t.register(id, spec(2, 10), &cfg).unwrap();

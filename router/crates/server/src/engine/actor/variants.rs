@@ -1,22 +1,22 @@
 //! The actor's side of adapter administration: asking its worker to inspect a directory (the
-//! answer, an `AdapterInfo`, arrives in order with the step outputs), and registering or
+//! answer, an `VariantInfo`, arrives in order with the step outputs), and registering or
 //! forgetting an adapter with its scheduler. The workflow across actors is `engine/admin.rs`.
 
 use deltaserve_ipc::codec;
 use deltaserve_ipc::wire;
-use deltaserve_sched::AdapterSpec;
+use deltaserve_sched::VariantSpec;
 use tokio::sync::oneshot;
 
 use super::{Actor, RemoveOutcome};
 
 impl Actor {
-    /// Sends an `InspectAdapter` for `path` (a variant of `kind`); `reply` gets the worker's
-    /// `AdapterInfo`.
+    /// Sends an `InspectVariant` for `path` (a variant of `kind`); `reply` gets the worker's
+    /// `VariantInfo`.
     pub(super) fn inspect(
         &mut self,
         path: String,
         kind: wire::VariantKind,
-        reply: oneshot::Sender<Result<wire::AdapterInfo, String>>,
+        reply: oneshot::Sender<Result<wire::VariantInfo, String>>,
     ) {
         let Some(worker) = self.worker.as_mut() else {
             let _ = reply.send(Err("the worker is restarting; retry shortly".into()));
@@ -24,7 +24,7 @@ impl Actor {
         };
         let inspect_id = self.next_inspect_id;
         self.next_inspect_id += 1;
-        let frame = codec::encode(&wire::InspectAdapter {
+        let frame = codec::encode(&wire::InspectVariant {
             inspect_id,
             path,
             kind,
@@ -38,7 +38,7 @@ impl Actor {
     }
 
     /// The worker's answer to an inspection.
-    pub(super) fn inspected(&mut self, info: wire::AdapterInfo) {
+    pub(super) fn inspected(&mut self, info: wire::VariantInfo) {
         match self.inspections.remove(&info.inspect_id) {
             Some(reply) => {
                 let _ = reply.send(Ok(info));
@@ -54,7 +54,7 @@ impl Actor {
     pub(super) fn add_adapter(
         &mut self,
         id: u32,
-        spec: AdapterSpec,
+        spec: VariantSpec,
         reply: oneshot::Sender<Result<(), String>>,
     ) {
         let result = self

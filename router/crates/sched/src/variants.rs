@@ -2,7 +2,7 @@
 //! a "delta"; [`VariantKind`]), where its weights are (S-LoRA tiers: disk -> worker host memory
 //! -> GPU), who uses it, and when it was last used. The [`crate::Scheduler`] decides *when* to
 //! move an adapter; this module does the bookkeeping of each move (pages, slots, host bytes,
-//! counters) and records the [`AdapterOp`] the worker must apply.
+//! counters) and records the [`VariantOp`] the worker must apply.
 //!
 //! On the GPU the two kinds live in different places: a LoRA adapter in `num_blocks` pages of
 //! the one pool that also holds the KV cache, a delta in one of the worker's `max_deltas` delta
@@ -58,7 +58,7 @@ pub enum VariantKind {
 
 /// What the scheduler needs to know about an adapter, from the worker's inspection of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AdapterSpec {
+pub struct VariantSpec {
     /// LoRA (pool pages on the GPU) or delta (a worker delta slot on the GPU).
     pub kind: VariantKind,
     /// Pool pages its weights take on the GPU (the worker's page layout decides); at least 1
@@ -74,18 +74,18 @@ pub struct AdapterSpec {
 
 /// One tier move for the worker to apply (after a step's releases, before its requests run).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AdapterOp {
+pub struct VariantOp {
     /// The adapter it moves.
     pub adapter_id: u32,
     /// Its kind (from its registration): the worker applies the op with the pool of that kind.
     pub variant: VariantKind,
     /// The move.
-    pub kind: AdapterOpKind,
+    pub kind: VariantOpKind,
 }
 
 /// The four tier moves.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AdapterOpKind {
+pub enum VariantOpKind {
     /// Read and validate the adapter from `path` into host memory (may run in the background;
     /// a later `ToGpu` of the same adapter waits for it).
     ToHost {
@@ -95,7 +95,7 @@ pub enum AdapterOpKind {
     /// Copy the host copy into these pool pages, in order (LoRA), or into delta slot `slot`
     /// (delta: `block_ids` empty). A `ToHost` came earlier and no `DropHost` since.
     ToGpu {
-        /// The pages, `AdapterSpec::num_blocks` of them; the same ids as KV pages. Empty for a
+        /// The pages, `VariantSpec::num_blocks` of them; the same ids as KV pages. Empty for a
         /// delta.
         block_ids: Vec<u32>,
         /// The delta slot, in `0..max_deltas`, free until now (the lowest free one); `None` for
@@ -109,27 +109,27 @@ pub enum AdapterOpKind {
     DropHost,
 }
 
-impl AdapterOp {
+impl VariantOp {
     /// Whether the op frees memory (`DropGpu`, `DropHost`): those go before every load.
     pub fn is_drop(&self) -> bool {
-        matches!(self.kind, AdapterOpKind::DropGpu | AdapterOpKind::DropHost)
+        matches!(self.kind, VariantOpKind::DropGpu | VariantOpKind::DropHost)
     }
 
     /// A short name of the move for logs and tests (`to_host`, `to_gpu`, `drop_gpu`,
     /// `drop_host`; the wire sends a number, `deltaserve_ipc::wire::TierOp`).
     pub fn op_name(&self) -> &'static str {
         match self.kind {
-            AdapterOpKind::ToHost { .. } => "to_host",
-            AdapterOpKind::ToGpu { .. } => "to_gpu",
-            AdapterOpKind::DropGpu => "drop_gpu",
-            AdapterOpKind::DropHost => "drop_host",
+            VariantOpKind::ToHost { .. } => "to_host",
+            VariantOpKind::ToGpu { .. } => "to_gpu",
+            VariantOpKind::DropGpu => "drop_gpu",
+            VariantOpKind::DropHost => "drop_host",
         }
     }
 }
 
 /// Where a registered adapter's weights are, as the scheduler accounts them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AdapterResidency<'a> {
+pub struct VariantResidency<'a> {
     /// The worker holds (or is loading) a host copy.
     pub on_host: bool,
     /// The pool pages holding its weights, when GPU-resident (empty for a resident delta).
@@ -142,11 +142,11 @@ pub struct AdapterResidency<'a> {
 #[derive(Debug, Clone)]
 pub(crate) struct Adapter {
     /// Size and source, from registration.
-    pub(crate) spec: AdapterSpec,
+    pub(crate) spec: VariantSpec,
     /// A host copy exists on the worker (after its `ToHost`, until a `DropHost`).
     pub(crate) on_host: bool,
     /// Its `ToHost` went out and the worker has not reported the read finished
-    /// ([`AdapterTable::host_loaded`]) nor waited for it in a `ToGpu`; only consulted with
+    /// ([`VariantTable::host_loaded`]) nor waited for it in a `ToGpu`; only consulted with
     /// `host_copy_reports`.
     pub(crate) host_loading: bool,
     /// Its pool pages while GPU-resident (an empty list for a delta in its slot).
@@ -168,9 +168,9 @@ pub(crate) struct Adapter {
 #[derive(Debug, Default)]
 pub(crate) struct StepOps {
     /// `DropGpu` / `DropHost`, in decision order.
-    pub(crate) drops: Vec<AdapterOp>,
+    pub(crate) drops: Vec<VariantOp>,
     /// `ToHost` / `ToGpu`, in decision order (a `ToHost` before the `ToGpu` it feeds).
-    pub(crate) loads: Vec<AdapterOp>,
+    pub(crate) loads: Vec<VariantOp>,
 }
 
 impl StepOps {
@@ -182,7 +182,7 @@ impl StepOps {
 
 /// Every registered adapter plus the tier totals, kept in step with the entries.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct AdapterTable {
+pub(crate) struct VariantTable {
     /// Registered adapters by id (a `BTreeMap` so scans, and thus eviction ties, are ordered).
     pub(crate) map: BTreeMap<u32, Adapter>,
     /// Sum of `host_bytes` over adapters with a host copy.
@@ -207,14 +207,14 @@ pub(crate) struct AdapterTable {
     pub(crate) gpu_evictions: u64,
 }
 
-impl AdapterTable {
+impl VariantTable {
     /// Adds an adapter in the disk tier. Refuses (changing nothing) id 0, a registered id, a
     /// LoRA adapter with zero pages, a delta with pages or while `max_deltas` is 0, an empty
     /// path, more pages than the pool or more host bytes than the host budget.
     pub(crate) fn register(
         &mut self,
         id: u32,
-        spec: AdapterSpec,
+        spec: VariantSpec,
         cfg: &SchedulerConfig,
     ) -> Result<(), SchedError> {
         if id == 0 {
@@ -289,7 +289,7 @@ impl AdapterTable {
         &mut self,
         id: u32,
         blocks: &mut BlockAllocator,
-        pending: &mut Vec<AdapterOp>,
+        pending: &mut Vec<VariantOp>,
     ) -> Result<(), SchedError> {
         let a = self.map.get(&id).ok_or(SchedError::UnknownAdapter {
             request: None,
@@ -319,7 +319,7 @@ impl AdapterTable {
         &self.map[&id]
     }
 
-    /// Mutable entry (same contract as [`AdapterTable::get`]).
+    /// Mutable entry (same contract as [`VariantTable::get`]).
     fn get_mut(&mut self, id: u32) -> &mut Adapter {
         self.map
             .get_mut(&id)

@@ -27,7 +27,7 @@ use deltaserve_ipc::wire::VariantKind;
 
 use super::error::{ApiError, ApiJson};
 use super::Backend;
-use crate::registry::{AdapterEntry, AdapterState};
+use crate::registry::{VariantEntry, VariantState};
 
 /// `POST /v1/adapters` body.
 #[derive(Debug, Deserialize)]
@@ -65,7 +65,7 @@ impl From<KindField> for VariantKind {
 
 /// One adapter as the API shows it.
 #[derive(Debug, Serialize)]
-pub struct AdapterCard {
+pub struct VariantCard {
     /// The adapter's name.
     pub id: String,
     /// Always `"adapter"`.
@@ -83,7 +83,7 @@ pub struct AdapterCard {
     /// Unix seconds of registration.
     pub created: u64,
     /// `pending`, `active` or `deleting`.
-    pub status: AdapterState,
+    pub status: VariantState,
     /// Largest rank over its adapted projections (0 for a delta).
     pub max_rank: Option<u32>,
     /// Adapted projections.
@@ -94,8 +94,8 @@ pub struct AdapterCard {
     pub host_bytes: Option<u64>,
 }
 
-impl AdapterCard {
-    fn new(base: &str, e: AdapterEntry) -> Self {
+impl VariantCard {
+    fn new(base: &str, e: VariantEntry) -> Self {
         let fp = e.footprint;
         Self {
             model: format!("{base}:{}", e.name),
@@ -124,7 +124,7 @@ pub struct AdapterList {
     /// Always `"list"`.
     pub object: &'static str,
     /// Every registered adapter, in registration order.
-    pub data: Vec<AdapterCard>,
+    pub data: Vec<VariantCard>,
 }
 
 /// `DELETE /v1/adapters/{name}` body.
@@ -146,7 +146,7 @@ pub async fn create_adapter<B: Backend>(
     let entry = backend
         .register_adapter(body.name, body.path, body.kind.map(VariantKind::from))
         .await?;
-    let card = AdapterCard::new(&backend.model().name, entry);
+    let card = VariantCard::new(&backend.model().name, entry);
     Ok((StatusCode::CREATED, Json(card)).into_response())
 }
 
@@ -159,7 +159,7 @@ pub async fn list_adapters<B: Backend>(State(backend): State<B>) -> Json<Adapter
             .adapters
             .list()
             .into_iter()
-            .map(|e| AdapterCard::new(&model.name, e))
+            .map(|e| VariantCard::new(&model.name, e))
             .collect(),
     })
 }
