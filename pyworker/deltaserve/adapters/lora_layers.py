@@ -18,7 +18,10 @@ the pool's in-place refills reach it, and CUDA graphs keep its pointers). The po
 and sets ``step.meta`` per step; the model does not change: it calls ``self_attn.qkv_proj(x)`` as
 before, and knows nothing about adapters.
 
-A step with no adapter tokens (``step.meta`` None) runs only the base matmul: no extra op. That is
+A step with no adapter tokens (``step.meta`` None) runs only the base matmul: no extra op.
+With ``step.assist`` set (a cold adapter's prefill whose LoRA the CPU helpers compute,
+``helpers/assist.py``), its rows go to the helpers before the base matmul (``assist.send``) and
+their results are added after it (``assist.add``). That is
 also what CUDA-graph capture records today, so captured decode graphs serve base-only steps.
 
 The kernels dispatch by device: Triton on CUDA, their torch references (``lora_*_ref``) on CPU.
@@ -31,6 +34,7 @@ tensors, no copy) instead of holding it as a child module, so parameter names, `
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -38,6 +42,14 @@ from torch.nn import functional as F
 
 from ..kernels.lora import LoraMeta, LoraSlice, LoraStack, LoraWeights, lora_delta_stacked
 from ..model.decoder import DecoderLM, linear_slots
+
+
+class LoraAssist(Protocol):
+    """What a ``LoraLinear`` calls when CPU helpers compute some rows' LoRA (``helpers.assist.CpuAssist``)."""
+
+    def send(self, layer: int, module_path: str, x: torch.Tensor) -> Any | None: ...
+
+    def add(self, pending: Any, out: torch.Tensor) -> torch.Tensor: ...
 
 
 class LoraStep:
@@ -50,6 +62,8 @@ class LoraStep:
     def __init__(self) -> None:
         self.meta: LoraMeta | None = None
         """Which tokens use which table slot this step (SGMV / MBGMV); None: no adapter tokens."""
+        self.assist: LoraAssist | None = None
+        """Set for a step whose cold adapters' rows the CPU helpers compute; None otherwise."""
 
     @property
     def active(self) -> bool:
@@ -60,7 +74,9 @@ class LoraStep:
 class LoraLinear(nn.Linear):
     """A block linear plus the LoRA delta of each token's adapter (module docstring)."""
 
-    def __init__(self, base: nn.Linear, step: LoraStep, stack: LoraStack) -> None:
+    def __init__(
+        self, base: nn.Linear, step: LoraStep, stack: LoraStack, layer: int = -1, module_path: str = ""
+    ) -> None:
         nn.Module.__init__(self)
         self.in_features = base.in_features
         self.out_features = base.out_features
@@ -72,15 +88,24 @@ class LoraLinear(nn.Linear):
         self.stack = stack
         """The adapted slices (one per HF projection this module holds, in output-row order) with
         their stacked tables: one shrink and one expand launch per forward."""
+        self.layer = layer
+        """Decoder layer index (what the CPU helpers' jobs name)."""
+        self.module_path = module_path
+        """Path inside the layer, e.g. ``self_attn.qkv_proj``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assist = self.step.assist
+        pending = None if assist is None else assist.send(self.layer, self.module_path, x)
         out = F.linear(x, self.weight, self.bias)
         meta = self.step.meta
-        if meta is None:
-            return out
-        if x.dim() != 2:
-            raise ValueError(f"LoraLinear: expected [tokens, {self.in_features}] input, got {list(x.shape)}")
-        return lora_delta_stacked(x, out, self.stack, meta)
+        if meta is not None:
+            if x.dim() != 2:
+                raise ValueError(f"LoraLinear: expected [tokens, {self.in_features}] input, got {list(x.shape)}")
+            out = lora_delta_stacked(x, out, self.stack, meta)
+        if pending is not None:
+            assert assist is not None
+            out = assist.add(pending, out)
+        return out
 
     def extra_repr(self) -> str:
         cols = ", ".join(f"{o}:{o + d}" for o, d in zip(self.stack.out_offsets, self.stack.out_dims))
@@ -124,4 +149,4 @@ def attach_lora(model: DecoderLM, step: LoraStep, weights: Mapping[tuple[int, st
                 stack = LoraStack.from_slices(slices)
             except ValueError as e:
                 raise ValueError(f"attach_lora: layer {i} {module_path}: {e}") from None
-            setattr(parent, leaf, LoraLinear(base, step, stack))
+            setattr(parent, leaf, LoraLinear(base, step, stack, i, module_path))

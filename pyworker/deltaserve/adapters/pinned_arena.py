@@ -53,11 +53,15 @@ def slack_for(budget: int) -> int:
 class PinnedArena:
     """``capacity`` bytes of host memory, page-locked when ``pin`` (module docstring)."""
 
-    def __init__(self, capacity: int, *, pin: bool = True) -> None:
+    def __init__(self, capacity: int, *, pin: bool = True, buf: torch.Tensor | None = None) -> None:
+        """``buf``: the memory to carve (a uint8 tensor of at least ``capacity`` bytes, e.g. shared
+        memory the CPU LoRA helpers map, ``helpers/shm.py``); None allocates it."""
         if capacity <= 0:
             raise ValueError(f"PinnedArena: capacity must be positive, got {capacity}")
+        if buf is not None and (buf.dtype != torch.uint8 or buf.numel() < capacity):
+            raise ValueError(f"PinnedArena: buf must be a uint8 tensor of >= {capacity} bytes")
         self.capacity = capacity
-        self.buf = torch.empty(capacity, dtype=torch.uint8)
+        self.buf = torch.empty(capacity, dtype=torch.uint8) if buf is None else buf[:capacity]
         self.pinned = False
         if pin:
             err = int(torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), capacity, 0))

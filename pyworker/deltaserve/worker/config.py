@@ -24,6 +24,8 @@ MAX_LORA_RANK = 256
 MAX_LORAS_PER_STEP = 65536
 #: Largest ``--max-deltas`` (each slot reserves one delta's GPU memory).
 MAX_DELTAS = 64
+#: Largest ``--cpu-lora-helpers`` (one process per CPU).
+MAX_CPU_LORA_HELPERS = 256
 
 
 class ConfigError(ValueError):
@@ -123,6 +125,21 @@ class WorkerConfig:
         ),
     )
 
+    cpu_lora_helpers: int = field(
+        default=0,
+        metadata=_doc(
+            "CPU LoRA helper processes (each pinned to one CPU): a cold adapter's prefill starts at once with its "
+            f"LoRA computed by them while its pages load (CaraServe); 0..{MAX_CPU_LORA_HELPERS}, 0 turns them off."
+        ),
+    )
+    cpu_lora_policy: str = field(
+        default="adaptive",
+        metadata=_doc(
+            "When the helpers assist: adaptive (when the profiled model predicts their compute ends before the "
+            "adapter's load), always (whenever one is free; tests and benchmarks)."
+        ),
+    )
+
     def validate(self) -> WorkerConfig:
         """Raises ConfigError naming the first bad setting; returns self for chaining."""
         if not (self.model / "config.json").is_file():
@@ -161,6 +178,12 @@ class WorkerConfig:
             raise ConfigError(f"--max-loras-per-step {self.max_loras_per_step}: expected 1..{MAX_LORAS_PER_STEP}")
         if not 0 <= self.max_deltas <= MAX_DELTAS:
             raise ConfigError(f"--max-deltas {self.max_deltas}: expected 0..{MAX_DELTAS} (0 = deltas off)")
+        if not 0 <= self.cpu_lora_helpers <= MAX_CPU_LORA_HELPERS:
+            raise ConfigError(
+                f"--cpu-lora-helpers {self.cpu_lora_helpers}: expected 0..{MAX_CPU_LORA_HELPERS} (0 = off)"
+            )
+        if self.cpu_lora_policy not in ("adaptive", "always"):
+            raise ConfigError(f"--cpu-lora-policy {self.cpu_lora_policy!r}: expected adaptive or always")
         return self
 
     @classmethod

@@ -20,6 +20,11 @@ until released, and every step that schedules it needs it GPU-resident after the
 read that fails in the background (the directory vanished since inspection) surfaces at the
 ``to_gpu`` that needs it as ``AdapterLoadError``, which the worker loop reports as a fatal
 WorkerError (the router restarts the worker).
+
+CPU LoRA helpers (``cpu_lora_helpers`` > 0, ``helpers/``): the host tier's copies live in a shared
+arena the helper processes map, and a cold adapter's prefill may run with its LoRA on the helpers
+while its pages load (``helpers/assist.py``: ``land`` at the start of each launch, ``takes`` per
+ToGpu, ``start_landing`` after the ops).
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from deltaserve.adapters.lora_layers import attach_lora
 from deltaserve.adapters.lora_pool import LoraPool
 from deltaserve.adapters.pinned_arena import PinnedArena, slack_for
 from deltaserve.adapters.variants import VariantKind, VariantPool, refused_as_off
+from deltaserve.helpers.assist import CpuAssist
+from deltaserve.helpers.model import AssistStats
+from deltaserve.helpers.shm import SharedSegment
 from deltaserve.kernels import common as kernel_common
 from deltaserve.model.arch import ModelConfig
 from deltaserve.model.kv_cache import PagedKVCache
@@ -102,6 +110,8 @@ class Executor:
         max_loras_per_step: int = 256,
         max_deltas: int = 3,
         host_arena_bytes: int = 0,
+        cpu_lora_helpers: int = 0,
+        cpu_lora_policy: str = "adaptive",
     ) -> None:
         started = time.monotonic()
         self.model_dir = Path(model_dir)
@@ -153,9 +163,16 @@ class Executor:
         self.host_arena: PinnedArena | None = None
         """Host memory both host tiers' copies are carved from (``host_arena_bytes`` plus room against
         fragmentation, pinned once here on CUDA); None when ``host_arena_bytes`` is 0."""
-        if host_arena_bytes > 0 and (max_lora_rank > 0 or max_deltas > 0):
+        helpers = cpu_lora_helpers if max_lora_rank > 0 else 0
+        shared_arena: SharedSegment | None = None
+        """With CPU LoRA helpers the arena is shared memory they map read-only (always on then)."""
+        if helpers > 0:
+            shared_arena = SharedSegment(host_arena_bytes + slack_for(host_arena_bytes), "host-arena")
+        if shared_arena is not None or (host_arena_bytes > 0 and (max_lora_rank > 0 or max_deltas > 0)):
             self.host_arena = PinnedArena(
-                host_arena_bytes + slack_for(host_arena_bytes), pin=self.device.type == "cuda"
+                host_arena_bytes + slack_for(host_arena_bytes),
+                pin=self.device.type == "cuda",
+                buf=None if shared_arena is None else shared_arena.tensor(),
             )
         self.pools: dict[VariantKind, VariantPool] = {}
         """The variant pools by kind: one per kind that is on (the seam, ``adapters/variants.py``)."""
@@ -205,6 +222,18 @@ class Executor:
             )
         self.runner = ForwardRunner(self.model, self.kv, self.sampler, self.pools, self.graphs, block_size)
         """Queues each step's forward and sampling."""
+        self.cpu_assist: CpuAssist | None = None
+        """CPU-assisted cold prefills (``helpers/assist.py``); None when the helpers are off."""
+        if shared_arena is not None and self.lora_pool is not None:
+            self.cpu_assist = CpuAssist(
+                self.lora_pool,
+                self.config,
+                shared_arena,
+                helpers=helpers,
+                policy=cpu_lora_policy,
+                max_rows=max_num_batched_tokens,
+            )
+            self.runner.assist = self.cpu_assist
         self.limits = PlanLimits(self.config.vocab_size, self.num_blocks, block_size, self.max_model_len)
         """What plans are checked against."""
         self.requests: dict[int, RequestState] = {}
@@ -244,6 +273,8 @@ class Executor:
             max_loras_per_step=cfg.max_loras_per_step,
             max_deltas=cfg.max_deltas,
             host_arena_bytes=cfg.host_arena_bytes,
+            cpu_lora_helpers=cfg.cpu_lora_helpers,
+            cpu_lora_policy=cfg.cpu_lora_policy,
         )
 
     # ------------------------------------------------------------------ variants
@@ -319,10 +350,18 @@ class Executor:
         """
         if in_flight is None and any(state.pending for state in self.requests.values()):
             raise RuntimeError("launch: requests wait for sampled tokens but no step in flight was given")
+        assist = self.cpu_assist
+        if assist is not None:
+            assist.land()  # last step's deferred placements: the plan check sees them placed
         check_plan(plan, self.requests, self.pools, self.limits)
         request_diffs.release(self.requests, plan)
+        cold = assist.cold_prefills(plan) if assist is not None else {}
         for op in plan.adapter_ops:  # AdapterLoadError here is fatal (module docstring)
+            if op.adapter_id in cold and assist is not None and assist.takes(op, cold[op.adapter_id]):
+                continue  # deferred: the helpers compute its rows this step
             self.pools[op.kind].apply(op)
+        if assist is not None:
+            assist.start_landing()
         scheduled = request_diffs.admit(self.requests, plan)
         return self.runner.launch(plan.step_id, scheduled, in_flight)
 
@@ -342,6 +381,15 @@ class Executor:
         as running again; a retry comes back as a NewRequest. Returns the scheduled ones' ids.
         """
         return request_diffs.drop_step_requests(self.requests, plan)
+
+    def take_assist_stats(self) -> AssistStats:
+        """The CPU assist decisions since the last call (all zero when the helpers are off)."""
+        return self.cpu_assist.take_stats() if self.cpu_assist is not None else AssistStats()
+
+    def close(self) -> None:
+        """Stops the CPU LoRA helpers (they also die with the process)."""
+        if self.cpu_assist is not None:
+            self.cpu_assist.close()
 
 
 __all__ = ["Executor", "LaunchedStep", "PlanError", "RequestState", "dtype_name", "resolve_device", "resolve_dtype"]

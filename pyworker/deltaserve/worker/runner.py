@@ -29,6 +29,7 @@ import torch
 
 from deltaserve import wire
 from deltaserve.adapters.variants import StepRows, VariantKind, VariantPool
+from deltaserve.helpers.assist import CpuAssist
 from deltaserve.model.batch import ForwardBatch, to_device
 from deltaserve.model.decoder import DecoderLM
 from deltaserve.model.kv_cache import PagedKVCache
@@ -83,6 +84,8 @@ class ForwardRunner:
         """Captured decode steps, when enabled."""
         self.block_size = block_size
         self.device = kv.device
+        self.assist: CpuAssist | None = None
+        """CPU-assisted cold prefills, set by the executor when the helpers are on."""
 
     def launch(
         self, step_id: int, scheduled: list[tuple[RequestState, int]], in_flight: LaunchedStep | None
@@ -151,6 +154,8 @@ class ForwardRunner:
             batch.input_ids.index_copy_(0, *pending_inputs)
         begun: list[VariantPool] = []
         try:
+            if self.assist is not None:
+                rows = self.assist.begin(rows)  # cold adapters' rows: the helpers', base for the pools
             if any(v != 0 for v, _ in rows.runs):  # a base-only step sets nothing
                 for pool in self.pools.values():
                     if pool.begin_step(rows):
@@ -159,6 +164,8 @@ class ForwardRunner:
         finally:
             for pool in begun:
                 pool.end_step()
+            if self.assist is not None:
+                self.assist.end()
 
     def finish(self, launched: LaunchedStep) -> tuple[list[wire.RequestOutput], int]:
         """Waits for ``launched``'s sampled tokens and appends them to their requests; returns each

@@ -1,0 +1,144 @@
+"""One CPU LoRA helper process: ``python -m deltaserve.helpers.main`` (the pool starts it).
+
+It pins itself to its core, maps the worker's segments (the arena read-only), profiles one shrink +
+expand, says hello, then serves jobs until the worker says ``Q`` or goes away (EOF on its pipe; the
+kernel also kills it with the worker: ``PR_SET_PDEATHSIG``). State machine::
+
+    start ─ pin, map, profile ─ H ─> idle ─ R / S ─> idle ─ J ─> compute ─ DONE = SEQ, d ─> idle
+                                         └─ Q or EOF ─> exit
+
+The only state is the step's adapters (``R``) and segments (``S``); a failed job sets ``STATUS`` 1
+and answers like a finished one, so the worker computes that job itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+
+import numpy as np
+
+from . import protocol as p
+from .compute import RAW_DTYPES, adapter_weights, module_delta, profile_macs_per_ms, to_f32
+from .shm import attach, readonly_array
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Asks the kernel to SIGKILL this process when the worker (its parent) exits."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: EOF on the pipe still ends it
+        pass
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m deltaserve.helpers.main")
+    ap.add_argument("--index", type=int, required=True, help="Row of the control segment.")
+    ap.add_argument("--core", type=int, default=-1, help="CPU to pin to (-1: no pinning).")
+    ap.add_argument("--cmd-fd", type=int, required=True)
+    ap.add_argument("--reply-fd", type=int, required=True)
+    ap.add_argument("--arena-fd", type=int, required=True)
+    ap.add_argument("--arena-size", type=int, required=True)
+    ap.add_argument("--control-fd", type=int, required=True)
+    ap.add_argument("--control-size", type=int, required=True)
+    ap.add_argument("--data-fd", type=int, required=True)
+    ap.add_argument("--data-size", type=int, required=True)
+    ap.add_argument("--out-offset", type=int, required=True)
+    ap.add_argument("--spec", required=True, help="ModelSpec as JSON.")
+    return ap.parse_args(argv)
+
+
+class Helper:
+    """The mapped segments and the step's adapters of one helper."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.index = a.index
+        self.cmd, self.reply = a.cmd_fd, a.reply_fd
+        self.spec = p.ModelSpec.from_json(a.spec)
+        arena_map = attach(a.arena_fd, a.arena_size, writable=False)
+        self.arena = readonly_array(arena_map, np.uint8, a.arena_size, 0)
+        self.control = np.frombuffer(attach(a.control_fd, a.control_size, writable=True), dtype=np.int64)
+        self.row = self.control[self.index * p.JOB_WORDS : (self.index + 1) * p.JOB_WORDS]
+        self.data = attach(a.data_fd, a.data_size, writable=True)
+        self.out_offset = a.out_offset
+        self.adapters: dict[int, tuple[p.AdapterEntry, np.ndarray]] = {}
+        self.segments: list[tuple[int, int, int]] = []
+
+    def run(self) -> None:
+        while True:
+            kind = p.read_exact(self.cmd, 1)
+            if kind in (b"", b"Q"):
+                return
+            if kind == b"J":
+                self.job()
+                continue
+            payload = p.read_payload(self.cmd)
+            if payload is None:
+                return
+            if kind == b"R":
+                entry = p.AdapterEntry.from_json(payload)
+                self.adapters[entry.adapter_id] = (entry, adapter_weights(self.arena, entry))
+            elif kind == b"S":
+                import json
+
+                self.segments = [(int(a), int(lo), int(hi)) for a, lo, hi in json.loads(payload)]
+                keep = {a for a, _, _ in self.segments}
+                self.adapters = {k: v for k, v in self.adapters.items() if k in keep}
+
+    def job(self) -> None:
+        row = self.row
+        seq = int(row[p.SEQ])
+        status = 0
+        try:
+            self.compute(
+                int(row[p.LAYER]),
+                int(row[p.MODULE]),
+                int(row[p.LO]),
+                int(row[p.HI]),
+                int(row[p.ROWS]),
+                int(row[p.DTYPE]),
+            )
+        except Exception as e:  # noqa: BLE001 - any failure: the worker computes this job itself
+            print(f"deltaserve cpu-lora helper {self.index}: job {seq} failed: {e!r}", file=sys.stderr)
+            status = 1
+        row[p.STATUS] = status
+        row[p.DONE] = seq
+        os.write(self.reply, b"d")
+
+    def compute(self, layer: int, module: int, lo: int, hi: int, rows: int, code: int) -> None:
+        in_dim, slices = self.spec.modules[module]
+        width = max((c + n for _, c, n in slices), default=0)
+        raw = RAW_DTYPES[code]
+        x_all = np.frombuffer(self.data, dtype=raw, count=rows * in_dim, offset=0).reshape(rows, in_dim)
+        out_all = np.frombuffer(self.data, dtype=np.float32, count=rows * width, offset=self.out_offset)
+        out_all = out_all.reshape(rows, width)
+        for adapter, s_lo, s_hi in self.segments:
+            a, b = max(lo, s_lo), min(hi, s_hi)
+            if a >= b:
+                continue
+            entry, weights = self.adapters[adapter]
+            module_delta(to_f32(x_all[a:b], code), weights, entry, self.spec, layer, module, out_all[a:b])
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    die_with_parent()
+    if a.core >= 0:
+        try:
+            os.sched_setaffinity(0, {a.core})
+        except OSError as e:
+            print(f"deltaserve cpu-lora helper {a.index}: cannot pin to CPU {a.core}: {e}", file=sys.stderr)
+    helper = Helper(a)
+    macs = profile_macs_per_ms(helper.spec.hidden_size)
+    os.write(helper.reply, p.frame(b"H", p.hello_payload(os.getpid(), a.core, macs)))
+    helper.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tests of the CPU LoRA helpers (``deltaserve.helpers``)."""
