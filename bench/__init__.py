@@ -21,6 +21,6 @@ servers, started by serving/servers.py) and ``fake_server.py``. One-off A/B scri
 results they wrote are kept under ``archive/`` (bench/archive/README.md).
 
 Import direction: scripts → serving → launch, replay → workload, common. baselines.py imports
-only http_sse and common. tests/test_bench_imports.py checks that every module imports in a fresh
+only http_sse and common. tests/bench/test_bench_imports.py checks that every module imports in a fresh
 interpreter and that there is no cycle.
 """

@@ -1,5 +1,5 @@
 """A tiny OpenAI-compatible fake of the daemon's streaming API with KNOWN latencies, for testing the
-replay client's measurements (tests/test_replay.py) and its own throughput (zero delays).
+replay client's measurements (tests/bench/test_replay.py) and its own throughput (zero delays).
 
 Speaks exactly the parts of the daemon's wire format the replay client reads::
 

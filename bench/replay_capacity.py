@@ -5,7 +5,7 @@ as in the experiments, against a zero-delay fake server (bench/fake_server.py) i
 The client, not the server, must never be the bound of a serving experiment: at 5× MAX_RATE the
 measured throughput should equal the offered rate and the client's send lag (actual − scheduled
 send time) should stay far below the latencies being measured. Those are wall-clock figures, so
-they live here and not in the test suite (tests/test_replay.py runs :func:`run_capacity` and checks
+they live here and not in the test suite (tests/bench/test_replay.py runs :func:`run_capacity` and checks
 only what cannot depend on the machine's speed: every request completes with its full output).
 
     python -m bench.replay_capacity                 # 5× MAX_RATE for 3 s, writes results/replay_capacity-x5-cpu-DATE.json

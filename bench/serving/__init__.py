@@ -24,7 +24,7 @@ The package, in the order one experiment goes through it (runner.py draws the fl
 
 Servers are started through bench/launch.py (``ServerSpec``, ``Endpoint``, ``launch``), traces
 come from bench/workload.py and are replayed by bench/replay.py. Nothing here imports
-bench/baselines.py, and it imports nothing from here (tests/test_bench_imports.py checks).
+bench/baselines.py, and it imports nothing from here (tests/bench/test_bench_imports.py checks).
 """
 
 from bench.launch import Endpoint, ServerSpec

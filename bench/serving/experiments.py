@@ -22,7 +22,7 @@ Experiments (defaults; ``--smoke`` shrinks each to a few requests on a tiny mode
                  variants (all distinct), 2 slots, 4 requests per point.
 
 ``MAX_RATE`` (40 req/s) is the highest rate any experiment uses; bench/replay_capacity.py measures
-that the replay client sustains 5× it (tests/test_replay.py checks every request of that load
+that the replay client sustains 5× it (tests/bench/test_replay.py checks every request of that load
 completes).
 """
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from test_executor import MiniRouter, prompts
+from worker.test_executor import MiniRouter, prompts
 
 from deltaserve.worker.executor import Executor
 
@@ -48,7 +48,7 @@ def test_graph_replay_equals_eager(tiny_llama, n: int) -> None:
 def test_lora_decode_steps_replay_from_graphs_and_equal_eager(tiny_llama, tmp_path) -> None:
     """Decode steps with adapter rows (three adapters of different ranks and targets, plus base
     rows) replay the LoRA graphs and give exactly the eager tokens."""
-    from test_lora_serving import SPECS, AdapterRouter
+    from worker.test_lora_serving import SPECS, AdapterRouter
 
     from helpers.peft_adapters import make_peft_adapter
 
@@ -74,7 +74,7 @@ def test_delta_decode_steps_replay_from_graphs_and_equal_eager(arch: str, tmp_pa
     and the lm_head delta all read the static buffers. A model the CUDA SBMM op takes (in_features a
     multiple of 256), float16; tied embeddings (the embedding delta moves lm_head) and Qwen2 (bias
     deltas)."""
-    from test_lora_serving import AdapterRouter
+    from worker.test_lora_serving import AdapterRouter
 
     from helpers.deltas import make_delta
     from helpers.peft_adapters import make_peft_adapter

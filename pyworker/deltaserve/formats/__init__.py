@@ -5,5 +5,5 @@
 
 Modules here import torch and each other only, never the compressor, the model or the kernels,
 so the kernels (``kernels.sbmm``) and the adapters can read a format without importing the
-offline compressor (tests/test_import_layers.py checks it).
+offline compressor (tests/package/test_import_layers.py checks it).
 """

@@ -28,7 +28,7 @@ from deltaserve.worker.config import ConfigError, WorkerConfig
 from deltaserve.worker.executor import Executor, PlanError
 
 pytest.importorskip("peft")
-from test_lora_serving import AdapterRouter  # noqa: E402
+from worker.test_lora_serving import AdapterRouter  # noqa: E402
 
 from helpers.deltas import make_delta  # noqa: E402
 from helpers.executors import KV_BYTES, hf_greedy, prompts  # noqa: E402

@@ -1,7 +1,7 @@
 """``PinnedArena``: regions are aligned, disjoint and coalesced when given back; a full or fragmented
 arena says so (None) instead of overlapping; a region given back behind an unfinished copy is
 reused only after that copy's fence; bad give-backs are refused and change nothing. CPU (unpinned);
-the pinned arena's copies run in ``tests/test_host_to_device.py`` (GPU)."""
+the pinned arena's copies run in ``tests/worker/test_host_to_device.py`` (GPU)."""
 
 from __future__ import annotations
 

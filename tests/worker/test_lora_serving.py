@@ -34,7 +34,7 @@ from deltaserve.worker.config import MAX_LORA_RANK, ConfigError, WorkerConfig
 from deltaserve.worker.executor import Executor, PlanError
 
 peft = pytest.importorskip("peft")
-from test_executor import FakeLink  # noqa: E402
+from worker.test_executor import FakeLink  # noqa: E402
 
 from helpers.executors import hf_greedy, prompts  # noqa: E402
 from helpers.peft_adapters import SEVEN, make_peft_adapter  # noqa: E402
@@ -53,7 +53,7 @@ SPECS = {
 
 
 AdapterRouter = SchedDriver
-"""The name ``tests/test_delta_serving.py`` and ``tests/kernels/test_cuda_graphs.py`` import."""
+"""The name ``tests/worker/test_delta_serving.py`` and ``tests/kernels/test_cuda_graphs.py`` import."""
 
 
 @pytest.fixture(scope="module")

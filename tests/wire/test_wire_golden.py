@@ -14,7 +14,7 @@ import pytest
 
 from deltaserve import _native, wire
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 FRAMES = sorted(GOLDEN.glob("*.msgpack"))
 
 

@@ -32,7 +32,7 @@ from deltaserve.model.decoder import GATE_UP_SLICES, QKV_SLICES, linear_slots
 
 pytestmark = pytest.mark.gpu_kernels  # `make test-gpu-kernels` selects it on a GPU
 
-ATOL = 1e-4  # as tests/test_decoder_vs_hf.py
+ATOL = 1e-4  # as tests/model/test_decoder_vs_hf.py
 MODELS = {"llama": "tiny_llama", "qwen2": "tiny_qwen2", "tied": "tiny_llama_tied"}
 
 

@@ -1,0 +1,1 @@
+"""Tests of deltaserve.adapters (see the test modules)."""

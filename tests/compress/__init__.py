@@ -1,0 +1,1 @@
+"""Tests of deltaserve.compress (see the test modules)."""

@@ -1,0 +1,1 @@
+"""Tests of deltaserve.model (see the test modules)."""

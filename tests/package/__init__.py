@@ -1,0 +1,1 @@
+"""Tests of deltaserve.package (see the test modules)."""

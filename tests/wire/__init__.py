@@ -1,0 +1,1 @@
+"""Tests of deltaserve.wire (see the test modules)."""

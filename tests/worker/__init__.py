@@ -1,0 +1,1 @@
+"""Tests of deltaserve.worker (see the test modules)."""
