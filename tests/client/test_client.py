@@ -236,3 +236,22 @@ def test_cli_prints_what_it_printed(daemon, client):
     assert out.returncode == 1 and "error: 404 not_found_error: The model `nope` does not exist" in out.stderr
     out = run_cli("http://127.0.0.1:1", "complete", "x")
     assert out.returncode == 1 and out.stderr.startswith("error: no deltaserve daemon answers at http://127.0.0.1:1")
+
+
+def test_the_official_openai_client_completes_and_streams_chat(daemon, client):
+    from openai import OpenAI
+
+    oai = OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = oai.models.list().data[0].id
+    assert model == client.models()[0].id
+    extra = {"ignore_eos": True}
+    got = oai.completions.create(model=model, prompt=PROMPT, max_tokens=N, temperature=0, extra_body=extra)
+    assert got.choices[0].text == client.completions(PROMPT, **GREEDY).text
+    assert (got.choices[0].finish_reason, got.usage.completion_tokens) == ("length", N)
+    chunks = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=N, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body=extra)  # fmt: skip
+    chunks = list(chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == client.chat(MESSAGES, **GREEDY).text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == N

@@ -1,16 +1,20 @@
-"""The client's parts that need no server: the Prometheus parser, error bodies, URL checks, the
-missing-``websockets`` message, and ``run`` picking uvloop's loop only when uvloop is installed."""
+"""The client's parts that need no daemon: the Prometheus parser, error bodies, URL checks, the
+missing-``websockets`` message, ``run`` picking uvloop's loop only when uvloop is installed, and
+kept-alive connections the server closed being replaced (against a stand-in HTTP server)."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import math
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from deltaserve.client import APIError, Client, parse_metrics, run
+from deltaserve.client import APIError, AsyncClient, Client, parse_metrics, run
 from deltaserve.client.metrics import metric_key
 from deltaserve.client.protocol import error_from_body
 
@@ -79,3 +83,42 @@ def test_run_uses_uvloop_only_when_installed(monkeypatch):
     assert run(loop_module()).startswith("uvloop") == has_uvloop
     monkeypatch.setitem(sys.modules, "uvloop", None)
     assert run(loop_module()).startswith("asyncio")
+
+
+class ClosesAfterEachAnswer(BaseHTTPRequestHandler):
+    """Answers `GET /v1/models` with keep-alive framing, then closes the connection unannounced,
+    as a server does to an idle kept-alive connection."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        body = json.dumps({"object": "list", "data": [{"id": "m", "max_model_len": 8}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def closing_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ClosesAfterEachAnswer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced(closing_server):
+    with Client(closing_server) as c:
+        assert [[m.id for m in c.models()] for _ in range(3)] == [["m"]] * 3
+
+    async def main():
+        async with AsyncClient(closing_server) as ac:
+            return [[m.id for m in await ac.models()] for _ in range(3)]
+
+    assert run(main()) == [["m"]] * 3

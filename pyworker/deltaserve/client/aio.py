@@ -107,7 +107,8 @@ class AsyncClient:
     ``AsyncTokenStream``s, and all WebSocket streams of one client share one socket.
 
     Use it inside a running event loop (``deltaserve.client.run(main())`` runs one on uvloop
-    when it is installed). Close it with ``await aclose()`` or ``async with``.
+    when it is installed), one loop per client: its connections belong to the loop that opened
+    them. Close it with ``await aclose()`` or ``async with``.
     """
 
     def __init__(

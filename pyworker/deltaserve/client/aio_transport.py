@@ -51,16 +51,18 @@ class AsyncHttpTransport:
         """Sends one request and reads the whole answer; raises ``APIConnectionError`` when no
         server answers."""
         conn, status, headers = await self.send(method, path, body)
+        keep = False
         try:
             async with asyncio.timeout(self.timeout):
                 chunks = [c async for c in body_chunks(conn[0], headers)]
+            keep = reusable(headers)
         except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as e:
-            conn[1].close()
             raise APIConnectionError(self.url, e) from None
-        if reusable(headers):
-            self.idle.append(conn)
-        else:
-            conn[1].close()
+        finally:  # also when the caller's task is cancelled mid-answer
+            if keep:
+                self.idle.append(conn)
+            else:
+                conn[1].close()
         return status, b"".join(chunks)
 
     async def json(self, method: str, path: str, body: Any = None) -> Any:
@@ -107,22 +109,35 @@ class AsyncHttpTransport:
             head.append("Content-Type: application/json")
         request = ("\r\n".join(head) + "\r\n\r\n").encode() + data
         for attempt in itertools.count():
-            reused = bool(self.idle)
-            conn: Connection | None = None
+            conn = self.take_idle()
+            reused = conn is not None
+            sent = False
             try:
                 async with asyncio.timeout(self.timeout):
-                    conn = self.idle.pop() if reused else await self.open()
+                    if conn is None:
+                        conn = await self.open()
                     conn[1].write(request)
                     await conn[1].drain()
                     status, headers = await read_head(conn[0])
+                sent = True
                 return conn, status, headers
             except (OSError, asyncio.IncompleteReadError, TimeoutError, ValueError) as e:
-                if conn is not None:
-                    conn[1].close()
                 stale = isinstance(e, STALE_CONNECTION)
                 if not (stale and reused and attempt == 0):  # else: refused, unreachable, timed out, garbled
                     raise APIConnectionError(self.url, e) from None
+            finally:  # also when the caller's task is cancelled
+                if not sent and conn is not None:
+                    conn[1].close()
         raise AssertionError("unreachable")
+
+    def take_idle(self) -> Connection | None:
+        """A kept-alive connection the server has not visibly closed, if there is one."""
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn[0].at_eof():
+                return conn
+            conn[1].close()
+        return None
 
     async def open(self) -> Connection:
         return await asyncio.open_connection(self.host, self.port, ssl=self.ssl)

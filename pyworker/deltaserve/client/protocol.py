@@ -7,7 +7,7 @@ bodies → ``APIError``. No I/O here; each client owns its transport.
                              └─▶ {"type":"generate","id":..,"request":body}    (GET /v1/ws)
  parse_completion(json)            ──▶ Completion
  sse_data(line) → sse_events(chunk) ──▶ TokenEvent..., StreamEnd      ┐ StreamAccumulator
- ws_events(message)                 ──▶ TokenEvent | StreamEnd        ┘   ──▶ Completion
+ ws_event(message)                  ──▶ TokenEvent | StreamEnd        ┘   ──▶ Completion
 ```
 """
 
