@@ -81,7 +81,7 @@ serve: setup ## run the daemon on the demo model until Ctrl-C
 
 # Rust tests build in the release profile that `make setup` already built the dependencies in.
 # Python: TEST_JOBS workers over whole files, then the `serial` (wall-clock-sensitive) tests alone.
-PYTEST := DELTASERVE_BIN=$(abspath target/release/deltaserve) $(PY) -m pytest tests -q
+PYTEST := DELTASERVE_BIN=$(abspath target/release/deltaserve) $(PY) -m pytest tests -q --durations=30
 
 test: setup ## run every test (Rust, then Python end to end)
 	cargo test -q --release --workspace
