@@ -3,8 +3,12 @@
 ``make_tiny_model(tmp_path, arch)`` writes a complete HF directory:
 
 - ``config.json`` + ``model.safetensors`` from ``transformers`` (Llama / Llama-3 rope scaling /
-  Mistral with a small sliding window / Qwen2 with q/k/v bias): hidden 64, 2-3 layers, 4 heads,
-  2 kv heads (GQA), intermediate 128, max_position_embeddings 512. Weights are drawn with a large
+  Mistral with a small sliding window / Qwen2 with q/k/v bias / Qwen3 with q/k norms and a
+  sliding-window layer / Gemma 2 with soft-capping and alternating window layers / Gemma 3 with
+  q/k norms, local RoPE and a final soft-cap / Phi-3 with fused checkpoint projections and
+  LongRoPE): hidden 64, 2-3 layers, 4 heads, 2 kv heads (GQA), intermediate 128,
+  max_position_embeddings 512. Windows are 8 tokens, LongRoPE's original length 24: tests'
+  prompts cross both. Weights are drawn with a large
   ``initializer_range`` so greedy argmax is far from ties.
 - ``tokenizer.json``: a byte-level BPE trained here on ``CORPUS`` with the ``tokenizers`` package;
   special tokens ``<|endoftext|>`` (bos), ``<|im_start|>``, ``<|im_end|>`` (eos).
@@ -93,7 +97,7 @@ def make_tiny_model(tmp_path: Path | str, arch: str = "llama", seed: int = 0, **
     """Write a tiny random HF checkpoint + tokenizer under ``tmp_path/<arch>-<seed>``; return the dir.
 
     ``arch``: "llama", "llama3" (llama3 rope scaling, 3 layers), "mistral" (sliding window 16),
-    "qwen2" (q/k/v bias). ``overrides`` go into the transformers config
+    "qwen2" (q/k/v bias), "qwen3", "gemma2", "gemma3", "phi3" (``NEW_ARCHS``). ``overrides`` go into the transformers config
     (e.g. ``tie_word_embeddings=True``).
     """
     from transformers import (
@@ -135,8 +139,12 @@ def make_tiny_model(tmp_path: Path | str, arch: str = "llama", seed: int = 0, **
     elif arch == "qwen2":
         config_cls, model_cls = Qwen2Config, Qwen2ForCausalLM
         kwargs.update(use_sliding_window=False, rope_theta=1000000.0)
+    elif arch in NEW_ARCHS:
+        config_cls, model_cls = _new_arch(arch, kwargs)
     else:
-        raise ValueError(f"make_tiny_model: unknown arch {arch!r} (llama, llama3, mistral, qwen2)")
+        raise ValueError(
+            f"make_tiny_model: unknown arch {arch!r} (llama, llama3, mistral, qwen2, {', '.join(NEW_ARCHS)})"
+        )
     kwargs.update(overrides)
     config = config_cls(**kwargs)
 
@@ -147,11 +155,15 @@ def make_tiny_model(tmp_path: Path | str, arch: str = "llama", seed: int = 0, **
         gen = torch.Generator().manual_seed(seed + 1)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+                centre = 0.0 if arch.startswith("gemma") else 1.0  # Gemma scales by 1 + weight
+                p.copy_(centre + 0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         # Peaked logits (std ~3.5): greedy choices are not decided by fp noise.
-        model.lm_head.weight.mul_(3.0)
+        if arch.startswith("gemma"):  # tied head over embeddings scaled by sqrt(hidden) = 8
+            model.lm_head.weight.mul_(3.0 / 8.0 if config.tie_word_embeddings else 3.0)
+        else:
+            model.lm_head.weight.mul_(3.0)
     model.generation_config.eos_token_id = [eos_id, endoftext_id]
     model.generation_config.bos_token_id = bos_id
     model.generation_config.pad_token_id = endoftext_id
@@ -175,3 +187,60 @@ def make_tiny_model(tmp_path: Path | str, arch: str = "llama", seed: int = 0, **
         json.dumps({"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": "<|endoftext|>"}, indent=2)
     )
     return out
+
+
+NEW_ARCHS = ("qwen3", "gemma2", "gemma3", "phi3")
+"""The architectures added with issue 25 (``_new_arch``)."""
+WINDOW = 8
+"""Sliding window of the tiny Qwen3 / Gemma models: smaller than the tests' prompts."""
+LONGROPE_ORIGINAL = 24
+"""The tiny Phi-3's ``original_max_position_embeddings``: longer sequences use LongRoPE's long factors."""
+
+
+def _new_arch(arch: str, kwargs: dict[str, Any]):  # noqa: ANN202 (config class, model class)
+    """Config and model classes of a ``NEW_ARCHS`` tiny model; its extra fields go into ``kwargs``."""
+    import transformers
+
+    kwargs["head_dim"] = 16
+    if arch == "qwen3":
+        # Layer 1 slides (layers >= max_window_layers), layer 0 is global.
+        kwargs.update(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, rope_theta=1000000.0)
+        return transformers.Qwen3Config, transformers.Qwen3ForCausalLM
+    if arch == "gemma2":
+        # Layer 0 slides, layer 1 is global; caps small enough to bite at initializer_range 0.15.
+        kwargs.update(
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=12.0,
+            hidden_activation="gelu_pytorch_tanh",
+            pad_token_id=0,
+        )
+        return transformers.Gemma2Config, transformers.Gemma2ForCausalLM
+    if arch == "gemma3":
+        kwargs.update(
+            num_hidden_layers=3,
+            sliding_window=WINDOW,
+            sliding_window_pattern=2,  # layers 0 and 2 slide with the local RoPE, layer 1 is global
+            query_pre_attn_scalar=16,
+            final_logit_softcapping=12.0,
+            rope_theta=1000000.0,
+            rope_local_base_freq=10000.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+            hidden_activation="gelu_pytorch_tanh",
+            pad_token_id=0,
+        )
+        return transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
+    half = kwargs["head_dim"] // 2
+    kwargs.update(
+        intermediate_size=64,  # a LoRA B column of the fused gate_up_proj (128) fits a page half at block size 4
+        original_max_position_embeddings=LONGROPE_ORIGINAL,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(half)],
+            "long_factor": [1.5 + 0.5 * i for i in range(half)],
+            "original_max_position_embeddings": LONGROPE_ORIGINAL,
+        },
+        pad_token_id=0,
+    )
+    return transformers.Phi3Config, transformers.Phi3ForCausalLM

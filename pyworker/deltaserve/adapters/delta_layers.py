@@ -41,7 +41,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..kernels.dense_delta import dense_delta_rows
-from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from ..kernels.sbmm import DeltaMeta, DeltaWeights, sbmm_stacked
 from ..model.decoder import DecoderLM, RMSNorm, linear_slots
 from .lora import hf_module_name
@@ -166,6 +165,7 @@ class DeltaRMSNorm(RMSNorm):
         nn.Module.__init__(self)
         self.weight = inner.weight
         self.eps = inner.eps
+        self.unit_offset = inner.unit_offset
         self.step = step
         self.name = name
         """HF tensor name of the weight, e.g. ``model.layers.3.input_layernorm.weight``."""
@@ -173,20 +173,15 @@ class DeltaRMSNorm(RMSNorm):
         """True for the final norm, which runs on the logits rows only."""
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, row_weight: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if not self.step.active:
-            return super().forward(x, residual)
-        ones = torch.ones_like(self.weight)
-        if residual is None:
-            normed = rmsnorm(x, ones, self.eps)  # 1 * x_normed: exact
-        else:
-            normed, residual = fused_add_rmsnorm(x, residual, ones, self.eps)
-        # Row r: normed[r] * (w + Δw_{d(r)}); Δw is the zero row without a delta: the base norm's value.
+        if not self.step.active or row_weight is not None:
+            return super().forward(x, residual, row_weight)
+        # Row r: norm(x)[r] with weight w + Δw_{d(r)}; Δw is the zero row without a delta: the base
+        # norm's value. ``RMSNorm`` applies a per-row weight in its own convention (Gemma's 1 + w).
         index = self.step.logit_index if self.logits else self.step.token_index
         assert index is not None  # active: both are set
-        out = normed * (self.weight + self.step.tables.norms[self.name].index_select(0, index))
-        return out if residual is None else (out, residual)
+        return super().forward(x, residual, self.weight + self.step.tables.norms[self.name].index_select(0, index))
 
 
 class DeltaLmHead(nn.Linear):
@@ -209,12 +204,16 @@ class DeltaLmHead(nn.Linear):
         return out
 
 
+def _layer_norms(layer: nn.Module) -> list[str]:
+    """Paths of a layer's RMSNorms (input / post-attention, Gemma's feed-forward norms, q/k norms)."""
+    return [path for path, m in layer.named_modules() if isinstance(m, RMSNorm) and path]
+
+
 def norm_delta_names(model: DecoderLM) -> set[str]:
     """The RMSNorm weight names ``attach_deltas`` wraps (``DeltaTables.norms``' keys)."""
     names = {"model.norm.weight"}
-    for i in range(len(model.model.layers)):
-        names.add(f"model.layers.{i}.input_layernorm.weight")
-        names.add(f"model.layers.{i}.post_attention_layernorm.weight")
+    for i, layer in enumerate(model.model.layers):
+        names.update(f"model.layers.{i}.{path}.weight" for path in _layer_norms(layer))
     return names
 
 
@@ -249,8 +248,11 @@ def attach_deltas(model: DecoderLM, step: DeltaStep) -> None:
             parent_path, _, leaf = module_path.rpartition(".")
             parent = layer.get_submodule(parent_path)
             setattr(parent, leaf, DeltaLinear(getattr(parent, leaf), step, i, slices))
-        for norm in ("input_layernorm", "post_attention_layernorm"):  # the names of norm_delta_names
-            setattr(layer, norm, DeltaRMSNorm(getattr(layer, norm), step, f"model.layers.{i}.{norm}.weight", False))
+        for path in _layer_norms(layer):  # the names of norm_delta_names
+            parent_path, _, leaf = path.rpartition(".")
+            parent = layer.get_submodule(parent_path) if parent_path else layer
+            norm = DeltaRMSNorm(getattr(parent, leaf), step, f"model.layers.{i}.{path}.weight", False)
+            setattr(parent, leaf, norm)
     backbone = model.model
     backbone.embed_tokens = DeltaEmbedding(backbone.embed_tokens, step)
     backbone.norm = DeltaRMSNorm(backbone.norm, step, "model.norm.weight", logits=True)

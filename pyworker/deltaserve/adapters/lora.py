@@ -80,9 +80,10 @@ _SAFETENSORS_DTYPE = {
 _SAFETENSORS_NAME = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
 
 # HF module path of each adaptable linear inside a decoder block (``<parent>.<name>``).
+# (Phi-3's checkpoints and PEFT adapters name the fused qkv_proj / gate_up_proj themselves.)
 _PARENT = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp",
 }  # fmt: skip
 
 # Fields whose presence (truthy) changes the forward away from ``x @ W.T + s * x @ A.T @ B.T``.
@@ -248,7 +249,7 @@ def projection_features(base: ModelConfig) -> dict[str, tuple[int, int]]:
     in_features = {
         "q_proj": base.hidden_size, "k_proj": base.hidden_size, "v_proj": base.hidden_size,
         "o_proj": base.q_size, "gate_proj": base.hidden_size, "up_proj": base.hidden_size,
-        "down_proj": base.intermediate_size,
+        "down_proj": base.intermediate_size, "qkv_proj": base.hidden_size, "gate_up_proj": base.hidden_size,
     }  # fmt: skip
     return {name: (in_features[name], slot.size) for name, slot in linear_slots(base).items()}
 

@@ -12,7 +12,9 @@ with the metadata these kernels read instead of ``positions``::
             p = ctx - q_len + i                         # = positions[t] (ForwardBatch.build)
             visible = { j : j <= p and (window is None or j > p - window) }
             for h in range(H):
-                out[t, h] = softmax_j(scale * q[t, h] . K_b[j, h // (H / H_kv)]) @ V_b[j, ...]   over visible j
+                s_j = scale * q[t, h] . K_b[j, h // (H / H_kv)]
+                s_j = softcap * tanh(s_j / softcap)             # only when softcap is given (Gemma 2)
+                out[t, h] = softmax_j(s_j) @ V_b[j, ...]   over visible j
     (a sequence with ctx == 0, e.g. a CUDA-graph padding row, gets out = 0)
 
 Shape:
@@ -130,14 +132,19 @@ def _check(q, cache_k, cache_v, block_tables, seq_lens, query_start_loc):
         raise ValueError("paged_attention: metadata tensors must be contiguous")
 
 
-def _common(q, cache_k, scale, sliding_window):
+def _common(q, cache_k, scale, sliding_window, softcap=None):
     interp = _interpreting(q.device)
     head_dim = q.shape[2]
     group = q.shape[1] // cache_k.shape[2]
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"paged_attention: sliding_window must be >= 1 or None, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"paged_attention: softcap must be positive or None, got {softcap}")
+    # Soft-cap: s = cap * tanh(scale * q.k / cap) in log2 units = (cap * log2 e) * tanh((scale / cap) * q.k).
     return dict(
-        qk_scale=float(scale) * _LOG2E,
+        qk_scale=float(scale) * _LOG2E if softcap is None else float(scale) / float(softcap),
+        cap_log2=0.0 if softcap is None else float(softcap) * _LOG2E,
+        HAS_SOFTCAP=softcap is not None,
         window=int(sliding_window or 0),
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -187,6 +194,7 @@ def paged_decode(
     max_seq_len: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode: one query token per sequence (row b of ``q`` belongs to sequence b); see the module.
 
@@ -201,7 +209,7 @@ def paged_decode(
     _check(q, cache_k, cache_v, block_tables, seq_lens, qsl_dummy)
     if q.shape[0] != num_seqs:
         raise ValueError(f"paged_decode: q has {q.shape[0]} rows for {num_seqs} sequences (want one each)")
-    consts, interp = _common(q, cache_k, scale, sliding_window)
+    consts, interp = _common(q, cache_k, scale, sliding_window, softcap)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
@@ -268,6 +276,7 @@ def paged_prefill(
     block_q: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Ragged prefill / mixed batch (any q_len per sequence, causal over the paged context).
 
@@ -277,7 +286,7 @@ def paged_prefill(
     ``block_q`` query tokens x next_pow2(H / H_kv) heads form one program's rows.
     """
     _check(q, cache_k, cache_v, block_tables, seq_lens, query_start_loc)
-    consts, interp = _common(q, cache_k, scale, sliding_window)
+    consts, interp = _common(q, cache_k, scale, sliding_window, softcap)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
@@ -326,18 +335,39 @@ def paged_attention(
     sliding_window: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Paged attention of one step: ``paged_decode`` when every sequence has one query token
     (``max_query_len == 1``), else ``paged_prefill``. Semantics and shapes: the module docstring.
 
-    ``max_seq_len`` (optional upper bound on seq_lens) only tunes decode's split count.
+    ``max_seq_len`` (optional upper bound on seq_lens) only tunes decode's split count; ``softcap``
+    caps the scores (``cap * tanh(s / cap)``, Gemma 2).
     """
     if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
         return paged_decode(
-            q, cache_k, cache_v, block_tables, seq_lens, scale, sliding_window, max_seq_len=max_seq_len, out=out
+            q,
+            cache_k,
+            cache_v,
+            block_tables,
+            seq_lens,
+            scale,
+            sliding_window,
+            max_seq_len=max_seq_len,
+            out=out,
+            softcap=softcap,
         )
     return paged_prefill(
-        q, cache_k, cache_v, block_tables, seq_lens, query_start_loc, max_query_len, scale, sliding_window, out=out
+        q,
+        cache_k,
+        cache_v,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        scale,
+        sliding_window,
+        out=out,
+        softcap=softcap,
     )
 
 

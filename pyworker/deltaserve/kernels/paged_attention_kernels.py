@@ -35,7 +35,9 @@ def _attend(
     stride_vt,
     stride_vh,
     qk_scale,
+    cap_log2,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -43,7 +45,10 @@ def _attend(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Online softmax of the rows of ``q`` (positions ``pos``) over keys [lo, hi) of one sequence."""
+    """Online softmax of the rows of ``q`` (positions ``pos``) over keys [lo, hi) of one sequence.
+
+    Scores in log2 units: ``qk_scale * q.k`` (qk_scale = scale * log2 e), or with a soft-cap
+    ``cap_log2 * tanh(qk_scale * q.k)`` (qk_scale = scale / cap, cap_log2 = cap * log2 e)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -68,6 +73,9 @@ def _attend(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 domain
+        if HAS_SOFTCAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1, no tanh intrinsic needed.
+            s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))
         visible = (keys[None, :] <= pos[:, None]) & k_ok[None, :]
         if HAS_WINDOW:
             visible = visible & (keys[None, :] > pos[:, None] - window)
@@ -104,6 +112,7 @@ def paged_decode_kernel(
     stride_bt,
     max_blocks,
     qk_scale,
+    cap_log2,
     window,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -113,6 +122,7 @@ def paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -165,7 +175,9 @@ def paged_decode_kernel(
         stride_vt,
         stride_vh,
         qk_scale,
+        cap_log2,
         HAS_WINDOW,
+        HAS_SOFTCAP,
         BLOCK_SIZE,
         BLOCK_N,
         HEAD_DIM,
@@ -239,6 +251,7 @@ def paged_prefill_kernel(
     stride_bt,
     max_blocks,
     qk_scale,
+    cap_log2,
     window,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -249,6 +262,7 @@ def paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -305,7 +319,9 @@ def paged_prefill_kernel(
         stride_vt,
         stride_vh,
         qk_scale,
+        cap_log2,
         HAS_WINDOW,
+        HAS_SOFTCAP,
         BLOCK_SIZE,
         BLOCK_N,
         HEAD_DIM,

@@ -15,6 +15,7 @@ Everything that differs between the supported decoder families lives here, as da
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,10 @@ from typing import Any
 # The seven linears of a Llama-family block, in HF names. Adapter targets (LoRA, deltas) are
 # derived from this tuple, never from per-architecture code.
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+PHI3_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""Phi-3's checkpoint (and its PEFT adapters) hold q|k|v and gate|up already fused."""
 
 
 @dataclass(frozen=True)
@@ -41,37 +46,100 @@ class ArchSpec:
     sliding_window_enable_key: str | None
     """Key that must also be true for the window to apply (Qwen2's ``use_sliding_window``)."""
     linear_names: tuple[str, ...] = LLAMA_LINEARS
-    """Names of the adaptable linears in each block (``self_attn.*`` then ``mlp.*``)."""
+    """Names of the adaptable linears in each block (``self_attn.*`` then ``mlp.*``): the checkpoint's
+    and PEFT's module names (Phi-3: ``PHI3_LINEARS``, fused in the checkpoint)."""
+    window_layers: str = "all"
+    """Which layers the window applies to when ``config.json`` has no ``layer_types``: ``"all"``
+    (Mistral, Phi-3), ``"from_max_window_layers"`` (Qwen2/3: layers >= ``max_window_layers``),
+    ``"alternate"`` (Gemma 2: even layers), ``"pattern"`` (Gemma 3: all but every
+    ``sliding_window_pattern``-th layer)."""
+    qk_norm: bool = False
+    """RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3)."""
+    gemma_norms: bool = False
+    """RMSNorm scales by ``1 + weight`` in float32, rounding once at the end (Gemma)."""
+    sandwich_norms: bool = False
+    """Norms after attention and around the MLP (Gemma 2/3: ``post_attention_layernorm`` normalises the
+    attention output; ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` wrap the MLP)."""
+    scale_embeddings: bool = False
+    """Embeddings are multiplied by ``sqrt(hidden_size)`` (rounded to the model dtype) (Gemma)."""
+    act_keys: tuple[str, ...] = ("hidden_act",)
+    """``config.json`` keys naming the MLP activation, first present wins."""
+    softcap_keys: tuple[str, ...] = ()
+    """Soft-capping fields read (``attn_logit_softcapping``, ``final_logit_softcapping``)."""
+    query_pre_attn_scalar: bool = False
+    """Attention scale is ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5`` (Gemma)."""
+    local_rope: bool = False
+    """Sliding-window layers have their own RoPE (Gemma 3's ``rope_local_base_freq``)."""
 
 
-ARCH_TABLE: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec(
-        name="LlamaForCausalLM",
+def _arch(name: str, **kw: Any) -> ArchSpec:
+    base: dict[str, Any] = dict(
         qkv_bias=False,
-        attention_bias_key="attention_bias",
-        mlp_bias_key="mlp_bias",
+        attention_bias_key=None,
+        mlp_bias_key=None,
         sliding_window_key=None,
         sliding_window_enable_key=None,
-    ),
-    "MistralForCausalLM": ArchSpec(
-        name="MistralForCausalLM",
-        qkv_bias=False,
-        attention_bias_key=None,
-        mlp_bias_key=None,
-        sliding_window_key="sliding_window",
-        sliding_window_enable_key=None,
-    ),
-    "Qwen2ForCausalLM": ArchSpec(
-        name="Qwen2ForCausalLM",
-        qkv_bias=True,
-        attention_bias_key=None,
-        mlp_bias_key=None,
-        sliding_window_key="sliding_window",
-        sliding_window_enable_key="use_sliding_window",
-    ),
+    )
+    base.update(kw)
+    return ArchSpec(name=name, **base)
+
+
+_GEMMA = dict(
+    attention_bias_key="attention_bias",
+    sliding_window_key="sliding_window",
+    gemma_norms=True,
+    sandwich_norms=True,
+    scale_embeddings=True,
+    act_keys=("hidden_activation", "hidden_act"),
+    query_pre_attn_scalar=True,
+)
+
+ARCH_TABLE: dict[str, ArchSpec] = {
+    spec.name: spec
+    for spec in (
+        _arch("LlamaForCausalLM", attention_bias_key="attention_bias", mlp_bias_key="mlp_bias"),
+        _arch("MistralForCausalLM", sliding_window_key="sliding_window"),
+        _arch(
+            "Qwen2ForCausalLM",
+            qkv_bias=True,
+            sliding_window_key="sliding_window",
+            sliding_window_enable_key="use_sliding_window",
+            window_layers="from_max_window_layers",
+        ),
+        _arch(
+            "Qwen3ForCausalLM",
+            attention_bias_key="attention_bias",
+            sliding_window_key="sliding_window",
+            sliding_window_enable_key="use_sliding_window",
+            window_layers="from_max_window_layers",
+            qk_norm=True,
+        ),
+        _arch(
+            "Gemma2ForCausalLM",
+            window_layers="alternate",
+            softcap_keys=("attn_logit_softcapping", "final_logit_softcapping"),
+            **_GEMMA,
+        ),
+        # transformers' Gemma 3 passes no soft-cap to attention (attn_logit_softcapping is unused).
+        _arch(
+            "Gemma3ForCausalLM",
+            window_layers="pattern",
+            qk_norm=True,
+            local_rope=True,
+            softcap_keys=("final_logit_softcapping",),
+            **_GEMMA,
+        ),
+        _arch("Phi3ForCausalLM", sliding_window_key="sliding_window", linear_names=PHI3_LINEARS),
+    )
 }
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+"""MLP activations: SwiGLU's silu, GeGLU's tanh-approximated gelu (Gemma)."""
+QUANTIZATION_KEYS = ("quantization_config", "compression_config")
+"""``config.json`` fields of quantized checkpoints (FP8, AWQ, GPTQ, bitsandbytes, compressed-tensors)."""
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+"""RoPE scalings; ``su`` is LongRoPE's older name (Phi-3)."""
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -97,9 +165,9 @@ class ModelConfig:
     rms_norm_eps: float
     """Epsilon inside every RMSNorm."""
     rope_theta: float
-    """RoPE base."""
+    """RoPE base (of the full-attention layers when ``local_rope_theta`` is set)."""
     rope_scaling: dict[str, Any] | None = field(hash=False)
-    """None for plain RoPE, else ``{"rope_type": "llama3"|"linear", ...}`` with its parameters."""
+    """None for plain RoPE, else ``{"rope_type": "llama3"|"linear"|"longrope", ...}`` with its parameters."""
     max_position_embeddings: int
     """Longest context the model was configured for; the default ``max_model_len``."""
     tie_word_embeddings: bool
@@ -111,13 +179,30 @@ class ModelConfig:
     mlp_bias: bool = False
     """gate/up/down have a bias (Llama with ``mlp_bias``)."""
     sliding_window: int | None = None
-    """Keys further back than this many positions are masked (Mistral); None = full causal."""
+    """Window width: keys further back than this many positions are masked in the windowed layers
+    (all layers unless ``layer_windows`` says otherwise); None = full causal everywhere."""
     eos_token_ids: list[int] = field(default_factory=list, hash=False)
     """Token ids that end generation (generation_config.json wins over config.json)."""
     bos_token_id: int | None = None
     """Token prepended by the tokenizer, if any."""
     torch_dtype: str | None = None
     """Checkpoint dtype name (``"bfloat16"``...); the loader's default on CUDA."""
+    layer_windows: tuple[int | None, ...] | None = None
+    """Per-layer window (None: full attention in that layer); None means ``sliding_window`` everywhere."""
+    hidden_act: str = "silu"
+    """MLP activation (``SUPPORTED_ACTIVATIONS``)."""
+    attn_scale: float | None = None
+    """Softmax scale of q.k; None means ``head_dim ** -0.5``."""
+    attn_softcap: float | None = None
+    """Attention scores become ``cap * tanh(score / cap)`` before the mask (Gemma 2)."""
+    final_softcap: float | None = None
+    """Logits become ``cap * tanh(logits / cap)`` (Gemma 2/3)."""
+    local_rope_theta: float | None = None
+    """RoPE base of the sliding-window layers (Gemma 3); None: every layer uses ``rope_theta``."""
+    local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    """RoPE scaling of the sliding-window layers (with ``local_rope_theta``)."""
+    generation_defaults: dict[str, Any] = field(default_factory=dict, hash=False)
+    """Sampling defaults of ``generation_config.json`` (``temperature``, ``top_p``, ``top_k``, ...)."""
 
     @property
     def arch(self) -> ArchSpec:
@@ -130,6 +215,21 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def scale(self) -> float:
+        """The attention softmax scale."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def window_of(self, layer: int) -> int | None:
+        """Sliding window of ``layer`` (None: full causal attention)."""
+        if self.layer_windows is None:
+            return self.sliding_window
+        return self.layer_windows[layer]
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` takes the local (sliding-layer) RoPE table."""
+        return self.local_rope_theta is not None and self.window_of(layer) is not None
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ModelConfig:
@@ -159,6 +259,15 @@ class ModelConfig:
                 raise ValueError(f"{source}: missing required field '{key}'")
             return raw[key]
 
+        for key in QUANTIZATION_KEYS:
+            if raw.get(key):
+                method = raw[key].get("quant_method") if isinstance(raw[key], dict) else None
+                raise ValueError(
+                    f"{source}: field '{key}' is set"
+                    + (f" (quant_method {method!r})" if method else "")
+                    + ": quantized checkpoints (FP8, AWQ, GPTQ, bitsandbytes...) are not supported; "
+                    "serve the unquantized (float16 / bfloat16) checkpoint"
+                )
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError(f"{source}: field 'architectures' is missing or empty")
@@ -170,9 +279,10 @@ class ModelConfig:
             )
         spec = ARCH_TABLE[arch_name]
 
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{source}: unsupported 'hidden_act' {act!r} (only 'silu')")
+        act_key = next((k for k in spec.act_keys if raw.get(k) is not None), spec.act_keys[0])
+        act = raw.get(act_key) or "silu"
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"{source}: unsupported '{act_key}' {act!r} (supported: {list(SUPPORTED_ACTIVATIONS)})")
 
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
@@ -181,25 +291,25 @@ class ModelConfig:
             raise ValueError(
                 f"{source}: 'num_attention_heads' ({heads}) is not a multiple of 'num_key_value_heads' ({kv_heads})"
             )
-        head_dim = raw.get("head_dim") or hidden // heads
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        num_layers = int(need("num_hidden_layers"))
 
-        rope_theta, rope_scaling = _resolve_rope(raw, source)
+        local_theta: float | None = None
+        local_scaling: dict[str, Any] | None = None
+        params = raw.get("rope_parameters")
+        if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+            # Per-layer-type RoPE (transformers 5's spelling for Gemma 3).
+            unknown = set(params) - set(_LAYER_TYPES)
+            if not spec.local_rope or unknown:
+                raise ValueError(f"{source}: per-layer-type 'rope_parameters' are not supported for {arch_name}")
+            rope_theta, rope_scaling = _resolve_rope(raw, params.get("full_attention") or {}, head_dim, source)
+            local_theta, local_scaling = _resolve_rope(raw, params.get("sliding_attention") or {}, head_dim, source)
+        else:
+            rope_theta, rope_scaling = _resolve_rope(raw, params, head_dim, source)
+            if spec.local_rope:
+                local_theta = float(raw.get("rope_local_base_freq", 10000.0))
 
-        sliding = None
-        if spec.sliding_window_key is not None:
-            enabled = True
-            if spec.sliding_window_enable_key is not None:
-                enabled = bool(raw.get(spec.sliding_window_enable_key, False))
-            window = raw.get(spec.sliding_window_key)
-            if enabled and window is not None:
-                if spec.sliding_window_enable_key is not None:
-                    # Qwen2 applies the window to only some layers (max_window_layers); we do not
-                    # model per-layer windows.
-                    raise ValueError(
-                        f"{source}: '{spec.sliding_window_enable_key}': true is not supported "
-                        f"for {arch_name} (per-layer sliding windows)"
-                    )
-                sliding = int(window)
+        sliding, layer_windows = _resolve_windows(raw, spec, num_layers, source)
 
         eos: Any = None
         if generation_config is not None:
@@ -210,9 +320,24 @@ class ModelConfig:
         bos = raw.get("bos_token_id")
         if bos is None and generation_config is not None:
             bos = generation_config.get("bos_token_id")
+        defaults = {
+            k: generation_config[k]
+            for k in ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens")
+            if generation_config is not None and generation_config.get(k) is not None
+        }
 
         def flag(key: str | None) -> bool:
             return bool(raw.get(key, False)) if key is not None else False
+
+        def softcap(key: str) -> float | None:
+            value = raw.get(key) if key in spec.softcap_keys else None
+            if value is not None and float(value) <= 0:
+                raise ValueError(f"{source}: '{key}' must be positive or null, got {value!r}")
+            return None if value is None else float(value)
+
+        attn_scale = None
+        if spec.query_pre_attn_scalar:
+            attn_scale = float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5
 
         attn_bias = flag(spec.attention_bias_key)
         return cls(
@@ -220,10 +345,10 @@ class ModelConfig:
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=int(head_dim),
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -236,12 +361,60 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=None if bos is None else int(bos),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            layer_windows=layer_windows,
+            hidden_act=act,
+            attn_scale=attn_scale,
+            attn_softcap=softcap("attn_logit_softcapping"),
+            final_softcap=softcap("final_logit_softcapping"),
+            local_rope_theta=local_theta,
+            local_rope_scaling=local_scaling,
+            generation_defaults=defaults,
         )
 
 
-def _resolve_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from either ``rope_parameters`` (transformers 5) or the classic keys."""
-    params = raw.get("rope_parameters")
+def _resolve_windows(
+    raw: dict[str, Any], spec: ArchSpec, num_layers: int, source: str
+) -> tuple[int | None, tuple[int | None, ...] | None]:
+    """(window width or None, per-layer windows or None for "the width in every layer")."""
+    if spec.sliding_window_key is None:
+        return None, None
+    if spec.sliding_window_enable_key is not None and not raw.get(spec.sliding_window_enable_key, False):
+        return None, None
+    window = raw.get(spec.sliding_window_key)
+    if window is None:
+        return None, None
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"{source}: '{spec.sliding_window_key}' must be >= 1, got {window}")
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError(f"{source}: 'use_bidirectional_attention' is not supported (causal decoders only)")
+    types = raw.get("layer_types")
+    if types is None:
+        if spec.window_layers == "all":
+            return window, None
+        if spec.window_layers == "from_max_window_layers":
+            first = int(raw.get("max_window_layers", num_layers))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        elif spec.window_layers == "alternate":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+        else:
+            pattern = int(raw.get("sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
+        raise ValueError(
+            f"{source}: field 'layer_types' must list {num_layers} entries of {list(_LAYER_TYPES)}, got {types!r}"
+        )
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    if all(w is None for w in windows):
+        return None, None
+    return window, windows
+
+
+def _resolve_rope(
+    raw: dict[str, Any], params: dict[str, Any] | None, head_dim: int, source: str
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from ``params`` (transformers 5's ``rope_parameters``, or one layer
+    type's entry of it) or, when None, from the classic ``rope_theta`` + ``rope_scaling`` keys."""
     scaling: dict[str, Any] | None
     if params is not None:
         field_name = "rope_parameters"
@@ -257,6 +430,8 @@ def _resolve_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, An
         return float(theta), None
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
     scaling.pop("type", None)
+    if rope_type == "su":
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"{source}: unsupported rope type {rope_type!r} in field '{field_name}'; "
@@ -267,6 +442,8 @@ def _resolve_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, An
         raise ValueError(f"{source}: 'partial_rotary_factor' {partial} is not supported (only 1.0)")
     if rope_type == "default":
         return float(theta), None
+    if rope_type == "longrope":
+        return float(theta), _resolve_longrope(raw, scaling, head_dim, field_name, source)
     required = {
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
         "linear": ("factor",),
@@ -278,3 +455,33 @@ def _resolve_rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, An
     for key in required:
         resolved[key] = scaling[key]
     return float(theta), resolved
+
+
+def _resolve_longrope(
+    raw: dict[str, Any], scaling: dict[str, Any], head_dim: int, field_name: str, source: str
+) -> dict[str, Any]:
+    """LongRoPE (Phi-3 / 3.5): per-frequency short and long factors and the cos/sin scale, as
+    transformers' ``_compute_longrope_parameters`` derives them."""
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+            raise ValueError(
+                f"{source}: '{field_name}' of type 'longrope' needs '{key}' as a list of {head_dim // 2} numbers"
+            )
+    original = scaling.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError(f"{source}: '{field_name}' of type 'longrope' lacks 'original_max_position_embeddings'")
+    original = int(original)
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = int(raw.get("max_position_embeddings") or original) / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {
+        "rope_type": "longrope",
+        "short_factor": [float(f) for f in scaling["short_factor"]],
+        "long_factor": [float(f) for f in scaling["long_factor"]],
+        "original_max_position_embeddings": original,
+        "attention_factor": float(attention_factor),
+    }

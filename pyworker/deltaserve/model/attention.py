@@ -12,7 +12,12 @@ Semantics (per sequence b of a ``ForwardBatch``, per query head h)::
     for t in rows:
         p       = positions[t]
         visible = { j : j <= p  and  (window is None or j > p - window) }
-        out[t, h] = softmax_j(scale * q[t, h] . K_b[j, h // (H / H_kv)]) @ V_b[j, ...]   over visible j
+        s_j       = scale * q[t, h] . K_b[j, h // (H / H_kv)]
+        s_j       = softcap * tanh(s_j / softcap)                    # only with a soft-cap (Gemma 2)
+        out[t, h] = softmax_j(s_j) @ V_b[j, ...]   over visible j
+
+The window and the soft-cap are per call (a model's layers may differ: Gemma's alternating
+sliding-window and global layers); ``AttentionMeta`` keeps one reference mask per window seen.
 
 Shapes:
     q:        [T, H, D]
@@ -22,7 +27,8 @@ Shapes:
 How the reference computes it, in one code path for mixed prefill + decode: gather every
 sequence's context through its block table into ``[B, max_seq_len, H_kv, D]`` (one advanced-index
 gather), scatter the T query rows into ``[B, max_query_len, H, D]``, and run
-``scaled_dot_product_attention`` with a causal(+window) mask built once per step from positions. Masked
+``scaled_dot_product_attention`` with a causal(+window) mask built once per step (and window) from
+positions (with a soft-cap: the same attention written out, HF's eager order). Masked
 keys get weight exactly 0, so what sits in padding never changes a result (the cache is
 zero-initialised, so padding is finite). Padded query rows see key 0 only and are dropped.
 """
@@ -38,6 +44,13 @@ from ..kernels.common import use_triton_for
 from .batch import ForwardBatch
 
 _TORCH_HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class _Default:
+    """Type of ``DEFAULT``: "the window ``meta`` was built with"."""
+
+
+DEFAULT = _Default()
 
 BACKENDS = ("torch", "triton")
 """``torch``: ``paged_attention_ref``; ``triton``: the kernels in ``deltaserve.kernels.paged_attention``."""
@@ -84,18 +97,31 @@ class AttentionMeta:
     block_size: int
     """Tokens per KV page."""
     sliding_window: int | None
-    """Keys visible to position p are those with j > p - sliding_window (None: all j <= p)."""
+    """Default window for calls that name none: keys visible to position p are those with
+    j > p - sliding_window (None: all j <= p)."""
     backend: str
     """One of ``BACKENDS``, fixed for the whole forward."""
-    _reference: ReferenceMeta | None = None
-    """``reference`` once built."""
+    _references: dict[int | None, ReferenceMeta] = field(default_factory=dict)
+    """``reference_for(window)`` once built, per window."""
+    step_cache: dict[object, torch.Tensor] = field(default_factory=dict)
+    """Per-forward tensors other modules derive once and share across layers (``RopeTables.positions``)."""
+
+    @property
+    def _reference(self) -> ReferenceMeta | None:
+        """Any reference tensors built so far (None: the Triton path built none)."""
+        return next(iter(self._references.values()), None)
 
     @property
     def reference(self) -> ReferenceMeta:
-        """The reference path's tensors (built on first access, then reused by every layer)."""
-        if self._reference is None:
-            self._reference = _reference_metadata(self.batch, self.block_size, self.sliding_window)
-        return self._reference
+        """The reference path's tensors for the default window (``reference_for``)."""
+        return self.reference_for(self.sliding_window)
+
+    def reference_for(self, window: int | None) -> ReferenceMeta:
+        """The reference path's tensors for ``window`` (built on first use, then reused by every layer)."""
+        ref = self._references.get(window)
+        if ref is None:
+            ref = self._references[window] = _reference_metadata(self.batch, self.block_size, window)
+        return ref
 
 
 def attention_metadata(
@@ -149,16 +175,20 @@ def paged_attention(
     batch: ForwardBatch,
     scale: float,
     meta: AttentionMeta | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | None | _Default = DEFAULT,
     backend: str | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Paged attention as the decoder calls it (Semantics and Shapes: the module docstring).
 
-    ``meta`` (``attention_metadata``, one per forward) fixes the backend and window; without it
-    ``sliding_window`` and ``backend`` (None: ``attention_backend(q.device)``) are used.
+    ``meta`` (``attention_metadata``, one per forward) fixes the backend; ``sliding_window`` (None:
+    full causal) and ``softcap`` are this call's (a layer's); left out, the window is ``meta``'s.
+    Without ``meta``, ``backend`` (None: ``attention_backend(q.device)``) is used.
     """
     if meta is None:
-        meta = attention_metadata(batch, cache_k.shape[1], sliding_window, backend)
+        window = None if isinstance(sliding_window, _Default) else sliding_window
+        meta = attention_metadata(batch, cache_k.shape[1], window, backend)
+    window = meta.sliding_window if isinstance(sliding_window, _Default) else sliding_window
     if meta.backend == "triton":
         # Imported here: triton reads TRITON_INTERPRET at import, and the CPU path never needs it.
         from ..kernels.paged_attention import paged_attention as triton_paged_attention
@@ -172,10 +202,11 @@ def paged_attention(
             batch.query_start_loc,
             batch.max_query_len,
             scale,
-            meta.sliding_window,
+            window,
             max_seq_len=batch.max_seq_len,
+            softcap=softcap,
         )
-    return paged_attention_ref(q, cache_k, cache_v, batch, scale, meta=meta)
+    return paged_attention_ref(q, cache_k, cache_v, batch, scale, meta=meta, sliding_window=window, softcap=softcap)
 
 
 def write_kv(
@@ -198,21 +229,26 @@ def paged_attention_ref(
     batch: ForwardBatch,
     scale: float,
     meta: AttentionMeta | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | None | _Default = DEFAULT,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over each sequence's paged context (module docstring).
 
-    ``meta`` is ``attention_metadata(batch, block_size, sliding_window)``; pass it to reuse it across
-    layers (``sliding_window`` is then ignored, the mask in ``meta`` already carries it). This path
-    runs whatever ``meta.backend`` says: it is the reference.
+    ``meta`` is ``attention_metadata(batch, block_size, ...)``; pass it to reuse its masks across
+    layers. ``sliding_window`` left out means ``meta``'s window. This path runs whatever
+    ``meta.backend`` says: it is the reference.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = cache_k.shape[2]
     if num_heads % kv_heads != 0:
         raise ValueError(f"query heads {num_heads} not a multiple of kv heads {kv_heads}")
     if meta is None:
-        meta = attention_metadata(batch, cache_k.shape[1], sliding_window, "torch")
-    ref = meta.reference
+        window = None if isinstance(sliding_window, _Default) else sliding_window
+        meta = attention_metadata(batch, cache_k.shape[1], window, "torch")
+    window = meta.sliding_window if isinstance(sliding_window, _Default) else sliding_window
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"paged_attention: softcap must be positive or None, got {softcap}")
+    ref = meta.reference_for(window)
     num_seqs, max_seq_len = batch.num_seqs, batch.max_seq_len
     # [B, nb, bs, H_kv, D] -> [B, nb*bs, H_kv, D] -> first max_seq_len positions.
     k = cache_k[ref.ctx_tables].flatten(1, 2)[:, :max_seq_len]
@@ -224,7 +260,9 @@ def paged_attention_ref(
         qp[ref.token_seq, ref.token_off] = q
     qp, k, v = qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
     mask = ref.bias(q.dtype)
-    if _TORCH_HAS_ENABLE_GQA:
+    if softcap is not None:
+        out = _softcapped_attention(qp, k, v, mask, scale, softcap)
+    elif _TORCH_HAS_ENABLE_GQA:
         out = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=kv_heads != num_heads)
     else:
         group = num_heads // kv_heads
@@ -235,3 +273,20 @@ def paged_attention_ref(
     if ref.rows_are_padded_layout:
         return out.reshape(q.shape)
     return out[ref.token_seq, ref.token_off]
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """HF's eager attention with a soft-cap: ``softmax_f32(cap * tanh(scale * q k^T / cap) + bias) v``.
+
+    q [B, H, M, D]; k, v [B, H_kv, N, D]; bias [B, 1, M, N] (0 / -inf); returns [B, H, M, D].
+    """
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / cap) * cap + bias
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)

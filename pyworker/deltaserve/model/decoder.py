@@ -1,28 +1,34 @@
-"""``DecoderLM``: the one decoder for every Llama-family architecture in ``arch.ARCH_TABLE``.
+"""``DecoderLM``: the one decoder for every architecture in ``arch.ARCH_TABLE``.
 
 Per step (a ``ForwardBatch`` of ragged sequences over a ``PagedKVCache``)::
 
-    h = embed_tokens(input_ids); residual = None               [T, hidden]
-    cos_sin = cos_sin_cache(max_seq_len)                        [P, head_dim] float32 -> model dtype (as HF)
-    for each layer:
-        x, residual = add_rmsnorm(h, residual)                  kernels.rmsnorm: residual += h; x = norm(residual)
-        q | k | v = qkv_proj(x)                                 one matmul (+ bias for Qwen2 / attention_bias)
-        rotary_embedding(positions, q, k, cos_sin)              kernels.rope: in place, HF rotate_half convention
-        write_kv(k, v -> cache slots)                           then attend over the paged context
-        h = o_proj(paged_attention(q, cache))
-        x, residual = add_rmsnorm(h, residual)                  post_attention_layernorm
-        h = down_proj(silu_and_mul(gate_up_proj(x)))            kernels.silu_mul: silu(gate) * up
-    logits = lm_head(norm(h + residual)[logits_indices]).float()   [S, vocab]
+    h = embed_tokens(input_ids) [* sqrt(hidden): Gemma]; residual = None     [T, hidden]
+    rope = rope_tables(max_seq_len)                      rope.py: one cos/sin table per RoPE kind
+    for each layer l:
+        x, residual = add_rmsnorm(h, residual)           kernels.rmsnorm: residual += h; x = norm(residual)
+        q | k | v = qkv_proj(x)                          one matmul (+ bias for Qwen2 / attention_bias)
+        q, k = q_norm(q), k_norm(k)                      per head (Qwen3, Gemma 3)
+        rotary_embedding(rope rows, q, k, table of l)    kernels.rope: in place, HF rotate_half convention
+        write_kv(k, v -> cache slots)                    then attend over the paged context with l's
+        h = o_proj(paged_attention(q, cache))            window, scale and soft-cap (attention.py)
+        Llama-style:  x, residual = add_rmsnorm(h, residual)              post_attention_layernorm
+                      h = down_proj(act(gate) * up)                       act: silu | gelu_tanh
+        Gemma-style:  h = post_attention_layernorm(h)                     sandwich norms
+                      x, residual = pre_feedforward_layernorm(h, residual)
+                      h = post_feedforward_layernorm(down_proj(act(gate) * up))
+    logits = lm_head(norm(h + residual)[logits_indices])   [S, vocab]; Gemma: cap * tanh(logits / cap)
 
 The small ops are ``deltaserve.kernels`` entry points: Triton on CUDA, their torch references (HF's
-numerics) elsewhere, so the CPU path stays the reference.
+numerics) elsewhere, so the CPU path stays the reference. Gemma's norms (``norm.RMSNorm`` with
+``unit_offset``) and GeGLU are torch ops on every device.
 
 Fused projections: ``self_attn.qkv_proj`` holds HF's q_proj, k_proj, v_proj stacked along its output
 rows (``QKV_SLICES``, biases likewise) and ``mlp.gate_up_proj`` holds gate_proj, up_proj
 (``GATE_UP_SLICES``). Both are plain ``nn.Linear``. ``linear_slots(cfg)`` says, for each HF linear
-name of the architecture table, which module and which output rows hold it; the loader, the HF
-view of ``state_dict`` and adapter wrappers (LoRA's multi-slice expand) all read it, so no one
-else knows the stacking. ``DecoderLM.state_dict()`` / ``load_state_dict()`` speak HF's
+name of the architecture table, which module and which output rows hold it (Phi-3's checkpoint
+has ``qkv_proj`` / ``gate_up_proj`` themselves: one slot covering the whole module); the loader,
+the HF view of ``state_dict`` and adapter wrappers (LoRA's multi-slice expand) all read it, so no
+one else knows the stacking. ``DecoderLM.state_dict()`` / ``load_state_dict()`` speak HF's
 checkpoint names (the fused tensors appear as row views ``...self_attn.q_proj.weight``...), while
 ``named_parameters()`` shows the fused modules. Every projection is called through its module,
 so wrappers can replace any of them without this file knowing.
@@ -30,19 +36,35 @@ so wrappers can replace any of them without this file knowing.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 from ..kernels.rope import rotary_embedding
 from ..kernels.silu_mul import silu_and_mul
 from .arch import ModelConfig
 from .attention import AttentionMeta, attention_metadata, paged_attention, write_kv
 from .batch import ForwardBatch
 from .kv_cache import PagedKVCache
+from .norm import RMSNorm
+from .rope import GLOBAL, LOCAL, RopeTables, rope_cos_sin_cache, rope_inv_freq
+
+__all__ = [
+    "GATE_UP_SLICES",
+    "QKV_SLICES",
+    "Attention",
+    "DecoderBackbone",
+    "DecoderLM",
+    "DecoderLayer",
+    "LinearSlot",
+    "MLP",
+    "RMSNorm",
+    "linear_slots",
+    "rope_cos_sin_cache",
+    "rope_inv_freq",
+]
 
 QKV_SLICES = ("q_proj", "k_proj", "v_proj")
 """HF projections stacked, in this order, along the output rows of ``self_attn.qkv_proj``."""
@@ -78,8 +100,13 @@ def linear_slots(cfg: ModelConfig) -> dict[str, LinearSlot]:
         "q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size, "o_proj": cfg.hidden_size,
         "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size, "down_proj": cfg.hidden_size,
     }  # fmt: skip
+    fused_in_checkpoint = set(cfg.arch.linear_names)
     slots: dict[str, LinearSlot] = {}
     for module, names in _LAYER_LINEARS:
+        leaf = module.rpartition(".")[2]
+        if leaf in fused_in_checkpoint:  # Phi-3: the checkpoint's own qkv_proj / gate_up_proj
+            slots[leaf] = LinearSlot(module, 0, sum(rows[name] for name in names))
+            continue
         start = 0
         for name in names:
             slots[name] = LinearSlot(module, start, rows[name])
@@ -90,123 +117,129 @@ def linear_slots(cfg: ModelConfig) -> dict[str, LinearSlot]:
     return {name: slots[name] for name in cfg.arch.linear_names}
 
 
-class RMSNorm(nn.Module):
-    """HF-identical RMSNorm (``kernels.rmsnorm``), optionally fused with the residual add before it."""
-
-    def __init__(self, hidden: int, eps: float, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
-        self.eps = eps
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
-        if residual is None:
-            return rmsnorm(x, self.weight, self.eps)
-        return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+def linear_in_features(cfg: ModelConfig) -> dict[str, int]:
+    """HF linear name (every name of ``linear_slots(cfg)``) -> its input width."""
+    by_module = {
+        "self_attn.qkv_proj": cfg.hidden_size, "self_attn.o_proj": cfg.q_size,
+        "mlp.gate_up_proj": cfg.hidden_size, "mlp.down_proj": cfg.intermediate_size,
+    }  # fmt: skip
+    return {name: by_module[slot.module] for name, slot in linear_slots(cfg).items()}
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim / 2] in float32 on CPU, with llama3 / linear scaling."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    scaling = cfg.rope_scaling
-    if scaling is None:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    if scaling["rope_type"] == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {scaling['rope_type']!r}")
+def embed_scale(cfg: ModelConfig, dtype: torch.dtype) -> float | None:
+    """Gemma's embedding multiplier ``sqrt(hidden)`` rounded to ``dtype`` (as HF rounds it); else None."""
+    if not cfg.arch.scale_embeddings:
+        return None
+    return float(torch.tensor(cfg.hidden_size**0.5, dtype=torch.float32).to(dtype))
 
 
-def rope_cos_sin_cache(inv_freq: torch.Tensor, num_positions: int, dtype: torch.dtype) -> torch.Tensor:
-    """``kernels.rope``'s table [num_positions, head_dim]: ``cat(cos(p * inv_freq), sin(p * inv_freq))``.
-
-    Computed in float32 on ``inv_freq``'s device, then cast to ``dtype``: the values HF's rotary
-    embedding produces for position p (its ``cat(freqs, freqs)`` repeats each half).
-    """
-    freqs = torch.arange(num_positions, device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` in ``x``'s dtype (HF's order of operations)."""
+    return torch.tanh(x / cap) * cap
 
 
 class Attention(nn.Module):
-    """Fused qkv projection, RoPE, KV write, paged attention and o projection for one layer."""
+    """Fused qkv projection, q/k norms, RoPE, KV write, paged attention and o projection for one layer."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None, layer: int = 0) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.scale
         self.q_size = cfg.q_size
         self.kv_size = cfg.kv_size
+        self.window = cfg.window_of(layer)
+        """This layer's sliding window (None: full causal)."""
+        self.softcap = cfg.attn_softcap
+        """Attention-score soft-cap (Gemma 2), or None."""
+        self.rope = LOCAL if cfg.uses_local_rope(layer) else GLOBAL
+        """Which ``RopeTables`` table rotates this layer's q and k."""
         # Rows: q_proj | k_proj | v_proj (QKV_SLICES, linear_slots).
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.arch.qk_norm:
+            gemma = cfg.arch.gemma_norms
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, unit_offset=gemma)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, unit_offset=gemma)
 
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: torch.Tensor,
+        rope: RopeTables | torch.Tensor,
         batch: ForwardBatch,
         meta: AttentionMeta,
         cache_k: torch.Tensor,
         cache_v: torch.Tensor,
     ) -> torch.Tensor:
+        """``rope``: the step's ``RopeTables`` (or, for single-table models, that one table)."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)  # strided views into the qkv output
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        rotary_embedding(batch.positions, q, k, cos_sin)  # in place
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if isinstance(rope, torch.Tensor):
+            table, rows = rope, batch.positions
+        else:
+            table, rows = rope.tables[self.rope], rope.positions(batch, meta.step_cache)
+        rotary_embedding(rows, q, k, table)  # in place
         write_kv(k, v, cache_k, cache_v, batch.slot_mapping)
-        out = paged_attention(q, cache_k, cache_v, batch, self.scale, meta=meta)
+        out = paged_attention(
+            q, cache_k, cache_v, batch, self.scale, meta=meta, sliding_window=self.window, softcap=self.softcap
+        )
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one fused matmul."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), gate and up as one fused matmul.
+
+    ``act``: silu (SwiGLU, ``kernels.silu_mul``) or gelu_pytorch_tanh (GeGLU, Gemma; torch ops).
+    """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
+        self.act = cfg.hidden_act
         # Rows: gate_proj | up_proj (GATE_UP_SLICES, linear_slots).
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.act == "silu":
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block over a split residual stream: the stream is ``h + residual``.
 
-    Each norm adds the previous sub-layer's output ``h`` into ``residual`` (fused with the norm);
-    the first layer gets ``residual=None`` and starts the stream from the embeddings.
+    Each norm that opens a sub-layer adds the previous sub-layer's output ``h`` into ``residual``
+    (fused with the norm); the first layer gets ``residual=None`` and starts the stream from the
+    embeddings. With sandwich norms (Gemma) the attention and MLP outputs are normalised too.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        gemma = cfg.arch.gemma_norms
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset=gemma)
+        self.self_attn = Attention(cfg, dtype, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset=gemma)
+        self.sandwich = cfg.arch.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset=gemma)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset=gemma)
         self.mlp = MLP(cfg, dtype)
 
     def forward(
         self,
         h: torch.Tensor,
         residual: torch.Tensor | None,
-        cos_sin: torch.Tensor,
+        rope: RopeTables | torch.Tensor,
         batch: ForwardBatch,
         meta: AttentionMeta,
         cache_k: torch.Tensor,
@@ -217,9 +250,13 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(x, cos_sin, batch, meta, cache_k, cache_v)
-        x, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(x), residual
+        h = self.self_attn(x, rope, batch, meta, cache_k, cache_v)
+        if not self.sandwich:
+            x, residual = self.post_attention_layernorm(h, residual)
+            return self.mlp(x), residual
+        h = self.post_attention_layernorm(h)
+        x, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class DecoderBackbone(nn.Module):
@@ -228,12 +265,12 @@ class DecoderBackbone(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset=cfg.arch.gemma_norms)
 
 
 class DecoderLM(nn.Module):
-    """Generic Llama-family causal LM over a paged KV cache (module docstring)."""
+    """Generic decoder-only causal LM over a paged KV cache (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -242,9 +279,8 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         if cfg.tie_word_embeddings:
             self.tie_weights()
-        # Plain attributes, not buffers: survive meta-device construction, never in checkpoints.
-        self._inv_freq_cpu = rope_inv_freq(cfg)
-        self._cos_sin: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        # A plain attribute, not buffers: survives meta-device construction, never in checkpoints.
+        self._rope: dict[tuple[torch.device, torch.dtype], RopeTables] = {}
         self.register_state_dict_post_hook(_split_fused_state_dict)
         self.register_load_state_dict_pre_hook(_join_fused_state_dict)
 
@@ -260,20 +296,24 @@ class DecoderLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    def cos_sin_cache(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """The RoPE table (``rope_cos_sin_cache``) covering at least positions [0, num_positions).
+    def rope_tables(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> RopeTables:
+        """The RoPE tables (``rope.RopeTables``) covering at least positions [0, num_positions).
 
-        Built once per (device, dtype) for ``max_position_embeddings`` positions; it is rebuilt
-        (a new tensor, at least twice as long) only when a step reaches past its end.
+        Built once per (device, dtype) for ``max_position_embeddings`` positions; rebuilt (new
+        tensors, at least twice as long) only when a step reaches past their end.
         """
         key = (device, dtype)
-        cache = self._cos_sin.get(key)
-        if cache is None or cache.shape[0] < num_positions:
+        rope = self._rope.get(key)
+        if rope is None or rope.num_positions < num_positions:
             n = max(self.config.max_position_embeddings, num_positions)
-            if cache is not None:
-                n = max(n, 2 * cache.shape[0])
-            cache = self._cos_sin[key] = rope_cos_sin_cache(self._inv_freq_cpu.to(device), n, dtype)
-        return cache
+            if rope is not None:
+                n = max(n, 2 * rope.num_positions)
+            rope = self._rope[key] = RopeTables.build(self.config, n, device, dtype)
+        return rope
+
+    def cos_sin_cache(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The full-attention layers' table of ``rope_tables`` (single-table models: every layer's)."""
+        return self.rope_tables(num_positions, device, dtype).tables[GLOBAL]
 
     def checkpoint_layout(self) -> dict[str, tuple[str, int, tuple[int, ...]]]:
         """HF checkpoint tensor name -> (parameter name, first row in it, the HF tensor's shape).
@@ -310,18 +350,25 @@ class DecoderLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Run one step; returns float32 logits [S, vocab] for ``batch.logits_indices`` rows."""
         self.check_cache(kv)
+        cfg = self.config
         h = self.model.embed_tokens(batch.input_ids)
-        cos_sin = self.cos_sin_cache(batch.max_seq_len, h.device, h.dtype)
-        meta = attention_metadata(batch, kv.block_size, self.config.sliding_window)
+        scale = embed_scale(cfg, h.dtype)
+        if scale is not None:
+            h = h * scale
+        rope = self.rope_tables(batch.max_seq_len, h.device, h.dtype)
+        meta = attention_metadata(batch, kv.block_size, cfg.sliding_window)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, cos_sin, batch, meta, kv.k[i], kv.v[i])
+            h, residual = layer(h, residual, rope, batch, meta, kv.k[i], kv.v[i])
         rows = batch.logits_indices
         if residual is None:
             h = self.model.norm(h[rows])
         else:
             h, _ = self.model.norm(h[rows], residual[rows])
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)
+        if cfg.final_softcap is not None:
+            logits = softcap(logits, cfg.final_softcap)
+        return logits.float()
 
 
 def _fused_parts(model: DecoderLM, prefix: str) -> dict[str, list[tuple[str, int, int]]]:

@@ -2,11 +2,13 @@
 
 Loading, in order, failing early with a message that names the offending file or tensor:
 
-1. ``ModelConfig.from_model_dir`` (unsupported architectures / rope types are refused there);
+1. ``ModelConfig.from_model_dir`` (unsupported architectures / rope types and quantized
+   checkpoints (``quantization_config``) are refused there, naming the field);
 2. find the safetensors: ``model.safetensors.index.json`` (sharded) or every ``*.safetensors``;
    a directory with only pickle checkpoints (``*.bin``, ``*.pt``...) is refused, never unpickled;
 3. read every file's header and check each expected HF tensor is present with the right shape
-   (extras such as ``rotary_emb.inv_freq`` are ignored). Expected tensors are HF's names
+   (extras such as ``rotary_emb.inv_freq`` are ignored) and holds floating-point values (an FP8 /
+   integer tensor is quantized: refused, never cast without its scales). Expected tensors are HF's names
    (``DecoderLM.checkpoint_layout``): the fused ``qkv_proj`` / ``gate_up_proj`` are checked as
    their HF parts, so messages name ``...self_attn.k_proj.weight``, not the fused tensor;
 4. build the module on the meta device, materialise it on the target device (no CPU copy on
@@ -37,6 +39,8 @@ log = logging.getLogger(__name__)
 RANDOM_WEIGHTS_FILE = "random-weights.json"
 """Marker file: serve the config's shapes with random weights (benchmarks only)."""
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+"""safetensors dtypes a weight may have; anything else (F8_E4M3, I8, U8, I32...) is quantized."""
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -86,7 +90,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 def load_model(
     model_dir: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> DecoderLM:
-    """Load an HF Llama/Mistral/Qwen2 checkpoint directory into a ``DecoderLM`` (module docstring)."""
+    """Load an HF checkpoint directory of an ``ARCH_TABLE`` architecture into a ``DecoderLM`` (module docstring)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     dtype = resolve_dtype(cfg, device, dtype)
@@ -106,7 +110,13 @@ def load_model(
     for f in files:
         with safe_open(f, framework="pt") as sf:
             for key in sf.keys():
-                located[key] = (f, tuple(sf.get_slice(key).get_shape()))
+                tensor = sf.get_slice(key)
+                located[key] = (f, tuple(tensor.get_shape()))
+                if key in expected and tensor.get_dtype() not in _FLOAT_DTYPES:
+                    raise ValueError(
+                        f"{f}: tensor '{key}' is stored as {tensor.get_dtype()}: a quantized checkpoint "
+                        f"(FP8 / integer weights) is not supported; serve the float16 / bfloat16 checkpoint"
+                    )
 
     tie = cfg.tie_word_embeddings or "lm_head.weight" not in located
     missing = [n for n in expected if n not in located and not (tie and n == "lm_head.weight")]
@@ -150,7 +160,7 @@ def random_model(
     """A ``DecoderLM`` of ``cfg``'s real shapes with N(0, std) weights, made directly on ``device``.
 
     For benchmarks (e.g. Llama-2-7B shapes on a GPU): no checkpoint, no CPU copy. Norm weights are
-    1 and biases 0; the same seed on the same device gives the same weights. Fused parameters
+    the identity scale (1, or 0 for Gemma's ``1 + weight``) and biases 0; the same seed on the same device gives the same weights. Fused parameters
     (``qkv_proj``, ``gate_up_proj``) are drawn whole, in their fused shapes.
     """
     with torch.device("meta"):
@@ -162,7 +172,7 @@ def random_model(
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if cfg.arch.gemma_norms else 1.0)  # Gemma scales by 1 + weight
             elif name.endswith(".bias"):
                 p.zero_()
             else:
