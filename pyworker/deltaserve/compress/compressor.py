@@ -91,6 +91,11 @@ class CompressConfig:
     """Hessian damping, fraction of the mean diagonal."""
     chunk_tokens: int = 4096
     """Calibration tokens per forward chunk (bounds attention scratch memory)."""
+    only: frozenset[str] | None = None
+    """HF tensor names taken from the fine-tune; every other tensor is the base's (its delta is zero:
+    packed linears left out, dense ones dropped). None: all of them. The block zoo compresses a
+    variant's own blocks this way (``deltaserve.zoo``); the manifest then says ``"partial": true``."""
+
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""
@@ -131,6 +136,26 @@ class _Checkpoint:
         if f not in self._handles:
             self._handles[f] = safe_open(f, framework="pt")
         return self._handles[f].get_tensor(name).to(device=device, dtype=torch.float32)
+
+
+@dataclass
+class _Restricted:
+    """A fine-tune restricted to ``only``: those tensors from ``ft``, every other one from ``base``."""
+
+    ft: _Checkpoint
+    base: _Checkpoint
+    only: frozenset[str]
+
+    @property
+    def located(self) -> dict[str, tuple[Path, tuple[int, ...]]]:
+        return self.ft.located
+
+    @property
+    def model_dir(self) -> Path:
+        return self.ft.model_dir
+
+    def get(self, name: str, device: torch.device) -> torch.Tensor:
+        return (self.ft if name in self.only else self.base).get(name, device)
 
 
 @dataclass
@@ -204,7 +229,8 @@ def compress(
 
     with torch.device("meta"):
         layout = DecoderLM(base_cfg, dtype=torch.float32).checkpoint_layout()
-    base_ck, ft_ck = _Checkpoint(base_dir), _Checkpoint(finetuned_dir)
+    base_ck, whole_ft_ck = _Checkpoint(base_dir), _Checkpoint(finetuned_dir)
+    ft_ck = whole_ft_ck if config.only is None else _Restricted(whole_ft_ck, base_ck, config.only)
     tied = base_cfg.tie_word_embeddings or "lm_head.weight" not in base_ck.located
     names = [n for n in layout if not (tied and n == "lm_head.weight")]
     for name in names:
@@ -303,6 +329,8 @@ def compress(
                 # independently, so compressing their stacked rows at once equals one call each.
                 parent = module_path.rpartition(".")[0]
                 modules = [f"{prefix}{parent}.{name}" for name in hf_linears]
+                if config.only is not None and not any(f"{m}.weight" in config.only for m in modules):
+                    continue  # the base's weights, placed above: no delta, no Hessian needed
                 w_ft = torch.cat([ft_ck.get(f"{m}.weight", device) for m in modules])
                 if full:
                     w_base = torch.zeros_like(w_ft)
@@ -319,6 +347,9 @@ def compress(
                     slot = slots[name]
                     rows = slice(row, row + slot.size)
                     row += slot.size
+                    if config.only is not None and f"{module}.weight" not in config.only:
+                        fused[slot.start : slot.start + slot.size].copy_(w_base[rows])
+                        continue
                     fused[slot.start : slot.start + slot.size].copy_(w_base[rows] + res.dequant[rows])
                     p = pack(
                         res.codes[rows], None if res.mask is None else res.mask[rows],
@@ -370,6 +401,8 @@ def compress(
         "sizes": {"finetuned_fp16_bytes": fp16_bytes},
         "seconds": None,
     }
+    if config.only is not None:
+        manifest["partial"] = True  # block linears without a packed delta are the base's
     manifest["seconds"] = round(time.monotonic() - t_start, 3)
     codec = default_codec() if config.lossless else "none"
     return write_delta_dir(out_dir, manifest, packed, dense, codec)

@@ -11,7 +11,10 @@ Layout (written by ``deltaserve compress``, read by serving and tests)::
         base_shapes         every base checkpoint tensor the decoder reads -> shape
         compression         bits, sparsity "2:4" | "none", group_size, method, block_size, percdamp,
                             calibration {source, samples, tokens, seqlen}
-        payload             {"file", "codec": "none" | "zstd" | "lzma", "bytes" (on disk), "raw_bytes"}
+        payload             {"file", "codec": "none" | "zstd" | "lzma", "bytes" (on disk), "raw_bytes"}, or
+                            {"files": [...], "codec": "none", ...}: several safetensors files inside the
+                            directory read as one payload (a block zoo variant: one file per own block)
+        partial             true: block linears without a packed delta are the base's (a zoo variant)
         tensors             name -> {"kind": "packed" | "dense", "shape", "bytes", ...}
                             packed: HF module name (``model.layers.0.self_attn.q_proj``), shape [out, in],
                                     "rel_error" = ‖(W − W̃)X‖² / ‖WX‖² on the calibration inputs
@@ -279,20 +282,44 @@ _ST_DTYPES = {"I32": torch.int32, "F16": torch.float16, "BF16": torch.bfloat16, 
 """safetensors dtype tags a payload may hold (``deltaserve compress`` writes I32 and F16)."""
 
 
-def _read_payload(path: Path, codec: str, alloc: Callable[[int], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The payload's tensors as views of one host buffer from ``alloc`` (module docstring);
-    DeltaFormatError if the file is not a well-formed safetensors payload."""
+def _read_payload(
+    paths: list[Path], codec: str, alloc: Callable[[int], torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], Path]:
+    """The payload's tensors as views of one host buffer from ``alloc`` (module docstring) and the file
+    later errors name (the first); DeltaFormatError if a file is not a well-formed safetensors payload.
+    Several files (a block zoo's variant: one per own block) are read back to back into the one
+    buffer, uncompressed only."""
     if codec == "none":
-        size = path.stat().st_size
-        buf = alloc(size)
-        with path.open("rb") as f:
-            got = f.readinto(buf.numpy().data)
-        if got != size:
-            raise DeltaFormatError(f"{path}: read {got} of {size} bytes (the file changed while loading)")
+        sizes = [p.stat().st_size for p in paths]
+        starts = [0]
+        for size in sizes[:-1]:  # each file 16-byte aligned: its tensors stay views, never copies
+            starts.append(-(-(starts[-1] + size) // 16) * 16)
+        buf = alloc(starts[-1] + sizes[-1])
+        spans = []
+        for path, size, at in zip(paths, sizes, starts):
+            with path.open("rb") as f:
+                got = f.readinto(buf[at : at + size].numpy().data)
+            if got != size:
+                raise DeltaFormatError(f"{path}: read {got} of {size} bytes (the file changed while loading)")
+            spans.append((path, at, at + size))
     else:
-        raw = decode_payload(path.read_bytes(), codec, str(path))
+        if len(paths) != 1:
+            raise DeltaFormatError(f"{paths[0].parent}: a payload of several files must be uncompressed (codec none)")
+        raw = decode_payload(paths[0].read_bytes(), codec, str(paths[0]))
         buf = alloc(len(raw))
         buf.numpy()[:] = memoryview(raw)
+        spans = [(paths[0], 0, len(raw))]
+    tensors: dict[str, torch.Tensor] = {}
+    for path, lo_file, hi_file in spans:
+        for name, t in _parse_safetensors(buf[lo_file:hi_file], path).items():
+            if name in tensors:
+                raise DeltaFormatError(f"{path}: tensor '{name}' is also in another payload file")
+            tensors[name] = t
+    return tensors, paths[0]
+
+
+def _parse_safetensors(buf: torch.Tensor, path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file held in ``buf`` (uint8) parsed in place: its tensors as views of ``buf``."""
     try:
         if len(buf) < 8:
             raise ValueError("truncated header")
@@ -309,7 +336,7 @@ def _read_payload(path: Path, codec: str, alloc: Callable[[int], torch.Tensor]) 
             if not 0 <= lo <= hi <= len(buf) - start or hi - lo != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"tensor '{name}': data offsets {lo}..{hi} do not fit {e['dtype']} {shape}")
             view = buf[start + lo : start + hi]
-            if (start + lo) % dtype.itemsize:  # misaligned for the dtype: a copy (never for our writer)
+            if view.data_ptr() % dtype.itemsize:  # misaligned for the dtype: a copy (never for our writer)
                 view = view.clone()
             tensors[name] = view.view(dtype).reshape(shape)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
@@ -331,10 +358,14 @@ def load_delta(
     manifest = read_manifest(delta_dir)
     payload = manifest["payload"]
     codec = payload.get("codec", "none")
-    path = delta_dir / str(payload.get("file", ""))
-    if not path.is_file():
-        raise DeltaFormatError(f"{delta_dir}: payload file '{payload.get('file')}' named in {MANIFEST} is missing")
-    tensors = _read_payload(path, codec, alloc or (lambda n: torch.empty(n, dtype=torch.uint8)))
+    names = payload.get("files") if "files" in payload else [payload.get("file", "")]
+    if not isinstance(names, list) or not names:
+        raise DeltaFormatError(f"{delta_dir / MANIFEST}: field 'payload.files' must be a non-empty list")
+    paths = [delta_dir / str(n) for n in names]
+    for n, f in zip(names, paths):
+        if not f.is_file() or delta_dir.resolve() not in f.resolve().parents:
+            raise DeltaFormatError(f"{delta_dir}: payload file '{n}' named in {MANIFEST} is missing")
+    tensors, path = _read_payload(paths, codec, alloc or (lambda n: torch.empty(n, dtype=torch.uint8)))
     comp = manifest["compression"]
     bits, group = int(comp["bits"]), int(comp["group_size"])
     sparse = comp["sparsity"] == "2:4"
