@@ -12,18 +12,22 @@ OS gave one, e.g. ``FileNotFoundError`` for a missing ring); bad arguments (a fr
 
 import os
 from collections.abc import Sequence
-from typing import Final, Literal, Self, final
+from typing import Any, Final, Literal, Self, final
 
 __all__ = [
     "DEFAULT_CAPACITY",
     "RouterLink",
+    "SIM_FEATURES",
     "SchedError",
     "Scheduler",
+    "SchedulerConfig",
     "WorkerLink",
     "read_safetensors_header",
     "read_safetensors_into",
+    "regex_match",
     "schema_hash",
     "schema_text",
+    "simulate",
 ]
 
 #: Ring capacity in bytes used when none is given (4 MiB; frames up to half of it).
@@ -115,6 +119,13 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[str
     """``{name: (dtype, shape)}`` of every tensor in a safetensors file (``__metadata__`` left out),
     reading only its header, without the GIL and without mapping the file. ``ValueError`` for a
     malformed header, ``OSError`` when the file cannot be read."""
+
+def regex_match(pattern: str, texts: list[str], whole: bool = False) -> list[bool]:
+    """For each text, whether ``pattern`` matches at its start (``whole``: the whole text), as
+    ``re.match`` / ``re.fullmatch`` would, with a linear-time engine (Rust's ``regex``): no
+    pattern can backtrack catastrophically. ``ValueError`` (never quoting the pattern) for a
+    pattern over 4096 bytes, one too large once compiled, or one the engine does not accept
+    (look-around, back-references, malformed)."""
 
 class SchedError(ValueError):
     """The scheduler refused a config, a request or a variant; the message names it and the numbers."""
@@ -270,3 +281,72 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Raises ``AssertionError`` naming the first broken internal invariant (for tests)."""
+
+#: Feature names of the simulator's step-latency model, in coefficient order (``deltaserve.sim``).
+SIM_FEATURES: Final[list[str]]
+
+@final
+class SchedulerConfig:
+    """The scheduler's limits (``deltaserve_sched::SchedulerConfig``): constructed with the pool
+    geometry and context limit, every other field at the scheduler's default; all fields are
+    readable and writable."""
+
+    block_size: int
+    """Tokens per KV page."""
+    num_blocks: int
+    """Pages in the worker's KV pool."""
+    max_num_seqs: int
+    """Most requests running at once (default 256)."""
+    max_num_batched_tokens: int
+    """Token budget of one step (default 2048)."""
+    max_model_len: int
+    """Longest prompt + output."""
+    host_adapter_bytes: int
+    """Host-tier budget for variant copies, bytes (default 4 GiB)."""
+    prefetch_window: int
+    """Waiting requests whose variants are prefetched into host memory (default 64; 0: off)."""
+    max_deltas: int
+    """GPU delta slots (default 3; 0: deltas off)."""
+    host_copy_reports: bool
+    """Whether the worker reports finished host reads (default False; the daemon sets True)."""
+
+    def __new__(cls, block_size: int, num_blocks: int, max_model_len: int) -> Self:
+        """The scheduler's defaults around the pool geometry and context limit given."""
+
+    def validate(self) -> None:
+        """Raises ``SchedError`` naming the first unusable field."""
+
+    def as_dict(self) -> dict[str, int | bool]:
+        """Every field by name."""
+
+    def __eq__(self, value: object, /) -> bool:
+        """Equal when every field is."""
+
+def simulate(
+    config: SchedulerConfig,
+    requests: Sequence[tuple[float, int, int, int]],
+    variants: Sequence[tuple[str, int, int, int]],
+    latency: tuple[Sequence[float], Sequence[float], tuple[float, float], tuple[float, float]],
+    *,
+    workers: int = 1,
+    overlap_steps: bool = True,
+    router_gap_s: float = 0.0,
+    noise: float = 0.0,
+    seed: int = 0,
+    max_queued_per_worker: int | None = None,
+    step_times: Sequence[float] | None = None,
+    record_steps: bool = False,
+) -> dict[str, Any]:
+    """Replays ``requests`` (``(arrival_s, prompt_len, output_len, variant)``, variant 0 = the
+    base model, ``i`` = ``variants[i - 1]``) through ``workers`` copies of the real scheduler on a
+    virtual clock, driven as the daemon's engine actor drives it. ``variants`` are ``(kind,
+    num_blocks, host_bytes, rank)`` with kind ``"lora"`` or ``"delta"``; ``latency`` is
+    ``(decode coefficients, prefill coefficients, disk_to_host_bps, host_to_gpu_bps)``, the
+    coefficients in ``SIM_FEATURES`` order, the bandwidths ``(lora, delta)`` pairs in bytes/s.
+
+    Returns ``first_token_s``, ``finish_s`` (NaN where never), ``output_tokens``, ``worker_of``
+    (-1: refused by ``max_queued_per_worker``), ``busy_s`` per worker, ``counters`` (scheduler
+    counters summed over workers), ``peaks`` (largest on one worker) and ``steps`` (with
+    ``record_steps``: ``(worker, step_id, ahead, start_s, end_s, [(request, tokens)],
+    prefill_tokens)``). Bad input raises ``ValueError`` naming it. Use ``deltaserve.sim.replay``.
+    """

@@ -1,0 +1,191 @@
+"""The simulator's step-latency model: two linear models of a step's device time, one for
+decode-only steps and one for steps that prefill, over the features the Rust loop computes for
+every scheduled step (``deltaserve._native.SIM_FEATURES``, defined in
+``router/crates/py/src/sim_latency.rs``), plus the transfer bandwidths of the variant tiers and
+the memory geometry of one GPU (what a KV page and a variant take).
+
+Features of one step (``const`` is always 1)::
+
+    tokens             tokens computed (prefill chunks + decode tokens)
+    seqs               requests in the step
+    prefill_tokens     tokens of prefill chunks (a step with any is priced by the prefill model)
+    context_tokens     Σ cached length after the step over its requests (∝ KV bytes read)
+    prefill_attention  Σ chunk × (start + chunk) over prefill chunks (attention's quadratic part)
+    lora_rank_sum      Σ rank over the distinct LoRA adapters in the step
+    lora_segments      distinct LoRA adapters      lora_tokens   tokens of LoRA requests
+    deltas             distinct deltas             delta_tokens  tokens (rows) of delta requests
+
+Fitting (:meth:`LatencyModel.fit`): ordinary least squares (numpy) per step kind, on the
+features that vary in the samples of that kind (the others keep coefficient 0, so an unprofiled
+cost is not invented); a feature whose fitted coefficient comes out negative is dropped and the
+fit repeated, so every cost stays non-negative. R² is reported per kind. A profile is a JSON
+list of measured steps: ``{"step_s": 0.0123, "tokens": 64, "seqs": 64, ...}``, features absent
+from a sample count 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deltaserve import _native
+
+FEATURES: tuple[str, ...] = tuple(_native.SIM_FEATURES)
+"""Feature names in coefficient order (owned by the Rust side)."""
+KINDS = ("decode", "prefill")
+"""The two step kinds, each with its own linear model."""
+
+
+@dataclass
+class Memory:
+    """What one GPU of the modelled kind holds for the model served: sizes the scheduler's pool
+    and the variants' footprints for :func:`deltaserve.sim.replay` and the planner."""
+
+    kv_bytes_per_token: int = 524288
+    """KV-cache bytes of one token, all layers (Llama-2-7B fp16: 32 layers × 2 × 4096 × 2)."""
+    kv_pool_bytes: int = 0
+    """Bytes of the KV pool (KV pages and LoRA pages) before delta slots are reserved."""
+    max_model_len: int = 4096
+    """Longest prompt + output the model takes."""
+    lora_pages_per_rank: float = 0.6484375
+    """Pool pages (16-token pages) per unit of LoRA rank: ``ceil(rank × this)`` pages."""
+    lora_bytes_per_rank: int = 4997120
+    """Host bytes of a LoRA adapter per unit of rank."""
+    delta_bytes: int = 3358072832
+    """Host bytes of one compressed delta, and GPU bytes of one delta slot."""
+
+
+@dataclass
+class LatencyModel:
+    """Step time ``max(0, coef[kind] · features)`` with ``kind`` decode or prefill, transfer
+    bandwidths per variant kind, and the GPU's :class:`Memory`. JSON round trip with
+    :meth:`save` / :meth:`load`."""
+
+    decode: dict[str, float]
+    """Seconds per unit of each feature for decode-only steps."""
+    prefill: dict[str, float]
+    """Seconds per unit of each feature for steps with a prefill chunk."""
+    disk_to_host_bps: dict[str, float] = field(default_factory=lambda: {"lora": 6e8, "delta": 1.5e9})
+    """Read bandwidth disk -> host memory per variant kind (bytes/s)."""
+    host_to_gpu_bps: dict[str, float] = field(default_factory=lambda: {"lora": 2e10, "delta": 2.6e10})
+    """Copy bandwidth host -> GPU per variant kind (bytes/s)."""
+    memory: Memory = field(default_factory=Memory)
+    """The GPU's pool and the variants' footprints."""
+    r2: dict[str, float | None] = field(default_factory=dict)
+    """Coefficient of determination of each kind's fit (None: too few samples to say)."""
+    samples: dict[str, int] = field(default_factory=dict)
+    """Samples each kind was fitted on."""
+    device: str = ""
+    """The GPU the samples were measured on."""
+    source: str = ""
+    """Where the samples came from (files, command)."""
+
+    @classmethod
+    def fit(cls, samples: Iterable[Mapping[str, Any]], **kw: Any) -> LatencyModel:
+        """Fits both kinds from measured steps (module docstring); ``kw`` sets the other fields.
+        Raises ``ValueError`` for a sample without a positive finite ``step_s``, an unknown
+        feature, or a kind with no samples."""
+        rows: dict[str, list[tuple[np.ndarray, float]]] = {k: [] for k in KINDS}
+        for i, s in enumerate(samples):
+            unknown = set(s) - set(FEATURES) - {"step_s", "const"}
+            if unknown:
+                raise ValueError(f"sample {i}: unknown features {sorted(unknown)}; known: {', '.join(FEATURES)}")
+            t = s.get("step_s")
+            if not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
+                raise ValueError(f"sample {i}: step_s must be a positive number of seconds, got {t!r}")
+            x = features_vector(s)
+            rows["prefill" if s.get("prefill_tokens", 0) > 0 else "decode"].append((x, float(t)))
+        coefs: dict[str, dict[str, float]] = {}
+        r2: dict[str, float | None] = {}
+        for kind in KINDS:
+            if not rows[kind]:
+                raise ValueError(f"no {kind} samples: the profile needs steps of both kinds")
+            x = np.stack([r[0] for r in rows[kind]])
+            y = np.array([r[1] for r in rows[kind]])
+            c, r2[kind] = _fit_nonnegative(x, y)
+            coefs[kind] = {f: float(v) for f, v in zip(FEATURES, c)}
+        return cls(decode=coefs["decode"], prefill=coefs["prefill"], r2=r2,
+                   samples={k: len(rows[k]) for k in KINDS}, **kw)  # fmt: skip
+
+    def predict(self, step: Mapping[str, float]) -> float:
+        """Seconds one step takes: ``step`` maps feature names to values (absent: 0)."""
+        coef = self.prefill if step.get("prefill_tokens", 0) > 0 else self.decode
+        return max(0.0, sum(coef.get(f, 0.0) * v for f, v in zip(FEATURES, features_vector(step))))
+
+    def native(self) -> tuple[list[float], list[float], tuple[float, float], tuple[float, float]]:
+        """The form ``_native.simulate`` takes."""
+        return (
+            [self.decode.get(f, 0.0) for f in FEATURES],
+            [self.prefill.get(f, 0.0) for f in FEATURES],
+            (self.disk_to_host_bps["lora"], self.disk_to_host_bps["delta"]),
+            (self.host_to_gpu_bps["lora"], self.host_to_gpu_bps["delta"]),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything, as JSON-ready values."""
+        return asdict(self)
+
+    def save(self, path: str | Path) -> Path:
+        """Writes the model as JSON; returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LatencyModel:
+        """The inverse of :meth:`to_dict`; ``ValueError`` names a missing or unknown field."""
+        d = dict(d)
+        try:
+            memory = Memory(**d.pop("memory", {}))
+            model = cls(memory=memory, **d)
+        except TypeError as e:
+            raise ValueError(f"not a latency model: {e}") from None
+        for kind in KINDS:
+            bad = set(getattr(model, kind)) - set(FEATURES)
+            if bad:
+                raise ValueError(f"{kind}: unknown features {sorted(bad)}; known: {', '.join(FEATURES)}")
+        for name in ("disk_to_host_bps", "host_to_gpu_bps"):
+            bw = getattr(model, name)
+            if set(bw) != {"lora", "delta"} or not all(v > 0 for v in bw.values()):
+                raise ValueError(f"{name}: want positive bytes/s for 'lora' and 'delta', got {bw}")
+        return model
+
+    @classmethod
+    def load(cls, path: str | Path) -> LatencyModel:
+        """Reads a model written by :meth:`save`."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+def features_vector(step: Mapping[str, Any]) -> np.ndarray:
+    """The step's features in :data:`FEATURES` order (``const`` = 1, absent ones 0)."""
+    return np.array([1.0] + [float(step.get(f, 0.0)) for f in FEATURES[1:]])
+
+
+def _fit_nonnegative(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float | None]:
+    """Least squares of ``y ≈ x @ c`` over the columns that vary (plus ``const``), dropping any
+    column whose coefficient comes out negative and refitting; returns ``c`` and R²."""
+    varies = np.ptp(x, axis=0) > 0
+    active = [j for j in range(x.shape[1]) if j == 0 or varies[j]]
+    c = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        negative = [j for j, v in zip(active, sol) if v < 0]
+        if not negative:
+            c[active] = sol
+            break
+        worst = min(negative, key=lambda j: sol[active.index(j)])
+        active.remove(worst)
+    residual = y - x @ c
+    ss = float(((y - y.mean()) ** 2).sum())
+    r2 = None if len(y) < 2 or ss == 0 else 1.0 - float((residual**2).sum()) / ss
+    return c, r2

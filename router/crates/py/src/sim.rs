@@ -1,0 +1,313 @@
+//! `_native.SchedulerConfig` and `_native.simulate`: the scheduler's config struct for Python
+//! (its defaults are [`SchedulerConfig::new`]'s, not a copy) and the capacity-planning
+//! simulator's entry (`sim_loop.rs` runs it, `sim_latency.rs` prices its steps). Conversion
+//! only: plain values in, a dict of plain values out; `deltaserve.sim` builds the public API.
+
+use deltaserve_ipc::wire;
+use deltaserve_sched::SchedulerConfig as Config;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::scheduler::SchedError;
+use crate::sim_latency::{LatencyModel, FEATURES};
+use crate::sim_loop::{simulate as run, SimOptions, SimRequest, SimVariant};
+use crate::wire_plan::sched_kind;
+
+/// The feature names of the latency model, in coefficient order.
+pub(crate) const SIM_FEATURES: [&str; 11] = FEATURES;
+
+/// The scheduler's limits (`deltaserve_sched::SchedulerConfig`), every field readable and
+/// writable; `validate()` checks them as the scheduler will.
+#[pyclass(
+    name = "SchedulerConfig",
+    module = "deltaserve._native",
+    get_all,
+    set_all,
+    eq,
+    skip_from_py_object
+)]
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PySchedulerConfig {
+    /// Tokens per KV page.
+    block_size: u32,
+    /// Pages in the worker's KV pool.
+    num_blocks: u32,
+    /// Most requests running at once.
+    max_num_seqs: usize,
+    /// Token budget of one step.
+    max_num_batched_tokens: usize,
+    /// Longest prompt + output.
+    max_model_len: u32,
+    /// Host-tier budget for variant copies (bytes).
+    host_adapter_bytes: u64,
+    /// Waiting requests whose variants are prefetched into host memory.
+    prefetch_window: usize,
+    /// GPU delta slots.
+    max_deltas: usize,
+    /// Whether the worker reports finished host reads (the daemon: on).
+    host_copy_reports: bool,
+}
+
+impl From<Config> for PySchedulerConfig {
+    fn from(c: Config) -> Self {
+        let Config {
+            block_size,
+            num_blocks,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            host_adapter_bytes,
+            prefetch_window,
+            max_deltas,
+            host_copy_reports,
+        } = c;
+        PySchedulerConfig {
+            block_size,
+            num_blocks,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            host_adapter_bytes,
+            prefetch_window,
+            max_deltas,
+            host_copy_reports,
+        }
+    }
+}
+
+impl From<&PySchedulerConfig> for Config {
+    fn from(c: &PySchedulerConfig) -> Self {
+        Config {
+            block_size: c.block_size,
+            num_blocks: c.num_blocks,
+            max_num_seqs: c.max_num_seqs,
+            max_num_batched_tokens: c.max_num_batched_tokens,
+            max_model_len: c.max_model_len,
+            host_adapter_bytes: c.host_adapter_bytes,
+            prefetch_window: c.prefetch_window,
+            max_deltas: c.max_deltas,
+            host_copy_reports: c.host_copy_reports,
+        }
+    }
+}
+
+#[pymethods]
+impl PySchedulerConfig {
+    /// The scheduler's defaults (`SchedulerConfig::new`) around the pool geometry and context
+    /// limit given.
+    #[new]
+    fn new(block_size: u32, num_blocks: u32, max_model_len: u32) -> Self {
+        Config::new(block_size, num_blocks, max_model_len).into()
+    }
+
+    /// Raises `SchedError` naming the first unusable field.
+    fn validate(&self, py: Python<'_>) -> PyResult<()> {
+        Config::from(self).validate().map_err(|e| {
+            let err = SchedError::new_err(e.to_string());
+            match err.value(py).setattr("error_type", e.error_type()) {
+                Ok(()) => err,
+                Err(setattr_failed) => setattr_failed,
+            }
+        })
+    }
+
+    /// Every field by name.
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("block_size", self.block_size)?;
+        d.set_item("num_blocks", self.num_blocks)?;
+        d.set_item("max_num_seqs", self.max_num_seqs)?;
+        d.set_item("max_num_batched_tokens", self.max_num_batched_tokens)?;
+        d.set_item("max_model_len", self.max_model_len)?;
+        d.set_item("host_adapter_bytes", self.host_adapter_bytes)?;
+        d.set_item("prefetch_window", self.prefetch_window)?;
+        d.set_item("max_deltas", self.max_deltas)?;
+        d.set_item("host_copy_reports", self.host_copy_reports)?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerConfig(block_size={}, num_blocks={}, max_num_seqs={}, \
+             max_num_batched_tokens={}, max_model_len={}, host_adapter_bytes={}, \
+             prefetch_window={}, max_deltas={}, host_copy_reports={})",
+            self.block_size,
+            self.num_blocks,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_model_len,
+            self.host_adapter_bytes,
+            self.prefetch_window,
+            self.max_deltas,
+            if self.host_copy_reports {
+                "True"
+            } else {
+                "False"
+            }
+        )
+    }
+}
+
+/// A latency model from its two coefficient lists ([`FEATURES`] order) and bandwidths.
+fn latency_model(
+    decode: Vec<f64>,
+    prefill: Vec<f64>,
+    disk_to_host_bps: (f64, f64),
+    host_to_gpu_bps: (f64, f64),
+) -> PyResult<LatencyModel> {
+    let coefs = |name: &str, v: Vec<f64>| -> PyResult<[f64; 11]> {
+        if v.iter().any(|c| !c.is_finite()) {
+            return Err(PyValueError::new_err(format!(
+                "latency {name} coefficients must be finite, got {v:?}"
+            )));
+        }
+        v.try_into().map_err(|v: Vec<f64>| {
+            PyValueError::new_err(format!(
+                "latency {name} coefficients: want {} ({}), got {}",
+                FEATURES.len(),
+                FEATURES.join(", "),
+                v.len()
+            ))
+        })
+    };
+    for (name, bw) in [
+        ("disk_to_host_bps (lora)", disk_to_host_bps.0),
+        ("disk_to_host_bps (delta)", disk_to_host_bps.1),
+        ("host_to_gpu_bps (lora)", host_to_gpu_bps.0),
+        ("host_to_gpu_bps (delta)", host_to_gpu_bps.1),
+    ] {
+        if !(bw.is_finite() && bw > 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "latency {name} must be a positive number of bytes/s, got {bw}"
+            )));
+        }
+    }
+    Ok(LatencyModel {
+        decode: coefs("decode", decode)?,
+        prefill: coefs("prefill", prefill)?,
+        disk_to_host_bps: [disk_to_host_bps.0, disk_to_host_bps.1],
+        host_to_gpu_bps: [host_to_gpu_bps.0, host_to_gpu_bps.1],
+    })
+}
+
+/// Replays `requests` (`(arrival_s, prompt_len, output_len, variant)`, variant 0 = base, `i`
+/// = `variants[i - 1]`) through `workers` copies of the real scheduler on a virtual clock.
+/// `variants` are `(kind, num_blocks, host_bytes, rank)`; `latency` is `(decode coefficients,
+/// prefill coefficients, disk_to_host_bps, host_to_gpu_bps)` with coefficients in
+/// `SIM_FEATURES` order and bandwidths as `(lora, delta)` pairs. Returns plain lists and counters (`deltaserve.sim` summarizes them).
+/// Bad input raises `ValueError` naming it; the run itself releases the GIL.
+#[pyfunction]
+#[pyo3(signature = (
+    config, requests, variants, latency, *, workers = 1, overlap_steps = true,
+    router_gap_s = 0.0, noise = 0.0, seed = 0, max_queued_per_worker = None, step_times = None,
+    record_steps = false,
+))]
+#[allow(clippy::too_many_arguments)] // one keyword per option
+#[allow(clippy::type_complexity)] // plain tuples are the conversion
+pub(crate) fn simulate<'py>(
+    py: Python<'py>,
+    config: &PySchedulerConfig,
+    requests: Vec<(f64, u32, u32, u32)>,
+    variants: Vec<(String, u32, u64, u32)>,
+    latency: (Vec<f64>, Vec<f64>, (f64, f64), (f64, f64)),
+    workers: usize,
+    overlap_steps: bool,
+    router_gap_s: f64,
+    noise: f64,
+    seed: u64,
+    max_queued_per_worker: Option<usize>,
+    step_times: Option<Vec<f64>>,
+    record_steps: bool,
+) -> PyResult<Bound<'py, PyDict>> {
+    let cfg = Config::from(config);
+    let model = latency_model(latency.0, latency.1, latency.2, latency.3)?;
+    let requests = requests
+        .into_iter()
+        .enumerate()
+        .map(|(i, (arrival_s, prompt_len, output_len, variant))| {
+            if !(arrival_s.is_finite() && arrival_s >= 0.0) {
+                return Err(PyValueError::new_err(format!(
+                    "request {i}: arrival {arrival_s} must be a finite number of seconds >= 0"
+                )));
+            }
+            Ok(SimRequest {
+                arrival_s,
+                prompt_len,
+                output_len,
+                variant,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let variants = variants
+        .into_iter()
+        .enumerate()
+        .map(|(i, (kind, num_blocks, host_bytes, rank))| {
+            let kind = wire::VariantKind::from_label(&kind).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "variant {i}: kind must be 'lora' or 'delta', got {kind:?}"
+                ))
+            })?;
+            Ok(SimVariant {
+                kind: sched_kind(kind),
+                num_blocks,
+                host_bytes,
+                rank,
+            })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    for (name, x) in [("router_gap_s", router_gap_s), ("noise", noise)] {
+        if !(x.is_finite() && x >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be a finite number >= 0, got {x}"
+            )));
+        }
+    }
+    if let Some(bad) = step_times
+        .iter()
+        .flatten()
+        .find(|t| !(t.is_finite() && **t >= 0.0))
+    {
+        return Err(PyValueError::new_err(format!(
+            "step_times must be finite seconds >= 0, got {bad}"
+        )));
+    }
+    let opts = SimOptions {
+        workers,
+        overlap_steps,
+        router_gap_s,
+        noise,
+        seed,
+        max_queued_per_worker,
+        step_times,
+        record_steps,
+    };
+    let out = py
+        .detach(|| run(&cfg, &requests, &variants, &model, &opts))
+        .map_err(PyValueError::new_err)?;
+    let d = PyDict::new(py);
+    d.set_item("first_token_s", out.first_token_s)?;
+    d.set_item("finish_s", out.finish_s)?;
+    d.set_item("output_tokens", out.output_tokens)?;
+    d.set_item("worker_of", out.worker_of)?;
+    d.set_item("busy_s", out.busy_s)?;
+    d.set_item("counters", out.counters)?;
+    d.set_item("peaks", out.peaks)?;
+    let steps: Vec<_> = out
+        .steps
+        .into_iter()
+        .map(|s| {
+            (
+                s.worker,
+                s.step_id,
+                s.ahead,
+                s.start_s,
+                s.end_s,
+                s.entries,
+                s.prefill_tokens,
+            )
+        })
+        .collect();
+    d.set_item("steps", steps)?;
+    Ok(d)
+}

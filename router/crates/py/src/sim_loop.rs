@@ -1,0 +1,592 @@
+//! The simulator's virtual-clock loop: the router's real scheduler ([`Scheduler`], one per
+//! simulated worker) driven the way the engine actor drives it
+//! (`router/crates/server/src/engine/actor.rs`), with a [`LatencyModel`] in place of the GPU.
+//! Pure Rust, no Python: `sim.rs` converts its inputs and [`SimOutcome`].
+//!
+//! # The actor's call sequence, replayed
+//!
+//! ```text
+//! arrival of request i at t   route to the worker with the fewest live requests (the engine's
+//!                             least-loaded pick; ties: the lowest index), add_request, keep_busy
+//! output of step N at t       host_copies_ready(reads finished by t), update(N's tokens),
+//!                             keep_busy, then count tokens (first token: TTFT; finish)
+//! keep_busy                   no step in flight: schedule(); overlap_steps and one in flight:
+//!                             schedule_ahead()   (both skipped when nothing is unfinished)
+//! ```
+//!
+//! # Time
+//!
+//! A step sent at `t` starts on the device at `max(t + router_gap_s, the previous step's end,
+//! the host copies its ToGpu ops wait for)` and lasts the model's `step_s` (times a seeded
+//! log-normal factor when `noise > 0`, or the given `step_times`) plus its `ToGpu` copies. Its
+//! output reaches the router at its end. A `ToHost` read starts when its step is sent, after
+//! the worker's earlier reads (one reader per worker), and is reported with the first output
+//! after it finished, as the worker's `host_ready` does. Every request samples a token each
+//! time its chunk reaches the end of its known tokens (the scheduler ignores the token given
+//! for a partial chunk), so output lengths are the trace's (`max_tokens`, `ignore_eos`).
+//!
+//! Events at the same instant: step outputs before arrivals, arrivals in trace order.
+
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
+
+use deltaserve_sched::{
+    ScheduledStep, Scheduler, SchedulerConfig, SeqRequest, VariantKind, VariantOpKind, VariantSpec,
+};
+
+use crate::sim_latency::{LatencyModel, StepFeatures};
+
+/// One request of the trace.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SimRequest {
+    /// Arrival, seconds from the start.
+    pub(crate) arrival_s: f64,
+    /// Prompt tokens.
+    pub(crate) prompt_len: u32,
+    /// Output tokens it generates (forced: `max_tokens`, EOS ignored).
+    pub(crate) output_len: u32,
+    /// Its variant: 0 for the base model, else `i + 1` for `variants[i]`.
+    pub(crate) variant: u32,
+}
+
+/// One variant of the trace, registered with every worker's scheduler.
+#[derive(Debug, Clone)]
+pub(crate) struct SimVariant {
+    /// LoRA adapter or delta.
+    pub(crate) kind: VariantKind,
+    /// Pool pages of a LoRA adapter on the GPU (0 for a delta).
+    pub(crate) num_blocks: u32,
+    /// Bytes of its host copy (also what a `ToGpu` copies).
+    pub(crate) host_bytes: u64,
+    /// LoRA rank (the latency model's `lora_rank_sum`); 0 for a delta.
+    pub(crate) rank: u32,
+}
+
+/// How the engine around the schedulers behaves.
+#[derive(Debug, Clone)]
+pub(crate) struct SimOptions {
+    /// Workers (GPUs), each with its own scheduler.
+    pub(crate) workers: usize,
+    /// The daemon's `--overlap-steps`: a step is formed ahead while one is in flight.
+    pub(crate) overlap_steps: bool,
+    /// Seconds from a plan being sent to its step starting (router + IPC), when not hidden.
+    pub(crate) router_gap_s: f64,
+    /// Standard deviation of the log of a multiplicative step-time noise (0: none).
+    pub(crate) noise: f64,
+    /// Seed of the noise.
+    pub(crate) seed: u64,
+    /// Requests a worker may hold (queued + running) before new ones are refused (the
+    /// daemon's `--max-queued-per-worker`, answered with 429); `None`: no limit.
+    pub(crate) max_queued_per_worker: Option<usize>,
+    /// Device seconds of each step in launch order (one worker only), instead of the model's.
+    pub(crate) step_times: Option<Vec<f64>>,
+    /// Keep every step's composition in [`SimOutcome::steps`].
+    pub(crate) record_steps: bool,
+}
+
+/// One simulated step, for comparison with the daemon's.
+#[derive(Debug, Clone)]
+pub(crate) struct StepRecord {
+    /// The worker that ran it.
+    pub(crate) worker: usize,
+    /// The scheduler's step id on that worker.
+    pub(crate) step_id: u64,
+    /// Formed by `schedule_ahead` (one step was in flight).
+    pub(crate) ahead: bool,
+    /// When it started on the device.
+    pub(crate) start_s: f64,
+    /// When its output reached the router.
+    pub(crate) end_s: f64,
+    /// `(request, tokens scheduled)`, new requests first, then running ones (the plan's order).
+    pub(crate) entries: Vec<(u64, u32)>,
+    /// Its prefill tokens (the latency model's feature).
+    pub(crate) prefill_tokens: u32,
+}
+
+/// Everything a run measured; per-request vectors are indexed like the trace.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SimOutcome {
+    /// When each request's first token reached the router (NaN: never).
+    pub(crate) first_token_s: Vec<f64>,
+    /// When each request finished (NaN: rejected).
+    pub(crate) finish_s: Vec<f64>,
+    /// Output tokens each request received.
+    pub(crate) output_tokens: Vec<u32>,
+    /// The worker each request went to (-1: rejected, the queue limit was reached).
+    pub(crate) worker_of: Vec<i64>,
+    /// Device seconds each worker was busy (steps and copies).
+    pub(crate) busy_s: Vec<f64>,
+    /// Scheduler counters summed over the workers, by `SchedStats` field name.
+    pub(crate) counters: BTreeMap<&'static str, u64>,
+    /// Peaks over the run, the largest on any one worker: `kv_blocks`, `lora_blocks`,
+    /// `host_bytes`, `deltas_on_gpu`, `running`, `waiting`.
+    pub(crate) peaks: BTreeMap<&'static str, u64>,
+    /// Every step, when `record_steps`.
+    pub(crate) steps: Vec<StepRecord>,
+}
+
+/// A step sent and not answered yet.
+struct InFlight {
+    /// When its output reaches the router.
+    end_s: f64,
+    /// The requests it scheduled.
+    ids: Vec<u64>,
+}
+
+/// One worker: its scheduler and the actor's and device's state around it.
+struct WorkerSim {
+    sched: Scheduler,
+    in_flight: VecDeque<InFlight>,
+    /// When the device finishes the last step sent.
+    device_free_s: f64,
+    /// When the worker's reader finishes the reads queued so far.
+    disk_free_s: f64,
+    /// Variant -> when its host copy is (or was) complete, while it has one.
+    host_done_s: HashMap<u32, f64>,
+    /// Reads not reported yet: variant -> completion time.
+    unreported: BTreeMap<u32, f64>,
+    /// Each running request's cached length (tokens its scheduled chunks reached).
+    cached: HashMap<u64, u32>,
+    /// Requests routed here and not finished: the engine's load measure.
+    live: usize,
+    /// The actor's request counter (the scheduler's arrival stamp).
+    next_stamp: u64,
+    /// Device seconds busy.
+    busy_s: f64,
+}
+
+/// The run: workers, the event queue of step outputs, and the results so far.
+struct Sim<'a> {
+    requests: &'a [SimRequest],
+    variants: &'a [SimVariant],
+    model: &'a LatencyModel,
+    opts: &'a SimOptions,
+    workers: Vec<WorkerSim>,
+    /// Step outputs to come: (end time, sequence number) -> worker.
+    outputs: BinaryHeap<Due>,
+    seq: u64,
+    rng: SplitMix,
+    launched: usize,
+    out: SimOutcome,
+}
+
+/// A step output due at `t`; ordered earliest first (then by sequence number).
+#[derive(Debug, Clone, Copy)]
+struct Due {
+    t: f64,
+    seq: u64,
+    worker: usize,
+}
+
+impl Ord for Due {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (other.t.total_cmp(&self.t)).then(other.seq.cmp(&self.seq))
+    }
+}
+impl PartialOrd for Due {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl PartialEq for Due {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Due {}
+
+/// Runs `requests` (any order; replayed by arrival time) through `opts.workers` schedulers of
+/// config `cfg`. Errors name the first bad input: a config the scheduler refuses, a variant it
+/// refuses, a request it refuses (too long for `max_model_len`, too big for the pool), too few
+/// `step_times`, or a run that stalls with requests unfinished.
+pub(crate) fn simulate(
+    cfg: &SchedulerConfig,
+    requests: &[SimRequest],
+    variants: &[SimVariant],
+    model: &LatencyModel,
+    opts: &SimOptions,
+) -> Result<SimOutcome, String> {
+    if opts.workers == 0 {
+        return Err("workers must be at least 1".into());
+    }
+    if opts.step_times.is_some() && opts.workers != 1 {
+        return Err("step_times replays one worker's steps: workers must be 1".into());
+    }
+    let mut workers = Vec::with_capacity(opts.workers);
+    for _ in 0..opts.workers {
+        let mut sched = Scheduler::new(cfg.clone()).map_err(|e| e.to_string())?;
+        for (i, v) in variants.iter().enumerate() {
+            let spec = VariantSpec {
+                kind: v.kind,
+                num_blocks: v.num_blocks,
+                host_bytes: v.host_bytes,
+                path: format!("sim://variant/{}", i + 1),
+            };
+            sched
+                .register_adapter(i as u32 + 1, spec)
+                .map_err(|e| format!("variant {i}: {e}"))?;
+        }
+        workers.push(WorkerSim {
+            sched,
+            in_flight: VecDeque::new(),
+            device_free_s: 0.0,
+            disk_free_s: 0.0,
+            host_done_s: HashMap::new(),
+            unreported: BTreeMap::new(),
+            cached: HashMap::new(),
+            live: 0,
+            next_stamp: 0,
+            busy_s: 0.0,
+        });
+    }
+    let n = requests.len();
+    let mut sim = Sim {
+        requests,
+        variants,
+        model,
+        opts,
+        workers,
+        outputs: BinaryHeap::new(),
+        seq: 0,
+        rng: SplitMix(opts.seed),
+        launched: 0,
+        out: SimOutcome {
+            first_token_s: vec![f64::NAN; n],
+            finish_s: vec![f64::NAN; n],
+            output_tokens: vec![0; n],
+            worker_of: vec![-1; n],
+            ..SimOutcome::default()
+        },
+    };
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| requests[a].arrival_s.total_cmp(&requests[b].arrival_s));
+    let mut next = 0;
+    loop {
+        let arrival = order.get(next).map(|&i| requests[i].arrival_s);
+        match (arrival, sim.outputs.peek().copied()) {
+            (None, None) => break,
+            (Some(t), Some(due)) if due.t > t => {
+                sim.arrive(order[next])?;
+                next += 1;
+            }
+            (Some(_), None) => {
+                sim.arrive(order[next])?;
+                next += 1;
+            }
+            (_, Some(due)) => {
+                sim.outputs.pop();
+                sim.output(due.worker, due.t)?;
+            }
+        }
+    }
+    sim.finish()
+}
+
+impl Sim<'_> {
+    /// Request `i` arrives: routed, queued, and its worker kept busy.
+    fn arrive(&mut self, i: usize) -> Result<(), String> {
+        let r = self.requests[i];
+        if r.variant as usize > self.variants.len() {
+            return Err(format!(
+                "request {i}: variant {} is not among the {} variants",
+                r.variant,
+                self.variants.len()
+            ));
+        }
+        let (w, worker) = self
+            .workers
+            .iter_mut()
+            .enumerate()
+            .min_by_key(|(_, wk)| wk.live)
+            .expect("at least one worker");
+        if self
+            .opts
+            .max_queued_per_worker
+            .is_some_and(|m| worker.live >= m)
+        {
+            return Ok(()); // refused (429): no token, no finish
+        }
+        let req = SeqRequest {
+            id: i as u64,
+            prompt: vec![0; r.prompt_len as usize],
+            max_tokens: r.output_len,
+            eos_token_ids: Vec::new(),
+            ignore_eos: true,
+            arrival: worker.next_stamp,
+            adapter_id: r.variant,
+        };
+        worker
+            .sched
+            .add_request(req)
+            .map_err(|e| format!("request {i}: {e}"))?;
+        worker.next_stamp += 1;
+        worker.live += 1;
+        self.out.worker_of[i] = w as i64;
+        self.keep_busy(w, r.arrival_s)
+    }
+
+    /// The oldest step in flight on worker `w` answers at `t` (the actor's `on_step_output`).
+    fn output(&mut self, w: usize, t: f64) -> Result<(), String> {
+        let worker = &mut self.workers[w];
+        let step = worker
+            .in_flight
+            .pop_front()
+            .expect("an output answers a sent step");
+        debug_assert_eq!(step.end_s, t);
+        let ready: Vec<u32> = worker
+            .unreported
+            .iter()
+            .filter(|&(_, &done)| done <= t)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in &ready {
+            worker.unreported.remove(id);
+        }
+        worker.sched.host_copies_ready(&ready);
+        let sampled: Vec<(u64, Option<u32>)> = step.ids.iter().map(|&id| (id, Some(1))).collect();
+        let updates = worker.sched.update(&sampled);
+        self.keep_busy(w, t)?;
+        for u in updates {
+            let i = u.id as usize;
+            if self.out.output_tokens[i] == 0 {
+                self.out.first_token_s[i] = t;
+            }
+            self.out.output_tokens[i] += 1;
+            if u.finished.is_some() {
+                self.out.finish_s[i] = t;
+                let worker = &mut self.workers[w];
+                worker.live -= 1;
+                worker.cached.remove(&u.id);
+            }
+        }
+        Ok(())
+    }
+
+    /// The actor's `keep_busy`: a step when none is in flight, and with overlap the step after
+    /// the one in flight.
+    fn keep_busy(&mut self, w: usize, t: f64) -> Result<(), String> {
+        if self.workers[w].in_flight.is_empty() {
+            self.launch(w, t, false)?;
+        }
+        if self.opts.overlap_steps && self.workers[w].in_flight.len() == 1 {
+            self.launch(w, t, true)?;
+        }
+        Ok(())
+    }
+
+    /// Forms a step on worker `w` at `t` and sends it: prices it, queues its reads and copies,
+    /// and schedules its output.
+    fn launch(&mut self, w: usize, t: f64, ahead: bool) -> Result<(), String> {
+        let worker = &mut self.workers[w];
+        if !worker.sched.has_unfinished() {
+            return Ok(());
+        }
+        let step = if ahead {
+            worker.sched.schedule_ahead()
+        } else {
+            worker.sched.schedule()
+        };
+        if step.is_empty() {
+            return Ok(());
+        }
+        let (features, entries) = features(worker, &step, self.requests, self.variants);
+        let mut start = (t + self.opts.router_gap_s).max(worker.device_free_s);
+        let mut copy_s = 0.0;
+        for op in &step.adapter_ops {
+            let id = op.adapter_id;
+            let variant = &self.variants[id as usize - 1];
+            let (kind, bytes) = (variant.kind, variant.host_bytes);
+            match op.kind {
+                VariantOpKind::ToHost { .. } => {
+                    let done = t.max(worker.disk_free_s) + self.model.to_host_s(kind, bytes);
+                    worker.disk_free_s = done;
+                    worker.host_done_s.insert(id, done);
+                    worker.unreported.insert(id, done);
+                }
+                VariantOpKind::ToGpu { .. } => {
+                    start = start.max(worker.host_done_s.get(&id).copied().unwrap_or(t));
+                    copy_s += self.model.to_gpu_s(kind, bytes);
+                }
+                VariantOpKind::DropHost => {
+                    worker.host_done_s.remove(&id);
+                    worker.unreported.remove(&id);
+                }
+                VariantOpKind::DropGpu => {}
+            }
+        }
+        let compute_s = match &self.opts.step_times {
+            Some(times) => *times.get(self.launched).ok_or_else(|| {
+                format!(
+                    "step_times has {} entries but the run needs step {}",
+                    times.len(),
+                    self.launched + 1
+                )
+            })?,
+            None => self.model.step_s(&features) * self.rng.log_normal(self.opts.noise),
+        };
+        self.launched += 1;
+        let end = start + compute_s + copy_s;
+        worker.device_free_s = end;
+        worker.busy_s += compute_s + copy_s;
+        worker.in_flight.push_back(InFlight {
+            end_s: end,
+            ids: entries.iter().map(|&(id, _)| id).collect(),
+        });
+        self.seq += 1;
+        self.outputs.push(Due {
+            t: end,
+            seq: self.seq,
+            worker: w,
+        });
+        let s = worker.sched.stats();
+        for (name, value) in [
+            ("kv_blocks", u64::from(s.used_blocks)),
+            ("lora_blocks", u64::from(s.adapter_blocks)),
+            ("host_bytes", s.host_adapter_bytes),
+            ("deltas_on_gpu", s.deltas_on_gpu as u64),
+            ("running", s.running as u64),
+            ("waiting", s.waiting as u64),
+        ] {
+            let peak = self.out.peaks.entry(name).or_insert(0);
+            *peak = (*peak).max(value);
+        }
+        if self.opts.record_steps {
+            self.out.steps.push(StepRecord {
+                worker: w,
+                step_id: step.step_id,
+                ahead,
+                start_s: start,
+                end_s: end,
+                entries,
+                prefill_tokens: features.prefill_tokens as u32,
+            });
+        }
+        Ok(())
+    }
+
+    /// The outcome, once no event is left: every routed request must have finished.
+    fn finish(mut self) -> Result<SimOutcome, String> {
+        for (w, worker) in self.workers.iter().enumerate() {
+            if worker.sched.has_unfinished() {
+                let s = worker.sched.stats();
+                return Err(format!(
+                    "the run stalled on worker {w}: {} waiting and {} running requests, nothing \
+                     in flight (a scheduler bug: please report it with the trace)",
+                    s.waiting, s.running
+                ));
+            }
+        }
+        let mut counters: BTreeMap<&'static str, u64> = BTreeMap::new();
+        for worker in &self.workers {
+            let s = worker.sched.stats();
+            for (name, value) in [
+                ("steps", s.steps),
+                ("num_preemptions", s.num_preemptions),
+                ("num_finished", s.num_finished),
+                ("adapter_gpu_loads", s.adapter_gpu_loads),
+                ("adapter_host_loads", s.adapter_host_loads),
+                ("adapter_gpu_evictions", s.adapter_gpu_evictions),
+                ("delta_skips", s.delta_skips),
+                ("delta_skip_preemptions", s.delta_skip_preemptions),
+                ("host_deferrals", s.host_deferrals),
+            ] {
+                *counters.entry(name).or_insert(0) += value;
+            }
+        }
+        self.out.counters = counters;
+        self.out.busy_s = self.workers.iter().map(|w| w.busy_s).collect();
+        Ok(self.out)
+    }
+}
+
+/// The latency features of `step` and its `(request, tokens)` entries in plan order, updating
+/// each request's cached length on `worker`.
+fn features(
+    worker: &mut WorkerSim,
+    step: &ScheduledStep,
+    requests: &[SimRequest],
+    variants: &[SimVariant],
+) -> (StepFeatures, Vec<(u64, u32)>) {
+    for id in &step.released {
+        worker.cached.remove(id);
+    }
+    let mut f = StepFeatures::default();
+    let mut loras = BTreeSet::new();
+    let mut deltas = BTreeSet::new();
+    let mut entries = Vec::with_capacity(step.num_requests());
+    let new = step
+        .new
+        .iter()
+        .map(|n| (n.id, n.num_computed_tokens, n.num_scheduled_tokens, true));
+    let running = step.running.iter().map(|r| {
+        let from = worker.cached.get(&r.id).copied().unwrap_or(0);
+        (
+            r.id,
+            from,
+            r.num_scheduled_tokens,
+            r.num_scheduled_tokens > 1,
+        )
+    });
+    let chunks: Vec<_> = new.chain(running).collect();
+    for (id, from, n, prefill) in chunks {
+        let to = from + n;
+        worker.cached.insert(id, to);
+        entries.push((id, n));
+        let (n, to) = (f64::from(n), f64::from(to));
+        f.tokens += n;
+        f.seqs += 1.0;
+        f.context_tokens += to;
+        if prefill {
+            f.prefill_tokens += n;
+            f.prefill_attention += n * to;
+        }
+        let variant = requests[id as usize].variant;
+        if variant == 0 {
+            continue;
+        }
+        let v = &variants[variant as usize - 1];
+        match v.kind {
+            VariantKind::Lora => {
+                f.lora_tokens += n;
+                if loras.insert(variant) {
+                    f.lora_rank_sum += f64::from(v.rank);
+                }
+            }
+            VariantKind::Delta => {
+                f.delta_tokens += n;
+                deltas.insert(variant);
+            }
+        }
+    }
+    f.lora_segments = loras.len() as f64;
+    f.deltas = deltas.len() as f64;
+    (f, entries)
+}
+
+/// A seeded generator (SplitMix64) for the step-time noise: no dependency, the same numbers on
+/// every platform.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1].
+    fn unit(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    /// A log-normal factor of mean 1 whose log has standard deviation `sigma` (1 for 0).
+    fn log_normal(&mut self, sigma: f64) -> f64 {
+        if sigma <= 0.0 {
+            return 1.0;
+        }
+        let z = (-2.0 * self.unit().ln()).sqrt() * (std::f64::consts::TAU * self.unit()).cos();
+        (sigma * z - sigma * sigma / 2.0).exp()
+    }
+}

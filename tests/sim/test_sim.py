@@ -1,0 +1,161 @@
+"""deltaserve.sim: the real scheduler on a virtual clock (router/crates/py/src/sim*.rs) and its
+Python side (pyworker/deltaserve/sim/). Small traces only: every test runs in well under a second."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deltaserve import _native, sim
+from deltaserve.sim.__main__ import main
+from deltaserve.sim.models import DEFAULT_MODEL, MODELS_DIR, fit_default
+from deltaserve.sim.trace import from_requests
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_trace(n: int = 200, rate: float = 20.0, seed: int = 0, deltas: bool = False) -> sim.SimTrace:
+    """Poisson arrivals, S2 ranks (or 4 deltas), prompts U[8, 256], outputs U[4, 64]."""
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(1 / rate, n))
+    variants = ([{"name": f"d{i}", "kind": "full"} for i in range(4)] if deltas else
+                [{"name": f"a{i}", "kind": "lora", "rank": (64, 32, 16, 8)[i % 4]} for i in range(8)])  # fmt: skip
+    names = [None] + [v["name"] for v in variants]
+    reqs = [{"t": float(t[i]), "variant": names[int(rng.integers(0, len(names)))],
+             "prompt_len": int(rng.integers(8, 257)), "output_len": int(rng.integers(4, 65))} for i in range(n)]  # fmt: skip
+    return from_requests(reqs, variants)
+
+
+def test_config_defaults_are_the_schedulers():
+    cfg = _native.SchedulerConfig(16, 64, 512)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_deltas, cfg.prefetch_window) == (256, 2048, 3, 64)
+    assert cfg.host_copy_reports is False
+    cfg.max_num_seqs = 0
+    with pytest.raises(_native.SchedError, match="max_num_seqs") as e:
+        cfg.validate()
+    assert e.value.error_type == "invalid_config"
+    daemon = sim.daemon_config(sim.default_model(), max_num_seqs=32)
+    assert daemon.host_copy_reports and daemon.max_num_seqs == 32 and daemon.max_deltas == 3
+
+
+def test_deterministic_for_a_seed():
+    trace = make_trace()
+    runs = [sim.replay(trace, seed=s, noise=0.3, record_steps=True) for s in (7, 7, 8)]
+    a, b, c = runs
+    assert np.array_equal(a.finish_s, b.finish_s) and a.steps == b.steps and a.summary() == b.summary()
+    assert not np.array_equal(a.finish_s, c.finish_s), "another seed draws other step times"
+
+
+def test_every_request_finishes_once_with_its_tokens():
+    trace = make_trace(deltas=False)
+    res = sim.replay(trace, record_steps=True)
+    assert res.completed.all() and (res.worker_of == 0).all()
+    assert list(res.output_tokens) == list(trace.output_len)
+    assert (res.first_token_s >= np.asarray(trace.arrival_s)).all() and (res.finish_s >= res.first_token_s).all()
+    assert res.counters["num_finished"] == len(trace) and res.counters["num_preemptions"] == 0
+    computed = np.zeros(len(trace), dtype=np.int64)
+    for _worker, _step, _ahead, start, end, entries, _prefill in res.steps:
+        assert end >= start
+        for req, tokens in entries:
+            computed[req] += tokens
+    # No preemption: each request computes its prompt and every output but the last once.
+    assert list(computed) == [p + o - 1 for p, o in zip(trace.prompt_len, trace.output_len)]
+
+
+def test_a_small_pool_preempts_and_still_finishes_everything():
+    trace = make_trace(n=120, rate=200.0, deltas=True)
+    model = sim.default_model()
+    cfg = _native.SchedulerConfig(16, 64, 512)  # 1024 tokens of KV for bursts of 120 requests
+    cfg.max_deltas, cfg.host_copy_reports = 2, True
+    res = sim.replay(trace, cfg, model)
+    s = res.summary()
+    assert s["completed"] == len(trace) and s["preemptions"] > 0
+    assert list(res.output_tokens) == list(trace.output_len)
+    assert s["peak"]["kv_blocks"] <= 64 and s["peak"]["deltas_on_gpu"] == 2 and s["adapter_gpu_loads"] >= 4
+
+
+def test_latency_model_fit_recovers_its_coefficients(tmp_path):
+    rng = np.random.default_rng(1)
+    truth = {
+        "decode": {"const": 0.004, "seqs": 3e-5, "context_tokens": 1e-7, "lora_rank_sum": 2e-6, "deltas": 7e-4},
+        "prefill": {"const": 0.002, "prefill_tokens": 2e-5, "prefill_attention": 1e-9, "lora_tokens": 1e-5},
+    }
+    samples = []
+    for i in range(80):
+        prefill = i % 2 == 1
+        s = {"seqs": int(rng.integers(1, 256)), "context_tokens": int(rng.integers(100, 200000)),
+             "lora_rank_sum": int(rng.integers(0, 2000)), "deltas": int(rng.integers(0, 4))}  # fmt: skip
+        if prefill:
+            s = {"prefill_tokens": int(rng.integers(16, 4096)), "lora_tokens": int(rng.integers(0, 2000))}
+            s["prefill_attention"] = s["prefill_tokens"] * int(rng.integers(16, 4096))
+        coef = truth["prefill" if prefill else "decode"]
+        s["step_s"] = sum(coef.get(f, 0) * s.get(f, 1 if f == "const" else 0) for f in sim.FEATURES)
+        samples.append(s)
+    m = sim.LatencyModel.fit(samples)
+    for kind in ("decode", "prefill"):
+        assert m.r2[kind] == pytest.approx(1.0)
+        for f in sim.FEATURES:
+            assert getattr(m, kind)[f] == pytest.approx(truth[kind].get(f, 0.0), rel=1e-6, abs=1e-12), (kind, f)
+    assert m.predict(samples[3]) == pytest.approx(samples[3]["step_s"])
+    loaded = sim.LatencyModel.load(m.save(tmp_path / "m.json"))
+    assert loaded == m
+    with pytest.raises(ValueError, match="unknown features"):
+        sim.LatencyModel.fit([{"step_s": 1.0, "bogus": 1}])
+    with pytest.raises(ValueError, match="no prefill samples"):
+        sim.LatencyModel.fit([{"step_s": 1.0, "seqs": 1}])
+
+
+def test_higher_rate_means_higher_ttft_under_saturation():
+    trace = make_trace(n=300)
+    cfg = sim.daemon_config(sim.default_model(), max_num_seqs=8)
+    means = [sim.replay(trace.at_rate(r), cfg).summary()["ttft_s"]["mean"] for r in (5.0, 40.0, 160.0)]
+    assert means[0] < means[1] < means[2]
+    two = sim.replay(trace.at_rate(160.0), cfg, workers=2)
+    assert two.summary()["ttft_s"]["mean"] < means[2] and set(two.worker_of) == {0, 1}
+
+
+def test_bad_input_is_refused_by_name():
+    trace = make_trace(n=5)
+    too_long = from_requests([{"t": 0.0, "prompt_len": 5000, "output_len": 10}], [])
+    with pytest.raises(ValueError, match="request 0"):
+        sim.replay(too_long)
+    with pytest.raises(ValueError, match="not among the trace's variants"):
+        from_requests([{"t": 0.0, "variant": "x", "prompt_len": 5, "output_len": 1}], [])
+    with pytest.raises(ValueError, match="step_times has 1 entries"):
+        sim.replay(trace, step_times=[0.01])
+    with pytest.raises(ValueError, match="workers must be at least 1"):
+        sim.replay(trace, workers=0)
+
+
+def test_the_bundled_default_is_fitted_from_the_committed_results():
+    committed = json.loads((MODELS_DIR / f"{DEFAULT_MODEL}.json").read_text())
+    assert fit_default(REPO / "bench" / "results").to_dict() == committed
+
+
+def test_replay_and_plan_commands_run_on_a_tiny_trace(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    trace = make_trace(n=60, deltas=True)
+    header = {"trace": {"kind": "test", "variants": [{"name": v.name, "kind": "full"} for v in trace.variants]}}
+    names = [""] + [v.name for v in trace.variants]
+    lines = [json.dumps(header)] + [
+        json.dumps({"t": t, "variant": names[v], "prompt_len": p, "output_len": o})
+        for t, p, o, v in zip(trace.arrival_s, trace.prompt_len, trace.output_len, trace.variant)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["replay", "--trace", str(path), "--out", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["completed"] == 60
+    rc = main(["plan", "--trace", str(path), "--slo-ttft-ms", "6000", "--rates", "2,200", "--max-num-seqs", "8,64",
+               "--max-deltas", "1,3", "--max-gpus", "4", "--out-dir", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0 and "max-num-seqs" in out
+    cells = json.loads((tmp_path / "plan.json").read_text())["cells"]
+    assert len(cells) == 2 * 2 * 2
+    low = [c["gpus"] for c in cells if c["rate"] == 2]
+    high = [c["gpus"] or math.inf for c in cells if c["rate"] == 200]
+    assert min(low) == 1 and min(high) >= min(low), out
+    with pytest.raises(FileNotFoundError):
+        main(["replay", "--trace", str(tmp_path / "missing.jsonl")])
