@@ -14,8 +14,6 @@
 //!   safetensors file into a host buffer ([`deltaserve_tensorfile::read_into`]), GIL released.
 //! - `read_safetensors_header(path)`: `{name: (dtype, shape)}` of a safetensors file from its
 //!   header alone ([`deltaserve_tensorfile::read_header`]), GIL released.
-//! - `regex_match(pattern, texts, whole=False)`: `re.match` / `re.fullmatch` with a linear-time
-//!   engine, for patterns from adapter configs (`linear_regex.rs`).
 //! - `Scheduler(block_size, num_blocks, max_model_len, ...)` and its `SchedError`: the router's
 //!   scheduler, plans out and worker outputs in as wire frames (`scheduler.rs`, translating
 //!   through `wire_plan.rs`).
@@ -23,10 +21,6 @@
 //!   `SIM_FEATURES`: the scheduler's config struct and the capacity-planning simulator, the real
 //!   scheduler on a virtual clock (`sim.rs`; the loop in `sim_loop.rs`, step prices in
 //!   `sim_latency.rs`), behind `deltaserve.sim`.
-//! - `run_cli(argv, python=None)` and `EmbeddedServer(flags, python=None, http=True)`: the
-//!   `deltaserve` command line and the router in this process (`embedded.rs`, over
-//!   `deltaserve_server::{cli, embedded}`), behind the console script, `deltaserve.Server` and
-//!   `deltaserve.LLM`.
 //!
 //! Blocking calls release the GIL and wake at least every [`SIGNAL_CHECK`] to run Python signal
 //! handlers, so Ctrl-C interrupts a worker blocked in `recv`.
@@ -36,8 +30,6 @@
 //! (`FrameTooLarge`, `BadCapacity`) raise `ValueError`; a bounded `send` that found the ring full
 //! for its whole timeout raises `TimeoutError`.
 
-mod embedded;
-mod linear_regex;
 mod scheduler;
 mod sim;
 mod sim_latency;
@@ -409,11 +401,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(schema_text, m)?)?;
     m.add_function(wrap_pyfunction!(read_safetensors_into, m)?)?;
     m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
-    m.add_function(wrap_pyfunction!(linear_regex::regex_match, m)?)?;
     m.add_class::<WorkerLink>()?;
     m.add_class::<RouterLink>()?;
     m.add("DEFAULT_CAPACITY", DEFAULT_CAPACITY)?;
-    embedded::register(m)?;
     m.add_class::<scheduler::Scheduler>()?;
     m.add("SchedError", m.py().get_type::<scheduler::SchedError>())?;
     m.add_class::<sim::PySchedulerConfig>()?;
