@@ -42,8 +42,9 @@ from ..formats.packed_delta import PackedLinear, pack
 from ..model.arch import ModelConfig
 from ..model.attention import AttentionMeta, attention_metadata
 from ..model.batch import ForwardBatch
-from ..model.decoder import DecoderLayer, DecoderLM, linear_slots, rope_cos_sin_cache, rope_inv_freq
+from ..model.decoder import DecoderLayer, DecoderLM, embed_scale, linear_slots
 from ..model.kv_cache import PagedKVCache
+from ..model.rope import RopeTables
 from .calib import calibration_samples, load_calibration
 from .delta_dir import (
     FORMAT,
@@ -95,7 +96,6 @@ class CompressConfig:
     """HF tensor names taken from the fine-tune; every other tensor is the base's (its delta is zero:
     packed linears left out, dense ones dropped). None: all of them. The block zoo compresses a
     variant's own blocks this way (``deltaserve.zoo``); the manifest then says ``"partial": true``."""
-
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad setting."""
@@ -266,7 +266,7 @@ def compress(
     )
     chunks, pages = _chunks(samples, config.chunk_tokens, base_cfg, device)
     kv = PagedKVCache(1, pages, _KV_BLOCK, base_cfg.num_kv_heads, base_cfg.head_dim, torch.float32, device)
-    cos_sin = rope_cos_sin_cache(rope_inv_freq(base_cfg).to(device), max(len(s) for s in samples), torch.float32)
+    cos_sin = RopeTables.build(base_cfg, max(len(s) for s in samples), device, torch.float32)
     n_tokens = sum(len(s) for s in samples)
     log = (lambda msg: print(msg, file=progress, flush=True)) if progress is not None else (lambda msg: None)
     log(
@@ -301,7 +301,8 @@ def compress(
     with torch.no_grad():
         embed = dense_tensor("model.embed_tokens.weight")
         states: list[tuple[torch.Tensor, torch.Tensor | None]] = [
-            (F.embedding(c.batch.input_ids, embed), None) for c in chunks
+            (F.embedding(c.batch.input_ids, embed) * (embed_scale(base_cfg, torch.float32) or 1.0), None)
+            for c in chunks
         ]
         del embed
         groups: dict[str, list[str]] = {}
@@ -312,7 +313,7 @@ def compress(
             t_layer = time.monotonic()
             prefix = f"model.layers.{li}."
             with torch.device("meta"):
-                layer = DecoderLayer(base_cfg, torch.float32)
+                layer = DecoderLayer(base_cfg, torch.float32, li)
             layer.to_empty(device=device)
             layer.eval()
             params = dict(layer.named_parameters())
@@ -419,7 +420,7 @@ def _run_layer(
     layer: DecoderLayer,
     chunk: _Chunk,
     state: tuple[torch.Tensor, torch.Tensor | None],
-    cos_sin: torch.Tensor,
+    cos_sin: RopeTables,
     kv: PagedKVCache,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h, residual = state
@@ -431,7 +432,7 @@ def _collect_hessian(
     module_path: str,
     chunks: list[_Chunk],
     states: list[tuple[torch.Tensor, torch.Tensor | None]],
-    cos_sin: torch.Tensor,
+    cos_sin: RopeTables,
     kv: PagedKVCache,
 ) -> torch.Tensor:
     """``(2/n) Σ x xᵀ`` over the inputs of ``layer.<module_path>`` for every calibration token."""
