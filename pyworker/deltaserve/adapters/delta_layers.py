@@ -240,6 +240,10 @@ def attach_deltas(model: DecoderLM, step: DeltaStep) -> None:
     if isinstance(model.model.embed_tokens, DeltaEmbedding):
         raise ValueError("attach_deltas: the model already has deltas attached")
     cfg = model.config
+    for name, table in step.tables.norms.items():  # q/k norms (Qwen3, Gemma 3) are head_dim wide
+        width = model.get_parameter(name).shape[0]
+        if table.shape[1] != width:
+            step.tables.norms[name] = table.new_zeros(table.shape[0], width)
     by_module: dict[str, list[tuple[str, int, int]]] = {}
     for proj, s in linear_slots(cfg).items():
         by_module.setdefault(s.module, []).append((proj, s.start, s.size))
