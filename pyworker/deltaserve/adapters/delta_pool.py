@@ -30,7 +30,8 @@ hold at most ``GRAPH_TILE`` tokens (the CUDA op's one 8-token fragment, fixed at
 Only deltas made for this base are accepted (``check_lineage`` against the base directory), in
 mode ``delta`` (a ``--full-weights`` directory is the compressed fine-tune itself, not a delta),
 whose packed tensors are block linears and fit a slot, and whose dense tensors are ones
-``attach_deltas`` applies.
+``attach_deltas`` applies. A delta packs every block linear unless its manifest says ``"partial":
+true`` (a block zoo variant, ``deltaserve.zoo``): the linears it leaves out get an exact zero delta.
 
 ``begin_step(rows)`` maps each token run and each logits row (``StepRows``) to its delta's slot
 and fills ``step`` (``DeltaStep``) for an eager forward; ``end_step`` clears it. Loads failing after
@@ -53,7 +54,7 @@ import torch
 
 from .. import wire
 from ..compress.delta_dir import check_lineage, load_delta, read_manifest
-from ..formats.packed_delta import PackedLinear
+from ..formats.packed_delta import PackedLinear, pack
 from ..kernels.sbmm import DeltaMeta, cuda_shape_problem, cuda_tile_cap, dense_min_m
 from ..model.batch import copy_from_host, host_to_device
 from ..model.decoder import DecoderLM, linear_slots
@@ -83,6 +84,17 @@ class _GraphRows:
     """Config -> (order [B], tiles [B, 3], tile count [1]) int32: a ``DeltaMeta``'s tensors."""
     head: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     """The lm_head delta's (order, tiles, tile count), as in ``metas``."""
+
+
+@functools.cache
+def _zero_delta(key: ConfigKey, features: tuple[int, int]) -> PackedLinear:
+    """A packed delta of config ``key`` that is exactly zero, for a linear of (in, out) ``features``:
+    what a partial delta (``manifest["partial"]``) stores for the block linears it leaves to the base."""
+    bits, sparse, group = key
+    in_f, out_f = features
+    mask = torch.tensor([True, True, False, False]).repeat(out_f, in_f // 4) if sparse else None
+    groups = torch.zeros(out_f, in_f // group)
+    return pack(torch.zeros(out_f, in_f, dtype=torch.int32), mask, groups, groups, bits, group)
 
 
 class DeltaError(ValueError):
@@ -215,7 +227,7 @@ class DeltaPool:
         want = {f"model.layers.{i}.{linear_slots(self.config)[p].module.split('.')[0]}.{p}"
                 for i in range(self.config.num_layers) for p in self.linear_names}  # fmt: skip
         missing = sorted(want - packed)
-        if missing:
+        if missing and manifest.get("partial") is not True:
             raise DeltaError(
                 f"{path}: {len(missing)} block linears have no packed delta, e.g. '{missing[0]}' "
                 "(deltaserve compress packs every one)"
@@ -278,6 +290,10 @@ class DeltaPool:
             assert m is not None  # _validate checked every packed name
             packed[(int(m.group(1)), m.group(2))] = p
         nbytes = sum(p.nbytes() for p in packed.values()) + sum(t.nbytes for t in dense.values())
+        for layer in range(self.config.num_layers):  # a partial delta (a zoo variant): zeros elsewhere
+            for proj in self.linear_names:
+                if (layer, proj) not in packed:
+                    packed[(layer, proj)] = _zero_delta(key, self.slots.features[proj])
         return DeltaHostCopy(key, packed, dense, nbytes, bufs[0])
 
     def to_host(self, delta_id: int, path: str | Path) -> None:

@@ -81,6 +81,11 @@ pub struct ServerConfig {
     /// clients select it with `model: "<base>:NAME"` (or NAME alone).
     #[arg(long = "delta", env = "DELTASERVE_DELTA", value_delimiter = ',', value_parser = parse_delta)]
     pub deltas: Vec<(String, PathBuf)>,
+    /// A block zoo to serve (a directory written by `python -m deltaserve.zoo add`): each of its
+    /// variants stored as deltas is served like a `--delta`, named after the variant; repeat the
+    /// flag for more. Registered after the `--delta`s.
+    #[arg(long = "zoo", env = "DELTASERVE_ZOO", value_delimiter = ',')]
+    pub zoos: Vec<PathBuf>,
     /// Compressed deltas each worker keeps on the GPU at once (its delta slots; DeltaZip's N).
     /// Requests for other deltas wait for a slot; 0 turns delta serving off.
     #[arg(long, env = "DELTASERVE_MAX_DELTAS", default_value_t = DEFAULT_MAX_DELTAS)]
@@ -194,6 +199,12 @@ impl ServerConfig {
                     "--delta {name}: delta serving is off (--max-deltas 0); raise --max-deltas"
                 ));
             }
+            if let Some(zoo) = self.zoos.first() {
+                return Err(format!(
+                    "--zoo {}: delta serving is off (--max-deltas 0); raise --max-deltas",
+                    zoo.display()
+                ));
+            }
         }
         if self.max_lora_rank == 0 {
             return Err("--max-lora-rank must be at least 1".into());
@@ -280,7 +291,8 @@ impl ServerConfig {
     }
 
     /// The variants to register at start-up, `(name, dir, kind)`: every `--lora`, then each
-    /// `--lora-dir`'s adapter subdirectories sorted by name, then every `--delta`. Names are
+    /// `--lora-dir`'s adapter subdirectories sorted by name, then every `--delta`, then each
+    /// `--zoo`'s variants stored as deltas (`zoo_variants`), sorted by name. Names are
     /// checked at registration, and so is each directory's kind.
     pub fn startup_adapters(&self) -> Result<Vec<(String, PathBuf, VariantKind)>, String> {
         let lora = |(name, dir): (String, PathBuf)| (name, dir, VariantKind::Lora);
@@ -310,6 +322,13 @@ impl ServerConfig {
                 .cloned()
                 .map(|(name, dir)| (name, dir, VariantKind::Delta)),
         );
+        for zoo in &self.zoos {
+            out.extend(
+                zoo_variants(zoo)?
+                    .into_iter()
+                    .map(|(name, dir)| (name, dir, VariantKind::Delta)),
+            );
+        }
         Ok(out)
     }
 
@@ -322,6 +341,37 @@ impl ServerConfig {
                 .unwrap_or_else(|| "model".into())
         })
     }
+}
+
+/// A block zoo's variants served as deltas, `(name, dir)` sorted by name: the subdirectories of
+/// `<zoo>/variants` holding a delta `manifest.json` (the zoo's layout: `deltaserve.zoo.manifest`).
+pub fn zoo_variants(zoo: &std::path::Path) -> Result<Vec<(String, PathBuf)>, String> {
+    if !zoo.join("manifest.json").is_file() {
+        return Err(format!(
+            "--zoo {}: no manifest.json (not a block zoo; `python -m deltaserve.zoo add` makes one)",
+            zoo.display()
+        ));
+    }
+    let dir = zoo.join("variants");
+    let mut found = Vec::new();
+    if dir.is_dir() {
+        let entries =
+            std::fs::read_dir(&dir).map_err(|e| format!("--zoo {}: {e}", zoo.display()))?;
+        for entry in entries {
+            let path = entry
+                .map_err(|e| format!("--zoo {}: {e}", zoo.display()))?
+                .path();
+            if path.join("manifest.json").is_file() {
+                let name = path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                found.push((name, path));
+            }
+        }
+    }
+    found.sort();
+    Ok(found)
 }
 
 /// Parses one `--lora NAME=DIR`.
