@@ -50,7 +50,9 @@ class Pair:
 @pytest.fixture(scope="module", params=NEW_ARCHS)
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Pair:
     path = make_tiny_model(tmp_path_factory.mktemp("new_archs"), request.param)
-    return Pair(request.param, path, load_model(path), hf_model(path))
+    hf = hf_model(path)
+    hf.generation_config.eos_token_id = None  # references generate past EOS, as the tests do
+    return Pair(request.param, path, load_model(path), hf)
 
 
 def tokens(seed: int, n: int, vocab: int) -> list[int]:
@@ -171,7 +173,10 @@ def variants(pair: Pair, tmp_path_factory: pytest.TempPathFactory):
         pair.path, root / "lora", seed=5, target_modules=targets, r=4, lora_alpha=8
     )
     delta_dir, ref_dir = make_delta(pair.path, root / "delta", seed=9, bits=4)
-    return lora_dir, peft_model, delta_dir, hf_model(ref_dir)
+    delta_ref = hf_model(ref_dir)
+    for ref in (peft_model, delta_ref):
+        ref.generation_config.eos_token_id = None
+    return lora_dir, peft_model, delta_dir, delta_ref
 
 
 def test_lora_and_delta_in_one_batch_match_transformers(pair: Pair, variants) -> None:
