@@ -296,7 +296,7 @@ def main() -> None:
                                 if impl.startswith("cuda"):
                                     row["launch"] = {
                                         "BLOCK_M": pt.cuda_meta.block_m,
-                                        "SPLIT_K": sbmm_module._cuda_split(pt.cuda_meta, pool.weights),
+                                        "SPLIT_K": sbmm_module.cuda_split(pt.cuda_meta, pool.weights),
                                     }
                                 if impl.startswith("triton"):
                                     row["launch"] = {

@@ -1,9 +1,10 @@
 // SBMM on tensor cores: every token's compressed-delta product of one linear, one launch per step.
 //
-// The op, its format and its semantics are kernels/sbmm.py's (module docstring); the packed format
-// is compress/pack.py's. This file is a faster implementation of the same op for work tiles of at
-// most 16 tokens (decode, short prefill runs), used on CUDA where it builds (kernels/cuda_ext.py)
-// and the call fits it (``sbmm.cuda_supports``); ``sbmm_ref`` is the reference it is tested against.
+// The op, its format and its semantics are kernels/sbmm/'s (__init__.py and layout.py); the packed
+// format is formats/packed_delta.py's. This file is a faster implementation of the same op for work
+// tiles of at most 16 tokens (decode, short prefill runs), used on CUDA where it builds
+// (kernels/cuda_ext.py) and the call fits it (``sbmm.cuda_supports``); ``sbmm_ref`` is the reference
+// it is tested against.
 //
 // Work split: block (row block, work tile, K split) computes ROWS = 128 output rows of one tile's
 // tokens (8 * NT, NT = 1 or 2 fragments of 8) over its share of K, in stages of KS = 256 columns. A call
@@ -37,12 +38,12 @@
 // step's tile count (``tile_count``, on the device), exactly as an eager launch of that step splits.
 //
 // A second entry, ``deltaserve_dequant``, writes one slot's delta as a dense [N, K] tensor of the
-// activation dtype (kernels/sbmm.py ``dequantize_slot``: long prefill segments multiply it with one
+// activation dtype (kernels/sbmm/dequant.py ``dequantize_slot``: long prefill segments multiply it with one
 // cuBLAS matmul). One thread per qvalues word: its 8 / 16 codes, their 2:4 positions, fp32
 // (code - zero) * scale rounded once (pack.dequantize's arithmetic, bit for bit), 16-byte stores;
 // consecutive threads write consecutive pieces of a row.
 //
-// Requirements (checked by the caller, kernels/sbmm.py ``cuda_supports``): float16 or bfloat16
+// Requirements (checked by the caller, kernels/sbmm/cuda.py ``cuda_supports``): float16 or bfloat16
 // activations, K % 256 == 0, G in {32, 64, 128}, x rows 16-byte aligned, slot offsets of qvalues /
 // qindices multiples of 4 words and of scales / zeros multiples of 2. sm_80 or newer (``mma.sp``).
 
@@ -568,7 +569,7 @@ cudaError_t launch_dequant(void* dst, const void* qv, const void* qi, const void
 
 extern "C" {
 
-// One SBMM call (kernels/sbmm.py ``_launch_cuda`` passes the arguments) over ``slices`` linears (1 to 3: a
+// One SBMM call (kernels/sbmm/cuda.py ``launch_cuda`` passes the arguments) over ``slices`` linears (1 to 3: a
 // fused module's projections, each its own pool, writing columns col[i] .. + n[i] of out). Per slice i:
 // qv[i] .. g_off[i] its pool's buffers and offset tables, half2[i] its per-slot half2 flags (null: fp32
 // dequantisation). dtype: 0 float16, 1 bfloat16; block_m: the most tokens of any work tile (<= 16);
@@ -632,7 +633,7 @@ int deltaserve_sbmm_split(int row_blocks, int tiles, int K, int slots) {
 }
 
 // One slot's delta, dense, into dst [N, K] (contiguous, 16-byte aligned) of dtype 0 float16 / 1 bfloat16
-// (kernels/sbmm.py ``dequantize_slot``). K % 8 (dense 4-bit), % 16 (dense 2-bit) or % 32 (2:4) must be 0,
+// (kernels/sbmm/dequant.py ``dequantize_slot``). K % 8 (dense 4-bit), % 16 (dense 2-bit) or % 32 (2:4) must be 0,
 // as the packed format requires, and G % 4 == 0. Returns a cudaError_t.
 int deltaserve_dequant(void* dst, const void* qv, const void* qi, const void* sc, const void* zr, const int64_t* qv_off,
                        const int64_t* qi_off, const int64_t* g_off, int slot, int N, int K, int G, int bits,

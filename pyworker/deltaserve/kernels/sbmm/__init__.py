@@ -16,7 +16,7 @@ The package::
     triton_fma.py   FMA tiles (runs of at most 4 tokens of one delta: decode), split-K
     triton_dot.py   tl.dot tiles (16 or 64 tokens)
     dequant.py      a slot's delta as a dense tensor; dense prefill segments (one dequantisation + cuBLAS)
-    cuda.py         csrc/sbmm.cu through ctypes: sbmm_cuda, sbmm_stacked_cuda, cuda_supports
+    cuda.py         csrc/sbmm.cu through ctypes: sbmm_cuda, sbmm_stacked_cuda, cuda_supports, cuda_split
     configs/launch.json   the Triton kernels' tuned launch configs (``LAUNCH``, the dequant kernel's)
     __init__.py     the entry points (below), ``launch_config``
 
@@ -55,6 +55,7 @@ from .checks import DTYPES, check_call, check_stacked
 from .cuda import (
     CUDA_MAX_SLICES,
     cuda_shape_problem,
+    cuda_split,
     cuda_supports,
     cuda_tile_cap,
     launch_cuda,
@@ -69,7 +70,7 @@ from .triton_dot import launch_dot
 from .triton_fma import fma_step, launch_fma
 
 __all__ = [
-    "DTYPES", "LAUNCH", "DeltaMeta", "DeltaWeights", "FMA_MAX_M", "cuda_shape_problem", "cuda_supports",
+    "DTYPES", "LAUNCH", "DeltaMeta", "DeltaWeights", "FMA_MAX_M", "cuda_shape_problem", "cuda_split", "cuda_supports",
     "cuda_tile_cap", "dense_min_m", "dequantize_slot", "launch_config", "launch_cuda", "make_delta_weights",
     "sbmm", "sbmm_cuda", "sbmm_ref", "sbmm_stacked", "sbmm_stacked_cuda", "sbmm_triton",
 ]  # fmt: skip

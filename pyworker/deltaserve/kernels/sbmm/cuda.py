@@ -100,6 +100,16 @@ def _cuda_split(lib: ctypes.CDLL, row_blocks: int, tiles: int, in_features: int,
     return fn(row_blocks, tiles, in_features, _CUDA_BLOCKS_PER_SM * sm_count(device))
 
 
+def cuda_split(meta: DeltaMeta, w: DeltaWeights) -> int | None:
+    """K splits of ``sbmm_cuda``'s eager launch of ``meta`` over pool ``w`` (what a benchmark records
+    with its timings); None where the CUDA op is unavailable (no CUDA device, no nvcc, turned off)."""
+    device = w.qvalues.device
+    lib = cuda_ext.library("sbmm") if device.type == "cuda" else None
+    if lib is None:
+        return None
+    return _cuda_split(lib, triton.cdiv(w.out_features, _CUDA_ROWS), meta.num_tiles, w.in_features, device)
+
+
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
