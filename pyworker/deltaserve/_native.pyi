@@ -24,6 +24,7 @@ __all__ = [
     "WorkerLink",
     "read_safetensors_header",
     "read_safetensors_into",
+    "regex_match",
     "schema_hash",
     "schema_text",
     "simulate",
@@ -118,6 +119,13 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[str
     """``{name: (dtype, shape)}`` of every tensor in a safetensors file (``__metadata__`` left out),
     reading only its header, without the GIL and without mapping the file. ``ValueError`` for a
     malformed header, ``OSError`` when the file cannot be read."""
+
+def regex_match(pattern: str, texts: list[str], whole: bool = False) -> list[bool]:
+    """For each text, whether ``pattern`` matches at its start (``whole``: the whole text), as
+    ``re.match`` / ``re.fullmatch`` would, with a linear-time engine (Rust's ``regex``): no
+    pattern can backtrack catastrophically. ``ValueError`` (never quoting the pattern) for a
+    pattern over 4096 bytes, one too large once compiled, or one the engine does not accept
+    (look-around, back-references, malformed)."""
 
 class SchedError(ValueError):
     """The scheduler refused a config, a request or a variant; the message names it and the numbers."""

@@ -327,7 +327,41 @@ REFUSALS: list[tuple[str, Callable[[Path], None], list[str]]] = [
         lambda d: _edit_tensors(d, _drop(Q_A, Q_B)),
         ["model.layers.0.self_attn.q_proj", "no lora_A/lora_B"],
     ),  # noqa: E501
+    # Issue 28: configs that crashed the worker (exceptions outside LoraAdapterError) are refusals.
+    ("exclude_bad_regex", lambda d: _edit_config(d, exclude_modules="("), ["'exclude_modules'", "refused"]),
+    ("rank_pattern_bad_regex", lambda d: _edit_config(d, rank_pattern={"(": 4}), ["'rank_pattern' key #0"]),
+    ("alpha_pattern_bad_regex", lambda d: _edit_config(d, alpha_pattern={"q[": 4}), ["'alpha_pattern' key #0"]),
+    (
+        "layers_pattern_not_string",
+        lambda d: _edit_config(d, layers_to_transform=[0, 1], layers_pattern=5),
+        ["'layers_pattern'", "string"],
+    ),
+    (
+        "layers_pattern_bad_regex",
+        lambda d: _edit_config(d, layers_to_transform=[0, 1], layers_pattern="["),
+        ["'layers_pattern'", "refused"],
+    ),
+    ("target_lookaround", lambda d: _edit_config(d, target_modules="(?=.*q).*_proj"), ["'target_modules'", "look"]),
+    ("exclude_not_strings", lambda d: _edit_config(d, exclude_modules=[5]), ["'exclude_modules'"]),
 ]
+
+
+def test_backtracking_patterns_match_in_linear_time(good_adapter: Path, base_cfg: ModelConfig, tmp_path: Path) -> None:
+    """Patterns Python's ``re`` backtracks on for ever (``(.*)*\\.zzz`` against a module name;
+    ``(a+)+$`` against a long name) are answered at once: the worker cannot be frozen."""
+    from deltaserve.adapters.peft_regex import fullmatches
+
+    assert fullmatches("(a+)+$", ["a" * 10_000 + "b", "aaa"], "field", ValueError) == [False, True]
+    d = tmp_path / "evil"
+    shutil.copytree(good_adapter, d)
+    _edit_config(d, target_modules=r"(.*)*\.zzz")
+    with pytest.raises(LoraAdapterError, match="matches none"):
+        load_lora_adapter(d, base_cfg)
+    _edit_config(d, target_modules=["q_proj", "v_proj", "down_proj"], exclude_modules=r"(.*)*\.zzz")
+    load_lora_adapter(d, base_cfg)  # excludes nothing
+    _edit_config(d, rank_pattern={r"(.*)*\.zzz": 4}, layers_to_transform=[0, 1], layers_pattern=r"(.*)*\.zzz")
+    with pytest.raises(LoraAdapterError, match="'layers_pattern' does not match"):
+        load_lora_adapter(d, base_cfg)
 
 
 @pytest.mark.parametrize("make_bad,needles", [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])

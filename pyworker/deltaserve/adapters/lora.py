@@ -23,6 +23,9 @@ a regex string (``re.fullmatch`` against HF module names such as
 ``model.layers.3.self_attn.q_proj``); ``exclude_modules``; ``layers_to_transform`` (+
 ``layers_pattern``); ranks 1..256, different per module via ``rank_pattern``; float16, bfloat16 or
 float32 tensors.
+Every regex-valued field runs on a linear-time engine (``peft_regex``): a pattern Python's ``re``
+would backtrack on forever is matched in linear time, and one that engine refuses (look-around,
+back-references) is refused like any other bad field.
 
 Refused, with a ``LoraAdapterError`` (a ``ValueError``) naming the adapter dir and the offending
 field or tensor; a refused adapter is never half-loaded:
@@ -64,6 +67,7 @@ import torch
 
 from ..model.arch import ModelConfig
 from ..model.decoder import linear_slots
+from .peft_regex import fullmatches, layer_pattern_matches, pattern_keys
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -347,6 +351,9 @@ def read_lora_spec(adapter_dir: str | Path, base: ModelConfig) -> LoraSpec:
                 f"module '{hf_module_name(*site)}' is targeted by 'target_modules' but has no lora_A/lora_B tensors"
             )
 
+    modules = [hf_module_name(layer, proj) for layer, proj in pairs]
+    rank_keys = pattern_keys(rank_pattern, modules, "field 'rank_pattern'", fail)
+    alpha_keys = pattern_keys(alpha_pattern, modules, "field 'alpha_pattern'", fail)
     sites: dict[tuple[int, str], LoraSite] = {}
     for (layer, proj), ab in sorted(pairs.items(), key=lambda kv: (kv[0][0], names.index(kv[0][1]))):
         module = hf_module_name(layer, proj)
@@ -355,7 +362,7 @@ def read_lora_spec(adapter_dir: str | Path, base: ModelConfig) -> LoraSpec:
                 other = next(iter(ab.values()))[0]
                 raise fail(f"tensor '{other}' has no matching lora_{which}")
         (a_key, a_shape), (b_key, b_shape) = ab["A"], ab["B"]
-        rank_key, alpha_key = _pattern_key(rank_pattern, module), _pattern_key(alpha_pattern, module)
+        rank_key, alpha_key = rank_keys[module], alpha_keys[module]
         r = rank if rank_key is None else rank_pattern[rank_key]
         mod_alpha = alpha if alpha_key is None else alpha_pattern[alpha_key]
         fin, fout = features[proj]
@@ -505,14 +512,6 @@ def _pattern(cfg: dict[str, Any], key: str, fail: Any) -> dict[str, Any]:
     return value
 
 
-def _pattern_key(pattern: dict[str, Any], module: str) -> str | None:
-    """PEFT's ``get_pattern_key``: the first key matching ``module`` as a dotted-suffix regex."""
-    for key in pattern:
-        if re.match(rf"(.*\.)?({key})$", module):
-            return key
-    return None
-
-
 def _targeted_sites(cfg: dict[str, Any], base: ModelConfig, names: tuple[str, ...], fail: Any) -> set[tuple[int, str]]:
     """(layer, proj) pairs PEFT would adapt on ``base`` given target_modules / exclude / layer filters."""
     targets = cfg.get("target_modules")
@@ -526,18 +525,13 @@ def _targeted_sites(cfg: dict[str, Any], base: ModelConfig, names: tuple[str, ..
             # PEFT: every nn.Linear except the output layer; in a Llama block that is all seven.
             chosen = set(sites)
         else:
-            try:
-                regex = re.compile(targets)
-            except re.error as e:
-                raise fail(f"field 'target_modules' is not a valid regex {targets!r}: {e}") from None
-            for outside in _NON_BLOCK_MODULES:
-                if regex.fullmatch(outside):
-                    raise fail(
-                        f"field 'target_modules' regex {targets!r} matches '{outside}': LoRA there is not supported"
-                    )
-            chosen = {s for s in sites if regex.fullmatch(module[s])}
+            hits = fullmatches(targets, [*_NON_BLOCK_MODULES, *module.values()], "field 'target_modules'", fail)
+            for outside, hit in zip(_NON_BLOCK_MODULES, hits, strict=False):
+                if hit:
+                    raise fail(f"field 'target_modules' regex matches '{outside}': LoRA there is not supported")
+            chosen = {s for s, hit in zip(module, hits[len(_NON_BLOCK_MODULES) :], strict=True) if hit}
             if not chosen:
-                raise fail(f"field 'target_modules' regex {targets!r} matches none of the base's linears")
+                raise fail("field 'target_modules' regex matches none of the base's linears")
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
         if not targets:
             raise fail("field 'target_modules' is empty")
@@ -558,11 +552,12 @@ def _targeted_sites(cfg: dict[str, Any], base: ModelConfig, names: tuple[str, ..
     exclude = cfg.get("exclude_modules")
     if exclude:
         if isinstance(exclude, str):
-            chosen = {s for s in chosen if not re.fullmatch(exclude, module[s])}
-        elif isinstance(exclude, list):
+            hits = fullmatches(exclude, list(module.values()), "field 'exclude_modules'", fail)
+            chosen -= {s for s, hit in zip(module, hits, strict=True) if hit}
+        elif isinstance(exclude, list) and all(isinstance(e, str) for e in exclude):
             chosen = {s for s in chosen if not any(module[s] == e or module[s].endswith(f".{e}") for e in exclude)}
         else:
-            raise fail(f"field 'exclude_modules' must be a list or a string, got {exclude!r}")
+            raise fail("field 'exclude_modules' must be a list of names or a string")
     if not chosen:
         raise fail("fields 'target_modules' / 'layers_to_transform' / 'exclude_modules' select no module of the base")
     return chosen
@@ -584,7 +579,10 @@ def _filter_layers(
         raise fail(f"field 'layers_to_transform' names layers {beyond} beyond the base's num_layers={base.num_layers}")
     pattern = cfg.get("layers_pattern")
     if pattern:
-        pats = [pattern] if isinstance(pattern, str) else list(pattern)
-        if not any(re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", "model.layers.0.self_attn.q_proj") for p in pats):
-            raise fail(f"field 'layers_pattern' {pattern!r} does not match the base's 'model.layers.<i>' naming")
+        if not isinstance(pattern, (str, list)):
+            raise fail("field 'layers_pattern' must be a string or a list of strings")
+        pats = [pattern] if isinstance(pattern, str) else pattern
+        probe = ["model.layers.0.self_attn.q_proj"]
+        if not any(layer_pattern_matches(p, probe, "field 'layers_pattern'", fail)[0] for p in pats):
+            raise fail("field 'layers_pattern' does not match the base's 'model.layers.<i>' naming")
     return {s for s in chosen if s[0] in layers}

@@ -20,7 +20,8 @@ rings the router created in ``--ipc-dir``)::
       │        applied, e.g. a to_host whose directory vanished since InspectVariant)
       │        ──> send WorkerError(fatal) ── exit 1
       ├─ InspectVariant ──> finish the step in flight; executor.inspect_variant(path, kind) ──> send
-      │                     VariantInfo(same inspect_id); state unchanged
+      │                     VariantInfo(same inspect_id); state unchanged (an inspection that
+      │                     raises is a refusal with the exception's type; traceback to the log)
       ├─ frame that does not decode / unexpected kind ──> finish the step in flight; send
       │                                                  WorkerError(fatal=False); serve on
       └─ Shutdown ──> finish the step in flight; exit 0
@@ -175,7 +176,7 @@ class WorkerLoop:
                     log.info("shutdown requested: %s", msg.reason or "(no reason)")
                     return 0
                 if isinstance(msg, wire.InspectVariant):
-                    info = self.executor.inspect_variant(msg.path, msg.kind)
+                    info = self.inspect(msg)
                     info.inspect_id = msg.inspect_id
                     if info.error is not None:
                         log.warning("adapter %s refused: %s", msg.path, info.error)
@@ -215,6 +216,15 @@ class WorkerLoop:
             except Exception as send_error:  # noqa: BLE001 - the link itself may be what broke
                 log.error("could not report the fatal error: %s", send_error)
             return EXIT_FATAL
+
+    def inspect(self, msg: wire.InspectVariant) -> wire.VariantInfo:
+        """The executor's answer to ``msg``; whatever a directory holds, an inspection that raises
+        is a refusal of that directory (traceback to the log, not to the client), never fatal."""
+        try:
+            return self.executor.inspect_variant(msg.path, msg.kind)
+        except Exception as e:  # noqa: BLE001 - a crafted file must not stop the worker
+            log.error("inspecting %s raised:\n%s", msg.path, "".join(traceback.format_exception(e)))
+            return wire.VariantInfo(error=f"the variant's files could not be inspected ({type(e).__name__})")
 
     def _recv_while_busy(self, in_flight: InFlight) -> bytes | None:
         """The next frame if one arrives before the device finishes ``in_flight``'s step, else None.

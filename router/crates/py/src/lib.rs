@@ -14,6 +14,8 @@
 //!   safetensors file into a host buffer ([`deltaserve_tensorfile::read_into`]), GIL released.
 //! - `read_safetensors_header(path)`: `{name: (dtype, shape)}` of a safetensors file from its
 //!   header alone ([`deltaserve_tensorfile::read_header`]), GIL released.
+//! - `regex_match(pattern, texts, whole=False)`: `re.match` / `re.fullmatch` with a linear-time
+//!   engine, for patterns from adapter configs (`linear_regex.rs`).
 //! - `Scheduler(block_size, num_blocks, max_model_len, ...)` and its `SchedError`: the router's
 //!   scheduler, plans out and worker outputs in as wire frames (`scheduler.rs`, translating
 //!   through `wire_plan.rs`).
@@ -30,6 +32,7 @@
 //! (`FrameTooLarge`, `BadCapacity`) raise `ValueError`; a bounded `send` that found the ring full
 //! for its whole timeout raises `TimeoutError`.
 
+mod linear_regex;
 mod scheduler;
 mod sim;
 mod sim_latency;
@@ -401,6 +404,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(schema_text, m)?)?;
     m.add_function(wrap_pyfunction!(read_safetensors_into, m)?)?;
     m.add_function(wrap_pyfunction!(read_safetensors_header, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_regex::regex_match, m)?)?;
     m.add_class::<WorkerLink>()?;
     m.add_class::<RouterLink>()?;
     m.add("DEFAULT_CAPACITY", DEFAULT_CAPACITY)?;
