@@ -171,6 +171,17 @@ async fn main() -> anyhow::Result<()> {
             cfg.loras = demo_loras;
         }
         cfg.model_dir = Some(dir);
+    } else if let Some(spec) = &cfg.model_dir {
+        // A hub repo id or cache folder becomes its snapshot directory (hub_cache.rs), offline.
+        let dir = deltaserve_server::hub_cache::resolve_model_dir(
+            spec,
+            deltaserve_server::hub_cache::cache_dir().as_deref(),
+        )
+        .map_err(|e| anyhow::anyhow!("--model {e}"))?;
+        if cfg.served_model_name.is_none() {
+            cfg.served_model_name = deltaserve_server::hub_cache::repo_id_of(&dir);
+        }
+        cfg.model_dir = Some(dir);
     }
     cfg.python = Some(python.path);
     cfg.validate().map_err(anyhow::Error::msg)?;

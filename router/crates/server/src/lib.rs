@@ -20,6 +20,7 @@
 pub mod api;
 pub mod config;
 pub mod engine;
+pub mod hub_cache;
 pub mod interpreter;
 pub mod registry;
 pub mod text;

@@ -1,11 +1,19 @@
-//! The OpenAI wire types: request bodies (deserialized leniently: unknown fields are ignored,
-//! `null` means absent, union-typed fields stay `serde_json::Value` so `validate` can say
-//! exactly what is wrong) and response bodies, streaming chunks included.
+//! The OpenAI wire types: request bodies (`null` means absent, union-typed fields stay
+//! `serde_json::Value` so `validate` can say exactly what is wrong) and response bodies,
+//! streaming chunks included.
+//!
+//! Nothing a client sends is silently ignored: an unknown field is a 400 naming it (serde's
+//! `deny_unknown_fields`), and a known OpenAI / vLLM field this server does not implement is
+//! declared as [`Unsupported`], a 400 whose `param` is the field, unless its value is a no-op
+//! (`null`, `{}`, `[]`, `response_format: {"type": "text"}`, `tool_choice: "none"`). `user` is
+//! accepted (it names the end user; nothing here depends on it); `max_completion_tokens` is the
+//! newer name of `max_tokens` in both endpoints.
 //!
 //! Request fields are checked and turned into an engine request in `crate::validate`; the
 //! response builders live in `completions.rs` / `chat.rs`.
 
-use serde::{Deserialize, Serialize, Serializer};
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::Value;
 
 use crate::text::chat_template::ChatMessage;
@@ -18,15 +26,43 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
+/// A request field this server does not implement (module docs): deserializing any value but a
+/// no-op fails, and the error's path names the field.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Unsupported;
+
+impl<'de> Deserialize<'de> for Unsupported {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let value = Value::deserialize(d)?;
+        let no_op = match &value {
+            Value::Null => true,
+            Value::Object(m) => {
+                m.is_empty() || (m.len() == 1 && m.get("type") == Some(&Value::from("text")))
+            }
+            Value::Array(a) => a.is_empty(),
+            Value::String(s) => s == "none",
+            _ => false,
+        };
+        if no_op {
+            Ok(Unsupported)
+        } else {
+            Err(D::Error::custom(
+                "this field is not supported by this server (refused rather than ignored)",
+            ))
+        }
+    }
+}
+
 /// Body of `POST /v1/completions`.
 #[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct CompletionRequest {
     /// Served model name; absent means the served model.
     pub model: Option<String>,
     /// A string, an array of token ids, or a one-element array of either (one prompt only).
     pub prompt: Option<Value>,
-    /// Most tokens to generate (default 16).
+    /// Most tokens to generate (default 16); `max_completion_tokens` is accepted as its name.
+    #[serde(alias = "max_completion_tokens")]
     pub max_tokens: Option<i64>,
     /// Softmax temperature in [0, 2] (default 1; 0 is greedy).
     pub temperature: Option<f64>,
@@ -54,11 +90,29 @@ pub struct CompletionRequest {
     pub frequency_penalty: Option<f64>,
     /// Keep generating past EOS (extension, for benchmarks).
     pub ignore_eos: Option<bool>,
+    /// The end user's id: accepted, not used.
+    pub user: Option<String>,
+    /// Not implemented (400 unless a no-op).
+    pub best_of: Option<Unsupported>,
+    /// Not implemented (400 unless a no-op).
+    pub logit_bias: Option<Unsupported>,
+    /// Not implemented (400 unless a no-op).
+    pub suffix: Option<Unsupported>,
+    /// Not implemented (vLLM extension; 400 unless a no-op).
+    pub response_format: Option<Unsupported>,
+    /// Not implemented (vLLM extension; 400 unless a no-op).
+    pub repetition_penalty: Option<Unsupported>,
+    /// Not implemented (vLLM extension; 400 unless a no-op).
+    pub min_tokens: Option<Unsupported>,
+    /// Not implemented (vLLM extension; 400 unless a no-op).
+    pub min_p: Option<Unsupported>,
+    /// Not implemented (vLLM extension; 400 unless a no-op).
+    pub stop_token_ids: Option<Unsupported>,
 }
 
 /// Body of `POST /v1/chat/completions`.
 #[derive(Debug, Clone, Default, Deserialize)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct ChatCompletionRequest {
     /// Served model name; absent means the served model.
     pub model: Option<String>,
@@ -94,6 +148,30 @@ pub struct ChatCompletionRequest {
     pub frequency_penalty: Option<f64>,
     /// Keep generating past EOS (extension, for benchmarks).
     pub ignore_eos: Option<bool>,
+    /// The end user's id: accepted, not used.
+    pub user: Option<String>,
+    /// Not implemented (400 unless a no-op).
+    pub logit_bias: Option<Unsupported>,
+    /// Not implemented (400 unless `{"type": "text"}`).
+    pub response_format: Option<Unsupported>,
+    /// Not implemented (400 unless empty).
+    pub tools: Option<Unsupported>,
+    /// Not implemented (400 unless `"none"`).
+    pub tool_choice: Option<Unsupported>,
+    /// Not implemented (400 unless a no-op).
+    pub parallel_tool_calls: Option<Unsupported>,
+    /// Not implemented (deprecated `tools`; 400 unless empty).
+    pub functions: Option<Unsupported>,
+    /// Not implemented (deprecated `tool_choice`; 400 unless `"none"`).
+    pub function_call: Option<Unsupported>,
+    /// Not implemented (vLLM extension; 400 unless a no-op).
+    pub repetition_penalty: Option<Unsupported>,
+    /// Not implemented (vLLM extension; 400 unless a no-op).
+    pub min_tokens: Option<Unsupported>,
+    /// Not implemented (vLLM extension; 400 unless a no-op).
+    pub min_p: Option<Unsupported>,
+    /// Not implemented (vLLM extension; 400 unless a no-op).
+    pub stop_token_ids: Option<Unsupported>,
 }
 
 /// Token counts of a request.
@@ -319,4 +397,84 @@ pub struct ModelCard {
     /// For a variant: `lora` or `delta` (a deltaserve extension; absent for the base model).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kind: Option<&'static str>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::error::{parse_json, ApiError};
+
+    fn refused<T: serde::de::DeserializeOwned + std::fmt::Debug>(
+        body: &str,
+    ) -> (String, Option<String>) {
+        match parse_json::<T>(body.as_bytes()).unwrap_err() {
+            ApiError::InvalidRequest { message, param } => (message, param),
+            other => panic!("{body}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn unimplemented_fields_are_400s_naming_them() {
+        for (field, value) in [
+            ("logit_bias", r#"{"50256": -100}"#),
+            ("best_of", "3"),
+            ("suffix", r#""}""#),
+            ("response_format", r#"{"type": "json_object"}"#),
+            ("repetition_penalty", "1.1"),
+            ("min_tokens", "4"),
+            ("stop_token_ids", "[7]"),
+        ] {
+            let (message, param) =
+                refused::<CompletionRequest>(&format!(r#"{{"prompt": "x", "{field}": {value}}}"#));
+            assert_eq!(param.as_deref(), Some(field), "{message}");
+            assert!(
+                message.contains(field) && message.contains("not supported"),
+                "{message}"
+            );
+        }
+        for (field, value) in [
+            (
+                "tools",
+                r#"[{"type": "function", "function": {"name": "f"}}]"#,
+            ),
+            ("tool_choice", r#""required""#),
+            (
+                "response_format",
+                r#"{"type": "json_schema", "json_schema": {}}"#,
+            ),
+            ("logit_bias", r#"{"1": 5}"#),
+            ("parallel_tool_calls", "true"),
+        ] {
+            let body = format!(
+                r#"{{"messages": [{{"role": "user", "content": "x"}}], "{field}": {value}}}"#
+            );
+            let (message, param) = refused::<ChatCompletionRequest>(&body);
+            assert_eq!(param.as_deref(), Some(field), "{message}");
+        }
+    }
+
+    #[test]
+    fn unknown_fields_are_400s_naming_them() {
+        let (message, _) = refused::<CompletionRequest>(r#"{"prompt": "x", "guided_json": {}}"#);
+        assert!(message.contains("unknown field `guided_json`"), "{message}");
+        let (message, _) =
+            refused::<ChatCompletionRequest>(r#"{"messages": [], "temprature": 0.5}"#);
+        assert!(message.contains("unknown field `temprature`"), "{message}");
+    }
+
+    #[test]
+    fn no_op_values_user_and_max_completion_tokens_are_accepted() {
+        let req: CompletionRequest = parse_json(
+            br#"{"prompt": "x", "user": "u", "logit_bias": {}, "response_format": {"type": "text"},
+                 "best_of": null, "max_completion_tokens": 7}"#,
+        )
+        .unwrap();
+        assert_eq!((req.user.as_deref(), req.max_tokens), (Some("u"), Some(7)));
+        let req: ChatCompletionRequest = parse_json(
+            br#"{"messages": [], "tools": [], "tool_choice": "none", "user": "u",
+                 "response_format": {"type": "text"}, "functions": null}"#,
+        )
+        .unwrap();
+        assert_eq!(req.user.as_deref(), Some("u"));
+    }
 }
