@@ -1,4 +1,4 @@
-"""The model: one generic decoder for the Llama family over a paged KV cache.
+"""The model: one generic decoder (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) over a paged KV cache.
 
 Layout (the data flow of one step):
 
@@ -6,7 +6,10 @@ Layout (the data flow of one step):
 - ``loader``     HF safetensors directory -> ``DecoderLM`` (``load_model``); ``random_model`` for benches
 - ``kv_cache``   ``PagedKVCache``: the page pool ``[L, 2, num_blocks, block_size, H_kv, D]``
 - ``batch``      ``ForwardBatch``: one step's ragged batch, flattened, plus its builder
-- ``attention``  ``write_kv`` and ``paged_attention_ref``, the reference every kernel is tested against
+- ``rope``       RoPE tables per kind (plain / scaled, Gemma 3's local table, LongRoPE's short | long rows)
+- ``norm``       ``RMSNorm`` in Llama's and Gemma's (``1 + weight``) conventions
+- ``attention``  ``write_kv`` and ``paged_attention_ref`` (per-layer window, soft-cap), the reference
+                 every kernel is tested against
 - ``decoder``    ``DecoderLM.forward(batch, kv) -> logits`` for the rows that sample
 """
 
