@@ -144,6 +144,9 @@ class CpuAssist:
         self.data_t = self.pool.data.tensor()
         self.model = AssistModel(measure_load_bytes_per_ms(self.device))
         self.stats = AssistStats()
+        """Decisions since the last ``take_stats`` (each StepOutput reports them)."""
+        self.totals = AssistStats()
+        """Decisions since start-up."""
         self.cold: dict[int, Cold] = {}
         """Adapters assisted this step, by id (``takes``)."""
         self.deferred: list[wire.VariantOp] = []
@@ -408,7 +411,13 @@ class CpuAssist:
     # ------------------------------------------------------------------ report
 
     def take_stats(self) -> AssistStats:
-        return self.stats.take()
+        """The decisions since the last call (also added to ``totals``)."""
+        got = self.stats.take()
+        self.totals.assisted += got.assisted
+        self.totals.fallbacks += got.fallbacks
+        for reason, n in got.declined.items():
+            self.totals.decline(reason, n)
+        return got
 
     def close(self) -> None:
         self.land()

@@ -207,6 +207,12 @@ engine_metrics! {
         "Requests admitted past a blocked queue head because their delta was already running (DeltaZip's skip-the-line).";
     delta_skip_preemptions_total: Counter, Sum, |w| w.sched.delta_skip_preemptions,
         "Skip-the-line requests preempted (recomputed later) because their delta's last in-order request left.";
+    cpu_assisted_prefills_total: Counter, Sum, |w| w.actor.cpu_assisted_prefills,
+        "Cold prefills whose LoRA the workers' CPU helpers computed while the adapter's pages loaded (--cpu-lora-helpers).";
+    cpu_assist_fallbacks_total: Counter, Sum, |w| w.actor.cpu_assist_fallbacks,
+        "CPU-assisted prefills where a helper failed or stalled, so the worker computed its rows itself.";
+    cpu_assist_declined_total: Counter, Sum, |w| w.actor.cpu_assist_declined,
+        "Cold prefills the CPU helpers did not take (none free, predicted no faster than the load, one-token prefill).";
 }
 
 /// The Prometheus families of a snapshot: the table's rows in order, then the histograms.
@@ -362,6 +368,12 @@ pub(super) struct ActorCounters {
     pub worker_step_us: u64,
     /// Sum of their forward-and-sampling parts (`forward_us`), microseconds.
     pub worker_forward_us: u64,
+    /// Sum of the worker's `cpu_assisted_prefills`.
+    pub cpu_assisted_prefills: u64,
+    /// Sum of the worker's `cpu_assist_fallbacks`.
+    pub cpu_assist_fallbacks: u64,
+    /// Sum of the worker's `cpu_assist_declined`.
+    pub cpu_assist_declined: u64,
 }
 
 /// The last [`GAP_WINDOW`] samples of a latency, for percentiles.
