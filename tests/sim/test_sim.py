@@ -159,3 +159,20 @@ def test_replay_and_plan_commands_run_on_a_tiny_trace(tmp_path, capsys):
     assert min(low) == 1 and min(high) >= min(low), out
     with pytest.raises(FileNotFoundError):
         main(["replay", "--trace", str(tmp_path / "missing.jsonl")])
+
+
+def test_a_recording_becomes_latency_samples():
+    from deltaserve.sim.record import step_periods, steps_to_samples
+
+    steps = [  # req 1 (LoRA 2, rank 8) prefills 20 tokens in two chunks, req 2 (delta 3) joins
+        {"recv": 0.0, "sent": 0.010, "new": [[1, 16, 0, 20, 2]], "running": [], "released": [], "ops": [[2, 1, 0]]},
+        {"recv": 0.005, "sent": 0.018, "new": [[2, 3, 0, 3, 3]], "running": [[1, 4]], "released": [], "ops": []},
+        {"recv": 0.030, "sent": 0.036, "new": [], "running": [[1, 1], [2, 1]], "released": [], "ops": []},
+    ]
+    assert step_periods(steps) == pytest.approx([0.010, 0.008, 0.006])
+    samples = steps_to_samples(steps, ranks={2: 8}, deltas={3})
+    assert len(samples) == 2, "the step that copied a variant to the GPU is left out"
+    mixed, decode = samples
+    assert mixed["prefill_tokens"] == 7 and mixed["tokens"] == 7 and mixed["context_tokens"] == 23
+    assert (mixed["lora_rank_sum"], mixed["lora_tokens"], mixed["deltas"], mixed["delta_tokens"]) == (8, 4, 1, 3)
+    assert decode["prefill_tokens"] == 0 and decode["context_tokens"] == 21 + 4 and decode["seqs"] == 2

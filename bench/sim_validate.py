@@ -1,0 +1,214 @@
+"""Validates the simulator (``deltaserve.sim``) against the daemon on the same GPU: for the S-LoRA
+S2 trace and the DeltaZip trace, one daemon start each, whose worker records every step
+(``deltaserve.sim.record``):
+
+    1. profile   a trace of the same workload (seed 1, 1.5x the rate) replayed open-loop; its
+                 recorded steps fit a latency model (LatencyModel.fit; steps that copied a
+                 variant to the GPU left out)
+    2. measure   the validation trace (seed 0) replayed open-loop (bench/replay.py), on the same
+                 daemon right after
+    3. simulate  the validation trace in the simulator: the fitted model, the daemon's own
+                 scheduler config (its KV pages from /metrics, the experiment's flags), the
+                 variants' footprints from their files
+    4. compare   predicted vs measured throughput (req/s) and mean TTFT; target: within 15%
+
+Variant transfer bandwidths (disk -> host -> GPU) are the bundled model's (H200 measurements,
+``deltaserve/sim/models.py``): the GPU's disk is not profiled here. Writes
+``bench/results/sim_validate-<device>-<date>.json``. On an H100 (about 5-7 minutes, most of it
+writing the DeltaZip experiment's delta files and starting its daemon):
+
+    python -m bench.sim_validate
+    python -m bench.sim_validate --smoke           # tiny CPU models, a few requests (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench import replay as rp
+from bench.common import RESULTS, git_commit, write_result
+from bench.launch import ServerSpec
+from bench.serving.experiments import WORKLOADS, experiment
+from bench.serving.runner import detect_devices, work_directory
+from bench.serving.servers import SERVERS, merge_flags
+from bench.serving.variants import prepare_variants
+from deltaserve import _native, sim
+from deltaserve.sim.record import read_steps, recording_python, steps_to_samples
+
+TARGET = 0.15
+"""Largest relative error accepted for throughput and mean TTFT."""
+
+
+@contextlib.contextmanager
+def recording_interpreter(script: Path) -> Iterator[None]:
+    """bench/launch.py starts the daemon with ``--python sys.executable``: point it at the
+    recording wrapper while the server starts."""
+    real = sys.executable
+    sys.executable = str(script)
+    try:
+        yield
+    finally:
+        sys.executable = real
+
+
+def _metric(url: str, name: str) -> float | None:
+    base = url.split("/v1/")[0]
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == name:
+                return float(parts[1])
+    return None
+
+
+def _flag(flags: list[str], name: str, default: int) -> int:
+    for i, f in enumerate(flags):
+        if f == name and i + 1 < len(flags):
+            return int(flags[i + 1])
+        if f.startswith(name + "="):
+            return int(f.split("=", 1)[1])
+    return default
+
+
+def _footprints(model: sim.LatencyModel, files: Any, trace: Any, kv_bytes_per_token: int) -> None:
+    """Sets ``model.memory``'s variant sizes from the files the daemon serves."""
+    mem = model.memory
+    mem.kv_bytes_per_token = kv_bytes_per_token
+    page = kv_bytes_per_token * 16
+    lora = next((v for v in trace.variants if v.kind == "lora"), None)
+    if lora is not None and files.lora_dir is not None:
+        size = sum(p.stat().st_size for p in (Path(files.lora_dir) / lora.name).rglob("*.safetensors"))
+        mem.lora_bytes_per_rank = max(1, size // lora.rank)
+        mem.lora_pages_per_rank = mem.lora_bytes_per_rank / page
+    if files.deltas:
+        d = next(iter(files.deltas.values()))
+        mem.delta_bytes = sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())
+
+
+def _kv_bytes_per_token(model_dir: Path | None, devices: str) -> int:
+    if model_dir is None:  # the demo model (SmolLM2-135M): 30 layers, 3 KV heads of 64
+        cfg = {"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64}
+    else:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * kv_heads * head * (4 if devices == "cpu" else 2)
+
+
+def validate(name: str, args: argparse.Namespace, work: Path, devices: str) -> dict[str, Any]:
+    """Profile, measure, simulate and compare one experiment (module docstring)."""
+    overrides: dict[str, Any] = {"smoke": args.smoke}
+    if not args.smoke:
+        overrides["duration"] = args.duration
+        if name == "slora-s2":
+            overrides.update(n=[args.n], rate=[args.rate_s2])
+        else:
+            overrides.update(rate=[args.rate_deltazip])
+    exp = experiment(name, **overrides)
+    exp = replace(exp, points=exp.points[:1])
+    point = exp.points[0]
+    make = WORKLOADS[point.workload]
+    valid = make(**point.trace)
+    profile = make(**{**point.trace, "seed": 1, "rate": point.trace["rate"] * 1.5})
+    variants = list({v.name: v for v in valid.variants + profile.variants}.values())
+    files = prepare_variants(exp, "deltaserve", variants, work, devices)
+    record = work / f"{name}-steps.jsonl"
+    record.unlink(missing_ok=True)
+    script = recording_python(work / f"{name}-python", record)
+    flags = merge_flags(exp.server_flags.get("deltaserve", ()), [])
+    spec = ServerSpec(model_dir=files.model_dir, lora_dir=files.lora_dir, devices=devices, deltas=files.deltas,
+                      flags=flags, daemon=args.daemon, log=(args.out_dir or RESULTS) / f"sim_validate-{name}-server.log")  # fmt: skip
+    t0 = time.perf_counter()
+    with recording_interpreter(script), SERVERS["deltaserve"](spec) as endpoint:
+        ready_s = time.perf_counter() - t0
+        print(f"[{name}] profile: {len(profile.requests)} requests over {profile.duration:.1f} s", flush=True)
+        rp.run_replay(profile, endpoint.url, protocol=point.protocol, timeout_s=exp.timeout_s)
+        split = time.monotonic()
+        print(f"[{name}] measure: {len(valid.requests)} requests over {valid.duration:.1f} s", flush=True)
+        records = rp.run_replay(valid, endpoint.url, protocol=point.protocol, timeout_s=exp.timeout_s)
+        num_blocks = int(_metric(endpoint.url, "deltaserve_kv_blocks_total") or 0)
+    measured = rp.summarize(records)
+    steps = read_steps(record)
+    ranks = {i + 1: v.rank or 0 for i, v in enumerate(valid.variants)}
+    delta_ids = {i + 1 for i, v in enumerate(valid.variants) if v.kind == "full"}
+    # The daemon numbers variants in registration order; the harness registers them in trace order.
+    samples = steps_to_samples([s for s in steps if s["sent"] <= split], ranks, delta_ids)
+    like = sim.default_model()
+    model = sim.LatencyModel.fit(samples, disk_to_host_bps=like.disk_to_host_bps, host_to_gpu_bps=like.host_to_gpu_bps,
+                                 memory=like.memory, device=devices, source=f"{name} profile, {len(samples)} steps")  # fmt: skip
+    _footprints(model, files, valid, _kv_bytes_per_token(files.model_dir, devices))
+    cfg = _native.SchedulerConfig(16, num_blocks, min(4096, num_blocks * 16))
+    cfg.max_num_seqs = _flag(flags, "--max-num-seqs", cfg.max_num_seqs)
+    cfg.max_num_batched_tokens = _flag(flags, "--max-num-batched-tokens", cfg.max_num_batched_tokens)
+    cfg.max_deltas = _flag(flags, "--max-deltas", cfg.max_deltas)
+    cfg.host_adapter_bytes = _flag(flags, "--variant-host-bytes", cfg.host_adapter_bytes)
+    cfg.host_copy_reports = True
+    predicted = sim.replay(valid, cfg, model).summary()
+    err_thr = predicted["throughput_req_s"] / measured["throughput_req_s"] - 1 if measured["throughput_req_s"] else None
+    m_ttft, p_ttft = measured["ttft_s"]["mean"], predicted["ttft_s"]["mean"]
+    err_ttft = p_ttft / m_ttft - 1 if m_ttft and p_ttft is not None else None
+    ok = all(e is not None and abs(e) <= TARGET for e in (err_thr, err_ttft))
+    print(f"[{name}] throughput measured {measured['throughput_req_s']:.3f} predicted {predicted['throughput_req_s']:.3f} "
+          f"req/s ({_pct(err_thr)}); mean TTFT measured {_fmt(m_ttft)} predicted {_fmt(p_ttft)} s ({_pct(err_ttft)}); "
+          f"latency fit R2 {model.r2}; {'within' if ok else 'NOT within'} {TARGET:.0%}", flush=True)  # fmt: skip
+    return {
+        "experiment": name, "trace": valid.params, "profile_trace": profile.params, "server_flags": flags,
+        "server_ready_s": ready_s, "steps_recorded": len(steps), "profile_samples": len(samples),
+        "latency_model": model.to_dict(), "scheduler_config": cfg.as_dict(),
+        "measured": {k: measured[k] for k in ("requests", "completed", "failed", "makespan_s", "throughput_req_s",
+                                              "throughput_out_tok_s", "ttft_s", "tpot_s", "e2e_s")},
+        "predicted": {k: predicted[k] for k in ("requests", "completed", "makespan_s", "throughput_req_s",
+                                                "throughput_out_tok_s", "ttft_s", "tpot_s", "e2e_s", "preemptions",
+                                                "adapter_gpu_loads", "adapter_host_loads", "peak")},
+        "error": {"throughput_req_s": err_thr, "ttft_mean_s": err_ttft}, "within_target": ok,
+    }  # fmt: skip
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """The command line (module docstring); returns the result file."""
+    p = argparse.ArgumentParser(prog="python -m bench.sim_validate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--experiments", default="slora-s2,deltazip", help="comma-separated: slora-s2, deltazip")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per trace (default 30)")
+    p.add_argument("--n", type=int, default=100, help="slora-s2 adapters (default 100)")
+    p.add_argument("--rate-s2", type=float, default=8.0, help="slora-s2 req/s (default 8)")
+    p.add_argument("--rate-deltazip", type=float, default=1.0, help="deltazip req/s (default 1)")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU models, a few requests")
+    p.add_argument("--devices", help="`cpu` or a CUDA id (default: 0 when CUDA is available)")
+    p.add_argument("--daemon", type=Path, help="deltaserve binary (default: $DELTASERVE_BIN, target/release)")
+    p.add_argument("--work-dir", type=Path, help="keep the model and variant files here (default: a temporary dir)")
+    p.add_argument("--out-dir", type=Path, default=None, help=f"where results go (default {RESULTS})")
+    a = p.parse_args(argv)
+    auto, device = detect_devices()
+    devices = "cpu" if a.smoke else (a.devices or auto)
+    if devices == "cpu":
+        device = "cpu"
+    runs = []
+    with work_directory(a.work_dir) as work:
+        for name in [x for x in a.experiments.split(",") if x]:
+            runs.append(validate(name, a, work, devices))
+    payload = {"device": device, "commit": git_commit(), "target": TARGET, "smoke": a.smoke, "runs": runs,
+               "within_target": all(r["within_target"] for r in runs)}  # fmt: skip
+    path = write_result("sim_validate" + ("-smoke" if a.smoke else ""), payload, a.out_dir)
+    print(path)
+    return path
+
+
+if __name__ == "__main__":
+    main()

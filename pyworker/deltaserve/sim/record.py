@@ -1,0 +1,167 @@
+"""Recording what a daemon's worker runs, step by step, to fit latency models and to compare the
+simulator's batches with the daemon's. The daemon runs ``<python> -m deltaserve.worker ...``;
+:func:`recording_python` writes an executable that the daemon takes as its ``--python``, which
+runs the real worker with its link wrapped so that every plan received and output sent is
+appended to a JSONL file, one line per step::
+
+    {"step_id": 7, "recv": 1234.5671, "sent": 1234.5893,      time.monotonic() (CLOCK_MONOTONIC,
+     "new": [[req_id, tokens, computed, prompt_len, variant]],  shared by processes on one host)
+     "running": [[req_id, tokens]], "released": [...], "ops": [[variant, op, kind]],
+     "timing": {"gap_us", "forward_us", "total_us"}}
+
+``steps_to_samples`` turns a recording into latency-model samples (:mod:`deltaserve.sim.latency`
+features, ``step_s`` = the output-to-output period on the device: ``sent[N] - max(recv[N],
+sent[N - 1])``, what the simulator's clock advances per step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import stat
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+RECORD_ENV = "DELTASERVE_SIM_RECORD"
+"""Where the wrapped worker appends its steps (set by the script :func:`recording_python` writes)."""
+DELAY_ENV = "DELTASERVE_SIM_RECORD_DELAY_S"
+"""Seconds the wrapped worker waits before sending each step's output (tests: steps long enough
+that arrivals never race an output)."""
+
+
+class RecordingLink:
+    """A ``WorkerLink`` that records the plans it receives and the outputs it sends."""
+
+    def __init__(self, link: Any, out: Path, delay_s: float = 0.0) -> None:
+        self._link = link
+        self._delay_s = delay_s
+        self._out = open(out, "a", buffering=1)  # noqa: SIM115 (lives as long as the worker)
+        self._plans: dict[int, dict[str, Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._link, name)
+
+    def recv(self, timeout_s: float | None = None) -> bytes | None:
+        from deltaserve import wire
+
+        frame = self._link.recv(timeout_s)
+        if frame is not None:
+            now = time.monotonic()
+            msg = wire.decode(frame)
+            if isinstance(msg, wire.StepPlan):
+                self._plans[msg.step_id] = {
+                    "step_id": msg.step_id, "recv": now,
+                    "new": [[n.req_id, n.num_scheduled_tokens, n.num_computed_tokens, n.num_prompt_tokens,
+                             n.adapter_id] for n in msg.new_requests],
+                    "running": [[r.req_id, r.num_scheduled_tokens] for r in msg.running],
+                    "released": list(msg.released),
+                    "ops": [[op.adapter_id, int(op.op), int(op.kind)] for op in msg.adapter_ops],
+                }  # fmt: skip
+        return frame
+
+    def send(self, data: bytes, timeout_s: float | None = None) -> None:
+        from deltaserve import wire
+
+        msg = wire.decode(data)
+        if self._delay_s and isinstance(msg, wire.StepOutput):
+            time.sleep(self._delay_s)
+        self._link.send(data, timeout_s)
+        now = time.monotonic()
+        if isinstance(msg, wire.StepOutput) and msg.step_id in self._plans:
+            rec = self._plans.pop(msg.step_id)
+            rec["sent"] = now
+            t = msg.timing
+            rec["timing"] = {"gap_us": t.gap_us, "forward_us": t.forward_us, "total_us": t.total_us}
+            self._out.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+
+def recording_python(script: Path, out: Path, python: str = sys.executable, delay_s: float = 0.0) -> Path:
+    """Writes an executable at ``script`` for the daemon's ``--python``: it runs the worker with
+    its steps recorded to ``out`` (appended), each output held back ``delay_s`` seconds."""
+    script = Path(script)
+    env = f'{RECORD_ENV}="{Path(out).resolve()}" {DELAY_ENV}={float(delay_s)!r}'
+    script.write_text(f'#!/bin/sh\n{env} exec "{python}" -m deltaserve.sim.record "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return script
+
+
+def read_steps(path: Path) -> list[dict[str, Any]]:
+    """A recording's steps, in the order the worker ran them."""
+    steps = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return sorted(steps, key=lambda s: s["sent"])
+
+
+def step_periods(steps: list[dict[str, Any]]) -> list[float]:
+    """Device seconds of each step: from when it could start (its plan received, the previous
+    output sent) to its output being sent."""
+    out, prev = [], -float("inf")
+    for s in steps:
+        out.append(s["sent"] - max(s["recv"], prev))
+        prev = s["sent"]
+    return out
+
+
+def steps_to_samples(steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int]) -> list[dict[str, Any]]:
+    """Latency-model samples of a recording; ``ranks`` gives each LoRA variant id's rank,
+    ``deltas`` the variant ids that are deltas. Steps that loaded a variant to the GPU are left
+    out (their time includes the copy, which the model prices apart)."""
+    cached: dict[int, int] = {}
+    variant: dict[int, int] = {}
+    samples = []
+    for s, period in zip(steps, step_periods(steps)):
+        for rid in s["released"]:
+            cached.pop(rid, None)
+        f = {k: 0.0 for k in ("tokens", "seqs", "prefill_tokens", "context_tokens", "prefill_attention",
+                              "lora_tokens", "delta_tokens")}  # fmt: skip
+        loras: set[int] = set()
+        used_deltas: set[int] = set()
+        chunks = [(r, n, c, True) for r, n, c, _p, v in s["new"]]
+        for r, _n, _c, _p, v in s["new"]:
+            variant[r] = v
+        chunks += [(r, n, cached.get(r, 0), n > 1) for r, n in s["running"]]
+        for rid, n, start, prefill in chunks:
+            cached[rid] = start + n
+            f["tokens"] += n
+            f["seqs"] += 1
+            f["context_tokens"] += start + n
+            if prefill:
+                f["prefill_tokens"] += n
+                f["prefill_attention"] += n * (start + n)
+            v = variant.get(rid, 0)
+            if v in deltas:
+                f["delta_tokens"] += n
+                used_deltas.add(v)
+            elif v:
+                f["lora_tokens"] += n
+                loras.add(v)
+        f["lora_segments"] = len(loras)
+        f["lora_rank_sum"] = sum(ranks.get(v, 0) for v in loras)
+        f["deltas"] = len(used_deltas)
+        if not any(op[1] == 1 for op in s["ops"]) and period > 0:  # TierOp.TO_GPU == 1
+            samples.append({**f, "step_s": period})
+    return samples
+
+
+def main() -> None:
+    """The wrapped worker: ``python -m deltaserve.sim.record -m deltaserve.worker ARGS...``."""
+    out = os.environ.get(RECORD_ENV)
+    args = sys.argv[1:]
+    if args[:2] == ["-m", "deltaserve.worker"]:
+        args = args[2:]
+    if not out:
+        raise SystemExit(f"{RECORD_ENV} is not set: run through the script recording_python() writes")
+    from deltaserve import _native
+
+    real = _native.WorkerLink
+    delay_s = float(os.environ.get(DELAY_ENV) or 0.0)
+    _native.WorkerLink = lambda *a, **kw: RecordingLink(real(*a, **kw), Path(out), delay_s)  # type: ignore[misc,assignment]
+    sys.argv = ["deltaserve.worker", *args]
+    runpy.run_module("deltaserve.worker", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
