@@ -226,10 +226,26 @@ impl Scheduler {
     /// Forms the next step (`form_step` below lists its phases). Returns an empty step
     /// (`is_empty()`, `step_id == 0`) when nothing can run; pending releases then wait for the
     /// next non-empty step. Calling it again before [`Scheduler::update`] abandons the
-    /// outstanding steps: their requests are rescheduled from where their last update left them.
+    /// outstanding step: its requests are rescheduled from where their last update left them.
+    ///
+    /// Refused (an empty step, nothing changed) while a step formed by
+    /// [`Scheduler::schedule_ahead`] is outstanding: that step computed past tokens not known
+    /// yet, on pages the worker already appended to its tables, which no later step can take
+    /// back. `update` the outstanding steps first, or call [`Scheduler::reset_worker`] when the
+    /// worker lost them. (The server's actor never asks: it schedules only with no step
+    /// outstanding.)
     pub fn schedule(&mut self) -> ScheduledStep {
+        if self.outstanding.len() > 1 {
+            return ScheduledStep::default();
+        }
         self.clear_in_flight();
         self.form_step(false)
+    }
+
+    /// Steps sent and not yet answered by [`Scheduler::update`] (0, 1, or 2 with a step formed
+    /// ahead).
+    pub fn outstanding_steps(&self) -> usize {
+        self.outstanding.len()
     }
 
     /// The step algorithm, one call per phase (each phase's doc has its pseudo-code):

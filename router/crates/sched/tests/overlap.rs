@@ -204,3 +204,50 @@ fn a_token_lost_under_a_step_ahead_means_recompute() {
     assert!(third.released.contains(&2) && third.new.iter().any(|n| n.id == 2));
     s.check_invariants().unwrap();
 }
+
+#[test]
+fn schedule_is_refused_while_a_step_formed_ahead_is_outstanding() {
+    // schedule, schedule_ahead, schedule again without an update, then a tokenless answer used
+    // to leave request 1 with a cached position past its tokens (the page step 2 took for the
+    // token step 1 samples) and no pending sample: "cached <= tokens + pending" broken.
+    let c = cfg(4, 64, 8, 64, 128);
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let mut w = FakeWorker::new(c);
+    let mut outs = VecDeque::new();
+    s.add_request(req(1, 4, 8)).unwrap();
+    let first = s.schedule();
+    send(&mut w, &first, &mut outs);
+    let second = s.schedule_ahead();
+    assert_eq!(
+        second.running[0].new_block_ids.len(),
+        1,
+        "a page for the token being sampled"
+    );
+    send(&mut w, &second, &mut outs);
+    assert_eq!(s.outstanding_steps(), 2);
+    let before = state_of(&s);
+    let refused = s.schedule();
+    assert!(refused.is_empty() && refused.step_id == 0, "{refused:?}");
+    assert_eq!(s.outstanding_steps(), 2, "nothing abandoned");
+    assert_eq!(state_of(&s), before, "nothing changed");
+    outs.pop_front(); // the worker's answer to step 1 loses its token instead
+    s.update(&[(1, None)]);
+    s.check_invariants().unwrap();
+    // From here the request runs to the end with a worker that answers every step.
+    while s.has_unfinished() {
+        if s.outstanding_steps() == 0 {
+            let step = s.schedule();
+            send(&mut w, &step, &mut outs);
+        }
+        s.update(&outs.pop_front().unwrap());
+        s.check_invariants().unwrap();
+    }
+    // With a single step outstanding, scheduling again still abandons it.
+    s.add_request(req(2, 4, 2)).unwrap();
+    assert!(!s.schedule().is_empty());
+    assert!(
+        !s.schedule().is_empty(),
+        "one outstanding step is abandoned"
+    );
+    s.check_invariants().unwrap();
+}
