@@ -624,4 +624,27 @@ mod tests {
         assert!(parse_devices("0,0").unwrap_err().contains("twice"));
         assert!(parse_devices("").is_err());
     }
+
+    #[test]
+    fn zoo_variants_are_its_delta_subdirectories_sorted() {
+        let zoo = tempfile::tempdir().unwrap();
+        assert!(zoo_variants(zoo.path())
+            .unwrap_err()
+            .contains("no manifest.json"));
+        std::fs::write(zoo.path().join("manifest.json"), "{}").unwrap();
+        assert!(zoo_variants(zoo.path()).unwrap().is_empty());
+        for name in ["zeta", "alpha", "dense-only"] {
+            let dir = zoo.path().join("variants").join(name);
+            std::fs::create_dir_all(&dir).unwrap();
+            if name != "dense-only" {
+                std::fs::write(dir.join("manifest.json"), "{}").unwrap();
+            }
+        }
+        let names: Vec<String> = zoo_variants(zoo.path())
+            .unwrap()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(names, ["alpha", "zeta"]);
+    }
 }
