@@ -56,6 +56,10 @@ impl EngineHandle {
             .map_err(|e| invalid(format!("adapter path {}: {e}", dir.display())))?;
         let found = variant_kind_of_dir(&dir).map_err(invalid)?;
         check_kind(found, want, &dir)?;
+        if found == VariantKind::Lora {
+            // Nothing a client sends may crash or freeze a worker: the config is checked here.
+            super::peft_config::check_lora_config(&dir).map_err(invalid)?;
+        }
         let path = dir
             .to_str()
             .ok_or_else(|| invalid(format!("adapter path {} is not UTF-8", dir.display())))?

@@ -19,6 +19,8 @@
 //! - `plan.rs`: scheduler ⇄ wire translation (step plans, adapter ops, scheduler config);
 //! - `streams.rs`: the live requests: detokenizing, stop strings, event fan-out, latencies;
 //! - `admin.rs`: registering and deleting adapters (inspect, register with rollback, delete);
+//! - `peft_config.rs`: a LoRA adapter's `adapter_config.json` type-checked and its regexes
+//!   compiled (linear-time engine) before any worker reads it;
 //! - [`metrics`]: the one table of engine metrics, its sum over workers and its Prometheus
 //!   families, and the request latency histograms.
 
@@ -38,6 +40,7 @@ mod actor;
 mod admin;
 mod command;
 pub mod metrics;
+mod peft_config;
 mod plan;
 mod streams;
 
