@@ -137,6 +137,15 @@ impl SchedulerConfig {
     }
 }
 
+/// The context-length rule, the one copy of it: a request's prompt plus its output budget must
+/// fit the model's context, so a prompt of `prompt_tokens` leaves room for this many output tokens
+/// (0: none). The scheduler refuses a request beyond it (`SchedError::TooLong`); the server's
+/// request validation resolves and checks `max_tokens` with it before anything is queued; the
+/// worker's plan check repeats the bound as a guard against a bad plan (`plan_check.py`).
+pub fn context_room(prompt_tokens: u64, max_model_len: u32) -> u32 {
+    (max_model_len as u64).saturating_sub(prompt_tokens) as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,6 +187,13 @@ mod tests {
             ..c
         };
         assert!(off.validate().is_ok());
+    }
+
+    #[test]
+    fn context_room_is_what_the_prompt_leaves() {
+        assert_eq!(context_room(3, 8), 5);
+        assert_eq!(context_room(8, 8), 0);
+        assert_eq!(context_room(u64::MAX, 8), 0);
     }
 
     #[test]

@@ -59,6 +59,8 @@ pub mod error;
 pub mod scheduler;
 pub mod step;
 pub mod variants;
+#[cfg(feature = "wire")]
+pub mod wire;
 
 mod admission;
 mod inflight;
@@ -69,7 +71,7 @@ mod skip_line;
 
 pub use block::{BlockAllocator, PageOwner};
 pub use config::{
-    SchedulerConfig, DEFAULT_HOST_ADAPTER_BYTES, DEFAULT_MAX_DELTAS,
+    context_room, SchedulerConfig, DEFAULT_HOST_ADAPTER_BYTES, DEFAULT_MAX_DELTAS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_PREFETCH_WINDOW,
     MAX_PREFETCH_WINDOW,
 };

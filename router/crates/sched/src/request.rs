@@ -14,6 +14,7 @@
 //! A running request of a delta is also in one skip state (`Seq::skip`, drawn in
 //! `skip_line.rs`); a waiting one is always `Skip::No`.
 
+use crate::config::context_room;
 use crate::error::SchedError;
 use crate::scheduler::Scheduler;
 use crate::skip_line::Skip;
@@ -134,7 +135,7 @@ impl Scheduler {
         }
         let prompt_tokens = req.prompt.len() as u64;
         let total = prompt_tokens + req.max_tokens as u64;
-        if total > self.cfg.max_model_len as u64 {
+        if req.max_tokens > context_room(prompt_tokens, self.cfg.max_model_len) {
             return Err(SchedError::TooLong {
                 id,
                 prompt_tokens,
