@@ -216,7 +216,8 @@ class Scheduler:
     def schedule(self) -> bytes | None:
         """The next step as an encoded ``wire.StepPlan`` frame, or ``None`` when nothing can run (its
         releases and adapter ops then wait for the next step). Calling it with a step outstanding
-        abandons that step: its requests are scheduled again from their last update."""
+        abandons that step: its requests are scheduled again from their last update. Raises
+        ``ValueError`` (nothing changed) while a step formed by ``schedule_ahead`` is outstanding."""
 
     def schedule_ahead(self) -> bytes | None:
         """With exactly one step outstanding, the step after it as an encoded ``wire.StepPlan``,

@@ -189,6 +189,8 @@ def check_plan(
         bad_tokens = [t for t in new.token_ids if not 0 <= t < vocab]
         if bad_tokens:
             fail(rid, f"token ids {bad_tokens[:4]} outside the vocab size {vocab}")
+        # A deliberate guard, not the rule: the router refuses longer requests before they are
+        # queued (sched ``context_room``); a plan past it is a router bug, refused before it runs.
         if n_tokens > limits.max_model_len:
             fail(rid, f"{n_tokens} tokens exceed max_model_len {limits.max_model_len}")
         if new.num_prompt_tokens > n_tokens:

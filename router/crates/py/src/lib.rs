@@ -18,7 +18,7 @@
 //!   engine, for patterns from adapter configs (`linear_regex.rs`).
 //! - `Scheduler(block_size, num_blocks, max_model_len, ...)` and its `SchedError`: the router's
 //!   scheduler, plans out and worker outputs in as wire frames (`scheduler.rs`, translating
-//!   through `wire_plan.rs`).
+//!   through the scheduler crate's `wire` module, the router's own translation).
 //! - `SchedulerConfig(block_size, num_blocks, max_model_len)`, `simulate(...)` and
 //!   `SIM_FEATURES`: the scheduler's config struct and the capacity-planning simulator, the real
 //!   scheduler on a virtual clock (`sim.rs`; the loop in `sim_loop.rs`, step prices in
@@ -37,7 +37,6 @@ mod scheduler;
 mod sim;
 mod sim_latency;
 mod sim_loop;
-mod wire_plan;
 
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};

@@ -1,9 +1,9 @@
 //! `_native.Scheduler`: the router's scheduler ([`deltaserve_sched::Scheduler`]) for Python, so
 //! tests drive the worker with the plans the router would send, and tools can run the real
 //! scheduler as a simulator. Conversion only: requests, variants and the config come in as
-//! plain values, steps go out as encoded wire `StepPlan` frames (through [`wire_plan`], the
-//! router's translation), and worker answers come back as encoded `StepOutput` frames. No IO,
-//! no clock: arrival stamps are the caller's numbers.
+//! plain values, steps go out as encoded wire `StepPlan` frames (through
+//! [`deltaserve_sched::wire`], the router's own translation), and worker answers come back as
+//! encoded `StepOutput` frames. No IO, no clock: arrival stamps are the caller's numbers.
 //!
 //! Besides the scheduler it keeps only what the router's engine keeps next to it for the same
 //! translation: each live request's sampling parameters (sent with it whenever it goes to the
@@ -27,7 +27,7 @@ use pyo3::exceptions::{PyAssertionError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::wire_plan::{sched_kind, wire_plan};
+use deltaserve_sched::wire::{sched_kind, step_plan};
 
 create_exception!(
     deltaserve._native,
@@ -70,7 +70,7 @@ impl Scheduler {
         }
         self.outstanding.push_back(step.step_id);
         let sampling = &self.sampling;
-        let plan = wire_plan(step, |id| sampling.get(&id).cloned().unwrap_or_default());
+        let plan = step_plan(step, |id| sampling.get(&id).cloned().unwrap_or_default());
         Some(PyBytes::new(py, &codec::encode(&plan)))
     }
 }
@@ -209,12 +209,19 @@ impl Scheduler {
         Ok(())
     }
 
-    /// The next step as an encoded `StepPlan` frame, or `None` when nothing can run. Abandons any
-    /// outstanding step (see [`deltaserve_sched::Scheduler::schedule`]).
-    fn schedule<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+    /// The next step as an encoded `StepPlan` frame, or `None` when nothing can run. Abandons an
+    /// outstanding step (see [`deltaserve_sched::Scheduler::schedule`]); raises `ValueError`,
+    /// changing nothing, while a step formed by `schedule_ahead` is outstanding.
+    fn schedule<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        if self.sched.outstanding_steps() > 1 {
+            return Err(PyValueError::new_err(
+                "schedule() while a step formed by schedule_ahead() is outstanding: update() the \
+                 outstanding steps first (a step ahead cannot be taken back)",
+            ));
+        }
         self.outstanding.clear();
         let step = self.sched.schedule();
-        self.send(py, step)
+        Ok(self.send(py, step))
     }
 
     /// The step after the one outstanding, formed before its output

@@ -12,7 +12,7 @@ use pyo3::types::PyDict;
 use crate::scheduler::SchedError;
 use crate::sim_latency::{LatencyModel, FEATURES};
 use crate::sim_loop::{simulate as run, SimOptions, SimRequest, SimVariant};
-use crate::wire_plan::sched_kind;
+use deltaserve_sched::wire::sched_kind;
 
 /// The feature names of the latency model, in coefficient order.
 pub(crate) const SIM_FEATURES: [&str; 11] = FEATURES;

@@ -405,7 +405,10 @@ fn max_tokens(
     ctx: &ModelContext<'_>,
 ) -> Result<u32, ApiError> {
     let context = ctx.model.max_model_len as usize;
-    if prompt_len >= context {
+    // The rule is the scheduler's (`context_room`); here it also names the parameter and fills
+    // in the default.
+    let room = deltaserve_sched::context_room(prompt_len as u64, ctx.model.max_model_len);
+    if room == 0 {
         return Err(ApiError::invalid(
             prompt_param,
             format!(
@@ -413,7 +416,6 @@ fn max_tokens(
             ),
         ));
     }
-    let room = (context - prompt_len) as u32;
     match requested {
         None => Ok(default.map_or(room, |d| d.min(room))),
         Some(m) if m < 1 => Err(ApiError::invalid(param, format!("`{param}` must be at least 1, got {m}"))),
