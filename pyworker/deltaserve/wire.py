@@ -37,6 +37,7 @@ __all__ = [
     "TokenLogprob",
     "RequestOutput",
     "StepTiming",
+    "FailedVariant",
     "StepOutput",
     "ModelInfo",
     "KvCapacity",
@@ -60,7 +61,8 @@ SCHEMA_TEXT = (
     "TokenLogprob=0{token_id:u32,logprob:f64}\n"
     "RequestOutput=0{req_id:u64,token_id:Option<u32>,logprob:Option<f64>,top_logprobs:Vec<TokenLogprob>}\n"
     "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64}\n"
-    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>}\n"
+    "FailedVariant=0{variant_id:u32,message:String}\n"
+    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,failed_variants:Vec<FailedVariant>}\n"
     "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
     "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
     "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
@@ -449,6 +451,38 @@ class StepTiming:
 
 
 @dataclass(slots=True)
+class FailedVariant:
+    """A variant whose files failed after registration (its host read failed at the `to_gpu`
+    that needed it): the worker quarantined it, dropped its requests from its steps and
+    skips its ops; the router fails its requests and marks it unavailable.
+    """
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: The variant (`VariantOp::adapter_id`).
+    variant_id: int = 0
+    #: What failed, for the requests' error events (no traceback, no server path).
+    message: str = ""
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.variant_id, self.message]
+
+    @classmethod
+    def from_wire(cls, a: list) -> FailedVariant:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 2:
+            return cls(a[0], a[1])
+        m = cls()
+        if n > 0:
+            m.variant_id = a[0]
+        if n > 1:
+            m.message = a[1]
+        return m
+
+
+@dataclass(slots=True)
 class StepOutput:
     """The worker's answer to one `StepPlan`."""
 
@@ -468,17 +502,20 @@ class StepOutput:
     #: The router admits requests for a variant whose read is still running only when
     #: nothing else would run, since that step would wait for the read.
     host_ready: list[int] = field(default_factory=list)
+    #: Variants quarantined since the previous `StepOutput` (each reported once); their
+    #: requests in this step have no output.
+    failed_variants: list[FailedVariant] = field(default_factory=list)
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes, self.host_ready]
+        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes, self.host_ready, [x0.to_wire() for x0 in self.failed_variants]]
 
     @classmethod
     def from_wire(cls, a: list) -> StepOutput:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 5:
-            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3], a[4])
+        if n >= 6:
+            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3], a[4], [FailedVariant.from_wire(x0) for x0 in a[5]])
         m = cls()
         if n > 0:
             m.step_id = a[0]
@@ -490,6 +527,8 @@ class StepOutput:
             m.adapter_host_bytes = a[3]
         if n > 4:
             m.host_ready = a[4]
+        if n > 5:
+            m.failed_variants = [FailedVariant.from_wire(x0) for x0 in a[5]]
         return m
 
 

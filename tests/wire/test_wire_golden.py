@@ -79,6 +79,9 @@ def test_golden_values_decode_into_the_right_fields() -> None:
     assert out.outputs[0].top_logprobs[1] == wire.TokenLogprob(token_id=13, logprob=-1.7)
     assert out.outputs[2].token_id is None and out.outputs[2].logprob is None
     assert out.timing == wire.StepTiming(gap_us=87, forward_us=12_345, total_us=70_000)
+    assert out.failed_variants == [
+        wire.FailedVariant(variant_id=9, message="its files could not be loaded (AdapterLoadError)")
+    ]
 
     hello = wire.decode((GOLDEN / "Hello.msgpack").read_bytes())
     assert isinstance(hello, wire.Hello)

@@ -15,7 +15,7 @@ pool as KV and sends ``to_host`` / ``to_gpu`` / ``drop_gpu`` / ``drop_host`` in 
 - an adapter evicted (its pages then filled with other requests' KV) and re-loaded on other pages
   gives the same tokens;
 - bad ops and requests on non-resident adapters are a PlanError that changes nothing;
-- the loop answers ``InspectVariant`` and turns a failed adapter load into a fatal WorkerError;
+- the loop answers ``InspectVariant``; a failed adapter load fails that adapter's requests only;
 - ``--max-lora-rank`` / ``--max-loras-per-step`` flags (``--loras`` is gone).
 """
 
@@ -223,8 +223,8 @@ def test_bad_ops_are_plan_errors_that_change_nothing(executor_factory, dirs) -> 
         off.step(wire.StepPlan(step_id=1, new_requests=[new_req(1, 1, [0])]))
 
 
-def test_loop_answers_inspect_and_a_failed_load_is_fatal(executor_factory, dirs, tmp_path: Path) -> None:
-    from deltaserve.worker.loop import EXIT_FATAL, WorkerLoop
+def test_loop_answers_inspect_and_a_failed_load_fails_that_variant_only(executor_factory, dirs, tmp_path: Path) -> None:
+    from deltaserve.worker.loop import WorkerLoop
 
     ex = executor_factory()
     gone = tmp_path / "gone"
@@ -246,32 +246,51 @@ def test_loop_answers_inspect_and_a_failed_load_is_fatal(executor_factory, dirs,
     assert isinstance(info42, wire.VariantInfo) and info42.inspect_id == 42 and "missing" in info42.error
     assert isinstance(out, wire.StepOutput) and out.adapter_host_bytes == info41.host_bytes
 
-    # The directory vanishes after registration: the to_gpu that needs it is a fatal error.
+    # The directory vanishes after registration: the to_gpu that needs it fails that variant only
+    # (issue 28). Its requests leave this step and the next one (sent before the router knew);
+    # the base request beside them is served; the worker serves on.
     shutil.rmtree(gone)
-    fatal = wire.StepPlan(
-        step_id=2,
-        adapter_ops=[
-            wire.VariantOp(3, wire.TierOp.TO_HOST, str(gone), []),
-            wire.VariantOp(3, wire.TierOp.TO_GPU, "", list(range(good_info.num_blocks))),
-        ],
-        new_requests=[
-            wire.NewRequest(
-                req_id=8,
-                token_ids=[3, 4],
-                num_prompt_tokens=2,
-                num_computed_tokens=0,
-                num_scheduled_tokens=2,
-                block_ids=[900],
-                sampling=GREEDY,
-                adapter_id=3,
-            )
-        ],
-    )
-    link = FakeLink([wire.encode(fatal), wire.encode(wire.Shutdown(reason="never reached"))])
-    assert WorkerLoop(ex, link).run() == EXIT_FATAL
-    err = link.sent[-1]
-    assert isinstance(err, wire.WorkerError) and err.fatal and err.step_id == 2 and err.req_ids == [8]
-    assert "AdapterLoadError" in err.message and "gone" in err.message
+    pages = list(range(good_info.num_blocks))
+
+    def new(req_id: int, adapter_id: int, block: int) -> wire.NewRequest:
+        return wire.NewRequest(
+            req_id=req_id,
+            token_ids=[3, 4],
+            num_prompt_tokens=2,
+            num_computed_tokens=0,
+            num_scheduled_tokens=2,
+            block_ids=[block],
+            sampling=GREEDY,
+            adapter_id=adapter_id,
+        )
+
+    def load() -> list[wire.VariantOp]:
+        return [wire.VariantOp(3, wire.TierOp.TO_HOST, str(gone), []), wire.VariantOp(3, wire.TierOp.TO_GPU, "", pages)]
+
+    frames = [
+        wire.StepPlan(step_id=2, adapter_ops=load(), new_requests=[new(8, 3, 900), new(9, 0, 901)]),
+        wire.StepPlan(step_id=3, running=[wire.RunningRequest(8, 1, []), wire.RunningRequest(9, 1, [])]),
+        wire.StepPlan(step_id=4, released=[8], running=[wire.RunningRequest(9, 1, [])]),
+        wire.Shutdown(reason="done"),
+    ]
+    link = FakeLink([wire.encode(f) for f in frames])
+    assert WorkerLoop(ex, link).run() == 0
+    _, out2, out3, out4 = link.sent
+    assert all(isinstance(o, wire.StepOutput) for o in (out2, out3, out4)), link.sent
+    assert [o.req_id for o in out2.outputs] == [9] and [f.variant_id for f in out2.failed_variants] == [3]
+    message = out2.failed_variants[0].message
+    assert "could not be loaded" in message and "gone" not in message and "Traceback" not in message
+    assert [o.req_id for o in out3.outputs] == [9] and out3.failed_variants == []
+    assert [o.req_id for o in out4.outputs] == [9] and 8 not in ex.requests
+
+    # Registered again once its files are back (the router's next to_host): it serves.
+    shutil.copytree(dirs[1], gone)
+    again = wire.StepPlan(step_id=5, released=[9], adapter_ops=load(), new_requests=[new(10, 3, 902)])
+    link = FakeLink([wire.encode(again), wire.encode(wire.Shutdown(reason="done"))])
+    assert WorkerLoop(ex, link).run() == 0
+    _, out5 = link.sent
+    assert isinstance(out5, wire.StepOutput) and [o.req_id for o in out5.outputs] == [10], out5
+    assert out5.failed_variants == []
 
 
 def test_lora_flags(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:

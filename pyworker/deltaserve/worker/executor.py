@@ -17,9 +17,10 @@ pool (``--max-lora-rank`` > 0; every block linear is a ``LoraLinear`` from start
 pool (``--max-deltas`` > 0; block linears, embedding, norms and lm_head are delta-aware from
 start-up). A NewRequest names its variant by ``adapter_id`` (0 = base alone); the request keeps it
 until released, and every step that schedules it needs it GPU-resident after the step's ops. A host
-read that fails in the background (the directory vanished since inspection) surfaces at the
-``to_gpu`` that needs it as ``AdapterLoadError``, which the worker loop reports as a fatal
-WorkerError (the router restarts the worker).
+read that fails in the background (the directory vanished or changed since inspection) surfaces at
+the ``to_gpu`` that needs it as ``AdapterLoadError``: the variant is quarantined (``quarantine.py``),
+its requests leave this and every later step, the next StepOutput reports it, and the worker serves
+on (the router fails that variant's requests only).
 
 CPU LoRA helpers (``cpu_lora_helpers`` > 0, ``helpers/``): the host tier's copies live in a shared
 arena the helper processes map, and a cold adapter's prefill may run with its LoRA on the helpers
@@ -40,6 +41,7 @@ from deltaserve import wire
 from deltaserve.adapters.delta_layers import attach_deltas
 from deltaserve.adapters.delta_pool import DeltaPool
 from deltaserve.adapters.delta_slots import reserve_bytes
+from deltaserve.adapters.host_tier import AdapterLoadError
 from deltaserve.adapters.lora_layers import attach_lora
 from deltaserve.adapters.lora_pool import LoraPool
 from deltaserve.adapters.pinned_arena import PinnedArena, slack_for
@@ -57,6 +59,7 @@ from .config import WorkerConfig
 from .cuda_graphs import DecodeGraphs
 from .memory import kv_budget
 from .plan_check import PlanError, PlanLimits, check_plan
+from .quarantine import Quarantine
 from .requests import RequestState
 from .runner import ForwardRunner, LaunchedStep
 from .sampler import Sampler
@@ -238,6 +241,8 @@ class Executor:
         """What plans are checked against."""
         self.requests: dict[int, RequestState] = {}
         """Requests the worker holds, by req_id."""
+        self.quarantine = Quarantine()
+        """Variants whose files failed after registration: their requests leave every step."""
         log.info(
             "loaded %s (%s, %d layers, vocab %d) on %s as %s in %.1f s; KV pool %d blocks x %d tokens "
             "(%.1f MiB, %d bytes/block); max_model_len %d",
@@ -296,6 +301,7 @@ class Executor:
         host reads finished since the previous output."""
         ready = [aid for pool in self.pools.values() for aid in pool.take_finished()]
         return wire.StepOutput(
+            failed_variants=self.quarantine.take_reports(),
             step_id=step_id,
             outputs=outputs,
             timing=timing,
@@ -353,13 +359,24 @@ class Executor:
         assist = self.cpu_assist
         if assist is not None:
             assist.land()  # last step's deferred placements: the plan check sees them placed
+        self.quarantine.lift_reloaded(plan)
+        plan = self.quarantine.filter_plan(plan, self.requests)
         check_plan(plan, self.requests, self.pools, self.limits)
         request_diffs.release(self.requests, plan)
         cold = assist.cold_prefills(plan) if assist is not None else {}
-        for op in plan.adapter_ops:  # AdapterLoadError here is fatal (module docstring)
+        failed = False
+        for op in plan.adapter_ops:
+            if op.adapter_id in self.quarantine:
+                continue  # failed earlier in this plan: its later ops and requests are dropped
             if op.adapter_id in cold and assist is not None and assist.takes(op, cold[op.adapter_id]):
                 continue  # deferred: the helpers compute its rows this step
-            self.pools[op.kind].apply(op)
+            try:
+                self.pools[op.kind].apply(op)
+            except AdapterLoadError as e:  # the variant's failure, not the worker's (module docstring)
+                self._quarantine(op, e)
+                failed = True
+        if failed:
+            plan = self.quarantine.filter_plan(plan, self.requests)
         if assist is not None:
             assist.start_landing()
         scheduled = request_diffs.admit(self.requests, plan)
@@ -373,6 +390,14 @@ class Executor:
             return self._step_output(launched.step_id, [], timing)
         outputs, timing.forward_us = self.runner.finish(launched)
         return self._step_output(launched.step_id, outputs, timing)
+
+    def _quarantine(self, op: wire.VariantOp, error: AdapterLoadError) -> None:
+        """Takes the variant of the op that failed out of service (``quarantine.py``); its host
+        entry goes (nothing was placed: a failed ``to_gpu`` raises before placing)."""
+        self.quarantine.add(op.adapter_id, "its files could not be loaded", error)
+        pool = self.pools[op.kind]
+        if op.adapter_id in pool.host_ids():
+            pool.drop_host(op.adapter_id)
 
     def drop_step_requests(self, plan: wire.StepPlan) -> list[int]:
         """After a failed step: forgets every request the plan released or scheduled.

@@ -151,6 +151,10 @@ pub fn step_output() -> StepOutput {
         },
         adapter_host_bytes: 3 << 30,
         host_ready: vec![7, 4_000_000_000],
+        failed_variants: vec![crate::wire::FailedVariant {
+            variant_id: 9,
+            message: "its files could not be loaded (AdapterLoadError)".into(),
+        }],
     }
 }
 

@@ -328,6 +328,16 @@ wire_structs! {
         total_us: u64,
     }
 
+    /// A variant whose files failed after registration (its host read failed at the `to_gpu`
+    /// that needed it): the worker quarantined it, dropped its requests from its steps and
+    /// skips its ops; the router fails its requests and marks it unavailable.
+    struct FailedVariant = 0 {
+        /// The variant (`VariantOp::adapter_id`).
+        variant_id: u32,
+        /// What failed, for the requests' error events (no traceback, no server path).
+        message: String,
+    }
+
     /// The worker's answer to one `StepPlan`.
     struct StepOutput = 3 {
         /// The plan's `step_id`.
@@ -344,6 +354,9 @@ wire_structs! {
         /// The router admits requests for a variant whose read is still running only when
         /// nothing else would run, since that step would wait for the read.
         host_ready: Vec<u32>,
+        /// Variants quarantined since the previous `StepOutput` (each reported once); their
+        /// requests in this step have no output.
+        failed_variants: Vec<FailedVariant>,
     }
 
     /// What the router needs to know about the loaded model.

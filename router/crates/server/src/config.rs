@@ -113,6 +113,10 @@ pub struct ServerConfig {
     /// Seconds a worker may take to load its model.
     #[arg(long = "worker-start-timeout", env = "DELTASERVE_WORKER_START_TIMEOUT", default_value = "900", value_parser = parse_seconds)]
     pub worker_start_timeout: Duration,
+    /// Seconds in-flight requests may take to finish after SIGTERM / Ctrl-C (new ones get 503);
+    /// the rest then end with an error event.
+    #[arg(long = "drain-timeout", env = "DELTASERVE_DRAIN_TIMEOUT", default_value = "30", value_parser = parse_seconds)]
+    pub drain_timeout: Duration,
     /// CPU threads of each worker's torch ops. Default: the cores this process may run on,
     /// divided among its CPU workers (a GPU worker keeps torch's own default).
     #[arg(long, env = "DELTASERVE_WORKER_THREADS")]

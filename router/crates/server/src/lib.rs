@@ -19,6 +19,7 @@
 
 pub mod api;
 pub mod config;
+pub mod drain;
 pub mod engine;
 pub mod hub_cache;
 pub mod interpreter;
@@ -181,10 +182,9 @@ pub async fn run(
     let engine = start_engine(&cfg).await?;
     let addr = listener.local_addr()?;
     tracing::info!("serving {} on http://{addr}", engine.model().name);
-    let app = api::router(engine);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    let app = api::router(engine.clone());
+    // SIGTERM: 503 for new requests, in-flight ones get --drain-timeout (drain.rs).
+    drain::serve_until_drained(app, engine, listener, shutdown, cfg.drain_timeout).await?;
     // Dropping the last handle (held by the router) ends the actors, which stop their workers;
     // give them a moment to do it cleanly.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;

@@ -35,6 +35,8 @@
 //!
 //! # Failures
 //!
+//! A variant whose files fail after registration is the worker's `StepOutput::failed_variants`:
+//! only its requests fail, and it is unavailable until registered again (`actor/quarantine.rs`).
 //! A recoverable `WorkerError` fails the requests of that step (they get an `Error` event); a
 //! fatal one, an undecodable frame, or the process exiting fails every request of the worker and
 //! restarts it, with back-off, while the handle reports the worker as not ready. No request is
@@ -50,7 +52,7 @@ use deltaserve_ipc::wire::{self, StepOutput};
 use deltaserve_sched::{Scheduler, SeqRequest, VariantSpec};
 use tokio::sync::{mpsc, oneshot};
 
-use super::command::{ActorRef, Command, RemoveOutcome};
+use super::command::{ActorRef, Command, FailedVariants, RemoveOutcome};
 use super::metrics::{ActorCounters, EngineMetrics, RequestLatency, WorkerReadings};
 use super::plan::{sched_config, wire_plan, SchedLimits};
 use super::streams::Streams;
@@ -59,6 +61,7 @@ use crate::text::tokenizer::TextTokenizer;
 use crate::worker::{SpinWindow, StepPace, WorkerProcess, WorkerSpec};
 
 mod lifecycle;
+mod quarantine;
 mod variants;
 
 /// A plan sent to the worker and not answered yet.
@@ -95,6 +98,10 @@ pub(crate) struct Actor {
     inspections: HashMap<u64, oneshot::Sender<Result<wire::VariantInfo, String>>>,
     /// Next inspect id.
     next_inspect_id: u64,
+    /// Registered adapters' names, for the errors of a variant that fails.
+    adapter_names: BTreeMap<u32, String>,
+    /// Variants the worker quarantined (`actor/quarantine.rs`), shared with the handle.
+    failed_variants: FailedVariants,
 }
 
 /// What woke the actor up.
@@ -119,10 +126,12 @@ impl Actor {
         let (tx, commands) = mpsc::unbounded_channel();
         let outstanding = Arc::new(AtomicUsize::new(0));
         let ready = Arc::new(AtomicBool::new(true));
+        let failed_variants = FailedVariants::default();
         let handle = ActorRef {
             tx,
             outstanding: outstanding.clone(),
             ready: ready.clone(),
+            failed_variants: failed_variants.clone(),
         };
         let actor = Self {
             index,
@@ -140,6 +149,8 @@ impl Actor {
             adapters: BTreeMap::new(),
             inspections: HashMap::new(),
             next_inspect_id: 1,
+            adapter_names: BTreeMap::new(),
+            failed_variants,
         };
         Ok((actor, handle))
     }
@@ -229,8 +240,19 @@ impl Actor {
                 let _ = reply.send(self.metrics());
             }
             Command::Inspect { path, kind, reply } => self.inspect(path, kind, reply),
-            Command::AddAdapter { id, spec, reply } => self.add_adapter(id, spec, reply),
+            Command::AddAdapter {
+                id,
+                name,
+                spec,
+                reply,
+            } => self.add_adapter(id, name, spec, reply),
             Command::RemoveAdapter { id, reply } => self.remove_adapter(id, reply),
+            Command::AbortAll { message } => {
+                for id in self.streams.ids() {
+                    self.sched.abort(id);
+                    self.fail(id, message.clone());
+                }
+            }
         }
     }
 
@@ -312,6 +334,8 @@ impl Actor {
         self.counters.adapter_host_bytes_measured = out.adapter_host_bytes;
         // Before the next plan: requests whose adapter was being read may be admitted now.
         self.sched.host_copies_ready(&out.host_ready);
+        // A variant the worker quarantined fails only its own requests (none has an output).
+        self.variants_failed(&out.failed_variants);
 
         // Requests ended since the step was sent are no longer the scheduler's: skip them.
         let sampled: Vec<(u64, Option<u32>)> = out

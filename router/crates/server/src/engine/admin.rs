@@ -141,6 +141,7 @@ impl EngineHandle {
             let (reply, rx) = oneshot::channel();
             let sent = actor.tx.send(Command::AddAdapter {
                 id,
+                name: self.inner.model.adapters.name_of(id).unwrap_or_default(),
                 spec: spec.clone(),
                 reply,
             });

@@ -1,8 +1,9 @@
 //! The actor protocol: what the engine handle sends one worker's actor ([`Command`]), what it
 //! keeps of the actor ([`ActorRef`]), and the actor's answer to a removal ([`RemoveOutcome`]).
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use deltaserve_ipc::wire::{VariantInfo, VariantKind};
@@ -38,9 +39,10 @@ pub(crate) enum Command {
         kind: VariantKind,
         reply: oneshot::Sender<Result<VariantInfo, String>>,
     },
-    /// Register an inspected adapter with the actor's scheduler.
+    /// Register an inspected adapter with the actor's scheduler (`name`: what errors call it).
     AddAdapter {
         id: u32,
+        name: String,
         spec: VariantSpec,
         reply: oneshot::Sender<Result<(), String>>,
     },
@@ -49,6 +51,8 @@ pub(crate) enum Command {
         id: u32,
         reply: oneshot::Sender<RemoveOutcome>,
     },
+    /// End every live request with an `Error` event carrying `message` (the drain timeout).
+    AbortAll { message: String },
 }
 
 /// One worker's actor, as the handle sees it.
@@ -60,4 +64,10 @@ pub(crate) struct ActorRef {
     pub outstanding: Arc<AtomicUsize>,
     /// True while the actor's worker is up and handshaken.
     pub ready: Arc<AtomicBool>,
+    /// Variants whose files failed on this actor's worker after registration (id -> the error
+    /// their requests got): unavailable until deleted and registered again.
+    pub failed_variants: FailedVariants,
 }
+
+/// Variant id -> why it failed, shared by an actor and its [`ActorRef`].
+pub(crate) type FailedVariants = Arc<Mutex<BTreeMap<u32, String>>>;

@@ -203,15 +203,56 @@ impl EngineHandle {
         }
     }
 
+    /// Requests queued or running on every worker (the drain waits for 0).
+    pub fn outstanding(&self) -> usize {
+        self.inner
+            .actors
+            .iter()
+            .map(|a| a.outstanding.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Ends every live request with an `Error` event carrying `message` (the drain timeout).
+    pub fn abort_all(&self, message: String) {
+        for actor in &self.inner.actors {
+            let _ = actor.tx.send(Command::AbortAll {
+                message: message.clone(),
+            });
+        }
+    }
+
+    /// Why variant `id` is out of service, if a worker quarantined it (its files failed after
+    /// registration); `None` for the base model and every healthy variant.
+    fn failed_variant(&self, id: u32) -> Option<String> {
+        if id == 0 {
+            return None;
+        }
+        self.inner
+            .actors
+            .iter()
+            .find_map(|a| a.failed_variants.lock().ok()?.get(&id).cloned())
+    }
+
     /// Queues a request on the least loaded ready worker; events arrive on the receiver.
-    /// Dropping the receiver cancels the request at the next step. The context length is not
-    /// checked here: request validation checks it (`validate.rs`), and the worker's scheduler
-    /// refuses anything longer (`SchedError::TooLong`, the first event on the receiver); both
-    /// apply the scheduler's one rule, `deltaserve_sched::context_room`.
+    /// Dropping the receiver cancels the request at the next step.
     pub async fn generate(
         &self,
         req: GenerateRequest,
     ) -> Result<mpsc::UnboundedReceiver<GenerateEvent>, EngineError> {
+        let len = req.prompt_token_ids.len() as u64 + req.max_tokens as u64;
+        if len > self.inner.model.max_model_len as u64 {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt ({} tokens) + max_tokens ({}) exceeds the context of {} tokens",
+                req.prompt_token_ids.len(),
+                req.max_tokens,
+                self.inner.model.max_model_len
+            )));
+        }
+        if let Some(why) = self.failed_variant(req.adapter_id) {
+            return Err(EngineError::Unavailable(format!(
+                "{why}; delete it and register it again"
+            )));
+        }
         let actor = self
             .inner
             .actors

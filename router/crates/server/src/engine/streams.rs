@@ -38,6 +38,8 @@ struct Live {
     first_token_at: Option<Instant>,
     /// Whether a step has scheduled it yet (its queue time is observed once).
     scheduled: bool,
+    /// Its variant (0: the base model).
+    variant_id: u32,
 }
 
 /// A request that a step's tokens ended.
@@ -95,6 +97,7 @@ impl Streams {
             arrived,
             first_token_at: None,
             scheduled: false,
+            variant_id: req.adapter_id,
         };
         self.live.insert(id, live);
     }
@@ -112,6 +115,15 @@ impl Streams {
     /// Every live id.
     pub fn ids(&self) -> Vec<u64> {
         self.live.keys().copied().collect()
+    }
+
+    /// Live ids of requests for `variant_id`.
+    pub fn ids_of_variant(&self, variant_id: u32) -> Vec<u64> {
+        self.live
+            .iter()
+            .filter(|(_, l)| l.variant_id == variant_id)
+            .map(|(id, _)| *id)
+            .collect()
     }
 
     /// Ids whose client went away (receiver dropped).

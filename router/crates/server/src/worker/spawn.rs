@@ -104,6 +104,7 @@ pub struct WorkerProcess {
 }
 
 fn ipc_tempdir(index: usize) -> std::io::Result<tempfile::TempDir> {
+    super::stale_ipc::remove_stale_once();
     let prefix = format!("deltaserve-{}-w{}-", std::process::id(), index);
     let shm = std::path::Path::new("/dev/shm");
     if shm.is_dir() {

@@ -54,6 +54,7 @@ impl Actor {
     pub(super) fn add_adapter(
         &mut self,
         id: u32,
+        name: String,
         spec: VariantSpec,
         reply: oneshot::Sender<Result<(), String>>,
     ) {
@@ -63,6 +64,7 @@ impl Actor {
             .map_err(|e| format!("worker {}: {e}", self.index));
         if result.is_ok() {
             self.adapters.insert(id, spec);
+            self.adapter_names.insert(id, name);
         }
         let _ = reply.send(result);
     }
@@ -77,6 +79,11 @@ impl Actor {
         // Unknown here (a rolled-back registration) is as good as removed.
         let _ = self.sched.unregister_adapter(id);
         self.adapters.remove(&id);
+        self.adapter_names.remove(&id);
+        self.failed_variants
+            .lock()
+            .expect("failed variants")
+            .remove(&id);
         let _ = reply.send(RemoveOutcome::Removed);
     }
 }
