@@ -234,20 +234,14 @@ impl EngineHandle {
     }
 
     /// Queues a request on the least loaded ready worker; events arrive on the receiver.
-    /// Dropping the receiver cancels the request at the next step.
+    /// Dropping the receiver cancels the request at the next step. The context length is not
+    /// checked here: request validation checks it (`validate.rs`), and the worker's scheduler
+    /// refuses anything longer (`SchedError::TooLong`, the first event on the receiver); both
+    /// apply the scheduler's one rule, `deltaserve_sched::context_room`.
     pub async fn generate(
         &self,
         req: GenerateRequest,
     ) -> Result<mpsc::UnboundedReceiver<GenerateEvent>, EngineError> {
-        let len = req.prompt_token_ids.len() as u64 + req.max_tokens as u64;
-        if len > self.inner.model.max_model_len as u64 {
-            return Err(EngineError::InvalidRequest(format!(
-                "prompt ({} tokens) + max_tokens ({}) exceeds the context of {} tokens",
-                req.prompt_token_ids.len(),
-                req.max_tokens,
-                self.inner.model.max_model_len
-            )));
-        }
         if let Some(why) = self.failed_variant(req.adapter_id) {
             return Err(EngineError::Unavailable(format!(
                 "{why}; delete it and register it again"
