@@ -35,7 +35,8 @@ true`` (a block zoo variant, ``deltaserve.zoo``): the linears it leaves out get 
 
 ``begin_step(rows)`` maps each token run and each logits row (``StepRows``) to its delta's slot
 and fills ``step`` (``DeltaStep``) for an eager forward; ``end_step`` clears it. Loads failing after
-inspection raise ``AdapterLoadError`` from ``to_gpu``, fatal for the worker, exactly like LoRA adapters.
+inspection raise ``AdapterLoadError`` from ``to_gpu``; the executor quarantines that delta, exactly
+like a LoRA adapter (``worker/quarantine.py``).
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ pinning memory per read stalled every copy and launch of the steps meanwhile. Th
 worker reports each finished read with its next ``StepOutput`` (``host_ready``), so the router
 admits a request only once its adapter can be placed without waiting. ``to_gpu`` waits for the
 read (a step that admitted one into an idle worker). A load that fails (the directory vanished or
-changed since ``inspect``) is raised by ``to_gpu`` as ``AdapterLoadError``: the worker loop makes it
-a fatal ``WorkerError`` and the router restarts the worker (its accounting no longer matches the
-worker's).
+changed since ``inspect``) is raised by ``to_gpu`` as ``AdapterLoadError`` before anything is
+placed: the executor quarantines that adapter (``worker/quarantine.py``), fails only its requests
+and serves on.
 
 Per-step tables (static: allocated once, filled in place, so captured CUDA graphs stay valid)::
 

@@ -16,9 +16,10 @@ rings the router created in ``--ipc-dir``)::
       │     │             total; adapter_host_bytes; host_ready: reads finished since)
       │     ├─ PlanError ──> finish the step in flight; send WorkerError(fatal=False, the step's
       │     │                req_ids); serve on
-      │     └─ anything else (CUDA error, OOM, bug, AdapterLoadError: an adapter op that cannot be
-      │        applied, e.g. a to_host whose directory vanished since InspectVariant)
-      │        ──> send WorkerError(fatal) ── exit 1
+      │     ├─ a variant's files failed since InspectVariant (AdapterLoadError at its to_gpu) ──>
+      │     │    that variant is quarantined (quarantine.py): its requests leave the step, the
+      │     │    StepOutput reports it in failed_variants; serve on
+      │     └─ anything else (CUDA error, OOM, bug) ──> send WorkerError(fatal) ── exit 1
       ├─ InspectVariant ──> finish the step in flight; executor.inspect_variant(path, kind) ──> send
       │                     VariantInfo(same inspect_id); state unchanged (an inspection that
       │                     raises is a refusal with the exception's type; traceback to the log)
