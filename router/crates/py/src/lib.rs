@@ -23,6 +23,10 @@
 //!   `SIM_FEATURES`: the scheduler's config struct and the capacity-planning simulator, the real
 //!   scheduler on a virtual clock (`sim.rs`; the loop in `sim_loop.rs`, step prices in
 //!   `sim_latency.rs`), behind `deltaserve.sim`.
+//! - `run_cli(argv, python=None)` and `EmbeddedServer(flags, python=None, http=True)`: the
+//!   `deltaserve` command line and the router in this process (`embedded.rs`, over
+//!   `deltaserve_server::{cli, embedded}`), behind the console script, `deltaserve.Server` and
+//!   `deltaserve.LLM`.
 //!
 //! Blocking calls release the GIL and wake at least every [`SIGNAL_CHECK`] to run Python signal
 //! handlers, so Ctrl-C interrupts a worker blocked in `recv`.
@@ -32,6 +36,7 @@
 //! (`FrameTooLarge`, `BadCapacity`) raise `ValueError`; a bounded `send` that found the ring full
 //! for its whole timeout raises `TimeoutError`.
 
+mod embedded;
 mod linear_regex;
 mod scheduler;
 mod sim;
@@ -407,6 +412,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkerLink>()?;
     m.add_class::<RouterLink>()?;
     m.add("DEFAULT_CAPACITY", DEFAULT_CAPACITY)?;
+    embedded::register(m)?;
     m.add_class::<scheduler::Scheduler>()?;
     m.add("SchedError", m.py().get_type::<scheduler::SchedError>())?;
     m.add_class::<sim::PySchedulerConfig>()?;

@@ -4,11 +4,14 @@
 //! Order (the first candidate whose interpreter can import `deltaserve` wins):
 //!
 //! 1. `--python` / `DELTASERVE_PYTHON`, when given: used as is, never second-guessed;
-//! 2. `$VIRTUAL_ENV/bin/python` (an activated venv);
-//! 3. `python` beside the invoked binary (`.venv/bin/deltaserve` → `.venv/bin/python`: the link
-//!    `make setup` puts in the venv, or the script a wheel installs);
-//! 4. the venv the binary was built beside (`<workspace>/.venv/bin/python`, fixed at build time);
-//! 5. `python3` on `PATH`.
+//! 2. the interpreter deltaserve runs inside, when it does (the wheel's `deltaserve` console
+//!    script, `deltaserve.Server`, `deltaserve.LLM`: Python's `sys.executable`): it imported
+//!    this very package, so it is used unchecked ([`find_from`]);
+//! 3. `$VIRTUAL_ENV/bin/python` (an activated venv);
+//! 4. `python` beside the invoked binary (a copy of, or link to, the daemon binary in a venv's
+//!    `bin/`: `<venv>/bin/deltaserve` → `<venv>/bin/python`);
+//! 5. the venv the binary was built beside (`<workspace>/.venv/bin/python`, fixed at build time);
+//! 6. `python3` on `PATH`.
 //!
 //! When no candidate has the package the first one that exists is returned anyway, so the
 //! interpreter's own error (`No module named 'deltaserve'`) reaches the user through
@@ -34,7 +37,7 @@ fn built_beside_venv() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../.venv/bin/python")
 }
 
-/// The candidates of the module docs' order 2–5, as `(path, source)`.
+/// The candidates of the module docs' order 3–6, as `(path, source)`.
 pub fn candidates() -> Vec<(PathBuf, &'static str)> {
     let mut out = Vec::new();
     if let Some(venv) = std::env::var_os("VIRTUAL_ENV").filter(|v| !v.is_empty()) {
@@ -95,6 +98,20 @@ pub fn find(explicit: Option<&Path>) -> Interpreter {
         };
     }
     pick(candidates(), has_package, exists)
+}
+
+/// [`find`], for a caller that may run inside a Python interpreter (`host`: `sys.executable`
+/// of the process that loaded `deltaserve._native`): an explicit choice still wins, then the
+/// host, which has the package by construction; without either, [`find`]'s search.
+pub fn find_from(explicit: Option<&Path>, host: Option<&Path>) -> Interpreter {
+    match (explicit, host) {
+        (None, Some(host)) => Interpreter {
+            path: host.to_path_buf(),
+            source: "the interpreter running deltaserve",
+            has_package: true,
+        },
+        _ => find(explicit),
+    }
 }
 
 /// The choice itself, over given candidates and checks (unit-testable).
@@ -198,6 +215,19 @@ mod tests {
             (got.path, got.source),
             (PathBuf::from("/opt/py/bin/python"), "--python")
         );
+    }
+
+    #[test]
+    fn the_host_interpreter_wins_unless_one_is_named() {
+        let host = Path::new("/wheel/venv/bin/python");
+        let got = find_from(None, Some(host));
+        assert_eq!(
+            (got.path.as_path(), got.has_package),
+            (host, true),
+            "{got:?}"
+        );
+        let named = find_from(Some(Path::new("/opt/py")), Some(host));
+        assert_eq!(named.path, PathBuf::from("/opt/py"));
     }
 
     #[test]

@@ -1,0 +1,1 @@
+"""Tests of the Python API over the router: deltaserve.LLM, deltaserve.Server and the console script."""
