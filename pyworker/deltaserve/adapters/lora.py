@@ -526,10 +526,10 @@ def _targeted_sites(cfg: dict[str, Any], base: ModelConfig, names: tuple[str, ..
             chosen = set(sites)
         else:
             hits = fullmatches(targets, [*_NON_BLOCK_MODULES, *module.values()], "field 'target_modules'", fail)
-            for outside, hit in zip(_NON_BLOCK_MODULES, hits, strict=False):
-                if hit:
+            for outside, matched in zip(_NON_BLOCK_MODULES, hits, strict=False):
+                if matched:
                     raise fail(f"field 'target_modules' regex matches '{outside}': LoRA there is not supported")
-            chosen = {s for s, hit in zip(module, hits[len(_NON_BLOCK_MODULES) :], strict=True) if hit}
+            chosen = {s for s, matched in zip(module, hits[len(_NON_BLOCK_MODULES) :], strict=True) if matched}
             if not chosen:
                 raise fail("field 'target_modules' regex matches none of the base's linears")
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):

@@ -397,7 +397,7 @@ class Executor:
         self.quarantine.add(op.adapter_id, "its files could not be loaded", error)
         pool = self.pools[op.kind]
         if op.adapter_id in pool.host_ids():
-            pool.drop_host(op.adapter_id)
+            pool.apply(wire.VariantOp(op.adapter_id, wire.TierOp.DROP_HOST, "", [], kind=op.kind))
 
     def drop_step_requests(self, plan: wire.StepPlan) -> list[int]:
         """After a failed step: forgets every request the plan released or scheduled.
