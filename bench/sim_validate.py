@@ -121,6 +121,7 @@ def validate(name: str, args: argparse.Namespace, work: Path, devices: str) -> d
     profile = make(**{**point.trace, "seed": 1, "rate": point.trace["rate"] * 1.5})
     variants = list({v.name: v for v in valid.variants + profile.variants}.values())
     files = prepare_variants(exp, "deltaserve", variants, work, devices)
+    (args.out_dir or RESULTS).mkdir(parents=True, exist_ok=True)
     record = work / f"{name}-steps.jsonl"
     record.unlink(missing_ok=True)
     script = recording_python(work / f"{name}-python", record)
@@ -141,10 +142,18 @@ def validate(name: str, args: argparse.Namespace, work: Path, devices: str) -> d
     ranks = {i + 1: v.rank or 0 for i, v in enumerate(valid.variants)}
     delta_ids = {i + 1 for i, v in enumerate(valid.variants) if v.kind == "full"}
     # The daemon numbers variants in registration order; the harness registers them in trace order.
-    samples = steps_to_samples([s for s in steps if s["sent"] <= split], ranks, delta_ids)
+    profiled = [s for s in steps if s["sent"] <= split]
     like = sim.default_model()
-    model = sim.LatencyModel.fit(samples, disk_to_host_bps=like.disk_to_host_bps, host_to_gpu_bps=like.host_to_gpu_bps,
-                                 memory=like.memory, device=devices, source=f"{name} profile, {len(samples)} steps")  # fmt: skip
+    for skip_loads in (True, False):  # steps that copied a variant in only when the others lack a kind
+        samples = steps_to_samples(profiled, ranks, delta_ids, skip_loads=skip_loads)
+        try:
+            model = sim.LatencyModel.fit(samples, disk_to_host_bps=like.disk_to_host_bps,
+                                         host_to_gpu_bps=like.host_to_gpu_bps, memory=like.memory, device=devices,
+                                         source=f"{name} profile, {len(samples)} steps")  # fmt: skip
+            break
+        except ValueError:
+            if not skip_loads:
+                raise
     _footprints(model, files, valid, _kv_bytes_per_token(files.model_dir, devices))
     cfg = _native.SchedulerConfig(16, num_blocks, min(4096, num_blocks * 16))
     cfg.max_num_seqs = _flag(flags, "--max-num-seqs", cfg.max_num_seqs)

@@ -81,10 +81,15 @@ class RecordingLink:
 
 def recording_python(script: Path, out: Path, python: str = sys.executable, delay_s: float = 0.0) -> Path:
     """Writes an executable at ``script`` for the daemon's ``--python``: it runs the worker with
-    its steps recorded to ``out`` (appended), each output held back ``delay_s`` seconds."""
+    its steps recorded to ``out`` (appended), each output held back ``delay_s`` seconds; any
+    other module it runs (``deltaserve.demo_model``) runs unwrapped."""
     script = Path(script)
     env = f'{RECORD_ENV}="{Path(out).resolve()}" {DELAY_ENV}={float(delay_s)!r}'
-    script.write_text(f'#!/bin/sh\n{env} exec "{python}" -m deltaserve.sim.record "$@"\n')
+    script.write_text(
+        "#!/bin/sh\n# The worker runs recorded; anything else the daemon runs (the demo model's set-up) as is.\n"
+        f'if [ "$1" = "-m" ] && [ "$2" = "deltaserve.worker" ]; then\n'
+        f'  {env} exec "{python}" -m deltaserve.sim.record "$@"\nfi\nexec "{python}" "$@"\n'
+    )
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return script
 
@@ -105,10 +110,12 @@ def step_periods(steps: list[dict[str, Any]]) -> list[float]:
     return out
 
 
-def steps_to_samples(steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int]) -> list[dict[str, Any]]:
+def steps_to_samples(
+    steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int], skip_loads: bool = True
+) -> list[dict[str, Any]]:
     """Latency-model samples of a recording; ``ranks`` gives each LoRA variant id's rank,
-    ``deltas`` the variant ids that are deltas. Steps that loaded a variant to the GPU are left
-    out (their time includes the copy, which the model prices apart)."""
+    ``deltas`` the variant ids that are deltas. With ``skip_loads``, steps that loaded a variant
+    to the GPU are left out (their time includes the copy, which the model prices apart)."""
     cached: dict[int, int] = {}
     variant: dict[int, int] = {}
     samples = []
@@ -141,7 +148,8 @@ def steps_to_samples(steps: list[dict[str, Any]], ranks: Mapping[int, int], delt
         f["lora_segments"] = len(loras)
         f["lora_rank_sum"] = sum(ranks.get(v, 0) for v in loras)
         f["deltas"] = len(used_deltas)
-        if not any(op[1] == 1 for op in s["ops"]) and period > 0:  # TierOp.TO_GPU == 1
+        loads = any(op[1] == 1 for op in s["ops"])  # TierOp.TO_GPU == 1
+        if period > 0 and not (skip_loads and loads):
             samples.append({**f, "step_s": period})
     return samples
 
