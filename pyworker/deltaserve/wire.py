@@ -13,7 +13,7 @@ append-only: fields missing at the end of a body take their defaults, extra trai
 newer peer are ignored. ``SCHEMA_HASH`` is computed here from ``SCHEMA_TEXT`` at import, so a stale
 mirror announces a hash the router refuses.
 
-Messages: StepPlan=2, StepOutput=3, Hello=1, InspectVariant=6, VariantInfo=7, Shutdown=4, WorkerError=5.
+Messages: StepPlan=2, StepOutput=3, Hello=1, InspectVariant=6, VariantInfo=7, WorkerConfig=8, Shutdown=4, WorkerError=5.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ __all__ = [
     "SCHEMA_HASH",
     "VariantKind",
     "TierOp",
+    "KernelBackend",
     "SamplingParams",
     "NewRequest",
     "RunningRequest",
@@ -44,6 +45,7 @@ __all__ = [
     "Hello",
     "InspectVariant",
     "VariantInfo",
+    "WorkerConfig",
     "Shutdown",
     "WorkerError",
     "Message",
@@ -62,16 +64,18 @@ SCHEMA_TEXT = (
     "RequestOutput=0{req_id:u64,token_id:Option<u32>,logprob:Option<f64>,top_logprobs:Vec<TokenLogprob>}\n"
     "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64}\n"
     "FailedVariant=0{variant_id:u32,message:String}\n"
-    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,failed_variants:Vec<FailedVariant>}\n"
+    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,cpu_assisted_prefills:u32,cpu_assist_fallbacks:u32,cpu_assist_declined:u32,failed_variants:Vec<FailedVariant>}\n"
     "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
     "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
     "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
     "InspectVariant=6{inspect_id:u64,path:String,kind:VariantKind}\n"
     "VariantInfo=7{inspect_id:u64,error:Option<String>,num_blocks:u32,host_bytes:u64,max_rank:u32,target_modules:Vec<String>,kind:VariantKind,summary:String}\n"
+    "WorkerConfig=8{schema_hash:String,model_dir:String,device:String,dtype:String,block_size:u32,kv_cache_bytes:u64,gpu_memory_utilization:f64,max_num_batched_tokens:u32,max_model_len:Option<u32>,seed:u64,kernels:KernelBackend,cuda_graph_max_batch:u32,recv_spin_us:u32,num_threads:u32,log_level:String,max_lora_rank:u32,max_loras_per_step:u32,host_arena_bytes:u64,max_deltas:u32,cuda_ops:bool,cache_dir:Option<String>,profile_path:Option<String>,profile_every_s:f64,cpu_lora_helpers:u32,cpu_lora_policy:String}\n"
     "Shutdown=4{reason:String}\n"
     "WorkerError=5{step_id:u64,message:String,fatal:bool,req_ids:Vec<u64>}\n"
     "VariantKind:u8{lora=0,delta=1}\n"
-    "TierOp:u8{to_host=0,to_gpu=1,drop_gpu=2,drop_host=3}"
+    "TierOp:u8{to_host=0,to_gpu=1,drop_gpu=2,drop_host=3}\n"
+    "KernelBackend:u8{auto=0,torch=1,triton=2}"
 )
 
 
@@ -107,7 +111,7 @@ class VariantKind(IntEnum):
 
 class TierOp(IntEnum):
     """One move of a variant between tiers (S-LoRA's tiers: disk -> host memory -> GPU). The
-    state machine is the scheduler's (`router/crates/sched/src/adapters.rs` draws it).
+    state machine is the scheduler's (`router/crates/sched/src/variants.rs` draws it).
     """
 
     #: Read and validate `VariantOp::path` into host memory (the worker may do it in the
@@ -121,6 +125,22 @@ class TierOp(IntEnum):
     DROP_GPU = 2
     #: Free the host copy (a GPU copy stays valid without it).
     DROP_HOST = 3
+
+    @property
+    def label(self) -> str:
+        """The lower-case label logs, errors and the HTTP API show (Rust's ``label()``)."""
+        return self.name.lower()
+
+
+class KernelBackend(IntEnum):
+    """Which implementation of the worker's kernels runs (`WorkerConfig::kernels`)."""
+
+    #: Triton on CUDA, the torch references on the CPU.
+    AUTO = 0
+    #: The torch references everywhere (A/B runs).
+    TORCH = 1
+    #: Triton everywhere (on the CPU under `TRITON_INTERPRET=1`).
+    TRITON = 2
 
     @property
     def label(self) -> str:
@@ -502,20 +522,29 @@ class StepOutput:
     #: The router admits requests for a variant whose read is still running only when
     #: nothing else would run, since that step would wait for the read.
     host_ready: list[int] = field(default_factory=list)
+    #: Cold prefills (requests) whose LoRA the worker's CPU helpers computed this step while
+    #: their adapter's pages loaded (CaraServe's CPU-assisted cold start).
+    cpu_assisted_prefills: int = 0
+    #: Of those, prefills where a helper failed or stalled: the worker computed its rows
+    #: itself (same tokens) and restarts the helper.
+    cpu_assist_fallbacks: int = 0
+    #: Cold prefills this step the helpers did not take: none free, predicted no faster than
+    #: the load, or a one-token prefill.
+    cpu_assist_declined: int = 0
     #: Variants quarantined since the previous `StepOutput` (each reported once); their
     #: requests in this step have no output.
     failed_variants: list[FailedVariant] = field(default_factory=list)
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes, self.host_ready, [x0.to_wire() for x0 in self.failed_variants]]
+        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes, self.host_ready, self.cpu_assisted_prefills, self.cpu_assist_fallbacks, self.cpu_assist_declined, [x0.to_wire() for x0 in self.failed_variants]]
 
     @classmethod
     def from_wire(cls, a: list) -> StepOutput:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 6:
-            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3], a[4], [FailedVariant.from_wire(x0) for x0 in a[5]])
+        if n >= 9:
+            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3], a[4], a[5], a[6], a[7], [FailedVariant.from_wire(x0) for x0 in a[8]])
         m = cls()
         if n > 0:
             m.step_id = a[0]
@@ -528,7 +557,13 @@ class StepOutput:
         if n > 4:
             m.host_ready = a[4]
         if n > 5:
-            m.failed_variants = [FailedVariant.from_wire(x0) for x0 in a[5]]
+            m.cpu_assisted_prefills = a[5]
+        if n > 6:
+            m.cpu_assist_fallbacks = a[6]
+        if n > 7:
+            m.cpu_assist_declined = a[7]
+        if n > 8:
+            m.failed_variants = [FailedVariant.from_wire(x0) for x0 in a[8]]
         return m
 
 
@@ -745,6 +780,137 @@ class VariantInfo:
 
 
 @dataclass(slots=True)
+class WorkerConfig:
+    """The worker's whole configuration: the router's first frame on a new link, written before
+    the worker process starts (its argv names only the link's directory). The router's
+    `ServerConfig` owns every default; the worker validates the values and answers with its
+    `Hello` (or a fatal `WorkerError` naming the bad setting).
+    """
+
+    KIND: ClassVar[int] = 8  # frame kind
+
+    #: The router's `schema_hash()`. First, so that a worker of another schema can still
+    #: read it and answer with its own hash in a `Hello` the router then refuses.
+    schema_hash: str = ""
+    #: HF model directory (config.json, *.safetensors).
+    model_dir: str = ""
+    #: Torch device: `cpu` or `cuda:N`.
+    device: str = ""
+    #: `auto` (float32 on the CPU; the checkpoint's half type, else bfloat16, on CUDA),
+    #: `float32`, `float16` or `bfloat16`.
+    dtype: str = ""
+    #: Tokens per KV page (the router's accounting unit).
+    block_size: int = 0
+    #: KV pool bytes; 0: 256 MiB on the CPU, on CUDA what `gpu_memory_utilization` leaves
+    #: after the weights and a profiled activation reserve.
+    kv_cache_bytes: int = 0
+    #: Fraction of the GPU's memory the worker may use in total (CUDA only).
+    gpu_memory_utilization: float = 0.0
+    #: Most tokens one step computes (sizes the activation-reserve profiling run).
+    max_num_batched_tokens: int = 0
+    #: Cap on prompt + output tokens; `None`: the model's limit, bounded by the KV pool.
+    max_model_len: Optional[int] = None
+    #: Seed of the worker-global generator that unseeded requests sample from.
+    seed: int = 0
+    #: Kernel implementations.
+    kernels: KernelBackend = KernelBackend.AUTO
+    #: Largest decode batch replayed from a captured CUDA graph; 0: every step eager.
+    cuda_graph_max_batch: int = 0
+    #: Microseconds `recv` polls the ring before sleeping on the doorbell.
+    recv_spin_us: int = 0
+    #: CPU threads of torch's ops; 0: the CPUs the process may run on (CPU) or torch's
+    #: default (CUDA).
+    num_threads: int = 0
+    #: Level of the `deltaserve.worker` logger: DEBUG, INFO, WARNING or ERROR.
+    log_level: str = ""
+    #: Largest LoRA rank served (sizes the per-step adapter tables); 0 turns LoRA off.
+    max_lora_rank: int = 0
+    #: Most distinct LoRA adapters one step may use (the router's max_num_seqs).
+    max_loras_per_step: int = 0
+    #: Host memory allocated (and pinned on CUDA) once for variant host copies; 0: none.
+    host_arena_bytes: int = 0
+    #: GPU slots for compressed deltas; 0 turns delta serving off.
+    max_deltas: int = 0
+    #: Whether the CUDA C++ ops of csrc/ are built and used where nvcc is found.
+    cuda_ops: bool = False
+    #: Where the CUDA C++ ops are built; `None`: ~/.cache/deltaserve.
+    cache_dir: Optional[str] = None
+    #: Run under cProfile, writing stats to `<profile_path>.<pid>`; `None`: no profiling.
+    profile_path: Optional[str] = None
+    #: Seconds between a profiled worker's stats files.
+    profile_every_s: float = 0.0
+    #: CPU LoRA helper processes, each pinned to one CPU: a cold adapter's prefill starts at
+    #: once with its LoRA computed by them; 0 turns them off.
+    cpu_lora_helpers: int = 0
+    #: When the helpers take a cold prefill: `adaptive` (the profiled model predicts their
+    #: compute ends before the load) or `always` (whenever one is free).
+    cpu_lora_policy: str = ""
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.schema_hash, self.model_dir, self.device, self.dtype, self.block_size, self.kv_cache_bytes, float(self.gpu_memory_utilization), self.max_num_batched_tokens, self.max_model_len, self.seed, self.kernels, self.cuda_graph_max_batch, self.recv_spin_us, self.num_threads, self.log_level, self.max_lora_rank, self.max_loras_per_step, self.host_arena_bytes, self.max_deltas, self.cuda_ops, self.cache_dir, self.profile_path, float(self.profile_every_s), self.cpu_lora_helpers, self.cpu_lora_policy]
+
+    @classmethod
+    def from_wire(cls, a: list) -> WorkerConfig:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 25:
+            return cls(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], KernelBackend(a[10]), a[11], a[12], a[13], a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22], a[23], a[24])
+        m = cls()
+        if n > 0:
+            m.schema_hash = a[0]
+        if n > 1:
+            m.model_dir = a[1]
+        if n > 2:
+            m.device = a[2]
+        if n > 3:
+            m.dtype = a[3]
+        if n > 4:
+            m.block_size = a[4]
+        if n > 5:
+            m.kv_cache_bytes = a[5]
+        if n > 6:
+            m.gpu_memory_utilization = a[6]
+        if n > 7:
+            m.max_num_batched_tokens = a[7]
+        if n > 8:
+            m.max_model_len = a[8]
+        if n > 9:
+            m.seed = a[9]
+        if n > 10:
+            m.kernels = KernelBackend(a[10])
+        if n > 11:
+            m.cuda_graph_max_batch = a[11]
+        if n > 12:
+            m.recv_spin_us = a[12]
+        if n > 13:
+            m.num_threads = a[13]
+        if n > 14:
+            m.log_level = a[14]
+        if n > 15:
+            m.max_lora_rank = a[15]
+        if n > 16:
+            m.max_loras_per_step = a[16]
+        if n > 17:
+            m.host_arena_bytes = a[17]
+        if n > 18:
+            m.max_deltas = a[18]
+        if n > 19:
+            m.cuda_ops = a[19]
+        if n > 20:
+            m.cache_dir = a[20]
+        if n > 21:
+            m.profile_path = a[21]
+        if n > 22:
+            m.profile_every_s = a[22]
+        if n > 23:
+            m.cpu_lora_helpers = a[23]
+        if n > 24:
+            m.cpu_lora_policy = a[24]
+        return m
+
+
+@dataclass(slots=True)
 class Shutdown:
     """Asks the worker to exit cleanly."""
 
@@ -806,10 +972,10 @@ class WorkerError:
 
 
 #: Every top-level message (the structs with a non-zero ``KIND``).
-Message = Union[StepPlan, StepOutput, Hello, InspectVariant, VariantInfo, Shutdown, WorkerError]
+Message = Union[StepPlan, StepOutput, Hello, InspectVariant, VariantInfo, WorkerConfig, Shutdown, WorkerError]
 
-_BY_KIND: dict[int, type[Message]] = {2: StepPlan, 3: StepOutput, 1: Hello, 6: InspectVariant, 7: VariantInfo, 4: Shutdown, 5: WorkerError}
-_KINDS = "StepPlan=2, StepOutput=3, Hello=1, InspectVariant=6, VariantInfo=7, Shutdown=4, WorkerError=5"
+_BY_KIND: dict[int, type[Message]] = {2: StepPlan, 3: StepOutput, 1: Hello, 6: InspectVariant, 7: VariantInfo, 8: WorkerConfig, 4: Shutdown, 5: WorkerError}
+_KINDS = "StepPlan=2, StepOutput=3, Hello=1, InspectVariant=6, VariantInfo=7, WorkerConfig=8, Shutdown=4, WorkerError=5"
 _packb = msgpack.packb
 _unpackb = msgpack.unpackb
 

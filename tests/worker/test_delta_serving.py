@@ -24,15 +24,15 @@ import pytest
 import torch
 
 from deltaserve import wire
-from deltaserve.worker.config import ConfigError, WorkerConfig
+from deltaserve.worker.config import ConfigError, validate
 from deltaserve.worker.executor import Executor, PlanError
 
 pytest.importorskip("peft")
-from worker.test_lora_serving import AdapterRouter  # noqa: E402
-
 from helpers.deltas import make_delta  # noqa: E402
 from helpers.executors import KV_BYTES, hf_greedy, prompts  # noqa: E402
 from helpers.peft_adapters import make_peft_adapter  # noqa: E402
+from helpers.worker_config import cpu_worker_config  # noqa: E402
+from worker.test_lora_serving import AdapterRouter  # noqa: E402
 
 LORA, D4, D2 = 1, 2, 3
 """Variant ids of the mixed tests: a LoRA adapter, a 4-bit 2:4 delta, a 2-bit 2:4 delta."""
@@ -289,12 +289,12 @@ def test_deltas_of_any_packed_configs_take_the_reserved_bytes_and_no_more(
     assert err is not None and "more than a delta slot's" in err and "--group-size 64" in err, err
 
 
-def test_max_deltas_flag(tiny_llama: Path, tmp_path: Path) -> None:
-    base = ["--model", str(tiny_llama), "--ipc-dir", str(tmp_path)]
-    assert WorkerConfig.from_args(base).max_deltas == 3
-    assert WorkerConfig.from_args(base + ["--max-deltas", "0"]).max_deltas == 0
-    with pytest.raises(ConfigError, match="--max-deltas 65: expected 0..64"):
-        WorkerConfig.from_args(base + ["--max-deltas", "65"])
+def test_max_deltas_setting(tiny_llama: Path) -> None:
+    # The default (3) is the router's: ServerConfig's test checks the config it sends.
+    assert validate(cpu_worker_config(tiny_llama, max_deltas=3)).max_deltas == 3
+    assert validate(cpu_worker_config(tiny_llama, max_deltas=0)).max_deltas == 0
+    with pytest.raises(ConfigError, match="max_deltas 65: expected 0..64"):
+        validate(cpu_worker_config(tiny_llama, max_deltas=65))
 
 
 @pytest.mark.skipif(

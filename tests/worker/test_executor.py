@@ -17,6 +17,7 @@ from deltaserve import wire
 from deltaserve.worker.executor import Executor, PlanError
 from helpers.executors import KV_BYTES, hf_greedy, prompts
 from helpers.sched_driver import GREEDY, SchedDriver
+from helpers.worker_config import cpu_worker_config
 
 MiniRouter = SchedDriver
 """The name ``tests/kernels/test_cuda_graphs.py`` imports (with ``prompts``)."""
@@ -391,36 +392,19 @@ def test_loop_reports_unexpected_errors_as_fatal(executor_factory, monkeypatch) 
     assert "illegal memory access" in err.message and "Traceback" in err.message
 
 
-def _worker_cmd(model: Path, ipc_dir: Path, *extra: str) -> tuple[list[str], dict[str, str]]:
+def _worker_cmd(link, model: Path, ipc_dir: Path, **config) -> tuple[list[str], dict[str, str]]:
+    """Sends the worker's config on ``link`` (as the router does, before the process starts) and
+    returns the command line (the link's directory alone) and environment that start it."""
     import os
     import sys
 
     import deltaserve
 
+    link.send(wire.encode(cpu_worker_config(model, **config)))
     env = dict(os.environ)
     src = str(Path(deltaserve.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([src] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    cmd = [
-        sys.executable,
-        "-m",
-        "deltaserve.worker",
-        "--model",
-        str(model),
-        "--ipc-dir",
-        str(ipc_dir),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--block-size",
-        "4",
-        "--kv-cache-bytes",
-        str(KV_BYTES),
-        "--num-threads",
-        "1",
-        *extra,
-    ]
-    return cmd, env
+    return [sys.executable, "-m", "deltaserve.worker", "--ipc-dir", str(ipc_dir)], env
 
 
 def _recv(link, timeout: float = 120.0):
@@ -435,7 +419,7 @@ def test_worker_process_end_to_end(tiny_llama: Path, tmp_path: Path, executor_fa
     native = pytest.importorskip("deltaserve._native", reason="deltaserve._native is not built (maturin develop)")
     ipc = tmp_path / "ipc"
     link = native.RouterLink(str(ipc))
-    cmd, env = _worker_cmd(tiny_llama, ipc)
+    cmd, env = _worker_cmd(link, tiny_llama, ipc)
     log_path = tmp_path / "worker.log"
     with log_path.open("w") as log_file:
         proc = subprocess.Popen(cmd, env=env, stderr=log_file, stdout=log_file)
@@ -518,7 +502,7 @@ def test_worker_exits_when_its_parent_dies(tiny_llama: Path, tmp_path: Path) -> 
     native = pytest.importorskip("deltaserve._native", reason="deltaserve._native is not built (maturin develop)")
     ipc = tmp_path / "ipc"
     link = native.RouterLink(str(ipc))
-    cmd, env = _worker_cmd(tiny_llama, ipc)
+    cmd, env = _worker_cmd(link, tiny_llama, ipc)
     # An intermediate shell is the worker's parent; it exits as soon as the worker has started.
     shell = subprocess.Popen(["sh", "-c", " ".join(map(shlex.quote, cmd)) + " 2>/dev/null &"], env=env)
     assert shell.wait(timeout=30) == 0
@@ -530,25 +514,45 @@ def test_worker_exits_when_its_parent_dies(tiny_llama: Path, tmp_path: Path) -> 
         time.sleep(0.2)
 
 
-def test_worker_config_flags_env_and_validation(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
-    from deltaserve.worker.config import ConfigError, WorkerConfig
+def test_worker_config_frame_and_validation(tiny_llama: Path, tmp_path: Path) -> None:
+    from deltaserve.worker.config import ConfigError, SchemaMismatch, from_frame, parse_args, validate
 
-    base = ["--model", str(tiny_llama), "--ipc-dir", str(tmp_path)]
-    cfg = WorkerConfig.from_args(base + ["--device", "cuda:1", "--max-model-len", "64"])
-    assert (cfg.device, cfg.max_model_len, cfg.block_size, cfg.kv_cache_bytes) == ("cuda:1", 64, 16, 0)
-    monkeypatch.setenv("DELTASERVE_WORKER_BLOCK_SIZE", "32")
-    assert WorkerConfig.from_args(base).block_size == 32
-    assert WorkerConfig.from_args(base + ["--block-size", "8"]).block_size == 8  # the flag wins
+    good = cpu_worker_config(tiny_llama, device="cuda:1", max_model_len=64)
+    cfg = from_frame(wire.encode(good))
+    assert (cfg.device, cfg.max_model_len, cfg.block_size, cfg.kv_cache_bytes) == ("cuda:1", 64, 4, KV_BYTES)
     for bad, match in [
-        (["--device", "tpu"], "--device"),
-        (["--dtype", "int8"], "--dtype"),
-        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
-        (["--kv-cache-bytes", "-1"], "--kv-cache-bytes"),
+        ({"device": "tpu"}, "device 'tpu'"),
+        ({"dtype": "int8"}, "dtype 'int8'"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization 1.5"),
+        ({"kv_cache_bytes": -1}, "kv_cache_bytes -1"),
+        ({"log_level": "LOUD"}, "log_level 'LOUD'"),
+        ({"model_dir": str(tmp_path)}, "no config.json"),
     ]:
         with pytest.raises(ConfigError, match=match):
-            WorkerConfig.from_args(base + bad)
-    with pytest.raises(ConfigError, match="no config.json"):
-        WorkerConfig.from_args(["--model", str(tmp_path), "--ipc-dir", str(tmp_path)])
-    monkeypatch.setenv("DELTASERVE_WORKER_BLOCK_SIZE", "big")
-    with pytest.raises(ConfigError, match="DELTASERVE_WORKER_BLOCK_SIZE"):
-        WorkerConfig.from_args(base)
+            validate(cpu_worker_config(tiny_llama, **bad))
+    with pytest.raises(ConfigError, match="expected a WorkerConfig"):
+        from_frame(wire.encode(wire.Shutdown(reason="not a config")))
+    with pytest.raises(ConfigError, match="no WorkerConfig frame"):
+        from_frame(None)
+    with pytest.raises(SchemaMismatch, match="router schema 00000000deadbeef"):
+        from_frame(wire.encode(cpu_worker_config(tiny_llama, schema_hash="00000000deadbeef")))
+    # The command line names the link alone; the old setting flags are refused.
+    assert parse_args(["--ipc-dir", str(tmp_path)]) == tmp_path
+    with pytest.raises(ConfigError, match="not a directory"):
+        parse_args(["--ipc-dir", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit):
+        parse_args(["--ipc-dir", str(tmp_path), "--block-size", "8"])
+
+
+def test_worker_process_reports_a_bad_config_and_exits(tiny_llama: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    native = pytest.importorskip("deltaserve._native", reason="deltaserve._native is not built (maturin develop)")
+    ipc = tmp_path / "ipc"
+    link = native.RouterLink(str(ipc))
+    cmd, env = _worker_cmd(link, tiny_llama, ipc, max_deltas=65)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    err = _recv(link, timeout=5)
+    assert isinstance(err, wire.WorkerError) and err.fatal, err
+    assert "max_deltas 65: expected 0..64" in err.message, err.message
+    assert proc.returncode == 2 and "max_deltas 65" in proc.stderr, proc.stderr

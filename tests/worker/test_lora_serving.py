@@ -30,15 +30,15 @@ import torch
 
 from deltaserve import wire
 from deltaserve.adapters.lora import MAX_RANK
-from deltaserve.worker.config import MAX_LORA_RANK, ConfigError, WorkerConfig
+from deltaserve.worker.config import MAX_LORA_RANK, ConfigError, parse_args, validate
 from deltaserve.worker.executor import Executor, PlanError
 
 peft = pytest.importorskip("peft")
-from worker.test_executor import FakeLink  # noqa: E402
-
 from helpers.executors import hf_greedy, prompts  # noqa: E402
 from helpers.peft_adapters import SEVEN, make_peft_adapter  # noqa: E402
 from helpers.sched_driver import GREEDY, SchedDriver  # noqa: E402
+from helpers.worker_config import cpu_worker_config  # noqa: E402
+from worker.test_executor import FakeLink  # noqa: E402
 
 SPECS = {
     1: dict(target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16),
@@ -293,20 +293,17 @@ def test_loop_answers_inspect_and_a_failed_load_fails_that_variant_only(executor
     assert out5.failed_variants == []
 
 
-def test_lora_flags(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
-    base = ["--model", str(tiny_llama), "--ipc-dir", str(tmp_path)]
-    cfg = WorkerConfig.from_args(base)
-    assert (cfg.max_lora_rank, cfg.max_loras_per_step) == (256, 256) and MAX_LORA_RANK == MAX_RANK
-    cfg = WorkerConfig.from_args(base + ["--max-lora-rank", "64", "--max-loras-per-step", "32"])
-    assert (cfg.max_lora_rank, cfg.max_loras_per_step) == (64, 32)
-    monkeypatch.setenv("DELTASERVE_WORKER_MAX_LORA_RANK", "0")
-    assert WorkerConfig.from_args(base).max_lora_rank == 0
+def test_lora_settings(tiny_llama: Path, tmp_path: Path) -> None:
+    # The defaults (256, 256 = --max-num-seqs) are the router's: ServerConfig's test checks them.
+    cfg = validate(cpu_worker_config(tiny_llama, max_lora_rank=64, max_loras_per_step=32))
+    assert (cfg.max_lora_rank, cfg.max_loras_per_step) == (64, 32) and MAX_LORA_RANK == MAX_RANK
+    assert validate(cpu_worker_config(tiny_llama, max_lora_rank=0)).max_lora_rank == 0
     for bad, match in [
-        (["--max-lora-rank", "257"], "--max-lora-rank"),
-        (["--max-lora-rank", "-1"], "--max-lora-rank"),
-        (["--max-loras-per-step", "0"], "--max-loras-per-step"),
+        ({"max_lora_rank": 257}, "max_lora_rank 257"),
+        ({"max_lora_rank": -1}, "max_lora_rank -1"),
+        ({"max_loras_per_step": 0}, "max_loras_per_step 0"),
     ]:
         with pytest.raises(ConfigError, match=match):
-            WorkerConfig.from_args(base + bad)
-    with pytest.raises(SystemExit):  # adapters arrive as ops now: the old flag is refused
-        WorkerConfig.from_args(base + ["--loras", "{}"])
+            validate(cpu_worker_config(tiny_llama, **bad))
+    with pytest.raises(SystemExit):  # adapters arrive as ops, settings in the config frame: no flags
+        parse_args(["--ipc-dir", str(tmp_path), "--loras", "{}"])

@@ -10,9 +10,11 @@ Callers then keep their Triton kernel, so these ops are optional everywhere::
                                             (written to a temporary name, then renamed: concurrent
                                              workers never load half a file)
 
-Settings: ``DELTASERVE_CUDA_OPS=0`` turns the ops off (the Triton kernels run instead);
-``DELTASERVE_CACHE`` moves the cache (default ``~/.cache/deltaserve``); ``CUDA_HOME`` names the
-toolkit when ``nvcc`` is not on PATH. ``python -m deltaserve.kernels.cuda_ext`` builds every op
+Settings: a worker takes them from its ``WorkerConfig`` (``cuda_ops``, ``cache_dir``: the router's
+``--cuda-ops`` and ``--cache-dir``) through ``configure``. Elsewhere (tests, benchmarks) the
+same flags' environment aliases apply: ``DELTASERVE_CUDA_OPS=0`` turns the ops off (the Triton
+kernels run instead); ``DELTASERVE_CACHE`` moves the cache (default ``~/.cache/deltaserve``).
+``CUDA_HOME`` names the toolkit when ``nvcc`` is not on PATH. ``python -m deltaserve.kernels.cuda_ext`` builds every op
 ahead of time (a worker would otherwise pay the build at its first delta step).
 """
 
@@ -44,11 +46,26 @@ DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _why_not: dict[str, str] = {}
+_settings: dict[str, bool | str | None] = {}
+"""The worker's settings from ``configure`` (``enabled``, ``cache_dir``); the environment otherwise."""
+
+
+def configure(enabled: bool, cache_dir: str | None) -> None:
+    """Sets whether the ops may be used and where they are built (a worker's ``WorkerConfig``),
+    instead of the environment variables; before the first ``library`` call."""
+    _settings["enabled"] = enabled
+    _settings["cache_dir"] = cache_dir
+
+
+def _turned_on() -> bool:
+    if "enabled" in _settings:
+        return bool(_settings["enabled"])
+    return os.environ.get("DELTASERVE_CUDA_OPS", "1") != "0"
 
 
 def enabled() -> bool:
     """Whether the CUDA ops may be used at all (a CUDA device, and not turned off)."""
-    return os.environ.get("DELTASERVE_CUDA_OPS", "1") != "0" and torch.cuda.is_available()
+    return _turned_on() and torch.cuda.is_available()
 
 
 def nvcc() -> str | None:
@@ -63,7 +80,8 @@ def nvcc() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("DELTASERVE_CACHE") or str(Path.home() / ".cache" / "deltaserve")
+    configured = _settings.get("cache_dir")
+    root = str(configured or os.environ.get("DELTASERVE_CACHE") or Path.home() / ".cache" / "deltaserve")
     return Path(root) / "cuda"
 
 
@@ -108,7 +126,8 @@ def library(name: str) -> ctypes.CDLL | None:
             return _loaded[name]
         lib = None
         if not enabled():
-            _why_not[name] = "no CUDA device" if not torch.cuda.is_available() else "DELTASERVE_CUDA_OPS=0"
+            off = "turned off (--cuda-ops false, DELTASERVE_CUDA_OPS=0)"
+            _why_not[name] = "no CUDA device" if not torch.cuda.is_available() else off
         else:
             try:
                 lib = ctypes.CDLL(str(build(name)))

@@ -2,9 +2,10 @@
 
 Layout (data flow, in order):
 
-- ``config``    ``WorkerConfig``: every flag of ``python -m deltaserve.worker``, validated
+- ``config``    the router's ``wire.WorkerConfig`` (the link's first frame), validated; ``--ipc-dir``
 - ``loop``      ``WorkerLoop``: Hello, then StepPlan -> StepOutput over the shared-memory rings
 - ``executor``  ``Executor``: per-request state, StepPlan -> ForwardBatch -> forward -> sample
 - ``sampler``   ``Sampler``: batched greedy / temperature / top-k / top-p, seeded draws, logprobs
+- ``profiling`` cProfile around the whole process (``WorkerConfig.profile_path``)
 - ``__main__``  the command line entry point
 """

@@ -262,9 +262,9 @@ class Executor:
 
     @classmethod
     def from_config(cls, cfg: WorkerConfig) -> Executor:
-        """Builds the executor a ``python -m deltaserve.worker`` command line describes."""
+        """Builds the executor the router's ``WorkerConfig`` describes."""
         return cls(
-            cfg.model,
+            Path(cfg.model_dir),
             device=cfg.device,
             dtype=cfg.dtype,
             block_size=cfg.block_size,

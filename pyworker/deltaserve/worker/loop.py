@@ -3,8 +3,11 @@
 Protocol, as seen from the worker (frames are ``deltaserve.wire`` messages over the shared-memory
 rings the router created in ``--ipc-dir``)::
 
-    start ── open WorkerLink ── load model + KV ──> send Hello(schema_hash, model, kv)
-      │                              └─ load fails ──> send WorkerError(fatal) ── exit 1
+    start ── open WorkerLink ── recv WorkerConfig (the router's first frame; see ``config``)
+      │        ├─ another schema hash ──> send Hello(our schema_hash) ── the router refuses it ── exit 2
+      │        └─ bad or missing config ──> send WorkerError(fatal, names the setting) ── exit 2
+      ├─ load model + KV ──> send Hello(schema_hash, model, kv)
+      │    └─ load fails ──> send WorkerError(fatal) ── exit 1
       ▼
     recv (1 s timeout) ── nothing ── parent gone? ── yes ──> exit 3
       │                               └─ no ──> recv again
@@ -48,6 +51,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -55,8 +59,10 @@ import torch
 from deltaserve import wire
 from deltaserve.kernels import common as kernel_common
 
-from .config import WorkerConfig
+from . import config
+from .config import ConfigError, SchemaMismatch, WorkerConfig
 from .executor import Executor, LaunchedStep, PlanError
+from .profiling import run_profiled
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -64,6 +70,10 @@ log = logging.getLogger("deltaserve.worker")
 EXIT_PARENT_GONE = 3
 #: Exit code after a fatal error.
 EXIT_FATAL = 1
+#: Exit code for a bad configuration or a router of another wire schema.
+EXIT_CONFIG = 2
+#: How long a worker that refused the router's schema waits for the router to stop it.
+SCHEMA_REFUSED_WAIT_S = 30.0
 #: How long one ``recv`` blocks before the loop checks that its parent is alive.
 POLL_SECONDS = 1.0
 #: How long one ``recv`` waits while a step runs on the device before checking whether it is done.
@@ -127,7 +137,7 @@ class WorkerLoop:
         self.in_flight: InFlight | None = None
         """The step launched on the device whose output is not sent yet."""
         self.on_iteration = on_iteration
-        """Called at the top of every loop iteration, on this thread (``__main__``'s profiler
+        """Called at the top of every loop iteration, on this thread (``profiling.run_profiled``
         dumps its stats from here: the router kills the worker right after Shutdown)."""
 
     def _send(self, msg: wire.Message) -> None:
@@ -253,7 +263,10 @@ class WorkerLoop:
 
 
 def configure_process(cfg: WorkerConfig) -> None:
-    """Logging to stderr (the router captures it), torch's CPU thread count, the kernel backend."""
+    """Logging to stderr (the router captures it), torch's CPU thread count, the kernel backend, the
+    CUDA C++ ops' switch and build cache."""
+    from deltaserve.kernels import cuda_ext
+
     logging.basicConfig(
         level=cfg.log_level.upper(),
         stream=sys.stderr,
@@ -263,23 +276,56 @@ def configure_process(cfg: WorkerConfig) -> None:
         threads = cfg.num_threads or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
         log.info("using %d CPU threads", threads)
-    kernel_common.set_backend(cfg.kernels)
+    elif cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    kernel_common.set_backend(wire.KernelBackend(cfg.kernels).label)
+    cuda_ext.configure(enabled=cfg.cuda_ops, cache_dir=cfg.cache_dir)
 
 
-def serve(cfg: WorkerConfig, on_iteration: Callable[[], None] | None = None) -> int:
-    """The whole worker process: open the link, load, Hello, serve. Returns the exit code.
-    ``on_iteration``: ``WorkerLoop.on_iteration``."""
+def receive_config(link: Link) -> WorkerConfig | int:
+    """The router's validated WorkerConfig, or the exit code after refusing it: a bad config is
+    reported as a fatal WorkerError; another schema is answered with a Hello carrying ours, which
+    the router refuses naming both hashes (then it stops us)."""
+    try:
+        return config.from_frame(link.recv(timeout_s=config.CONFIG_TIMEOUT_S))
+    except SchemaMismatch as e:
+        print(f"deltaserve.worker: wire schema mismatch: {e}", file=sys.stderr)
+        link.send(wire.encode(wire.Hello(schema_hash=wire.SCHEMA_HASH, pid=os.getpid())))
+        link.recv(timeout_s=SCHEMA_REFUSED_WAIT_S)  # the router kills us once it has read the Hello
+        return EXIT_CONFIG
+    except ConfigError as e:
+        print(f"deltaserve.worker: {e}", file=sys.stderr)
+        link.send(wire.encode(wire.WorkerError(step_id=0, message=f"bad worker config: {e}", fatal=True)))
+        return EXIT_CONFIG
+
+
+def serve(ipc_dir: Path) -> int:
+    """The whole worker process: open the link, receive the config, load, Hello, serve. Returns the
+    exit code."""
     from deltaserve._native import WorkerLink
 
+    first = WorkerLink(str(ipc_dir))
+    cfg = receive_config(first)
+    if isinstance(cfg, int):
+        return cfg
     configure_process(cfg)
-    link = WorkerLink(str(cfg.ipc_dir), spin_us=cfg.recv_spin_us)
-    try:
-        executor = Executor.from_config(cfg)
-    except Exception as e:  # noqa: BLE001 - cannot serve: tell the router why, then exit
-        log.critical("could not load the model:\n%s", "".join(traceback.format_exception(e)))
+    # Reopened with the configured polling (the rings' cursors live in the shared files).
+    del first
+    link = WorkerLink(str(ipc_dir), spin_us=cfg.recv_spin_us)
+
+    def load_and_serve(on_iteration: Callable[[], None] | None = None) -> int:
         try:
-            link.send(wire.encode(wire.WorkerError(step_id=0, message=traceback_summary(e), fatal=True, req_ids=[])))
-        except Exception as send_error:  # noqa: BLE001
-            log.error("could not report the load failure: %s", send_error)
-        return EXIT_FATAL
-    return WorkerLoop(executor, link, on_iteration=on_iteration).run()
+            executor = Executor.from_config(cfg)
+        except Exception as e:  # noqa: BLE001 - cannot serve: tell the router why, then exit
+            log.critical("could not load the model:\n%s", "".join(traceback.format_exception(e)))
+            try:
+                msg = wire.WorkerError(step_id=0, message=traceback_summary(e), fatal=True, req_ids=[])
+                link.send(wire.encode(msg))
+            except Exception as send_error:  # noqa: BLE001
+                log.error("could not report the load failure: %s", send_error)
+            return EXIT_FATAL
+        return WorkerLoop(executor, link, on_iteration=on_iteration).run()
+
+    if cfg.profile_path:
+        return run_profiled(load_and_serve, f"{cfg.profile_path}.{os.getpid()}", cfg.profile_every_s)
+    return load_and_serve()

@@ -12,7 +12,8 @@
 use std::io::Cursor;
 
 use crate::wire::{
-    Hello, InspectVariant, Shutdown, StepOutput, StepPlan, VariantInfo, WireStruct, WorkerError,
+    Hello, InspectVariant, Shutdown, StepOutput, StepPlan, VariantInfo, WireStruct, WorkerConfig,
+    WorkerError,
 };
 
 /// First byte of every frame: msgpack fixarray of length 2.
@@ -94,6 +95,8 @@ pub enum ToWorker {
     Shutdown(Shutdown),
     /// Validate an adapter directory and report its footprint.
     InspectVariant(InspectVariant),
+    /// The worker's configuration: the first frame on a link.
+    WorkerConfig(WorkerConfig),
 }
 
 /// Messages a worker sends to the router.
@@ -116,6 +119,7 @@ pub fn decode_to_worker(frame: &[u8]) -> Result<ToWorker, CodecError> {
         StepPlan::KIND => decode_body(kind, body).map(ToWorker::StepPlan),
         Shutdown::KIND => decode_body(kind, body).map(ToWorker::Shutdown),
         InspectVariant::KIND => decode_body(kind, body).map(ToWorker::InspectVariant),
+        WorkerConfig::KIND => decode_body(kind, body).map(ToWorker::WorkerConfig),
         _ => Err(unknown(
             kind,
             "router -> worker",
@@ -123,6 +127,7 @@ pub fn decode_to_worker(frame: &[u8]) -> Result<ToWorker, CodecError> {
                 kinded::<StepPlan>(),
                 kinded::<Shutdown>(),
                 kinded::<InspectVariant>(),
+                kinded::<WorkerConfig>(),
             ],
         )),
     }
@@ -225,6 +230,11 @@ mod tests {
         assert_eq!(
             decode_from_worker(&encode(&err)).unwrap(),
             FromWorker::WorkerError(err)
+        );
+        let config = examples::worker_config();
+        assert_eq!(
+            decode_to_worker(&encode(&config)).unwrap(),
+            ToWorker::WorkerConfig(config)
         );
         let inspect = examples::inspect_adapter();
         let info = examples::adapter_info();

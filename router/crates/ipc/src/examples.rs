@@ -9,9 +9,9 @@
 
 use crate::schema::schema_hash;
 use crate::wire::{
-    Hello, InspectVariant, KvCapacity, ModelInfo, NewRequest, RequestOutput, RunningRequest,
-    SamplingParams, Shutdown, StepOutput, StepPlan, StepTiming, TierOp, TokenLogprob, VariantInfo,
-    VariantKind, VariantOp, WorkerError,
+    Hello, InspectVariant, KernelBackend, KvCapacity, ModelInfo, NewRequest, RequestOutput,
+    RunningRequest, SamplingParams, Shutdown, StepOutput, StepPlan, StepTiming, TierOp,
+    TokenLogprob, VariantInfo, VariantKind, VariantOp, WorkerConfig, WorkerError,
 };
 
 /// A plan with one sampled and one greedy new request, two running requests, two releases, and
@@ -151,6 +151,9 @@ pub fn step_output() -> StepOutput {
         },
         adapter_host_bytes: 3 << 30,
         host_ready: vec![7, 4_000_000_000],
+        cpu_assisted_prefills: 2,
+        cpu_assist_fallbacks: 1,
+        cpu_assist_declined: 3,
         failed_variants: vec![crate::wire::FailedVariant {
             variant_id: 9,
             message: "its files could not be loaded (AdapterLoadError)".into(),
@@ -202,6 +205,38 @@ pub fn adapter_info() -> VariantInfo {
         target_modules: vec!["q_proj".into(), "v_proj".into()],
         kind: VariantKind::Lora,
         summary: "rank 16".into(),
+    }
+}
+
+/// A GPU worker's configuration with every optional setting given (a non-ASCII cache path, a
+/// host arena beyond u32, a fraction that is not exact in binary).
+pub fn worker_config() -> WorkerConfig {
+    WorkerConfig {
+        schema_hash: schema_hash(),
+        model_dir: "/models/SmolLM2-135M".into(),
+        device: "cuda:1".into(),
+        dtype: "bfloat16".into(),
+        block_size: 16,
+        kv_cache_bytes: 0,
+        gpu_memory_utilization: 0.9,
+        max_num_batched_tokens: 2048,
+        max_model_len: Some(4096),
+        seed: 1 << 40,
+        kernels: KernelBackend::Triton,
+        cuda_graph_max_batch: 256,
+        recv_spin_us: 2000,
+        num_threads: 0,
+        log_level: "INFO".into(),
+        max_lora_rank: 256,
+        max_loras_per_step: 256,
+        host_arena_bytes: 4 << 30,
+        max_deltas: 3,
+        cuda_ops: true,
+        cache_dir: Some("/var/cache/deltaserve-缓存".into()),
+        profile_path: None,
+        profile_every_s: 10.0,
+        cpu_lora_helpers: 4,
+        cpu_lora_policy: "adaptive".into(),
     }
 }
 

@@ -99,7 +99,11 @@ mod tests {
         assert!(text.contains("StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>,adapter_ops:Vec<VariantOp>}"), "{text}");
         assert!(text.starts_with("SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>}\n"), "{text}");
         assert!(text.contains("VariantOp=0{adapter_id:u32,op:TierOp,path:String,block_ids:Vec<u32>,kind:VariantKind,slot:Option<u32>}\n"), "{text}");
-        assert!(text.ends_with("\nVariantKind:u8{lora=0,delta=1}\nTierOp:u8{to_host=0,to_gpu=1,drop_gpu=2,drop_host=3}"), "{text}");
+        assert!(text.contains("\nVariantKind:u8{lora=0,delta=1}\nTierOp:u8{to_host=0,to_gpu=1,drop_gpu=2,drop_host=3}\n"), "{text}");
+        assert!(
+            text.ends_with("\nKernelBackend:u8{auto=0,torch=1,triton=2}"),
+            "{text}"
+        );
     }
 
     #[test]

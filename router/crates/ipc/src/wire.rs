@@ -198,7 +198,7 @@ wire_enums! {
     }
 
     /// One move of a variant between tiers (S-LoRA's tiers: disk -> host memory -> GPU). The
-    /// state machine is the scheduler's (`router/crates/sched/src/adapters.rs` draws it).
+    /// state machine is the scheduler's (`router/crates/sched/src/variants.rs` draws it).
     enum TierOp {
         /// Read and validate `VariantOp::path` into host memory (the worker may do it in the
         /// background; a later `to_gpu` waits for it).
@@ -211,6 +211,16 @@ wire_enums! {
         DropGpu = 2 "drop_gpu",
         /// Free the host copy (a GPU copy stays valid without it).
         DropHost = 3 "drop_host",
+    }
+
+    /// Which implementation of the worker's kernels runs (`WorkerConfig::kernels`).
+    enum KernelBackend {
+        /// Triton on CUDA, the torch references on the CPU.
+        Auto = 0 "auto",
+        /// The torch references everywhere (A/B runs).
+        Torch = 1 "torch",
+        /// Triton everywhere (on the CPU under `TRITON_INTERPRET=1`).
+        Triton = 2 "triton",
     }
 }
 
@@ -354,6 +364,15 @@ wire_structs! {
         /// The router admits requests for a variant whose read is still running only when
         /// nothing else would run, since that step would wait for the read.
         host_ready: Vec<u32>,
+        /// Cold prefills (requests) whose LoRA the worker's CPU helpers computed this step while
+        /// their adapter's pages loaded (CaraServe's CPU-assisted cold start).
+        cpu_assisted_prefills: u32,
+        /// Of those, prefills where a helper failed or stalled: the worker computed its rows
+        /// itself (same tokens) and restarts the helper.
+        cpu_assist_fallbacks: u32,
+        /// Cold prefills this step the helpers did not take: none free, predicted no faster than
+        /// the load, or a one-token prefill.
+        cpu_assist_declined: u32,
         /// Variants quarantined since the previous `StepOutput` (each reported once); their
         /// requests in this step have no output.
         failed_variants: Vec<FailedVariant>,
@@ -429,6 +448,69 @@ wire_structs! {
         kind: VariantKind,
         /// One line for people, e.g. `rank 8` or `4-bit 2:4, 2.6x smaller than fp16`.
         summary: String,
+    }
+
+    /// The worker's whole configuration: the router's first frame on a new link, written before
+    /// the worker process starts (its argv names only the link's directory). The router's
+    /// `ServerConfig` owns every default; the worker validates the values and answers with its
+    /// `Hello` (or a fatal `WorkerError` naming the bad setting).
+    struct WorkerConfig = 8 {
+        /// The router's `schema_hash()`. First, so that a worker of another schema can still
+        /// read it and answer with its own hash in a `Hello` the router then refuses.
+        schema_hash: String,
+        /// HF model directory (config.json, *.safetensors).
+        model_dir: String,
+        /// Torch device: `cpu` or `cuda:N`.
+        device: String,
+        /// `auto` (float32 on the CPU; the checkpoint's half type, else bfloat16, on CUDA),
+        /// `float32`, `float16` or `bfloat16`.
+        dtype: String,
+        /// Tokens per KV page (the router's accounting unit).
+        block_size: u32,
+        /// KV pool bytes; 0: 256 MiB on the CPU, on CUDA what `gpu_memory_utilization` leaves
+        /// after the weights and a profiled activation reserve.
+        kv_cache_bytes: u64,
+        /// Fraction of the GPU's memory the worker may use in total (CUDA only).
+        gpu_memory_utilization: f64,
+        /// Most tokens one step computes (sizes the activation-reserve profiling run).
+        max_num_batched_tokens: u32,
+        /// Cap on prompt + output tokens; `None`: the model's limit, bounded by the KV pool.
+        max_model_len: Option<u32>,
+        /// Seed of the worker-global generator that unseeded requests sample from.
+        seed: u64,
+        /// Kernel implementations.
+        kernels: KernelBackend,
+        /// Largest decode batch replayed from a captured CUDA graph; 0: every step eager.
+        cuda_graph_max_batch: u32,
+        /// Microseconds `recv` polls the ring before sleeping on the doorbell.
+        recv_spin_us: u32,
+        /// CPU threads of torch's ops; 0: the CPUs the process may run on (CPU) or torch's
+        /// default (CUDA).
+        num_threads: u32,
+        /// Level of the `deltaserve.worker` logger: DEBUG, INFO, WARNING or ERROR.
+        log_level: String,
+        /// Largest LoRA rank served (sizes the per-step adapter tables); 0 turns LoRA off.
+        max_lora_rank: u32,
+        /// Most distinct LoRA adapters one step may use (the router's max_num_seqs).
+        max_loras_per_step: u32,
+        /// Host memory allocated (and pinned on CUDA) once for variant host copies; 0: none.
+        host_arena_bytes: u64,
+        /// GPU slots for compressed deltas; 0 turns delta serving off.
+        max_deltas: u32,
+        /// Whether the CUDA C++ ops of csrc/ are built and used where nvcc is found.
+        cuda_ops: bool,
+        /// Where the CUDA C++ ops are built; `None`: ~/.cache/deltaserve.
+        cache_dir: Option<String>,
+        /// Run under cProfile, writing stats to `<profile_path>.<pid>`; `None`: no profiling.
+        profile_path: Option<String>,
+        /// Seconds between a profiled worker's stats files.
+        profile_every_s: f64,
+        /// CPU LoRA helper processes, each pinned to one CPU: a cold adapter's prefill starts at
+        /// once with its LoRA computed by them; 0 turns them off.
+        cpu_lora_helpers: u32,
+        /// When the helpers take a cold prefill: `adaptive` (the profiled model predicts their
+        /// compute ends before the load) or `always` (whenever one is free).
+        cpu_lora_policy: String,
     }
 
     /// Asks the worker to exit cleanly.

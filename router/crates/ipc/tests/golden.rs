@@ -51,6 +51,7 @@ fn golden_frames_match() {
         frame(&examples::worker_error()),
         frame(&examples::inspect_adapter()),
         frame(&examples::adapter_info()),
+        frame(&examples::worker_config()),
     ];
     // Exactly one golden per top-level message kind in the schema.
     let mut kinds: Vec<&str> = SCHEMA
@@ -96,6 +97,10 @@ fn golden_frames_match() {
     assert_eq!(
         decode_from_worker(&read("VariantInfo.msgpack")).unwrap(),
         FromWorker::VariantInfo(examples::adapter_info())
+    );
+    assert_eq!(
+        decode_to_worker(&read("WorkerConfig.msgpack")).unwrap(),
+        ToWorker::WorkerConfig(examples::worker_config())
     );
     assert_eq!(
         decode_from_worker(&read("WorkerError.msgpack")).unwrap(),

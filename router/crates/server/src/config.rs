@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use deltaserve_ipc::wire::VariantKind;
+use deltaserve_ipc::wire::{KernelBackend, VariantKind, WorkerConfig};
 
 /// Default for [`ServerConfig::max_deltas`] (DeltaZip's profiled number of deltas worth
 /// batching at once).
@@ -107,6 +107,17 @@ pub struct ServerConfig {
     /// Largest LoRA rank accepted (adapters above it are refused at registration).
     #[arg(long, env = "DELTASERVE_MAX_LORA_RANK", default_value_t = 256)]
     pub max_lora_rank: u32,
+    /// CPU LoRA helper processes per worker, each pinned to one CPU: a cold adapter's prefill
+    /// starts at once with its LoRA computed by them while its pages load (CaraServe). Default:
+    /// 0 on CPU workers (not measured to pay there), on GPU workers a quarter of the host's CPUs
+    /// shared among them (at most 8 each); 0 turns them off.
+    #[arg(long, env = "DELTASERVE_CPU_LORA_HELPERS")]
+    pub cpu_lora_helpers: Option<u32>,
+    /// When the helpers take a cold prefill: `adaptive` (the profiled model predicts their
+    /// compute ends before the adapter's load) or `always` (whenever one is free).
+    #[arg(long, env = "DELTASERVE_CPU_LORA_POLICY", default_value = "adaptive",
+          value_parser = ["adaptive", "always"])]
+    pub cpu_lora_policy: String,
     /// Most requests queued or running per worker before new ones are refused with 429.
     #[arg(long, env = "DELTASERVE_MAX_QUEUED_PER_WORKER", default_value_t = 4096)]
     pub max_queued_per_worker: usize,
@@ -137,6 +148,20 @@ pub struct ServerConfig {
     /// Seconds between a profiled worker's stats files (--worker-profile).
     #[arg(long, env = "DELTASERVE_WORKER_PROFILE_EVERY", default_value_t = 10.0)]
     pub worker_profile_every: f64,
+    /// Kernel implementations the workers run: auto (Triton on CUDA, the torch references on
+    /// the CPU), torch (the references everywhere, for A/B runs) or triton (Triton everywhere).
+    #[arg(long, env = "DELTASERVE_WORKER_KERNELS", default_value = "auto", value_parser = parse_kernels)]
+    pub kernels: KernelBackend,
+    /// Seed of each worker's generator for requests that give no seed of their own.
+    #[arg(long, env = "DELTASERVE_WORKER_SEED", default_value_t = 0)]
+    pub seed: u64,
+    /// Microseconds a worker polls its ring for the next plan before sleeping on the doorbell
+    /// (the next plan usually comes within a few hundred after an output).
+    #[arg(long, env = "DELTASERVE_WORKER_RECV_SPIN_US", default_value_t = 2000)]
+    pub worker_recv_spin_us: u32,
+    /// Log level of the workers: DEBUG, INFO, WARNING or ERROR.
+    #[arg(long, env = "DELTASERVE_WORKER_LOG_LEVEL", default_value = "INFO")]
+    pub worker_log_level: String,
 }
 
 /// `--devices`, parsed: one entry per worker, `cpu` or `cuda:N`.
@@ -221,6 +246,12 @@ impl ServerConfig {
                 "--worker-threads must be at least 1 (leave it out for the default)".into(),
             );
         }
+        if !["DEBUG", "INFO", "WARNING", "ERROR"].contains(&self.worker_log_level.as_str()) {
+            return Err(format!(
+                "--worker-log-level {}: expected DEBUG, INFO, WARNING or ERROR",
+                self.worker_log_level
+            ));
+        }
         if self.worker_profile_every.is_nan() || self.worker_profile_every <= 0.0 {
             return Err(format!(
                 "--worker-profile-every {}: must be a positive number of seconds",
@@ -253,27 +284,64 @@ impl ServerConfig {
         self.lora_host_bytes.unwrap_or(self.variant_host_bytes)
     }
 
-    /// The worker's environment for the settings its kernels and profiler still read from
-    /// there (documented aliases of the flags above).
-    pub fn worker_env(&self) -> Vec<(String, String)> {
-        let mut env = vec![(
-            "DELTASERVE_CUDA_OPS".to_string(),
-            if self.cuda_ops { "1" } else { "0" }.to_string(),
-        )];
-        if let Some(dir) = &self.cache_dir {
-            env.push(("DELTASERVE_CACHE".into(), dir.display().to_string()));
+    /// The configuration the worker on `device` is sent (its link's first frame; the schema
+    /// hash is filled in when sent): these flags, with their defaults, are the worker's only
+    /// source of settings.
+    pub fn worker_config(&self, device: &str) -> WorkerConfig {
+        let path = |p: &Path| p.display().to_string();
+        WorkerConfig {
+            schema_hash: String::new(),
+            model_dir: self.model_dir.as_deref().map(path).unwrap_or_default(),
+            device: device.to_string(),
+            dtype: self.dtype.clone(),
+            block_size: self.block_size,
+            kv_cache_bytes: self.kv_cache_bytes,
+            gpu_memory_utilization: self.gpu_memory_utilization,
+            max_num_batched_tokens: self.max_num_batched_tokens as u32,
+            max_model_len: self.max_model_len,
+            seed: self.seed,
+            kernels: self.kernels,
+            cuda_graph_max_batch: self.cuda_graph_max_batch.min(self.max_num_seqs as u32),
+            recv_spin_us: self.worker_recv_spin_us,
+            num_threads: self.threads_for(device).unwrap_or(0) as u32,
+            log_level: self.worker_log_level.clone(),
+            max_lora_rank: self.max_lora_rank,
+            max_loras_per_step: self.max_num_seqs as u32,
+            // Pinned once on a GPU, so variant reads never pin memory while steps run (pinning
+            // stalls the worker's launches); on the CPU there is nothing to pin.
+            host_arena_bytes: if device == "cpu" {
+                0
+            } else {
+                self.host_bytes()
+            },
+            max_deltas: self.max_deltas as u32,
+            cuda_ops: self.cuda_ops,
+            cache_dir: self.cache_dir.as_deref().map(path),
+            profile_path: self.worker_profile.as_deref().map(path),
+            profile_every_s: self.worker_profile_every,
+            cpu_lora_helpers: self.cpu_lora_helpers_for(device),
+            cpu_lora_policy: self.cpu_lora_policy.clone(),
         }
-        if let Some(path) = &self.worker_profile {
-            env.push((
-                "DELTASERVE_WORKER_PROFILE".into(),
-                path.display().to_string(),
-            ));
-            env.push((
-                "DELTASERVE_WORKER_PROFILE_EVERY".into(),
-                self.worker_profile_every.to_string(),
-            ));
+    }
+
+    /// CPU LoRA helpers of the worker on `device` (`--cpu-lora-helpers`, else its default).
+    pub fn cpu_lora_helpers_for(&self, device: &str) -> u32 {
+        if let Some(n) = self.cpu_lora_helpers {
+            return n;
         }
-        env
+        if device == "cpu" {
+            return 0;
+        }
+        let gpu_workers = self
+            .devices
+            .iter()
+            .filter(|d| d.as_str() != "cpu")
+            .count()
+            .max(1);
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        (cores / 4 / gpu_workers).min(8) as u32
     }
 
     /// CPU threads for the torch ops of the worker on `device` (see `worker_threads`): `None`
@@ -398,6 +466,14 @@ fn parse_named_dir(flag: &str, spec: &str) -> Result<(String, PathBuf), String> 
     }
 }
 
+/// Parses `--kernels`: one of the wire's `KernelBackend` labels.
+pub fn parse_kernels(spec: &str) -> Result<KernelBackend, String> {
+    KernelBackend::from_label(spec).ok_or_else(|| {
+        let labels: Vec<&str> = KernelBackend::ALL.iter().map(|k| k.label()).collect();
+        format!("`{spec}`: expected one of {}", labels.join(", "))
+    })
+}
+
 /// Parses a number of seconds (`--worker-start-timeout`).
 pub fn parse_seconds(spec: &str) -> Result<Duration, String> {
     spec.trim()
@@ -459,10 +535,7 @@ mod tests {
         assert!(cfg.cuda_ops && cfg.overlap_steps);
         let off = parse(&["deltaserve", "--cuda-ops", "0"].map(String::from));
         assert!(!off.cuda_ops, "DELTASERVE_CUDA_OPS=0 keeps its meaning");
-        assert_eq!(
-            off.worker_env()[0],
-            ("DELTASERVE_CUDA_OPS".into(), "0".into())
-        );
+        assert!(!off.worker_config("cuda:0").cuda_ops);
         let old = parse(&["deltaserve", "--lora-host-bytes", "99"].map(String::from));
         assert_eq!(old.host_bytes(), 99);
         let new = parse(&["deltaserve", "--variant-host-bytes", "7"].map(String::from));
@@ -480,6 +553,82 @@ mod tests {
         );
         assert!(Flags::try_parse_from(["deltaserve", "--devices", "gpu"]).is_err());
         assert!(Flags::try_parse_from(["deltaserve", "--worker-start-timeout", "1.5"]).is_err());
+    }
+
+    #[test]
+    fn the_worker_config_carries_every_flag_and_default() {
+        let cfg = parse(&["deltaserve", "--model", "/m", "--max-num-seqs", "64"].map(String::from));
+        let cpu = cfg.worker_config("cpu");
+        assert_eq!(
+            (
+                cpu.model_dir.as_str(),
+                cpu.device.as_str(),
+                cpu.dtype.as_str()
+            ),
+            ("/m", "cpu", "auto")
+        );
+        assert_eq!((cpu.block_size, cpu.kv_cache_bytes), (16, 0));
+        assert_eq!(
+            (cpu.gpu_memory_utilization, cpu.max_num_batched_tokens),
+            (0.9, 2048)
+        );
+        assert_eq!(
+            (cpu.max_model_len, cpu.seed, cpu.kernels),
+            (None, 0, KernelBackend::Auto)
+        );
+        assert_eq!(
+            (cpu.cuda_graph_max_batch, cpu.max_loras_per_step),
+            (64, 64),
+            "graphs and adapter tables are bounded by --max-num-seqs"
+        );
+        assert_eq!(
+            (cpu.max_lora_rank, cpu.max_deltas),
+            (256, DEFAULT_MAX_DELTAS as u32)
+        );
+        assert_eq!((cpu.recv_spin_us, cpu.log_level.as_str()), (2000, "INFO"));
+        assert_eq!(cpu.host_arena_bytes, 0, "nothing to pin on the CPU");
+        assert_eq!(
+            (cpu.cpu_lora_helpers, cpu.cpu_lora_policy.as_str()),
+            (0, "adaptive")
+        );
+        assert!(cpu.num_threads >= 1 && cpu.cuda_ops);
+        assert_eq!((cpu.cache_dir, cpu.profile_path), (None, None));
+        let gpu = cfg.worker_config("cuda:0");
+        assert_eq!((gpu.host_arena_bytes, gpu.num_threads), (4 << 30, 0));
+        let set = parse(
+            &[
+                "deltaserve",
+                "--kernels",
+                "torch",
+                "--seed",
+                "7",
+                "--cache-dir",
+                "/c",
+                "--worker-profile",
+                "/p",
+                "--worker-profile-every",
+                "2.5",
+                "--worker-log-level",
+                "DEBUG",
+                "--max-model-len",
+                "99",
+            ]
+            .map(String::from),
+        )
+        .worker_config("cuda:1");
+        assert_eq!((set.kernels, set.seed), (KernelBackend::Torch, 7));
+        assert_eq!(set.cache_dir.as_deref(), Some("/c"));
+        assert_eq!(
+            (set.profile_path.as_deref(), set.profile_every_s),
+            (Some("/p"), 2.5)
+        );
+        assert_eq!(
+            (set.log_level.as_str(), set.max_model_len),
+            ("DEBUG", Some(99))
+        );
+        let bad = Flags::try_parse_from(["deltaserve", "--kernels", "cuda"]);
+        let err = bad.err().unwrap().to_string();
+        assert!(err.contains("auto, torch, triton"), "{err}");
     }
 
     #[test]

@@ -61,24 +61,8 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         .iter()
         .map(|device| WorkerSpec {
             python: python.clone(),
-            model_dir: model_dir.to_path_buf(),
-            device: device.clone(),
-            dtype: cfg.dtype.clone(),
-            block_size: cfg.block_size,
-            kv_cache_bytes: cfg.kv_cache_bytes,
-            gpu_memory_utilization: cfg.gpu_memory_utilization,
-            max_num_batched_tokens: cfg.max_num_batched_tokens as u32,
-            max_model_len: cfg.max_model_len,
-            cuda_graph_max_batch: cfg.cuda_graph_max_batch.min(cfg.max_num_seqs as u32),
-            max_lora_rank: cfg.max_lora_rank,
-            max_loras_per_step: cfg.max_num_seqs as u32,
-            max_deltas: cfg.max_deltas,
-            // Pinned once on a GPU, so adapter reads never pin memory while steps run (pinning
-            // stalls the worker's launches); on the CPU there is nothing to pin.
-            host_arena_bytes: if device == "cpu" { 0 } else { cfg.host_bytes() },
             start_timeout: cfg.worker_start_timeout,
-            num_threads: cfg.threads_for(device),
-            env: cfg.worker_env(),
+            config: cfg.worker_config(device),
         })
         .collect();
     let started = futures_util::future::join_all(
@@ -90,7 +74,7 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
     .await;
     let mut workers = Vec::new();
     for (i, w) in started.into_iter().enumerate() {
-        workers.push(w.with_context(|| format!("starting worker {i} on {}", specs[i].device))?);
+        workers.push(w.with_context(|| format!("starting worker {i} on {}", specs[i].device()))?);
     }
     for (i, w) in workers.iter().enumerate() {
         let m = &w.hello.model;

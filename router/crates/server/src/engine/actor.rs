@@ -309,7 +309,7 @@ impl Actor {
     /// needs every core for its forward pass).
     fn spin_window(&self) -> Option<SpinWindow> {
         let oldest = self.in_flight.front()?;
-        if self.spec.device == "cpu" {
+        if self.spec.device() == "cpu" {
             return None;
         }
         self.pace.spin_window(oldest.sent_at)

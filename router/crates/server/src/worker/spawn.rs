@@ -1,8 +1,10 @@
-//! Starting one worker process: its argv, the IPC directory, the handshake (Hello or the
-//! child's exit or the start timeout), and the schema-hash check.
+//! Starting one worker process: the IPC directory, its configuration as the link's first frame,
+//! the process, the handshake (Hello or the child's exit or the start timeout), and the
+//! schema-hash check.
 //!
 //! ```text
-//!  spawn():  IpcDir::create(tmp)  ──▶  python -m deltaserve.worker --ipc-dir tmp ...
+//!  spawn():  IpcDir::create(tmp)  ──▶  send WorkerConfig (the ring holds it until the worker reads it)
+//!            python -m deltaserve.worker --ipc-dir tmp        (the only argument)
 //!            wait for Hello (or the child's exit, or the start timeout)
 //!            refuse a schema-hash mismatch, naming both hashes
 //! ```
@@ -12,9 +14,9 @@ use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
 use deltaserve_ipc::channel::{IpcDir, Sender};
-use deltaserve_ipc::codec::FromWorker;
+use deltaserve_ipc::codec::{encode, FromWorker};
 use deltaserve_ipc::schema::schema_hash;
-use deltaserve_ipc::wire::Hello;
+use deltaserve_ipc::wire::{Hello, WorkerConfig};
 use tokio::process::{Child, Command};
 
 use super::link::FrameReceiver;
@@ -22,46 +24,23 @@ use super::link::FrameReceiver;
 /// Ring capacity per direction. Plans and outputs are small; prompts are the largest thing sent.
 const RING_CAPACITY: usize = 8 << 20;
 
-/// How to start one worker.
+/// How to start one worker: the process, and the configuration it is sent
+/// (`ServerConfig::worker_config` builds it, with every default).
 #[derive(Debug, Clone)]
 pub struct WorkerSpec {
     /// Python interpreter that has the `deltaserve` package installed.
     pub python: PathBuf,
-    /// HF model directory the worker loads.
-    pub model_dir: PathBuf,
-    /// Torch device: `cpu` or `cuda:N`.
-    pub device: String,
-    /// `auto`, `float32`, `float16` or `bfloat16`.
-    pub dtype: String,
-    /// Tokens per KV page.
-    pub block_size: u32,
-    /// KV-cache budget in bytes; 0 lets the worker choose.
-    pub kv_cache_bytes: u64,
-    /// Fraction of GPU memory the worker may use (CUDA only).
-    pub gpu_memory_utilization: f64,
-    /// Token budget per step (the worker profiles activation memory with it).
-    pub max_num_batched_tokens: u32,
-    /// Upper bound on prompt + output tokens, if the operator set one.
-    pub max_model_len: Option<u32>,
-    /// Largest decode batch the worker replays from a CUDA graph (0: eager only).
-    pub cuda_graph_max_batch: u32,
-    /// Largest LoRA rank the worker accepts (sizes its per-step adapter tables).
-    pub max_lora_rank: u32,
-    /// Most distinct adapters one step may use (the scheduler's max_num_seqs bounds it).
-    pub max_loras_per_step: u32,
-    /// GPU slots for compressed deltas (`--max-deltas`; the router keeps at most this many
-    /// deltas on the GPU); 0 turns delta serving off.
-    pub max_deltas: usize,
-    /// Host memory the worker allocates (and pins) once for its host copies of LoRA adapters and
-    /// deltas; 0: none.
-    pub host_arena_bytes: u64,
     /// How long model loading may take before the start counts as failed.
     pub start_timeout: Duration,
-    /// CPU threads of the worker's torch ops (`--num-threads`); `None`: the worker's default.
-    pub num_threads: Option<usize>,
-    /// Environment of the worker's process beyond the router's own: the CUDA-ops and profiling
-    /// settings (`ServerConfig::worker_env`).
-    pub env: Vec<(String, String)>,
+    /// Everything the worker is configured with (its `schema_hash` is set when sent).
+    pub config: WorkerConfig,
+}
+
+impl WorkerSpec {
+    /// The worker's torch device (`cpu` or `cuda:N`).
+    pub fn device(&self) -> &str {
+        &self.config.device
+    }
 }
 
 /// Why a worker could not be started.
@@ -121,49 +100,19 @@ impl WorkerProcess {
         let dir = ipc_tempdir(index).map_err(|e| WorkerStartError::Ipc(e.to_string()))?;
         let ipc = IpcDir::create(dir.path(), RING_CAPACITY)
             .map_err(|e| WorkerStartError::Ipc(e.to_string()))?;
-        let (to_worker, from_worker_raw) = ipc
+        let (mut to_worker, from_worker_raw) = ipc
             .router_side()
             .map_err(|e| WorkerStartError::Ipc(e.to_string()))?;
 
         let mut from_worker = FrameReceiver::new(from_worker_raw)
             .map_err(|e| WorkerStartError::Ipc(e.to_string()))?;
+        send_config(&mut to_worker, &spec.config)?;
 
         let mut cmd = Command::new(&spec.python);
         cmd.arg("-m")
             .arg("deltaserve.worker")
-            .arg("--model")
-            .arg(&spec.model_dir)
             .arg("--ipc-dir")
-            .arg(dir.path())
-            .arg("--device")
-            .arg(&spec.device)
-            .arg("--dtype")
-            .arg(&spec.dtype)
-            .arg("--block-size")
-            .arg(spec.block_size.to_string())
-            .arg("--kv-cache-bytes")
-            .arg(spec.kv_cache_bytes.to_string())
-            .arg("--gpu-memory-utilization")
-            .arg(spec.gpu_memory_utilization.to_string())
-            .arg("--max-num-batched-tokens")
-            .arg(spec.max_num_batched_tokens.to_string())
-            .arg("--cuda-graph-max-batch")
-            .arg(spec.cuda_graph_max_batch.to_string());
-        cmd.arg("--max-lora-rank")
-            .arg(spec.max_lora_rank.to_string())
-            .arg("--max-loras-per-step")
-            .arg(spec.max_loras_per_step.to_string())
-            .arg("--max-deltas")
-            .arg(spec.max_deltas.to_string())
-            .arg("--host-arena-bytes")
-            .arg(spec.host_arena_bytes.to_string());
-        if let Some(len) = spec.max_model_len {
-            cmd.arg("--max-model-len").arg(len.to_string());
-        }
-        if let Some(n) = spec.num_threads {
-            cmd.arg("--num-threads").arg(n.to_string());
-        }
-        cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
+            .arg(dir.path());
         cmd.env("PYTHONUNBUFFERED", "1")
             .stdin(Stdio::null())
             .stdout(Stdio::inherit())
@@ -215,6 +164,22 @@ impl WorkerProcess {
             from_worker,
             _dir: dir,
         })
+    }
+}
+
+/// Writes `config` (with this router's schema hash) as the link's first frame. The ring is empty
+/// and far larger than the frame, so this never waits.
+fn send_config(to_worker: &mut Sender, config: &WorkerConfig) -> Result<(), WorkerStartError> {
+    let frame = encode(&WorkerConfig {
+        schema_hash: schema_hash(),
+        ..config.clone()
+    });
+    match to_worker.try_send(&frame) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(WorkerStartError::Ipc(
+            "the worker's ring has no room for its config".into(),
+        )),
+        Err(e) => Err(WorkerStartError::Ipc(e.to_string())),
     }
 }
 
