@@ -162,6 +162,21 @@ pub struct ServerConfig {
     /// Log level of the workers: DEBUG, INFO, WARNING or ERROR.
     #[arg(long, env = "DELTASERVE_WORKER_LOG_LEVEL", default_value = "INFO")]
     pub worker_log_level: String,
+    /// Tenants and their API keys, allowed variants and quotas (a JSON file; see the README's
+    /// "Security and operations"); reread on SIGHUP. With it, every route but /health and
+    /// /ready needs `Authorization: Bearer <key>`. Without it (and without --admin-key) the
+    /// API is open to anyone who can reach the port.
+    #[arg(long = "api-keys", env = "DELTASERVE_API_KEYS")]
+    pub api_keys: Option<PathBuf>,
+    /// An admin key (repeat the flag for more): the only keys that may register or delete
+    /// variants and use the other state-changing routes. Adds to the key file's `admin_keys`.
+    #[arg(long = "admin-key", env = "DELTASERVE_ADMIN_KEY", value_delimiter = ',', hide_env_values = true)]
+    pub admin_keys: Vec<String>,
+    /// A directory variants may be registered from (repeat the flag for more). With any, every
+    /// variant directory (flags, `POST /v1/adapters`, and again at each request) must resolve
+    /// inside one, symlinks followed; without, any directory is accepted.
+    #[arg(long = "adapter-root", env = "DELTASERVE_ADAPTER_ROOT", value_delimiter = ',')]
+    pub adapter_roots: Vec<PathBuf>,
 }
 
 /// `--devices`, parsed: one entry per worker, `cpu` or `cuda:N`.

@@ -3,13 +3,14 @@
 //! # Layout (the request path, in order)
 //!
 //! - [`api`]: axum routes: OpenAI completions and chat (JSON and SSE), WebSocket streaming,
-//!   models, health, readiness, metrics; OpenAI-style errors.
+//!   models, health, readiness, metrics; OpenAI-style errors; request ids, API keys, tenants
+//!   and their quotas.
 //! - [`validate`]: request checks and defaults, before anything is queued.
 //! - [`text`]: tokenizer, incremental detokenizer with stop strings, chat templates.
 //! - [`engine`]: the handle the API calls; one actor per worker behind it, which owns that
 //!   worker's scheduler (`deltaserve-sched`) and drives its steps.
 //! - [`registry`]: the served variants (LoRA adapters, compressed deltas) by name (client
-//!   name -> internal id).
+//!   name -> internal id); [`roots`]: where their directories may live (`--adapter-root`).
 //! - [`worker`]: spawns a Python worker, links to it over shared-memory rings
 //!   (`deltaserve-ipc`), handshakes.
 //! - [`config`]: the one typed configuration.
@@ -24,6 +25,7 @@ pub mod engine;
 pub mod hub_cache;
 pub mod interpreter;
 pub mod registry;
+pub mod roots;
 pub mod text;
 pub mod validate;
 pub mod worker;
@@ -36,9 +38,11 @@ use anyhow::Context;
 use deltaserve_ipc::wire::VariantKind;
 use tokio::net::TcpListener;
 
+use crate::api::tenants::AccessControl;
 use crate::config::ServerConfig;
 use crate::engine::{Actor, EngineHandle, RequestLatency, SchedLimits, ServedModel};
 use crate::registry::VariantRegistry;
+use crate::roots::VariantRoots;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
 use crate::worker::{WorkerProcess, WorkerSpec};
@@ -102,7 +106,10 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        adapters: Arc::new(VariantRegistry::new(cfg.model_name())),
+        adapters: Arc::new(VariantRegistry::with_roots(
+            cfg.model_name(),
+            VariantRoots::new(&cfg.adapter_roots).map_err(anyhow::Error::msg)?,
+        )),
     };
     let limits = SchedLimits {
         max_num_seqs: cfg.max_num_seqs,
@@ -163,14 +170,52 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let access = Arc::new(
+        AccessControl::new(cfg.api_keys.as_deref(), &cfg.admin_keys)
+            .map_err(anyhow::Error::msg)?,
+    );
+    reload_keys_on_sighup(access.clone());
     let engine = start_engine(&cfg).await?;
     let addr = listener.local_addr()?;
     tracing::info!("serving {} on http://{addr}", engine.model().name);
-    let app = api::router(engine.clone());
+    log_access(&access, addr);
+    let app = api::secured_router(engine.clone(), access);
     // SIGTERM: 503 for new requests, in-flight ones get --drain-timeout (drain.rs).
     drain::serve_until_drained(app, engine, listener, shutdown, cfg.drain_timeout).await?;
     // Dropping the last handle (held by the router) ends the actors, which stop their workers;
     // give them a moment to do it cleanly.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     Ok(())
+}
+
+/// Says at start-up who may use the server.
+fn log_access(access: &AccessControl, addr: std::net::SocketAddr) {
+    if access.keys_required() {
+        let tenants = access.tenants().len();
+        tracing::info!(
+            tenants,
+            "API keys required (--api-keys); SIGHUP rereads the key file"
+        );
+    } else if access.has_admin_keys() {
+        tracing::warn!("no --api-keys: inference on http://{addr} is open to anyone who can reach it; the admin routes need an admin key");
+    } else {
+        tracing::warn!("no API keys configured (no --api-keys, no --admin-key): every route on http://{addr}, variant registration included, is open to anyone who can reach it");
+    }
+}
+
+/// Rereads the key file on every SIGHUP; a bad file keeps the keys in force (and is logged).
+fn reload_keys_on_sighup(access: Arc<AccessControl>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+        tracing::warn!("SIGHUP cannot be caught: the key file is read once");
+        return;
+    };
+    tokio::spawn(async move {
+        while hangups.recv().await.is_some() {
+            match access.reload() {
+                Ok(()) => tracing::info!("SIGHUP: key file reread"),
+                Err(e) => tracing::error!("SIGHUP: the key file was not reread: {e}"),
+            }
+        }
+    });
 }

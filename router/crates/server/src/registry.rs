@@ -22,6 +22,8 @@ use std::sync::RwLock;
 use deltaserve_ipc::wire::VariantKind;
 use serde::{Serialize, Serializer};
 
+use crate::roots::VariantRoots;
+
 /// Where an entry is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -77,8 +79,9 @@ pub struct VariantEntry {
 /// Why the registry refused a name.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegistryError {
-    /// The name cannot be used in a `model` field.
-    #[error("adapter name `{0}` is invalid: use 1 to 128 characters, none of them ':', '/' or whitespace")]
+    /// The name cannot be used in a `model` field (or a URL path); the name is quoted only
+    /// when it is printable and short.
+    #[error("adapter name {} is invalid: use 1 to {MAX_NAME_LEN} letters, digits, '-', '_' or '.' (not `.` or `..`)", quote_name(.0))]
     BadName(String),
     /// The name is the base model's or another adapter's.
     #[error("the name `{0}` is already taken (by the base model or another adapter)")]
@@ -91,11 +94,39 @@ pub enum RegistryError {
     Deleting(String),
 }
 
+/// Longest variant name.
+pub const MAX_NAME_LEN: usize = 128;
+
+/// Whether `name` may name a variant: URL-safe (ASCII letters, digits, `-`, `_`, `.`), not `.`
+/// or `..`, at most [`MAX_NAME_LEN`] characters.
+pub fn valid_name(name: &str) -> bool {
+    (1..=MAX_NAME_LEN).contains(&name.len())
+        && name != "."
+        && name != ".."
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+}
+
+/// A refused name for an error message: quoted when printable and short, else described.
+fn quote_name(name: &str) -> String {
+    if name.len() <= MAX_NAME_LEN && name.chars().all(|c| !c.is_control()) {
+        format!("`{name}`")
+    } else {
+        format!(
+            "({} characters, some not printable or too many)",
+            name.chars().count()
+        )
+    }
+}
+
 /// The registry: adapters by name, behind one lock (reads are per request, writes rare).
 #[derive(Debug)]
 pub struct VariantRegistry {
     /// The base model's served name, which no adapter may take.
     base_name: String,
+    /// Where variant directories may live (`--adapter-root`).
+    roots: VariantRoots,
     inner: RwLock<Inner>,
 }
 
@@ -109,10 +140,21 @@ struct Inner {
 impl VariantRegistry {
     /// An empty registry for a base model served as `base_name`.
     pub fn new(base_name: impl Into<String>) -> Self {
+        Self::with_roots(base_name, VariantRoots::default())
+    }
+
+    /// An empty registry whose variants must live inside `roots`.
+    pub fn with_roots(base_name: impl Into<String>, roots: VariantRoots) -> Self {
         Self {
             base_name: base_name.into(),
+            roots,
             inner: RwLock::new(Inner::default()),
         }
+    }
+
+    /// Where variant directories may live.
+    pub fn roots(&self) -> &VariantRoots {
+        &self.roots
     }
 
     /// The base model's served name.
@@ -122,12 +164,7 @@ impl VariantRegistry {
 
     /// Takes `name` for a new adapter at `path` and hands out its id; the entry is `Pending`.
     pub fn reserve(&self, name: &str, path: PathBuf, created: u64) -> Result<u32, RegistryError> {
-        let bad = name.is_empty()
-            || name.chars().count() > 128
-            || name
-                .chars()
-                .any(|c| c == ':' || c == '/' || c.is_whitespace());
-        if bad {
+        if !valid_name(name) {
             return Err(RegistryError::BadName(name.to_string()));
         }
         let mut inner = self.inner.write().expect("registry lock");
@@ -196,6 +233,16 @@ impl VariantRegistry {
             .map(|e| e.id)
     }
 
+    /// The directory of adapter `id` (any state).
+    pub fn path_of(&self, id: u32) -> Option<PathBuf> {
+        let inner = self.inner.read().expect("registry lock");
+        inner
+            .by_name
+            .values()
+            .find(|e| e.id == id)
+            .map(|e| e.path.clone())
+    }
+
     /// The name of adapter `id` (any state).
     pub fn name_of(&self, id: u32) -> Option<String> {
         let inner = self.inner.read().expect("registry lock");
@@ -243,7 +290,18 @@ mod tests {
     #[test]
     fn names_are_checked_and_ids_never_reused() {
         let r = VariantRegistry::new("base");
-        for bad in ["", "a:b", "a/b", "a b", &"x".repeat(129)] {
+        for bad in [
+            "",
+            "a:b",
+            "a/b",
+            "a b",
+            ".",
+            "..",
+            "%2e%2e",
+            "a\0b",
+            "é",
+            &"x".repeat(129),
+        ] {
             assert_eq!(
                 r.reserve(bad, "/x".into(), 0),
                 Err(RegistryError::BadName(bad.to_string()))

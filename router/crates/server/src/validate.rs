@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use crate::api::error::ApiError;
 use crate::api::openai::{ChatCompletionRequest, CompletionRequest, StreamOptions};
+use crate::api::tenants::Caller;
 use crate::engine::{GenerateRequest, ServedModel};
 use crate::text::chat_template::{json_kind, ChatTemplate};
 use crate::text::tokenizer::TextTokenizer;
@@ -47,6 +48,8 @@ pub struct ModelContext<'a> {
     pub tokenizer: &'a TextTokenizer,
     /// To render chat messages; `None` when the model has no chat template.
     pub chat_template: Option<&'a ChatTemplate>,
+    /// Who asks: a tenant sees only the models it may use (`None`: every model).
+    pub caller: Option<&'a Caller>,
 }
 
 /// Sampling-related fields common to both endpoints.
@@ -65,11 +68,94 @@ struct CommonFields<'a> {
     ignore_eos: Option<bool>,
 }
 
-/// The adapter a `model` field selects (0: the base model); an unknown name is a 404.
-pub fn check_model(requested: Option<&str>, served: &ServedModel) -> Result<u32, ApiError> {
-    served
-        .resolve(requested)
-        .ok_or_else(|| ApiError::ModelNotFound(requested.unwrap_or_default().to_string()))
+/// The adapter a `model` field selects (0: the base model); an unknown name is a 404, and so is
+/// one the caller may not use, with the same message (no existence leak), checked before any
+/// other field so nothing else tells the two apart.
+pub fn check_model(
+    requested: Option<&str>,
+    served: &ServedModel,
+    caller: Option<&Caller>,
+) -> Result<u32, ApiError> {
+    let not_found = || ApiError::ModelNotFound(requested.unwrap_or_default().to_string());
+    let id = served.resolve(requested).ok_or_else(not_found)?;
+    match caller {
+        Some(c) if !c.may_use(&served.display_name(id)) => Err(not_found()),
+        _ => Ok(id),
+    }
+}
+
+/// Quoted values a worker's variant inspection may echo: the literals the variant files' fields
+/// accept (field and module names are kept by [`sanitize_file_message`]'s snake_case rule).
+const FILE_LITERALS: &[&str] = &[
+    "LORA",
+    "none",
+    "all",
+    "lora_only",
+    "CAUSAL_LM",
+    "model.layers.<i>",
+    "r",
+    "bias",
+    "layers",
+];
+
+/// A worker's message about a variant's files, safe to send to a client: every quoted value
+/// (`'...'`, `"..."`, `b'...'`) that is not a lowercase snake_case or dotted name (a field,
+/// module or tensor name) or one of [`FILE_LITERALS`] becomes a type description (`<a string of 12
+/// characters>`), so a file's contents (a symlinked secret, a header's bytes) never reach the
+/// client; control characters become `?`, and the whole is cut to 1,000 characters.
+pub fn sanitize_file_message(message: &str) -> String {
+    let chars: Vec<char> = message.chars().collect();
+    let mut out = String::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        let prev = if i > 0 { Some(chars[i - 1]) } else { None };
+        // An opening quote is not inside a word (`base's` is an apostrophe); `b'` opens bytes.
+        let bytes_prefix = prev == Some('b') && (i < 2 || !chars[i - 2].is_alphanumeric());
+        let opens =
+            (c == '\'' || c == '"') && (bytes_prefix || prev.is_none_or(|p| !p.is_alphanumeric()));
+        let close = opens
+            .then(|| chars[i + 1..].iter().position(|&q| q == c))
+            .flatten();
+        match close {
+            Some(len) => {
+                let inner: String = chars[i + 1..i + 1 + len].iter().collect();
+                if bytes_prefix {
+                    out.pop();
+                }
+                if !bytes_prefix && is_name_or_literal(&inner) {
+                    out.push(c);
+                    out.push_str(&inner);
+                    out.push(c);
+                } else {
+                    let what = if bytes_prefix { "bytes" } else { "a string" };
+                    out.push_str(&format!("<{what} of {len} characters>"));
+                }
+                i += len + 2;
+            }
+            None => {
+                out.push(if c.is_control() { '?' } else { c });
+                i += 1;
+            }
+        }
+    }
+    if out.chars().count() > 1000 {
+        out = out.chars().take(1000).collect::<String>() + "…";
+    }
+    out
+}
+
+/// A lowercase snake_case or dotted name (a field, module or tensor name: `q_proj`,
+/// `model.layers.0.self_attn.q_proj.lora_A.weight`) of at most 160 characters, or a known literal.
+fn is_name_or_literal(s: &str) -> bool {
+    let lower = s.replace("lora_A", "lora_a").replace("lora_B", "lora_b");
+    let name = lower.len() <= 160
+        && (lower.contains('_') || lower.contains('.'))
+        && lower.starts_with(|c: char| c.is_ascii_lowercase())
+        && lower
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '.');
+    name || FILE_LITERALS.contains(&s)
 }
 
 /// Validates a `/v1/completions` body.
@@ -91,7 +177,7 @@ pub fn validate_completion(
         stream_options: req.stream_options.as_ref(),
         ignore_eos: req.ignore_eos,
     };
-    let adapter_id = check_model(common.model, ctx.model)?;
+    let adapter_id = check_model(common.model, ctx.model, ctx.caller)?;
     if req.echo == Some(true) {
         return Err(ApiError::invalid("echo", "`echo` is not supported"));
     }
@@ -144,7 +230,7 @@ pub fn validate_chat(
         stream_options: req.stream_options.as_ref(),
         ignore_eos: req.ignore_eos,
     };
-    let adapter_id = check_model(common.model, ctx.model)?;
+    let adapter_id = check_model(common.model, ctx.model, ctx.caller)?;
     let logprobs = match (req.logprobs, req.top_logprobs) {
         (Some(true), k) => match k.unwrap_or(0) {
             k @ 0..=MAX_CHAT_TOP_LOGPROBS => Some(k as u32),
@@ -459,6 +545,7 @@ mod tests {
                 model: &model,
                 tokenizer: &tok,
                 chat_template: None,
+                caller: None,
             },
         )
     }
@@ -472,6 +559,7 @@ mod tests {
             model: &model,
             tokenizer: &tok,
             chat_template: with_template.then_some(&template),
+            caller: None,
         };
         validate_chat(&req, &ctx)
     }
@@ -489,6 +577,38 @@ mod tests {
         for n in needles {
             assert!(message.contains(n), "{message:?} lacks {n:?}");
         }
+    }
+
+    #[test]
+    fn file_messages_never_quote_values() {
+        let cases = [
+            (
+                "adapter_config.json: field 'peft_type' is 'sk-SECRET-123'; only 'LORA' adapters are supported",
+                "adapter_config.json: field 'peft_type' is <a string of 13 characters>; only 'LORA' adapters are supported",
+            ),
+            (
+                "field 'target_modules' entry 'root:x:0:0' names none of the base's adaptable linears",
+                "field 'target_modules' entry <a string of 10 characters> names none of the base's adaptable linears",
+            ),
+            (
+                r#"field 'use_dora' is set ("hunter2"): not supported"#,
+                "field 'use_dora' is set (<a string of 7 characters>): not supported",
+            ),
+            (
+                r"header starts with b'\x89PNG' and is 3 bytes",
+                "header starts with <bytes of 7 characters> and is 3 bytes",
+            ),
+            ("matches 'q_proj'", "matches 'q_proj'"),
+            (
+                "tensor 'model.layers.0.q_proj.lora_A.weight' has shape",
+                "tensor 'model.layers.0.q_proj.lora_A.weight' has shape",
+            ),
+            ("unterminated 'quote\u{7} here", "unterminated 'quote? here"),
+        ];
+        for (given, want) in cases {
+            assert_eq!(sanitize_file_message(given), want);
+        }
+        assert!(sanitize_file_message(&"x".repeat(5000)).chars().count() <= 1001);
     }
 
     #[test]

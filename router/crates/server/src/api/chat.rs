@@ -17,6 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, StreamExt};
 
+use super::auth::Requester;
 use super::completions::sse_response;
 use super::error::{ApiError, ApiJson};
 use super::openai::{
@@ -24,7 +25,8 @@ use super::openai::{
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Usage,
 };
 use super::{
-    model_context, response_id, sse_done, sse_json, unix_now, Backend, Piece, Pieces, TokenRecord,
+    model_context, response_id, sse_done, sse_json, unix_now, usage, Backend, Piece, Pieces,
+    TokenRecord,
 };
 use crate::text::tokenizer::TextTokenizer;
 use crate::validate::validate_chat;
@@ -32,12 +34,13 @@ use crate::validate::validate_chat;
 /// The handler.
 pub async fn chat_completions<B: Backend>(
     State(backend): State<B>,
+    who: Requester,
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
-    let v = validate_chat(&req, &model_context(&backend))?;
+    let v = validate_chat(&req, &model_context(&backend, &who.caller))?;
     let with_logprobs = v.request.sampling.logprobs.is_some();
     let model = backend.model().display_name(v.request.adapter_id);
-    let rx = backend.generate(v.request).await?;
+    let rx = usage::start(&backend, &who, v.request).await?;
     let writer = ChatWriter {
         id: response_id("chatcmpl"),
         created: unix_now(),

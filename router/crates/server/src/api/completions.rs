@@ -17,13 +17,15 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, StreamExt};
 
+use super::auth::Requester;
 use super::error::{ApiError, ApiJson};
 use super::openai::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, TopLogprobMap,
     Usage,
 };
 use super::{
-    model_context, response_id, sse_done, sse_json, unix_now, Backend, Piece, Pieces, TokenRecord,
+    model_context, response_id, sse_done, sse_json, unix_now, usage, Backend, Piece, Pieces,
+    TokenRecord,
 };
 use crate::text::tokenizer::TextTokenizer;
 use crate::validate::validate_completion;
@@ -31,12 +33,13 @@ use crate::validate::validate_completion;
 /// The handler.
 pub async fn completions<B: Backend>(
     State(backend): State<B>,
+    who: Requester,
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
-    let v = validate_completion(&req, &model_context(&backend))?;
+    let v = validate_completion(&req, &model_context(&backend, &who.caller))?;
     let with_logprobs = v.request.sampling.logprobs.is_some();
     let model = backend.model().display_name(v.request.adapter_id);
-    let rx = backend.generate(v.request).await?;
+    let rx = usage::start(&backend, &who, v.request).await?;
     let mut writer = CompletionWriter {
         id: response_id("cmpl"),
         created: unix_now(),
@@ -420,6 +423,11 @@ mod tests {
         assert_eq!(response.status(), 200);
         assert!(!fake.all_cancelled(), "the stream holds the receiver");
         drop(response);
+        // The receiver is usage.rs's forwarding task's, which sees the client's end closed at its
+        // next turn and drops it.
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
         assert!(
             fake.all_cancelled(),
             "dropping the response drops the receiver"

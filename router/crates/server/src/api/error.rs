@@ -16,6 +16,7 @@ use axum::Json;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use super::quotas::QuotaExceeded;
 use crate::engine::{EngineError, VariantError};
 use crate::registry::RegistryError;
 
@@ -60,10 +61,23 @@ pub enum ApiError {
     /// The request failed inside the engine or a worker (500).
     #[error("{0}")]
     Internal(String),
+    /// No valid API key (401, with `WWW-Authenticate: Bearer`).
+    #[error("{0}")]
+    Unauthorized(String),
+    /// A valid key that may not use this route (403).
+    #[error("{0}")]
+    Forbidden(String),
+    /// The tenant's quota refuses the request (429, with the quota's `Retry-After`); `param`
+    /// names the limit.
+    #[error("{}", .0.message)]
+    QuotaExceeded(QuotaExceeded),
+    /// A state-changing request whose body is not `application/json` (415).
+    #[error("{0}")]
+    UnsupportedMediaType(String),
 }
 
 /// Every [`ApiError::error_type`], in the order of [`ERROR_COUNTS`].
-pub const ERROR_TYPES: [&str; 8] = [
+pub const ERROR_TYPES: [&str; 11] = [
     "invalid_request_error",
     "not_found_error",
     "method_not_allowed_error",
@@ -72,6 +86,9 @@ pub const ERROR_TYPES: [&str; 8] = [
     "service_unavailable_error",
     "server_error",
     "conflict_error",
+    "authentication_error",
+    "permission_error",
+    "unsupported_media_type",
 ];
 
 /// Errors answered since start, per [`ERROR_TYPES`] entry (process-wide, exported by `/metrics`).
@@ -99,6 +116,9 @@ pub struct ErrorObject {
     pub param: Option<String>,
     /// A machine-readable code for the few cases clients branch on (`model_not_found`).
     pub code: Option<String>,
+    /// The request's `x-request-id`, to quote when reporting it (set by the request-id layer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
 }
 
 /// The top-level error body.
@@ -138,6 +158,10 @@ impl ApiError {
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::QuotaExceeded(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
         }
     }
 
@@ -154,10 +178,13 @@ impl ApiError {
             | ApiError::RouteNotFound(_) => 1,
             ApiError::MethodNotAllowed(_) => 2,
             ApiError::PayloadTooLarge(_) => 3,
-            ApiError::Overloaded(_) => 4,
+            ApiError::Overloaded(_) | ApiError::QuotaExceeded(_) => 4,
             ApiError::Unavailable(_) => 5,
             ApiError::Internal(_) => 6,
             ApiError::Conflict(_) => 7,
+            ApiError::Unauthorized(_) => 8,
+            ApiError::Forbidden(_) => 9,
+            ApiError::UnsupportedMediaType(_) => 10,
         }
     }
 
@@ -174,6 +201,11 @@ impl ApiError {
                 Some("name".to_string()),
                 Some("adapter_not_found".to_string()),
             ),
+            ApiError::Unauthorized(_) => (None, Some("invalid_api_key".to_string())),
+            ApiError::QuotaExceeded(q) => (
+                Some(q.limit.to_string()),
+                Some("quota_exceeded".to_string()),
+            ),
             _ => (None, None),
         };
         ErrorBody {
@@ -182,6 +214,7 @@ impl ApiError {
                 kind: self.error_type().to_string(),
                 param,
                 code,
+                request_id: None,
             },
         }
     }
@@ -225,10 +258,18 @@ impl IntoResponse for ApiError {
             tracing::debug!(error_type = self.error_type(), "{self}");
         }
         let mut response = (status, Json(self.to_body())).into_response();
-        if matches!(self, ApiError::Overloaded(_) | ApiError::Unavailable(_)) {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+        let headers = response.headers_mut();
+        match &self {
+            ApiError::Overloaded(_) | ApiError::Unavailable(_) => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
+            }
+            ApiError::QuotaExceeded(q) => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(q.retry_after_secs));
+            }
+            ApiError::Unauthorized(_) => {
+                headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            _ => {}
         }
         response
     }
@@ -397,6 +438,24 @@ mod tests {
             json,
             serde_json::json!({"error": {"message": "empty", "type": "invalid_request_error", "param": "prompt", "code": null}})
         );
+        let quota = ApiError::QuotaExceeded(QuotaExceeded {
+            limit: "tokens_per_minute",
+            retry_after_secs: 7,
+            message: "over".into(),
+        });
+        let response = quota.clone().into_response();
+        assert_eq!(response.status(), 429);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "7");
+        let body = quota.to_body().error;
+        assert_eq!(body.param.as_deref(), Some("tokens_per_minute"));
+        assert_eq!(
+            (body.kind.as_str(), body.code.as_deref()),
+            ("rate_limit_error", Some("quota_exceeded"))
+        );
+        let response = ApiError::Unauthorized("no key".into()).into_response();
+        assert_eq!(response.status(), 401);
+        assert_eq!(response.headers()[header::WWW_AUTHENTICATE], "Bearer");
+        assert_eq!(ApiError::Forbidden("x".into()).status(), 403);
     }
 
     #[test]

@@ -11,6 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
+use super::auth::Requester;
 use super::error::{error_counts, RETRY_AFTER_SECS};
 use super::Backend;
 use crate::engine::metrics as engine_metrics;
@@ -38,7 +39,7 @@ pub async fn ready<B: Backend>(State(backend): State<B>) -> Response {
 
 /// `GET /metrics`: the engine's table (`engine::metrics`), its latency histograms, then the API's
 /// error counts.
-pub async fn metrics<B: Backend>(State(backend): State<B>) -> Response {
+pub async fn metrics<B: Backend>(State(backend): State<B>, who: Requester) -> Response {
     let m = backend.metrics().await;
     let mut families = engine_metrics::families(&m);
     families.push(engine_metrics::labeled_counter(
@@ -47,6 +48,7 @@ pub async fn metrics<B: Backend>(State(backend): State<B>) -> Response {
         "type",
         &error_counts(),
     ));
+    families.extend(who.access.usage.families());
     (
         [(
             header::CONTENT_TYPE,

@@ -11,6 +11,11 @@
 //!            ├─ POST/GET /v1/adapters, DELETE /v1/adapters/{name}   adapters.rs (admin)
 //!            └─ GET  /health /ready /metrics   health.rs
 //!  openai.rs: request/response types      error.rs: ApiError (every failure), ApiJson extractor
+//!
+//!  layers, outermost first: request_id.rs (x-request-id, log span) → auth.rs (key → Caller,
+//!  admin routes, JSON-only state changes) → the route; tenants.rs (key file, ACL) and
+//!  quotas.rs (token buckets) behind auth; usage.rs: every generation's quota hold, metering
+//!  and finished-request log line
 //! ```
 //!
 //! Handlers are generic over [`Backend`], the engine interface they use; [`router`] serves the
@@ -18,12 +23,17 @@
 //! stream owns its request's event receiver, so a client that goes away drops the stream, which
 //! drops the receiver, which the engine notices (STYLE.md #14).
 
+pub mod auth;
 pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod health;
 pub mod models;
 pub mod openai;
+pub mod quotas;
+pub mod request_id;
+pub mod tenants;
+pub mod usage;
 pub mod variants;
 pub mod ws;
 
@@ -52,6 +62,7 @@ use crate::text::chat_template::ChatTemplate;
 use crate::text::tokenizer::TextTokenizer;
 use crate::validate::ModelContext;
 use error::ApiError;
+use tenants::{AccessControl, Caller};
 
 /// Largest request body (and WebSocket message) accepted; larger ones get a 413 JSON error.
 pub const MAX_BODY_BYTES: usize = 8 << 20;
@@ -123,13 +134,18 @@ impl Backend for EngineHandle {
     }
 }
 
-/// Every route, serving `engine`.
+/// Every route, serving `engine`, open to anyone (no keys).
 pub fn router(engine: EngineHandle) -> Router {
     router_with(engine)
 }
 
-/// Every route, serving any [`Backend`] (tests use a scripted one).
+/// Every route, serving any [`Backend`] (tests use a scripted one), open to anyone.
 pub fn router_with<B: Backend>(backend: B) -> Router {
+    secured_router(backend, Arc::new(AccessControl::open()))
+}
+
+/// Every route, serving `backend` to the callers `access` admits (see `auth.rs`).
+pub fn secured_router<B: Backend>(backend: B, access: Arc<AccessControl>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions::completions::<B>))
         .route("/v1/chat/completions", post(chat::chat_completions::<B>))
@@ -151,15 +167,21 @@ pub fn router_with<B: Backend>(backend: B) -> Router {
             ApiError::MethodNotAllowed(format!("{method} {}", uri.path()))
         })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn_with_state(
+            access,
+            auth::authenticate,
+        ))
+        .layer(axum::middleware::from_fn(request_id::tag))
         .with_state(backend)
 }
 
-/// Validation's view of a backend.
-pub(crate) fn model_context<B: Backend>(b: &B) -> ModelContext<'_> {
+/// Validation's view of a backend, for `caller`.
+pub(crate) fn model_context<'a, B: Backend>(b: &'a B, caller: &'a Caller) -> ModelContext<'a> {
     ModelContext {
         model: b.model(),
         tokenizer: b.tokenizer(),
         chat_template: b.chat_template().map(|t| &**t),
+        caller: Some(caller),
     }
 }
 

@@ -4,12 +4,14 @@
 use axum::extract::State;
 use axum::Json;
 
+use super::auth::Requester;
 use super::openai::{ModelCard, ModelList};
 use super::Backend;
 use crate::registry::VariantState;
 
 /// The handler.
-pub async fn list_models<B: Backend>(State(backend): State<B>) -> Json<ModelList> {
+/// A tenant sees only the models it may use.
+pub async fn list_models<B: Backend>(State(backend): State<B>, who: Requester) -> Json<ModelList> {
     let model = backend.model();
     let card = |id: String, parent: Option<String>, kind: Option<&'static str>| ModelCard {
         id,
@@ -33,6 +35,7 @@ pub async fn list_models<B: Backend>(State(backend): State<B>) -> Json<ModelList
             adapter.footprint.as_ref().map(|f| f.kind.label()),
         ));
     }
+    data.retain(|m| who.caller.may_use(&m.id));
     Json(ModelList {
         object: "list",
         data,

@@ -3,9 +3,13 @@
 //! ```text
 //!  client → server   {"type":"generate","id":"a","request":{<completions body, or chat body with "messages">}}
 //!                    {"type":"cancel","id":"a"}
+//!                    {"type":"auth","key":"sk-..."}   first message, when keys are required and the
+//!                                                     upgrade request had no Authorization header
 //!  server → client   {"type":"token","id":"a","text":"Hel","token_id":42,"logprob":-0.1?,"top_logprobs":[..]?}
 //!                    {"type":"done","id":"a","finish_reason":"stop"|"length"|"abort","usage":{..}}
 //!                    {"type":"error","id":"a"?,"error":{"message","type","param","code"}}
+//!                    {"type":"authenticated","tenant":"acme"}   the answer to `auth` (a refused key:
+//!                                                     an error without id, then the socket closes)
 //! ```
 //!
 //! # Tasks
@@ -34,9 +38,11 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 
+use super::auth::Requester;
 use super::error::{parse_json, ApiError, ErrorObject};
 use super::openai::{ChatCompletionRequest, CompletionRequest, Usage};
-use super::{model_context, Backend, MAX_BODY_BYTES};
+use super::tenants::Caller;
+use super::{model_context, usage, Backend, MAX_BODY_BYTES};
 use crate::engine::{GenerateEvent, GenerateRequest};
 use crate::validate::{validate_chat, validate_completion};
 
@@ -66,6 +72,8 @@ pub enum ServerMessage {
         id: Option<String>,
         error: ErrorObject,
     },
+    /// The socket's `auth` message was accepted.
+    Authenticated { tenant: String },
 }
 
 /// One alternative token in a `token` message.
@@ -99,12 +107,13 @@ struct Live {
 /// The upgrade handler.
 pub async fn ws_upgrade<B: Backend>(
     State(backend): State<B>,
+    who: Requester,
     ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Response {
     match ws {
         Ok(ws) => ws
             .max_message_size(MAX_BODY_BYTES)
-            .on_upgrade(move |socket| serve(backend, socket)),
+            .on_upgrade(move |socket| serve(backend, who, socket)),
         Err(e) => ApiError::invalid_body(format!(
             "/v1/ws needs a WebSocket upgrade: {}",
             e.body_text()
@@ -114,7 +123,7 @@ pub async fn ws_upgrade<B: Backend>(
 }
 
 /// Runs one socket until it closes.
-async fn serve<B: Backend>(backend: B, socket: WebSocket) {
+async fn serve<B: Backend>(backend: B, mut who: Requester, socket: WebSocket) {
     let (mut sink, mut incoming) = socket.split();
     let (out_tx, mut out_rx) = mpsc::unbounded_channel::<ServerMessage>();
     let writer = tokio::spawn(async move {
@@ -127,6 +136,7 @@ async fn serve<B: Backend>(backend: B, socket: WebSocket) {
     });
     let (ended_tx, mut ended_rx) = mpsc::unbounded_channel::<String>();
     let mut live: HashMap<String, Live> = HashMap::new();
+    let mut refused = false;
     loop {
         tokio::select! {
             biased;
@@ -134,8 +144,23 @@ async fn serve<B: Backend>(backend: B, socket: WebSocket) {
                 live.remove(&id);
             }
             msg = incoming.next() => match msg {
+                Some(Ok(Message::Text(text))) if who.authenticate_in_band => {
+                    match authenticate_in_band(&who, text.as_str()) {
+                        Ok(caller) => {
+                            who.caller = caller;
+                            who.authenticate_in_band = false;
+                            let tenant = who.caller.label().to_string();
+                            let _ = out_tx.send(ServerMessage::Authenticated { tenant });
+                        }
+                        Err(e) => {
+                            let _ = out_tx.send(ServerMessage::error(None, &e));
+                            refused = true;
+                            break;
+                        }
+                    }
+                }
                 Some(Ok(Message::Text(text))) => {
-                    on_text(&backend, text.as_str(), &mut live, &out_tx, &ended_tx);
+                    on_text(&backend, &who, text.as_str(), &mut live, &out_tx, &ended_tx);
                 }
                 Some(Ok(Message::Binary(_))) => {
                     let e = ApiError::invalid_body("binary messages are not supported; send JSON text");
@@ -149,12 +174,38 @@ async fn serve<B: Backend>(backend: B, socket: WebSocket) {
     for (_, g) in live.drain() {
         g.task.abort();
     }
-    writer.abort();
+    if refused {
+        // Let the refusal reach the client before the socket closes.
+        drop(out_tx);
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), writer).await;
+    } else {
+        writer.abort();
+    }
+}
+
+/// The first message of a socket opened without a key: `{"type": "auth", "key": "..."}`.
+fn authenticate_in_band(who: &Requester, text: &str) -> Result<Caller, ApiError> {
+    let msg: Value = parse_json(text.as_bytes()).unwrap_or(Value::Null);
+    let key = match (msg.get("type").and_then(Value::as_str), msg.get("key")) {
+        (Some("auth"), Some(Value::String(key))) => key,
+        _ => {
+            return Err(ApiError::Unauthorized(
+                "this server requires an API key: send it in the upgrade request's \
+                 `Authorization: Bearer <key>` header, or as the first message \
+                 {\"type\": \"auth\", \"key\": \"<key>\"}"
+                    .into(),
+            ))
+        }
+    };
+    who.access
+        .authenticate(Some(key))
+        .map_err(|e| ApiError::Unauthorized(e.to_string()))
 }
 
 /// Handles one client text message.
 fn on_text<B: Backend>(
     backend: &B,
+    who: &Requester,
     text: &str,
     live: &mut HashMap<String, Live>,
     out: &mpsc::UnboundedSender<ServerMessage>,
@@ -191,13 +242,14 @@ fn on_text<B: Backend>(
                 );
                 return reply_error(Some(id), e);
             }
-            let request = match validate_ws_request(backend, msg.get("request")) {
+            let request = match validate_ws_request(backend, &who.caller, msg.get("request")) {
                 Ok(r) => r,
                 Err(e) => return reply_error(Some(id), e),
             };
             let (cancel, cancelled) = oneshot::channel();
             let task = tokio::spawn(generate(
                 backend.clone(),
+                who.clone(),
                 id.clone(),
                 request,
                 cancelled,
@@ -239,6 +291,7 @@ fn on_text<B: Backend>(
 /// A `request` with `messages` is a chat request; otherwise a completions request.
 fn validate_ws_request<B: Backend>(
     backend: &B,
+    caller: &Caller,
     request: Option<&Value>,
 ) -> Result<GenerateRequest, ApiError> {
     let request = match request {
@@ -251,7 +304,7 @@ fn validate_ws_request<B: Backend>(
         }
     };
     let bytes = serde_json::to_vec(request).expect("a JSON value serializes");
-    let ctx = model_context(backend);
+    let ctx = model_context(backend, caller);
     let prefixed = |e: ApiError| match e {
         ApiError::InvalidRequest { message, param } => ApiError::InvalidRequest {
             message,
@@ -276,6 +329,7 @@ fn validate_ws_request<B: Backend>(
 /// One generation: forwards its events to the socket until it ends, is cancelled, or aborted.
 async fn generate<B: Backend>(
     backend: B,
+    who: Requester,
     id: String,
     request: GenerateRequest,
     mut cancelled: oneshot::Receiver<()>,
@@ -289,9 +343,9 @@ async fn generate<B: Backend>(
         let _ = ended.send(id.clone());
         let _ = out.send(msg);
     };
-    let mut rx = match backend.generate(request).await {
+    let mut rx = match usage::start(&backend, &who, request).await {
         Ok(rx) => rx,
-        Err(e) => return finish(ServerMessage::error(Some(id.clone()), &ApiError::from(e))),
+        Err(e) => return finish(ServerMessage::error(Some(id.clone()), &e)),
     };
     let mut completion_tokens = 0u32;
     loop {

@@ -52,8 +52,8 @@ impl EngineHandle {
             message,
             param: "path",
         };
-        let dir = std::fs::canonicalize(dir)
-            .map_err(|e| invalid(format!("adapter path {}: {e}", dir.display())))?;
+        let registry = &self.inner.model.adapters;
+        let dir = registry.roots().resolve(dir).map_err(invalid)?;
         let found = variant_kind_of_dir(&dir).map_err(invalid)?;
         check_kind(found, want, &dir)?;
         if found == VariantKind::Lora {
@@ -64,7 +64,6 @@ impl EngineHandle {
             .to_str()
             .ok_or_else(|| invalid(format!("adapter path {} is not UTF-8", dir.display())))?
             .to_string();
-        let registry = &self.inner.model.adapters;
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -114,8 +113,10 @@ impl EngineHandle {
             .map_err(|_| gone())?
             .map_err(VariantError::Unavailable)?;
         if let Some(message) = info.error {
+            // The worker's words may quote the files' contents: those stay in the log.
+            tracing::info!(path = %path, "variant inspection refused: {message}");
             return Err(VariantError::Invalid {
-                message,
+                message: crate::validate::sanitize_file_message(&message),
                 param: "path",
             });
         }
