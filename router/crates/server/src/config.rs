@@ -170,12 +170,21 @@ pub struct ServerConfig {
     pub api_keys: Option<PathBuf>,
     /// An admin key (repeat the flag for more): the only keys that may register or delete
     /// variants and use the other state-changing routes. Adds to the key file's `admin_keys`.
-    #[arg(long = "admin-key", env = "DELTASERVE_ADMIN_KEY", value_delimiter = ',', hide_env_values = true)]
+    #[arg(
+        long = "admin-key",
+        env = "DELTASERVE_ADMIN_KEY",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     pub admin_keys: Vec<String>,
     /// A directory variants may be registered from (repeat the flag for more). With any, every
     /// variant directory (flags, `POST /v1/adapters`, and again at each request) must resolve
     /// inside one, symlinks followed; without, any directory is accepted.
-    #[arg(long = "adapter-root", env = "DELTASERVE_ADAPTER_ROOT", value_delimiter = ',')]
+    #[arg(
+        long = "adapter-root",
+        env = "DELTASERVE_ADAPTER_ROOT",
+        value_delimiter = ','
+    )]
     pub adapter_roots: Vec<PathBuf>,
 }
 
