@@ -436,6 +436,9 @@ mod tests {
         ("deltas_on_gpu", "gauge"),
         ("delta_skips_total", "counter"),
         ("delta_skip_preemptions_total", "counter"),
+        ("cpu_assisted_prefills_total", "counter"),
+        ("cpu_assist_fallbacks_total", "counter"),
+        ("cpu_assist_declined_total", "counter"),
     ];
 
     fn worker(sched: SchedStats, actor: &ActorCounters, latency: &RequestLatency) -> EngineMetrics {
