@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,21 @@ def router(tiny_llama: Path, adapters):
     ex.close()
 
 
+def totals(ex) -> Counts:
+    """The executor's assist decisions since start-up (each StepOutput carried its share)."""
+    t = ex.cpu_assist.totals
+    return Counts(t.assisted, t.fallbacks)
+
+
+@dataclass
+class Counts:
+    assisted: int
+    fallbacks: int
+
+    def __sub__(self, other: Counts) -> Counts:
+        return Counts(self.assisted - other.assisted, self.fallbacks - other.fallbacks)
+
+
 def run_cold(router: SchedDriver, rid: int, aid: int, prompt: list[int], n: int = 6) -> list[int]:
     """Request ``rid`` on adapter ``aid``, cold: registered now, evicted after."""
     router.adapter_of[rid] = aid
@@ -60,14 +76,33 @@ def run_cold(router: SchedDriver, rid: int, aid: int, prompt: list[int], n: int 
 def test_cold_prefills_on_helpers_match_peft(router, adapters) -> None:
     ex = router.ex
     ps = prompts(2, ex.config.vocab_size, seed=5, lo=6, hi=24)
-    ex.take_assist_stats()
+    before = totals(ex)
     for aid, (_, pm) in adapters.items():
         for j, prompt in enumerate(ps):
             got = run_cold(router, 10 * aid + j, aid, prompt)
             with torch.no_grad():
                 assert got == hf_greedy(pm, prompt, 6), (aid, j)
-    stats = ex.take_assist_stats()
+    stats = totals(ex) - before
     assert stats.assisted == 4 and stats.fallbacks == 0, stats
+
+
+def test_adaptive_policy_assists_only_when_the_load_is_slower(router, adapters) -> None:
+    ex = router.ex
+    assist = ex.cpu_assist
+    prompt = prompts(1, ex.config.vocab_size, seed=6, lo=9, hi=9)[0]
+    load_bw = assist.model.load_bytes_per_ms
+    assist.policy = "adaptive"
+    try:
+        assist.model.load_bytes_per_ms = 1e15  # loads are instant: CPU assist cannot win
+        before = assist.totals.declined.get("slower", 0), totals(ex)
+        assert run_cold(router, 400, 1, prompt) == hf_greedy(adapters[1][1], prompt, 6)
+        assert assist.totals.declined.get("slower", 0) == before[0] + 1 and (totals(ex) - before[1]).assisted == 0
+        assist.model.load_bytes_per_ms = 1e-3  # loads take forever: assist
+        before = assist.totals.declined.get("slower", 0), totals(ex)
+        assert run_cold(router, 401, 1, prompt) == hf_greedy(adapters[1][1], prompt, 6)
+        assert (totals(ex) - before[1]).assisted == 1
+    finally:
+        assist.policy, assist.model.load_bytes_per_ms = "always", load_bw
 
 
 def test_helper_killed_mid_prefill_falls_back_and_restarts(router, adapters, monkeypatch) -> None:
@@ -86,12 +121,12 @@ def test_helper_killed_mid_prefill_falls_back_and_restarts(router, adapters, mon
         return wait(jobs, deadline)
 
     monkeypatch.setattr(pool, "wait", wait_killing)
-    ex.take_assist_stats()
+    before = totals(ex)
     restarts = pool.restarts
     got = run_cold(router, 500, 2, prompt)
     with torch.no_grad():
         assert got == hf_greedy(adapters[2][1], prompt, 6)
-    stats = ex.take_assist_stats()
+    stats = totals(ex) - before
     assert calls["n"] >= 2 and stats.assisted == 1 and stats.fallbacks == 1, stats
     monkeypatch.undo()
     # The next cold prefill starts a fresh helper in its place.
@@ -109,13 +144,13 @@ def test_stalled_helper_times_out_with_correct_tokens(router, adapters, monkeypa
     pid = pool.pid(stalled)
     os.kill(pid, signal.SIGSTOP)
     try:
-        ex.take_assist_stats()
+        before = totals(ex)
         got = run_cold(router, 600, 1, prompt)
     finally:
         with contextlib.suppress(ProcessLookupError):  # killed and reaped by the pool, normally
             os.kill(pid, signal.SIGCONT)
     with torch.no_grad():
         assert got == hf_greedy(adapters[1][1], prompt, 6)
-    stats = ex.take_assist_stats()
+    stats = totals(ex) - before
     assert stats.fallbacks == 1, stats
     assert pool.pid(stalled) != pid  # killed, and started again (or to be, at the next cold prefill)

@@ -288,6 +288,8 @@ class Executor:
         """The answer to ``InspectVariant`` (``inspect_id`` left 0 for the caller to set): ``path`` validated
         as a variant of ``kind`` (the router tells the kind; its default is the wire's); no state change."""
         pool = self.pools.get(kind)
+        if kind == VariantKind.LORA and self.cpu_assist is not None:
+            self.cpu_assist.pool.start()  # lazily, at the first adapter: ready before its first request
         return refused_as_off(kind, path) if pool is None else pool.inspect(path)
 
     @property
@@ -300,6 +302,7 @@ class Executor:
         """A ``StepOutput`` with the host tier's state: its bytes, and the variants (every kind) whose
         host reads finished since the previous output."""
         ready = [aid for pool in self.pools.values() for aid in pool.take_finished()]
+        assist = self.take_assist_stats()
         return wire.StepOutput(
             failed_variants=self.quarantine.take_reports(),
             step_id=step_id,
@@ -307,6 +310,9 @@ class Executor:
             timing=timing,
             adapter_host_bytes=self.variant_host_bytes,
             host_ready=ready,
+            cpu_assisted_prefills=assist.assisted,
+            cpu_assist_fallbacks=assist.fallbacks,
+            cpu_assist_declined=sum(assist.declined.values()),
         )
 
     # ------------------------------------------------------------------ handshake

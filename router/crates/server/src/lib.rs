@@ -16,11 +16,17 @@
 //! - [`config`]: the one typed configuration.
 //! - [`interpreter`]: finds the Python interpreter that has the `deltaserve` package.
 //!
-//! Entry point: [`run`] (STYLE.md #9); the `deltaserve` binary only parses flags.
+//! - [`cli`]: the `deltaserve` command line (flags, tools, the demo model), shared by the
+//!   daemon binary and the Python wheel's console script.
+//! - [`embedded`]: the server inside a Python process (`deltaserve.Server`, `deltaserve.LLM`).
+//!
+//! Entry point: [`run`] (STYLE.md #9); the `deltaserve` binary only calls [`cli::run`].
 
 pub mod api;
+pub mod cli;
 pub mod config;
 pub mod drain;
+pub mod embedded;
 pub mod engine;
 pub mod hub_cache;
 pub mod interpreter;
@@ -164,28 +170,24 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
     Ok(engine)
 }
 
-/// Serves the API on `listener` until `shutdown` resolves, then stops the workers.
+/// Serves the API on `listener` until `shutdown` resolves, then stops the workers. The key file
+/// (`--api-keys`) is reread on SIGHUP.
 pub async fn run(
     cfg: ServerConfig,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let access = Arc::new(
-        AccessControl::new(cfg.api_keys.as_deref(), &cfg.admin_keys)
-            .map_err(anyhow::Error::msg)?,
-    );
+    let access = access_control(&cfg)?;
     reload_keys_on_sighup(access.clone());
     let engine = start_engine(&cfg).await?;
-    let addr = listener.local_addr()?;
-    tracing::info!("serving {} on http://{addr}", engine.model().name);
-    log_access(&access, addr);
-    let app = api::secured_router(engine.clone(), access);
-    // SIGTERM: 503 for new requests, in-flight ones get --drain-timeout (drain.rs).
-    drain::serve_until_drained(app, engine, listener, shutdown, cfg.drain_timeout).await?;
-    // Dropping the last handle (held by the router) ends the actors, which stop their workers;
-    // give them a moment to do it cleanly.
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    Ok(())
+    serve_draining(engine, access, listener, shutdown, cfg.drain_timeout).await
+}
+
+/// Who may call the API: `--api-keys` and `--admin-key` (open to anyone without either).
+pub fn access_control(cfg: &ServerConfig) -> anyhow::Result<Arc<AccessControl>> {
+    let access =
+        AccessControl::new(cfg.api_keys.as_deref(), &cfg.admin_keys).map_err(anyhow::Error::msg)?;
+    Ok(Arc::new(access))
 }
 
 /// Says at start-up who may use the server.
@@ -218,4 +220,43 @@ fn reload_keys_on_sighup(access: Arc<AccessControl>) {
             }
         }
     });
+}
+
+/// Serves the API of a started `engine` on `listener` to the callers `access` admits, until
+/// `shutdown` resolves, then drains for up to [`drain::DEFAULT_DRAIN_TIMEOUT`]. The workers
+/// stop once the last clone of `engine` is dropped (here, unless the caller keeps one).
+pub async fn serve(
+    engine: EngineHandle,
+    access: Arc<AccessControl>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    serve_draining(
+        engine,
+        access,
+        listener,
+        shutdown,
+        drain::DEFAULT_DRAIN_TIMEOUT,
+    )
+    .await
+}
+
+/// [`serve`] with the drain's deadline (`--drain-timeout`): once `shutdown` resolves, new
+/// requests get 503 and in-flight ones have `drain_timeout` to finish ([`drain`]).
+pub async fn serve_draining(
+    engine: EngineHandle,
+    access: Arc<AccessControl>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    drain_timeout: std::time::Duration,
+) -> anyhow::Result<()> {
+    let addr = listener.local_addr()?;
+    tracing::info!("serving {} on http://{addr}", engine.model().name);
+    log_access(&access, addr);
+    let app = api::secured_router(engine.clone(), access);
+    drain::serve_until_drained(app, engine, listener, shutdown, drain_timeout).await?;
+    // Dropping the last handle (held by the router) ends the actors, which stop their workers;
+    // give them a moment to do it cleanly.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    Ok(())
 }

@@ -332,6 +332,9 @@ impl Actor {
         self.counters.worker_step_us += out.timing.total_us;
         self.counters.worker_forward_us += out.timing.forward_us;
         self.counters.adapter_host_bytes_measured = out.adapter_host_bytes;
+        self.counters.cpu_assisted_prefills += u64::from(out.cpu_assisted_prefills);
+        self.counters.cpu_assist_fallbacks += u64::from(out.cpu_assist_fallbacks);
+        self.counters.cpu_assist_declined += u64::from(out.cpu_assist_declined);
         // Before the next plan: requests whose adapter was being read may be admitted now.
         self.sched.host_copies_ready(&out.host_ready);
         // A variant the worker quarantined fails only its own requests (none has an output).
