@@ -15,7 +15,7 @@ TEST_JOBS ?= 2
 export VIRTUAL_ENV := $(abspath $(VENV))
 export CARGO_TERM_COLOR := $(if $(V),auto,never)
 
-.PHONY: help setup develop demo demo-model serve test test-rust test-python test-gpu test-gpu-kernels test-gpu-sbmm test-gpu-graphs test-gpu-e2e lint fmt wheel gen-wire bench-gpu eval-quality daemon daemon-release test-wheel clean
+.PHONY: help setup develop demo demo-model serve test test-rust test-python test-gpu test-gpu-kernels test-gpu-sbmm test-gpu-graphs test-gpu-e2e lint fmt wheel dist gen-wire bench-gpu eval-quality daemon daemon-release test-wheel clean
 
 help: ## list the commands
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -31,6 +31,7 @@ define phase
 endef
 
 # What the daemon and the native module are built from: a change to any of these rebuilds them.
+CARGO_BINS := cargo build --release --workspace --bins
 RUST_SRC := Cargo.toml Cargo.lock $(shell find router -name '*.rs' -o -name Cargo.toml) pyworker/deltaserve/compress/help.txt
 # The native module links the server crate too (the CLI and the embedded server): every Rust source.
 NATIVE_SRC := pyproject.toml $(RUST_SRC)
@@ -52,8 +53,11 @@ develop: $(VENV)/.stamp-native ## build the native module into the venv (with Py
 
 # The standalone release daemon (deployments without Python packaging; the end-to-end tests run
 # it). `.venv/bin/deltaserve` is the console script `make develop` installs, the same command line.
+# Every binary of the workspace in one build: the features of shared dependencies are then unified
+# over the workspace, as in the native module's and the tests' builds, so no dependency is compiled
+# twice (`-p deltaserve-daemon` alone recompiled tokenizers, axum and the server: ~100 s of CI).
 target/release/deltaserve: $(RUST_SRC)
-	$(call phase,daemon,cargo build --release -p deltaserve-daemon)
+	$(call phase,daemon,$(CARGO_BINS))
 	@touch $@
 
 daemon-release: target/release/deltaserve
@@ -102,7 +106,7 @@ test-python: setup ## Python tests only
 lint: develop ## every linter, formatter check and type check CI enforces
 	cargo fmt --all -- --check
 	cargo clippy -q --release --workspace --all-targets -- -D warnings
-	cargo run -q --release -p deltaserve-ipc --bin ipc-schema -- check
+	$(CARGO_BINS) -q && target/release/ipc-schema check
 	$(VENV)/bin/ruff check pyworker tests bench
 	$(VENV)/bin/ruff format --check pyworker tests bench
 	$(VENV)/bin/mypy pyworker/deltaserve
@@ -115,6 +119,10 @@ fmt: ## format Rust and Python code, and apply ruff's safe fixes
 
 wheel: ## build the abi3 wheel into dist/
 	maturin build --release -o dist
+
+dist: ## deployment builds (profile dist: thin LTO): the abi3 wheel into dist/, target/dist/deltaserve
+	maturin build --profile dist -o dist
+	cargo build --profile dist -p deltaserve-daemon
 
 # The wheel as a user gets it: built, installed into a fresh venv that borrows .venv's
 # dependencies (torch & co. through a .pth file; the package itself only from the wheel), then

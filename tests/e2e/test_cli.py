@@ -11,6 +11,8 @@ import sys
 import venv
 from pathlib import Path
 
+import pytest
+
 from deltaserve.compress.__main__ import HELP_FILE, help_text
 
 from .daemon import daemon_binary
@@ -60,3 +62,22 @@ def test_interpreter_without_the_package_is_named_with_its_own_error(tmp_path):
     assert str(python) in err, err
     assert "No module named 'deltaserve'" in err, err
     assert "preparing the demo model" in err and "--python .venv/bin/python" in err, err
+
+
+@pytest.mark.parametrize(
+    "tool,args,expect",
+    [
+        ("zoo", ["ls", "--zoo", "{tmp}/no-zoo"], "deltaserve zoo ls: "),
+        ("zoo", ["--help"], "usage: deltaserve zoo"),
+        ("sim", ["--help"], "usage: deltaserve sim"),
+    ],
+)
+def test_zoo_and_sim_are_subcommands(tmp_path, tool, args, expect):
+    """`deltaserve zoo ...` and `deltaserve sim ...` run the package's tools with their own
+    arguments and exit codes (an absent zoo is a clear error, not a traceback)."""
+    argv = [a.format(tmp=tmp_path) for a in args]
+    out = subprocess.run([str(daemon_binary()), tool, *argv], capture_output=True, text=True, timeout=120,
+                         env=clean_env())  # fmt: skip
+    assert expect in out.stdout + out.stderr, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == (0 if "--help" in argv else 2), (out.returncode, out.stderr)

@@ -47,7 +47,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand; returns the exit status."""
-    p = argparse.ArgumentParser(prog="python -m deltaserve.sim", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="deltaserve sim", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)  # fmt: skip
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("replay", help="simulate one run of a trace")

@@ -53,6 +53,33 @@ pub enum Tool {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The block zoo (BlockLLM): `zoo add` partitions a fine-tune into shared and own blocks,
+    /// `zoo ls` shows chains and savings, `zoo rm` removes a variant; `deltaserve zoo --help`.
+    #[command(disable_help_flag = true)]
+    Zoo {
+        /// Passed to `python -m deltaserve.zoo` unchanged.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// The capacity-planning simulator (the real scheduler over a fitted latency model):
+    /// `sim replay`, `sim plan`, `sim fit`; `deltaserve sim --help`.
+    #[command(disable_help_flag = true)]
+    Sim {
+        /// Passed to `python -m deltaserve.sim` unchanged.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+impl Tool {
+    /// The Python module that implements the tool, and its arguments.
+    fn module_and_args(&self) -> (&'static str, &[String]) {
+        match self {
+            Tool::Compress { args } => ("deltaserve.compress", args),
+            Tool::Zoo { args } => ("deltaserve.zoo", args),
+            Tool::Sim { args } => ("deltaserve.sim", args),
+        }
+    }
 }
 
 /// `deltaserve compress --help`: the Python command line's own help, written out by
@@ -112,13 +139,16 @@ pub fn init_logging() {
 }
 
 async fn serve_or_tool(args: Args, host_python: Option<&Path>) -> anyhow::Result<i32> {
-    if let Some(Tool::Compress { args: tool_args }) = &args.tool {
-        if tool_args.iter().any(|a| a == "-h" || a == "--help") {
+    if let Some(tool) = &args.tool {
+        let (module, tool_args) = tool.module_and_args();
+        if matches!(tool, Tool::Compress { .. })
+            && tool_args.iter().any(|a| a == "-h" || a == "--help")
+        {
             print!("{COMPRESS_HELP}"); // needs no Python
             return Ok(0);
         }
         let python = interpreter::find_from(args.server.python.as_deref(), host_python);
-        return run_python_tool(&python.path, "deltaserve.compress", tool_args);
+        return run_python_tool(&python.path, module, tool_args);
     }
     let cfg = prepare(args.server, host_python).await?;
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
