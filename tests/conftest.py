@@ -15,6 +15,14 @@ import os
 if os.environ.get("DELTASERVE_TEST_GPU") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist every test process (and the daemons, workers and tools it starts) gets its
+# share of the cores, not all of them: torch's OpenMP threads on oversubscribed cores wait at every
+# barrier for a descheduled sibling, which made CPU decode steps 3-10x slower on 2-core CI.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    _share = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("DELTASERVE_WORKER_THREADS", str(_share))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 

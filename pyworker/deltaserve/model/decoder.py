@@ -264,7 +264,11 @@ class DecoderBackbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # Uninitialised (weights come from a checkpoint or random_model): nn.Embedding's own
+        # normal_ init on the meta device imports torch._dynamo, ~2 s of every worker's start.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset=cfg.arch.gemma_norms)
 
