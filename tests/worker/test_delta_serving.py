@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from deltaserve import wire
+from deltaserve.adapters.variants import VariantCost
 from deltaserve.worker.config import ConfigError, validate
 from deltaserve.worker.executor import Executor, PlanError
 
@@ -262,6 +263,13 @@ def test_a_delta_goes_to_the_slot_the_router_names(executor_factory, variants) -
         assert before == _snapshot(ex), match
     ex.step(wire.StepPlan(step_id=3, adapter_ops=[delta_op(D2, TO_GPU, slot=0)]))
     assert ex.delta_pool.slot_of == {D4: 1, D2: 0}
+    # What a step using each reads and computes (worker/step_floor.py): per weight of its 2:4 block linears,
+    # bits/2 of codes, 1 bit of indices, 32 bits of scale + zero per group of 64, and its dense lm_head
+    # delta (the fine-tune changes lm_head) in float32; 2 FLOPs per kept value.
+    weights = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3)  # Σ out·in over the tiny Llama's block linears
+    head = ex.config.vocab_size * 64 * 4
+    assert ex.delta_pool.step_cost(D4) == VariantCost(weights * (4 // 2 + 1) // 8 + weights // 16 + head, weights)
+    assert ex.delta_pool.step_cost(D2) == VariantCost(weights * (2 // 2 + 1) // 8 + weights // 16 + head, weights)
     with pytest.raises(ValueError, match="delta slot 0 holds delta 3"):  # the pool itself refuses too
         ex.delta_pool.to_gpu(99, 0)
 

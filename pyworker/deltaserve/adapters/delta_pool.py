@@ -63,7 +63,7 @@ from .delta_layers import ConfigKey, DeltaEmbedding, DeltaStep, dense_delta_name
 from .delta_slots import DeltaSlots, delta_gpu_bytes
 from .host_tier import HostTier
 from .pinned_arena import PinnedArena, give_back, host_buffer, release_hook
-from .variants import StepRows, VariantKind
+from .variants import StepRows, VariantCost, VariantKind
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -201,6 +201,8 @@ class DeltaPool:
         """Delta id -> its GPU slot."""
         self.key_of: dict[int, ConfigKey] = {}
         """GPU-resident delta id -> the packed config its slot is filled in."""
+        self.costs: dict[int, VariantCost] = {}
+        """GPU-resident delta id -> what a step using it reads and computes."""
         self.tile_cap = cuda_tile_cap(device)
         """Most tokens per SBMM work tile: the CUDA op's largest where it runs (builds it now), else None."""
         self.dense_min_m = dense_min_m(device)
@@ -364,11 +366,18 @@ class DeltaPool:
         self._fill_tables(slot, copy.dense)
         self.slot_of[delta_id] = slot
         self.key_of[delta_id] = copy.key
+        head = copy.dense.get(self.head_name)  # read whole for its logits rows; embedding rows are gathered
+        head_bytes = 0 if head is None else head.numel() * torch.empty((), dtype=self.dtype).element_size()
+        packed = copy.packed.values()  # every block linear, a partial delta's zero ones too: the kernel reads them
+        self.costs[delta_id] = VariantCost(
+            sum(p.nbytes() for p in packed) + head_bytes, 2 * sum(p.out_features * p.kept for p in packed)
+        )
 
     def drop_gpu(self, delta_id: int) -> None:
         """Frees the delta's slot (its regions zeroed in place, its dense deltas released)."""
         slot = self.slot_of.pop(delta_id)
         key = self.key_of.pop(delta_id)
+        self.costs.pop(delta_id, None)
         for w in self.step.weights.get(key, {}).values():
             if w.loaded[slot]:
                 w.clear(slot)
@@ -407,6 +416,10 @@ class DeltaPool:
     def _bias_width(self, name: str) -> int:
         """Output features of the linear whose bias ``name`` is (``model.layers.{i}.<parent>.<proj>.bias``)."""
         return linear_slots(self.config)[name.split(".")[-2]].size
+
+    def step_cost(self, variant_id: int) -> VariantCost | None:
+        """What a step reads and computes for the resident delta (``worker/step_floor.py``)."""
+        return self.costs.get(variant_id)
 
     def placements(self) -> DeltaPlacements:
         return DeltaPlacements(self)

@@ -63,7 +63,7 @@ from .lora import LoraAdapterError, LoraSpec, TensorCopy, projection_features, r
 from .lora_layers import LoraStep
 from .lora_layout import AdapterLayout, GpuEntry, HostCopy, PlacementTables, ReadPlan, SliceRows, offset_align
 from .pinned_arena import PinnedArena, give_back, host_buffer, release_hook
-from .variants import StepRows, VariantKind
+from .variants import StepRows, VariantCost, VariantKind
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -206,6 +206,8 @@ class LoraPool:
         """Adapter id -> its host copy (or the load producing it), loaded in background threads."""
         self.gpu: dict[int, GpuEntry] = {}
         """Adapter id -> its placement on pages."""
+        self.costs: dict[int, VariantCost] = {}
+        """Adapter id -> what a step using it reads and computes (set when placed)."""
         self.page_owner: dict[int, int] = {}
         """Page id -> the GPU-resident adapter holding it."""
         self.slot_of: dict[int, int] = {}
@@ -406,6 +408,7 @@ class LoraPool:
         )
         for p in pages:
             self.page_owner[p] = adapter_id
+        self.costs[adapter_id] = VariantCost(copy.packed.nbytes, 2 * copy.packed.numel())  # A/B rows, padding aside
         log.debug(
             "adapter %d placed on %d pages (%d bytes per layer)",
             adapter_id,
@@ -432,11 +435,16 @@ class LoraPool:
     def drop_gpu(self, adapter_id: int) -> None:
         """Forgets the placement (its pages are the router's again) and frees its step slot."""
         entry = self.gpu.pop(adapter_id)
+        self.costs.pop(adapter_id, None)
         for p in entry.block_ids:
             self.page_owner.pop(p, None)
         slot = self.slot_of.pop(adapter_id, None)
         if slot is not None:
             self.slot_adapter[slot] = 0
+
+    def step_cost(self, variant_id: int) -> VariantCost | None:
+        """What a step reads and computes for the placed adapter (its A/B rows; ``worker/step_floor.py``)."""
+        return self.costs.get(variant_id)
 
     def placements(self) -> LoraPlacements:
         return LoraPlacements(self)

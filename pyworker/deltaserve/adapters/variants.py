@@ -69,6 +69,18 @@ class StepRows:
         return {v for v, _ in self.runs if v != 0}
 
 
+@dataclass(frozen=True)
+class VariantCost:
+    """What a step whose rows use one GPU-resident variant reads and computes for it
+    (``worker/step_floor.py``)."""
+
+    read_bytes: int
+    """Device bytes of the variant a step reads once, whatever its rows (LoRA A/B; packed delta linears
+    and a dense lm_head delta)."""
+    flops_per_token: int
+    """Extra FLOPs per token of its rows (2 × the elements of the low-rank or packed matrices)."""
+
+
 class Placements(Protocol):
     """A copy of one pool's GPU placements that a plan's ops are replayed on before anything is
     applied (``worker/plan_check.py``); changing it changes nothing in the pool."""
@@ -115,6 +127,10 @@ class VariantPool(Protocol):
 
     def step_problem(self, variant_ids: Collection[int]) -> str | None:
         """Why one step cannot use these (GPU-resident) variants of this pool together, or None."""
+        ...
+
+    def step_cost(self, variant_id: int) -> VariantCost | None:
+        """What a step using the variant reads and computes for it; None when it is not on the GPU."""
         ...
 
     def apply(self, op: wire.VariantOp) -> None:

@@ -8,7 +8,8 @@ It wires the worker's parts and owns nothing the router decides (policy is the r
         │      ─ admit new requests (full state) ─ append running.new_block_ids
         ├─ ForwardRunner.launch (runner.py): rows, graph or eager forward, sampling queued
         └─ finish: the sampled tokens ──> StepOutput (token_id None for partial prefill chunks),
-               timing.forward_us, and the variant pools' host tier (adapter_host_bytes, host_ready)
+               timing.forward_us, timing.floor_us (the step's roofline floor, ``step_floor.py``), and the
+               variant pools' host tier (adapter_host_bytes, host_ready)
 
 Its parts: ``requests.py`` (per-request state and the plan's diffs), ``plan_check.py`` (validation,
 with the replay of the variant ops), ``memory.py`` (the KV budget), ``runner.py`` (forward and
@@ -63,6 +64,7 @@ from .quarantine import Quarantine
 from .requests import RequestState
 from .runner import ForwardRunner, LaunchedStep
 from .sampler import Sampler
+from .step_floor import ModelCosts, measure_roofline, scheduled_floor
 
 log = logging.getLogger("deltaserve.worker")
 
@@ -133,6 +135,10 @@ class Executor:
         """The decoder: ``forward(ForwardBatch, PagedKVCache) -> float32 logits``."""
         self.load_seconds = time.monotonic() - started
         """Wall time to load the weights."""
+        self.model_costs = ModelCosts.of_model(self.model, self.config, self.dtype)
+        """What a step of the base model reads and computes (``step_floor.py``; before any variant wrapper)."""
+        self.roofline = measure_roofline(self.device, self.dtype)
+        """The device's copy bandwidth and matmul peak, measured once (before the KV pool takes the memory)."""
         self.sampler = Sampler(self.device, seed)
         """Token sampling with the worker-global generator."""
         self.delta_reserve_bytes = reserve_bytes(self.model, self.dtype, max_deltas)
@@ -386,12 +392,15 @@ class Executor:
         if assist is not None:
             assist.start_landing()
         scheduled = request_diffs.admit(self.requests, plan)
-        return self.runner.launch(plan.step_id, scheduled, in_flight)
+        floor = scheduled_floor(self.model_costs, self.roofline, scheduled, self.pools)
+        launched = self.runner.launch(plan.step_id, scheduled, in_flight)
+        launched.floor_us = floor.floor_us
+        return launched
 
     def finish(self, launched: LaunchedStep) -> wire.StepOutput:
         """Waits for ``launched``'s sampled tokens, appends them to their requests, and returns the
         step's output (``token_id`` None for partial prefill chunks)."""
-        timing = wire.StepTiming(gap_us=0, forward_us=0, total_us=0)
+        timing = wire.StepTiming(gap_us=0, forward_us=0, total_us=0, floor_us=launched.floor_us)
         if not launched.scheduled:
             return self._step_output(launched.step_id, [], timing)
         outputs, timing.forward_us = self.runner.finish(launched)

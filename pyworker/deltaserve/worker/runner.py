@@ -57,6 +57,8 @@ class LaunchedStep:
     sample_row: dict[int, int] = field(default_factory=dict)
     #: Recorded after the step's work on CUDA; None on CPU (work there is done when launch returns).
     done: torch.cuda.Event | None = None
+    #: The step's floor (``step_floor.py``), set by the executor: ``timing.floor_us``.
+    floor_us: int = 0
 
     def is_done(self) -> bool:
         """Whether the device has finished the step (``finish`` would not wait)."""

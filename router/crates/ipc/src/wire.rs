@@ -336,6 +336,12 @@ wire_structs! {
         forward_us: u64,
         /// From this plan being decoded to its output being encoded.
         total_us: u64,
+        /// The step's floor: the least time the device could take for what it ran, the larger of
+        /// (bytes read: base weights once, the KV its requests attend over, its variants' weights)
+        /// ÷ measured copy bandwidth and its FLOPs ÷ measured matmul peak (the worker's
+        /// `step_floor.py`); 0 for an empty step. `total_us / floor_us` summed is the served-step
+        /// efficiency.
+        floor_us: u64,
     }
 
     /// A variant whose files failed after registration (its host read failed at the `to_gpu`
