@@ -331,6 +331,7 @@ impl Actor {
         self.counters.gaps.push(out.timing.gap_us);
         self.counters.worker_step_us += out.timing.total_us;
         self.counters.worker_forward_us += out.timing.forward_us;
+        self.counters.worker_floor_us += out.timing.floor_us;
         self.counters.adapter_host_bytes_measured = out.adapter_host_bytes;
         self.counters.cpu_assisted_prefills += u64::from(out.cpu_assisted_prefills);
         self.counters.cpu_assist_fallbacks += u64::from(out.cpu_assist_fallbacks);

@@ -201,6 +201,8 @@ engine_metrics! {
         "Worker time of the steps run (plan decoded to output encoded), microseconds.";
     worker_forward_us_total: Counter, Sum, |w| w.actor.worker_forward_us,
         "The forward-and-sampling part of that worker time, microseconds (the rest: adapter ops, waits for adapter loads included, and batch building).";
+    worker_floor_us_total: Counter, Sum, |w| w.actor.worker_floor_us,
+        "Floor of the steps run (the worker's roofline: bytes read / measured copy bandwidth or FLOPs / measured matmul peak, the larger), microseconds; worker_step_us_total / this is the served-step efficiency.";
     deltas_on_gpu: Gauge, Sum, |w| w.sched.deltas_on_gpu as u64,
         "Compressed deltas in the workers' delta slots (at most --max-deltas per worker).";
     delta_skips_total: Counter, Sum, |w| w.sched.delta_skips,
@@ -368,6 +370,8 @@ pub(super) struct ActorCounters {
     pub worker_step_us: u64,
     /// Sum of their forward-and-sampling parts (`forward_us`), microseconds.
     pub worker_forward_us: u64,
+    /// Sum of the steps' floors (`floor_us`), microseconds.
+    pub worker_floor_us: u64,
     /// Sum of the worker's `cpu_assisted_prefills`.
     pub cpu_assisted_prefills: u64,
     /// Sum of the worker's `cpu_assist_fallbacks`.
@@ -433,6 +437,7 @@ mod tests {
         ("adapter_host_deferrals_total", "counter"),
         ("worker_step_us_total", "counter"),
         ("worker_forward_us_total", "counter"),
+        ("worker_floor_us_total", "counter"),
         ("deltas_on_gpu", "gauge"),
         ("delta_skips_total", "counter"),
         ("delta_skip_preemptions_total", "counter"),
