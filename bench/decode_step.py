@@ -14,6 +14,9 @@ step at a time and overlapped.
 Floors, each from the device-to-device copy bandwidth measured in the same run:
   weight floor = weight bytes / bandwidth
   memory floor = (weight bytes + KV bytes the step reads) / bandwidth
+  step floor = the worker's own floor of the timed steps (``StepTiming.floor_us``: the roofline of
+    ``deltaserve.worker.step_floor`` with the ceilings the executor measured at start-up), the same
+    number the served-step efficiency of the serving benchmarks divides by
 
     python3 -m bench.decode_step [--batches 1,8,32,64,128,256] [--out DIR]
 """
@@ -47,10 +50,13 @@ def bench_batch(
     adapter_ids: list[int] | None = None,
     first_block: int = 0,
     overlap: bool = False,
+    floors: list[int] | None = None,
 ) -> list[float]:
     """Times decode steps of ``batch`` requests at KV length ``ctx``; request i uses LoRA adapter
     ``adapter_ids[i]`` (already GPU-resident; 0 or None: the base). KV pages from ``first_block``.
-    ``overlap``: each step is launched before the previous one is finished (see the module doc)."""
+    ``overlap``: each step is launched before the previous one is finished (see the module doc).
+    ``floors``: gets the worker's floor of each timed step (``StepTiming.floor_us``, from
+    ``deltaserve.worker.step_floor``), microseconds."""
     bs = ex.block_size
     blocks_per_req = (ctx + steps + warmup + 1 + bs - 1) // bs
     assert first_block + batch * blocks_per_req <= ex.num_blocks, "KV pool too small for this batch"
@@ -90,10 +96,12 @@ def bench_batch(
         for s, plan in enumerate(plans):
             launched = ex.launch(plan, in_flight)
             if in_flight is not None:
-                ex.finish(in_flight)  # waits for step s-1's tokens; step s is queued behind it
+                out = ex.finish(in_flight)  # waits for step s-1's tokens; step s is queued behind it
                 now = time.perf_counter()
                 if s > warmup:
                     times.append(now - last_finish)
+                    if floors is not None:
+                        floors.append(out.timing.floor_us)
                 last_finish = now
             in_flight = launched
         ex.finish(in_flight)
@@ -102,10 +110,12 @@ def bench_batch(
         if ex.device.type == "cuda":
             torch.cuda.synchronize(ex.device)
         t0 = time.perf_counter()
-        ex.step(plan)  # returns host-side token ids: the step is complete when it returns
+        out = ex.step(plan)  # returns host-side token ids: the step is complete when it returns
         t1 = time.perf_counter()
         if s >= warmup:
             times.append(t1 - t0)
+            if floors is not None:
+                floors.append(out.timing.floor_us)
     ex.step(wire.StepPlan(step_id=step_id + warmup + steps + 1, new_requests=[], running=[], released=ids))
     return times
 
@@ -146,7 +156,10 @@ def main() -> None:
                 if b * ((ctx_tokens + 15) // 16) > ex.num_blocks:
                     print(f"{mode} batch {b}: KV pool of {ex.num_blocks} blocks too small, skipped", flush=True)
                     continue
-                times = bench_batch(ex, b, args.ctx, args.steps, args.warmup, first_id=len(rows) * 10000 + 1)
+                floors: list[int] = []
+                times = bench_batch(
+                    ex, b, args.ctx, args.steps, args.warmup, first_id=len(rows) * 10000 + 1, floors=floors
+                )
                 overlapped = statistics.median(
                     bench_batch(
                         ex, b, args.ctx, args.steps, args.warmup, first_id=len(rows) * 10000 + 5001, overlap=True
@@ -156,6 +169,7 @@ def main() -> None:
                 kv_bytes = b * (args.ctx + 1) * kv_per_token
                 weight_floor = weight_bytes / bw
                 mem_floor = (weight_bytes + kv_bytes) / bw
+                step_floor = statistics.median(floors) / 1e6  # the worker's roofline floor of these steps
                 row = {
                     "batch": b,
                     "step_ms": step * 1e3,
@@ -167,18 +181,24 @@ def main() -> None:
                     "tokens_per_s": b / step,
                     "overlapped_step_ms": overlapped * 1e3,
                     "overlapped_ratio_to_memory_floor": overlapped / mem_floor,
+                    "step_floor_ms": step_floor * 1e3,
+                    "ratio_to_step_floor": step / step_floor,
+                    "overlapped_ratio_to_step_floor": overlapped / step_floor,
                 }
                 rows.append(row)
                 print(
                     f"{mode} batch {b:4d}: {row['step_ms']:8.2f} ms  weight floor {row['weight_floor_ms']:.2f} ms "
                     f"({row['ratio_to_weight_floor']:.2f}x)  memory floor {row['memory_floor_ms']:.2f} ms "
                     f"({row['ratio_to_memory_floor']:.2f}x); overlapped {row['overlapped_step_ms']:.2f} ms "
-                    f"({row['overlapped_ratio_to_memory_floor']:.2f}x)",
+                    f"({row['overlapped_ratio_to_memory_floor']:.2f}x); worker's step floor "
+                    f"{row['step_floor_ms']:.2f} ms ({row['ratio_to_step_floor']:.2f}x, overlapped "
+                    f"{row['overlapped_ratio_to_step_floor']:.2f}x)",
                     flush=True,
                 )
             if ex.graphs is not None:
                 print(f"{mode}: {ex.graphs.replays} steps replayed from graphs", flush=True)
             results[mode] = rows
+            roofline = ex.roofline
             del ex
             torch.cuda.empty_cache()
     path = write_result(
@@ -189,6 +209,11 @@ def main() -> None:
             "dtype": "float16",
             "kv_len": args.ctx,
             "copy_bandwidth_GBps": bw / 1e9,
+            "worker_roofline": {
+                "copy_GBps": roofline.copy_bytes_per_s / 1e9,
+                "matmul_TFLOPs": roofline.matmul_flops_per_s / 1e12,
+                "source": roofline.source,
+            },
             "weight_bytes": weight_bytes,
             "kv_bytes_per_token": kv_per_token,
             "kernels": "triton (paged attention, fused rmsnorm/rope/silu_mul)",

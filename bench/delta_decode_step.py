@@ -95,8 +95,13 @@ def place(ex: Executor, dirs: dict[int, Path], step_id: int) -> None:
     ex.step(wire.StepPlan(step_id=step_id, adapter_ops=ops))
 
 
-def time_case(ex: Executor, args, ids: list[int], first_id: int) -> list[float]:
-    return bench_batch(ex, args.batch, args.ctx, args.steps, args.warmup, first_id=first_id, adapter_ids=ids)
+def time_case(ex: Executor, args, ids: list[int], first_id: int) -> tuple[list[float], float]:
+    """The timed steps (seconds) and their median worker floor (``StepTiming.floor_us``, seconds)."""
+    floors: list[int] = []
+    times = bench_batch(
+        ex, args.batch, args.ctx, args.steps, args.warmup, first_id=first_id, adapter_ids=ids, floors=floors
+    )
+    return times, statistics.median(floors) / 1e6
 
 
 def load_time(ex: Executor, path: Path, delta_id: int, sync) -> dict:
@@ -235,13 +240,15 @@ def main(argv: list[str] | None = None) -> Path:
         place(ex, dirs, step_id=999_999)
         print(f"{len(dirs)} deltas placed (host + GPU) in {time.perf_counter() - t0:.1f} s", flush=True)
         for k, (name, ids) in enumerate(cases.items()):
-            times = time_case(ex, args, ids, first_id=(k + 1) * 100_000)
+            times, floor = time_case(ex, args, ids, first_id=(k + 1) * 100_000)
             rows.append(
                 {
                     "case": name,
                     "mode": "eager",
                     "step_ms": statistics.median(times) * 1e3,
                     "step_ms_min": min(times) * 1e3,
+                    "step_floor_ms": floor * 1e3,
+                    "ratio_to_step_floor": statistics.median(times) / floor,
                 }
             )
         load_row = load_time(ex, load_dir, args.deltas + 1, sync)
@@ -266,7 +273,7 @@ def main(argv: list[str] | None = None) -> Path:
             place(ex, dirs, step_id=999_998)
             for k, (name, ids) in enumerate(cases.items()):
                 replays = ex.graphs.replays if ex.graphs is not None else 0
-                times = time_case(ex, args, ids, first_id=(k + 11) * 100_000)
+                times, floor = time_case(ex, args, ids, first_id=(k + 11) * 100_000)
                 replayed = (ex.graphs.replays if ex.graphs is not None else 0) - replays
                 rows.append(
                     {
@@ -274,6 +281,8 @@ def main(argv: list[str] | None = None) -> Path:
                         "mode": "graphs",
                         "step_ms": statistics.median(times) * 1e3,
                         "step_ms_min": min(times) * 1e3,
+                        "step_floor_ms": floor * 1e3,
+                        "ratio_to_step_floor": statistics.median(times) / floor,
                         "graph_replays": replayed,
                     }
                 )
@@ -289,7 +298,8 @@ def main(argv: list[str] | None = None) -> Path:
         vs_graphs = "" if base_graphs is None else f", {r['ratio_to_base_graphs']:.3f}x base with graphs"
         print(
             f"{r['mode']:6s} batch {args.batch} {r['case']:10s}: {r['step_ms']:8.2f} ms "
-            f"({r['ratio_to_base']:.3f}x base eager{vs_graphs})",
+            f"({r['ratio_to_base']:.3f}x base eager{vs_graphs}; {r['ratio_to_step_floor']:.2f}x its floor "
+            f"{r['step_floor_ms']:.2f} ms)",
             flush=True,
         )
     spread_row = next(r for r in rows if r["case"] == spread and r["mode"] == "eager")

@@ -58,7 +58,8 @@ def place(ex: Executor, dirs: dict[int, Path], first_page: int) -> int:
     return page
 
 
-def decode_rows(ex: Executor, args, n_adapters: int, first_page: int) -> dict:
+def decode_rows(ex: Executor, args, n_adapters: int, first_page: int) -> dict[str, tuple[float, float]]:
+    """Case -> (median step time, median worker step floor), seconds (the floor: ``StepTiming.floor_us``)."""
     cases = {
         "base": [0] * args.batch,
         "1 adapter": [1] * args.batch,
@@ -66,6 +67,7 @@ def decode_rows(ex: Executor, args, n_adapters: int, first_page: int) -> dict:
     }
     out = {}
     for k, (name, ids) in enumerate(cases.items()):
+        floors: list[int] = []
         times = bench_batch(
             ex,
             args.batch,
@@ -75,8 +77,9 @@ def decode_rows(ex: Executor, args, n_adapters: int, first_page: int) -> dict:
             first_id=(k + 1) * 100_000,
             adapter_ids=ids,
             first_block=first_page,
+            floors=floors,
         )
-        out[name] = statistics.median(times)
+        out[name] = (statistics.median(times), statistics.median(floors) / 1e6)
     return out
 
 
@@ -166,12 +169,22 @@ def main() -> None:
             )  # LoRA only: no delta slots reserved or wrappers
             first_page = place(ex, dirs, 0)
             times = decode_rows(ex, args, args.adapters, first_page)
-            base = times["base"]
-            results[mode] = [{"case": k, "step_ms": v * 1e3, "ratio_to_base": v / base} for k, v in times.items()]
+            base = times["base"][0]
+            results[mode] = [
+                {
+                    "case": k,
+                    "step_ms": v * 1e3,
+                    "ratio_to_base": v / base,
+                    "step_floor_ms": f * 1e3,
+                    "ratio_to_step_floor": v / f,
+                }
+                for k, (v, f) in times.items()
+            ]
             for row in results[mode]:
                 print(
                     f"{mode:6s} batch {args.batch} {row['case']:12s}: {row['step_ms']:7.2f} ms "
-                    f"({row['ratio_to_base']:.3f}x base)",
+                    f"({row['ratio_to_base']:.3f}x base, {row['ratio_to_step_floor']:.2f}x its floor "
+                    f"{row['step_floor_ms']:.2f} ms)",
                     flush=True,
                 )
             if mode == "graphs":

@@ -181,9 +181,12 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
                     raise
                 _add_point(payload, p, trace, records, exp, interrupted=False)
                 m = payload["points"][-1]["server_metrics"] = metrics_delta(metrics_before, server_metrics(endpoint))
+                efficiency = payload["points"][-1]["served_step_efficiency"] = served_step_efficiency(m)
                 if m:
                     print("    server: " + ", ".join(f"{k.removeprefix('deltaserve_').removesuffix('_total')} {m[k]:g}"
-                                                    for k in METRICS_SHOWN if k in m), flush=True)  # fmt: skip
+                                                    for k in METRICS_SHOWN if k in m)
+                          + (f", served-step efficiency {efficiency:.2f}x floor" if efficiency else ""),
+                          flush=True)  # fmt: skip
                 stats = baseline_stats(endpoint)
                 if stats is not None:
                     payload["points"][-1]["server_stats"] = stats
@@ -212,6 +215,7 @@ METRICS_SHOWN = (
     "deltaserve_adapter_host_deferrals_total",
     "deltaserve_worker_step_us_total",
     "deltaserve_worker_forward_us_total",
+    "deltaserve_worker_floor_us_total",
     "deltaserve_step_gap_us_p50",
 )
 """The metrics a point's summary line prints (all of them go to the result file)."""
@@ -264,6 +268,15 @@ def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | Non
     if before is None or after is None:
         return None
     return {k: (v - before.get(k, 0.0) if k.endswith("_total") else v) for k, v in after.items()}
+
+
+def served_step_efficiency(delta: dict[str, Any] | None) -> float | None:
+    """Σ worker step time ÷ Σ step floor over a point (``deltaserve_worker_step_us_total`` ÷
+    ``deltaserve_worker_floor_us_total``, the floors from ``deltaserve.worker.step_floor``; 1.0 is
+    the bound), or None without metrics or steps."""
+    if not delta or not delta.get("deltaserve_worker_floor_us_total"):
+        return None
+    return float(delta.get("deltaserve_worker_step_us_total", 0.0)) / float(delta["deltaserve_worker_floor_us_total"])
 
 
 @contextlib.contextmanager
