@@ -4,10 +4,13 @@
 then the helpers' ``SEQ`` words: the launching thread does not wait, and stream order makes the rows
 visible before the words. ``wait`` queues a device-side wait for the helpers' ``DONE`` words (bounded:
 past ``max_cycles`` it sets ``failed`` and returns, so the stream never hangs; the worker reads
-``failed`` when it finishes the step). Work queued after ``wait`` sees the helpers' results.
+``failed`` when it finishes the step). Work queued after ``wait`` sees the helpers' results. While the
+wait spins, a host call that synchronises with the device (``cudaMalloc`` of a new allocator segment,
+``.item()``) blocks the launching thread until the helpers answer or the bound passes: the DONE words
+must come from the helper processes, never from the launching thread after such a call.
 
-Host memory must be registered as mapped (``register_mapped``); with unified addressing (every
-64-bit CUDA platform) the device uses the host pointer itself. Without the built op (no CUDA device,
+Host memory must be registered as mapped (``register_mapped``); the op translates the words' host
+addresses to device ones (``cudaHostGetDevicePointer``). Without the built op (no CUDA device,
 no nvcc, ``--cuda-ops false``) both run host-synchronised: a blocking copy and word writes, and a
 host poll of the words with a deadline. This module is not wired into ``assist.py`` yet (it sends
 ``x`` through a synchronising copy); the design there says how it plugs in.
