@@ -120,6 +120,13 @@ impl Scheduler {
         &self.cfg
     }
 
+    /// Caps the running batch at `max_num_seqs` from now on (admission control's TPOT bound):
+    /// never below the requests running now (they are not preempted; the batch shrinks as they
+    /// end) nor below 1.
+    pub fn set_max_num_seqs(&mut self, max_num_seqs: usize) {
+        self.cfg.max_num_seqs = max_num_seqs.max(self.running.len()).max(1);
+    }
+
     /// Registers a variant, a LoRA adapter or a delta (in the disk tier; it moves up when a
     /// request needs it). Refuses, changing nothing: id 0 (the base model), an id already
     /// registered, a LoRA adapter with `num_blocks == 0`, a delta with `num_blocks != 0`, a

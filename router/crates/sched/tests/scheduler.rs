@@ -543,3 +543,35 @@ fn earlier_arrival_stamp_goes_first() {
     assert_eq!(st.new[0].id, 2, "earliest stamp, then add order");
     s.check_invariants().unwrap();
 }
+
+#[test]
+fn a_lowered_running_cap_lets_the_batch_shrink_without_preempting() {
+    // cfg(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len)
+    let c = cfg(4, 64, 8, 64, 128);
+    let mut s = Scheduler::new(c.clone()).unwrap();
+    let mut w = FakeWorker::new(c);
+    for id in 1..=4 {
+        s.add_request(req(id, 2, 3)).unwrap();
+    }
+    let st = s.schedule();
+    assert_eq!(st.new.len(), 4);
+    s.update(&w.run(&st, &mut sample_token));
+    s.set_max_num_seqs(1);
+    assert_eq!(
+        s.config().max_num_seqs,
+        4,
+        "never below the requests running"
+    );
+    s.add_request(req(5, 2, 3)).unwrap();
+    let st = s.schedule();
+    assert!(st.new.is_empty(), "no room under the cap");
+    assert!(
+        st.preempted.is_empty(),
+        "running requests are not preempted"
+    );
+    assert_eq!(st.running.len(), 4);
+    s.check_invariants().unwrap();
+    run_to_completion(&mut s, &mut w, 100);
+    s.set_max_num_seqs(0);
+    assert_eq!(s.config().max_num_seqs, 1, "at least one");
+}

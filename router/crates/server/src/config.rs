@@ -121,6 +121,16 @@ pub struct ServerConfig {
     /// Most requests queued or running per worker before new ones are refused with 429.
     #[arg(long, env = "DELTASERVE_MAX_QUEUED_PER_WORKER", default_value_t = 4096)]
     pub max_queued_per_worker: usize,
+    /// Admission control: refuse at once (429 + Retry-After) a request whose predicted time to
+    /// first token, from the worker's measured step times and the prompt tokens queued ahead,
+    /// exceeds this many milliseconds. 0 or absent: 500 unloaded decode steps, at least 2 s.
+    #[arg(long = "ttft-slo-ms", env = "DELTASERVE_TTFT_SLO_MS")]
+    pub ttft_slo_ms: Option<u64>,
+    /// Admission control: cap the running batch where the measured decode step reaches this many
+    /// milliseconds per output token (the rest wait in the queue and count toward the TTFT).
+    /// 0 or absent: 10 unloaded decode steps.
+    #[arg(long = "tpot-slo-ms", env = "DELTASERVE_TPOT_SLO_MS")]
+    pub tpot_slo_ms: Option<u64>,
     /// Seconds a worker may take to load its model.
     #[arg(long = "worker-start-timeout", env = "DELTASERVE_WORKER_START_TIMEOUT", default_value = "900", value_parser = parse_seconds)]
     pub worker_start_timeout: Duration,

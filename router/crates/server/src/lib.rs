@@ -123,6 +123,7 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         host_adapter_bytes: cfg.host_bytes(),
         max_deltas: cfg.max_deltas,
         overlap_steps: cfg.overlap_steps,
+        slo: crate::engine::Slo::from_ms(cfg.ttft_slo_ms, cfg.tpot_slo_ms),
     };
     let latency = RequestLatency::default();
     let mut actors = Vec::new();

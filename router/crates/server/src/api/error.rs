@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::quotas::QuotaExceeded;
-use crate::engine::{EngineError, VariantError};
+use crate::engine::{EngineError, SloRefusal, VariantError};
 use crate::registry::RegistryError;
 
 /// Seconds a client should wait before retrying after a 429 or 503.
@@ -74,6 +74,10 @@ pub enum ApiError {
     /// A state-changing request whose body is not `application/json` (415).
     #[error("{0}")]
     UnsupportedMediaType(String),
+    /// Admission control refused the request: it would miss its SLO (429, with the predicted
+    /// queue drain time as `Retry-After`; `param` names the bound).
+    #[error("{0}")]
+    OverSlo(SloRefusal),
 }
 
 /// Every [`ApiError::error_type`], in the order of [`ERROR_COUNTS`].
@@ -160,7 +164,7 @@ impl ApiError {
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
-            ApiError::QuotaExceeded(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::QuotaExceeded(_) | ApiError::OverSlo(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
         }
     }
@@ -178,7 +182,7 @@ impl ApiError {
             | ApiError::RouteNotFound(_) => 1,
             ApiError::MethodNotAllowed(_) => 2,
             ApiError::PayloadTooLarge(_) => 3,
-            ApiError::Overloaded(_) | ApiError::QuotaExceeded(_) => 4,
+            ApiError::Overloaded(_) | ApiError::QuotaExceeded(_) | ApiError::OverSlo(_) => 4,
             ApiError::Unavailable(_) => 5,
             ApiError::Internal(_) => 6,
             ApiError::Conflict(_) => 7,
@@ -206,6 +210,7 @@ impl ApiError {
                 Some(q.limit.to_string()),
                 Some("quota_exceeded".to_string()),
             ),
+            ApiError::OverSlo(r) => (Some(r.bound.to_string()), Some("slo_exceeded".to_string())),
             _ => (None, None),
         };
         ErrorBody {
@@ -225,6 +230,7 @@ impl From<EngineError> for ApiError {
         match e {
             EngineError::Overloaded(m) => ApiError::Overloaded(m),
             EngineError::Unavailable(m) => ApiError::Unavailable(m),
+            EngineError::OverSlo(r) => ApiError::OverSlo(r),
             EngineError::InvalidRequest(m) => ApiError::InvalidRequest {
                 message: m,
                 param: None,
@@ -265,6 +271,9 @@ impl IntoResponse for ApiError {
             }
             ApiError::QuotaExceeded(q) => {
                 headers.insert(header::RETRY_AFTER, HeaderValue::from(q.retry_after_secs));
+            }
+            ApiError::OverSlo(r) => {
+                headers.insert(header::RETRY_AFTER, HeaderValue::from(r.retry_after_secs));
             }
             ApiError::Unauthorized(_) => {
                 headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));

@@ -52,7 +52,8 @@ use deltaserve_ipc::wire::{self, StepOutput};
 use deltaserve_sched::{Scheduler, SeqRequest, VariantSpec};
 use tokio::sync::{mpsc, oneshot};
 
-use super::command::{ActorRef, Command, FailedVariants, RemoveOutcome};
+use super::admission::Admission;
+use super::command::{ActorRef, Command, FailedVariants, RemoveOutcome, SharedAdmission};
 use super::metrics::{ActorCounters, EngineMetrics, RequestLatency, WorkerReadings};
 use super::plan::{sched_config, wire_plan, SchedLimits};
 use super::streams::Streams;
@@ -72,6 +73,10 @@ struct SentStep {
     ids: Vec<u64>,
     /// When it was sent.
     sent_at: Instant,
+    /// Its shape, for admission control's step costs: requests decoding one token, and prompt
+    /// tokens (prefill chunks).
+    decode_seqs: usize,
+    prefill_tokens: usize,
 }
 
 /// One worker's actor.
@@ -102,6 +107,10 @@ pub(crate) struct Actor {
     adapter_names: BTreeMap<u32, String>,
     /// Variants the worker quarantined (`actor/quarantine.rs`), shared with the handle.
     failed_variants: FailedVariants,
+    /// Admission control (`admission.rs`), shared with the handle: fed every step's time.
+    admission: SharedAdmission,
+    /// When the previous step output arrived (a step's time is at most the interval since).
+    last_output_at: Option<Instant>,
 }
 
 /// What woke the actor up.
@@ -127,11 +136,17 @@ impl Actor {
         let outstanding = Arc::new(AtomicUsize::new(0));
         let ready = Arc::new(AtomicBool::new(true));
         let failed_variants = FailedVariants::default();
+        let admission = SharedAdmission::new(std::sync::Mutex::new(Admission::new(
+            limits.slo,
+            limits.max_num_seqs,
+            limits.max_num_batched_tokens,
+        )));
         let handle = ActorRef {
             tx,
             outstanding: outstanding.clone(),
             ready: ready.clone(),
             failed_variants: failed_variants.clone(),
+            admission: admission.clone(),
         };
         let actor = Self {
             index,
@@ -151,6 +166,8 @@ impl Actor {
             next_inspect_id: 1,
             adapter_names: BTreeMap::new(),
             failed_variants,
+            admission,
+            last_output_at: None,
         };
         Ok((actor, handle))
     }
@@ -217,11 +234,13 @@ impl Actor {
             } => {
                 let Some(worker) = self.worker.as_ref() else {
                     let message = "worker is restarting; retry shortly".into();
+                    self.dequeued(req.prompt_token_ids.len() as u32);
                     self.streams.refuse(events, message);
                     return;
                 };
                 let id = self.next_id;
                 self.next_id += 1;
+                let seq_prompt_tokens = req.prompt_token_ids.len() as u32;
                 let seq = SeqRequest {
                     id,
                     prompt: req.prompt_token_ids.clone(),
@@ -233,7 +252,10 @@ impl Actor {
                 };
                 match self.sched.add_request(seq) {
                     Ok(()) => self.streams.open(id, req, events, arrived),
-                    Err(e) => self.streams.refuse(events, e.to_string()),
+                    Err(e) => {
+                        self.dequeued(seq_prompt_tokens);
+                        self.streams.refuse(events, e.to_string());
+                    }
                 }
             }
             Command::Metrics { reply } => {
@@ -286,8 +308,28 @@ impl Actor {
             return;
         }
         self.counters.preemptions += step.preempted.len() as u64;
+        let (mut left_queue, mut left_tokens, mut prefill_tokens) = (0, 0u64, 0);
         for n in &step.new {
-            self.streams.scheduled(n.id);
+            prefill_tokens += n.num_scheduled_tokens as usize;
+            if self.streams.scheduled(n.id) {
+                left_queue += 1;
+                left_tokens += u64::from(n.num_prompt_tokens);
+            }
+        }
+        let decode_seqs = step
+            .running
+            .iter()
+            .filter(|r| r.num_scheduled_tokens == 1)
+            .count();
+        prefill_tokens += step
+            .running
+            .iter()
+            .filter(|r| r.num_scheduled_tokens != 1)
+            .map(|r| r.num_scheduled_tokens as usize)
+            .sum::<usize>();
+        if left_queue > 0 {
+            let mut admission = self.admission.lock().expect("admission lock");
+            admission.dequeued(left_queue, left_tokens);
         }
         let (plan, ids) = wire_plan(step, |id| self.streams.sampling(id));
         let frame = codec::encode(&plan);
@@ -302,6 +344,8 @@ impl Actor {
             step_id: plan.step_id,
             ids,
             sent_at: Instant::now(),
+            decode_seqs,
+            prefill_tokens,
         });
     }
 
@@ -349,6 +393,7 @@ impl Actor {
             .map(|o| (o.req_id, o.token_id))
             .collect();
         let updates = self.sched.update(&sampled);
+        self.measure_step(&oldest, out.timing.total_us, received);
 
         // Keep the worker busy before doing the per-token work.
         let sent = self.counters.steps;
@@ -369,8 +414,36 @@ impl Actor {
         }
     }
 
+    /// Feeds a step's measured time to admission control (the smaller of the worker's own time
+    /// and the interval since the previous output, see `admission.rs`) and gives the scheduler
+    /// the running-batch cap that keeps the decode step within the TPOT SLO.
+    fn measure_step(&mut self, step: &SentStep, worker_us: u64, received: Instant) {
+        let since_previous = self
+            .last_output_at
+            .replace(received)
+            .map(|t| received.saturating_duration_since(t).as_micros() as u64)
+            .unwrap_or(u64::MAX);
+        let step_us = worker_us.min(since_previous) as f64;
+        let running = self.sched.stats().running;
+        let cap = {
+            let mut admission = self.admission.lock().expect("admission lock");
+            admission.step_measured(step.decode_seqs, step.prefill_tokens, step_us, running);
+            admission.running_cap()
+        };
+        self.sched.set_max_num_seqs(cap);
+    }
+
+    /// An admitted request of `prompt_tokens` left the admission queue unscheduled.
+    fn dequeued(&mut self, prompt_tokens: u32) {
+        let mut admission = self.admission.lock().expect("admission lock");
+        admission.dequeued(1, u64::from(prompt_tokens));
+    }
+
     /// Ends a request: a `Finished` event (`Some(reason)`), or silently when the client is gone.
     fn end(&mut self, id: u64, reason: Option<FinishReason>) {
+        if let Some(tokens) = self.streams.queued_prompt_tokens(id) {
+            self.dequeued(tokens);
+        }
         if self.streams.end(id, reason) {
             match reason {
                 Some(_) => self.counters.finished += 1,
@@ -381,16 +454,21 @@ impl Actor {
 
     /// Ends a request with an `Error` event.
     fn fail(&mut self, id: u64, message: String) {
+        if let Some(tokens) = self.streams.queued_prompt_tokens(id) {
+            self.dequeued(tokens);
+        }
         if self.streams.fail(id, message) {
             self.counters.aborted += 1;
         }
     }
 
     fn metrics(&self) -> EngineMetrics {
+        let admission = self.admission.lock().expect("admission lock").readings();
         EngineMetrics::of_worker(&WorkerReadings {
             sched: self.sched.stats(),
             actor: &self.counters,
             latency: self.streams.latency(),
+            admission,
         })
     }
 }

@@ -10,6 +10,7 @@ use deltaserve_ipc::wire::{VariantInfo, VariantKind};
 use deltaserve_sched::VariantSpec;
 use tokio::sync::{mpsc, oneshot};
 
+use super::admission::Admission;
 use super::{EngineMetrics, GenerateEvent, GenerateRequest};
 
 /// How an actor answered a request to forget an adapter.
@@ -67,7 +68,12 @@ pub(crate) struct ActorRef {
     /// Variants whose files failed on this actor's worker after registration (id -> the error
     /// their requests got): unavailable until deleted and registered again.
     pub failed_variants: FailedVariants,
+    /// This worker's admission control (`admission.rs`): the actor measures, the handle admits.
+    pub admission: SharedAdmission,
 }
+
+/// One worker's [`Admission`], shared by its actor and its [`ActorRef`].
+pub(crate) type SharedAdmission = Arc<Mutex<Admission>>;
 
 /// Variant id -> why it failed, shared by an actor and its [`ActorRef`].
 pub(crate) type FailedVariants = Arc<Mutex<BTreeMap<u32, String>>>;

@@ -91,6 +91,8 @@ pub(super) struct WorkerReadings<'a> {
     pub sched: SchedStats,
     pub actor: &'a ActorCounters,
     pub latency: &'a RequestLatency,
+    /// Admission control's readings (`admission.rs`).
+    pub admission: super::admission::AdmissionReadings,
 }
 
 /// Declares the table (see the module docs). Row syntax:
@@ -215,6 +217,14 @@ engine_metrics! {
         "CPU-assisted prefills where a helper failed or stalled, so the worker computed its rows itself.";
     cpu_assist_declined_total: Counter, Sum, |w| w.actor.cpu_assist_declined,
         "Cold prefills the CPU helpers did not take (none free, predicted no faster than the load, one-token prefill).";
+    admission_refused_ttft_total: Counter, Sum, |w| w.admission.refused_ttft,
+        "Requests refused at once (429) because their predicted time to first token exceeded the TTFT SLO (--ttft-slo-ms).";
+    admission_refused_queue_full_total: Counter, Sum, |w| w.admission.refused_queue_full,
+        "Requests refused at once (429) because --max-queued-per-worker requests were queued or running.";
+    admission_predicted_wait_us: Gauge, Max, |w| w.admission.predicted_queue_wait_us,
+        "Predicted time for the queued requests to start (admission control's estimate), microseconds; the longest worker's.";
+    admission_running_cap: Gauge, Sum, |w| w.admission.running_cap,
+        "Running-batch cap that keeps the measured decode step within the TPOT SLO (--tpot-slo-ms).";
 }
 
 /// The Prometheus families of a snapshot: the table's rows in order, then the histograms.
@@ -444,6 +454,10 @@ mod tests {
         ("cpu_assisted_prefills_total", "counter"),
         ("cpu_assist_fallbacks_total", "counter"),
         ("cpu_assist_declined_total", "counter"),
+        ("admission_refused_ttft_total", "counter"),
+        ("admission_refused_queue_full_total", "counter"),
+        ("admission_predicted_wait_us", "gauge"),
+        ("admission_running_cap", "gauge"),
     ];
 
     fn worker(sched: SchedStats, actor: &ActorCounters, latency: &RequestLatency) -> EngineMetrics {
@@ -451,6 +465,7 @@ mod tests {
             sched,
             actor,
             latency,
+            admission: Default::default(),
         })
     }
 

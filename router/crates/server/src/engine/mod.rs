@@ -38,6 +38,7 @@ use command::{ActorRef, Command};
 
 mod actor;
 mod admin;
+pub mod admission;
 mod command;
 pub mod metrics;
 mod peft_config;
@@ -46,6 +47,7 @@ mod streams;
 
 pub(crate) use actor::Actor;
 pub use admin::{check_kind, variant_kind_of_dir, VariantError};
+pub use admission::{Slo, SloRefusal};
 pub use metrics::{EngineMetrics, RequestLatency};
 pub use plan::SchedLimits;
 
@@ -122,6 +124,10 @@ pub enum EngineError {
     /// The request cannot be served as given (400).
     #[error("{0}")]
     InvalidRequest(String),
+    /// Admission control predicts the request would miss its SLO: refused at once (429 with
+    /// the predicted queue drain time as `Retry-After`).
+    #[error("{0}")]
+    OverSlo(SloRefusal),
 }
 
 /// The model as clients see it.
@@ -256,12 +262,21 @@ impl EngineHandle {
             .ok_or_else(|| {
                 EngineError::Unavailable("no worker is ready (starting or restarting)".into())
             })?;
-        if actor.outstanding.load(Ordering::Relaxed) >= self.inner.max_outstanding_per_worker {
-            return Err(EngineError::Overloaded(format!(
-                "{} requests already queued or running on the least loaded worker",
-                self.inner.max_outstanding_per_worker
-            )));
+        {
+            let mut admission = actor.admission.lock().expect("admission lock");
+            if actor.outstanding.load(Ordering::Relaxed) >= self.inner.max_outstanding_per_worker {
+                admission.refused_queue_full += 1;
+                return Err(EngineError::Overloaded(format!(
+                    "{} requests already queued or running on the least loaded worker \
+                     (--max-queued-per-worker)",
+                    self.inner.max_outstanding_per_worker
+                )));
+            }
+            admission
+                .admit(req.prompt_token_ids.len() as u64, req.max_tokens)
+                .map_err(EngineError::OverSlo)?;
         }
+        let prompt_tokens = req.prompt_token_ids.len() as u64;
         let (tx, rx) = mpsc::unbounded_channel();
         actor.outstanding.fetch_add(1, Ordering::Relaxed);
         if actor
@@ -274,6 +289,9 @@ impl EngineHandle {
             .is_err()
         {
             actor.outstanding.fetch_sub(1, Ordering::Relaxed);
+            if let Ok(mut admission) = actor.admission.lock() {
+                admission.dequeued(1, prompt_tokens);
+            }
             return Err(EngineError::Unavailable(
                 "the engine is shutting down".into(),
             ));

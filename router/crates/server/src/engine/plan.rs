@@ -23,6 +23,8 @@ pub struct SchedLimits {
     pub max_deltas: usize,
     /// Send step N+1 before step N's output is back (see "Overlapped steps" in `actor.rs`).
     pub overlap_steps: bool,
+    /// Admission control's SLOs (`--ttft-slo-ms`, `--tpot-slo-ms`; see `admission.rs`).
+    pub slo: super::admission::Slo,
 }
 
 /// Scheduler configuration from what the worker reported plus the operator's limits.

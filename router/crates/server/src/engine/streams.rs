@@ -143,16 +143,28 @@ impl Streams {
             .unwrap_or_default()
     }
 
-    /// A step scheduled `id` in full: the first time, its queue time is observed.
-    pub fn scheduled(&mut self, id: u64) {
+    /// A step scheduled `id` in full: the first time, its queue time is observed and the
+    /// answer is true (it left the admission queue).
+    pub fn scheduled(&mut self, id: u64) -> bool {
         if let Some(live) = self.live.get_mut(&id) {
             if !live.scheduled {
                 live.scheduled = true;
                 self.latency
                     .request_queue_time
                     .observe(live.arrived.elapsed().as_secs_f64());
+                return true;
             }
         }
+        false
+    }
+
+    /// The prompt length of `id` while it is live and no step has scheduled it yet (it still
+    /// counts in the admission queue).
+    pub fn queued_prompt_tokens(&self, id: u64) -> Option<u32> {
+        self.live
+            .get(&id)
+            .filter(|l| !l.scheduled)
+            .map(|l| l.prompt_tokens)
     }
 
     /// Streams a step's tokens (`updates`, from the scheduler, with `outputs`' logprobs) to

@@ -1,0 +1,493 @@
+//! Admission control that keeps goodput: one worker's estimate of what its steps cost, from the
+//! step times it measured, and the decision to admit a request or refuse it at once (429 with
+//! `Retry-After`) because it could not get its first token within the TTFT SLO.
+//!
+//! # The estimate ([`StepCosts`])
+//!
+//! Every step the worker answers is observed with its shape (decoding requests, prefill tokens)
+//! and its time (the smaller of the worker's `StepTiming::total_us` and the interval since the
+//! previous output: with overlapped steps the first includes the wait for the step ahead, after
+//! an idle spell the second includes the idle time). Two cheap moving estimates follow:
+//!
+//! - decode step time vs batch size, `t(b) = a + c·b`: an exponentially weighted least-squares
+//!   line over the steps without prefill (c ≥ 0; with one batch size seen, the line is flat);
+//! - prefill cost per token (its inverse is the prefill throughput, tokens/s): an exponentially
+//!   weighted mean of `(step time − t(decoding requests)) / prefill tokens` over steps with a
+//!   prefill.
+//!
+//! # The decision ([`Admission`])
+//!
+//! A new request of `P` prompt tokens behind `Q` queued prompt tokens and `k − 1` queued requests
+//! would see a TTFT of about
+//!
+//! ```text
+//!   prefill: (Q + P)·s_tok + ceil((Q + P) / chunk)·t(running)      chunk = token budget − running
+//!   slot:    max(0, k − free slots) / cap · mean output tokens · t(cap)   (slots free as requests end)
+//! ```
+//!
+//! It is refused when that exceeds the TTFT SLO; `Retry-After` is the predicted time for the
+//! queue ahead of it to drain (at least 1 s). The running batch is capped at the largest `b` with
+//! `t(b)` within the TPOT SLO (the actor gives the cap to its scheduler; requests beyond it wait
+//! in the queue and count toward the TTFT). Until [`MIN_DECODE_SAMPLES`] decode steps were
+//! measured every request is admitted (the static `--max-queued-per-worker` cap still applies).
+//!
+//! SLOs left unset are measured defaults: TPOT [`DEFAULT_TPOT_FACTOR`] × the unloaded decode step
+//! `t(1)`, TTFT [`DEFAULT_TTFT_FACTOR`] × `t(1)` but at least [`MIN_DEFAULT_TTFT_US`].
+//!
+//! Pure: no clock, no IO; the actor feeds it measured microseconds and the handle asks it.
+
+/// Weight of the newest sample in the moving estimates.
+const NEW_SAMPLE_WEIGHT: f64 = 0.05;
+/// Decode steps measured before admission control refuses anything.
+pub const MIN_DECODE_SAMPLES: u64 = 8;
+/// Unset `--tpot-slo-ms`: this many unloaded decode steps.
+pub const DEFAULT_TPOT_FACTOR: f64 = 10.0;
+/// Unset `--ttft-slo-ms`: this many unloaded decode steps ...
+pub const DEFAULT_TTFT_FACTOR: f64 = 500.0;
+/// ... and at least this long, microseconds.
+pub const MIN_DEFAULT_TTFT_US: f64 = 2_000_000.0;
+
+/// Moving estimates of one worker's step costs (see the module docs).
+#[derive(Debug, Clone, Default)]
+pub struct StepCosts {
+    /// Exponentially weighted sums over decode-only steps: weight, b, b², t, b·t.
+    w: f64,
+    sb: f64,
+    sbb: f64,
+    st: f64,
+    sbt: f64,
+    decode_samples: u64,
+    /// Moving mean of the prefill cost per token, microseconds; `None` before a prefill.
+    prefill_us_per_token: Option<f64>,
+}
+
+impl StepCosts {
+    /// Folds in one measured step: `decode_seqs` requests decoding one token each,
+    /// `prefill_tokens` prompt tokens, `step_us` microseconds.
+    pub fn observe(&mut self, decode_seqs: usize, prefill_tokens: usize, step_us: f64) {
+        if prefill_tokens == 0 {
+            if decode_seqs == 0 {
+                return;
+            }
+            let (b, t) = (decode_seqs as f64, step_us);
+            let keep = 1.0 - NEW_SAMPLE_WEIGHT;
+            self.w = self.w * keep + 1.0;
+            self.sb = self.sb * keep + b;
+            self.sbb = self.sbb * keep + b * b;
+            self.st = self.st * keep + t;
+            self.sbt = self.sbt * keep + b * t;
+            self.decode_samples += 1;
+            return;
+        }
+        // Before a decode step was measured, the prefill's share of the step is unknown.
+        let Some(decode_part) = self.decode_step_us(decode_seqs) else {
+            return;
+        };
+        let per_token = (step_us - decode_part).max(0.0) / prefill_tokens as f64;
+        self.prefill_us_per_token = Some(match self.prefill_us_per_token {
+            None => per_token,
+            Some(m) => m + NEW_SAMPLE_WEIGHT * (per_token - m),
+        });
+    }
+
+    /// Decode steps observed so far.
+    pub fn decode_samples(&self) -> u64 {
+        self.decode_samples
+    }
+
+    /// The fitted line `(a, c)`: intercept and cost per decoding request, microseconds.
+    fn line(&self) -> Option<(f64, f64)> {
+        if self.decode_samples == 0 {
+            return None;
+        }
+        let mean_b = self.sb / self.w;
+        let mean_t = self.st / self.w;
+        let var = self.sbb / self.w - mean_b * mean_b;
+        let cov = self.sbt / self.w - mean_b * mean_t;
+        let slope = if var > 1e-6 {
+            (cov / var).max(0.0)
+        } else {
+            0.0
+        };
+        let intercept = (mean_t - slope * mean_b).max(0.0);
+        Some((intercept, slope))
+    }
+
+    /// Predicted time of a step decoding `batch` requests, microseconds (`None` before any
+    /// decode step was measured).
+    pub fn decode_step_us(&self, batch: usize) -> Option<f64> {
+        let (a, c) = self.line()?;
+        Some(a + c * batch as f64)
+    }
+
+    /// Measured prefill cost per prompt token, microseconds.
+    pub fn prefill_us_per_token(&self) -> Option<f64> {
+        self.prefill_us_per_token
+    }
+
+    /// Prefill throughput, tokens per second.
+    pub fn prefill_tokens_per_s(&self) -> Option<f64> {
+        self.prefill_us_per_token
+            .filter(|us| *us > 0.0)
+            .map(|us| 1e6 / us)
+    }
+}
+
+/// The operator's SLOs (`--ttft-slo-ms`, `--tpot-slo-ms`); `None`: the measured default.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Slo {
+    pub ttft_us: Option<f64>,
+    pub tpot_us: Option<f64>,
+}
+
+impl Slo {
+    /// From the flags' milliseconds (0 or absent: the measured default).
+    pub fn from_ms(ttft_ms: Option<u64>, tpot_ms: Option<u64>) -> Self {
+        let us = |ms: Option<u64>| ms.filter(|m| *m > 0).map(|m| m as f64 * 1000.0);
+        Self {
+            ttft_us: us(ttft_ms),
+            tpot_us: us(tpot_ms),
+        }
+    }
+}
+
+/// Why a request was refused at once: which bound, when to retry, and a message for people.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct SloRefusal {
+    /// The flag whose bound refused it (`ttft_slo_ms`).
+    pub bound: &'static str,
+    /// Seconds until the queue ahead is predicted to drain (at least 1).
+    pub retry_after_secs: u64,
+    pub message: String,
+}
+
+/// Admission control's `/metrics` rows of one worker.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AdmissionReadings {
+    pub refused_ttft: u64,
+    pub refused_queue_full: u64,
+    pub predicted_queue_wait_us: u64,
+    pub running_cap: u64,
+}
+
+/// One worker's admission state, shared by its actor (which measures steps and moves requests
+/// out of the queue) and the engine handle (which admits or refuses).
+#[derive(Debug, Clone)]
+pub struct Admission {
+    slo: Slo,
+    costs: StepCosts,
+    /// The operator's `--max-num-seqs` and `--max-num-batched-tokens`.
+    max_num_seqs: usize,
+    token_budget: usize,
+    /// Requests in the running batch after the last step.
+    running: usize,
+    /// Requests admitted and not yet scheduled, and their prompt tokens.
+    queued_requests: usize,
+    queued_prompt_tokens: u64,
+    /// Moving mean of admitted requests' `max_tokens`.
+    mean_output_tokens: f64,
+    /// Refusals: predicted TTFT over the SLO; the static queue cap.
+    pub refused_ttft: u64,
+    pub refused_queue_full: u64,
+}
+
+impl Admission {
+    pub fn new(slo: Slo, max_num_seqs: usize, token_budget: usize) -> Self {
+        Self {
+            slo,
+            costs: StepCosts::default(),
+            max_num_seqs: max_num_seqs.max(1),
+            token_budget: token_budget.max(1),
+            running: 0,
+            queued_requests: 0,
+            queued_prompt_tokens: 0,
+            mean_output_tokens: 0.0,
+            refused_ttft: 0,
+            refused_queue_full: 0,
+        }
+    }
+
+    /// The measured costs.
+    pub fn costs(&self) -> &StepCosts {
+        &self.costs
+    }
+
+    fn measured(&self) -> bool {
+        self.costs.decode_samples() >= MIN_DECODE_SAMPLES
+    }
+
+    /// The TPOT SLO in force, microseconds (`None` before measurements when unset).
+    pub fn tpot_slo_us(&self) -> Option<f64> {
+        self.slo.tpot_us.or_else(|| {
+            let unloaded = self.costs.decode_step_us(1).filter(|_| self.measured())?;
+            Some(unloaded * DEFAULT_TPOT_FACTOR)
+        })
+    }
+
+    /// The TTFT SLO in force, microseconds (`None` before measurements when unset).
+    pub fn ttft_slo_us(&self) -> Option<f64> {
+        self.slo.ttft_us.or_else(|| {
+            let unloaded = self.costs.decode_step_us(1).filter(|_| self.measured())?;
+            Some((unloaded * DEFAULT_TTFT_FACTOR).max(MIN_DEFAULT_TTFT_US))
+        })
+    }
+
+    /// Most requests the running batch may hold: the largest `b ≤ --max-num-seqs` whose
+    /// predicted decode step is within the TPOT SLO (at least 1); `--max-num-seqs` before
+    /// measurements.
+    pub fn running_cap(&self) -> usize {
+        let (Some(slo), Some((a, c))) = (self.tpot_slo_us(), self.costs.line()) else {
+            return self.max_num_seqs;
+        };
+        if !self.measured() || c <= 0.0 {
+            return self.max_num_seqs;
+        }
+        let fits = ((slo - a) / c).floor();
+        if fits < 1.0 {
+            1
+        } else {
+            (fits as usize).min(self.max_num_seqs)
+        }
+    }
+
+    /// Predicted TTFT of a request of `prompt_tokens` joining the queue now, microseconds
+    /// (`None` before measurements).
+    pub fn predicted_ttft_us(&self, prompt_tokens: u64) -> Option<f64> {
+        self.predicted_ttft_parts_us(prompt_tokens)
+            .map(|(prefill, slot)| prefill + slot)
+    }
+
+    /// [`Self::predicted_ttft_us`] in its two parts: the prefills queued ahead (and its own),
+    /// and the wait for a slot in the running batch.
+    fn predicted_ttft_parts_us(&self, prompt_tokens: u64) -> Option<(f64, f64)> {
+        if !self.measured() {
+            return None;
+        }
+        let t_running = self.costs.decode_step_us(self.running)?;
+        let tokens = (self.queued_prompt_tokens + prompt_tokens) as f64;
+        let chunk = self.token_budget.saturating_sub(self.running).max(1) as f64;
+        let per_token = self.costs.prefill_us_per_token().unwrap_or(0.0);
+        let prefill = tokens * per_token + (tokens / chunk).ceil() * t_running;
+        let cap = self.running_cap();
+        let position = self.queued_requests + usize::from(prompt_tokens > 0);
+        let free = cap.saturating_sub(self.running);
+        let beyond = position.saturating_sub(free) as f64;
+        let slot = beyond / cap as f64
+            * self.mean_output_tokens.max(1.0)
+            * self.costs.decode_step_us(cap)?;
+        Some((prefill, slot))
+    }
+
+    /// Predicted time for the requests already queued to start, microseconds (0 before
+    /// measurements): the `/metrics` gauge and the basis of `Retry-After`.
+    pub fn predicted_queue_wait_us(&self) -> f64 {
+        if self.queued_requests == 0 {
+            return 0.0;
+        }
+        self.predicted_ttft_us(0).unwrap_or(0.0)
+    }
+
+    /// Admits a request (it joins the queue) or refuses it because its predicted TTFT exceeds
+    /// the SLO. Changes nothing on refusal but the refusal count.
+    pub fn admit(&mut self, prompt_tokens: u64, max_tokens: u32) -> Result<(), SloRefusal> {
+        if let (Some((prefill, slot)), Some(slo)) = (
+            self.predicted_ttft_parts_us(prompt_tokens),
+            self.ttft_slo_us(),
+        ) {
+            let predicted = prefill + slot;
+            if predicted > slo {
+                self.refused_ttft += 1;
+                let drain_s = (self.predicted_queue_wait_us() / 1e6).ceil() as u64;
+                let retry_after_secs = drain_s.max(1);
+                let bound = if self.slo.ttft_us.is_some() {
+                    "--ttft-slo-ms"
+                } else {
+                    "the measured default TTFT SLO (--ttft-slo-ms unset)"
+                };
+                return Err(SloRefusal {
+                    bound: "ttft_slo_ms",
+                    retry_after_secs,
+                    message: format!(
+                        "overloaded: the predicted time to first token, {:.0} ms ({:.0} ms of \
+                         prefills, {:.0} ms waiting for a slot in the running batch of {}), \
+                         exceeds {bound} of {:.0} ms ({} requests queued); retry after \
+                         {retry_after_secs} s",
+                        predicted / 1e3,
+                        prefill / 1e3,
+                        slot / 1e3,
+                        self.running,
+                        slo / 1e3,
+                        self.queued_requests
+                    ),
+                });
+            }
+        }
+        let first = self.queued_requests == 0 && self.mean_output_tokens == 0.0;
+        self.mean_output_tokens = if first {
+            f64::from(max_tokens)
+        } else {
+            self.mean_output_tokens
+                + NEW_SAMPLE_WEIGHT * (f64::from(max_tokens) - self.mean_output_tokens)
+        };
+        self.queued_requests += 1;
+        self.queued_prompt_tokens += prompt_tokens;
+        Ok(())
+    }
+
+    /// Admitted requests left the queue (a step scheduled them, or they ended before one did),
+    /// with their prompt tokens.
+    pub fn dequeued(&mut self, requests: usize, prompt_tokens: u64) {
+        self.queued_requests = self.queued_requests.saturating_sub(requests);
+        self.queued_prompt_tokens = self.queued_prompt_tokens.saturating_sub(prompt_tokens);
+    }
+
+    /// What `/metrics` shows of it.
+    pub fn readings(&self) -> AdmissionReadings {
+        AdmissionReadings {
+            refused_ttft: self.refused_ttft,
+            refused_queue_full: self.refused_queue_full,
+            predicted_queue_wait_us: self.predicted_queue_wait_us() as u64,
+            running_cap: self.running_cap() as u64,
+        }
+    }
+
+    /// A measured step (see [`StepCosts::observe`]) and the running batch after it.
+    pub fn step_measured(
+        &mut self,
+        decode_seqs: usize,
+        prefill_tokens: usize,
+        step_us: f64,
+        running: usize,
+    ) {
+        self.costs.observe(decode_seqs, prefill_tokens, step_us);
+        self.running = running;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker whose decode step costs `a + c·b` µs and whose prefill costs `p` µs a token.
+    fn measured(a: f64, c: f64, p: f64) -> Admission {
+        let mut adm = Admission::new(Slo::default(), 64, 512);
+        for b in [1usize, 2, 4, 8, 16, 8, 4, 2, 1, 16] {
+            adm.step_measured(b, 0, a + c * b as f64, 0);
+        }
+        adm.step_measured(0, 100, a + p * 100.0, 0);
+        adm
+    }
+
+    #[test]
+    fn the_decode_line_and_prefill_rate_follow_synthetic_steps() {
+        let adm = measured(1000.0, 250.0, 20.0);
+        let c = adm.costs();
+        assert!((c.decode_step_us(1).unwrap() - 1250.0).abs() < 1.0);
+        assert!((c.decode_step_us(32).unwrap() - 9000.0).abs() < 1.0);
+        assert!((c.prefill_us_per_token().unwrap() - 20.0).abs() < 0.1);
+        assert!((c.prefill_tokens_per_s().unwrap() - 50_000.0).abs() < 300.0);
+    }
+
+    #[test]
+    fn one_batch_size_gives_a_flat_line_and_new_samples_move_it() {
+        let mut c = StepCosts::default();
+        assert_eq!(c.decode_step_us(4), None);
+        c.observe(0, 100, 5000.0);
+        assert_eq!(
+            c.prefill_us_per_token(),
+            None,
+            "a prefill before any decode step has no known share of its step"
+        );
+        for _ in 0..20 {
+            c.observe(4, 0, 800.0);
+        }
+        assert!((c.decode_step_us(1).unwrap() - 800.0).abs() < 1e-6);
+        assert!((c.decode_step_us(64).unwrap() - 800.0).abs() < 1e-6);
+        for _ in 0..200 {
+            c.observe(4, 0, 1600.0);
+        }
+        assert!(
+            (c.decode_step_us(4).unwrap() - 1600.0).abs() < 1.0,
+            "old samples fade"
+        );
+    }
+
+    #[test]
+    fn nothing_is_refused_before_enough_steps_were_measured() {
+        let mut adm = Admission::new(Slo::from_ms(Some(1), Some(1)), 64, 512);
+        for _ in 0..MIN_DECODE_SAMPLES - 1 {
+            adm.step_measured(1, 0, 50_000.0, 1);
+        }
+        for _ in 0..100 {
+            adm.admit(1000, 64).unwrap();
+        }
+        assert_eq!(adm.running_cap(), 64);
+        assert_eq!(adm.predicted_queue_wait_us(), 0.0);
+    }
+
+    #[test]
+    fn the_running_batch_is_capped_by_the_tpot_slo() {
+        let mut adm = measured(1000.0, 250.0, 20.0);
+        // The default TPOT, 10 x t(1) = 12.5 ms: 1000 + 250 b <= 12500  =>  b <= 46.
+        assert_eq!(adm.running_cap(), 46);
+        adm.slo = Slo::from_ms(None, Some(5));
+        // 1000 + 250 b <= 5000  =>  b <= 16.
+        assert_eq!(adm.running_cap(), 16);
+        adm.slo = Slo::from_ms(None, Some(1));
+        assert_eq!(adm.running_cap(), 1, "never below one");
+    }
+
+    #[test]
+    fn a_request_over_the_ttft_slo_is_refused_with_the_queue_drain_time() {
+        let mut adm = measured(1000.0, 250.0, 20.0);
+        adm.slo = Slo::from_ms(Some(50), Some(5));
+        // 100 prompt tokens: 2000 us prefill + one step at b = 0 (1000 us) = 3 ms each.
+        let mut admitted = 0;
+        while adm.admit(100, 16).is_ok() {
+            admitted += 1;
+            assert!(admitted < 1000);
+        }
+        assert!(admitted >= 10, "{admitted}");
+        let err = adm.admit(100, 16).unwrap_err();
+        assert_eq!(err.bound, "ttft_slo_ms");
+        assert!(err.retry_after_secs >= 1);
+        assert!(err.message.contains("--ttft-slo-ms"), "{}", err.message);
+        assert!(
+            err.message.contains("time to first token"),
+            "{}",
+            err.message
+        );
+        assert_eq!(adm.refused_ttft, 2);
+        let wait = adm.predicted_queue_wait_us();
+        assert!(wait > 40_000.0 && wait <= 50_000.0 + 3_000.0, "{wait}");
+        // The queue drains: requests are admitted again.
+        adm.dequeued(admitted, 100 * admitted as u64);
+        assert_eq!(adm.predicted_queue_wait_us(), 0.0);
+        adm.admit(100, 16).unwrap();
+    }
+
+    #[test]
+    fn a_full_batch_makes_queued_requests_wait_for_slots() {
+        let mut adm = measured(1000.0, 250.0, 0.0);
+        adm.slo = Slo::from_ms(Some(1000), Some(5));
+        // Cap 16, all running: the first queued request waits for a slot to free.
+        adm.step_measured(16, 0, 5000.0, 16);
+        adm.admit(10, 100).unwrap();
+        let one = adm.predicted_ttft_us(10).unwrap();
+        // (2 / 16) slots x 100 tokens x 5000 us = 62.5 ms, plus a prefill step.
+        assert!((one - 62_500.0 - 5000.0).abs() < 100.0, "{one}");
+        assert!(adm.predicted_queue_wait_us() < one);
+    }
+
+    #[test]
+    fn the_default_ttft_slo_is_measured_and_has_a_floor() {
+        let adm = measured(1000.0, 250.0, 20.0);
+        assert_eq!(adm.ttft_slo_us(), Some(MIN_DEFAULT_TTFT_US));
+        assert!((adm.tpot_slo_us().unwrap() - 12_500.0).abs() < 1e-6);
+        let slow = measured(10_000.0, 0.0, 20.0);
+        assert!((slow.ttft_slo_us().unwrap() - 5_000_000.0).abs() < 1e-3);
+        let unmeasured = Admission::new(Slo::default(), 8, 8);
+        assert_eq!(unmeasured.ttft_slo_us(), None);
+    }
+}

@@ -1,0 +1,63 @@
+"""Admission control through the running daemon (issue 28): with a tight ``--ttft-slo-ms``, a
+burst of concurrent requests is answered at once with 429 + ``Retry-After`` and a message naming
+the bound for what could not start in time, while every admitted request completes and no
+request is left without an answer.
+
+One daemon on the tiny model for the module, with one running request at a time
+(``--max-num-seqs 1``), so a request queued behind the batch waits for a whole generation of 128
+tokens: more than the 100 ms TTFT SLO whenever a decode step takes over 0.8 ms. Nothing here
+asserts how fast anything is."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from .daemon import Daemon
+
+BURST = 24
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_llama):
+    with Daemon(tiny_llama, "--ttft-slo-ms", "100", "--max-num-seqs", "1", "--max-model-len", "256") as d:
+        yield d
+
+
+def complete(url: str, max_tokens: int) -> httpx.Response:
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def test_a_burst_over_the_ttft_slo_gets_429s_and_the_admitted_requests_complete(daemon):
+    # Before any step is measured everything is admitted; this request measures the steps.
+    warm = complete(daemon.url, 16)
+    assert warm.status_code == 200, warm.text
+
+    with ThreadPoolExecutor(BURST) as pool:
+        answers = list(pool.map(lambda _: complete(daemon.url, 128), range(BURST)))
+
+    statuses = [r.status_code for r in answers]
+    assert set(statuses) <= {200, 429}, statuses
+    refused = [r for r in answers if r.status_code == 429]
+    admitted = [r for r in answers if r.status_code == 200]
+    assert refused and admitted, statuses
+    for r in refused:
+        assert int(r.headers["retry-after"]) >= 1, r.headers
+        error = r.json()["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == "slo_exceeded", error
+        assert error["param"] == "ttft_slo_ms", error
+        assert "time to first token" in error["message"] and "--ttft-slo-ms" in error["message"], error
+    for r in admitted:
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 128
+
+    m = daemon.metrics()
+    assert m["deltaserve_admission_refused_ttft_total"] == len(refused)
+    assert m["deltaserve_admission_refused_queue_full_total"] == 0
+    assert m["deltaserve_admission_predicted_wait_us"] == 0, "the queue drained"
+    assert m["deltaserve_admission_running_cap"] == 1
+    # The daemon serves normally once the burst is over.
+    assert complete(daemon.url, 4).status_code == 200
