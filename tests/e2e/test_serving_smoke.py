@@ -39,4 +39,5 @@ def test_smoke_experiment_end_to_end(tmp_path):
         assert m["deltaserve_tokens_generated_total"] == s["output_tokens"]
         assert m["deltaserve_worker_step_us_total"] >= m["deltaserve_worker_forward_us_total"] > 0
         assert m["deltaserve_worker_floor_us_total"] > 0  # the steps' roofline floors (worker/step_floor.py)
-        assert point["served_step_efficiency"] == m["deltaserve_worker_step_us_total"] / m["deltaserve_worker_floor_us_total"]
+        step_us, floor_us = m["deltaserve_worker_step_us_total"], m["deltaserve_worker_floor_us_total"]
+        assert point["served_step_efficiency"] == step_us / floor_us
