@@ -182,11 +182,14 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
                 _add_point(payload, p, trace, records, exp, interrupted=False)
                 m = payload["points"][-1]["server_metrics"] = metrics_delta(metrics_before, server_metrics(endpoint))
                 efficiency = payload["points"][-1]["served_step_efficiency"] = served_step_efficiency(m)
+                workers = 1 if devices == "cpu" else len(devices.split(","))
+                busy = payload["points"][-1]["makespan_per_floor"] = makespan_per_floor(
+                    payload["points"][-1]["summary"]["makespan_s"], m, workers)  # fmt: skip
                 if m:
                     print("    server: " + ", ".join(f"{k.removeprefix('deltaserve_').removesuffix('_total')} {m[k]:g}"
                                                     for k in METRICS_SHOWN if k in m)
-                          + (f", served-step efficiency {efficiency:.2f}x floor" if efficiency else ""),
-                          flush=True)  # fmt: skip
+                          + (f", served-step efficiency {efficiency:.2f}x floor" if efficiency else "")
+                          + (f" (makespan {busy:.2f}x floor)" if busy else ""), flush=True)  # fmt: skip
                 stats = baseline_stats(endpoint)
                 if stats is not None:
                     payload["points"][-1]["server_stats"] = stats
@@ -277,6 +280,16 @@ def served_step_efficiency(delta: dict[str, Any] | None) -> float | None:
     if not delta or not delta.get("deltaserve_worker_floor_us_total"):
         return None
     return float(delta.get("deltaserve_worker_step_us_total", 0.0)) / float(delta["deltaserve_worker_floor_us_total"])
+
+
+def makespan_per_floor(makespan_s: float, delta: dict[str, Any] | None, workers: int) -> float | None:
+    """The point's makespan on each of ``workers`` workers ÷ Σ step floor: a check on the served-step
+    efficiency that overlapped steps cannot inflate (a step launched behind the one in flight counts
+    that wait in its ``total_us``; the makespan counts each second once, idle ones included, so on a
+    saturated point it is close to the true Σ step ÷ Σ floor), or None without metrics or steps."""
+    if not delta or not delta.get("deltaserve_worker_floor_us_total") or makespan_s <= 0:
+        return None
+    return makespan_s * 1e6 * workers / float(delta["deltaserve_worker_floor_us_total"])
 
 
 @contextlib.contextmanager

@@ -41,3 +41,4 @@ def test_smoke_experiment_end_to_end(tmp_path):
         assert m["deltaserve_worker_floor_us_total"] > 0  # the steps' roofline floors (worker/step_floor.py)
         step_us, floor_us = m["deltaserve_worker_step_us_total"], m["deltaserve_worker_floor_us_total"]
         assert point["served_step_efficiency"] == step_us / floor_us
+        assert point["makespan_per_floor"] == s["makespan_s"] * 1e6 / floor_us
