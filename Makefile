@@ -89,10 +89,11 @@ serve: setup ## run the daemon on the demo model until Ctrl-C
 # Python: TEST_JOBS workers over whole files, then the `serial` (wall-clock-sensitive) tests alone.
 PYTEST := DELTASERVE_BIN=$(abspath target/release/deltaserve) $(PY) -m pytest tests -q --durations=30
 
-test: setup ## run every test (Rust, then Python end to end)
+test: setup ## run every test (Rust, Python end to end, the wheel as users install it)
 	cargo test -q --release --workspace
 	$(PYTEST) -n $(TEST_JOBS) --dist loadfile -m "not serial"
 	$(PYTEST) -m serial
+	$(MAKE) --no-print-directory test-wheel
 
 test-rust: ## Rust tests only
 	cargo test -q --release --workspace
@@ -128,7 +129,8 @@ dist: ## deployment builds (profile dist: thin LTO): the abi3 wheel into dist/, 
 # dependencies (torch & co. through a .pth file; the package itself only from the wheel), then
 # its `deltaserve` command and its native module are run from there.
 WHEEL_VENV := .cache/wheel-venv
-test-wheel: develop ## build the wheel, install it into a fresh venv, run its `deltaserve --help`
+WHEEL_PORT ?= 8799
+test-wheel: develop demo-model ## build the wheel, install it into a fresh venv, run its `deltaserve` (--help, the demo model)
 	rm -rf $(WHEEL_VENV) dist/deltaserve-*.whl
 	$(call phase,wheel,maturin build --release -o dist)
 	$(PY) -m venv --without-pip $(WHEEL_VENV)
@@ -139,6 +141,11 @@ test-wheel: develop ## build the wheel, install it into a fresh venv, run its `d
 	cd /tmp && $(abspath $(WHEEL_VENV))/bin/python -c 'import deltaserve, deltaserve._native as n, sys; \
 	  assert deltaserve.__file__.startswith(sys.prefix), deltaserve.__file__; \
 	  assert n.run_cli(["deltaserve", "--version"]) == 0'
+	@set -e; cd /tmp; $(abspath $(WHEEL_VENV))/bin/deltaserve --port $(WHEEL_PORT) 2>$(abspath $(LOGS))/wheel-daemon.log & pid=$$!; \
+	  trap 'kill $$pid 2>/dev/null; wait $$pid 2>/dev/null' EXIT; \
+	  $(abspath $(WHEEL_VENV))/bin/python -m deltaserve.client --url http://127.0.0.1:$(WHEEL_PORT) --wait 300 \
+	    chat "What is the capital of France?" --max-tokens 8 | tee $(abspath $(LOGS))/wheel-demo.txt; \
+	  grep -q Paris $(abspath $(LOGS))/wheel-demo.txt || { echo "[wheel] the demo model's answer lacks Paris (log: $(LOGS)/wheel-daemon.log)"; exit 1; }
 
 gen-wire: ## regenerate pyworker/deltaserve/wire.py from the Rust schema
 	cargo run -q -p deltaserve-ipc --bin ipc-schema -- gen-py
