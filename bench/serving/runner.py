@@ -219,6 +219,7 @@ METRICS_SHOWN = (
     "deltaserve_worker_step_us_total",
     "deltaserve_worker_forward_us_total",
     "deltaserve_worker_floor_us_total",
+    "deltaserve_worker_busy_us_total",
     "deltaserve_step_gap_us_p50",
 )
 """The metrics a point's summary line prints (all of them go to the result file)."""
@@ -274,19 +275,19 @@ def metrics_delta(before: dict[str, float] | None, after: dict[str, float] | Non
 
 
 def served_step_efficiency(delta: dict[str, Any] | None) -> float | None:
-    """Σ worker step time ÷ Σ step floor over a point (``deltaserve_worker_step_us_total`` ÷
-    ``deltaserve_worker_floor_us_total``, the floors from ``deltaserve.worker.step_floor``; 1.0 is
-    the bound), or None without metrics or steps."""
+    """Σ worker time on the steps ÷ Σ step floor over a point (``deltaserve_worker_busy_us_total`` ÷
+    ``deltaserve_worker_floor_us_total``: each step's own time, an overlapped step's wait for the one
+    before it not counted; the floors from ``deltaserve.worker.step_floor``; 1.0 is the bound), or
+    None without metrics or steps."""
     if not delta or not delta.get("deltaserve_worker_floor_us_total"):
         return None
-    return float(delta.get("deltaserve_worker_step_us_total", 0.0)) / float(delta["deltaserve_worker_floor_us_total"])
+    return float(delta.get("deltaserve_worker_busy_us_total", 0.0)) / float(delta["deltaserve_worker_floor_us_total"])
 
 
 def makespan_per_floor(makespan_s: float, delta: dict[str, Any] | None, workers: int) -> float | None:
     """The point's makespan on each of ``workers`` workers ÷ Σ step floor: a check on the served-step
-    efficiency that overlapped steps cannot inflate (a step launched behind the one in flight counts
-    that wait in its ``total_us``; the makespan counts each second once, idle ones included, so on a
-    saturated point it is close to the true Σ step ÷ Σ floor), or None without metrics or steps."""
+    efficiency from the client's clock (idle seconds included, so on a saturated point it is close to
+    Σ busy ÷ Σ floor), or None without metrics or steps."""
     if not delta or not delta.get("deltaserve_worker_floor_us_total") or makespan_s <= 0:
         return None
     return makespan_s * 1e6 * workers / float(delta["deltaserve_worker_floor_us_total"])

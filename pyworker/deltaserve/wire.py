@@ -62,7 +62,7 @@ SCHEMA_TEXT = (
     "StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>,adapter_ops:Vec<VariantOp>}\n"
     "TokenLogprob=0{token_id:u32,logprob:f64}\n"
     "RequestOutput=0{req_id:u64,token_id:Option<u32>,logprob:Option<f64>,top_logprobs:Vec<TokenLogprob>}\n"
-    "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64,floor_us:u64}\n"
+    "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64,floor_us:u64,busy_us:u64}\n"
     "FailedVariant=0{variant_id:u32,message:String}\n"
     "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,cpu_assisted_prefills:u32,cpu_assist_fallbacks:u32,cpu_assist_declined:u32,failed_variants:Vec<FailedVariant>}\n"
     "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
@@ -452,20 +452,25 @@ class StepTiming:
     #: The step's floor: the least time the device could take for what it ran, the larger of
     #: (bytes read: base weights once, the KV its requests attend over, its variants' weights)
     #: ÷ measured copy bandwidth and its FLOPs ÷ measured matmul peak (the worker's
-    #: `step_floor.py`); 0 for an empty step. `total_us / floor_us` summed is the served-step
-    #: efficiency.
+    #: `step_floor.py`); 0 for an empty step.
     floor_us: int = 0
+    #: The worker's time on this step alone: from the later of this plan being decoded and
+    #: the previous step's output being encoded, to this output being encoded. A step launched
+    #: behind the one in flight counts that wait in `total_us` but not here, so summed over
+    #: steps this is the worker's busy time, overlapped or not; `busy_us / floor_us` summed is
+    #: the served-step efficiency.
+    busy_us: int = 0
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.gap_us, self.forward_us, self.total_us, self.floor_us]
+        return [self.gap_us, self.forward_us, self.total_us, self.floor_us, self.busy_us]
 
     @classmethod
     def from_wire(cls, a: list) -> StepTiming:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 4:
-            return cls(a[0], a[1], a[2], a[3])
+        if n >= 5:
+            return cls(a[0], a[1], a[2], a[3], a[4])
         m = cls()
         if n > 0:
             m.gap_us = a[0]
@@ -475,6 +480,8 @@ class StepTiming:
             m.total_us = a[2]
         if n > 3:
             m.floor_us = a[3]
+        if n > 4:
+            m.busy_us = a[4]
         return m
 
 

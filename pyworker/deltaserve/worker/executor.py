@@ -400,7 +400,7 @@ class Executor:
     def finish(self, launched: LaunchedStep) -> wire.StepOutput:
         """Waits for ``launched``'s sampled tokens, appends them to their requests, and returns the
         step's output (``token_id`` None for partial prefill chunks)."""
-        timing = wire.StepTiming(gap_us=0, forward_us=0, total_us=0, floor_us=launched.floor_us)
+        timing = wire.StepTiming(gap_us=0, forward_us=0, total_us=0, floor_us=launched.floor_us, busy_us=0)
         if not launched.scheduled:
             return self._step_output(launched.step_id, [], timing)
         outputs, timing.forward_us = self.runner.finish(launched)

@@ -40,6 +40,9 @@ returns, so N is answered before N+1 is read.
 previous send (the Hello for the first plan) to this plan being decoded, the router's scheduling
 plus both IPC hops, or 0 when it arrived while a step still ran on the device.
 ``timing.total_us`` runs from the plan being decoded to just before its output is encoded.
+``timing.busy_us`` is this step's time alone: the same end, from the later of its plan being decoded
+and the previous step's output (a step launched behind the one in flight waits for it in
+``total_us``, not here), so the steps' ``busy_us`` add up to the worker's busy time.
 """
 
 from __future__ import annotations
@@ -136,6 +139,8 @@ class WorkerLoop:
         """When the previous frame finished sending (start of the next plan's gap)."""
         self.in_flight: InFlight | None = None
         """The step launched on the device whose output is not sent yet."""
+        self.last_output_at = 0.0
+        """When the previous step's output was finished (``timing.busy_us`` starts no earlier)."""
         self.on_iteration = on_iteration
         """Called at the top of every loop iteration, on this thread (``profiling.run_profiled``
         dumps its stats from here: the router kills the worker right after Shutdown)."""
@@ -257,8 +262,11 @@ class WorkerLoop:
             return
         with torch.inference_mode():
             out = self.executor.finish(in_flight.launched)
+        now = time.perf_counter()
         out.timing.gap_us = in_flight.gap_us
-        out.timing.total_us = int((time.perf_counter() - in_flight.decoded) * 1e6)
+        out.timing.total_us = int((now - in_flight.decoded) * 1e6)
+        out.timing.busy_us = int((now - max(in_flight.decoded, self.last_output_at)) * 1e6)
+        self.last_output_at = now
         self._send(out)
 
 

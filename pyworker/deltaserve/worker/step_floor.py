@@ -18,9 +18,9 @@ once per step at the bandwidth of a large device-to-device copy (bytes read plus
 rows gathered and the K/V written are not counted; compute runs at the peak of one large square matmul
 in the serving dtype, with no overlap loss between the memory-bound and compute-bound parts; norms,
 rotary, sampling and launch overheads cost nothing. The ratio Σ measured step time ÷ Σ floor (the
-*served-step efficiency*) is what the benchmarks report; 1.0 is the bound. A step launched behind the
-one in flight counts that wait in its ``total_us``, so with overlapped steps the serving benchmark also
-reports makespan ÷ Σ floor, which counts each second once.
+*served-step efficiency*) is what the benchmarks report; 1.0 is the bound. The measured time is each
+step's ``busy_us`` (``worker/loop.py``), not its ``total_us``: a step launched behind the one in flight
+counts that wait in ``total_us``, which would count overlapped seconds twice.
 
 ``measure_roofline`` is the calibration: a large copy and a large matmul, a few repetitions, best of
 (about 20 ms on a GPU, tens of ms on CPU). It runs once per process and device and is cached; the

@@ -149,6 +149,7 @@ pub fn step_output() -> StepOutput {
             forward_us: 12_345,
             total_us: 70_000,
             floor_us: 9_876,
+            busy_us: 52_000,
         },
         adapter_host_bytes: 3 << 30,
         host_ready: vec![7, 4_000_000_000],

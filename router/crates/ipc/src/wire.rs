@@ -339,9 +339,14 @@ wire_structs! {
         /// The step's floor: the least time the device could take for what it ran, the larger of
         /// (bytes read: base weights once, the KV its requests attend over, its variants' weights)
         /// ÷ measured copy bandwidth and its FLOPs ÷ measured matmul peak (the worker's
-        /// `step_floor.py`); 0 for an empty step. `total_us / floor_us` summed is the served-step
-        /// efficiency.
+        /// `step_floor.py`); 0 for an empty step.
         floor_us: u64,
+        /// The worker's time on this step alone: from the later of this plan being decoded and
+        /// the previous step's output being encoded, to this output being encoded. A step launched
+        /// behind the one in flight counts that wait in `total_us` but not here, so summed over
+        /// steps this is the worker's busy time, overlapped or not; `busy_us / floor_us` summed is
+        /// the served-step efficiency.
+        busy_us: u64,
     }
 
     /// A variant whose files failed after registration (its host read failed at the `to_gpu`

@@ -376,6 +376,7 @@ impl Actor {
         self.counters.worker_step_us += out.timing.total_us;
         self.counters.worker_forward_us += out.timing.forward_us;
         self.counters.worker_floor_us += out.timing.floor_us;
+        self.counters.worker_busy_us += out.timing.busy_us;
         self.counters.adapter_host_bytes_measured = out.adapter_host_bytes;
         self.counters.cpu_assisted_prefills += u64::from(out.cpu_assisted_prefills);
         self.counters.cpu_assist_fallbacks += u64::from(out.cpu_assist_fallbacks);
@@ -424,7 +425,7 @@ impl Actor {
             .map(|t| received.saturating_duration_since(t).as_micros() as u64)
             .unwrap_or(u64::MAX);
         let step_us = worker_us.min(since_previous) as f64;
-        let running = self.sched.stats().running;
+        let running = self.sched.num_running();
         let cap = {
             let mut admission = self.admission.lock().expect("admission lock");
             admission.step_measured(step.decode_seqs, step.prefill_tokens, step_us, running);
@@ -439,6 +440,16 @@ impl Actor {
         admission.dequeued(1, u64::from(prompt_tokens));
     }
 
+    /// Tells admission control the running batch's size after a request ended between steps
+    /// (a stop string, a cancel, an error): with no further step it would be stale.
+    fn publish_running(&mut self) {
+        let running = self.sched.num_running();
+        self.admission
+            .lock()
+            .expect("admission lock")
+            .set_running(running);
+    }
+
     /// Ends a request: a `Finished` event (`Some(reason)`), or silently when the client is gone.
     fn end(&mut self, id: u64, reason: Option<FinishReason>) {
         if let Some(tokens) = self.streams.queued_prompt_tokens(id) {
@@ -449,6 +460,7 @@ impl Actor {
                 Some(_) => self.counters.finished += 1,
                 None => self.counters.aborted += 1,
             }
+            self.publish_running();
         }
     }
 
@@ -459,6 +471,7 @@ impl Actor {
         }
         if self.streams.fail(id, message) {
             self.counters.aborted += 1;
+            self.publish_running();
         }
     }
 

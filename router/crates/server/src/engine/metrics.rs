@@ -204,7 +204,9 @@ engine_metrics! {
     worker_forward_us_total: Counter, Sum, |w| w.actor.worker_forward_us,
         "The forward-and-sampling part of that worker time, microseconds (the rest: adapter ops, waits for adapter loads included, and batch building).";
     worker_floor_us_total: Counter, Sum, |w| w.actor.worker_floor_us,
-        "Floor of the steps run (the worker's roofline: bytes read / measured copy bandwidth or FLOPs / measured matmul peak, the larger), microseconds; worker_step_us_total / this is the served-step efficiency.";
+        "Floor of the steps run (the worker's roofline: bytes read / measured copy bandwidth or FLOPs / measured matmul peak, the larger), microseconds; worker_busy_us_total / this is the served-step efficiency.";
+    worker_busy_us_total: Counter, Sum, |w| w.actor.worker_busy_us,
+        "Worker time on the steps alone, microseconds: each step from the later of its plan decoded and the previous output encoded to its output encoded (a step launched behind the one in flight does not count that wait, as worker_step_us_total does).";
     deltas_on_gpu: Gauge, Sum, |w| w.sched.deltas_on_gpu as u64,
         "Compressed deltas in the workers' delta slots (at most --max-deltas per worker).";
     delta_skips_total: Counter, Sum, |w| w.sched.delta_skips,
@@ -382,6 +384,8 @@ pub(super) struct ActorCounters {
     pub worker_forward_us: u64,
     /// Sum of the steps' floors (`floor_us`), microseconds.
     pub worker_floor_us: u64,
+    /// Sum of the worker's time on the steps alone (`busy_us`), microseconds.
+    pub worker_busy_us: u64,
     /// Sum of the worker's `cpu_assisted_prefills`.
     pub cpu_assisted_prefills: u64,
     /// Sum of the worker's `cpu_assist_fallbacks`.
@@ -448,6 +452,7 @@ mod tests {
         ("worker_step_us_total", "counter"),
         ("worker_forward_us_total", "counter"),
         ("worker_floor_us_total", "counter"),
+        ("worker_busy_us_total", "counter"),
         ("deltas_on_gpu", "gauge"),
         ("delta_skips_total", "counter"),
         ("delta_skip_preemptions_total", "counter"),
