@@ -1,7 +1,8 @@
 """Admission control through the running daemon (issue 28): with a tight ``--ttft-slo-ms``, a
 burst of concurrent requests is answered at once with 429 + ``Retry-After`` and a message naming
 the bound for what could not start in time, while every admitted request completes and no
-request is left without an answer.
+request is left without an answer. The daemon logs as JSON (``--log-format json``): each
+finished request is one structured line with its request id.
 
 One daemon on the tiny model for the module, with one running request at a time
 (``--max-num-seqs 1``), so a request queued behind the batch waits for a whole generation of 128
@@ -10,6 +11,7 @@ asserts how fast anything is."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -22,7 +24,8 @@ BURST = 24
 
 @pytest.fixture(scope="module")
 def daemon(tiny_llama):
-    with Daemon(tiny_llama, "--ttft-slo-ms", "100", "--max-num-seqs", "1", "--max-model-len", "256") as d:
+    flags = ["--ttft-slo-ms", "100", "--max-num-seqs", "1", "--max-model-len", "256", "--log-format", "json"]
+    with Daemon(tiny_llama, *flags) as d:
         yield d
 
 
@@ -61,3 +64,23 @@ def test_a_burst_over_the_ttft_slo_gets_429s_and_the_admitted_requests_complete(
     assert m["deltaserve_admission_running_cap"] == 1
     # The daemon serves normally once the burst is over.
     assert complete(daemon.url, 4).status_code == 200
+
+
+def test_json_logs_have_one_structured_line_per_finished_request(daemon):
+    r = complete(daemon.url, 3)
+    assert r.status_code == 200, r.text
+    request_id = r.headers["x-request-id"]
+    # The workers' own log lines (Python's logging) share the file; the daemon's are JSON.
+    lines = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
+    assert lines and all("level" in line and "fields" in line for line in lines)
+    finished = [
+        line
+        for line in lines
+        if line["fields"].get("message") == "request finished"
+        and any(span.get("request_id") == request_id for span in line.get("spans", []))
+    ]
+    assert len(finished) == 1, lines[-5:]
+    fields = finished[0]["fields"]
+    assert fields["finish_reason"] == "length" and fields["completion_tokens"] == 3, fields
+    assert fields["prompt_tokens"] == 4 and fields["variant"] and fields["tenant"], fields
+    assert fields["ttft_ms"] >= 0 and fields["duration_ms"] >= fields["ttft_ms"], fields

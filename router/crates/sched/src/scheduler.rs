@@ -127,6 +127,11 @@ impl Scheduler {
         self.cfg.max_num_seqs = max_num_seqs.max(self.running.len()).max(1);
     }
 
+    /// Requests in the running batch (what [`Self::stats`] reports, without the rest).
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
     /// Registers a variant, a LoRA adapter or a delta (in the disk tier; it moves up when a
     /// request needs it). Refuses, changing nothing: id 0 (the base model), an id already
     /// registered, a LoRA adapter with `num_blocks == 0`, a delta with `num_blocks != 0`, a

@@ -7,7 +7,6 @@
 //! (`RUST_LOG` aside, for log filtering).
 
 use std::ffi::OsString;
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
@@ -98,7 +97,6 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    init_logging();
     let args = match Args::try_parse_from(argv) {
         Ok(args) => args,
         Err(e) => {
@@ -106,6 +104,7 @@ where
             return e.exit_code();
         }
     };
+    crate::logging::init(&args.server.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -125,17 +124,9 @@ where
     }
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`), without colour codes when stderr is
-/// not a terminal. A second call (the daemon started twice in one Python process) keeps the
-/// first set-up.
+/// Logs to stderr as text ([`crate::logging::init`]).
 pub fn init_logging() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .try_init();
+    crate::logging::init("text");
 }
 
 async fn serve_or_tool(args: Args, host_python: Option<&Path>) -> anyhow::Result<i32> {

@@ -131,6 +131,21 @@ pub struct ServerConfig {
     /// 0 or absent: 10 unloaded decode steps.
     #[arg(long = "tpot-slo-ms", env = "DELTASERVE_TPOT_SLO_MS")]
     pub tpot_slo_ms: Option<u64>,
+    /// Browser origins (scheme://host[:port], comma-separated, or `*`) whose pages may call the
+    /// state-changing routes (POST/DELETE, generation, /v1/ws); without, a request with a
+    /// foreign `Origin` gets 403 (requests without `Origin`, like curl's and the SDKs', pass).
+    /// Their host names may also address an open daemon (see the README's "Security and
+    /// operations").
+    #[arg(
+        long = "allowed-origins",
+        env = "DELTASERVE_ALLOWED_ORIGINS",
+        value_delimiter = ','
+    )]
+    pub allowed_origins: Vec<String>,
+    /// Log format on stderr: `text`, or `json` (one object per line, with the request id).
+    #[arg(long = "log-format", env = "DELTASERVE_LOG_FORMAT", default_value = "text",
+          value_parser = crate::logging::LOG_FORMATS)]
+    pub log_format: String,
     /// Seconds a worker may take to load its model.
     #[arg(long = "worker-start-timeout", env = "DELTASERVE_WORKER_START_TIMEOUT", default_value = "900", value_parser = parse_seconds)]
     pub worker_start_timeout: Duration,
@@ -275,6 +290,7 @@ impl ServerConfig {
         if self.max_queued_per_worker == 0 {
             return Err("--max-queued-per-worker must be at least 1".into());
         }
+        crate::api::hygiene::AllowedOrigins::parse(&self.allowed_origins)?;
         if self.worker_threads == Some(0) {
             return Err(
                 "--worker-threads must be at least 1 (leave it out for the default)".into(),

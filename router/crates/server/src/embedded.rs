@@ -88,11 +88,11 @@ impl Embedded {
         http: bool,
         interrupted: impl FnMut() -> bool,
     ) -> Result<Embedded, EmbeddedError> {
-        cli::init_logging();
         let args = Args::try_parse_from(
             std::iter::once("deltaserve".to_string()).chain(flags.iter().cloned()),
         )
         .map_err(|e| EmbeddedError::Invalid(e.render().to_string()))?;
+        crate::logging::init(&args.server.log_format);
         if args.tool.is_some() {
             return Err(EmbeddedError::Invalid(
                 "an embedded server takes serving flags only, not a tool".into(),

@@ -30,6 +30,7 @@ pub mod embedded;
 pub mod engine;
 pub mod hub_cache;
 pub mod interpreter;
+pub mod logging;
 pub mod registry;
 pub mod roots;
 pub mod text;
@@ -181,7 +182,17 @@ pub async fn run(
     let access = access_control(&cfg)?;
     reload_keys_on_sighup(access.clone());
     let engine = start_engine(&cfg).await?;
-    serve_draining(engine, access, listener, shutdown, cfg.drain_timeout).await
+    let origins =
+        api::hygiene::AllowedOrigins::parse(&cfg.allowed_origins).map_err(anyhow::Error::msg)?;
+    serve_guarded(
+        engine,
+        access,
+        listener,
+        shutdown,
+        cfg.drain_timeout,
+        Arc::new(origins),
+    )
+    .await
 }
 
 /// Who may call the API: `--api-keys` and `--admin-key` (open to anyone without either).
@@ -251,10 +262,24 @@ pub async fn serve_draining(
     shutdown: impl Future<Output = ()> + Send + 'static,
     drain_timeout: std::time::Duration,
 ) -> anyhow::Result<()> {
+    let origins = Arc::new(api::hygiene::AllowedOrigins::default());
+    serve_guarded(engine, access, listener, shutdown, drain_timeout, origins).await
+}
+
+/// [`serve_draining`] where browsers on `allowed_origins` (`--allowed-origins`) may call the
+/// state-changing routes (`api/hygiene.rs`).
+pub async fn serve_guarded(
+    engine: EngineHandle,
+    access: Arc<AccessControl>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    drain_timeout: std::time::Duration,
+    allowed_origins: Arc<api::hygiene::AllowedOrigins>,
+) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!("serving {} on http://{addr}", engine.model().name);
     log_access(&access, addr);
-    let app = api::secured_router(engine.clone(), access);
+    let app = api::guarded_router(engine.clone(), access, allowed_origins);
     drain::serve_until_drained(app, engine, listener, shutdown, drain_timeout).await?;
     // Dropping the last handle (held by the router) ends the actors, which stop their workers;
     // give them a moment to do it cleanly.

@@ -346,7 +346,6 @@ mod tests {
                 None,
                 "must be a JSON object, got an array",
             ),
-            (Some("text/plain"), "{oops", None, "`text/plain`"),
             (
                 Some("application/json"),
                 r#"{"prompt": ["a", "b"]}"#,
@@ -369,6 +368,19 @@ mod tests {
             assert_eq!(p.as_deref(), *param, "{message}");
             assert!(message.contains(needle), "{message:?} lacks {needle:?}");
         }
+        // A body typed as anything but JSON is refused before it is read (hygiene.rs).
+        let (status, _, text) = send(
+            app.clone(),
+            "POST",
+            "/v1/completions",
+            Some("text/plain"),
+            "{oops".to_string(),
+        )
+        .await;
+        assert_eq!(status, 415, "{text}");
+        let (kind, _, message) = error_fields(&text);
+        assert_eq!(kind, "unsupported_media_type");
+        assert!(message.contains("`text/plain`"), "{message}");
         // No content type at all is accepted (curl without -H).
         let (status, _, text) = send(
             app,

@@ -28,6 +28,7 @@ pub mod chat;
 pub mod completions;
 pub mod error;
 pub mod health;
+pub mod hygiene;
 pub mod models;
 pub mod openai;
 pub mod quotas;
@@ -144,8 +145,23 @@ pub fn router_with<B: Backend>(backend: B) -> Router {
     secured_router(backend, Arc::new(AccessControl::open()))
 }
 
-/// Every route, serving `backend` to the callers `access` admits (see `auth.rs`).
+/// Every route, serving `backend` to the callers `access` admits (see `auth.rs`), with no
+/// cross-origin browser requests allowed (see `hygiene.rs`).
 pub fn secured_router<B: Backend>(backend: B, access: Arc<AccessControl>) -> Router {
+    guarded_router(backend, access, Default::default())
+}
+
+/// [`secured_router`] where browsers on `allowed_origins` (`--allowed-origins`) may call the
+/// state-changing routes too.
+pub fn guarded_router<B: Backend>(
+    backend: B,
+    access: Arc<AccessControl>,
+    allowed_origins: Arc<hygiene::AllowedOrigins>,
+) -> Router {
+    let hygiene = hygiene::Hygiene {
+        allowed_origins,
+        access: access.clone(),
+    };
     Router::new()
         .route("/v1/completions", post(completions::completions::<B>))
         .route("/v1/chat/completions", post(chat::chat_completions::<B>))
@@ -170,6 +186,10 @@ pub fn secured_router<B: Backend>(backend: B, access: Arc<AccessControl>) -> Rou
         .layer(axum::middleware::from_fn_with_state(
             access,
             auth::authenticate,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            hygiene,
+            hygiene::check,
         ))
         .layer(axum::middleware::from_fn(request_id::tag))
         .with_state(backend)

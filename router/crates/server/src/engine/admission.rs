@@ -289,39 +289,28 @@ impl Admission {
     }
 
     /// Admits a request (it joins the queue) or refuses it because its predicted TTFT exceeds
-    /// the SLO. Changes nothing on refusal but the refusal count.
-    pub fn admit(&mut self, prompt_tokens: u64, max_tokens: u32) -> Result<(), SloRefusal> {
-        if let (Some((prefill, slot)), Some(slo)) = (
-            self.predicted_ttft_parts_us(prompt_tokens),
-            self.ttft_slo_us(),
-        ) {
-            let predicted = prefill + slot;
-            if predicted > slo {
-                self.refused_ttft += 1;
-                let drain_s = (self.predicted_queue_wait_us() / 1e6).ceil() as u64;
-                let retry_after_secs = drain_s.max(1);
-                let bound = if self.slo.ttft_us.is_some() {
-                    "--ttft-slo-ms"
-                } else {
-                    "the measured default TTFT SLO (--ttft-slo-ms unset)"
-                };
-                return Err(SloRefusal {
-                    bound: "ttft_slo_ms",
-                    retry_after_secs,
-                    message: format!(
-                        "overloaded: the predicted time to first token, {:.0} ms ({:.0} ms of \
-                         prefills, {:.0} ms waiting for a slot in the running batch of {}), \
-                         exceeds {bound} of {:.0} ms ({} requests queued); retry after \
-                         {retry_after_secs} s",
-                        predicted / 1e3,
-                        prefill / 1e3,
-                        slot / 1e3,
-                        self.running,
-                        slo / 1e3,
-                        self.queued_requests
-                    ),
-                });
-            }
+    /// the SLO. Changes nothing on refusal but the refusal count. With nothing queued and a
+    /// free slot in the running batch the request is always admitted: it starts at the next
+    /// step, and waiting would not make it faster (and the steps it runs keep the estimates
+    /// fresh, so a pessimistic estimate cannot refuse everything for good). So is it when
+    /// `worker_idle` (no live request on the worker: the batch the last step reported, which
+    /// this state still counts, has ended since).
+    pub fn admit(
+        &mut self,
+        worker_idle: bool,
+        prompt_tokens: u64,
+        max_tokens: u32,
+    ) -> Result<(), SloRefusal> {
+        let starts_next =
+            worker_idle || (self.queued_requests == 0 && self.running < self.running_cap());
+        let refusal = if starts_next {
+            None
+        } else {
+            self.refusal(prompt_tokens)
+        };
+        if let Some(refusal) = refusal {
+            self.refused_ttft += 1;
+            return Err(refusal);
         }
         let first = self.queued_requests == 0 && self.mean_output_tokens == 0.0;
         self.mean_output_tokens = if first {
@@ -333,6 +322,38 @@ impl Admission {
         self.queued_requests += 1;
         self.queued_prompt_tokens += prompt_tokens;
         Ok(())
+    }
+
+    /// The refusal of a request of `prompt_tokens` whose predicted TTFT exceeds the SLO.
+    fn refusal(&self, prompt_tokens: u64) -> Option<SloRefusal> {
+        let (prefill, slot) = self.predicted_ttft_parts_us(prompt_tokens)?;
+        let slo = self.ttft_slo_us()?;
+        let predicted = prefill + slot;
+        if predicted <= slo {
+            return None;
+        }
+        let drain_s = (self.predicted_queue_wait_us() / 1e6).ceil() as u64;
+        let retry_after_secs = drain_s.max(1);
+        let bound = if self.slo.ttft_us.is_some() {
+            "--ttft-slo-ms"
+        } else {
+            "the measured default TTFT SLO (--ttft-slo-ms unset)"
+        };
+        Some(SloRefusal {
+            bound: "ttft_slo_ms",
+            retry_after_secs,
+            message: format!(
+                "overloaded: the predicted time to first token, {:.0} ms ({:.0} ms of prefills, \
+                 {:.0} ms waiting for a slot in the running batch of {}), exceeds {bound} of \
+                 {:.0} ms ({} requests queued); retry after {retry_after_secs} s",
+                predicted / 1e3,
+                prefill / 1e3,
+                slot / 1e3,
+                self.running,
+                slo / 1e3,
+                self.queued_requests
+            ),
+        })
     }
 
     /// Admitted requests left the queue (a step scheduled them, or they ended before one did),
@@ -350,6 +371,11 @@ impl Admission {
             predicted_queue_wait_us: self.predicted_queue_wait_us() as u64,
             running_cap: self.running_cap() as u64,
         }
+    }
+
+    /// The running batch's size now (a request ended between steps).
+    pub fn set_running(&mut self, running: usize) {
+        self.running = running;
     }
 
     /// A measured step (see [`StepCosts::observe`]) and the running batch after it.
@@ -420,7 +446,7 @@ mod tests {
             adm.step_measured(1, 0, 50_000.0, 1);
         }
         for _ in 0..100 {
-            adm.admit(1000, 64).unwrap();
+            adm.admit(false, 1000, 64).unwrap();
         }
         assert_eq!(adm.running_cap(), 64);
         assert_eq!(adm.predicted_queue_wait_us(), 0.0);
@@ -444,12 +470,12 @@ mod tests {
         adm.slo = Slo::from_ms(Some(50), Some(5));
         // 100 prompt tokens: 2000 us prefill + one step at b = 0 (1000 us) = 3 ms each.
         let mut admitted = 0;
-        while adm.admit(100, 16).is_ok() {
+        while adm.admit(false, 100, 16).is_ok() {
             admitted += 1;
             assert!(admitted < 1000);
         }
         assert!(admitted >= 10, "{admitted}");
-        let err = adm.admit(100, 16).unwrap_err();
+        let err = adm.admit(false, 100, 16).unwrap_err();
         assert_eq!(err.bound, "ttft_slo_ms");
         assert!(err.retry_after_secs >= 1);
         assert!(err.message.contains("--ttft-slo-ms"), "{}", err.message);
@@ -464,7 +490,28 @@ mod tests {
         // The queue drains: requests are admitted again.
         adm.dequeued(admitted, 100 * admitted as u64);
         assert_eq!(adm.predicted_queue_wait_us(), 0.0);
-        adm.admit(100, 16).unwrap();
+        adm.admit(false, 100, 16).unwrap();
+    }
+
+    #[test]
+    fn an_idle_worker_admits_whatever_its_estimate() {
+        let mut adm = measured(1000.0, 250.0, 20.0);
+        adm.slo = Slo::from_ms(Some(1), Some(5));
+        adm.admit(false, 1000, 16).unwrap();
+        let err = adm.admit(false, 1000, 16).unwrap_err();
+        assert_eq!(err.bound, "ttft_slo_ms");
+        adm.dequeued(1, 1000);
+        adm.admit(false, 1000, 16).unwrap();
+        adm.dequeued(1, 1000);
+        // The last step reported a full batch (cap 1 at a 1 ms TPOT) that has ended since.
+        adm.slo = Slo::from_ms(Some(1), Some(1));
+        adm.step_measured(1, 0, 1250.0, 1);
+        assert_eq!(adm.running_cap(), 1);
+        assert!(adm.admit(false, 10, 16).is_err());
+        adm.admit(true, 10, 16).unwrap();
+        adm.dequeued(1, 10);
+        adm.set_running(0);
+        adm.admit(false, 10, 16).unwrap();
     }
 
     #[test]
@@ -473,7 +520,7 @@ mod tests {
         adm.slo = Slo::from_ms(Some(1000), Some(5));
         // Cap 16, all running: the first queued request waits for a slot to free.
         adm.step_measured(16, 0, 5000.0, 16);
-        adm.admit(10, 100).unwrap();
+        adm.admit(false, 10, 100).unwrap();
         let one = adm.predicted_ttft_us(10).unwrap();
         // (2 / 16) slots x 100 tokens x 5000 us = 62.5 ms, plus a prefill step.
         assert!((one - 62_500.0 - 5000.0).abs() < 100.0, "{one}");

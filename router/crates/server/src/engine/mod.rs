@@ -272,8 +272,9 @@ impl EngineHandle {
                     self.inner.max_outstanding_per_worker
                 )));
             }
+            let idle = actor.outstanding.load(Ordering::Relaxed) == 0;
             admission
-                .admit(req.prompt_token_ids.len() as u64, req.max_tokens)
+                .admit(idle, req.prompt_token_ids.len() as u64, req.max_tokens)
                 .map_err(EngineError::OverSlo)?;
         }
         let prompt_tokens = req.prompt_token_ids.len() as u64;
