@@ -394,7 +394,6 @@ impl Actor {
             .map(|o| (o.req_id, o.token_id))
             .collect();
         let updates = self.sched.update(&sampled);
-        self.measure_step(&oldest, out.timing.total_us, received);
 
         // Keep the worker busy before doing the per-token work.
         let sent = self.counters.steps;
@@ -404,6 +403,12 @@ impl Actor {
                 .router_us
                 .push(received.elapsed().as_micros() as u64);
         }
+        // Off the critical path: the new cap applies from the next plan formed.
+        let worker_us = match out.timing.busy_us {
+            0 => out.timing.total_us,
+            busy => busy,
+        };
+        self.measure_step(&oldest, worker_us, received);
 
         let (tokens, ended) = self.streams.stream(updates, &out.outputs);
         self.counters.tokens += tokens;
@@ -415,8 +420,8 @@ impl Actor {
         }
     }
 
-    /// Feeds a step's measured time to admission control (the smaller of the worker's own time
-    /// and the interval since the previous output, see `admission.rs`) and gives the scheduler
+    /// Feeds a step's measured time to admission control (the smaller of the worker's time on
+    /// it and the interval since the previous output, see `admission.rs`) and gives the scheduler
     /// the running-batch cap that keeps the decode step within the TPOT SLO.
     fn measure_step(&mut self, step: &SentStep, worker_us: u64, received: Instant) {
         let since_previous = self
@@ -429,7 +434,7 @@ impl Actor {
         let cap = {
             let mut admission = self.admission.lock().expect("admission lock");
             admission.step_measured(step.decode_seqs, step.prefill_tokens, step_us, running);
-            admission.running_cap()
+            admission.cap()
         };
         self.sched.set_max_num_seqs(cap);
     }

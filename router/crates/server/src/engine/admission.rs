@@ -5,12 +5,12 @@
 //! # The estimate ([`StepCosts`])
 //!
 //! Every step the worker answers is observed with its shape (decoding requests, prefill tokens)
-//! and its time (the smaller of the worker's `StepTiming::total_us` and the interval since the
-//! previous output: with overlapped steps the first includes the wait for the step ahead, after
-//! an idle spell the second includes the idle time). Two cheap moving estimates follow:
+//! and its time (the smaller of the worker's `StepTiming::busy_us`, its time on that step alone,
+//! and the interval since the previous output). Two cheap moving estimates follow:
 //!
-//! - decode step time vs batch size, `t(b) = a + c·b`: an exponentially weighted least-squares
-//!   line over the steps without prefill (c ≥ 0; with one batch size seen, the line is flat);
+//! - decode step time vs batch size `t(b)`: a moving mean per batch size over the steps
+//!   without prefill; between measured sizes the line through the neighbours, outside them the
+//!   line from the smallest to the largest (never falling);
 //! - prefill cost per token (its inverse is the prefill throughput, tokens/s): an exponentially
 //!   weighted mean of `(step time − t(decoding requests)) / prefill tokens` over steps with a
 //!   prefill.
@@ -28,7 +28,10 @@
 //! It is refused when that exceeds the TTFT SLO; `Retry-After` is the predicted time for the
 //! queue ahead of it to drain (at least 1 s). The running batch is capped at the largest `b` with
 //! `t(b)` within the TPOT SLO (the actor gives the cap to its scheduler; requests beyond it wait
-//! in the queue and count toward the TTFT). Until [`MIN_DECODE_SAMPLES`] decode steps were
+//! in the queue and count toward the TTFT). A measured size within the SLO lets the batch grow an
+//! eighth past it (so an estimate from a few small batches cannot keep it small), a measured
+//! size over the SLO caps it below. With nothing queued and a free slot, or on an idle worker, a
+//! request is always admitted. Until [`MIN_DECODE_SAMPLES`] decode steps were
 //! measured every request is admitted (the static `--max-queued-per-worker` cap still applies).
 //!
 //! SLOs left unset are measured defaults: TPOT [`DEFAULT_TPOT_FACTOR`] × the unloaded decode step
@@ -38,6 +41,8 @@
 
 /// Weight of the newest sample in the moving estimates.
 const NEW_SAMPLE_WEIGHT: f64 = 0.05;
+/// Weight of the newest sample of one decode batch size (each size is seen less often).
+const BUCKET_SAMPLE_WEIGHT: f64 = 0.2;
 /// Decode steps measured before admission control refuses anything.
 pub const MIN_DECODE_SAMPLES: u64 = 8;
 /// Unset `--tpot-slo-ms`: this many unloaded decode steps.
@@ -47,15 +52,17 @@ pub const DEFAULT_TTFT_FACTOR: f64 = 500.0;
 /// ... and at least this long, microseconds.
 pub const MIN_DEFAULT_TTFT_US: f64 = 2_000_000.0;
 
+/// Batch sizes tracked one by one; larger decode batches share the last bucket's estimate.
+const MAX_TRACKED_BATCH: usize = 4096;
+/// A batch size not seen for this many decode steps no longer counts (its time may be old).
+const STALE_AFTER_STEPS: u64 = 4096;
+
 /// Moving estimates of one worker's step costs (see the module docs).
 #[derive(Debug, Clone, Default)]
 pub struct StepCosts {
-    /// Exponentially weighted sums over decode-only steps: weight, b, b², t, b·t.
-    w: f64,
-    sb: f64,
-    sbb: f64,
-    st: f64,
-    sbt: f64,
+    /// Per decode batch size: moving mean of the step time (µs) and the decode step it was last
+    /// seen at.
+    decode: Vec<Option<(f64, u64)>>,
     decode_samples: u64,
     /// Moving mean of the prefill cost per token, microseconds; `None` before a prefill.
     prefill_us_per_token: Option<f64>,
@@ -69,14 +76,18 @@ impl StepCosts {
             if decode_seqs == 0 {
                 return;
             }
-            let (b, t) = (decode_seqs as f64, step_us);
-            let keep = 1.0 - NEW_SAMPLE_WEIGHT;
-            self.w = self.w * keep + 1.0;
-            self.sb = self.sb * keep + b;
-            self.sbb = self.sbb * keep + b * b;
-            self.st = self.st * keep + t;
-            self.sbt = self.sbt * keep + b * t;
+            let b = decode_seqs.min(MAX_TRACKED_BATCH);
+            if self.decode.len() <= b {
+                self.decode.resize(b + 1, None);
+            }
             self.decode_samples += 1;
+            let now = self.decode_samples;
+            self.decode[b] = Some(match self.decode[b] {
+                Some((m, seen)) if now - seen <= STALE_AFTER_STEPS => {
+                    (m + BUCKET_SAMPLE_WEIGHT * (step_us - m), now)
+                }
+                _ => (step_us, now),
+            });
             return;
         }
         // Before a decode step was measured, the prefill's share of the step is unknown.
@@ -95,29 +106,61 @@ impl StepCosts {
         self.decode_samples
     }
 
-    /// The fitted line `(a, c)`: intercept and cost per decoding request, microseconds.
-    fn line(&self) -> Option<(f64, f64)> {
-        if self.decode_samples == 0 {
-            return None;
-        }
-        let mean_b = self.sb / self.w;
-        let mean_t = self.st / self.w;
-        let var = self.sbb / self.w - mean_b * mean_b;
-        let cov = self.sbt / self.w - mean_b * mean_t;
-        let slope = if var > 1e-6 {
-            (cov / var).max(0.0)
-        } else {
-            0.0
-        };
-        let intercept = (mean_t - slope * mean_b).max(0.0);
-        Some((intercept, slope))
+    /// The measured batch sizes (not stale) and their step times, smallest first.
+    fn points(&self) -> impl Iterator<Item = (usize, f64)> + '_ {
+        let now = self.decode_samples;
+        self.decode
+            .iter()
+            .enumerate()
+            .filter_map(move |(b, p)| match p {
+                Some((t, seen)) if now - seen <= STALE_AFTER_STEPS => Some((b, *t)),
+                _ => None,
+            })
     }
 
     /// Predicted time of a step decoding `batch` requests, microseconds (`None` before any
-    /// decode step was measured).
+    /// decode step was measured): the measured time at that batch size; between two measured
+    /// sizes, the line through them; outside them, the line from the smallest to the largest
+    /// (above: never below the largest's time; below: between half the smallest's and it).
     pub fn decode_step_us(&self, batch: usize) -> Option<f64> {
-        let (a, c) = self.line()?;
-        Some(a + c * batch as f64)
+        let batch = batch.min(MAX_TRACKED_BATCH);
+        let (mut first, mut below, mut above, mut last) = (None, None, None, None);
+        for (b, t) in self.points() {
+            first = first.or(Some((b, t)));
+            last = Some((b, t));
+            if b <= batch {
+                below = Some((b, t));
+            } else if above.is_none() {
+                above = Some((b, t));
+            }
+        }
+        let line = |(b0, t0): (usize, f64), (b1, t1): (usize, f64)| {
+            let slope = if b1 > b0 {
+                ((t1 - t0) / (b1 - b0) as f64).max(0.0)
+            } else {
+                0.0
+            };
+            t0 + slope * (batch as f64 - b0 as f64)
+        };
+        Some(match (below, above) {
+            (Some((b, t)), _) if b == batch => t,
+            (Some(lo), Some(hi)) => line(lo, hi),
+            (None, Some((_, t))) => line(first?, last?).clamp(t / 2.0, t),
+            (Some(lo), None) => line(first?, last?).max(lo.1),
+            (None, None) => return None,
+        })
+    }
+
+    /// The largest measured batch size whose step is within `slo_us`, and the smallest one
+    /// over it.
+    fn measured_bounds(&self, slo_us: f64) -> (Option<usize>, Option<usize>) {
+        let within = self
+            .points()
+            .filter(|(_, t)| *t <= slo_us)
+            .map(|(b, _)| b)
+            .last();
+        let over = self.points().find(|(_, t)| *t > slo_us).map(|(b, _)| b);
+        (within, over)
     }
 
     /// Measured prefill cost per prompt token, microseconds.
@@ -182,6 +225,8 @@ pub struct Admission {
     token_budget: usize,
     /// Requests in the running batch after the last step.
     running: usize,
+    /// [`Self::running_cap`] as of the last step (computed once per step).
+    cap: usize,
     /// Requests admitted and not yet scheduled, and their prompt tokens.
     queued_requests: usize,
     queued_prompt_tokens: u64,
@@ -200,6 +245,7 @@ impl Admission {
             max_num_seqs: max_num_seqs.max(1),
             token_budget: token_budget.max(1),
             running: 0,
+            cap: max_num_seqs.max(1),
             queued_requests: 0,
             queued_prompt_tokens: 0,
             mean_output_tokens: 0.0,
@@ -233,22 +279,38 @@ impl Admission {
         })
     }
 
+    /// The SLOs in force from now on.
+    pub fn set_slo(&mut self, slo: Slo) {
+        self.slo = slo;
+        self.cap = self.running_cap();
+    }
+
+    /// The running-batch cap as of the last step (see [`Self::running_cap`]).
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+
     /// Most requests the running batch may hold: the largest `b ≤ --max-num-seqs` whose
     /// predicted decode step is within the TPOT SLO (at least 1); `--max-num-seqs` before
     /// measurements.
     pub fn running_cap(&self) -> usize {
-        let (Some(slo), Some((a, c))) = (self.tpot_slo_us(), self.costs.line()) else {
+        let Some(slo) = self.tpot_slo_us().filter(|_| self.measured()) else {
             return self.max_num_seqs;
         };
-        if !self.measured() || c <= 0.0 {
-            return self.max_num_seqs;
+        // The predicted cap, where the estimate crosses the SLO (searched, at most 4096 sizes).
+        let predicted = (1..=self.max_num_seqs.min(MAX_TRACKED_BATCH))
+            .take_while(|b| self.costs.decode_step_us(*b).is_some_and(|t| t <= slo))
+            .last()
+            .unwrap_or(1);
+        // Measured sizes overrule it: one within the SLO lets the batch grow past it (an
+        // estimate from a few small batches must not keep the batch small for good), one over
+        // it caps the batch below it.
+        let (within, over) = self.costs.measured_bounds(slo);
+        let mut cap = predicted.max(within.map_or(1, |b| b + (b / 8).max(1)));
+        if let Some(over) = over {
+            cap = cap.min(over.saturating_sub(1));
         }
-        let fits = ((slo - a) / c).floor();
-        if fits < 1.0 {
-            1
-        } else {
-            (fits as usize).min(self.max_num_seqs)
-        }
+        cap.clamp(1, self.max_num_seqs)
     }
 
     /// Predicted TTFT of a request of `prompt_tokens` joining the queue now, microseconds
@@ -269,7 +331,7 @@ impl Admission {
         let chunk = self.token_budget.saturating_sub(self.running).max(1) as f64;
         let per_token = self.costs.prefill_us_per_token().unwrap_or(0.0);
         let prefill = tokens * per_token + (tokens / chunk).ceil() * t_running;
-        let cap = self.running_cap();
+        let cap = self.cap;
         let position = self.queued_requests + usize::from(prompt_tokens > 0);
         let free = cap.saturating_sub(self.running);
         let beyond = position.saturating_sub(free) as f64;
@@ -301,8 +363,7 @@ impl Admission {
         prompt_tokens: u64,
         max_tokens: u32,
     ) -> Result<(), SloRefusal> {
-        let starts_next =
-            worker_idle || (self.queued_requests == 0 && self.running < self.running_cap());
+        let starts_next = worker_idle || (self.queued_requests == 0 && self.running < self.cap);
         let refusal = if starts_next {
             None
         } else {
@@ -369,7 +430,7 @@ impl Admission {
             refused_ttft: self.refused_ttft,
             refused_queue_full: self.refused_queue_full,
             predicted_queue_wait_us: self.predicted_queue_wait_us() as u64,
-            running_cap: self.running_cap() as u64,
+            running_cap: self.cap as u64,
         }
     }
 
@@ -388,6 +449,7 @@ impl Admission {
     ) {
         self.costs.observe(decode_seqs, prefill_tokens, step_us);
         self.running = running;
+        self.cap = self.running_cap();
     }
 }
 
@@ -457,17 +519,20 @@ mod tests {
         let mut adm = measured(1000.0, 250.0, 20.0);
         // The default TPOT, 10 x t(1) = 12.5 ms: 1000 + 250 b <= 12500  =>  b <= 46.
         assert_eq!(adm.running_cap(), 46);
-        adm.slo = Slo::from_ms(None, Some(5));
-        // 1000 + 250 b <= 5000  =>  b <= 16.
-        assert_eq!(adm.running_cap(), 16);
-        adm.slo = Slo::from_ms(None, Some(1));
+        adm.set_slo(Slo::from_ms(None, Some(5)));
+        // 1000 + 250 b <= 5000  =>  b <= 16, measured at 16: an eighth more is tried ...
+        assert_eq!(adm.running_cap(), 18);
+        // ... and once measured over the SLO, the batch stays below it.
+        adm.step_measured(17, 0, 5250.0, 17);
+        assert_eq!((adm.running_cap(), adm.cap()), (16, 16));
+        adm.set_slo(Slo::from_ms(None, Some(1)));
         assert_eq!(adm.running_cap(), 1, "never below one");
     }
 
     #[test]
     fn a_request_over_the_ttft_slo_is_refused_with_the_queue_drain_time() {
         let mut adm = measured(1000.0, 250.0, 20.0);
-        adm.slo = Slo::from_ms(Some(50), Some(5));
+        adm.set_slo(Slo::from_ms(Some(50), Some(5)));
         // 100 prompt tokens: 2000 us prefill + one step at b = 0 (1000 us) = 3 ms each.
         let mut admitted = 0;
         while adm.admit(false, 100, 16).is_ok() {
@@ -496,7 +561,7 @@ mod tests {
     #[test]
     fn an_idle_worker_admits_whatever_its_estimate() {
         let mut adm = measured(1000.0, 250.0, 20.0);
-        adm.slo = Slo::from_ms(Some(1), Some(5));
+        adm.set_slo(Slo::from_ms(Some(1), Some(5)));
         adm.admit(false, 1000, 16).unwrap();
         let err = adm.admit(false, 1000, 16).unwrap_err();
         assert_eq!(err.bound, "ttft_slo_ms");
@@ -504,7 +569,7 @@ mod tests {
         adm.admit(false, 1000, 16).unwrap();
         adm.dequeued(1, 1000);
         // The last step reported a full batch (cap 1 at a 1 ms TPOT) that has ended since.
-        adm.slo = Slo::from_ms(Some(1), Some(1));
+        adm.set_slo(Slo::from_ms(Some(1), Some(1)));
         adm.step_measured(1, 0, 1250.0, 1);
         assert_eq!(adm.running_cap(), 1);
         assert!(adm.admit(false, 10, 16).is_err());
@@ -517,9 +582,12 @@ mod tests {
     #[test]
     fn a_full_batch_makes_queued_requests_wait_for_slots() {
         let mut adm = measured(1000.0, 250.0, 0.0);
-        adm.slo = Slo::from_ms(Some(1000), Some(5));
-        // Cap 16, all running: the first queued request waits for a slot to free.
+        adm.set_slo(Slo::from_ms(Some(1000), Some(5)));
+        // Cap 16 (17 was measured over the TPOT SLO), all running: the first queued request
+        // waits for a slot to free.
+        adm.step_measured(17, 0, 5250.0, 16);
         adm.step_measured(16, 0, 5000.0, 16);
+        assert_eq!(adm.cap(), 16);
         adm.admit(false, 10, 100).unwrap();
         let one = adm.predicted_ttft_us(10).unwrap();
         // (2 / 16) slots x 100 tokens x 5000 us = 62.5 ms, plus a prefill step.
