@@ -123,12 +123,13 @@ pub struct ServerConfig {
     pub max_queued_per_worker: usize,
     /// Admission control: refuse at once (429 + Retry-After) a request whose predicted time to
     /// first token, from the worker's measured step times and the prompt tokens queued ahead,
-    /// exceeds this many milliseconds. 0 or absent: 500 unloaded decode steps, at least 2 s.
+    /// exceeds this many milliseconds. Absent (or 0) with --tpot-slo-ms set: 500 unloaded decode
+    /// steps, at least 2 s; both absent: no admission control (every request queues).
     #[arg(long = "ttft-slo-ms", env = "DELTASERVE_TTFT_SLO_MS")]
     pub ttft_slo_ms: Option<u64>,
     /// Admission control: cap the running batch where the measured decode step reaches this many
     /// milliseconds per output token (the rest wait in the queue and count toward the TTFT).
-    /// 0 or absent: 10 unloaded decode steps.
+    /// Absent (or 0) with --ttft-slo-ms set: 10 unloaded decode steps.
     #[arg(long = "tpot-slo-ms", env = "DELTASERVE_TPOT_SLO_MS")]
     pub tpot_slo_ms: Option<u64>,
     /// Browser origins (scheme://host[:port], comma-separated, or `*`) whose pages may call the

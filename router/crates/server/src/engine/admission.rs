@@ -34,8 +34,11 @@
 //! request is always admitted. Until [`MIN_DECODE_SAMPLES`] decode steps were
 //! measured every request is admitted (the static `--max-queued-per-worker` cap still applies).
 //!
-//! SLOs left unset are measured defaults: TPOT [`DEFAULT_TPOT_FACTOR`] × the unloaded decode step
-//! `t(1)`, TTFT [`DEFAULT_TTFT_FACTOR`] × `t(1)` but at least [`MIN_DEFAULT_TTFT_US`].
+//! Admission control is on when an operator sets an SLO (`--ttft-slo-ms` or `--tpot-slo-ms`): a
+//! server nobody gave a deadline queues every request, as vLLM-style servers do, and benchmarks of
+//! saturated throughput admit everything. With one SLO set, the other is a measured default: TPOT
+//! [`DEFAULT_TPOT_FACTOR`] × the unloaded decode step `t(1)`, TTFT [`DEFAULT_TTFT_FACTOR`] × `t(1)`
+//! but at least [`MIN_DEFAULT_TTFT_US`].
 //!
 //! Pure: no clock, no IO; the actor feeds it measured microseconds and the handle asks it.
 
@@ -184,7 +187,13 @@ pub struct Slo {
 }
 
 impl Slo {
-    /// From the flags' milliseconds (0 or absent: the measured default).
+    /// Whether admission control is on: an SLO was set.
+    pub fn is_set(&self) -> bool {
+        self.ttft_us.is_some() || self.tpot_us.is_some()
+    }
+
+    /// From the flags' milliseconds (0 or absent: the measured default when the other is set;
+    /// neither: admission control off).
     pub fn from_ms(ttft_ms: Option<u64>, tpot_ms: Option<u64>) -> Self {
         let us = |ms: Option<u64>| ms.filter(|m| *m > 0).map(|m| m as f64 * 1000.0);
         Self {
@@ -263,17 +272,25 @@ impl Admission {
         self.costs.decode_samples() >= MIN_DECODE_SAMPLES
     }
 
-    /// The TPOT SLO in force, microseconds (`None` before measurements when unset).
+    /// The TPOT SLO in force, microseconds (`None` with admission control off, or before
+    /// measurements when unset).
     pub fn tpot_slo_us(&self) -> Option<f64> {
         self.slo.tpot_us.or_else(|| {
+            if !self.slo.is_set() {
+                return None;
+            }
             let unloaded = self.costs.decode_step_us(1).filter(|_| self.measured())?;
             Some(unloaded * DEFAULT_TPOT_FACTOR)
         })
     }
 
-    /// The TTFT SLO in force, microseconds (`None` before measurements when unset).
+    /// The TTFT SLO in force, microseconds (`None` with admission control off, or before
+    /// measurements when unset).
     pub fn ttft_slo_us(&self) -> Option<f64> {
         self.slo.ttft_us.or_else(|| {
+            if !self.slo.is_set() {
+                return None;
+            }
             let unloaded = self.costs.decode_step_us(1).filter(|_| self.measured())?;
             Some((unloaded * DEFAULT_TTFT_FACTOR).max(MIN_DEFAULT_TTFT_US))
         })
@@ -517,7 +534,17 @@ mod tests {
     #[test]
     fn the_running_batch_is_capped_by_the_tpot_slo() {
         let mut adm = measured(1000.0, 250.0, 20.0);
-        // The default TPOT, 10 x t(1) = 12.5 ms: 1000 + 250 b <= 12500  =>  b <= 46.
+        // No SLO given: admission control is off, the batch is the operator's --max-num-seqs.
+        assert_eq!(
+            (adm.running_cap(), adm.tpot_slo_us(), adm.ttft_slo_us()),
+            (64, None, None)
+        );
+        assert!(
+            adm.admit(false, 100_000, 64).is_ok(),
+            "nothing is refused without an SLO"
+        );
+        // A TTFT SLO alone: the default TPOT, 10 x t(1) = 12.5 ms: 1000 + 250 b <= 12500  =>  b <= 46.
+        adm.set_slo(Slo::from_ms(Some(60_000), None));
         assert_eq!(adm.running_cap(), 46);
         adm.set_slo(Slo::from_ms(None, Some(5)));
         // 1000 + 250 b <= 5000  =>  b <= 16, measured at 16: an eighth more is tried ...
@@ -597,12 +624,15 @@ mod tests {
 
     #[test]
     fn the_default_ttft_slo_is_measured_and_has_a_floor() {
-        let adm = measured(1000.0, 250.0, 20.0);
+        let mut adm = measured(1000.0, 250.0, 20.0);
+        adm.set_slo(Slo::from_ms(None, Some(20)));
         assert_eq!(adm.ttft_slo_us(), Some(MIN_DEFAULT_TTFT_US));
+        adm.set_slo(Slo::from_ms(Some(3_000), None));
         assert!((adm.tpot_slo_us().unwrap() - 12_500.0).abs() < 1e-6);
-        let slow = measured(10_000.0, 0.0, 20.0);
+        let mut slow = measured(10_000.0, 0.0, 20.0);
+        slow.set_slo(Slo::from_ms(None, Some(20)));
         assert!((slow.ttft_slo_us().unwrap() - 5_000_000.0).abs() < 1e-3);
-        let unmeasured = Admission::new(Slo::default(), 8, 8);
+        let unmeasured = Admission::new(Slo::from_ms(None, Some(20)), 8, 8);
         assert_eq!(unmeasured.ttft_slo_us(), None);
     }
 }
