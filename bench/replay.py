@@ -394,8 +394,9 @@ async def replay(trace: Trace, url: str, *, protocol: str = "sse", model_for: Ca
     start = time.perf_counter() + lead_s
     try:
         for req, rec in zip(trace.requests, all_records):
-            delay = start + req.t - time.perf_counter()
-            if delay > 0:
+            # A loop's timer may fire up to a clock tick early (uvloop's are whole milliseconds):
+            # sleep again for what is left, so no request goes out before its time.
+            while (delay := start + req.t - time.perf_counter()) > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(req, rec, start)))
         await asyncio.gather(*tasks)

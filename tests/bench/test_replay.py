@@ -305,6 +305,9 @@ def test_run_writes_the_point_it_was_interrupted_in(stalling, tmp_path, monkeypa
         time.sleep(0.3)
         os.kill(os.getpid(), getattr(signal, sig))
 
+    # Ctrl-C's own handler, as in a terminal: a run started in the background of a non-interactive
+    # shell (CI's, `cmd &`) inherits SIGINT ignored, and Python then installs no handler.
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     old = signal.signal(signal.SIGTERM, serving.exit_on_sigterm) if sig == "SIGTERM" else None
     killer = threading.Thread(target=interrupt, daemon=True)
     try:
@@ -315,6 +318,7 @@ def test_run_writes_the_point_it_was_interrupted_in(stalling, tmp_path, monkeypa
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
         assert signal.getsignal(signal.SIGTERM) is (serving.exit_on_sigterm if old is not None else signal.SIG_DFL)
     finally:
+        signal.signal(signal.SIGINT, old_int)
         if old is not None:
             signal.signal(signal.SIGTERM, old)
     if sig == "SIGTERM":
