@@ -50,7 +50,7 @@ from ..model.arch import ModelConfig
 from ..model.decoder import linear_slots
 from . import protocol as p
 from .compute import RAW_DTYPES, adapter_weights, module_delta, to_f32
-from .model import POLICIES, AssistModel, AssistStats, measure_load_bytes_per_ms
+from .model import ALWAYS_WAIT_READY_S, POLICIES, AssistModel, AssistStats, measure_load_bytes_per_ms
 from .pool import HelperPool
 from .shm import SharedSegment
 
@@ -181,7 +181,10 @@ class CpuAssist:
         ):
             return {}
         self.pool.start()  # lazily: the first adapter load; ready after their hellos
-        self.pool.poll()
+        if self.policy == "always":
+            self.pool.wait_ready(ALWAYS_WAIT_READY_S)
+        else:
+            self.pool.poll()
         to_gpu = {
             op.adapter_id for op in ops if op.kind == VariantKind.LORA and wire.TierOp(op.op) is wire.TierOp.TO_GPU
         }

@@ -30,7 +30,11 @@ BUDGET_MS = 20.0
 starts are a few to tens of ms, so a helper's share should end within the load it hides."""
 POLICIES = ("adaptive", "always")
 """``--cpu-lora-policy``: adaptive (assist when the model predicts a lower TTFT), always (whenever a
-helper is free and the host copy is shared; for tests and benchmarks)."""
+helper is free and the host copy is shared, waiting up to ``ALWAYS_WAIT_READY_S`` for helpers still
+starting; for tests and benchmarks, which must not depend on how fast helper processes start)."""
+ALWAYS_WAIT_READY_S = 30.0
+"""Under ``always``, how long a cold prefill waits for starting helpers' hellos (each imports torch;
+on a loaded host that can take seconds)."""
 
 
 @dataclass

@@ -114,7 +114,8 @@ pub struct ServerConfig {
     #[arg(long, env = "DELTASERVE_CPU_LORA_HELPERS")]
     pub cpu_lora_helpers: Option<u32>,
     /// When the helpers take a cold prefill: `adaptive` (the profiled model predicts their
-    /// compute ends before the adapter's load) or `always` (whenever one is free).
+    /// compute ends before the adapter's load) or `always` (whenever one is free; a cold prefill
+    /// waits up to 30 s for helpers still starting: for tests and benchmarks).
     #[arg(long, env = "DELTASERVE_CPU_LORA_POLICY", default_value = "adaptive",
           value_parser = ["adaptive", "always"])]
     pub cpu_lora_policy: String,
