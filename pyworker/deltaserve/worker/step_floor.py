@@ -224,13 +224,17 @@ def step_floor(
     pairs = sum(causal_pairs(r.computed, r.tokens) for r in runs)
     flops = 2 * costs.block_linear_params * tokens + 2 * costs.head_params * logits_rows
     flops += costs.attn_flops_per_pair * pairs
+    variant_tokens: dict[int, int] = {}
+    for r in runs:
+        if r.variant_id != 0:
+            variant_tokens[r.variant_id] = variant_tokens.get(r.variant_id, 0) + r.tokens
     variant_bytes = 0
-    for v in {r.variant_id for r in runs if r.variant_id != 0}:
+    for v, v_tokens in variant_tokens.items():
         cost = variants.get(v)
         if cost is None:
             continue
         variant_bytes += cost.read_bytes
-        flops += cost.flops_per_token * sum(r.tokens for r in runs if r.variant_id == v)
+        flops += cost.flops_per_token * v_tokens
     nbytes = costs.weight_bytes + kv_bytes + variant_bytes
     floor_s = max(nbytes / roofline.copy_bytes_per_s, flops / roofline.matmul_flops_per_s)
     return StepFloor(nbytes, flops, floor_s)
