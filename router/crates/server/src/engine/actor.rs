@@ -316,17 +316,13 @@ impl Actor {
                 left_tokens += u64::from(n.num_prompt_tokens);
             }
         }
-        let decode_seqs = step
-            .running
-            .iter()
-            .filter(|r| r.num_scheduled_tokens == 1)
-            .count();
-        prefill_tokens += step
-            .running
-            .iter()
-            .filter(|r| r.num_scheduled_tokens != 1)
-            .map(|r| r.num_scheduled_tokens as usize)
-            .sum::<usize>();
+        let mut decode_seqs = 0;
+        for r in &step.running {
+            match r.num_scheduled_tokens {
+                1 => decode_seqs += 1,
+                n => prefill_tokens += n as usize,
+            }
+        }
         if left_queue > 0 {
             let mut admission = self.admission.lock().expect("admission lock");
             admission.dequeued(left_queue, left_tokens);
