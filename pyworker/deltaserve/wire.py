@@ -30,6 +30,8 @@ __all__ = [
     "VariantKind",
     "TierOp",
     "KernelBackend",
+    "LogitBias",
+    "Penalties",
     "SamplingParams",
     "NewRequest",
     "RunningRequest",
@@ -55,7 +57,9 @@ __all__ = [
 
 #: Canonical schema text, identical to Rust's `ipc::schema::schema_text()`.
 SCHEMA_TEXT = (
-    "SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>}\n"
+    "LogitBias=0{token_id:u32,bias:f64}\n"
+    "Penalties=0{presence:f64,frequency:f64,repetition:f64}\n"
+    "SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>,logit_bias:Vec<LogitBias>,penalties:Option<Penalties>,min_tokens:u32,min_tokens_banned:Vec<u32>}\n"
     "NewRequest=0{req_id:u64,token_ids:Vec<u32>,num_prompt_tokens:u32,num_computed_tokens:u32,num_scheduled_tokens:u32,block_ids:Vec<u32>,sampling:SamplingParams,adapter_id:u32}\n"
     "RunningRequest=0{req_id:u64,num_scheduled_tokens:u32,new_block_ids:Vec<u32>}\n"
     "VariantOp=0{adapter_id:u32,op:TierOp,path:String,block_ids:Vec<u32>,kind:VariantKind,slot:Option<u32>}\n"
@@ -149,6 +153,72 @@ class KernelBackend(IntEnum):
 
 
 @dataclass(slots=True)
+class LogitBias:
+    """One entry of `SamplingParams::logit_bias`."""
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    token_id: int = 0
+    #: Added to the token's logit, in [-100, 100].
+    bias: float = 0.0
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.token_id, float(self.bias)]
+
+    @classmethod
+    def from_wire(cls, a: list) -> LogitBias:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 2:
+            return cls(a[0], a[1])
+        m = cls()
+        if n > 0:
+            m.token_id = a[0]
+        if n > 1:
+            m.bias = a[1]
+        return m
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Penalties over a request's tokens (`SamplingParams::penalties`); each is off at its
+    neutral value.
+    """
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: OpenAI's `presence_penalty` in [-2, 2]: subtracted from the logit of every token
+    #: generated at least once so far (0: off).
+    presence: float = 0.0
+    #: OpenAI's `frequency_penalty` in [-2, 2]: subtracted once per time the token was
+    #: generated so far (0: off).
+    frequency: float = 0.0
+    #: vLLM / transformers' `repetition_penalty` (> 0): a token of the prompt or the output so
+    #: far has its logit divided by it when positive, multiplied when not (1: off).
+    repetition: float = 0.0
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [float(self.presence), float(self.frequency), float(self.repetition)]
+
+    @classmethod
+    def from_wire(cls, a: list) -> Penalties:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 3:
+            return cls(a[0], a[1], a[2])
+        m = cls()
+        if n > 0:
+            m.presence = a[0]
+        if n > 1:
+            m.frequency = a[1]
+        if n > 2:
+            m.repetition = a[2]
+        return m
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """How to pick the next token of one request. `temperature == 0` means greedy."""
 
@@ -165,17 +235,30 @@ class SamplingParams:
     seed: Optional[int] = None
     #: Return the sampled token's logprob plus this many top alternatives; `None` for none.
     logprobs: Optional[int] = None
+    #: Added to the logits before sampling, greedy included (OpenAI's `logit_bias`); empty
+    #: for none. Token ids are below the vocabulary size (checked by the router).
+    logit_bias: list[LogitBias] = field(default_factory=list)
+    #: Presence, frequency and repetition penalties; `None` when all are off (the common
+    #: case costs one byte).
+    penalties: Optional[Penalties] = None
+    #: vLLM's `min_tokens`: while fewer output tokens than this exist, none of
+    #: `min_tokens_banned` can be sampled.
+    min_tokens: int = 0
+    #: The tokens that would end the request (its EOS ids unless `ignore_eos`, plus its
+    #: `stop_token_ids`), banned for output tokens below `min_tokens`; empty when
+    #: `min_tokens` is 0.
+    min_tokens_banned: list[int] = field(default_factory=list)
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [float(self.temperature), float(self.top_p), self.top_k, self.seed, self.logprobs]
+        return [float(self.temperature), float(self.top_p), self.top_k, self.seed, self.logprobs, [x0.to_wire() for x0 in self.logit_bias], (None if self.penalties is None else self.penalties.to_wire()), self.min_tokens, self.min_tokens_banned]
 
     @classmethod
     def from_wire(cls, a: list) -> SamplingParams:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 5:
-            return cls(a[0], a[1], a[2], a[3], a[4])
+        if n >= 9:
+            return cls(a[0], a[1], a[2], a[3], a[4], [LogitBias.from_wire(x0) for x0 in a[5]], (None if a[6] is None else Penalties.from_wire(a[6])), a[7], a[8])
         m = cls()
         if n > 0:
             m.temperature = a[0]
@@ -187,6 +270,14 @@ class SamplingParams:
             m.seed = a[3]
         if n > 4:
             m.logprobs = a[4]
+        if n > 5:
+            m.logit_bias = [LogitBias.from_wire(x0) for x0 in a[5]]
+        if n > 6:
+            m.penalties = (None if a[6] is None else Penalties.from_wire(a[6]))
+        if n > 7:
+            m.min_tokens = a[7]
+        if n > 8:
+            m.min_tokens_banned = a[8]
         return m
 
 

@@ -50,7 +50,17 @@ def test_golden_values_decode_into_the_right_fields() -> None:
     assert first.req_id == 1 << 40
     assert first.token_ids == [1, 127, 128, 255, 256, 65_535, 65_536, 151_643]
     assert len(first.block_ids) == 20
-    assert first.sampling == wire.SamplingParams(temperature=0.7, top_p=0.95, top_k=50, seed=(1 << 63) + 5, logprobs=5)
+    assert first.sampling == wire.SamplingParams(
+        temperature=0.7,
+        top_p=0.95,
+        top_k=50,
+        seed=(1 << 63) + 5,
+        logprobs=5,
+        logit_bias=[wire.LogitBias(token_id=50256, bias=-100.0)],
+        penalties=wire.Penalties(presence=0.5, frequency=-0.25, repetition=1.1),
+        min_tokens=4,
+        min_tokens_banned=[2, 50256],
+    )
     assert greedy.sampling.seed is None and greedy.sampling.logprobs is None
     assert plan.running[1] == wire.RunningRequest(
         req_id=2**64 - 1, num_scheduled_tokens=512, new_block_ids=[70_000, 70_001]

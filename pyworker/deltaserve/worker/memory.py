@@ -24,6 +24,7 @@ from deltaserve.model.batch import ForwardBatch
 from deltaserve.model.decoder import DecoderLM
 from deltaserve.model.kv_cache import PagedKVCache
 
+from .requests import RequestState
 from .sampler import Sampler
 
 log = logging.getLogger("deltaserve.worker")
@@ -125,8 +126,20 @@ def profile_activation_bytes(
         before = torch.cuda.memory_allocated(device)
         batch = ForwardBatch.build(seqs, block_size, device)
         logits = model.forward(batch, scratch)
-        params = [wire.SamplingParams(temperature=1.0, top_p=0.9, top_k=0, seed=None, logprobs=20)] * len(seqs)
-        sampler.sample(logits, params, [0] * len(seqs))
+        # Every row with a bias and penalties too: their buffers (a copy of the logits, counts).
+        params = [
+            wire.SamplingParams(
+                temperature=1.0,
+                top_p=0.9,
+                top_k=0,
+                seed=None,
+                logprobs=20,
+                logit_bias=[wire.LogitBias(token_id=0, bias=1.0)],
+                penalties=wire.Penalties(presence=0.5, frequency=0.5, repetition=1.1),
+            )
+        ] * len(seqs)
+        history = [RequestState(i, [0] * n, n - 1, 0, [], params[i]) for i, n in enumerate(lengths)]
+        sampler.sample(logits, params, [0] * len(seqs), history)
         torch.cuda.synchronize(device)
         peak = max(peak, torch.cuda.max_memory_allocated(device) - before)
         del batch, logits, scratch

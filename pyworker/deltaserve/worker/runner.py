@@ -15,7 +15,8 @@ time such a step comes, where the CUDA SBMM op runs (else they run eagerly). Pre
 run eagerly (``cuda_graphs.py``).
 
 A running request whose last sampled token is still on the device (the step before is in flight)
-computes it anyway: its input row is copied on the device from that step's sampled tensor.
+computes it anyway: its input row is copied on the device from that step's sampled tensor, and so
+is the token the sampler's penalties count (``in_flight_tokens``).
 ``finish`` waits for the sampled tokens and appends them to their requests.
 """
 
@@ -128,10 +129,16 @@ class ForwardRunner:
         with torch.inference_mode():
             logits = self.forward(seqs, rows, pending_inputs)
             if samplers:
+                params = [s.sampling for s in samplers]
+                history = in_flight_tokens = None
+                if self.sampler.needs_history(params):
+                    history, in_flight_tokens = samplers, self.in_flight_tokens(samplers, in_flight)
                 launched.sampled = self.sampler.launch(
                     logits,
-                    [s.sampling for s in samplers],
+                    params,
                     [len(s.token_ids) + s.pending - s.num_prompt_tokens for s in samplers],
+                    history,
+                    in_flight_tokens,
                 )
         # The step's tokens are computed (or queued to be): the next step continues from there.
         for state, n in scheduled:
@@ -143,6 +150,19 @@ class ForwardRunner:
             launched.done = torch.cuda.Event()
             launched.done.record()
         return launched
+
+    def in_flight_tokens(self, samplers: list[RequestState], in_flight: LaunchedStep | None) -> torch.Tensor | None:
+        """[len(samplers)] on the device: each sampling request's output token that ``in_flight`` is
+        still sampling (not yet in its ``token_ids``), -1 where none; None when no request has one.
+        Penalties count it (the sampler's docs)."""
+        rows = [j for j, s in enumerate(samplers) if s.pending]
+        if not rows:
+            return None
+        assert in_flight is not None and in_flight.sampled is not None
+        source = [in_flight.sample_row[samplers[j].req_id] for j in rows]
+        tokens = torch.full((len(samplers),), -1, dtype=torch.long, device=self.device)
+        sampled = in_flight.sampled.token_ids.index_select(0, to_device(source, torch.long, self.device))
+        return tokens.index_copy_(0, to_device(rows, torch.long, self.device), sampled)
 
     def forward(
         self, seqs: list, rows: StepRows, pending_inputs: tuple[torch.Tensor, torch.Tensor] | None

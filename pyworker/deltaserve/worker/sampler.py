@@ -2,7 +2,8 @@
 
 Pipeline for one batch (each stage runs only when some row needs it)::
 
-    logits [S, V] ──┬─ greedy rows (temperature 0) ─────────────── argmax ──────────────┐
+    logits [S, V] ─ adjusted (rows with logit_bias / min_tokens / penalties only: logit_adjust.py)
+      adjusted ─────┬─ greedy rows (temperature 0) ─────────────── argmax ──────────────┐
                     ├─ sampling rows: / temperature ─ top-k/top-p mask (one sort) ─ softmax
                     │     └─ draw: argmax(p / q), q ~ Exp(1)  (the "exponential race",     │
                     │        equivalent to a multinomial draw; q from the worker-global    │
@@ -17,20 +18,30 @@ Determinism: a seeded row draws its noise from a generator seeded with ``hash(se
 ``i`` is the index of the output token being drawn, and every other stage is row-local, so a seeded
 request samples the same tokens whatever else is in its batch (and after a preemption and resume).
 
-Logprobs are the log-softmax of the *unmodified* logits (no temperature, top-k or top-p): the
-OpenAI API reports the model's own distribution, and so do vLLM's default (``raw_logprobs``) and
-TGI. A greedy or top-k-filtered token therefore still gets its true model probability.
+Logprobs are the log-softmax of the *unmodified* logits (no logit bias, ``min_tokens`` ban,
+penalty, temperature, top-k or top-p): the OpenAI API reports the model's own distribution, and so
+do vLLM's default (``raw_logprobs``) and TGI. A greedy, biased or penalized token therefore still
+gets its true model probability (a token ``logit_bias`` forces may report a low one).
+
+Penalties count the tokens so far, including the one the previous step is still sampling when
+steps overlap: ``launch`` takes each row's known tokens (``history``) and ``in_flight``, a device
+tensor of each row's token still on the device (-1 where none); the counts are built on the device
+from both, so nothing waits (``logit_adjust.py``). Rows without bias, bans or penalties take no
+extra work, and when no row has any the logits are not even copied.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from deltaserve.model.batch import to_device
+
+from .logit_adjust import TokenHistory, adjusted_logits, is_penalized
 
 if TYPE_CHECKING:
     from deltaserve import wire
@@ -133,29 +144,41 @@ class Sampler:
         logits: torch.Tensor,
         params: list[wire.SamplingParams],
         output_index: list[int],
+        history: Sequence[TokenHistory] | None = None,
+        in_flight: torch.Tensor | None = None,
     ) -> SampleResult:
         """Samples one token per row of ``logits`` and waits for the result (``launch(...).result()``)."""
-        return self.launch(logits, params, output_index).result()
+        return self.launch(logits, params, output_index, history, in_flight).result()
+
+    @staticmethod
+    def needs_history(params: Sequence[wire.SamplingParams]) -> bool:
+        """Whether some row is penalized: ``launch`` then needs ``history`` (and ``in_flight``)."""
+        return any(is_penalized(p) for p in params)
 
     def launch(
         self,
         logits: torch.Tensor,
         params: list[wire.SamplingParams],
         output_index: list[int],
+        history: Sequence[TokenHistory] | None = None,
+        in_flight: torch.Tensor | None = None,
     ) -> LaunchedSample:
         """Queues the sampling of one token per row of ``logits`` on its device; nothing waits.
 
         Shape: logits [S, V] float32; params and output_index have length S. ``output_index[r]``
-        is the index of the output token row r draws (seeds the per-request generator). Every
-        read of ``logits`` is queued here, so the caller may overwrite them (a graph replay)
-        before ``result()``.
+        is the index of the output token row r draws (seeds the per-request generator and gates
+        ``min_tokens``). ``history[r]`` holds row r's tokens the host knows and ``in_flight`` [S]
+        (LongTensor on the logits' device) its output token still on the device, or -1; both are
+        read only when ``needs_history(params)``. Every read of ``logits`` is queued here, so the
+        caller may overwrite them (a graph replay) before ``result()``.
         """
         num_rows, vocab = logits.shape
         if len(params) != num_rows or len(output_index) != num_rows:
             raise ValueError(
                 f"sampler got {num_rows} logit rows but {len(params)} params / {len(output_index)} indices"
             )
-        logits = logits.float()
+        raw = logits.float()
+        logits = adjusted_logits(raw, params, output_index, history, in_flight)
         device = logits.device
         chosen = torch.empty(num_rows, dtype=torch.long, device=device)
 
@@ -177,7 +200,7 @@ class Sampler:
         want = [r for r, p in enumerate(params) if p.logprobs is not None]
         if want:
             rows = to_device(want, torch.long, device)
-            logprobs = torch.log_softmax(logits[rows], dim=-1)
+            logprobs = torch.log_softmax(raw[rows], dim=-1)
             launched.logprob_rows = want
             launched.top_n = [min(int(params[r].logprobs or 0), vocab) for r in want]
             launched.picked = logprobs.gather(1, chosen[rows].unsqueeze(1)).squeeze(1)

@@ -287,9 +287,10 @@ mod tests {
             top_k: 300,
             seed: Some(u64::MAX),
             logprobs: None,
+            ..Default::default()
         };
         let body = rmp_serde::to_vec(&sp).unwrap();
-        let mut want = vec![0x95, 0xcb];
+        let mut want = vec![0x99, 0xcb];
         want.extend(0.0f64.to_be_bytes());
         want.push(0xcb);
         want.extend(1.0f64.to_be_bytes());
@@ -297,6 +298,8 @@ mod tests {
         want.push(0xcf);
         want.extend(u64::MAX.to_be_bytes());
         want.push(0xc0);
+        // No logit bias, no penalties, no min_tokens: one byte each.
+        want.extend([0x90, 0xc0, 0x00, 0x90]);
         assert_eq!(body, want);
 
         let err = WorkerError {

@@ -9,9 +9,9 @@
 
 use crate::schema::schema_hash;
 use crate::wire::{
-    Hello, InspectVariant, KernelBackend, KvCapacity, ModelInfo, NewRequest, RequestOutput,
-    RunningRequest, SamplingParams, Shutdown, StepOutput, StepPlan, StepTiming, TierOp,
-    TokenLogprob, VariantInfo, VariantKind, VariantOp, WorkerConfig, WorkerError,
+    Hello, InspectVariant, KernelBackend, KvCapacity, LogitBias, ModelInfo, NewRequest, Penalties,
+    RequestOutput, RunningRequest, SamplingParams, Shutdown, StepOutput, StepPlan, StepTiming,
+    TierOp, TokenLogprob, VariantInfo, VariantKind, VariantOp, WorkerConfig, WorkerError,
 };
 
 /// A plan with one sampled and one greedy new request, two running requests, two releases, and
@@ -33,6 +33,17 @@ pub fn step_plan() -> StepPlan {
                     top_k: 50,
                     seed: Some((1 << 63) + 5),
                     logprobs: Some(5),
+                    logit_bias: vec![LogitBias {
+                        token_id: 50256,
+                        bias: -100.0,
+                    }],
+                    penalties: Some(Penalties {
+                        presence: 0.5,
+                        frequency: -0.25,
+                        repetition: 1.1,
+                    }),
+                    min_tokens: 4,
+                    min_tokens_banned: vec![2, 50256],
                 },
                 adapter_id: 1000,
             },
@@ -49,6 +60,7 @@ pub fn step_plan() -> StepPlan {
                     top_k: 0,
                     seed: None,
                     logprobs: None,
+                    ..Default::default()
                 },
                 adapter_id: 0,
             },

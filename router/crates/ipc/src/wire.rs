@@ -225,6 +225,27 @@ wire_enums! {
 }
 
 wire_structs! {
+    /// One entry of `SamplingParams::logit_bias`.
+    struct LogitBias = 0 {
+        token_id: u32,
+        /// Added to the token's logit, in [-100, 100].
+        bias: f64,
+    }
+
+    /// Penalties over a request's tokens (`SamplingParams::penalties`); each is off at its
+    /// neutral value.
+    struct Penalties = 0 {
+        /// OpenAI's `presence_penalty` in [-2, 2]: subtracted from the logit of every token
+        /// generated at least once so far (0: off).
+        presence: f64,
+        /// OpenAI's `frequency_penalty` in [-2, 2]: subtracted once per time the token was
+        /// generated so far (0: off).
+        frequency: f64,
+        /// vLLM / transformers' `repetition_penalty` (> 0): a token of the prompt or the output so
+        /// far has its logit divided by it when positive, multiplied when not (1: off).
+        repetition: f64,
+    }
+
     /// How to pick the next token of one request. `temperature == 0` means greedy.
     struct SamplingParams = 0 {
         /// Softmax temperature; 0 selects the arg-max token (greedy).
@@ -238,6 +259,19 @@ wire_structs! {
         seed: Option<u64>,
         /// Return the sampled token's logprob plus this many top alternatives; `None` for none.
         logprobs: Option<u32>,
+        /// Added to the logits before sampling, greedy included (OpenAI's `logit_bias`); empty
+        /// for none. Token ids are below the vocabulary size (checked by the router).
+        logit_bias: Vec<LogitBias>,
+        /// Presence, frequency and repetition penalties; `None` when all are off (the common
+        /// case costs one byte).
+        penalties: Option<Penalties>,
+        /// vLLM's `min_tokens`: while fewer output tokens than this exist, none of
+        /// `min_tokens_banned` can be sampled.
+        min_tokens: u32,
+        /// The tokens that would end the request (its EOS ids unless `ignore_eos`, plus its
+        /// `stop_token_ids`), banned for output tokens below `min_tokens`; empty when
+        /// `min_tokens` is 0.
+        min_tokens_banned: Vec<u32>,
     }
 
     /// A request the worker has not seen (or has released, e.g. after preemption): sent in full.

@@ -8,6 +8,9 @@
 //! ```
 //!
 //! All checks run before the engine sees the request, so every refusal is a 4xx with `param`.
+//! The fields that reshape the logits or stop on token ids are checked in [`token_fields`].
+
+mod token_fields;
 
 use deltaserve_ipc::wire::SamplingParams;
 use serde_json::Value;
@@ -19,6 +22,7 @@ use crate::engine::{GenerateRequest, ServedModel};
 use crate::text::chat_template::{json_kind, ChatTemplate};
 use crate::text::tokenizer::TextTokenizer;
 use crate::text::TextError;
+use token_fields::{check_min_tokens, TokenFields};
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's).
 pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
@@ -61,8 +65,7 @@ struct CommonFields<'a> {
     seed: Option<u64>,
     stop: Option<&'a Value>,
     n: Option<i64>,
-    presence_penalty: Option<f64>,
-    frequency_penalty: Option<f64>,
+    tokens: TokenFields<'a>,
     stream: Option<bool>,
     stream_options: Option<&'a StreamOptions>,
     ignore_eos: Option<bool>,
@@ -171,8 +174,14 @@ pub fn validate_completion(
         seed: req.seed,
         stop: req.stop.as_ref(),
         n: req.n,
-        presence_penalty: req.presence_penalty,
-        frequency_penalty: req.frequency_penalty,
+        tokens: TokenFields {
+            logit_bias: req.logit_bias.as_ref(),
+            presence_penalty: req.presence_penalty,
+            frequency_penalty: req.frequency_penalty,
+            repetition_penalty: req.repetition_penalty,
+            min_tokens: req.min_tokens,
+            stop_token_ids: req.stop_token_ids.as_ref(),
+        },
         stream: req.stream,
         stream_options: req.stream_options.as_ref(),
         ignore_eos: req.ignore_eos,
@@ -191,7 +200,7 @@ pub fn validate_completion(
             ))
         }
     };
-    let mut partial = common_fields(&common, logprobs)?;
+    let mut partial = common_fields(&common, logprobs, ctx.model.vocab_size)?;
     partial.request.adapter_id = adapter_id;
     let prompt = req
         .prompt
@@ -205,6 +214,11 @@ pub fn validate_completion(
         prompt_ids.len(),
         "prompt",
         ctx,
+    )?;
+    check_min_tokens(
+        partial.request.sampling.min_tokens,
+        max_tokens,
+        "max_tokens",
     )?;
     partial.request.prompt_token_ids = prompt_ids;
     partial.request.max_tokens = max_tokens;
@@ -224,8 +238,14 @@ pub fn validate_chat(
         seed: req.seed,
         stop: req.stop.as_ref(),
         n: req.n,
-        presence_penalty: req.presence_penalty,
-        frequency_penalty: req.frequency_penalty,
+        tokens: TokenFields {
+            logit_bias: req.logit_bias.as_ref(),
+            presence_penalty: req.presence_penalty,
+            frequency_penalty: req.frequency_penalty,
+            repetition_penalty: req.repetition_penalty,
+            min_tokens: req.min_tokens,
+            stop_token_ids: req.stop_token_ids.as_ref(),
+        },
         stream: req.stream,
         stream_options: req.stream_options.as_ref(),
         ignore_eos: req.ignore_eos,
@@ -251,7 +271,7 @@ pub fn validate_chat(
         }
         (_, None) => None,
     };
-    let mut partial = common_fields(&common, logprobs)?;
+    let mut partial = common_fields(&common, logprobs, ctx.model.vocab_size)?;
     partial.request.adapter_id = adapter_id;
     let messages = req
         .messages
@@ -292,13 +312,18 @@ pub fn validate_chat(
         (None, v) => (v, "max_tokens"),
     };
     let max_tokens = max_tokens(value, param, None, prompt_ids.len(), "messages", ctx)?;
+    check_min_tokens(partial.request.sampling.min_tokens, max_tokens, param)?;
     partial.request.prompt_token_ids = prompt_ids;
     partial.request.max_tokens = max_tokens;
     Ok(partial)
 }
 
 /// Checks the shared fields; the prompt and `max_tokens` are filled in by the caller.
-fn common_fields(f: &CommonFields<'_>, logprobs: Option<u32>) -> Result<Validated, ApiError> {
+fn common_fields(
+    f: &CommonFields<'_>,
+    logprobs: Option<u32>,
+    vocab_size: u32,
+) -> Result<Validated, ApiError> {
     let temperature = f.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::invalid(
@@ -329,17 +354,7 @@ fn common_fields(f: &CommonFields<'_>, logprobs: Option<u32>) -> Result<Validate
             format!("only `n: 1` is supported, got {n}"),
         ));
     }
-    for (name, value) in [
-        ("presence_penalty", f.presence_penalty),
-        ("frequency_penalty", f.frequency_penalty),
-    ] {
-        if let Some(v) = value.filter(|&v| v != 0.0) {
-            return Err(ApiError::invalid(
-                name,
-                format!("`{name}` is not supported (only 0), got {v}"),
-            ));
-        }
-    }
+    let tokens = token_fields::check(&f.tokens, vocab_size)?;
     let stop = stop_strings(f.stop)?;
     let stream = f.stream.unwrap_or(false);
     Ok(Validated {
@@ -352,8 +367,14 @@ fn common_fields(f: &CommonFields<'_>, logprobs: Option<u32>) -> Result<Validate
                 top_k,
                 seed: f.seed,
                 logprobs,
+                logit_bias: tokens.logit_bias,
+                penalties: tokens.penalties,
+                min_tokens: tokens.min_tokens,
+                // The engine fills it in (it knows the model's EOS ids).
+                min_tokens_banned: Vec::new(),
             },
             stop,
+            stop_token_ids: tokens.stop_token_ids,
             ignore_eos: f.ignore_eos.unwrap_or(false),
             adapter_id: 0,
         },
@@ -625,7 +646,8 @@ mod tests {
                 top_p: 1.0,
                 top_k: 0,
                 seed: None,
-                logprobs: None
+                logprobs: None,
+                ..SamplingParams::default()
             }
         );
         assert_eq!(
@@ -712,10 +734,26 @@ mod tests {
             (r#""top_k": -2"#, "top_k", &["-2"]),
             (r#""n": 2"#, "n", &["n: 1", "2"]),
             (
-                r#""presence_penalty": 0.5"#,
+                r#""presence_penalty": 2.5"#,
                 "presence_penalty",
-                &["not supported"],
+                &["between -2 and 2"],
             ),
+            (
+                r#""repetition_penalty": 0"#,
+                "repetition_penalty",
+                &["greater than 0"],
+            ),
+            (
+                r#""logit_bias": {"300": 1}"#,
+                "logit_bias",
+                &["\"300\"", "0 to 299"],
+            ),
+            (
+                r#""stop_token_ids": [300]"#,
+                "stop_token_ids",
+                &["0 to 299"],
+            ),
+            (r#""min_tokens": 17"#, "min_tokens", &["`max_tokens` (16)"]),
             (r#""echo": true"#, "echo", &["not supported"]),
             (r#""logprobs": 6"#, "logprobs", &["between 0 and 5", "6"]),
             (
@@ -748,6 +786,39 @@ mod tests {
         assert_eq!(param.as_deref(), Some("seed"), "{message}");
         let err = completion(r#"{"prompt": "x", "stream": "yes"}"#).unwrap_err();
         assert!(err.to_string().contains("stream"), "{err}");
+    }
+
+    #[test]
+    fn logit_shaping_and_stop_token_fields_reach_the_engine_request() {
+        let fields = r#""logit_bias": {"7": 100}, "presence_penalty": 0.5,
+            "repetition_penalty": 1.2, "min_tokens": 3, "stop_token_ids": [9, 4]"#;
+        let chat_body =
+            format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], {fields}}}"#);
+        for v in [
+            completion(&format!(r#"{{"prompt": "x", {fields}}}"#)).unwrap(),
+            chat(&chat_body, true).unwrap(),
+        ] {
+            let s = &v.request.sampling;
+            assert_eq!(
+                s.logit_bias,
+                vec![deltaserve_ipc::wire::LogitBias {
+                    token_id: 7,
+                    bias: 100.0
+                }]
+            );
+            let p = s.penalties.clone().unwrap();
+            assert_eq!((p.presence, p.frequency, p.repetition), (0.5, 0.0, 1.2));
+            assert_eq!((s.min_tokens, s.min_tokens_banned.len()), (3, 0));
+            assert_eq!(v.request.stop_token_ids, vec![9, 4]);
+        }
+        // The chat endpoint names the field that set max_tokens.
+        let body = r#"{"messages": [{"role": "user", "content": "x"}], "min_tokens": 5,
+            "max_completion_tokens": 4}"#;
+        assert_invalid(
+            chat(body, true),
+            "min_tokens",
+            &["`max_completion_tokens` (4)"],
+        );
     }
 
     #[test]

@@ -84,10 +84,19 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     /// Choices per prompt: only 1 is supported.
     pub n: Option<i64>,
-    /// Not supported unless 0.
+    /// In [-2, 2] (default 0): subtracted from each token already generated (OpenAI).
     pub presence_penalty: Option<f64>,
-    /// Not supported unless 0.
+    /// In [-2, 2] (default 0): subtracted once per time a token was generated (OpenAI).
     pub frequency_penalty: Option<f64>,
+    /// Token id (a string) -> bias in [-100, 100] added to its logit; at most 300 entries.
+    pub logit_bias: Option<Value>,
+    /// Greater than 0 (default 1): divides (multiplies, if negative) the logits of the
+    /// prompt's and the output's tokens (vLLM extension).
+    pub repetition_penalty: Option<f64>,
+    /// No EOS or `stop_token_ids` (and no stop string) before this many tokens (vLLM extension).
+    pub min_tokens: Option<i64>,
+    /// Token ids that end the request (finish reason `stop`; not in the text) (vLLM extension).
+    pub stop_token_ids: Option<Value>,
     /// Keep generating past EOS (extension, for benchmarks).
     pub ignore_eos: Option<bool>,
     /// The end user's id: accepted, not used.
@@ -95,19 +104,11 @@ pub struct CompletionRequest {
     /// Not implemented (400 unless a no-op).
     pub best_of: Option<Unsupported>,
     /// Not implemented (400 unless a no-op).
-    pub logit_bias: Option<Unsupported>,
-    /// Not implemented (400 unless a no-op).
     pub suffix: Option<Unsupported>,
     /// Not implemented (vLLM extension; 400 unless a no-op).
     pub response_format: Option<Unsupported>,
     /// Not implemented (vLLM extension; 400 unless a no-op).
-    pub repetition_penalty: Option<Unsupported>,
-    /// Not implemented (vLLM extension; 400 unless a no-op).
-    pub min_tokens: Option<Unsupported>,
-    /// Not implemented (vLLM extension; 400 unless a no-op).
     pub min_p: Option<Unsupported>,
-    /// Not implemented (vLLM extension; 400 unless a no-op).
-    pub stop_token_ids: Option<Unsupported>,
 }
 
 /// Body of `POST /v1/chat/completions`.
@@ -142,16 +143,23 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<i64>,
     /// Choices per request: only 1 is supported.
     pub n: Option<i64>,
-    /// Not supported unless 0.
+    /// In [-2, 2] (default 0): subtracted from each token already generated (OpenAI).
     pub presence_penalty: Option<f64>,
-    /// Not supported unless 0.
+    /// In [-2, 2] (default 0): subtracted once per time a token was generated (OpenAI).
     pub frequency_penalty: Option<f64>,
+    /// Token id (a string) -> bias in [-100, 100] added to its logit; at most 300 entries.
+    pub logit_bias: Option<Value>,
+    /// Greater than 0 (default 1): divides (multiplies, if negative) the logits of the
+    /// prompt's and the output's tokens (vLLM extension).
+    pub repetition_penalty: Option<f64>,
+    /// No EOS or `stop_token_ids` (and no stop string) before this many tokens (vLLM extension).
+    pub min_tokens: Option<i64>,
+    /// Token ids that end the request (finish reason `stop`; not in the text) (vLLM extension).
+    pub stop_token_ids: Option<Value>,
     /// Keep generating past EOS (extension, for benchmarks).
     pub ignore_eos: Option<bool>,
     /// The end user's id: accepted, not used.
     pub user: Option<String>,
-    /// Not implemented (400 unless a no-op).
-    pub logit_bias: Option<Unsupported>,
     /// Not implemented (400 unless `{"type": "text"}`).
     pub response_format: Option<Unsupported>,
     /// Not implemented (400 unless empty).
@@ -165,13 +173,7 @@ pub struct ChatCompletionRequest {
     /// Not implemented (deprecated `tool_choice`; 400 unless `"none"`).
     pub function_call: Option<Unsupported>,
     /// Not implemented (vLLM extension; 400 unless a no-op).
-    pub repetition_penalty: Option<Unsupported>,
-    /// Not implemented (vLLM extension; 400 unless a no-op).
-    pub min_tokens: Option<Unsupported>,
-    /// Not implemented (vLLM extension; 400 unless a no-op).
     pub min_p: Option<Unsupported>,
-    /// Not implemented (vLLM extension; 400 unless a no-op).
-    pub stop_token_ids: Option<Unsupported>,
 }
 
 /// Token counts of a request.
@@ -416,13 +418,10 @@ mod tests {
     #[test]
     fn unimplemented_fields_are_400s_naming_them() {
         for (field, value) in [
-            ("logit_bias", r#"{"50256": -100}"#),
             ("best_of", "3"),
             ("suffix", r#""}""#),
             ("response_format", r#"{"type": "json_object"}"#),
-            ("repetition_penalty", "1.1"),
-            ("min_tokens", "4"),
-            ("stop_token_ids", "[7]"),
+            ("min_p", "0.1"),
         ] {
             let (message, param) =
                 refused::<CompletionRequest>(&format!(r#"{{"prompt": "x", "{field}": {value}}}"#));
@@ -442,13 +441,42 @@ mod tests {
                 "response_format",
                 r#"{"type": "json_schema", "json_schema": {}}"#,
             ),
-            ("logit_bias", r#"{"1": 5}"#),
             ("parallel_tool_calls", "true"),
         ] {
             let body = format!(
                 r#"{{"messages": [{{"role": "user", "content": "x"}}], "{field}": {value}}}"#
             );
             let (message, param) = refused::<ChatCompletionRequest>(&body);
+            assert_eq!(param.as_deref(), Some(field), "{message}");
+        }
+    }
+
+    #[test]
+    fn logit_shaping_and_stop_token_fields_are_accepted_in_both_endpoints() {
+        let fields = r#""logit_bias": {"50256": -100}, "presence_penalty": 0.5,
+            "frequency_penalty": -1, "repetition_penalty": 1.1, "min_tokens": 4,
+            "stop_token_ids": [7]"#;
+        let req: CompletionRequest =
+            parse_json(format!(r#"{{"prompt": "x", {fields}}}"#).as_bytes()).unwrap();
+        assert_eq!(
+            (req.repetition_penalty, req.min_tokens, req.presence_penalty),
+            (Some(1.1), Some(4), Some(0.5))
+        );
+        assert!(req.logit_bias.is_some() && req.stop_token_ids.is_some());
+        let req: ChatCompletionRequest =
+            parse_json(format!(r#"{{"messages": [], {fields}}}"#).as_bytes()).unwrap();
+        assert_eq!(
+            (req.frequency_penalty, req.min_tokens),
+            (Some(-1.0), Some(4))
+        );
+        // Wrong JSON types are 400s naming the field (ranges and ids: `validate`).
+        for (field, value) in [
+            ("repetition_penalty", r#""high""#),
+            ("min_tokens", "1.5"),
+            ("presence_penalty", "[]"),
+        ] {
+            let (message, param) =
+                refused::<CompletionRequest>(&format!(r#"{{"prompt": "x", "{field}": {value}}}"#));
             assert_eq!(param.as_deref(), Some(field), "{message}");
         }
     }

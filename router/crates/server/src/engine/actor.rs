@@ -228,7 +228,7 @@ impl Actor {
     fn on_command(&mut self, cmd: Command) {
         match cmd {
             Command::Generate {
-                req,
+                mut req,
                 events,
                 arrived,
             } => {
@@ -241,12 +241,18 @@ impl Actor {
                 let id = self.next_id;
                 self.next_id += 1;
                 let seq_prompt_tokens = req.prompt_token_ids.len() as u32;
+                // EOS (unless ignore_eos) and stop_token_ids end a request alike; the worker
+                // bans them all below min_tokens.
+                let ending = req.ending_token_ids(&worker.hello.model.eos_token_ids);
+                if req.sampling.min_tokens > 0 {
+                    req.sampling.min_tokens_banned = ending.clone();
+                }
                 let seq = SeqRequest {
                     id,
                     prompt: req.prompt_token_ids.clone(),
                     max_tokens: req.max_tokens,
-                    eos_token_ids: worker.hello.model.eos_token_ids.clone(),
-                    ignore_eos: req.ignore_eos,
+                    eos_token_ids: ending,
+                    ignore_eos: false,
                     arrival: id,
                     adapter_id: req.adapter_id,
                 };

@@ -67,6 +67,27 @@ pub struct GenerateRequest {
     /// The variant to apply, a LoRA adapter or a delta (its worker id from the registry), 0 for
     /// the base model.
     pub adapter_id: u32,
+    /// Token ids that end the request like EOS (vLLM's `stop_token_ids`, even with
+    /// `ignore_eos`): finish reason `stop`, and the token's text is not emitted.
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl GenerateRequest {
+    /// Every token that ends this request: the model's `eos` ids unless `ignore_eos`, then its
+    /// `stop_token_ids`.
+    pub fn ending_token_ids(&self, eos: &[u32]) -> Vec<u32> {
+        let mut ids = if self.ignore_eos {
+            Vec::new()
+        } else {
+            eos.to_vec()
+        };
+        for &t in &self.stop_token_ids {
+            if !ids.contains(&t) {
+                ids.push(t);
+            }
+        }
+        ids
+    }
 }
 
 /// What a request's receiver gets, in order: `Token`s, then exactly one `Finished` or `Error`.

@@ -3,8 +3,10 @@
 //! receivers, the last event (`Finished` or `Error`), and the latency histograms observed as
 //! those events happen. [`Streams`] also keeps the handle's count of outstanding requests.
 //!
-//! What the scheduler decided (EOS, length) arrives with each token; stop strings are decided
-//! here. The caller tells the scheduler about stop-string ends ([`Ended::stopped`]).
+//! What the scheduler decided (EOS or a `stop_token_ids` token, length) arrives with each token;
+//! stop strings are decided here (not before `min_tokens` output tokens, as vLLM's stop checker).
+//! The text of a `stop_token_ids` token that ended a request is not emitted (vLLM). The caller
+//! tells the scheduler about stop-string ends ([`Ended::stopped`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,7 +19,7 @@ use tokio::sync::mpsc;
 
 use super::metrics::RequestLatency;
 use super::{FinishReason, GenerateEvent, GenerateRequest};
-use crate::text::detok::DetokStream;
+use crate::text::detok::{DetokStream, StepText};
 use crate::text::tokenizer::TextTokenizer;
 
 /// A request this actor owns.
@@ -40,6 +42,8 @@ struct Live {
     scheduled: bool,
     /// Its variant (0: the base model).
     variant_id: u32,
+    /// Its `stop_token_ids` (their text is not emitted when one ends it).
+    stop_token_ids: Vec<u32>,
 }
 
 /// A request that a step's tokens ended.
@@ -87,7 +91,8 @@ impl Streams {
         events: mpsc::UnboundedSender<GenerateEvent>,
         arrived: Instant,
     ) {
-        let detok = DetokStream::new(self.tokenizer.clone(), &req.prompt_token_ids, req.stop);
+        let detok = DetokStream::new(self.tokenizer.clone(), &req.prompt_token_ids, req.stop)
+            .with_min_tokens(req.sampling.min_tokens);
         let live = Live {
             events,
             detok,
@@ -98,6 +103,7 @@ impl Streams {
             first_token_at: None,
             scheduled: false,
             variant_id: req.adapter_id,
+            stop_token_ids: req.stop_token_ids,
         };
         self.live.insert(id, live);
     }
@@ -184,7 +190,13 @@ impl Streams {
             };
             live.completion_tokens += 1;
             tokens += 1;
-            let step_text = live.detok.push(u.token);
+            let stop_token =
+                u.finished == Some(SchedFinish::Eos) && live.stop_token_ids.contains(&u.token);
+            let step_text = if stop_token {
+                StepText::default()
+            } else {
+                live.detok.push(u.token)
+            };
             let mut text = step_text.delta;
             let reason = if step_text.stopped {
                 Some(FinishReason::Stop)
@@ -272,6 +284,7 @@ mod tests {
             stop: stop.iter().map(|s| s.to_string()).collect(),
             ignore_eos: false,
             adapter_id: 0,
+            stop_token_ids: vec![],
         }
     }
 
@@ -383,6 +396,62 @@ mod tests {
         assert_eq!(latency.e2e_request_latency.get_sample_count(), 1);
         assert_eq!(outstanding.load(Ordering::Relaxed), 0);
         assert!(streams.ids().is_empty());
+    }
+
+    fn texts(events: &[GenerateEvent]) -> String {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                GenerateEvent::Token { text, .. } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_stop_token_id_ends_without_its_text_and_stop_strings_wait_for_min_tokens() {
+        let mut streams = Streams::new(
+            tiny_tokenizer(),
+            Arc::new(AtomicUsize::new(2)),
+            Default::default(),
+        );
+        let (tx_a, mut rx_a) = mpsc::unbounded_channel();
+        let (tx_b, mut rx_b) = mpsc::unbounded_channel();
+        // 104 = "h", 105 = "i" in the tiny tokenizer. The scheduler ends a request on a stop
+        // token id with Eos; a token that ends it by length keeps its text.
+        let mut a = request(&[]);
+        a.stop_token_ids = vec![105];
+        streams.open(1, a, tx_a, Instant::now());
+        let mut b = request(&["h"]);
+        b.sampling.min_tokens = 2;
+        streams.open(2, b, tx_b, Instant::now());
+        let (_, ended) = streams.stream(vec![token(1, 104, None), token(2, 104, None)], &[]);
+        assert!(
+            ended.is_empty(),
+            "{ended:?}: the stop string waits for min_tokens"
+        );
+        let (_, ended) = streams.stream(
+            vec![token(1, 105, Some(SchedFinish::Eos)), token(2, 104, None)],
+            &[],
+        );
+        let reasons: Vec<_> = ended.iter().map(|e| (e.id, e.reason, e.stopped)).collect();
+        assert_eq!(
+            reasons,
+            vec![
+                (1, FinishReason::Stop, false),
+                (2, FinishReason::Stop, true)
+            ]
+        );
+        assert_eq!(
+            texts(&drain(&mut rx_a)),
+            "h",
+            "the stop token's text is not emitted"
+        );
+        assert_eq!(
+            texts(&drain(&mut rx_b)),
+            "h",
+            "the first h came before min_tokens"
+        );
     }
 
     #[test]

@@ -26,6 +26,10 @@
 //! reader would have seen first). Otherwise all of `pending` is emitted except its longest suffix
 //! that is a proper prefix of some stop string; that suffix waits until later text rules the
 //! stop in or out, or until `flush` at a non-stop finish.
+//!
+//! With `min_tokens` ([`DetokStream::with_min_tokens`]), text decoded while fewer output tokens
+//! than that exist is emitted without looking for stop strings (vLLM's stop checker skips them
+//! too); matching starts with the text of output token `min_tokens`.
 
 use std::sync::Arc;
 
@@ -59,6 +63,10 @@ pub struct DetokStream {
     pending: String,
     /// A stop string was found; nothing more is emitted.
     stopped: bool,
+    /// Output tokens pushed so far.
+    generated: u32,
+    /// Stop strings are looked for once `generated` reaches this.
+    min_tokens: u32,
 }
 
 impl DetokStream {
@@ -81,7 +89,20 @@ impl DetokStream {
             stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
             pending: String::new(),
             stopped: false,
+            generated: 0,
+            min_tokens: 0,
         }
+    }
+
+    /// No stop string is looked for in the text of the first `min_tokens - 1` output tokens.
+    pub fn with_min_tokens(mut self, min_tokens: u32) -> Self {
+        self.min_tokens = min_tokens;
+        self
+    }
+
+    /// Whether stop strings are looked for yet.
+    fn checking(&self) -> bool {
+        self.generated >= self.min_tokens
     }
 
     /// Adds one generated token; returns the text it makes safe to emit.
@@ -93,8 +114,15 @@ impl DetokStream {
             };
         }
         self.ids.push(token_id);
+        self.generated += 1;
         if let Some(text) = self.decode_new(false) {
             self.pending.push_str(&text);
+        }
+        if !self.checking() {
+            return StepText {
+                delta: std::mem::take(&mut self.pending),
+                stopped: false,
+            };
         }
         self.release()
     }
@@ -108,7 +136,7 @@ impl DetokStream {
         if let Some(text) = self.decode_new(true) {
             self.pending.push_str(&text);
         }
-        if let Some((start, _)) = self.first_stop() {
+        if let Some((start, _)) = self.first_stop().filter(|_| self.checking()) {
             self.pending.truncate(start);
             self.stopped = true;
         }
@@ -320,6 +348,26 @@ mod tests {
         assert!(!stopped);
         assert_eq!(deltas.concat(), "a ");
         assert_eq!(flushed, "S");
+    }
+
+    #[test]
+    fn stop_strings_are_not_looked_for_before_min_tokens() {
+        let tok = tiny_tokenizer();
+        let ids = tok.encode("xyabxy", false).unwrap();
+        assert_eq!(ids.len(), 6, "single-byte tokens");
+        // The first "xy" ends at output token 2 < min_tokens 3: emitted; the second stops.
+        let mut stream = DetokStream::new(tok.clone(), &[], vec!["xy".into()]).with_min_tokens(3);
+        let (deltas, _, stopped) = run(&mut stream, &ids);
+        assert!(stopped);
+        assert_eq!(deltas.concat(), "xyab");
+        // A finish before min_tokens flushes everything, stop strings included.
+        let mut stream = DetokStream::new(tok.clone(), &[], vec!["xy".into()]).with_min_tokens(9);
+        let (deltas, flushed, stopped) = run(&mut stream, &ids);
+        assert!(!stopped);
+        assert_eq!(deltas.concat() + &flushed, "xyabxy");
+        // min_tokens 1 is the same as none.
+        let mut stream = DetokStream::new(tok.clone(), &[], vec!["xy".into()]).with_min_tokens(1);
+        assert!(run(&mut stream, &ids).2);
     }
 
     #[test]
