@@ -155,6 +155,10 @@ pub struct ServerConfig {
     /// the rest then end with an error event.
     #[arg(long = "drain-timeout", env = "DELTASERVE_DRAIN_TIMEOUT", default_value = "30", value_parser = parse_seconds)]
     pub drain_timeout: Duration,
+    /// Seconds a client may take to send a request's headers (also how long a keep-alive
+    /// connection may stay idle between requests); a slower one is disconnected. 0: no limit.
+    #[arg(long = "header-read-timeout-s", env = "DELTASERVE_HEADER_READ_TIMEOUT_S", default_value = "10", value_parser = parse_seconds)]
+    pub header_read_timeout_s: Duration,
     /// CPU threads of each worker's torch ops. Default: the cores this process may run on,
     /// divided among its CPU workers (a GPU worker keeps torch's own default).
     #[arg(long, env = "DELTASERVE_WORKER_THREADS")]
@@ -454,6 +458,11 @@ impl ServerConfig {
             );
         }
         Ok(out)
+    }
+
+    /// `--header-read-timeout-s` as the server takes it (`None`: no limit).
+    pub fn header_read_timeout(&self) -> Option<Duration> {
+        Some(self.header_read_timeout_s).filter(|t| !t.is_zero())
     }
 
     /// The name clients use for the model.

@@ -11,7 +11,7 @@
 //!                     ─▶ the engine's last handle goes: the workers stop, their IPC files go
 //! ```
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -125,12 +125,14 @@ async fn refuse_while_draining(State(drain): State<Drain>, req: Request, next: N
 
 /// Serves `app` (already holding `engine`) on `listener` until `shutdown`, then drains as the
 /// module says; returns once the server stopped and every connection is closed or dropped.
+/// `header_read_timeout`: `--header-read-timeout-s` ([`crate::listen`]).
 pub async fn serve_until_drained(
     app: Router,
     engine: EngineHandle,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
     timeout: Duration,
+    header_read_timeout: Option<Duration>,
 ) -> std::io::Result<()> {
     let drain = Drain::default();
     let app = drain.guard(app);
@@ -139,12 +141,10 @@ pub async fn serve_until_drained(
         drain.drain_after(shutdown, engine, timeout).await;
         let _ = drained_tx.send(true);
     };
-    let server = axum::serve(listener, app)
-        .with_graceful_shutdown(stop)
-        .into_future();
+    let server = crate::listen::serve(listener, app, header_read_timeout, stop);
     tokio::pin!(server);
     tokio::select! {
-        result = &mut server => result,
+        () = &mut server => Ok(()),
         _ = async {
             let _ = drained.wait_for(|done| *done).await;
             tokio::time::sleep(CLOSE_GRACE).await;

@@ -30,6 +30,7 @@ pub mod embedded;
 pub mod engine;
 pub mod hub_cache;
 pub mod interpreter;
+pub mod listen;
 pub mod logging;
 pub mod registry;
 pub mod roots;
@@ -191,6 +192,7 @@ pub async fn run(
         shutdown,
         cfg.drain_timeout,
         Arc::new(origins),
+        cfg.header_read_timeout(),
     )
     .await
 }
@@ -263,11 +265,22 @@ pub async fn serve_draining(
     drain_timeout: std::time::Duration,
 ) -> anyhow::Result<()> {
     let origins = Arc::new(api::hygiene::AllowedOrigins::default());
-    serve_guarded(engine, access, listener, shutdown, drain_timeout, origins).await
+    let headers = Some(listen::DEFAULT_HEADER_READ_TIMEOUT);
+    serve_guarded(
+        engine,
+        access,
+        listener,
+        shutdown,
+        drain_timeout,
+        origins,
+        headers,
+    )
+    .await
 }
 
 /// [`serve_draining`] where browsers on `allowed_origins` (`--allowed-origins`) may call the
-/// state-changing routes (`api/hygiene.rs`).
+/// state-changing routes (`api/hygiene.rs`), and clients must send their request headers within
+/// `header_read_timeout` (`--header-read-timeout-s`, [`listen`]).
 pub async fn serve_guarded(
     engine: EngineHandle,
     access: Arc<AccessControl>,
@@ -275,12 +288,21 @@ pub async fn serve_guarded(
     shutdown: impl Future<Output = ()> + Send + 'static,
     drain_timeout: std::time::Duration,
     allowed_origins: Arc<api::hygiene::AllowedOrigins>,
+    header_read_timeout: Option<std::time::Duration>,
 ) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     tracing::info!("serving {} on http://{addr}", engine.model().name);
     log_access(&access, addr);
     let app = api::guarded_router(engine.clone(), access, allowed_origins);
-    drain::serve_until_drained(app, engine, listener, shutdown, drain_timeout).await?;
+    drain::serve_until_drained(
+        app,
+        engine,
+        listener,
+        shutdown,
+        drain_timeout,
+        header_read_timeout,
+    )
+    .await?;
     // Dropping the last handle (held by the router) ends the actors, which stop their workers;
     // give them a moment to do it cleanly.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
