@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use deltaserve_ipc::wire::{KernelBackend, VariantKind, WorkerConfig};
 
+use crate::variant_sources::VariantSources;
+
 /// Default for [`ServerConfig::max_deltas`] (DeltaZip's profiled number of deltas worth
 /// batching at once).
 pub const DEFAULT_MAX_DELTAS: usize = deltaserve_sched::DEFAULT_MAX_DELTAS;
@@ -72,10 +74,24 @@ pub struct ServerConfig {
     #[arg(long = "lora", env = "DELTASERVE_LORA", value_delimiter = ',', value_parser = parse_lora)]
     pub loras: Vec<(String, PathBuf)>,
     /// A directory of LoRA adapters: each subdirectory with an adapter_config.json is served,
-    /// named after the subdirectory; repeat the flag for more. More can be added at run time
+    /// named after the subdirectory; repeat the flag for more. One added later is found at
+    /// its first request (`model: "<base>:NAME"`) and registered then; more can also be added
     /// with `POST /v1/adapters`.
     #[arg(long = "lora-dir", env = "DELTASERVE_LORA_DIR", value_delimiter = ',')]
     pub lora_dirs: Vec<PathBuf>,
+    /// A directory of compressed deltas (`deltaserve compress` output): like --lora-dir, each
+    /// subdirectory with a manifest.json is served, named after it, and one added later is
+    /// found at its first request.
+    #[arg(
+        long = "delta-dir",
+        env = "DELTASERVE_DELTA_DIR",
+        value_delimiter = ','
+    )]
+    pub delta_dirs: Vec<PathBuf>,
+    /// Serve a request for `<base>:org/name` that is not registered from the local Hugging Face
+    /// hub cache (HF_HUB_CACHE, offline: nothing is downloaded), registering it on first use.
+    #[arg(long, env = "DELTASERVE_ADAPTERS_FROM_HUB_CACHE")]
+    pub adapters_from_hub_cache: bool,
     /// A compressed full fine-tune to serve, as NAME=DIR (a directory written by
     /// `deltaserve compress`); repeat the flag for more. Registered after the LoRA adapters;
     /// clients select it with `model: "<base>:NAME"` (or NAME alone).
@@ -420,44 +436,42 @@ impl ServerConfig {
 
     /// The variants to register at start-up, `(name, dir, kind)`: every `--lora`, then each
     /// `--lora-dir`'s adapter subdirectories sorted by name, then every `--delta`, then each
-    /// `--zoo`'s variants stored as deltas (`zoo_variants`), sorted by name. Names are
-    /// checked at registration, and so is each directory's kind.
+    /// `--delta-dir`'s delta subdirectories, then each `--zoo`'s variants stored as deltas
+    /// (`zoo_variants`), sorted by name. Names are checked at registration, and so is each
+    /// directory's kind.
     pub fn startup_adapters(&self) -> Result<Vec<(String, PathBuf, VariantKind)>, String> {
         let lora = |(name, dir): (String, PathBuf)| (name, dir, VariantKind::Lora);
+        let delta = |(name, dir): (String, PathBuf)| (name, dir, VariantKind::Delta);
         let mut out: Vec<_> = self.loras.iter().cloned().map(lora).collect();
         for dir in &self.lora_dirs {
-            let entries =
-                std::fs::read_dir(dir).map_err(|e| format!("--lora-dir {}: {e}", dir.display()))?;
-            let mut found = Vec::new();
-            for entry in entries {
-                let path = entry
-                    .map_err(|e| format!("--lora-dir {}: {e}", dir.display()))?
-                    .path();
-                if path.join("adapter_config.json").is_file() {
-                    let name = path
-                        .file_name()
-                        .map(|n| n.to_string_lossy().into_owned())
-                        .unwrap_or_default();
-                    found.push((name, path));
-                }
-            }
-            found.sort();
-            out.extend(found.into_iter().map(lora));
-        }
-        out.extend(
-            self.deltas
-                .iter()
-                .cloned()
-                .map(|(name, dir)| (name, dir, VariantKind::Delta)),
-        );
-        for zoo in &self.zoos {
             out.extend(
-                zoo_variants(zoo)?
+                subdirs_with(dir, "adapter_config.json", "--lora-dir")?
                     .into_iter()
-                    .map(|(name, dir)| (name, dir, VariantKind::Delta)),
+                    .map(lora),
             );
         }
+        out.extend(self.deltas.iter().cloned().map(delta));
+        for dir in &self.delta_dirs {
+            out.extend(
+                subdirs_with(dir, "manifest.json", "--delta-dir")?
+                    .into_iter()
+                    .map(delta),
+            );
+        }
+        for zoo in &self.zoos {
+            out.extend(zoo_variants(zoo)?.into_iter().map(delta));
+        }
         Ok(out)
+    }
+
+    /// Where unregistered names are looked for at request time: `--lora-dir`, `--delta-dir`,
+    /// and the hub cache with `--adapters-from-hub-cache`.
+    pub fn variant_sources(&self) -> VariantSources {
+        let hub = self
+            .adapters_from_hub_cache
+            .then(crate::hub_cache::cache_dir)
+            .flatten();
+        VariantSources::new(self.lora_dirs.clone(), self.delta_dirs.clone(), hub)
     }
 
     /// `--header-read-timeout-s` as the server takes it (`None`: no limit).
@@ -486,21 +500,31 @@ pub fn zoo_variants(zoo: &std::path::Path) -> Result<Vec<(String, PathBuf)>, Str
         ));
     }
     let dir = zoo.join("variants");
+    if !dir.is_dir() {
+        return Ok(Vec::new());
+    }
+    subdirs_with(&dir, "manifest.json", "--zoo")
+}
+
+/// The subdirectories of `dir` that hold a file `marker`, as `(name, path)` sorted by name;
+/// errors name `flag`.
+fn subdirs_with(
+    dir: &std::path::Path,
+    marker: &str,
+    flag: &str,
+) -> Result<Vec<(String, PathBuf)>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{flag} {}: {e}", dir.display()))?;
     let mut found = Vec::new();
-    if dir.is_dir() {
-        let entries =
-            std::fs::read_dir(&dir).map_err(|e| format!("--zoo {}: {e}", zoo.display()))?;
-        for entry in entries {
-            let path = entry
-                .map_err(|e| format!("--zoo {}: {e}", zoo.display()))?
-                .path();
-            if path.join("manifest.json").is_file() {
-                let name = path
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default();
-                found.push((name, path));
-            }
+    for entry in entries {
+        let path = entry
+            .map_err(|e| format!("{flag} {}: {e}", dir.display()))?
+            .path();
+        if path.join(marker).is_file() {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            found.push((name, path));
         }
     }
     found.sort();

@@ -10,7 +10,8 @@
 //! - [`engine`]: the handle the API calls; one actor per worker behind it, which owns that
 //!   worker's scheduler (`deltaserve-sched`) and drives its steps.
 //! - [`registry`]: the served variants (LoRA adapters, compressed deltas) by name (client
-//!   name -> internal id); [`roots`]: where their directories may live (`--adapter-root`).
+//!   name -> internal id); [`roots`]: where their directories may live (`--adapter-root`);
+//!   [`variant_sources`]: where unregistered names are found at request time (`--lora-dir`).
 //! - [`worker`]: spawns a Python worker, links to it over shared-memory rings
 //!   (`deltaserve-ipc`), handshakes.
 //! - [`config`]: the one typed configuration.
@@ -36,6 +37,7 @@ pub mod registry;
 pub mod roots;
 pub mod text;
 pub mod validate;
+pub mod variant_sources;
 pub mod worker;
 
 use std::future::Future;
@@ -114,10 +116,13 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        adapters: Arc::new(VariantRegistry::with_roots(
-            cfg.model_name(),
-            VariantRoots::new(&cfg.adapter_roots).map_err(anyhow::Error::msg)?,
-        )),
+        adapters: Arc::new(
+            VariantRegistry::with_roots(
+                cfg.model_name(),
+                VariantRoots::new(&cfg.adapter_roots).map_err(anyhow::Error::msg)?,
+            )
+            .with_sources(cfg.variant_sources()),
+        ),
     };
     let limits = SchedLimits {
         max_num_seqs: cfg.max_num_seqs,

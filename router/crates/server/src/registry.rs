@@ -23,6 +23,7 @@ use deltaserve_ipc::wire::VariantKind;
 use serde::{Serialize, Serializer};
 
 use crate::roots::VariantRoots;
+use crate::variant_sources::VariantSources;
 
 /// Where an entry is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -81,7 +82,7 @@ pub struct VariantEntry {
 pub enum RegistryError {
     /// The name cannot be used in a `model` field (or a URL path); the name is quoted only
     /// when it is printable and short.
-    #[error("adapter name {} is invalid: use 1 to {MAX_NAME_LEN} letters, digits, '-', '_' or '.' (not `.` or `..`)", quote_name(.0))]
+    #[error("adapter name {} is invalid: use 1 to {MAX_NAME_LEN} letters, digits, '-', '_' or '.' (not `.` or `..`), or `org/repo` of two such parts", quote_name(.0))]
     BadName(String),
     /// The name is the base model's or another adapter's.
     #[error("the name `{0}` is already taken (by the base model or another adapter)")]
@@ -98,14 +99,21 @@ pub enum RegistryError {
 pub const MAX_NAME_LEN: usize = 128;
 
 /// Whether `name` may name a variant: URL-safe (ASCII letters, digits, `-`, `_`, `.`), not `.`
-/// or `..`, at most [`MAX_NAME_LEN`] characters.
+/// or `..`, at most [`MAX_NAME_LEN`] characters; or two such parts as `org/repo` (a hub repo id,
+/// as request-time resolution from the hub cache registers it).
 pub fn valid_name(name: &str) -> bool {
-    (1..=MAX_NAME_LEN).contains(&name.len())
-        && name != "."
-        && name != ".."
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    let segment = |s: &str| {
+        !s.is_empty()
+            && s != "."
+            && s != ".."
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    };
+    name.len() <= MAX_NAME_LEN
+        && match name.split_once('/') {
+            Some((org, repo)) => segment(org) && segment(repo),
+            None => segment(name),
+        }
 }
 
 /// A refused name for an error message: quoted when printable and short, else described.
@@ -127,6 +135,8 @@ pub struct VariantRegistry {
     base_name: String,
     /// Where variant directories may live (`--adapter-root`).
     roots: VariantRoots,
+    /// Where unregistered names are looked for at request time (`--lora-dir`, ...).
+    sources: VariantSources,
     inner: RwLock<Inner>,
 }
 
@@ -148,8 +158,20 @@ impl VariantRegistry {
         Self {
             base_name: base_name.into(),
             roots,
+            sources: VariantSources::default(),
             inner: RwLock::new(Inner::default()),
         }
+    }
+
+    /// This registry, with unregistered names looked for in `sources` at request time.
+    pub fn with_sources(mut self, sources: VariantSources) -> Self {
+        self.sources = sources;
+        self
+    }
+
+    /// Where unregistered names are looked for at request time.
+    pub fn sources(&self) -> &VariantSources {
+        &self.sources
     }
 
     /// Where variant directories may live.
@@ -293,7 +315,11 @@ mod tests {
         for bad in [
             "",
             "a:b",
-            "a/b",
+            "a/b/c",
+            "/b",
+            "a/",
+            "../b",
+            "a/..",
             "a b",
             ".",
             "..",
@@ -313,6 +339,7 @@ mod tests {
         );
         let a = r.reserve("a", "/a".into(), 0).unwrap();
         assert_eq!(a, 1);
+        assert!(valid_name("org/repo.v2"), "hub repo ids are names");
         assert_eq!(
             r.reserve("a", "/a2".into(), 0),
             Err(RegistryError::Taken("a".into())),

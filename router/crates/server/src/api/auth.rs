@@ -12,8 +12,8 @@
 //!  otherwise                            the handler runs with a [`Requester`] extension
 //! ```
 //!
-//! Admin routes: every method but GET/HEAD on any path except the two generation endpoints
-//! (`POST /v1/completions`, `POST /v1/chat/completions`), and the reads that show server state:
+//! Admin routes: every method but GET/HEAD on any path except the generation and tokenizer
+//! endpoints ([`STATELESS_POSTS`]), and the reads that show server state:
 //! `GET /v1/adapters` (server paths) and, when a key file is in force, `GET /metrics` (tenant
 //! names). Which variants a tenant may use is checked where the `model` field is resolved
 //! (`validate::check_model`), so a forbidden variant is a 404 like a missing one.
@@ -137,13 +137,20 @@ pub fn needs_admin(method: &Method, path: &str, keys_required: bool) -> bool {
     changes_state(method, path)
 }
 
-/// Whether `method path` may change server state: anything but GET/HEAD/OPTIONS, except the two
-/// generation endpoints.
+/// POST routes that change no server state: generation, and the tokenizer as a service.
+pub const STATELESS_POSTS: [&str; 4] = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
+];
+
+/// Whether `method path` may change server state: anything but GET/HEAD/OPTIONS, except the
+/// [`STATELESS_POSTS`].
 pub fn changes_state(method: &Method, path: &str) -> bool {
     let read_only = [Method::GET, Method::HEAD, Method::OPTIONS].contains(method);
-    let generation =
-        method == Method::POST && (path == "/v1/completions" || path == "/v1/chat/completions");
-    !read_only && !generation
+    let stateless = method == Method::POST && STATELESS_POSTS.contains(&path);
+    !read_only && !stateless
 }
 
 /// State-changing requests with a body must say it is JSON (`application/json`, or a `+json`
@@ -217,6 +224,10 @@ mod tests {
         assert!(!needs_admin(&post, "/v1/completions", true));
         assert!(!needs_admin(&post, "/v1/chat/completions", true));
         assert!(!needs_admin(&get, "/v1/models", true));
+        assert!(!needs_admin(&post, "/tokenize", true));
+        assert!(!needs_admin(&post, "/detokenize", true));
+        assert!(needs_admin(&post, "/v1/load_lora_adapter", false));
+        assert!(needs_admin(&post, "/v1/unload_lora_adapter", false));
         assert!(!needs_admin(&get, "/metrics", false));
         assert!(needs_admin(&get, "/metrics", true));
     }

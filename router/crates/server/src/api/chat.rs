@@ -20,6 +20,7 @@ use futures_util::stream::{self, StreamExt};
 use super::auth::Requester;
 use super::completions::sse_response;
 use super::error::{ApiError, ApiJson};
+use super::on_demand::resolve_variant;
 use super::openai::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Usage,
@@ -37,6 +38,7 @@ pub async fn chat_completions<B: Backend>(
     who: Requester,
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
+    resolve_variant(&backend, req.model.as_deref(), &who.caller).await?;
     let v = validate_chat(&req, &model_context(&backend, &who.caller))?;
     let with_logprobs = v.request.sampling.logprobs.is_some();
     let model = backend.model().display_name(v.request.adapter_id);

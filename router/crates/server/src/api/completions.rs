@@ -19,6 +19,7 @@ use futures_util::stream::{self, StreamExt};
 
 use super::auth::Requester;
 use super::error::{ApiError, ApiJson};
+use super::on_demand::resolve_variant;
 use super::openai::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, TopLogprobMap,
     Usage,
@@ -36,6 +37,7 @@ pub async fn completions<B: Backend>(
     who: Requester,
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
+    resolve_variant(&backend, req.model.as_deref(), &who.caller).await?;
     let v = validate_completion(&req, &model_context(&backend, &who.caller))?;
     let with_logprobs = v.request.sampling.logprobs.is_some();
     let model = backend.model().display_name(v.request.adapter_id);

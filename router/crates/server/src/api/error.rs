@@ -37,6 +37,10 @@ pub enum ApiError {
     /// The `model` field names no served model (404).
     #[error("The model `{0}` does not exist; GET /v1/models lists the served models")]
     ModelNotFound(String),
+    /// The `model` field names a variant that is neither registered nor in any configured
+    /// variant source (404, `model_not_found`); `.1` says where it was looked for.
+    #[error("The model `{0}` does not exist: it is not registered, and {1}")]
+    VariantNotFound(String, String),
     /// No registered adapter of that name (404); the message says where the list is.
     #[error("{0}")]
     AdapterNotFound(String),
@@ -154,6 +158,7 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
             ApiError::ModelNotFound(_)
+            | ApiError::VariantNotFound(..)
             | ApiError::AdapterNotFound(_)
             | ApiError::RouteNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
@@ -178,6 +183,7 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest { .. } => 0,
             ApiError::ModelNotFound(_)
+            | ApiError::VariantNotFound(..)
             | ApiError::AdapterNotFound(_)
             | ApiError::RouteNotFound(_) => 1,
             ApiError::MethodNotAllowed(_) => 2,
@@ -197,7 +203,7 @@ impl ApiError {
         ERROR_COUNTS[self.type_index()].fetch_add(1, Ordering::Relaxed);
         let (param, code) = match self {
             ApiError::InvalidRequest { param, .. } => (param.clone(), None),
-            ApiError::ModelNotFound(_) => (
+            ApiError::ModelNotFound(_) | ApiError::VariantNotFound(..) => (
                 Some("model".to_string()),
                 Some("model_not_found".to_string()),
             ),

@@ -2,6 +2,8 @@
 //!
 //! - `GET /health`: 200 `{"status":"ok"}` while the process serves HTTP at all.
 //! - `GET /ready`: 200 when the engine can take requests, else 503 with `Retry-After`.
+//! - `GET /version`: `{"version": "0.1.0"}`, the server's release (vLLM's route, for clients
+//!   that check what they talk to).
 //! - `GET /metrics`: Prometheus text format: engine gauges, counters and latency histograms
 //!   (`deltaserve_*`, declared in `engine::metrics`) and the API's error counts per error type.
 
@@ -19,6 +21,11 @@ use crate::engine::metrics as engine_metrics;
 /// `GET /health`.
 pub async fn health() -> Json<serde_json::Value> {
     Json(json!({"status": "ok"}))
+}
+
+/// `GET /version`.
+pub async fn version() -> Json<serde_json::Value> {
+    Json(json!({"version": env!("CARGO_PKG_VERSION")}))
 }
 
 /// `GET /ready`.

@@ -24,7 +24,7 @@ use axum::http::{header, HeaderMap, Method};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use super::auth::changes_state;
+use super::auth::{changes_state, STATELESS_POSTS};
 use super::error::ApiError;
 use super::tenants::AccessControl;
 
@@ -149,8 +149,9 @@ fn refusal(method: &Method, path: &str, headers: &HeaderMap, h: &Hygiene) -> Opt
             None => {}
         }
     }
-    let generation =
-        method == Method::POST && (path == "/v1/completions" || path == "/v1/chat/completions");
+    // Generation and the tokenizer change nothing but are checked like state changes (JSON
+    // only, same origin): a cross-site page must not spend this server's compute.
+    let generation = method == Method::POST && STATELESS_POSTS.contains(&path);
     if generation {
         if let Some(ct) = text(header::CONTENT_TYPE) {
             let essence = ct

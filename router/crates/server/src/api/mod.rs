@@ -7,10 +7,13 @@
 //!  router() ─┬─ POST /v1/completions       completions.rs ─┐
 //!            ├─ POST /v1/chat/completions  chat.rs ────────┤  ApiJson body → validate → Backend::generate
 //!            ├─ GET  /v1/ws                ws.rs ──────────┘  → events → JSON | SSE chunks | WS messages
-//!            ├─ GET  /v1/models            models.rs
-//!            ├─ POST/GET /v1/adapters, DELETE /v1/adapters/{name}   adapters.rs (admin)
-//!            └─ GET  /health /ready /metrics   health.rs
+//!            ├─ GET  /v1/models, /v1/models/{id}   models.rs
+//!            ├─ POST /tokenize, /detokenize        tokenize.rs
+//!            ├─ POST/GET /v1/adapters, DELETE /v1/adapters/{name}   variants.rs (admin)
+//!            ├─ POST /v1/load_lora_adapter, /v1/unload_lora_adapter  compat.rs (admin, vLLM's)
+//!            └─ GET  /health /ready /metrics /version   health.rs
 //!  openai.rs: request/response types      error.rs: ApiError (every failure), ApiJson extractor
+//!  on_demand.rs: a generation's unregistered variant found in --lora-dir & co and registered
 //!
 //!  layers, outermost first: request_id.rs (x-request-id, log span) → auth.rs (key → Caller,
 //!  admin routes, JSON-only state changes) → the route; tenants.rs (key file, ACL) and
@@ -25,15 +28,18 @@
 
 pub mod auth;
 pub mod chat;
+pub mod compat;
 pub mod completions;
 pub mod error;
 pub mod health;
 pub mod hygiene;
 pub mod models;
+pub mod on_demand;
 pub mod openai;
 pub mod quotas;
 pub mod request_id;
 pub mod tenants;
+pub mod tokenize;
 pub mod usage;
 pub mod variants;
 pub mod ws;
@@ -166,6 +172,9 @@ pub fn guarded_router<B: Backend>(
         .route("/v1/completions", post(completions::completions::<B>))
         .route("/v1/chat/completions", post(chat::chat_completions::<B>))
         .route("/v1/models", get(models::list_models::<B>))
+        .route("/v1/models/{id}", get(models::get_model::<B>))
+        .route("/tokenize", post(tokenize::tokenize::<B>))
+        .route("/detokenize", post(tokenize::detokenize::<B>))
         .route(
             "/v1/adapters",
             get(variants::list_adapters::<B>).post(variants::create_adapter::<B>),
@@ -174,8 +183,17 @@ pub fn guarded_router<B: Backend>(
             "/v1/adapters/{name}",
             axum::routing::delete(variants::delete_adapter::<B>),
         )
+        .route(
+            "/v1/load_lora_adapter",
+            post(compat::load_lora_adapter::<B>),
+        )
+        .route(
+            "/v1/unload_lora_adapter",
+            post(compat::unload_lora_adapter::<B>),
+        )
         .route("/v1/ws", get(ws::ws_upgrade::<B>))
         .route("/health", get(health::health))
+        .route("/version", get(health::version))
         .route("/ready", get(health::ready::<B>))
         .route("/metrics", get(health::metrics::<B>))
         .fallback(|uri: Uri| async move { ApiError::RouteNotFound(uri.path().to_string()) })

@@ -40,6 +40,7 @@ use tokio::task::AbortHandle;
 
 use super::auth::Requester;
 use super::error::{parse_json, ApiError, ErrorObject};
+use super::on_demand::resolve_variant;
 use super::openai::{ChatCompletionRequest, CompletionRequest, Usage};
 use super::tenants::Caller;
 use super::{model_context, usage, Backend, MAX_BODY_BYTES};
@@ -242,10 +243,7 @@ fn on_text<B: Backend>(
                 );
                 return reply_error(Some(id), e);
             }
-            let request = match validate_ws_request(backend, &who.caller, msg.get("request")) {
-                Ok(r) => r,
-                Err(e) => return reply_error(Some(id), e),
-            };
+            let request = msg.get("request").cloned();
             let (cancel, cancelled) = oneshot::channel();
             let task = tokio::spawn(generate(
                 backend.clone(),
@@ -331,11 +329,29 @@ async fn generate<B: Backend>(
     backend: B,
     who: Requester,
     id: String,
-    request: GenerateRequest,
+    request: Option<Value>,
     mut cancelled: oneshot::Receiver<()>,
     out: mpsc::UnboundedSender<ServerMessage>,
     ended: mpsc::UnboundedSender<String>,
 ) {
+    // Validated here, not in the reader loop, because a variant named for the first time may
+    // be registered first (`on_demand`), which waits for a worker.
+    let model_field = request
+        .as_ref()
+        .and_then(|r| r.get("model"))
+        .and_then(Value::as_str);
+    let validated = match resolve_variant(&backend, model_field, &who.caller).await {
+        Ok(()) => validate_ws_request(&backend, &who.caller, request.as_ref()),
+        Err(e) => Err(e),
+    };
+    let request = match validated {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = ended.send(id.clone());
+            let _ = out.send(ServerMessage::error(Some(id), &e));
+            return;
+        }
+    };
     let prompt_tokens = request.prompt_token_ids.len() as u32;
     let with_logprobs = request.sampling.logprobs.is_some();
     // Report the end to the reader loop before the last message (see the module docs).
