@@ -1,6 +1,7 @@
 """``SamplingParams``: how ``deltaserve.LLM`` samples, field for field the server's sampling fields
 (``/v1/completions``: ``temperature``, ``top_p``, ``top_k``, ``seed``, ``max_tokens``, ``stop``,
-``logprobs``, ``ignore_eos``). They are checked by the server's own validation when a request is
+``logprobs``, ``ignore_eos``, ``logit_bias``, ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``). They are checked by the server's own validation when a request is
 made, so the limits (and their error messages) are the API's.
 """
 
@@ -26,6 +27,15 @@ class SamplingParams:
         logprobs: return each token's logprob and this many top alternatives (0..5; 0..20 for
             chat); ``None`` returns none.
         ignore_eos: keep generating past EOS tokens (to force output lengths).
+        logit_bias: token id -> bias in [-100, 100] added to its logit (at most 300 entries).
+        presence_penalty: in [-2, 2]; subtracted from every token generated so far (OpenAI).
+        frequency_penalty: in [-2, 2]; subtracted once per time a token was generated (OpenAI).
+        repetition_penalty: > 0 (1 is off); divides the positive logits of the prompt's and the
+            output's tokens and multiplies the others (vLLM, transformers).
+        min_tokens: no EOS or ``stop_token_ids`` token (and no stop string) before this many
+            output tokens (vLLM).
+        stop_token_ids: token ids that end the output (finish reason ``stop``; their text is not
+            in the output) (vLLM).
     """
 
     temperature: float = 1.0
@@ -36,6 +46,12 @@ class SamplingParams:
     stop: str | list[str] | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
 
     def request_fields(self, chat: bool) -> dict[str, Any]:
         """These settings as the fields of an API request body (``chat``: the chat endpoint's
@@ -50,6 +66,18 @@ class SamplingParams:
             body["seed"] = self.seed
         if self.max_tokens is not None:
             body["max_tokens"] = self.max_tokens
+        if self.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in self.logit_bias.items()}
+        if self.presence_penalty:
+            body["presence_penalty"] = self.presence_penalty
+        if self.frequency_penalty:
+            body["frequency_penalty"] = self.frequency_penalty
+        if self.repetition_penalty != 1.0:
+            body["repetition_penalty"] = self.repetition_penalty
+        if self.min_tokens:
+            body["min_tokens"] = self.min_tokens
+        if self.stop_token_ids:
+            body["stop_token_ids"] = list(self.stop_token_ids)
         if self.stop:
             body["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.logprobs is not None:

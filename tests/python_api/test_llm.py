@@ -85,11 +85,18 @@ def test_text_prompts_chat_logprobs_and_stop_strings(llm, tokenizer):
     two = llm.chat([messages, messages], [GREEDY, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)])
     assert [len(o.outputs[0].token_ids) for o in two] == [N, 2]
 
+    # The logit-shaping fields pass through: a +100 bias forces its token, a stop id ends there.
+    forced = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={5: 100.0}, stop_token_ids=[6])
+    [biased] = llm.generate("the quick brown fox", forced)
+    assert biased.outputs[0].token_ids == [5, 5, 5]
+
 
 def test_bad_requests_raise_value_error_and_nothing_runs(llm):
     before = llm_finished(llm)
     with pytest.raises(ValueError, match="request 1: .*temperature"):
         llm.generate(["a", "b"], [GREEDY, SamplingParams(temperature=5)])
+    with pytest.raises(ValueError, match="request 0: .*presence_penalty"):
+        llm.generate("a", SamplingParams(presence_penalty=3))
     with pytest.raises(ValueError, match="request 0: The model `nope` does not exist"):
         llm.generate("a", GREEDY, variant="nope")
     with pytest.raises(ValueError, match="variant: 1 given for 2 requests"):
