@@ -23,6 +23,7 @@ VOCAB = 64
 class Hist:
     token_ids: list[int]
     num_prompt_tokens: int
+    prompt_on_device: torch.Tensor | None = None
 
 
 def sp(

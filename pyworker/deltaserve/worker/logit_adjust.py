@@ -13,9 +13,10 @@ the one a still-running step is sampling (``RequestState.pending``): that token 
 the in-flight step's sampled tensor. The counts are therefore built on the device each step from
 the host-known tokens (one scatter) plus one more scatter of ``in_flight`` (a LongTensor with each
 row's in-flight token, -1 where none), so nothing waits for the device. The cost, paid only by
-penalized rows, is copying their known tokens to the device each step (prompt tokens only for a
-``repetition_penalty``). Every operation is row-local and the counts are exact integers, so a
-row's result does not depend on the rest of its batch.
+penalized rows, is copying their output tokens to the device each step; a ``repetition_penalty``
+row's prompt is copied once and kept on its history (``prompt_on_device``). Every operation is
+row-local and the counts are exact integers, so a row's result does not depend on the rest of its
+batch (``bench/sampler_options.py`` measures the cost).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class TokenHistory(Protocol):
     token_ids: list[int]
     #: Prompt tokens at the front of ``token_ids``.
     num_prompt_tokens: int
+    #: The prompt as a LongTensor on the sampler's device, set by the first step that needs it.
+    prompt_on_device: torch.Tensor | None
 
 
 def is_penalized(p: wire.SamplingParams) -> bool:
@@ -110,19 +113,19 @@ def apply_penalties(
 ) -> torch.Tensor:
     """Penalties of R rows: logits [R, V] (modified in place and returned), one ``Penalties`` and
     history per row, ``pending`` [R] the in-flight output token per row or -1 (None: none)."""
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     device = logits.device
-    counts = token_counts([h.token_ids[h.num_prompt_tokens :] for h in history], num_rows, vocab, device)
+    outputs = [h.token_ids[h.num_prompt_tokens :] for h in history]
+    flat = to_device(list(chain.from_iterable(outputs)), torch.long, device)  # one copy for every row
+    counts = token_counts(flat, [len(o) for o in outputs], vocab)
     if pending is not None:
         present = (pending >= 0).to(counts.dtype).unsqueeze(1)
         counts.scatter_add_(1, pending.clamp_min(0).unsqueeze(1), present)
     repetition = [p.repetition if uses_repetition(p.repetition) else 1.0 for p in penalties]
     if any(v != 1.0 for v in repetition):
-        prompts = [
-            h.token_ids[: h.num_prompt_tokens] if uses_repetition(p.repetition) else []
-            for h, p in zip(history, penalties)
-        ]
-        seen = (token_counts(prompts, num_rows, vocab, device) + counts) > 0
+        prompts = [prompt_tokens(h, device) for h, p in zip(history, penalties) if uses_repetition(p.repetition)]
+        lengths = [h.num_prompt_tokens if uses_repetition(p.repetition) else 0 for h, p in zip(history, penalties)]
+        seen = (token_counts(torch.cat(prompts), lengths, vocab) + counts) > 0
         factor = to_device(repetition, torch.float32, device).unsqueeze(1)
         penalized = torch.where(logits > 0, logits / factor, logits * factor)
         logits = torch.where(seen, penalized, logits)
@@ -135,14 +138,21 @@ def apply_penalties(
     return logits
 
 
-def token_counts(tokens: Sequence[Sequence[int]], num_rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """[num_rows, vocab] float32: how many times each token occurs in each row's ``tokens``."""
-    counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=device)
-    lengths = [len(t) for t in tokens]
-    if sum(lengths):
-        ids = to_device(list(chain.from_iterable(tokens)), torch.long, device)
+def prompt_tokens(history: TokenHistory, device: torch.device) -> torch.Tensor:
+    """``history``'s prompt on ``device``, copied there once (kept on the history)."""
+    if history.prompt_on_device is None or history.prompt_on_device.device != device:
+        history.prompt_on_device = to_device(history.token_ids[: history.num_prompt_tokens], torch.long, device)
+    return history.prompt_on_device
+
+
+def token_counts(ids: torch.Tensor, lengths: list[int], vocab: int) -> torch.Tensor:
+    """[len(lengths), vocab] float32: how many times each token id occurs in each row, where ``ids``
+    (a LongTensor on the device) holds row 0's ``lengths[0]`` tokens, then row 1's, and so on."""
+    num_rows = len(lengths)
+    counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=ids.device)
+    if len(ids):
         # output_size: the device need not be asked how long the result is (no sync).
-        repeats = to_device(lengths, torch.long, device)
-        rows = torch.repeat_interleave(torch.arange(num_rows, device=device), repeats, output_size=len(ids))
+        repeats = to_device(lengths, torch.long, ids.device)
+        rows = torch.repeat_interleave(torch.arange(num_rows, device=ids.device), repeats, output_size=len(ids))
         counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
     return counts

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from deltaserve import wire
 
 
@@ -39,6 +41,8 @@ class RequestState:
     #: Tokens sampled by a launched step that ``finish`` has not appended yet (0 or 1): they are
     #: known to exist, so the next step may compute them (from the device) before they reach us.
     pending: int = 0
+    #: The prompt on the device, kept by the sampler for a ``repetition_penalty`` (``logit_adjust``).
+    prompt_on_device: torch.Tensor | None = None
 
 
 def release(requests: dict[int, RequestState], plan: wire.StepPlan) -> None:
