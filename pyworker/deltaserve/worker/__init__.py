@@ -6,6 +6,7 @@ Layout (data flow, in order):
 - ``loop``      ``WorkerLoop``: Hello, then StepPlan -> StepOutput over the shared-memory rings
 - ``executor``  ``Executor``: per-request state, StepPlan -> ForwardBatch -> forward -> sample
 - ``sampler``   ``Sampler``: batched greedy / temperature / top-k / top-p, seeded draws, logprobs
+- ``logit_adjust`` the sampler's logit_bias, min_tokens bans and presence / frequency / repetition penalties
 - ``profiling`` cProfile around the whole process (``WorkerConfig.profile_path``)
 - ``__main__``  the command line entry point
 """
