@@ -17,6 +17,7 @@ the saturated throughput, and whether every request got an answer.
 
     python -m bench.admission_overload            # ~2 minutes on CPU
     python -m bench.admission_overload --devices 0 --model DIR   # on a GPU
+    python -m bench.admission_overload --devices 0 --shape llama-2-7b   # random weights, real shape
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.common import write_result
+from bench.common import write_random_served_model, write_result
 from bench.launch import default_daemon, demo_model_dir, free_port, launch
 
 
@@ -118,6 +120,7 @@ def daemon_cmd(args, port: int, flags: list[str]) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="model directory (default: the demo model)")
+    p.add_argument("--shape", help="serve this shape (bench.common.SHAPES) with random weights instead of --model")
     p.add_argument("--daemon", type=Path, help="deltaserve binary (default: $DELTASERVE_BIN or the release build)")
     p.add_argument("--devices", default="cpu")
     p.add_argument("--concurrency", type=int, default=16, help="closed-loop clients for the saturation run")
@@ -131,6 +134,8 @@ def main() -> None:
     p.add_argument("--tpot-factor", type=float, default=1.5, help="TPOT SLO = this x the saturated TPOT")
     p.add_argument("--out", type=Path, help="results directory (default bench/results)")
     args = p.parse_args()
+    if args.shape:
+        args.model = write_random_served_model(args.shape, Path(tempfile.mkdtemp()) / args.shape)
     model = args.model or demo_model_dir()
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     logs = Path("/tmp")

@@ -51,6 +51,16 @@ def write_random_model_dir(shape: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
+def write_random_served_model(shape: str, out: Path, num_layers: int | None = None, seed: int = 0) -> Path:
+    """A model directory the daemon can serve: ``shape`` (``num_layers`` overriding its layer count)
+    with random weights and a word-level tokenizer over its whole vocabulary."""
+    config = shape_config(shape, num_layers)
+    write_random_model_dir(shape, out, seed)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    write_word_tokenizer(out, config["vocab_size"])
+    return out
+
+
 def write_word_tokenizer(out: Path, vocab_size: int) -> None:
     """A whitespace word-level tokenizer with ``vocab_size`` entries, so any id decodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
