@@ -10,6 +10,8 @@
 //!                    {"type":"error","id":"a"?,"error":{"message","type","param","code"}}
 //!                    {"type":"authenticated","tenant":"acme"}   the answer to `auth` (a refused key:
 //!                                                     an error without id, then the socket closes)
+//!                    a message over the size limit or a frame that cannot be read: an error without
+//!                    id, then the socket closes (1009 message too big, 1002 protocol error)
 //! ```
 //!
 //! # Tasks
@@ -29,7 +31,7 @@
 
 use std::collections::HashMap;
 
-use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::ws::{close_code, CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use futures_util::{SinkExt, StreamExt};
@@ -134,10 +136,12 @@ async fn serve<B: Backend>(backend: B, mut who: Requester, socket: WebSocket) {
                 break;
             }
         }
+        sink
     });
     let (ended_tx, mut ended_rx) = mpsc::unbounded_channel::<String>();
     let mut live: HashMap<String, Live> = HashMap::new();
-    let mut refused = false;
+    // Set when the server ends the socket: the close frame, sent after the last messages.
+    let mut closing: Option<CloseFrame> = None;
     loop {
         tokio::select! {
             biased;
@@ -155,7 +159,7 @@ async fn serve<B: Backend>(backend: B, mut who: Requester, socket: WebSocket) {
                         }
                         Err(e) => {
                             let _ = out_tx.send(ServerMessage::error(None, &e));
-                            refused = true;
+                            closing = Some(close_frame(close_code::POLICY, "unauthorized"));
                             break;
                         }
                     }
@@ -168,19 +172,45 @@ async fn serve<B: Backend>(backend: B, mut who: Requester, socket: WebSocket) {
                     let _ = out_tx.send(ServerMessage::error(None, &e));
                 }
                 Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
-                Some(Ok(Message::Close(_)) | Err(_)) | None => break,
+                Some(Err(e)) => {
+                    // A frame that cannot be read (over the message limit, broken framing): the
+                    // socket cannot go on past it; say why, then close.
+                    let (code, why) = if e.to_string().contains("Space limit exceeded") {
+                        (close_code::SIZE, "message too big")
+                    } else {
+                        (close_code::PROTOCOL, "unreadable frame")
+                    };
+                    let e = ApiError::invalid_body(format!(
+                        "the socket is closed: its last message could not be read ({e}); \
+                         a message may have at most {} MiB", MAX_BODY_BYTES >> 20
+                    ));
+                    let _ = out_tx.send(ServerMessage::error(None, &e));
+                    closing = Some(close_frame(code, why));
+                    break;
+                }
+                Some(Ok(Message::Close(_))) | None => break,
             },
         }
     }
     for (_, g) in live.drain() {
         g.task.abort();
     }
-    if refused {
-        // Let the refusal reach the client before the socket closes.
+    if let Some(frame) = closing {
+        // Let the last error reach the client, then close with the reason.
         drop(out_tx);
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), writer).await;
+        let two_s = std::time::Duration::from_secs(2);
+        if let Ok(Ok(mut sink)) = tokio::time::timeout(two_s, writer).await {
+            let _ = tokio::time::timeout(two_s, sink.send(Message::Close(Some(frame)))).await;
+        }
     } else {
         writer.abort();
+    }
+}
+
+fn close_frame(code: u16, reason: &'static str) -> CloseFrame {
+    CloseFrame {
+        code,
+        reason: reason.into(),
     }
 }
 
@@ -614,6 +644,27 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!("closing the socket did not cancel its generations");
+    }
+
+    #[tokio::test]
+    async fn a_message_over_the_limit_gets_an_error_then_close_1009() {
+        let mut c = connect(FakeBackend::new(Script::Events(vec![]))).await;
+        let huge = "a".repeat(crate::api::MAX_BODY_BYTES + 1);
+        let _ = c.send(WsMsg::Text(huge.into())).await;
+        let reply = recv(&mut c).await;
+        assert_eq!(reply["type"], "error", "{reply}");
+        assert!(reply.get("id").is_none(), "{reply}");
+        let message = reply["error"]["message"].as_str().unwrap();
+        assert!(message.contains("at most 8 MiB"), "{message}");
+        let close = tokio::time::timeout(Duration::from_secs(5), c.next())
+            .await
+            .expect("timed out")
+            .unwrap()
+            .unwrap();
+        let WsMsg::Close(Some(frame)) = close else {
+            panic!("expected a close frame, got {close:?}");
+        };
+        assert_eq!(u16::from(frame.code), 1009);
     }
 
     #[tokio::test]
