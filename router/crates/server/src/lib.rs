@@ -133,6 +133,8 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         slo: crate::engine::Slo::from_ms(cfg.ttft_slo_ms, cfg.tpot_slo_ms),
     };
     let latency = RequestLatency::default();
+    // Each actor's task holds a sender until it ends (EngineHandle::stopped).
+    let (alive, stopped) = tokio::sync::watch::channel(());
     let mut actors = Vec::new();
     for (i, (worker, spec)) in workers.into_iter().zip(specs).enumerate() {
         let (actor, handle) = Actor::new(
@@ -143,15 +145,21 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             worker,
             latency.clone(),
         )?;
-        tokio::spawn(actor.run());
+        let alive = alive.clone();
+        tokio::spawn(async move {
+            actor.run().await;
+            drop(alive);
+        });
         actors.push(handle);
     }
+    drop(alive);
     let engine = EngineHandle::new(
         actors,
         model,
         tokenizer,
         chat_template,
         cfg.max_queued_per_worker,
+        stopped,
     );
     let startup = cfg.startup_adapters().map_err(anyhow::Error::msg)?;
     for (name, dir, kind) in startup {
@@ -188,6 +196,7 @@ pub async fn run(
     let access = access_control(&cfg)?;
     reload_keys_on_sighup(access.clone());
     let engine = start_engine(&cfg).await?;
+    let stopped = engine.stopped();
     let origins =
         api::hygiene::AllowedOrigins::parse(&cfg.allowed_origins).map_err(anyhow::Error::msg)?;
     serve_guarded(
@@ -199,8 +208,20 @@ pub async fn run(
         Arc::new(origins),
         cfg.header_read_timeout(),
     )
-    .await
+    .await?;
+    // The engine's last handle is gone: wait for the actors to stop their workers (each gives
+    // its worker 10 s to exit, then kills it) rather than leave them dying under init.
+    if tokio::time::timeout(WORKERS_STOP_TIMEOUT, stopped)
+        .await
+        .is_err()
+    {
+        tracing::warn!("workers still stopping after {WORKERS_STOP_TIMEOUT:?}; exiting anyway");
+    }
+    Ok(())
 }
+
+/// How long [`run`] waits at exit for the workers to stop (each actor's own deadline is 10 s).
+const WORKERS_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(12);
 
 /// Who may call the API: `--api-keys` and `--admin-key` (open to anyone without either).
 pub fn access_control(cfg: &ServerConfig) -> anyhow::Result<Arc<AccessControl>> {

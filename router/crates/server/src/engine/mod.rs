@@ -209,6 +209,8 @@ struct HandleInner {
     chat_template: Option<Arc<ChatTemplate>>,
     /// Most requests queued or running per worker before new ones get 429.
     max_outstanding_per_worker: usize,
+    /// Closed once every actor has ended (its worker stopped): see [`EngineHandle::stopped`].
+    stopped: tokio::sync::watch::Receiver<()>,
 }
 
 impl EngineHandle {
@@ -218,6 +220,7 @@ impl EngineHandle {
         tokenizer: Arc<TextTokenizer>,
         chat_template: Option<Arc<ChatTemplate>>,
         max_outstanding_per_worker: usize,
+        stopped: tokio::sync::watch::Receiver<()>,
     ) -> Self {
         Self {
             inner: Arc::new(HandleInner {
@@ -226,7 +229,19 @@ impl EngineHandle {
                 tokenizer,
                 chat_template,
                 max_outstanding_per_worker,
+                stopped,
             }),
+        }
+    }
+
+    /// Resolves once every actor has ended and so stopped its worker (they end when the last
+    /// handle is dropped; this future holds none). A process exiting before then would cut the
+    /// actors' shutdown short: each worker SIGKILLed mid-exit, left dying under init.
+    pub fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut stopped = self.inner.stopped.clone();
+        async move {
+            // Nothing is ever sent: this returns when the last actor drops its sender.
+            let _ = stopped.changed().await;
         }
     }
 
