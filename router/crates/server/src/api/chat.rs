@@ -18,6 +18,7 @@ use axum::Json;
 use futures_util::stream::{self, StreamExt};
 
 use super::auth::Requester;
+use super::blocking::off_runtime;
 use super::completions::sse_response;
 use super::error::{ApiError, ApiJson};
 use super::on_demand::resolve_variant;
@@ -39,7 +40,8 @@ pub async fn chat_completions<B: Backend>(
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     resolve_variant(&backend, req.model.as_deref(), &who.caller).await?;
-    let v = validate_chat(&req, &model_context(&backend, &who.caller))?;
+    let ctx = model_context(&backend, &who.caller);
+    let v = off_runtime(|| validate_chat(&req, &ctx))?;
     let with_logprobs = v.request.sampling.logprobs.is_some();
     let model = backend.model().display_name(v.request.adapter_id);
     let rx = usage::start(&backend, &who, v.request).await?;

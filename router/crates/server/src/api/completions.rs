@@ -18,6 +18,7 @@ use axum::Json;
 use futures_util::stream::{self, StreamExt};
 
 use super::auth::Requester;
+use super::blocking::off_runtime;
 use super::error::{ApiError, ApiJson};
 use super::on_demand::resolve_variant;
 use super::openai::{
@@ -38,7 +39,8 @@ pub async fn completions<B: Backend>(
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     resolve_variant(&backend, req.model.as_deref(), &who.caller).await?;
-    let v = validate_completion(&req, &model_context(&backend, &who.caller))?;
+    let ctx = model_context(&backend, &who.caller);
+    let v = off_runtime(|| validate_completion(&req, &ctx))?;
     let with_logprobs = v.request.sampling.logprobs.is_some();
     let model = backend.model().display_name(v.request.adapter_id);
     let rx = usage::start(&backend, &who, v.request).await?;

@@ -27,6 +27,7 @@
 //! drops the receiver, which the engine notices (STYLE.md #14).
 
 pub mod auth;
+mod blocking;
 pub mod chat;
 pub mod compat;
 pub mod completions;

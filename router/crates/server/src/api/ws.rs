@@ -41,6 +41,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 
 use super::auth::Requester;
+use super::blocking::off_runtime;
 use super::error::{parse_json, ApiError, ErrorObject};
 use super::on_demand::resolve_variant;
 use super::openai::{ChatCompletionRequest, CompletionRequest, Usage};
@@ -371,7 +372,7 @@ async fn generate<B: Backend>(
         .and_then(|r| r.get("model"))
         .and_then(Value::as_str);
     let validated = match resolve_variant(&backend, model_field, &who.caller).await {
-        Ok(()) => validate_ws_request(&backend, &who.caller, request.as_ref()),
+        Ok(()) => off_runtime(|| validate_ws_request(&backend, &who.caller, request.as_ref())),
         Err(e) => Err(e),
     };
     let request = match validated {
