@@ -108,7 +108,44 @@ async def open_loop(url: str, rate: float, seconds: float, prompt_len: int, max_
                 break
             await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
             tasks.append(asyncio.create_task(one_request(client, url, prompt_of(rng, prompt_len, vocab), max_tokens)))
-        return list(await asyncio.gather(*tasks))
+            tasks[-1].due = t0 + t  # type: ignore[attr-defined]  # when the arrival was due
+        results = list(await asyncio.gather(*tasks))
+    for task, r in zip(tasks, results):
+        r["send_lag_s"] = r["start"] - task.due  # type: ignore[attr-defined]  # the client falling behind
+    return results
+
+
+def device_label(devices: str) -> str:
+    """The device kind the results are filed under: ``cpu`` or the first GPU's name."""
+    if devices == "cpu":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(int(devices.split(",")[0]))
+
+
+def server_latency(metrics: str) -> dict[str, float]:
+    """Mean server-side latencies (seconds) from the daemon's histograms: what the engine measured,
+    without the client's own delays (its event loop also parses every streamed token)."""
+    values: dict[str, float] = {}
+    for line in metrics.splitlines():
+        name, _, value = line.partition(" ")
+        if name.endswith(("_seconds_sum", "_seconds_count")) and "{" not in name:
+            values[name.removeprefix("deltaserve_")] = float(value)
+    means = {}
+    for family in ("time_to_first_token", "time_per_output_token", "e2e_request_latency", "request_queue_time"):
+        count = values.get(f"{family}_seconds_count", 0.0)
+        if count:
+            means[f"mean_{family}_s"] = values[f"{family}_seconds_sum"] / count
+    return means
+
+
+def quantiles(xs: list[float]) -> dict[str, float]:
+    """p50 / p90 / p99 of ``xs`` (empty: nothing)."""
+    if len(xs) < 2:
+        return {}
+    q = statistics.quantiles(xs, n=100)
+    return {"p50": q[49], "p90": q[89], "p99": q[98]}
 
 
 def daemon_cmd(args, port: int, flags: list[str]) -> list[str]:
@@ -151,6 +188,7 @@ def main() -> None:
             closed_loop(url, args.concurrency, args.saturation_s, args.prompt_len, args.max_tokens, vocab)
         )
         sat_wall = time.perf_counter() - t0
+        sat_server = server_latency(httpx.get(f"{url}/metrics", timeout=10).text)
     sat_ok = [r for r in sat if r.get("ok")]
     sat_rps = len(sat_ok) / sat_wall
     sat_tpot = statistics.mean(r["tpot_s"] for r in sat_ok)
@@ -181,7 +219,7 @@ def main() -> None:
     answered = all(r.get("status") in (200, 429, 503) for r in over)
     goodput = len(in_slo) / over_wall
     result = {
-        "device": "cpu" if args.devices == "cpu" else f"cuda:{args.devices}",
+        "device": device_label(args.devices),
         "config": {
             "model": str(model),
             "prompt_len": args.prompt_len,
@@ -201,6 +239,7 @@ def main() -> None:
             "mean_tpot_s": sat_tpot,
             "requests": len(sat),
             "ok": len(sat_ok),
+            "server": sat_server,
         },  # fmt: skip
         "overload": {
             "offered_requests_per_s": rate,
@@ -216,6 +255,10 @@ def main() -> None:
             "max_latency_s": max((r["end"] - r["start"] for r in over), default=0.0),
             "wall_s": over_wall,
             "refusal_example": refused[0].get("message") if refused else None,
+            "client_send_lag_s": quantiles([r["send_lag_s"] for r in over]),
+            "admitted_ttft_s": quantiles([r["ttft_s"] for r in admitted if r.get("ok")]),
+            "admitted_tpot_s": quantiles([r["tpot_s"] for r in admitted if r.get("ok")]),
+            "server": server_latency(metrics),
         },
         "metrics": [line for line in metrics.splitlines() if line.startswith("deltaserve_admission")],
     }
