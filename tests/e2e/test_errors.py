@@ -28,7 +28,8 @@ BAD_COMPLETIONS = [
     ("logprobs too many", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("seed negative", {"prompt": "hi", "seed": -1}, 400, "seed"),
     ("stop wrong type", {"prompt": "hi", "stop": 5}, 400, "stop"),
-    ("n above one", {"prompt": "hi", "n": 3}, 400, "n"),
+    ("n above the bound", {"prompt": "hi", "n": 17}, 400, "n"),
+    ("best_of below n", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
     ("unknown model", {"prompt": "hi", "model": "no-such-model"}, 404, "model"),
 ]
 

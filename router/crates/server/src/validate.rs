@@ -10,6 +10,7 @@
 //! All checks run before the engine sees the request, so every refusal is a 4xx with `param`.
 //! The fields that reshape the logits or stop on token ids are checked in [`token_fields`].
 
+mod choices;
 mod token_fields;
 
 use deltaserve_ipc::wire::SamplingParams;
@@ -22,6 +23,7 @@ use crate::engine::{GenerateRequest, ServedModel};
 use crate::text::chat_template::{json_kind, ChatTemplate};
 use crate::text::tokenizer::TextTokenizer;
 use crate::text::TextError;
+pub use choices::MAX_CHOICES;
 use token_fields::{check_min_tokens, TokenFields};
 
 /// Default `max_tokens` of `/v1/completions` (OpenAI's).
@@ -42,6 +44,11 @@ pub struct Validated {
     pub stream: bool,
     /// Streaming: send a usage chunk before `[DONE]`.
     pub include_usage: bool,
+    /// Choices to return (`n`, 1..=[`MAX_CHOICES`]).
+    pub n: u32,
+    /// Candidates to generate (`best_of`, ≥ `n`); the `n` with the highest cumulative logprob
+    /// are returned.
+    pub best_of: u32,
 }
 
 /// The served model's limits and text tools, as validation needs them.
@@ -190,6 +197,8 @@ pub fn validate_completion(
     if req.echo == Some(true) {
         return Err(ApiError::invalid("echo", "`echo` is not supported"));
     }
+    let n = choices::check_n(req.n)?;
+    let best_of = choices::check_best_of(req.best_of, n, req.stream.unwrap_or(false))?;
     let logprobs = match req.logprobs {
         None => None,
         Some(k) if (0..=MAX_COMPLETION_LOGPROBS).contains(&k) => Some(k as u32),
@@ -202,6 +211,7 @@ pub fn validate_completion(
     };
     let mut partial = common_fields(&common, logprobs, ctx.model.vocab_size)?;
     partial.request.adapter_id = adapter_id;
+    partial.best_of = best_of;
     let prompt = req
         .prompt
         .as_ref()
@@ -348,12 +358,7 @@ fn common_fields(
             ))
         }
     };
-    if let Some(n) = f.n.filter(|&n| n != 1) {
-        return Err(ApiError::invalid(
-            "n",
-            format!("only `n: 1` is supported, got {n}"),
-        ));
-    }
+    let n = choices::check_n(f.n)?;
     let tokens = token_fields::check(&f.tokens, vocab_size)?;
     let stop = stop_strings(f.stop)?;
     let stream = f.stream.unwrap_or(false);
@@ -383,6 +388,8 @@ fn common_fields(
             && f.stream_options
                 .and_then(|o| o.include_usage)
                 .unwrap_or(false),
+        n,
+        best_of: n,
     })
 }
 
@@ -732,7 +739,10 @@ mod tests {
             (r#""top_p": 0"#, "top_p", &["(0, 1]"]),
             (r#""top_p": 1.5"#, "top_p", &["(0, 1]"]),
             (r#""top_k": -2"#, "top_k", &["-2"]),
-            (r#""n": 2"#, "n", &["n: 1", "2"]),
+            (r#""n": 17"#, "n", &["between 1 and 16", "17"]),
+            (r#""n": 0"#, "n", &["between 1 and 16"]),
+            (r#""best_of": 2, "n": 3"#, "best_of", &["at least `n` (3)"]),
+            (r#""best_of": 3, "stream": true"#, "best_of", &["`stream`"]),
             (
                 r#""presence_penalty": 2.5"#,
                 "presence_penalty",

@@ -1,11 +1,12 @@
 //! `POST /v1/chat/completions`: messages rendered with the model's chat template, answered as a
-//! `chat.completion`, or streamed as `chat.completion.chunk`s:
+//! `chat.completion` with `n` choices (`choices.rs`), or streamed as `chat.completion.chunk`s,
+//! each carrying one choice's `index` (choices interleaved as their tokens come):
 //!
 //! ```text
-//!  data: {"choices":[{"delta":{"role":"assistant","content":""},"finish_reason":null}]}
-//!  data: {"choices":[{"delta":{"content":"Hel"},"finish_reason":null}]}   one per piece of text
-//!  data: {"choices":[{"delta":{},"finish_reason":"stop"}]}
-//!  data: {"choices":[],"usage":{...}}                                     if include_usage
+//!  data: {"choices":[{"index":i,"delta":{"role":"assistant","content":""},...}]}  each choice's first
+//!  data: {"choices":[{"index":i,"delta":{"content":"Hel"},"finish_reason":null}]} one per piece of text
+//!  data: {"choices":[{"index":i,"delta":{},"finish_reason":"stop"}]}              each choice's last
+//!  data: {"choices":[],"usage":{...}}             after every choice's last, if include_usage
 //!  data: [DONE]
 //! ```
 
@@ -19,12 +20,13 @@ use futures_util::stream::{self, StreamExt};
 
 use super::auth::Requester;
 use super::blocking::off_runtime;
+use super::choices::{collect_all, fan_out, merged, total_usage, ChoiceTally};
 use super::completions::sse_response;
 use super::error::{ApiError, ApiJson};
 use super::on_demand::resolve_variant;
 use super::openai::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Usage,
+    ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob,
 };
 use super::{
     model_context, response_id, sse_done, sse_json, unix_now, usage, Backend, Piece, Pieces,
@@ -44,81 +46,102 @@ pub async fn chat_completions<B: Backend>(
     let v = off_runtime(|| validate_chat(&req, &ctx))?;
     let with_logprobs = v.request.sampling.logprobs.is_some();
     let model = backend.model().display_name(v.request.adapter_id);
-    let rx = usage::start(&backend, &who, v.request).await?;
+    let n = v.n;
+    let receivers = usage::start_choices(&backend, &who, fan_out(v.request, n, false)).await?;
     let writer = ChatWriter {
         id: response_id("chatcmpl"),
         created: unix_now(),
         model,
         tokenizer: with_logprobs.then(|| backend.tokenizer().clone()),
     };
-    let pieces = Pieces::new(rx);
+    let choices: Vec<Pieces> = receivers.into_iter().map(Pieces::new).collect();
     if !v.stream {
-        let answer = pieces.collect().await?;
-        return Ok(Json(ChatCompletionResponse {
-            id: writer.id.clone(),
-            object: "chat.completion",
-            created: writer.created,
-            model: writer.model.clone(),
-            choices: vec![ChatChoice {
-                index: 0,
+        let answers = collect_all(choices).await?;
+        let usage = total_usage(&answers);
+        let choices = answers
+            .into_iter()
+            .enumerate()
+            .map(|(index, answer)| ChatChoice {
+                index: index as u32,
                 message: AssistantMessage {
                     role: "assistant",
                     content: answer.text,
                 },
                 logprobs: writer.logprobs(&answer.tokens),
                 finish_reason: answer.reason.as_str(),
-            }],
-            usage: answer.usage,
+            })
+            .collect();
+        return Ok(Json(ChatCompletionResponse {
+            id: writer.id.clone(),
+            object: "chat.completion",
+            created: writer.created,
+            model: writer.model.clone(),
+            choices,
+            usage,
         })
         .into_response());
     }
     let include_usage = v.include_usage;
-    let first = vec![sse_json(&writer.chunk(
-        ChatDelta {
-            role: Some("assistant"),
-            content: Some(String::new()),
-        },
-        None,
-        None,
-    ))];
-    let rest = stream::unfold((pieces, writer), move |(mut pieces, writer)| async move {
-        let events: Vec<Event> = match pieces.next().await? {
-            Piece::Text { text, tokens } => {
-                let delta = ChatDelta {
-                    role: None,
-                    content: Some(text),
-                };
-                vec![sse_json(&writer.chunk(
-                    delta,
-                    writer.logprobs(&tokens),
-                    None,
-                ))]
+    let first: Vec<Event> = (0..n)
+        .map(|index| {
+            let delta = ChatDelta {
+                role: Some("assistant"),
+                content: Some(String::new()),
+            };
+            sse_json(&writer.chunk(index, delta, None, None))
+        })
+        .collect();
+    let state = (merged(choices).boxed(), writer, ChoiceTally::new(n), false);
+    let rest = stream::unfold(
+        state,
+        move |(mut merged, writer, mut tally, ended)| async move {
+            if ended {
+                return None;
             }
-            Piece::Finished {
-                reason,
-                prompt_tokens,
-                completion_tokens,
-                tokens,
-            } => {
-                let logprobs = writer.logprobs(&tokens);
-                let mut out = vec![sse_json(&writer.chunk(
-                    ChatDelta::default(),
-                    logprobs,
-                    Some(reason.as_str()),
-                ))];
-                if include_usage {
-                    let mut usage = writer.chunk(ChatDelta::default(), None, None);
-                    usage.choices.clear();
-                    usage.usage = Some(Usage::new(prompt_tokens, completion_tokens));
-                    out.push(sse_json(&usage));
+            let (index, piece) = merged.next().await?;
+            let mut ended = false;
+            let events: Vec<Event> = match piece {
+                Piece::Text { text, tokens } => {
+                    let delta = ChatDelta {
+                        role: None,
+                        content: Some(text),
+                    };
+                    let logprobs = writer.logprobs(&tokens);
+                    vec![sse_json(&writer.chunk(index, delta, logprobs, None))]
                 }
-                out.push(sse_done());
-                out
-            }
-            Piece::Failed(e) => vec![sse_json(&e.to_body())],
-        };
-        Some((events, (pieces, writer)))
-    });
+                Piece::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    tokens,
+                } => {
+                    let logprobs = writer.logprobs(&tokens);
+                    let mut out = vec![sse_json(&writer.chunk(
+                        index,
+                        ChatDelta::default(),
+                        logprobs,
+                        Some(reason.as_str()),
+                    ))];
+                    if let Some(usage) = tally.finished(prompt_tokens, completion_tokens) {
+                        if include_usage {
+                            let mut last = writer.chunk(0, ChatDelta::default(), None, None);
+                            last.choices.clear();
+                            last.usage = Some(usage);
+                            out.push(sse_json(&last));
+                        }
+                        out.push(sse_done());
+                        ended = true;
+                    }
+                    out
+                }
+                Piece::Failed(e) => {
+                    ended = true;
+                    vec![sse_json(&e.to_body())]
+                }
+            };
+            Some((events, (merged, writer, tally, ended)))
+        },
+    );
     Ok(sse_response(stream::iter([first]).chain(rest)))
 }
 
@@ -137,6 +160,7 @@ struct ChatWriter {
 impl ChatWriter {
     fn chunk(
         &self,
+        index: u32,
         delta: ChatDelta,
         logprobs: Option<ChatLogprobs>,
         finish_reason: Option<&'static str>,
@@ -147,7 +171,7 @@ impl ChatWriter {
             created: self.created,
             model: self.model.clone(),
             choices: vec![ChatChunkChoice {
-                index: 0,
+                index,
                 delta,
                 logprobs,
                 finish_reason,
@@ -287,6 +311,45 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn chat_n_choices_whole_and_streamed() {
+        let fake = FakeBackend::new(FakeBackend::tokens(&["Hi", "!"], FinishReason::Stop));
+        let body = format!(r#"{HELLO}, "n": 2}}"#);
+        let (status, _, body) =
+            post_json(router_with(fake.clone()), "/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let contents: Vec<_> = v["choices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| (c["index"].clone(), c["message"]["content"].clone()))
+            .collect();
+        assert_eq!(
+            contents,
+            [(json!(0), json!("Hi!")), (json!(1), json!("Hi!"))]
+        );
+        assert_eq!(v["usage"]["completion_tokens"], 4);
+        let body = format!(r#"{HELLO}, "n": 2, "stream": true}}"#);
+        let (_, _, body) = post_json(router_with(fake), "/v1/chat/completions", &body).await;
+        let data = sse_data(&body);
+        assert_eq!(data.last().unwrap(), "[DONE]");
+        let chunks: Vec<Value> = data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        for i in 0..2 {
+            let mine: Vec<_> = chunks
+                .iter()
+                .map(|c| &c["choices"][0])
+                .filter(|c| c["index"] == i)
+                .collect();
+            assert_eq!(mine.len(), 4, "role, two texts, finish: {mine:?}");
+            assert_eq!(mine[0]["delta"]["role"], "assistant");
+            assert_eq!(mine[3]["finish_reason"], "stop");
+        }
+    }
+
+    #[tokio::test]
     async fn chat_validation_errors() {
         let app = router_with(FakeBackend::new(FakeBackend::tokens(
             &["a"],
@@ -310,9 +373,9 @@ mod tests {
                 "context of 64",
             ),
             (
-                r#"{"messages": [{"role": "user", "content": "x"}], "n": 3}"#,
+                r#"{"messages": [{"role": "user", "content": "x"}], "n": 17}"#,
                 Some("n"),
-                "n: 1",
+                "between 1 and 16",
             ),
         ];
         for (body, param, needle) in cases {

@@ -1,11 +1,13 @@
-//! `POST /v1/completions`: one prompt in, a `text_completion` out, whole or as SSE chunks.
+//! `POST /v1/completions`: one prompt in, a `text_completion` with `n` choices out, whole or as
+//! SSE chunks (`best_of` candidates: whole only, the `n` best returned; see `choices.rs`).
 //!
 //! ```text
-//!  stream: data: {"choices":[{"text":"Hel",...,"finish_reason":null}]}   one per piece of text
-//!          data: {"choices":[{"text":"","finish_reason":"stop"}]}         last choice chunk
-//!          data: {"choices":[],"usage":{...}}                             if include_usage
+//!  stream: data: {"choices":[{"index":i,"text":"Hel",...,"finish_reason":null}]}  one per piece of
+//!                                                        a choice's text, choices interleaved
+//!          data: {"choices":[{"index":i,"text":"","finish_reason":"stop"}]}       each choice's last
+//!          data: {"choices":[],"usage":{...}}         after every choice's last, if include_usage
 //!          data: [DONE]
-//!  worker error mid-stream: data: {"error":{...}} and the stream ends.
+//!  worker error mid-stream: data: {"error":{...}} and the stream ends (every choice cancelled).
 //! ```
 
 use std::convert::Infallible;
@@ -19,11 +21,11 @@ use futures_util::stream::{self, StreamExt};
 
 use super::auth::Requester;
 use super::blocking::off_runtime;
+use super::choices::{best, collect_all, fan_out, merged, total_usage, ChoiceTally};
 use super::error::{ApiError, ApiJson};
 use super::on_demand::resolve_variant;
 use super::openai::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, TopLogprobMap,
-    Usage,
 };
 use super::{
     model_context, response_id, sse_done, sse_json, unix_now, usage, Backend, Piece, Pieces,
@@ -43,52 +45,81 @@ pub async fn completions<B: Backend>(
     let v = off_runtime(|| validate_completion(&req, &ctx))?;
     let with_logprobs = v.request.sampling.logprobs.is_some();
     let model = backend.model().display_name(v.request.adapter_id);
-    let rx = usage::start(&backend, &who, v.request).await?;
+    let (n, best_of) = (v.n, v.best_of);
+    let ranked = best_of > n;
+    let receivers =
+        usage::start_choices(&backend, &who, fan_out(v.request, best_of, ranked)).await?;
     let mut writer = CompletionWriter {
         id: response_id("cmpl"),
         created: unix_now(),
         model,
-        logprobs: with_logprobs.then(|| LogprobWriter {
-            tokenizer: backend.tokenizer().clone(),
-            offset: 0,
-        }),
+        logprobs: (0..if with_logprobs { n } else { 0 })
+            .map(|_| LogprobWriter {
+                tokenizer: backend.tokenizer().clone(),
+                offset: 0,
+            })
+            .collect(),
     };
-    let pieces = Pieces::new(rx);
+    let choices: Vec<Pieces> = receivers.into_iter().map(Pieces::new).collect();
     if !v.stream {
-        let answer = pieces.collect().await?;
-        let mut body = writer.chunk(answer.text, &answer.tokens, Some(answer.reason.as_str()));
-        body.usage = Some(answer.usage);
+        let mut answers = collect_all(choices).await?;
+        let usage = total_usage(&answers);
+        if ranked {
+            answers = best(answers, n as usize);
+        }
+        let mut body = writer.response(Vec::new());
+        for (index, answer) in answers.into_iter().enumerate() {
+            body.choices.push(writer.choice(
+                index as u32,
+                answer.text,
+                &answer.tokens,
+                Some(answer.reason.as_str()),
+            ));
+        }
+        body.usage = Some(usage);
         return Ok(Json(body).into_response());
     }
     let include_usage = v.include_usage;
+    let state = (merged(choices).boxed(), writer, ChoiceTally::new(n), false);
     let events = stream::unfold(
-        (pieces, writer),
-        move |(mut pieces, mut writer)| async move {
-            let events: Vec<Event> = match pieces.next().await? {
-                Piece::Text { text, tokens } => vec![sse_json(&writer.chunk(text, &tokens, None))],
+        state,
+        move |(mut merged, mut writer, mut tally, ended)| async move {
+            if ended {
+                return None;
+            }
+            let (index, piece) = merged.next().await?;
+            let mut ended = false;
+            let events: Vec<Event> = match piece {
+                Piece::Text { text, tokens } => {
+                    let choice = writer.choice(index, text, &tokens, None);
+                    vec![sse_json(&writer.response(vec![choice]))]
+                }
                 Piece::Finished {
                     reason,
                     prompt_tokens,
                     completion_tokens,
                     tokens,
                 } => {
-                    let mut out = vec![sse_json(&writer.chunk(
-                        String::new(),
-                        &tokens,
-                        Some(reason.as_str()),
-                    ))];
-                    if include_usage {
-                        let mut usage = writer.chunk(String::new(), &[], None);
-                        usage.choices.clear();
-                        usage.usage = Some(Usage::new(prompt_tokens, completion_tokens));
-                        out.push(sse_json(&usage));
+                    let choice =
+                        writer.choice(index, String::new(), &tokens, Some(reason.as_str()));
+                    let mut out = vec![sse_json(&writer.response(vec![choice]))];
+                    if let Some(usage) = tally.finished(prompt_tokens, completion_tokens) {
+                        if include_usage {
+                            let mut last = writer.response(Vec::new());
+                            last.usage = Some(usage);
+                            out.push(sse_json(&last));
+                        }
+                        out.push(sse_done());
+                        ended = true;
                     }
-                    out.push(sse_done());
                     out
                 }
-                Piece::Failed(e) => vec![sse_json(&e.to_body())],
+                Piece::Failed(e) => {
+                    ended = true;
+                    vec![sse_json(&e.to_body())]
+                }
             };
-            Some((events, (pieces, writer)))
+            Some((events, (merged, writer, tally, ended)))
         },
     );
     Ok(sse_response(events))
@@ -113,31 +144,40 @@ struct CompletionWriter {
     created: u64,
     /// The served model's name.
     model: String,
-    /// Present when the request asked for logprobs.
-    logprobs: Option<LogprobWriter>,
+    /// One per returned choice when the request asked for logprobs, else none.
+    logprobs: Vec<LogprobWriter>,
 }
 
 impl CompletionWriter {
-    /// One `text_completion` object with one choice (no usage).
-    fn chunk(
-        &mut self,
-        text: String,
-        tokens: &[TokenRecord],
-        finish_reason: Option<&'static str>,
-    ) -> CompletionResponse {
-        let logprobs = self.logprobs.as_mut().map(|w| w.write(tokens));
+    /// A `text_completion` object with `choices` (no usage).
+    fn response(&self, choices: Vec<CompletionChoice>) -> CompletionResponse {
         CompletionResponse {
             id: self.id.clone(),
             object: "text_completion",
             created: self.created,
             model: self.model.clone(),
-            choices: vec![CompletionChoice {
-                index: 0,
-                text,
-                logprobs,
-                finish_reason,
-            }],
+            choices,
             usage: None,
+        }
+    }
+
+    /// Choice `index` with `text` (logprobs of `tokens` when asked for).
+    fn choice(
+        &mut self,
+        index: u32,
+        text: String,
+        tokens: &[TokenRecord],
+        finish_reason: Option<&'static str>,
+    ) -> CompletionChoice {
+        let logprobs = self
+            .logprobs
+            .get_mut(index as usize)
+            .map(|w| w.write(tokens));
+        CompletionChoice {
+            index,
+            text,
+            logprobs,
+            finish_reason,
         }
     }
 }
@@ -266,6 +306,112 @@ mod tests {
         assert_eq!(chunks[3]["usage"]["total_tokens"], 6);
         assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"]));
         assert_eq!(data[4], "[DONE]");
+    }
+
+    #[tokio::test]
+    async fn n_choices_share_usage_and_get_their_own_seeds() {
+        let fake = FakeBackend::new(FakeBackend::tokens(&["Hel", "lo"], FinishReason::Stop));
+        let (status, _, body) = post_json(
+            router_with(fake.clone()),
+            "/v1/completions",
+            r#"{"prompt": "the", "n": 3, "seed": 11, "logprobs": 1}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let choices = v["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 3);
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(
+                (c["index"].as_u64(), c["text"].as_str()),
+                (Some(i as u64), Some("Hello"))
+            );
+            assert_eq!(
+                c["logprobs"]["text_offset"],
+                json!([0, 3]),
+                "offsets per choice"
+            );
+        }
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9})
+        );
+        let seeds: Vec<_> = fake
+            .requests
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|r| r.sampling.seed)
+            .collect();
+        let want: Vec<_> = (0..3)
+            .map(|i| Some(crate::api::choices::choice_seed(11, i)))
+            .collect();
+        assert_eq!(seeds, want);
+    }
+
+    #[tokio::test]
+    async fn best_of_generates_every_candidate_and_returns_n_without_unasked_logprobs() {
+        let fake = FakeBackend::new(FakeBackend::tokens(&["a", "b"], FinishReason::Length));
+        let (status, _, body) = post_json(
+            router_with(fake.clone()),
+            "/v1/completions",
+            r#"{"prompt": "the", "best_of": 3, "temperature": 0.5}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            v["choices"],
+            json!([{"index": 0, "text": "ab", "logprobs": null, "finish_reason": "length"}])
+        );
+        assert_eq!(
+            v["usage"]["completion_tokens"], 6,
+            "every candidate's tokens"
+        );
+        let sent = fake.requests.lock().unwrap().clone();
+        assert_eq!(sent.len(), 3);
+        assert!(
+            sent.iter().all(|r| r.sampling.logprobs == Some(0)),
+            "asked internally"
+        );
+    }
+
+    #[tokio::test]
+    async fn streamed_choices_carry_their_index_and_end_each_with_a_finish_reason() {
+        let fake = FakeBackend::new(FakeBackend::tokens(&["Hel", "lo"], FinishReason::Stop));
+        let (status, _, body) = post_json(
+            router_with(fake),
+            "/v1/completions",
+            r#"{"prompt": "x", "n": 2, "stream": true, "stream_options": {"include_usage": true}}"#,
+        )
+        .await;
+        assert_eq!(status, 200);
+        let data = sse_data(&body);
+        assert_eq!(data.last().unwrap(), "[DONE]");
+        let chunks: Vec<Value> = data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        let (usage, choice_chunks) = chunks.split_last().unwrap();
+        assert_eq!(
+            (
+                usage["choices"].clone(),
+                usage["usage"]["completion_tokens"].clone()
+            ),
+            (json!([]), json!(4))
+        );
+        for i in 0..2 {
+            let mine: Vec<_> = choice_chunks
+                .iter()
+                .map(|c| &c["choices"][0])
+                .filter(|c| c["index"] == i)
+                .collect();
+            let texts: Vec<_> = mine.iter().map(|c| c["text"].as_str().unwrap()).collect();
+            assert_eq!(texts, ["Hel", "lo", ""], "choice {i}");
+            let reasons: Vec<_> = mine.iter().map(|c| c["finish_reason"].clone()).collect();
+            assert_eq!(reasons, [Value::Null, Value::Null, json!("stop")]);
+        }
+        assert_eq!(choice_chunks.len(), 6);
     }
 
     #[tokio::test]
@@ -448,5 +594,32 @@ mod tests {
             fake.all_cancelled(),
             "dropping the response drops the receiver"
         );
+    }
+
+    #[tokio::test]
+    async fn dropping_a_stream_of_several_choices_cancels_every_one() {
+        use axum::body::Body;
+        use axum::http::Request;
+        use tower::ServiceExt;
+        let script = Script::Events(vec![GenerateEvent::Token {
+            token_id: 1,
+            text: "a".into(),
+            logprob: None,
+            top_logprobs: vec![],
+        }]);
+        let fake = FakeBackend::new(script);
+        let req = Request::post("/v1/completions")
+            .header("content-type", "application/json")
+            .body(Body::from(r#"{"prompt": "x", "n": 3, "stream": true}"#))
+            .unwrap();
+        let response = router_with(fake.clone()).oneshot(req).await.unwrap();
+        assert_eq!(response.status(), 200);
+        assert_eq!(fake.senders.lock().unwrap().len(), 3);
+        assert!(!fake.all_cancelled());
+        drop(response);
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(fake.all_cancelled(), "all three choices cancelled");
     }
 }

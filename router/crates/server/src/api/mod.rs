@@ -14,6 +14,7 @@
 //!            └─ GET  /health /ready /metrics /version   health.rs
 //!  openai.rs: request/response types      error.rs: ApiError (every failure), ApiJson extractor
 //!  on_demand.rs: a generation's unregistered variant found in --lora-dir & co and registered
+//!  choices.rs: `n` / `best_of`: one request fanned out into several engine requests, merged
 //!
 //!  layers, outermost first: request_id.rs (x-request-id, log span) → auth.rs (key → Caller,
 //!  admin routes, JSON-only state changes) → the route; tenants.rs (key file, ACL) and
@@ -29,6 +30,7 @@
 pub mod auth;
 mod blocking;
 pub mod chat;
+pub mod choices;
 pub mod compat;
 pub mod completions;
 pub mod error;

@@ -82,7 +82,7 @@ pub struct CompletionRequest {
     pub logprobs: Option<i64>,
     /// Echo the prompt back: not supported (400 when true).
     pub echo: Option<bool>,
-    /// Choices per prompt: only 1 is supported.
+    /// Choices per prompt, 1..=16 (default 1).
     pub n: Option<i64>,
     /// In [-2, 2] (default 0): subtracted from each token already generated (OpenAI).
     pub presence_penalty: Option<f64>,
@@ -101,8 +101,9 @@ pub struct CompletionRequest {
     pub ignore_eos: Option<bool>,
     /// The end user's id: accepted, not used.
     pub user: Option<String>,
-    /// Not implemented (400 unless a no-op).
-    pub best_of: Option<Unsupported>,
+    /// Candidates generated, n..=16 (default `n`): the `n` with the highest cumulative logprob
+    /// are returned. Not with `stream` when greater than `n`.
+    pub best_of: Option<i64>,
     /// Not implemented (400 unless a no-op).
     pub suffix: Option<Unsupported>,
     /// Not implemented (vLLM extension; 400 unless a no-op).
@@ -141,7 +142,7 @@ pub struct ChatCompletionRequest {
     pub logprobs: Option<bool>,
     /// With `logprobs`, this many alternatives per token (0..=20).
     pub top_logprobs: Option<i64>,
-    /// Choices per request: only 1 is supported.
+    /// Choices per request, 1..=16 (default 1).
     pub n: Option<i64>,
     /// In [-2, 2] (default 0): subtracted from each token already generated (OpenAI).
     pub presence_penalty: Option<f64>,
@@ -209,7 +210,7 @@ pub struct CompletionResponse {
     pub created: u64,
     /// The served model's name.
     pub model: String,
-    /// One choice (empty in the usage-only last chunk of a stream).
+    /// `n` choices; a streamed chunk carries one (none in the usage-only last chunk).
     pub choices: Vec<CompletionChoice>,
     /// Token counts (non-streaming, or the usage chunk of a stream).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -219,7 +220,7 @@ pub struct CompletionResponse {
 /// One completion choice.
 #[derive(Debug, Clone, Serialize)]
 pub struct CompletionChoice {
-    /// Always 0 (`n` is 1).
+    /// Which choice, 0..n (best first, with `best_of`).
     pub index: u32,
     /// Generated text (of this chunk, when streaming).
     pub text: String,
@@ -270,7 +271,7 @@ pub struct ChatCompletionResponse {
     pub created: u64,
     /// The served model's name.
     pub model: String,
-    /// One choice.
+    /// `n` choices.
     pub choices: Vec<ChatChoice>,
     /// Token counts.
     pub usage: Usage,
@@ -279,7 +280,7 @@ pub struct ChatCompletionResponse {
 /// One chat choice.
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatChoice {
-    /// Always 0.
+    /// Which choice, 0..n.
     pub index: u32,
     /// The assistant's answer.
     pub message: AssistantMessage,
@@ -340,7 +341,7 @@ pub struct ChatCompletionChunk {
     pub created: u64,
     /// The served model's name.
     pub model: String,
-    /// One choice (empty in the usage-only last chunk).
+    /// One choice (none in the usage-only last chunk).
     pub choices: Vec<ChatChunkChoice>,
     /// Token counts, in the usage chunk only.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -350,7 +351,7 @@ pub struct ChatCompletionChunk {
 /// The choice of one chat chunk.
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatChunkChoice {
-    /// Always 0.
+    /// Which choice, 0..n.
     pub index: u32,
     /// What this chunk adds.
     pub delta: ChatDelta,
@@ -418,7 +419,6 @@ mod tests {
     #[test]
     fn unimplemented_fields_are_400s_naming_them() {
         for (field, value) in [
-            ("best_of", "3"),
             ("suffix", r#""}""#),
             ("response_format", r#"{"type": "json_object"}"#),
             ("min_p", "0.1"),
@@ -494,7 +494,7 @@ mod tests {
     fn no_op_values_user_and_max_completion_tokens_are_accepted() {
         let req: CompletionRequest = parse_json(
             br#"{"prompt": "x", "user": "u", "logit_bias": {}, "response_format": {"type": "text"},
-                 "best_of": null, "max_completion_tokens": 7}"#,
+                 "best_of": null, "n": 2, "max_completion_tokens": 7}"#,
         )
         .unwrap();
         assert_eq!((req.user.as_deref(), req.max_tokens), (Some("u"), Some(7)));

@@ -1,7 +1,9 @@
 //! A generation's life as the API accounts it: the tenant's quota is checked and held, the
 //! engine's events are forwarded to the handler through one small task that counts them, and at
 //! the end the quota is charged, usage is metered per tenant and variant, and one structured log
-//! line says how it went. Every generation (JSON, SSE, WebSocket) goes through [`start`].
+//! line says how it went. Every generation (JSON, SSE, WebSocket) goes through [`start`], or
+//! [`start_choices`] for the `n` / `best_of` choices of one request (one forward task per
+//! choice; the last to end settles the request's quota, usage and log line).
 //!
 //! ```text
 //!  handler ── start() ── quota.admit ── Backend::generate ──▶ engine events
@@ -15,7 +17,7 @@
 //! task sees its sender closed at once and drops the engine's receiver.
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use prometheus::core::Collector;
@@ -41,85 +43,151 @@ pub async fn start<B: Backend>(
     who: &Requester,
     req: GenerateRequest,
 ) -> Result<UnboundedReceiver<GenerateEvent>, ApiError> {
+    let mut receivers = start_choices(backend, who, vec![req]).await?;
+    Ok(receivers.pop().expect("one choice, one receiver"))
+}
+
+/// Queues the choices of one request (`n` / `best_of`: the same prompt and variant, each its
+/// own engine request) as one request of the tenant's: one quota slot, the prompt's tokens
+/// charged once per choice (each choice prefills its own copy: the scheduler does not share
+/// pages between requests), every choice's completion tokens at the end, one usage record
+/// (prompt counted once, as in the response's `usage`) and one log line when the last choice
+/// ends. If a choice is refused, the ones already queued are cancelled (their receivers
+/// dropped) and the refusal is the answer.
+pub async fn start_choices<B: Backend>(
+    backend: &B,
+    who: &Requester,
+    reqs: Vec<GenerateRequest>,
+) -> Result<Vec<UnboundedReceiver<GenerateEvent>>, ApiError> {
     let started = Instant::now();
-    let prompt_tokens = req.prompt_token_ids.len() as u32;
-    let variant = backend.model().display_name(req.adapter_id);
+    let first = reqs.first().expect("at least one choice");
+    let choices = reqs.len() as u32;
+    let prompt_tokens = first.prompt_token_ids.len() as u32;
+    let adapter_id = first.adapter_id;
+    let variant = backend.model().display_name(adapter_id);
     let tenant = who.caller.label().to_string();
     let access = who.access.clone();
-    if req.adapter_id != 0 {
-        recheck_variant_dir(backend, req.adapter_id, &variant)?;
+    if adapter_id != 0 {
+        recheck_variant_dir(backend, adapter_id, &variant)?;
     }
     let lease = match &who.caller.tenant {
-        Some(t) => t.quota.admit(prompt_tokens, access.now()).map_err(|e| {
-            access.usage.reject(&tenant, &variant, e.limit);
-            tracing::info!(tenant = %tenant, variant = %variant, limit = e.limit, "quota refused the request");
-            ApiError::QuotaExceeded(e)
-        })?,
+        Some(t) => t
+            .quota
+            .admit(prompt_tokens.saturating_mul(choices), access.now())
+            .map_err(|e| {
+                access.usage.reject(&tenant, &variant, e.limit);
+                tracing::info!(tenant = %tenant, variant = %variant, limit = e.limit, "quota refused the request");
+                ApiError::QuotaExceeded(e)
+            })?,
         None => QuotaLease::none(),
     };
-    let mut engine_rx = backend.generate(req).await?;
-    let (tx, rx) = mpsc::unbounded_channel();
-    // Its own root span: the handler's `request` span (request_id.rs) has ended by the time a
-    // stream does.
-    let span = tracing::info_span!(parent: None, "request", request_id = %who.request_id);
-    let task = async move {
-        let mut completion_tokens = 0u32;
-        let mut first_token_ms: Option<f64> = None;
-        let mut finish_reason = "abort";
-        loop {
-            tokio::select! {
-                biased;
-                event = engine_rx.recv() => {
-                    let Some(event) = event else {
-                        finish_reason = "error";
-                        break;
-                    };
-                    let last = match &event {
-                        GenerateEvent::Token { .. } => {
-                            completion_tokens += 1;
-                            first_token_ms.get_or_insert_with(|| ms_since(started));
-                            false
-                        }
-                        GenerateEvent::Finished { reason, completion_tokens: n, .. } => {
-                            finish_reason = reason.as_str();
-                            completion_tokens = *n;
-                            true
-                        }
-                        GenerateEvent::Error { .. } => {
+    let mut engine_rxs = Vec::with_capacity(reqs.len());
+    for req in reqs {
+        engine_rxs.push(backend.generate(req).await?);
+    }
+    let tally = Arc::new(Mutex::new(Tally {
+        remaining: choices,
+        completion_tokens: 0,
+        first_token_ms: None,
+        finish_reasons: Vec::new(),
+        lease: Some(lease),
+    }));
+    let mut receivers = Vec::with_capacity(engine_rxs.len());
+    for mut engine_rx in engine_rxs {
+        let (tx, rx) = mpsc::unbounded_channel();
+        receivers.push(rx);
+        let tally = tally.clone();
+        let (tenant, variant, access) = (tenant.clone(), variant.clone(), access.clone());
+        // Its own root span: the handler's `request` span (request_id.rs) has ended by the time a
+        // stream does.
+        let span = tracing::info_span!(parent: None, "request", request_id = %who.request_id);
+        let task = async move {
+            let mut completion_tokens = 0u32;
+            let mut first_token_ms: Option<f64> = None;
+            let mut finish_reason = "abort";
+            loop {
+                tokio::select! {
+                    biased;
+                    event = engine_rx.recv() => {
+                        let Some(event) = event else {
                             finish_reason = "error";
-                            true
+                            break;
+                        };
+                        let last = match &event {
+                            GenerateEvent::Token { .. } => {
+                                completion_tokens += 1;
+                                first_token_ms.get_or_insert_with(|| ms_since(started));
+                                false
+                            }
+                            GenerateEvent::Finished { reason, completion_tokens: n, .. } => {
+                                finish_reason = reason.as_str();
+                                completion_tokens = *n;
+                                true
+                            }
+                            GenerateEvent::Error { .. } => {
+                                finish_reason = "error";
+                                true
+                            }
+                        };
+                        if tx.send(event).is_err() {
+                            finish_reason = "abort";
+                            break;
                         }
-                    };
-                    if tx.send(event).is_err() {
-                        finish_reason = "abort";
-                        break;
+                        if last {
+                            break;
+                        }
                     }
-                    if last {
-                        break;
-                    }
+                    _ = tx.closed() => break,
                 }
-                _ = tx.closed() => break,
             }
-        }
-        drop(engine_rx);
-        lease.finish(completion_tokens, access.now());
-        access
-            .usage
-            .record(&tenant, &variant, prompt_tokens, completion_tokens);
-        tracing::info!(
-            target: "deltaserve::requests",
-            tenant = %tenant,
-            variant = %variant,
-            prompt_tokens,
-            completion_tokens,
-            ttft_ms = first_token_ms,
-            duration_ms = ms_since(started),
-            finish_reason = %finish_reason,
-            "request finished"
-        );
-    };
-    tokio::spawn(task.instrument(span));
-    Ok(rx)
+            drop(engine_rx);
+            let mut t = tally.lock().expect("tally lock");
+            t.completion_tokens += completion_tokens;
+            t.first_token_ms = match (t.first_token_ms, first_token_ms) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            t.finish_reasons.push(finish_reason);
+            t.remaining -= 1;
+            if t.remaining > 0 {
+                return;
+            }
+            if let Some(lease) = t.lease.take() {
+                lease.finish(t.completion_tokens, access.now());
+            }
+            access
+                .usage
+                .record(&tenant, &variant, prompt_tokens, t.completion_tokens);
+            tracing::info!(
+                target: "deltaserve::requests",
+                tenant = %tenant,
+                variant = %variant,
+                prompt_tokens,
+                completion_tokens = t.completion_tokens,
+                choices,
+                ttft_ms = t.first_token_ms,
+                duration_ms = ms_since(started),
+                finish_reason = %t.finish_reasons.join(","),
+                "request finished"
+            );
+        };
+        tokio::spawn(task.instrument(span));
+    }
+    Ok(receivers)
+}
+
+/// What the choices of one request have used so far; the last one to end settles it.
+struct Tally {
+    /// Choices still running.
+    remaining: u32,
+    /// Tokens generated by the choices that ended.
+    completion_tokens: u32,
+    /// The earliest first token of any choice.
+    first_token_ms: Option<f64>,
+    /// How each ended choice ended.
+    finish_reasons: Vec<&'static str>,
+    /// The quota hold, until the last choice ends.
+    lease: Option<QuotaLease>,
 }
 
 /// A variant's directory must still pass the `--adapter-root` checks when a request uses it

@@ -352,7 +352,19 @@ fn validate_ws_request<B: Backend>(
             &ctx,
         )
     };
-    Ok(validated.map_err(prefixed)?.request)
+    let validated = validated.map_err(prefixed)?;
+    // `best_of` is at least `n`, so this refuses both.
+    if validated.best_of > 1 {
+        let field = if validated.n > 1 { "n" } else { "best_of" };
+        return Err(ApiError::invalid(
+            format!("request.{field}"),
+            format!(
+                "`{field}` greater than 1 is not supported over /v1/ws (its messages carry no choice \
+                 index); send one generation per choice, each with its own id"
+            ),
+        ));
+    }
+    Ok(validated.request)
 }
 
 /// One generation: forwards its events to the socket until it ends, is cancelled, or aborted.
@@ -541,6 +553,18 @@ mod tests {
                 Some("h"),
                 "request.temperature",
                 "between 0 and 2",
+            ),
+            (
+                json!({"type": "generate", "id": "h", "request": {"prompt": "y", "n": 2}}),
+                Some("h"),
+                "request.n",
+                "not supported over /v1/ws",
+            ),
+            (
+                json!({"type": "generate", "id": "h", "request": {"prompt": "y", "best_of": 2}}),
+                Some("h"),
+                "request.best_of",
+                "not supported over /v1/ws",
             ),
             (
                 json!({"type": "generate", "id": "h", "request": {"prompt": "y", "max_tokens": "x"}}),
