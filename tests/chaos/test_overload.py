@@ -55,13 +55,24 @@ def test_twice_the_saturation_gets_429s_with_retry_after_and_every_request_an_an
     rate = sum(r.get("ok", False) for r in saturated) / (time.perf_counter() - started)
     assert rate > 0, saturated[:3]
 
-    async def overload():
+    async def overload(rate: float):
         async with asyncio.timeout(OVERLOAD_S + 120):
             return await open_loop(daemon.url, 2 * rate, OVERLOAD_S, PROMPT_LEN, MAX_TOKENS, vocab)
 
-    started = time.perf_counter()
-    results = asyncio.run(overload())
-    took = time.perf_counter() - started
+    # On a shared 2-core machine the closed loop can underestimate the saturation (its clients
+    # and the daemon compete for the cores): when the daemon kept up with twice it, refusing
+    # nothing, it was not saturated; the rate it kept up with is the better measure, once.
+    tried: list[dict] = []
+    for attempt in range(2):
+        started = time.perf_counter()
+        results = asyncio.run(overload(rate))
+        tried += results
+        took = time.perf_counter() - started
+        admitted_rate = sum(r["status"] == 200 for r in results) / took
+        if any(r["status"] == 429 for r in results) or attempt == 1:
+            break
+        print(f"\nchaos overload: nothing refused at {2 * rate:.1f} req/s; saturation taken as {admitted_rate:.1f}")
+        rate = max(rate, admitted_rate)
     statuses = Counter(r["status"] for r in results)
     admitted = [r for r in results if r["status"] == 200]
     refused = [r for r in results if r["status"] == 429]
@@ -70,7 +81,9 @@ def test_twice_the_saturation_gets_429s_with_retry_after_and_every_request_an_an
           f"{2 * rate:.1f} req/s for {OVERLOAD_S:.0f} s (done in {took:.1f} s): status mix {dict(statuses)}, "
           f"admitted {len(admitted) / len(results):.0%}, max latency {slowest:.2f} s, "
           f"admitted completions {len(admitted) / took:.1f} req/s")  # fmt: skip
-    assert set(statuses) <= {200, 429}, statuses  # an answer for every request, never a 5xx
+    every = Counter(r["status"] for r in tried)
+    assert set(every) <= {200, 429}, every  # an answer for every request, never a 5xx
+    assert all(r.get("ok") for r in tried if r["status"] == 200)
     assert all(r.get("ok") for r in admitted), [r for r in admitted if not r.get("ok")][:3]
     assert refused, "twice the saturation should refuse some requests"
     assert all(r["retry_after"] and int(r["retry_after"]) >= 1 for r in refused), refused[:3]
