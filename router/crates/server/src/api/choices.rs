@@ -214,6 +214,43 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_tenants_token_quota_counts_the_prompt_once_per_choice() {
+        use crate::api::fake::FakeBackend;
+        use crate::api::secured_router;
+        use crate::api::tenants::AccessControl;
+        use axum::body::Body;
+        use axum::http::Request;
+        use tower::ServiceExt;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("keys.json");
+        std::fs::write(
+            &file,
+            r#"{"tenants": [{"name": "a", "keys": ["sk-a-1234567"], "variants": ["*"],
+                "tokens_per_minute": 20}]}"#,
+        )
+        .unwrap();
+        let access = std::sync::Arc::new(AccessControl::new(Some(&file), &[]).unwrap());
+        let fake = FakeBackend::new(FakeBackend::tokens(&["a"], FinishReason::Stop));
+        let app = secured_router(fake.clone(), access);
+        let post = |n: u32| {
+            Request::post("/v1/completions")
+                .header("content-type", "application/json")
+                .header("authorization", "Bearer sk-a-1234567")
+                .body(Body::from(format!(
+                    r#"{{"prompt": [5, 6, 7, 8], "max_tokens": 1, "n": {n}}}"#
+                )))
+                .unwrap()
+        };
+        // 6 choices of a 4-token prompt need 24 tokens of the 20 a minute; 5 need 20.
+        let refused = app.clone().oneshot(post(6)).await.unwrap();
+        assert_eq!(refused.status(), 429);
+        assert!(fake.requests.lock().unwrap().is_empty(), "nothing queued");
+        let admitted = app.oneshot(post(5)).await.unwrap();
+        assert_eq!(admitted.status(), 200);
+        assert_eq!(fake.requests.lock().unwrap().len(), 5);
+    }
+
+    #[tokio::test]
     async fn merged_pieces_carry_their_choice_index() {
         let mut choices = Vec::new();
         let mut senders = Vec::new();
