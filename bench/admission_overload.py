@@ -17,14 +17,16 @@ the saturated throughput, and whether every request got an answer.
 
     python -m bench.admission_overload            # ~2 minutes on CPU
     python -m bench.admission_overload --devices 0 --model DIR   # on a GPU
-    python -m bench.admission_overload --devices 0 --shape llama-2-7b   # random weights, real shape
+    python -m bench.admission_overload --devices 0 --shape llama-2-7b --client-procs 8   # random weights
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import random
 import statistics
 import sys
@@ -81,9 +83,9 @@ def prompt_of(rng: random.Random, length: int, vocab: int) -> list[int]:
 
 
 async def closed_loop(
-    url: str, concurrency: int, seconds: float, prompt_len: int, max_tokens: int, vocab: int
+    url: str, concurrency: int, seconds: float, prompt_len: int, max_tokens: int, vocab: int, seed: int = 1
 ) -> list[dict]:
-    rng = random.Random(1)
+    rng = random.Random(seed)
     deadline = time.perf_counter() + seconds
     results: list[dict] = []
 
@@ -96,8 +98,10 @@ async def closed_loop(
     return results
 
 
-async def open_loop(url: str, rate: float, seconds: float, prompt_len: int, max_tokens: int, vocab: int) -> list[dict]:
-    rng = random.Random(2)
+async def open_loop(
+    url: str, rate: float, seconds: float, prompt_len: int, max_tokens: int, vocab: int, seed: int = 2
+) -> list[dict]:
+    rng = random.Random(seed)
     tasks = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_connections=4000)) as client:
         t0 = time.perf_counter()
@@ -113,6 +117,30 @@ async def open_loop(url: str, rate: float, seconds: float, prompt_len: int, max_
     for task, r in zip(tasks, results):
         r["send_lag_s"] = r["start"] - task.due  # type: ignore[attr-defined]  # the client falling behind
     return results
+
+
+def run_loop(loop: str, procs: int, url: str, load: float, seconds: float, prompt_len: int, max_tokens: int,
+             vocab: int) -> list[dict]:  # fmt: skip
+    """``closed_loop`` (``load`` = clients) or ``open_loop`` (``load`` = requests/s) split over
+    ``procs`` client processes, each with its share of the load and its own seed: one Python
+    event loop parsing every streamed token falls behind long before a GPU does."""
+    if procs <= 1:
+        return _loop_in_process(loop, 0, url, load, seconds, prompt_len, max_tokens, vocab)
+    shares = [load / procs] * procs
+    if loop == "closed":  # whole clients
+        shares = [float(int(load) // procs + (i < int(load) % procs)) for i in range(procs)]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+        futures = [pool.submit(_loop_in_process, loop, i, url, share, seconds, prompt_len, max_tokens, vocab)
+                   for i, share in enumerate(shares) if share > 0]  # fmt: skip
+        return [r for f in futures for r in f.result()]
+
+
+def _loop_in_process(loop: str, index: int, url: str, load: float, seconds: float, prompt_len: int,
+                     max_tokens: int, vocab: int) -> list[dict]:  # fmt: skip
+    if loop == "closed":
+        return asyncio.run(closed_loop(url, int(load), seconds, prompt_len, max_tokens, vocab, seed=1 + 100 * index))
+    return asyncio.run(open_loop(url, load, seconds, prompt_len, max_tokens, vocab, seed=2 + 100 * index))
 
 
 def device_label(devices: str) -> str:
@@ -169,6 +197,7 @@ def main() -> None:
     p.add_argument("--ttft-slo-ms", type=int, help="TTFT SLO (default: --ttft-factor x the saturated TTFT)")
     p.add_argument("--ttft-factor", type=float, default=2.0, help="TTFT SLO = this x the saturated mean TTFT")
     p.add_argument("--tpot-factor", type=float, default=1.5, help="TPOT SLO = this x the saturated TPOT")
+    p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the load (8 on a GPU)")
     p.add_argument("--out", type=Path, help="results directory (default bench/results)")
     args = p.parse_args()
     if args.shape:
@@ -184,8 +213,15 @@ def main() -> None:
     with launch(daemon_cmd(args, port, unbounded), url, logs / "admission-saturation.log"):
         asyncio.run(closed_loop(url, 2, 3.0, args.prompt_len, args.max_tokens, vocab))  # warm-up
         t0 = time.perf_counter()
-        sat = asyncio.run(
-            closed_loop(url, args.concurrency, args.saturation_s, args.prompt_len, args.max_tokens, vocab)
+        sat = run_loop(
+            "closed",
+            args.client_procs,
+            url,
+            args.concurrency,
+            args.saturation_s,
+            args.prompt_len,
+            args.max_tokens,
+            vocab,
         )
         sat_wall = time.perf_counter() - t0
         sat_server = server_latency(httpx.get(f"{url}/metrics", timeout=10).text)
@@ -205,7 +241,7 @@ def main() -> None:
     with launch(daemon_cmd(args, port, flags), url, logs / "admission-overload.log"):
         asyncio.run(closed_loop(url, 2, 3.0, args.prompt_len, args.max_tokens, vocab))  # warm-up: measured steps
         t0 = time.perf_counter()
-        over = asyncio.run(open_loop(url, rate, args.duration_s, args.prompt_len, args.max_tokens, vocab))
+        over = run_loop("open", args.client_procs, url, rate, args.duration_s, args.prompt_len, args.max_tokens, vocab)
         over_wall = time.perf_counter() - t0
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
 
@@ -225,6 +261,7 @@ def main() -> None:
             "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens,
             "concurrency": args.concurrency,
+            "client_procs": args.client_procs,
             "saturation_s": args.saturation_s,
             "duration_s": args.duration_s,
             "load": args.load,
