@@ -77,9 +77,12 @@ def test_twice_the_saturation_gets_429s_with_retry_after_and_every_request_an_an
     admitted = [r for r in results if r["status"] == 200]
     refused = [r for r in results if r["status"] == 429]
     slowest = max(r["end"] - r["start"] for r in results)
+    ttfts = sorted(r["ttft_s"] for r in admitted if "ttft_s" in r) or [0.0]
+    within = sum(t * 1000 <= TTFT_SLO_MS for t in ttfts) / len(ttfts)
     print(f"\nchaos overload: saturation {rate:.1f} req/s ({CONCURRENCY} clients); {len(results)} requests at "
           f"{2 * rate:.1f} req/s for {OVERLOAD_S:.0f} s (done in {took:.1f} s): status mix {dict(statuses)}, "
-          f"admitted {len(admitted) / len(results):.0%}, max latency {slowest:.2f} s, "
+          f"admitted {len(admitted) / len(results):.0%}, max latency {slowest:.2f} s, admitted TTFT median "
+          f"{ttfts[len(ttfts) // 2] * 1000:.0f} ms / max {ttfts[-1] * 1000:.0f} ms ({within:.0%} within the SLO), "
           f"admitted completions {len(admitted) / took:.1f} req/s")  # fmt: skip
     every = Counter(r["status"] for r in tried)
     assert set(every) <= {200, 429}, every  # an answer for every request, never a 5xx
