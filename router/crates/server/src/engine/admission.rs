@@ -9,8 +9,11 @@
 //! and the interval since the previous output). Two cheap moving estimates follow:
 //!
 //! - decode step time vs batch size `t(b)`: a moving mean per batch size over the steps
-//!   without prefill; between measured sizes the line through the neighbours, outside them the
-//!   line from the smallest to the largest (never falling);
+//!   without prefill, started from the smallest of a size's first [`ROBUST_START`] samples (a
+//!   one-off hiccup, such as a first-time kernel compile, is not a size's cost); between measured
+//!   sizes the line through the neighbours, outside them the line from the smallest to the
+//!   largest (never falling). A size not seen for [`STALE_AFTER_DECODE_STEPS`] decode steps no
+//!   longer counts;
 //! - prefill cost per token (its inverse is the prefill throughput, tokens/s): an exponentially
 //!   weighted mean of `(step time − t(decoding requests)) / prefill tokens` over steps with a
 //!   prefill.
@@ -29,8 +32,10 @@
 //! queue ahead of it to drain (at least 1 s). The running batch is capped at the largest `b` with
 //! `t(b)` within the TPOT SLO (the actor gives the cap to its scheduler; requests beyond it wait
 //! in the queue and count toward the TTFT). A measured size within the SLO lets the batch grow an
-//! eighth past it (so an estimate from a few small batches cannot keep it small), a measured
-//! size over the SLO caps it below. With nothing queued and a free slot, or on an idle worker, a
+//! eighth past it (so an estimate from a few small batches cannot keep it small), a size measured
+//! over the SLO [`ROBUST_START`] times caps it below, for [`CAP_EVIDENCE_STEPS`] steps of any
+//! kind since it was last measured (the batch may then reach the size again and measure it
+//! anew: a cap is never a ratchet, however rarely steps without a prefill come). With nothing queued and a free slot, or on an idle worker, a
 //! request is always admitted. Until [`MIN_DECODE_SAMPLES`] decode steps were
 //! measured every request is admitted (the static `--max-queued-per-worker` cap still applies).
 //!
@@ -58,15 +63,36 @@ pub const MIN_DEFAULT_TTFT_US: f64 = 2_000_000.0;
 /// Batch sizes tracked one by one; larger decode batches share the last bucket's estimate.
 const MAX_TRACKED_BATCH: usize = 4096;
 /// A batch size not seen for this many decode steps no longer counts (its time may be old).
-const STALE_AFTER_STEPS: u64 = 4096;
+pub const STALE_AFTER_DECODE_STEPS: u64 = 4096;
+/// A size measured over the TPOT SLO caps the batch below it for this many steps of any kind
+/// after its last measurement (under a steady stream of arrivals most steps carry a prefill, so
+/// decode steps are no clock for it); then the batch may reach it again.
+pub const CAP_EVIDENCE_STEPS: u64 = 1024;
+/// A batch size's first samples: its estimate is their minimum (then a moving mean), and it
+/// caps the batch only once measured this many times.
+pub const ROBUST_START: u32 = 3;
+
+/// One decode batch size's estimate.
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    /// Step time, microseconds (see [`ROBUST_START`]).
+    us: f64,
+    /// Samples folded in.
+    samples: u32,
+    /// The decode step it was last seen at.
+    seen: u64,
+    /// The step (of any kind) it was last seen at.
+    seen_step: u64,
+}
 
 /// Moving estimates of one worker's step costs (see the module docs).
 #[derive(Debug, Clone, Default)]
 pub struct StepCosts {
-    /// Per decode batch size: moving mean of the step time (µs) and the decode step it was last
-    /// seen at.
-    decode: Vec<Option<(f64, u64)>>,
+    /// Per decode batch size.
+    decode: Vec<Option<Bucket>>,
     decode_samples: u64,
+    /// Steps observed, of any kind (the clock of staleness).
+    steps: u64,
     /// Moving mean of the prefill cost per token, microseconds; `None` before a prefill.
     prefill_us_per_token: Option<f64>,
 }
@@ -75,6 +101,7 @@ impl StepCosts {
     /// Folds in one measured step: `decode_seqs` requests decoding one token each,
     /// `prefill_tokens` prompt tokens, `step_us` microseconds.
     pub fn observe(&mut self, decode_seqs: usize, prefill_tokens: usize, step_us: f64) {
+        self.steps += 1;
         if prefill_tokens == 0 {
             if decode_seqs == 0 {
                 return;
@@ -86,10 +113,22 @@ impl StepCosts {
             self.decode_samples += 1;
             let now = self.decode_samples;
             self.decode[b] = Some(match self.decode[b] {
-                Some((m, seen)) if now - seen <= STALE_AFTER_STEPS => {
-                    (m + BUCKET_SAMPLE_WEIGHT * (step_us - m), now)
-                }
-                _ => (step_us, now),
+                Some(k) if now - k.seen <= STALE_AFTER_DECODE_STEPS => Bucket {
+                    us: if k.samples < ROBUST_START {
+                        k.us.min(step_us)
+                    } else {
+                        k.us + BUCKET_SAMPLE_WEIGHT * (step_us - k.us)
+                    },
+                    samples: k.samples.saturating_add(1),
+                    seen: now,
+                    seen_step: self.steps,
+                },
+                _ => Bucket {
+                    us: step_us,
+                    samples: 1,
+                    seen: now,
+                    seen_step: self.steps,
+                },
             });
             return;
         }
@@ -111,12 +150,17 @@ impl StepCosts {
 
     /// The measured batch sizes (not stale) and their step times, smallest first.
     fn points(&self) -> impl Iterator<Item = (usize, f64)> + '_ {
+        self.buckets().map(|(b, k)| (b, k.us))
+    }
+
+    /// The batch sizes not stale, smallest first.
+    fn buckets(&self) -> impl Iterator<Item = (usize, Bucket)> + '_ {
         let now = self.decode_samples;
         self.decode
             .iter()
             .enumerate()
-            .filter_map(move |(b, p)| match p {
-                Some((t, seen)) if now - seen <= STALE_AFTER_STEPS => Some((b, *t)),
+            .filter_map(move |(b, k)| match k {
+                Some(k) if now - k.seen <= STALE_AFTER_DECODE_STEPS => Some((b, *k)),
                 _ => None,
             })
     }
@@ -155,14 +199,21 @@ impl StepCosts {
     }
 
     /// The largest measured batch size whose step is within `slo_us`, and the smallest one
-    /// over it.
+    /// measured over it at least [`ROBUST_START`] times, within the last [`CAP_EVIDENCE_STEPS`].
     fn measured_bounds(&self, slo_us: f64) -> (Option<usize>, Option<usize>) {
         let within = self
             .points()
             .filter(|(_, t)| *t <= slo_us)
             .map(|(b, _)| b)
             .last();
-        let over = self.points().find(|(_, t)| *t > slo_us).map(|(b, _)| b);
+        let over = self
+            .buckets()
+            .find(|(_, k)| {
+                k.us > slo_us
+                    && k.samples >= ROBUST_START
+                    && self.steps - k.seen_step <= CAP_EVIDENCE_STEPS
+            })
+            .map(|(b, _)| b);
         (within, over)
     }
 
@@ -549,11 +600,49 @@ mod tests {
         adm.set_slo(Slo::from_ms(None, Some(5)));
         // 1000 + 250 b <= 5000  =>  b <= 16, measured at 16: an eighth more is tried ...
         assert_eq!(adm.running_cap(), 18);
-        // ... and once measured over the SLO, the batch stays below it.
+        // ... and once measured over the SLO (three times), the batch stays below it.
+        adm.step_measured(17, 0, 5250.0, 17);
+        assert_eq!(
+            adm.running_cap(),
+            18,
+            "one sample over the SLO is not yet a cap"
+        );
+        adm.step_measured(17, 0, 5250.0, 17);
         adm.step_measured(17, 0, 5250.0, 17);
         assert_eq!((adm.running_cap(), adm.cap()), (16, 16));
         adm.set_slo(Slo::from_ms(None, Some(1)));
         assert_eq!(adm.running_cap(), 1, "never below one");
+    }
+
+    #[test]
+    fn a_hiccup_is_no_cost_and_a_cap_is_no_ratchet() {
+        // Seen on an H200 at 2x saturation: the running cap fell to 2 and admission control
+        // refused 92 % of a load the GPU could serve. One slow step at a batch size must not be
+        // that size's cost, and a cap must not hold once its evidence is old.
+        let mut adm = measured(1000.0, 250.0, 20.0);
+        adm.set_slo(Slo::from_ms(None, Some(5)));
+        // 1000 + 250 b <= 5000  =>  b <= 16, measured at 16: an eighth more, 18.
+        assert_eq!(adm.running_cap(), 18);
+        adm.step_measured(17, 0, 90_000.0, 17); // the hiccup
+        assert_eq!(adm.running_cap(), 18, "one slow step does not cap");
+        adm.step_measured(17, 0, 4_900.0, 17);
+        assert!(
+            (adm.costs().decode_step_us(17).unwrap() - 4_900.0).abs() < 1e-6,
+            "the hiccup is forgotten"
+        );
+        assert_eq!(adm.running_cap(), 19);
+        // A size measured over the SLO three times caps the batch ...
+        for _ in 0..ROBUST_START {
+            adm.step_measured(20, 0, 20_000.0, 19);
+        }
+        assert_eq!(adm.running_cap(), 19);
+        // ... while its evidence is recent; steps with a prefill count as time passing too, and
+        // then the batch may grow to it again (19 measured within the SLO lets it try 21).
+        for _ in 0..CAP_EVIDENCE_STEPS {
+            adm.step_measured(16, 10, 5_000.0, 19);
+        }
+        adm.step_measured(19, 0, 4_990.0, 19);
+        assert!(adm.running_cap() > 20, "{}", adm.running_cap());
     }
 
     #[test]
@@ -612,7 +701,9 @@ mod tests {
         adm.set_slo(Slo::from_ms(Some(1000), Some(5)));
         // Cap 16 (17 was measured over the TPOT SLO), all running: the first queued request
         // waits for a slot to free.
-        adm.step_measured(17, 0, 5250.0, 16);
+        for _ in 0..ROBUST_START {
+            adm.step_measured(17, 0, 5250.0, 16);
+        }
         adm.step_measured(16, 0, 5000.0, 16);
         assert_eq!(adm.cap(), 16);
         adm.admit(false, 10, 100).unwrap();
