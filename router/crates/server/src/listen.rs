@@ -8,12 +8,19 @@
 //! which `axum::serve` does not give it, so the connections are served here by hyper's
 //! HTTP/1 builder. The same timeout closes a keep-alive connection that stays idle that
 //! long between requests (hyper starts it whenever it waits for a request head); a response
-//! being streamed (SSE) or an upgraded WebSocket is not affected.
+//! being streamed (SSE) or an upgraded WebSocket is not affected. It is also the longest pause
+//! allowed inside a request body ([`StallGuardBody`]): a client that sends its headers and part
+//! of its body, then nothing, gets a 400 once it passes, and its connection closes.
 
 use std::future::Future;
 use std::time::Duration;
 
-use axum::Router;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::extract::{Request, State};
+use axum::{middleware, Router};
+use hyper::body::{Body, Bytes, Frame, SizeHint};
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
@@ -33,6 +40,10 @@ pub async fn serve(
     header_read_timeout: Option<Duration>,
     shutdown: impl Future<Output = ()>,
 ) {
+    let app = match header_read_timeout {
+        Some(limit) => app.layer(middleware::map_request_with_state(limit, guard_body)),
+        None => app,
+    };
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
@@ -81,6 +92,67 @@ pub async fn serve(
     closed_tx.closed().await;
 }
 
+/// Wraps the request's body in a [`StallGuardBody`].
+async fn guard_body(State(limit): State<Duration>, req: Request) -> Request {
+    req.map(|body| axum::body::Body::new(StallGuardBody::new(body, limit)))
+}
+
+/// A request body that fails once no data came for `limit` while it was being read (the reader
+/// then answers 400 and hyper closes the connection, which cannot be reused mid-body).
+pub struct StallGuardBody {
+    inner: axum::body::Body,
+    limit: Duration,
+    /// Runs while the reader waits for data; reset by each frame.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl StallGuardBody {
+    /// Guards `inner`: at most `limit` without data while it is read.
+    pub fn new(inner: axum::body::Body, limit: Duration) -> Self {
+        Self {
+            inner,
+            limit,
+            stalled: None,
+        }
+    }
+}
+
+impl Body for StallGuardBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = self.get_mut();
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            this.stalled = None;
+            return Poll::Ready(frame);
+        }
+        let limit = this.limit;
+        let stalled = this
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        if stalled.as_mut().poll(cx).is_ready() {
+            let why = format!(
+                "the request body stalled: no data for {} s (--header-read-timeout-s)",
+                limit.as_secs_f64()
+            );
+            return Poll::Ready(Some(Err(axum::Error::new(why))));
+        }
+        Poll::Pending
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// An accept that failed: a connection reset before it was accepted is skipped; anything else
 /// (out of file descriptors) is logged and retried a moment later, as `axum::serve` does.
 async fn on_accept_error(e: std::io::Error) {
@@ -98,14 +170,16 @@ async fn on_accept_error(e: std::io::Error) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::routing::get;
+    use axum::routing::{get, post};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
     async fn server(timeout: Duration) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let app = Router::new().route("/health", get(|| async { "ok" }));
+        let app = Router::new()
+            .route("/health", get(|| async { "ok" }))
+            .route("/echo", post(|body: String| async move { body }));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(serve(listener, app, Some(timeout), async {
             let _ = stopped.await;
@@ -132,6 +206,33 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_millis(250));
         // hyper answers 408 or just closes; either way nothing is served.
         assert!(!String::from_utf8_lossy(&got).contains("ok"), "{got:?}");
+    }
+
+    #[tokio::test]
+    async fn a_body_that_stalls_is_refused_and_one_that_flows_is_read() {
+        let (addr, _stop) = server(Duration::from_millis(300)).await;
+        let mut slow = TcpStream::connect(addr).await.unwrap();
+        let head =
+            "POST /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 6\r\n\r\n";
+        slow.write_all(head.as_bytes()).await.unwrap();
+        for part in [b"ab", b"cd", b"ef"] {
+            tokio::time::sleep(Duration::from_millis(150)).await; // slow, never stalled
+            slow.write_all(part).await.unwrap();
+        }
+        let got = String::from_utf8(until_closed(&mut slow).await).unwrap();
+        assert!(
+            got.starts_with("HTTP/1.1 200") && got.ends_with("abcdef"),
+            "{got}"
+        );
+
+        let mut stalled = TcpStream::connect(addr).await.unwrap();
+        stalled.write_all(head.as_bytes()).await.unwrap();
+        stalled.write_all(b"ab").await.unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(5), until_closed(&mut stalled))
+            .await
+            .expect("a stalled body must not hold the connection");
+        let got = String::from_utf8(got).unwrap();
+        assert!(got.starts_with("HTTP/1.1 400"), "{got}");
     }
 
     #[tokio::test]
