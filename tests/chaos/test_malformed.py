@@ -13,8 +13,8 @@
   nothing else.
 
 - A client stalled half-way through its request line is disconnected once
-  ``--header-read-timeout-s`` passed, and a slow client that does send its headers in time is
-  served.
+  ``--header-read-timeout-s`` passed, one stalled inside its body gets a 400, and a slow client
+  that does send its headers in time is served.
 
 The figures (requests tried, status mix, max latency) are printed (``pytest -s``).
 """
@@ -186,7 +186,7 @@ def test_a_websocket_frame_over_the_limit_gets_an_error_then_close_1009(daemon, 
     assert_correct_and_idle(daemon, greedy_before)
 
 
-def test_a_client_stalled_in_its_headers_is_disconnected_after_the_timeout(daemon):
+def test_a_client_stalled_in_its_headers_or_body_is_cut_off_after_the_timeout(daemon):
     async def stalled() -> tuple[bytes, float]:
         reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
         writer.write(b"GET /hea")
@@ -208,11 +208,26 @@ def test_a_client_stalled_in_its_headers_is_disconnected_after_the_timeout(daemo
         writer.close()
         return got
 
-    async def both():
-        return await asyncio.gather(stalled(), slow_but_in_time())
+    async def stalled_body() -> tuple[bytes, float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+        body = json.dumps(GREEDY).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n"
+        writer.write(head.encode() + body[:10])
+        await writer.drain()
+        started = time.monotonic()
+        async with asyncio.timeout(HANG_S):
+            got = await reader.read()
+        writer.close()
+        return got, time.monotonic() - started
 
-    (got, seconds), served = asyncio.run(both())
+    async def all_three():
+        return await asyncio.gather(stalled(), slow_but_in_time(), stalled_body())
+
+    (got, seconds), served, (refused, body_seconds) = asyncio.run(all_three())
+    assert refused.startswith(b"HTTP/1.1 400") and b"stalled" in refused, refused
+    assert HEADER_TIMEOUT_S * 0.8 <= body_seconds < HEADER_TIMEOUT_S + 4, body_seconds
     assert HEADER_TIMEOUT_S * 0.8 <= seconds < HEADER_TIMEOUT_S + 4, seconds
     assert b"200 OK" not in got, got
     assert served.startswith(b"HTTP/1.1 200"), served
-    print(f"\nchaos headers: a stalled request line was disconnected after {seconds:.2f} s")
+    print(f"\nchaos headers: a stalled request line was disconnected after {seconds:.2f} s, "
+          f"a stalled body refused after {body_seconds:.2f} s")  # fmt: skip
