@@ -38,6 +38,7 @@ __all__ = [
     "VariantOp",
     "StepPlan",
     "TokenLogprob",
+    "PromptLogprob",
     "RequestOutput",
     "StepTiming",
     "FailedVariant",
@@ -59,13 +60,14 @@ __all__ = [
 SCHEMA_TEXT = (
     "LogitBias=0{token_id:u32,bias:f64}\n"
     "Penalties=0{presence:f64,frequency:f64,repetition:f64}\n"
-    "SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>,logit_bias:Vec<LogitBias>,penalties:Option<Penalties>,min_tokens:u32,min_tokens_banned:Vec<u32>}\n"
+    "SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>,logit_bias:Vec<LogitBias>,penalties:Option<Penalties>,min_tokens:u32,min_tokens_banned:Vec<u32>,prompt_logprobs:Option<u32>}\n"
     "NewRequest=0{req_id:u64,token_ids:Vec<u32>,num_prompt_tokens:u32,num_computed_tokens:u32,num_scheduled_tokens:u32,block_ids:Vec<u32>,sampling:SamplingParams,adapter_id:u32}\n"
     "RunningRequest=0{req_id:u64,num_scheduled_tokens:u32,new_block_ids:Vec<u32>}\n"
     "VariantOp=0{adapter_id:u32,op:TierOp,path:String,block_ids:Vec<u32>,kind:VariantKind,slot:Option<u32>}\n"
     "StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>,adapter_ops:Vec<VariantOp>}\n"
     "TokenLogprob=0{token_id:u32,logprob:f64}\n"
-    "RequestOutput=0{req_id:u64,token_id:Option<u32>,logprob:Option<f64>,top_logprobs:Vec<TokenLogprob>}\n"
+    "PromptLogprob=0{position:u32,logprob:f64,top_logprobs:Vec<TokenLogprob>}\n"
+    "RequestOutput=0{req_id:u64,token_id:Option<u32>,logprob:Option<f64>,top_logprobs:Vec<TokenLogprob>,prompt_logprobs:Vec<PromptLogprob>}\n"
     "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64,floor_us:u64,busy_us:u64}\n"
     "FailedVariant=0{variant_id:u32,message:String}\n"
     "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,cpu_assisted_prefills:u32,cpu_assist_fallbacks:u32,cpu_assist_declined:u32,failed_variants:Vec<FailedVariant>}\n"
@@ -248,17 +250,21 @@ class SamplingParams:
     #: `stop_token_ids`), banned for output tokens below `min_tokens`; empty when
     #: `min_tokens` is 0.
     min_tokens_banned: list[int] = field(default_factory=list)
+    #: `echo` with logprobs: the prompt tokens' logprobs (each given the tokens before it),
+    #: plus this many top alternatives, in `RequestOutput::prompt_logprobs`; `None` for none
+    #: (the worker then computes logits only where it samples).
+    prompt_logprobs: Optional[int] = None
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [float(self.temperature), float(self.top_p), self.top_k, self.seed, self.logprobs, [x0.to_wire() for x0 in self.logit_bias], (None if self.penalties is None else self.penalties.to_wire()), self.min_tokens, self.min_tokens_banned]
+        return [float(self.temperature), float(self.top_p), self.top_k, self.seed, self.logprobs, [x0.to_wire() for x0 in self.logit_bias], (None if self.penalties is None else self.penalties.to_wire()), self.min_tokens, self.min_tokens_banned, self.prompt_logprobs]
 
     @classmethod
     def from_wire(cls, a: list) -> SamplingParams:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 9:
-            return cls(a[0], a[1], a[2], a[3], a[4], [LogitBias.from_wire(x0) for x0 in a[5]], (None if a[6] is None else Penalties.from_wire(a[6])), a[7], a[8])
+        if n >= 10:
+            return cls(a[0], a[1], a[2], a[3], a[4], [LogitBias.from_wire(x0) for x0 in a[5]], (None if a[6] is None else Penalties.from_wire(a[6])), a[7], a[8], a[9])
         m = cls()
         if n > 0:
             m.temperature = a[0]
@@ -278,6 +284,8 @@ class SamplingParams:
             m.min_tokens = a[7]
         if n > 8:
             m.min_tokens_banned = a[8]
+        if n > 9:
+            m.prompt_logprobs = a[9]
         return m
 
 
@@ -491,6 +499,39 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class PromptLogprob:
+    """The logprob of one prompt token given the tokens before it (`echo` with logprobs)."""
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: The token's position in the prompt (at least 1: the first token has none).
+    position: int = 0
+    #: Its log-probability under the model's unmodified distribution.
+    logprob: float = 0.0
+    #: The most likely tokens at that position, most likely first.
+    top_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.position, float(self.logprob), [x0.to_wire() for x0 in self.top_logprobs]]
+
+    @classmethod
+    def from_wire(cls, a: list) -> PromptLogprob:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 3:
+            return cls(a[0], a[1], [TokenLogprob.from_wire(x0) for x0 in a[2]])
+        m = cls()
+        if n > 0:
+            m.position = a[0]
+        if n > 1:
+            m.logprob = a[1]
+        if n > 2:
+            m.top_logprobs = [TokenLogprob.from_wire(x0) for x0 in a[2]]
+        return m
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """What one scheduled request produced in a step."""
 
@@ -504,17 +545,22 @@ class RequestOutput:
     logprob: Optional[float] = None
     #: The most likely alternatives, most likely first (only when asked for).
     top_logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: With `SamplingParams::prompt_logprobs`: the prompt tokens this step's chunk gave
+    #: logits for (positions `computed + 1 ..= computed + chunk`, within the prompt); a
+    #: preempted request recomputed from the start sends them again (the router keeps the
+    #: first).
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.req_id, self.token_id, (None if self.logprob is None else float(self.logprob)), [x0.to_wire() for x0 in self.top_logprobs]]
+        return [self.req_id, self.token_id, (None if self.logprob is None else float(self.logprob)), [x0.to_wire() for x0 in self.top_logprobs], [x0.to_wire() for x0 in self.prompt_logprobs]]
 
     @classmethod
     def from_wire(cls, a: list) -> RequestOutput:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 4:
-            return cls(a[0], a[1], a[2], [TokenLogprob.from_wire(x0) for x0 in a[3]])
+        if n >= 5:
+            return cls(a[0], a[1], a[2], [TokenLogprob.from_wire(x0) for x0 in a[3]], [PromptLogprob.from_wire(x0) for x0 in a[4]])
         m = cls()
         if n > 0:
             m.req_id = a[0]
@@ -524,6 +570,8 @@ class RequestOutput:
             m.logprob = a[2]
         if n > 3:
             m.top_logprobs = [TokenLogprob.from_wire(x0) for x0 in a[3]]
+        if n > 4:
+            m.prompt_logprobs = [PromptLogprob.from_wire(x0) for x0 in a[4]]
         return m
 
 

@@ -60,6 +60,7 @@ def test_golden_values_decode_into_the_right_fields() -> None:
         penalties=wire.Penalties(presence=0.5, frequency=-0.25, repetition=1.1),
         min_tokens=4,
         min_tokens_banned=[2, 50256],
+        prompt_logprobs=2,
     )
     assert greedy.sampling.seed is None and greedy.sampling.logprobs is None
     assert plan.running[1] == wire.RunningRequest(
@@ -88,6 +89,9 @@ def test_golden_values_decode_into_the_right_fields() -> None:
     assert out.host_ready == [7, 4_000_000_000]
     assert out.outputs[0].top_logprobs[1] == wire.TokenLogprob(token_id=13, logprob=-1.7)
     assert out.outputs[2].token_id is None and out.outputs[2].logprob is None
+    assert out.outputs[0].prompt_logprobs == [
+        wire.PromptLogprob(position=1, logprob=-3.5, top_logprobs=[wire.TokenLogprob(token_id=9, logprob=-0.5)])
+    ]
     assert out.timing == wire.StepTiming(gap_us=87, forward_us=12_345, total_us=70_000, floor_us=9_876, busy_us=52_000)
     assert out.failed_variants == [
         wire.FailedVariant(variant_id=9, message="its files could not be loaded (AdapterLoadError)")

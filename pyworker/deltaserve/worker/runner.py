@@ -35,7 +35,9 @@ from deltaserve.model.batch import ForwardBatch, to_device
 from deltaserve.model.decoder import DecoderLM
 from deltaserve.model.kv_cache import PagedKVCache
 
+from . import prompt_logprobs
 from .cuda_graphs import DecodeGraphs
+from .prompt_logprobs import LaunchedPromptLogprobs
 from .requests import RequestState
 from .sampler import LaunchedSample, Sampler
 
@@ -60,6 +62,8 @@ class LaunchedStep:
     done: torch.cuda.Event | None = None
     #: The step's floor (``step_floor.py``), set by the executor: ``timing.floor_us``.
     floor_us: int = 0
+    #: Prompt logprobs queued for the requests that asked (``prompt_logprobs.py``).
+    prompt: LaunchedPromptLogprobs | None = None
 
     def is_done(self) -> bool:
         """Whether the device has finished the step (``finish`` would not wait)."""
@@ -125,9 +129,14 @@ class ForwardRunner:
                 in_flight.sampled.token_ids.index_select(0, to_device(patch_from, torch.long, self.device)),
             )
         decode = len(samplers) == len(seqs) and all(n == 1 for _, n in scheduled)
-        rows = StepRows([(s.variant_id, n) for s, n in scheduled], [s.variant_id for s in samplers], decode)
+        prompt = prompt_logprobs.select(scheduled)
+        logit_ids = [s.variant_id for s in samplers] + (prompt.variant_ids if prompt else [])
+        rows = StepRows([(s.variant_id, n) for s, n in scheduled], logit_ids, decode)
         with torch.inference_mode():
-            logits = self.forward(seqs, rows, pending_inputs)
+            logits = self.forward(seqs, rows, pending_inputs, prompt.rows if prompt else None)
+            if prompt is not None:
+                launched.prompt = prompt_logprobs.launch(prompt, logits[len(samplers) :])
+                logits = logits[: len(samplers)]
             if samplers:
                 params = [s.sampling for s in samplers]
                 history = in_flight_tokens = None
@@ -165,13 +174,21 @@ class ForwardRunner:
         return tokens.index_copy_(0, to_device(rows, torch.long, self.device), sampled)
 
     def forward(
-        self, seqs: list, rows: StepRows, pending_inputs: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        seqs: list,
+        rows: StepRows,
+        pending_inputs: tuple[torch.Tensor, torch.Tensor] | None,
+        extra_logit_rows: list[int] | None = None,
     ) -> torch.Tensor:
-        """Logits of the rows that want them: a captured graph's replay when one takes the step, else an
-        eager forward with every variant pool's step state set (pools without rows of the step set nothing)."""
-        if rows.decode and self.graphs is not None and self.graphs.takes(rows):
+        """Logits of the rows that want them (then of ``extra_logit_rows``, prompt logprobs'): a
+        captured graph's replay when one takes the step, else an eager forward with every variant
+        pool's step state set (pools without rows of the step set nothing)."""
+        if not extra_logit_rows and rows.decode and self.graphs is not None and self.graphs.takes(rows):
             return self.graphs.run_rows(ForwardBatch.build(seqs, self.block_size, "cpu"), rows, pending_inputs)
         batch = ForwardBatch.build(seqs, self.block_size, self.device)
+        if extra_logit_rows:
+            extra = to_device(extra_logit_rows, torch.long, self.device)
+            batch.logits_indices = torch.cat([batch.logits_indices, extra])
         if pending_inputs is not None:
             batch.input_ids.index_copy_(0, *pending_inputs)
         begun: list[VariantPool] = []
@@ -193,12 +210,21 @@ class ForwardRunner:
         """Waits for ``launched``'s sampled tokens and appends them to their requests; returns each
         scheduled request's output (``token_id`` None for partial prefill chunks) and ``forward_us``."""
         sampled = launched.sampled.result() if launched.sampled is not None else None
+        prompt = launched.prompt.result() if launched.prompt is not None else {}
         forward_us = int((time.perf_counter() - launched.started) * 1e6)
         outputs = []
         for state, _ in launched.scheduled:
             j = launched.sample_row.get(state.req_id)
             if j is None or sampled is None:  # a partial prefill chunk: nothing to sample yet
-                outputs.append(wire.RequestOutput(req_id=state.req_id, token_id=None, logprob=None, top_logprobs=[]))
+                outputs.append(
+                    wire.RequestOutput(
+                        req_id=state.req_id,
+                        token_id=None,
+                        logprob=None,
+                        top_logprobs=[],
+                        prompt_logprobs=prompt.get(state.req_id, []),
+                    )
+                )
                 continue
             token = sampled.token_ids[j]
             state.token_ids.append(token)
@@ -209,6 +235,7 @@ class ForwardRunner:
                     token_id=token,
                     logprob=sampled.logprobs[j],
                     top_logprobs=[wire.TokenLogprob(token_id=t, logprob=lp) for t, lp in sampled.top_logprobs[j]],
+                    prompt_logprobs=prompt.get(state.req_id, []),
                 )
             )
         return outputs, forward_us

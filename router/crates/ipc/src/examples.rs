@@ -10,8 +10,9 @@
 use crate::schema::schema_hash;
 use crate::wire::{
     Hello, InspectVariant, KernelBackend, KvCapacity, LogitBias, ModelInfo, NewRequest, Penalties,
-    RequestOutput, RunningRequest, SamplingParams, Shutdown, StepOutput, StepPlan, StepTiming,
-    TierOp, TokenLogprob, VariantInfo, VariantKind, VariantOp, WorkerConfig, WorkerError,
+    PromptLogprob, RequestOutput, RunningRequest, SamplingParams, Shutdown, StepOutput, StepPlan,
+    StepTiming, TierOp, TokenLogprob, VariantInfo, VariantKind, VariantOp, WorkerConfig,
+    WorkerError,
 };
 
 /// A plan with one sampled and one greedy new request, two running requests, two releases, and
@@ -44,6 +45,7 @@ pub fn step_plan() -> StepPlan {
                     }),
                     min_tokens: 4,
                     min_tokens_banned: vec![2, 50256],
+                    prompt_logprobs: Some(2),
                 },
                 adapter_id: 1000,
             },
@@ -142,18 +144,28 @@ pub fn step_output() -> StepOutput {
                         logprob: -1.7,
                     },
                 ],
+                prompt_logprobs: vec![PromptLogprob {
+                    position: 1,
+                    logprob: -3.5,
+                    top_logprobs: vec![TokenLogprob {
+                        token_id: 9,
+                        logprob: -0.5,
+                    }],
+                }],
             },
             RequestOutput {
                 req_id: 7,
                 token_id: Some(0),
                 logprob: None,
                 top_logprobs: vec![],
+                prompt_logprobs: vec![],
             },
             RequestOutput {
                 req_id: 3,
                 token_id: None,
                 logprob: None,
                 top_logprobs: vec![],
+                prompt_logprobs: vec![],
             },
         ],
         timing: StepTiming {

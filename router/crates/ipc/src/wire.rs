@@ -272,6 +272,10 @@ wire_structs! {
         /// `stop_token_ids`), banned for output tokens below `min_tokens`; empty when
         /// `min_tokens` is 0.
         min_tokens_banned: Vec<u32>,
+        /// `echo` with logprobs: the prompt tokens' logprobs (each given the tokens before it),
+        /// plus this many top alternatives, in `RequestOutput::prompt_logprobs`; `None` for none
+        /// (the worker then computes logits only where it samples).
+        prompt_logprobs: Option<u32>,
     }
 
     /// A request the worker has not seen (or has released, e.g. after preemption): sent in full.
@@ -349,6 +353,16 @@ wire_structs! {
         logprob: f64,
     }
 
+    /// The logprob of one prompt token given the tokens before it (`echo` with logprobs).
+    struct PromptLogprob = 0 {
+        /// The token's position in the prompt (at least 1: the first token has none).
+        position: u32,
+        /// Its log-probability under the model's unmodified distribution.
+        logprob: f64,
+        /// The most likely tokens at that position, most likely first.
+        top_logprobs: Vec<TokenLogprob>,
+    }
+
     /// What one scheduled request produced in a step.
     struct RequestOutput = 0 {
         /// The request's id.
@@ -359,6 +373,11 @@ wire_structs! {
         logprob: Option<f64>,
         /// The most likely alternatives, most likely first (only when asked for).
         top_logprobs: Vec<TokenLogprob>,
+        /// With `SamplingParams::prompt_logprobs`: the prompt tokens this step's chunk gave
+        /// logits for (positions `computed + 1 ..= computed + chunk`, within the prompt); a
+        /// preempted request recomputed from the start sends them again (the router keeps the
+        /// first).
+        prompt_logprobs: Vec<PromptLogprob>,
     }
 
     /// Where a step's time went, measured on the worker's monotonic clock.

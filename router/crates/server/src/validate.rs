@@ -49,6 +49,9 @@ pub struct Validated {
     /// Candidates to generate (`best_of`, ≥ `n`); the `n` with the highest cumulative logprob
     /// are returned.
     pub best_of: u32,
+    /// `echo`: the prompt's text, put before each choice's text (with `logprobs`, the engine
+    /// request asks for the prompt tokens' logprobs too).
+    pub echo: Option<String>,
 }
 
 /// The served model's limits and text tools, as validation needs them.
@@ -194,9 +197,6 @@ pub fn validate_completion(
         ignore_eos: req.ignore_eos,
     };
     let adapter_id = check_model(common.model, ctx.model, ctx.caller)?;
-    if req.echo == Some(true) {
-        return Err(ApiError::invalid("echo", "`echo` is not supported"));
-    }
     let n = choices::check_n(req.n)?;
     let best_of = choices::check_best_of(req.best_of, n, req.stream.unwrap_or(false))?;
     let logprobs = match req.logprobs {
@@ -230,9 +230,28 @@ pub fn validate_completion(
         max_tokens,
         "max_tokens",
     )?;
+    if req.echo == Some(true) {
+        partial.echo = Some(echo_text(prompt, &prompt_ids, ctx)?);
+        partial.request.sampling.prompt_logprobs = partial.request.sampling.logprobs;
+    }
     partial.request.prompt_token_ids = prompt_ids;
     partial.request.max_tokens = max_tokens;
     Ok(partial)
+}
+
+/// The text `echo` puts before each choice: the prompt as sent when it is text, else its
+/// tokens decoded.
+fn echo_text(prompt: &Value, ids: &[u32], ctx: &ModelContext<'_>) -> Result<String, ApiError> {
+    match prompt {
+        Value::String(text) => Ok(text.clone()),
+        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+            Ok(items[0].as_str().unwrap_or_default().to_string())
+        }
+        _ => ctx
+            .tokenizer
+            .decode(ids)
+            .map_err(|e| ApiError::Internal(e.to_string())),
+    }
 }
 
 /// Validates a `/v1/chat/completions` body (renders and tokenizes the conversation).
@@ -377,6 +396,7 @@ fn common_fields(
                 min_tokens: tokens.min_tokens,
                 // The engine fills it in (it knows the model's EOS ids).
                 min_tokens_banned: Vec::new(),
+                prompt_logprobs: None,
             },
             stop,
             stop_token_ids: tokens.stop_token_ids,
@@ -390,6 +410,7 @@ fn common_fields(
                 .unwrap_or(false),
         n,
         best_of: n,
+        echo: None,
     })
 }
 
@@ -764,7 +785,6 @@ mod tests {
                 &["0 to 299"],
             ),
             (r#""min_tokens": 17"#, "min_tokens", &["`max_tokens` (16)"]),
-            (r#""echo": true"#, "echo", &["not supported"]),
             (r#""logprobs": 6"#, "logprobs", &["between 0 and 5", "6"]),
             (
                 r#""stop": ["a", "b", "c", "d", "e"]"#,
@@ -796,6 +816,27 @@ mod tests {
         assert_eq!(param.as_deref(), Some("seed"), "{message}");
         let err = completion(r#"{"prompt": "x", "stream": "yes"}"#).unwrap_err();
         assert!(err.to_string().contains("stream"), "{err}");
+    }
+
+    #[test]
+    fn echo_carries_the_prompt_text_and_asks_prompt_logprobs_with_logprobs() {
+        let v = completion(r#"{"prompt": "the", "echo": true}"#).unwrap();
+        assert_eq!(v.echo.as_deref(), Some("the"));
+        assert_eq!(v.request.sampling.prompt_logprobs, None);
+        let v = completion(r#"{"prompt": ["the"], "echo": true, "logprobs": 2}"#).unwrap();
+        assert_eq!(
+            (v.echo.as_deref(), v.request.sampling.prompt_logprobs),
+            (Some("the"), Some(2))
+        );
+        let ids = tiny_tokenizer().encode("hi", false).unwrap();
+        let v = completion(&format!(r#"{{"prompt": {ids:?}, "echo": true}}"#)).unwrap();
+        assert_eq!(v.echo.as_deref(), Some("hi"), "token ids decoded");
+        assert_eq!(
+            completion(r#"{"prompt": "x", "echo": false}"#)
+                .unwrap()
+                .echo,
+            None
+        );
     }
 
     #[test]

@@ -101,6 +101,7 @@ pub async fn chat_completions<B: Backend>(
             let (index, piece) = merged.next().await?;
             let mut ended = false;
             let events: Vec<Event> = match piece {
+                Piece::Prompt(_) => Vec::new(), // only `echo` asks for them
                 Piece::Text { text, tokens } => {
                     let delta = ChatDelta {
                         role: None,

@@ -162,6 +162,7 @@ mod tests {
                 .collect(),
             reason: FinishReason::Length,
             usage: Usage::new(5, completion),
+            prompt_logprobs: vec![],
         }
     }
 
@@ -280,6 +281,7 @@ mod tests {
                     Piece::Text { text, .. } => text,
                     Piece::Finished { .. } => "end".into(),
                     Piece::Failed(_) => "failed".into(),
+                    Piece::Prompt(_) => "prompt".into(),
                 };
                 (i, what)
             })

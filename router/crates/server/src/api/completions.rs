@@ -33,6 +33,7 @@ use super::{
 };
 use crate::text::tokenizer::TextTokenizer;
 use crate::validate::validate_completion;
+use deltaserve_ipc::wire::{PromptLogprob, TokenLogprob};
 
 /// The handler.
 pub async fn completions<B: Backend>(
@@ -47,6 +48,10 @@ pub async fn completions<B: Backend>(
     let model = backend.model().display_name(v.request.adapter_id);
     let (n, best_of) = (v.n, v.best_of);
     let ranked = best_of > n;
+    let echo = v
+        .echo
+        .map(|text| (text, v.request.prompt_token_ids.clone()));
+    let echo_at_start = echo.is_some() && !with_logprobs;
     let receivers =
         usage::start_choices(&backend, &who, fan_out(v.request, best_of, ranked)).await?;
     let mut writer = CompletionWriter {
@@ -59,6 +64,7 @@ pub async fn completions<B: Backend>(
                 offset: 0,
             })
             .collect(),
+        echo,
     };
     let choices: Vec<Pieces> = receivers.into_iter().map(Pieces::new).collect();
     if !v.stream {
@@ -69,17 +75,38 @@ pub async fn completions<B: Backend>(
         }
         let mut body = writer.response(Vec::new());
         for (index, answer) in answers.into_iter().enumerate() {
-            body.choices.push(writer.choice(
-                index as u32,
+            let index = index as u32;
+            let echoed = writer.echo_choice(index, &answer.prompt_logprobs);
+            let mut choice = writer.choice(
+                index,
                 answer.text,
                 &answer.tokens,
                 Some(answer.reason.as_str()),
-            ));
+            );
+            if let Some(mut echoed) = echoed {
+                echoed.text.push_str(&choice.text);
+                choice.text = echoed.text;
+                if let (Some(mut lp), Some(rest)) = (echoed.logprobs, choice.logprobs.take()) {
+                    lp.append(rest);
+                    choice.logprobs = Some(lp);
+                }
+            }
+            body.choices.push(choice);
         }
         body.usage = Some(usage);
         return Ok(Json(body).into_response());
     }
     let include_usage = v.include_usage;
+    // `echo` without logprobs: each choice's prompt text first; with them, when they come.
+    let mut first = Vec::new();
+    for index in 0..n {
+        if let Some(choice) = echo_at_start
+            .then(|| writer.echo_choice(index, &[]))
+            .flatten()
+        {
+            first.push(sse_json(&writer.response(vec![choice])));
+        }
+    }
     let state = (merged(choices).boxed(), writer, ChoiceTally::new(n), false);
     let events = stream::unfold(
         state,
@@ -90,6 +117,11 @@ pub async fn completions<B: Backend>(
             let (index, piece) = merged.next().await?;
             let mut ended = false;
             let events: Vec<Event> = match piece {
+                Piece::Prompt(logprobs) => writer
+                    .echo_choice(index, &logprobs)
+                    .map(|choice| sse_json(&writer.response(vec![choice])))
+                    .into_iter()
+                    .collect(),
                 Piece::Text { text, tokens } => {
                     let choice = writer.choice(index, text, &tokens, None);
                     vec![sse_json(&writer.response(vec![choice]))]
@@ -122,7 +154,7 @@ pub async fn completions<B: Backend>(
             Some((events, (merged, writer, tally, ended)))
         },
     );
-    Ok(sse_response(events))
+    Ok(sse_response(stream::iter([first]).chain(events)))
 }
 
 /// Wraps a stream of event batches as an SSE response.
@@ -146,6 +178,8 @@ struct CompletionWriter {
     model: String,
     /// One per returned choice when the request asked for logprobs, else none.
     logprobs: Vec<LogprobWriter>,
+    /// With `echo`: the prompt's text and token ids.
+    echo: Option<(String, Vec<u32>)>,
 }
 
 impl CompletionWriter {
@@ -159,6 +193,27 @@ impl CompletionWriter {
             choices,
             usage: None,
         }
+    }
+
+    /// With `echo`: choice `index`'s prompt text, and with logprobs, the prompt tokens' (the
+    /// first token's `null`); the choice's later text offsets count from the prompt's end.
+    fn echo_choice(
+        &mut self,
+        index: u32,
+        prompt_logprobs: &[PromptLogprob],
+    ) -> Option<CompletionChoice> {
+        let (text, ids) = self.echo.as_ref()?;
+        let logprobs = self.logprobs.get_mut(index as usize).map(|w| {
+            let listed = w.write_prompt(ids, prompt_logprobs);
+            w.offset = text.chars().count();
+            listed
+        });
+        Some(CompletionChoice {
+            index,
+            text: text.clone(),
+            logprobs,
+            finish_reason: None,
+        })
     }
 
     /// Choice `index` with `text` (logprobs of `tokens` when asked for).
@@ -196,16 +251,40 @@ impl LogprobWriter {
         for t in tokens {
             out.tokens.push(self.tokenizer.token_text(t.token_id));
             out.token_logprobs.push(t.logprob);
-            out.top_logprobs.push(TopLogprobMap(
-                t.top_logprobs
-                    .iter()
-                    .map(|a| (self.tokenizer.token_text(a.token_id), a.logprob))
-                    .collect(),
-            ));
+            out.top_logprobs
+                .push(Some(self.alternatives(&t.top_logprobs)));
             out.text_offset.push(self.offset);
             self.offset += t.text.chars().count();
         }
         out
+    }
+
+    /// The prompt tokens `ids` with their logprobs (`logprobs[i]` is position `i + 1`'s; the
+    /// first token has none), offsets counted over the tokens' own texts.
+    fn write_prompt(&mut self, ids: &[u32], logprobs: &[PromptLogprob]) -> CompletionLogprobs {
+        let mut out = CompletionLogprobs::default();
+        for (i, &id) in ids.iter().enumerate() {
+            let text = self.tokenizer.token_text(id);
+            let entry = i
+                .checked_sub(1)
+                .and_then(|j| logprobs.get(j))
+                .filter(|p| p.position as usize == i);
+            out.token_logprobs.push(entry.map(|p| p.logprob));
+            out.top_logprobs
+                .push(entry.map(|p| self.alternatives(&p.top_logprobs)));
+            out.text_offset.push(self.offset);
+            self.offset += text.chars().count();
+            out.tokens.push(text);
+        }
+        out
+    }
+
+    fn alternatives(&self, top: &[TokenLogprob]) -> TopLogprobMap {
+        TopLogprobMap(
+            top.iter()
+                .map(|a| (self.tokenizer.token_text(a.token_id), a.logprob))
+                .collect(),
+        )
     }
 }
 
@@ -217,6 +296,7 @@ mod tests {
     use crate::api::router_with;
     use crate::api::test_http::*;
     use crate::engine::{EngineError, FinishReason, GenerateEvent};
+    use deltaserve_ipc::wire::{PromptLogprob, TokenLogprob};
 
     #[tokio::test]
     async fn non_streaming_response_shape_and_usage() {
@@ -412,6 +492,69 @@ mod tests {
             assert_eq!(reasons, [Value::Null, Value::Null, json!("stop")]);
         }
         assert_eq!(choice_chunks.len(), 6);
+    }
+
+    /// A script whose request first gets the prompt's logprobs (positions 1 and 2), then `texts`.
+    fn echo_script(texts: &[&str]) -> Script {
+        let Script::Events(mut events) = FakeBackend::tokens(texts, FinishReason::Stop) else {
+            unreachable!()
+        };
+        let entry = |position, logprob| PromptLogprob {
+            position,
+            logprob,
+            top_logprobs: vec![TokenLogprob {
+                token_id: 100,
+                logprob: -0.25,
+            }],
+        };
+        events.insert(
+            0,
+            GenerateEvent::PromptLogprobs {
+                logprobs: vec![entry(1, -2.0), entry(2, -1.5)],
+            },
+        );
+        Script::Events(events)
+    }
+
+    #[tokio::test]
+    async fn echo_puts_the_prompt_and_its_logprobs_first() {
+        let fake = FakeBackend::new(echo_script(&["ab", "c"]));
+        let (status, _, body) = post_json(
+            router_with(fake.clone()),
+            "/v1/completions",
+            r#"{"prompt": [104, 105, 106], "echo": true, "logprobs": 1}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        let tok = &fake.tokenizer;
+        let prompt = tok.decode(&[104, 105, 106]).unwrap();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["text"], json!(format!("{prompt}abc")));
+        let lp = &choice["logprobs"];
+        assert_eq!(lp["token_logprobs"], json!([null, -2.0, -1.5, -0.0, -0.5]));
+        assert_eq!(lp["top_logprobs"][0], Value::Null);
+        assert_eq!(lp["top_logprobs"][1][tok.token_text(100)], json!(-0.25));
+        assert_eq!(lp["tokens"][0], json!(tok.token_text(104)));
+        let offsets = lp["text_offset"].as_array().unwrap();
+        assert_eq!(
+            offsets[3],
+            json!(prompt.chars().count()),
+            "output after the prompt"
+        );
+        assert_eq!(
+            fake.requests.lock().unwrap()[0].sampling.prompt_logprobs,
+            Some(1)
+        );
+        // Streamed: the echo chunk comes when the prompt's logprobs do; without logprobs, first.
+        for body in [
+            r#"{"prompt": [104, 105, 106], "echo": true, "logprobs": 1, "stream": true}"#,
+            r#"{"prompt": [104, 105, 106], "echo": true, "stream": true}"#,
+        ] {
+            let (_, _, text) = post_json(router_with(fake.clone()), "/v1/completions", body).await;
+            let first: Value = serde_json::from_str(&sse_data(&text)[0]).unwrap();
+            assert_eq!(first["choices"][0]["text"], json!(prompt), "{body}");
+        }
     }
 
     #[tokio::test]

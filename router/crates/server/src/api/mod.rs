@@ -58,8 +58,8 @@ use axum::http::{Method, Uri};
 use axum::response::sse::Event;
 use axum::routing::{get, post};
 use axum::Router;
-use deltaserve_ipc::wire::TokenLogprob;
 use deltaserve_ipc::wire::VariantKind;
+use deltaserve_ipc::wire::{PromptLogprob, TokenLogprob};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::api::openai::Usage;
@@ -261,6 +261,8 @@ pub(crate) struct TokenRecord {
 /// A unit of output for a response: text with the tokens that produced it, or the end.
 #[derive(Debug)]
 pub(crate) enum Piece {
+    /// The prompt tokens' logprobs (`echo` with logprobs), before any text.
+    Prompt(Vec<PromptLogprob>),
     /// Non-empty text, and every token since the previous piece (tokens that released no text
     /// ride along with the next one that does).
     Text {
@@ -288,6 +290,8 @@ pub(crate) struct Collected {
     pub reason: FinishReason,
     /// Prompt and completion token counts.
     pub usage: Usage,
+    /// The prompt tokens' logprobs, when asked for (`echo`).
+    pub prompt_logprobs: Vec<PromptLogprob>,
 }
 
 /// Groups a request's events into [`Piece`]s. Owns the receiver: dropping this cancels.
@@ -313,8 +317,10 @@ impl Pieces {
     pub(crate) async fn collect(mut self) -> Result<Collected, ApiError> {
         let mut text = String::new();
         let mut tokens = Vec::new();
+        let mut prompt_logprobs = Vec::new();
         loop {
             match self.next().await {
+                Some(Piece::Prompt(logprobs)) => prompt_logprobs = logprobs,
                 Some(Piece::Text {
                     text: t,
                     tokens: mut ts,
@@ -334,6 +340,7 @@ impl Pieces {
                         tokens,
                         reason,
                         usage: Usage::new(prompt_tokens, completion_tokens),
+                        prompt_logprobs,
                     });
                 }
                 Some(Piece::Failed(e)) => return Err(e),
@@ -349,6 +356,9 @@ impl Pieces {
         }
         loop {
             let piece = match self.rx.recv().await {
+                Some(GenerateEvent::PromptLogprobs { logprobs }) => {
+                    return Some(Piece::Prompt(logprobs));
+                }
                 Some(GenerateEvent::Token {
                     token_id,
                     text,

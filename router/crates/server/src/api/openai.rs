@@ -80,7 +80,8 @@ pub struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     /// Return this many top alternatives per token (0..=5) with the sampled token's logprob.
     pub logprobs: Option<i64>,
-    /// Echo the prompt back: not supported (400 when true).
+    /// Put the prompt before each choice's text (with `logprobs`, the prompt tokens' logprobs
+    /// before the generated ones', the first token's `null`).
     pub echo: Option<bool>,
     /// Choices per prompt, 1..=16 (default 1).
     pub n: Option<i64>,
@@ -237,10 +238,21 @@ pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     /// Each sampled token's logprob.
     pub token_logprobs: Vec<Option<f64>>,
-    /// Each position's most likely alternatives, token text → logprob.
-    pub top_logprobs: Vec<TopLogprobMap>,
+    /// Each position's most likely alternatives, token text → logprob (`null` for the first
+    /// token of an echoed prompt).
+    pub top_logprobs: Vec<Option<TopLogprobMap>>,
     /// Character offset of each token's text in the generated text.
     pub text_offset: Vec<usize>,
+}
+
+impl CompletionLogprobs {
+    /// Appends `other`'s entries (an echoed prompt's, then the generated tokens').
+    pub fn append(&mut self, mut other: CompletionLogprobs) {
+        self.tokens.append(&mut other.tokens);
+        self.token_logprobs.append(&mut other.token_logprobs);
+        self.top_logprobs.append(&mut other.top_logprobs);
+        self.text_offset.append(&mut other.text_offset);
+    }
 }
 
 /// Alternatives at one position, serialized as a JSON object in likelihood order (first entry

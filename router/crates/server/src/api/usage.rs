@@ -114,6 +114,7 @@ pub async fn start_choices<B: Backend>(
                             break;
                         };
                         let last = match &event {
+                            GenerateEvent::PromptLogprobs { .. } => false,
                             GenerateEvent::Token { .. } => {
                                 completion_tokens += 1;
                                 first_token_ms.get_or_insert_with(|| ms_since(started));

@@ -353,6 +353,12 @@ fn validate_ws_request<B: Backend>(
         )
     };
     let validated = validated.map_err(prefixed)?;
+    if validated.echo.is_some() {
+        return Err(ApiError::invalid(
+            "request.echo",
+            "`echo` is not supported over /v1/ws (its messages carry tokens); use /v1/completions",
+        ));
+    }
     // `best_of` is at least `n`, so this refuses both.
     if validated.best_of > 1 {
         let field = if validated.n > 1 { "n" } else { "best_of" };
@@ -419,6 +425,7 @@ async fn generate<B: Backend>(
                 });
             }
             event = rx.recv() => match event {
+                Some(GenerateEvent::PromptLogprobs { .. }) => {}
                 Some(GenerateEvent::Token { token_id, text, logprob, top_logprobs }) => {
                     completion_tokens += 1;
                     let top_logprobs = with_logprobs.then(|| {
@@ -558,6 +565,12 @@ mod tests {
                 json!({"type": "generate", "id": "h", "request": {"prompt": "y", "n": 2}}),
                 Some("h"),
                 "request.n",
+                "not supported over /v1/ws",
+            ),
+            (
+                json!({"type": "generate", "id": "h", "request": {"prompt": "y", "echo": true}}),
+                Some("h"),
+                "request.echo",
                 "not supported over /v1/ws",
             ),
             (

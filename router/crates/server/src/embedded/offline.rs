@@ -111,6 +111,7 @@ async fn run_all(
             };
             while let Some(event) = rx.recv().await {
                 match event {
+                    GenerateEvent::PromptLogprobs { .. } => {}
                     GenerateEvent::Token {
                         token_id,
                         text,

@@ -28,7 +28,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use deltaserve_ipc::wire::{SamplingParams, TokenLogprob};
+use deltaserve_ipc::wire::{PromptLogprob, SamplingParams, TokenLogprob};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::registry::VariantRegistry;
@@ -90,9 +90,13 @@ impl GenerateRequest {
     }
 }
 
-/// What a request's receiver gets, in order: `Token`s, then exactly one `Finished` or `Error`.
+/// What a request's receiver gets, in order: `PromptLogprobs` when asked for, `Token`s, then
+/// exactly one `Finished` or `Error`.
 #[derive(Debug, Clone)]
 pub enum GenerateEvent {
+    /// The prompt tokens' logprobs (`SamplingParams::prompt_logprobs`, for `echo`), positions
+    /// 1.. in order; sent once, just before the first `Token`.
+    PromptLogprobs { logprobs: Vec<PromptLogprob> },
     /// One generated token and the text it made safe to emit (may be empty; held back while it
     /// could start a stop string).
     Token {

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use deltaserve_ipc::wire::{RequestOutput, SamplingParams};
+use deltaserve_ipc::wire::{PromptLogprob, RequestOutput, SamplingParams};
 use deltaserve_sched::{FinishReason as SchedFinish, SeqUpdate};
 use tokio::sync::mpsc;
 
@@ -44,6 +44,9 @@ struct Live {
     variant_id: u32,
     /// Its `stop_token_ids` (their text is not emitted when one ends it).
     stop_token_ids: Vec<u32>,
+    /// With `sampling.prompt_logprobs`: the prompt tokens' logprobs received so far (positions
+    /// 1.. in order; a recomputed chunk's repeats are dropped), sent before the first token.
+    prompt_logprobs: Vec<PromptLogprob>,
 }
 
 /// A request that a step's tokens ended.
@@ -104,6 +107,7 @@ impl Streams {
             scheduled: false,
             variant_id: req.adapter_id,
             stop_token_ids: req.stop_token_ids,
+            prompt_logprobs: Vec::new(),
         };
         self.live.insert(id, live);
     }
@@ -182,6 +186,15 @@ impl Streams {
         outputs: &[RequestOutput],
     ) -> (u64, Vec<Ended>) {
         let by_id: HashMap<u64, &RequestOutput> = outputs.iter().map(|o| (o.req_id, o)).collect();
+        for o in outputs.iter().filter(|o| !o.prompt_logprobs.is_empty()) {
+            if let Some(live) = self.live.get_mut(&o.req_id) {
+                for p in &o.prompt_logprobs {
+                    if p.position as usize == live.prompt_logprobs.len() + 1 {
+                        live.prompt_logprobs.push(p.clone());
+                    }
+                }
+            }
+        }
         let mut tokens = 0;
         let mut ended = Vec::new();
         for u in updates {
@@ -214,6 +227,10 @@ impl Streams {
                 Some(o) => (o.logprob, o.top_logprobs.clone()),
                 None => (None, Vec::new()),
             };
+            if live.first_token_at.is_none() && live.sampling.prompt_logprobs.is_some() {
+                let logprobs = std::mem::take(&mut live.prompt_logprobs);
+                let _ = live.events.send(GenerateEvent::PromptLogprobs { logprobs });
+            }
             let _ = live.events.send(GenerateEvent::Token {
                 token_id: u.token,
                 text,
@@ -452,6 +469,50 @@ mod tests {
             "h",
             "the first h came before min_tokens"
         );
+    }
+
+    #[test]
+    fn prompt_logprobs_come_once_before_the_first_token_without_repeats() {
+        use deltaserve_ipc::wire::PromptLogprob;
+        let mut streams = Streams::new(
+            tiny_tokenizer(),
+            Arc::new(AtomicUsize::new(1)),
+            Default::default(),
+        );
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut req = request(&[]);
+        req.prompt_token_ids = vec![104, 105, 106];
+        req.sampling.prompt_logprobs = Some(0);
+        streams.open(3, req, tx, Instant::now());
+        let output = |positions: &[u32]| RequestOutput {
+            req_id: 3,
+            prompt_logprobs: positions
+                .iter()
+                .map(|&position| PromptLogprob {
+                    position,
+                    logprob: -(position as f64),
+                    top_logprobs: vec![],
+                })
+                .collect(),
+            ..Default::default()
+        };
+        // A first chunk, the same chunk again (recomputed after a preemption), then the rest
+        // with the first token.
+        streams.stream(vec![], &[output(&[1])]);
+        streams.stream(vec![], &[output(&[1])]);
+        streams.stream(vec![token(3, 104, None)], &[output(&[2])]);
+        streams.stream(vec![token(3, 105, None)], &[]);
+        let events = drain(&mut rx);
+        let GenerateEvent::PromptLogprobs { logprobs } = &events[0] else {
+            panic!("{events:?}")
+        };
+        let positions: Vec<_> = logprobs.iter().map(|p| p.position).collect();
+        assert_eq!(positions, [1, 2]);
+        assert!(matches!(
+            events[1],
+            GenerateEvent::Token { token_id: 104, .. }
+        ));
+        assert_eq!(events.len(), 3, "sent once: {events:?}");
     }
 
     #[test]
