@@ -16,7 +16,12 @@
 //!   longer counts;
 //! - prefill cost per token (its inverse is the prefill throughput, tokens/s): an exponentially
 //!   weighted mean of `(step time − t(decoding requests)) / prefill tokens` over steps with a
-//!   prefill.
+//!   prefill;
+//! - prefill tokens per decoding request per step, `x`: an exponentially weighted mean over the
+//!   steps that decode (0 for a decode-only step). A running request's time per output token is
+//!   its steps' time, prefills of the requests that join meanwhile included: in a steady state
+//!   `x` = prompt tokens / output tokens of the requests served, so a step of `b` decoding
+//!   requests costs `t(b) + b·x·s_tok` (the *effective* step).
 //!
 //! # The decision ([`Admission`])
 //!
@@ -29,8 +34,8 @@
 //! ```
 //!
 //! It is refused when that exceeds the TTFT SLO; `Retry-After` is the predicted time for the
-//! queue ahead of it to drain (at least 1 s). The running batch is capped at the largest `b` with
-//! `t(b)` within the TPOT SLO (the actor gives the cap to its scheduler; requests beyond it wait
+//! queue ahead of it to drain (at least 1 s). The running batch is capped at the largest `b` whose
+//! effective step is within the TPOT SLO (the actor gives the cap to its scheduler; requests beyond it wait
 //! in the queue and count toward the TTFT). A measured size within the SLO lets the batch grow an
 //! eighth past it (so an estimate from a few small batches cannot keep it small), a size measured
 //! over the SLO [`ROBUST_START`] times caps it below, for [`CAP_EVIDENCE_STEPS`] steps of any
@@ -95,6 +100,8 @@ pub struct StepCosts {
     steps: u64,
     /// Moving mean of the prefill cost per token, microseconds; `None` before a prefill.
     prefill_us_per_token: Option<f64>,
+    /// Moving mean of prefill tokens per decoding request per step (see the module docs).
+    prefill_per_decode: f64,
 }
 
 impl StepCosts {
@@ -102,6 +109,10 @@ impl StepCosts {
     /// `prefill_tokens` prompt tokens, `step_us` microseconds.
     pub fn observe(&mut self, decode_seqs: usize, prefill_tokens: usize, step_us: f64) {
         self.steps += 1;
+        if decode_seqs > 0 {
+            let x = prefill_tokens as f64 / decode_seqs as f64;
+            self.prefill_per_decode += NEW_SAMPLE_WEIGHT * (x - self.prefill_per_decode);
+        }
         if prefill_tokens == 0 {
             if decode_seqs == 0 {
                 return;
@@ -198,18 +209,33 @@ impl StepCosts {
         })
     }
 
-    /// The largest measured batch size whose step is within `slo_us`, and the smallest one
-    /// measured over it at least [`ROBUST_START`] times, within the last [`CAP_EVIDENCE_STEPS`].
+    /// The time a running request spends per output token in a step decoding `batch` requests,
+    /// the prefills of requests joining at the measured rate included (the module docs'
+    /// effective step), microseconds.
+    pub fn effective_step_us(&self, batch: usize) -> Option<f64> {
+        let t = self.decode_step_us(batch)?;
+        Some(t + batch as f64 * self.prefill_share_us())
+    }
+
+    /// Prefill time a decoding request brings into each step: `x · s_tok`, microseconds.
+    fn prefill_share_us(&self) -> f64 {
+        self.prefill_per_decode * self.prefill_us_per_token.unwrap_or(0.0)
+    }
+
+    /// The largest measured batch size whose effective step is within `slo_us`, and the
+    /// smallest one measured over it at least [`ROBUST_START`] times, within the last
+    /// [`CAP_EVIDENCE_STEPS`].
     fn measured_bounds(&self, slo_us: f64) -> (Option<usize>, Option<usize>) {
+        let share = self.prefill_share_us();
         let within = self
             .points()
-            .filter(|(_, t)| *t <= slo_us)
+            .filter(|(b, t)| *t + *b as f64 * share <= slo_us)
             .map(|(b, _)| b)
             .last();
         let over = self
             .buckets()
-            .find(|(_, k)| {
-                k.us > slo_us
+            .find(|(b, k)| {
+                k.us + *b as f64 * share > slo_us
                     && k.samples >= ROBUST_START
                     && self.steps - k.seen_step <= CAP_EVIDENCE_STEPS
             })
@@ -359,7 +385,7 @@ impl Admission {
     }
 
     /// Most requests the running batch may hold: the largest `b ≤ --max-num-seqs` whose
-    /// predicted decode step is within the TPOT SLO (at least 1); `--max-num-seqs` before
+    /// predicted effective step is within the TPOT SLO (at least 1); `--max-num-seqs` before
     /// measurements.
     pub fn running_cap(&self) -> usize {
         let Some(slo) = self.tpot_slo_us().filter(|_| self.measured()) else {
@@ -367,7 +393,7 @@ impl Admission {
         };
         // The predicted cap, where the estimate crosses the SLO (searched, at most 4096 sizes).
         let predicted = (1..=self.max_num_seqs.min(MAX_TRACKED_BATCH))
-            .take_while(|b| self.costs.decode_step_us(*b).is_some_and(|t| t <= slo))
+            .take_while(|b| self.costs.effective_step_us(*b).is_some_and(|t| t <= slo))
             .last()
             .unwrap_or(1);
         // Measured sizes overrule it: one within the SLO lets the batch grow past it (an
@@ -643,6 +669,30 @@ mod tests {
         }
         adm.step_measured(19, 0, 4_990.0, 19);
         assert!(adm.running_cap() > 20, "{}", adm.running_cap());
+    }
+
+    #[test]
+    fn prefills_of_joining_requests_count_toward_the_tpot() {
+        // Seen on an H200: with the cap on decode-only steps (10 ms at 128 requests, under an
+        // 11 ms TPOT SLO), the steps that also ran the prefills of arriving requests took 13 ms,
+        // and fewer than 1 % of the admitted requests kept the SLO.
+        let mut adm = measured(1000.0, 250.0, 20.0);
+        adm.set_slo(Slo::from_ms(None, Some(5)));
+        assert_eq!(
+            adm.running_cap(),
+            18,
+            "decode-only steps: 1000 + 250 b <= 5000"
+        );
+        // Steady arrivals: each step of 16 decoding requests also prefills 16 prompt tokens
+        // (1 per request per step, e.g. 32-token prompts and 32-token answers), 20 us each.
+        for _ in 0..400 {
+            adm.step_measured(16, 16, 5000.0 + 16.0 * 20.0, 16);
+        }
+        let c = adm.costs();
+        let share = c.effective_step_us(10).unwrap() - c.decode_step_us(10).unwrap();
+        assert!((share - 10.0 * 20.0).abs() < 1.0, "{share}");
+        // 1000 + 250 b + 20 b <= 5000  =>  b <= 14 (16's effective step, 5320 us, is over).
+        assert_eq!(adm.running_cap(), 14);
     }
 
     #[test]
