@@ -206,7 +206,8 @@ def test_file_contents_are_never_echoed(setup):
 
 def test_variant_names_are_url_safe(setup):
     d, _, root, *_ = setup
-    for name in [".", "..", "%2e%2e", "a\x00b", "a b", "a/b", "é", "x" * 129]:
+    # One slash is allowed: `org/repo`, as a hub repo id (request-time resolution); no more.
+    for name in [".", "..", "%2e%2e", "a\x00b", "a b", "a/b/c", "/a", "a/..", "é", "x" * 129]:
         r = register(d, ADMIN, name, root / "beta-x")
         assert r.status_code == 400, (name, r.text)
         assert r.json()["error"]["param"] == "name"
