@@ -100,12 +100,16 @@ class LaunchedPromptLogprobs:
 
 
 def launch(selected: PromptRows, logits: torch.Tensor) -> LaunchedPromptLogprobs:
-    """Scores the selected positions from their rows' float32 ``logits`` [rows, vocab]."""
+    """Scores the selected positions from their rows' float32 ``logits`` [rows, vocab] (the forward
+    already holds those: a chunk of ``c`` prompt tokens costs ``c x vocab x 4`` bytes of logits)."""
+    # logit - logsumexp: no second [rows, vocab] tensor beside the logits (a long prompt's chunk
+    # may have thousands of rows).
     targets = [s.state.token_ids[p] for s in selected.spans for p in range(s.first, s.first + s.count)]
-    logprobs = torch.log_softmax(logits, dim=-1)
-    picked = logprobs.gather(1, to_device(targets, torch.long, logits.device).unsqueeze(1)).squeeze(1)
+    norm = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, to_device(targets, torch.long, logits.device).unsqueeze(1)).squeeze(1) - norm
     top_n = min(max(s.top_n for s in selected.spans), logits.shape[-1])
     top_vals = top_ids = None
     if top_n > 0:
-        top_vals, top_ids = logprobs.topk(top_n, dim=-1, sorted=True)
+        top_vals, top_ids = logits.topk(top_n, dim=-1, sorted=True)
+        top_vals = top_vals - norm.unsqueeze(1)
     return LaunchedPromptLogprobs(selected.spans, picked, top_vals, top_ids)
