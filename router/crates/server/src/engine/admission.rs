@@ -29,8 +29,10 @@
 //! would see a TTFT of about
 //!
 //! ```text
-//!   prefill: (Q + P)·s_tok + ceil((Q + P) / chunk)·t(running)      chunk = token budget − running
-//!   slot:    max(0, k − free slots) / cap · mean output tokens · t(cap)   (slots free as requests end)
+//!   prefill: (Q + P)·s_tok + (ceil((Q + P) / chunk) + 1)·t(running)   chunk = token budget − running
+//!            (+ 1: the step already sent ahead runs before the first that can take it)
+//!   slot:    max(0, k − free slots) / cap · mean output tokens · t'(cap)   (slots free as requests end;
+//!            t' the effective step: a running request's time per output token)
 //! ```
 //!
 //! It is refused when that exceeds the TTFT SLO; `Retry-After` is the predicted time for the
@@ -424,14 +426,14 @@ impl Admission {
         let tokens = (self.queued_prompt_tokens + prompt_tokens) as f64;
         let chunk = self.token_budget.saturating_sub(self.running).max(1) as f64;
         let per_token = self.costs.prefill_us_per_token().unwrap_or(0.0);
-        let prefill = tokens * per_token + (tokens / chunk).ceil() * t_running;
+        let prefill = tokens * per_token + ((tokens / chunk).ceil() + 1.0) * t_running;
         let cap = self.cap;
         let position = self.queued_requests + usize::from(prompt_tokens > 0);
         let free = cap.saturating_sub(self.running);
         let beyond = position.saturating_sub(free) as f64;
         let slot = beyond / cap as f64
             * self.mean_output_tokens.max(1.0)
-            * self.costs.decode_step_us(cap)?;
+            * self.costs.effective_step_us(cap)?;
         Some((prefill, slot))
     }
 
@@ -758,8 +760,9 @@ mod tests {
         assert_eq!(adm.cap(), 16);
         adm.admit(false, 10, 100).unwrap();
         let one = adm.predicted_ttft_us(10).unwrap();
-        // (2 / 16) slots x 100 tokens x 5000 us = 62.5 ms, plus a prefill step.
-        assert!((one - 62_500.0 - 5000.0).abs() < 100.0, "{one}");
+        // (2 / 16) slots x 100 tokens x 5000 us = 62.5 ms, plus a prefill step and the step
+        // sent ahead of it.
+        assert!((one - 62_500.0 - 2.0 * 5000.0).abs() < 100.0, "{one}");
         assert!(adm.predicted_queue_wait_us() < one);
     }
 
