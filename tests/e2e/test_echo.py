@@ -37,6 +37,10 @@ def test_echoed_prompt_logprobs_equal_transformers(tiny_daemon, hf_model):
         assert all(min(abs(v - b) for b in best) < 1e-4 for v in got_top)
     plain = httpx.post(f"{url}/v1/completions", json={**body, "echo": False}, timeout=60).json()["choices"][0]
     assert choice["text"] == PROMPT + plain["text"]
+    # Scoring alone (`max_tokens: 0`, vLLM's form): the prompt and its logprobs, nothing generated.
+    scored = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 0}, timeout=60).json()
+    assert scored["choices"][0]["text"] == PROMPT and scored["usage"]["completion_tokens"] == 0
+    assert scored["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][: len(ids)]
     # The same tokens; their logprobs up to the lm_head's rounding over more rows.
     assert lp["tokens"][len(ids) :] == plain["logprobs"]["tokens"]
     assert lp["token_logprobs"][len(ids) :] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-5)

@@ -52,6 +52,8 @@ pub struct Validated {
     /// `echo`: the prompt's text, put before each choice's text (with `logprobs`, the engine
     /// request asks for the prompt tokens' logprobs too).
     pub echo: Option<String>,
+    /// `echo` with `max_tokens: 0`: the engine generates one token, the response has none.
+    pub score_only: bool,
 }
 
 /// The served model's limits and text tools, as validation needs them.
@@ -217,8 +219,15 @@ pub fn validate_completion(
         .as_ref()
         .ok_or_else(|| ApiError::invalid("prompt", "`prompt` is required"))?;
     let prompt_ids = completion_prompt(prompt, ctx)?;
+    // `echo` with `max_tokens: 0` scores the prompt (vLLM's form): one token is generated, and
+    // the response leaves it out.
+    partial.score_only = req.echo == Some(true) && req.max_tokens == Some(0);
     let max_tokens = max_tokens(
-        req.max_tokens,
+        if partial.score_only {
+            Some(1)
+        } else {
+            req.max_tokens
+        },
         "max_tokens",
         Some(DEFAULT_COMPLETION_MAX_TOKENS),
         prompt_ids.len(),
@@ -411,6 +420,7 @@ fn common_fields(
         n,
         best_of: n,
         echo: None,
+        score_only: false,
     })
 }
 
@@ -836,6 +846,14 @@ mod tests {
                 .unwrap()
                 .echo,
             None
+        );
+        // Scoring a prompt: max_tokens 0 with echo runs one token (and only then).
+        let v = completion(r#"{"prompt": "x", "echo": true, "max_tokens": 0}"#).unwrap();
+        assert!(v.score_only && v.request.max_tokens == 1);
+        assert_invalid(
+            completion(r#"{"prompt": "x", "max_tokens": 0}"#),
+            "max_tokens",
+            &["at least 1"],
         );
     }
 

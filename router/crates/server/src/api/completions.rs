@@ -26,11 +26,13 @@ use super::error::{ApiError, ApiJson};
 use super::on_demand::resolve_variant;
 use super::openai::{
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, TopLogprobMap,
+    Usage,
 };
 use super::{
     model_context, response_id, sse_done, sse_json, unix_now, usage, Backend, Piece, Pieces,
     TokenRecord,
 };
+use crate::engine::FinishReason;
 use crate::text::tokenizer::TextTokenizer;
 use crate::validate::validate_completion;
 use deltaserve_ipc::wire::{PromptLogprob, TokenLogprob};
@@ -52,6 +54,7 @@ pub async fn completions<B: Backend>(
         .echo
         .map(|text| (text, v.request.prompt_token_ids.clone()));
     let echo_at_start = echo.is_some() && !with_logprobs;
+    let score_only = v.score_only;
     let receivers =
         usage::start_choices(&backend, &who, fan_out(v.request, best_of, ranked)).await?;
     let mut writer = CompletionWriter {
@@ -69,6 +72,14 @@ pub async fn completions<B: Backend>(
     let choices: Vec<Pieces> = receivers.into_iter().map(Pieces::new).collect();
     if !v.stream {
         let mut answers = collect_all(choices).await?;
+        if score_only {
+            for a in &mut answers {
+                a.text.clear();
+                a.tokens.clear();
+                a.usage = Usage::new(a.usage.prompt_tokens, 0);
+                a.reason = FinishReason::Length;
+            }
+        }
         let usage = total_usage(&answers);
         if ranked {
             answers = best(answers, n as usize);
@@ -117,21 +128,28 @@ pub async fn completions<B: Backend>(
             let (index, piece) = merged.next().await?;
             let mut ended = false;
             let events: Vec<Event> = match piece {
+                Piece::Prompt(_) if echo_at_start => Vec::new(),
                 Piece::Prompt(logprobs) => writer
                     .echo_choice(index, &logprobs)
                     .map(|choice| sse_json(&writer.response(vec![choice])))
                     .into_iter()
                     .collect(),
+                Piece::Text { .. } if score_only => Vec::new(),
                 Piece::Text { text, tokens } => {
                     let choice = writer.choice(index, text, &tokens, None);
                     vec![sse_json(&writer.response(vec![choice]))]
                 }
                 Piece::Finished {
-                    reason,
+                    mut reason,
                     prompt_tokens,
-                    completion_tokens,
-                    tokens,
+                    mut completion_tokens,
+                    mut tokens,
                 } => {
+                    if score_only {
+                        tokens.clear();
+                        completion_tokens = 0;
+                        reason = FinishReason::Length;
+                    }
                     let choice =
                         writer.choice(index, String::new(), &tokens, Some(reason.as_str()));
                     let mut out = vec![sse_json(&writer.response(vec![choice]))];
@@ -546,6 +564,33 @@ mod tests {
             fake.requests.lock().unwrap()[0].sampling.prompt_logprobs,
             Some(1)
         );
+        // Scoring alone (`max_tokens: 0`): the prompt and its logprobs, nothing generated.
+        let (_, _, body) = post_json(
+            router_with(fake.clone()),
+            "/v1/completions",
+            r#"{"prompt": [104, 105, 106], "echo": true, "logprobs": 1, "max_tokens": 0}"#,
+        )
+        .await;
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["choices"][0]["text"], json!(prompt));
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+        assert_eq!(
+            v["choices"][0]["logprobs"]["token_logprobs"],
+            json!([null, -2.0, -1.5])
+        );
+        assert_eq!(v["usage"]["completion_tokens"], 0);
+        let (_, _, text) = post_json(
+            router_with(fake.clone()),
+            "/v1/completions",
+            r#"{"prompt": [104, 105, 106], "echo": true, "max_tokens": 0, "stream": true}"#,
+        )
+        .await;
+        let texts: Vec<String> = sse_data(&text)
+            .iter()
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].to_string())
+            .collect();
+        assert_eq!(texts, [json!(prompt).to_string(), "\"\"".to_string()]);
         // Streamed: the echo chunk comes when the prompt's logprobs do; without logprobs, first.
         for body in [
             r#"{"prompt": [104, 105, 106], "echo": true, "logprobs": 1, "stream": true}"#,
