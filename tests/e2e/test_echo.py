@@ -9,12 +9,22 @@ import json
 import httpx
 import pytest
 
+from .daemon import Daemon
+
 PROMPT = "once upon a time there was a small model that"
 
 
-def test_echoed_prompt_logprobs_equal_transformers(tiny_daemon, hf_model):
+@pytest.fixture(scope="module")
+def chunking_daemon(tiny_llama):
+    """Steps of 6 tokens: the prompt is prefilled in chunks, each sending its positions' logprobs."""
+    with Daemon(tiny_llama, "--max-num-batched-tokens", "6", "--max-model-len", "256") as d:
+        yield d
+
+
+@pytest.mark.parametrize("which", ["one step", "chunked"])
+def test_echoed_prompt_logprobs_equal_transformers(which, tiny_daemon, hf_model, request):
     torch = pytest.importorskip("torch")
-    url = tiny_daemon.url
+    url = (tiny_daemon if which == "one step" else request.getfixturevalue("chunking_daemon")).url
     ids = httpx.post(f"{url}/tokenize", json={"prompt": PROMPT}, timeout=30).json()["tokens"]
     body = {"prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
