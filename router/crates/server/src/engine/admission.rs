@@ -17,11 +17,11 @@
 //! - prefill cost per token (its inverse is the prefill throughput, tokens/s): an exponentially
 //!   weighted mean of `(step time − t(decoding requests)) / prefill tokens` over steps with a
 //!   prefill;
-//! - the *effective* step `t'(b)`: the same kind of estimate over every step that decodes `b`
-//!   requests, prefills included. A running request's time per output token is its steps' time,
-//!   the prefills of the requests that join meanwhile included; how much those add depends on
-//!   the arrivals and on how a step with a prefill runs (on a GPU today, eagerly: a fixed cost
-//!   per step, not per token), so it is measured, not modelled.
+//! - prefill tokens per decoding request per step, `x`: an exponentially weighted mean over the
+//!   steps that decode (0 for a decode-only step). A running request's time per output token is
+//!   its steps' time, prefills of the requests that join meanwhile included: in a steady state
+//!   `x` = prompt tokens / output tokens of the requests served, so a step of `b` decoding
+//!   requests costs `t(b) + b·x·s_tok` (the *effective* step).
 //!
 //! # The decision ([`Admission`])
 //!
@@ -29,10 +29,8 @@
 //! would see a TTFT of about
 //!
 //! ```text
-//!   prefill: (Q + P)·s_tok + (ceil((Q + P) / chunk) + 1)·t(running)   chunk = token budget − running
-//!            (+ 1: the step already sent ahead runs before the first that can take it)
-//!   slot:    max(0, k − free slots) / cap · mean output tokens · t'(cap)   (slots free as requests end;
-//!            t' the effective step: a running request's time per output token)
+//!   prefill: (Q + P)·s_tok + ceil((Q + P) / chunk)·t(running)      chunk = token budget − running
+//!   slot:    max(0, k − free slots) / cap · mean output tokens · t(cap)   (slots free as requests end)
 //! ```
 //!
 //! It is refused when that exceeds the TTFT SLO; `Retry-After` is the predicted time for the
@@ -71,8 +69,6 @@ pub const MIN_DEFAULT_TTFT_US: f64 = 2_000_000.0;
 const MAX_TRACKED_BATCH: usize = 4096;
 /// A batch size not seen for this many decode steps no longer counts (its time may be old).
 pub const STALE_AFTER_DECODE_STEPS: u64 = 4096;
-/// The same for the effective steps, counted in steps of any kind.
-pub const STALE_AFTER_STEPS: u64 = 4096;
 /// A size measured over the TPOT SLO caps the batch below it for this many steps of any kind
 /// after its last measurement (under a steady stream of arrivals most steps carry a prefill, so
 /// decode steps are no clock for it); then the batch may reach it again.
@@ -81,72 +77,113 @@ pub const CAP_EVIDENCE_STEPS: u64 = 1024;
 /// caps the batch only once measured this many times.
 pub const ROBUST_START: u32 = 3;
 
-/// Step times by batch size (one [`Bucket`] per size), read back as a line: the measured time
-/// at a size; between two measured sizes, the line through them; outside them, the line from
-/// the smallest to the largest (above: never below the largest's time; below: between half the
-/// smallest's and it). Staleness is counted on a clock its owner passes in.
-#[derive(Debug, Clone, Default)]
-struct Curve {
-    buckets: Vec<Option<Bucket>>,
-}
-
-/// One batch size's estimate.
+/// One decode batch size's estimate.
 #[derive(Debug, Clone, Copy)]
 struct Bucket {
     /// Step time, microseconds (see [`ROBUST_START`]).
     us: f64,
     /// Samples folded in.
     samples: u32,
-    /// The curve's clock when it was last seen.
+    /// The decode step it was last seen at.
     seen: u64,
     /// The step (of any kind) it was last seen at.
     seen_step: u64,
 }
 
-impl Curve {
-    /// Folds in a step of `batch` taking `us`, at `clock` (and step number `step`).
-    fn observe(&mut self, batch: usize, us: f64, clock: u64, step: u64, stale_after: u64) {
-        let b = batch.min(MAX_TRACKED_BATCH);
-        if self.buckets.len() <= b {
-            self.buckets.resize(b + 1, None);
+/// Moving estimates of one worker's step costs (see the module docs).
+#[derive(Debug, Clone, Default)]
+pub struct StepCosts {
+    /// Per decode batch size.
+    decode: Vec<Option<Bucket>>,
+    decode_samples: u64,
+    /// Steps observed, of any kind (the clock of staleness).
+    steps: u64,
+    /// Moving mean of the prefill cost per token, microseconds; `None` before a prefill.
+    prefill_us_per_token: Option<f64>,
+    /// Moving mean of prefill tokens per decoding request per step (see the module docs).
+    prefill_per_decode: f64,
+}
+
+impl StepCosts {
+    /// Folds in one measured step: `decode_seqs` requests decoding one token each,
+    /// `prefill_tokens` prompt tokens, `step_us` microseconds.
+    pub fn observe(&mut self, decode_seqs: usize, prefill_tokens: usize, step_us: f64) {
+        self.steps += 1;
+        if decode_seqs > 0 {
+            let x = prefill_tokens as f64 / decode_seqs as f64;
+            self.prefill_per_decode += NEW_SAMPLE_WEIGHT * (x - self.prefill_per_decode);
         }
-        self.buckets[b] = Some(match self.buckets[b] {
-            Some(k) if clock - k.seen <= stale_after => Bucket {
-                us: if k.samples < ROBUST_START {
-                    k.us.min(us)
-                } else {
-                    k.us + BUCKET_SAMPLE_WEIGHT * (us - k.us)
+        if prefill_tokens == 0 {
+            if decode_seqs == 0 {
+                return;
+            }
+            let b = decode_seqs.min(MAX_TRACKED_BATCH);
+            if self.decode.len() <= b {
+                self.decode.resize(b + 1, None);
+            }
+            self.decode_samples += 1;
+            let now = self.decode_samples;
+            self.decode[b] = Some(match self.decode[b] {
+                Some(k) if now - k.seen <= STALE_AFTER_DECODE_STEPS => Bucket {
+                    us: if k.samples < ROBUST_START {
+                        k.us.min(step_us)
+                    } else {
+                        k.us + BUCKET_SAMPLE_WEIGHT * (step_us - k.us)
+                    },
+                    samples: k.samples.saturating_add(1),
+                    seen: now,
+                    seen_step: self.steps,
                 },
-                samples: k.samples.saturating_add(1),
-                seen: clock,
-                seen_step: step,
-            },
-            _ => Bucket {
-                us,
-                samples: 1,
-                seen: clock,
-                seen_step: step,
-            },
+                _ => Bucket {
+                    us: step_us,
+                    samples: 1,
+                    seen: now,
+                    seen_step: self.steps,
+                },
+            });
+            return;
+        }
+        // Before a decode step was measured, the prefill's share of the step is unknown.
+        let Some(decode_part) = self.decode_step_us(decode_seqs) else {
+            return;
+        };
+        let per_token = (step_us - decode_part).max(0.0) / prefill_tokens as f64;
+        self.prefill_us_per_token = Some(match self.prefill_us_per_token {
+            None => per_token,
+            Some(m) => m + NEW_SAMPLE_WEIGHT * (per_token - m),
         });
     }
 
-    /// The sizes not stale at `clock`, smallest first.
-    fn buckets(&self, clock: u64, stale_after: u64) -> impl Iterator<Item = (usize, Bucket)> + '_ {
-        self.buckets
+    /// Decode steps observed so far.
+    pub fn decode_samples(&self) -> u64 {
+        self.decode_samples
+    }
+
+    /// The measured batch sizes (not stale) and their step times, smallest first.
+    fn points(&self) -> impl Iterator<Item = (usize, f64)> + '_ {
+        self.buckets().map(|(b, k)| (b, k.us))
+    }
+
+    /// The batch sizes not stale, smallest first.
+    fn buckets(&self) -> impl Iterator<Item = (usize, Bucket)> + '_ {
+        let now = self.decode_samples;
+        self.decode
             .iter()
             .enumerate()
             .filter_map(move |(b, k)| match k {
-                Some(k) if clock - k.seen <= stale_after => Some((b, *k)),
+                Some(k) if now - k.seen <= STALE_AFTER_DECODE_STEPS => Some((b, *k)),
                 _ => None,
             })
     }
 
-    /// The predicted time at `batch` (`None` before any measurement): see the type's docs.
-    fn at(&self, batch: usize, clock: u64, stale_after: u64) -> Option<f64> {
+    /// Predicted time of a step decoding `batch` requests, microseconds (`None` before any
+    /// decode step was measured): the measured time at that batch size; between two measured
+    /// sizes, the line through them; outside them, the line from the smallest to the largest
+    /// (above: never below the largest's time; below: between half the smallest's and it).
+    pub fn decode_step_us(&self, batch: usize) -> Option<f64> {
         let batch = batch.min(MAX_TRACKED_BATCH);
         let (mut first, mut below, mut above, mut last) = (None, None, None, None);
-        for (b, k) in self.buckets(clock, stale_after) {
-            let t = k.us;
+        for (b, t) in self.points() {
             first = first.or(Some((b, t)));
             last = Some((b, t));
             if b <= batch {
@@ -171,89 +208,34 @@ impl Curve {
             (None, None) => return None,
         })
     }
-}
 
-/// Moving estimates of one worker's step costs (see the module docs).
-#[derive(Debug, Clone, Default)]
-pub struct StepCosts {
-    /// Decode-only steps by batch size; clock: `decode_samples`.
-    decode: Curve,
-    decode_samples: u64,
-    /// Every step that decodes, by its decoding requests (prefills of joiners included); clock:
-    /// `steps`.
-    effective: Curve,
-    /// Steps observed, of any kind.
-    steps: u64,
-    /// Moving mean of the prefill cost per token, microseconds; `None` before a prefill.
-    prefill_us_per_token: Option<f64>,
-}
-
-impl StepCosts {
-    /// Folds in one measured step: `decode_seqs` requests decoding one token each,
-    /// `prefill_tokens` prompt tokens, `step_us` microseconds.
-    pub fn observe(&mut self, decode_seqs: usize, prefill_tokens: usize, step_us: f64) {
-        self.steps += 1;
-        if decode_seqs > 0 {
-            let (clock, step) = (self.steps, self.steps);
-            self.effective
-                .observe(decode_seqs, step_us, clock, step, STALE_AFTER_STEPS);
-        }
-        if prefill_tokens == 0 {
-            if decode_seqs == 0 {
-                return;
-            }
-            self.decode_samples += 1;
-            self.decode.observe(
-                decode_seqs,
-                step_us,
-                self.decode_samples,
-                self.steps,
-                STALE_AFTER_DECODE_STEPS,
-            );
-            return;
-        }
-        // Before a decode step was measured, the prefill's share of the step is unknown.
-        let Some(decode_part) = self.decode_step_us(decode_seqs) else {
-            return;
-        };
-        let per_token = (step_us - decode_part).max(0.0) / prefill_tokens as f64;
-        self.prefill_us_per_token = Some(match self.prefill_us_per_token {
-            None => per_token,
-            Some(m) => m + NEW_SAMPLE_WEIGHT * (per_token - m),
-        });
-    }
-
-    /// Decode steps observed so far.
-    pub fn decode_samples(&self) -> u64 {
-        self.decode_samples
-    }
-
-    /// Predicted time of a step decoding `batch` requests and nothing else, microseconds
-    /// (`None` before any decode step was measured).
-    pub fn decode_step_us(&self, batch: usize) -> Option<f64> {
-        self.decode
-            .at(batch, self.decode_samples, STALE_AFTER_DECODE_STEPS)
-    }
-
-    /// Predicted time a running request spends per output token in a batch of `batch`
-    /// decoding requests: the measured time of every step with that many, the prefills of the
-    /// requests joining meanwhile included (the module docs' effective step), microseconds.
+    /// The time a running request spends per output token in a step decoding `batch` requests,
+    /// the prefills of requests joining at the measured rate included (the module docs'
+    /// effective step), microseconds.
     pub fn effective_step_us(&self, batch: usize) -> Option<f64> {
-        self.effective.at(batch, self.steps, STALE_AFTER_STEPS)
+        let t = self.decode_step_us(batch)?;
+        Some(t + batch as f64 * self.prefill_share_us())
+    }
+
+    /// Prefill time a decoding request brings into each step: `x · s_tok`, microseconds.
+    fn prefill_share_us(&self) -> f64 {
+        self.prefill_per_decode * self.prefill_us_per_token.unwrap_or(0.0)
     }
 
     /// The largest measured batch size whose effective step is within `slo_us`, and the
     /// smallest one measured over it at least [`ROBUST_START`] times, within the last
     /// [`CAP_EVIDENCE_STEPS`].
     fn measured_bounds(&self, slo_us: f64) -> (Option<usize>, Option<usize>) {
-        let measured = || self.effective.buckets(self.steps, STALE_AFTER_STEPS);
-        let within = measured()
-            .filter(|(_, k)| k.us <= slo_us)
+        let share = self.prefill_share_us();
+        let within = self
+            .points()
+            .filter(|(b, t)| *t + *b as f64 * share <= slo_us)
             .map(|(b, _)| b)
             .last();
-        let over = measured()
-            .find(|(_, k)| {
-                k.us > slo_us
+        let over = self
+            .buckets()
+            .find(|(b, k)| {
+                k.us + *b as f64 * share > slo_us
                     && k.samples >= ROBUST_START
                     && self.steps - k.seen_step <= CAP_EVIDENCE_STEPS
             })
@@ -442,14 +424,14 @@ impl Admission {
         let tokens = (self.queued_prompt_tokens + prompt_tokens) as f64;
         let chunk = self.token_budget.saturating_sub(self.running).max(1) as f64;
         let per_token = self.costs.prefill_us_per_token().unwrap_or(0.0);
-        let prefill = tokens * per_token + ((tokens / chunk).ceil() + 1.0) * t_running;
+        let prefill = tokens * per_token + (tokens / chunk).ceil() * t_running;
         let cap = self.cap;
         let position = self.queued_requests + usize::from(prompt_tokens > 0);
         let free = cap.saturating_sub(self.running);
         let beyond = position.saturating_sub(free) as f64;
         let slot = beyond / cap as f64
             * self.mean_output_tokens.max(1.0)
-            * self.costs.effective_step_us(cap)?;
+            * self.costs.decode_step_us(cap)?;
         Some((prefill, slot))
     }
 
@@ -707,9 +689,9 @@ mod tests {
             adm.step_measured(16, 16, 5000.0 + 16.0 * 20.0, 16);
         }
         let c = adm.costs();
-        assert!((c.effective_step_us(16).unwrap() - 5320.0).abs() < 1.0);
-        assert!((c.decode_step_us(16).unwrap() - 5000.0).abs() < 1.0);
-        // Between 8 (3000 us) and 16 (5320 us): 3000 + 290 (b - 8) <= 5000  =>  b <= 14.
+        let share = c.effective_step_us(10).unwrap() - c.decode_step_us(10).unwrap();
+        assert!((share - 10.0 * 20.0).abs() < 1.0, "{share}");
+        // 1000 + 250 b + 20 b <= 5000  =>  b <= 14 (16's effective step, 5320 us, is over).
         assert_eq!(adm.running_cap(), 14);
     }
 
@@ -776,9 +758,8 @@ mod tests {
         assert_eq!(adm.cap(), 16);
         adm.admit(false, 10, 100).unwrap();
         let one = adm.predicted_ttft_us(10).unwrap();
-        // (2 / 16) slots x 100 tokens x 5000 us = 62.5 ms, plus a prefill step and the step
-        // sent ahead of it.
-        assert!((one - 62_500.0 - 2.0 * 5000.0).abs() < 100.0, "{one}");
+        // (2 / 16) slots x 100 tokens x 5000 us = 62.5 ms, plus a prefill step.
+        assert!((one - 62_500.0 - 5000.0).abs() < 100.0, "{one}");
         assert!(adm.predicted_queue_wait_us() < one);
     }
 
