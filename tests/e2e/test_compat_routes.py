@@ -6,6 +6,7 @@ applies. One daemon for the module; the adapters are made by ``peft``."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -112,3 +113,20 @@ def test_vllm_adapter_routes_models_and_tokenizer(setup):
     back = httpx.post(f"{d.url}/detokenize", json={"tokens": tok["tokens"]}).json()
     assert back["prompt"].strip() == "hello world"
     assert httpx.get(f"{d.url}/version").json()["version"]
+
+
+def test_lorax_generate_routes(setup):
+    d, base, lora_dir, a, _ = setup
+    shutil.copytree(a, lora_dir / "lx")
+    params = {"adapter_id": "lx", "max_new_tokens": 5, "details": True, "ignore_eos_token": True}
+    r = httpx.post(f"{d.url}/generate", json={"inputs": "hello world", "parameters": params}, timeout=120)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    body = {"model": f"{base}:lx", "prompt": "hello world", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    want = httpx.post(f"{d.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    assert got["generated_text"] == want
+    assert got["details"]["finish_reason"] == "length" and got["details"]["generated_tokens"] == 5
+    with httpx.stream("POST", f"{d.url}/generate_stream", json={"inputs": "hello world", "parameters": params}) as s:
+        events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
+    assert events[-1]["generated_text"] == want and len(events) == 5
+    assert "".join(e["token"]["text"] for e in events) == want

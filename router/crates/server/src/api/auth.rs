@@ -138,9 +138,11 @@ pub fn needs_admin(method: &Method, path: &str, keys_required: bool) -> bool {
 }
 
 /// POST routes that change no server state: generation, and the tokenizer as a service.
-pub const STATELESS_POSTS: [&str; 4] = [
+pub const STATELESS_POSTS: [&str; 6] = [
     "/v1/completions",
     "/v1/chat/completions",
+    "/generate",
+    "/generate_stream",
     "/tokenize",
     "/detokenize",
 ];
@@ -226,6 +228,7 @@ mod tests {
         assert!(!needs_admin(&get, "/v1/models", true));
         assert!(!needs_admin(&post, "/tokenize", true));
         assert!(!needs_admin(&post, "/detokenize", true));
+        assert!(!needs_admin(&post, "/generate", true));
         assert!(needs_admin(&post, "/v1/load_lora_adapter", false));
         assert!(needs_admin(&post, "/v1/unload_lora_adapter", false));
         assert!(!needs_admin(&get, "/metrics", false));

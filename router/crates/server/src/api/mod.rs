@@ -11,6 +11,7 @@
 //!            ├─ POST /tokenize, /detokenize        tokenize.rs
 //!            ├─ POST/GET /v1/adapters, DELETE /v1/adapters/{name}   variants.rs (admin)
 //!            ├─ POST /v1/load_lora_adapter, /v1/unload_lora_adapter  compat.rs (admin, vLLM's)
+//!            ├─ POST /generate, /generate_stream   lorax.rs (LoRAX's / TGI's, `adapter_id`)
 //!            └─ GET  /health /ready /metrics /version   health.rs
 //!  openai.rs: request/response types      error.rs: ApiError (every failure), ApiJson extractor
 //!  on_demand.rs: a generation's unregistered variant found in --lora-dir & co and registered
@@ -36,6 +37,7 @@ pub mod completions;
 pub mod error;
 pub mod health;
 pub mod hygiene;
+pub mod lorax;
 pub mod models;
 pub mod on_demand;
 pub mod openai;
@@ -194,6 +196,8 @@ pub fn guarded_router<B: Backend>(
             "/v1/unload_lora_adapter",
             post(compat::unload_lora_adapter::<B>),
         )
+        .route("/generate", post(lorax::generate::<B>))
+        .route("/generate_stream", post(lorax::generate_stream::<B>))
         .route("/v1/ws", get(ws::ws_upgrade::<B>))
         .route("/health", get(health::health))
         .route("/version", get(health::version))
