@@ -40,7 +40,12 @@ pub fn resolve_model_dir(spec: &Path, cache: Option<&Path>) -> Result<PathBuf, S
             Ok(spec.to_path_buf())
         };
     }
-    let text = spec.to_str().unwrap_or_default();
+    resolve_repo_id(spec.to_str().unwrap_or_default(), cache)
+}
+
+/// A repo id (`org/name`, `org/name@revision`) looked up in `cache` only: never a directory of
+/// the working directory, whatever the id spells (request-time resolution of variants).
+pub fn resolve_repo_id(text: &str, cache: Option<&Path>) -> Result<PathBuf, String> {
     let (repo, revision) = text.split_once('@').unwrap_or((text, "main"));
     let parts: Vec<&str> = repo.split('/').collect();
     let looks_like_id = parts.len() == 2
@@ -53,8 +58,7 @@ pub fn resolve_model_dir(spec: &Path, cache: Option<&Path>) -> Result<PathBuf, S
         });
     if !looks_like_id || revision.is_empty() {
         return Err(format!(
-            "{}: not a directory (nor an `org/name[@revision]` hub repo id)",
-            spec.display()
+            "{text}: not a directory (nor an `org/name[@revision]` hub repo id)"
         ));
     }
     let Some(cache) = cache else {

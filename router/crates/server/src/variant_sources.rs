@@ -19,7 +19,7 @@
 //! registration. Once registered, a variant stays until deleted.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use deltaserve_ipc::wire::VariantKind;
@@ -85,7 +85,7 @@ impl VariantSources {
         }
         if name.contains('/') {
             let cache = self.hub_cache.as_deref();
-            return hub_cache::resolve_model_dir(Path::new(name), cache)
+            return hub_cache::resolve_repo_id(name, cache)
                 .map(|dir| FoundVariant { dir, kind: None })
                 .map_err(|_| {
                     let cache = cache.map(|c| c.display().to_string()).unwrap_or_default();
@@ -181,6 +181,11 @@ mod tests {
         for bad in ["org/..", "../x", "a/b/c", "/abs"] {
             assert!(!s.may_hold(bad), "{bad:?}");
         }
+        // A directory that the name also spells relative to the working directory is not the
+        // hub cache's: only the cache is looked in.
+        // (cargo runs tests in the package directory, where `src/api` is a directory.)
+        assert!(std::path::Path::new("src/api").is_dir());
+        assert!(s.find("src/api").is_err());
         assert!(VariantSources::default().is_empty());
     }
 
