@@ -2,7 +2,8 @@
 time from ``--lora-dir`` and the hub cache (``--adapters-from-hub-cache``), vLLM's
 ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, ``GET /v1/models/{id}``,
 ``/tokenize``, ``/detokenize`` and ``/version``, with the official ``openai`` client where it
-applies. One daemon for the module; the adapters are made by ``peft``."""
+applies; chat templates from ``--chat-template``, from a variant's own directory and with
+``chat_template_kwargs``. One daemon for the module; the adapters are made by ``peft``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ from .daemon import Daemon
 
 PROMPT = [5, 6, 7, 8]
 
+# The --chat-template file: every message's content, then an optional kwarg and the header.
+FILE_TEMPLATE = (
+    "file:{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}"
+    "{% if greeting is defined %}greeting={{ greeting }};{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 @pytest.fixture(scope="module")
 def setup(tiny_llama, tmp_path_factory):
@@ -32,7 +40,10 @@ def setup(tiny_llama, tmp_path_factory):
     lora_dir.mkdir()
     delta_dir.mkdir()
     shutil.copytree(b, cache / "models--org--ad" / "snapshots" / "0123abc")
+    template = root / "chat.jinja"
+    template.write_text(FILE_TEMPLATE)
     extra = ("--lora-dir", str(lora_dir), "--delta-dir", str(delta_dir), "--adapters-from-hub-cache")
+    extra += ("--chat-template", str(template))
     with Daemon(tiny_llama, *extra, env={"HF_HUB_CACHE": str(cache)}) as d:
         base = httpx.get(f"{d.url}/v1/models").json()["data"][0]["id"]
         yield d, base, lora_dir, a, b
@@ -130,3 +141,44 @@ def test_lorax_generate_routes(setup):
         events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
     assert events[-1]["generated_text"] == want and len(events) == 5
     assert "".join(e["token"]["text"] for e in events) == want
+
+
+def _rendered(url, model, **fields):
+    """The prompt text /tokenize renders for one user message (or the error response)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], **fields}
+    r = httpx.post(f"{url}/tokenize", json=body, timeout=60)
+    if r.status_code != 200:
+        return r
+    return httpx.post(f"{url}/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+
+
+def test_chat_templates_from_the_flag_the_variant_and_kwargs(setup):
+    d, base, _, a, _ = setup
+    # --chat-template replaces the model's ChatML template for the base and for variants
+    # without their own.
+    assert _rendered(d.url, base, add_generation_prompt=False) == "file:user=hi;"
+    kwargs = {"chat_template_kwargs": {"greeting": "hey"}, "add_generation_prompt": False}
+    assert _rendered(d.url, base, **kwargs) == "file:user=hi;greeting=hey;"
+    r = _rendered(d.url, base, chat_template_kwargs={"messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+    chat = {"model": base, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    got = httpx.post(f"{d.url}/v1/chat/completions", json={**chat, "chat_template_kwargs": {"greeting": "hey"}})
+    assert got.status_code == 200, got.text
+    same = {"model": base, "messages": chat["messages"], "chat_template_kwargs": {"greeting": "hey"}}
+    assert got.json()["usage"]["prompt_tokens"] == httpx.post(f"{d.url}/tokenize", json=same).json()["count"]
+
+    # A fine-tune saved with its own template uses it; a broken one is refused by file name
+    # and registers nothing.
+    own = a.parent / "own"
+    shutil.copytree(a, own)
+    (own / "chat_template.jinja").write_text("own:{% for m in messages %}{{ m.content }}{% endfor %}")
+    r = httpx.post(f"{d.url}/v1/adapters", json={"name": "own", "path": str(own)}, timeout=120)
+    assert r.status_code == 201, r.text
+    assert _rendered(d.url, f"{base}:own") == "own:hi"
+    broken = a.parent / "broken-template"
+    shutil.copytree(a, broken)
+    (broken / "chat_template.jinja").write_text("{% for %}")
+    before = set(_adapters(d.url))
+    r = httpx.post(f"{d.url}/v1/adapters", json={"name": "bt", "path": str(broken)}, timeout=120)
+    assert r.status_code == 400 and "chat_template.jinja" in r.json()["error"]["message"], r.text
+    assert set(_adapters(d.url)) == before

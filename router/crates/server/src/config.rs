@@ -88,6 +88,10 @@ pub struct ServerConfig {
         value_delimiter = ','
     )]
     pub delta_dirs: Vec<PathBuf>,
+    /// A Jinja chat template file used for chat requests instead of the model's own (a
+    /// variant whose directory has its own template still uses that one).
+    #[arg(long = "chat-template", env = "DELTASERVE_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
     /// Serve a request for `<base>:org/name` that is not registered from the local Hugging Face
     /// hub cache (HF_HUB_CACHE, offline: nothing is downloaded), registering it on first use.
     #[arg(long, env = "DELTASERVE_ADAPTERS_FROM_HUB_CACHE")]

@@ -65,9 +65,15 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         TextTokenizer::from_model_dir(model_dir)
             .with_context(|| format!("loading the tokenizer of {}", model_dir.display()))?,
     );
-    let chat_template = ChatTemplate::from_model_dir(model_dir)
-        .with_context(|| format!("loading the chat template of {}", model_dir.display()))?
-        .map(Arc::new);
+    let chat_template = match &cfg.chat_template {
+        Some(file) => Some(
+            ChatTemplate::from_file(file, tokenizer.config())
+                .with_context(|| format!("loading --chat-template {}", file.display()))?,
+        ),
+        None => ChatTemplate::from_model_dir(model_dir)
+            .with_context(|| format!("loading the chat template of {}", model_dir.display()))?,
+    }
+    .map(Arc::new);
     let python = cfg.python();
 
     let specs: Vec<WorkerSpec> = cfg

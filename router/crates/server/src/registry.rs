@@ -17,12 +17,13 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 
 use deltaserve_ipc::wire::VariantKind;
 use serde::{Serialize, Serializer};
 
 use crate::roots::VariantRoots;
+use crate::text::chat_template::ChatTemplate;
 use crate::variant_sources::VariantSources;
 
 /// Where an entry is in its life.
@@ -143,6 +144,8 @@ pub struct VariantRegistry {
 #[derive(Debug, Default)]
 struct Inner {
     by_name: BTreeMap<String, VariantEntry>,
+    /// The chat templates of variants whose directories have their own, by id.
+    templates: BTreeMap<u32, Arc<ChatTemplate>>,
     /// The last id handed out.
     last_id: u32,
 }
@@ -220,11 +223,24 @@ impl VariantRegistry {
 
     /// Forgets an entry (a failed registration, or a finished deletion).
     pub fn remove(&self, id: u32) {
-        self.inner
-            .write()
-            .expect("registry lock")
-            .by_name
-            .retain(|_, e| e.id != id);
+        let mut inner = self.inner.write().expect("registry lock");
+        inner.by_name.retain(|_, e| e.id != id);
+        inner.templates.remove(&id);
+    }
+
+    /// Gives a reserved entry its own chat template (its directory had one), used for chat
+    /// requests to it instead of the served model's.
+    pub fn set_chat_template(&self, id: u32, template: Arc<ChatTemplate>) {
+        let mut inner = self.inner.write().expect("registry lock");
+        if inner.by_name.values().any(|e| e.id == id) {
+            inner.templates.insert(id, template);
+        }
+    }
+
+    /// Variant `id`'s own chat template, if its directory had one.
+    pub fn chat_template_of(&self, id: u32) -> Option<Arc<ChatTemplate>> {
+        let inner = self.inner.read().expect("registry lock");
+        inner.templates.get(&id).cloned()
     }
 
     /// Stops `name` from resolving and returns it; its memory is freed by the caller once its

@@ -20,7 +20,7 @@ use crate::api::error::ApiError;
 use crate::api::openai::{ChatCompletionRequest, CompletionRequest, StreamOptions};
 use crate::api::tenants::Caller;
 use crate::engine::{GenerateRequest, ServedModel};
-use crate::text::chat_template::{json_kind, ChatTemplate};
+use crate::text::chat_template::{json_kind, ChatMessage, ChatTemplate, RenderOptions};
 use crate::text::tokenizer::TextTokenizer;
 use crate::text::TextError;
 pub use choices::MAX_CHOICES;
@@ -263,6 +263,37 @@ fn echo_text(prompt: &Value, ids: &[u32], ctx: &ModelContext<'_>) -> Result<Stri
     }
 }
 
+/// `messages` as prompt text, rendered with variant `adapter_id`'s own chat template when its
+/// directory had one, else the served model's (`--chat-template` or the model's). Without a
+/// template the error ends with `instead` (what to send instead).
+pub fn render_chat(
+    ctx: &ModelContext<'_>,
+    adapter_id: u32,
+    messages: &[ChatMessage],
+    options: &RenderOptions<'_>,
+    instead: &str,
+) -> Result<String, ApiError> {
+    let own = (adapter_id != 0)
+        .then(|| ctx.model.adapters.chat_template_of(adapter_id))
+        .flatten();
+    let template = own.as_deref().or(ctx.chat_template).ok_or_else(|| {
+        ApiError::invalid(
+            "messages",
+            format!(
+                "the model `{}` has no chat template; {instead}",
+                ctx.model.display_name(adapter_id)
+            ),
+        )
+    })?;
+    template.render(messages, options).map_err(|e| match e {
+        TextError::Template(m) if m.starts_with("chat_template_kwargs.") => {
+            ApiError::invalid("chat_template_kwargs", m)
+        }
+        TextError::Template(m) => ApiError::invalid("messages", m),
+        other => ApiError::Internal(other.to_string()),
+    })
+}
+
 /// Validates a `/v1/chat/completions` body (renders and tokenizes the conversation).
 pub fn validate_chat(
     req: &ChatCompletionRequest,
@@ -321,19 +352,18 @@ pub fn validate_chat(
             "`messages` must not be empty",
         ));
     }
-    let template = ctx.chat_template.ok_or_else(|| {
-        ApiError::invalid(
-            "messages",
-            format!(
-                "the model `{}` has no chat template; use /v1/completions with a `prompt`",
-                ctx.model.name
-            ),
-        )
-    })?;
-    let text = template.render(messages, true).map_err(|e| match e {
-        TextError::Template(m) => ApiError::invalid("messages", m),
-        other => ApiError::Internal(other.to_string()),
-    })?;
+    let options = RenderOptions {
+        add_generation_prompt: true,
+        tools: None,
+        kwargs: req.chat_template_kwargs.as_ref(),
+    };
+    let text = render_chat(
+        ctx,
+        adapter_id,
+        messages,
+        &options,
+        "use /v1/completions with a `prompt`",
+    )?;
     // The template already wrote BOS and the like as text: no extra special tokens.
     let prompt_ids = ctx
         .tokenizer

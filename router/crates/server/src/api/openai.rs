@@ -162,6 +162,9 @@ pub struct ChatCompletionRequest {
     pub ignore_eos: Option<bool>,
     /// The end user's id: accepted, not used.
     pub user: Option<String>,
+    /// Extra variables for the chat template, e.g. `{"enable_thinking": false}` (vLLM
+    /// extension); the template's own variables (`messages`, `tools`, ...) cannot be replaced.
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// Not implemented (400 unless `{"type": "text"}`).
     pub response_format: Option<Unsupported>,
     /// Not implemented (400 unless empty).

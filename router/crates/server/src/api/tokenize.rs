@@ -7,7 +7,7 @@
 //!                    {"messages": [...]}                        "tokens": [..], "token_strs": null}
 //!                    + "add_special_tokens" (default: true for a prompt, false for messages:
 //!                      the template writes BOS itself), "add_generation_prompt" (messages,
-//!                      default true), "return_token_strs", "model"
+//!                      default true), "chat_template_kwargs", "return_token_strs", "model"
 //!  POST /detokenize  {"tokens": [..]}                        -> {"prompt": "Hi"}
 //! ```
 //!
@@ -22,16 +22,17 @@ use serde::{Deserialize, Serialize};
 
 use super::auth::Requester;
 use super::error::{ApiError, ApiJson};
-use super::Backend;
-use crate::text::chat_template::ChatMessage;
+use super::{model_context, Backend};
+use crate::text::chat_template::{ChatMessage, RenderOptions};
 use crate::text::TextError;
-use crate::validate::check_model;
+use crate::validate::{check_model, render_chat};
 
 /// `POST /tokenize` body: exactly one of `prompt` and `messages`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TokenizeRequest {
-    /// A served model name (checked, else ignored: all variants share one tokenizer).
+    /// A served model name (checked; all variants share one tokenizer, but `messages` are
+    /// rendered with a variant's own chat template when it has one).
     pub model: Option<String>,
     /// Text to tokenize.
     pub prompt: Option<String>,
@@ -41,6 +42,8 @@ pub struct TokenizeRequest {
     pub add_special_tokens: Option<bool>,
     /// With `messages`: end with the assistant's turn header (default true).
     pub add_generation_prompt: Option<bool>,
+    /// With `messages`: extra chat template variables, as for chat completions.
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     /// Also return each token's vocabulary spelling.
     pub return_token_strs: Option<bool>,
 }
@@ -81,26 +84,17 @@ pub async fn tokenize<B: Backend>(
     who: Requester,
     ApiJson(req): ApiJson<TokenizeRequest>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
-    check_model(req.model.as_deref(), backend.model(), Some(&who.caller))?;
+    let adapter_id = check_model(req.model.as_deref(), backend.model(), Some(&who.caller))?;
     let text = match (&req.prompt, &req.messages) {
         (Some(prompt), None) => prompt.clone(),
         (None, Some(messages)) => {
-            let template = backend.chat_template().ok_or_else(|| {
-                ApiError::invalid(
-                    "messages",
-                    format!(
-                        "the model `{}` has no chat template; send a `prompt`",
-                        backend.model().name
-                    ),
-                )
-            })?;
-            let generation_prompt = req.add_generation_prompt.unwrap_or(true);
-            template
-                .render(messages, generation_prompt)
-                .map_err(|e| match e {
-                    TextError::Template(m) => ApiError::invalid("messages", m),
-                    other => ApiError::Internal(other.to_string()),
-                })?
+            let options = RenderOptions {
+                add_generation_prompt: req.add_generation_prompt.unwrap_or(true),
+                tools: None,
+                kwargs: req.chat_template_kwargs.as_ref(),
+            };
+            let ctx = model_context(&backend, &who.caller);
+            render_chat(&ctx, adapter_id, messages, &options, "send a `prompt`")?
         }
         _ => {
             return Err(ApiError::invalid_body(
@@ -108,11 +102,18 @@ pub async fn tokenize<B: Backend>(
             ))
         }
     };
-    if req.messages.is_none() && req.add_generation_prompt.is_some() {
-        return Err(ApiError::invalid(
-            "add_generation_prompt",
-            "`add_generation_prompt` applies to `messages` only",
-        ));
+    if req.messages.is_none() {
+        for (given, name) in [
+            (req.add_generation_prompt.is_some(), "add_generation_prompt"),
+            (req.chat_template_kwargs.is_some(), "chat_template_kwargs"),
+        ] {
+            if given {
+                return Err(ApiError::invalid(
+                    name,
+                    format!("`{name}` applies to `messages` only"),
+                ));
+            }
+        }
     }
     let special = req.add_special_tokens.unwrap_or(req.messages.is_none());
     let with_strs = req.return_token_strs.unwrap_or(false);

@@ -6,6 +6,7 @@
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use deltaserve_ipc::wire::VariantKind;
@@ -16,6 +17,7 @@ use super::command::{ActorRef, Command, RemoveOutcome};
 use super::plan::sched_kind;
 use super::EngineHandle;
 use crate::registry::{RegistryError, VariantEntry, VariantFootprint};
+use crate::text::chat_template::ChatTemplate;
 
 /// Why registering or deleting an adapter failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -68,7 +70,13 @@ impl EngineHandle {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        // A fine-tune saved with its tokenizer files may bring its own chat template.
+        let template = ChatTemplate::from_variant_dir(&dir, self.inner.tokenizer.config())
+            .map_err(|e| invalid(format!("its chat template: {e}")))?;
         let id = registry.reserve(name, dir.clone(), created)?;
+        if let Some(template) = template {
+            registry.set_chat_template(id, Arc::new(template));
+        }
         match self.register_reserved(id, path, found).await {
             Ok(footprint) => Ok(registry
                 .activate(id, footprint)

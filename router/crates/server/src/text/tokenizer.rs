@@ -177,6 +177,11 @@ impl TextTokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// What `tokenizer_config.json` said (special tokens, the chat template).
+    pub fn config(&self) -> &TokenizerConfig {
+        &self.config
+    }
+
     /// The BOS token's text, for chat templates.
     pub fn bos_token(&self) -> Option<&str> {
         self.config.bos_token.as_deref()
