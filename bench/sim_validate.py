@@ -12,8 +12,10 @@ S2 trace and the DeltaZip trace, one daemon start each, whose worker records eve
                  variants' footprints from their files
     4. compare   predicted vs measured throughput (req/s) and mean TTFT; target: within 15%
 
-Variant transfer bandwidths (disk -> host -> GPU) are the bundled model's (H200 measurements,
-``deltaserve/sim/models.py``): the GPU's disk is not profiled here. Writes
+Variant transfer bandwidths (disk -> host -> GPU) are measured from the profile recording
+(``deltaserve.sim.record.transfer_bandwidths``: each ``to_host`` read to its ``host_ready`` report,
+each ``to_gpu`` copy as its step's time beyond the fitted model's price); a kind the profile never
+moved keeps the bundled model's figure (H200 measurements, ``deltaserve/sim/models.py``). Writes
 ``bench/results/sim_validate-<device>-<date>.json``. On an H100 (about 5-7 minutes, most of it
 writing the DeltaZip experiment's delta files and starting its daemon):
 
@@ -42,7 +44,7 @@ from bench.serving.runner import detect_devices, work_directory
 from bench.serving.servers import SERVERS, merge_flags
 from bench.serving.variants import prepare_variants
 from deltaserve import _native, sim
-from deltaserve.sim.record import read_steps, recording_python, steps_to_samples
+from deltaserve.sim.record import read_steps, recording_python, steps_to_samples, transfer_bandwidths
 
 TARGET = 0.15
 """Largest relative error accepted for throughput and mean TTFT."""
@@ -92,6 +94,22 @@ def _footprints(model: sim.LatencyModel, files: Any, trace: Any, kv_bytes_per_to
     if files.deltas:
         d = next(iter(files.deltas.values()))
         mem.delta_bytes = sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())
+
+
+def _variant_bytes(files: Any, variants: list[Any]) -> dict[int, tuple[str, int]]:
+    """Variant id -> (kind, bytes of its files): the daemon numbers the variants in the order the
+    harness registers them, the trace's."""
+    out = {}
+    for i, v in enumerate(variants):
+        if v.kind == "full":
+            where = Path(files.deltas[v.name]) if files.deltas and v.name in files.deltas else None
+            kind = "delta"
+        else:
+            where = Path(files.lora_dir) / v.name if files.lora_dir is not None else None
+            kind = "lora"
+        if where is not None and where.exists():
+            out[i + 1] = (kind, sum(p.stat().st_size for p in where.rglob("*") if p.is_file()))
+    return out
 
 
 def _kv_bytes_per_token(model_dir: Path | None, devices: str) -> int:
@@ -155,6 +173,10 @@ def validate(name: str, args: argparse.Namespace, work: Path, devices: str) -> d
             if not skip_loads:
                 raise
     _footprints(model, files, valid, _kv_bytes_per_token(files.model_dir, devices))
+    sizes = _variant_bytes(files, variants)
+    moved = transfer_bandwidths(profiled, sizes, model, ranks, delta_ids)
+    model.disk_to_host_bps = {**like.disk_to_host_bps, **moved["disk_to_host_bps"]}
+    model.host_to_gpu_bps = {**like.host_to_gpu_bps, **moved["host_to_gpu_bps"]}
     cfg = _native.SchedulerConfig(16, num_blocks, min(4096, num_blocks * 16))
     cfg.max_num_seqs = _flag(flags, "--max-num-seqs", cfg.max_num_seqs)
     cfg.max_num_batched_tokens = _flag(flags, "--max-num-batched-tokens", cfg.max_num_batched_tokens)
@@ -172,6 +194,7 @@ def validate(name: str, args: argparse.Namespace, work: Path, devices: str) -> d
     return {
         "experiment": name, "trace": valid.params, "profile_trace": profile.params, "server_flags": flags,
         "server_ready_s": ready_s, "steps_recorded": len(steps), "profile_samples": len(samples),
+        "transfers_measured": moved,
         "latency_model": model.to_dict(), "scheduler_config": cfg.as_dict(),
         "measured": {k: measured[k] for k in ("requests", "completed", "failed", "makespan_s", "throughput_req_s",
                                               "throughput_out_tok_s", "ttft_s", "tpot_s", "e2e_s")},

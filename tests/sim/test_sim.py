@@ -176,3 +176,26 @@ def test_a_recording_becomes_latency_samples():
     assert mixed["prefill_tokens"] == 7 and mixed["tokens"] == 7 and mixed["context_tokens"] == 23
     assert (mixed["lora_rank_sum"], mixed["lora_tokens"], mixed["deltas"], mixed["delta_tokens"]) == (8, 4, 1, 3)
     assert decode["prefill_tokens"] == 0 and decode["context_tokens"] == 21 + 4 and decode["seqs"] == 2
+
+
+def test_transfer_bandwidths_are_measured_as_the_simulator_prices_them():
+    from deltaserve.sim.record import transfer_bandwidths
+
+    class Flat:  # every step costs 2 ms without its copies
+        def predict(self, _features):
+            return 0.002
+
+    MB = 1_000_000
+    variants = {2: ("lora", 8 * MB), 3: ("delta", 100 * MB), 4: ("lora", 4 * MB)}
+    steps = [  # reads of 2 and 3 asked at once: one at a time, so 3's starts when 2's ends
+        {"recv": 0.0, "sent": 0.002, "new": [], "running": [], "released": [], "ops": [[2, 0, 0], [3, 0, 1]]},
+        {"recv": 0.002, "sent": 0.004, "new": [], "running": [], "released": [], "ops": [], "host_ready": [2]},
+        {"recv": 0.004, "sent": 0.014, "new": [], "running": [], "released": [], "ops": [], "host_ready": [3]},
+        # 2 and 4 copied to the GPU in one step 6 ms over its price: shared by bytes
+        {"recv": 0.014, "sent": 0.022, "new": [], "running": [], "released": [], "ops": [[2, 1, 0], [4, 1, 0]]},
+        {"recv": 0.022, "sent": 0.024, "new": [], "running": [], "released": [], "ops": [[3, 1, 1]]},  # no extra
+    ]
+    bw = transfer_bandwidths(steps, variants, Flat(), ranks={}, deltas=set())
+    assert bw["disk_to_host_bps"]["lora"] == pytest.approx(8 * MB / 0.004)
+    assert bw["disk_to_host_bps"]["delta"] == pytest.approx(100 * MB / 0.010)
+    assert bw["host_to_gpu_bps"] == pytest.approx({"lora": 12 * MB / 0.006})

@@ -7,11 +7,14 @@ appended to a JSONL file, one line per step::
     {"step_id": 7, "recv": 1234.5671, "sent": 1234.5893,      time.monotonic() (CLOCK_MONOTONIC,
      "new": [[req_id, tokens, computed, prompt_len, variant]],  shared by processes on one host)
      "running": [[req_id, tokens]], "released": [...], "ops": [[variant, op, kind]],
-     "timing": {"gap_us", "forward_us", "total_us"}}
+     "host_ready": [variant, ...], "timing": {"gap_us", "forward_us", "total_us"}}
 
 ``steps_to_samples`` turns a recording into latency-model samples (:mod:`deltaserve.sim.latency`
 features, ``step_s`` = the output-to-output period on the device: ``sent[N] - max(recv[N],
-sent[N - 1])``, what the simulator's clock advances per step).
+sent[N - 1])``, what the simulator's clock advances per step). ``transfer_bandwidths`` measures
+the variant tiers the way the simulator prices them: a ``to_host`` read from its plan's arrival
+(or the previous read's end: a worker reads one variant at a time) to the output that reports it
+in ``host_ready``; a ``to_gpu`` copy as the time its step took beyond the fitted model's price.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class RecordingLink:
             rec["sent"] = now
             t = msg.timing
             rec["timing"] = {"gap_us": t.gap_us, "forward_us": t.forward_us, "total_us": t.total_us}
+            rec["host_ready"] = list(msg.host_ready)
             self._out.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
 
@@ -116,9 +120,67 @@ def steps_to_samples(
     """Latency-model samples of a recording; ``ranks`` gives each LoRA variant id's rank,
     ``deltas`` the variant ids that are deltas. With ``skip_loads``, steps that loaded a variant
     to the GPU are left out (their time includes the copy, which the model prices apart)."""
+    samples = []
+    for s, f, period in step_features(steps, ranks, deltas):
+        loads = any(op[1] == TO_GPU for op in s["ops"])
+        if period > 0 and not (skip_loads and loads):
+            samples.append({**f, "step_s": period})
+    return samples
+
+
+TO_HOST, TO_GPU = 0, 1
+"""``TierOp`` values in a recording's ``ops``."""
+
+
+def transfer_bandwidths(
+    steps: list[dict[str, Any]],
+    variants: Mapping[int, tuple[str, int]],
+    model: Any,
+    ranks: Mapping[int, int],
+    deltas: set[int],
+) -> dict[str, dict[str, float]]:
+    """Measured tier bandwidths of a recording (module docstring): ``{"disk_to_host_bps": {kind:
+    B/s}, "host_to_gpu_bps": {kind: B/s}}``, total bytes over total seconds per kind, for the
+    kinds with a measurement. ``variants`` maps a variant id to ``(kind, host bytes)``; ``model``
+    (a :class:`deltaserve.sim.latency.LatencyModel`) prices the steps without their copies."""
+    read_s: dict[str, float] = {}
+    read_b: dict[str, float] = {}
+    started: dict[int, float] = {}
+    last_ready = -float("inf")
+    copy_s: dict[str, float] = {}
+    copy_b: dict[str, float] = {}
+    for s, f, period in step_features(steps, ranks, deltas):
+        for v, op, _kind in s["ops"]:
+            if op == TO_HOST and v in variants:
+                started.setdefault(v, s["recv"])
+        for v in s.get("host_ready", []):
+            if v in started and v in variants:
+                kind, size = variants[v]
+                took = s["sent"] - max(started.pop(v), last_ready)
+                last_ready = s["sent"]
+                if took > 0:
+                    read_s[kind] = read_s.get(kind, 0.0) + took
+                    read_b[kind] = read_b.get(kind, 0.0) + size
+        copies = [variants[v] for v, op, _kind in s["ops"] if op == TO_GPU and v in variants]
+        extra = period - model.predict(f)
+        if copies and extra > 1e-6:  # a copy hidden under the step (or float noise) measures nothing
+            for kind, size in copies:  # a step's extra time is shared by its copies by bytes
+                share = extra * size / sum(b for _, b in copies)
+                copy_s[kind] = copy_s.get(kind, 0.0) + share
+                copy_b[kind] = copy_b.get(kind, 0.0) + size
+    return {
+        "disk_to_host_bps": {k: read_b[k] / read_s[k] for k in read_s},
+        "host_to_gpu_bps": {k: copy_b[k] / copy_s[k] for k in copy_s},
+    }
+
+
+def step_features(
+    steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int]
+) -> list[tuple[dict[str, Any], dict[str, float], float]]:
+    """``(step, latency-model features, device seconds)`` of every recorded step, in order."""
     cached: dict[int, int] = {}
     variant: dict[int, int] = {}
-    samples = []
+    out = []
     for s, period in zip(steps, step_periods(steps)):
         for rid in s["released"]:
             cached.pop(rid, None)
@@ -148,10 +210,8 @@ def steps_to_samples(
         f["lora_segments"] = len(loras)
         f["lora_rank_sum"] = sum(ranks.get(v, 0) for v in loras)
         f["deltas"] = len(used_deltas)
-        loads = any(op[1] == 1 for op in s["ops"])  # TierOp.TO_GPU == 1
-        if period > 0 and not (skip_loads and loads):
-            samples.append({**f, "step_s": period})
-    return samples
+        out.append((s, f, period))
+    return out
 
 
 def main() -> None:
