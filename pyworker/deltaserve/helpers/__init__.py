@@ -15,8 +15,10 @@ The package, in the order data flows::
     pool.py      HelperPool: start lazily, pin, submit / wait with deadlines, kill and restart
     model.py     the profile, T_max, helpers per prefill, the adaptive rule, decision counts
     assist.py    CpuAssist: the worker side (decision, deferred placement, the LoraLinear hooks)
-    signal_op.py the sync-free invocation on CUDA (csrc/cpu_lora_signal.cu) and its host fallback;
-                 built and tested, not yet wired into assist.py (x goes through a synchronising copy)
+    signalled.py the sync-free invocation (the default on CUDA): j frames, SEQ written by the
+                 device after its copy of x, the stream waiting on DONE, a watcher thread that
+                 answers for a helper that fails or stalls
+    signal_op.py the CUDA op of that invocation (csrc/cpu_lora_signal.cu) and its host fallback
 
 The helpers import numpy only (never torch), so they start in a fraction of a second.
 """

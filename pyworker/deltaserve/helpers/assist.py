@@ -14,6 +14,14 @@ One step (``Executor.launch``)::
                          data segment, one job per helper; add(pending, out) after it: wait, then
                          out[rows] = dtype(float32(out[rows]) + result)
     runner: end()
+    executor: finish     check_guard(): a device wait that passed its bound fails the worker
+
+Two invocations of the helpers (``invocation``): "signal", the sync-free one (``signalled.py``: the
+copy of x and the SEQ words queued on the stream, the stream waits on the DONE words, a watcher
+thread answers for helpers that fail or stall), the default on CUDA when ``csrc/cpu_lora_signal.cu``
+is built; and "host", host-synchronised (a blocking copy of x, the J doorbell, the launching
+thread waits on the helpers' replies and computes a failed helper's rows itself), the default on
+CPU workers and the benchmark's baseline on CUDA (``set_invocation``).
 
 Switch-over at the next step: X's pages are only used after ``land`` at the start of the next
 launch, so this step never reads a half-copied page (no per-layer check of the copy's progress is
@@ -23,13 +31,10 @@ that job and of the rest of the step are computed by the worker itself from the 
 (the same math, ``compute.py``), so the output stays correct; it is restarted at the next cold
 prefill. The fallback is counted.
 
-GPU design (not built here; ``x`` goes through the host with a synchronising copy today): a small
-op in ``csrc/`` queues the copy of ``x``'s rows into pinned, mapped memory and then a flag write
-(``SEQ``) on the same stream, so the flag is visible only after the copy (stream FIFO) and the
-launching thread never synchronises; the helpers poll ``SEQ`` instead of waiting on the ``J``
-doorbell. Before the add, a one-thread kernel spins on the mapped ``DONE`` words (with a bound:
-past it, it sets a failed word and the add reads the normal path's result instead) and the result
-is copied in from mapped memory. The sequence numbers are the ones of ``protocol.py``.
+A deferred placement that fails (``AdapterLoadError``: the variant's files) is the variant's
+failure, not the worker's: ``land`` returns it and the executor quarantines the variant as it does
+any load failure (its requests end with the failure's message; the others go on). A host read that
+failed before the decision declines the assist ("host_failed") and the normal ToGpu reports it.
 """
 
 from __future__ import annotations
@@ -39,26 +44,32 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import wire
+from ..adapters.host_tier import AdapterLoadError
 from ..adapters.lora_pool import LoraPool
 from ..adapters.variants import StepRows, VariantKind
 from ..model.arch import ModelConfig
 from ..model.decoder import linear_slots
 from . import protocol as p
+from . import signal_op
 from .compute import RAW_DTYPES, adapter_weights, module_delta, to_f32
 from .model import ALWAYS_WAIT_READY_S, POLICIES, AssistModel, AssistStats, measure_load_bytes_per_ms
 from .pool import HelperPool
 from .shm import SharedSegment
+from .signalled import DEVICE_GUARD_S, SignalledJob, Watcher
 
 log = logging.getLogger("deltaserve.worker")
 
 MIN_JOB_TIMEOUT_S = 0.5
 """A job's deadline is at least this (a busy host may not run a helper for a while); past it the
 worker computes the rows itself and restarts the helper."""
+INVOCATIONS = ("auto", "signal", "host")
+"""How the helpers are invoked (module docstring); "auto": "signal" on CUDA with the op built, else "host"."""
 
 
 @dataclass
@@ -101,6 +112,8 @@ class Pending:
     seqs: dict[int, int]
     local: list[tuple[int, int, int, int]]
     sent_at: float
+    seq: int = 0
+    """The signalled job's number (0 on the host-synchronised path)."""
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -125,7 +138,15 @@ class CpuAssist:
     """The worker side of CPU-assisted cold starts (module docstring)."""
 
     def __init__(
-        self, lora: LoraPool, cfg: ModelConfig, arena: SharedSegment, *, helpers: int, policy: str, max_rows: int
+        self,
+        lora: LoraPool,
+        cfg: ModelConfig,
+        arena: SharedSegment,
+        *,
+        helpers: int,
+        policy: str,
+        max_rows: int,
+        invocation: str = "auto",
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--cpu-lora-policy {policy!r}: expected one of {', '.join(POLICIES)}")
@@ -155,12 +176,62 @@ class CpuAssist:
         self._landing_error: BaseException | None = None
         self._landing_event: torch.cuda.Event | None = None
         self._side: torch.cuda.Stream | None = None
+        self._landing_failures: list[tuple[wire.VariantOp, AdapterLoadError]] = []
         self.step: StepAssist | None = None
+        self.steps = 0
+        """Steps with assisted rows so far (the watcher's step numbers)."""
+        self.words_t = self.pool.control.tensor().view(torch.int64).view(helpers, p.JOB_WORDS)
+        """The control words as a tensor (what ``signal_op`` writes and waits on)."""
+        self.watcher = Watcher(
+            self.pool.words, self.pool.data.array(np.uint8), self.arena_np, self.spec, layout.out_offset
+        )
+        self.failed = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        """Set by a device wait that passed its bound (``check_guard``); pinned, so the device writes it."""
+        self._registered = False
+        self.sync_free = False
+        """True: the signalled (sync-free) invocation; False: host-synchronised."""
+        self.set_invocation(invocation)
+
+    def set_invocation(self, invocation: str) -> None:
+        """Picks the invocation (``INVOCATIONS``); "signal" on CUDA needs the built op (else "host")."""
+        if invocation not in INVOCATIONS:
+            raise ValueError(f"cpu assist invocation {invocation!r}: expected one of {', '.join(INVOCATIONS)}")
+        cuda = self.device.type == "cuda"
+        if invocation == "host" or (invocation == "auto" and not cuda):
+            self.sync_free = False
+            return
+        if cuda and not self._register():
+            if invocation == "signal":
+                raise RuntimeError("cpu assist: the signalled invocation needs csrc/cpu_lora_signal.cu built")
+            self.sync_free = False
+            return
+        self.sync_free = True
+
+    def _register(self) -> bool:
+        """Maps the control and data segments for the device (once); False without the built op."""
+        if self._registered:
+            return True
+        if signal_op.library() is None:
+            return False
+        try:
+            data = self.pool.data.tensor()
+            signal_op.register_mapped(self.pool.control.tensor())
+            signal_op.register_mapped(data)
+        except RuntimeError as e:
+            log.warning("cpu assist: host-synchronised invocation (%s)", e)
+            return False
+        if not data.is_pinned():
+            log.warning("cpu assist: host-synchronised invocation (the data segment is not seen as pinned)")
+            return False
+        self._registered = True
+        return True
 
     # ------------------------------------------------------------------ plan
 
-    def land(self) -> None:
-        """Finishes last step's deferred placements: from here on they are the normal path's."""
+    def land(self) -> list[tuple[wire.VariantOp, AdapterLoadError]]:
+        """Finishes last step's deferred placements: from here on they are the normal path's.
+        Returns the placements that failed with the variant's ``AdapterLoadError`` (the caller
+        quarantines those variants); any other failure raises."""
         if self._landing is not None:
             self._landing.join()
             self._landing = None
@@ -171,6 +242,17 @@ class CpuAssist:
         if self._landing_error is not None:
             err, self._landing_error = self._landing_error, None
             raise err
+        failures, self._landing_failures = self._landing_failures, []
+        return failures
+
+    def check_guard(self) -> None:
+        """Raises when a device wait passed its bound (``signalled.py``): the step's rows are not
+        known to be right, so the worker fails instead of answering with them."""
+        if int(self.failed[0]) != 0:
+            raise RuntimeError(
+                f"cpu assist: a device wait for the helpers passed its {DEVICE_GUARD_S:.0f} s bound "
+                "and no watcher answered for them"
+            )
 
     def cold_prefills(self, plan: wire.StepPlan) -> dict[int, list[int]]:
         """Adapter id -> the token counts of its new requests this step, for the adapters whose ToGpu
@@ -180,6 +262,8 @@ class CpuAssist:
             op.kind == VariantKind.LORA and wire.TierOp(op.op) is wire.TierOp.TO_GPU for op in ops
         ):
             return {}
+        for h in self.watcher.take_dead():  # killed by the watcher: cleaned up, restarted below
+            self.pool.kill(h, "the watcher stopped it")
         self.pool.start()  # lazily: the first adapter load; ready after their hellos
         if self.policy == "always":
             self.pool.wait_ready(ALWAYS_WAIT_READY_S)
@@ -203,7 +287,11 @@ class CpuAssist:
         if min(tokens) < 2:
             self.stats.decline("decode", len(tokens))
             return False
-        copy = self.lora.wait_host(aid)  # what the ToGpu would wait for anyway
+        try:
+            copy = self.lora.wait_host(aid)  # what the ToGpu would wait for anyway
+        except AdapterLoadError:
+            self.stats.decline("host_failed", len(tokens))
+            return False  # the normal ToGpu raises it again and the variant is quarantined
         packed = copy.packed
         offset = packed.data_ptr() - self.arena_base
         if not 0 <= offset < self.arena.size:
@@ -253,7 +341,10 @@ class CpuAssist:
             self._side.wait_stream(main)  # pages a step in flight still reads are copied after it
             with torch.cuda.stream(self._side):
                 for op in ops:
-                    self.lora.apply(op)
+                    try:
+                        self.lora.apply(op)
+                    except AdapterLoadError as e:  # the variant's failure: land() reports it
+                        self._landing_failures.append((op, e))
             self._landing_event = torch.cuda.Event()
             self._landing_event.record(self._side)
             return
@@ -261,7 +352,10 @@ class CpuAssist:
         def place() -> None:
             try:
                 for op in ops:
-                    self.lora.apply(op)
+                    try:
+                        self.lora.apply(op)
+                    except AdapterLoadError as e:  # the variant's failure: land() reports it
+                        self._landing_failures.append((op, e))
             except BaseException as e:  # noqa: BLE001 - raised by land() on the main thread
                 self._landing_error = e
 
@@ -303,6 +397,7 @@ class CpuAssist:
             raise ValueError(f"cpu assist: {len(order)} rows exceed the data segment's {self.layout.max_rows}")
         idx = torch.tensor(order, dtype=torch.long).to(self.device)
         self.step = StepAssist(idx, len(order), chunks)
+        self.steps += 1
         segments = p.frame(b"S", json.dumps(self._segments(starts)))
         for h in {c[0] for c in chunks}:
             ok = all(self.pool.send(h, p.frame(b"R", self.cold[a].entry.to_json())) for a in self.cold)
@@ -342,6 +437,8 @@ class CpuAssist:
         m = self.module_index.get(module_path)
         if st is None or m is None:
             return None
+        if self.sync_free:
+            return self._send_signalled(st, layer, m, x)
         jobs = [c for c in st.chunks if (layer, m) in self.cold[c[3]].adapted]
         if not jobs:
             return None
@@ -365,9 +462,11 @@ class CpuAssist:
         """Waits for ``pending``'s jobs (computing failed ones itself) and adds the results to ``out``."""
         st = self.step
         assert st is not None
+        if pending.seq:
+            return self._add_signalled(st, pending, out)
         jobs_rows = max(hi - lo for _, lo, hi, _ in pending.jobs)
         per_job = jobs_rows * self._macs(pending) / max(self.model.macs_per_ms, 1e-9)
-        deadline = pending.sent_at + max(MIN_JOB_TIMEOUT_S, 20 * (per_job + self.model.overhead_ms) / 1e3)
+        deadline = pending.sent_at + self._deadline_s(pending)
         failed = self.pool.wait(pending.seqs, deadline) if pending.seqs else set()
         local = list(pending.local)
         for job in pending.jobs:
@@ -396,6 +495,55 @@ class CpuAssist:
         sel = out.index_select(0, st.idx)
         return out.index_copy_(0, st.idx, (sel.float() + res).to(out.dtype))
 
+    def _send_signalled(self, st: StepAssist, layer: int, m: int, x: torch.Tensor) -> Pending | None:
+        """The sync-free send (``signalled.py``): a j frame per helper, the job to the watcher, then
+        the copy of x's rows and the SEQ words queued on the stream. Every chunk of the step gets a
+        job (a helper whose adapter does not adapt this module writes zeros), so the launching
+        thread never writes the result rows the device may still be reading."""
+        if not any((layer, m) in c.adapted for c in self.cold.values()):
+            return None
+        seq = self.pool.next_seq()
+        rows, in_dim = st.rows, x.shape[1]
+        code = dtype_code(x.dtype)
+        procs: dict[int, Any] = {}
+        for h, lo, hi, _ in st.chunks:
+            proc = None if h in st.dead or self.watcher.is_dead(h) else self.pool.proc(h)
+            if proc is not None and not self.pool.send(h, p.signalled_job_frame(seq, layer, m, lo, hi, rows, code)):
+                proc = None
+            if proc is None:
+                st.dead.add(h)
+            procs[h] = proc
+        pending = Pending(layer, m, self.widths[m], list(st.chunks), {h: seq for h in procs}, [], time.monotonic(), seq)
+        self.watcher.submit(
+            SignalledJob(
+                seq, layer, m, rows, code, in_dim, self.widths[m], list(st.chunks),
+                {a: c.entry for a, c in self.cold.items()}, procs, self._deadline_s(pending), self.steps,
+                {a: c.requests for a, c in self.cold.items()},
+            )
+        )  # fmt: skip
+        dst = self.data_t[: rows * in_dim * x.element_size()].view(x.dtype).view(rows, in_dim)
+        signal_op.send(x.index_select(0, st.idx), dst, self.words_t, p.SEQ, seq)
+        return pending
+
+    def _add_signalled(self, st: StepAssist, pending: Pending, out: torch.Tensor) -> torch.Tensor:
+        """The sync-free add: the stream waits for every helper's DONE, then the rows come in."""
+        for h in pending.seqs:
+            signal_op.wait(
+                self.words_t[h : h + 1], p.DONE, pending.seq, self.failed, timeout_s=DEVICE_GUARD_S, device=out.device
+            )
+        rows, width = st.rows, pending.width
+        off = self.layout.out_offset
+        res = self.data_t[off : off + rows * width * 4].view(torch.float32).view(rows, width)
+        res = res.to(out.device, non_blocking=True) if out.device.type == "cuda" else res.clone()
+        sel = out.index_select(0, st.idx)
+        return out.index_copy_(0, st.idx, (sel.float() + res).to(out.dtype))
+
+    def _deadline_s(self, pending: Pending) -> float:
+        """How long a job of ``pending``'s shape may take before its rows are the worker's."""
+        jobs_rows = max(hi - lo for _, lo, hi, _ in pending.jobs)
+        per_job = jobs_rows * self._macs(pending) / max(self.model.macs_per_ms, 1e-9)
+        return max(MIN_JOB_TIMEOUT_S, 20 * (per_job + self.model.overhead_ms) / 1e3)
+
     def _macs(self, pending: Pending) -> int:
         """Multiply-adds per row of one job of ``pending`` (the largest rank of the step's adapters)."""
         _, sl = self.spec.modules[pending.module]
@@ -415,6 +563,7 @@ class CpuAssist:
 
     def take_stats(self) -> AssistStats:
         """The decisions since the last call (also added to ``totals``)."""
+        self.stats.fallbacks += self.watcher.take_fallbacks()
         got = self.stats.take()
         self.totals.assisted += got.assisted
         self.totals.fallbacks += got.fallbacks
@@ -424,7 +573,8 @@ class CpuAssist:
 
     def close(self) -> None:
         self.land()
+        self.watcher.close()
         self.pool.close()
 
 
-__all__ = ["CpuAssist", "MIN_JOB_TIMEOUT_S", "dtype_code", "model_spec"]
+__all__ = ["CpuAssist", "INVOCATIONS", "MIN_JOB_TIMEOUT_S", "dtype_code", "model_spec"]

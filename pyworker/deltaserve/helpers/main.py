@@ -5,10 +5,14 @@ expand, says hello, then serves jobs until the worker says ``Q`` or goes away (E
 kernel also kills it with the worker: ``PR_SET_PDEATHSIG``). State machine::
 
     start ─ pin, map, profile ─ H ─> idle ─ R / S ─> idle ─ J ─> compute ─ DONE = SEQ, d ─> idle
+                                         │       └─ j ─> wait SEQ word ─> compute ─ DONE = seq ─> idle
                                          └─ Q or EOF ─> exit
 
-The only state is the step's adapters (``R``) and segments (``S``); a failed job sets ``STATUS`` 1
-and answers like a finished one, so the worker computes that job itself.
+The only state is the step's adapters (``R``) and segments (``S``); a failed ``J`` job sets
+``STATUS`` 1 and answers like a finished one, so the worker computes that job itself. A signalled
+job (``j``, the sync-free path) waits for the device's SEQ word (x's rows are in the data segment
+then), answers with DONE alone (no ``d``: the device waits on the word, and the worker's watcher
+polls it), and on failure writes FAILED = seq and leaves DONE for the watcher.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -26,6 +31,12 @@ from .compute import RAW_DTYPES, adapter_weights, module_delta, profile_macs_per
 from .shm import attach, readonly_array
 
 PR_SET_PDEATHSIG = 1
+SIGNAL_SPIN_S = 2e-4
+"""A signalled job spins this long on the SEQ word before it sleeps between looks."""
+SIGNAL_POLL_S = 5e-5
+"""Sleep between looks at the SEQ word after the spin."""
+SIGNAL_LOST_S = 120.0
+"""A signalled job whose SEQ never comes (the step failed on the device) is dropped after this."""
 
 
 def die_with_parent() -> None:
@@ -77,6 +88,12 @@ class Helper:
             if kind == b"J":
                 self.job()
                 continue
+            if kind == b"j":
+                raw = p.read_exact(self.cmd, p.SIGNALLED_JOB.size)
+                if len(raw) != p.SIGNALLED_JOB.size:
+                    return
+                self.signalled_job(*p.SIGNALLED_JOB.unpack(raw))
+                continue
             payload = p.read_payload(self.cmd)
             if payload is None:
                 return
@@ -109,6 +126,25 @@ class Helper:
         row[p.STATUS] = status
         row[p.DONE] = seq
         os.write(self.reply, b"d")
+
+    def signalled_job(self, seq: int, layer: int, module: int, lo: int, hi: int, rows: int, code: int) -> None:
+        """A ``j`` job: once the device's SEQ word reaches ``seq``, the rows; then DONE (or FAILED)."""
+        row = self.row
+        start = time.monotonic()
+        while int(row[p.SEQ]) < seq:
+            waited = time.monotonic() - start
+            if waited > SIGNAL_LOST_S:
+                print(f"deltaserve cpu-lora helper {self.index}: job {seq} never signalled", file=sys.stderr)
+                return
+            if waited > SIGNAL_SPIN_S:
+                time.sleep(SIGNAL_POLL_S)
+        try:
+            self.compute(layer, module, lo, hi, rows, code)
+        except Exception as e:  # noqa: BLE001 - any failure: the worker's watcher computes this job
+            print(f"deltaserve cpu-lora helper {self.index}: job {seq} failed: {e!r}", file=sys.stderr)
+            row[p.FAILED] = seq
+            return
+        row[p.DONE] = seq
 
     def compute(self, layer: int, module: int, lo: int, hi: int, rows: int, code: int) -> None:
         in_dim, slices = self.spec.modules[module]

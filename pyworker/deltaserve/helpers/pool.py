@@ -113,7 +113,7 @@ class HelperPool:
         if self._ever_started[i]:
             self.restarts += 1
         self._ever_started[i] = True
-        self.words[i] = 0
+        self.words[i, p.LAYER :] = 0  # SEQ and DONE stay: numbers only grow (a device wait may read DONE)
         self.procs[i] = HelperProc(i, self.cores[i], proc, cmd_w, reply_r, time.monotonic())
         log.debug("cpu-lora helper %d started (pid %d, CPU %d)", i, proc.pid, self.cores[i])
 
@@ -246,9 +246,19 @@ class HelperPool:
             self.kill(i, f"writing to it failed ({e})")
             return False
 
+    def next_seq(self) -> int:
+        """A new job sequence number (one per (step, layer, module) job; see ``protocol.py``)."""
+        self.seq += 1
+        return self.seq
+
+    def proc(self, i: int) -> subprocess.Popen | None:
+        """Helper ``i``'s process (None when it is not running)."""
+        h = self.procs[i]
+        return None if h is None else h.proc
+
     def submit(self, i: int, layer: int, module: int, lo: int, hi: int, rows: int, dtype: int) -> int | None:
         """Hands helper ``i`` a job; its sequence number, or None when the helper is gone."""
-        self.seq += 1
+        self.next_seq()
         w = self.words[i]
         w[p.LAYER], w[p.MODULE], w[p.LO], w[p.HI], w[p.ROWS], w[p.DTYPE], w[p.STATUS] = (
             layer, module, lo, hi, rows, dtype, 0

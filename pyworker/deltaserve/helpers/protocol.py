@@ -10,6 +10,9 @@ Pipes (one pair per helper)::
                        b"R" len:u32 JSON     register an adapter (``AdapterEntry.to_json``)
                        b"S" len:u32 JSON     the step's segments: [[adapter_id, lo, hi], ...] over the
                                              compacted rows of the data segment; forgets other adapters
+                       b"j" 7 x int64        a signalled job (the sync-free path, ``signalled.py``):
+                                             SEQ LAYER MODULE LO HI ROWS DTYPE; run it once the SEQ
+                                             word reaches SEQ (the device wrote x's rows before it)
                        b"Q"                  exit (EOF on this pipe means the same: the worker is gone)
     helper -> worker   b"H" len:u32 JSON     hello, once, after its profile: {pid, core, macs_per_ms}
                        b"d"                  my control row's job is done (``DONE`` = its ``SEQ``)
@@ -24,10 +27,15 @@ Control segment: ``JOB_WORDS`` int64 per helper, row h is helper h's::
     ROWS    compacted rows in ``x`` this job (the views' first dimension)
     DTYPE   ``DTYPE_CODES`` of ``x`` and of the adapters' weights
     STATUS  0 ok, 1 the helper failed this job (the worker computes it itself)
+    FAILED  a signalled job (``j``) that failed: its SEQ, DONE left as it was (the worker's watcher
+            computes the rows and writes DONE; a DONE from a failed helper would release the
+            device's wait onto rows nobody wrote)
 
-Sequence numbers are per pool, one per (step, layer, module) job; the GPU variant of this protocol
-(a device-side flag write instead of the ``J`` doorbell, ``csrc`` design in ``assist.py``) keeps
-the same words.
+Sequence numbers are per pool, one per (step, layer, module) job, increasing for the pool's life
+(a restarted helper keeps its row's last SEQ and DONE: no stale word can equal a new number). The
+sync-free variant (``j``) keeps the same words: the job's description travels in the frame (pipe
+order is step order, so the worker may describe jobs a step ahead of the device), SEQ is written
+by the device after it copied ``x`` (``csrc/cpu_lora_signal.cu``), and the device waits on DONE.
 
 Data segment: ``x`` as ``[ROWS, in_dim]`` in the model dtype from offset 0; results as
 ``[ROWS, out_width]`` float32 from ``DataLayout.out_offset`` (``scale * (x A^T) B^T`` per adapted
@@ -43,8 +51,10 @@ from dataclasses import dataclass
 from typing import Any
 
 JOB_WORDS = 16
-"""int64 words per helper in the control segment (9 used; room to append)."""
-SEQ, DONE, LAYER, MODULE, LO, HI, ROWS, DTYPE, STATUS = range(9)
+"""int64 words per helper in the control segment (10 used; room to append)."""
+SEQ, DONE, LAYER, MODULE, LO, HI, ROWS, DTYPE, STATUS, FAILED = range(10)
+SIGNALLED_JOB = struct.Struct("<7q")
+"""The ``j`` frame's payload: seq, layer, module, lo, hi, rows, dtype."""
 
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 """Element types of ``x`` and of the adapters' host copies, as control words."""
@@ -147,6 +157,11 @@ def frame(kind: bytes, payload: str | None = None) -> bytes:
     return kind + struct.pack("<I", len(data)) + data
 
 
+def signalled_job_frame(seq: int, layer: int, module: int, lo: int, hi: int, rows: int, dtype: int) -> bytes:
+    """A ``j`` frame: a job whose rows the device signals with the SEQ word."""
+    return b"j" + SIGNALLED_JOB.pack(seq, layer, module, lo, hi, rows, dtype)
+
+
 def read_exact(fd: int, n: int) -> bytes:
     """``n`` bytes from ``fd`` (blocking); b"" at EOF."""
     chunks = []
@@ -185,6 +200,7 @@ __all__ = [
     "DTYPE_CODES",
     "DONE",
     "DataLayout",
+    "FAILED",
     "HI",
     "JOB_WORDS",
     "LAYER",
@@ -193,10 +209,12 @@ __all__ = [
     "ModelSpec",
     "ROWS",
     "SEQ",
+    "SIGNALLED_JOB",
     "STATUS",
     "frame",
     "hello_payload",
     "parse_hello",
     "read_exact",
     "read_payload",
+    "signalled_job_frame",
 ]

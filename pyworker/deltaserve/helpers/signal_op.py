@@ -12,8 +12,8 @@ must come from the helper processes, never from the launching thread after such 
 Host memory must be registered as mapped (``register_mapped``); the op translates the words' host
 addresses to device ones (``cudaHostGetDevicePointer``). Without the built op (no CUDA device,
 no nvcc, ``--cuda-ops false``) both run host-synchronised: a blocking copy and word writes, and a
-host poll of the words with a deadline. This module is not wired into ``assist.py`` yet (it sends
-``x`` through a synchronising copy); the design there says how it plugs in.
+host poll of the words with a deadline. ``signalled.py`` drives it for ``assist.py``'s sync-free
+invocation.
 """
 
 from __future__ import annotations

@@ -369,8 +369,9 @@ class Executor:
         if in_flight is None and any(state.pending for state in self.requests.values()):
             raise RuntimeError("launch: requests wait for sampled tokens but no step in flight was given")
         assist = self.cpu_assist
-        if assist is not None:
-            assist.land()  # last step's deferred placements: the plan check sees them placed
+        if assist is not None:  # last step's deferred placements: the plan check sees them placed
+            for op, error in assist.land():  # a failed one is its variant's failure (helpers/assist.py)
+                self._quarantine(op, error)
         self.quarantine.lift_reloaded(plan)
         plan = self.quarantine.filter_plan(plan, self.requests)
         check_plan(plan, self.requests, self.pools, self.limits)
@@ -404,6 +405,8 @@ class Executor:
         if not launched.scheduled:
             return self._step_output(launched.step_id, [], timing)
         outputs, timing.forward_us = self.runner.finish(launched)
+        if self.cpu_assist is not None:
+            self.cpu_assist.check_guard()  # a device wait past its bound: these rows are not known good
         return self._step_output(launched.step_id, outputs, timing)
 
     def _quarantine(self, op: wire.VariantOp, error: AdapterLoadError) -> None:
