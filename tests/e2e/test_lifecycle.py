@@ -101,6 +101,7 @@ def test_two_workers_behind_one_router(tiny_llama, tiny_daemon):
             assert r["token_ids"] == want, rid
         m = d.metrics()
         assert m["deltaserve_tokens_generated_total"] == 8 * 12
+        assert m["deltaserve_placement_decisions_total"] == 8  # --placement caraserve, the default
         # Both workers served some: a worker that serves any request runs at least 12 steps for
         # it, and one worker batching all 8 would need only ~13, so 24 or more means two did.
         assert m["deltaserve_steps_total"] >= 2 * 12

@@ -153,6 +153,21 @@ pub struct ServerConfig {
     /// Absent (or 0) with --ttft-slo-ms set: 10 unloaded decode steps.
     #[arg(long = "tpot-slo-ms", env = "DELTASERVE_TPOT_SLO_MS")]
     pub tpot_slo_ms: Option<u64>,
+    /// How a request picks its worker when there are several (`--devices 0,1`, `cpu,cpu`):
+    /// caraserve (least added latency to the worker's requests by the rank-aware latency model,
+    /// a large penalty past --tpot-slo-ms, workers holding the adapter first), least-loaded,
+    /// first-fit (Punica) or random.
+    #[arg(
+        long,
+        env = "DELTASERVE_PLACEMENT",
+        value_enum,
+        default_value = "caraserve"
+    )]
+    pub placement: crate::engine::Placement,
+    /// The latency model placement prices requests with: the JSON `deltaserve profile` writes.
+    /// Absent: Llama-2-7B measured on an H200 (the simulator's bundled model).
+    #[arg(long = "latency-profile", env = "DELTASERVE_LATENCY_PROFILE")]
+    pub latency_profile: Option<PathBuf>,
     /// Browser origins (scheme://host[:port], comma-separated, or `*`) whose pages may call the
     /// state-changing routes (POST/DELETE, generation, /v1/ws); without, a request with a
     /// foreign `Origin` gets 403 (requests without `Origin`, like curl's and the SDKs', pass).
@@ -352,6 +367,24 @@ impl ServerConfig {
             Some(p) => p.clone(),
             None => crate::interpreter::find(None).path,
         }
+    }
+
+    /// Placement across workers: --placement, --latency-profile (read now: a bad file is an
+    /// error naming it), --tpot-slo-ms, --max-num-seqs.
+    pub fn placer(&self) -> Result<crate::engine::Placer, String> {
+        let profile = match &self.latency_profile {
+            Some(path) => crate::engine::LatencyProfile::load(path)?,
+            None => crate::engine::LatencyProfile::default(),
+        };
+        Ok(crate::engine::Placer {
+            policy: self.placement,
+            profile,
+            tpot_slo_us: self
+                .tpot_slo_ms
+                .filter(|&ms| ms > 0)
+                .map(|ms| ms as f64 * 1e3),
+            max_num_seqs: self.max_num_seqs,
+        })
     }
 
     /// Host budget of variant copies: --variant-host-bytes, or the deprecated --lora-host-bytes

@@ -166,7 +166,8 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         chat_template,
         cfg.max_queued_per_worker,
         stopped,
-    );
+    )
+    .with_placer(cfg.placer().map_err(anyhow::Error::msg)?);
     let startup = cfg.startup_adapters().map_err(anyhow::Error::msg)?;
     for (name, dir, kind) in startup {
         let what = match kind {

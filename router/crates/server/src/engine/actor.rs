@@ -111,6 +111,8 @@ pub(crate) struct Actor {
     admission: SharedAdmission,
     /// When the previous step output arrived (a step's time is at most the interval since).
     last_output_at: Option<Instant>,
+    /// This worker's load for placement (`placement_load.rs`), shared with the handle.
+    load: super::placement_load::SharedLoad,
 }
 
 /// What woke the actor up.
@@ -141,12 +143,14 @@ impl Actor {
             limits.max_num_seqs,
             limits.max_num_batched_tokens,
         )));
+        let load = super::placement_load::SharedLoad::default();
         let handle = ActorRef {
             tx,
             outstanding: outstanding.clone(),
             ready: ready.clone(),
             failed_variants: failed_variants.clone(),
             admission: admission.clone(),
+            load: load.clone(),
         };
         let actor = Self {
             index,
@@ -168,6 +172,7 @@ impl Actor {
             failed_variants,
             admission,
             last_output_at: None,
+            load,
         };
         Ok((actor, handle))
     }
@@ -439,6 +444,31 @@ impl Actor {
             admission.cap()
         };
         self.sched.set_max_num_seqs(cap);
+        self.publish_load();
+    }
+
+    /// Publishes this worker's live requests per variant and the variants it holds, for
+    /// placement across workers (only while the handle wants them: more than one worker).
+    fn publish_load(&self) {
+        if !self.load.wanted.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        let mut load = super::placement_load::WorkerLoad::default();
+        for &id in self.adapters.keys() {
+            let users = self.sched.adapter_users(id);
+            if users > 0 {
+                load.users.insert(id, users);
+            }
+            if let Some(r) = self.sched.adapter_residency(id) {
+                if r.gpu_blocks.is_some() || r.delta_slot.is_some() {
+                    load.gpu.insert(id);
+                }
+                if r.on_host {
+                    load.host.insert(id);
+                }
+            }
+        }
+        self.load.publish(load);
     }
 
     /// An admitted request of `prompt_tokens` left the admission queue unscheduled.
@@ -489,6 +519,7 @@ impl Actor {
             actor: &self.counters,
             latency: self.streams.latency(),
             admission,
+            placement: self.load.readings(),
         })
     }
 }

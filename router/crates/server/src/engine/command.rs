@@ -70,6 +70,8 @@ pub(crate) struct ActorRef {
     pub failed_variants: FailedVariants,
     /// This worker's admission control (`admission.rs`): the actor measures, the handle admits.
     pub admission: SharedAdmission,
+    /// This worker's load as placement reads it (`placement_load.rs`): the actor publishes.
+    pub load: super::placement_load::SharedLoad,
 }
 
 /// One worker's [`Admission`], shared by its actor and its [`ActorRef`].

@@ -93,6 +93,8 @@ pub(super) struct WorkerReadings<'a> {
     pub latency: &'a RequestLatency,
     /// Admission control's readings (`admission.rs`).
     pub admission: super::admission::AdmissionReadings,
+    /// Placement's counters (`placement_load.rs`).
+    pub placement: super::placement_load::PlacementReadings,
 }
 
 /// Declares the table (see the module docs). Row syntax:
@@ -227,6 +229,10 @@ engine_metrics! {
         "Predicted time for the queued requests to start (admission control's estimate), microseconds; the longest worker's.";
     admission_running_cap: Gauge, Sum, |w| w.admission.running_cap,
         "Running-batch cap that keeps the measured decode step within the TPOT SLO (--tpot-slo-ms).";
+    placement_decisions_total: Counter, Sum, |w| w.placement.placed,
+        "Requests placed on a worker by --placement (with one worker: every request).";
+    placement_over_slo_total: Counter, Sum, |w| w.placement.placed_over_slo,
+        "Requests placed where the latency model predicted a decode step past the TPOT SLO (--tpot-slo-ms) on every worker with room.";
 }
 
 /// The Prometheus families of a snapshot: the table's rows in order, then the histograms.
@@ -463,6 +469,8 @@ mod tests {
         ("admission_refused_queue_full_total", "counter"),
         ("admission_predicted_wait_us", "gauge"),
         ("admission_running_cap", "gauge"),
+        ("placement_decisions_total", "counter"),
+        ("placement_over_slo_total", "counter"),
     ];
 
     fn worker(sched: SchedStats, actor: &ActorCounters, latency: &RequestLatency) -> EngineMetrics {
@@ -471,6 +479,7 @@ mod tests {
             actor,
             latency,
             admission: Default::default(),
+            placement: Default::default(),
         })
     }
 

@@ -2,7 +2,7 @@
 //! engine actor per worker process, each owning its own scheduler.
 //!
 //! ```text
-//!  api ──generate()──▶ EngineHandle ──(least loaded)──▶ actor[i] ──StepPlan──▶ worker[i]
+//!  api ──generate()──▶ EngineHandle ──(--placement)──▶ actor[i] ──StepPlan──▶ worker[i]
 //!   ▲                                                     │  ◀──StepOutput──
 //!   └──────────── GenerateEvent (mpsc, per request) ◀─────┘
 //! ```
@@ -13,7 +13,10 @@
 //!
 //! # Layout
 //!
-//! - this file: the handle, load balancing, and the request/event types;
+//! - this file: the handle, the request/event types;
+//! - `placement.rs`: which worker a request goes to (`--placement`: CaraServe's rank-aware cost,
+//!   least loaded, first fit, random) and the latency profile it prices with;
+//!   `placement_load.rs`: each worker's load as its actor publishes it;
 //! - `command.rs`: the actor protocol (`Command`, `ActorRef`, `RemoveOutcome`);
 //! - `actor.rs`: one worker's actor: its loop, commands, steps and the worker's lifecycle;
 //! - `plan.rs`: scheduler ⇄ wire translation (step plans, adapter ops, scheduler config);
@@ -24,8 +27,9 @@
 //! - [`metrics`]: the one table of engine metrics, its sum over workers and its Prometheus
 //!   families, and the request latency histograms.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use deltaserve_ipc::wire::{PromptLogprob, SamplingParams, TokenLogprob};
@@ -42,6 +46,8 @@ pub mod admission;
 mod command;
 pub mod metrics;
 mod peft_config;
+pub mod placement;
+mod placement_load;
 mod plan;
 mod streams;
 
@@ -49,6 +55,7 @@ pub(crate) use actor::Actor;
 pub use admin::{check_kind, variant_kind_of_dir, VariantError};
 pub use admission::{Slo, SloRefusal};
 pub use metrics::{EngineMetrics, RequestLatency};
+pub use placement::{LatencyProfile, Placement, Placer};
 pub use plan::SchedLimits;
 
 /// One generation, already tokenized and validated by the API layer.
@@ -215,6 +222,12 @@ struct HandleInner {
     max_outstanding_per_worker: usize,
     /// Closed once every actor has ended (its worker stopped): see [`EngineHandle::stopped`].
     stopped: tokio::sync::watch::Receiver<()>,
+    /// Which worker a request goes to (`placement.rs`).
+    placer: Placer,
+    /// Variant id -> (rank, host bytes), read from the registry on a miss (placement's input).
+    ranks: Mutex<HashMap<u32, (u32, u64)>>,
+    /// Requests placed so far: `random`'s draw.
+    tickets: AtomicU64,
 }
 
 impl EngineHandle {
@@ -234,8 +247,89 @@ impl EngineHandle {
                 chat_template,
                 max_outstanding_per_worker,
                 stopped,
+                placer: Placer {
+                    policy: Placement::Caraserve,
+                    profile: LatencyProfile::default(),
+                    tpot_slo_us: None,
+                    max_num_seqs: max_outstanding_per_worker,
+                },
+                ranks: Mutex::new(HashMap::new()),
+                tickets: AtomicU64::new(0),
             }),
         }
+    }
+
+    /// Sets how requests are placed across workers (`--placement`, its latency profile and the
+    /// TPOT SLO); call right after [`Self::new`], before the handle is cloned. With more than
+    /// one worker, the actors then publish their load after every step.
+    pub fn with_placer(mut self, placer: Placer) -> Self {
+        let inner = Arc::get_mut(&mut self.inner).expect("with_placer before the handle is cloned");
+        inner.placer = placer;
+        let wanted = inner.actors.len() > 1;
+        for a in &inner.actors {
+            a.load.wanted.store(wanted, Ordering::Relaxed);
+        }
+        self
+    }
+
+    /// The worker `req` goes to (`placement.rs`), counted in its load; an error when none is ready.
+    fn place(&self, req: &GenerateRequest) -> Result<&ActorRef, EngineError> {
+        let inner = &self.inner;
+        let unavailable =
+            || EngineError::Unavailable("no worker is ready (starting or restarting)".into());
+        if inner.actors.len() == 1 {
+            let a = &inner.actors[0];
+            if !a.ready.load(Ordering::Acquire) {
+                return Err(unavailable());
+            }
+            a.load.placed(0, false);
+            return Ok(a);
+        }
+        let ranks = self.ranks_with(req.adapter_id);
+        let views: Vec<_> = inner
+            .actors
+            .iter()
+            .map(|a| {
+                let outstanding = a.outstanding.load(Ordering::Relaxed);
+                let room = outstanding < inner.max_outstanding_per_worker;
+                a.load.view(
+                    a.ready.load(Ordering::Acquire),
+                    outstanding,
+                    room,
+                    req.adapter_id,
+                    &ranks,
+                )
+            })
+            .collect();
+        let (rank, adapter_bytes) = ranks.get(&req.adapter_id).copied().unwrap_or((0, 0));
+        let incoming = placement::Incoming {
+            rank,
+            prompt_tokens: req.prompt_token_ids.len() as u32,
+            adapter_bytes,
+        };
+        let ticket = inner.tickets.fetch_add(1, Ordering::Relaxed);
+        let choice = inner
+            .placer
+            .choose(&views, &incoming, ticket)
+            .ok_or_else(unavailable)?;
+        let actor = &inner.actors[choice.worker];
+        actor.load.placed(req.adapter_id, choice.over_slo);
+        Ok(actor)
+    }
+
+    /// The ranks and host bytes of the registered variants, refreshed from the registry when
+    /// `adapter_id` is not known yet.
+    fn ranks_with(&self, adapter_id: u32) -> HashMap<u32, (u32, u64)> {
+        let mut ranks = self.inner.ranks.lock().expect("ranks lock");
+        if adapter_id != 0 && !ranks.contains_key(&adapter_id) {
+            ranks.clear();
+            for e in self.inner.model.adapters.list() {
+                if let Some(f) = e.footprint {
+                    ranks.insert(e.id, (f.max_rank, f.host_bytes));
+                }
+            }
+        }
+        ranks.clone()
     }
 
     /// Resolves once every actor has ended and so stopped its worker (they end when the last
@@ -279,7 +373,7 @@ impl EngineHandle {
             .find_map(|a| a.failed_variants.lock().ok()?.get(&id).cloned())
     }
 
-    /// Queues a request on the least loaded ready worker; events arrive on the receiver.
+    /// Queues a request on the worker `--placement` picks; events arrive on the receiver.
     /// Dropping the receiver cancels the request at the next step. The context length is not
     /// checked here: request validation checks it (`validate.rs`), and the worker's scheduler
     /// refuses anything longer (`SchedError::TooLong`, the first event on the receiver); both
@@ -293,21 +387,13 @@ impl EngineHandle {
                 "{why}; delete it and register it again"
             )));
         }
-        let actor = self
-            .inner
-            .actors
-            .iter()
-            .filter(|a| a.ready.load(Ordering::Acquire))
-            .min_by_key(|a| a.outstanding.load(Ordering::Relaxed))
-            .ok_or_else(|| {
-                EngineError::Unavailable("no worker is ready (starting or restarting)".into())
-            })?;
+        let actor = self.place(&req)?;
         {
             let mut admission = actor.admission.lock().expect("admission lock");
             if actor.outstanding.load(Ordering::Relaxed) >= self.inner.max_outstanding_per_worker {
                 admission.refused_queue_full += 1;
                 return Err(EngineError::Overloaded(format!(
-                    "{} requests already queued or running on the least loaded worker \
+                    "{} requests already queued or running on every worker \
                      (--max-queued-per-worker)",
                     self.inner.max_outstanding_per_worker
                 )));
