@@ -88,11 +88,14 @@ serve: setup ## run the daemon on the demo model until Ctrl-C
 # Rust tests build in the release profile that `make setup` already built the dependencies in.
 # Python: TEST_JOBS workers over whole files, then the `serial` (wall-clock-sensitive) tests alone.
 PYTEST := DELTASERVE_BIN=$(abspath target/release/deltaserve) $(PY) -m pytest tests -q --durations=30
+# The Python API's and the clients' tests: `make test` runs them from the installed wheel
+# (test-wheel), `make test-python` from the develop install.
+WHEEL_TESTS := tests/python_api tests/client
 
 test: setup ## run every test (Rust, Python end to end, the wheel as users install it)
 	cargo test -q --release --workspace
-	$(PYTEST) -n $(TEST_JOBS) --dist loadfile -m "not serial"
-	$(PYTEST) -m serial
+	$(PYTEST) -n $(TEST_JOBS) --dist loadfile -m "not serial" $(WHEEL_TESTS:%=--ignore=%)
+	$(PYTEST) -m serial $(WHEEL_TESTS:%=--ignore=%)
 	$(MAKE) --no-print-directory test-wheel
 
 test-rust: ## Rust tests only
@@ -127,10 +130,11 @@ dist: ## deployment builds (profile dist: thin LTO): the abi3 wheel into dist/, 
 
 # The wheel as a user gets it: built, installed into a fresh venv that borrows .venv's
 # dependencies (torch & co. through a .pth file; the package itself only from the wheel), then
-# its `deltaserve` command and its native module are run from there.
+# its `deltaserve` command and its native module are run from there, and so are the tests of the
+# Python API and the clients (tests/conftest.py checks that they import the installed package).
 WHEEL_VENV := .cache/wheel-venv
 WHEEL_PORT ?= 8799
-test-wheel: develop demo-model ## build the wheel, install it into a fresh venv, run its `deltaserve` (--help, the demo model)
+test-wheel: develop demo-model ## build the wheel, install it into a fresh venv, run its `deltaserve` (--help, the demo model) and the Python API tests
 	rm -rf $(WHEEL_VENV) dist/deltaserve-*.whl
 	$(call phase,wheel,maturin build --release -o dist)
 	$(PY) -m venv --without-pip $(WHEEL_VENV)
@@ -146,6 +150,9 @@ test-wheel: develop demo-model ## build the wheel, install it into a fresh venv,
 	  $(abspath $(WHEEL_VENV))/bin/python -m deltaserve.client --url http://127.0.0.1:$(WHEEL_PORT) --wait 300 \
 	    chat "What is the capital of France?" --max-tokens 8 | tee $(abspath $(LOGS))/wheel-demo.txt; \
 	  grep -q Paris $(abspath $(LOGS))/wheel-demo.txt || { echo "[wheel] the demo model's answer lacks Paris (log: $(LOGS)/wheel-daemon.log)"; exit 1; }
+	cd /tmp && env -u VIRTUAL_ENV DELTASERVE_EXPECT_WHEEL=1 DELTASERVE_BIN=$(abspath target/release/deltaserve) \
+	  $(abspath $(WHEEL_VENV))/bin/python -m pytest -c $(abspath pyproject.toml) --rootdir $(abspath .) -p no:cacheprovider \
+	  -q --durations=10 -n $(TEST_JOBS) --dist loadfile $(abspath $(WHEEL_TESTS))
 
 gen-wire: ## regenerate pyworker/deltaserve/wire.py from the Rust schema
 	cargo run -q -p deltaserve-ipc --bin ipc-schema -- gen-py

@@ -37,6 +37,22 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _installed_package_when_testing_the_wheel() -> None:
+    """`make test-wheel` sets DELTASERVE_EXPECT_WHEEL=1: the package (and its native module) must
+    then come from the installed wheel, never from this checkout's source tree."""
+    if os.environ.get("DELTASERVE_EXPECT_WHEEL") != "1":
+        return
+    import deltaserve
+    import deltaserve._native as native
+
+    sources = Path(__file__).resolve().parents[1] / "pyworker"
+    for module in (deltaserve, native):
+        where = Path(module.__file__ or "").resolve()
+        assert where.is_relative_to(Path(sys.prefix).resolve()), f"{module.__name__} is {where}, not the wheel's"
+        assert not where.is_relative_to(sources), f"{module.__name__} comes from the source tree ({where})"
+
+
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tiny_models")
