@@ -14,7 +14,8 @@ S2 trace and the DeltaZip trace, one daemon start each, whose worker records eve
 
 Variant transfer bandwidths (disk -> host -> GPU) are measured from the profile recording
 (``deltaserve.sim.record.transfer_bandwidths``: each ``to_host`` read to its ``host_ready`` report,
-each ``to_gpu`` copy as its step's time beyond the fitted model's price); a kind the profile never
+each ``to_gpu`` copy as its step's worker time outside the forward pass beyond that of steps
+without copies); a kind the profile never
 moved keeps the bundled model's figure (H200 measurements, ``deltaserve/sim/models.py``). Writes
 ``bench/results/sim_validate-<device>-<date>.json``. On an H100 (about 5-7 minutes, most of it
 writing the DeltaZip experiment's delta files and starting its daemon):
@@ -174,7 +175,7 @@ def validate(name: str, args: argparse.Namespace, work: Path, devices: str) -> d
                 raise
     _footprints(model, files, valid, _kv_bytes_per_token(files.model_dir, devices))
     sizes = _variant_bytes(files, variants)
-    moved = transfer_bandwidths(profiled, sizes, model, ranks, delta_ids)
+    moved = transfer_bandwidths(profiled, sizes)
     model.disk_to_host_bps = {**like.disk_to_host_bps, **moved["disk_to_host_bps"]}
     model.host_to_gpu_bps = {**like.host_to_gpu_bps, **moved["host_to_gpu_bps"]}
     cfg = _native.SchedulerConfig(16, num_blocks, min(4096, num_blocks * 16))

@@ -181,21 +181,24 @@ def test_a_recording_becomes_latency_samples():
 def test_transfer_bandwidths_are_measured_as_the_simulator_prices_them():
     from deltaserve.sim.record import transfer_bandwidths
 
-    class Flat:  # every step costs 2 ms without its copies
-        def predict(self, _features):
-            return 0.002
-
     MB = 1_000_000
+
+    def step(recv, sent, ops=(), ready=(), outside_us=500):
+        timing = {"gap_us": 0, "forward_us": 1000, "total_us": 1000 + outside_us}
+        return {"recv": recv, "sent": sent, "new": [], "running": [], "released": [], "ops": list(ops),
+                "host_ready": list(ready), "timing": timing}  # fmt: skip
+
     variants = {2: ("lora", 8 * MB), 3: ("delta", 100 * MB), 4: ("lora", 4 * MB)}
-    steps = [  # reads of 2 and 3 asked at once: one at a time, so 3's starts when 2's ends
-        {"recv": 0.0, "sent": 0.002, "new": [], "running": [], "released": [], "ops": [[2, 0, 0], [3, 0, 1]]},
-        {"recv": 0.002, "sent": 0.004, "new": [], "running": [], "released": [], "ops": [], "host_ready": [2]},
-        {"recv": 0.004, "sent": 0.014, "new": [], "running": [], "released": [], "ops": [], "host_ready": [3]},
-        # 2 and 4 copied to the GPU in one step 6 ms over its price: shared by bytes
-        {"recv": 0.014, "sent": 0.022, "new": [], "running": [], "released": [], "ops": [[2, 1, 0], [4, 1, 0]]},
-        {"recv": 0.022, "sent": 0.024, "new": [], "running": [], "released": [], "ops": [[3, 1, 1]]},  # no extra
+    steps = [  # reads of 2 and 3 asked at once run side by side: each its own time
+        step(0.0, 0.002, ops=[[2, 0, 0], [3, 0, 1]]),
+        step(0.002, 0.004, ready=[2]),
+        step(0.004, 0.010, ready=[3]),
+        # 2 and 4 copied to the GPU in one step 6 ms beyond the 0.5 ms outside the forward of
+        # steps without ops: shared by bytes
+        step(0.010, 0.020, ops=[[2, 1, 0], [4, 1, 0]], outside_us=6500),
+        step(0.020, 0.022, ops=[[3, 1, 1]], outside_us=500),  # hidden: measures nothing
     ]
-    bw = transfer_bandwidths(steps, variants, Flat(), ranks={}, deltas=set())
+    bw = transfer_bandwidths(steps, variants)
     assert bw["disk_to_host_bps"]["lora"] == pytest.approx(8 * MB / 0.004)
     assert bw["disk_to_host_bps"]["delta"] == pytest.approx(100 * MB / 0.010)
     assert bw["host_to_gpu_bps"] == pytest.approx({"lora": 12 * MB / 0.006})

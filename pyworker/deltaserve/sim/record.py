@@ -7,14 +7,14 @@ appended to a JSONL file, one line per step::
     {"step_id": 7, "recv": 1234.5671, "sent": 1234.5893,      time.monotonic() (CLOCK_MONOTONIC,
      "new": [[req_id, tokens, computed, prompt_len, variant]],  shared by processes on one host)
      "running": [[req_id, tokens]], "released": [...], "ops": [[variant, op, kind]],
-     "host_ready": [variant, ...], "timing": {"gap_us", "forward_us", "total_us"}}
+     "host_ready": [variant, ...], "timing": {"gap_us", "forward_us", "total_us", "busy_us"}}
 
 ``steps_to_samples`` turns a recording into latency-model samples (:mod:`deltaserve.sim.latency`
 features, ``step_s`` = the output-to-output period on the device: ``sent[N] - max(recv[N],
 sent[N - 1])``, what the simulator's clock advances per step). ``transfer_bandwidths`` measures
-the variant tiers the way the simulator prices them: a ``to_host`` read from its plan's arrival
-(or the previous read's end: a worker reads one variant at a time) to the output that reports it
-in ``host_ready``; a ``to_gpu`` copy as the time its step took beyond the fitted model's price.
+the variant tiers the way the simulator prices them: a ``to_host`` read from its plan's arrival to
+the output that reports it in ``host_ready``; a ``to_gpu`` copy as its step's worker time outside
+the forward pass beyond that of steps without copies.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 RECORD_ENV = "DELTASERVE_SIM_RECORD"
 """Where the wrapped worker appends its steps (set by the script :func:`recording_python` writes)."""
@@ -78,7 +80,8 @@ class RecordingLink:
             rec = self._plans.pop(msg.step_id)
             rec["sent"] = now
             t = msg.timing
-            rec["timing"] = {"gap_us": t.gap_us, "forward_us": t.forward_us, "total_us": t.total_us}
+            rec["timing"] = {"gap_us": t.gap_us, "forward_us": t.forward_us, "total_us": t.total_us,
+                             "busy_us": t.busy_us}  # fmt: skip
             rec["host_ready"] = list(msg.host_ready)
             self._out.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
@@ -133,38 +136,41 @@ TO_HOST, TO_GPU = 0, 1
 
 
 def transfer_bandwidths(
-    steps: list[dict[str, Any]],
-    variants: Mapping[int, tuple[str, int]],
-    model: Any,
-    ranks: Mapping[int, int],
-    deltas: set[int],
+    steps: list[dict[str, Any]], variants: Mapping[int, tuple[str, int]]
 ) -> dict[str, dict[str, float]]:
     """Measured tier bandwidths of a recording (module docstring): ``{"disk_to_host_bps": {kind:
     B/s}, "host_to_gpu_bps": {kind: B/s}}``, total bytes over total seconds per kind, for the
-    kinds with a measurement. ``variants`` maps a variant id to ``(kind, host bytes)``; ``model``
-    (a :class:`deltaserve.sim.latency.LatencyModel`) prices the steps without their copies."""
+    kinds with a measurement. ``variants`` maps a variant id to ``(kind, host bytes)``.
+
+    A read's time is its ``to_host`` plan's arrival to the output reporting it in ``host_ready``
+    (the worker runs several reads at once, as the simulator does: each is one reader's time).
+    A copy's time is its step's worker time outside the forward pass (``busy_us - forward_us``)
+    beyond the median of that over the steps without tier ops, shared by bytes among the
+    step's copies."""
     read_s: dict[str, float] = {}
     read_b: dict[str, float] = {}
     started: dict[int, float] = {}
-    last_ready = -float("inf")
     copy_s: dict[str, float] = {}
     copy_b: dict[str, float] = {}
-    for s, f, period in step_features(steps, ranks, deltas):
+    outside = [_outside_forward_s(s) for s in steps if not s["ops"] and "timing" in s]
+    baseline = float(np.median(outside)) if outside else 0.0
+    for s in steps:
         for v, op, _kind in s["ops"]:
             if op == TO_HOST and v in variants:
                 started.setdefault(v, s["recv"])
         for v in s.get("host_ready", []):
             if v in started and v in variants:
                 kind, size = variants[v]
-                took = s["sent"] - max(started.pop(v), last_ready)
-                last_ready = s["sent"]
+                took = s["sent"] - started.pop(v)
                 if took > 0:
                     read_s[kind] = read_s.get(kind, 0.0) + took
                     read_b[kind] = read_b.get(kind, 0.0) + size
         copies = [variants[v] for v, op, _kind in s["ops"] if op == TO_GPU and v in variants]
-        extra = period - model.predict(f)
-        if copies and extra > 1e-6:  # a copy hidden under the step (or float noise) measures nothing
-            for kind, size in copies:  # a step's extra time is shared by its copies by bytes
+        if not copies or "timing" not in s:
+            continue
+        extra = _outside_forward_s(s) - baseline
+        if extra > 1e-6:  # a copy hidden under the step (or noise) measures nothing
+            for kind, size in copies:
                 share = extra * size / sum(b for _, b in copies)
                 copy_s[kind] = copy_s.get(kind, 0.0) + share
                 copy_b[kind] = copy_b.get(kind, 0.0) + size
@@ -172,6 +178,14 @@ def transfer_bandwidths(
         "disk_to_host_bps": {k: read_b[k] / read_s[k] for k in read_s},
         "host_to_gpu_bps": {k: copy_b[k] / copy_s[k] for k in copy_s},
     }
+
+
+def _outside_forward_s(step: Mapping[str, Any]) -> float:
+    """A recorded step's worker time outside its forward pass, seconds: of the step alone
+    (``busy_us``) where recorded, else of its whole period (``total_us``, which under overlapped
+    steps includes the wait for the step ahead)."""
+    t = step["timing"]
+    return (t.get("busy_us") or t["total_us"]) / 1e6 - t["forward_us"] / 1e6
 
 
 def step_features(

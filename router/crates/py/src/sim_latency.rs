@@ -7,7 +7,7 @@
 //! ```text
 //! step kind  = "prefill" if any chunk prefills (a new request, or more than 1 token) else "decode"
 //! step_s     = max(0, Σ_f coef[kind][f] · feature[f])
-//! to_host_s  = host_bytes / disk_to_host_Bps[kind]   (a worker reads one variant at a time)
+//! to_host_s  = host_bytes / disk_to_host_Bps[kind]   (one read; a worker runs READERS at once)
 //! to_gpu_s   = host_bytes / host_to_gpu_Bps[kind]    (added to the step that carries the ToGpu)
 //! ```
 
@@ -116,7 +116,7 @@ impl LatencyModel {
 }
 
 /// Index of a kind in the bandwidth pairs: `[lora, delta]`.
-fn kind_index(kind: VariantKind) -> usize {
+pub(crate) fn kind_index(kind: VariantKind) -> usize {
     match kind {
         VariantKind::Lora => 0,
         VariantKind::Delta => 1,

@@ -19,8 +19,9 @@
 //! A step sent at `t` starts on the device at `max(t + router_gap_s, the previous step's end,
 //! the host copies its ToGpu ops wait for)` and lasts the model's `step_s` (times a seeded
 //! log-normal factor when `noise > 0`, or the given `step_times`) plus its `ToGpu` copies. Its
-//! output reaches the router at its end. A `ToHost` read starts when its step is sent, after
-//! the worker's earlier reads (one reader per worker), and is reported with the first output
+//! output reaches the router at its end. A `ToHost` read starts when its step is sent, on the
+//! first of its kind's [`READERS`] readers to be free (the worker's pools each read with that
+//! many threads: `adapters/host_tier.py`'s `LOAD_THREADS`), and is reported with the first output
 //! after it finished, as the worker's `host_ready` does. Every request samples a token each
 //! time its chunk reaches the end of its known tokens (the scheduler ignores the token given
 //! for a partial chunk), so output lengths are the trace's (`max_tokens`, `ignore_eos`).
@@ -133,14 +134,17 @@ struct InFlight {
     ids: Vec<u64>,
 }
 
+/// Reads a worker runs at once per variant kind (`LOAD_THREADS` of the worker's host tier).
+pub const READERS: usize = 4;
+
 /// One worker: its scheduler and the actor's and device's state around it.
 struct WorkerSim {
     sched: Scheduler,
     in_flight: VecDeque<InFlight>,
     /// When the device finishes the last step sent.
     device_free_s: f64,
-    /// When the worker's reader finishes the reads queued so far.
-    disk_free_s: f64,
+    /// When each reader of each variant kind (lora, delta) finishes the reads queued on it.
+    readers_free_s: [[f64; READERS]; 2],
     /// Variant -> when its host copy is (or was) complete, while it has one.
     host_done_s: HashMap<u32, f64>,
     /// Reads not reported yet: variant -> completion time.
@@ -230,7 +234,7 @@ pub(crate) fn simulate(
             sched,
             in_flight: VecDeque::new(),
             device_free_s: 0.0,
-            disk_free_s: 0.0,
+            readers_free_s: [[0.0; READERS]; 2],
             host_done_s: HashMap::new(),
             unreported: BTreeMap::new(),
             cached: HashMap::new(),
@@ -398,8 +402,12 @@ impl Sim<'_> {
             let (kind, bytes) = (variant.kind, variant.host_bytes);
             match op.kind {
                 VariantOpKind::ToHost { .. } => {
-                    let done = t.max(worker.disk_free_s) + self.model.to_host_s(kind, bytes);
-                    worker.disk_free_s = done;
+                    let readers = &mut worker.readers_free_s[crate::sim_latency::kind_index(kind)];
+                    let reader = (0..READERS)
+                        .min_by(|&a, &b| readers[a].total_cmp(&readers[b]))
+                        .expect("READERS > 0");
+                    let done = t.max(readers[reader]) + self.model.to_host_s(kind, bytes);
+                    readers[reader] = done;
                     worker.host_done_s.insert(id, done);
                     worker.unreported.insert(id, done);
                 }
