@@ -68,6 +68,15 @@ pub enum Tool {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Measure this device's decode and prefill step latencies over batch sizes, Σ LoRA rank and
+    /// prompt lengths, and fit the rank-aware latency model that `--latency-profile` reads
+    /// (`--placement caraserve`) and `deltaserve sim` replays with; `deltaserve profile --help`.
+    #[command(disable_help_flag = true)]
+    Profile {
+        /// Passed to `python -m deltaserve.profile` unchanged.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 impl Tool {
@@ -77,6 +86,7 @@ impl Tool {
             Tool::Compress { args } => ("deltaserve.compress", args),
             Tool::Zoo { args } => ("deltaserve.zoo", args),
             Tool::Sim { args } => ("deltaserve.sim", args),
+            Tool::Profile { args } => ("deltaserve.profile", args),
         }
     }
 }
