@@ -70,6 +70,7 @@ def test_interpreter_without_the_package_is_named_with_its_own_error(tmp_path):
         ("zoo", ["ls", "--zoo", "{tmp}/no-zoo"], "deltaserve zoo ls: "),
         ("zoo", ["--help"], "usage: deltaserve zoo"),
         ("sim", ["--help"], "usage: deltaserve sim"),
+        ("profile", ["--model", "{tmp}/no-model", "--out", "{tmp}/p.json"], "deltaserve profile: --model"),
     ],
 )
 def test_zoo_and_sim_are_subcommands(tmp_path, tool, args, expect):
