@@ -42,6 +42,7 @@ __all__ = [
     "RequestOutput",
     "StepTiming",
     "FailedVariant",
+    "RefusedRequest",
     "StepOutput",
     "ModelInfo",
     "KvCapacity",
@@ -60,7 +61,7 @@ __all__ = [
 SCHEMA_TEXT = (
     "LogitBias=0{token_id:u32,bias:f64}\n"
     "Penalties=0{presence:f64,frequency:f64,repetition:f64}\n"
-    "SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>,logit_bias:Vec<LogitBias>,penalties:Option<Penalties>,min_tokens:u32,min_tokens_banned:Vec<u32>,prompt_logprobs:Option<u32>}\n"
+    "SamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>,logit_bias:Vec<LogitBias>,penalties:Option<Penalties>,min_tokens:u32,min_tokens_banned:Vec<u32>,prompt_logprobs:Option<u32>,grammar:Option<String>}\n"
     "NewRequest=0{req_id:u64,token_ids:Vec<u32>,num_prompt_tokens:u32,num_computed_tokens:u32,num_scheduled_tokens:u32,block_ids:Vec<u32>,sampling:SamplingParams,adapter_id:u32}\n"
     "RunningRequest=0{req_id:u64,num_scheduled_tokens:u32,new_block_ids:Vec<u32>}\n"
     "VariantOp=0{adapter_id:u32,op:TierOp,path:String,block_ids:Vec<u32>,kind:VariantKind,slot:Option<u32>}\n"
@@ -70,7 +71,8 @@ SCHEMA_TEXT = (
     "RequestOutput=0{req_id:u64,token_id:Option<u32>,logprob:Option<f64>,top_logprobs:Vec<TokenLogprob>,prompt_logprobs:Vec<PromptLogprob>}\n"
     "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64,floor_us:u64,busy_us:u64}\n"
     "FailedVariant=0{variant_id:u32,message:String}\n"
-    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,cpu_assisted_prefills:u32,cpu_assist_fallbacks:u32,cpu_assist_declined:u32,failed_variants:Vec<FailedVariant>}\n"
+    "RefusedRequest=0{req_id:u64,message:String}\n"
+    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,cpu_assisted_prefills:u32,cpu_assist_fallbacks:u32,cpu_assist_declined:u32,failed_variants:Vec<FailedVariant>,refused_requests:Vec<RefusedRequest>}\n"
     "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
     "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
     "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
@@ -254,17 +256,23 @@ class SamplingParams:
     #: plus this many top alternatives, in `RequestOutput::prompt_logprobs`; `None` for none
     #: (the worker then computes logits only where it samples).
     prompt_logprobs: Optional[int] = None
+    #: Structured output (`response_format`, `tools`): an llguidance grammar (its JSON form,
+    #: e.g. `{"grammars": [{"json_schema": {...}}]}`) every output token must follow; the
+    #: worker masks the logits with it and, once it is complete, allows only EOS. `None` for
+    #: unconstrained requests. A grammar the worker cannot compile refuses the request
+    #: (`StepOutput::refused_requests`).
+    grammar: Optional[str] = None
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [float(self.temperature), float(self.top_p), self.top_k, self.seed, self.logprobs, [x0.to_wire() for x0 in self.logit_bias], (None if self.penalties is None else self.penalties.to_wire()), self.min_tokens, self.min_tokens_banned, self.prompt_logprobs]
+        return [float(self.temperature), float(self.top_p), self.top_k, self.seed, self.logprobs, [x0.to_wire() for x0 in self.logit_bias], (None if self.penalties is None else self.penalties.to_wire()), self.min_tokens, self.min_tokens_banned, self.prompt_logprobs, self.grammar]
 
     @classmethod
     def from_wire(cls, a: list) -> SamplingParams:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 10:
-            return cls(a[0], a[1], a[2], a[3], a[4], [LogitBias.from_wire(x0) for x0 in a[5]], (None if a[6] is None else Penalties.from_wire(a[6])), a[7], a[8], a[9])
+        if n >= 11:
+            return cls(a[0], a[1], a[2], a[3], a[4], [LogitBias.from_wire(x0) for x0 in a[5]], (None if a[6] is None else Penalties.from_wire(a[6])), a[7], a[8], a[9], a[10])
         m = cls()
         if n > 0:
             m.temperature = a[0]
@@ -286,6 +294,8 @@ class SamplingParams:
             m.min_tokens_banned = a[8]
         if n > 9:
             m.prompt_logprobs = a[9]
+        if n > 10:
+            m.grammar = a[10]
         return m
 
 
@@ -657,6 +667,37 @@ class FailedVariant:
 
 
 @dataclass(slots=True)
+class RefusedRequest:
+    """A new request the worker refused at admission (its grammar does not compile): it left
+    the step with no output; the router fails it with the message (a client error).
+    """
+
+    KIND: ClassVar[int] = 0  # 0: only ever nested inside a message
+
+    #: The request (`NewRequest::req_id`).
+    req_id: int = 0
+    #: Why, for the client (e.g. the JSON schema's error; no traceback, no server path).
+    message: str = ""
+
+    def to_wire(self) -> list:
+        """The positional array this struct is encoded as."""
+        return [self.req_id, self.message]
+
+    @classmethod
+    def from_wire(cls, a: list) -> RefusedRequest:
+        """Builds the struct from its positional array; missing trailing fields take their defaults."""
+        n = len(a)
+        if n >= 2:
+            return cls(a[0], a[1])
+        m = cls()
+        if n > 0:
+            m.req_id = a[0]
+        if n > 1:
+            m.message = a[1]
+        return m
+
+
+@dataclass(slots=True)
 class StepOutput:
     """The worker's answer to one `StepPlan`."""
 
@@ -688,17 +729,20 @@ class StepOutput:
     #: Variants quarantined since the previous `StepOutput` (each reported once); their
     #: requests in this step have no output.
     failed_variants: list[FailedVariant] = field(default_factory=list)
+    #: New requests refused at admission in this step (each reported once); they have no
+    #: output and the worker holds no state for them.
+    refused_requests: list[RefusedRequest] = field(default_factory=list)
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes, self.host_ready, self.cpu_assisted_prefills, self.cpu_assist_fallbacks, self.cpu_assist_declined, [x0.to_wire() for x0 in self.failed_variants]]
+        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes, self.host_ready, self.cpu_assisted_prefills, self.cpu_assist_fallbacks, self.cpu_assist_declined, [x0.to_wire() for x0 in self.failed_variants], [x0.to_wire() for x0 in self.refused_requests]]
 
     @classmethod
     def from_wire(cls, a: list) -> StepOutput:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 9:
-            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3], a[4], a[5], a[6], a[7], [FailedVariant.from_wire(x0) for x0 in a[8]])
+        if n >= 10:
+            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3], a[4], a[5], a[6], a[7], [FailedVariant.from_wire(x0) for x0 in a[8]], [RefusedRequest.from_wire(x0) for x0 in a[9]])
         m = cls()
         if n > 0:
             m.step_id = a[0]
@@ -718,6 +762,8 @@ class StepOutput:
             m.cpu_assist_declined = a[7]
         if n > 8:
             m.failed_variants = [FailedVariant.from_wire(x0) for x0 in a[8]]
+        if n > 9:
+            m.refused_requests = [RefusedRequest.from_wire(x0) for x0 in a[9]]
         return m
 
 

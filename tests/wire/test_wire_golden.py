@@ -61,8 +61,9 @@ def test_golden_values_decode_into_the_right_fields() -> None:
         min_tokens=4,
         min_tokens_banned=[2, 50256],
         prompt_logprobs=2,
+        grammar='{"grammars": [{"json_schema": {"type": "object"}}]}',
     )
-    assert greedy.sampling.seed is None and greedy.sampling.logprobs is None
+    assert greedy.sampling.seed is None and greedy.sampling.logprobs is None and greedy.sampling.grammar is None
     assert plan.running[1] == wire.RunningRequest(
         req_id=2**64 - 1, num_scheduled_tokens=512, new_block_ids=[70_000, 70_001]
     )
@@ -95,6 +96,9 @@ def test_golden_values_decode_into_the_right_fields() -> None:
     assert out.timing == wire.StepTiming(gap_us=87, forward_us=12_345, total_us=70_000, floor_us=9_876, busy_us=52_000)
     assert out.failed_variants == [
         wire.FailedVariant(variant_id=9, message="its files could not be loaded (AdapterLoadError)")
+    ]
+    assert out.refused_requests == [
+        wire.RefusedRequest(req_id=11, message="response_format: Pointer '/nope' does not exist")
     ]
 
     hello = wire.decode((GOLDEN / "Hello.msgpack").read_bytes())

@@ -58,6 +58,7 @@ from deltaserve.model.loader import load_model
 from . import requests as request_diffs
 from .config import WorkerConfig
 from .cuda_graphs import DecodeGraphs
+from .guidance import GrammarGate
 from .memory import kv_budget
 from .plan_check import PlanError, PlanLimits, check_plan
 from .quarantine import Quarantine
@@ -229,8 +230,11 @@ class Executor:
                 lora=self.lora_pool,
                 deltas=self.delta_pool,
             )
+        self.guidance = GrammarGate(self.model_dir, self.config.vocab_size, self.config.eos_token_ids)
+        """Structured output: compiles grammars at admission, fills the constrained rows' masks."""
         self.runner = ForwardRunner(self.model, self.kv, self.sampler, self.pools, self.graphs, block_size)
         """Queues each step's forward and sampling."""
+        self.runner.guidance = self.guidance
         self.cpu_assist: CpuAssist | None = None
         """CPU-assisted cold prefills (``helpers/assist.py``); None when the helpers are off."""
         if shared_arena is not None and self.lora_pool is not None:
@@ -311,6 +315,7 @@ class Executor:
         assist = self.take_assist_stats()
         return wire.StepOutput(
             failed_variants=self.quarantine.take_reports(),
+            refused_requests=self.guidance.take_refusals(),
             step_id=step_id,
             outputs=outputs,
             timing=timing,
@@ -374,6 +379,7 @@ class Executor:
                 self._quarantine(op, error)
         self.quarantine.lift_reloaded(plan)
         plan = self.quarantine.filter_plan(plan, self.requests)
+        plan, grammars = self.guidance.admit_plan(plan, self.requests)  # refuses grammars that fail
         check_plan(plan, self.requests, self.pools, self.limits)
         request_diffs.release(self.requests, plan)
         cold = assist.cold_prefills(plan) if assist is not None else {}
@@ -393,6 +399,9 @@ class Executor:
         if assist is not None:
             assist.start_landing()
         scheduled = request_diffs.admit(self.requests, plan)
+        for req_id, grammar in grammars.items():
+            if req_id in self.requests:
+                self.requests[req_id].grammar = grammar
         floor = scheduled_floor(self.model_costs, self.roofline, scheduled, self.pools)
         launched = self.runner.launch(plan.step_id, scheduled, in_flight)
         launched.floor_us = floor.floor_us

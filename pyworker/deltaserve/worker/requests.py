@@ -13,10 +13,14 @@ Every function here runs after the plan check (``plan_check.py``) accepted the p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from deltaserve import wire
+
+if TYPE_CHECKING:
+    from .guidance import Constrained
 
 
 @dataclass
@@ -43,6 +47,8 @@ class RequestState:
     pending: int = 0
     #: The prompt on the device, kept by the sampler for a ``repetition_penalty`` (``logit_adjust``).
     prompt_on_device: torch.Tensor | None = None
+    #: Structured output: the request's grammar matcher (``guidance.py``); None when unconstrained.
+    grammar: Constrained | None = None
 
 
 def release(requests: dict[int, RequestState], plan: wire.StepPlan) -> None:

@@ -16,7 +16,9 @@ run eagerly (``cuda_graphs.py``).
 
 A running request whose last sampled token is still on the device (the step before is in flight)
 computes it anyway: its input row is copied on the device from that step's sampled tensor, and so
-is the token the sampler's penalties count (``in_flight_tokens``).
+is the token the sampler's penalties count (``in_flight_tokens``). A constrained request's grammar
+mask needs that token on the host: the launch queues the forward, then waits for the step before's
+sampled tokens (not for this forward) and fills the masks while the device runs it (``guidance.py``).
 ``finish`` waits for the sampled tokens and appends them to their requests.
 """
 
@@ -37,6 +39,7 @@ from deltaserve.model.kv_cache import PagedKVCache
 
 from . import prompt_logprobs
 from .cuda_graphs import DecodeGraphs
+from .guidance import GrammarGate
 from .prompt_logprobs import LaunchedPromptLogprobs
 from .requests import RequestState
 from .sampler import LaunchedSample, Sampler
@@ -93,6 +96,8 @@ class ForwardRunner:
         self.device = kv.device
         self.assist: CpuAssist | None = None
         """CPU-assisted cold prefills, set by the executor when the helpers are on."""
+        self.guidance: GrammarGate | None = None
+        """Structured output's masks (``guidance.py``), set by the executor."""
 
     def launch(
         self, step_id: int, scheduled: list[tuple[RequestState, int]], in_flight: LaunchedStep | None
@@ -142,12 +147,17 @@ class ForwardRunner:
                 history = in_flight_tokens = None
                 if self.sampler.needs_history(params):
                     history, in_flight_tokens = samplers, self.in_flight_tokens(samplers, in_flight)
+                allowed = None
+                if self.guidance is not None and any(s.grammar is not None for s in samplers):
+                    # The forward is queued: the masks are computed while the device runs it.
+                    allowed = self.guidance.masks(samplers, self.in_flight_on_host(samplers, in_flight), self.device)
                 launched.sampled = self.sampler.launch(
                     logits,
                     params,
                     [len(s.token_ids) + s.pending - s.num_prompt_tokens for s in samplers],
                     history,
                     in_flight_tokens,
+                    allowed,
                 )
         # The step's tokens are computed (or queued to be): the next step continues from there.
         for state, n in scheduled:
@@ -172,6 +182,18 @@ class ForwardRunner:
         tokens = torch.full((len(samplers),), -1, dtype=torch.long, device=self.device)
         sampled = in_flight.sampled.token_ids.index_select(0, to_device(source, torch.long, self.device))
         return tokens.index_copy_(0, to_device(rows, torch.long, self.device), sampled)
+
+    def in_flight_on_host(self, samplers: list[RequestState], in_flight: LaunchedStep | None) -> list[int | None]:
+        """Each constrained sampling request's output token ``in_flight`` is still sampling, read on
+        the host (None where none): waits for that step's sampled tokens only, not for the forward
+        queued since (``guidance.py`` explains how masks follow the token sampled one step earlier)."""
+        if not any(s.pending and s.grammar is not None for s in samplers):
+            return [None] * len(samplers)
+        assert in_flight is not None and in_flight.sampled is not None
+        tokens = in_flight.sampled.result().token_ids
+        return [
+            tokens[in_flight.sample_row[s.req_id]] if s.pending and s.grammar is not None else None for s in samplers
+        ]
 
     def forward(
         self,

@@ -3,6 +3,7 @@
 Pipeline for one batch (each stage runs only when some row needs it)::
 
     logits [S, V] ─ adjusted (rows with logit_bias / min_tokens / penalties only: logit_adjust.py)
+      ─ grammar masks (constrained rows only: -inf where the bitmask forbids; guidance.py)
       adjusted ─────┬─ greedy rows (temperature 0) ─────────────── argmax ──────────────┐
                     ├─ sampling rows: / temperature ─ top-k/top-p mask (one sort) ─ softmax
                     │     └─ draw: argmax(p / q), q ~ Exp(1)  (the "exponential race",     │
@@ -41,6 +42,7 @@ import torch
 
 from deltaserve.model.batch import to_device
 
+from .guidance import apply_bitmask
 from .logit_adjust import TokenHistory, adjusted_logits, is_penalized
 
 if TYPE_CHECKING:
@@ -90,6 +92,8 @@ class LaunchedSample:
     #: event after them. ``result`` waits for that event only, not for steps launched later.
     host: dict[str, torch.Tensor] = field(default_factory=dict)
     copied: torch.cuda.Event | None = None
+    #: ``result``'s value once read (the next step's grammar masks read it before ``finish`` does).
+    cached: SampleResult | None = None
 
     def copy_to_host(self) -> None:
         """Queues the copies ``result`` reads (CUDA only; on the CPU it reads the tensors)."""
@@ -105,6 +109,11 @@ class LaunchedSample:
 
     def result(self) -> SampleResult:
         """Waits for this step's samples (not for the device's later work); Python values."""
+        if self.cached is None:
+            self.cached = self._read()
+        return self.cached
+
+    def _read(self) -> SampleResult:
         if self.copied is not None:
             self.copied.synchronize()
 
@@ -162,6 +171,7 @@ class Sampler:
         output_index: list[int],
         history: Sequence[TokenHistory] | None = None,
         in_flight: torch.Tensor | None = None,
+        allowed: tuple[list[int], torch.Tensor] | None = None,
     ) -> LaunchedSample:
         """Queues the sampling of one token per row of ``logits`` on its device; nothing waits.
 
@@ -169,8 +179,10 @@ class Sampler:
         is the index of the output token row r draws (seeds the per-request generator and gates
         ``min_tokens``). ``history[r]`` holds row r's tokens the host knows and ``in_flight`` [S]
         (LongTensor on the logits' device) its output token still on the device, or -1; both are
-        read only when ``needs_history(params)``. Every read of ``logits`` is queued here, so the
-        caller may overwrite them (a graph replay) before ``result()``.
+        read only when ``needs_history(params)``. ``allowed`` is the grammar masks of the
+        constrained rows (``guidance.py``: the rows and their ``[rows, V/32]`` int32 bitmask on the
+        device), applied after the bias and penalties. Every read of ``logits`` is queued here, so
+        the caller may overwrite them (a graph replay) before ``result()``.
         """
         num_rows, vocab = logits.shape
         if len(params) != num_rows or len(output_index) != num_rows:
@@ -179,6 +191,8 @@ class Sampler:
             )
         raw = logits.float()
         logits = adjusted_logits(raw, params, output_index, history, in_flight)
+        if allowed is not None:
+            logits = apply_bitmask(logits.clone() if logits is raw else logits, *allowed)
         device = logits.device
         chosen = torch.empty(num_rows, dtype=torch.long, device=device)
 

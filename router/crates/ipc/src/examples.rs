@@ -46,6 +46,7 @@ pub fn step_plan() -> StepPlan {
                     min_tokens: 4,
                     min_tokens_banned: vec![2, 50256],
                     prompt_logprobs: Some(2),
+                    grammar: Some(r#"{"grammars": [{"json_schema": {"type": "object"}}]}"#.into()),
                 },
                 adapter_id: 1000,
             },
@@ -183,6 +184,10 @@ pub fn step_output() -> StepOutput {
         failed_variants: vec![crate::wire::FailedVariant {
             variant_id: 9,
             message: "its files could not be loaded (AdapterLoadError)".into(),
+        }],
+        refused_requests: vec![crate::wire::RefusedRequest {
+            req_id: 11,
+            message: "response_format: Pointer '/nope' does not exist".into(),
         }],
     }
 }

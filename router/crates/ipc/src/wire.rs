@@ -276,6 +276,12 @@ wire_structs! {
         /// plus this many top alternatives, in `RequestOutput::prompt_logprobs`; `None` for none
         /// (the worker then computes logits only where it samples).
         prompt_logprobs: Option<u32>,
+        /// Structured output (`response_format`, `tools`): an llguidance grammar (its JSON form,
+        /// e.g. `{"grammars": [{"json_schema": {...}}]}`) every output token must follow; the
+        /// worker masks the logits with it and, once it is complete, allows only EOS. `None` for
+        /// unconstrained requests. A grammar the worker cannot compile refuses the request
+        /// (`StepOutput::refused_requests`).
+        grammar: Option<String>,
     }
 
     /// A request the worker has not seen (or has released, e.g. after preemption): sent in full.
@@ -412,6 +418,15 @@ wire_structs! {
         message: String,
     }
 
+    /// A new request the worker refused at admission (its grammar does not compile): it left
+    /// the step with no output; the router fails it with the message (a client error).
+    struct RefusedRequest = 0 {
+        /// The request (`NewRequest::req_id`).
+        req_id: u64,
+        /// Why, for the client (e.g. the JSON schema's error; no traceback, no server path).
+        message: String,
+    }
+
     /// The worker's answer to one `StepPlan`.
     struct StepOutput = 3 {
         /// The plan's `step_id`.
@@ -440,6 +455,9 @@ wire_structs! {
         /// Variants quarantined since the previous `StepOutput` (each reported once); their
         /// requests in this step have no output.
         failed_variants: Vec<FailedVariant>,
+        /// New requests refused at admission in this step (each reported once); they have no
+        /// output and the worker holds no state for them.
+        refused_requests: Vec<RefusedRequest>,
     }
 
     /// What the router needs to know about the loaded model.

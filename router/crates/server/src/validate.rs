@@ -11,6 +11,7 @@
 //! The fields that reshape the logits or stop on token ids are checked in [`token_fields`].
 
 mod choices;
+pub mod response_format;
 mod token_fields;
 
 use deltaserve_ipc::wire::SamplingParams;
@@ -19,6 +20,7 @@ use serde_json::Value;
 use crate::api::error::ApiError;
 use crate::api::openai::{ChatCompletionRequest, CompletionRequest, StreamOptions};
 use crate::api::tenants::Caller;
+use crate::api::tools::{check as check_tools, Tools};
 use crate::engine::{GenerateRequest, ServedModel};
 use crate::text::chat_template::{json_kind, ChatMessage, ChatTemplate, RenderOptions};
 use crate::text::tokenizer::TextTokenizer;
@@ -54,6 +56,8 @@ pub struct Validated {
     pub echo: Option<String>,
     /// `echo` with `max_tokens: 0`: the engine generates one token, the response has none.
     pub score_only: bool,
+    /// Chat `tools` and `tool_choice` (`api/tools.rs`): how the answer becomes `tool_calls`.
+    pub tools: Option<Tools>,
 }
 
 /// The served model's limits and text tools, as validation needs them.
@@ -214,6 +218,8 @@ pub fn validate_completion(
     let mut partial = common_fields(&common, logprobs, ctx.model.vocab_size)?;
     partial.request.adapter_id = adapter_id;
     partial.best_of = best_of;
+    partial.request.sampling.grammar = response_format::grammar(req.response_format.as_ref())?;
+    response_format::check_grammar_fields(&partial.request.sampling)?;
     let prompt = req
         .prompt
         .as_ref()
@@ -342,6 +348,8 @@ pub fn validate_chat(
     };
     let mut partial = common_fields(&common, logprobs, ctx.model.vocab_size)?;
     partial.request.adapter_id = adapter_id;
+    partial.request.sampling.grammar = response_format::grammar(req.response_format.as_ref())?;
+    response_format::check_grammar_fields(&partial.request.sampling)?;
     let messages = req
         .messages
         .as_deref()
@@ -352,9 +360,29 @@ pub fn validate_chat(
             "`messages` must not be empty",
         ));
     }
+    let tools = check_tools(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )?;
+    if let Some(grammar) = tools.as_ref().and_then(Tools::grammar) {
+        if partial.request.sampling.grammar.is_some() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a forced tool call (`required` or a named function) cannot be combined with `response_format`",
+            ));
+        }
+        partial.request.sampling.grammar = Some(grammar);
+        response_format::check_grammar_fields(&partial.request.sampling)?;
+    }
+    partial.tools = tools;
     let options = RenderOptions {
         add_generation_prompt: true,
-        tools: None,
+        tools: req
+            .tools
+            .as_ref()
+            .and_then(Value::as_array)
+            .map(Vec::as_slice),
         kwargs: req.chat_template_kwargs.as_ref(),
     };
     let text = render_chat(
@@ -436,6 +464,7 @@ fn common_fields(
                 // The engine fills it in (it knows the model's EOS ids).
                 min_tokens_banned: Vec::new(),
                 prompt_logprobs: None,
+                grammar: None,
             },
             stop,
             stop_token_ids: tokens.stop_token_ids,
@@ -451,6 +480,7 @@ fn common_fields(
         best_of: n,
         echo: None,
         score_only: false,
+        tools: None,
     })
 }
 

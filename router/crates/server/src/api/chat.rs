@@ -9,6 +9,9 @@
 //!  data: {"choices":[],"usage":{...}}             after every choice's last, if include_usage
 //!  data: [DONE]
 //! ```
+//!
+//! With `tools`, the answer's text may become `tool_calls` (in the message, or as `tool_calls`
+//! deltas; finish reason `tool_calls`): `tools.rs` says how for each `tool_choice`.
 
 use std::sync::Arc;
 
@@ -28,6 +31,7 @@ use super::openai::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob,
 };
+use super::tools::{self, ToolStream};
 use super::{
     model_context, response_id, sse_done, sse_json, unix_now, usage, Backend, Piece, Pieces,
     TokenRecord,
@@ -43,7 +47,9 @@ pub async fn chat_completions<B: Backend>(
 ) -> Result<Response, ApiError> {
     resolve_variant(&backend, req.model.as_deref(), &who.caller).await?;
     let ctx = model_context(&backend, &who.caller);
-    let v = off_runtime(|| validate_chat(&req, &ctx))?;
+    let mut v = off_runtime(|| validate_chat(&req, &ctx))?;
+    let tools = v.tools.take();
+    let tools = tools.map(Arc::new);
     let with_logprobs = v.request.sampling.logprobs.is_some();
     let model = backend.model().display_name(v.request.adapter_id);
     let n = v.n;
@@ -61,14 +67,22 @@ pub async fn chat_completions<B: Backend>(
         let choices = answers
             .into_iter()
             .enumerate()
-            .map(|(index, answer)| ChatChoice {
-                index: index as u32,
-                message: AssistantMessage {
-                    role: "assistant",
-                    content: answer.text,
-                },
-                logprobs: writer.logprobs(&answer.tokens),
-                finish_reason: answer.reason.as_str(),
+            .map(|(index, answer)| {
+                let (calls, content) = match &tools {
+                    Some(t) => t.parse(&answer.text),
+                    None => (Vec::new(), Some(answer.text)),
+                };
+                let finish_reason = tools::finish_reason(!calls.is_empty(), answer.reason.as_str());
+                ChatChoice {
+                    index: index as u32,
+                    message: AssistantMessage {
+                        role: "assistant",
+                        content,
+                        tool_calls: (!calls.is_empty()).then(|| tools::with_ids(calls)),
+                    },
+                    logprobs: writer.logprobs(&answer.tokens),
+                    finish_reason,
+                }
             })
             .collect();
         return Ok(Json(ChatCompletionResponse {
@@ -87,60 +101,96 @@ pub async fn chat_completions<B: Backend>(
             let delta = ChatDelta {
                 role: Some("assistant"),
                 content: Some(String::new()),
+                ..ChatDelta::default()
             };
             sse_json(&writer.chunk(index, delta, None, None))
         })
         .collect();
-    let state = (merged(choices).boxed(), writer, ChoiceTally::new(n), false);
+    let calls: Vec<ToolStream> = (0..n).map(|_| ToolStream::default()).collect();
+    let state = (
+        merged(choices).boxed(),
+        writer,
+        ChoiceTally::new(n),
+        false,
+        calls,
+    );
     let rest = stream::unfold(
         state,
-        move |(mut merged, writer, mut tally, ended)| async move {
-            if ended {
-                return None;
-            }
-            let (index, piece) = merged.next().await?;
-            let mut ended = false;
-            let events: Vec<Event> = match piece {
-                Piece::Prompt(_) => Vec::new(), // only `echo` asks for them
-                Piece::Text { text, tokens } => {
-                    let delta = ChatDelta {
-                        role: None,
-                        content: Some(text),
-                    };
-                    let logprobs = writer.logprobs(&tokens);
-                    vec![sse_json(&writer.chunk(index, delta, logprobs, None))]
+        move |(mut merged, writer, mut tally, ended, mut calls)| {
+            let tools = tools.clone();
+            async move {
+                if ended {
+                    return None;
                 }
-                Piece::Finished {
-                    reason,
-                    prompt_tokens,
-                    completion_tokens,
-                    tokens,
-                } => {
-                    let logprobs = writer.logprobs(&tokens);
-                    let mut out = vec![sse_json(&writer.chunk(
-                        index,
-                        ChatDelta::default(),
-                        logprobs,
-                        Some(reason.as_str()),
-                    ))];
-                    if let Some(usage) = tally.finished(prompt_tokens, completion_tokens) {
-                        if include_usage {
-                            let mut last = writer.chunk(0, ChatDelta::default(), None, None);
-                            last.choices.clear();
-                            last.usage = Some(usage);
-                            out.push(sse_json(&last));
+                let (index, piece) = merged.next().await?;
+                let mut ended = false;
+                let events: Vec<Event> = match piece {
+                    Piece::Prompt(_) => Vec::new(), // only `echo` asks for them
+                    Piece::Text { text, tokens } => {
+                        let logprobs = writer.logprobs(&tokens);
+                        match &tools {
+                            None => {
+                                let delta = ChatDelta {
+                                    content: Some(text),
+                                    ..ChatDelta::default()
+                                };
+                                vec![sse_json(&writer.chunk(index, delta, logprobs, None))]
+                            }
+                            Some(t) => {
+                                let mut deltas = calls[index as usize].text(t, text);
+                                if deltas.is_empty() && logprobs.is_some() {
+                                    deltas.push(ChatDelta::default()); // buffered text: its logprobs now
+                                }
+                                let mut logprobs = logprobs;
+                                deltas
+                                    .into_iter()
+                                    .map(|d| {
+                                        sse_json(&writer.chunk(index, d, logprobs.take(), None))
+                                    })
+                                    .collect()
+                            }
                         }
-                        out.push(sse_done());
-                        ended = true;
                     }
-                    out
-                }
-                Piece::Failed(e) => {
-                    ended = true;
-                    vec![sse_json(&e.to_body())]
-                }
-            };
-            Some((events, (merged, writer, tally, ended)))
+                    Piece::Finished {
+                        reason,
+                        prompt_tokens,
+                        completion_tokens,
+                        tokens,
+                    } => {
+                        let logprobs = writer.logprobs(&tokens);
+                        let (deltas, reason) = match &tools {
+                            Some(t) => calls[index as usize].finish(t, reason.as_str()),
+                            None => (Vec::new(), reason.as_str()),
+                        };
+                        let mut out: Vec<Event> = deltas
+                            .into_iter()
+                            .map(|d| sse_json(&writer.chunk(index, d, None, None)))
+                            .collect();
+                        out.push(sse_json(&writer.chunk(
+                            index,
+                            ChatDelta::default(),
+                            logprobs,
+                            Some(reason),
+                        )));
+                        if let Some(usage) = tally.finished(prompt_tokens, completion_tokens) {
+                            if include_usage {
+                                let mut last = writer.chunk(0, ChatDelta::default(), None, None);
+                                last.choices.clear();
+                                last.usage = Some(usage);
+                                out.push(sse_json(&last));
+                            }
+                            out.push(sse_done());
+                            ended = true;
+                        }
+                        out
+                    }
+                    Piece::Failed(e) => {
+                        ended = true;
+                        vec![sse_json(&e.to_body())]
+                    }
+                };
+                Some((events, (merged, writer, tally, ended, calls)))
+            }
         },
     );
     Ok(sse_response(stream::iter([first]).chain(rest)))

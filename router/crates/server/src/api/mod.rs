@@ -45,6 +45,7 @@ pub mod quotas;
 pub mod request_id;
 pub mod tenants;
 pub mod tokenize;
+pub mod tools;
 pub mod usage;
 pub mod variants;
 pub mod ws;
@@ -394,7 +395,12 @@ impl Pieces {
                     tokens: std::mem::take(&mut self.pending),
                 },
                 Some(GenerateEvent::Error { message }) => {
-                    Piece::Failed(ApiError::Internal(message))
+                    // The worker could not compile the request's grammar: the client's error.
+                    if message.starts_with(crate::validate::response_format::GRAMMAR_REFUSED) {
+                        Piece::Failed(ApiError::invalid("response_format", message))
+                    } else {
+                        Piece::Failed(ApiError::Internal(message))
+                    }
                 }
                 None => Piece::Failed(ApiError::Internal(
                     "the engine ended the request without a result".into(),

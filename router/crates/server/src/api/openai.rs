@@ -5,7 +5,8 @@
 //! Nothing a client sends is silently ignored: an unknown field is a 400 naming it (serde's
 //! `deny_unknown_fields`), and a known OpenAI / vLLM field this server does not implement is
 //! declared as [`Unsupported`], a 400 whose `param` is the field, unless its value is a no-op
-//! (`null`, `{}`, `[]`, `response_format: {"type": "text"}`, `tool_choice: "none"`). `user` is
+//! (`null`, `{}`, `[]`, `{"type": "text"}`, `"none"`). `response_format` and `tools` are
+//! implemented (`validate/response_format.rs`, `api/tools.rs`). `user` is
 //! accepted (it names the end user; nothing here depends on it); `max_completion_tokens` is the
 //! newer name of `max_tokens` in both endpoints.
 //!
@@ -107,8 +108,9 @@ pub struct CompletionRequest {
     pub best_of: Option<i64>,
     /// Not implemented (400 unless a no-op).
     pub suffix: Option<Unsupported>,
-    /// Not implemented (vLLM extension; 400 unless a no-op).
-    pub response_format: Option<Unsupported>,
+    /// `{"type": "text" | "json_object" | "json_schema", ...}`: output constrained by a grammar
+    /// (vLLM extension here; `validate/response_format.rs`).
+    pub response_format: Option<Value>,
     /// Not implemented (vLLM extension; 400 unless a no-op).
     pub min_p: Option<Unsupported>,
 }
@@ -165,14 +167,15 @@ pub struct ChatCompletionRequest {
     /// Extra variables for the chat template, e.g. `{"enable_thinking": false}` (vLLM
     /// extension); the template's own variables (`messages`, `tools`, ...) cannot be replaced.
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
-    /// Not implemented (400 unless `{"type": "text"}`).
-    pub response_format: Option<Unsupported>,
-    /// Not implemented (400 unless empty).
-    pub tools: Option<Unsupported>,
-    /// Not implemented (400 unless `"none"`).
-    pub tool_choice: Option<Unsupported>,
-    /// Not implemented (400 unless a no-op).
-    pub parallel_tool_calls: Option<Unsupported>,
+    /// `{"type": "text" | "json_object" | "json_schema", ...}`: output constrained by a grammar
+    /// (`validate/response_format.rs`).
+    pub response_format: Option<Value>,
+    /// Functions the model may call (`api/tools.rs`).
+    pub tools: Option<Value>,
+    /// `none` | `auto` | `required` | `{"type": "function", "function": {"name": ..}}`.
+    pub tool_choice: Option<Value>,
+    /// Whether `required` may produce more than one call (default true).
+    pub parallel_tool_calls: Option<bool>,
     /// Not implemented (deprecated `tools`; 400 unless empty).
     pub functions: Option<Unsupported>,
     /// Not implemented (deprecated `tool_choice`; 400 unless `"none"`).
@@ -301,7 +304,7 @@ pub struct ChatChoice {
     pub message: AssistantMessage,
     /// Per-token logprobs, when asked for.
     pub logprobs: Option<ChatLogprobs>,
-    /// `stop` | `length` | `abort`.
+    /// `stop` | `length` | `abort` | `tool_calls`.
     pub finish_reason: &'static str,
 }
 
@@ -310,8 +313,58 @@ pub struct ChatChoice {
 pub struct AssistantMessage {
     /// Always `assistant`.
     pub role: &'static str,
-    /// The generated text.
-    pub content: String,
+    /// The generated text (`null` when the answer is tool calls only).
+    pub content: Option<String>,
+    /// The functions the model called (`tools`), when it called any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+}
+
+/// One function call of an assistant message.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCall {
+    /// `call_…`, unique per response.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// What is called.
+    pub function: FunctionCall,
+}
+
+/// The function and its arguments (a JSON object, as text).
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionCall {
+    /// The tool's name.
+    pub name: String,
+    /// Its arguments as JSON text.
+    pub arguments: String,
+}
+
+/// A piece of a tool call in a streamed delta (OpenAI's shape: the first piece of a call has its
+/// `id`, `type` and `function.name`; later pieces add to `function.arguments`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallDelta {
+    /// Which call of the message (0..).
+    pub index: u32,
+    /// The call's id (first piece only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `function` (first piece only).
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    /// The name (first piece only) and a piece of the arguments.
+    pub function: FunctionCallDelta,
+}
+
+/// The function part of a [`ToolCallDelta`].
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionCallDelta {
+    /// The tool's name (first piece only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The next piece of the arguments' JSON text.
+    pub arguments: String,
 }
 
 /// Logprobs in the chat format.
@@ -385,6 +438,9 @@ pub struct ChatDelta {
     /// Text added by this chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Tool call pieces added by this chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 /// `GET /v1/models`.
@@ -433,11 +489,7 @@ mod tests {
 
     #[test]
     fn unimplemented_fields_are_400s_naming_them() {
-        for (field, value) in [
-            ("suffix", r#""}""#),
-            ("response_format", r#"{"type": "json_object"}"#),
-            ("min_p", "0.1"),
-        ] {
+        for (field, value) in [("suffix", r#""}""#), ("min_p", "0.1")] {
             let (message, param) =
                 refused::<CompletionRequest>(&format!(r#"{{"prompt": "x", "{field}": {value}}}"#));
             assert_eq!(param.as_deref(), Some(field), "{message}");
@@ -447,16 +499,9 @@ mod tests {
             );
         }
         for (field, value) in [
-            (
-                "tools",
-                r#"[{"type": "function", "function": {"name": "f"}}]"#,
-            ),
-            ("tool_choice", r#""required""#),
-            (
-                "response_format",
-                r#"{"type": "json_schema", "json_schema": {}}"#,
-            ),
-            ("parallel_tool_calls", "true"),
+            ("functions", r#"[{"name": "f"}]"#),
+            ("function_call", r#""auto""#),
+            ("parallel_tool_calls", r#""yes""#),
         ] {
             let body = format!(
                 r#"{{"messages": [{{"role": "user", "content": "x"}}], "{field}": {value}}}"#

@@ -359,6 +359,12 @@ fn validate_ws_request<B: Backend>(
             "`echo` is not supported over /v1/ws (its messages carry tokens); use /v1/completions",
         ));
     }
+    if validated.tools.is_some() {
+        return Err(ApiError::invalid(
+            "request.tools",
+            "`tools` are not supported over /v1/ws (its messages carry tokens, not tool calls); use /v1/chat/completions",
+        ));
+    }
     // `best_of` is at least `n`, so this refuses both.
     if validated.best_of > 1 {
         let field = if validated.n > 1 { "n" } else { "best_of" };

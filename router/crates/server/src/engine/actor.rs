@@ -63,6 +63,7 @@ use crate::worker::{SpinWindow, StepPace, WorkerProcess, WorkerSpec};
 
 mod lifecycle;
 mod quarantine;
+mod refused;
 mod variants;
 
 /// A plan sent to the worker and not answered yet.
@@ -392,6 +393,8 @@ impl Actor {
         self.sched.host_copies_ready(&out.host_ready);
         // A variant the worker quarantined fails only its own requests (none has an output).
         self.variants_failed(&out.failed_variants);
+        // A request whose grammar the worker refused fails alone (it has no output).
+        self.requests_refused(&out.refused_requests);
 
         // Requests ended since the step was sent are no longer the scheduler's: skip them.
         let sampled: Vec<(u64, Option<u32>)> = out
