@@ -103,6 +103,48 @@ def test_latency_model_fit_recovers_its_coefficients(tmp_path):
     assert m.predict(samples[3]) == pytest.approx(samples[3]["step_s"])
     loaded = sim.LatencyModel.load(m.save(tmp_path / "m.json"))
     assert loaded == m
+
+
+def test_windowed_fit_recovers_costs_that_overlap_moved_into_a_neighbours_period():
+    """Half of each prefill step's cost shows up in the period of the step before it (its host
+    work runs while the earlier step's output waits): a per-step fit prices prefill at half its
+    cost; windows of consecutive steps of one run shrink the error to their edges, less the
+    longer they are."""
+    rng = np.random.default_rng(2)
+    dec, pre = {"const": 0.006, "seqs": 5e-5}, {"const": 0.004, "prefill_tokens": 2e-5}
+    samples, true_s = [], []
+    for i in range(400):
+        if rng.random() < 0.3:
+            s = {"prefill_tokens": int(rng.integers(16, 512)), "seqs": int(rng.integers(1, 64))}
+            true_s.append(pre["const"] + pre["prefill_tokens"] * s["prefill_tokens"])
+        else:
+            s = {"seqs": int(rng.integers(1, 64))}
+            true_s.append(dec["const"] + dec["seqs"] * s["seqs"])
+        s["run"] = i // 100  # four runs (a step left out between them)
+        samples.append(s)
+    for i, s in enumerate(samples):
+        moved = 0.5 * true_s[i + 1] if i + 1 < len(samples) and "prefill_tokens" in samples[i + 1] else 0.0
+        kept = 0.5 * true_s[i] if "prefill_tokens" in s else true_s[i]
+        s["step_s"] = kept + moved
+    per_token = [sim.LatencyModel.fit(samples, window=w).prefill["prefill_tokens"] for w in (1, 2, 16)]
+    assert per_token[0] < 0.6 * pre["prefill_tokens"], "per step: the moved half is lost"
+    assert per_token[0] < per_token[1] < per_token[2], "longer windows, smaller edge error"
+    m = sim.LatencyModel.fit(samples, window=16)
+    assert m.prefill["prefill_tokens"] == pytest.approx(pre["prefill_tokens"], rel=0.1)
+    assert m.decode["const"] == pytest.approx(dec["const"], rel=0.05)
+    assert set(m.r2) == {"windows"} and m.r2["windows"] > 0.8
+    with pytest.raises(ValueError, match="window 0"):
+        sim.LatencyModel.fit(samples, window=0)
+
+
+def test_last_requests_of_a_warmed_up_run():
+    from deltaserve.sim.trace import from_requests
+
+    reqs = [{"t": 0.1 * i, "variant": None, "prompt_len": 8, "output_len": 4} for i in range(10)]
+    res = sim.replay(from_requests(reqs, []))
+    tail = res.last(3)
+    assert len(tail.trace) == 3 and tail.trace.arrival_s == res.trace.arrival_s[-3:]
+    assert (tail.finish_s == res.finish_s[-3:]).all() and tail.summary()["requests"] == 3
     with pytest.raises(ValueError, match="unknown features"):
         sim.LatencyModel.fit([{"step_s": 1.0, "bogus": 1}])
     with pytest.raises(ValueError, match="no prefill samples"):

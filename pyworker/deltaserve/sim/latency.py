@@ -87,31 +87,70 @@ class LatencyModel:
     """Where the samples came from (files, command)."""
 
     @classmethod
-    def fit(cls, samples: Iterable[Mapping[str, Any]], **kw: Any) -> LatencyModel:
+    def fit(cls, samples: Iterable[Mapping[str, Any]], window: int = 1, **kw: Any) -> LatencyModel:
         """Fits both kinds from measured steps (module docstring); ``kw`` sets the other fields.
+
+        ``window`` > 1 fits both kinds at once on the sums over every ``window`` consecutive
+        samples of one run (a sliding window; a sample's optional ``run`` key names its run of
+        consecutive steps, default one run): for recordings of overlapped steps, where part of a
+        step's cost lands in its neighbour's measured period, which per-step samples then
+        misattribute (``bench/sim_validate.py`` uses 2, the steps in flight). R² is then the
+        windows' own, under the key ``windows``.
+
         Raises ``ValueError`` for a sample without a positive finite ``step_s``, an unknown
-        feature, or a kind with no samples."""
+        feature, a kind with no samples, or a window below 1."""
+        if window < 1:
+            raise ValueError(f"window {window}: want at least 1 sample")
         rows: dict[str, list[tuple[np.ndarray, float]]] = {k: [] for k in KINDS}
+        runs: dict[Any, list[tuple[str, np.ndarray, float]]] = {}
         for i, s in enumerate(samples):
-            unknown = set(s) - set(FEATURES) - {"step_s", "const"}
+            unknown = set(s) - set(FEATURES) - {"step_s", "const", "run"}
             if unknown:
                 raise ValueError(f"sample {i}: unknown features {sorted(unknown)}; known: {', '.join(FEATURES)}")
             t = s.get("step_s")
             if not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
                 raise ValueError(f"sample {i}: step_s must be a positive number of seconds, got {t!r}")
-            x = features_vector(s)
-            rows["prefill" if s.get("prefill_tokens", 0) > 0 else "decode"].append((x, float(t)))
-        coefs: dict[str, dict[str, float]] = {}
-        r2: dict[str, float | None] = {}
+            kind = "prefill" if s.get("prefill_tokens", 0) > 0 else "decode"
+            rows[kind].append((features_vector(s), float(t)))
+            runs.setdefault(s.get("run", 0), []).append((kind, features_vector(s), float(t)))
         for kind in KINDS:
             if not rows[kind]:
                 raise ValueError(f"no {kind} samples: the profile needs steps of both kinds")
+        counts = {k: len(rows[k]) for k in KINDS}
+        if window > 1:
+            return cls._fit_windows(list(runs.values()), window, counts, **kw)
+        coefs: dict[str, dict[str, float]] = {}
+        r2: dict[str, float | None] = {}
+        for kind in KINDS:
             x = np.stack([r[0] for r in rows[kind]])
             y = np.array([r[1] for r in rows[kind]])
             c, r2[kind] = _fit_nonnegative(x, y)
             coefs[kind] = {f: float(v) for f, v in zip(FEATURES, c)}
-        return cls(decode=coefs["decode"], prefill=coefs["prefill"], r2=r2,
-                   samples={k: len(rows[k]) for k in KINDS}, **kw)  # fmt: skip
+        return cls(decode=coefs["decode"], prefill=coefs["prefill"], r2=r2, samples=counts, **kw)
+
+    @classmethod
+    def _fit_windows(cls, runs: list[list[tuple[str, np.ndarray, float]]], window: int, counts: dict[str, int],
+                     **kw: Any) -> LatencyModel:  # fmt: skip
+        """:meth:`fit` over sliding windows: one row per ``window`` consecutive samples of a run,
+        the decode and the prefill features summed in separate columns."""
+        width = len(FEATURES)
+        xs, ys = [], []
+        for run in runs:
+            cols = []
+            for kind, x, t in run:
+                row = np.zeros(2 * width)
+                at = KINDS.index(kind) * width
+                row[at : at + width] = x
+                cols.append((row, t))
+            for i in range(len(cols) - window + 1):
+                xs.append(sum(r for r, _ in cols[i : i + window]))
+                ys.append(sum(t for _, t in cols[i : i + window]))
+        if not xs:
+            raise ValueError(f"no run of {window} consecutive samples to fit")
+        c, r2 = _fit_nonnegative(np.stack(xs), np.array(ys))
+        coefs = {kind: {f: float(v) for f, v in zip(FEATURES, c[i * width : (i + 1) * width])}
+                 for i, kind in enumerate(KINDS)}  # fmt: skip
+        return cls(decode=coefs["decode"], prefill=coefs["prefill"], r2={"windows": r2}, samples=counts, **kw)
 
     def predict(self, step: Mapping[str, float]) -> float:
         """Seconds one step takes: ``step`` maps feature names to values (absent: 0)."""

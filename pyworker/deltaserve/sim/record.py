@@ -122,12 +122,17 @@ def steps_to_samples(
 ) -> list[dict[str, Any]]:
     """Latency-model samples of a recording; ``ranks`` gives each LoRA variant id's rank,
     ``deltas`` the variant ids that are deltas. With ``skip_loads``, steps that loaded a variant
-    to the GPU are left out (their time includes the copy, which the model prices apart)."""
+    to the GPU are left out (their time includes the copy, which the model prices apart). Each
+    sample's ``run`` counts the steps left out before it: samples of one run are consecutive
+    steps (``LatencyModel.fit``'s windows stay within a run)."""
     samples = []
+    run = 0
     for s, f, period in step_features(steps, ranks, deltas):
         loads = any(op[1] == TO_GPU for op in s["ops"])
         if period > 0 and not (skip_loads and loads):
-            samples.append({**f, "step_s": period})
+            samples.append({**f, "step_s": period, "run": run})
+        else:
+            run += 1
     return samples
 
 

@@ -17,7 +17,7 @@ scheduler's own default (``_native.SchedulerConfig``) unless given.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -102,6 +102,16 @@ class SimResult:
     steps: list[tuple[int, int, bool, float, float, list[tuple[int, int]], int]] = field(default_factory=list)
     """With ``record_steps``: ``(worker, step_id, ahead, start_s, end_s, [(request, tokens)],
     prefill_tokens)`` per step in launch order; requests listed new first, then running."""
+
+    def last(self, n: int) -> SimResult:
+        """The run's last ``n`` requests (a trace replayed after a warm-up): their times, with the
+        run's counters, peaks and steps as they are."""
+        keep = slice(len(self.trace) - n, None)
+        t = self.trace
+        trace = replace(t, arrival_s=t.arrival_s[keep], prompt_len=t.prompt_len[keep],
+                        output_len=t.output_len[keep], variant=t.variant[keep])  # fmt: skip
+        return replace(self, trace=trace, first_token_s=self.first_token_s[keep], finish_s=self.finish_s[keep],
+                       output_tokens=self.output_tokens[keep], worker_of=self.worker_of[keep])  # fmt: skip
 
     @property
     def completed(self) -> np.ndarray:
