@@ -12,7 +12,10 @@ policy's penalty, first fit's room) and used for the attainment figure. Per poli
 policy placed past the SLO (``deltaserve_placement_over_slo_total``).
 
     python3 -m bench.placement_policies --devices cpu,cpu [--shape smoke-llama] [--rate 4] [--duration 20]
-    python3 -m bench.placement_policies --devices 0,1 --shape llama-2-7b --rate 12 --duration 60   # 2 GPUs
+    python3 -m bench.placement_policies --devices 0,1 --shape llama-2-7b --rate 16 --duration 30 \
+        --work-dir /tmp/pp --policies caraserve,least-loaded       # 2 GPUs; then first-fit,random
+
+A ``--work-dir`` keeps the model, adapters and profile between runs (the profile is measured once).
 
 CPU workers share the host's cores (the daemon splits them); the profile runs with all of them,
 so on CPU its absolute numbers overstate a worker's speed (the ranking between workers holds).
@@ -107,13 +110,18 @@ def main() -> None:
     first = a.devices.split(",")[0]
     device = "cpu" if first == "cpu" else f"cuda:{first.removeprefix('cuda:')}"
     profile_path = work / "profile.json"
-    profile = run_profile(model, device, profile_path, a.shape == SMOKE_SHAPE)
+    if profile_path.is_file():  # measured by an earlier run in this --work-dir
+        profile = json.loads(profile_path.read_text())
+    else:
+        profile = run_profile(model, device, profile_path, a.shape == SMOKE_SHAPE)
     slo_ms = a.tpot_slo_ms or default_slo_ms(profile)
     lo, hi = (int(x) for x in a.input.split(","))
     olo, ohi = (int(x) for x in a.output.split(","))
     trace = wl.slora(a.adapters, a.alpha, a.rate, 1.0, a.duration, (lo, hi), (olo, ohi), RANKS,
                      vocab=(3, config["vocab_size"]), seed=1)  # fmt: skip
-    lora_dir = write_adapters(work / "loras", trace, config)
+    lora_dir = work / "loras"
+    if not lora_dir.is_dir():
+        write_adapters(lora_dir, trace, config)
     results = {}
     for policy in policies:
         flags = ["--placement", policy, "--latency-profile", str(profile_path), "--tpot-slo-ms", str(round(slo_ms)),

@@ -12,7 +12,7 @@
 //!           + (n + 1)·copy(r) + read(r)           r's adapter: host → GPU blocks the step
 //!                                                 (0 where it is on the GPU), disk → host only r
 //!           + PENALTY  if T(batch + r) > the TPOT SLO (--tpot-slo-ms)
-//!   T(batch) = const + per_token·requests + per_rank·rank_term
+//!   T(batch) = const + per_token·requests + per_rank·rank_term + per_adapter·distinct adapters
 //!   rank_term = Σ rank over the batch's distinct adapters (MBGMV, no padding: deltaserve's kernels)
 //!             | requests × max rank                      (BGMV, padded to the largest rank)
 //!   ```
@@ -80,6 +80,8 @@ pub struct LatencyProfile {
     pub decode_per_request_us: f64,
     /// Per unit of the rank term (µs).
     pub decode_per_rank_us: f64,
+    /// Per distinct adapter of the batch (µs): a kernel segment each (large on CPU workers).
+    pub decode_per_adapter_us: f64,
     /// How ranks add up ([`RankCost`]).
     pub rank_cost: RankCost,
     /// Prefill time per prompt token (µs).
@@ -100,6 +102,7 @@ impl Default for LatencyProfile {
             decode_const_us: 4622.0,
             decode_per_request_us: 43.4,
             decode_per_rank_us: 0.21,
+            decode_per_adapter_us: 0.007,
             rank_cost: RankCost::SumOfRanks,
             prefill_per_token_us: 10.8,
             host_to_gpu_bytes_per_us: 19_878.0,
@@ -162,6 +165,7 @@ impl LatencyProfile {
             decode_const_us: get(d, "const")?,
             decode_per_request_us: get(d, "seqs")? + get(d, "tokens")? + get(d, "lora_tokens")?,
             decode_per_rank_us: get(d, "lora_rank_sum")?,
+            decode_per_adapter_us: get(d, "lora_segments")?,
             rank_cost: m.rank_cost.unwrap_or(RankCost::SumOfRanks),
             prefill_per_token_us: get(&m.prefill, "prefill_tokens")? + get(&m.prefill, "tokens")?,
             host_to_gpu_bytes_per_us: bw(&m.host_to_gpu_bps, defaults.host_to_gpu_bytes_per_us)?,
@@ -179,6 +183,7 @@ impl LatencyProfile {
         self.decode_const_us
             + self.decode_per_request_us * batch.requests as f64
             + self.decode_per_rank_us * rank_term
+            + self.decode_per_adapter_us * batch.adapters as f64
     }
 }
 
@@ -202,6 +207,8 @@ pub struct Batch {
     pub rank_sum: u64,
     /// Largest rank in it (0: base requests only).
     pub max_rank: u32,
+    /// Its distinct adapters.
+    pub adapters: usize,
 }
 
 impl Batch {
@@ -211,6 +218,7 @@ impl Batch {
             requests: self.requests + 1,
             rank_sum: self.rank_sum + if new_adapter { u64::from(rank) } else { 0 },
             max_rank: self.max_rank.max(rank),
+            adapters: self.adapters + usize::from(new_adapter),
         }
     }
 }
@@ -375,6 +383,7 @@ mod tests {
                 requests: n,
                 rank_sum: n as u64 * u64::from(rank),
                 max_rank: rank,
+                adapters: n,
             },
             adapter_in_batch: false,
             residency: Residency::Gpu,
@@ -395,6 +404,7 @@ mod tests {
             decode_const_us: const_ms * 1e3,
             decode_per_request_us: 0.0,
             decode_per_rank_us: per_rank_ms * 1e3,
+            decode_per_adapter_us: 0.0,
             rank_cost,
             ..LatencyProfile::default()
         }
@@ -545,7 +555,7 @@ mod tests {
     #[test]
     fn profiles_load_from_the_simulators_json() {
         let json = r#"{"decode": {"const": 0.004, "seqs": 1e-5, "tokens": 0, "lora_tokens": 2e-5,
-            "lora_rank_sum": 2e-7}, "prefill": {"tokens": 1e-5, "prefill_tokens": 1e-6},
+            "lora_rank_sum": 2e-7, "lora_segments": 5e-6}, "prefill": {"tokens": 1e-5, "prefill_tokens": 1e-6},
             "host_to_gpu_bps": {"lora": 2e10, "delta": 2e10}, "device": "NVIDIA H100 80GB HBM3",
             "r2": {"decode": 0.99}}"#;
         let p = LatencyProfile::from_json(json).unwrap();
@@ -561,6 +571,7 @@ mod tests {
             (p.host_to_gpu_bytes_per_us - 20_000.0).abs() < 1e-6
                 && p.device.starts_with("NVIDIA H100")
         );
+        assert!((p.decode_per_adapter_us - 5.0).abs() < 1e-9);
         assert_eq!(p.rank_cost, RankCost::SumOfRanks);
         let bgmv = json.replacen(
             "{\"decode\"",

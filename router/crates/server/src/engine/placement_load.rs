@@ -96,6 +96,7 @@ impl LoadCell {
             requests: outstanding,
             rank_sum: load.users.keys().map(|id| u64::from(rank(id))).sum(),
             max_rank: load.users.keys().map(rank).max().unwrap_or(0),
+            adapters: load.users.len(),
         };
         let residency = if adapter_id == 0 || load.gpu.contains(&adapter_id) {
             Residency::Gpu
@@ -134,7 +135,8 @@ mod tests {
             Batch {
                 requests: 5,
                 rank_sum: 72,
-                max_rank: 64
+                max_rank: 64,
+                adapters: 2
             }
         );
         assert_eq!((v.residency, v.adapter_in_batch), (Residency::Host, false));
