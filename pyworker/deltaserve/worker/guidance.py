@@ -117,7 +117,11 @@ class GrammarGate:
         """A fresh matcher for ``grammar``; raises ``GrammarError`` with llguidance's message."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        tokenizer = self.tokenizer()
+        try:
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        except Exception as e:  # noqa: BLE001 - whatever a client's grammar does refuses only it
+            raise GrammarError(f"{type(e).__name__}: {e}") from e
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return Constrained(matcher)

@@ -20,7 +20,7 @@ use serde_json::Value;
 use crate::api::error::ApiError;
 use crate::api::openai::{ChatCompletionRequest, CompletionRequest, StreamOptions};
 use crate::api::tenants::Caller;
-use crate::api::tools::{check as check_tools, Tools};
+use crate::api::tools::{self, Tools};
 use crate::engine::{GenerateRequest, ServedModel};
 use crate::text::chat_template::{json_kind, ChatMessage, ChatTemplate, RenderOptions};
 use crate::text::tokenizer::TextTokenizer;
@@ -218,8 +218,7 @@ pub fn validate_completion(
     let mut partial = common_fields(&common, logprobs, ctx.model.vocab_size)?;
     partial.request.adapter_id = adapter_id;
     partial.best_of = best_of;
-    partial.request.sampling.grammar = response_format::grammar(req.response_format.as_ref())?;
-    response_format::check_grammar_fields(&partial.request.sampling)?;
+    response_format::apply(req.response_format.as_ref(), &mut partial.request.sampling)?;
     let prompt = req
         .prompt
         .as_ref()
@@ -348,8 +347,7 @@ pub fn validate_chat(
     };
     let mut partial = common_fields(&common, logprobs, ctx.model.vocab_size)?;
     partial.request.adapter_id = adapter_id;
-    partial.request.sampling.grammar = response_format::grammar(req.response_format.as_ref())?;
-    response_format::check_grammar_fields(&partial.request.sampling)?;
+    response_format::apply(req.response_format.as_ref(), &mut partial.request.sampling)?;
     let messages = req
         .messages
         .as_deref()
@@ -360,29 +358,10 @@ pub fn validate_chat(
             "`messages` must not be empty",
         ));
     }
-    let tools = check_tools(
-        req.tools.as_ref(),
-        req.tool_choice.as_ref(),
-        req.parallel_tool_calls,
-    )?;
-    if let Some(grammar) = tools.as_ref().and_then(Tools::grammar) {
-        if partial.request.sampling.grammar.is_some() {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                "a forced tool call (`required` or a named function) cannot be combined with `response_format`",
-            ));
-        }
-        partial.request.sampling.grammar = Some(grammar);
-        response_format::check_grammar_fields(&partial.request.sampling)?;
-    }
-    partial.tools = tools;
+    partial.tools = tools::check_into(req, &mut partial.request.sampling)?;
     let options = RenderOptions {
         add_generation_prompt: true,
-        tools: req
-            .tools
-            .as_ref()
-            .and_then(Value::as_array)
-            .map(Vec::as_slice),
+        tools: tools::for_template(req),
         kwargs: req.chat_template_kwargs.as_ref(),
     };
     let text = render_chat(

@@ -24,12 +24,15 @@
 //! need the whole text to know what it is, so their choice's calls (or content) come in the
 //! choice's last deltas.
 
+use deltaserve_ipc::wire::SamplingParams;
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
-use super::openai::{ChatDelta, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta};
+use super::openai::{
+    ChatCompletionRequest, ChatDelta, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta,
+};
 use super::response_id;
-use crate::validate::response_format::{schema_grammar, valid_name};
+use crate::validate::response_format::{check_grammar_fields, schema_grammar, valid_name};
 
 /// Opening tag of a Hermes-style tool call in `auto` mode.
 pub const CALL_OPEN: &str = "<tool_call>";
@@ -193,6 +196,38 @@ pub fn with_ids(calls: Vec<FunctionCall>) -> Vec<ToolCall> {
             function,
         })
         .collect()
+}
+
+/// The request's checked tools (`None`: no tools); a forced call's grammar goes on `sampling`
+/// (whose `response_format` grammar, if any, is already there: the two cannot be combined).
+pub fn check_into(
+    req: &ChatCompletionRequest,
+    sampling: &mut SamplingParams,
+) -> Result<Option<Tools>, ApiError> {
+    let tools = check(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )?;
+    if let Some(grammar) = tools.as_ref().and_then(Tools::grammar) {
+        if sampling.grammar.is_some() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a forced tool call (`required` or a named function) cannot be combined with `response_format`",
+            ));
+        }
+        sampling.grammar = Some(grammar);
+        check_grammar_fields(sampling)?;
+    }
+    Ok(tools)
+}
+
+/// The request's `tools` as the chat template gets them (HF's `tools` variable).
+pub fn for_template(req: &ChatCompletionRequest) -> Option<&[Value]> {
+    req.tools
+        .as_ref()
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
 }
 
 /// Checks `tools`, `tool_choice` and `parallel_tool_calls`; `None` when there are no tools (and

@@ -26,6 +26,16 @@ pub const GRAMMAR_REFUSED: &str = "the structured-output grammar was refused by 
 /// The longest `json_schema.name` (OpenAI's limit).
 const MAX_NAME_LEN: usize = 64;
 
+/// Puts the grammar `response_format` asks for on `sampling` and checks the fields a grammar
+/// cannot honour ([`check_grammar_fields`]).
+pub fn apply(
+    response_format: Option<&Value>,
+    sampling: &mut SamplingParams,
+) -> Result<(), ApiError> {
+    sampling.grammar = grammar(response_format)?;
+    check_grammar_fields(sampling)
+}
+
 /// The grammar `response_format` asks for (`None`: unconstrained text), or a 400 naming the
 /// field that is wrong.
 pub fn grammar(response_format: Option<&Value>) -> Result<Option<String>, ApiError> {
