@@ -79,6 +79,8 @@ def test_masks_make_a_random_model_emit_schema_valid_json_in_mixed_overlapped_ba
     for i in (0, 2):
         json_of(in_order[i], eos, tokenizer)
         assert in_order[i] != plain[i]
+    alone = SchedDriver(executor_factory()).run({2: reqs[2]}, {}, {2: sampling[2]})[2]
+    assert alone == in_order[2], "a seeded constrained row samples the same tokens whatever its batch"
 
 
 def test_preempted_request_rebuilds_its_matcher_from_its_outputs(executor_factory, tokenizer) -> None:
