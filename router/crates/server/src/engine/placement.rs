@@ -582,6 +582,11 @@ mod tests {
             LatencyProfile::from_json(&bgmv).unwrap().rank_cost,
             RankCost::BatchTimesMaxRank
         );
+        let missing = LatencyProfile::load(Path::new("/nonexistent/profile.json")).unwrap_err();
+        assert!(
+            missing.contains("--latency-profile /nonexistent/profile.json"),
+            "{missing}"
+        );
         assert!(LatencyProfile::from_json("{}")
             .unwrap_err()
             .contains("not a latency profile"));
