@@ -31,6 +31,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -152,6 +153,52 @@ def device_label(devices: str) -> str:
     return torch.cuda.get_device_name(int(devices.split(",")[0]))
 
 
+WATCHED = (
+    "deltaserve_requests_running",
+    "deltaserve_requests_waiting",
+    "deltaserve_admission_queued_requests",
+    "deltaserve_admission_drain_per_s",
+    "deltaserve_admission_running_cap",
+    "deltaserve_admission_predicted_wait_us",
+    "deltaserve_admission_refused_ttft_total",
+)
+"""Gauges and counters sampled during the overload, to see admission control at work."""
+
+
+class MetricsSampler:
+    """Samples ``names`` from ``url``/metrics every ``period_s`` in a thread while in its
+    ``with`` block; ``samples`` is a list of ``{"t": s, name: value}``."""
+
+    def __init__(self, url: str, names: tuple[str, ...], period_s: float) -> None:
+        self.url, self.names, self.period_s = url, names, period_s
+        self.samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> MetricsSampler:
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.wait(self.period_s):
+                try:
+                    text = client.get(f"{self.url}/metrics").text
+                except httpx.HTTPError:
+                    continue
+                row: dict[str, float] = {"t": round(time.perf_counter() - self._t0, 2)}
+                for line in text.splitlines():
+                    name, _, value = line.partition(" ")
+                    if name in self.names:
+                        row[name.removeprefix("deltaserve_")] = float(value)
+                self.samples.append(row)
+
+
 def server_latency(metrics: str) -> dict[str, float]:
     """Mean server-side latencies (seconds) from the daemon's histograms: what the engine measured,
     without the client's own delays (its event loop also parses every streamed token)."""
@@ -241,7 +288,9 @@ def main() -> None:
     with launch(daemon_cmd(args, port, flags), url, logs / "admission-overload.log"):
         asyncio.run(closed_loop(url, 2, 3.0, args.prompt_len, args.max_tokens, vocab))  # warm-up: measured steps
         t0 = time.perf_counter()
-        over = run_loop("open", args.client_procs, url, rate, args.duration_s, args.prompt_len, args.max_tokens, vocab)
+        with MetricsSampler(url, WATCHED, period_s=0.5) as series:
+            over = run_loop("open", args.client_procs, url, rate, args.duration_s, args.prompt_len, args.max_tokens,
+                            vocab)  # fmt: skip
         over_wall = time.perf_counter() - t0
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
 
@@ -298,6 +347,7 @@ def main() -> None:
             "server": server_latency(metrics),
         },
         "metrics": [line for line in metrics.splitlines() if line.startswith("deltaserve_admission")],
+        "metrics_every_500ms": series.samples,
     }
     path = write_result("admission_overload", result, args.out)
     print(json.dumps(result["overload"], indent=1))

@@ -335,10 +335,10 @@ impl Actor {
                 n => prefill_tokens += n as usize,
             }
         }
-        if left_queue > 0 {
-            let mut admission = self.admission.lock().expect("admission lock");
-            admission.dequeued(left_queue, left_tokens);
-        }
+        self.admission
+            .lock()
+            .expect("admission lock")
+            .launched(left_queue, left_tokens);
         let (plan, ids) = wire_plan(step, |id| self.streams.sampling(id));
         let frame = codec::encode(&plan);
         let worker = self.worker.as_mut().expect("worker present");

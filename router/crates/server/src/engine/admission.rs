@@ -33,6 +33,19 @@
 //!   slot:    max(0, k − free slots) / cap · mean output tokens · t(cap)   (slots free as requests end)
 //! ```
 //!
+//! Once the queue has been drained under backlog for [`MIN_DRAIN_STEPS`] steps, the wait is
+//! measured instead of modelled: the queue's drain rate `r` (requests that left it per
+//! microsecond, over the steps that began with requests waiting, decayed over
+//! [`DRAIN_WINDOW_STEPS`]) gives the `k`-th queued request
+//!
+//! ```text
+//!   queue:   k / r          prefill: P·s_tok + t(running)   (its own chunk, in one step)
+//! ```
+//!
+//! (the model above priced slots from decode-only steps, which under overload are rare and
+//! cheaper than the steps that run: on an H200 at 2× saturation it predicted 114 ms where
+//! admitted requests waited 1.1 s).
+//!
 //! It is refused when that exceeds the TTFT SLO; `Retry-After` is the predicted time for the
 //! queue ahead of it to drain (at least 1 s). The running batch is capped at the largest `b` whose
 //! effective step is within the TPOT SLO (the actor gives the cap to its scheduler; requests beyond it wait
@@ -76,6 +89,10 @@ pub const CAP_EVIDENCE_STEPS: u64 = 1024;
 /// A batch size's first samples: its estimate is their minimum (then a moving mean), and it
 /// caps the batch only once measured this many times.
 pub const ROBUST_START: u32 = 3;
+/// Backlogged steps measured before the queue's drain rate replaces the modelled slot wait.
+pub const MIN_DRAIN_STEPS: u32 = 16;
+/// The drain rate's memory: each backlogged step's weight decays by `1 - 1 / this`.
+pub const DRAIN_WINDOW_STEPS: f64 = 64.0;
 
 /// One decode batch size's estimate.
 #[derive(Debug, Clone, Copy)]
@@ -298,6 +315,10 @@ pub struct AdmissionReadings {
     pub refused_queue_full: u64,
     pub predicted_queue_wait_us: u64,
     pub running_cap: u64,
+    /// Admitted requests not yet scheduled.
+    pub queued: u64,
+    /// The queue's measured drain rate, requests per second (0 before it is measured).
+    pub drain_per_s: u64,
 }
 
 /// One worker's admission state, shared by its actor (which measures steps and moves requests
@@ -318,6 +339,14 @@ pub struct Admission {
     queued_prompt_tokens: u64,
     /// Moving mean of admitted requests' `max_tokens`.
     mean_output_tokens: f64,
+    /// The queue's drain (see the module docs): requests that left it since the last step,
+    /// whether requests waited when the last step was measured, and decayed sums over the
+    /// backlogged steps of requests that left and of their steps' microseconds.
+    left_since_step: usize,
+    backlogged: bool,
+    drained: f64,
+    drain_us: f64,
+    drain_steps: u32,
     /// Refusals: predicted TTFT over the SLO; the static queue cap.
     pub refused_ttft: u64,
     pub refused_queue_full: u64,
@@ -335,6 +364,11 @@ impl Admission {
             queued_requests: 0,
             queued_prompt_tokens: 0,
             mean_output_tokens: 0.0,
+            left_since_step: 0,
+            backlogged: false,
+            drained: 0.0,
+            drain_us: 0.0,
+            drain_steps: 0,
             refused_ttft: 0,
             refused_queue_full: 0,
         }
@@ -421,12 +455,17 @@ impl Admission {
             return None;
         }
         let t_running = self.costs.decode_step_us(self.running)?;
+        let per_token = self.costs.prefill_us_per_token().unwrap_or(0.0);
+        let position = self.queued_requests + usize::from(prompt_tokens > 0);
+        if let Some(rate) = self.drain_per_us().filter(|_| self.queued_requests > 0) {
+            let own =
+                prompt_tokens as f64 * per_token + self.costs.effective_step_us(self.running)?;
+            return Some((own, position as f64 / rate));
+        }
         let tokens = (self.queued_prompt_tokens + prompt_tokens) as f64;
         let chunk = self.token_budget.saturating_sub(self.running).max(1) as f64;
-        let per_token = self.costs.prefill_us_per_token().unwrap_or(0.0);
         let prefill = tokens * per_token + (tokens / chunk).ceil() * t_running;
         let cap = self.cap;
-        let position = self.queued_requests + usize::from(prompt_tokens > 0);
         let free = cap.saturating_sub(self.running);
         let beyond = position.saturating_sub(free) as f64;
         let slot = beyond / cap as f64
@@ -514,8 +553,37 @@ impl Admission {
     /// Admitted requests left the queue (a step scheduled them, or they ended before one did),
     /// with their prompt tokens.
     pub fn dequeued(&mut self, requests: usize, prompt_tokens: u64) {
+        self.left_since_step += requests.min(self.queued_requests);
         self.queued_requests = self.queued_requests.saturating_sub(requests);
         self.queued_prompt_tokens = self.queued_prompt_tokens.saturating_sub(prompt_tokens);
+    }
+
+    /// A step was sent that scheduled `requests` queued requests (maybe none) with their prompt
+    /// tokens: if requests still wait after it, the server, not the arrivals, is setting the
+    /// queue's pace until the next step (see [`Self::drain_per_us`]).
+    pub fn launched(&mut self, requests: usize, prompt_tokens: u64) {
+        self.dequeued(requests, prompt_tokens);
+        self.backlogged = self.queued_requests > 0;
+    }
+
+    /// The queue's measured drain rate, requests per microsecond (see the module docs), once
+    /// [`MIN_DRAIN_STEPS`] backlogged steps were measured and one request left.
+    pub fn drain_per_us(&self) -> Option<f64> {
+        (self.drain_steps >= MIN_DRAIN_STEPS && self.drained > 0.0 && self.drain_us > 0.0)
+            .then(|| self.drained / self.drain_us)
+    }
+
+    /// Folds one step into the drain rate: the requests that left the queue since the last
+    /// measured step, if the last step sent left requests waiting (otherwise the arrivals, not
+    /// the server, set how many left).
+    fn measure_drain(&mut self, step_us: f64) {
+        let left = std::mem::take(&mut self.left_since_step);
+        if self.backlogged && step_us > 0.0 {
+            let keep = 1.0 - 1.0 / DRAIN_WINDOW_STEPS;
+            self.drained = self.drained * keep + left as f64;
+            self.drain_us = self.drain_us * keep + step_us;
+            self.drain_steps = self.drain_steps.saturating_add(1);
+        }
     }
 
     /// What `/metrics` shows of it.
@@ -525,6 +593,8 @@ impl Admission {
             refused_queue_full: self.refused_queue_full,
             predicted_queue_wait_us: self.predicted_queue_wait_us() as u64,
             running_cap: self.cap as u64,
+            queued: self.queued_requests as u64,
+            drain_per_s: self.drain_per_us().map_or(0, |r| (r * 1e6).round() as u64),
         }
     }
 
@@ -542,6 +612,7 @@ impl Admission {
         running: usize,
     ) {
         self.costs.observe(decode_seqs, prefill_tokens, step_us);
+        self.measure_drain(step_us);
         self.running = running;
         self.cap = self.running_cap();
     }
@@ -761,6 +832,59 @@ mod tests {
         // (2 / 16) slots x 100 tokens x 5000 us = 62.5 ms, plus a prefill step.
         assert!((one - 62_500.0 - 5000.0).abs() < 100.0, "{one}");
         assert!(adm.predicted_queue_wait_us() < one);
+    }
+
+    #[test]
+    fn under_backlog_the_queue_wait_is_its_measured_drain() {
+        // The model says slots free fast (decode-only steps of 1 ms, 4-token answers), but the
+        // steps that run take 5 ms and free one slot each: 200 requests/s, 5 ms per place.
+        let mut adm = measured(1000.0, 0.0, 0.0);
+        adm.set_slo(Slo::from_ms(Some(50), Some(100)));
+        for _ in 0..64 {
+            adm.admit(false, 10, 4).ok();
+        }
+        let queued = adm.readings().queued as usize;
+        assert!(queued > 0);
+        for i in 0..(MIN_DRAIN_STEPS as usize + 40) {
+            adm.launched(1, 10);
+            adm.step_measured(4, 10, 5000.0, 4);
+            if i % 2 == 0 {
+                adm.admit(false, 10, 4).ok();
+                adm.admit(false, 10, 4).ok();
+            }
+        }
+        let rate = adm.drain_per_us().expect("measured under backlog");
+        assert!((rate * 1e6 - 200.0).abs() < 1.0, "{}", rate * 1e6);
+        assert_eq!(adm.readings().drain_per_s, 200);
+        // From an empty queue, admitted until the last one's wait, 5 ms a place ahead (and a
+        // 1 ms step of its own), reaches the 50 ms SLO.
+        let queued = adm.readings().queued as usize;
+        adm.launched(queued, 10 * queued as u64);
+        while adm.admit(false, 10, 4).is_ok() {}
+        let queued = adm.readings().queued;
+        assert!((8..=10).contains(&queued), "{queued}");
+        let err = adm.admit(false, 10, 4).unwrap_err();
+        assert!(
+            err.message.contains("waiting for a slot"),
+            "{}",
+            err.message
+        );
+    }
+
+    #[test]
+    fn a_queue_that_empties_each_step_measures_no_drain() {
+        let mut adm = measured(1000.0, 250.0, 20.0);
+        adm.set_slo(Slo::from_ms(Some(50), Some(100)));
+        for _ in 0..100 {
+            adm.admit(false, 10, 4).unwrap();
+            adm.step_measured(1, 10, 1250.0, 1); // admitted after the step was measured ...
+            adm.launched(1, 10); // ... and scheduled by the next, with nothing else waiting
+        }
+        assert_eq!(
+            adm.drain_per_us(),
+            None,
+            "arrivals, not the server, set the pace"
+        );
     }
 
     #[test]

@@ -233,6 +233,10 @@ engine_metrics! {
         "Requests placed on a worker by --placement (with one worker: every request).";
     placement_over_slo_total: Counter, Sum, |w| w.placement.placed_over_slo,
         "Requests placed where the latency model predicted a decode step past the TPOT SLO (--tpot-slo-ms) on every worker with room.";
+    admission_queued_requests: Gauge, Sum, |w| w.admission.queued,
+        "Admitted requests no step has scheduled yet.";
+    admission_drain_per_s: Gauge, Sum, |w| w.admission.drain_per_s,
+        "How fast the queue drains under backlog, requests per second (admission control's measurement; 0 before it is measured).";
 }
 
 /// The Prometheus families of a snapshot: the table's rows in order, then the histograms.
@@ -471,6 +475,8 @@ mod tests {
         ("admission_running_cap", "gauge"),
         ("placement_decisions_total", "counter"),
         ("placement_over_slo_total", "counter"),
+        ("admission_queued_requests", "gauge"),
+        ("admission_drain_per_s", "gauge"),
     ];
 
     fn worker(sched: SchedStats, actor: &ActorCounters, latency: &RequestLatency) -> EngineMetrics {
