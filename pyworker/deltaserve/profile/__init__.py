@@ -18,6 +18,4 @@ for ``--placement``). The JSON carries the device, R² per step kind and the sam
 - ``__main__.py``: the command line.
 """
 
-from deltaserve.profile.measure import measure, profile, random_lora_dir
-
-__all__ = ["measure", "profile", "random_lora_dir"]
+__all__: list[str] = []  # the functions are in ``deltaserve.profile.measure`` (imports torch)

@@ -7,8 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from deltaserve.profile.measure import profile
-
 
 def _ints(s: str) -> list[int]:
     try:
@@ -35,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="where the profile JSON goes")
     a = p.parse_args(argv)
     targets = tuple(t for t in a.targets.split(",") if t)
+    if not (a.model / "config.json").is_file():  # before torch is imported: a quick, clear error
+        print(
+            f"deltaserve profile: --model {a.model}: no config.json (an HF model directory is needed)", file=sys.stderr
+        )
+        return 2
+    from deltaserve.profile.measure import profile
+
     try:
         model = profile(
             a.model, device=a.device, dtype=a.dtype, batches=a.batches, ranks=a.ranks, prompts=a.prompts,
