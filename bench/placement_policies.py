@@ -151,7 +151,8 @@ def main() -> None:
         "duration": a.duration, "requests": len(trace.requests), "input_range": [lo, hi], "output_range": [olo, ohi],
         "tpot_slo_ms": slo_ms, "profile_r2": profile.get("r2"), "policies": results,
     }  # fmt: skip
-    print(write_result("placement_policies", payload, a.out))
+    name = "placement_policies" if set(policies) == set(POLICIES) else "placement_policies-" + "+".join(policies)
+    print(write_result(name, payload, a.out))
 
 
 if __name__ == "__main__":
