@@ -48,7 +48,8 @@ class AssistStats:
     declined: dict[str, int] = field(default_factory=dict)
     """Cold prefills not assisted, by reason: slower (the model predicted no gain), no_helper (none
     free or ready), not_shared (the host copy is outside the shared arena), host_not_ready (still
-    being read), decode (a one-token prefill runs on the normal path)."""
+    being read), host_failed (its host read failed: the normal ToGpu quarantines it), decode (a
+    one-token prefill runs on the normal path)."""
 
     def decline(self, reason: str, n: int = 1) -> None:
         self.declined[reason] = self.declined.get(reason, 0) + n
