@@ -120,22 +120,28 @@ def test_watcher_answers_for_a_failed_helper(router, adapters, monkeypatch, fail
     assert pool.pid(victim) not in (None, pid)
 
 
-def test_deferred_placement_failure_quarantines_only_its_variant(router, adapters, monkeypatch) -> None:
+@pytest.mark.parametrize("fails", ["landing", "host_read"])
+def test_a_failed_load_quarantines_only_its_variant(router, adapters, monkeypatch, fails) -> None:
+    """``landing``: the deferred ToGpu fails after the helpers took the prefill (the variant is
+    quarantined at the next step); ``host_read``: the host read failed before the decision (declined,
+    and the normal ToGpu quarantines it in the same step)."""
     ex = router.ex
     lora = ex.lora_pool
-    bad = 7  # a fresh id for adapter 1's files, whose ToGpu fails in the landing
+    bad = 7 if fails == "landing" else 8  # fresh ids for adapter 1's files
+    k = 9000 if fails == "landing" else 9100  # step ids
     path, pm = adapters[1]
     info = ex.inspect_variant(str(path))
     nb = ex.num_blocks
     pages = list(range(nb - 4 - info.num_blocks, nb - 4))
-    to_gpu = lora.to_gpu
+    name = "to_gpu" if fails == "landing" else "wait_host"
+    real = getattr(lora, name)
 
-    def failing(adapter_id, block_ids):
+    def failing(adapter_id, *args):
         if adapter_id == bad:
             raise AdapterLoadError(f"adapter {adapter_id}: its files changed")
-        return to_gpu(adapter_id, block_ids)
+        return real(adapter_id, *args)
 
-    monkeypatch.setattr(lora, "to_gpu", failing)
+    monkeypatch.setattr(lora, name, failing)
 
     def new(req_id: int, adapter_id: int, block: int) -> wire.NewRequest:
         return wire.NewRequest(
@@ -144,24 +150,31 @@ def test_deferred_placement_failure_quarantines_only_its_variant(router, adapter
         )  # fmt: skip
 
     load = [wire.VariantOp(bad, wire.TierOp.TO_HOST, str(path), []), wire.VariantOp(bad, wire.TierOp.TO_GPU, "", pages)]
-    before = totals(ex)
+    before, declined = totals(ex), ex.cpu_assist.totals.declined.get("host_failed", 0)
     frames = [
-        wire.StepPlan(step_id=9002, adapter_ops=load, new_requests=[new(9000, bad, nb - 2), new(9001, 0, nb - 4)]),
-        wire.StepPlan(step_id=9003, running=[wire.RunningRequest(9000, 1, []), wire.RunningRequest(9001, 1, [])]),
-        wire.StepPlan(step_id=9004, released=[9000], running=[wire.RunningRequest(9001, 1, [])]),
+        wire.StepPlan(step_id=k + 2, adapter_ops=load, new_requests=[new(9000, bad, nb - 2), new(9001, 0, nb - 4)]),
+        wire.StepPlan(step_id=k + 3, running=[wire.RunningRequest(9000, 1, []), wire.RunningRequest(9001, 1, [])]),
+        wire.StepPlan(step_id=k + 4, released=[9000], running=[wire.RunningRequest(9001, 1, [])]),
         wire.Shutdown(reason="done"),
     ]
     link = FakeLink([wire.encode(f) for f in frames])
     assert WorkerLoop(ex, link).run() == 0, "the worker serves on"
     _, out2, out3, out4 = link.sent
     assert all(isinstance(o, wire.StepOutput) for o in (out2, out3, out4)), link.sent
-    assert totals(ex)[0] - before[0] == 1, "its prefill was assisted (the ToGpu deferred)"
-    assert sorted(o.req_id for o in out2.outputs) == [9000, 9001] and out2.failed_variants == []
-    assert [o.req_id for o in out3.outputs] == [9001] and [f.variant_id for f in out3.failed_variants] == [bad]
-    assert "could not be loaded" in out3.failed_variants[0].message
+    failed_at = out3 if fails == "landing" else out2
+    if fails == "landing":
+        assert totals(ex)[0] - before[0] == 1, "its prefill was assisted (the ToGpu deferred)"
+        assert sorted(o.req_id for o in out2.outputs) == [9000, 9001] and out2.failed_variants == []
+    else:
+        assert ex.cpu_assist.totals.declined.get("host_failed", 0) == declined + 1
+        assert [o.req_id for o in out2.outputs] == [9001]
+    assert [o.req_id for o in out3.outputs] == [9001]
+    assert [f.variant_id for f in failed_at.failed_variants] == [bad]
+    assert "could not be loaded" in failed_at.failed_variants[0].message
     assert [o.req_id for o in out4.outputs] == [9001] and 9000 not in ex.requests
     assert bad not in lora.host_ids() and bad not in lora.gpu
-    ex.step(wire.StepPlan(step_id=9005, released=[9001]))  # the link's last request ends
+    monkeypatch.undo()
+    ex.step(wire.StepPlan(step_id=k + 5, released=[9001]))  # the link's last request ends
 
 
 needs_op = pytest.mark.skipif(
