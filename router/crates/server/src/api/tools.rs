@@ -20,9 +20,10 @@
 //! it. The answer's `finish_reason` is `tool_calls` when it has calls and ended by EOS.
 //!
 //! Streaming: a named function's arguments stream as they are generated (`function.arguments`
-//! pieces after a first delta with the call's `id`, `type` and `name`); `auto` and `required`
-//! need the whole text to know what it is, so their choice's calls (or content) come in the
-//! choice's last deltas.
+//! pieces after a first delta with the call's `id`, `type` and `name`); `auto` streams content
+//! as it comes, holding back only what may begin a `<tool_call>` tag, and from the first tag on
+//! waits for the end (its calls, and the content after them, come in the choice's last deltas);
+//! `required` needs the whole array, so its calls come in the choice's last deltas.
 
 use deltaserve_ipc::wire::SamplingParams;
 use serde_json::{json, Map, Value};
@@ -396,13 +397,15 @@ fn tool_spec(i: usize, item: &Value) -> Result<ToolSpec, ApiError> {
     Ok(ToolSpec { name, parameters })
 }
 
-/// One streamed choice's tool-call state (module docs: a named function's arguments stream,
-/// `auto` and `required` are parsed at the end).
+/// One streamed choice's tool-call state (module docs: a named function's arguments stream;
+/// `auto` streams content until a `<tool_call>` tag may begin, and is parsed from there at the
+/// end; `required` is parsed at the end).
 #[derive(Debug, Default)]
 pub struct ToolStream {
-    /// The whole text so far (`auto`, `required`).
+    /// The text not sent yet (`auto`: from where a call may begin; `required`: all of it).
     text: String,
-    /// A named function's call has been opened (its first delta sent).
+    /// A named function's call has been opened (its first delta sent); `auto`: a call tag
+    /// appeared, so the rest waits for the end.
     opened: bool,
 }
 
@@ -426,7 +429,24 @@ impl ToolStream {
                     ..ChatDelta::default()
                 }]
             }
-            ToolMode::Auto | ToolMode::Required { .. } => {
+            ToolMode::Auto => {
+                self.text.push_str(&text);
+                if self.opened {
+                    return Vec::new();
+                }
+                let safe = match self.text.find(CALL_OPEN) {
+                    Some(start) => {
+                        self.opened = true;
+                        start
+                    }
+                    None => self.text.len() - partial_tag(&self.text),
+                };
+                if safe == 0 {
+                    return Vec::new();
+                }
+                vec![content_delta(self.text.drain(..safe).collect())]
+            }
+            ToolMode::Required { .. } => {
                 self.text.push_str(&text);
                 Vec::new()
             }
@@ -458,7 +478,11 @@ impl ToolStream {
             ToolMode::Auto | ToolMode::Required { .. } => {
                 let text = std::mem::take(&mut self.text);
                 let (calls, content) = tools.parse(&text);
-                let mut out: Vec<ChatDelta> = content.into_iter().map(content_delta).collect();
+                let mut out: Vec<ChatDelta> = content
+                    .filter(|c| !c.is_empty())
+                    .into_iter()
+                    .map(content_delta)
+                    .collect();
                 let has_calls = !calls.is_empty();
                 for (index, call) in with_ids(calls).into_iter().enumerate() {
                     out.push(ChatDelta {
@@ -478,6 +502,18 @@ impl ToolStream {
             }
         }
     }
+}
+
+/// The length of the longest end of `text` that begins [`CALL_OPEN`] (held back while streaming).
+fn partial_tag(text: &str) -> usize {
+    (1..CALL_OPEN.len())
+        .rev()
+        .find(|&k| {
+            text.len() >= k
+                && text.is_char_boundary(text.len() - k)
+                && CALL_OPEN.starts_with(&text[text.len() - k..])
+        })
+        .unwrap_or(0)
 }
 
 /// `tool_calls` when the answer has calls and ended normally, else `reason`.
@@ -589,6 +625,42 @@ mod tests {
         assert!(content.is_none());
         let (calls, _) = required.parse(r#"[{"name":"noop","argu"#);
         assert!(calls.is_empty(), "a cut-off answer stays content");
+    }
+
+    #[test]
+    fn auto_streams_content_until_a_call_tag_may_begin() {
+        let auto = check(Some(&weather()), None, None).unwrap().unwrap();
+        let mut s = ToolStream::default();
+        let content =
+            |d: Vec<ChatDelta>| d.into_iter().filter_map(|d| d.content).collect::<String>();
+        assert_eq!(content(s.text(&auto, "Sure, ".into())), "Sure, ");
+        assert_eq!(
+            content(s.text(&auto, "one <tool".into())),
+            "one ",
+            "a tag's start is held back"
+        );
+        assert_eq!(
+            content(s.text(&auto, "_call>{\"name\": \"noop\", ".into())),
+            ""
+        );
+        assert!(s
+            .text(&auto, "\"arguments\": {}}</tool_call>".into())
+            .is_empty());
+        let (last, reason) = s.finish(&auto, "stop");
+        assert_eq!(reason, "tool_calls");
+        let call = last[0].tool_calls.as_ref().unwrap()[0].clone();
+        assert_eq!(
+            (
+                call.function.name.as_deref(),
+                call.function.arguments.as_str()
+            ),
+            (Some("noop"), "{}")
+        );
+        let mut plain = ToolStream::default();
+        assert_eq!(content(plain.text(&auto, "a <".into())), "a ");
+        assert_eq!(content(plain.text(&auto, " b".into())), "< b");
+        let (last, reason) = plain.finish(&auto, "stop");
+        assert!(last.is_empty() && reason == "stop");
     }
 
     #[test]
