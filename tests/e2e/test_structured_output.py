@@ -14,6 +14,8 @@ import pytest
 
 from .wsclient import ws_generate
 
+pytestmark = pytest.mark.gpu_e2e  # `make test-gpu-e2e` also runs it on a GPU (masks on the CUDA sampler)
+
 PROMPT = "once upon a time there was a small model that"
 SCHEMA = {
     "type": "object",
