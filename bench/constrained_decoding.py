@@ -152,9 +152,9 @@ def main() -> None:
             model_dir = write_random_model_dir(args.shape, Path(tmp) / "model")
             config = json.loads((model_dir / "config.json").read_text())
             shutil.copy(args.tokenizer, model_dir / "tokenizer.json")
-            from tokenizers import Tokenizer
+            import llguidance
 
-            config["vocab_size"] = Tokenizer.from_file(str(args.tokenizer)).get_vocab_size(with_added_tokens=True)
+            config["vocab_size"] = llguidance.LLTokenizer(args.tokenizer.read_text()).vocab_size
             (model_dir / "config.json").write_text(json.dumps(config))
         ex = Executor(
             model_dir,
