@@ -136,8 +136,9 @@ def _kv_bytes_per_token(model_dir: Path | None, devices: str) -> int:
     return cfg["num_hidden_layers"] * 2 * kv_heads * head * (4 if devices == "cpu" else 2)
 
 
-def validate(name: str, args: argparse.Namespace, work: Path, devices: str) -> dict[str, Any]:
-    """Profile, measure, simulate and compare one experiment (module docstring)."""
+def validate(name: str, args: argparse.Namespace, work: Path, devices: str, device: str) -> dict[str, Any]:
+    """Profile, measure, simulate and compare one experiment (module docstring) on ``devices``
+    (``cpu`` or CUDA ids), the GPU named ``device``."""
     overrides: dict[str, Any] = {"smoke": args.smoke}
     if not args.smoke:
         overrides["duration"] = args.duration
@@ -180,7 +181,7 @@ def validate(name: str, args: argparse.Namespace, work: Path, devices: str) -> d
         samples = steps_to_samples(profiled, ranks, delta_ids, skip_loads=skip_loads)
         try:
             model = sim.LatencyModel.fit(samples, window=FIT_WINDOW, disk_to_host_bps=like.disk_to_host_bps,
-                                         host_to_gpu_bps=like.host_to_gpu_bps, memory=like.memory, device=devices,
+                                         host_to_gpu_bps=like.host_to_gpu_bps, memory=like.memory, device=device,
                                          source=f"{name} profile, {len(samples)} steps")  # fmt: skip
             break
         except ValueError:
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> Path:
     runs = []
     with work_directory(a.work_dir) as work:
         for name in [x for x in a.experiments.split(",") if x]:
-            runs.append(validate(name, a, work, devices))
+            runs.append(validate(name, a, work, devices, device))
     payload = {"device": device, "commit": git_commit(), "target": TARGET, "smoke": a.smoke, "runs": runs,
                "within_target": all(r["within_target"] for r in runs)}  # fmt: skip
     path = write_result("sim_validate" + ("-smoke" if a.smoke else ""), payload, a.out_dir)

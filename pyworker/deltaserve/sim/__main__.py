@@ -131,7 +131,8 @@ def _run(a: argparse.Namespace) -> int:
     out.write_text(json.dumps({"trace": str(a.trace), "slo_ttft_s": slo, "attainment": a.attainment,
                                "model": model.device or a.gpu_kind, "cells": planning.to_json(cells)}, indent=1))  # fmt: skip
     print(out)
-    png = planning.plot(cells, a.out_dir / "plan.png", f"GPUs for TTFT <= {slo:g} s ({a.attainment:.0%})")
+    title = f"GPUs for TTFT <= {slo:g} s ({a.attainment:.0%}), {model.device or a.gpu_kind}"
+    png = planning.plot(cells, a.out_dir / "plan.png", title)
     if png is not None:
         print(png)
     return 0
