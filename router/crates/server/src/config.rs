@@ -92,6 +92,11 @@ pub struct ServerConfig {
     /// variant whose directory has its own template still uses that one).
     #[arg(long = "chat-template", env = "DELTASERVE_CHAT_TEMPLATE")]
     pub chat_template: Option<PathBuf>,
+    /// `auto`: a request that names no temperature / top_p / top_k / repetition_penalty gets the
+    /// model's `generation_config.json` value (as vLLM does); `none`: OpenAI's defaults.
+    #[arg(long = "generation-config", env = "DELTASERVE_GENERATION_CONFIG", default_value = "auto",
+          value_parser = ["auto", "none"])]
+    pub generation_config: String,
     /// Serve a request for `<base>:org/name` that is not registered from the local Hugging Face
     /// hub cache (HF_HUB_CACHE, offline: nothing is downloaded), registering it on first use.
     #[arg(long, env = "DELTASERVE_ADAPTERS_FROM_HUB_CACHE")]
@@ -350,6 +355,15 @@ impl ServerConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The sampling defaults requests get (`--generation-config`): the model's
+    /// `generation_config.json` ones with `auto`, none with `none`.
+    pub fn sampling_defaults(&self) -> Result<crate::sampling_defaults::SamplingDefaults, String> {
+        match self.generation_config.as_str() {
+            "none" => Ok(Default::default()),
+            _ => crate::sampling_defaults::SamplingDefaults::from_model_dir(self.model()),
+        }
     }
 
     /// The model directory (`validate` refuses a config without one; the daemon resolves the

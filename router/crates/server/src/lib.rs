@@ -35,6 +35,7 @@ pub mod listen;
 pub mod logging;
 pub mod registry;
 pub mod roots;
+pub mod sampling_defaults;
 pub mod text;
 pub mod validate;
 pub mod variant_sources;
@@ -74,6 +75,10 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             .with_context(|| format!("loading the chat template of {}", model_dir.display()))?,
     }
     .map(Arc::new);
+    let sampling_defaults = cfg.sampling_defaults().map_err(anyhow::Error::msg)?;
+    if !sampling_defaults.is_empty() {
+        tracing::info!("sampling defaults from generation_config.json: {sampling_defaults:?}");
+    }
     let python = cfg.python();
 
     let specs: Vec<WorkerSpec> = cfg
@@ -129,6 +134,7 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             )
             .with_sources(cfg.variant_sources()),
         ),
+        sampling_defaults,
     };
     let limits = SchedLimits {
         max_num_seqs: cfg.max_num_seqs,

@@ -215,7 +215,7 @@ pub fn validate_completion(
             ))
         }
     };
-    let mut partial = common_fields(&common, logprobs, ctx.model.vocab_size)?;
+    let mut partial = common_fields(&common, logprobs, ctx.model)?;
     partial.request.adapter_id = adapter_id;
     partial.best_of = best_of;
     response_format::apply(req.response_format.as_ref(), &mut partial.request.sampling)?;
@@ -345,7 +345,7 @@ pub fn validate_chat(
         }
         (_, None) => None,
     };
-    let mut partial = common_fields(&common, logprobs, ctx.model.vocab_size)?;
+    let mut partial = common_fields(&common, logprobs, ctx.model)?;
     partial.request.adapter_id = adapter_id;
     response_format::apply(req.response_format.as_ref(), &mut partial.request.sampling)?;
     let messages = req
@@ -397,23 +397,25 @@ pub fn validate_chat(
 fn common_fields(
     f: &CommonFields<'_>,
     logprobs: Option<u32>,
-    vocab_size: u32,
+    model: &ServedModel,
 ) -> Result<Validated, ApiError> {
-    let temperature = f.temperature.unwrap_or(1.0);
+    // The model's generation_config.json values for what the request leaves out.
+    let defaults = &model.sampling_defaults;
+    let temperature = f.temperature.or(defaults.temperature).unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::invalid(
             "temperature",
             format!("`temperature` must be between 0 and 2, got {temperature}"),
         ));
     }
-    let top_p = f.top_p.unwrap_or(1.0);
+    let top_p = f.top_p.or(defaults.top_p).unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::invalid(
             "top_p",
             format!("`top_p` must be in (0, 1], got {top_p}"),
         ));
     }
-    let top_k = match f.top_k {
+    let top_k = match f.top_k.or(defaults.top_k) {
         None | Some(-1) | Some(0) => 0,
         Some(k) if k >= 1 => u32::try_from(k).unwrap_or(u32::MAX),
         Some(k) => {
@@ -424,7 +426,11 @@ fn common_fields(
         }
     };
     let n = choices::check_n(f.n)?;
-    let tokens = token_fields::check(&f.tokens, vocab_size)?;
+    let token_fields = TokenFields {
+        repetition_penalty: f.tokens.repetition_penalty.or(defaults.repetition_penalty),
+        ..f.tokens
+    };
+    let tokens = token_fields::check(&token_fields, model.vocab_size)?;
     let stop = stop_strings(f.stop)?;
     let stream = f.stream.unwrap_or(false);
     Ok(Validated {
@@ -628,6 +634,7 @@ mod tests {
             vocab_size: 300,
             created: 1,
             adapters: std::sync::Arc::new(crate::registry::VariantRegistry::new("tiny")),
+            sampling_defaults: Default::default(),
         }
     }
 
@@ -646,6 +653,45 @@ mod tests {
                 caller: None,
             },
         )
+    }
+
+    #[test]
+    fn the_models_generation_config_fills_what_the_request_leaves_out() {
+        let tok = tiny_tokenizer();
+        let model = ServedModel {
+            sampling_defaults: crate::sampling_defaults::SamplingDefaults {
+                temperature: Some(0.6),
+                top_p: Some(0.9),
+                top_k: Some(20),
+                repetition_penalty: Some(1.1),
+            },
+            ..served()
+        };
+        let ctx = ModelContext {
+            model: &model,
+            tokenizer: &tok,
+            chat_template: None,
+            caller: None,
+        };
+        let run = |body: &str| {
+            let req: CompletionRequest = parse_json(body.as_bytes()).unwrap();
+            validate_completion(&req, &ctx).unwrap().request.sampling
+        };
+        let s = run(r#"{"prompt": "hi", "max_tokens": 2}"#);
+        assert_eq!((s.temperature, s.top_p, s.top_k), (0.6, 0.9, 20));
+        assert_eq!(s.penalties.map(|p| p.repetition), Some(1.1));
+        // The request's own values win, greedy included.
+        let s = run(
+            r#"{"prompt": "hi", "max_tokens": 2, "temperature": 0, "top_p": 1, "top_k": -1,
+                "repetition_penalty": 1}"#,
+        );
+        assert_eq!((s.temperature, s.top_p, s.top_k), (0.0, 1.0, 0));
+        // Without defaults (`--generation-config none`, or none shipped): OpenAI's.
+        let s = completion(r#"{"prompt": "hi", "max_tokens": 2}"#)
+            .unwrap()
+            .request
+            .sampling;
+        assert_eq!((s.temperature, s.top_p, s.top_k), (1.0, 1.0, 0));
     }
 
     fn chat(body: &str, with_template: bool) -> Result<Validated, ApiError> {

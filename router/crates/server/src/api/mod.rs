@@ -468,6 +468,7 @@ pub(crate) mod fake {
                     vocab_size: 300,
                     created: 1_700_000_000,
                     adapters: Arc::new(VariantRegistry::new("tiny")),
+                    sampling_defaults: Default::default(),
                 }),
                 tokenizer: tiny_tokenizer(),
                 template: Some(Arc::new(

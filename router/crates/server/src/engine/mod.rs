@@ -176,6 +176,8 @@ pub struct ServedModel {
     /// The variants (LoRA adapters and compressed deltas) served on top of the base, selectable
     /// as `"<name>:<adapter>"` or by adapter name while active.
     pub adapters: Arc<VariantRegistry>,
+    /// Sampling defaults from the model's `generation_config.json` (`--generation-config`).
+    pub sampling_defaults: crate::sampling_defaults::SamplingDefaults,
 }
 
 impl ServedModel {
@@ -488,6 +490,7 @@ mod tests {
             vocab_size: 100,
             created: 0,
             adapters,
+            sampling_defaults: Default::default(),
         }
     }
 
