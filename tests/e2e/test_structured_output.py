@@ -12,21 +12,14 @@ import json
 import httpx
 import pytest
 
+from helpers.json_schemas import PERSON
+
 from .wsclient import ws_generate
 
 pytestmark = pytest.mark.gpu_e2e  # `make test-gpu-e2e` also runs it on a GPU (masks on the CUDA sampler)
 
 PROMPT = "once upon a time there was a small model that"
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 2},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "pet": {"enum": ["cat", "dog"]},
-    },
-    "required": ["name", "age", "pet"],
-    "additionalProperties": False,
-}
+SCHEMA = PERSON
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 WEATHER = {
     "type": "function",

@@ -19,18 +19,10 @@ import torch
 from deltaserve import wire
 from deltaserve.worker.guidance import apply_bitmask
 from helpers.executors import prompts
+from helpers.json_schemas import PERSON
 from helpers.sched_driver import GREEDY, SchedDriver
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 2},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "pet": {"enum": ["cat", "dog"]},
-    },
-    "required": ["name", "age", "pet"],
-    "additionalProperties": False,
-}
+SCHEMA = PERSON
 # As the router writes it (validate/response_format.rs): json.dumps' separators, no other whitespace.
 OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GRAMMAR = json.dumps({"grammars": [{"json_schema": {**SCHEMA, "x-guidance": OPTIONS}}]})
