@@ -10,6 +10,7 @@
 //! All checks run before the engine sees the request, so every refusal is a 4xx with `param`.
 //! The fields that reshape the logits or stop on token ids are checked in [`token_fields`].
 
+mod chat_render;
 mod choices;
 pub mod response_format;
 mod token_fields;
@@ -22,9 +23,9 @@ use crate::api::openai::{ChatCompletionRequest, CompletionRequest, StreamOptions
 use crate::api::tenants::Caller;
 use crate::api::tools::{self, Tools};
 use crate::engine::{GenerateRequest, ServedModel};
-use crate::text::chat_template::{json_kind, ChatMessage, ChatTemplate, RenderOptions};
+use crate::text::chat_template::{json_kind, ChatTemplate, RenderOptions};
 use crate::text::tokenizer::TextTokenizer;
-use crate::text::TextError;
+pub use chat_render::render_chat;
 pub use choices::MAX_CHOICES;
 use token_fields::{check_min_tokens, TokenFields};
 
@@ -266,37 +267,6 @@ fn echo_text(prompt: &Value, ids: &[u32], ctx: &ModelContext<'_>) -> Result<Stri
             .decode(ids)
             .map_err(|e| ApiError::Internal(e.to_string())),
     }
-}
-
-/// `messages` as prompt text, rendered with variant `adapter_id`'s own chat template when its
-/// directory had one, else the served model's (`--chat-template` or the model's). Without a
-/// template the error ends with `instead` (what to send instead).
-pub fn render_chat(
-    ctx: &ModelContext<'_>,
-    adapter_id: u32,
-    messages: &[ChatMessage],
-    options: &RenderOptions<'_>,
-    instead: &str,
-) -> Result<String, ApiError> {
-    let own = (adapter_id != 0)
-        .then(|| ctx.model.adapters.chat_template_of(adapter_id))
-        .flatten();
-    let template = own.as_deref().or(ctx.chat_template).ok_or_else(|| {
-        ApiError::invalid(
-            "messages",
-            format!(
-                "the model `{}` has no chat template; {instead}",
-                ctx.model.display_name(adapter_id)
-            ),
-        )
-    })?;
-    template.render(messages, options).map_err(|e| match e {
-        TextError::Template(m) if m.starts_with("chat_template_kwargs.") => {
-            ApiError::invalid("chat_template_kwargs", m)
-        }
-        TextError::Template(m) => ApiError::invalid("messages", m),
-        other => ApiError::Internal(other.to_string()),
-    })
 }
 
 /// Validates a `/v1/chat/completions` body (renders and tokenizes the conversation).

@@ -89,10 +89,9 @@ pub const CAP_EVIDENCE_STEPS: u64 = 1024;
 /// A batch size's first samples: its estimate is their minimum (then a moving mean), and it
 /// caps the batch only once measured this many times.
 pub const ROBUST_START: u32 = 3;
-/// Backlogged steps measured before the queue's drain rate replaces the modelled slot wait.
-pub const MIN_DRAIN_STEPS: u32 = 16;
-/// The drain rate's memory: each backlogged step's weight decays by `1 - 1 / this`.
-pub const DRAIN_WINDOW_STEPS: f64 = 64.0;
+mod drain;
+
+pub use drain::{QueueDrain, DRAIN_WINDOW_STEPS, MIN_DRAIN_STEPS};
 
 /// One decode batch size's estimate.
 #[derive(Debug, Clone, Copy)]
@@ -339,14 +338,8 @@ pub struct Admission {
     queued_prompt_tokens: u64,
     /// Moving mean of admitted requests' `max_tokens`.
     mean_output_tokens: f64,
-    /// The queue's drain (see the module docs): requests that left it since the last step,
-    /// whether requests waited when the last step was measured, and decayed sums over the
-    /// backlogged steps of requests that left and of their steps' microseconds.
-    left_since_step: usize,
-    backlogged: bool,
-    drained: f64,
-    drain_us: f64,
-    drain_steps: u32,
+    /// How fast the queue drains under backlog (see the module docs).
+    drain: QueueDrain,
     /// Refusals: predicted TTFT over the SLO; the static queue cap.
     pub refused_ttft: u64,
     pub refused_queue_full: u64,
@@ -364,11 +357,7 @@ impl Admission {
             queued_requests: 0,
             queued_prompt_tokens: 0,
             mean_output_tokens: 0.0,
-            left_since_step: 0,
-            backlogged: false,
-            drained: 0.0,
-            drain_us: 0.0,
-            drain_steps: 0,
+            drain: QueueDrain::default(),
             refused_ttft: 0,
             refused_queue_full: 0,
         }
@@ -553,7 +542,7 @@ impl Admission {
     /// Admitted requests left the queue (a step scheduled them, or they ended before one did),
     /// with their prompt tokens.
     pub fn dequeued(&mut self, requests: usize, prompt_tokens: u64) {
-        self.left_since_step += requests.min(self.queued_requests);
+        self.drain.left(requests.min(self.queued_requests));
         self.queued_requests = self.queued_requests.saturating_sub(requests);
         self.queued_prompt_tokens = self.queued_prompt_tokens.saturating_sub(prompt_tokens);
     }
@@ -563,27 +552,12 @@ impl Admission {
     /// queue's pace until the next step (see [`Self::drain_per_us`]).
     pub fn launched(&mut self, requests: usize, prompt_tokens: u64) {
         self.dequeued(requests, prompt_tokens);
-        self.backlogged = self.queued_requests > 0;
+        self.drain.launched(self.queued_requests > 0);
     }
 
-    /// The queue's measured drain rate, requests per microsecond (see the module docs), once
-    /// [`MIN_DRAIN_STEPS`] backlogged steps were measured and one request left.
+    /// The queue's measured drain rate, requests per microsecond ([`QueueDrain::per_us`]).
     pub fn drain_per_us(&self) -> Option<f64> {
-        (self.drain_steps >= MIN_DRAIN_STEPS && self.drained > 0.0 && self.drain_us > 0.0)
-            .then(|| self.drained / self.drain_us)
-    }
-
-    /// Folds one step into the drain rate: the requests that left the queue since the last
-    /// measured step, if the last step sent left requests waiting (otherwise the arrivals, not
-    /// the server, set how many left).
-    fn measure_drain(&mut self, step_us: f64) {
-        let left = std::mem::take(&mut self.left_since_step);
-        if self.backlogged && step_us > 0.0 {
-            let keep = 1.0 - 1.0 / DRAIN_WINDOW_STEPS;
-            self.drained = self.drained * keep + left as f64;
-            self.drain_us = self.drain_us * keep + step_us;
-            self.drain_steps = self.drain_steps.saturating_add(1);
-        }
+        self.drain.per_us()
     }
 
     /// What `/metrics` shows of it.
@@ -612,7 +586,7 @@ impl Admission {
         running: usize,
     ) {
         self.costs.observe(decode_seqs, prefill_tokens, step_us);
-        self.measure_drain(step_us);
+        self.drain.measure(step_us);
         self.running = running;
         self.cap = self.running_cap();
     }
