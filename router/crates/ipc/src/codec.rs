@@ -290,7 +290,7 @@ mod tests {
             ..Default::default()
         };
         let body = rmp_serde::to_vec(&sp).unwrap();
-        let mut want = vec![0x9a, 0xcb];
+        let mut want = vec![0x9b, 0xcb];
         want.extend(0.0f64.to_be_bytes());
         want.push(0xcb);
         want.extend(1.0f64.to_be_bytes());
@@ -298,8 +298,9 @@ mod tests {
         want.push(0xcf);
         want.extend(u64::MAX.to_be_bytes());
         want.push(0xc0);
-        // No logit bias, no penalties, no min_tokens, no prompt logprobs: one byte each.
-        want.extend([0x90, 0xc0, 0x00, 0x90, 0xc0]);
+        // No logit bias, no penalties, no min_tokens, no prompt logprobs, no grammar: one byte
+        // each.
+        want.extend([0x90, 0xc0, 0x00, 0x90, 0xc0, 0xc0]);
         assert_eq!(body, want);
 
         let err = WorkerError {

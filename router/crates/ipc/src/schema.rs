@@ -98,7 +98,7 @@ mod tests {
         assert!(!text.contains(' ') && !text.ends_with('\n'));
         assert!(text.contains("StepPlan=2{step_id:u64,new_requests:Vec<NewRequest>,running:Vec<RunningRequest>,released:Vec<u64>,adapter_ops:Vec<VariantOp>}"), "{text}");
         assert!(text.starts_with("LogitBias=0{token_id:u32,bias:f64}\nPenalties=0{presence:f64,frequency:f64,repetition:f64}\n"), "{text}");
-        assert!(text.contains("\nSamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>,logit_bias:Vec<LogitBias>,penalties:Option<Penalties>,min_tokens:u32,min_tokens_banned:Vec<u32>,prompt_logprobs:Option<u32>}\n"), "{text}");
+        assert!(text.contains("\nSamplingParams=0{temperature:f64,top_p:f64,top_k:u32,seed:Option<u64>,logprobs:Option<u32>,logit_bias:Vec<LogitBias>,penalties:Option<Penalties>,min_tokens:u32,min_tokens_banned:Vec<u32>,prompt_logprobs:Option<u32>,grammar:Option<String>}\n"), "{text}");
         assert!(text.contains("VariantOp=0{adapter_id:u32,op:TierOp,path:String,block_ids:Vec<u32>,kind:VariantKind,slot:Option<u32>}\n"), "{text}");
         assert!(text.contains("\nVariantKind:u8{lora=0,delta=1}\nTierOp:u8{to_host=0,to_gpu=1,drop_gpu=2,drop_host=3}\n"), "{text}");
         assert!(
