@@ -124,6 +124,11 @@ class Executor:
         """Where the weights came from (logged, reported)."""
         self.device = resolve_device(device)
         """Where the model, KV cache and logits live."""
+        if self.device.type == "cuda":
+            # The process's current device is its own: Triton launches, CUDA graphs, streams and
+            # events use the current device, so a worker on cuda:1 left on cuda:0 handed Triton
+            # pointers it could not access (found on two H200s: `--devices 0,1` did not start).
+            torch.cuda.set_device(self.device)
         self.config = ModelConfig.from_model_dir(self.model_dir)
         """The model's resolved shape (vocab, layers, heads...)."""
         self.dtype = resolve_dtype(dtype, self.device, self.config)
