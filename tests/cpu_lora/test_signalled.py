@@ -47,15 +47,28 @@ def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     }
 
 
-@pytest.fixture(scope="module")
-def router(tiny_llama: Path, adapters):
+def _signalled_router(tiny_llama: Path, adapters):
+    """A CPU executor with 2 helpers invoked the sync-free way, driven by the real scheduler."""
     ex = make_executor(tiny_llama, cpu_lora_helpers=2, cpu_lora_policy="always", max_deltas=0)
     assert ex.cpu_assist is not None and not ex.cpu_assist.sync_free, "CPU workers default to the host path"
     ex.cpu_assist.set_invocation("signal")
     ex.cpu_assist.pool.start()
     assert len(ex.cpu_assist.pool.wait_ready(30.0)) == 2
-    yield SchedDriver(ex, {aid: d for aid, (d, _) in adapters.items()}, {})
-    ex.close()
+    try:
+        yield SchedDriver(ex, {aid: d for aid, (d, _) in adapters.items()}, {})
+    finally:
+        ex.close()
+
+
+@pytest.fixture(scope="module")
+def router(tiny_llama: Path, adapters):
+    yield from _signalled_router(tiny_llama, adapters)
+
+
+@pytest.fixture
+def fresh_router(tiny_llama: Path, adapters):
+    """Its own helpers: which helper takes a short prompt depends on what the pool ran before."""
+    yield from _signalled_router(tiny_llama, adapters)
 
 
 def run_cold(router: SchedDriver, rid: int, aid: int, prompt: list[int], n: int = 5) -> list[int]:
@@ -85,7 +98,8 @@ def test_signalled_cold_prefills_match_peft(router, adapters) -> None:
 
 
 @pytest.mark.parametrize("failure", ["killed", "stalled"])
-def test_watcher_answers_for_a_failed_helper(router, adapters, monkeypatch, failure) -> None:
+def test_watcher_answers_for_a_failed_helper(fresh_router, adapters, monkeypatch, failure) -> None:
+    router = fresh_router
     ex = router.ex
     assist = ex.cpu_assist
     pool = assist.pool

@@ -166,9 +166,9 @@ def test_penalties_count_the_token_an_overlapped_step_is_still_sampling(executor
     seen: list[bool] = []
     launch = overlapped_ex.sampler.launch
 
-    def spy(logits, params, output_index, history=None, in_flight=None):
+    def spy(logits, params, output_index, history=None, in_flight=None, allowed=None):
         seen.append(in_flight is not None)
-        return launch(logits, params, output_index, history, in_flight)
+        return launch(logits, params, output_index, history, in_flight, allowed)
 
     monkeypatch.setattr(overlapped_ex.sampler, "launch", spy)
     overlapped = SchedDriver(overlapped_ex, max_num_batched_tokens=16).run_pipelined(reqs, arrivals, sampling)
