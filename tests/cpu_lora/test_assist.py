@@ -21,23 +21,16 @@ import torch
 
 from deltaserve.helpers import assist as assist_mod
 from helpers.executors import hf_greedy, make_executor, prompts
-from helpers.peft_adapters import SEVEN, make_peft_adapter
 from helpers.sched_driver import SchedDriver
 
-peft = pytest.importorskip("peft")
+from .adapters import make_adapters
 
-SPECS = {
-    1: dict(target_modules=["q_proj", "v_proj"], r=8, lora_alpha=16),
-    2: dict(target_modules=SEVEN, r=16, lora_alpha=8, use_rslora=True),
-}
+peft = pytest.importorskip("peft")
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, torch.nn.Module]]:
-    root = tmp_path_factory.mktemp("cpu_lora")
-    return {
-        aid: make_peft_adapter(tiny_llama, root / f"a{aid}", seed=20 + aid, **kw)[::-1] for aid, kw in SPECS.items()
-    }
+    return make_adapters(tiny_llama, tmp_path_factory.mktemp("cpu_lora"), seed=20)
 
 
 @pytest.fixture(scope="module")
