@@ -111,8 +111,9 @@ class LatencyModel:
             if not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
                 raise ValueError(f"sample {i}: step_s must be a positive number of seconds, got {t!r}")
             kind = "prefill" if s.get("prefill_tokens", 0) > 0 else "decode"
-            rows[kind].append((features_vector(s), float(t)))
-            runs.setdefault(s.get("run", 0), []).append((kind, features_vector(s), float(t)))
+            x = features_vector(s)
+            rows[kind].append((x, float(t)))
+            runs.setdefault(s.get("run", 0), []).append((kind, x, float(t)))
         for kind in KINDS:
             if not rows[kind]:
                 raise ValueError(f"no {kind} samples: the profile needs steps of both kinds")
