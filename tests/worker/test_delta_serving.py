@@ -347,8 +347,9 @@ def test_a_failed_delta_read_gives_its_arena_region_back(executor_factory, varia
 def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
     """The delta pool's static decode buffers, what a captured delta graph reads: ``graph_state`` points
     the step at them with no delta row yet; ``fill_graph_rows`` writes each row's slot and, per packed
-    config and for the lm_head delta, the work tiles of the same rows built directly (graph tiles of at
-    most ``GRAPH_TILE`` tokens); on the CPU no config is graphable (the CUDA SBMM op is not there)."""
+    config and piece (each layer's attention and FFN: ``delta_blocks``) and for the lm_head delta, the
+    work tiles of the same rows built directly (graph tiles of at most ``GRAPH_TILE`` tokens); on the
+    CPU no config is graphable (the CUDA SBMM op is not there)."""
     from deltaserve.adapters.delta_pool import GRAPH_TILE, HEAD_TILE
     from deltaserve.kernels.sbmm import DeltaMeta
 
@@ -370,12 +371,14 @@ def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
     assert not pool.graphable(keys)
     with pool.graph_state(9, 16, keys):
         assert pool.step.active and pool.step.token_index.tolist() == [0] * 9
-        assert [k for k, _ in pool.step.metas] == list(keys)
-        for _, meta in (*pool.step.metas, (None, pool.step.head_meta)):
+        assert len(pool.step.piece_metas) == pool.num_pieces  # one metadata per layer's attention / FFN
+        assert all([k for k, _ in metas] == list(keys) for metas in pool.step.piece_metas)
+        first = pool.step.piece_metas[0][0][1]
+        for _, meta in (*pool.step.piece_metas[0], *pool.step.piece_metas[-1], (None, pool.step.head_meta)):
             assert meta.tile_count.item() == 0 and all(t[2] == -1 for t in meta.tiles.tolist())
-        assert pool.step.metas[0][1].block_m == GRAPH_TILE and pool.step.head_meta.block_m == HEAD_TILE
+        assert first.block_m == GRAPH_TILE and pool.step.head_meta.block_m == HEAD_TILE
         # 3 slots: at most one partial tile each, plus 9 // cap full ones
-        assert pool.step.metas[0][1].grid_tiles == 3 + 9 // GRAPH_TILE and pool.step.head_meta.grid_tiles == 3
+        assert first.grid_tiles == 3 + 9 // GRAPH_TILE and pool.step.head_meta.grid_tiles == 3
     assert not pool.step.active
     s4, s2 = pool.slot_of[D4], pool.slot_of[D2]
     ids = [D4, 0, D2] + [D4] * 10 + [LORA]
@@ -384,14 +387,17 @@ def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
     slots = [s4, -1, s2] + [s4] * 10 + [-1] * 3
     assert g.index[:16].tolist() == [s + 1 for s in slots]
     cases = [
-        (key, [s if s == slot else -1 for s in slots], GRAPH_TILE, g.metas[key])
+        (key, p, [s if s == slot else -1 for s in slots], GRAPH_TILE, g.metas[key])
         for key, slot in (((4, True, 64), s4), ((2, True, 64), s2))
-    ] + [(None, slots, HEAD_TILE, g.head)]
-    for key, rows, cap, bufs in cases:
+        for p in (0, pool.num_pieces - 1)  # plain deltas: every piece in the delta's own slot
+    ] + [(None, 0, slots, HEAD_TILE, g.head)]
+    for key, p, rows, cap, bufs in cases:
         want = DeltaMeta.rows(rows, "cpu", max_block_m=cap)
         order, tiles, count = bufs
         grid = pool.graph_tiles(16, cap)
-        assert order[:16].tolist() == want.order.tolist() and tiles[:grid].tolist() == want.tiles[:grid].tolist(), key
-        assert count.item() == want.num_tiles <= grid and max(e - s for s, e, _ in want.tiles.tolist()) <= cap
+        got_tiles = tiles[p * grid * 3 : (p + 1) * grid * 3].view(grid, 3)
+        assert order[p * 16 : (p + 1) * 16].tolist() == want.order.tolist(), key
+        assert got_tiles.tolist() == want.tiles[:grid].tolist(), key
+        assert count[p].item() == want.num_tiles <= grid and max(e - s for s, e, _ in want.tiles.tolist()) <= cap
         assert all(t[2] == -1 for t in want.tiles[grid:].tolist())  # what the graph leaves out is padding
-    assert g.metas[(4, True, 64)][2].item() == 2  # 11 rows of one delta: two 8-token tiles
+    assert g.metas[(4, True, 64)][2].tolist() == [2] * pool.num_pieces  # 11 rows of one delta: two 8-token tiles

@@ -16,6 +16,9 @@ Layout:
 - ``host_tier``  the host-memory tier both pools share: background loads by variant id, bytes, errors.
 - ``delta_pool``  compressed full-fine-tune deltas (``deltaserve compress`` directories): their tiers
             (host memory, ``--max-deltas`` GPU slots), ``inspect``, and each step's delta rows.
+- ``delta_blocks``  block slots: each layer's attention / FFN piece of the resident deltas held once
+            (refcounted by payload file), so deltas sharing a block (zoo variants) run it as one group.
+- ``delta_graphs``  the static per-piece buffers a captured delta decode step reads.
 - ``delta_layers``  ``attach_deltas(model, step)``: DeltaZip's decoupled forward, base once plus each
             token's delta (``kernels.sbmm`` for packed linears; dense embedding, norm, bias, lm_head deltas).
 """

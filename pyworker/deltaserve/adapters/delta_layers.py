@@ -8,7 +8,10 @@ compress``) is ``W_base + Δ̃`` for every tensor it changed, and ``W_base + Δ�
         out = inner(x)                                     base (+ LoRA): once for the whole batch
         for each delta config of the step:
             kernels.sbmm.sbmm_stacked(x, out, slices, meta)  out[t, slice] += x[t] Δ̃_{d(t)}^T, packed,
-                                                            every HF slice (q|k|v, gate|up) in one call
+                                                            every HF slice (q|k|v, gate|up) in one call;
+                                                            d(t) = the block slot of t's delta at this
+                                                            layer's part (``delta_blocks``): rows of
+                                                            deltas sharing the block are one group
         out[:, slice] += bias_table[index]                  dense bias deltas (Qwen2's qkv biases)
     model.embed_tokens -> DeltaEmbedding   out += embed_table[d(t) * V + ids]   (a zero row for no delta)
     layer norms        -> DeltaRMSNorm     out[r] = norm(x)[r] * (w + norm_table[index[r]])  (HF's order)
@@ -43,6 +46,7 @@ from torch.nn import functional as F
 from ..kernels.dense_delta import dense_delta_rows
 from ..kernels.sbmm import DeltaMeta, DeltaWeights, sbmm_stacked
 from ..model.decoder import DecoderLM, RMSNorm, linear_slots
+from .delta_blocks import part_of, piece_index
 from .lora import hf_module_name
 
 ConfigKey = tuple[int, bool, int]
@@ -73,8 +77,10 @@ class DeltaStep:
     """The current step's delta rows and the slot-indexed delta pools (module docstring)."""
 
     def __init__(self) -> None:
-        self.metas: tuple[tuple[ConfigKey, DeltaMeta], ...] = ()
-        """Per packed config used this step: SBMM metadata over all T tokens (other tokens slot -1)."""
+        self.piece_metas: list[tuple[tuple[ConfigKey, DeltaMeta], ...]] = []
+        """Per piece ``2 * layer + part`` (``delta_blocks``: part 0 the attention linears, 1 the FFN's),
+        per packed config used there: SBMM metadata over all T tokens, each token at the block slot its
+        delta's piece holds (other tokens slot -1); empty where no token has a piece."""
         self.head_meta: DeltaMeta | None = None
         """Metadata over the logits rows whose delta changes lm_head (others slot -1): the lm_head delta's
         work tiles (``kernels.dense_delta``)."""
@@ -99,7 +105,9 @@ class DeltaLinear(nn.Linear):
     inner: nn.Linear
     """The wrapped linear (set with ``object.__setattr__``: not a child module)."""
 
-    def __init__(self, inner: nn.Linear, step: DeltaStep, layer: int, slices: list[tuple[str, int, int]]) -> None:
+    def __init__(
+        self, inner: nn.Linear, step: DeltaStep, layer: int, piece: int, slices: list[tuple[str, int, int]]
+    ) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = inner.in_features, inner.out_features
         self.weight = inner.weight
@@ -108,6 +116,8 @@ class DeltaLinear(nn.Linear):
         self.step = step
         self.layer = layer
         """Layer index: the key of this module's pools."""
+        self.piece = piece
+        """``2 * layer + part``: which of ``step.piece_metas`` its rows read."""
         self.slices = slices
         """(HF proj, first output column, width) of each HF linear the module holds."""
         self.bias_names = [f"{hf_module_name(layer, p)}.bias" for p, _, _ in slices]
@@ -119,7 +129,7 @@ class DeltaLinear(nn.Linear):
         token_index = step.token_index
         if token_index is None:  # inactive
             return out
-        for key, meta in step.metas:
+        for key, meta in step.piece_metas[self.piece]:
             pools = step.weights[key]
             slices = [(w, start) for proj, start, _ in self.slices if (w := pools.get((self.layer, proj))) is not None]
             if slices:
@@ -251,7 +261,8 @@ def attach_deltas(model: DecoderLM, step: DeltaStep) -> None:
         for module_path, slices in by_module.items():
             parent_path, _, leaf = module_path.rpartition(".")
             parent = layer.get_submodule(parent_path)
-            setattr(parent, leaf, DeltaLinear(getattr(parent, leaf), step, i, slices))
+            piece = piece_index(i, part_of(cfg, slices[0][0]))
+            setattr(parent, leaf, DeltaLinear(getattr(parent, leaf), step, i, piece, slices))
         for path in _layer_norms(layer):  # the names of norm_delta_names
             parent_path, _, leaf = path.rpartition(".")
             parent = layer.get_submodule(parent_path) if parent_path else layer

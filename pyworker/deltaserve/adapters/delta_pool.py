@@ -10,12 +10,15 @@ delta ids and answers ``InspectVariant`` for delta directories. Tiers: the route
 slot s in [0, N) the router picked (``VariantOp.slot``; a slot taken here is refused); ``drop_gpu``
 frees the slot; ``drop_host`` frees the host copy (a GPU copy stays valid without it).
 
-GPU storage, per slot s (N slots; slot ids are shared by every linear and every config):
+GPU storage, per slot s (N slots):
     packed linears  ``weights[(bits, sparse, group)][(layer, proj)]``: a ``kernels.sbmm.DeltaWeights``
                     of N slots per linear and per packed config, every config's a view of the same
                     arena per linear (``delta_slots.py``): N slots take the bytes the worker reserved
-                    whatever mix of configs fills them (a slot holds a delta in the pool of its config
-                    only; the other pools leave that slot empty)
+                    whatever mix of configs fills them (a slot holds a piece in the pool of its config
+                    only; the other pools leave that slot empty). A delta's linears go in pieces (the
+                    attention / FFN linears of one layer) to *block slots* picked per piece
+                    (``delta_blocks.py``): a piece two resident deltas share is held once and its rows
+                    are one group of that layer's SBMM call (BlockLLM's per-block batching)
     dense tensors   ``tables`` (``delta_layers.DeltaTables``): one table per tensor with a row block
                     per slot, in the model dtype (norms from start-up; embedding, lm_head and biases
                     allocated for all N slots when the first delta goes to the GPU); ``to_gpu`` copies
@@ -31,21 +34,21 @@ Only deltas made for this base are accepted (``check_lineage`` against the base 
 mode ``delta`` (a ``--full-weights`` directory is the compressed fine-tune itself, not a delta),
 whose packed tensors are block linears and fit a slot, and whose dense tensors are ones
 ``attach_deltas`` applies. A delta packs every block linear unless its manifest says ``"partial":
-true`` (a block zoo variant, ``deltaserve.zoo``): the linears it leaves out get an exact zero delta.
+true`` (a block zoo variant, ``deltaserve.zoo``): a piece it leaves out runs the base alone (no SBMM
+work), a linear it leaves out of a piece it has gets an exact zero delta.
 
 ``begin_step(rows)`` maps each token run and each logits row (``StepRows``) to its delta's slot
-and fills ``step`` (``DeltaStep``) for an eager forward; ``end_step`` clears it. Loads failing after
+(the dense tables) and, per piece, to the block slot its delta's piece holds, and fills ``step`` (``DeltaStep``) for an eager forward; ``end_step`` clears it. Loads failing after
 inspection raise ``AdapterLoadError`` from ``to_gpu``; the executor quarantines that delta, exactly
 like a LoRA adapter (``worker/quarantine.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import re
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,10 +58,12 @@ import torch
 
 from .. import wire
 from ..compress.delta_dir import check_lineage, load_delta, read_manifest
-from ..formats.packed_delta import PackedLinear, pack
+from ..formats.packed_delta import PackedLinear
 from ..kernels.sbmm import DeltaMeta, cuda_shape_problem, cuda_tile_cap, dense_min_m
-from ..model.batch import copy_from_host, host_to_device
+from ..model.batch import host_to_device
 from ..model.decoder import DecoderLM, linear_slots
+from .delta_blocks import BlockSlots, group_pieces, part_of, payload_identities, piece_index, zero_delta
+from .delta_graphs import DeltaGraphRows
 from .delta_layers import ConfigKey, DeltaEmbedding, DeltaStep, dense_delta_names, norm_delta_names
 from .delta_slots import DeltaSlots, delta_gpu_bytes
 from .host_tier import HostTier
@@ -75,29 +80,6 @@ HEAD_TILE = 16
 """Most logits rows of one delta per work tile of the lm_head delta (``kernels.dense_delta``)."""
 
 
-@dataclass
-class _GraphRows:
-    """Static device buffers a captured decode step reads (``DeltaPool.graph_state``), for up to B rows."""
-
-    index: torch.Tensor
-    """[B] int64: slot + 1 of each row (0: none); the token and logits index alike (decode: one each)."""
-    metas: dict[ConfigKey, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    """Config -> (order [B], tiles [B, 3], tile count [1]) int32: a ``DeltaMeta``'s tensors."""
-    head: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    """The lm_head delta's (order, tiles, tile count), as in ``metas``."""
-
-
-@functools.cache
-def _zero_delta(key: ConfigKey, features: tuple[int, int]) -> PackedLinear:
-    """A packed delta of config ``key`` that is exactly zero, for a linear of (in, out) ``features``:
-    what a partial delta (``manifest["partial"]``) stores for the block linears it leaves to the base."""
-    bits, sparse, group = key
-    in_f, out_f = features
-    mask = torch.tensor([True, True, False, False]).repeat(out_f, in_f // 4) if sparse else None
-    groups = torch.zeros(out_f, in_f // group)
-    return pack(torch.zeros(out_f, in_f, dtype=torch.int32), mask, groups, groups, bits, group)
-
-
 class DeltaError(ValueError):
     """A delta directory this worker cannot serve (the message names the file, field or tensor)."""
 
@@ -109,7 +91,10 @@ class DeltaHostCopy:
     key: ConfigKey
     """(bits, sparse, group size) of every packed linear."""
     packed: dict[tuple[int, str], PackedLinear]
-    """(layer, HF proj) -> its packed delta."""
+    """(layer, HF proj) -> its packed delta; a partial delta's missing linears of a piece it has are
+    exact zero deltas, its pieces without any linear are absent (they run the base alone)."""
+    pieces: dict[int, Hashable]
+    """Piece index (``delta_blocks``) -> identity of the piece: deltas with the same one share its slot."""
     dense: dict[str, torch.Tensor]
     """HF tensor name -> its dense float16 delta."""
     nbytes: int
@@ -190,7 +175,7 @@ class DeltaPool:
         self.has_head = [False] * max_deltas
         """Per slot: its delta changes lm_head (a ``head_name`` delta): its logits rows get the lm_head
         delta's work (other slots' rows are left out of it, their table blocks are zeros anyway)."""
-        self.graph_rows: _GraphRows | None = None
+        self.graph_rows: DeltaGraphRows | None = None
         """Static buffers of captured decode steps (``graph_state``); None until graphs ask for them."""
         self.arena = arena
         """Host memory the payloads are read into (pinned at start-up on CUDA, shared with the adapter
@@ -203,6 +188,16 @@ class DeltaPool:
         """GPU-resident delta id -> the packed config its slot is filled in."""
         self.costs: dict[int, VariantCost] = {}
         """GPU-resident delta id -> what a step using it reads and computes."""
+        self.num_pieces = 2 * self.config.num_layers
+        """Pieces of a delta (``delta_blocks``): the attention and the FFN linears of each layer."""
+        self.blocks = BlockSlots(self.num_pieces, max_deltas)
+        """Which block slot holds which piece, per piece index, and its users (refcounts)."""
+        self.piece_slots: dict[int, tuple[int, ...]] = {}
+        """GPU-resident delta id -> its block slot at each piece index (-1: none, the base alone)."""
+        self.projs_of_part = {
+            part: [p for p in self.linear_names if part_of(self.config, p) == part] for part in (0, 1)
+        }
+        """Part -> the HF projections of a layer's piece of that part."""
         self.tile_cap = cuda_tile_cap(device)
         """Most tokens per SBMM work tile: the CUDA op's largest where it runs (builds it now), else None."""
         self.dense_min_m = dense_min_m(device)
@@ -288,16 +283,23 @@ class DeltaPool:
         comp = manifest["compression"]
         key: ConfigKey = (int(comp["bits"]), comp["sparsity"] == "2:4", int(comp["group_size"]))
         packed = {}
-        for name, p in packed_by_name.items():
+        for name, linear in packed_by_name.items():
             m = _PACKED_RE.match(name)
             assert m is not None  # _validate checked every packed name
-            packed[(int(m.group(1)), m.group(2))] = p
+            packed[(int(m.group(1)), m.group(2))] = linear
         nbytes = sum(p.nbytes() for p in packed.values()) + sum(t.nbytes for t in dense.values())
-        for layer in range(self.config.num_layers):  # a partial delta (a zoo variant): zeros elsewhere
-            for proj in self.linear_names:
+        present = {piece_index(layer, part_of(self.config, proj)) for layer, proj in packed}
+        for piece in present:  # a partial delta (a zoo variant): a piece's missing linears are zero deltas
+            layer, part = divmod(piece, 2)
+            for proj in self.projs_of_part[part]:
                 if (layer, proj) not in packed:
-                    packed[(layer, proj)] = _zero_delta(key, self.slots.features[proj])
-        return DeltaHostCopy(key, packed, dense, nbytes, bufs[0])
+                    packed[(layer, proj)] = zero_delta(key, self.slots.features[proj])
+        payload = manifest["payload"]
+        files = payload.get("files") if "files" in payload else [payload.get("file", "")]
+        found = payload_identities(path, [str(f) for f in files], payload.get("codec", "none"), self.config)
+        unique = object()  # pieces the files do not identify are this copy's alone
+        pieces: dict[int, Hashable] = {p: (key, found.get(p, unique)) for p in sorted(present)}
+        return DeltaHostCopy(key, packed, pieces, dense, nbytes, bufs[0])
 
     def to_host(self, delta_id: int, path: str | Path) -> None:
         """Starts reading ``path`` into host memory in the background (``to_gpu`` waits for it)."""
@@ -343,9 +345,11 @@ class DeltaPool:
         return set(self.slot_of)
 
     def to_gpu(self, delta_id: int, slot: int) -> None:
-        """Copies the host copy into slot ``slot`` (the router's pick) of every pool of its config (the
-        config's views of the slot arenas made the first time it is seen) and its dense deltas to the
-        device. ValueError for a slot out of range or taken, or a delta already on the GPU."""
+        """Takes slot ``slot`` (the router's pick) for the delta: its dense deltas go to the slot's rows of
+        the tables; each of its pieces to a block slot of that piece (``delta_blocks``: a piece another
+        resident delta holds already gains a user and is not copied again; a new one goes to ``slot``
+        where free) of every pool of its config (the config's views of the slot arenas made the first
+        time it is seen). ValueError for a slot out of range or taken, or a delta already on the GPU."""
         if delta_id in self.slot_of:
             raise ValueError(f"delta {delta_id} is already on the GPU")
         if not 0 <= slot < self.max_deltas:
@@ -356,31 +360,47 @@ class DeltaPool:
         copy = self.wait_host(delta_id)
         pools = self.step.weights.get(copy.key)
         if pools is None:
-            pools = self.slots.pools(copy.key, copy.packed)
+            like = {
+                (layer, proj): copy.packed.get((layer, proj), zero_delta(copy.key, self.slots.features[proj]))
+                for layer in range(self.config.num_layers) for proj in self.linear_names
+            }  # fmt: skip
+            pools = self.slots.pools(copy.key, like)
             if self.device.type == "cpu":  # sbmm_ref serves: dequantise each delta once, not every step
                 for w in pools.values():
                     w.cache_reference()
             self.step.weights[copy.key] = pools
-        for k, p in copy.packed.items():  # every delta packs every block linear (_validate)
-            pools[k].store(slot, p.to(self.device))
+        at = [-1] * self.num_pieces
+        for p, identity in copy.pieces.items():
+            at[p], new = self.blocks.acquire(p, identity, preferred=slot)
+            if new:
+                layer, part = divmod(p, 2)
+                for proj in self.projs_of_part[part]:
+                    pools[(layer, proj)].store(at[p], copy.packed[(layer, proj)].to(self.device))
         self._fill_tables(slot, copy.dense)
         self.slot_of[delta_id] = slot
         self.key_of[delta_id] = copy.key
+        self.piece_slots[delta_id] = tuple(at)
         head = copy.dense.get(self.head_name)  # read whole for its logits rows; embedding rows are gathered
         head_bytes = 0 if head is None else head.numel() * torch.empty((), dtype=self.dtype).element_size()
-        packed = copy.packed.values()  # every block linear, a partial delta's zero ones too: the kernel reads them
+        packed = copy.packed.values()  # the linears of its pieces (a piece's zero ones too: the kernel reads them)
         self.costs[delta_id] = VariantCost(
             sum(p.nbytes() for p in packed) + head_bytes, 2 * sum(p.out_features * p.kept for p in packed)
         )
 
     def drop_gpu(self, delta_id: int) -> None:
-        """Frees the delta's slot (its regions zeroed in place, its dense deltas released)."""
+        """Frees the delta's slot (its dense deltas released) and its pieces' block slots that no other
+        resident delta uses (their regions zeroed in place)."""
         slot = self.slot_of.pop(delta_id)
         key = self.key_of.pop(delta_id)
         self.costs.pop(delta_id, None)
-        for w in self.step.weights.get(key, {}).values():
-            if w.loaded[slot]:
-                w.clear(slot)
+        pools = self.step.weights.get(key, {})
+        for p, at in enumerate(self.piece_slots.pop(delta_id)):
+            if at >= 0 and self.blocks.release(p, at):
+                layer, part = divmod(p, 2)
+                for proj in self.projs_of_part[part]:
+                    w = pools[(layer, proj)]
+                    if w.loaded[at]:
+                        w.clear(at)
         self.has_head[slot] = False  # the tables' blocks are refilled (or zeroed) by the slot's next to_gpu
 
     def _fill_tables(self, slot: int, dense: dict[str, torch.Tensor]) -> None:
@@ -447,40 +467,46 @@ class DeltaPool:
         the variant id of each logits row (ids not in this pool count as "no delta"); returns whether
         the step has delta tokens (False: nothing was set)."""
         logit_ids, decode = rows.logit_ids, rows.decode
-        slots = [(self.slot_of.get(v, -1), n) for v, n in rows.runs if n > 0]
-        used = {s for s, _ in slots if s >= 0}
-        if not used:
+        runs = [(v, n) for v, n in rows.runs if n > 0]
+        if not any(v in self.slot_of for v, _ in runs):
             self.end_step()
             return False
         dev = self.device
         token_slot: list[int] = []
-        for s, n in slots:
-            token_slot.extend([s] * n)
+        for v, n in runs:
+            token_slot.extend([self.slot_of.get(v, -1)] * n)
         logit_slot = [self.slot_of.get(v, -1) for v in logit_ids]
         # From pinned memory: a pageable copy would wait for the step still running (overlapped steps).
         self.step.token_index = host_to_device(torch.tensor(token_slot, dtype=torch.int64) + 1, dev)
         self.step.logit_index = host_to_device(torch.tensor(logit_slot, dtype=torch.int64) + 1, dev)
-        metas = []
-        for key in self._keys(used):
-            of_key = self._of_key(key, [s for s, _ in slots])
-            if decode:
-                meta = DeltaMeta.rows(of_key, dev, max_block_m=self.tile_cap)
-            else:
-                meta = DeltaMeta.segments([n for _, n in slots], of_key, dev, self.tile_cap, self.dense_min_m)
-            metas.append((key, meta))
-        self.step.metas = tuple(metas)
+        lens = [n for _, n in runs]
+        piece_metas: list[tuple[tuple[ConfigKey, DeltaMeta], ...]] = [()] * self.num_pieces
+        for pieces, per_key in self._piece_rows([v for v, _ in runs]):
+            metas = tuple(
+                (key, DeltaMeta.rows(at, dev, max_block_m=self.tile_cap) if decode
+                 else DeltaMeta.segments(lens, at, dev, self.tile_cap, self.dense_min_m))
+                for key, at in per_key
+            )  # fmt: skip
+            for p in pieces:
+                piece_metas[p] = metas
+        self.step.piece_metas = piece_metas
         self.step.head_meta = DeltaMeta.rows(self._head_rows(logit_slot), dev, max_block_m=HEAD_TILE)
         return True
 
-    def _keys(self, used: set[int]) -> list[ConfigKey]:
-        """The packed configs of the deltas in slots ``used``, sorted."""
-        slot_id = {s: d for d, s in self.slot_of.items()}
-        return sorted({self.key_of[slot_id[s]] for s in used})
-
-    def _of_key(self, key: ConfigKey, slots: Sequence[int]) -> list[int]:
-        """``slots`` with every slot whose delta is not of config ``key`` replaced by -1."""
-        slot_key = {s: self.key_of[d] for d, s in self.slot_of.items()}
-        return [s if s >= 0 and slot_key[s] == key else -1 for s in slots]
+    def _piece_rows(self, ids: Sequence[int]) -> list[tuple[list[int], list[tuple[ConfigKey, list[int]]]]]:
+        """For runs (or rows) of variant ids ``ids``: the piece indices grouped so that every index of a
+        group maps each run to the same block slot (``delta_blocks.group_pieces``), each group with, per
+        packed config used there, each run's block slot (-1: not a delta of that config, or a delta with
+        no piece there). Groups where no run has a piece are left out."""
+        variants = sorted({v for v in ids if v in self.slot_of})
+        out = []
+        for signature, pieces in group_pieces(self.piece_slots, variants, self.num_pieces).items():
+            at = dict(zip(variants, signature))
+            keys = sorted({self.key_of[v] for v, s in at.items() if s >= 0})
+            per_key = [(key, [at.get(v, -1) if self.key_of.get(v) == key else -1 for v in ids]) for key in keys]
+            if per_key:
+                out.append((pieces, per_key))
+        return out
 
     def _head_rows(self, logit_slot: Sequence[int]) -> list[int]:
         """Each logits row's slot where its delta changes lm_head, else -1."""
@@ -488,11 +514,11 @@ class DeltaPool:
 
     def end_step(self) -> None:
         """Back to inactive: the delta-aware modules compute their base alone."""
-        self.step.metas = ()
+        self.step.piece_metas = []
         self.step.head_meta = None
         self.step.token_index = self.step.logit_index = None
 
-    # ------------------------------------------------------------------ CUDA graphs
+    # ------------------------------------------------------------------ CUDA graphs (``delta_graphs``)
 
     def graphable(self, keys: Sequence[ConfigKey]) -> bool:
         """Whether decode steps of packed configs ``keys`` can be captured: the CUDA SBMM op runs here
@@ -516,50 +542,27 @@ class DeltaPool:
     def graph_keys(self, delta_ids: Sequence[int]) -> tuple[ConfigKey, ...]:
         """The packed configs a decode step of rows ``delta_ids`` (variant ids; others count as none)
         uses: the delta part of its graph's key."""
-        return tuple(self._keys({self.slot_of[v] for v in delta_ids if v in self.slot_of}))
+        return tuple(sorted({self.key_of[v] for v in delta_ids if v in self.slot_of}))
 
-    def _graph_buffers(self, max_batch: int, keys: Sequence[ConfigKey]) -> _GraphRows:
+    def _graph_buffers(self, max_batch: int, keys: Sequence[ConfigKey]) -> DeltaGraphRows:
         """The static buffers, (re)made for ``max_batch`` rows; per-config ones added as configs appear."""
-
-        def tile_buffers() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            def zeros(*shape: int) -> torch.Tensor:
-                return torch.zeros(*shape, dtype=torch.int32, device=self.device)
-
-            return zeros(max_batch), zeros(max_batch, 3), zeros(1)
-
         g = self.graph_rows
-        if g is None or g.index.shape[0] != max_batch:
-            g = self.graph_rows = _GraphRows(
-                torch.zeros(max_batch, dtype=torch.int64, device=self.device), {}, tile_buffers()
-            )
-        for key in keys:
-            if key not in g.metas:
-                g.metas[key] = tile_buffers()
+        if g is None or g.max_batch != max_batch:
+            g = self.graph_rows = DeltaGraphRows(self.device, self.num_pieces, max_batch, self.graph_tiles)
+        g.add_keys(keys)
         return g
 
     @contextmanager
     def graph_state(self, b: int, max_batch: int, keys: Sequence[ConfigKey]) -> Iterator[None]:
         """While a decode bucket of ``b`` rows is captured: the step reads the static buffers (configs
-        ``keys``), with no delta row yet (slot -1 everywhere); inactive again after."""
+        ``keys``, one metadata per piece), with no delta row yet (slot -1 everywhere); inactive after."""
         g = self._graph_buffers(max_batch, keys)
-        self._write_rows(g, b, [-1] * b, keys)
-
-        def static(order: torch.Tensor, tiles: torch.Tensor, count: torch.Tensor, cap: int) -> DeltaMeta:
-            meta = DeltaMeta.rows([-1] * b, self.device, max_block_m=cap)
-            grid = self.graph_tiles(b, cap)
-            return dataclasses.replace(
-                meta,
-                order=order[:b],
-                tiles=tiles[:grid],
-                tile_count=count,
-                grid_tiles=grid,
-                block_m=cap,
-                tile_tokens=cap,
-            )
-
+        self._write_rows(g, b, [0] * b, keys)
         self.step.token_index = self.step.logit_index = g.index[:b]
-        self.step.metas = tuple((key, static(*g.metas[key], GRAPH_TILE)) for key in keys)
-        self.step.head_meta = static(*g.head, HEAD_TILE)
+        self.step.piece_metas = [
+            tuple((key, g.static(g.metas[key], b, GRAPH_TILE, p)) for key in keys) for p in range(self.num_pieces)
+        ]
+        self.step.head_meta = g.static(g.head, b, HEAD_TILE)
         try:
             yield
         finally:
@@ -570,23 +573,19 @@ class DeltaPool:
         static buffers a graph captured with ``graph_state(b, .., keys)`` reads."""
         g = self.graph_rows
         assert g is not None and all(k in g.metas for k in keys), "graph_state first"
-        slots = [self.slot_of.get(v, -1) for v in delta_ids] + [-1] * (b - len(delta_ids))
-        self._write_rows(g, b, slots, keys)
+        self._write_rows(g, b, list(delta_ids) + [0] * (b - len(delta_ids)), keys)
 
-    def _write_rows(self, g: _GraphRows, b: int, slots: list[int], keys: Sequence[ConfigKey]) -> None:
-        copy_from_host(g.index[:b], torch.tensor(slots, dtype=torch.int64) + 1)
-
-        def write(bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: list[int], cap: int) -> None:
-            meta = DeltaMeta.rows(rows, "cpu", max_block_m=cap)  # built on the host, copied in
-            grid = self.graph_tiles(b, cap)
-            assert meta.num_tiles <= grid  # its real tiles come first, padding after
-            for buf, host in zip(bufs, (meta.order, meta.tiles[:grid], meta.tile_count)):
-                assert host is not None  # row metadata has an order and a tile count
-                copy_from_host(buf[: host.shape[0]], host)
-
+    def _write_rows(self, g: DeltaGraphRows, b: int, ids: list[int], keys: Sequence[ConfigKey]) -> None:
+        """Row index, each config's per-piece tiles and the lm_head's tiles of rows ``ids`` (variant ids)."""
+        slots = [self.slot_of.get(v, -1) for v in ids]
+        g.write_index(b, slots)
+        by_key: dict[ConfigKey, list[tuple[list[int], list[int]]]] = {key: [] for key in keys}
+        for pieces, per_key in self._piece_rows(ids):
+            for key, at in per_key:
+                by_key.setdefault(key, []).append((pieces, at))
         for key in keys:
-            write(g.metas[key], self._of_key(key, slots), GRAPH_TILE)
-        write(g.head, self._head_rows(slots), HEAD_TILE)
+            g.write_pieces(key, b, GRAPH_TILE, by_key[key])
+        g.write_head(b, self._head_rows(slots), HEAD_TILE)
 
     def close(self) -> None:
         self.host.close()

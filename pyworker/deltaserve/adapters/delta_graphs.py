@@ -1,0 +1,104 @@
+"""The static device buffers a captured delta decode step reads (``DeltaPool.graph_state``), and the
+writes of a step's rows into them before a replay (``DeltaPool.fill_graph_rows``).
+
+Per packed config, one SBMM metadata per piece (``delta_blocks``: ``2 * layer + part``), since the
+block slot a row uses may differ by piece (deltas sharing a block use its one slot). So that a replay
+costs three host-to-device copies per config whatever the layer count, each config's buffers are flat
+and every piece's metadata of a bucket of ``b`` rows (``grid`` work tiles) is a slice of them::
+
+    order   int32 [P * max_batch]       piece p: [p * b, (p + 1) * b)
+    tiles   int32 [P * max_batch * 3]   piece p: [p * grid * 3, (p + 1) * grid * 3) viewed [grid, 3]
+    count   int32 [P]                   piece p: [p, p + 1)
+
+A graph captured for bucket ``b`` holds views at its own offsets; a replay of that bucket rewrites the
+first ``P * b`` / ``P * grid * 3`` / ``P`` entries. The row index (slot + 1 of each row, for the dense
+tables) and the lm_head delta's tiles are per delta slot, as before: one buffer each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..kernels.sbmm import DeltaMeta
+from ..model.batch import copy_from_host
+from .delta_layers import ConfigKey
+
+Tiles = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(order, tiles, tile count) int32: a ``DeltaMeta``'s device tensors."""
+
+
+class DeltaGraphRows:
+    """The static buffers (module docstring), (re)made for ``max_batch`` rows, configs added as seen."""
+
+    def __init__(self, device: torch.device, num_pieces: int, max_batch: int, grid: Callable[[int, int], int]) -> None:
+        self.device, self.num_pieces, self.max_batch = device, num_pieces, max_batch
+        self.grid = grid
+        """(rows b, tile cap) -> the work tiles a captured step of ``b`` rows launches."""
+        self.index = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        """[B] int64: slot + 1 of each row (0: none); the token and logits index alike (decode)."""
+        self.metas: dict[ConfigKey, Tiles] = {}
+        """Config -> the flat per-piece buffers."""
+        self.head: Tiles = self._zeros(max_batch, max_batch * 3, 1)
+        """The lm_head delta's (order [B], tiles [B * 3], count [1])."""
+
+    def _zeros(self, *sizes: int) -> Tiles:
+        a, b, c = (torch.zeros(n, dtype=torch.int32, device=self.device) for n in sizes)
+        return a, b, c
+
+    def add_keys(self, keys: Sequence[ConfigKey]) -> None:
+        for key in keys:
+            if key not in self.metas:
+                p, m = self.num_pieces, self.max_batch
+                self.metas[key] = self._zeros(p * m, p * m * 3, p)
+
+    def static(self, bufs: Tiles, b: int, cap: int, piece: int = 0) -> DeltaMeta:
+        """Piece ``piece``'s metadata of a ``b``-row bucket over ``bufs``, with tiles of ``cap`` tokens."""
+        order, tiles, count = bufs
+        grid = self.grid(b, cap)
+        meta = DeltaMeta.rows([-1] * b, self.device, max_block_m=cap)
+        return dataclasses.replace(
+            meta,
+            order=order[piece * b : (piece + 1) * b],
+            tiles=tiles[piece * grid * 3 : (piece + 1) * grid * 3].view(grid, 3),
+            tile_count=count[piece : piece + 1],
+            grid_tiles=grid,
+            block_m=cap,
+            tile_tokens=cap,
+        )
+
+    def write_index(self, b: int, slots: Sequence[int]) -> None:
+        copy_from_host(self.index[:b], torch.tensor(slots, dtype=torch.int64) + 1)
+
+    def host_tiles(self, rows: Sequence[int], b: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(order [b], tiles [grid, 3], count [1]) of rows ``rows`` (slot per row), built on the host."""
+        meta = DeltaMeta.rows(rows, "cpu", max_block_m=cap)
+        grid = self.grid(b, cap)
+        assert meta.num_tiles <= grid and meta.tile_count is not None  # real tiles first, padding after
+        return meta.order, meta.tiles[:grid], meta.tile_count
+
+    def write_head(self, b: int, rows: Sequence[int], cap: int) -> None:
+        order, tiles, count = self.host_tiles(rows, b, cap)
+        for buf, host in zip(self.head, (order, tiles.reshape(-1), count)):
+            copy_from_host(buf[: host.shape[0]], host)
+
+    def write_pieces(
+        self, key: ConfigKey, b: int, cap: int, groups: Sequence[tuple[Sequence[int], Sequence[int]]]
+    ) -> None:
+        """Config ``key``'s metadata of every piece: ``groups`` are (piece indices, slot per row) of the
+        pieces with rows of that config; every other piece gets none (all padding). One copy per buffer."""
+        p = self.num_pieces
+        none = self.host_tiles([-1] * b, b, cap)
+        order = none[0].repeat(p, 1)
+        tiles = none[1].repeat(p, 1, 1)
+        count = none[2].repeat(p)
+        for pieces, rows in groups:
+            o, t, c = self.host_tiles(rows, b, cap)
+            at = torch.tensor(list(pieces), dtype=torch.int64)
+            order[at], tiles[at], count[at] = o, t, c
+        bufs = self.metas[key]
+        for buf, host in zip(bufs, (order, tiles, count)):
+            flat = host.reshape(-1)
+            copy_from_host(buf[: flat.shape[0]], flat)
