@@ -71,7 +71,7 @@ pub async fn authenticate(
         .get::<RequestId>()
         .map(|r| r.0.clone())
         .unwrap_or_default();
-    let key = match bearer_key(req.headers()) {
+    let key = match presented_key(req.headers(), access.keys_required()) {
         Ok(key) => key,
         Err(e) => return e.into_response(),
     };
@@ -126,6 +126,17 @@ pub fn bearer_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
         return Err(refused());
     }
     Ok(Some(key.to_string()))
+}
+
+/// The key a request presents. Where no key is required, a header that is not `Bearer <key>`
+/// counts as no key rather than a 401: clients that always send one send an empty key to an open
+/// server (lm-eval-harness's `local-completions` sends `Authorization: Bearer `), and vLLM
+/// without `--api-key` serves them. An admin route still needs a well-formed admin key.
+pub fn presented_key(headers: &HeaderMap, keys_required: bool) -> Result<Option<String>, ApiError> {
+    match bearer_key(headers) {
+        Err(_) if !keys_required => Ok(None),
+        other => other,
+    }
 }
 
 /// Whether `method path` is an admin route (see the module docs).
@@ -214,6 +225,18 @@ mod tests {
             assert_eq!(err.status(), 401, "{bad}");
             assert!(!err.to_string().contains("abc"));
         }
+    }
+
+    #[test]
+    fn an_open_server_ignores_a_malformed_key() {
+        let auth = header::AUTHORIZATION;
+        for bad in ["Bearer ", "Bearer", "Basic abc"] {
+            let h = headers(&[(auth.clone(), bad)]);
+            assert_eq!(presented_key(&h, false).unwrap(), None, "{bad}");
+            assert_eq!(presented_key(&h, true).unwrap_err().status(), 401, "{bad}");
+        }
+        let h = headers(&[(auth.clone(), "Bearer sk-1")]);
+        assert_eq!(presented_key(&h, false).unwrap().as_deref(), Some("sk-1"));
     }
 
     #[test]
