@@ -161,6 +161,9 @@ WATCHED = (
     "deltaserve_admission_running_cap",
     "deltaserve_admission_predicted_wait_us",
     "deltaserve_admission_refused_ttft_total",
+    "deltaserve_admission_effective_step_us",
+    "deltaserve_admission_mixed_step_overhead_us",
+    "deltaserve_admission_prefill_ns_per_token",
 )
 """Gauges and counters sampled during the overload, to see admission control at work."""
 

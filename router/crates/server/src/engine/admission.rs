@@ -14,14 +14,20 @@
 //!   sizes the line through the neighbours, outside them the line from the smallest to the
 //!   largest (never falling). A size not seen for [`STALE_AFTER_DECODE_STEPS`] decode steps no
 //!   longer counts;
-//! - prefill cost per token (its inverse is the prefill throughput, tokens/s): an exponentially
-//!   weighted mean of `(step time − t(decoding requests)) / prefill tokens` over steps with a
-//!   prefill;
-//! - prefill tokens per decoding request per step, `x`: an exponentially weighted mean over the
-//!   steps that decode (0 for a decode-only step). A running request's time per output token is
-//!   its steps' time, prefills of the requests that join meanwhile included: in a steady state
-//!   `x` = prompt tokens / output tokens of the requests served, so a step of `b` decoding
-//!   requests costs `t(b) + b·x·s_tok` (the *effective* step).
+//! - a mixed step's cost beyond its decodes, `F + s_tok·tokens`: a fixed part `F` (a step with a
+//!   prefill runs eagerly, without the decode step's CUDA graph: on an H200 that alone is ~5 ms)
+//!   and a cost per prefill token `s_tok` (its inverse is the prefill throughput, tokens/s), the
+//!   line through exponentially weighted moments of `(tokens, step time − t(decoding requests))`
+//!   over steps with a prefill. While the token counts hardly vary the line is undetermined, and
+//!   the whole cost is per token (`F` = 0): priced per token alone, a fixed cost grows with the
+//!   batch and caps it far below what the SLO allows;
+//! - prefill tokens per decoding request per step, `x`: the ratio of the exponentially weighted
+//!   means of prefill tokens and of decoding requests over the steps that decode, and the share
+//!   `m` of those steps that carry a prefill. A running request's time per output token is its
+//!   steps' time, prefills of the requests that join meanwhile included: in a steady state `x` =
+//!   prompt tokens / output tokens of the requests served, so a step of `b` decoding requests
+//!   costs `t(b) + m·F + b·x·s_tok` (the *effective* step). (A mean of per-step ratios would
+//!   count a step of one decode beside a whole prompt as heavily as a full batch's.)
 //!
 //! # The decision ([`Admission`])
 //!
@@ -29,7 +35,7 @@
 //! would see a TTFT of about
 //!
 //! ```text
-//!   prefill: (Q + P)·s_tok + ceil((Q + P) / chunk)·t(running)      chunk = token budget − running
+//!   prefill: (Q + P)·s_tok + ceil((Q + P) / chunk)·(t(running) + F)      chunk = token budget − running
 //!   slot:    max(0, k − free slots) / cap · mean output tokens · t(cap)   (slots free as requests end)
 //! ```
 //!
@@ -39,7 +45,7 @@
 //! [`DRAIN_WINDOW_STEPS`]) gives the `k`-th queued request
 //!
 //! ```text
-//!   queue:   k / r          prefill: P·s_tok + t(running)   (its own chunk, in one step)
+//!   queue:   k / r          prefill: t(running) + F + (P + running·x)·s_tok   (its own chunk, in one step)
 //! ```
 //!
 //! (the model above priced slots from decode-only steps, which under overload are rare and
@@ -89,6 +95,11 @@ pub const CAP_EVIDENCE_STEPS: u64 = 1024;
 /// A batch size's first samples: its estimate is their minimum (then a moving mean), and it
 /// caps the batch only once measured this many times.
 pub const ROBUST_START: u32 = 3;
+/// Mixed steps measured before their line (fixed part and slope) is trusted.
+const MIN_MIXED_SAMPLES: u32 = 16;
+/// The line needs token counts that vary: a standard deviation of at least this share of
+/// their mean.
+const MIN_TOKEN_SPREAD: f64 = 0.1;
 mod drain;
 
 pub use drain::{QueueDrain, DRAIN_WINDOW_STEPS, MIN_DRAIN_STEPS};
@@ -114,10 +125,39 @@ pub struct StepCosts {
     decode_samples: u64,
     /// Steps observed, of any kind (the clock of staleness).
     steps: u64,
-    /// Moving mean of the prefill cost per token, microseconds; `None` before a prefill.
-    prefill_us_per_token: Option<f64>,
-    /// Moving mean of prefill tokens per decoding request per step (see the module docs).
-    prefill_per_decode: f64,
+    /// Moving moments of the mixed steps' (prefill tokens, time beyond their decodes).
+    mixed: MixedSteps,
+    /// Over the steps that decode: moving means of their prefill tokens and decoding requests,
+    /// and the share of them with a prefill (see the module docs).
+    tokens_per_decode_step: f64,
+    decodes_per_decode_step: f64,
+    mixed_share: f64,
+}
+
+/// Exponentially weighted moments of the mixed steps: prefill tokens `n` and the step time
+/// beyond its decodes `y`, microseconds (see [`StepCosts::mixed_line`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct MixedSteps {
+    samples: u32,
+    n: f64,
+    nn: f64,
+    y: f64,
+    ny: f64,
+}
+
+impl MixedSteps {
+    fn observe(&mut self, n: f64, y: f64) {
+        let w = if self.samples == 0 {
+            1.0
+        } else {
+            NEW_SAMPLE_WEIGHT
+        };
+        self.samples = self.samples.saturating_add(1);
+        self.n += w * (n - self.n);
+        self.nn += w * (n * n - self.nn);
+        self.y += w * (y - self.y);
+        self.ny += w * (n * y - self.ny);
+    }
 }
 
 impl StepCosts {
@@ -126,8 +166,12 @@ impl StepCosts {
     pub fn observe(&mut self, decode_seqs: usize, prefill_tokens: usize, step_us: f64) {
         self.steps += 1;
         if decode_seqs > 0 {
-            let x = prefill_tokens as f64 / decode_seqs as f64;
-            self.prefill_per_decode += NEW_SAMPLE_WEIGHT * (x - self.prefill_per_decode);
+            let mixed = if prefill_tokens > 0 { 1.0 } else { 0.0 };
+            self.tokens_per_decode_step +=
+                NEW_SAMPLE_WEIGHT * (prefill_tokens as f64 - self.tokens_per_decode_step);
+            self.decodes_per_decode_step +=
+                NEW_SAMPLE_WEIGHT * (decode_seqs as f64 - self.decodes_per_decode_step);
+            self.mixed_share += NEW_SAMPLE_WEIGHT * (mixed - self.mixed_share);
         }
         if prefill_tokens == 0 {
             if decode_seqs == 0 {
@@ -163,11 +207,51 @@ impl StepCosts {
         let Some(decode_part) = self.decode_step_us(decode_seqs) else {
             return;
         };
-        let per_token = (step_us - decode_part).max(0.0) / prefill_tokens as f64;
-        self.prefill_us_per_token = Some(match self.prefill_us_per_token {
-            None => per_token,
-            Some(m) => m + NEW_SAMPLE_WEIGHT * (per_token - m),
-        });
+        self.mixed
+            .observe(prefill_tokens as f64, (step_us - decode_part).max(0.0));
+    }
+
+    /// A mixed step's cost beyond its decodes as `(F, s_tok)`: fixed microseconds and
+    /// microseconds per prefill token (`None` before a mixed step was measured). The line
+    /// through the moments once enough steps with varied token counts were seen, its slope
+    /// within [0, mean cost per token]; otherwise all of it per token.
+    pub fn mixed_line(&self) -> Option<(f64, f64)> {
+        let m = &self.mixed;
+        if m.samples == 0 || m.n <= 0.0 {
+            return None;
+        }
+        let per_token = m.y / m.n;
+        let var = (m.nn - m.n * m.n).max(0.0);
+        if m.samples < MIN_MIXED_SAMPLES || var.sqrt() < MIN_TOKEN_SPREAD * m.n {
+            return Some((0.0, per_token));
+        }
+        let slope = ((m.ny - m.n * m.y) / var).clamp(0.0, per_token);
+        Some((m.y - slope * m.n, slope))
+    }
+
+    /// A mixed step's fixed cost beyond its decodes, microseconds (0 while undetermined).
+    pub fn mixed_step_overhead_us(&self) -> f64 {
+        self.mixed_line().map_or(0.0, |(fixed, _)| fixed)
+    }
+
+    /// Prefill tokens per decoding request per step, `x` (see the module docs).
+    pub fn prefill_per_decode(&self) -> f64 {
+        if self.decodes_per_decode_step > 0.0 {
+            self.tokens_per_decode_step / self.decodes_per_decode_step
+        } else {
+            0.0
+        }
+    }
+
+    /// Predicted time of a step decoding `batch` requests beside `prefill_tokens` prompt
+    /// tokens, microseconds.
+    pub fn mixed_step_us(&self, batch: usize, prefill_tokens: f64) -> Option<f64> {
+        let t = self.decode_step_us(batch)?;
+        if prefill_tokens <= 0.0 {
+            return Some(t);
+        }
+        let (fixed, per_token) = self.mixed_line().unwrap_or((0.0, 0.0));
+        Some(t + fixed + per_token * prefill_tokens)
     }
 
     /// Decode steps observed so far.
@@ -230,28 +314,33 @@ impl StepCosts {
     /// effective step), microseconds.
     pub fn effective_step_us(&self, batch: usize) -> Option<f64> {
         let t = self.decode_step_us(batch)?;
-        Some(t + batch as f64 * self.prefill_share_us())
+        Some(t + self.mixed_fixed_share_us() + batch as f64 * self.prefill_share_us())
     }
 
     /// Prefill time a decoding request brings into each step: `x · s_tok`, microseconds.
     fn prefill_share_us(&self) -> f64 {
-        self.prefill_per_decode * self.prefill_us_per_token.unwrap_or(0.0)
+        self.prefill_per_decode() * self.prefill_us_per_token().unwrap_or(0.0)
+    }
+
+    /// The mixed steps' fixed cost spread over every decoding step: `m · F`, microseconds.
+    fn mixed_fixed_share_us(&self) -> f64 {
+        self.mixed_share * self.mixed_step_overhead_us()
     }
 
     /// The largest measured batch size whose effective step is within `slo_us`, and the
     /// smallest one measured over it at least [`ROBUST_START`] times, within the last
     /// [`CAP_EVIDENCE_STEPS`].
     fn measured_bounds(&self, slo_us: f64) -> (Option<usize>, Option<usize>) {
-        let share = self.prefill_share_us();
+        let (fixed, share) = (self.mixed_fixed_share_us(), self.prefill_share_us());
         let within = self
             .points()
-            .filter(|(b, t)| *t + *b as f64 * share <= slo_us)
+            .filter(|(b, t)| *t + fixed + *b as f64 * share <= slo_us)
             .map(|(b, _)| b)
             .last();
         let over = self
             .buckets()
             .find(|(b, k)| {
-                k.us + *b as f64 * share > slo_us
+                k.us + fixed + *b as f64 * share > slo_us
                     && k.samples >= ROBUST_START
                     && self.steps - k.seen_step <= CAP_EVIDENCE_STEPS
             })
@@ -259,14 +348,14 @@ impl StepCosts {
         (within, over)
     }
 
-    /// Measured prefill cost per prompt token, microseconds.
+    /// Measured prefill cost per prompt token, microseconds (the slope of [`Self::mixed_line`]).
     pub fn prefill_us_per_token(&self) -> Option<f64> {
-        self.prefill_us_per_token
+        self.mixed_line().map(|(_, per_token)| per_token)
     }
 
     /// Prefill throughput, tokens per second.
     pub fn prefill_tokens_per_s(&self) -> Option<f64> {
-        self.prefill_us_per_token
+        self.prefill_us_per_token()
             .filter(|us| *us > 0.0)
             .map(|us| 1e6 / us)
     }
@@ -318,6 +407,12 @@ pub struct AdmissionReadings {
     pub queued: u64,
     /// The queue's measured drain rate, requests per second (0 before it is measured).
     pub drain_per_s: u64,
+    /// The estimates behind the cap and the TTFT prediction (0 before they are measured): the
+    /// effective step at the cap and a mixed step's fixed cost, microseconds; the prefill cost
+    /// per token, nanoseconds.
+    pub effective_step_us: u64,
+    pub mixed_step_overhead_us: u64,
+    pub prefill_ns_per_token: u64,
 }
 
 /// One worker's admission state, shared by its actor (which measures steps and moves requests
@@ -447,13 +542,16 @@ impl Admission {
         let per_token = self.costs.prefill_us_per_token().unwrap_or(0.0);
         let position = self.queued_requests + usize::from(prompt_tokens > 0);
         if let Some(rate) = self.drain_per_us().filter(|_| self.queued_requests > 0) {
-            let own =
-                prompt_tokens as f64 * per_token + self.costs.effective_step_us(self.running)?;
+            let joining = self.running as f64 * self.costs.prefill_per_decode();
+            let own = self
+                .costs
+                .mixed_step_us(self.running, prompt_tokens as f64 + joining)?;
             return Some((own, position as f64 / rate));
         }
         let tokens = (self.queued_prompt_tokens + prompt_tokens) as f64;
         let chunk = self.token_budget.saturating_sub(self.running).max(1) as f64;
-        let prefill = tokens * per_token + (tokens / chunk).ceil() * t_running;
+        let fixed = self.costs.mixed_step_overhead_us();
+        let prefill = tokens * per_token + (tokens / chunk).ceil() * (t_running + fixed);
         let cap = self.cap;
         let free = cap.saturating_sub(self.running);
         let beyond = position.saturating_sub(free) as f64;
@@ -569,6 +667,12 @@ impl Admission {
             running_cap: self.cap as u64,
             queued: self.queued_requests as u64,
             drain_per_s: self.drain_per_us().map_or(0, |r| (r * 1e6).round() as u64),
+            effective_step_us: self.costs.effective_step_us(self.cap).unwrap_or(0.0) as u64,
+            mixed_step_overhead_us: self.costs.mixed_step_overhead_us() as u64,
+            prefill_ns_per_token: self
+                .costs
+                .prefill_us_per_token()
+                .map_or(0, |us| (us * 1e3).round() as u64),
         }
     }
 
@@ -738,6 +842,56 @@ mod tests {
         assert!((share - 10.0 * 20.0).abs() < 1.0, "{share}");
         // 1000 + 250 b + 20 b <= 5000  =>  b <= 14 (16's effective step, 5320 us, is over).
         assert_eq!(adm.running_cap(), 14);
+    }
+
+    #[test]
+    fn a_mixed_steps_fixed_cost_is_not_priced_per_token() {
+        // Seen on an H200 at 2x saturation: the running cap fell from 256 to 8 while the steps
+        // that ran took half the TPOT SLO. A step with a prefill runs eagerly, a fixed ~5 ms
+        // beyond its decodes; priced per prefill token, that cost grew with the batch.
+        let mut adm = Admission::new(Slo::from_ms(None, Some(14)), 256, 8192);
+        let decode = |b: usize| 6000.0 + 20.0 * b as f64;
+        for b in [1usize, 8, 16, 32, 64, 128, 64, 32, 16, 8] {
+            adm.step_measured(b, 0, decode(b), b);
+        }
+        // Every step of 64 decoding requests also prefills 32..128 prompt tokens (mean 80).
+        for i in 0..400 {
+            let tokens = 32 * (1 + i % 4);
+            adm.step_measured(64, tokens, decode(64) + 5000.0 + 10.0 * tokens as f64, 64);
+        }
+        let c = adm.costs();
+        let (fixed, per_token) = c.mixed_line().unwrap();
+        assert!(
+            (fixed - 5000.0).abs() < 50.0 && (per_token - 10.0).abs() < 0.5,
+            "{fixed} {per_token}"
+        );
+        // A moving mean over the 32..128 cycle: within a tenth of 80/64.
+        assert!((c.prefill_per_decode() - 80.0 / 64.0).abs() < 0.1);
+        assert!((c.mixed_step_us(64, 100.0).unwrap() - (decode(64) + 6000.0)).abs() < 60.0);
+        // 6000 + 20 b + 5000 + b·1.25·10 <= 14000  =>  b <= 92 (per token alone, about 59).
+        assert!(
+            (90..=94).contains(&adm.running_cap()),
+            "{}",
+            adm.running_cap()
+        );
+    }
+
+    #[test]
+    fn a_mixed_line_needs_varied_token_counts() {
+        let mut c = StepCosts::default();
+        for _ in 0..20 {
+            c.observe(4, 0, 1000.0);
+        }
+        assert_eq!(c.mixed_line(), None);
+        for _ in 0..100 {
+            c.observe(4, 50, 1000.0 + 500.0);
+        }
+        assert_eq!(
+            c.mixed_line(),
+            Some((0.0, 10.0)),
+            "one token count: all of it per token"
+        );
+        assert_eq!(c.mixed_step_us(4, 0.0), Some(1000.0));
     }
 
     #[test]

@@ -237,6 +237,12 @@ engine_metrics! {
         "Admitted requests no step has scheduled yet.";
     admission_drain_per_s: Gauge, Sum, |w| w.admission.drain_per_s,
         "How fast the queue drains under backlog, requests per second (admission control's measurement; 0 before it is measured).";
+    admission_effective_step_us: Gauge, Max, |w| w.admission.effective_step_us,
+        "Admission control's estimate of the running batch's time per output token at its cap (decode step, mixed steps' fixed cost and joining prefills), microseconds; the largest worker's.";
+    admission_mixed_step_overhead_us: Gauge, Max, |w| w.admission.mixed_step_overhead_us,
+        "Admission control's estimate of a step's fixed cost for carrying a prefill (beyond its decodes), microseconds; the largest worker's.";
+    admission_prefill_ns_per_token: Gauge, Max, |w| w.admission.prefill_ns_per_token,
+        "Admission control's estimate of a prefill's cost per prompt token, nanoseconds; the largest worker's.";
 }
 
 /// The Prometheus families of a snapshot: the table's rows in order, then the histograms.
@@ -477,6 +483,9 @@ mod tests {
         ("placement_over_slo_total", "counter"),
         ("admission_queued_requests", "gauge"),
         ("admission_drain_per_s", "gauge"),
+        ("admission_effective_step_us", "gauge"),
+        ("admission_mixed_step_overhead_us", "gauge"),
+        ("admission_prefill_ns_per_token", "gauge"),
     ];
 
     fn worker(sched: SchedStats, actor: &ActorCounters, latency: &RequestLatency) -> EngineMetrics {
