@@ -8,7 +8,9 @@ use deltaserve_ipc::wire::{KernelBackend, WorkerConfig};
 
 mod startup_variants;
 
-pub use startup_variants::{parse_delta, parse_lora, zoo_variants};
+pub use startup_variants::{
+    parse_delta, parse_lora, zoo_substitutions, zoo_variants, ZooSubstitution,
+};
 
 /// Default for [`ServerConfig::max_deltas`] (DeltaZip's profiled number of deltas worth
 /// batching at once).
@@ -113,6 +115,12 @@ pub struct ServerConfig {
     /// flag for more. Registered after the `--delta`s.
     #[arg(long = "zoo", env = "DELTASERVE_ZOO", value_delimiter = ',')]
     pub zoos: Vec<PathBuf>,
+    /// Accuracy-aware substitution under load (BlockLLM; `substitution.rs`): a zoo variant added
+    /// with `--substitute-min-similarity` runs its equivalent blocks as the base's while more
+    /// than this fraction of the capacity (--max-queued-per-worker x workers) is queued or
+    /// running, in [0, 1). Off by default; never for a variant that did not opt in.
+    #[arg(long, env = "DELTASERVE_SUBSTITUTE_ABOVE")]
+    pub substitute_above: Option<f64>,
     /// Compressed deltas each worker keeps on the GPU at once (its delta slots; DeltaZip's N).
     /// Requests for other deltas wait for a slot; 0 turns delta serving off.
     #[arg(long, env = "DELTASERVE_MAX_DELTAS", default_value_t = DEFAULT_MAX_DELTAS)]
@@ -337,6 +345,16 @@ impl ServerConfig {
         }
         if self.max_queued_per_worker == 0 {
             return Err("--max-queued-per-worker must be at least 1".into());
+        }
+        if let Some(above) = self.substitute_above {
+            if !(0.0..1.0).contains(&above) {
+                return Err(format!(
+                    "--substitute-above {above}: must be a fraction of capacity in [0, 1)"
+                ));
+            }
+            if self.zoos.is_empty() {
+                return Err("--substitute-above substitutes zoo variants: give --zoo".into());
+            }
         }
         crate::api::hygiene::AllowedOrigins::parse(&self.allowed_origins)?;
         if self.worker_threads == Some(0) {

@@ -36,6 +36,7 @@ pub mod logging;
 pub mod registry;
 pub mod roots;
 pub mod sampling_defaults;
+pub mod substitution;
 pub mod text;
 pub mod validate;
 pub mod variant_sources;
@@ -180,10 +181,18 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             VariantKind::Lora => "LoRA adapter",
             VariantKind::Delta => "delta",
         };
-        let entry = engine
-            .register_adapter(&name, &dir, Some(kind))
-            .await
-            .with_context(|| format!("registering {what} {name} ({})", dir.display()))?;
+        let entry = match engine.register_adapter(&name, &dir, Some(kind)).await {
+            Ok(entry) => entry,
+            Err(e) if cfg.is_in_zoo(&dir) => {
+                // One bad zoo entry leaves out that variant; the others are served.
+                tracing::error!(adapter = %name, path = %dir.display(), "zoo variant not served: {e}");
+                continue;
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e)
+                    .context(format!("registering {what} {name} ({})", dir.display())))
+            }
+        };
         let summary = entry
             .footprint
             .as_ref()
@@ -196,6 +205,7 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
             "{what} registered: {summary}"
         );
     }
+    substitution::configure_from_zoos(cfg, &engine.model().adapters);
     Ok(engine)
 }
 

@@ -139,6 +139,8 @@ pub struct VariantRegistry {
     /// Where unregistered names are looked for at request time (`--lora-dir`, ...).
     sources: VariantSources,
     inner: RwLock<Inner>,
+    /// Which zoo variants run a substitute under load (`--substitute-above`), and their counts.
+    substitutions: crate::substitution::Substitutions,
 }
 
 #[derive(Debug, Default)]
@@ -163,7 +165,13 @@ impl VariantRegistry {
             roots,
             sources: VariantSources::default(),
             inner: RwLock::new(Inner::default()),
+            substitutions: Default::default(),
         }
+    }
+
+    /// The zoo variants' substitution under load (`crate::substitution`).
+    pub fn substitutions(&self) -> &crate::substitution::Substitutions {
+        &self.substitutions
     }
 
     /// This registry, with unregistered names looked for in `sources` at request time.

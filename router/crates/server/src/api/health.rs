@@ -55,6 +55,17 @@ pub async fn metrics<B: Backend>(State(backend): State<B>, who: Requester) -> Re
         "type",
         &error_counts(),
     ));
+    let substituted = backend.model().adapters.substitutions().counts();
+    if !substituted.is_empty() {
+        // A family without samples is not written (the text encoder refuses one).
+        let counts: Vec<(&str, u64)> = substituted.iter().map(|(v, n)| (v.as_str(), *n)).collect();
+        families.push(engine_metrics::labeled_counter(
+            "deltaserve_zoo_substituted_tokens_total",
+            "Tokens (prompt and completion, per choice) zoo variants served with their substitute under load (--substitute-above), by variant.",
+            "variant",
+            &counts,
+        ));
+    }
     families.extend(who.access.usage.families());
     (
         [(

@@ -17,7 +17,8 @@
 //!  on_demand.rs: a generation's unregistered variant found in --lora-dir & co and registered
 //!  choices.rs: `n` / `best_of`: one request fanned out into several engine requests, merged
 //!
-//!  layers, outermost first: request_id.rs (x-request-id, log span) → auth.rs (key → Caller,
+//!  layers, outermost first: request_id.rs (x-request-id, log span) → substitution.rs
+//!  (x-deltaserve-substituted when a zoo variant ran its substitute under load) → auth.rs (key → Caller,
 //!  admin routes, JSON-only state changes) → the route; tenants.rs (key file, ACL) and
 //!  quotas.rs (token buckets) behind auth; usage.rs: every generation's quota hold, metering
 //!  and finished-request log line
@@ -43,6 +44,7 @@ pub mod on_demand;
 pub mod openai;
 pub mod quotas;
 pub mod request_id;
+pub mod substitution;
 pub mod tenants;
 pub mod tokenize;
 pub mod tools;
@@ -110,6 +112,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
         &self,
         name: String,
     ) -> impl Future<Output = Result<VariantEntry, VariantError>> + Send;
+    /// The variant id a request for `adapter_id` runs instead right now (its substitute under
+    /// load, `crate::substitution`; 0: the base), or `None` to run it as asked.
+    fn substitute(&self, adapter_id: u32) -> Option<u32> {
+        let _ = adapter_id;
+        None
+    }
 }
 
 impl Backend for EngineHandle {
@@ -141,6 +149,17 @@ impl Backend for EngineHandle {
         kind: Option<VariantKind>,
     ) -> Result<VariantEntry, VariantError> {
         EngineHandle::register_adapter(self, &name, &path, kind).await
+    }
+    fn substitute(&self, adapter_id: u32) -> Option<u32> {
+        let registry = &self.model().adapters;
+        let name = registry.name_of(adapter_id).filter(|_| adapter_id != 0)?;
+        match registry
+            .substitutions()
+            .pick(&name, self.outstanding(), self.capacity())?
+        {
+            crate::substitution::Substitute::Base => Some(0),
+            crate::substitution::Substitute::Variant(sub) => registry.active_id(&sub),
+        }
     }
     async fn delete_adapter(&self, name: String) -> Result<VariantEntry, VariantError> {
         EngineHandle::delete_adapter(self, &name).await
@@ -217,6 +236,7 @@ pub fn guarded_router<B: Backend>(
             hygiene,
             hygiene::check,
         ))
+        .layer(axum::middleware::from_fn(substitution::header))
         .layer(axum::middleware::from_fn(request_id::tag))
         .with_state(backend)
 }

@@ -57,7 +57,7 @@ pub async fn start<B: Backend>(
 pub async fn start_choices<B: Backend>(
     backend: &B,
     who: &Requester,
-    reqs: Vec<GenerateRequest>,
+    mut reqs: Vec<GenerateRequest>,
 ) -> Result<Vec<UnboundedReceiver<GenerateEvent>>, ApiError> {
     let started = Instant::now();
     let first = reqs.first().expect("at least one choice");
@@ -81,6 +81,15 @@ pub async fn start_choices<B: Backend>(
             })?,
         None => QuotaLease::none(),
     };
+    // Under load, an opted-in zoo variant runs its substitute (`crate::substitution`); the
+    // request keeps its name, is metered as asked, and its response says so.
+    let substituted = backend.substitute(adapter_id).inspect(|&sub| {
+        for req in &mut reqs {
+            req.adapter_id = sub;
+        }
+        super::substitution::mark();
+    });
+    let registry = backend.model().adapters.clone();
     let mut engine_rxs = Vec::with_capacity(reqs.len());
     for req in reqs {
         engine_rxs.push(backend.generate(req).await?);
@@ -98,6 +107,7 @@ pub async fn start_choices<B: Backend>(
         receivers.push(rx);
         let tally = tally.clone();
         let (tenant, variant, access) = (tenant.clone(), variant.clone(), access.clone());
+        let registry = registry.clone();
         // Its own root span: the handler's `request` span (request_id.rs) has ended by the time a
         // stream does.
         let span = tracing::info_span!(parent: None, "request", request_id = %who.request_id);
@@ -159,6 +169,11 @@ pub async fn start_choices<B: Backend>(
             access
                 .usage
                 .record(&tenant, &variant, prompt_tokens, t.completion_tokens);
+            if substituted.is_some() {
+                let tokens =
+                    u64::from(prompt_tokens) * u64::from(choices) + u64::from(t.completion_tokens);
+                registry.substitutions().count(&variant, tokens);
+            }
             tracing::info!(
                 target: "deltaserve::requests",
                 tenant = %tenant,

@@ -354,6 +354,12 @@ impl EngineHandle {
             .sum()
     }
 
+    /// Requests the workers take queued or running before new ones get 429
+    /// (`--max-queued-per-worker` x workers): substitution's capacity (`crate::substitution`).
+    pub fn capacity(&self) -> usize {
+        self.inner.actors.len() * self.inner.max_outstanding_per_worker
+    }
+
     /// Ends every live request with an `Error` event carrying `message` (the drain timeout).
     pub fn abort_all(&self, message: String) {
         for actor in &self.inner.actors {
