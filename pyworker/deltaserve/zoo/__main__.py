@@ -3,6 +3,7 @@
     python -m deltaserve.zoo add --zoo DIR --base BASE_DIR --name NAME --finetuned FT_DIR
         [--threshold 0.98] [--calib FILE] [--share-equivalent] [--share-from-layer L] [--dense]
         [--bits 2|4] [--sparsity 2:4|none] [--group-size 64] [--nsamples N] [--seqlen L]
+        [--substitute-min-similarity X]
     python -m deltaserve.zoo ls --zoo DIR
     python -m deltaserve.zoo rm --zoo DIR --name NAME
 
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--group-size", type=int, default=64, help="ΔCompress quantization group (64)")
     add.add_argument("--nsamples", type=int, default=32, help="calibration sequences (32)")
     add.add_argument("--seqlen", type=int, default=256, help="longest calibration sequence (256)")
+    add.add_argument("--substitute-min-similarity", type=float, default=None,
+                     help="opt in to substitution under load: own blocks at least this similar to the base's "
+                     "run as the base's while `deltaserve --substitute-above` says the server is loaded")  # fmt: skip
     add.add_argument("--quiet", action="store_true", help="no progress on stderr")
     ls = sub.add_parser("ls", help="variants, chains, sharing and bytes saved")
     ls.add_argument("--zoo", required=True)
@@ -57,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 threshold=args.threshold, share_equivalent=args.share_equivalent,
                 share_from_layer=args.share_from_layer, dense=args.dense, calib=args.calib, bits=args.bits,
                 sparse=args.sparsity == "2:4", group_size=args.group_size, nsamples=args.nsamples, seqlen=args.seqlen,
+                substitute_min_similarity=args.substitute_min_similarity,
             )  # fmt: skip
             add_variant(args.zoo, args.base, args.name, args.finetuned, options, None if args.quiet else sys.stderr)
             print(describe(args.zoo))

@@ -13,6 +13,10 @@
     chain = consecutive base components merged into one segment (lazy partitioning), then own blocks
     delta storage: ``variants/<name>/`` a partial delta directory (payload = hard links to its block
         files) that the worker serves with the compressed-delta machinery
+    --substitute-min-similarity X (opt-in): the own blocks with similarity >= X (layer >=
+        --share-from-layer) may run as the base's under load (``deltaserve --substitute-above``);
+        ``substitutes/<name>/`` is the delta directory of the variant without them (none when no own
+        block is left: the substitute is the base model)
     manifest written last (atomically): a failure leaves the zoo as it was, plus unreferenced files
         the next ``zoo rm`` collects
 
@@ -52,9 +56,11 @@ from .manifest import (
     BASE_BLOCK,
     BLOCKS_DIR,
     MANIFEST,
+    SUBSTITUTES_DIR,
     VARIANTS_DIR,
     ZooError,
     empty_manifest,
+    own_ids,
     read_manifest,
     write_manifest,
 )
@@ -84,10 +90,16 @@ class AddOptions:
     """Most calibration sequences (lens and compressor)."""
     seqlen: int = 256
     """Longest calibration sequence."""
+    substitute_min_similarity: float | None = None
+    """Opt in to accuracy-aware substitution under load: own blocks at least this similar to the base's
+    (layer >= ``share_from_layer``) may run as the base's when the server is loaded; None: never."""
 
     def validate(self) -> None:
         if not 0.0 < self.threshold <= 1.0:
             raise ZooError(f"--threshold must be in (0, 1], got {self.threshold}")
+        x = self.substitute_min_similarity
+        if x is not None and not 0.0 < x <= 1.0:
+            raise ZooError(f"--substitute-min-similarity must be in (0, 1], got {x}")
         if self.share_from_layer is not None and self.share_from_layer < 0:
             raise ZooError(f"--share-from-layer must be >= 0, got {self.share_from_layer}")
 
@@ -224,7 +236,16 @@ def add_variant(
     manifest["variants"][name] = entry
     if not options.dense:
         entry["delta_dir"] = f"{VARIANTS_DIR}/{name}"
-        _write_variant_delta(zoo, name, manifest, base_ck, names, base_sig, entry)
+        _write_delta_dir(zoo, entry["delta_dir"], name, manifest, base_ck, names, base_sig, entry, own_ids(chain))
+    if options.substitute_min_similarity is not None:
+        x = options.substitute_min_similarity
+        subst = [c for c in own if similarity[c] >= x and layer_of(c) >= options.share_from_layer]
+        entry["substitution"] = {"min_similarity": x, "components": subst, "delta_dir": None}
+        keep = [block_id[c] for c in own if c not in subst]
+        if subst and keep and not options.dense:
+            entry["substitution"]["delta_dir"] = f"{SUBSTITUTES_DIR}/{name}"
+            _write_delta_dir(zoo, f"{SUBSTITUTES_DIR}/{name}", name, manifest, base_ck, names, base_sig, entry, keep)
+        log(f"zoo add {name}: substitutable under load (similarity >= {x}): {subst or 'none'}")
     write_manifest(zoo, manifest)
     return entry
 
@@ -307,25 +328,26 @@ def _delta_blocks(
     return out
 
 
-def _write_variant_delta(
+def _write_delta_dir(
     zoo: Path,
+    rel: str,
     name: str,
     manifest: dict[str, Any],
     base_ck: Checkpoint,
     names: dict[str, list[str]],
     base_sig: dict[str, Any],
     entry: dict[str, Any],
+    blocks: list[str],
 ) -> None:
-    """``variants/<name>/``: a partial delta directory over the variant's own block files (hard links)."""
-    out = zoo / VARIANTS_DIR / name
+    """``<zoo>/<rel>`` (``variants/<name>``, ``substitutes/<name>``): a partial delta directory over the
+    block files ``blocks`` (hard links; every other component runs the base's)."""
+    out = zoo / rel
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     files, tensors, total = [], {}, 0
     compression: dict[str, Any] = {}
-    for seg in entry["chain"]:
-        if seg["block"] == BASE_BLOCK:
-            continue
-        block = manifest["blocks"][seg["block"]]
+    for bid in blocks:
+        block = manifest["blocks"][bid]
         src = zoo / block["file"]
         dst = out / src.name
         try:
@@ -341,7 +363,7 @@ def _write_variant_delta(
         "format_version": delta_dir.FORMAT_VERSION,
         "mode": "delta",
         "partial": True,
-        "zoo": {"manifest": f"../../{MANIFEST}", "variant": name},
+        "zoo": {"manifest": f"../../{MANIFEST}", "variant": name, "substitute": rel.startswith(SUBSTITUTES_DIR)},
         "base": {"name": manifest["base"]["name"], "config": base_sig, "config_sha256": signature_hash(base_sig)},
         "finetuned": entry["finetuned"],
         "base_shapes": {n: list(base_ck.located[n][1]) for ns in names.values() for n in ns},

@@ -11,6 +11,7 @@ from typing import Any
 from .manifest import (
     BASE_BLOCK,
     BLOCKS_DIR,
+    SUBSTITUTES_DIR,
     VARIANTS_DIR,
     ZooError,
     own_blocks,
@@ -77,6 +78,11 @@ def describe(zoo: str | Path) -> str:
             lines.append("  similarity: " + ", ".join(f"{c} {x:.4f}" for c, x in sims.items()))
         if v.get("shared_equivalent"):
             lines.append("  shared by equivalence (base block): " + ", ".join(v["shared_equivalent"]))
+        sub = v.get("substitution")
+        if sub is not None:
+            runs = sub["delta_dir"] or "the base model"
+            what = ", ".join(sub["components"]) or "none (nothing to substitute)"
+            lines.append(f"  under load (similarity >= {sub['min_similarity']}) the base's: {what}; runs {runs}")
     fp16 = sum(s.fp16_bytes.values())
     lines.append(
         f"bytes: variants' own blocks {sum(s.own_bytes.values()):,}, stored once {s.stored_bytes:,} "
@@ -101,6 +107,7 @@ def remove_variant(zoo: str | Path, name: str) -> list[str]:
         del m["blocks"][b]
     write_manifest(zoo, m)  # first: a crash below leaves only unreferenced files
     shutil.rmtree(zoo / VARIANTS_DIR / name, ignore_errors=True)
+    shutil.rmtree(zoo / SUBSTITUTES_DIR / name, ignore_errors=True)
     listed = {b["file"] for b in m["blocks"].values()}
     for f in sorted(files | {f"{BLOCKS_DIR}/{p.name}" for p in (zoo / BLOCKS_DIR).glob("*")}):
         if f not in listed:

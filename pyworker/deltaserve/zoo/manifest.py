@@ -14,11 +14,16 @@ Layout::
                              "chain": [{"components": [first, last], "block": "base"} | {"component", "block": id}],
                              "similarity": {component: float} (1.0 where identical to the base),
                              "shared_equivalent": [components served by the base block although they differ],
-                             "fp16_bytes", "delta_dir": "variants/<name>" (delta storage only)}
+                             "fp16_bytes", "delta_dir": "variants/<name>" (delta storage only),
+                             "substitution" (opt-in, ``zoo add --substitute-min-similarity``):
+                                 {"min_similarity", "components": [own components substitutable],
+                                  "delta_dir": "substitutes/<name>" | null (the base model)}}
     <zoo>/blocks/<id>.safetensors       one own block: a ΔCompress delta of its tensors against the base
                                         (delta-directory tensor names) or the fine-tuned tensors (dense)
     <zoo>/variants/<name>/              delta storage: a delta directory the worker serves (``partial``),
                                         its payload hard links to the variant's block files
+    <zoo>/substitutes/<name>/           the same without the substitutable blocks: what the variant
+                                        runs under load (``deltaserve --substitute-above``)
 
 Block ids are ``<component>.<content sha256, 16 hex>.<storage tag>``: the same tensors stored the same
 way are one block, whichever variant brings them.
@@ -38,6 +43,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 BLOCKS_DIR = "blocks"
 VARIANTS_DIR = "variants"
+SUBSTITUTES_DIR = "substitutes"
 BASE_BLOCK = "base"
 """The ``block`` of a chain segment that runs the base model's components."""
 
@@ -107,7 +113,24 @@ def read_manifest(zoo: str | Path) -> dict[str, Any]:
                 _need(seg["block"] in m["blocks"], path, f"{at}.block", f"{seg['block']!r} is not in 'blocks'")
                 covered.append(m["blocks"][seg["block"]]["component"])
         _need(covered == order, path, f"{where}.chain", "does not cover every component once, in order")
+        if "substitution" in v:
+            _check_substitution(zoo, path, f"{where}.substitution", v, m["blocks"])
     return m
+
+
+def _check_substitution(zoo: Path, path: Path, where: str, v: dict[str, Any], blocks: dict[str, Any]) -> None:
+    s = v["substitution"]
+    _need(isinstance(s, dict), path, where, "is not an object")
+    x = s.get("min_similarity")
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 < x <= 1.0
+    _need(ok, path, f"{where}.min_similarity", f"is {x!r}; must be a number in (0, 1]")
+    own = {blocks[b]["component"] for b in own_blocks(v)}
+    comps = s.get("components")
+    _need(isinstance(comps, list) and set(comps) <= own, path, f"{where}.components", "must list own components")
+    d = s.get("delta_dir")
+    _need(d is None or isinstance(d, str), path, f"{where}.delta_dir", "must be a string or null")
+    if isinstance(d, str):
+        _need((zoo / d / MANIFEST).is_file(), path, f"{where}.delta_dir", f"names {zoo / d}, which has no {MANIFEST}")
 
 
 def write_manifest(zoo: Path, manifest: dict[str, Any]) -> None:
@@ -124,4 +147,9 @@ def used_blocks(manifest: dict[str, Any]) -> set[str]:
 
 def own_blocks(variant: dict[str, Any]) -> list[str]:
     """A variant's own block ids, in chain order."""
-    return [seg["block"] for seg in variant["chain"] if seg["block"] != BASE_BLOCK]
+    return own_ids(variant["chain"])
+
+
+def own_ids(chain: list[dict[str, Any]]) -> list[str]:
+    """The own block ids of a chain, in order."""
+    return [seg["block"] for seg in chain if seg["block"] != BASE_BLOCK]
