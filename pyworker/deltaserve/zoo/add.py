@@ -236,7 +236,7 @@ def add_variant(
     manifest["variants"][name] = entry
     if not options.dense:
         entry["delta_dir"] = f"{VARIANTS_DIR}/{name}"
-        _write_delta_dir(zoo, entry["delta_dir"], name, manifest, base_ck, names, base_sig, entry, own_ids(chain))
+        write_delta_dir(zoo, entry["delta_dir"], name, manifest, base_ck, names, base_sig, entry, own_ids(chain))
     if options.substitute_min_similarity is not None:
         x = options.substitute_min_similarity
         subst = [c for c in own if similarity[c] >= x and layer_of(c) >= options.share_from_layer]
@@ -244,7 +244,7 @@ def add_variant(
         keep = [block_id[c] for c in own if c not in subst]
         if subst and keep and not options.dense:
             entry["substitution"]["delta_dir"] = f"{SUBSTITUTES_DIR}/{name}"
-            _write_delta_dir(zoo, f"{SUBSTITUTES_DIR}/{name}", name, manifest, base_ck, names, base_sig, entry, keep)
+            write_delta_dir(zoo, f"{SUBSTITUTES_DIR}/{name}", name, manifest, base_ck, names, base_sig, entry, keep)
         log(f"zoo add {name}: substitutable under load (similarity >= {x}): {subst or 'none'}")
     write_manifest(zoo, manifest)
     return entry
@@ -328,7 +328,7 @@ def _delta_blocks(
     return out
 
 
-def _write_delta_dir(
+def write_delta_dir(
     zoo: Path,
     rel: str,
     name: str,
