@@ -127,6 +127,7 @@ impl Scheduler {
             prefetch_window,
             max_deltas,
             host_copy_reports,
+            enable_prefix_caching: false,
         };
         let sched = deltaserve_sched::Scheduler::new(cfg).map_err(|e| sched_err(py, e))?;
         Ok(Scheduler {
@@ -203,6 +204,7 @@ impl Scheduler {
             ignore_eos,
             arrival,
             adapter_id,
+            skip_prefix_cache: false,
         };
         self.sched.add_request(req).map_err(|e| sched_err(py, e))?;
         self.sampling.insert(req_id, sampling);
@@ -378,6 +380,11 @@ fn stats_by_name(s: SchedStats) -> BTreeMap<&'static str, u64> {
         delta_skips,
         delta_skip_preemptions,
         host_deferrals,
+        prefix_queried_tokens,
+        prefix_hit_tokens,
+        prefix_cached_blocks,
+        prefix_evicted_blocks,
+        prefix_deferrals,
     } = s;
     BTreeMap::from([
         ("waiting", waiting as u64),
@@ -402,5 +409,10 @@ fn stats_by_name(s: SchedStats) -> BTreeMap<&'static str, u64> {
         ("delta_skips", delta_skips),
         ("delta_skip_preemptions", delta_skip_preemptions),
         ("host_deferrals", host_deferrals),
+        ("prefix_queried_tokens", prefix_queried_tokens),
+        ("prefix_hit_tokens", prefix_hit_tokens),
+        ("prefix_cached_blocks", prefix_cached_blocks.into()),
+        ("prefix_evicted_blocks", prefix_evicted_blocks),
+        ("prefix_deferrals", prefix_deferrals),
     ])
 }

@@ -61,6 +61,8 @@ impl From<Config> for PySchedulerConfig {
             prefetch_window,
             max_deltas,
             host_copy_reports,
+            // Off in the simulator: its requests have no token contents (all zeros).
+            enable_prefix_caching: _,
         } = c;
         PySchedulerConfig {
             block_size,
@@ -88,6 +90,7 @@ impl From<&PySchedulerConfig> for Config {
             prefetch_window: c.prefetch_window,
             max_deltas: c.max_deltas,
             host_copy_reports: c.host_copy_reports,
+            enable_prefix_caching: false,
         }
     }
 }

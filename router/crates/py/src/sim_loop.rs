@@ -318,6 +318,7 @@ impl Sim<'_> {
             ignore_eos: true,
             arrival: worker.next_stamp,
             adapter_id: r.variant,
+            skip_prefix_cache: false,
         };
         worker
             .sched

@@ -123,6 +123,7 @@ fn request(
         ignore_eos: true,
         arrival,
         adapter_id,
+        skip_prefix_cache: false,
     }
 }
 

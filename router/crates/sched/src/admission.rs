@@ -50,6 +50,7 @@
 
 use crate::block::PageOwner;
 use crate::inflight::{record_chunk, Chunk};
+use crate::prefix::MAX_PREFIX_DEFERRALS;
 use crate::queues::insert_sorted_vec;
 use crate::request::{OrderKey, Phase};
 use crate::scheduler::{Scheduler, StepDraft};
@@ -84,8 +85,12 @@ impl Scheduler {
     ///           if it has no host copy: DropHost.. ToHost(w.adapter), with the room rule
     ///               below for the head and prefetch's for the others, else stop
     ///           continue with the next waiting request; w keeps its place
-    ///     n = min(len(w.tokens), budget)                      # chunked prefill
-    ///     need = pages(n) + watermark (+ w.adapter's pages unless it is on the GPU)
+    ///     hits = w's cached prefix pages (`prefix.rs`); if a running request is computing
+    ///           w's next prefix page: pass w over (it keeps its place; at most
+    ///           MAX_PREFIX_DEFERRALS a step) and continue
+    ///     n = min(len(w.tokens) - hits * block_size, budget)   # chunked prefill
+    ///     need = pages(hits * block_size + n) - hits + hits no request holds + watermark
+    ///            (+ w.adapter's pages unless it is on the GPU)
     ///     delta: if w.delta is not on the GPU and all max_deltas slots are taken, evict the
     ///           LRU idle delta (DropGpu), else stop
     ///     host: if w.adapter must go to the GPU and has no host copy, it needs host room:
@@ -94,7 +99,8 @@ impl Scheduler {
     ///     gpu:  evict LRU idle LoRA adapters (not w's) until need pages are free, else stop
     ///     (nothing is dropped or evicted unless w is then admitted)   # FCFS
     ///     ops: DropHost.., ToHost(w.adapter), DropGpu.., ToGpu(w.adapter, pages or a slot)
-    ///     admit w (sent in `new` with all its tokens), w.adapter pinned, budget -= n
+    ///     admit w (sent in `new` with all its tokens and num_computed = hits * block_size),
+    ///     hits held, w.adapter pinned, budget -= n
     /// if the loop stopped because a w could not be admitted: skip-the-line (`skip_line.rs`)
     ///     for the requests of selected deltas behind it, in queue order
     /// ```
@@ -107,15 +113,13 @@ impl Scheduler {
         let (_, window) = self.window_adapters();
         let defer_reads = self.cfg.host_copy_reports && !draft.step.running.is_empty();
         let mut head_blocked = false;
+        let mut deferred = 0;
         let mut pos = 0;
         while let Some(&(key, id)) = self.waiting.get(pos) {
             if self.running.len() >= self.cfg.max_num_seqs || draft.budget == 0 {
                 break;
             }
-            let (len, adapter_id) = {
-                let seq = &self.seqs[&id];
-                (seq.tokens.len(), seq.adapter_id)
-            };
+            let adapter_id = self.seqs[&id].adapter_id;
             if defer_reads && self.adapters.host_copy_pending(adapter_id, true) {
                 // Passed over only inside the prefetch window (the head always), and only
                 // once its read is under way; else FCFS stops here.
@@ -134,17 +138,28 @@ impl Scheduler {
                 pos += 1;
                 continue;
             }
-            let n = len.min(draft.budget) as u32;
-            let need = self.cfg.blocks_for(n as u64);
-            let Some(plan) = self.admission_plan(adapter_id, need + draft.watermark, &window)
+            let Some(prefix) = self.plan_prefix(id, draft.budget) else {
+                // A running request is computing its next prefix page: take it once published.
+                self.prefix_deferrals += 1;
+                deferred += 1;
+                if deferred >= MAX_PREFIX_DEFERRALS {
+                    break;
+                }
+                pos += 1;
+                continue;
+            };
+            let Some(plan) =
+                self.admission_plan(adapter_id, prefix.pages + draft.watermark, &window)
             else {
                 head_blocked = true;
                 break;
             };
             self.waiting.remove(pos);
+            let computed = self.take_prefix(id, &prefix.hits);
             self.apply_admission(adapter_id, plan, &mut draft.ops);
-            draft.watermark += self.admit(key, id, n, &mut draft.step);
-            draft.budget -= n as usize;
+            draft.watermark += self.admit(key, id, prefix.hits, prefix.n, &mut draft.step);
+            draft.budget -= prefix.n as usize;
+            debug_assert_eq!(computed, self.seqs[&id].num_computed);
         }
         if head_blocked {
             self.skip_the_line(draft, skip_preempted);
@@ -280,38 +295,42 @@ impl Scheduler {
         }
     }
 
-    /// Moves waiting request `id` (already out of `waiting`, its adapter GPU-resident and
-    /// enough pages free) to running with a first chunk of `n` tokens: allocates its pages,
-    /// pins its adapter and sends it in full. Returns 1 when its next token will need a page it
-    /// does not hold (its share of the watermark), else 0.
+    /// Moves waiting request `id` (already out of `waiting`, its adapter GPU-resident, its
+    /// prefix-cache `hits` held (`take_prefix`) and enough pages free) to running with a first
+    /// chunk of `n` tokens after its hits: allocates its own pages, pins its adapter and sends
+    /// it in full. Returns 1 when its next token will need a page it does not hold (its share
+    /// of the watermark), else 0.
     pub(crate) fn admit(
         &mut self,
         key: OrderKey,
         id: u64,
+        hits: Vec<u32>,
         n: u32,
         step: &mut ScheduledStep,
     ) -> u64 {
         let bs = self.cfg.block_size as u64;
-        let need = self.cfg.blocks_for(n as u64);
+        let computed = hits.len() as u32 * self.cfg.block_size;
+        let need = self.cfg.blocks_for(u64::from(computed + n)) - hits.len() as u64;
         let seq = self.seqs.get_mut(&id).expect("waiting ids are live");
-        let mut block_ids = Vec::with_capacity(need as usize);
+        let mut block_ids = hits;
         let ok = self
             .blocks
             .allocate(PageOwner::Request(id), need as u32, &mut block_ids);
         debug_assert!(ok, "free pages were checked by the caller");
         seq.blocks.clone_from(&block_ids);
         seq.phase = Phase::Running;
-        seq.num_cached = n;
+        seq.num_computed = computed;
+        seq.num_cached = computed + n;
         seq.in_flight = n;
-        let samples = n as usize == seq.tokens.len();
+        let samples = (computed + n) as usize == seq.tokens.len();
         seq.pending = u32::from(samples);
-        let table_full = (block_ids.len() as u64) * bs < n as u64 + 1;
+        let table_full = (block_ids.len() as u64) * bs < u64::from(computed + n) + 1;
         let adapter_id = seq.adapter_id;
         step.new.push(ScheduledNew {
             id,
             token_ids: seq.tokens.clone(),
             num_prompt_tokens: seq.num_prompt_tokens,
-            num_computed_tokens: 0,
+            num_computed_tokens: computed,
             num_scheduled_tokens: n,
             block_ids,
             adapter_id,

@@ -50,13 +50,17 @@ pub struct SchedulerConfig {
     /// requests behind it in the prefetch window go first. Off: a host copy counts as ready once
     /// its `ToHost` is sent (the worker's `ToGpu` waits for the read).
     pub host_copy_reports: bool,
+    /// Reuse the KV pages of a prompt prefix across requests of the same variant registration
+    /// (`prefix.rs`): full pages are published as they are computed and kept, while no request
+    /// holds them, until their pages are needed. Off: every request computes its whole prompt.
+    pub enable_prefix_caching: bool,
 }
 
 impl SchedulerConfig {
     /// A config with the pool geometry and context limit given, and default per-step limits
     /// ([`DEFAULT_MAX_NUM_SEQS`], [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]) and host tier
     /// ([`DEFAULT_HOST_ADAPTER_BYTES`], [`DEFAULT_PREFETCH_WINDOW`]) and delta slots
-    /// ([`DEFAULT_MAX_DELTAS`]), without host copy reports.
+    /// ([`DEFAULT_MAX_DELTAS`]), without host copy reports or prefix caching.
     pub fn new(block_size: u32, num_blocks: u32, max_model_len: u32) -> Self {
         Self {
             block_size,
@@ -68,6 +72,7 @@ impl SchedulerConfig {
             prefetch_window: DEFAULT_PREFETCH_WINDOW,
             max_deltas: DEFAULT_MAX_DELTAS,
             host_copy_reports: false,
+            enable_prefix_caching: false,
         }
     }
 

@@ -68,7 +68,9 @@ impl Scheduler {
     /// the step computed a request to the end of its known tokens (the token is appended; the
     /// request finishes on an EOS id unless `ignore_eos`, checked first, or at `max_tokens`,
     /// freeing its pages at once while its adapter stays cached), `(id, None)` for a partial
-    /// prefill chunk (its computed count advances).
+    /// prefill chunk (its computed count advances). With prefix caching, every page whose
+    /// tokens are now all computed is published (`prefix.rs`), before a finished request's
+    /// pages are released.
     ///
     /// Tolerated, for robustness: ids not in that step (aborted or finished since, or unknown)
     /// and repeated ids are ignored; a token for a partial chunk is ignored; a scheduled request
@@ -109,8 +111,10 @@ impl Scheduler {
             seq.in_flight -= chunk.n;
             seq.pending -= u32::from(chunk.samples);
             let answered = answer.is_some();
+            let bs = self.cfg.block_size;
             if !chunk.samples && answered {
                 seq.num_computed += chunk.n; // a partial chunk: any token is ignored
+                seq.publish_computed(chunk.id, bs, &mut self.blocks, &mut self.pending);
                 continue;
             }
             let Some(token) = token.filter(|_| chunk.samples) else {
@@ -121,6 +125,7 @@ impl Scheduler {
             };
             seq.num_computed += chunk.n;
             seq.tokens.push(token);
+            seq.publish_computed(chunk.id, bs, &mut self.blocks, &mut self.pending);
             let finished = if !seq.ignore_eos && seq.eos_token_ids.contains(&token) {
                 Some(FinishReason::Eos)
             } else if seq.num_outputs() >= seq.max_tokens {
@@ -131,6 +136,7 @@ impl Scheduler {
             if finished.is_some() {
                 self.blocks
                     .release(PageOwner::Request(chunk.id), &seq.blocks);
+                seq.drop_pending(&mut self.pending);
                 if seq.adapter_id != 0 {
                     self.adapters.stop_running(seq.adapter_id);
                     self.adapters.remove_user(seq.adapter_id);

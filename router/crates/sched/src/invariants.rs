@@ -3,10 +3,10 @@
 //! and its skip-the-line part. For tests and debugging (the property tests call it after every
 //! operation), never on the hot path.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::block::PageOwner;
-use crate::request::Phase;
+use crate::request::{Phase, Seq};
 use crate::scheduler::Scheduler;
 use crate::skip_line::Skip;
 
@@ -14,9 +14,14 @@ impl Scheduler {
     /// Checks every structural invariant; `Err` says which one broke and for what. O(pages +
     /// requests): for tests and debugging, not for the hot path.
     ///
-    /// - the pool: no page free and owned, none listed twice, free + owned == total;
-    /// - every page in a block table is owned by that request, every page of a GPU-resident
-    ///   adapter by that adapter, and tables plus adapter pages sum to the used pages;
+    /// - the pool: no page free and owned (or free and cached), none listed twice, free + owned
+    ///   == total; every cached page indexed under its hash, in the LRU exactly when unheld;
+    /// - every page in a block table is owned by that request, or, among its published leading
+    ///   pages, cached with the same tokens; every page of a GPU-resident adapter is owned by
+    ///   that adapter; each cached page's reference count equals the tables holding it; and
+    ///   own pages, adapter pages and held cached pages (each once) sum to the used pages;
+    /// - the pending prefix pages are exactly the running requests' full known pages past
+    ///   their published ones;
     /// - adapters: totals match, host bytes within budget, at most `max_deltas` deltas on the
     ///   GPU, every live request's adapter is registered and counts it as a user (a running one
     ///   also as running, and is on the GPU: pages for LoRA, a slot for a delta); pending
@@ -57,6 +62,9 @@ impl Scheduler {
         let mut owned = adapter_pages;
         // adapter id -> (live users, running users), recounted from the requests.
         let mut users: BTreeMap<u32, (usize, usize)> = BTreeMap::new();
+        // cached page -> block tables holding it; pending page hash -> requests computing it.
+        let mut refs: BTreeMap<u32, u32> = BTreeMap::new();
+        let mut pending: HashMap<u64, u32> = HashMap::new();
         for (&id, seq) in &self.seqs {
             let len = seq.tokens.len() as u64;
             if seq.num_outputs() >= seq.max_tokens {
@@ -82,6 +90,8 @@ impl Scheduler {
                         || seq.num_cached != 0
                         || seq.in_flight != 0
                         || seq.pending != 0
+                        || seq.num_published != 0
+                        || seq.pending_to != 0
                     {
                         return Err(format!(
                             "waiting request {id} holds {} pages, computed {}, cached {}, in flight {}",
@@ -119,15 +129,14 @@ impl Scheduler {
                 count.0 += 1;
                 count.1 += usize::from(seq.phase == Phase::Running);
             }
-            for &page in &seq.blocks {
-                if self.blocks.owner_of(page) != Some(PageOwner::Request(id)) {
-                    return Err(format!(
-                        "page {page} is in request {id}'s table but owned by {:?}",
-                        self.blocks.owner_of(page)
-                    ));
-                }
-            }
-            owned += seq.blocks.len() as u64;
+            owned += self.check_table(id, seq, &mut refs, &mut pending)?;
+        }
+        owned += self.check_cached_refs(&refs)?;
+        if pending != *self.pending.counts() {
+            return Err(format!(
+                "pending prefix pages are {:?}, the running requests say {pending:?}",
+                self.pending.counts()
+            ));
         }
         if owned != self.blocks.num_used() as u64 {
             return Err(format!(
@@ -197,6 +206,82 @@ impl Scheduler {
             ));
         }
         self.check_skippers()
+    }
+
+    /// Running or waiting request `id`'s block table: each page its own, or one of its leading
+    /// published pages cached with its tokens (counted into `refs`); its pending pages (into
+    /// `pending`). Returns how many pages it owns itself.
+    fn check_table(
+        &self,
+        id: u64,
+        seq: &Seq,
+        refs: &mut BTreeMap<u32, u32>,
+        pending: &mut HashMap<u64, u32>,
+    ) -> Result<u64, String> {
+        let bs = self.cfg.block_size as usize;
+        let mut own = 0u64;
+        for (i, &page) in seq.blocks.iter().enumerate() {
+            match self.blocks.owner_of(page) {
+                Some(PageOwner::Request(o)) if o == id => own += 1,
+                Some(PageOwner::Cache) if i < seq.num_published as usize => {
+                    let entry = self
+                        .blocks
+                        .cached(page)
+                        .expect("cache-owned pages are cached");
+                    if *entry.tokens != seq.tokens[i * bs..(i + 1) * bs] {
+                        return Err(format!(
+                            "request {id}'s page {i} is cached page {page}, which holds other tokens"
+                        ));
+                    }
+                    *refs.entry(page).or_default() += 1;
+                }
+                owner => {
+                    return Err(format!(
+                        "page {page} is request {id}'s page {i} (of {} published) but owned by {owner:?}",
+                        seq.num_published
+                    ));
+                }
+            }
+        }
+        if seq.phase == Phase::Running {
+            let published_tokens = seq.num_published as usize * bs;
+            if published_tokens > seq.num_computed as usize
+                || (seq.pending_to as usize) * bs > seq.tokens.len()
+                || (seq.pending_to > 0 && seq.pending_to < seq.num_published)
+            {
+                return Err(format!(
+                    "request {id}: {} published pages, pending to {}, computed {} of {} tokens",
+                    seq.num_published,
+                    seq.pending_to,
+                    seq.num_computed,
+                    seq.tokens.len()
+                ));
+            }
+            for i in seq.num_published..seq.pending_to {
+                *pending.entry(seq.page_hashes[i as usize]).or_default() += 1;
+            }
+        }
+        Ok(own)
+    }
+
+    /// Every cached page's reference count against `refs` (the tables holding it). Returns the
+    /// number of cached pages some table holds (the used ones).
+    fn check_cached_refs(&self, refs: &BTreeMap<u32, u32>) -> Result<u64, String> {
+        let mut held = 0u64;
+        for (page, entry) in self.blocks.cached_pages() {
+            let tables = refs.get(&page).copied().unwrap_or(0);
+            if entry.refs != tables {
+                return Err(format!(
+                    "cached page {page} counts {} references, {tables} block tables hold it",
+                    entry.refs
+                ));
+            }
+            held += u64::from(tables > 0);
+        }
+        if let Some((page, _)) = refs.iter().find(|(&p, _)| self.blocks.cached(p).is_none()) {
+            return Err(format!("page {page} is held as cached but is not cached"));
+        }
+        Ok(held)
     }
 
     /// The skip-the-line part of [`Scheduler::check_invariants`].

@@ -19,14 +19,17 @@
 //! The parts (each opens with what it owns; the step's phases carry their pseudo-code):
 //!
 //! - [`block`]: [`BlockAllocator`], the page free list with one owner ([`PageOwner`]: a
-//!   request's KV or an adapter's weights) per page.
+//!   request's KV, an adapter's weights, or the prefix cache) per page, and the prefix cache's
+//!   pages (hash index, references, LRU of the pages no request holds).
 //! - [`adapters`]: [`VariantSpec`] (with its [`VariantKind`]) in, [`VariantOp`]s out, and the
 //!   adapter table (tiers, pages or delta slots, users, LRU stamps); its docs draw the tier
 //!   state machine.
 //! - `request`: one request's state and life cycle; `queues`: the waiting and running queues,
 //!   preemption, and phase 1 (running requests); `admission`: phases 2 and 3 (FCFS admission
 //!   with room on the host and the GPU, the watermark, prefetch); `skip_line`: DeltaZip's
-//!   skip-the-line and parent-based preemption; `inflight`: outstanding steps,
+//!   skip-the-line and parent-based preemption; `prefix`: prefix caching per variant
+//!   registration (lookups, publishing computed pages, `n` choices sharing one prefill);
+//!   `inflight`: outstanding steps,
 //!   [`Scheduler::schedule_ahead`] and [`Scheduler::update`]; `invariants`:
 //!   [`Scheduler::check_invariants`].
 //!
@@ -38,6 +41,9 @@
 //! request is scheduled 1 token per step (the one sampled last step). Page `i` of a block table
 //! holds tokens `[i * block_size, (i + 1) * block_size)`; a request always owns exactly
 //! `ceil(cached / block_size)` pages, where `cached` is how far its scheduled chunks reached.
+//! With prefix caching, a `new` entry's `num_computed_tokens` may be a whole number of pages
+//! whose KV is already in the first pages of its table (shared with other requests, never
+//! written again); the worker computes from there.
 //! `new` entries carry the whole block table, `running` entries only appended pages, and
 //! `released` ids must be dropped by the worker before it runs the step. Then the worker applies
 //! `adapter_ops` in order (all drops, then all loads), and only then runs the requests: every
@@ -65,6 +71,7 @@ pub mod wire;
 mod admission;
 mod inflight;
 mod invariants;
+mod prefix;
 mod queues;
 mod request;
 mod skip_line;

@@ -122,10 +122,10 @@ impl Scheduler {
         (n, need)
     }
 
-    /// Takes a request out of the queues and frees its pages; a running one is queued for
-    /// release. Returns whether it existed.
+    /// Takes a request out of the queues and frees its pages (cached ones lose its reference);
+    /// a running one is queued for release. Returns whether it existed.
     pub(crate) fn remove(&mut self, id: u64) -> bool {
-        let Some(seq) = self.seqs.remove(&id) else {
+        let Some(mut seq) = self.seqs.remove(&id) else {
             return false;
         };
         match seq.phase {
@@ -143,6 +143,7 @@ impl Scheduler {
                     .expect("running request is queued");
                 self.running.remove(pos);
                 self.blocks.release(PageOwner::Request(id), &seq.blocks);
+                seq.drop_pending(&mut self.pending);
                 self.pending_released.push(id);
                 if seq.adapter_id != 0 {
                     self.adapters.stop_running(seq.adapter_id);
@@ -158,7 +159,8 @@ impl Scheduler {
     }
 
     /// Preempts running request `id` (the last one for recompute preemption, any one for an
-    /// orphaned skipper): frees its pages, resets it for recomputation and puts it back in the
+    /// orphaned skipper): frees its pages (its published ones stay cached, so it may hit them
+    /// when admitted again), resets it for recomputation and puts it back in the
     /// waiting queue at its arrival position (the front, unless a request with an earlier
     /// arrival stamp was added since), no longer a skipper. Its adapter loses a running user
     /// but stays cached until evicted; its skippers, if any, are re-parented or orphaned.
@@ -175,6 +177,7 @@ impl Scheduler {
         };
         self.running.remove(pos);
         self.blocks.release(PageOwner::Request(id), &seq.blocks);
+        seq.drop_pending(&mut self.pending);
         if seq.adapter_id != 0 {
             self.adapters.stop_running(seq.adapter_id);
         }

@@ -11,11 +11,15 @@
 //!                        pages freed, num_computed = 0, id -> released; resent in full later
 //! ```
 //!
+//! Admitted with a prefix-cache hit, a request starts with `num_computed` at the end of its hit
+//! pages (shared, held by reference); it publishes each page it fills (`prefix.rs`).
+//!
 //! A running request of a delta is also in one skip state (`Seq::skip`, drawn in
 //! `skip_line.rs`); a waiting one is always `Skip::No`.
 
 use crate::config::context_room;
 use crate::error::SchedError;
+use crate::prefix::PrefixKey;
 use crate::scheduler::Scheduler;
 use crate::skip_line::Skip;
 use crate::step::SeqRequest;
@@ -74,11 +78,27 @@ pub(crate) struct Seq {
     pub(crate) adapter_id: u32,
     /// Whether it skipped the line, and on whom it rides (always `No` while waiting).
     pub(crate) skip: Skip,
+    /// The prefix cache's key of its variant registration; `None` with prefix caching off.
+    pub(crate) cache_key: Option<PrefixKey>,
+    /// Compute the whole prompt even where a cached prefix matches (it wants every prompt
+    /// position's logits); its pages are still published for others.
+    pub(crate) skip_prefix_cache: bool,
+    /// Chain hashes of its first full pages of `tokens`, computed as far as needed so far
+    /// (`prefix.rs`); tokens only grow, so they stay valid.
+    pub(crate) page_hashes: Vec<u64>,
+    /// Leading pages of its block table offered to the prefix cache (its hits, then the pages
+    /// it published or found published by another); its pages past them are its own. 0 while
+    /// waiting.
+    pub(crate) num_published: u32,
+    /// While running: its pages `[num_published, pending_to)` are counted in the scheduler's
+    /// pending pages (full pages of its known tokens it has still to compute). 0 while waiting.
+    pub(crate) pending_to: u32,
 }
 
 impl Seq {
-    /// A request just queued at `key`: nothing computed, no pages, not a skipper.
-    pub(crate) fn waiting(key: OrderKey, req: SeqRequest) -> Self {
+    /// A request just queued at `key`: nothing computed, no pages, not a skipper; `cache_key`
+    /// its variant's prefix-cache key (`None`: prefix caching off).
+    pub(crate) fn waiting(key: OrderKey, req: SeqRequest, cache_key: Option<PrefixKey>) -> Self {
         let num_prompt_tokens = req.prompt.len() as u32;
         Seq {
             key,
@@ -95,6 +115,11 @@ impl Seq {
             pending: 0,
             adapter_id: req.adapter_id,
             skip: Skip::No,
+            cache_key,
+            skip_prefix_cache: req.skip_prefix_cache,
+            page_hashes: Vec::new(),
+            num_published: 0,
+            pending_to: 0,
         }
     }
 

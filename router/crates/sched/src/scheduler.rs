@@ -11,6 +11,8 @@
 //! - `admission.rs`: phase 2 (FCFS admission, making room on the host and the GPU, the
 //!   watermark, head-of-line blocking) and phase 3 (prefetch);
 //! - `skip_line.rs`: DeltaZip's skip-the-line (phase 0 and the end of phase 2);
+//! - `prefix.rs`: prefix caching (lookups at admission, pages published as they are computed,
+//!   `n` choices waiting for the pages a sibling computes);
 //! - `inflight.rs`: the outstanding steps, `schedule_ahead` and `update`;
 //! - `invariants.rs`: `check_invariants`.
 
@@ -20,6 +22,7 @@ use crate::block::BlockAllocator;
 use crate::config::SchedulerConfig;
 use crate::error::SchedError;
 use crate::inflight::Chunk;
+use crate::prefix::{PendingPages, PrefixKey};
 use crate::queues::insert_sorted_deque;
 use crate::request::{OrderKey, Seq};
 use crate::skip_line::Skip;
@@ -70,6 +73,14 @@ pub struct Scheduler {
     pub(crate) delta_skip_preemptions: u64,
     /// Times a waiting request was passed over because its adapter's host copy was loading.
     pub(crate) host_deferrals: u64,
+    /// Full pages running requests are computing and have not published yet (`prefix.rs`).
+    pub(crate) pending: PendingPages,
+    /// Tokens looked up in the prefix cache at admission.
+    pub(crate) prefix_queried: u64,
+    /// Tokens those lookups found cached.
+    pub(crate) prefix_hits: u64,
+    /// Waiting requests passed over for a page a running request was computing.
+    pub(crate) prefix_deferrals: u64,
 }
 
 /// The step being formed, handed from phase to phase.
@@ -112,6 +123,10 @@ impl Scheduler {
             delta_skips: 0,
             delta_skip_preemptions: 0,
             host_deferrals: 0,
+            pending: PendingPages::default(),
+            prefix_queried: 0,
+            prefix_hits: 0,
+            prefix_deferrals: 0,
         })
     }
 
@@ -186,7 +201,14 @@ impl Scheduler {
             seq_no: self.next_seq_no,
         };
         self.next_seq_no += 1;
-        self.seqs.insert(id, Seq::waiting(key, req));
+        let cache_key = self.cfg.enable_prefix_caching.then(|| PrefixKey {
+            variant: adapter_id,
+            generation: match adapter_id {
+                0 => 0,
+                a => self.adapters.get(a).generation,
+            },
+        });
+        self.seqs.insert(id, Seq::waiting(key, req, cache_key));
         if adapter_id != 0 {
             self.adapters.add_user(adapter_id);
         }
@@ -355,7 +377,8 @@ impl Scheduler {
     /// pending releases and adapter ops, moves every running request back to the waiting queue
     /// to be recomputed (sent in full again), and forgets every adapter's host copy and GPU
     /// placement (their pages are free; registrations stay, and adapters are loaded again when
-    /// requests need them). Returns the requeued ids, oldest first. Not counted as preemptions.
+    /// requests need them), and empties the prefix cache (the KV is gone). Returns the requeued
+    /// ids, oldest first. Not counted as preemptions.
     pub fn reset_worker(&mut self) -> Vec<u64> {
         self.clear_in_flight();
         let mut requeued = Vec::with_capacity(self.running.len());
@@ -366,6 +389,7 @@ impl Scheduler {
         self.pending_released.clear();
         self.pending_ops.clear();
         self.adapters.forget_residency(&mut self.blocks);
+        self.blocks.clear_cache();
         requeued.reverse();
         requeued
     }
@@ -395,6 +419,11 @@ impl Scheduler {
             delta_skips: self.delta_skips,
             delta_skip_preemptions: self.delta_skip_preemptions,
             host_deferrals: self.host_deferrals,
+            prefix_queried_tokens: self.prefix_queried,
+            prefix_hit_tokens: self.prefix_hits,
+            prefix_cached_blocks: self.blocks.num_cached(),
+            prefix_evicted_blocks: self.blocks.num_evicted(),
+            prefix_deferrals: self.prefix_deferrals,
         }
     }
 

@@ -85,8 +85,8 @@ impl Scheduler {
     /// selected = deltas with a running non-skipper, each with its oldest one (the parent)
     /// for w in waiting[1..] (queue order) of a selected delta, not preempted in phase 0:
     ///     stop if running == max_num_seqs or budget == 0
-    ///     n = min(len(w.tokens), budget)
-    ///     if pages(n) + watermark <= free pages:
+    ///     n = min(len(w.tokens) - prefix hits, budget)    # no skip while its prefix is pending
+    ///     if its pages + watermark <= free pages:
     ///         admit w (sent in `new`), w.skip = Parent(parent of w.delta), budget -= n
     /// ```
     ///
@@ -136,17 +136,16 @@ impl Scheduler {
             if self.running.len() >= self.cfg.max_num_seqs || draft.budget == 0 {
                 break;
             }
-            let (len, delta) = {
-                let seq = &self.seqs[&id];
-                (seq.tokens.len(), seq.adapter_id)
+            let delta = self.seqs[&id].adapter_id;
+            let Some(prefix) = self.plan_prefix(id, draft.budget) else {
+                continue; // its next prefix page is being computed: it waits for it
             };
-            let n = len.min(draft.budget) as u32;
-            let need = self.cfg.blocks_for(n as u64);
-            if need + draft.watermark > self.blocks.num_free() as u64 {
+            if prefix.pages + draft.watermark > self.blocks.num_free() as u64 {
                 continue;
             }
-            draft.watermark += self.admit(key, id, n, &mut draft.step);
-            draft.budget -= n as usize;
+            self.take_prefix(id, &prefix.hits);
+            draft.watermark += self.admit(key, id, prefix.hits, prefix.n, &mut draft.step);
+            draft.budget -= prefix.n as usize;
             self.seqs.get_mut(&id).expect("admitted ids are live").skip =
                 Skip::Parent(parents[&delta]);
             self.num_skippers += 1;

@@ -24,6 +24,9 @@ pub struct SeqRequest {
     /// The variant (LoRA adapter or compressed delta) that applies to this request (registered
     /// with [`crate::Scheduler::register_adapter`]); 0 = the base model alone.
     pub adapter_id: u32,
+    /// Compute every prompt token even where a cached prefix matches (prompt logprobs need each
+    /// position's logits). Its pages are still cached for other requests.
+    pub skip_prefix_cache: bool,
 }
 
 /// A request sent to the worker in full: its first step there, or its first after preemption.
@@ -36,7 +39,8 @@ pub struct ScheduledNew {
     pub token_ids: Vec<u32>,
     /// Length of the original prompt at the front of `token_ids`.
     pub num_prompt_tokens: u32,
-    /// Leading tokens already in the cache; always 0 here (no prefix sharing yet).
+    /// Leading tokens whose KV is already in the first pages of `block_ids`: a prefix-cache hit
+    /// (whole pages, at most `len(token_ids) - 1`); the step computes from here.
     pub num_computed_tokens: u32,
     /// Tokens to compute this step, from `num_computed_tokens` (the first prefill chunk).
     pub num_scheduled_tokens: u32,
@@ -146,9 +150,9 @@ pub struct SchedStats {
     pub waiting: usize,
     /// Requests resident on the worker.
     pub running: usize,
-    /// Pool pages free.
+    /// Pool pages free, counting cached pages no request holds (evicted when needed).
     pub free_blocks: u32,
-    /// Pool pages holding running requests' KV cache.
+    /// Pool pages holding running requests' KV cache (shared cached pages once).
     pub used_blocks: u32,
     /// Pages in the pool (`free_blocks + used_blocks + adapter_blocks`).
     pub total_blocks: u32,
@@ -190,4 +194,27 @@ pub struct SchedStats {
     /// Times a waiting request was passed over in a step because its adapter's host copy was
     /// still being read (`host_copy_reports`; cumulative, one per request per step).
     pub host_deferrals: u64,
+    /// Prompt (and recomputed) tokens of admitted requests looked up in the prefix cache
+    /// (cumulative; with prefix caching on).
+    pub prefix_queried_tokens: u64,
+    /// Of those, tokens found cached, so not computed (cumulative).
+    pub prefix_hit_tokens: u64,
+    /// Pool pages in the prefix cache now, held by requests or not (those no request holds
+    /// are also counted in `free_blocks`).
+    pub prefix_cached_blocks: u32,
+    /// Cached pages evicted to be handed out again (cumulative).
+    pub prefix_evicted_blocks: u64,
+    /// Times a waiting request was passed over in a step because a running request was
+    /// computing the next page of its prefix, which it then reuses (`n` choices; cumulative).
+    pub prefix_deferrals: u64,
+}
+
+impl SchedStats {
+    /// Share of the looked-up tokens found in the prefix cache (0 before any lookup).
+    pub fn prefix_hit_rate(&self) -> f64 {
+        if self.prefix_queried_tokens == 0 {
+            return 0.0;
+        }
+        self.prefix_hit_tokens as f64 / self.prefix_queried_tokens as f64
+    }
 }

@@ -162,6 +162,9 @@ pub(crate) struct Adapter {
     /// Equals the table's `form` when the step being formed loads it (`ToHost` or `ToGpu`): a
     /// drop of it in that step would go out before the load, so it must not be dropped in it.
     pub(crate) step_mark: u64,
+    /// Which registration this is (distinct for every `register`, from 1): the prefix cache's
+    /// key, so pages computed with an earlier registration of the same id are never reused.
+    pub(crate) generation: u64,
 }
 
 /// Adapter ops formed while building one step, kept apart so every drop precedes every load.
@@ -205,6 +208,8 @@ pub(crate) struct VariantTable {
     pub(crate) host_loads: u64,
     /// GPU evictions since start, both kinds (unregistering not counted).
     pub(crate) gpu_evictions: u64,
+    /// Registrations since start: the last one's `generation`.
+    registrations: u64,
 }
 
 impl VariantTable {
@@ -278,8 +283,10 @@ impl VariantTable {
                 running: 0,
                 last_use: 0,
                 step_mark: 0,
+                generation: self.registrations + 1,
             },
         );
+        self.registrations += 1;
         Ok(())
     }
 

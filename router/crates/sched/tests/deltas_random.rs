@@ -141,6 +141,7 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) {
                 ignore_eos: false,
                 arrival: next_id,
                 adapter_id,
+                skip_prefix_cache: false,
             };
             let truth = Truth {
                 prompt: r.prompt.clone(),

@@ -239,6 +239,7 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) -> Vec<ScheduledStep> {
                     clock
                 },
                 adapter_id,
+                skip_prefix_cache: false,
             };
             let before = s.stats();
             let truth = Truth {

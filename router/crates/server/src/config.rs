@@ -73,6 +73,17 @@ pub struct ServerConfig {
     /// worker's host work overlap the device's step N (`false`: one step at a time).
     #[arg(long, env = "DELTASERVE_OVERLAP_STEPS", default_value_t = true, action = clap::ArgAction::Set)]
     pub overlap_steps: bool,
+    /// Reuse the KV pages of prompt prefixes across requests of the same variant (vLLM's
+    /// automatic prefix caching, keyed per variant registration; also how the `n` choices of a
+    /// request share one prefill). On by default, as in vLLM; `--no-enable-prefix-caching` or
+    /// `--enable-prefix-caching false` turns it off.
+    #[arg(long, env = "DELTASERVE_ENABLE_PREFIX_CACHING", default_value_t = true,
+          action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true",
+          overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turns prefix caching off (vLLM's spelling).
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
     /// A LoRA adapter to serve, as NAME=DIR (a PEFT directory); repeat the flag for more.
     /// Clients select it with `model: "<base>:NAME"` (or NAME alone).
     #[arg(long = "lora", env = "DELTASERVE_LORA", value_delimiter = ',', value_parser = parse_lora)]
@@ -281,6 +292,12 @@ impl std::ops::Deref for Devices {
 }
 
 impl ServerConfig {
+    /// Whether prefix caching is on: `--enable-prefix-caching` (default true) unless
+    /// `--no-enable-prefix-caching` came after it.
+    pub fn prefix_caching(&self) -> bool {
+        self.enable_prefix_caching && !self.no_enable_prefix_caching
+    }
+
     /// Checks the values that would otherwise fail later and less clearly.
     pub fn validate(&self) -> Result<(), String> {
         let Some(model_dir) = &self.model_dir else {
@@ -589,6 +606,24 @@ mod tests {
         assert_eq!(cfg.worker_start_timeout, Duration::from_secs(900));
         assert_eq!(cfg.max_deltas, DEFAULT_MAX_DELTAS);
         assert!(cfg.cuda_ops && cfg.overlap_steps);
+        assert!(cfg.prefix_caching(), "on by default, as in vLLM");
+        for (argv, on) in [
+            (&["--no-enable-prefix-caching"][..], false),
+            (&["--enable-prefix-caching"][..], true),
+            (&["--enable-prefix-caching", "false"][..], false),
+            (
+                &["--no-enable-prefix-caching", "--enable-prefix-caching"][..],
+                true,
+            ),
+            (
+                &["--enable-prefix-caching", "--no-enable-prefix-caching"][..],
+                false,
+            ),
+        ] {
+            let args = std::iter::once("deltaserve").chain(argv.iter().copied());
+            let cfg = Flags::try_parse_from(args).unwrap().cfg;
+            assert_eq!(cfg.prefix_caching(), on, "{argv:?}");
+        }
         let off = parse(&["deltaserve", "--cuda-ops", "0"].map(String::from));
         assert!(!off.cuda_ops, "DELTASERVE_CUDA_OPS=0 keeps its meaning");
         assert!(!off.worker_config("cuda:0").cuda_ops);

@@ -144,6 +144,7 @@ pub async fn start_engine(cfg: &ServerConfig) -> anyhow::Result<EngineHandle> {
         max_deltas: cfg.max_deltas,
         overlap_steps: cfg.overlap_steps,
         slo: crate::engine::Slo::from_ms(cfg.ttft_slo_ms, cfg.tpot_slo_ms),
+        enable_prefix_caching: cfg.prefix_caching(),
     };
     let latency = RequestLatency::default();
     // Each actor's task holds a sender until it ends (EngineHandle::stopped).

@@ -35,6 +35,7 @@ pub fn cfg(
         prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
         max_deltas: deltaserve_sched::DEFAULT_MAX_DELTAS,
         host_copy_reports: false,
+        enable_prefix_caching: false,
     }
 }
 
@@ -70,6 +71,7 @@ pub fn req(id: u64, prompt_len: usize, max_tokens: u32) -> SeqRequest {
         ignore_eos: false,
         arrival: id,
         adapter_id: 0,
+        skip_prefix_cache: false,
     }
 }
 

@@ -261,6 +261,8 @@ impl Actor {
                     ignore_eos: false,
                     arrival: id,
                     adapter_id: req.adapter_id,
+                    // Prompt logprobs need every prompt position's logits: no cached prefix.
+                    skip_prefix_cache: req.sampling.prompt_logprobs.is_some(),
                 };
                 match self.sched.add_request(seq) {
                     Ok(()) => self.streams.open(id, req, events, arrived),

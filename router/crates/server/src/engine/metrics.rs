@@ -159,7 +159,7 @@ engine_metrics! {
     kv_blocks_total: Gauge, Sum, |w| w.sched.total_blocks as u64,
         "KV cache pages in the pool.";
     kv_blocks_free: Gauge, Sum, |w| w.sched.free_blocks as u64,
-        "KV cache pages free.";
+        "KV cache pages free (prefix-cache pages no request holds included: they are evicted when needed).";
     steps_total: Counter, Sum, |w| w.actor.steps,
         "Engine steps run.";
     steps_ahead_total: Counter, Sum, |w| w.actor.steps_ahead,
@@ -243,6 +243,16 @@ engine_metrics! {
         "Admission control's estimate of a step's fixed cost for carrying a prefill (beyond its decodes), microseconds; the largest worker's.";
     admission_prefill_ns_per_token: Gauge, Max, |w| w.admission.prefill_ns_per_token,
         "Admission control's estimate of a prefill's cost per prompt token, nanoseconds; the largest worker's.";
+    prefix_cache_queried_tokens_total: Counter, Sum, |w| w.sched.prefix_queried_tokens,
+        "Prompt tokens of admitted requests looked up in the prefix cache (--enable-prefix-caching); hit_tokens / this is the hit rate.";
+    prefix_cache_hit_tokens_total: Counter, Sum, |w| w.sched.prefix_hit_tokens,
+        "Looked-up prompt tokens whose KV pages were cached (same variant registration), so not computed.";
+    prefix_cache_cached_pages: Gauge, Sum, |w| w.sched.prefix_cached_blocks as u64,
+        "KV pages in the prefix cache, held by running requests or kept for later hits.";
+    prefix_cache_evicted_pages_total: Counter, Sum, |w| w.sched.prefix_evicted_blocks,
+        "Prefix-cache pages no request held, evicted (least recently released first) to be handed out again.";
+    prefix_cache_deferrals_total: Counter, Sum, |w| w.sched.prefix_deferrals,
+        "Times a waiting request was passed over for a step to reuse prefix pages a running request was computing (the n choices of a request share one prefill).";
 }
 
 /// The Prometheus families of a snapshot: the table's rows in order, then the histograms.
@@ -486,6 +496,11 @@ mod tests {
         ("admission_effective_step_us", "gauge"),
         ("admission_mixed_step_overhead_us", "gauge"),
         ("admission_prefill_ns_per_token", "gauge"),
+        ("prefix_cache_queried_tokens_total", "counter"),
+        ("prefix_cache_hit_tokens_total", "counter"),
+        ("prefix_cache_cached_pages", "gauge"),
+        ("prefix_cache_evicted_pages_total", "counter"),
+        ("prefix_cache_deferrals_total", "counter"),
     ];
 
     fn worker(sched: SchedStats, actor: &ActorCounters, latency: &RequestLatency) -> EngineMetrics {
@@ -553,6 +568,8 @@ mod tests {
             total_blocks: 10,
             adapter_gpu_loads: 3,
             delta_skips: 1,
+            prefix_hit_tokens: 32,
+            prefix_cached_blocks: 5,
             ..Default::default()
         };
         let sb = SchedStats {
@@ -561,6 +578,8 @@ mod tests {
             free_blocks: 10,
             total_blocks: 10,
             adapter_gpu_loads: 4,
+            prefix_hit_tokens: 16,
+            prefix_cached_blocks: 2,
             ..Default::default()
         };
         let mut total = EngineMetrics {
@@ -588,6 +607,14 @@ mod tests {
         assert_eq!(total.step_router_us_p50, 9);
         let body = text(&families(&total));
         assert!(body.contains("\ndeltaserve_steps_total 13\n"), "{body}");
+        assert!(
+            body.contains("\ndeltaserve_prefix_cache_hit_tokens_total 48\n"),
+            "{body}"
+        );
+        assert!(
+            body.contains("\ndeltaserve_prefix_cache_cached_pages 7\n"),
+            "{body}"
+        );
         assert!(body.contains("\ndeltaserve_step_gap_us_p50 60\n"), "{body}");
     }
 

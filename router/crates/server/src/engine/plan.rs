@@ -25,6 +25,8 @@ pub struct SchedLimits {
     pub overlap_steps: bool,
     /// Admission control's SLOs (`--ttft-slo-ms`, `--tpot-slo-ms`; see `admission.rs`).
     pub slo: super::admission::Slo,
+    /// Reuse cached KV pages of prompt prefixes per variant (`--enable-prefix-caching`).
+    pub enable_prefix_caching: bool,
 }
 
 /// Scheduler configuration from what the worker reported plus the operator's limits.
@@ -39,6 +41,7 @@ pub(super) fn sched_config(worker: &WorkerProcess, limits: &SchedLimits) -> Sche
         prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
         max_deltas: limits.max_deltas,
         host_copy_reports: true,
+        enable_prefix_caching: limits.enable_prefix_caching,
     }
 }
 
