@@ -13,8 +13,11 @@
 //! Choice 0 of a seeded request keeps the request's seed (so `n: 1` is unchanged); choice `i`
 //! uses [`choice_seed`], a distinct seed derived by hashing, so seeded sampled choices are
 //! reproducible and differ from each other. Greedy choices are identical. Each choice is its
-//! own engine request: the scheduler has no prefix sharing, so the `n` copies of the prompt
-//! are prefilled and cached separately (n× the prompt's KV pages).
+//! own engine request; they are queued together on one worker (`Backend::generate_choices`),
+//! where, with prefix caching on (the default), the scheduler prefills the prompt once and the
+//! other choices reuse its full KV pages (only the prompt's last partial page is computed per
+//! choice; `deltaserve_sched`'s `prefix.rs`). With `--no-enable-prefix-caching` each choice
+//! prefills its own copy.
 //!
 //! Cancellation stays by ownership: the merged stream owns every choice's receiver, so a
 //! client that goes away cancels all of them.

@@ -89,6 +89,22 @@ pub trait Backend: Clone + Send + Sync + 'static {
         &self,
         req: GenerateRequest,
     ) -> impl Future<Output = Result<UnboundedReceiver<GenerateEvent>, EngineError>> + Send;
+    /// Queues the choices of one request (`n` / `best_of`) together, so they can share the
+    /// prompt's KV pages; receivers in choice order. On a refusal, those already queued are
+    /// cancelled (dropped). By default one [`Backend::generate`] each.
+    fn generate_choices(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> impl Future<Output = Result<Vec<UnboundedReceiver<GenerateEvent>>, EngineError>> + Send
+    {
+        async move {
+            let mut receivers = Vec::with_capacity(reqs.len());
+            for req in reqs {
+                receivers.push(self.generate(req).await?);
+            }
+            Ok(receivers)
+        }
+    }
     /// The served model.
     fn model(&self) -> &ServedModel;
     /// Its tokenizer.
@@ -126,6 +142,13 @@ impl Backend for EngineHandle {
         req: GenerateRequest,
     ) -> impl Future<Output = Result<UnboundedReceiver<GenerateEvent>, EngineError>> + Send {
         EngineHandle::generate(self, req)
+    }
+    fn generate_choices(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> impl Future<Output = Result<Vec<UnboundedReceiver<GenerateEvent>>, EngineError>> + Send
+    {
+        EngineHandle::generate_choices(self, reqs)
     }
     fn model(&self) -> &ServedModel {
         EngineHandle::model(self)

@@ -48,9 +48,9 @@ pub async fn start<B: Backend>(
 }
 
 /// Queues the choices of one request (`n` / `best_of`: the same prompt and variant, each its
-/// own engine request) as one request of the tenant's: one quota slot, the prompt's tokens
-/// charged once per choice (each choice prefills its own copy: the scheduler does not share
-/// pages between requests), every choice's completion tokens at the end, one usage record
+/// own engine request, queued together on one worker so that they share the prompt's KV
+/// pages) as one request of the tenant's: one quota slot, the prompt's tokens charged once per
+/// choice, every choice's completion tokens at the end, one usage record
 /// (prompt counted once, as in the response's `usage`) and one log line when the last choice
 /// ends. If a choice is refused, the ones already queued are cancelled (their receivers
 /// dropped) and the refusal is the answer.
@@ -90,10 +90,7 @@ pub async fn start_choices<B: Backend>(
         super::substitution::mark();
     });
     let registry = backend.model().adapters.clone();
-    let mut engine_rxs = Vec::with_capacity(reqs.len());
-    for req in reqs {
-        engine_rxs.push(backend.generate(req).await?);
-    }
+    let engine_rxs = backend.generate_choices(reqs).await?;
     let tally = Arc::new(Mutex::new(Tally {
         remaining: choices,
         completion_tokens: 0,

@@ -274,8 +274,9 @@ impl EngineHandle {
         self
     }
 
-    /// The worker `req` goes to (`placement.rs`), counted in its load; an error when none is ready.
-    fn place(&self, req: &GenerateRequest) -> Result<&ActorRef, EngineError> {
+    /// The worker `req` goes to (`placement.rs`), counted in its load, and whether placement
+    /// predicted a step over the TPOT SLO there; an error when none is ready.
+    fn place(&self, req: &GenerateRequest) -> Result<(&ActorRef, bool), EngineError> {
         let inner = &self.inner;
         let unavailable =
             || EngineError::Unavailable("no worker is ready (starting or restarting)".into());
@@ -285,7 +286,7 @@ impl EngineHandle {
                 return Err(unavailable());
             }
             a.load.placed(0, false);
-            return Ok(a);
+            return Ok((a, false));
         }
         let ranks = self.ranks_with(req.adapter_id);
         let views: Vec<_> = inner
@@ -316,7 +317,7 @@ impl EngineHandle {
             .ok_or_else(unavailable)?;
         let actor = &inner.actors[choice.worker];
         actor.load.placed(req.adapter_id, choice.over_slo);
-        Ok(actor)
+        Ok((actor, choice.over_slo))
     }
 
     /// The ranks and host bytes of the registered variants, refreshed from the registry when
@@ -395,7 +396,52 @@ impl EngineHandle {
                 "{why}; delete it and register it again"
             )));
         }
-        let actor = self.place(&req)?;
+        let (actor, _) = self.place(&req)?;
+        self.queue_on(actor, req)
+    }
+
+    /// Queues the choices of one request (`n` / `best_of`: one prompt, one variant) on one
+    /// worker, which `--placement` picks for the first: there they share the prompt's KV pages
+    /// (the scheduler prefills it once and the other choices reuse its cached pages,
+    /// `deltaserve_sched`'s `prefix.rs`). Each is counted in the worker's load and admitted like
+    /// one request; the receivers come back in choice order. On a refusal the choices already
+    /// queued are cancelled (their receivers dropped) and the refusal is the answer.
+    pub async fn generate_choices(
+        &self,
+        reqs: Vec<GenerateRequest>,
+    ) -> Result<Vec<mpsc::UnboundedReceiver<GenerateEvent>>, EngineError> {
+        let Some(first) = reqs.first() else {
+            return Ok(Vec::new());
+        };
+        if let Some(why) = self.failed_variant(first.adapter_id) {
+            return Err(EngineError::Unavailable(format!(
+                "{why}; delete it and register it again"
+            )));
+        }
+        let (actor, over_slo) = self.place(first)?;
+        let mut receivers = Vec::with_capacity(reqs.len());
+        for (i, req) in reqs.into_iter().enumerate() {
+            if i > 0 {
+                // Counted as `place` counts: every request, by variant with several workers.
+                let variant = if self.inner.actors.len() > 1 {
+                    req.adapter_id
+                } else {
+                    0
+                };
+                actor.load.placed(variant, over_slo);
+            }
+            receivers.push(self.queue_on(actor, req)?);
+        }
+        Ok(receivers)
+    }
+
+    /// Queues `req` on `actor`'s worker: its per-worker queue limit and admission control
+    /// first (a 429 naming the limit), then the actor's queue.
+    fn queue_on(
+        &self,
+        actor: &ActorRef,
+        req: GenerateRequest,
+    ) -> Result<mpsc::UnboundedReceiver<GenerateEvent>, EngineError> {
         {
             let mut admission = actor.admission.lock().expect("admission lock");
             if actor.outstanding.load(Ordering::Relaxed) >= self.inner.max_outstanding_per_worker {
