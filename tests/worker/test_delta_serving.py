@@ -131,6 +131,22 @@ def test_mixed_batch_matches_each_alone(executor_factory, variants) -> None:
     assert len({tuple(alone[i]) for i in range(4)}) == 4
 
 
+def test_one_delta_under_two_ids_is_held_once_and_batched_as_one(executor_factory, variants) -> None:
+    """Two ids registered from the same delta directory read the same payload file: every piece
+    (each layer's attention and FFN linears, the embedding and the lm_head delta) is held once
+    (``delta_blocks``), and in one batch each row gets the tokens it gets alone."""
+    ex = executor_factory()
+    d4 = variants[D4][0]
+    router = AdapterRouter(ex, {D4: d4, 9: d4}, {0: D4, 1: 9})
+    prompt = prompts(1, ex.config.vocab_size, seed=12, lo=9, hi=9)[0]
+    alone = router.run({0: (prompt, 4)})[0]
+    assert router.run({0: (prompt, 4), 1: (prompt, 4)}) == {0: alone, 1: alone}
+    pool = ex.delta_pool
+    assert pool is not None and sorted(pool.slot_of) == [D4, 9]
+    assert pool.blocks.held_counts() == [1] * (pool.num_pieces + 2)  # embedding and lm_head included
+    assert pool.piece_slots[D4] == pool.piece_slots[9]
+
+
 @pytest.mark.parametrize("arena", [0, 64 << 20], ids=["no-arena", "arena"])
 def test_delta_dropped_and_reloaded_gives_the_same_tokens(executor_factory, variants, arena: int) -> None:
     """With a host arena the payloads are views of its regions, a dropped delta's region is free

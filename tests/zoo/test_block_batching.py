@@ -43,11 +43,12 @@ def pool(zoo_fixture: ZooFixture):
 def test_a_shared_block_is_held_once_and_batched_as_one(pool: DeltaPool) -> None:
     pool.to_gpu(FT1, 0)
     ft1 = pool.piece_slots[FT1]
-    assert ft1[:2] == (-1, -1) and ft1[2:] == (0,) * 4, "layer 0 is the base's: no piece, no SBMM work"
+    assert ft1[:2] == (-1, -1), "layer 0 is the base's: no piece, no SBMM work"
+    assert ft1[2:6] == (0,) * 4 and ft1[6:] == (-1, -1)  # layers 1-2 its own; embedding and head the base's
     pool.to_gpu(FT2, 1)
     ft2 = pool.piece_slots[FT2]
     assert ft2[:2] == (1, 1) and ft2[2:] == ft1[2:], "layers 1-2 are ft1's blocks: the same slots"
-    assert pool.blocks.held_counts() == [1] * 6  # without sharing: [1, 1, 2, 2, 2, 2]
+    assert pool.blocks.held_counts() == [1] * 6 + [0, 0]  # without sharing: [1, 1, 2, 2, 2, 2, 0, 0]
     for layer in range(3):
         assert loaded_slots(pool, layer, "q_proj") == 1 and loaded_slots(pool, layer, "down_proj") == 1
 
@@ -65,13 +66,13 @@ def test_a_shared_block_is_held_once_and_batched_as_one(pool: DeltaPool) -> None
         pool.end_step()
 
     pool.drop_gpu(FT1)  # ft2 still uses the shared blocks: they stay
-    assert pool.blocks.held_counts() == [1] * 6 and loaded_slots(pool, 1, "q_proj") == 1
+    assert pool.blocks.held_counts() == [1] * 6 + [0, 0] and loaded_slots(pool, 1, "q_proj") == 1
     pool.to_gpu(FT1, 0)  # back: nothing copied again, the shared blocks gain a user
-    assert pool.piece_slots[FT1][2:] == ft2[2:] and pool.blocks.held_counts() == [1] * 6
+    assert pool.piece_slots[FT1][2:] == ft2[2:] and pool.blocks.held_counts() == [1] * 6 + [0, 0]
     pool.drop_gpu(FT2)
-    assert pool.blocks.held_counts() == [0, 0, 1, 1, 1, 1] and loaded_slots(pool, 0, "q_proj") == 0
+    assert pool.blocks.held_counts() == [0, 0, 1, 1, 1, 1, 0, 0] and loaded_slots(pool, 0, "q_proj") == 0
     pool.drop_gpu(FT1)
-    assert pool.blocks.held_counts() == [0] * 6 and loaded_slots(pool, 1, "q_proj") == 0
+    assert pool.blocks.held_counts() == [0] * 8 and loaded_slots(pool, 1, "q_proj") == 0
 
 
 def test_variants_copied_without_links_share_nothing(pool: DeltaPool, zoo_fixture: ZooFixture, tmp_path) -> None:
@@ -85,8 +86,8 @@ def test_variants_copied_without_links_share_nothing(pool: DeltaPool, zoo_fixtur
     pool.to_gpu(FT1, 0)
     pool.to_gpu(9, 1)
     try:
-        assert pool.blocks.held_counts() == [0, 0, 2, 2, 2, 2]
-        assert pool.piece_slots[9][2:] == (1,) * 4
+        assert pool.blocks.held_counts() == [0, 0, 2, 2, 2, 2, 0, 0]
+        assert pool.piece_slots[9][2:6] == (1,) * 4
     finally:
         pool.drop_gpu(9)
         pool.drop_gpu(FT1)

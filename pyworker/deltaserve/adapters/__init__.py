@@ -17,8 +17,10 @@ Layout:
 - ``delta_pool``  compressed full-fine-tune deltas (``deltaserve compress`` directories): their tiers
             (host memory, ``--max-deltas`` GPU slots), ``inspect``, and each step's delta rows.
 - ``delta_blocks``  block slots: each layer's attention / FFN piece of the resident deltas held once
-            (refcounted by payload file), so deltas sharing a block (zoo variants) run it as one group.
+            (refcounted by payload file), so deltas sharing a block (zoo variants) run it as one group; the
+            embedding and lm_head deltas likewise.
 - ``delta_graphs``  the static per-piece buffers a captured delta decode step reads.
+- ``delta_placements``  the delta slots as the plan check sees them.
 - ``delta_layers``  ``attach_deltas(model, step)``: DeltaZip's decoupled forward, base once plus each
             token's delta (``kernels.sbmm`` for packed linears; dense embedding, norm, bias, lm_head deltas).
 """

@@ -2,7 +2,10 @@
 
 A delta's packed linears come in *pieces*, one per (layer, part): part 0 the attention linears
 (q, k, v, o), part 1 the FFN linears (gate, up, down), a block zoo's components ``layers.{i}.attn``
-and ``layers.{i}.mlp`` (``deltaserve.zoo.blocks``). Piece ``p = 2 * layer + part``.
+and ``layers.{i}.mlp`` (``deltaserve.zoo.blocks``). Piece ``p = 2 * layer + part``; then the dense
+embedding delta (``2 * layers``) and the untied lm_head delta (``2 * layers + 1``), whose block slots
+are row blocks of their tables (``delta_layers.DeltaTables``). Norm and bias deltas (a vector per
+layer) stay in the rows of the delta's own slot.
 
 Per-block batching (BlockLLM §4.1): two deltas that hold the same piece (two zoo variants sharing an
 own block; a second fine-tune made from the first) hold it once on the GPU, in one slot of that
@@ -56,6 +59,19 @@ def piece_index(layer: int, part: int) -> int:
     return 2 * layer + part
 
 
+def dense_pieces(cfg: ModelConfig) -> tuple[int, int]:
+    """(embedding piece, lm_head piece): ``2 * layers`` and ``2 * layers + 1``, the latter the
+    embedding's when the head is tied to it (its delta is the embedding's)."""
+    embed = 2 * cfg.num_layers
+    return embed, embed if cfg.tie_word_embeddings else embed + 1
+
+
+def dense_piece_names(cfg: ModelConfig) -> dict[str, int]:
+    """The dense deltas held as pieces (a block slot of rows in their table), by tensor name."""
+    embed, head = dense_pieces(cfg)
+    return {"model.embed_tokens.weight": embed, **({} if cfg.tie_word_embeddings else {"lm_head.weight": head})}
+
+
 def payload_identities(delta_dir: Path, files: Sequence[str], codec: str, cfg: ModelConfig) -> dict[int, Hashable]:
     """Piece index -> identity of the payload file(s) holding its packed tensors (module docstring);
     ``{}`` where files cannot identify pieces (a compressed payload; a file that cannot be read),
@@ -63,6 +79,7 @@ def payload_identities(delta_dir: Path, files: Sequence[str], codec: str, cfg: M
     if codec != "none":
         return {}
     proj_part = {proj: part_of(cfg, proj) for proj in linear_slots(cfg)}
+    dense = dense_piece_names(cfg)
     found: dict[int, set[tuple[int, int, int, int]]] = {}
     try:
         for name in files:
@@ -75,6 +92,8 @@ def payload_identities(delta_dir: Path, files: Sequence[str], codec: str, cfg: M
                 m = _MODULE_RE.match(t)
                 if m is not None and m.group(2) in proj_part:
                     found.setdefault(piece_index(int(m.group(1)), proj_part[m.group(2)]), set()).add(ident)
+                elif t in dense:
+                    found.setdefault(dense[t], set()).add(ident)
     except (OSError, ValueError, RuntimeError):
         return {}  # the load itself reports what is wrong with the payload
     return {p: tuple(sorted(ids)) for p, ids in found.items()}

@@ -12,7 +12,8 @@ and every piece's metadata of a bucket of ``b`` rows (``grid`` work tiles) is a 
 
 A graph captured for bucket ``b`` holds views at its own offsets; a replay of that bucket rewrites the
 first ``P * b`` / ``P * grid * 3`` / ``P`` entries. The row index (slot + 1 of each row, for the dense
-tables) and the lm_head delta's tiles are per delta slot, as before: one buffer each.
+tables), the embedding block slot + 1 of each row and the lm_head delta's tiles (by its block slot)
+are one buffer each.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class DeltaGraphRows:
         """(rows b, tile cap) -> the work tiles a captured step of ``b`` rows launches."""
         self.index = torch.zeros(max_batch, dtype=torch.int64, device=device)
         """[B] int64: slot + 1 of each row (0: none); the token and logits index alike (decode)."""
+        self.embed_index = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        """[B] int64: the block slot + 1 of each row's embedding delta (0: none)."""
         self.metas: dict[ConfigKey, Tiles] = {}
         """Config -> the flat per-piece buffers."""
         self.head: Tiles = self._zeros(max_batch, max_batch * 3, 1)
@@ -69,8 +72,10 @@ class DeltaGraphRows:
             tile_tokens=cap,
         )
 
-    def write_index(self, b: int, slots: Sequence[int]) -> None:
-        copy_from_host(self.index[:b], torch.tensor(slots, dtype=torch.int64) + 1)
+    def write_index(self, b: int, slots: Sequence[int], embed_slots: Sequence[int]) -> None:
+        both = torch.tensor([list(slots), list(embed_slots)], dtype=torch.int64) + 1
+        copy_from_host(self.index[:b], both[0])
+        copy_from_host(self.embed_index[:b], both[1])
 
     def host_tiles(self, rows: Sequence[int], b: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(order [b], tiles [grid, 3], count [1]) of rows ``rows`` (slot per row), built on the host."""

@@ -59,7 +59,9 @@ class DeltaTables:
 
     Row blocks are indexed by slot so one gather serves every row of a step: ``norms`` / ``biases`` by
     ``DeltaStep.token_index`` (slot + 1; row 0 is zeros: no delta), ``embed`` by ``slot * vocab + token``
-    (its last row is zeros: no delta), ``head`` by the SBMM-style work tiles of ``DeltaStep.head_meta``.
+    (its last row is zeros: no delta), ``head`` by the SBMM-style work tiles of ``DeltaStep.head_meta``;
+    ``embed`` and ``head`` by *block* slot (``DeltaStep.embed_index``; ``delta_blocks``): a delta's
+    embedding or lm_head delta that another resident delta shares is held once.
     """
 
     norms: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -88,6 +90,9 @@ class DeltaStep:
         """[T] int64 on the device: slot + 1 of each token of the step (0: no delta). None: inactive."""
         self.logit_index: torch.Tensor | None = None
         """[logits rows] int64: the same for the logits rows."""
+        self.embed_index: torch.Tensor | None = None
+        """[T] int64: the block slot + 1 of each token's embedding delta (0: none; ``delta_blocks``:
+        deltas sharing an embedding delta hold it once)."""
         self.weights: dict[ConfigKey, dict[tuple[int, str], DeltaWeights]] = {}
         """Config -> (layer, HF proj) -> the packed pool (owned by ``DeltaPool``, filled in place)."""
         self.tables = DeltaTables()
@@ -160,7 +165,7 @@ class DeltaEmbedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = F.embedding(ids, self.weight)
         table = self.step.tables.embed
-        index = self.step.token_index
+        index = self.step.embed_index
         if index is not None and table is not None:  # active, with an embedding delta table
             vocab = self.num_embeddings
             rows = torch.where(index > 0, (index - 1) * vocab + ids, table.shape[0] - 1)  # last row: zeros

@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from collections.abc import Collection, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,9 +62,19 @@ from ..formats.packed_delta import PackedLinear
 from ..kernels.sbmm import DeltaMeta, cuda_shape_problem, cuda_tile_cap, dense_min_m
 from ..model.batch import host_to_device
 from ..model.decoder import DecoderLM, linear_slots
-from .delta_blocks import BlockSlots, group_pieces, part_of, payload_identities, piece_index, zero_delta
+from .delta_blocks import (
+    BlockSlots,
+    dense_piece_names,
+    dense_pieces,
+    group_pieces,
+    part_of,
+    payload_identities,
+    piece_index,
+    zero_delta,
+)
 from .delta_graphs import DeltaGraphRows
 from .delta_layers import ConfigKey, DeltaEmbedding, DeltaStep, dense_delta_names, norm_delta_names
+from .delta_placements import DeltaPlacements
 from .delta_slots import DeltaSlots, delta_gpu_bytes
 from .host_tier import HostTier
 from .pinned_arena import PinnedArena, give_back, host_buffer, release_hook
@@ -103,40 +113,6 @@ class DeltaHostCopy:
     """The payload buffer every tensor above is a view of (uint8; given back to the arena when dropped)."""
 
 
-class DeltaPlacements:
-    """A copy of the delta pool's slots for the plan check (``variants.Placements``)."""
-
-    def __init__(self, pool: DeltaPool) -> None:
-        self.max_deltas = pool.max_deltas
-        self.slot_of = dict(pool.slot_of)
-
-    def ids(self) -> Collection[int]:
-        return self.slot_of.keys()
-
-    def pages(self) -> Mapping[int, int]:
-        return {}
-
-    def problem(self, op: wire.VariantOp) -> str | None:
-        """Why ``op.slot`` cannot take the delta: no slot named, pages named, all slots or that one taken."""
-        if op.block_ids:
-            return "a delta takes a delta slot, not pool pages: block_ids must be empty"
-        if len(self.slot_of) >= self.max_deltas:
-            return f"all {self.max_deltas} delta slots (--max-deltas) are taken"
-        if op.slot is None or not 0 <= op.slot < self.max_deltas:
-            return f"slot {op.slot} is not one of the {self.max_deltas} delta slots (--max-deltas)"
-        holder = next((d for d, s in self.slot_of.items() if s == op.slot), None)
-        if holder is not None:
-            return f"delta slot {op.slot} holds delta {holder}"
-        return None
-
-    def place(self, op: wire.VariantOp) -> None:
-        assert op.slot is not None  # problem() refused a to_gpu without one
-        self.slot_of[op.adapter_id] = op.slot
-
-    def remove(self, variant_id: int) -> None:
-        del self.slot_of[variant_id]
-
-
 class DeltaPool:
     """Compressed deltas in host memory and in GPU slots, plus the step rows the modules read."""
 
@@ -172,9 +148,6 @@ class DeltaPool:
                                   for n in norm_delta_names(model)}  # fmt: skip
         self.head_name = DeltaEmbedding.NAME if self.config.tie_word_embeddings else "lm_head.weight"
         """The dense delta lm_head adds (the embedding's when tied)."""
-        self.has_head = [False] * max_deltas
-        """Per slot: its delta changes lm_head (a ``head_name`` delta): its logits rows get the lm_head
-        delta's work (other slots' rows are left out of it, their table blocks are zeros anyway)."""
         self.graph_rows: DeltaGraphRows | None = None
         """Static buffers of captured decode steps (``graph_state``); None until graphs ask for them."""
         self.arena = arena
@@ -190,8 +163,11 @@ class DeltaPool:
         """GPU-resident delta id -> what a step using it reads and computes."""
         self.num_pieces = 2 * self.config.num_layers
         """Pieces of a delta (``delta_blocks``): the attention and the FFN linears of each layer."""
-        self.blocks = BlockSlots(self.num_pieces, max_deltas)
-        """Which block slot holds which piece, per piece index, and its users (refcounts)."""
+        self.embed_piece, self.head_piece = dense_pieces(self.config)
+        """Piece indices of the embedding delta and of the lm_head delta (the embedding's when tied)."""
+        self.blocks = BlockSlots(self.num_pieces + 2, max_deltas)
+        """Which block slot holds which piece, per piece index, and its users (refcounts): the packed
+        linears' pieces, then the embedding's and the untied lm_head's (rows of the dense tables)."""
         self.piece_slots: dict[int, tuple[int, ...]] = {}
         """GPU-resident delta id -> its block slot at each piece index (-1: none, the base alone)."""
         self.projs_of_part = {
@@ -298,6 +274,7 @@ class DeltaPool:
         files = payload.get("files") if "files" in payload else [payload.get("file", "")]
         found = payload_identities(path, [str(f) for f in files], payload.get("codec", "none"), self.config)
         unique = object()  # pieces the files do not identify are this copy's alone
+        present |= {p for name, p in dense_piece_names(self.config).items() if name in dense}
         pieces: dict[int, Hashable] = {p: (key, found.get(p, unique)) for p in sorted(present)}
         return DeltaHostCopy(key, packed, pieces, dense, nbytes, bufs[0])
 
@@ -369,14 +346,16 @@ class DeltaPool:
                 for w in pools.values():
                     w.cache_reference()
             self.step.weights[copy.key] = pools
-        at = [-1] * self.num_pieces
+        self._fill_tables(slot, copy.dense)
+        at = [-1] * (self.num_pieces + 2)
         for p, identity in copy.pieces.items():
             at[p], new = self.blocks.acquire(p, identity, preferred=slot)
-            if new:
+            if new and p >= self.num_pieces:
+                self._store_dense_piece(p, at[p], copy.dense)
+            elif new:
                 layer, part = divmod(p, 2)
                 for proj in self.projs_of_part[part]:
                     pools[(layer, proj)].store(at[p], copy.packed[(layer, proj)].to(self.device))
-        self._fill_tables(slot, copy.dense)
         self.slot_of[delta_id] = slot
         self.key_of[delta_id] = copy.key
         self.piece_slots[delta_id] = tuple(at)
@@ -390,22 +369,23 @@ class DeltaPool:
     def drop_gpu(self, delta_id: int) -> None:
         """Frees the delta's slot (its dense deltas released) and its pieces' block slots that no other
         resident delta uses (their regions zeroed in place)."""
-        slot = self.slot_of.pop(delta_id)
+        self.slot_of.pop(delta_id)
         key = self.key_of.pop(delta_id)
         self.costs.pop(delta_id, None)
         pools = self.step.weights.get(key, {})
         for p, at in enumerate(self.piece_slots.pop(delta_id)):
-            if at >= 0 and self.blocks.release(p, at):
+            if at >= 0 and self.blocks.release(p, at) and p < self.num_pieces:
                 layer, part = divmod(p, 2)
                 for proj in self.projs_of_part[part]:
                     w = pools[(layer, proj)]
                     if w.loaded[at]:
                         w.clear(at)
-        self.has_head[slot] = False  # the tables' blocks are refilled (or zeroed) by the slot's next to_gpu
+            # an embedding / lm_head piece's rows stay: nothing reads them until a piece is stored there
 
     def _fill_tables(self, slot: int, dense: dict[str, torch.Tensor]) -> None:
-        """Copies a delta's dense deltas into slot ``slot``'s blocks of the tables (allocated for every
-        slot the first time), zeroing the blocks of tensors it does not change."""
+        """Copies a delta's norm and bias deltas into slot ``slot``'s blocks of the tables (allocated
+        for every slot the first time, the embedding and lm_head tables too), zeroing the blocks of
+        tensors it does not change."""
         tables = self.step.tables
         cfg, n = self.config, self.max_deltas
         if tables.embed is None:
@@ -419,19 +399,23 @@ class DeltaPool:
             for name in sorted(self.dense_names):
                 if name.endswith(".bias"):
                     tables.biases[name] = zeros(n + 1, self._bias_width(name))
-        v = cfg.vocab_size
-        blocks = {DeltaEmbedding.NAME: tables.embed[slot * v : (slot + 1) * v]}
-        if not cfg.tie_word_embeddings:
-            assert tables.head is not None  # allocated with embed above
-            blocks["lm_head.weight"] = tables.head[slot]
-        blocks.update({name: t[slot + 1] for name, t in (*tables.norms.items(), *tables.biases.items())})
+        blocks = {name: t[slot + 1] for name, t in (*tables.norms.items(), *tables.biases.items())}
         for name, block in blocks.items():
             d = dense.get(name)
             if d is None:
                 block.zero_()
             else:
                 block.copy_(d.to(self.device, non_blocking=True).view(block.shape))  # the cast on the device
-        self.has_head[slot] = self.head_name in dense
+
+    def _store_dense_piece(self, p: int, at: int, dense: dict[str, torch.Tensor]) -> None:
+        """The embedding (``p == embed_piece``) or untied lm_head delta into block slot ``at`` of its table."""
+        tables, v = self.step.tables, self.config.vocab_size
+        assert tables.embed is not None and tables.head is not None  # _fill_tables allocated them
+        name, block = (
+            (DeltaEmbedding.NAME, tables.embed[at * v : (at + 1) * v]) if p == self.embed_piece
+            else ("lm_head.weight", tables.head[at])
+        )  # fmt: skip
+        block.copy_(dense[name].to(self.device, non_blocking=True).view(block.shape))
 
     def _bias_width(self, name: str) -> int:
         """Output features of the linear whose bias ``name`` is (``model.layers.{i}.<parent>.<proj>.bias``)."""
@@ -475,10 +459,14 @@ class DeltaPool:
         token_slot: list[int] = []
         for v, n in runs:
             token_slot.extend([self.slot_of.get(v, -1)] * n)
+        embed_slot: list[int] = []
+        for v, n in runs:
+            embed_slot.extend([self._piece_slot(v, self.embed_piece)] * n)
         logit_slot = [self.slot_of.get(v, -1) for v in logit_ids]
         # From pinned memory: a pageable copy would wait for the step still running (overlapped steps).
         self.step.token_index = host_to_device(torch.tensor(token_slot, dtype=torch.int64) + 1, dev)
         self.step.logit_index = host_to_device(torch.tensor(logit_slot, dtype=torch.int64) + 1, dev)
+        self.step.embed_index = host_to_device(torch.tensor(embed_slot, dtype=torch.int64) + 1, dev)
         lens = [n for _, n in runs]
         piece_metas: list[tuple[tuple[ConfigKey, DeltaMeta], ...]] = [()] * self.num_pieces
         for pieces, per_key in self._piece_rows([v for v, _ in runs]):
@@ -490,8 +478,13 @@ class DeltaPool:
             for p in pieces:
                 piece_metas[p] = metas
         self.step.piece_metas = piece_metas
-        self.step.head_meta = DeltaMeta.rows(self._head_rows(logit_slot), dev, max_block_m=HEAD_TILE)
+        self.step.head_meta = DeltaMeta.rows(self._head_rows(logit_ids), dev, max_block_m=HEAD_TILE)
         return True
+
+    def _piece_slot(self, variant_id: int, p: int) -> int:
+        """The block slot of the variant's piece ``p``; -1 when it has none (or is not a resident delta)."""
+        at = self.piece_slots.get(variant_id)
+        return -1 if at is None else at[p]
 
     def _piece_rows(self, ids: Sequence[int]) -> list[tuple[list[int], list[tuple[ConfigKey, list[int]]]]]:
         """For runs (or rows) of variant ids ``ids``: the piece indices grouped so that every index of a
@@ -508,15 +501,16 @@ class DeltaPool:
                 out.append((pieces, per_key))
         return out
 
-    def _head_rows(self, logit_slot: Sequence[int]) -> list[int]:
-        """Each logits row's slot where its delta changes lm_head, else -1."""
-        return [s if s >= 0 and self.has_head[s] else -1 for s in logit_slot]
+    def _head_rows(self, ids: Sequence[int]) -> list[int]:
+        """Each logits row's lm_head block slot (rows of variant ids ``ids``) where its delta changes
+        lm_head, else -1: rows of deltas sharing the lm_head delta are one group."""
+        return [self._piece_slot(v, self.head_piece) for v in ids]
 
     def end_step(self) -> None:
         """Back to inactive: the delta-aware modules compute their base alone."""
         self.step.piece_metas = []
         self.step.head_meta = None
-        self.step.token_index = self.step.logit_index = None
+        self.step.token_index = self.step.logit_index = self.step.embed_index = None
 
     # ------------------------------------------------------------------ CUDA graphs (``delta_graphs``)
 
@@ -559,6 +553,7 @@ class DeltaPool:
         g = self._graph_buffers(max_batch, keys)
         self._write_rows(g, b, [0] * b, keys)
         self.step.token_index = self.step.logit_index = g.index[:b]
+        self.step.embed_index = g.embed_index[:b]
         self.step.piece_metas = [
             tuple((key, g.static(g.metas[key], b, GRAPH_TILE, p)) for key in keys) for p in range(self.num_pieces)
         ]
@@ -578,14 +573,14 @@ class DeltaPool:
     def _write_rows(self, g: DeltaGraphRows, b: int, ids: list[int], keys: Sequence[ConfigKey]) -> None:
         """Row index, each config's per-piece tiles and the lm_head's tiles of rows ``ids`` (variant ids)."""
         slots = [self.slot_of.get(v, -1) for v in ids]
-        g.write_index(b, slots)
+        g.write_index(b, slots, [self._piece_slot(v, self.embed_piece) for v in ids])
         by_key: dict[ConfigKey, list[tuple[list[int], list[int]]]] = {key: [] for key in keys}
         for pieces, per_key in self._piece_rows(ids):
             for key, at in per_key:
                 by_key.setdefault(key, []).append((pieces, at))
         for key in keys:
             g.write_pieces(key, b, GRAPH_TILE, by_key[key])
-        g.write_head(b, self._head_rows(slots), HEAD_TILE)
+        g.write_head(b, self._head_rows(ids), HEAD_TILE)
 
     def close(self) -> None:
         self.host.close()
