@@ -30,10 +30,11 @@ format and size, the zoo's blocks are layers cut from them (``write_zoo``), so t
 token is the real one, not the outputs.
 
 Files go under ``--work-dir`` (default a temporary directory) per shape and are reused by later runs:
-a first Llama-2-7B run writes the base and one fine-tuned checkpoint (2 x 13.5 GB, for per-model) and
-two delta payloads (2 x ~3.9 GB), which takes minutes; the timed part is sized for one 80 GB GPU and
+a first Llama-2-7B run writes the base and one fine-tuned checkpoint (2 x 13.5 GB, for per-model),
+two delta payloads (2 x ~3.9 GB) and the zoo's blocks (~2.5 GB), which takes minutes; the timed part is sized for one 80 GB GPU and
 about 6 minutes (3 ways x 2 popularities x 30 s, plus server starts and the swap baseline's drain).
-Result: ``bench/results/zoo_mix-<device>-<date>.json`` (with the commit and the shapes).
+Result: ``bench/results/zoo_mix-<device>-<date>.json`` (with the commit and the shapes; a run of some
+ways only: ``zoo_mix-<ways>-<device>-<date>.json``).
 """
 
 from __future__ import annotations
@@ -280,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
         result["ways"][way] = {"memory": memory(way, files, variants, config), "server_start_s": started,
                                "points": points}  # fmt: skip
     result["wall_s"] = time.perf_counter() - t0
-    path = write_result("zoo_mix", result, args.out_dir)
+    name = "zoo_mix" if set(ways) == set(WAYS) else "zoo_mix-" + "-".join(ways)  # runs of some ways apart
+    path = write_result(name, result, args.out_dir)
     print(f"result: {path}")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
