@@ -28,6 +28,12 @@
 //!   passed over (its read started if need be) and keeps its place. A `ToGpu` counts its read
 //!   as finished (the worker waited for it).
 //!
+//! - Prefix cache (`prefix.rs`): a request's cached prefix pages are reused, not allocated; those
+//!   no request holds count as free pages until then, so taking them counts against the free
+//!   pages like new ones. A request whose next prefix page a running request is computing is
+//!   passed over (it keeps its place) until that page is published; at most
+//!   `MAX_PREFIX_DEFERRALS` a step.
+//!
 //! The watermark is the number of running requests whose next token will need a page they do
 //! not hold yet (their table is full after this step). Admission keeps that many pages free, so
 //! a new request never takes the page an older one needs for its next decode token. It is
