@@ -92,3 +92,30 @@ def test_variants_copied_without_links_share_nothing(pool: DeltaPool, zoo_fixtur
         pool.drop_gpu(9)
         pool.drop_gpu(FT1)
         pool.drop_host(9)
+
+
+def test_captured_decode_buffers_hold_each_pieces_rows(pool: DeltaPool) -> None:
+    """What a captured decode step reads (``delta_graphs``): per piece, the rows at their block slots;
+    ft1's row has no layer-0 piece, and at layer 1 both variants' rows are one tile of one slot."""
+    from deltaserve.adapters.delta_pool import GRAPH_TILE
+
+    pool.to_gpu(FT1, 0)
+    pool.to_gpu(FT2, 1)
+    try:
+        keys = pool.graph_keys([FT1, FT2])
+        with pool.graph_state(4, 8, keys):
+            assert len(pool.step.piece_metas) == pool.num_pieces and pool.step.embed_index.tolist() == [0] * 4
+        pool.fill_graph_rows([FT1, FT2, 0], 4, keys)
+        g = pool.graph_rows
+        order, tiles, count = g.metas[keys[0]]
+        grid = pool.graph_tiles(4, GRAPH_TILE)
+
+        def piece(p: int) -> list[list[int]]:
+            return tiles[p * grid * 3 : (p + 1) * grid * 3].view(grid, 3)[: int(count[p])].tolist()
+
+        assert piece(0) == [[0, 1, 1]] and order[0] == 1  # layer 0's attention: ft2's row, slot 1
+        assert piece(2) == [[0, 2, 0]] and order[2 * 4 : 2 * 4 + 2].tolist() == [0, 1]  # one tile, both rows
+        assert g.index[:4].tolist() == [1, 2, 0, 0] and g.embed_index[:4].tolist() == [0] * 4
+    finally:
+        pool.drop_gpu(FT1)
+        pool.drop_gpu(FT2)
