@@ -284,8 +284,13 @@ def test_a_delta_goes_to_the_slot_the_router_names(executor_factory, variants) -
     # delta (the fine-tune changes lm_head) in float32; 2 FLOPs per kept value.
     weights = 2 * (64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3)  # Σ out·in over the tiny Llama's block linears
     head = ex.config.vocab_size * 64 * 4
-    assert ex.delta_pool.step_cost(D4) == VariantCost(weights * (4 // 2 + 1) // 8 + weights // 16 + head, weights)
-    assert ex.delta_pool.step_cost(D2) == VariantCost(weights * (2 // 2 + 1) // 8 + weights // 16 + head, weights)
+    # Every byte is a piece's (per layer's attention / FFN, and the lm_head delta's): steps of deltas
+    # sharing a piece read it once (``VariantCost.shared``).
+    for aid, bits in ((D4, 4), (D2, 2)):
+        cost = ex.delta_pool.step_cost(aid)
+        assert cost is not None and cost.read_bytes == 0 and len(cost.shared) == 2 * ex.config.num_layers + 1
+        assert sum(cost.shared.values()) == weights * (bits // 2 + 1) // 8 + weights // 16 + head
+        assert cost.flops_per_token == weights
     with pytest.raises(ValueError, match="delta slot 0 holds delta 3"):  # the pool itself refuses too
         ex.delta_pool.to_gpu(99, 0)
 

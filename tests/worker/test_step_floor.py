@@ -66,6 +66,18 @@ def test_variants_are_read_once_per_step_and_computed_per_token() -> None:
     assert step_floor(COSTS, half_speed, runs, {7: lora, 9: delta}).floor_us == 2 * f.bytes
 
 
+def test_a_block_two_variants_share_is_read_once() -> None:
+    """Zoo variants sharing an own block (``VariantCost.shared``, by block identity): a step with both
+    reads it once; their own bytes and every token's FLOPs count as usual."""
+    a = VariantCost(read_bytes=10, flops_per_token=4, shared={"layer1": 200, "a-only": 30})
+    b = VariantCost(read_bytes=20, flops_per_token=6, shared={"layer1": 200})
+    runs = [StepRun(1, computed=0, tokens=1, logits=True), StepRun(2, computed=0, tokens=1, logits=True)]
+    both = step_floor(COSTS, ONE_PER_US, runs, {1: a, 2: b})
+    alone = step_floor(COSTS, ONE_PER_US, runs[:1], {1: a})
+    assert both.bytes - alone.bytes == 20 + 1 * 8  # b's own bytes and its KV token: the shared block once
+    assert both.flops - alone.flops == 2 * 100 + 2 * 50 + 16 * 1 + 6
+
+
 def test_an_empty_step_has_no_floor() -> None:
     assert step_floor(COSTS, ONE_PER_US, [], {}).floor_us == 0
 

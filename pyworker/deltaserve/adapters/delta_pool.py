@@ -359,12 +359,23 @@ class DeltaPool:
         self.slot_of[delta_id] = slot
         self.key_of[delta_id] = copy.key
         self.piece_slots[delta_id] = tuple(at)
-        head = copy.dense.get(self.head_name)  # read whole for its logits rows; embedding rows are gathered
-        head_bytes = 0 if head is None else head.numel() * torch.empty((), dtype=self.dtype).element_size()
-        packed = copy.packed.values()  # the linears of its pieces (a piece's zero ones too: the kernel reads them)
-        self.costs[delta_id] = VariantCost(
-            sum(p.nbytes() for p in packed) + head_bytes, 2 * sum(p.out_features * p.kept for p in packed)
-        )
+        self.costs[delta_id] = self._cost(copy)
+
+    def _cost(self, copy: DeltaHostCopy) -> VariantCost:
+        """What a step reads for the delta: each piece's packed linears (a piece's zero ones too: the
+        kernel reads them) and the lm_head delta (read whole for its logits rows; embedding rows are
+        gathered), by piece identity, since deltas sharing a piece read it once per step."""
+        shared: dict[Hashable, int] = {}
+        for (layer, proj), p in copy.packed.items():
+            piece = piece_index(layer, part_of(self.config, proj))
+            key = (piece, copy.pieces[piece])
+            shared[key] = shared.get(key, 0) + p.nbytes()
+        head = copy.dense.get(self.head_name)
+        if head is not None:
+            item = torch.empty((), dtype=self.dtype).element_size()
+            shared[(self.head_piece, copy.pieces[self.head_piece])] = head.numel() * item
+        flops = 2 * sum(p.out_features * p.kept for p in copy.packed.values())
+        return VariantCost(0, flops, shared)
 
     def drop_gpu(self, delta_id: int) -> None:
         """Frees the delta's slot (its dense deltas released) and its pieces' block slots that no other

@@ -22,8 +22,8 @@ its pools, not a branch in each of these places.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -76,9 +76,12 @@ class VariantCost:
 
     read_bytes: int
     """Device bytes of the variant a step reads once, whatever its rows (LoRA A/B; packed delta linears
-    and a dense lm_head delta)."""
+    and a dense lm_head delta), less its ``shared`` ones."""
     flops_per_token: int
     """Extra FLOPs per token of its rows (2 × the elements of the low-rank or packed matrices)."""
+    shared: Mapping[Hashable, int] = field(default_factory=dict)
+    """Bytes the variant reads from blocks other variants may share, by block identity (a delta's
+    pieces, ``delta_blocks``): a step reads each block once, whichever of its variants' rows use it."""
 
 
 class Placements(Protocol):

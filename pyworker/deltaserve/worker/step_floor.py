@@ -5,7 +5,8 @@ The roofline model, with the device's two ceilings measured once at start-up (``
     bytes = base weights (every parameter, read once per step)
           + KV the step attends over: Σ over its requests of (tokens computed + tokens scheduled) × K/V bytes
           + variant bytes the step touches, once per distinct variant in it (``VariantCost.read_bytes``:
-            a LoRA adapter's A/B rows, a delta's packed linears and dense lm_head delta)
+            a LoRA adapter's A/B rows, a delta's packed linears and dense lm_head delta), and a block
+            several of its variants share once (``VariantCost.shared``: the zoo's per-block batching)
     flops = 2 × block-linear params × tokens + 2 × lm_head params × logits rows
           + attention: 4 × layers × heads × head_dim × (query, key) pairs (a chunk of n tokens after c
             computed ones has n·c + n(n+1)/2 causal pairs; a decode token is a chunk of 1)
@@ -229,12 +230,15 @@ def step_floor(
         if r.variant_id != 0:
             variant_tokens[r.variant_id] = variant_tokens.get(r.variant_id, 0) + r.tokens
     variant_bytes = 0
+    shared: dict[object, int] = {}
     for v, v_tokens in variant_tokens.items():
         cost = variants.get(v)
         if cost is None:
             continue
         variant_bytes += cost.read_bytes
+        shared.update(cost.shared)
         flops += cost.flops_per_token * v_tokens
+    variant_bytes += sum(shared.values())
     nbytes = costs.weight_bytes + kv_bytes + variant_bytes
     floor_s = max(nbytes / roofline.copy_bytes_per_s, flops / roofline.matmul_flops_per_s)
     return StepFloor(nbytes, flops, floor_s)
