@@ -73,7 +73,8 @@ def test_delta_decode_steps_replay_from_graphs_and_equal_eager(arch: str, tmp_pa
     config set) and give exactly the eager tokens: the SBMM tiles, the embedding / norm / bias gathers
     and the lm_head delta all read the static buffers. A model the CUDA SBMM op takes (in_features a
     multiple of 256), float16; tied embeddings (the embedding delta moves lm_head) and Qwen2 (bias
-    deltas)."""
+    deltas). Two ids of one delta directory share every block (held once, per-piece block slots in the
+    graph's buffers)."""
     from worker.test_lora_serving import AdapterRouter
 
     from helpers.deltas import make_delta
@@ -91,6 +92,7 @@ def test_delta_decode_steps_replay_from_graphs_and_equal_eager(arch: str, tmp_pa
         2: make_delta(base, tmp_path / "d4", seed=21, bits=4)[0],
         3: make_delta(base, tmp_path / "d2", seed=22, bits=2)[0],
     }
+    dirs[4] = dirs[2]  # the same payload file under another id: every piece shared (``delta_blocks``)
 
     def executor(graph_batch: int) -> Executor:
         return Executor(
@@ -106,8 +108,9 @@ def test_delta_decode_steps_replay_from_graphs_and_equal_eager(arch: str, tmp_pa
     seen: set = set()
     for adapter_of in (
         {i: (0, 1, 2, 3)[i % 4] for i in range(n)},  # every kind in one batch
-        {i: 2 for i in range(n)},
-    ):  # one delta, more rows than a graph work tile
+        {i: 2 for i in range(n)},  # one delta, more rows than a graph work tile
+        {i: (2, 4, 3)[i % 3] for i in range(n)},  # two ids holding the same blocks once, one group per piece
+    ):
         eager, graphs = executor(0), executor(32)
         reqs = {i: (p, 10) for i, p in enumerate(prompts(n, graphs.config.vocab_size, seed=7))}
         want = AdapterRouter(eager, dirs, adapter_of).run(reqs)
