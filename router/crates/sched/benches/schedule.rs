@@ -1,12 +1,13 @@
 //! Criterion benchmark of one scheduler iteration, `schedule()` + `update()`, in the engine's
 //! steady decode state: every running request is scheduled one token and reports one sampled
-//! token, none finishes, nothing is admitted or preempted. Two groups:
+//! token, none finishes, nothing is admitted or preempted. Three groups:
 //!
 //! - `queue`: running R ∈ {1, 16, 64, 256} base-model requests (`max_num_seqs` 256) with
 //!   W ∈ {0, 1 000, 10 000} waiting requests that cannot be admitted.
 //! - `variants`: 256 running requests spread evenly over V ∈ {0 (all base), 1, 8, 32, 256}
 //!   LoRA adapters in a seeded random arrival order, all registered and GPU-resident (pinned by
 //!   their running requests).
+//! - `prefix`: `queue`'s R = 256 cases (W ∈ {0, 1 000}) with prefix caching on.
 //!
 //! Run: `cargo bench -p deltaserve-sched --bench schedule -- --quick` (numbers for this CPU are
 //! in `bench/README.md`). `cargo test --benches` runs each case once, as a smoke test.
@@ -79,6 +80,9 @@ struct Case {
     waiting: usize,
     /// Distinct LoRA adapters among the running requests (0 = all on the base model).
     variants: u32,
+    /// Prefix caching on: every request has the same prompt (the running ones hit the first
+    /// one's pages) and, decoding the same token, fills pages whose hash is already cached.
+    prefix_caching: bool,
 }
 
 /// A case's starting state and what its steady steps must look like.
@@ -178,6 +182,7 @@ fn fixture(case: Case) -> Fixture {
     let num_blocks = kv_pages + case.variants * ADAPTER_PAGES + waiting_pages;
     let cfg = SchedulerConfig {
         max_num_seqs: MAX_NUM_SEQS,
+        enable_prefix_caching: case.prefix_caching,
         ..SchedulerConfig::new(
             BLOCK_SIZE,
             num_blocks,
@@ -328,6 +333,7 @@ fn queue(c: &mut Criterion) {
                 running,
                 waiting,
                 variants: 0,
+                prefix_caching: false,
             });
         }
     }
@@ -344,6 +350,7 @@ fn variants(c: &mut Criterion) {
             running: 256,
             waiting: 0,
             variants,
+            prefix_caching: false,
         })
         .collect();
     run_group(c, "variants", &cases, |c| {
@@ -351,12 +358,30 @@ fn variants(c: &mut Criterion) {
     });
 }
 
+/// The `prefix` group: `queue`'s 256-running cases with prefix caching on (every page a
+/// decoding request fills is hashed and published, or found cached already; the blocked head
+/// of the queue is looked up every step).
+fn prefix(c: &mut Criterion) {
+    let cases: Vec<Case> = [0, 1_000]
+        .into_iter()
+        .map(|waiting| Case {
+            running: 256,
+            waiting,
+            variants: 0,
+            prefix_caching: true,
+        })
+        .collect();
+    run_group(c, "prefix", &cases, |c| {
+        format!("running=256/waiting={}", c.waiting)
+    });
+}
+
 criterion_group! {
     name = benches;
-    // 17 cases: short warm-up and measurement keep a full run (and `--quick`) to minutes.
+    // 19 cases: short warm-up and measurement keep a full run (and `--quick`) to minutes.
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    targets = queue, variants
+    targets = queue, variants, prefix
 }
 criterion_main!(benches);

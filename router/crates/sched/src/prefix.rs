@@ -34,9 +34,9 @@
 //! running request's pages would serve are passed over, at most [`MAX_PREFIX_DEFERRALS`] per
 //! step; with nothing running, nothing is pending.
 
-use std::collections::hash_map::DefaultHasher;
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasher, Hash, Hasher};
 
 use crate::block::{BlockAllocator, PageOwner};
 use crate::request::Seq;
@@ -59,30 +59,38 @@ pub(crate) struct PrefixKey {
     pub(crate) generation: u64,
 }
 
-/// The chain hash of a page holding `tokens` after a page hashed `parent`, under `key`.
-/// SipHash with fixed keys: the same in every run.
-pub(crate) fn page_hash(parent: u64, key: PrefixKey, tokens: &[u32]) -> u64 {
-    let mut h = DefaultHasher::new();
+/// The chain hash of a page holding `tokens` after a page hashed `parent`, under `key`: SipHash
+/// keyed at random per scheduler (`hasher`), so no client can craft a prompt whose pages collide
+/// with another's. A hit also compares the parent hash, key and tokens, so only a 64-bit
+/// collision of two parents' keyed hashes could share a wrong page.
+pub(crate) fn page_hash(hasher: &RandomState, parent: u64, key: PrefixKey, tokens: &[u32]) -> u64 {
+    let mut h = hasher.build_hasher();
     parent.hash(&mut h);
     key.hash(&mut h);
     tokens.hash(&mut h);
     h.finish()
 }
 
-/// Chain hashes of pages being computed by running requests (full pages of their known tokens
-/// not published yet), with how many requests compute each.
+/// The scheduler's page hashing and the chain hashes of pages being computed by running
+/// requests (full pages of their known tokens not published yet), with how many requests
+/// compute each.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct PendingPages(HashMap<u64, u32>);
+pub(crate) struct PendingPages {
+    /// The keys of every page hash (`page_hash`), drawn at random when the scheduler is made.
+    hasher: RandomState,
+    /// Pending chain hash -> requests computing that page.
+    counts: HashMap<u64, u32>,
+}
 
 impl PendingPages {
     fn add(&mut self, hash: u64) {
-        *self.0.entry(hash).or_default() += 1;
+        *self.counts.entry(hash).or_default() += 1;
     }
 
     fn remove(&mut self, hash: u64) {
-        match self.0.get_mut(&hash) {
+        match self.counts.get_mut(&hash) {
             Some(1) => {
-                self.0.remove(&hash);
+                self.counts.remove(&hash);
             }
             Some(n) => *n -= 1,
             None => debug_assert!(false, "pending page {hash:#x} removed twice"),
@@ -90,12 +98,12 @@ impl PendingPages {
     }
 
     fn contains(&self, hash: u64) -> bool {
-        self.0.contains_key(&hash)
+        self.counts.contains_key(&hash)
     }
 
     /// The multiset, for the invariant check.
     pub(crate) fn counts(&self) -> &HashMap<u64, u32> {
-        &self.0
+        &self.counts
     }
 }
 
@@ -113,13 +121,13 @@ pub(crate) struct PrefixPlan {
 
 impl Seq {
     /// Makes sure `page_hashes` covers its first `pages` full pages.
-    fn hash_pages(&mut self, block_size: u32, pages: usize) {
+    fn hash_pages(&mut self, hasher: &RandomState, block_size: u32, pages: usize) {
         let Some(key) = self.cache_key else { return };
         let bs = block_size as usize;
         while self.page_hashes.len() < pages {
             let i = self.page_hashes.len();
             let parent = self.page_hashes.last().copied().unwrap_or(ROOT_HASH);
-            let hash = page_hash(parent, key, &self.tokens[i * bs..(i + 1) * bs]);
+            let hash = page_hash(hasher, parent, key, &self.tokens[i * bs..(i + 1) * bs]);
             self.page_hashes.push(hash);
         }
     }
@@ -139,7 +147,7 @@ impl Seq {
         if full <= from {
             return;
         }
-        self.hash_pages(block_size, full);
+        self.hash_pages(&pending.hasher, block_size, full);
         let bs = block_size as usize;
         for i in from..full {
             let page = self.blocks[i];
@@ -183,7 +191,7 @@ impl Scheduler {
         let mut hits = Vec::new();
         if let Some(key) = seq.cache_key.filter(|_| !seq.skip_prefix_cache) {
             let max_pages = (len - 1) / bs as usize;
-            seq.hash_pages(bs, max_pages);
+            seq.hash_pages(&self.pending.hasher, bs, max_pages);
             let mut parent = ROOT_HASH;
             for (i, &hash) in seq.page_hashes[..max_pages].iter().enumerate() {
                 let tokens = &seq.tokens[i * bs as usize..(i + 1) * bs as usize];
@@ -232,7 +240,7 @@ impl Scheduler {
             self.prefix_hits += u64::from(hits.len() as u32 * bs);
         }
         let full = seq.tokens.len() / bs as usize;
-        seq.hash_pages(bs, full);
+        seq.hash_pages(&self.pending.hasher, bs, full);
         seq.num_published = hits.len() as u32;
         seq.pending_to = full as u32;
         for i in hits.len()..full {
@@ -296,15 +304,22 @@ mod tests {
             variant: 1,
             generation: 1,
         };
-        let h = page_hash(ROOT_HASH, base, &[1, 2, 3, 4]);
+        let keys = RandomState::new();
+        let h = page_hash(&keys, ROOT_HASH, base, &[1, 2, 3, 4]);
         assert_eq!(
             h,
-            page_hash(ROOT_HASH, base, &[1, 2, 3, 4]),
+            page_hash(&keys, ROOT_HASH, base, &[1, 2, 3, 4]),
             "deterministic"
         );
-        assert_ne!(h, page_hash(ROOT_HASH, lora, &[1, 2, 3, 4]));
-        assert_ne!(h, page_hash(h, base, &[1, 2, 3, 4]));
-        assert_ne!(h, page_hash(ROOT_HASH, base, &[1, 2, 3, 5]));
+        assert_ne!(h, page_hash(&keys, ROOT_HASH, lora, &[1, 2, 3, 4]));
+        assert_ne!(h, page_hash(&keys, h, base, &[1, 2, 3, 4]));
+        assert_ne!(h, page_hash(&keys, ROOT_HASH, base, &[1, 2, 3, 5]));
+        let other = RandomState::new();
+        assert_ne!(
+            h,
+            page_hash(&other, ROOT_HASH, base, &[1, 2, 3, 4]),
+            "keyed per scheduler"
+        );
     }
 
     #[test]
