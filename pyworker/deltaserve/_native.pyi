@@ -169,6 +169,7 @@ class Scheduler:
         prefetch_window: int = 64,
         max_deltas: int = 3,
         host_copy_reports: bool = False,
+        enable_prefix_caching: bool = False,
     ) -> Self:
         """A scheduler over an empty queue and ``num_blocks`` free pages of ``block_size`` tokens.
 
@@ -179,7 +180,10 @@ class Scheduler:
         into host memory ahead (0: off); ``max_deltas``: the worker's delta slots (0: deltas off);
         ``host_copy_reports``: the worker reports finished host reads (``StepOutput.host_ready``)
         and requests whose variant is still being read wait (the router turns it on; off, a host
-        copy counts as ready once its ``to_host`` is sent). ``SchedError`` for a value out of range.
+        copy counts as ready once its ``to_host`` is sent); ``enable_prefix_caching``: reuse the KV
+        pages of prompt prefixes per variant registration (the router's ``--enable-prefix-caching``;
+        a new request's ``num_computed_tokens`` is then its hit, whole pages shared with other
+        requests). ``SchedError`` for a value out of range.
         """
 
     def register_adapter(

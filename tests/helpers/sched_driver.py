@@ -37,7 +37,8 @@ class SchedDriver:
     ``variants`` maps a variant id (LoRA adapter or delta) to its directory; each is inspected by
     the executor now and registered with the scheduler when a request first needs it (again after
     ``evict``). ``adapter_of[req_id]`` names a request's variant (absent: the base model).
-    ``max_num_batched_tokens`` is the scheduler's token budget per step, which chunks prefills.
+    ``max_num_batched_tokens`` is the scheduler's token budget per step, which chunks prefills;
+    ``enable_prefix_caching`` lets new requests start on cached prefix pages (the router's default).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class SchedDriver:
         adapter_of: dict[int, int] | None = None,
         *,
         max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.ex = executor
         self.variants = dict(variants or {})
@@ -66,6 +68,7 @@ class SchedDriver:
             hello.model.max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             max_deltas=0 if executor.delta_pool is None else executor.delta_pool.max_deltas,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.outputs: dict[int, list[int]] = {}
         """Output tokens of each request added, as the scheduler appended them."""

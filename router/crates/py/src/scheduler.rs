@@ -97,12 +97,13 @@ impl Scheduler {
         prefetch_window = DEFAULT_PREFETCH_WINDOW,
         max_deltas = DEFAULT_MAX_DELTAS,
         host_copy_reports = false,
+        enable_prefix_caching = false,
     ),
     // The defaults spelled out for `help()` and stubtest (`...` otherwise); the asserts above
     // keep them equal to the constants (before `impl Scheduler`).
     text_signature = "(block_size, num_blocks, max_model_len, *, max_num_seqs=256, \
         max_num_batched_tokens=2048, host_adapter_bytes=4294967296, prefetch_window=64, \
-        max_deltas=3, host_copy_reports=False)"
+        max_deltas=3, host_copy_reports=False, enable_prefix_caching=False)"
     )]
     #[allow(clippy::too_many_arguments)] // one keyword per config field
     fn new(
@@ -116,6 +117,7 @@ impl Scheduler {
         prefetch_window: usize,
         max_deltas: usize,
         host_copy_reports: bool,
+        enable_prefix_caching: bool,
     ) -> PyResult<Self> {
         let cfg = SchedulerConfig {
             block_size,
@@ -127,7 +129,7 @@ impl Scheduler {
             prefetch_window,
             max_deltas,
             host_copy_reports,
-            enable_prefix_caching: false,
+            enable_prefix_caching,
         };
         let sched = deltaserve_sched::Scheduler::new(cfg).map_err(|e| sched_err(py, e))?;
         Ok(Scheduler {
@@ -204,7 +206,8 @@ impl Scheduler {
             ignore_eos,
             arrival,
             adapter_id,
-            skip_prefix_cache: false,
+            // As the router's engine: prompt logprobs need every prompt position computed.
+            skip_prefix_cache: sampling.prompt_logprobs.is_some(),
         };
         self.sched.add_request(req).map_err(|e| sched_err(py, e))?;
         self.sampling.insert(req_id, sampling);
