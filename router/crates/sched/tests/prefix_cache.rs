@@ -465,6 +465,27 @@ fn a_sibling_waits_for_a_chunked_prefill_and_others_go_past_it() {
 }
 
 #[test]
+fn a_step_passes_over_at_most_64_waiting_requests_for_pending_pages() {
+    let mut s = Scheduler::new(pcfg(4, 512, 4096)).unwrap();
+    let mut w = KvWorker::new(4);
+    let p: Vec<u32> = (1..=9).collect();
+    for id in 1..=70 {
+        s.add_request(preq(id, &p, 1, 0)).unwrap();
+    }
+    s.add_request(preq(71, &[500, 501], 1, 0)).unwrap();
+    let step = s.schedule();
+    let new: Vec<u64> = step.new.iter().map(|n| n.id).collect();
+    assert_eq!(new, vec![1], "64 siblings passed over, then admission stops for the step");
+    assert_eq!(s.stats().prefix_deferrals, 64);
+    s.update(&w.run(&step, &base_tag));
+    let step = s.schedule();
+    assert_eq!(step.new.len(), 16, "max_num_seqs, every sibling on the cached pages");
+    assert!(step.new.iter().all(|n| n.num_computed_tokens == 8));
+    s.update(&w.run(&step, &base_tag));
+    drain(&mut s, &mut w, &base_tag);
+}
+
+#[test]
 fn a_request_that_skips_the_cache_computes_its_whole_prompt_and_still_publishes() {
     let mut s = Scheduler::new(pcfg(4, 32, 64)).unwrap();
     let mut w = KvWorker::new(4);
