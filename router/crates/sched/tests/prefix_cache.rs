@@ -475,11 +475,19 @@ fn a_step_passes_over_at_most_64_waiting_requests_for_pending_pages() {
     s.add_request(preq(71, &[500, 501], 1, 0)).unwrap();
     let step = s.schedule();
     let new: Vec<u64> = step.new.iter().map(|n| n.id).collect();
-    assert_eq!(new, vec![1], "64 siblings passed over, then admission stops for the step");
+    assert_eq!(
+        new,
+        vec![1],
+        "64 siblings passed over, then admission stops for the step"
+    );
     assert_eq!(s.stats().prefix_deferrals, 64);
     s.update(&w.run(&step, &base_tag));
     let step = s.schedule();
-    assert_eq!(step.new.len(), 16, "max_num_seqs, every sibling on the cached pages");
+    assert_eq!(
+        step.new.len(),
+        16,
+        "max_num_seqs, every sibling on the cached pages"
+    );
     assert!(step.new.iter().all(|n| n.num_computed_tokens == 8));
     s.update(&w.run(&step, &base_tag));
     drain(&mut s, &mut w, &base_tag);
