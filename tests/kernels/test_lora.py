@@ -275,8 +275,9 @@ def dense_delta(x: torch.Tensor, base: torch.Tensor, dense: list, row_adapter: l
 @pytest.mark.parametrize("tokens,in_dim,out_dim", [(1, 300, 136), (3, 260, 72), (12, 520, 200), (40, 1030, 260)])
 def test_mbgmv_split_widths(tokens: int, in_dim: int, out_dim: int, dtype: torch.dtype) -> None:
     """Decode rows at input widths the shrink splits over several programs (partials summed by the
-    expand), odd widths with a ragged last tile, and several output tiles; lora_delta's fused path
-    equals shrink + expand exactly, and both equal the references."""
+    expand), odd widths with a ragged last tile, and several output tiles; lora_delta's split decode
+    path equals shrink + expand exactly, and both equal the references (the fused decode path:
+    tests/kernels/test_lora_fused.py)."""
     seed = tokens
     meta = LoraMeta.mbgmv(request_adapters("skewed", tokens, seed), DEVICE)
     w = pooled(dense_adapters(in_dim, out_dim, dtype, seed), seed)
@@ -286,7 +287,11 @@ def test_mbgmv_split_widths(tokens: int, in_dim: int, out_dim: int, dtype: torch
     close(v, lora_shrink_ref(x, w, meta))
     two_step = lora_expand_triton(v, w, meta, base.clone())
     close(two_step, lora_expand_ref(v, w, meta, base.clone()))
-    fused = lora_delta(x, base.clone(), [LoraSlice(0, out_dim, w)], meta, use_triton=True)
+    previous = lora_kernels.set_decode_path("split")
+    try:
+        fused = lora_delta(x, base.clone(), [LoraSlice(0, out_dim, w)], meta, use_triton=True)
+    finally:
+        lora_kernels.set_decode_path(previous)
     if DEVICE.type == "cpu":  # the interpreter sums the partials in one order in both kernels
         assert torch.equal(fused, two_step), "the fused decode path must round v exactly as lora_shrink does"
     else:  # compiled reductions may order the float32 partial sums differently

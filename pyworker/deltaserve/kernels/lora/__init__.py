@@ -14,7 +14,8 @@ The package::
     ref.py        lora_shrink_ref, lora_expand_ref: the torch references, the CPU path
     tables.py     what every launch passes of its weights (one slice or a stack), ALIGN
     sgmv.py       SGMV kernels (prefill: segments, tl.dot tiles)
-    mbgmv.py      MBGMV kernels (decode: rows of any adapters, bandwidth kernels)
+    mbgmv.py      MBGMV kernels (decode: rows of any adapters, bandwidth kernels), the split decode path
+    fused.py      the fused decode kernel: a module's shrink + expand of all slices in one launch
     configs/launch.json   the kernels' tuned launch configs
     __init__.py   the entry points (below)
 
@@ -41,6 +42,10 @@ Stacked (one module, n slices): each kernel is the per-slice one with a slice gr
 program computes exactly what the per-slice path's does, and the results are equal (sgmv.py and
 mbgmv.py draw the grids).
 
+Decode path of ``lora_delta`` / ``lora_delta_stacked`` (``set_decode_path``, env ``DELTASERVE_LORA_DECODE``):
+``fused`` (the default: one launch per module, fused.py) or ``split`` (MBGMV shrink then expand, two
+launches per module; kept for A/B runs, ``bench/lora_decode_step.py --paths fused,split``).
+
 Entry points ``lora_delta`` / ``lora_delta_stacked`` / ``lora_shrink`` / ``lora_expand`` run the Triton kernels on CUDA
 tensors (or when ``use_triton=True``: CPU tensors then need ``TRITON_INTERPRET=1``) and the torch
 references ``*_ref`` (a loop per adapter over gathered rows; the CPU path) otherwise. Metadata is
@@ -49,12 +54,14 @@ validated on the host when it is built (no device sync per call); weights when t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
 from ..common import want_triton
 from .checks import check_call, check_out
+from .fused import FUSED_LAUNCH, fused_decode
 from .layout import DTYPES, LoraSlice, LoraStack, LoraWeights, make_weights
 from .mbgmv import MB_EXPAND_LAUNCH, MB_SHRINK_LAUNCH, mbgmv_expand, mbgmv_shrink, mbgmv_shrink_partials
 from .meta import SGMV_TILE, LoraMeta, sgmv_tiles
@@ -62,10 +69,32 @@ from .ref import lora_expand_ref, lora_shrink_ref
 from .sgmv import sgmv_expand, sgmv_shrink
 
 __all__ = [
-    "DTYPES", "MB_EXPAND_LAUNCH", "MB_SHRINK_LAUNCH", "SGMV_TILE", "LoraMeta", "LoraSlice", "LoraStack",
-    "LoraWeights", "lora_delta", "lora_delta_stacked", "lora_delta_stacked_ref", "lora_expand", "lora_expand_ref",
-    "lora_expand_triton", "lora_shrink", "lora_shrink_ref", "lora_shrink_triton", "make_weights", "sgmv_tiles",
+    "DECODE_PATHS", "DTYPES", "FUSED_LAUNCH", "MB_EXPAND_LAUNCH", "MB_SHRINK_LAUNCH", "SGMV_TILE", "LoraMeta", "LoraSlice", "LoraStack",
+    "LoraWeights", "get_decode_path", "lora_delta", "lora_delta_stacked", "lora_delta_stacked_ref", "lora_expand", "lora_expand_ref",
+    "lora_expand_triton", "lora_shrink", "lora_shrink_ref", "lora_shrink_triton", "make_weights", "set_decode_path", "sgmv_tiles",
 ]  # fmt: skip
+
+DECODE_PATHS = ("fused", "split")
+"""Accepted values of ``set_decode_path``."""
+_decode_path = os.environ.get("DELTASERVE_LORA_DECODE", "fused")
+if _decode_path not in DECODE_PATHS:
+    raise ValueError(f"DELTASERVE_LORA_DECODE={_decode_path!r}: want one of {', '.join(DECODE_PATHS)}")
+
+
+def set_decode_path(name: str) -> str:
+    """Selects the decode kernels of ``lora_delta`` / ``lora_delta_stacked``: ``fused`` (one launch per
+    module) or ``split`` (shrink then expand); returns the previous setting. CUDA graphs keep the
+    path they were captured with."""
+    global _decode_path
+    if name not in DECODE_PATHS:
+        raise ValueError(f"lora decode path {name!r}: want one of {', '.join(DECODE_PATHS)}")
+    previous, _decode_path = _decode_path, name
+    return previous
+
+
+def get_decode_path() -> str:
+    """The current decode path (``fused`` or ``split``)."""
+    return _decode_path
 
 
 def lora_shrink_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch.Tensor:
@@ -101,8 +130,8 @@ def lora_expand_triton(v: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: tor
 
 
 def _lora_delta_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: torch.Tensor) -> None:
-    """One slice on the Triton path. Decode: the expand reads the shrink's float32 partials directly
-    (two launches, no zero fill, no finished v); prefill: SGMV shrink then expand."""
+    """One slice on the Triton path. Decode, fused: one launch; split: the expand reads the shrink's
+    float32 partials directly (two launches, no zero fill, no finished v); prefill: SGMV shrink then expand."""
     if not meta.decode:
         lora_expand_triton(lora_shrink_triton(x, w, meta), w, meta, out)
         return
@@ -110,7 +139,11 @@ def _lora_delta_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: tor
     check_out("lora_expand", out, w, meta)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if x.shape[0]:
+    if not x.shape[0]:
+        return
+    if _decode_path == "fused":
+        fused_decode(x, w, meta, out)
+    else:
         mbgmv_expand(mbgmv_shrink_partials(x, w, meta), w, meta, out)
 
 
@@ -163,8 +196,8 @@ def lora_delta(
 def lora_delta_stacked(
     x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta, *, use_triton: bool | None = None
 ) -> torch.Tensor:
-    """``lora_delta(x, out, stack.as_slices(), meta)`` in two launches for all the stack's slices
-    (one shrink, one expand), in place on ``out``; returns ``out``. The adapted linear of a fused
+    """``lora_delta(x, out, stack.as_slices(), meta)`` for all the stack's slices at once (decode: one
+    launch fused, two split; prefill: two), in place on ``out``; returns ``out``. The adapted linear of a fused
     module (qkv, gate_up) computes ``out = base(x)`` then ``lora_delta_stacked(x, out, stack, meta)``.
     """
     _check_stacked(x, out, stack, meta)
@@ -194,16 +227,20 @@ def _check_stacked(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: L
 
 
 def _lora_delta_stacked_triton(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta) -> None:
-    """All slices on the Triton path, two launches. Decode: MBGMV shrink over (T, SPLIT, n_slices)
-    into float32 partials, MBGMV expand over (T, column tiles, n_slices); prefill: SGMV shrink into
-    v [n_slices, T, r_max], SGMV expand. Each program computes what the per-slice path's does."""
+    """All slices on the Triton path. Decode, fused: one launch (fused.py); split: MBGMV shrink over
+    (T, SPLIT, n_slices) into float32 partials, MBGMV expand over (T, column tiles, n_slices);
+    prefill: SGMV shrink into v [n_slices, T, r_max], SGMV expand. Each program computes what the
+    per-slice path's does."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     t = x.shape[0]
     if t == 0:
         return
     if meta.decode:  # launched whatever the rows' adapters: the grid depends on shapes only
-        mbgmv_expand(mbgmv_shrink_partials(x, stack, meta), stack, meta, out)
+        if _decode_path == "fused":
+            fused_decode(x, stack, meta, out)
+        else:
+            mbgmv_expand(mbgmv_shrink_partials(x, stack, meta), stack, meta, out)
         return
     if meta.max_adapter < 0:
         return
