@@ -4,13 +4,16 @@ adapter loads host -> GPU pool.
 1. Decode step, Llama-2-7B shape, fp16, batch 64, KV length 512, rank 16 on all seven projections:
    base only vs every row on 1 adapter vs 64 distinct adapters (Punica's "distinct"), each replayed
    from CUDA graphs and run eagerly. Target: 64 distinct <= 1.10x the base-only step.
+   Each decode path of the LoRA kernels (``--paths``: ``fused``, one launch per module, and ``split``,
+   MBGMV shrink then expand) gets its own executors in the same process, so their ratios to the base
+   step come from one run (``rows_by_path``; ``rows_graphs`` / ``rows_eager`` are the first path's).
 2. Adapter load time from host memory into pool pages (``to_gpu`` after the host copy is ready) for
    ranks 8..128 on all seven projections, and the disk -> host read for reference.
 
 Adapters are PEFT directories of random weights (bench/common.py) placed through the same
 ``VariantOp``s the router sends.
 
-    python3 -m bench.lora_decode_step [--batch 64] [--adapters 64] [--rank 16] [--out DIR]
+    python3 -m bench.lora_decode_step [--batch 64] [--adapters 64] [--rank 16] [--paths fused,split] [--out DIR]
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from bench.common import (  # noqa: E402
 from bench.decode_step import bench_batch  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.adapters.lora import projection_features  # noqa: E402
+from deltaserve.kernels import lora as lora_kernels  # noqa: E402
 from deltaserve.model.arch import ModelConfig  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
@@ -135,12 +139,18 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--load-ranks", default="8,16,32,64,128")
     p.add_argument("--max-lora-rank", type=int, default=128)
+    p.add_argument("--paths", default="fused,split", help="LoRA decode paths to time, the first one also loads")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    paths = args.paths.split(",")
+    for path in paths:
+        if path not in lora_kernels.DECODE_PATHS:
+            p.error(f"--paths: {path!r} is not one of {', '.join(lora_kernels.DECODE_PATHS)}")
     device = torch.device("cuda:0")
     bw = copy_bandwidth(device)
     cfg = SHAPES[args.shape]
-    results = {}
+    results: dict = {}
+    by_path: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = write_random_model_dir(args.shape, tmp / args.shape)
@@ -154,7 +164,9 @@ def main() -> None:
             )
             for aid in range(1, args.adapters + 1)
         }
-        for mode, graph_batch in (("graphs", args.batch), ("eager", 0)):
+        runs = [(path, mode, b) for path in paths for mode, b in (("graphs", args.batch), ("eager", 0))]
+        for path, mode, graph_batch in runs:
+            lora_kernels.set_decode_path(path)  # graphs are captured with it, in the Executor
             ex = Executor(
                 model_dir,
                 device="cuda:0",
@@ -170,7 +182,7 @@ def main() -> None:
             first_page = place(ex, dirs, 0)
             times = decode_rows(ex, args, args.adapters, first_page)
             base = times["base"][0]
-            results[mode] = [
+            rows = by_path.setdefault(path, {})[mode] = [
                 {
                     "case": k,
                     "step_ms": v * 1e3,
@@ -180,14 +192,16 @@ def main() -> None:
                 }
                 for k, (v, f) in times.items()
             ]
-            for row in results[mode]:
+            if path == paths[0]:
+                results[mode] = rows
+            for row in rows:
                 print(
-                    f"{mode:6s} batch {args.batch} {row['case']:12s}: {row['step_ms']:7.2f} ms "
+                    f"{path:5s} {mode:6s} batch {args.batch} {row['case']:12s}: {row['step_ms']:7.2f} ms "
                     f"({row['ratio_to_base']:.3f}x base, {row['ratio_to_step_floor']:.2f}x its floor "
                     f"{row['step_floor_ms']:.2f} ms)",
                     flush=True,
                 )
-            if mode == "graphs":
+            if mode == "graphs" and path == paths[0]:
                 results["load"] = load_times(
                     ex, cfg, tmp, [int(r) for r in args.load_ranks.split(",")], first_page + 64
                 )
@@ -207,6 +221,8 @@ def main() -> None:
             "max_lora_rank": args.max_lora_rank,
             "copy_bandwidth_GBps": bw / 1e9,
             "timed_steps": args.steps,
+            "decode_paths": paths,
+            "rows_by_path": by_path,
             "rows_graphs": results["graphs"],
             "rows_eager": results["eager"],
             "load_rows": results["load"],
