@@ -46,7 +46,9 @@ then use scalar loads, as for a pool whose row offsets may be odd).
 entry's IN width, every slice with its own adapters (same ranks and popularity), all rows in ONE
 flat pool with stacked tables (``LoraStack``). Implementations:
 
-    stacked     ``lora_delta_stacked(..., use_triton=True)``: 2 launches for the module
+    stacked     ``lora_delta_stacked(..., use_triton=True)``: the default decode path (fused: 1 launch
+                for the module, ``kernels/lora/fused.py``; prefill: 2)
+    split       decode only: the same on the split decode path (MBGMV shrink + expand, 2 launches)
     per_slice   ``lora_delta(x, out, stack.as_slices(), ...)``: 2 launches per slice, same tables
     reference   ``lora_delta_stacked(..., use_triton=False)`` (per-slice torch references)
 
@@ -90,6 +92,7 @@ from deltaserve.kernels.lora import (  # noqa: E402
     lora_expand_triton,
     lora_shrink_triton,
     make_weights,
+    set_decode_path,
 )
 
 POPULARITY = ("identical", "distinct", "uniform", "skewed")
@@ -265,6 +268,14 @@ class StackPoint:
     def stacked_fn(self) -> torch.Tensor:
         return lora_delta_stacked(self.x, self.out, self.stack, self.meta, use_triton=True)
 
+    def split_fn(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The stack on the split decode path (into ``out``, default the point's output)."""
+        previous = set_decode_path("split")
+        try:
+            return lora_delta_stacked(self.x, self.out if out is None else out, self.stack, self.meta, use_triton=True)
+        finally:
+            set_decode_path(previous)
+
     def per_slice_fn(self) -> torch.Tensor:
         return lora_delta(self.x, self.out, self.slices, self.meta, use_triton=True)
 
@@ -277,6 +288,8 @@ class StackPoint:
         want = lora_delta_stacked(self.x, self.out.clone(), self.stack, self.meta, use_triton=False)
         torch.testing.assert_close(got, per_slice, rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+        if self.meta.decode:
+            torch.testing.assert_close(got, self.split_fn(self.out.clone()), rtol=2e-3, atol=2e-3)
 
 
 def parse_dims(text: str) -> list[tuple[int, int]]:
@@ -306,8 +319,12 @@ def run_stacked(
         ("stacked", pt.stacked_fn, False),
         ("per_slice", pt.per_slice_fn, False),
     ]
+    if mode == "decode":
+        impls.append(("split", pt.split_fn, False))
     if args.cudagraph:
         impls += [("stacked_graph", pt.stacked_fn, True), ("per_slice_graph", pt.per_slice_fn, True)]
+        if mode == "decode":
+            impls.append(("split_graph", pt.split_fn, True))
     if not args.no_reference:
         impls.append(("reference", pt.ref_fn, False))
     st = pt.stack
