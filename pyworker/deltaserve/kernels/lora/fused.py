@@ -79,6 +79,14 @@ def _expand(v, b_ptr, off, r_ok, ns, n_ok, ty: tl.constexpr, UPCAST: tl.constexp
 
 
 @triton.jit
+def _add_tile(o_rows, ns, mask, scale, acc, ty: tl.constexpr, RNE: tl.constexpr):
+    """``out[rows, ns] = round(out + scale * acc)`` where ``mask``."""
+    o_ptrs = o_rows + ns[None, :]
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, round_to(o + scale * acc, ty, RNE).to(ty), mask=mask)
+
+
+@triton.jit
 def _fused_decode_kernel(
     x_ptr,
     a_ptr,
@@ -157,11 +165,17 @@ def _fused_decode_kernel(
         off = _offsets(a_row, rs, r_ok, ALIGN_A)
         vt = round_to(_shrink(x_rows, mine, a_ptr, off, r_ok, K, BLOCK_M, BLOCK_R, BLOCK_K, UPCAST, DOT_PREC), ty, RNE)
         tl.store(v_rows + rs[None, :], vt, mask=mine[:, None] & r_ok[None, :])
-    if rank > BLOCK_R:
+    o_rows = out_ptr + col0 + ts[:, None] * out_stride
+    n_end = tl.minimum(n_start + SUB_TILES * BLOCK_N, width)
+    if rank <= BLOCK_R:  # one rank tile (the common case): a flat loop the compiler can pipeline
+        for n0 in range(n_start, n_end, BLOCK_N):
+            ns = n0 + tl.arange(0, BLOCK_N)
+            n_ok = ns < width
+            acc = _expand(v0, b_ptr, b_off0, r0_ok, ns, n_ok, ty, UPCAST, DOT_PREC)
+            _add_tile(o_rows, ns, mine[:, None] & n_ok[None, :], scale, acc, ty, RNE)
+    else:
         tl.debug_barrier()  # the scratch rows written above are read back by other threads of the program
-    for j in tl.static_range(SUB_TILES):
-        n0 = n_start + j * BLOCK_N
-        if n0 < width:
+        for n0 in range(n_start, n_end, BLOCK_N):
             ns = n0 + tl.arange(0, BLOCK_N)
             n_ok = ns < width
             acc = _expand(v0, b_ptr, b_off0, r0_ok, ns, n_ok, ty, UPCAST, DOT_PREC)
@@ -170,10 +184,7 @@ def _fused_decode_kernel(
                 r_ok = rs < rank
                 vt = tl.load(v_rows + rs[None, :], mask=mine[:, None] & r_ok[None, :], other=0.0)
                 acc += _expand(vt, b_ptr, _offsets(b_row, rs, r_ok, ALIGN_B), r_ok, ns, n_ok, ty, UPCAST, DOT_PREC)
-            o_ptrs = out_ptr + col0 + ts[:, None] * out_stride + ns[None, :]
-            mask = mine[:, None] & n_ok[None, :]
-            o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(o_ptrs, round_to(o + scale * acc, ty, RNE).to(ty), mask=mask)
+            _add_tile(o_rows, ns, mine[:, None] & n_ok[None, :], scale, acc, ty, RNE)
 
 
 def fused_decode_grid(t: int, w: LoraWeights | LoraStack) -> tuple[int, int, int]:
