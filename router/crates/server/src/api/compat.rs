@@ -86,16 +86,14 @@ mod tests {
 
     use crate::api::fake::FakeBackend;
     use crate::api::router_with;
-    use crate::api::test_http::send;
+    use crate::api::test_http::post_json;
     use crate::engine::FinishReason;
 
     #[tokio::test]
     async fn loads_lists_and_unloads_like_vllm() {
         let fake = FakeBackend::new(FakeBackend::tokens(&["x"], FinishReason::Stop));
         let app = router_with(fake.clone());
-        let post = |path: &'static str, body: &'static str| {
-            send(app.clone(), "POST", path, Some("application/json"), body)
-        };
+        let post = |path: &'static str, body: &'static str| post_json(app.clone(), path, body);
         let (status, _, body) = post(
             "/v1/load_lora_adapter",
             r#"{"lora_name": "sql", "lora_path": "/srv/sql"}"#,

@@ -324,7 +324,7 @@ mod tests {
 
     use crate::api::fake::FakeBackend;
     use crate::api::router_with;
-    use crate::api::test_http::send;
+    use crate::api::test_http::post_json;
     use crate::engine::FinishReason;
 
     fn fake() -> FakeBackend {
@@ -333,14 +333,7 @@ mod tests {
 
     async fn post(fake: &FakeBackend, path: &str, body: Value) -> (u16, String) {
         let app = router_with(fake.clone());
-        let (status, _, text) = send(
-            app,
-            "POST",
-            path,
-            Some("application/json"),
-            body.to_string(),
-        )
-        .await;
+        let (status, _, text) = post_json(app, path, body.to_string()).await;
         (status.as_u16(), text)
     }
 

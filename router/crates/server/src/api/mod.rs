@@ -696,16 +696,9 @@ pub(crate) mod test_http {
     pub async fn post_json(
         router: axum::Router,
         path: &str,
-        body: &str,
+        body: impl Into<String>,
     ) -> (StatusCode, axum::http::HeaderMap, String) {
-        send(
-            router,
-            "POST",
-            path,
-            Some("application/json"),
-            body.to_string(),
-        )
-        .await
+        send(router, "POST", path, Some("application/json"), body.into()).await
     }
 
     /// Parses `body` as OpenAI's error JSON; returns (type, param, message).

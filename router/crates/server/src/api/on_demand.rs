@@ -68,7 +68,7 @@ mod tests {
 
     use crate::api::fake::FakeBackend;
     use crate::api::router_with;
-    use crate::api::test_http::send;
+    use crate::api::test_http::post_json;
     use crate::engine::{FinishReason, ServedModel};
     use crate::registry::VariantRegistry;
     use crate::variant_sources::VariantSources;
@@ -89,14 +89,7 @@ mod tests {
 
     async fn complete(fake: &FakeBackend, model: &str) -> (u16, Value) {
         let body = json!({"model": model, "prompt": "hi", "max_tokens": 1}).to_string();
-        let (status, _, text) = send(
-            router_with(fake.clone()),
-            "POST",
-            "/v1/completions",
-            Some("application/json"),
-            body,
-        )
-        .await;
+        let (status, _, text) = post_json(router_with(fake.clone()), "/v1/completions", body).await;
         (status.as_u16(), serde_json::from_str(&text).unwrap())
     }
 

@@ -177,7 +177,7 @@ mod tests {
 
     use crate::api::fake::FakeBackend;
     use crate::api::router_with;
-    use crate::api::test_http::send;
+    use crate::api::test_http::post_json;
     use crate::engine::FinishReason;
 
     async fn post(path: &str, body: Value) -> (u16, Value) {
@@ -185,14 +185,7 @@ mod tests {
             &[],
             FinishReason::Stop,
         )));
-        let (status, _, text) = send(
-            app,
-            "POST",
-            path,
-            Some("application/json"),
-            body.to_string(),
-        )
-        .await;
+        let (status, _, text) = post_json(app, path, body.to_string()).await;
         (status.as_u16(), serde_json::from_str(&text).unwrap())
     }
 

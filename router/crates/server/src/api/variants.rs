@@ -183,7 +183,7 @@ mod tests {
 
     use crate::api::fake::FakeBackend;
     use crate::api::router_with;
-    use crate::api::test_http::send;
+    use crate::api::test_http::{post_json, send};
     use crate::engine::FinishReason;
 
     fn app() -> (FakeBackend, axum::Router) {
@@ -200,14 +200,7 @@ mod tests {
         app: &axum::Router,
         body: &'static str,
     ) -> (axum::http::StatusCode, axum::http::HeaderMap, String) {
-        send(
-            app.clone(),
-            "POST",
-            "/v1/adapters",
-            Some("application/json"),
-            body,
-        )
-        .await
+        post_json(app.clone(), "/v1/adapters", body).await
     }
 
     /// Posts `req` and asserts the refusal: HTTP `status`, a message containing `text`, and the
@@ -259,11 +252,9 @@ mod tests {
         assert_eq!(ids, [json!("tiny"), json!("tiny:sql")]);
 
         let complete_sql = || {
-            send(
+            post_json(
                 app.clone(),
-                "POST",
                 "/v1/completions",
-                Some("application/json"),
                 r#"{"model": "tiny:sql", "prompt": "hi", "max_tokens": 1}"#,
             )
         };
@@ -401,11 +392,9 @@ mod tests {
                 (json!("tiny:sql"), json!("lora")),
             ]
         );
-        let (status, _, body) = send(
+        let (status, _, body) = post_json(
             app.clone(),
-            "POST",
             "/v1/completions",
-            Some("application/json"),
             r#"{"model": "ft", "prompt": "hi", "max_tokens": 1}"#,
         )
         .await;
