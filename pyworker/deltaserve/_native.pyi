@@ -18,6 +18,7 @@ __all__ = [
     "DEFAULT_CAPACITY",
     "EmbeddedServer",
     "RouterLink",
+    "PLACEMENTS",
     "SIM_FEATURES",
     "SchedError",
     "Scheduler",
@@ -292,6 +293,9 @@ class Scheduler:
 #: Feature names of the simulator's step-latency model, in coefficient order (``deltaserve.sim``).
 SIM_FEATURES: Final[list[str]]
 
+#: The daemon's ``--placement`` policies, the names ``simulate`` takes (``caraserve`` first).
+PLACEMENTS: Final[list[str]]
+
 @final
 class SchedulerConfig:
     """The scheduler's limits (``deltaserve_sched::SchedulerConfig``): constructed with the pool
@@ -343,6 +347,9 @@ def simulate(
     max_queued_per_worker: int | None = None,
     step_times: Sequence[float] | None = None,
     record_steps: bool = False,
+    placement: str = "least-loaded",
+    latency_profile: str | None = None,
+    tpot_slo_s: float | None = None,
 ) -> dict[str, Any]:
     """Replays ``requests`` (``(arrival_s, prompt_len, output_len, variant)``, variant 0 = the
     base model, ``i`` = ``variants[i - 1]``) through ``workers`` copies of the real scheduler on a
@@ -350,6 +357,9 @@ def simulate(
     num_blocks, host_bytes, rank)`` with kind ``"lora"`` or ``"delta"``; ``latency`` is
     ``(decode coefficients, prefill coefficients, disk_to_host_bps, host_to_gpu_bps)``, the
     coefficients in ``SIM_FEATURES`` order, the bandwidths ``(lora, delta)`` pairs in bytes/s.
+    Each arrival goes where the router's ``placement`` policy (``PLACEMENTS``, the daemon's
+    ``--placement``) puts it, priced with ``latency_profile`` (the JSON text ``--latency-profile``
+    reads; None: the daemon's default) and ``tpot_slo_s`` (``--tpot-slo-ms``).
 
     Returns ``first_token_s``, ``finish_s`` (NaN where never), ``output_tokens``, ``worker_of``
     (-1: refused by ``max_queued_per_worker``), ``busy_s`` per worker, ``counters`` (scheduler

@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from deltaserve import _native
 from deltaserve.sim import plan as planning
 from deltaserve.sim.latency import LatencyModel
 from deltaserve.sim.models import DEFAULT_MODEL, MODELS_DIR, bundled_model, bundled_models, fit_default
@@ -57,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-deltas", type=int)
     r.add_argument("--max-num-batched-tokens", type=int)
     r.add_argument("--rate", type=float, help="scale arrivals to this mean rate (req/s)")
-    r.add_argument("--slo-tpot-ms", type=float)
+    r.add_argument(
+        "--slo-tpot-ms", type=float, help="TPOT SLO: attainment, and the daemon's --tpot-slo-ms for placement"
+    )
+    r.add_argument("--placement", choices=_native.PLACEMENTS, default="least-loaded",
+                   help="the daemon's --placement policy across --workers (default least-loaded)")  # fmt: skip
     r.add_argument("--noise", type=float, default=0.0, help="log-normal step-time noise (sigma of the log)")
     r.add_argument("--no-overlap-steps", action="store_true", help="as the daemon's --overlap-steps false")
     r.add_argument("--out", type=Path, help="write the summary JSON here")
@@ -111,7 +116,7 @@ def _run(a: argparse.Namespace) -> int:
                             max_num_batched_tokens=a.max_num_batched_tokens)  # fmt: skip
         res = replay(trace, cfg, model, a.seed, workers=a.workers, slo_ttft_s=slo,
                      slo_tpot_s=None if a.slo_tpot_ms is None else a.slo_tpot_ms / 1e3, noise=a.noise,
-                     overlap_steps=not a.no_overlap_steps)  # fmt: skip
+                     overlap_steps=not a.no_overlap_steps, placement=a.placement)  # fmt: skip
         summary = res.summary()
         text = json.dumps(summary, indent=1)
         if a.out is not None:

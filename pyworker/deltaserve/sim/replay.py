@@ -8,6 +8,11 @@ serving benchmark's replay client (``bench/replay.py``'s ``summarize``):
     SLO attainment  share of all requests (refused ones miss) with ttft <= slo_ttft_s, with
               tpot <= slo_tpot_s (one-token requests meet it; None: every completed one), both
 
+Arrivals are placed across the workers by the router's own ``--placement`` policy
+(``placement``: one of ``_native.PLACEMENTS``; default ``least-loaded``, the simulator's rule
+before placement existed), priced with the run's latency model (its JSON, as the daemon's
+``--latency-profile`` reads it) and ``slo_tpot_s`` as the daemon's ``--tpot-slo-ms``.
+
 ``daemon_config()`` builds the scheduler config the daemon would give one worker of the modelled
 GPU: the pool from the latency model's memory, the delta slots' bytes taken out of it, host copy
 reports on (as ``router/crates/server/src/engine/plan.rs``); every other limit is the
@@ -16,6 +21,7 @@ scheduler's own default (``_native.SchedulerConfig``) unless given.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -190,6 +196,7 @@ def replay(
     max_queued_per_worker: int | None = None,
     step_times: list[float] | None = None,
     record_steps: bool = False,
+    placement: str = "least-loaded",
 ) -> SimResult:
     """Replays ``trace`` (:func:`deltaserve.sim.trace.load_trace`'s sources) through ``workers``
     copies of the daemon's scheduler with ``config`` (default: :func:`daemon_config` of the
@@ -197,7 +204,8 @@ def replay(
     :func:`deltaserve.sim.default_model`). ``noise`` (the standard deviation of the log of a
     mean-1 step-time factor) draws from ``seed``; the same arguments give the same result.
     ``step_times`` replaces the model's device time of each step in launch order (one worker).
-    Bad input raises ``ValueError`` naming it."""
+    ``placement`` picks each arrival's worker (module docstring). Bad input raises ``ValueError``
+    naming it."""
     from deltaserve.sim.models import default_model
 
     sim_trace = load_trace(trace)
@@ -209,6 +217,7 @@ def replay(
         cfg, requests, variant_footprints(sim_trace, model, cfg.block_size), model.native(), workers=workers,
         overlap_steps=overlap_steps, router_gap_s=router_gap_s, noise=noise, seed=seed,
         max_queued_per_worker=max_queued_per_worker, step_times=step_times, record_steps=record_steps,
+        placement=placement, latency_profile=json.dumps(model.to_dict()), tpot_slo_s=slo_tpot_s,
     )  # fmt: skip
     return SimResult(
         trace=sim_trace,
@@ -219,7 +228,7 @@ def replay(
         busy_s=list(out["busy_s"]),
         counters=dict(out["counters"]),
         peaks=dict(out["peaks"]),
-        config={**cfg.as_dict(), "workers": workers, "overlap_steps": overlap_steps},
+        config={**cfg.as_dict(), "workers": workers, "overlap_steps": overlap_steps, "placement": placement},
         slo_ttft_s=slo_ttft_s,
         slo_tpot_s=slo_tpot_s,
         steps=list(out["steps"]),

@@ -19,10 +19,11 @@
 //! - `Scheduler(block_size, num_blocks, max_model_len, ...)` and its `SchedError`: the router's
 //!   scheduler, plans out and worker outputs in as wire frames (`scheduler.rs`, translating
 //!   through the scheduler crate's `wire` module, the router's own translation).
-//! - `SchedulerConfig(block_size, num_blocks, max_model_len)`, `simulate(...)` and
-//!   `SIM_FEATURES`: the scheduler's config struct and the capacity-planning simulator, the real
-//!   scheduler on a virtual clock (`sim.rs`; the loop in `sim_loop.rs`, step prices in
-//!   `sim_latency.rs`), behind `deltaserve.sim`.
+//! - `SchedulerConfig(block_size, num_blocks, max_model_len)`, `simulate(...)`, `SIM_FEATURES`
+//!   and `PLACEMENTS`: the scheduler's config struct and the capacity-planning simulator, the
+//!   real scheduler on a virtual clock (`sim.rs`; the loop in `sim_loop.rs`, step prices in
+//!   `sim_latency.rs`, arrivals placed by the router's `--placement` in `sim_placement.rs`),
+//!   behind `deltaserve.sim`.
 //! - `run_cli(argv, python=None)` and `EmbeddedServer(flags, python=None, http=True)`: the
 //!   `deltaserve` command line and the router in this process (`embedded.rs`, over
 //!   `deltaserve_server::{cli, embedded}`), behind the console script, `deltaserve.Server` and
@@ -42,6 +43,7 @@ mod scheduler;
 mod sim;
 mod sim_latency;
 mod sim_loop;
+mod sim_placement;
 
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -418,5 +420,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sim::PySchedulerConfig>()?;
     m.add_function(wrap_pyfunction!(sim::simulate, m)?)?;
     m.add("SIM_FEATURES", sim::SIM_FEATURES.to_vec())?;
+    m.add("PLACEMENTS", sim_placement::placement_names())?;
     Ok(())
 }

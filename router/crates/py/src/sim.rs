@@ -1,6 +1,7 @@
 //! `_native.SchedulerConfig` and `_native.simulate`: the scheduler's config struct for Python
 //! (its defaults are [`SchedulerConfig::new`]'s, not a copy) and the capacity-planning
-//! simulator's entry (`sim_loop.rs` runs it, `sim_latency.rs` prices its steps). Conversion
+//! simulator's entry (`sim_loop.rs` runs it, `sim_latency.rs` prices its steps,
+//! `sim_placement.rs` places its arrivals with the router's `--placement` policies). Conversion
 //! only: plain values in, a dict of plain values out; `deltaserve.sim` builds the public API.
 
 use deltaserve_ipc::wire;
@@ -12,7 +13,9 @@ use pyo3::types::PyDict;
 use crate::scheduler::SchedError;
 use crate::sim_latency::{LatencyModel, FEATURES};
 use crate::sim_loop::{simulate as run, SimOptions, SimRequest, SimVariant};
+use crate::sim_placement::placement_named;
 use deltaserve_sched::wire::sched_kind;
+use deltaserve_server::engine::{LatencyProfile, Placer};
 
 /// The feature names of the latency model, in coefficient order.
 pub(crate) const SIM_FEATURES: [&str; 11] = FEATURES;
@@ -198,13 +201,17 @@ fn latency_model(
 /// = `variants[i - 1]`) through `workers` copies of the real scheduler on a virtual clock.
 /// `variants` are `(kind, num_blocks, host_bytes, rank)`; `latency` is `(decode coefficients,
 /// prefill coefficients, disk_to_host_bps, host_to_gpu_bps)` with coefficients in
-/// `SIM_FEATURES` order and bandwidths as `(lora, delta)` pairs. Returns plain lists and counters (`deltaserve.sim` summarizes them).
+/// `SIM_FEATURES` order and bandwidths as `(lora, delta)` pairs. Arrivals are placed by the
+/// daemon's `--placement` policy `placement` (`PLACEMENTS`), pricing with `latency_profile` (the
+/// JSON `--latency-profile` reads, the same model's; `None`: the daemon's default) and
+/// `tpot_slo_s` (`--tpot-slo-ms`). Returns plain lists and counters (`deltaserve.sim`
+/// summarizes them).
 /// Bad input raises `ValueError` naming it; the run itself releases the GIL.
 #[pyfunction]
 #[pyo3(signature = (
     config, requests, variants, latency, *, workers = 1, overlap_steps = true,
     router_gap_s = 0.0, noise = 0.0, seed = 0, max_queued_per_worker = None, step_times = None,
-    record_steps = false,
+    record_steps = false, placement = "least-loaded", latency_profile = None, tpot_slo_s = None,
 ))]
 #[allow(clippy::too_many_arguments)] // one keyword per option
 #[allow(clippy::type_complexity)] // plain tuples are the conversion
@@ -222,8 +229,28 @@ pub(crate) fn simulate<'py>(
     max_queued_per_worker: Option<usize>,
     step_times: Option<Vec<f64>>,
     record_steps: bool,
+    placement: &str,
+    latency_profile: Option<&str>,
+    tpot_slo_s: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let cfg = Config::from(config);
+    let policy = placement_named(placement).map_err(PyValueError::new_err)?;
+    let profile = match latency_profile {
+        Some(json) => LatencyProfile::from_json(json)
+            .map_err(|e| PyValueError::new_err(format!("latency_profile: {e}")))?,
+        None => LatencyProfile::default(),
+    };
+    if let Some(slo) = tpot_slo_s.filter(|s| !(s.is_finite() && *s > 0.0)) {
+        return Err(PyValueError::new_err(format!(
+            "tpot_slo_s must be a positive number of seconds, got {slo}"
+        )));
+    }
+    let placer = Placer {
+        policy,
+        profile,
+        tpot_slo_us: tpot_slo_s.map(|s| s * 1e6),
+        max_num_seqs: cfg.max_num_seqs,
+    };
     let model = latency_model(latency.0, latency.1, latency.2, latency.3)?;
     let requests = requests
         .into_iter()
@@ -284,6 +311,7 @@ pub(crate) fn simulate<'py>(
         max_queued_per_worker,
         step_times,
         record_steps,
+        placer,
     };
     let out = py
         .detach(|| run(&cfg, &requests, &variants, &model, &opts))

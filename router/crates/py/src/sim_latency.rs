@@ -2,7 +2,8 @@
 //! ([`StepFeatures`], named by [`FEATURES`]) and the two linear models over them
 //! ([`LatencyModel`]: one for decode-only steps, one for steps that prefill), plus the transfer
 //! bandwidths of the variant tiers. Fitting lives in Python (`deltaserve.sim.latency`, numpy
-//! least squares over a profile); this side only evaluates `coef · features`.
+//! least squares over a profile); this side only evaluates `coef · features`. [`SplitMix`]
+//! draws the optional step-time noise.
 //!
 //! ```text
 //! step kind  = "prefill" if any chunk prefills (a new request, or more than 1 token) else "decode"
@@ -120,6 +121,34 @@ pub(crate) fn kind_index(kind: VariantKind) -> usize {
     match kind {
         VariantKind::Lora => 0,
         VariantKind::Delta => 1,
+    }
+}
+
+/// A seeded generator (SplitMix64) for the step-time noise: no dependency, the same numbers on
+/// every platform.
+pub(crate) struct SplitMix(pub(crate) u64);
+
+impl SplitMix {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1].
+    fn unit(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    /// A log-normal factor of mean 1 whose log has standard deviation `sigma` (1 for 0).
+    pub(crate) fn log_normal(&mut self, sigma: f64) -> f64 {
+        if sigma <= 0.0 {
+            return 1.0;
+        }
+        let z = (-2.0 * self.unit().ln()).sqrt() * (std::f64::consts::TAU * self.unit()).cos();
+        (sigma * z - sigma * sigma / 2.0).exp()
     }
 }
 

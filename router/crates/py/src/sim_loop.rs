@@ -6,8 +6,9 @@
 //! # The actor's call sequence, replayed
 //!
 //! ```text
-//! arrival of request i at t   route to the worker with the fewest live requests (the engine's
-//!                             least-loaded pick; ties: the lowest index), add_request, keep_busy
+//! arrival of request i at t   route it by the router's placement policy (`sim_placement.rs`;
+//!                             least-loaded: the fewest live requests, ties the lowest index),
+//!                             add_request, keep_busy
 //! output of step N at t       host_copies_ready(reads finished by t), update(N's tokens),
 //!                             keep_busy, then count tokens (first token: TTFT; finish)
 //! keep_busy                   no step in flight: schedule(); overlap_steps and one in flight:
@@ -35,7 +36,9 @@ use deltaserve_sched::{
     ScheduledStep, Scheduler, SchedulerConfig, SeqRequest, VariantKind, VariantOpKind, VariantSpec,
 };
 
-use crate::sim_latency::{LatencyModel, StepFeatures};
+use crate::sim_latency::{LatencyModel, SplitMix, StepFeatures};
+use crate::sim_placement::SimPlacer;
+use deltaserve_server::engine::Placer;
 
 /// One request of the trace.
 #[derive(Debug, Clone, Copy)]
@@ -83,6 +86,9 @@ pub(crate) struct SimOptions {
     pub(crate) step_times: Option<Vec<f64>>,
     /// Keep every step's composition in [`SimOutcome::steps`].
     pub(crate) record_steps: bool,
+    /// Which worker an arrival goes to: the daemon's `--placement` policy, latency profile,
+    /// TPOT SLO and batch size.
+    pub(crate) placer: Placer,
 }
 
 /// One simulated step, for comparison with the daemon's.
@@ -170,6 +176,7 @@ struct Sim<'a> {
     outputs: BinaryHeap<Due>,
     seq: u64,
     rng: SplitMix,
+    placer: SimPlacer,
     launched: usize,
     out: SimOutcome,
 }
@@ -253,6 +260,7 @@ pub(crate) fn simulate(
         outputs: BinaryHeap::new(),
         seq: 0,
         rng: SplitMix(opts.seed),
+        placer: SimPlacer::new(opts.placer.clone(), variants),
         launched: 0,
         out: SimOutcome {
             first_token_s: vec![f64::NAN; n],
@@ -297,12 +305,11 @@ impl Sim<'_> {
                 self.variants.len()
             ));
         }
-        let (w, worker) = self
-            .workers
-            .iter_mut()
-            .enumerate()
-            .min_by_key(|(_, wk)| wk.live)
-            .expect("at least one worker");
+        let loads: Vec<_> = self.workers.iter().map(|wk| (&wk.sched, wk.live)).collect();
+        let w = self
+            .placer
+            .choose(&loads, self.opts.max_queued_per_worker, &r);
+        let worker = &mut self.workers[w];
         if self
             .opts
             .max_queued_per_worker
@@ -570,32 +577,4 @@ fn features(
     f.lora_segments = loras.len() as f64;
     f.deltas = deltas.len() as f64;
     (f, entries)
-}
-
-/// A seeded generator (SplitMix64) for the step-time noise: no dependency, the same numbers on
-/// every platform.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1].
-    fn unit(&mut self) -> f64 {
-        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
-    }
-
-    /// A log-normal factor of mean 1 whose log has standard deviation `sigma` (1 for 0).
-    fn log_normal(&mut self, sigma: f64) -> f64 {
-        if sigma <= 0.0 {
-            return 1.0;
-        }
-        let z = (-2.0 * self.unit().ln()).sqrt() * (std::f64::consts::TAU * self.unit()).cos();
-        (sigma * z - sigma * sigma / 2.0).exp()
-    }
 }

@@ -458,21 +458,8 @@ impl Actor {
         if !self.load.wanted.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
-        let mut load = super::placement_load::WorkerLoad::default();
-        for &id in self.adapters.keys() {
-            let users = self.sched.adapter_users(id);
-            if users > 0 {
-                load.users.insert(id, users);
-            }
-            if let Some(r) = self.sched.adapter_residency(id) {
-                if r.gpu_blocks.is_some() || r.delta_slot.is_some() {
-                    load.gpu.insert(id);
-                }
-                if r.on_host {
-                    load.host.insert(id);
-                }
-            }
-        }
+        let load =
+            super::placement_load::WorkerLoad::of(&self.sched, self.adapters.keys().copied());
         self.load.publish(load);
     }
 

@@ -47,7 +47,7 @@ mod command;
 pub mod metrics;
 mod peft_config;
 pub mod placement;
-mod placement_load;
+pub mod placement_load;
 mod plan;
 mod streams;
 

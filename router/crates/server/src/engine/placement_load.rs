@@ -1,7 +1,8 @@
 //! Each worker's load as placement reads it: a snapshot its actor publishes after every step
 //! (live requests per variant, the variants on its GPU and in its host memory) while the handle
 //! wants it (more than one worker), the handle's own count of what it placed since, and the
-//! placement counters `/metrics` reports.
+//! placement counters `/metrics` reports. [`WorkerLoad::of`] and [`WorkerLoad::view`] are also
+//! how the simulator (`deltaserve._native.simulate`) sees its simulated workers.
 //!
 //! ```text
 //!   actor (after each step) ──publish(users, gpu, host)──▶ LoadCell ◀──view()── EngineHandle
@@ -12,6 +13,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+use deltaserve_sched::Scheduler;
 
 use super::placement::{Batch, Residency, WorkerView};
 
@@ -24,6 +27,63 @@ pub struct WorkerLoad {
     pub gpu: BTreeSet<u32>,
     /// Variants with a host copy.
     pub host: BTreeSet<u32>,
+}
+
+impl WorkerLoad {
+    /// The load of the worker scheduled by `sched` over the variants `ids`: what its actor
+    /// publishes after a step.
+    pub fn of(sched: &Scheduler, ids: impl IntoIterator<Item = u32>) -> WorkerLoad {
+        let mut load = WorkerLoad::default();
+        for id in ids {
+            let users = sched.adapter_users(id);
+            if users > 0 {
+                load.users.insert(id, users);
+            }
+            if let Some(r) = sched.adapter_residency(id) {
+                if r.gpu_blocks.is_some() || r.delta_slot.is_some() {
+                    load.gpu.insert(id);
+                }
+                if r.on_host {
+                    load.host.insert(id);
+                }
+            }
+        }
+        load
+    }
+
+    /// The worker as placement sees it for a request of `adapter_id`; `ranks` gives each
+    /// variant's rank (0 for a delta or an unknown id).
+    pub fn view(
+        &self,
+        ready: bool,
+        outstanding: usize,
+        has_room: bool,
+        adapter_id: u32,
+        ranks: &HashMap<u32, (u32, u64)>,
+    ) -> WorkerView {
+        let rank = |id: &u32| ranks.get(id).map_or(0, |r| r.0);
+        let batch = Batch {
+            requests: outstanding,
+            rank_sum: self.users.keys().map(|id| u64::from(rank(id))).sum(),
+            max_rank: self.users.keys().map(rank).max().unwrap_or(0),
+            adapters: self.users.len(),
+        };
+        let residency = if adapter_id == 0 || self.gpu.contains(&adapter_id) {
+            Residency::Gpu
+        } else if self.host.contains(&adapter_id) {
+            Residency::Host
+        } else {
+            Residency::Disk
+        };
+        WorkerView {
+            ready,
+            outstanding,
+            has_room,
+            batch,
+            adapter_in_batch: adapter_id != 0 && self.users.contains_key(&adapter_id),
+            residency,
+        }
+    }
 }
 
 /// The placement counters of one worker (rows of `metrics.rs`).
@@ -80,8 +140,7 @@ impl LoadCell {
         }
     }
 
-    /// The worker as placement sees it for a request of `adapter_id`; `ranks` gives each
-    /// variant's rank (0 for a delta or an unknown id).
+    /// The worker as placement sees it for a request of `adapter_id` ([`WorkerLoad::view`]).
     pub fn view(
         &self,
         ready: bool,
@@ -91,28 +150,7 @@ impl LoadCell {
         ranks: &HashMap<u32, (u32, u64)>,
     ) -> WorkerView {
         let load = self.load.lock().expect("load lock");
-        let rank = |id: &u32| ranks.get(id).map_or(0, |r| r.0);
-        let batch = Batch {
-            requests: outstanding,
-            rank_sum: load.users.keys().map(|id| u64::from(rank(id))).sum(),
-            max_rank: load.users.keys().map(rank).max().unwrap_or(0),
-            adapters: load.users.len(),
-        };
-        let residency = if adapter_id == 0 || load.gpu.contains(&adapter_id) {
-            Residency::Gpu
-        } else if load.host.contains(&adapter_id) {
-            Residency::Host
-        } else {
-            Residency::Disk
-        };
-        WorkerView {
-            ready,
-            outstanding,
-            has_room,
-            batch,
-            adapter_in_batch: adapter_id != 0 && load.users.contains_key(&adapter_id),
-            residency,
-        }
+        load.view(ready, outstanding, has_room, adapter_id, ranks)
     }
 }
 
