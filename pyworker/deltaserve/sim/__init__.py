@@ -3,6 +3,8 @@
 a virtual clock; each step the scheduler forms the batch exactly as the daemon's engine actor
 asks it to (``schedule`` / ``schedule_ahead``, ``update``, ``host_copies_ready``); a linear
 step-latency model prices the step; variant reads and copies take their modelled transfer times.
+With several workers each arrival is placed by the router's own ``--placement`` policy
+(``replay(placement=...)``, default least-loaded).
 
     from deltaserve import sim
     result = sim.replay("trace.jsonl", seed=0)        # bundled H200 model, daemon defaults
@@ -10,7 +12,7 @@ step-latency model prices the step; variant reads and copies take their modelled
     model = sim.LatencyModel.fit(samples)             # from a profile: a list of measured steps
     cfg = sim.daemon_config(model, max_num_seqs=128)  # one worker's scheduler config
 
-    python -m deltaserve.sim replay --trace T.jsonl [--workers 2] [--max-num-seqs 128]
+    python -m deltaserve.sim replay --trace T.jsonl [--workers 2] [--max-num-seqs 128] [--placement caraserve]
     python -m deltaserve.sim plan --trace T.jsonl --slo-ttft-ms 6000 [--gpu-kind NAME]
     python -m deltaserve.sim fit --profile steps.json --out model.json
 
