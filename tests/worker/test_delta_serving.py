@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from deltaserve import wire
-from deltaserve.adapters.variants import VariantCost
 from deltaserve.worker.config import ConfigError, validate
 from deltaserve.worker.executor import Executor, PlanError
 
