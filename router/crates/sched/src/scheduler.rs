@@ -165,6 +165,12 @@ impl Scheduler {
             .unregister(id, &mut self.blocks, &mut self.pending_ops)
     }
 
+    /// Tokens of every live (waiting or running) request, prompt and outputs so far: the KV its
+    /// decode steps attend over (the context term of a step's latency, for placement).
+    pub fn live_context_tokens(&self) -> u64 {
+        self.seqs.values().map(|s| s.tokens.len() as u64).sum()
+    }
+
     /// Live (waiting + running) requests naming adapter `id`; 0 for an unknown id.
     pub fn adapter_users(&self, id: u32) -> usize {
         self.adapters.map.get(&id).map_or(0, |a| a.users)

@@ -285,7 +285,7 @@ impl EngineHandle {
             if !a.ready.load(Ordering::Acquire) {
                 return Err(unavailable());
             }
-            a.load.placed(0, false);
+            a.load.placed(0, 0, false);
             return Ok((a, false));
         }
         let ranks = self.ranks_with(req.adapter_id);
@@ -316,7 +316,9 @@ impl EngineHandle {
             .choose(&views, &incoming, ticket)
             .ok_or_else(unavailable)?;
         let actor = &inner.actors[choice.worker];
-        actor.load.placed(req.adapter_id, choice.over_slo);
+        actor
+            .load
+            .placed(req.adapter_id, req.prompt_token_ids.len(), choice.over_slo);
         Ok((actor, choice.over_slo))
     }
 
@@ -422,13 +424,14 @@ impl EngineHandle {
         let mut receivers = Vec::with_capacity(reqs.len());
         for (i, req) in reqs.into_iter().enumerate() {
             if i > 0 {
-                // Counted as `place` counts: every request, by variant with several workers.
-                let variant = if self.inner.actors.len() > 1 {
-                    req.adapter_id
+                // Counted as `place` counts: every request, by variant and prompt with
+                // several workers.
+                let (variant, prompt) = if self.inner.actors.len() > 1 {
+                    (req.adapter_id, req.prompt_token_ids.len())
                 } else {
-                    0
+                    (0, 0)
                 };
-                actor.load.placed(variant, over_slo);
+                actor.load.placed(variant, prompt, over_slo);
             }
             receivers.push(self.queue_on(actor, req)?);
         }

@@ -13,6 +13,7 @@
 //!                                                 (0 where it is on the GPU), disk → host only r
 //!           + PENALTY  if T(batch + r) > the TPOT SLO (--tpot-slo-ms)
 //!   T(batch) = const + per_token·requests + per_rank·rank_term + per_adapter·distinct adapters
+//!            + per_context·context tokens (prompts and outputs of its requests)
 //!   rank_term = Σ rank over the batch's distinct adapters (MBGMV, no padding: deltaserve's kernels)
 //!             | requests × max rank                      (BGMV, padded to the largest rank)
 //!   ```
@@ -82,6 +83,8 @@ pub struct LatencyProfile {
     pub decode_per_rank_us: f64,
     /// Per distinct adapter of the batch (µs): a kernel segment each (large on CPU workers).
     pub decode_per_adapter_us: f64,
+    /// Per token of KV the batch attends over (µs).
+    pub decode_per_context_token_us: f64,
     /// How ranks add up ([`RankCost`]).
     pub rank_cost: RankCost,
     /// Prefill time per prompt token (µs).
@@ -96,13 +99,15 @@ pub struct LatencyProfile {
 
 impl Default for LatencyProfile {
     /// The bundled Llama-2-7B model measured on an H200 (`sim/models/llama-2-7b-H200.json`),
-    /// rounded: a 4.6 ms step, 0.2 µs per unit of Σ rank, 43 µs per LoRA request.
+    /// rounded: a 4.6 ms step, 0.2 µs per unit of Σ rank, 43 µs per LoRA request, 0.14 µs per
+    /// token of context.
     fn default() -> Self {
         Self {
             decode_const_us: 4622.0,
             decode_per_request_us: 43.4,
             decode_per_rank_us: 0.21,
             decode_per_adapter_us: 0.007,
+            decode_per_context_token_us: 0.138,
             rank_cost: RankCost::SumOfRanks,
             prefill_per_token_us: 10.8,
             host_to_gpu_bytes_per_us: 19_878.0,
@@ -136,8 +141,9 @@ impl LatencyProfile {
     }
 
     /// Parses the simulator's latency model JSON: a decode step costs `const + (seqs + tokens +
-    /// lora_tokens)·requests + lora_rank_sum·Σ rank`, a prefill `prefill_tokens + tokens` per
-    /// token; bandwidths are the `lora` ones.
+    /// lora_tokens)·requests + lora_rank_sum·Σ rank + lora_segments·adapters +
+    /// context_tokens·context`, a prefill `prefill_tokens + tokens` per token; bandwidths are the
+    /// `lora` ones.
     pub fn from_json(text: &str) -> Result<Self, String> {
         let m: SimModelJson =
             serde_json::from_str(text).map_err(|e| format!("not a latency profile: {e}"))?;
@@ -166,6 +172,7 @@ impl LatencyProfile {
             decode_per_request_us: get(d, "seqs")? + get(d, "tokens")? + get(d, "lora_tokens")?,
             decode_per_rank_us: get(d, "lora_rank_sum")?,
             decode_per_adapter_us: get(d, "lora_segments")?,
+            decode_per_context_token_us: get(d, "context_tokens")?,
             rank_cost: m.rank_cost.unwrap_or(RankCost::SumOfRanks),
             prefill_per_token_us: get(&m.prefill, "prefill_tokens")? + get(&m.prefill, "tokens")?,
             host_to_gpu_bytes_per_us: bw(&m.host_to_gpu_bps, defaults.host_to_gpu_bytes_per_us)?,
@@ -184,6 +191,7 @@ impl LatencyProfile {
             + self.decode_per_request_us * batch.requests as f64
             + self.decode_per_rank_us * rank_term
             + self.decode_per_adapter_us * batch.adapters as f64
+            + self.decode_per_context_token_us * batch.context_tokens as f64
     }
 }
 
@@ -209,16 +217,20 @@ pub struct Batch {
     pub max_rank: u32,
     /// Its distinct adapters.
     pub adapters: usize,
+    /// Tokens of KV its requests attend over (prompts and outputs so far).
+    pub context_tokens: u64,
 }
 
 impl Batch {
-    /// The batch with one more request of an adapter of `rank`; `new_adapter`: not in it yet.
-    pub fn with(self, rank: u32, new_adapter: bool) -> Batch {
+    /// The batch with one more request of an adapter of `rank` and a prompt of
+    /// `prompt_tokens`; `new_adapter`: not in it yet.
+    pub fn with(self, rank: u32, new_adapter: bool, prompt_tokens: u32) -> Batch {
         Batch {
             requests: self.requests + 1,
             rank_sum: self.rank_sum + if new_adapter { u64::from(rank) } else { 0 },
             max_rank: self.max_rank.max(rank),
             adapters: self.adapters + usize::from(new_adapter),
+            context_tokens: self.context_tokens + u64::from(prompt_tokens),
         }
     }
 }
@@ -331,7 +343,8 @@ impl Placer {
     /// The decode step of `w`'s batch with `req` (µs).
     pub fn step_with(&self, w: &WorkerView, req: &Incoming) -> f64 {
         let new_adapter = req.rank > 0 && !w.adapter_in_batch;
-        self.profile.decode_us(&w.batch.with(req.rank, new_adapter))
+        self.profile
+            .decode_us(&w.batch.with(req.rank, new_adapter, req.prompt_tokens))
     }
 
     fn over_slo(&self, w: &WorkerView, req: &Incoming) -> bool {
@@ -384,6 +397,7 @@ mod tests {
                 rank_sum: n as u64 * u64::from(rank),
                 max_rank: rank,
                 adapters: n,
+                context_tokens: 0,
             },
             adapter_in_batch: false,
             residency: Residency::Gpu,
@@ -405,6 +419,7 @@ mod tests {
             decode_per_request_us: 0.0,
             decode_per_rank_us: per_rank_ms * 1e3,
             decode_per_adapter_us: 0.0,
+            decode_per_context_token_us: 0.0,
             rank_cost,
             ..LatencyProfile::default()
         }
@@ -553,9 +568,27 @@ mod tests {
     }
 
     #[test]
+    fn long_contexts_make_a_worker_slower_and_can_break_the_slo() {
+        // The H200 model: 0.14 us per token of context. 16 requests of 4,000 tokens add ~9 ms to
+        // a ~5.4 ms step: a 12 ms SLO holds on the short-context worker only.
+        let mut long = serving(16, 16);
+        long.batch.context_tokens = 64_000;
+        let short = serving(16, 16);
+        let req = Incoming {
+            rank: 16,
+            prompt_tokens: 100,
+            adapter_bytes: 0,
+        };
+        let p = placer(Placement::FirstFit, LatencyProfile::default(), Some(12.0));
+        assert!(p.step_with(&long, &req) > p.step_with(&short, &req) + 8_000.0);
+        let choice = p.choose(&[long, short], &req, 0).unwrap();
+        assert_eq!((choice.worker, choice.over_slo), (1, false));
+    }
+
+    #[test]
     fn profiles_load_from_the_simulators_json() {
         let json = r#"{"decode": {"const": 0.004, "seqs": 1e-5, "tokens": 0, "lora_tokens": 2e-5,
-            "lora_rank_sum": 2e-7, "lora_segments": 5e-6}, "prefill": {"tokens": 1e-5, "prefill_tokens": 1e-6},
+            "lora_rank_sum": 2e-7, "lora_segments": 5e-6, "context_tokens": 1.5e-7}, "prefill": {"tokens": 1e-5, "prefill_tokens": 1e-6},
             "host_to_gpu_bps": {"lora": 2e10, "delta": 2e10}, "device": "NVIDIA H100 80GB HBM3",
             "r2": {"decode": 0.99}}"#;
         let p = LatencyProfile::from_json(json).unwrap();
@@ -572,6 +605,7 @@ mod tests {
                 && p.device.starts_with("NVIDIA H100")
         );
         assert!((p.decode_per_adapter_us - 5.0).abs() < 1e-9);
+        assert!((p.decode_per_context_token_us - 0.15).abs() < 1e-9);
         assert_eq!(p.rank_cost, RankCost::SumOfRanks);
         let bgmv = json.replacen(
             "{\"decode\"",

@@ -27,13 +27,18 @@ pub struct WorkerLoad {
     pub gpu: BTreeSet<u32>,
     /// Variants with a host copy.
     pub host: BTreeSet<u32>,
+    /// Tokens of the live requests (prompts and outputs): the KV their steps attend over.
+    pub context_tokens: u64,
 }
 
 impl WorkerLoad {
     /// The load of the worker scheduled by `sched` over the variants `ids`: what its actor
     /// publishes after a step.
     pub fn of(sched: &Scheduler, ids: impl IntoIterator<Item = u32>) -> WorkerLoad {
-        let mut load = WorkerLoad::default();
+        let mut load = WorkerLoad {
+            context_tokens: sched.live_context_tokens(),
+            ..WorkerLoad::default()
+        };
         for id in ids {
             let users = sched.adapter_users(id);
             if users > 0 {
@@ -67,6 +72,7 @@ impl WorkerLoad {
             rank_sum: self.users.keys().map(|id| u64::from(rank(id))).sum(),
             max_rank: self.users.keys().map(rank).max().unwrap_or(0),
             adapters: self.users.len(),
+            context_tokens: self.context_tokens,
         };
         let residency = if adapter_id == 0 || self.gpu.contains(&adapter_id) {
             Residency::Gpu
@@ -115,20 +121,17 @@ impl LoadCell {
         *self.load.lock().expect("load lock") = load;
     }
 
-    /// Counts a request the handle placed here, until the actor's next snapshot includes it.
-    pub fn placed(&self, adapter_id: u32, over_slo: bool) {
+    /// Counts a request of `prompt_tokens` the handle placed here, until the actor's next
+    /// snapshot includes it.
+    pub fn placed(&self, adapter_id: u32, prompt_tokens: usize, over_slo: bool) {
         self.placed.fetch_add(1, Ordering::Relaxed);
         if over_slo {
             self.placed_over_slo.fetch_add(1, Ordering::Relaxed);
         }
+        let mut load = self.load.lock().expect("load lock");
+        load.context_tokens += prompt_tokens as u64;
         if adapter_id != 0 {
-            *self
-                .load
-                .lock()
-                .expect("load lock")
-                .users
-                .entry(adapter_id)
-                .or_default() += 1;
+            *load.users.entry(adapter_id).or_default() += 1;
         }
     }
 
@@ -166,6 +169,7 @@ mod tests {
             users: [(1, 3), (2, 1)].into(),
             gpu: [1, 2].into(),
             host: [1, 2, 3].into(),
+            context_tokens: 4000,
         });
         let v = cell.view(true, 5, true, 3, &ranks);
         assert_eq!(
@@ -174,7 +178,8 @@ mod tests {
                 requests: 5,
                 rank_sum: 72,
                 max_rank: 64,
-                adapters: 2
+                adapters: 2,
+                context_tokens: 4000,
             }
         );
         assert_eq!((v.residency, v.adapter_in_batch), (Residency::Host, false));
@@ -186,9 +191,13 @@ mod tests {
             cell.view(true, 5, true, 0, &ranks).residency,
             Residency::Gpu
         );
-        cell.placed(3, true);
+        cell.placed(3, 100, true);
         let v = cell.view(true, 6, true, 3, &ranks);
         assert!(v.adapter_in_batch && v.batch.rank_sum == 88);
+        assert_eq!(
+            v.batch.context_tokens, 4100,
+            "the placed request's prompt counts"
+        );
         assert_eq!(
             cell.readings(),
             PlacementReadings {
