@@ -25,6 +25,7 @@ from kernels.test_lora import (
     DEVICE,
     DTYPES,
     GQA,
+    NUM_SLOTS,
     POPULARITY,
     close,
     embedded_stack,
@@ -119,13 +120,14 @@ def test_bad_decode_path() -> None:
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU (make test-gpu-kernels)")
 def test_fused_graph_replay_equals_eager(decode_path) -> None:
     """Captured once over static row -> adapter buffers, replayed with other assignments: the same
-    results as eager calls (identical, then distinct, then skewed rows)."""
+    results as eager calls (identical, then distinct, then skewed rows; one row per slot, as many
+    as "distinct" can give)."""
     decode_path("fused")
-    meta0, stack, x, base = gqa_case("identical", torch.float16, 48, 128)
+    meta0, stack, x, base = gqa_case("identical", torch.float16, NUM_SLOTS, 128)
     rows = meta0.seg_adapter.clone()
     static_meta = LoraMeta(
         seg_start=meta0.seg_start, seg_adapter=rows, seg_start_host=meta0.seg_start_host,
-        seg_adapter_host=meta0.seg_adapter_host, num_tokens=48, max_adapter=stack.num_adapters - 1, decode=True,
+        seg_adapter_host=meta0.seg_adapter_host, num_tokens=NUM_SLOTS, max_adapter=stack.num_adapters - 1, decode=True,
     )  # fmt: skip
     out = base.clone()
     lora_delta_stacked(x, out, stack, static_meta)  # compile outside the capture
@@ -133,7 +135,7 @@ def test_fused_graph_replay_equals_eager(decode_path) -> None:
     with torch.cuda.graph(graph):
         lora_delta_stacked(x, out, stack, static_meta)
     for popularity in ("identical", "distinct", "skewed"):
-        meta = LoraMeta.mbgmv(request_adapters(popularity, 48, 7), DEVICE)
+        meta = LoraMeta.mbgmv(request_adapters(popularity, NUM_SLOTS, 7), DEVICE)
         rows.copy_(meta.seg_adapter)
         out.copy_(base)
         graph.replay()

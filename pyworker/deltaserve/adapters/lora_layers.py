@@ -5,8 +5,8 @@
 
     out = x @ W.T + bias                                  the base, once for all tokens
     if step.meta is not None:                             the step has adapter tokens
-        kernels.lora.lora_delta_stacked(x, out, stack, step.meta)     decode: one launch per module
-                                                                       (fused.py); prefill: two (SGMV)
+        kernels.lora.lora_delta_stacked(x, out, stack, step.meta)     decode: two launches per module
+                                                                       (MBGMV; fused.py: one); prefill: two (SGMV)
             for each output slice (q|k|v, o, gate|up, down) of the module (``linear_slots``):
                 out[t, slice] += scale[a, l, s] * (x[t] A_a^T) B_a^T      for token t of slot a
 
