@@ -86,6 +86,11 @@ def main() -> None:
     ap.add_argument("--host-bytes", type=int, default=56 << 30, help="--variant-host-bytes (512 x 100 MiB copies fit)")
     ap.add_argument("--helpers", type=int, default=8)
     ap.add_argument("--policy", default="adaptive", choices=("adaptive", "always"))
+    ap.add_argument(
+        "--from-disk",
+        action="store_true",
+        help="no warm-up: each adapter's first request reads it from disk (CaraServe's other setting)",
+    )
     ap.add_argument("--smoke", action="store_true", help="a CPU check of the script: tiny shape, 16 adapters, 4 s")
     ap.add_argument("--work-dir", type=Path)
     ap.add_argument("--out", type=Path)
@@ -115,8 +120,10 @@ def main() -> None:
     spec = ServerSpec(model, lora_dir, devices, flags, log=work / f"daemon-{a.mode}.log")
     points = []
     with deltaserve_server(spec) as endpoint:
-        warm = rp.run_replay(warmup_trace(traces[0], 64.0), endpoint.url, protocol="sse", timeout_s=600)
-        warm_failed = sum(r.error is not None for r in warm)
+        warm_failed = 0
+        if not a.from_disk:
+            warm = rp.run_replay(warmup_trace(traces[0], 64.0), endpoint.url, protocol="sse", timeout_s=600)
+            warm_failed = sum(r.error is not None for r in warm)
         for rate, trace in zip(rates, traces):
             before = server_metrics(endpoint)
             records = rp.run_replay(trace, endpoint.url, protocol="sse", timeout_s=600)
@@ -134,9 +141,9 @@ def main() -> None:
         "rank": rank, "targets": list(QKV), "alpha": a.alpha, "duration": duration, "input_range": [lo, hi],
         "output_range": [olo, ohi], "pool_bytes": None if a.mode == "cached" else pool, "host_bytes": a.host_bytes,
         "helpers": a.helpers if a.mode == "cpu" else 0, "policy": a.policy if a.mode == "cpu" else None,
-        "warmup_failed": warm_failed, "points": points,
+        "warmup_failed": warm_failed, "from_disk": a.from_disk, "points": points,
     }  # fmt: skip
-    print(write_result(f"caraserve_coldstart-{a.mode}", payload, a.out))
+    print(write_result(f"caraserve_coldstart-{a.mode}{'-disk' if a.from_disk else ''}", payload, a.out))
 
 
 if __name__ == "__main__":
