@@ -47,24 +47,18 @@ def test_a_burst_over_the_ttft_slo_gets_429s_and_the_admitted_requests_complete(
     refused = [r for r in answers if r.status_code == 429]
     admitted = [r for r in answers if r.status_code == 200]
     assert refused and admitted, statuses
-    expired = 0
     for r in refused:
         assert int(r.headers["retry-after"]) >= 1, r.headers
         error = r.json()["error"]
         assert error["type"] == "rate_limit_error" and error["code"] == "slo_exceeded", error
-        assert error["param"] == "ttft_slo_ms" and "--ttft-slo-ms" in error["message"], error
-        # Refused at arrival (its predicted TTFT), or admitted and then expired in the queue.
-        if error["message"].startswith("expired in the queue"):
-            expired += 1
-        else:
-            assert "time to first token" in error["message"], error
+        assert error["param"] == "ttft_slo_ms", error
+        assert "time to first token" in error["message"] and "--ttft-slo-ms" in error["message"], error
     for r in admitted:
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 64
 
     m = daemon.metrics()
-    assert m["deltaserve_admission_refused_ttft_total"] == len(refused) - expired
-    assert m["deltaserve_admission_expired_in_queue_total"] == expired
+    assert m["deltaserve_admission_refused_ttft_total"] == len(refused)
     assert m["deltaserve_admission_refused_queue_full_total"] == 0
     assert m["deltaserve_admission_predicted_wait_us"] == 0, "the queue drained"
     assert m["deltaserve_admission_running_cap"] == 1
@@ -90,30 +84,3 @@ def test_json_logs_have_one_structured_line_per_finished_request(daemon):
     assert fields["finish_reason"] == "length" and fields["completion_tokens"] == 3, fields
     assert fields["prompt_tokens"] == 4 and fields["variant"] and fields["tenant"], fields
     assert fields["ttft_ms"] >= 0 and fields["duration_ms"] >= fields["ttft_ms"], fields
-
-
-@pytest.fixture(scope="module")
-def fresh_daemon(tiny_llama):
-    """No step measured yet: admission admits everything, so a queued request can outwait the SLO."""
-    flags = ["--ttft-slo-ms", "100", "--max-num-seqs", "1", "--max-model-len", "512"]
-    with Daemon(tiny_llama, *flags) as d:
-        yield d
-
-
-def test_a_queued_request_that_waited_past_the_ttft_slo_is_answered_429(fresh_daemon):
-    # S-LoRA's early abort. One runs 400 tokens (one running request at a time; over 100 ms at
-    # any CPU step time above 0.25 ms); the other, admitted beside it before admission control has
-    # measured anything, waits in the queue past the 100 ms SLO and is answered at once.
-    with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda _: complete(fresh_daemon.url, 400), range(2)))
-    statuses = sorted(r.status_code for r in answers)
-    assert statuses == [200, 429], [r.text[:200] for r in answers]
-    (late,) = [r for r in answers if r.status_code == 429]
-    error = late.json()["error"]
-    assert error["code"] == "slo_exceeded" and error["param"] == "ttft_slo_ms", error
-    assert error["message"].startswith("expired in the queue") and "--ttft-slo-ms" in error["message"], error
-    assert int(late.headers["retry-after"]) >= 1
-    m = fresh_daemon.metrics()
-    assert m["deltaserve_admission_expired_in_queue_total"] == 1
-    assert m["deltaserve_admission_refused_ttft_total"] == 0
-    assert m["deltaserve_requests_waiting"] == 0 and m["deltaserve_requests_running"] == 0

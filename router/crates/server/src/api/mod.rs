@@ -441,12 +441,6 @@ impl Pieces {
                     // The worker could not compile the request's grammar: the client's error.
                     if message.starts_with(crate::validate::response_format::GRAMMAR_REFUSED) {
                         Piece::Failed(ApiError::invalid("response_format", message))
-                    } else if message.starts_with(crate::engine::SLO_EXPIRED) {
-                        Piece::Failed(ApiError::OverSlo(crate::engine::SloRefusal {
-                            bound: "ttft_slo_ms",
-                            retry_after_secs: 1,
-                            message,
-                        }))
                     } else {
                         Piece::Failed(ApiError::Internal(message))
                     }

@@ -51,7 +51,7 @@ pub mod placement_load;
 mod plan;
 mod streams;
 
-pub(crate) use actor::{Actor, SLO_EXPIRED};
+pub(crate) use actor::Actor;
 pub use admin::{check_kind, variant_kind_of_dir, VariantError};
 pub use admission::{Slo, SloRefusal};
 pub use metrics::{EngineMetrics, RequestLatency};
