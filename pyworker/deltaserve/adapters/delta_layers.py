@@ -48,6 +48,7 @@ from ..kernels.sbmm import DeltaMeta, DeltaWeights, sbmm_stacked
 from ..model.decoder import DecoderLM, RMSNorm, linear_slots
 from .delta_blocks import part_of, piece_index
 from .lora import hf_module_name
+from .variants import StepRows
 
 ConfigKey = tuple[int, bool, int]
 """(bits, 2:4 sparse, group size): one ``DeltaWeights`` pool per linear and per key."""
@@ -97,6 +98,9 @@ class DeltaStep:
         """Config -> (layer, HF proj) -> the packed pool (owned by ``DeltaPool``, filled in place)."""
         self.tables = DeltaTables()
         """The dense deltas by slot (owned by ``DeltaPool``, filled in place)."""
+        self.rows: StepRows | None = None
+        """The rows of the last ``DeltaPool.begin_step`` (kept after it: ``block_speculation`` begins
+        the step again when a delta lands mid-forward)."""
 
     @property
     def active(self) -> bool:

@@ -461,7 +461,7 @@ class DeltaPool:
         """Sets the step's delta rows from its token runs ``(variant id, n_tokens)`` in batch order and
         the variant id of each logits row (ids not in this pool count as "no delta"); returns whether
         the step has delta tokens (False: nothing was set)."""
-        logit_ids, decode = rows.logit_ids, rows.decode
+        logit_ids, decode, self.step.rows = rows.logit_ids, rows.decode, rows
         runs = [(v, n) for v, n in rows.runs if n > 0]
         if not any(v in self.slot_of for v, _ in runs):
             self.end_step()

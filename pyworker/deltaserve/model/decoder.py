@@ -36,7 +36,8 @@ so wrappers can replace any of them without this file knowing.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -58,9 +59,11 @@ __all__ = [
     "DecoderBackbone",
     "DecoderLM",
     "DecoderLayer",
+    "LayerGate",
     "LinearSlot",
     "MLP",
     "RMSNorm",
+    "Stream",
     "linear_slots",
     "rope_cos_sin_cache",
     "rope_inv_freq",
@@ -273,6 +276,19 @@ class DecoderBackbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, unit_offset=cfg.arch.gemma_norms)
 
 
+Stream = tuple[torch.Tensor, torch.Tensor | None]
+"""The residual stream between layers: ``(h, residual)`` (``residual`` None before layer 0)."""
+
+
+class LayerGate(Protocol):
+    """Called before each layer of an eager forward while set (``DecoderLM.layer_gate``), and once
+    more before the final norm (``layer == num_layers``): may wait, rerun layers through
+    ``run_layer(j, stream)`` (which rewrites layer ``j``'s KV) and return the stream to go on from
+    (``adapters/block_speculation.py``: surrogate blocks while a delta's blocks load)."""
+
+    def before(self, layer: int, stream: Stream, run_layer: Callable[[int, Stream], Stream]) -> Stream: ...
+
+
 class DecoderLM(nn.Module):
     """Generic decoder-only causal LM over a paged KV cache (module docstring)."""
 
@@ -285,6 +301,8 @@ class DecoderLM(nn.Module):
             self.tie_weights()
         # A plain attribute, not buffers: survives meta-device construction, never in checkpoints.
         self._rope: dict[tuple[torch.device, torch.dtype], RopeTables] = {}
+        self.layer_gate: LayerGate | None = None
+        """Consulted between layers by eager forwards while set (``LayerGate``); None: not at all."""
         self.register_state_dict_post_hook(_split_fused_state_dict)
         self.register_load_state_dict_pre_hook(_join_fused_state_dict)
 
@@ -362,8 +380,20 @@ class DecoderLM(nn.Module):
         rope = self.rope_tables(batch.max_seq_len, h.device, h.dtype)
         meta = attention_metadata(batch, kv.block_size, cfg.sliding_window)
         residual = None
-        for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, rope, batch, meta, kv.k[i], kv.v[i])
+        gate = self.layer_gate
+        if gate is None:
+            for i, layer in enumerate(self.model.layers):
+                h, residual = layer(h, residual, rope, batch, meta, kv.k[i], kv.v[i])
+        else:
+            layers = self.model.layers
+
+            def run_layer(j: int, stream: Stream) -> Stream:
+                return layers[j](stream[0], stream[1], rope, batch, meta, kv.k[j], kv.v[j])
+
+            stream: Stream = (h, None)
+            for i in range(len(layers)):
+                stream = run_layer(i, gate.before(i, stream, run_layer))
+            h, residual = gate.before(len(layers), stream, run_layer)
         rows = batch.logits_indices
         if residual is None:
             h = self.model.norm(h[rows])

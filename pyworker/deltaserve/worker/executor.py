@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from deltaserve import wire
+from deltaserve.adapters.block_speculation import BlockSpeculation, ColdPrefill
 from deltaserve.adapters.delta_layers import attach_deltas
 from deltaserve.adapters.delta_pool import DeltaPool
 from deltaserve.adapters.delta_slots import reserve_bytes
@@ -60,6 +61,7 @@ from .config import WorkerConfig
 from .cuda_graphs import DecodeGraphs
 from .guidance import GrammarGate
 from .memory import kv_budget
+from .mixed_graphs import MixedGraphs, max_tokens_from_env
 from .plan_check import PlanError, PlanLimits, check_plan
 from .quarantine import Quarantine
 from .requests import RequestState
@@ -118,6 +120,7 @@ class Executor:
         host_arena_bytes: int = 0,
         cpu_lora_helpers: int = 0,
         cpu_lora_policy: str = "adaptive",
+        cuda_graph_max_tokens: int | None = None,
     ) -> None:
         started = time.monotonic()
         self.model_dir = Path(model_dir)
@@ -207,6 +210,8 @@ class Executor:
             self.pools[VariantKind.LORA] = self.lora_pool
         self.delta_pool: DeltaPool | None = None
         """The delta pool; None when delta serving is off (``max_deltas`` 0)."""
+        self.speculation: BlockSpeculation | None = None
+        """Surrogate blocks for cold deltas' prefills (``adapters/block_speculation.py``); None when off."""
         if max_deltas > 0:
             self.delta_pool = DeltaPool(
                 self.model,
@@ -218,6 +223,7 @@ class Executor:
             )
             attach_deltas(self.model, self.delta_pool.step)
             self.pools[VariantKind.DELTA] = self.delta_pool
+            self.speculation = BlockSpeculation.from_env(self.delta_pool)
         limits = [self.config.max_position_embeddings, self.num_blocks * block_size]
         if max_model_len is not None:
             limits.append(max_model_len)
@@ -239,6 +245,22 @@ class Executor:
         """Structured output: compiles grammars at admission, fills the constrained rows' masks."""
         self.runner = ForwardRunner(self.model, self.kv, self.sampler, self.pools, self.graphs, block_size)
         """Queues each step's forward and sampling."""
+        # Prefill and mixed steps by token bucket, up to ``cuda_graph_max_tokens`` tokens (None: the env
+        # DELTASERVE_CUDA_GRAPH_MAX_TOKENS, default 512; 0: eager), never more than a step computes.
+        if cuda_graph_max_tokens is None:
+            cuda_graph_max_tokens = max_tokens_from_env()
+        graph_tokens = min(cuda_graph_max_tokens, max_num_batched_tokens)
+        if self.graphs is not None and graph_tokens > 0:
+            self.runner.mixed = MixedGraphs(
+                self.model,
+                self.kv,
+                graph_tokens,
+                cuda_graph_max_batch,
+                self.max_model_len,
+                scratch_slot=self.num_blocks * block_size,
+                lora=self.lora_pool,
+                pool=self.graphs.pool,
+            )
         self.runner.guidance = self.guidance
         self.cpu_assist: CpuAssist | None = None
         """CPU-assisted cold prefills (``helpers/assist.py``); None when the helpers are off."""
@@ -388,10 +410,13 @@ class Executor:
         check_plan(plan, self.requests, self.pools, self.limits)
         request_diffs.release(self.requests, plan)
         cold = assist.cold_prefills(plan) if assist is not None else {}
+        gate = self.speculation.gate_for(plan) if self.speculation is not None else None
         failed = False
         for op in plan.adapter_ops:
             if op.adapter_id in self.quarantine:
                 continue  # failed earlier in this plan: its later ops and requests are dropped
+            if gate is not None and gate.defers(op):
+                continue  # placed by the gate during the forward (block_speculation.py)
             if op.adapter_id in cold and assist is not None and assist.takes(op, cold[op.adapter_id]):
                 continue  # deferred: the helpers compute its rows this step
             try:
@@ -408,8 +433,33 @@ class Executor:
             if req_id in self.requests:
                 self.requests[req_id].grammar = grammar
         floor = scheduled_floor(self.model_costs, self.roofline, scheduled, self.pools)
-        launched = self.runner.launch(plan.step_id, scheduled, in_flight)
+        launched = self._run(plan.step_id, scheduled, in_flight, gate)
         launched.floor_us = floor.floor_us
+        return launched
+
+    def _run(
+        self, step_id: int, scheduled: list[tuple[RequestState, int]], in_flight: LaunchedStep | None,
+        gate: ColdPrefill | None,
+    ) -> LaunchedStep:  # fmt: skip
+        """The runner's launch, through ``gate`` when a cold delta's prefill speculates: an eager forward
+        (no graph), the gate placing the delta mid-forward; a read failing there quarantines the delta
+        and its requests leave the step (their rows ran on the surrogate)."""
+        if gate is None:
+            return self.runner.launch(step_id, scheduled, in_flight)
+        graphs, self.runner.graphs = self.runner.graphs, None
+        self.model.layer_gate = gate
+        try:
+            launched = self.runner.launch(step_id, scheduled, in_flight)
+        finally:
+            self.model.layer_gate, self.runner.graphs = None, graphs
+        failure = gate.close()
+        if failure is not None:
+            self._quarantine(gate.op, failure)
+            gone = {s.req_id for s, _ in launched.scheduled if s.variant_id == gate.delta_id}
+            launched.scheduled = [(s, n) for s, n in launched.scheduled if s.req_id not in gone]
+            for req_id in gone:
+                self.requests.pop(req_id, None)
+            self.quarantine.dropped.update(gone)  # until the router releases them (quarantine.py)
         return launched
 
     def finish(self, launched: LaunchedStep) -> wire.StepOutput:
