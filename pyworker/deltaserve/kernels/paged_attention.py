@@ -35,7 +35,10 @@ and keeps an online softmax in float32 (flash attention). Decode optionally spli
 over NUM_SPLITS programs (flash-decoding) and merges the partial results in a second kernel.
 
 Decode is CUDA-graph capturable: no host synchronisation, and the grid depends only on
-(num_seqs, num_kv_heads, num_splits); lengths and block tables are read on the device.
+(num_seqs, num_kv_heads, num_splits); lengths and block tables are read on the device. Prefill is
+too when given ``tiles`` ([N, 2] int32, ``prefill_tiles``): one program per (sequence, query tile)
+row, rows with sequence -1 exit at once, so a graph's grid is N x H_kv whatever the step's lengths
+(``worker/mixed_graphs.py`` sizes N for its token and sequence bounds).
 
 Under ``TRITON_INTERPRET=1`` (CPU tensors) the tiles are upcast to float32 before ``tl.dot`` (the
 interpreter's bf16 dot is wrong); on CUDA fp16/bf16 tiles go to the tensor cores as they are and
@@ -263,6 +266,26 @@ def paged_decode(
     return out
 
 
+def prefill_block_q(num_heads: int, num_kv_heads: int, interpreting: bool) -> int:
+    """Query tokens per prefill program (``paged_prefill``'s default ``block_q``): 64 rows of
+    tokens x next_pow2(H / H_kv) heads on GPUs (at least 16 rows), 16 rows when interpreted."""
+    block_g = triton.next_power_of_2(num_heads // num_kv_heads)
+    block_q = max(1, (16 if interpreting else 64) // block_g)
+    if block_q * block_g < 16 and not interpreting:
+        block_q = 16 // block_g  # tl.dot wants >= 16 rows on GPUs
+    return block_q
+
+
+def prefill_tiles(q_lens: list[int], block_q: int) -> list[int]:
+    """The (sequence, query tile) rows of a tiled prefill launch, flattened ``[b, tile, b, tile, ...]``:
+    ``ceil(q_len / block_q)`` per sequence, in order; at most ``sum(q_lens) / block_q + len(q_lens)``."""
+    tiles: list[int] = []
+    for b, n in enumerate(q_lens):
+        for k in range(-(-n // block_q)):
+            tiles += (b, k)
+    return tiles
+
+
 def paged_prefill(
     q: torch.Tensor,
     cache_k: torch.Tensor,
@@ -277,6 +300,7 @@ def paged_prefill(
     block_n: int | None = None,
     out: torch.Tensor | None = None,
     softcap: float | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged prefill / mixed batch (any q_len per sequence, causal over the paged context).
 
@@ -284,6 +308,9 @@ def paged_prefill(
     block_tables [B, max_blocks] int32; seq_lens [B] int32; query_start_loc [B + 1] int32;
     max_query_len >= every q_len (sizes the grid); out [T, H, D].
     ``block_q`` query tokens x next_pow2(H / H_kv) heads form one program's rows.
+    ``tiles``: [N, 2] int32 on q's device, (sequence, query tile) of each program (``prefill_tiles``
+    with the default ``block_q``; rows of sequence -1 exit): the grid is N x H_kv, whatever
+    ``max_query_len``; every tile of every sequence must be listed (a CUDA graph's fixed grid).
     """
     _check(q, cache_k, cache_v, block_tables, seq_lens, query_start_loc)
     consts, interp = _common(q, cache_k, scale, sliding_window, softcap)
@@ -296,7 +323,7 @@ def paged_prefill(
         return out
     block_g = triton.next_power_of_2(consts["GROUP"])
     if block_q is None:
-        block_q = max(1, (16 if interp else 64) // block_g)
+        block_q = prefill_block_q(q.shape[1], kv_heads, interp)
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError(f"paged_prefill: block_q must be a power of two, got {block_q}")
     if block_q * block_g < 16 and not interp:
@@ -304,6 +331,16 @@ def paged_prefill(
     block_n = _block_n(block_n, interp)
     extra = {} if interp else {"num_warps": 4, "num_stages": 2}
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
+    if tiles is not None:
+        if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.device != q.device:
+            raise ValueError(
+                f"paged_prefill: tiles must be [N, 2] int32 on {q.device}, got {tiles.dtype} {tuple(tiles.shape)}"
+            )
+        if not tiles.is_contiguous():
+            raise ValueError("paged_prefill: tiles must be contiguous")
+        grid = (tiles.shape[0], 1, kv_heads)
+        if tiles.shape[0] == 0:
+            return out
     paged_prefill_kernel[grid](
         out,
         q,
@@ -312,12 +349,14 @@ def paged_prefill(
         block_tables,
         seq_lens,
         query_start_loc,
+        query_start_loc if tiles is None else tiles,
         **_strides(q, out, cache_k, cache_v, block_tables),
         **consts,
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
         BLOCK_M=block_q * block_g,
         BLOCK_N=block_n,
+        TILED=tiles is not None,
         **extra,
     )
     return out
@@ -336,14 +375,16 @@ def paged_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     softcap: float | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention of one step: ``paged_decode`` when every sequence has one query token
     (``max_query_len == 1``), else ``paged_prefill``. Semantics and shapes: the module docstring.
 
     ``max_seq_len`` (optional upper bound on seq_lens) only tunes decode's split count; ``softcap``
-    caps the scores (``cap * tanh(s / cap)``, Gemma 2).
+    caps the scores (``cap * tanh(s / cap)``, Gemma 2); ``tiles`` (``paged_prefill``'s) always
+    selects the tiled prefill kernel.
     """
-    if max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
+    if tiles is None and max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
         return paged_decode(
             q,
             cache_k,
@@ -368,7 +409,15 @@ def paged_attention(
         sliding_window,
         out=out,
         softcap=softcap,
+        tiles=tiles,
     )
 
 
-__all__ = ["decode_num_splits", "paged_attention", "paged_decode", "paged_prefill"]
+__all__ = [
+    "decode_num_splits",
+    "paged_attention",
+    "paged_decode",
+    "paged_prefill",
+    "prefill_block_q",
+    "prefill_tiles",
+]

@@ -238,6 +238,7 @@ def paged_prefill_kernel(
     block_tables,
     seq_lens,
     query_start_loc,
+    tiles,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -265,10 +266,21 @@ def paged_prefill_kernel(
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    TILED: tl.constexpr,
 ):
-    """Grid (cdiv(max_query_len, BLOCK_Q), B, H_kv): BLOCK_Q tokens of sequence b x one head group."""
-    qtile = tl.program_id(0)
-    b = tl.program_id(1)
+    """Grid (cdiv(max_query_len, BLOCK_Q), B, H_kv): BLOCK_Q tokens of sequence b x one head group.
+    TILED: grid (N, 1, H_kv), program t's (b, query tile) read from ``tiles[t]`` (b < 0: none, exits),
+    so a CUDA graph's grid is fixed by its token and sequence bounds; each real tile computes exactly
+    what the untiled program of the same (b, tile) does."""
+    if TILED:
+        t = tl.program_id(0).to(tl.int64)
+        b = tl.load(tiles + 2 * t)
+        qtile = tl.load(tiles + 2 * t + 1)
+        if b < 0:
+            return
+    else:
+        qtile = tl.program_id(0)
+        b = tl.program_id(1)
     kvh = tl.program_id(2)
     q_start = tl.load(query_start_loc + b)
     q_len = tl.load(query_start_loc + b + 1) - q_start

@@ -205,6 +205,7 @@ def paged_attention(
             window,
             max_seq_len=batch.max_seq_len,
             softcap=softcap,
+            tiles=batch.attn_tiles,
         )
     return paged_attention_ref(q, cache_k, cache_v, batch, scale, meta=meta, sliding_window=window, softcap=softcap)
 

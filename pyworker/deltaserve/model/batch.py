@@ -144,6 +144,11 @@ class ForwardBatch:
     """max(seq_lens) as a Python int: width of the gathered context (no device sync needed)."""
     max_query_len: int
     """Most tokens any one sequence has this step: height of the padded query block."""
+    attn_tiles: torch.Tensor | None = None
+    """IntTensor [N, 2] or None: the (sequence, query tile) of every program of the Triton prefill
+    attention (``kernels.paged_attention.prefill_tiles``; rows of sequence -1 idle), a CUDA graph's
+    fixed grid (``worker/mixed_graphs.py``); None: the grid follows ``max_query_len``. The
+    reference attention ignores it."""
 
     @property
     def num_tokens(self) -> int:

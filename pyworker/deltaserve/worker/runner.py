@@ -12,7 +12,8 @@ CUDA graphs: each decode bucket has a plain graph (no LoRA work, for base-only s
 LoRA on, a graph captured with the adapted linears active over static metadata; decode steps with
 delta rows replay a graph of the step's delta configs (and LoRA rows, if any), captured the first
 time such a step comes, where the CUDA SBMM op runs (else they run eagerly). Prefill and mixed steps
-run eagerly (``cuda_graphs.py``).
+whose tokens fit a token bucket replay a graph of that bucket (``mixed_graphs.py``; LoRA rows
+included); beyond it, or with delta rows, prompt logprobs or CPU-assisted prefills, they run eagerly.
 
 A running request whose last sampled token is still on the device (the step before is in flight)
 computes it anyway: its input row is copied on the device from that step's sampled tensor, and so
@@ -40,6 +41,7 @@ from deltaserve.model.kv_cache import PagedKVCache
 from . import prompt_logprobs
 from .cuda_graphs import DecodeGraphs
 from .guidance import GrammarGate
+from .mixed_graphs import MixedGraphs
 from .prompt_logprobs import LaunchedPromptLogprobs
 from .requests import RequestState
 from .sampler import LaunchedSample, Sampler
@@ -98,6 +100,8 @@ class ForwardRunner:
         """CPU-assisted cold prefills, set by the executor when the helpers are on."""
         self.guidance: GrammarGate | None = None
         """Structured output's masks (``guidance.py``), set by the executor."""
+        self.mixed: MixedGraphs | None = None
+        """Captured prefill and mixed steps by token bucket (``mixed_graphs.py``), set by the executor."""
 
     def launch(
         self, step_id: int, scheduled: list[tuple[RequestState, int]], in_flight: LaunchedStep | None
@@ -207,6 +211,9 @@ class ForwardRunner:
         pool's step state set (pools without rows of the step set nothing)."""
         if not extra_logit_rows and rows.decode and self.graphs is not None and self.graphs.takes(rows):
             return self.graphs.run_rows(ForwardBatch.build(seqs, self.block_size, "cpu"), rows, pending_inputs)
+        mixed = self.mixed
+        if not extra_logit_rows and mixed is not None and not (self.assist and self.assist.cold) and mixed.takes(rows):
+            return mixed.run_rows(ForwardBatch.build(seqs, self.block_size, "cpu"), rows, pending_inputs)
         batch = ForwardBatch.build(seqs, self.block_size, self.device)
         if extra_logit_rows:
             extra = to_device(extra_logit_rows, torch.long, self.device)

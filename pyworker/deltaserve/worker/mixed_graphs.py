@@ -1,0 +1,390 @@
+"""CUDA-graph capture and replay of prefill and mixed (prefill + decode) steps, by token-count bucket.
+
+A step with a prefill chunk used to run eagerly: ~1,900 small kernels per forward issued one by one
+from Python, 2-3x the replayed step at the sizes continuous batching forms. Here every step whose
+tokens fit a bucket replays one whole-forward graph; beyond the largest bucket it runs eagerly.
+
+Why whole graphs, not piecewise ones with attention run eagerly between them (vLLM v1, SGLang): our
+Triton prefill attention already reads every length on the device and exits programs past a
+sequence's rows, so only its grid depended on the step (``max_query_len`` x sequences). Given a
+tile table (``kernels.paged_attention.prefill_tiles``: one program per (sequence, query tile),
+rows of sequence -1 idle) its grid is fixed per bucket, and the whole forward captures. Piecewise
+graphs would still launch ~2 pieces and one attention per layer from Python (tens of launches of
+~20 us host time each per step).
+
+Layout (static, sized for the largest bucket T tokens and S = min(T, max_seqs) sequences)::
+
+    int64: input_ids, positions, slot_mapping [T] | logits_indices [S]        one host-to-device copy
+    int32: query_start_loc [S + 2] | seq_lens [S + 1] | attention tiles [cdiv(T, BQ) + S + 1, 2]
+           | LoRA seg_adapter [S + 1] | LoRA SGMV tiles [cdiv(T, SGMV_TILE) + S, 2]   one copy
+    block_tables [S + 1, max_blocks] int32                                    rows [0, n) copied
+    logits [S, vocab] float32: every graph copies its logits here (one buffer, not one per graph)
+
+    bucket Tb (smallest >= the step's tokens), Sb = min(Tb, S):
+      sequences [0, n)      the step's, tokens [0, t)
+      sequence n            padding: tokens [t, Tb), seq_len 0 (attention writes zeros), K/V to
+                            the scratch slot, positions 0, no LoRA segment
+      sequences (n, Sb]     empty (query_start_loc = Tb)
+      logits rows [0, m)    the step's logits_indices; rows [m, Sb) read row 0 and are dropped
+      max_query_len = Tb, max_seq_len = the static maximum (as the decode graphs)
+
+LoRA rows: each bucket has a second graph captured with the adapted linears active over static SGMV
+metadata (segments = the sequences, seg_start = query_start_loc; SGMV tiles as ``sgmv_tiles`` gives
+them for the step, then idle tiles of the padding segment). The pool's slot tables are static
+(``LoraPool.assign_rows``), as for the LoRA decode graphs. Every real program computes what the
+eager step's program of the same tile computes, so attention and LoRA match the eager step bit for
+bit; the dense matmuls see Tb rows instead of t (cuBLAS may pick another kernel, as for the decode
+graphs' padded buckets): tests compare tokens. Steps with rows of another variant kind (compressed
+deltas, whose prefill SBMM metadata is not static yet), prompt logprobs, or CPU-assisted cold
+prefills run eagerly (``ForwardRunner.forward``).
+
+``capture=False`` runs the same static-buffer forward eagerly (CPU tests: the padding logic against
+today's path). The graphs share the decode graphs' memory pool; ``DELTASERVE_CUDA_GRAPH_MAX_TOKENS``
+(default 512, 0: off) bounds the largest bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from deltaserve.kernels.lora import SGMV_TILE, LoraMeta, sgmv_tiles
+from deltaserve.kernels.paged_attention import prefill_block_q, prefill_tiles
+from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
+from deltaserve.model.batch import copy_from_host
+
+if TYPE_CHECKING:
+    from deltaserve.adapters.lora_pool import LoraPool
+    from deltaserve.adapters.variants import StepRows
+
+log = logging.getLogger(__name__)
+
+#: Step token counts that get a graph (a step runs in the smallest bucket that holds it).
+TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 1024, 1536, 2048, 3072, 4096)
+MAX_TOKENS_ENV = "DELTASERVE_CUDA_GRAPH_MAX_TOKENS"
+#: Largest bucket unless ``DELTASERVE_CUDA_GRAPH_MAX_TOKENS`` says otherwise.
+DEFAULT_MAX_TOKENS = 512
+
+
+def max_tokens_from_env() -> int:
+    """``DELTASERVE_CUDA_GRAPH_MAX_TOKENS`` (0: no mixed-step graphs), default ``DEFAULT_MAX_TOKENS``."""
+    text = os.environ.get(MAX_TOKENS_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_TOKENS
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{MAX_TOKENS_ENV}={text!r}: want a token count 0..{TOKEN_BUCKETS[-1]}") from None
+    if not 0 <= value <= TOKEN_BUCKETS[-1]:
+        raise ValueError(f"{MAX_TOKENS_ENV}={value}: want 0..{TOKEN_BUCKETS[-1]}")
+    return value
+
+
+def token_buckets_up_to(max_tokens: int) -> list[int]:
+    """The capture sizes for steps of at most ``max_tokens`` tokens (it is always one)."""
+    sizes = [b for b in TOKEN_BUCKETS if b < max_tokens]
+    return sizes + [max_tokens] if max_tokens > 0 else []
+
+
+class MixedGraphs:
+    """Captured forwards of ``model`` over ``kv`` for steps of any shape up to ``max_tokens`` tokens
+    and ``max_seqs`` sequences (module docstring)."""
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        kv: PagedKVCache,
+        max_tokens: int,
+        max_seqs: int,
+        max_model_len: int,
+        scratch_slot: int,
+        lora: LoraPool | None = None,
+        pool: tuple[int, int] | None = None,
+        capture: bool = True,
+    ) -> None:
+        if max_tokens < 1 or max_seqs < 1:
+            raise ValueError(f"MixedGraphs: max_tokens and max_seqs must be >= 1, got {max_tokens}, {max_seqs}")
+        device = kv.device
+        cfg = model.config
+        self.model = model
+        self.kv = kv
+        self.lora = lora
+        """The adapter pool whose slot tables the LoRA graphs read; None: base graphs only."""
+        self.capture = capture
+        """False: ``run`` runs the static forward eagerly (no graphs; CPU tests)."""
+        self.sizes = token_buckets_up_to(max_tokens)
+        self.max_tokens = max_tokens
+        """Most tokens a step replayed here may have."""
+        self.max_seqs = min(max_seqs, max_tokens)
+        """Most sequences a step replayed here may have."""
+        self.scratch_slot = scratch_slot
+        """KV slot where padding tokens write (outside the router's pool)."""
+        self.max_blocks = -(-max_model_len // kv.block_size)
+        self.max_seq_len = self.max_blocks * kv.block_size
+        """Static bound on every context (the reference attention on CPU shapes its mask by it)."""
+        self.block_q = prefill_block_q(cfg.num_heads, cfg.num_kv_heads, device.type != "cuda")
+        """Query tokens per attention program: sizes the tile tables."""
+        T, S = max_tokens, self.max_seqs
+        regions64 = {"input_ids": T, "positions": T, "slot_mapping": T, "logits_indices": S}
+        regions32 = {
+            "query_start_loc": S + 2,
+            "seq_lens": S + 1,
+            "attn_tiles": 2 * self._attn_tiles(T),
+            "seg_adapter": S + 1,
+            "lora_tiles": 2 * self._lora_tiles(T),
+        }
+        self.host64 = torch.zeros(sum(regions64.values()), dtype=torch.long)
+        self.host32 = torch.zeros(sum(regions32.values()), dtype=torch.int32)
+        self.dev64 = torch.zeros_like(self.host64, device=device)
+        self.dev32 = torch.zeros_like(self.host32, device=device)
+        self.at64 = _offsets(regions64)
+        self.at32 = _offsets(regions32)
+        """Region name -> (start, length) in the packed int64 / int32 buffers."""
+        self.block_tables = torch.zeros((S + 1, self.max_blocks), dtype=torch.int32, device=device)
+        self.logits = torch.zeros((S, cfg.vocab_size), dtype=torch.float32, device=device)
+        """Every graph's logits rows land here (the step's first m are returned)."""
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
+        """Steps served here so far (tests and logs check the graphs are really used)."""
+        self.lora_replays = 0
+        """Of those, steps with LoRA rows."""
+        self.capture_seconds = 0.0
+        self.pool = pool
+        """The memory pool the graphs share (the decode graphs'); None: a new one."""
+        if capture:
+            self._capture_all()
+
+    # ------------------------------------------------------------------ layout
+
+    def _seqs(self, tb: int) -> int:
+        return min(tb, self.max_seqs)
+
+    def _attn_tiles(self, tb: int) -> int:
+        """Attention programs of bucket ``tb``: its tokens' tiles, one partial tile per sequence and the padding's."""
+        return -(-tb // self.block_q) + self._seqs(tb) + 1
+
+    def _lora_tiles(self, tb: int) -> int:
+        return -(-tb // SGMV_TILE) + self._seqs(tb)
+
+    def _view(self, name: str, length: int) -> torch.Tensor:
+        if name in self.at64:
+            start, size = self.at64[name]
+            buf = self.dev64
+        else:
+            start, size = self.at32[name]
+            buf = self.dev32
+        assert length <= size, (name, length, size)
+        return buf[start : start + length]
+
+    def _host(self, name: str) -> torch.Tensor:
+        if name in self.at64:
+            start, size = self.at64[name]
+            return self.host64[start : start + size]
+        start, size = self.at32[name]
+        return self.host32[start : start + size]
+
+    def _batch(self, tb: int) -> ForwardBatch:
+        s = self._seqs(tb)
+        return ForwardBatch(
+            input_ids=self._view("input_ids", tb),
+            positions=self._view("positions", tb),
+            query_start_loc=self._view("query_start_loc", s + 2),
+            seq_lens=self._view("seq_lens", s + 1),
+            block_tables=self.block_tables[: s + 1],
+            slot_mapping=self._view("slot_mapping", tb),
+            logits_indices=self._view("logits_indices", s),
+            max_seq_len=self.max_seq_len,
+            max_query_len=tb,
+            attn_tiles=self._view("attn_tiles", 2 * self._attn_tiles(tb)).view(-1, 2),
+        )
+
+    def _lora_meta(self, tb: int, seg_start: tuple[int, ...], seg_adapter: tuple[int, ...]) -> LoraMeta:
+        """SGMV metadata over the static buffers of bucket ``tb``: the grid is its tile bound; ``seg_*``
+        (the host copies the reference path reads) describe what the buffers hold now."""
+        s = self._seqs(tb)
+        tiles = self._lora_tiles(tb)
+        return LoraMeta(
+            seg_start=self._view("query_start_loc", s + 2), seg_adapter=self._view("seg_adapter", s + 1),
+            seg_start_host=seg_start, seg_adapter_host=seg_adapter, num_tokens=tb,
+            max_adapter=max(0, *seg_adapter), decode=False,
+            tiles=self._view("lora_tiles", 2 * tiles).view(-1, 2), num_tiles=tiles,
+        )  # fmt: skip
+
+    def _fill(
+        self, tb: int, step: ForwardBatch | None, slots: list[int] | None
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Writes bucket ``tb``'s host buffers for ``step`` (None: every row padding, for capture) and
+        the LoRA rows' ``slots`` (one per sequence, -1: base); returns the LoRA segments on the host."""
+        s = self._seqs(tb)
+        if step is None:
+            n = t = m = 0
+            qsl = [0]
+        else:
+            n, t, m = step.num_seqs, step.num_tokens, int(step.logits_indices.shape[0])
+            qsl = step.query_start_loc.tolist()
+        ids, pos, slot = self._host("input_ids"), self._host("positions"), self._host("slot_mapping")
+        if step is not None:
+            ids[:t] = step.input_ids
+            pos[:t] = step.positions
+            slot[:t] = step.slot_mapping
+        ids[t:tb] = 0
+        pos[t:tb] = 0
+        slot[t:tb] = self.scratch_slot
+        logits = self._host("logits_indices")
+        if step is not None:
+            logits[:m] = step.logits_indices
+        logits[m:s] = 0
+        starts = qsl + [tb] * (s + 1 - n)  # the padding sequence n, then empty ones
+        self._host("query_start_loc")[: s + 2] = torch.tensor(starts, dtype=torch.int32)
+        lens = self._host("seq_lens")
+        if step is not None:
+            lens[:n] = step.seq_lens
+        lens[n : s + 1] = 0
+        q_lens = [starts[i + 1] - starts[i] for i in range(n + 1)]
+        tiles = prefill_tiles(q_lens, self.block_q)
+        attn = self._host("attn_tiles")[: 2 * self._attn_tiles(tb)]
+        attn.fill_(-1)
+        attn[: len(tiles)] = torch.tensor(tiles, dtype=torch.int32)
+        seg_adapter = tuple((slots or [-1] * n) + [-1] * (s + 1 - n))
+        if slots is not None:
+            self._host("seg_adapter")[: s + 1] = torch.tensor(seg_adapter, dtype=torch.int32)
+            lora_tiles = sgmv_tiles(starts[: n + 1], slots)
+            buf = self._host("lora_tiles")[: 2 * self._lora_tiles(tb)]
+            buf.view(-1, 2)[:, 0] = s  # idle tiles: the last segment, never an adapter's
+            buf.view(-1, 2)[:, 1] = 0
+            buf[: len(lora_tiles)] = torch.tensor(lora_tiles, dtype=torch.int32)
+        return tuple(starts), seg_adapter
+
+    def _upload(self, tb: int, step: ForwardBatch | None) -> None:
+        """Copies the host buffers (and the step's block tables) to the device buffers."""
+        copy_from_host(self.dev64, self.host64)
+        copy_from_host(self.dev32, self.host32)
+        if step is not None:
+            width = step.block_tables.shape[1]
+            copy_from_host(self.block_tables[: step.num_seqs, :width], step.block_tables)
+
+    # ------------------------------------------------------------------ capture
+
+    def _forward_into_logits(self, tb: int) -> None:
+        logits = self.model.forward(self._batch(tb), self.kv)
+        self.logits[: logits.shape[0]].copy_(logits)
+
+    def _capture_one(self, tb: int, lora: bool) -> torch.cuda.CUDAGraph:
+        """Bucket ``tb``'s graph (LoRA active over the static metadata when ``lora``). Two eager
+        forwards first compile the kernels and allocate workspaces; every row is padding meanwhile."""
+        seg_start, seg_adapter = self._fill(tb, None, [] if lora else None)
+        self._upload(tb, None)
+        if lora:
+            assert self.lora is not None
+            self.lora.step.meta = self._lora_meta(tb, seg_start, seg_adapter)
+        try:
+            for _ in range(2):
+                self._forward_into_logits(tb)
+            torch.cuda.synchronize(self.kv.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._forward_into_logits(tb)
+        finally:
+            if lora and self.lora is not None:
+                self.lora.step.meta = None
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph
+
+    def _capture_all(self) -> None:
+        started = time.monotonic()
+        with torch.inference_mode():
+            for tb in sorted(self.sizes, reverse=True):  # largest first: later graphs reuse its pool
+                self.graphs[tb] = self._capture_one(tb, False)
+                if self.lora is not None:
+                    self.lora_graphs[tb] = self._capture_one(tb, True)
+        torch.cuda.synchronize(self.kv.device)
+        self.capture_seconds = time.monotonic() - started
+        log.info(
+            "captured %d mixed-step CUDA graphs (tokens %s, up to %d sequences%s) in %.1f s",
+            len(self.graphs) + len(self.lora_graphs),
+            ",".join(map(str, sorted(self.sizes))),
+            self.max_seqs,
+            ", each also with LoRA" if self.lora_graphs else "",
+            self.capture_seconds,
+        )
+
+    # ------------------------------------------------------------------ steps
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
+        """The smallest bucket holding a step of ``num_tokens`` tokens in ``num_seqs`` sequences (None: eager)."""
+        if num_seqs > self.max_seqs:
+            return None
+        return next((tb for tb in self.sizes if tb >= num_tokens), None)
+
+    def takes(self, rows: StepRows) -> bool:
+        """Whether the step of ``rows`` replays here: a bucket holds it and its variant rows (if any)
+        are LoRA adapters on the GPU (other kinds run eagerly)."""
+        if self.bucket_for(sum(n for _, n in rows.runs), len(rows.runs)) is None:
+            return False
+        ids = rows.variant_ids
+        return not ids or (self.lora is not None and all(v in self.lora.gpu for v in ids))
+
+    def run_rows(
+        self, step: ForwardBatch, rows: StepRows, device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Runs ``step`` (built on the host; ``takes`` said yes) from its bucket's graph: the plain one,
+        or the LoRA one with the rows' adapters in the pool's slot tables. ``device_inputs``: (rows,
+        token ids) on the device replacing those input ids (tokens the step before is still sampling).
+        Returns float32 logits [len(logits_indices), vocab], a view valid until the next run."""
+        tb = self.bucket_for(step.num_tokens, step.num_seqs)
+        if tb is None or len(rows.runs) != step.num_seqs:
+            raise ValueError(
+                f"MixedGraphs.run_rows: no bucket for {step.num_tokens} tokens in {step.num_seqs} sequences"
+            )
+        width = step.block_tables.shape[1]
+        if width > self.max_blocks:
+            raise ValueError(f"MixedGraphs.run_rows: block tables of {width} pages exceed {self.max_blocks}")
+        slots = None
+        if self.lora is not None:
+            gpu = self.lora.gpu
+            ids = [v if v in gpu else 0 for v, _ in rows.runs]
+            if any(ids):
+                slots = self.lora.assign_rows(ids)
+        seg_start, seg_adapter = self._fill(tb, step, slots)
+        self._upload(tb, step)
+        if device_inputs is not None:
+            self._view("input_ids", tb).index_copy_(0, *device_inputs)
+        m = int(step.logits_indices.shape[0])
+        if self.capture:
+            (self.graphs if slots is None else self.lora_graphs)[tb].replay()
+        else:
+            if slots is not None:
+                assert self.lora is not None
+                self.lora.step.meta = self._lora_meta(tb, seg_start, seg_adapter)
+            try:
+                self._forward_into_logits(tb)
+            finally:
+                if self.lora is not None:
+                    self.lora.step.meta = None
+        self.replays += 1
+        self.lora_replays += slots is not None
+        return self.logits[:m]
+
+
+def _offsets(regions: dict[str, int]) -> dict[str, tuple[int, int]]:
+    at, start = {}, 0
+    for name, size in regions.items():
+        at[name] = (start, size)
+        start += size
+    return at
+
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "MAX_TOKENS_ENV",
+    "TOKEN_BUCKETS",
+    "MixedGraphs",
+    "max_tokens_from_env",
+    "token_buckets_up_to",
+]

@@ -1,0 +1,78 @@
+"""Prefill and mixed steps replayed from token-bucket CUDA graphs (``worker/mixed_graphs.py``) give
+exactly the tokens of eager steps (GPU only: `make test-gpu-graphs`). Chunked prefills next to decodes
+cross bucket boundaries (padding tokens and sequences), steps beyond the largest bucket run eagerly,
+LoRA rows of two adapters and the base share steps, and the pipelined run (each step launched before
+the one before is finished) patches in-flight tokens into the graph's inputs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from worker.test_executor import MiniRouter, prompts
+
+from deltaserve.worker.executor import Executor
+
+pytestmark = [
+    pytest.mark.gpu_graphs,
+    pytest.mark.skipif(
+        not (os.environ.get("DELTASERVE_TEST_GPU") == "1" and torch.cuda.is_available()),
+        reason="CUDA graphs need a GPU (make test-gpu)",
+    ),
+]
+
+
+def _executor(model_dir, graphs: bool, dtype: str = "float32") -> Executor:
+    return Executor(
+        model_dir,
+        device="cuda:0",
+        dtype=dtype,
+        block_size=4,
+        kv_cache_bytes=16 << 20,
+        cuda_graph_max_batch=16 if graphs else 0,
+        cuda_graph_max_tokens=64 if graphs else 0,
+    )
+
+
+def _run(ex, reqs, arrivals, variants=None, adapter_of=None, pipelined=False):
+    router = MiniRouter(ex, variants, adapter_of, max_num_batched_tokens=80)
+    return (router.run_pipelined if pipelined else router.run)(reqs, arrivals)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_mixed_steps_replay_and_equal_eager(tiny_llama, pipelined: bool) -> None:
+    n = 20
+    reqs = {i: (p, 8) for i, p in enumerate(prompts(n, 500, seed=n, lo=1, hi=60))}
+    arrivals = {i: i // 2 for i in range(n)}
+    eager, graphs = _executor(tiny_llama, False), _executor(tiny_llama, True)
+    assert eager.runner.mixed is None and graphs.runner.mixed is not None
+    want = _run(eager, reqs, arrivals, pipelined=pipelined)
+    eager_steps = []  # a replay calls no forward: these are the steps that ran eagerly
+    forward = graphs.model.forward
+    graphs.model.forward = lambda batch, kv: (
+        eager_steps.append((batch.num_tokens, batch.num_seqs)) or forward(batch, kv)
+    )
+    assert _run(graphs, reqs, arrivals, pipelined=pipelined) == want
+    assert graphs.runner.mixed.replays > 0, "prefill and mixed steps should replay graphs"
+    assert eager_steps, "the token budget (80) forms steps beyond the largest bucket (64)"
+    assert all(t > 64 or s > 16 for t, s in eager_steps), f"only steps beyond the bounds run eagerly: {eager_steps}"
+
+
+def test_lora_mixed_steps_replay_and_equal_eager(tiny_llama, tmp_path) -> None:
+    pytest.importorskip("peft")
+    from helpers.peft_adapters import SEVEN, make_peft_adapter
+
+    dirs = {
+        1: make_peft_adapter(tiny_llama, tmp_path / "a1", seed=11, target_modules=["q_proj", "v_proj"], r=8)[1],
+        2: make_peft_adapter(tiny_llama, tmp_path / "a2", seed=12, target_modules=SEVEN, r=16, lora_alpha=8)[1],
+    }
+    n = 12
+    reqs = {i: (p, 6) for i, p in enumerate(prompts(n, 500, seed=3, lo=2, hi=40))}
+    arrivals = {i: i // 2 for i in range(n)}
+    adapter_of = {i: i % 3 for i in range(n)}
+    eager, graphs = _executor(tiny_llama, False), _executor(tiny_llama, True)
+    assert graphs.runner.mixed is not None and graphs.runner.mixed.lora_graphs, "LoRA graphs are captured"
+    want = _run(eager, reqs, arrivals, dirs, adapter_of)
+    assert _run(graphs, reqs, arrivals, dirs, adapter_of) == want
+    assert graphs.runner.mixed.lora_replays > 0, "steps with LoRA rows should replay the LoRA graphs"

@@ -1,0 +1,112 @@
+"""Prefill and mixed steps through ``MixedGraphs``' static buffers (``worker/mixed_graphs.py``) give the
+tokens of today's eager path, on the CPU with capture off: the same padding, bucket choice, sequence
+and tile tables and LoRA segment tables a replayed graph reads, run as one eager forward. Steps
+beyond the largest bucket or with more sequences than its bound still run eagerly, and padding
+tokens write their K/V only to the scratch page. (GPU: replay vs eager in
+``tests/kernels/test_mixed_graphs_gpu.py``.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.adapters.variants import StepRows
+from deltaserve.model import ForwardBatch
+from deltaserve.worker.mixed_graphs import MixedGraphs, token_buckets_up_to
+from deltaserve.worker.plan_check import PlanLimits
+from helpers.executors import make_executor, prompts
+from helpers.sched_driver import SchedDriver
+
+
+def static_steps(ex, max_tokens: int, max_seqs: int) -> MixedGraphs:
+    """Gives a CPU executor ``MixedGraphs(capture=False)`` and, as with graphs on CUDA, keeps its last
+    page from the router for the padding tokens' K/V."""
+    ex.num_blocks -= 1
+    ex.max_model_len = min(ex.max_model_len, ex.num_blocks * ex.block_size)
+    ex.limits = PlanLimits(ex.config.vocab_size, ex.num_blocks, ex.block_size, ex.max_model_len)
+    mixed = MixedGraphs(
+        ex.model,
+        ex.kv,
+        max_tokens,
+        max_seqs,
+        ex.max_model_len,
+        scratch_slot=ex.num_blocks * ex.block_size,
+        lora=ex.lora_pool,
+        capture=False,
+    )
+    ex.runner.mixed = mixed
+    return mixed
+
+
+def _run(ex, reqs, arrivals, variants=None, adapter_of=None) -> dict[int, list[int]]:
+    return SchedDriver(ex, variants, adapter_of, max_num_batched_tokens=40).run(reqs, arrivals)
+
+
+def test_buckets() -> None:
+    assert token_buckets_up_to(0) == []
+    assert token_buckets_up_to(100) == [16, 32, 64, 100]
+    assert token_buckets_up_to(512)[-2:] == [384, 512]
+
+
+def test_static_steps_give_eager_tokens(tiny_llama: Path) -> None:
+    """Chunked prefills next to decodes (token budget 40 > the largest bucket 16, so some steps run
+    eagerly), staggered arrivals: every step of at most 16 tokens and 4 sequences goes through the
+    static buffers, and every request gets the eager path's tokens."""
+    n = 7
+    reqs = {i: (p, 4) for i, p in enumerate(prompts(n, 64, seed=4, lo=1, hi=30))}
+    arrivals = {i: 2 * i for i in range(n)}
+    want = _run(make_executor(tiny_llama, max_lora_rank=0, max_model_len=128), reqs, arrivals)
+    ex = make_executor(tiny_llama, max_lora_rank=0, max_model_len=128)
+    mixed = static_steps(ex, 16, 4)
+    calls = []
+    eager = ex.runner.model.forward
+    ex.runner.model.forward = lambda batch, kv: calls.append(batch.attn_tiles is not None) or eager(batch, kv)
+    assert _run(ex, reqs, arrivals) == want
+    assert mixed.replays == sum(calls) > 0, "steps ran through the static buffers"
+    assert not all(calls), "steps beyond the largest bucket or its sequences ran eagerly"
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    pytest.importorskip("peft")
+    from helpers.peft_adapters import SEVEN, make_peft_adapter
+
+    root = tmp_path_factory.mktemp("mixed_graphs")
+    return {
+        1: make_peft_adapter(tiny_llama, root / "a1", seed=11, target_modules=["q_proj", "v_proj"], r=8)[1],
+        2: make_peft_adapter(tiny_llama, root / "a2", seed=12, target_modules=SEVEN, r=16, lora_alpha=8)[1],
+    }
+
+
+def test_static_steps_with_lora_rows_give_eager_tokens(tiny_llama: Path, lora_dirs: dict[int, Path]) -> None:
+    """Prefill chunks and decodes of two adapters and the base in the same steps (SGMV over the static
+    segment and tile tables, the pool's slots) give the eager tokens."""
+    n = 6
+    reqs = {i: (p, 3) for i, p in enumerate(prompts(n, 64, seed=5, lo=3, hi=24))}
+    arrivals = {i: i for i in range(n)}
+    adapter_of = {i: i % 3 for i in range(n)}
+    want = _run(make_executor(tiny_llama, max_model_len=128), reqs, arrivals, lora_dirs, adapter_of)
+    ex = make_executor(tiny_llama, max_model_len=128)
+    mixed = static_steps(ex, 64, 8)
+    assert _run(ex, reqs, arrivals, lora_dirs, adapter_of) == want
+    assert mixed.replays > 0
+
+
+def test_padding_writes_only_the_scratch_page(tiny_llama: Path) -> None:
+    """One step of two prefill chunks (13 tokens, bucket 16): the K/V pages that change are the step's
+    own and the scratch page; the logits are the eager forward's rows."""
+    ex = make_executor(tiny_llama, max_lora_rank=0)
+    mixed = static_steps(ex, 16, 4)
+    bs = ex.block_size
+    seqs = [([5, 6, 7, 8, 9], 0, [3, 4], True), (list(range(10, 18)), 0, [7, 8], True)]
+    step = ForwardBatch.build(seqs, bs, "cpu")
+    before = ex.kv.kv.clone()
+    logits = mixed.run_rows(step, StepRows([(0, 5), (0, 8)], [0, 0], False))
+    changed = {p for p in range(ex.kv.num_blocks) if not torch.equal(before[:, :, p], ex.kv.kv[:, :, p])}
+    assert changed == {3, 4, 7, 8, ex.num_blocks}, changed
+    ex.kv.kv.copy_(before)
+    with torch.inference_mode():
+        want = ex.model.forward(ForwardBatch.build(seqs, bs, "cpu"), ex.kv)
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
