@@ -95,6 +95,7 @@ pub async fn chat_completions<B: Backend>(
         })
         .into_response());
     }
+    let choices = super::stream_start::started(&backend, choices).await?;
     let include_usage = v.include_usage;
     let first: Vec<Event> = (0..n)
         .map(|index| {

@@ -107,6 +107,7 @@ pub async fn completions<B: Backend>(
         body.usage = Some(usage);
         return Ok(Json(body).into_response());
     }
+    let choices = super::stream_start::started(&backend, choices).await?;
     let include_usage = v.include_usage;
     // `echo` without logprobs: each choice's prompt text first; with them, when they come.
     let mut first = Vec::new();

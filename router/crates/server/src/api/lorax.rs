@@ -218,6 +218,10 @@ pub async fn generate_stream<B: Backend>(
     ApiJson(body): ApiJson<GenerateBody>,
 ) -> Result<Response, ApiError> {
     let (pieces, seed, prompt, _, full_text) = start(&backend, &who, &body).await?;
+    let pieces = super::stream_start::started(&backend, vec![pieces])
+        .await?
+        .pop()
+        .expect("one choice");
     let eos = backend.tokenizer().eos_token_id();
     let text = if full_text { prompt } else { String::new() };
     // Each token's event waits for the next one: the last token rides in the final event, with

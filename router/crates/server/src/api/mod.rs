@@ -44,6 +44,7 @@ pub mod on_demand;
 pub mod openai;
 pub mod quotas;
 pub mod request_id;
+mod stream_start;
 pub mod substitution;
 pub mod tenants;
 pub mod tokenize;
@@ -134,6 +135,12 @@ pub trait Backend: Clone + Send + Sync + 'static {
         let _ = adapter_id;
         None
     }
+    /// Whether a request still queued past the TTFT SLO is answered with a 429 instead of
+    /// running (`--ttft-slo-ms`): streamed responses then hold their status until each choice
+    /// has started (`stream_start.rs`).
+    fn expires_queued_requests(&self) -> bool {
+        false
+    }
 }
 
 impl Backend for EngineHandle {
@@ -186,6 +193,9 @@ impl Backend for EngineHandle {
     }
     async fn delete_adapter(&self, name: String) -> Result<VariantEntry, VariantError> {
         EngineHandle::delete_adapter(self, &name).await
+    }
+    fn expires_queued_requests(&self) -> bool {
+        EngineHandle::expires_queued_requests(self)
     }
 }
 
@@ -350,6 +360,8 @@ pub(crate) struct Pieces {
     pending: Vec<TokenRecord>,
     /// A `Finished` or `Failed` piece was returned.
     ended: bool,
+    /// A piece already taken that `next` returns first (`stream_start.rs`).
+    held: Option<Piece>,
 }
 
 impl Pieces {
@@ -358,7 +370,14 @@ impl Pieces {
             rx,
             pending: Vec::new(),
             ended: false,
+            held: None,
         }
+    }
+
+    /// Makes `piece`, taken with [`Pieces::next`], the next piece again.
+    pub(crate) fn put_back(&mut self, piece: Piece) {
+        debug_assert!(self.held.is_none(), "one piece is put back at a time");
+        self.held = Some(piece);
     }
 
     /// Waits for the whole answer (non-streaming responses): all text and tokens, and how it ended.
@@ -399,6 +418,9 @@ impl Pieces {
 
     /// The next piece; `None` after the last.
     pub(crate) async fn next(&mut self) -> Option<Piece> {
+        if let Some(piece) = self.held.take() {
+            return Some(piece);
+        }
         if self.ended {
             return None;
         }
@@ -441,6 +463,12 @@ impl Pieces {
                     // The worker could not compile the request's grammar: the client's error.
                     if message.starts_with(crate::validate::response_format::GRAMMAR_REFUSED) {
                         Piece::Failed(ApiError::invalid("response_format", message))
+                    } else if message.starts_with(crate::engine::SLO_EXPIRED) {
+                        Piece::Failed(ApiError::OverSlo(crate::engine::SloRefusal {
+                            bound: "ttft_slo_ms",
+                            retry_after_secs: 1,
+                            message,
+                        }))
                     } else {
                         Piece::Failed(ApiError::Internal(message))
                     }
@@ -494,6 +522,8 @@ pub(crate) mod fake {
         pub tokenizer: Arc<TextTokenizer>,
         pub template: Option<Arc<ChatTemplate>>,
         pub ready: bool,
+        /// What [`Backend::expires_queued_requests`] answers (as if `--ttft-slo-ms` were set).
+        pub expires_queued: bool,
         pub script: Arc<Mutex<Script>>,
         pub requests: Arc<Mutex<Vec<GenerateRequest>>>,
         pub senders: Arc<Mutex<Vec<mpsc::UnboundedSender<GenerateEvent>>>>,
@@ -518,6 +548,7 @@ pub(crate) mod fake {
                     ChatTemplate::new(CHATML.into(), None, None).unwrap(),
                 )),
                 ready: true,
+                expires_queued: false,
                 script: Arc::new(Mutex::new(script)),
                 requests: Arc::default(),
                 senders: Arc::default(),
@@ -593,6 +624,9 @@ pub(crate) mod fake {
         }
         fn is_ready(&self) -> bool {
             self.ready
+        }
+        fn expires_queued_requests(&self) -> bool {
+            self.expires_queued
         }
         async fn metrics(&self) -> EngineMetrics {
             EngineMetrics {

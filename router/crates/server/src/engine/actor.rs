@@ -61,7 +61,9 @@ use super::FinishReason;
 use crate::text::tokenizer::TextTokenizer;
 use crate::worker::{SpinWindow, StepPace, WorkerProcess, WorkerSpec};
 
+mod expired;
 mod lifecycle;
+pub(crate) use expired::SLO_EXPIRED;
 mod quarantine;
 mod refused;
 mod variants;
@@ -310,6 +312,7 @@ impl Actor {
             self.sched.abort(id);
             self.end(id, None);
         }
+        self.expire_queued();
         if !self.sched.has_unfinished() {
             return;
         }

@@ -525,6 +525,12 @@ impl Admission {
         })
     }
 
+    /// `--ttft-slo-ms` when the operator set it, microseconds: the bound a queued request may
+    /// not wait past (`actor/expired.rs`; never the measured default).
+    pub fn ttft_slo_bound_us(&self) -> Option<f64> {
+        self.slo.ttft_us
+    }
+
     /// The SLOs in force from now on.
     pub fn set_slo(&mut self, slo: Slo) {
         self.slo = slo;

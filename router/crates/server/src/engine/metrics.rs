@@ -225,6 +225,8 @@ engine_metrics! {
         "Requests refused at once (429) because their predicted time to first token exceeded the TTFT SLO (--ttft-slo-ms).";
     admission_refused_queue_full_total: Counter, Sum, |w| w.admission.refused_queue_full,
         "Requests refused at once (429) because --max-queued-per-worker requests were queued or running.";
+    admission_expired_in_queue_total: Counter, Sum, |w| w.actor.expired_in_queue,
+        "Admitted requests answered 429 while still queued because they had waited past the TTFT SLO (--ttft-slo-ms): their first token could no longer come in time (S-LoRA's early abort).";
     admission_predicted_wait_us: Gauge, Max, |w| w.admission.predicted_queue_wait_us,
         "Predicted time for the queued requests to start (admission control's estimate), microseconds; the longest worker's.";
     admission_running_cap: Gauge, Sum, |w| w.admission.running_cap,
@@ -418,6 +420,8 @@ pub(super) struct ActorCounters {
     pub cpu_assist_fallbacks: u64,
     /// Sum of the worker's `cpu_assist_declined`.
     pub cpu_assist_declined: u64,
+    /// Queued requests aborted because they waited past the TTFT SLO (`actor/expired.rs`).
+    pub expired_in_queue: u64,
 }
 
 /// The last [`GAP_WINDOW`] samples of a latency, for percentiles.
@@ -487,6 +491,7 @@ mod tests {
         ("cpu_assist_declined_total", "counter"),
         ("admission_refused_ttft_total", "counter"),
         ("admission_refused_queue_full_total", "counter"),
+        ("admission_expired_in_queue_total", "counter"),
         ("admission_predicted_wait_us", "gauge"),
         ("admission_running_cap", "gauge"),
         ("placement_decisions_total", "counter"),

@@ -51,7 +51,7 @@ pub mod placement_load;
 mod plan;
 mod streams;
 
-pub(crate) use actor::Actor;
+pub(crate) use actor::{Actor, SLO_EXPIRED};
 pub use admin::{check_kind, variant_kind_of_dir, VariantError};
 pub use admission::{Slo, SloRefusal};
 pub use metrics::{EngineMetrics, RequestLatency};
@@ -496,6 +496,18 @@ impl EngineHandle {
     /// The model's chat template, if it has one.
     pub fn chat_template(&self) -> Option<&Arc<ChatTemplate>> {
         self.inner.chat_template.as_ref()
+    }
+
+    /// Whether the workers answer a request still queued past the TTFT SLO with a 429
+    /// (`--ttft-slo-ms` set: `actor/expired.rs`).
+    pub fn expires_queued_requests(&self) -> bool {
+        self.inner.actors.iter().any(|a| {
+            a.admission
+                .lock()
+                .expect("admission lock")
+                .ttft_slo_bound_us()
+                .is_some()
+        })
     }
 
     /// True when every worker is up.

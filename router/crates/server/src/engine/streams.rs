@@ -136,6 +136,16 @@ impl Streams {
             .collect()
     }
 
+    /// Ids no step has scheduled yet that have waited longer than `wait` since the engine
+    /// accepted them (S-LoRA's early abort: their first token can no longer come in time).
+    pub fn queued_longer_than(&self, wait: std::time::Duration) -> Vec<u64> {
+        self.live
+            .iter()
+            .filter(|(_, l)| !l.scheduled && l.arrived.elapsed() > wait)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     /// Ids whose client went away (receiver dropped).
     pub fn abandoned(&self) -> Vec<u64> {
         self.live
@@ -315,6 +325,25 @@ mod tests {
 
     fn drain(rx: &mut mpsc::UnboundedReceiver<GenerateEvent>) -> Vec<GenerateEvent> {
         std::iter::from_fn(|| rx.try_recv().ok()).collect()
+    }
+
+    #[test]
+    fn only_unscheduled_requests_past_the_wait_are_expired() {
+        let outstanding = Arc::new(AtomicUsize::new(3));
+        let mut streams = Streams::new(tiny_tokenizer(), outstanding, Default::default());
+        let long_ago = Instant::now() - std::time::Duration::from_millis(500);
+        let mut keep = Vec::new();
+        for (id, arrived) in [(1, long_ago), (2, long_ago), (3, Instant::now())] {
+            let (tx, rx) = mpsc::unbounded_channel();
+            keep.push(rx);
+            streams.open(id, request(&[]), tx, arrived);
+        }
+        assert!(streams.scheduled(2), "2 left the queue");
+        let wait = std::time::Duration::from_millis(100);
+        assert_eq!(streams.queued_longer_than(wait), vec![1]);
+        assert!(streams
+            .queued_longer_than(std::time::Duration::from_secs(5))
+            .is_empty());
     }
 
     #[test]
