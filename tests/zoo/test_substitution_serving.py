@@ -57,7 +57,9 @@ def served(sub_zoo: SubZooFixture, tmp_path_factory: pytest.TempPathFactory):
 def test_bad_zoo_entries_are_refused_by_file_and_field_and_the_rest_served(served) -> None:
     d, base_name, _ = served
     ids = [c["id"] for c in httpx.get(f"{d.url}/v1/models").json()["data"]]
-    assert ids == [base_name] + [f"{base_name}:{n}" for n in ("ft1", "ft2", "ft3", "ft3.substitute")]
+    assert ids == [base_name] + [f"{base_name}:{n}" for n in ("ft1", "ft2", "ft3")]  # the substitute is internal
+    admin = [c["id"] for c in httpx.get(f"{d.url}/v1/adapters").json()["data"]]
+    assert sorted(admin) == ["ft1", "ft2", "ft3", "ft3.substitute"]
     logs = d.logs()
     assert "bad/manifest.json" in logs and "format_version" in logs
     assert "field 'variants.ft2.substitution.min_similarity'" in logs

@@ -70,6 +70,15 @@ impl Substitutions {
         loaded(outstanding, capacity, above).then(|| target.clone())
     }
 
+    /// Whether `name` is the registered substitute of a variant (`<variant>.substitute`): internal,
+    /// left out of `/v1/models` (the admin listing `/v1/adapters` shows it).
+    pub fn is_substitute(&self, name: &str) -> bool {
+        let t = self.table.read().expect("substitution table lock");
+        t.targets
+            .values()
+            .any(|s| matches!(s, Substitute::Variant(v) if v == name))
+    }
+
     /// Counts `tokens` served substituted for `variant`.
     pub fn count(&self, variant: &str, tokens: u64) {
         let mut counts = self.tokens.lock().expect("substitution counts lock");
@@ -143,6 +152,8 @@ mod tests {
             Some(Substitute::Variant("b.substitute".into()))
         );
         assert_eq!(s.pick("c", 1000, 4), None, "c did not opt in");
+        assert!(s.is_substitute("b.substitute"));
+        assert!(!s.is_substitute("b") && !s.is_substitute("a.substitute"));
         s.count("a", 5);
         s.count("a", 2);
         assert_eq!(s.counts(), vec![("a".to_string(), 7)]);

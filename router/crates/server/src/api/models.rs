@@ -1,5 +1,6 @@
 //! `GET /v1/models`: the OpenAI model list: the base model, then each active variant (LoRA
-//! adapter or compressed delta) as `<base>:<variant>`, with its `parent` and `kind`.
+//! adapter or compressed delta) as `<base>:<variant>`, with its `parent` and `kind`; a zoo
+//! variant's substitute (`<name>.substitute`, `crate::substitution`) is internal and not listed.
 //! `GET /v1/models/{id}`: one of those cards (`id` as listed, or a variant's bare name), else a
 //! 404. A tenant sees only the models it may use, in both.
 
@@ -56,7 +57,8 @@ fn cards(model: &ServedModel, caller: &Caller) -> Vec<ModelCard> {
         .adapters
         .list()
         .into_iter()
-        .filter(|a| a.state == VariantState::Active);
+        .filter(|a| a.state == VariantState::Active)
+        .filter(|a| !model.adapters.substitutions().is_substitute(&a.name));
     for adapter in active {
         data.push(card(
             format!("{}:{}", model.name, adapter.name),
