@@ -1,6 +1,7 @@
 """The tiled prefill attention (a CUDA graph's fixed grid, ``worker/mixed_graphs.py``) equals the untiled
 launch bit for bit: real tiles compute what the untiled programs compute, idle tile rows (sequence -1)
-write nothing, and a padding sequence (tokens, context 0) gets zeros. Under the Triton interpreter
+write nothing, and a padding sequence (tokens, context 0) gets zeros; a mixed batch's one-token
+sequences go to the decode kernel (``paged_decode`` over ``query_start_loc``) in both. Under the Triton interpreter
 on CPU; with ``DELTASERVE_TEST_GPU=1`` on CUDA (``make test-gpu-kernels``)."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def test_tiled_prefill_equals_untiled_with_padding() -> None:
     q, kv, _clean, batch = build(MIXED, 4, gqa, dtype=torch.float16 if DEVICE.type == "cuda" else torch.float32)
     scale = 64**-0.5
     args = (q, kv[0, 0], kv[0, 1], batch.block_tables, batch.seq_lens, batch.query_start_loc)
-    want = paged_prefill(*args, batch.max_query_len, scale, window)
+    want = paged_attention(*args, batch.max_query_len, scale, window)  # one-token sequences: the decode kernel
     # As a graph bucket lays the step out: 9 padding tokens in a sequence of context 0, one empty
     # sequence, a static max_query_len, and idle tile rows past the real ones.
     pad, t = 9, batch.num_tokens

@@ -198,6 +198,7 @@ def paged_decode(
     block_n: int | None = None,
     out: torch.Tensor | None = None,
     softcap: float | None = None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode: one query token per sequence (row b of ``q`` belongs to sequence b); see the module.
 
@@ -206,11 +207,17 @@ def paged_decode(
     [B, max_blocks] int32; seq_lens [B] int32; out [B, H, D] (written in place when given).
     ``num_splits``: programs per (sequence, kv head); None picks ``decode_num_splits`` from
     ``max_seq_len`` (an upper bound on seq_lens; None means block_tables' capacity). No host sync.
+    ``query_start_loc`` ([B + 1] int32): a mixed batch (q [T, H, D]): only the sequences of one token
+    are computed, each at its row, one split each (a fixed program, whatever the batch: a CUDA graph's
+    replay and the eager step agree bit for bit); rows of other sequences are left as they are.
     """
     num_seqs = seq_lens.shape[0]
-    qsl_dummy = torch.empty(num_seqs + 1, dtype=torch.int32, device=q.device)
-    _check(q, cache_k, cache_v, block_tables, seq_lens, qsl_dummy)
-    if q.shape[0] != num_seqs:
+    ragged = query_start_loc is not None
+    qsl = query_start_loc if ragged else torch.empty(num_seqs + 1, dtype=torch.int32, device=q.device)
+    _check(q, cache_k, cache_v, block_tables, seq_lens, qsl)
+    if ragged:
+        num_splits = 1
+    elif q.shape[0] != num_seqs:
         raise ValueError(f"paged_decode: q has {q.shape[0]} rows for {num_seqs} sequences (want one each)")
     consts, interp = _common(q, cache_k, scale, sliding_window, softcap)
     if out is None:
@@ -243,11 +250,13 @@ def paged_decode(
         cache_v,
         block_tables,
         seq_lens,
+        qsl,
         **_strides(q, out, cache_k, cache_v, block_tables),
         **consts,
         BLOCK_G=block_g,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
+        RAGGED=ragged,
         **extra,
     )
     if num_splits > 1:
@@ -301,6 +310,7 @@ def paged_prefill(
     out: torch.Tensor | None = None,
     softcap: float | None = None,
     tiles: torch.Tensor | None = None,
+    skip_single: bool = False,
 ) -> torch.Tensor:
     """Ragged prefill / mixed batch (any q_len per sequence, causal over the paged context).
 
@@ -311,6 +321,8 @@ def paged_prefill(
     ``tiles``: [N, 2] int32 on q's device, (sequence, query tile) of each program (``prefill_tiles``
     with the default ``block_q``; rows of sequence -1 exit): the grid is N x H_kv, whatever
     ``max_query_len``; every tile of every sequence must be listed (a CUDA graph's fixed grid).
+    ``skip_single``: sequences of one token are left out (their rows untouched: ``paged_decode``
+    with ``query_start_loc`` computes them).
     """
     _check(q, cache_k, cache_v, block_tables, seq_lens, query_start_loc)
     consts, interp = _common(q, cache_k, scale, sliding_window, softcap)
@@ -357,6 +369,7 @@ def paged_prefill(
         BLOCK_M=block_q * block_g,
         BLOCK_N=block_n,
         TILED=tiles is not None,
+        SKIP_SINGLE=skip_single,
         **extra,
     )
     return out
@@ -376,9 +389,13 @@ def paged_attention(
     out: torch.Tensor | None = None,
     softcap: float | None = None,
     tiles: torch.Tensor | None = None,
+    single_rows: bool = True,
 ) -> torch.Tensor:
     """Paged attention of one step: ``paged_decode`` when every sequence has one query token
-    (``max_query_len == 1``), else ``paged_prefill``. Semantics and shapes: the module docstring.
+    (``max_query_len == 1``), else ``paged_prefill`` for the sequences of several tokens and, when
+    ``single_rows`` (some sequences may have one token: a mixed step's decodes), ``paged_decode``
+    over ``query_start_loc`` for those (the prefill kernel would give each its own BLOCK_Q-row tile).
+    Semantics and shapes: the module docstring.
 
     ``max_seq_len`` (optional upper bound on seq_lens) only tunes decode's split count; ``softcap``
     caps the scores (``cap * tanh(s / cap)``, Gemma 2); ``tiles`` (``paged_prefill``'s) always
@@ -397,7 +414,7 @@ def paged_attention(
             out=out,
             softcap=softcap,
         )
-    return paged_prefill(
+    out = paged_prefill(
         q,
         cache_k,
         cache_v,
@@ -410,7 +427,22 @@ def paged_attention(
         out=out,
         softcap=softcap,
         tiles=tiles,
+        skip_single=single_rows,
     )
+    if single_rows:
+        paged_decode(
+            q,
+            cache_k,
+            cache_v,
+            block_tables,
+            seq_lens,
+            scale,
+            sliding_window,
+            out=out,
+            softcap=softcap,
+            query_start_loc=query_start_loc,
+        )
+    return out
 
 
 __all__ = [

@@ -99,6 +99,7 @@ def paged_decode_kernel(
     cache_v,
     block_tables,
     seq_lens,
+    query_start_loc,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -125,11 +126,21 @@ def paged_decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    RAGGED: tl.constexpr,
 ):
-    """Grid (B, H_kv, NUM_SPLITS): sequence b's one token, query heads of kv head kvh, one split."""
+    """Grid (B, H_kv, NUM_SPLITS): sequence b's one token, query heads of kv head kvh, one split.
+    RAGGED (NUM_SPLITS 1): sequence b's token is row query_start_loc[b] of a mixed batch; sequences
+    of other than one token exit (the prefill kernel's, ``SKIP_SINGLE``)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    row = b64
+    if RAGGED:
+        t0 = tl.load(query_start_loc + b)
+        if tl.load(query_start_loc + b + 1) - t0 != 1:
+            return
+        row = t0.to(tl.int64)
     seq_len = tl.load(seq_lens + b)
     p_last = seq_len - 1
     lo = seq_len * 0
@@ -146,8 +157,7 @@ def paged_decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + offs_g
     row_ok = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    b64 = b.to(tl.int64)
-    qt = tl.load(q + b64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=row_ok, other=0.0)
+    qt = tl.load(q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=row_ok, other=0.0)
     if UPCAST:
         qt = qt.to(tl.float32)
     pos = tl.zeros([BLOCK_G], dtype=tl.int32) + p_last
@@ -188,7 +198,7 @@ def paged_decode_kernel(
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
-            out + b64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
             o.to(out.dtype.element_ty),
             mask=row_ok,
         )
@@ -267,11 +277,13 @@ def paged_prefill_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     TILED: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr,
 ):
     """Grid (cdiv(max_query_len, BLOCK_Q), B, H_kv): BLOCK_Q tokens of sequence b x one head group.
     TILED: grid (N, 1, H_kv), program t's (b, query tile) read from ``tiles[t]`` (b < 0: none, exits),
     so a CUDA graph's grid is fixed by its token and sequence bounds; each real tile computes exactly
-    what the untiled program of the same (b, tile) does."""
+    what the untiled program of the same (b, tile) does. SKIP_SINGLE: sequences of one token exit (the
+    decode kernel takes their rows, ``RAGGED``)."""
     if TILED:
         t = tl.program_id(0).to(tl.int64)
         b = tl.load(tiles + 2 * t)
@@ -286,6 +298,9 @@ def paged_prefill_kernel(
     q_len = tl.load(query_start_loc + b + 1) - q_start
     if qtile * BLOCK_Q >= q_len:
         return
+    if SKIP_SINGLE:
+        if q_len == 1:
+            return
     seq_len = tl.load(seq_lens + b)
     ctx0 = seq_len - q_len  # position of the sequence's first query token
 

@@ -206,6 +206,7 @@ def paged_attention(
             max_seq_len=batch.max_seq_len,
             softcap=softcap,
             tiles=batch.attn_tiles,
+            single_rows=batch.single_rows,
         )
     return paged_attention_ref(q, cache_k, cache_v, batch, scale, meta=meta, sliding_window=window, softcap=softcap)
 

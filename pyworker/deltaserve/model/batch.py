@@ -149,6 +149,9 @@ class ForwardBatch:
     attention (``kernels.paged_attention.prefill_tiles``; rows of sequence -1 idle), a CUDA graph's
     fixed grid (``worker/mixed_graphs.py``); None: the grid follows ``max_query_len``. The
     reference attention ignores it."""
+    single_rows: bool = True
+    """Whether some sequence may have one token this step (the Triton attention then computes those
+    rows with its decode kernel); False only when none has (``build`` knows)."""
 
     @property
     def num_tokens(self) -> int:
@@ -214,4 +217,5 @@ class ForwardBatch:
             logits_indices=to_device(logits_idx, torch.long, device),
             max_seq_len=max(seq_lens),
             max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seqs))),
+            single_rows=any(qsl[i + 1] - qsl[i] == 1 for i in range(len(seqs))),
         )

@@ -245,8 +245,9 @@ class MixedGraphs:
         if step is not None:
             lens[:n] = step.seq_lens
         lens[n : s + 1] = 0
+        # Sequences of one token (decodes, maybe the padding) are the decode kernel's: no tiles.
         q_lens = [starts[i + 1] - starts[i] for i in range(n + 1)]
-        tiles = prefill_tiles(q_lens, self.block_q)
+        tiles = prefill_tiles([k if k > 1 else 0 for k in q_lens], self.block_q)
         attn = self._host("attn_tiles")[: 2 * self._attn_tiles(tb)]
         attn.fill_(-1)
         attn[: len(tiles)] = torch.tensor(tiles, dtype=torch.int32)
