@@ -72,7 +72,7 @@ SCHEMA_TEXT = (
     "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64,floor_us:u64,busy_us:u64}\n"
     "FailedVariant=0{variant_id:u32,message:String}\n"
     "RefusedRequest=0{req_id:u64,message:String}\n"
-    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,cpu_assisted_prefills:u32,cpu_assist_fallbacks:u32,cpu_assist_declined:u32,failed_variants:Vec<FailedVariant>,refused_requests:Vec<RefusedRequest>}\n"
+    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,cpu_assisted_prefills:u32,cpu_assist_fallbacks:u32,cpu_assist_declined:u32,speculated_prefills:u32,speculation_accepted:u32,speculation_recomputed_layers:u32,failed_variants:Vec<FailedVariant>,refused_requests:Vec<RefusedRequest>}\n"
     "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
     "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
     "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
@@ -726,6 +726,13 @@ class StepOutput:
     #: Cold prefills this step the helpers did not take: none free, predicted no faster than
     #: the load, or a one-token prefill.
     cpu_assist_declined: int = 0
+    #: Cold delta prefills that ran a surrogate block while the delta loaded (BlockLLM's
+    #: speculative execution, `DELTASERVE_BLOCK_SPECULATION`; their tokens stay exact).
+    speculated_prefills: int = 0
+    #: Of those, the ones whose real block's output had cosine >= 0.95 with the surrogate's.
+    speculation_accepted: int = 0
+    #: Layers rerun after the speculated blocks, their KV rewritten (summed over prefills).
+    speculation_recomputed_layers: int = 0
     #: Variants quarantined since the previous `StepOutput` (each reported once); their
     #: requests in this step have no output.
     failed_variants: list[FailedVariant] = field(default_factory=list)
@@ -735,14 +742,14 @@ class StepOutput:
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes, self.host_ready, self.cpu_assisted_prefills, self.cpu_assist_fallbacks, self.cpu_assist_declined, [x0.to_wire() for x0 in self.failed_variants], [x0.to_wire() for x0 in self.refused_requests]]
+        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes, self.host_ready, self.cpu_assisted_prefills, self.cpu_assist_fallbacks, self.cpu_assist_declined, self.speculated_prefills, self.speculation_accepted, self.speculation_recomputed_layers, [x0.to_wire() for x0 in self.failed_variants], [x0.to_wire() for x0 in self.refused_requests]]
 
     @classmethod
     def from_wire(cls, a: list) -> StepOutput:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 10:
-            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3], a[4], a[5], a[6], a[7], [FailedVariant.from_wire(x0) for x0 in a[8]], [RefusedRequest.from_wire(x0) for x0 in a[9]])
+        if n >= 13:
+            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], [FailedVariant.from_wire(x0) for x0 in a[11]], [RefusedRequest.from_wire(x0) for x0 in a[12]])
         m = cls()
         if n > 0:
             m.step_id = a[0]
@@ -761,9 +768,15 @@ class StepOutput:
         if n > 7:
             m.cpu_assist_declined = a[7]
         if n > 8:
-            m.failed_variants = [FailedVariant.from_wire(x0) for x0 in a[8]]
+            m.speculated_prefills = a[8]
         if n > 9:
-            m.refused_requests = [RefusedRequest.from_wire(x0) for x0 in a[9]]
+            m.speculation_accepted = a[9]
+        if n > 10:
+            m.speculation_recomputed_layers = a[10]
+        if n > 11:
+            m.failed_variants = [FailedVariant.from_wire(x0) for x0 in a[11]]
+        if n > 12:
+            m.refused_requests = [RefusedRequest.from_wire(x0) for x0 in a[12]]
         return m
 
 

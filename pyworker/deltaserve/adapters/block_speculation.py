@@ -34,6 +34,7 @@ read is still running), ``always`` (speculate whatever the read's state: tests a
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable
@@ -48,6 +49,8 @@ from ..compress.delta_dir import read_manifest
 from ..model.decoder import Stream
 from .delta_pool import DeltaPool
 from .host_tier import AdapterLoadError
+
+log = logging.getLogger("deltaserve.worker")
 
 MODES = ("off", "on", "always")
 ENV = "DELTASERVE_BLOCK_SPECULATION"
@@ -165,7 +168,13 @@ class ColdPrefill:
         cosine = float(F.cosine_similarity(got, spec, dim=-1).mean()) if rows.numel() else 1.0
         self.stats.cosines.append(cosine)
         self.stats.accepted += cosine >= ACCEPT_COSINE
-        if all(torch.equal(a[rows], b[rows]) for a, b in zip(real, self.surrogate_out)):  # type: ignore[index]
+        exact = all(torch.equal(a[rows], b[rows]) for a, b in zip(real, self.surrogate_out))  # type: ignore[index]
+        log.info(
+            "delta %d: speculated on block %d (surrogate: the base's), cosine %.4f to the real output (%s); %s",
+            self.delta_id, k, cosine, "accepted" if cosine >= ACCEPT_COSINE else "rejected",
+            "bit-equal, nothing rerun" if exact else f"layers {k + 1}-{layer - 1} rerun",
+        )  # fmt: skip
+        if exact:
             self.stats.exact += 1
             return stream
         for j in range(k + 1, layer):
@@ -220,6 +229,8 @@ class BlockSpeculation:
         self.num_layers = pool.config.num_layers
         self.stats = SpeculationStats()
         """Counted in place by the gates; ``take_stats`` hands out a copy and zeroes it."""
+        self.totals = SpeculationStats()
+        """Everything taken so far (benchmarks read it; the wire gets ``take_stats``')."""
 
     @classmethod
     def from_env(cls, pool: DeltaPool) -> BlockSpeculation | None:
@@ -262,6 +273,14 @@ class BlockSpeculation:
         taken = SpeculationStats(s.speculated, s.accepted, s.exact, s.recomputed_layers, s.waited, list(s.cosines))
         s.speculated = s.accepted = s.exact = s.recomputed_layers = s.waited = 0
         s.cosines.clear()
+        t = self.totals
+        t.speculated, t.accepted, t.exact = (
+            t.speculated + taken.speculated,
+            t.accepted + taken.accepted,
+            t.exact + taken.exact,
+        )
+        t.recomputed_layers, t.waited = t.recomputed_layers + taken.recomputed_layers, t.waited + taken.waited
+        t.cosines.extend(taken.cosines)
         return taken
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from deltaserve import wire
-from deltaserve.adapters.block_speculation import BlockSpeculation, ColdPrefill
+from deltaserve.adapters.block_speculation import BlockSpeculation, ColdPrefill, SpeculationStats
 from deltaserve.adapters.delta_layers import attach_deltas
 from deltaserve.adapters.delta_pool import DeltaPool
 from deltaserve.adapters.delta_slots import reserve_bytes
@@ -340,6 +340,7 @@ class Executor:
         host reads finished since the previous output."""
         ready = [aid for pool in self.pools.values() for aid in pool.take_finished()]
         assist = self.take_assist_stats()
+        spec = self.speculation.take_stats() if self.speculation is not None else SpeculationStats()
         return wire.StepOutput(
             failed_variants=self.quarantine.take_reports(),
             refused_requests=self.guidance.take_refusals(),
@@ -351,6 +352,9 @@ class Executor:
             cpu_assisted_prefills=assist.assisted,
             cpu_assist_fallbacks=assist.fallbacks,
             cpu_assist_declined=sum(assist.declined.values()),
+            speculated_prefills=spec.speculated,
+            speculation_accepted=spec.accepted,
+            speculation_recomputed_layers=spec.recomputed_layers,
         )
 
     # ------------------------------------------------------------------ handshake

@@ -181,6 +181,9 @@ pub fn step_output() -> StepOutput {
         cpu_assisted_prefills: 2,
         cpu_assist_fallbacks: 1,
         cpu_assist_declined: 3,
+        speculated_prefills: 2,
+        speculation_accepted: 1,
+        speculation_recomputed_layers: 6,
         failed_variants: vec![crate::wire::FailedVariant {
             variant_id: 9,
             message: "its files could not be loaded (AdapterLoadError)".into(),

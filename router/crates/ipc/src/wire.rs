@@ -452,6 +452,13 @@ wire_structs! {
         /// Cold prefills this step the helpers did not take: none free, predicted no faster than
         /// the load, or a one-token prefill.
         cpu_assist_declined: u32,
+        /// Cold delta prefills that ran a surrogate block while the delta loaded (BlockLLM's
+        /// speculative execution, `DELTASERVE_BLOCK_SPECULATION`; their tokens stay exact).
+        speculated_prefills: u32,
+        /// Of those, the ones whose real block's output had cosine >= 0.95 with the surrogate's.
+        speculation_accepted: u32,
+        /// Layers rerun after the speculated blocks, their KV rewritten (summed over prefills).
+        speculation_recomputed_layers: u32,
         /// Variants quarantined since the previous `StepOutput` (each reported once); their
         /// requests in this step have no output.
         failed_variants: Vec<FailedVariant>,
