@@ -54,8 +54,8 @@ def test_static_steps_give_eager_tokens(tiny_llama: Path) -> None:
     """Chunked prefills next to decodes (token budget 40 > the largest bucket 16, so some steps run
     eagerly), staggered arrivals: every step of at most 16 tokens and 4 sequences goes through the
     static buffers, and every request gets the eager path's tokens."""
-    n = 7
-    reqs = {i: (p, 4) for i, p in enumerate(prompts(n, 64, seed=4, lo=1, hi=30))}
+    n = 5
+    reqs = {i: (p, 3) for i, p in enumerate(prompts(n, 64, seed=4, lo=1, hi=30))}
     arrivals = {i: 2 * i for i in range(n)}
     want = _run(make_executor(tiny_llama, max_lora_rank=0, max_model_len=128), reqs, arrivals)
     ex = make_executor(tiny_llama, max_lora_rank=0, max_model_len=128)
@@ -83,8 +83,8 @@ def lora_dirs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 def test_static_steps_with_lora_rows_give_eager_tokens(tiny_llama: Path, lora_dirs: dict[int, Path]) -> None:
     """Prefill chunks and decodes of two adapters and the base in the same steps (SGMV over the static
     segment and tile tables, the pool's slots) give the eager tokens."""
-    n = 6
-    reqs = {i: (p, 3) for i, p in enumerate(prompts(n, 64, seed=5, lo=3, hi=24))}
+    n = 5
+    reqs = {i: (p, 2) for i, p in enumerate(prompts(n, 64, seed=5, lo=3, hi=24))}
     arrivals = {i: i for i in range(n)}
     adapter_of = {i: i % 3 for i in range(n)}
     want = _run(make_executor(tiny_llama, max_model_len=128), reqs, arrivals, lora_dirs, adapter_of)

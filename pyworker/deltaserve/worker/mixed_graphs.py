@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -103,7 +103,7 @@ class MixedGraphs:
         max_model_len: int,
         scratch_slot: int,
         lora: LoraPool | None = None,
-        pool: tuple[int, int] | None = None,
+        pool: Any = None,
         capture: bool = True,
     ) -> None:
         if max_tokens < 1 or max_seqs < 1:
@@ -155,7 +155,8 @@ class MixedGraphs:
         """Of those, steps with LoRA rows."""
         self.capture_seconds = 0.0
         self.pool = pool
-        """The memory pool the graphs share (the decode graphs'); None: a new one."""
+        """The memory pool handle the graphs share (``torch.cuda.graph_pool_handle``: the decode graphs');
+        None: the first capture's."""
         if capture:
             self._capture_all()
 
