@@ -13,7 +13,8 @@ detached (the eager path every step with a prefill took before), ``Executor.step
 build, forward, sampling, tokens back), median of ``--reps`` after warm-up; the floor is the worker's
 own (``StepTiming.floor_us``).
 The mixed graphs are captured here (after the decode graphs, in their pool) to time the capture and
-measure the memory it takes.
+measure the memory it takes. Exactness at 7B scale: after each case, its step is run eagerly and
+replayed from the same state (``logits_gap``: max |logit difference|, arg-max agreement).
 
     python3 -m bench.mixed_step [--chunks 32,128,512] [--decodes 64] [--ctx 512] [--out DIR]
 """
@@ -35,6 +36,7 @@ script_env.prepare()  # deltaserve importable from pyworker/
 from bench.common import SHAPES, device_name, write_random_lora_dir, write_random_model_dir, write_result  # noqa: E402
 from bench.lora_decode_step import place  # noqa: E402
 from deltaserve import wire  # noqa: E402
+from deltaserve.adapters.variants import StepRows  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 from deltaserve.worker.mixed_graphs import MixedGraphs  # noqa: E402
 
@@ -57,8 +59,43 @@ def new_request(req_id: int, tokens: int, computed: int, scheduled: int, first_b
     ), need
 
 
-def run_case(ex: Executor, args, decodes: int, chunk: int, computed: int, lora: bool, first_page: int, first_id: int):
-    """Median wall seconds and worker floor (us) of the case's steps (module docstring)."""
+def logits_gap(ex: Executor, mixed: MixedGraphs, dec: list, chunk: int, computed: int, page: int, lora: bool):
+    """The case's step (the running decodes' next tokens and a new chunk on pages from ``page``) run
+    eagerly and replayed from the same state: (max |logit difference|, whether every row's arg-max
+    agrees). Neither changes the requests (``ForwardRunner.forward`` only; the K/V it writes are its own)."""
+    bs = ex.block_size
+    tokens = [3 + j % 1000 for j in range(computed + chunk)]
+    seqs, runs = [], []
+    if chunk:
+        seqs.append((tokens[computed:], computed, list(range(page, page + -(-(computed + chunk + 2) // bs))), True))
+        runs.append((1 if lora else 0, chunk))
+    for r in dec:
+        st = ex.requests[r.req_id]
+        seqs.append((st.token_ids[st.num_computed : st.num_computed + 1], st.num_computed, st.block_table, True))
+        runs.append((st.variant_id, 1))
+    rows = StepRows(runs, [v for v, _ in runs], False)
+    out = {}
+    for mode in ("eager", "graph"):
+        ex.runner.mixed = mixed if mode == "graph" else None
+        with torch.inference_mode():
+            out[mode] = ex.runner.forward(seqs, rows, None).clone()
+    diff = (out["eager"] - out["graph"]).abs().max().item()
+    return diff, bool(torch.equal(out["eager"].argmax(-1), out["graph"].argmax(-1)))
+
+
+def run_case(
+    ex: Executor,
+    args,
+    decodes: int,
+    chunk: int,
+    computed: int,
+    lora: bool,
+    first_page: int,
+    first_id: int,
+    check: MixedGraphs | None = None,
+):
+    """Median wall seconds and worker floor (us) of the case's steps (module docstring); with ``check``,
+    also ``logits_gap`` of the case's step after them (else None)."""
     bs = ex.block_size
     page, steps = first_page, args.warmup + args.reps
     dec = []
@@ -83,8 +120,9 @@ def run_case(ex: Executor, args, decodes: int, chunk: int, computed: int, lora: 
         if s >= args.warmup:
             times.append(t1 - t0)
             floors.append(out.timing.floor_us)
+    gap = logits_gap(ex, check, dec, chunk, computed, page, lora) if check is not None and chunk else None
     ex.step(wire.StepPlan(step_id=step_id + 2 * steps + 3, released=[r.req_id for r in dec]))
-    return statistics.median(times), statistics.median(floors)
+    return statistics.median(times), statistics.median(floors), gap
 
 
 def main() -> None:
@@ -156,7 +194,10 @@ def main() -> None:
                     ex.runner.mixed = mixed if mode == "graph" else None
                     ex.runner.graphs = decode_graphs if mode == "graph" else None
                     before = mixed.replays
-                    t, floor_us = run_case(ex, args, decodes, chunk, computed, lora, first_page, first_id)
+                    check = mixed if mode == "graph" else None
+                    t, floor_us, gap = run_case(ex, args, decodes, chunk, computed, lora, first_page, first_id, check)
+                    if gap is not None:
+                        row["max_abs_logit_diff"], row["argmax_equal"] = gap
                     first_id += 1000
                     row[f"{mode}_ms"] = t * 1e3
                     row[f"{mode}_mixed_replays"] = mixed.replays - before
@@ -171,6 +212,10 @@ def main() -> None:
                     f"{row['eager_ratio_to_floor'] or 0:.2f}x, graph {row['graph_ratio_to_floor'] or 0:.2f}x",
                     flush=True,
                 )
+                if "argmax_equal" in row:
+                    print(
+                        f"    replay vs eager: max |logit diff| {row['max_abs_logit_diff']:.3g}, arg-max equal {row['argmax_equal']}"
+                    )
     path = write_result(
         "mixed_step",
         {
