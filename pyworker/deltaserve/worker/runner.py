@@ -5,6 +5,7 @@
 tokens; a partial prefill chunk does not), picks how to run them and queues the sampling::
 
     decode step a captured graph takes (``DecodeGraphs.takes``) ──> DecodeGraphs.run_rows: replay
+    prefill / mixed step a token bucket takes (``MixedGraphs.takes``) ──> MixedGraphs.run_rows: replay
     anything else ──> every variant pool's begin_step(rows) ── DecoderLM.forward ── end_step
     ──> Sampler.launch over the logits rows
 
