@@ -272,10 +272,11 @@ def dense_delta(x: torch.Tensor, base: torch.Tensor, dense: list, row_adapter: l
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,in_dim,out_dim", [(1, 300, 136), (3, 260, 72), (12, 520, 200), (40, 1030, 260)])
+@pytest.mark.parametrize("tokens,in_dim,out_dim", [(1, 300, 136), (3, 260, 72), (12, 520, 200), (33, 520, 260)])
 def test_mbgmv_split_widths(tokens: int, in_dim: int, out_dim: int, dtype: torch.dtype) -> None:
     """Decode rows at input widths the shrink splits over several programs (partials summed by the
-    expand), odd widths with a ragged last tile, and several output tiles; lora_delta's split decode
+    expand), odd widths with a ragged last tile, and several output tiles, in every tier of the
+    launch tables (up to 4, up to 32, over 32 tokens: configs/launch.json); lora_delta's split decode
     path equals shrink + expand exactly, and both equal the references (the fused decode path:
     tests/kernels/test_lora_fused.py)."""
     seed = tokens
@@ -690,10 +691,11 @@ def test_stacked_layouts(layout: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tokens,in_dim", [(1, 300), (40, 1030)])
+@pytest.mark.parametrize("tokens,in_dim", [(1, 300), (33, 520)])
 def test_stacked_mbgmv_split_widths(tokens: int, in_dim: int, dtype: torch.dtype) -> None:
-    """Decode at input widths the shrink splits over several programs, slice widths that leave
-    ragged and empty column tiles in the narrower slices (GQA: 200 / 72 / 72)."""
+    """Decode at input widths the shrink splits over several programs (a ragged last split, in the
+    smallest and the over-32-token tier of the launch tables), slice widths that leave ragged and
+    empty column tiles in the narrower slices (GQA: 200 / 72 / 72)."""
     dims, seed = (200, 72, 72), tokens
     meta = LoraMeta.mbgmv(request_adapters("uniform", tokens, seed), DEVICE)
     dense = stacked_dense(in_dim, dims, dtype, seed)
