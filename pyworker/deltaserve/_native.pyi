@@ -350,6 +350,10 @@ def simulate(
     placement: str = "least-loaded",
     latency_profile: str | None = None,
     tpot_slo_s: float | None = None,
+    host: tuple[Sequence[float], Sequence[float]] | None = None,
+    graphs: tuple[int, int] | None = None,
+    ingress_s: float = 0.0,
+    deliver_s: float = 0.0,
 ) -> dict[str, Any]:
     """Replays ``requests`` (``(arrival_s, prompt_len, output_len, variant)``, variant 0 = the
     base model, ``i`` = ``variants[i - 1]``) through ``workers`` copies of the real scheduler on a
@@ -359,9 +363,13 @@ def simulate(
     coefficients in ``SIM_FEATURES`` order, the bandwidths ``(lora, delta)`` pairs in bytes/s.
     Each arrival goes where the router's ``placement`` policy (``PLACEMENTS``, the daemon's
     ``--placement``) puts it, priced with ``latency_profile`` (the JSON text ``--latency-profile``
-    reads; None: the daemon's default) and ``tpot_slo_s`` (``--tpot-slo-ms``).
+    reads; None: the daemon's default) and ``tpot_slo_s`` (``--tpot-slo-ms``). ``host`` (decode,
+    prefill coefficients) prices the worker's launch of each step, ``graphs`` (``graph_max_batch``,
+    ``graph_max_tokens``; None: no graphs) decides which steps run eagerly (feature ``eager``), ``ingress_s`` delays each
+    arrival and ``deliver_s`` each token reaching its client; all off by default.
 
-    Returns ``first_token_s``, ``finish_s`` (NaN where never), ``output_tokens``, ``worker_of``
+    Returns ``first_token_s``, ``finish_s`` (NaN where never), ``scheduled_s`` (when each request
+    was first sent to a worker), ``output_tokens``, ``worker_of``
     (-1: refused by ``max_queued_per_worker``), ``busy_s`` per worker, ``counters`` (scheduler
     counters summed over workers), ``peaks`` (largest on one worker) and ``steps`` (with
     ``record_steps``: ``(worker, step_id, ahead, start_s, end_s, [(request, tokens)],

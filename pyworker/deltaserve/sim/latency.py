@@ -4,6 +4,19 @@ every scheduled step (``deltaserve._native.SIM_FEATURES``, defined in
 ``router/crates/py/src/sim_latency.rs``), plus the transfer bandwidths of the variant tiers and
 the memory geometry of one GPU (what a KV page and a variant take).
 
+The daemon around the device (each term 0 by default, the model before it was measured; the
+simulator's loop times them, ``router/crates/py/src/sim_pipeline.rs``)::
+
+    host_decode / host_prefill  the worker thread's launch of a step (linear, same features): under
+                                overlapped steps the output of the step in flight waits for it
+    graph_max_batch,            which steps a captured CUDA graph replays (feature ``eager`` is 1
+    graph_max_tokens            for the others): decode steps of up to graph_max_batch requests,
+                                steps that prefill of up to graph_max_tokens tokens (and that
+                                many requests) without delta rows; 0: none
+    router_gap_s                a plan's trip from the router's scheduling to the worker
+    ingress_s                   a request's arrival (client send) to the engine adding it
+    deliver_s                   a step's output leaving the worker to its tokens reaching clients
+
 Features of one step (``const`` is always 1)::
 
     tokens             tokens computed (prefill chunks + decode tokens)
@@ -14,6 +27,7 @@ Features of one step (``const`` is always 1)::
     lora_rank_sum      Σ rank over the distinct LoRA adapters in the step
     lora_segments      distinct LoRA adapters      lora_tokens   tokens of LoRA requests
     deltas             distinct deltas             delta_tokens  tokens (rows) of delta requests
+    eager              1 when the step runs eagerly, 0 when a captured graph replays it
 
 Fitting (:meth:`LatencyModel.fit`): ordinary least squares (numpy) per step kind, on the
 features that vary in the samples of that kind (the others keep coefficient 0, so an unprofiled
@@ -81,6 +95,20 @@ class LatencyModel:
     """Coefficient of determination of each kind's fit (None: too few samples to say)."""
     samples: dict[str, int] = field(default_factory=dict)
     """Samples each kind was fitted on."""
+    host_decode: dict[str, float] = field(default_factory=dict)
+    """Worker host seconds to launch a decode-only step, per unit of each feature (none: 0)."""
+    host_prefill: dict[str, float] = field(default_factory=dict)
+    """Worker host seconds to launch a step with a prefill chunk, per unit of each feature."""
+    graph_max_batch: int = 0
+    """Largest decode batch a captured CUDA graph replays (0: no graphs, every step eager)."""
+    graph_max_tokens: int = 0
+    """Largest step that prefills (tokens) a captured graph replays (0: every such step eager)."""
+    router_gap_s: float = 0.0
+    """Seconds from the router forming a plan to the worker receiving it."""
+    ingress_s: float = 0.0
+    """Seconds from a request's send to the engine adding it (HTTP, tokenizer, command queue)."""
+    deliver_s: float = 0.0
+    """Seconds from a step's output leaving the worker to its tokens reaching the clients."""
     device: str = ""
     """The GPU the samples were measured on."""
     source: str = ""
@@ -153,10 +181,45 @@ class LatencyModel:
                  for i, kind in enumerate(KINDS)}  # fmt: skip
         return cls(decode=coefs["decode"], prefill=coefs["prefill"], r2={"windows": r2}, samples=counts, **kw)
 
+    def fit_host(self, samples: Iterable[Mapping[str, Any]]) -> LatencyModel:
+        """Sets ``host_decode`` / ``host_prefill`` from measured launches: samples of step
+        features with ``host_s`` (the worker's launch seconds, ``deltaserve.sim.record``), least
+        squares per kind as :meth:`fit`'s; a kind without samples keeps no host cost. R² under
+        ``host_decode`` / ``host_prefill``. Returns ``self``."""
+        rows: dict[str, list[tuple[np.ndarray, float]]] = {k: [] for k in KINDS}
+        for i, s in enumerate(samples):
+            t = s.get("host_s")
+            if not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+                raise ValueError(f"sample {i}: host_s must be seconds >= 0, got {t!r}")
+            kind = "prefill" if s.get("prefill_tokens", 0) > 0 else "decode"
+            rows[kind].append((features_vector(s), float(t)))
+        for kind in KINDS:
+            if not rows[kind]:
+                continue
+            c, r2 = _fit_nonnegative(np.stack([r[0] for r in rows[kind]]), np.array([r[1] for r in rows[kind]]))
+            setattr(self, f"host_{kind}", {f: float(v) for f, v in zip(FEATURES, c)})
+            self.r2[f"host_{kind}"] = r2
+            self.samples[f"host_{kind}"] = len(rows[kind])
+        return self
+
     def predict(self, step: Mapping[str, float]) -> float:
-        """Seconds one step takes: ``step`` maps feature names to values (absent: 0)."""
+        """Seconds one step takes on the device: ``step`` maps feature names to values (absent: 0)."""
         coef = self.prefill if step.get("prefill_tokens", 0) > 0 else self.decode
         return max(0.0, sum(coef.get(f, 0.0) * v for f, v in zip(FEATURES, features_vector(step))))
+
+    def predict_host(self, step: Mapping[str, float]) -> float:
+        """Seconds the worker's host takes to launch one step (0 without a host model)."""
+        coef = self.host_prefill if step.get("prefill_tokens", 0) > 0 else self.host_decode
+        return max(0.0, sum(coef.get(f, 0.0) * v for f, v in zip(FEATURES, features_vector(step))))
+
+    def native_options(self) -> dict[str, Any]:
+        """The daemon terms as ``_native.simulate`` keywords (module docstring); ``router_gap_s``
+        is :func:`deltaserve.sim.replay`'s to pass."""
+        host = None
+        if self.host_decode or self.host_prefill:
+            host = ([self.host_decode.get(f, 0.0) for f in FEATURES], [self.host_prefill.get(f, 0.0) for f in FEATURES])
+        return {"host": host, "graphs": (int(self.graph_max_batch), int(self.graph_max_tokens)),
+                "ingress_s": float(self.ingress_s), "deliver_s": float(self.deliver_s)}  # fmt: skip
 
     def native(self) -> tuple[list[float], list[float], tuple[float, float], tuple[float, float]]:
         """The form ``_native.simulate`` takes."""
@@ -187,10 +250,14 @@ class LatencyModel:
             model = cls(memory=memory, **d)
         except TypeError as e:
             raise ValueError(f"not a latency model: {e}") from None
-        for kind in KINDS:
+        for kind in (*KINDS, "host_decode", "host_prefill"):
             bad = set(getattr(model, kind)) - set(FEATURES)
             if bad:
                 raise ValueError(f"{kind}: unknown features {sorted(bad)}; known: {', '.join(FEATURES)}")
+        for name in ("router_gap_s", "ingress_s", "deliver_s", "graph_max_batch", "graph_max_tokens"):
+            x = getattr(model, name)
+            if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
+                raise ValueError(f"{name}: want a number >= 0, got {x!r}")
         for name in ("disk_to_host_bps", "host_to_gpu_bps"):
             bw = getattr(model, name)
             if set(bw) != {"lora", "delta"} or not all(v > 0 for v in bw.values()):

@@ -7,11 +7,22 @@ appended to a JSONL file, one line per step::
     {"step_id": 7, "recv": 1234.5671, "sent": 1234.5893,      time.monotonic() (CLOCK_MONOTONIC,
      "new": [[req_id, tokens, computed, prompt_len, variant]],  shared by processes on one host)
      "running": [[req_id, tokens]], "released": [...], "ops": [[variant, op, kind]],
-     "host_ready": [variant, ...], "timing": {"gap_us", "forward_us", "total_us", "busy_us"}}
+     "host_ready": [variant, ...], "timing": {"gap_us", "forward_us", "total_us", "busy_us"},
+     "launch": [t0, t1], "finish": [t0, t1],    the executor's launch and finish of the step (host)
+     "graph": false, "behind": true,            a captured graph replayed it; its launch returned
+                                                before the step ahead of it ended on the device
+     "device_s": 0.0071}                        CUDA events around its work (None on the CPU)
 
+The executor's ``launch`` and ``finish`` are wrapped too (:func:`instrument_executor`): the
+launch is the worker thread's host time for a step (under overlapped steps the output of the
+step in flight waits for it), and the events give the step's device span: from the stream
+reaching the step to its last kernel. A step whose launch returned while the step ahead still
+ran (``behind``) had all its kernels queued before the device reached them, so its span is its
+device time alone; otherwise the span includes launch-bound gaps.
 ``steps_to_samples`` turns a recording into latency-model samples (:mod:`deltaserve.sim.latency`
-features, ``step_s`` = the output-to-output period on the device: ``sent[N] - max(recv[N],
-sent[N - 1])``, what the simulator's clock advances per step). ``transfer_bandwidths`` measures
+features; ``step_s`` the device span where the events recorded it, else the output-to-output
+period ``sent[N] - max(recv[N], sent[N - 1])``), ``host_samples`` into host-launch samples, and
+``router_gap_s`` measures a plan's trip from the router's scheduling to the worker. ``transfer_bandwidths`` measures
 the variant tiers the way the simulator prices them: a ``to_host`` read from its plan's arrival to
 the output that reports it in ``host_ready``; a ``to_gpu`` copy as its step's worker time outside
 the forward pass beyond that of steps without copies.
@@ -19,6 +30,7 @@ the forward pass beyond that of steps without copies.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -36,6 +48,75 @@ RECORD_ENV = "DELTASERVE_SIM_RECORD"
 DELAY_ENV = "DELTASERVE_SIM_RECORD_DELAY_S"
 """Seconds the wrapped worker waits before sending each step's output (tests: steps long enough
 that arrivals never race an output)."""
+
+
+STEP_TIMES: dict[int, dict[str, Any]] = {}
+"""Step id -> what the wrapped executor measured of it (launch, finish, graph, behind, events),
+until its output is recorded."""
+_graph_replayed = [False]
+
+
+def instrument_executor() -> None:
+    """Wraps ``Executor.launch`` / ``Executor.finish`` and the graph replays so that each step's
+    host launch, finish, graph use and device span land in :data:`STEP_TIMES` (module docstring)."""
+    import torch
+
+    from deltaserve.worker import cuda_graphs
+    from deltaserve.worker.executor import Executor
+
+    launch, finish = Executor.launch, Executor.finish
+
+    def timed_launch(self: Any, plan: Any, in_flight: Any) -> Any:
+        cuda = self.device.type == "cuda"
+        _graph_replayed[0] = False
+        start = end = None
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.monotonic()
+        out = launch(self, plan, in_flight)
+        t1 = time.monotonic()
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        behind = in_flight is not None and not in_flight.is_done()
+        STEP_TIMES[plan.step_id] = {"launch": [t0, t1], "graph": _graph_replayed[0], "behind": behind,
+                                    "events": (start, end)}  # fmt: skip
+        return out
+
+    def timed_finish(self: Any, launched: Any) -> Any:
+        t0 = time.monotonic()
+        out = finish(self, launched)
+        t1 = time.monotonic()
+        rec = STEP_TIMES.get(launched.step_id)
+        if rec is not None:
+            rec["finish"] = [t0, t1]
+            start, end = rec.pop("events", (None, None))
+            if start is not None and end is not None:
+                end.synchronize()
+                rec["device_s"] = start.elapsed_time(end) / 1e3
+        return out
+
+    Executor.launch = timed_launch  # type: ignore[method-assign]
+    Executor.finish = timed_finish  # type: ignore[method-assign]
+    kinds: list[type] = [cuda_graphs.DecodeGraphs]
+    with contextlib.suppress(ImportError):  # prefill and mixed steps' token-bucket graphs
+        from deltaserve.worker import mixed_graphs
+
+        kinds.append(mixed_graphs.MixedGraphs)
+    for graphs in kinds:
+        for name in ("run_rows", "run"):  # whichever replays a captured step
+            real = getattr(graphs, name, None)
+            if callable(real):
+                setattr(graphs, name, _flagging(real))
+
+
+def _flagging(real: Any) -> Any:
+    def replay(*args: Any, **kw: Any) -> Any:
+        _graph_replayed[0] = True
+        return real(*args, **kw)
+
+    return replay
 
 
 class RecordingLink:
@@ -83,6 +164,7 @@ class RecordingLink:
             rec["timing"] = {"gap_us": t.gap_us, "forward_us": t.forward_us, "total_us": t.total_us,
                              "busy_us": t.busy_us}  # fmt: skip
             rec["host_ready"] = list(msg.host_ready)
+            rec.update({k: v for k, v in STEP_TIMES.pop(msg.step_id, {}).items() if k != "events"})
             self._out.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
 
@@ -118,22 +200,67 @@ def step_periods(steps: list[dict[str, Any]]) -> list[float]:
 
 
 def steps_to_samples(
-    steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int], skip_loads: bool = True
+    steps: list[dict[str, Any]],
+    ranks: Mapping[int, int],
+    deltas: set[int],
+    skip_loads: bool = True,
+    device_spans: bool = True,
 ) -> list[dict[str, Any]]:
     """Latency-model samples of a recording; ``ranks`` gives each LoRA variant id's rank,
     ``deltas`` the variant ids that are deltas. With ``skip_loads``, steps that loaded a variant
     to the GPU are left out (their time includes the copy, which the model prices apart). Each
     sample's ``run`` counts the steps left out before it: samples of one run are consecutive
-    steps (``LatencyModel.fit``'s windows stay within a run)."""
+    steps (``LatencyModel.fit``'s windows stay within a run). With ``device_spans`` and a
+    recording that has them, ``step_s`` is each step's device span, of the steps launched behind
+    a running one only (``behind``: spans without launch gaps, which the host-launch model prices)
+    for each step kind that has some; else the output-to-output period."""
+    spans = device_spans and any(s.get("device_s") for s in steps)
+    rows = step_features(steps, ranks, deltas)
+    clean = {_kind(f) for s, f, _ in rows if spans and s.get("device_s") and s.get("behind")}
     samples = []
     run = 0
-    for s, f, period in step_features(steps, ranks, deltas):
+    for s, f, period in rows:
         loads = any(op[1] == TO_GPU for op in s["ops"])
-        if period > 0 and not (skip_loads and loads):
-            samples.append({**f, "step_s": period, "run": run})
+        t = s.get("device_s") if spans else period
+        keep = t is not None and t > 0 and (s.get("behind") or _kind(f) not in clean)
+        if keep and not (skip_loads and loads):
+            samples.append({**f, "step_s": t, "run": run})
         else:
             run += 1
     return samples
+
+
+def _kind(features: Mapping[str, float]) -> str:
+    return "prefill" if features["prefill_tokens"] > 0 else "decode"
+
+
+def host_samples(steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int]) -> list[dict[str, Any]]:
+    """Host-launch samples (``LatencyModel.fit_host``): each recorded step's features with
+    ``host_s``, its launch's seconds; steps that copied a variant to the GPU are left out (the
+    copy is priced apart), as are recordings without launch times."""
+    return [{**f, "host_s": s["launch"][1] - s["launch"][0]}
+            for s, f, _ in step_features(steps, ranks, deltas)
+            if "launch" in s and not any(op[1] == TO_GPU for op in s["ops"])]  # fmt: skip
+
+
+def router_gap_s(steps: list[dict[str, Any]]) -> float | None:
+    """Median seconds from the router forming a plan to the worker receiving it, over the plans
+    formed ahead: under overlapped steps plan N is formed when output N - 2 arrives (N - 1 in
+    flight), so its trip is ``recv[N] - sent[N - 2]`` when it came before ``sent[N - 1]``. None
+    when no plan was formed ahead."""
+    gaps = [s["recv"] - steps[i - 2]["sent"] for i, s in enumerate(steps)
+            if i >= 2 and steps[i - 2]["sent"] <= s["recv"] < steps[i - 1]["sent"]]  # fmt: skip
+    return float(np.median(gaps)) if gaps else None
+
+
+def graph_rule(steps: list[dict[str, Any]]) -> tuple[int, int]:
+    """``(graph_max_batch, graph_max_tokens)`` as the recording shows them: the most requests of a
+    step a graph replayed, and the most tokens of a replayed step that prefilled (0: none seen)."""
+    graphed = [s for s in steps if s.get("graph")]
+    prefills = [s for s in graphed if s["new"] or any(n > 1 for _, n in s["running"])]
+    most = max((len(s["new"]) + len(s["running"]) for s in graphed), default=0)
+    tokens = (sum(n[1] for n in s["new"]) + sum(n for _, n in s["running"]) for s in prefills)
+    return most, max(tokens, default=0)
 
 
 TO_HOST, TO_GPU = 0, 1
@@ -229,6 +356,7 @@ def step_features(
         f["lora_segments"] = len(loras)
         f["lora_rank_sum"] = sum(ranks.get(v, 0) for v in loras)
         f["deltas"] = len(used_deltas)
+        f["eager"] = 0.0 if s.get("graph") else 1.0
         out.append((s, f, period))
     return out
 
@@ -244,6 +372,7 @@ def main() -> None:
     from deltaserve import _native
 
     real = _native.WorkerLink
+    instrument_executor()
     delay_s = float(os.environ.get(DELAY_ENV) or 0.0)
     _native.WorkerLink = lambda *a, **kw: RecordingLink(real(*a, **kw), Path(out), delay_s)  # type: ignore[misc,assignment]
     sys.argv = ["deltaserve.worker", *args]

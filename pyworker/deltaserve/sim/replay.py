@@ -108,6 +108,9 @@ class SimResult:
     steps: list[tuple[int, int, bool, float, float, list[tuple[int, int]], int]] = field(default_factory=list)
     """With ``record_steps``: ``(worker, step_id, ahead, start_s, end_s, [(request, tokens)],
     prefill_tokens)`` per step in launch order; requests listed new first, then running."""
+    scheduled_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """When each request was first sent to a worker in a plan (NaN: never): ``scheduled_s -
+    arrival`` is its wait for a step, ``first_token_s - scheduled_s`` its steps' time."""
 
     def last(self, n: int) -> SimResult:
         """The run's last ``n`` requests (a trace replayed after a warm-up): their times, with the
@@ -117,7 +120,8 @@ class SimResult:
         trace = replace(t, arrival_s=t.arrival_s[keep], prompt_len=t.prompt_len[keep],
                         output_len=t.output_len[keep], variant=t.variant[keep])  # fmt: skip
         return replace(self, trace=trace, first_token_s=self.first_token_s[keep], finish_s=self.finish_s[keep],
-                       output_tokens=self.output_tokens[keep], worker_of=self.worker_of[keep])  # fmt: skip
+                       scheduled_s=self.scheduled_s[keep], output_tokens=self.output_tokens[keep],
+                       worker_of=self.worker_of[keep])  # fmt: skip
 
     @property
     def completed(self) -> np.ndarray:
@@ -192,7 +196,7 @@ def replay(
     slo_tpot_s: float | None = None,
     overlap_steps: bool = True,
     noise: float = 0.0,
-    router_gap_s: float = 0.0,
+    router_gap_s: float | None = None,
     max_queued_per_worker: int | None = None,
     step_times: list[float] | None = None,
     record_steps: bool = False,
@@ -204,8 +208,10 @@ def replay(
     :func:`deltaserve.sim.default_model`). ``noise`` (the standard deviation of the log of a
     mean-1 step-time factor) draws from ``seed``; the same arguments give the same result.
     ``step_times`` replaces the model's device time of each step in launch order (one worker).
-    ``placement`` picks each arrival's worker (module docstring). Bad input raises ``ValueError``
-    naming it."""
+    ``placement`` picks each arrival's worker (module docstring). The model's daemon terms
+    (host launch time, graph rule, ``ingress_s``, ``deliver_s``, ``router_gap_s`` unless given)
+    time the pipeline around the device (``deltaserve.sim.latency``). Bad input raises
+    ``ValueError`` naming it."""
     from deltaserve.sim.models import default_model
 
     sim_trace = load_trace(trace)
@@ -215,14 +221,16 @@ def replay(
     requests = list(zip(sim_trace.arrival_s, sim_trace.prompt_len, sim_trace.output_len, sim_trace.variant))
     out = _native.simulate(
         cfg, requests, variant_footprints(sim_trace, model, cfg.block_size), model.native(), workers=workers,
-        overlap_steps=overlap_steps, router_gap_s=router_gap_s, noise=noise, seed=seed,
-        max_queued_per_worker=max_queued_per_worker, step_times=step_times, record_steps=record_steps,
-        placement=placement, latency_profile=json.dumps(model.to_dict()), tpot_slo_s=slo_tpot_s,
+        overlap_steps=overlap_steps, router_gap_s=model.router_gap_s if router_gap_s is None else router_gap_s,
+        noise=noise, seed=seed, max_queued_per_worker=max_queued_per_worker, step_times=step_times,
+        record_steps=record_steps, placement=placement, latency_profile=json.dumps(model.to_dict()),
+        tpot_slo_s=slo_tpot_s, **model.native_options(),
     )  # fmt: skip
     return SimResult(
         trace=sim_trace,
         first_token_s=np.asarray(out["first_token_s"], dtype=np.float64),
         finish_s=np.asarray(out["finish_s"], dtype=np.float64),
+        scheduled_s=np.asarray(out["scheduled_s"], dtype=np.float64),
         output_tokens=np.asarray(out["output_tokens"], dtype=np.int64),
         worker_of=np.asarray(out["worker_of"], dtype=np.int64),
         busy_s=list(out["busy_s"]),

@@ -43,6 +43,7 @@ mod scheduler;
 mod sim;
 mod sim_latency;
 mod sim_loop;
+mod sim_pipeline;
 mod sim_placement;
 
 use std::sync::{Mutex, MutexGuard};

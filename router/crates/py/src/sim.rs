@@ -11,14 +11,14 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::scheduler::SchedError;
-use crate::sim_latency::{LatencyModel, FEATURES};
+use crate::sim_latency::{LatencyModel, FEATURES, NUM_FEATURES};
 use crate::sim_loop::{simulate as run, SimOptions, SimRequest, SimVariant};
 use crate::sim_placement::placement_named;
 use deltaserve_sched::wire::sched_kind;
 use deltaserve_server::engine::{LatencyProfile, Placer};
 
 /// The feature names of the latency model, in coefficient order.
-pub(crate) const SIM_FEATURES: [&str; 11] = FEATURES;
+pub(crate) const SIM_FEATURES: [&str; NUM_FEATURES] = FEATURES;
 
 /// The scheduler's limits (`deltaserve_sched::SchedulerConfig`), every field readable and
 /// writable; `validate()` checks them as the scheduler will.
@@ -155,14 +155,14 @@ impl PySchedulerConfig {
     }
 }
 
-/// A latency model from its two coefficient lists ([`FEATURES`] order) and bandwidths.
+/// A latency model from its device and host coefficient lists ([`FEATURES`] order; host:
+/// decode then prefill), graph rule and bandwidths.
 fn latency_model(
-    decode: Vec<f64>,
-    prefill: Vec<f64>,
-    disk_to_host_bps: (f64, f64),
-    host_to_gpu_bps: (f64, f64),
+    (decode, prefill, disk_to_host_bps, host_to_gpu_bps): LatencyTuple,
+    host: Option<(Vec<f64>, Vec<f64>)>,
+    (graph_max_batch, graph_max_tokens): (u32, u32),
 ) -> PyResult<LatencyModel> {
-    let coefs = |name: &str, v: Vec<f64>| -> PyResult<[f64; 11]> {
+    let coefs = |name: &str, v: Vec<f64>| -> PyResult<[f64; NUM_FEATURES]> {
         if v.iter().any(|c| !c.is_finite()) {
             return Err(PyValueError::new_err(format!(
                 "latency {name} coefficients must be finite, got {v:?}"
@@ -189,13 +189,23 @@ fn latency_model(
             )));
         }
     }
+    let host = match host {
+        Some((d, p)) => [coefs("host decode", d)?, coefs("host prefill", p)?],
+        None => [[0.0; NUM_FEATURES]; 2],
+    };
     Ok(LatencyModel {
         decode: coefs("decode", decode)?,
         prefill: coefs("prefill", prefill)?,
+        host,
+        graph_max_batch,
+        graph_max_tokens,
         disk_to_host_bps: [disk_to_host_bps.0, disk_to_host_bps.1],
         host_to_gpu_bps: [host_to_gpu_bps.0, host_to_gpu_bps.1],
     })
 }
+
+/// `(decode, prefill, disk_to_host_bps, host_to_gpu_bps)` as Python passes them.
+type LatencyTuple = (Vec<f64>, Vec<f64>, (f64, f64), (f64, f64));
 
 /// Replays `requests` (`(arrival_s, prompt_len, output_len, variant)`, variant 0 = base, `i`
 /// = `variants[i - 1]`) through `workers` copies of the real scheduler on a virtual clock.
@@ -204,14 +214,17 @@ fn latency_model(
 /// `SIM_FEATURES` order and bandwidths as `(lora, delta)` pairs. Arrivals are placed by the
 /// daemon's `--placement` policy `placement` (`PLACEMENTS`), pricing with `latency_profile` (the
 /// JSON `--latency-profile` reads, the same model's; `None`: the daemon's default) and
-/// `tpot_slo_s` (`--tpot-slo-ms`). Returns plain lists and counters (`deltaserve.sim`
-/// summarizes them).
+/// `tpot_slo_s` (`--tpot-slo-ms`). `host` (decode, prefill coefficients) prices the worker's
+/// launch of each step and `graphs` (`graph_max_batch`, `graph_max_tokens`; `None`: none)
+/// decides which steps run eagerly (`sim_latency.rs`); `ingress_s` delays each arrival and
+/// `deliver_s` each token seen (`sim_loop.rs`). Returns plain lists and counters (`deltaserve.sim` summarizes them).
 /// Bad input raises `ValueError` naming it; the run itself releases the GIL.
 #[pyfunction]
 #[pyo3(signature = (
     config, requests, variants, latency, *, workers = 1, overlap_steps = true,
     router_gap_s = 0.0, noise = 0.0, seed = 0, max_queued_per_worker = None, step_times = None,
     record_steps = false, placement = "least-loaded", latency_profile = None, tpot_slo_s = None,
+    host = None, graphs = None, ingress_s = 0.0, deliver_s = 0.0,
 ))]
 #[allow(clippy::too_many_arguments)] // one keyword per option
 #[allow(clippy::type_complexity)] // plain tuples are the conversion
@@ -220,7 +233,7 @@ pub(crate) fn simulate<'py>(
     config: &PySchedulerConfig,
     requests: Vec<(f64, u32, u32, u32)>,
     variants: Vec<(String, u32, u64, u32)>,
-    latency: (Vec<f64>, Vec<f64>, (f64, f64), (f64, f64)),
+    latency: LatencyTuple,
     workers: usize,
     overlap_steps: bool,
     router_gap_s: f64,
@@ -232,6 +245,10 @@ pub(crate) fn simulate<'py>(
     placement: &str,
     latency_profile: Option<&str>,
     tpot_slo_s: Option<f64>,
+    host: Option<(Vec<f64>, Vec<f64>)>,
+    graphs: Option<(u32, u32)>,
+    ingress_s: f64,
+    deliver_s: f64,
 ) -> PyResult<Bound<'py, PyDict>> {
     let cfg = Config::from(config);
     let policy = placement_named(placement).map_err(PyValueError::new_err)?;
@@ -251,7 +268,7 @@ pub(crate) fn simulate<'py>(
         tpot_slo_us: tpot_slo_s.map(|s| s * 1e6),
         max_num_seqs: cfg.max_num_seqs,
     };
-    let model = latency_model(latency.0, latency.1, latency.2, latency.3)?;
+    let model = latency_model(latency, host, graphs.unwrap_or((0, 0)))?;
     let requests = requests
         .into_iter()
         .enumerate()
@@ -286,7 +303,12 @@ pub(crate) fn simulate<'py>(
             })
         })
         .collect::<PyResult<Vec<_>>>()?;
-    for (name, x) in [("router_gap_s", router_gap_s), ("noise", noise)] {
+    for (name, x) in [
+        ("router_gap_s", router_gap_s),
+        ("noise", noise),
+        ("ingress_s", ingress_s),
+        ("deliver_s", deliver_s),
+    ] {
         if !(x.is_finite() && x >= 0.0) {
             return Err(PyValueError::new_err(format!(
                 "{name} must be a finite number >= 0, got {x}"
@@ -306,6 +328,8 @@ pub(crate) fn simulate<'py>(
         workers,
         overlap_steps,
         router_gap_s,
+        ingress_s,
+        deliver_s,
         noise,
         seed,
         max_queued_per_worker,
@@ -319,6 +343,7 @@ pub(crate) fn simulate<'py>(
     let d = PyDict::new(py);
     d.set_item("first_token_s", out.first_token_s)?;
     d.set_item("finish_s", out.finish_s)?;
+    d.set_item("scheduled_s", out.scheduled_s)?;
     d.set_item("output_tokens", out.output_tokens)?;
     d.set_item("worker_of", out.worker_of)?;
     d.set_item("busy_s", out.busy_s)?;

@@ -1,22 +1,32 @@
 //! The simulator's step-latency model at prediction time: the features of one scheduled step
-//! ([`StepFeatures`], named by [`FEATURES`]) and the two linear models over them
-//! ([`LatencyModel`]: one for decode-only steps, one for steps that prefill), plus the transfer
-//! bandwidths of the variant tiers. Fitting lives in Python (`deltaserve.sim.latency`, numpy
-//! least squares over a profile); this side only evaluates `coef · features`. [`SplitMix`]
-//! draws the optional step-time noise.
+//! ([`StepFeatures`], named by [`FEATURES`]) and the linear models over them ([`LatencyModel`]:
+//! device time and worker host (launch) time, each one model for decode-only steps and one for
+//! steps that prefill), plus the transfer bandwidths of the variant tiers. Fitting lives in
+//! Python (`deltaserve.sim.latency`, numpy least squares over a profile); this side only
+//! evaluates `coef · features`. [`SplitMix`] draws the optional step-time noise.
 //!
 //! ```text
 //! step kind  = "prefill" if any chunk prefills (a new request, or more than 1 token) else "decode"
-//! step_s     = max(0, Σ_f coef[kind][f] · feature[f])
+//! eager      = 1 unless a captured CUDA graph replays the step: decode, seqs <= graph_max_batch;
+//!              prefill (mixed), tokens <= graph_max_tokens, seqs <= graph_max_batch, no delta rows
+//! step_s     = max(0, Σ_f coef[kind][f] · feature[f])          device time
+//! host_s     = max(0, Σ_f host_coef[kind][f] · feature[f])     the worker's launch (0: none modelled)
 //! to_host_s  = host_bytes / disk_to_host_Bps[kind]   (one read; a worker runs READERS at once)
 //! to_gpu_s   = host_bytes / host_to_gpu_Bps[kind]    (added to the step that carries the ToGpu)
 //! ```
+//!
+//! The graph rule and `eager` are model inputs, not today's worker baked in: the limits are read
+//! from a recording (which steps replayed a graph), and a refit prices each kind.
 
-use deltaserve_sched::VariantKind;
+use std::collections::{BTreeSet, HashMap};
+
+use deltaserve_sched::{ScheduledStep, VariantKind};
+
+use crate::sim_loop::{SimRequest, SimVariant};
 
 /// The feature names, in the order of [`StepFeatures::values`]; Python reads them from
 /// `_native.SIM_FEATURES` (one owner).
-pub(crate) const FEATURES: [&str; 11] = [
+pub(crate) const FEATURES: [&str; NUM_FEATURES] = [
     "const",
     "tokens",
     "seqs",
@@ -28,7 +38,11 @@ pub(crate) const FEATURES: [&str; 11] = [
     "lora_tokens",
     "deltas",
     "delta_tokens",
+    "eager",
 ];
+
+/// How many features a step has ([`FEATURES`]).
+pub(crate) const NUM_FEATURES: usize = 12;
 
 /// What one step computes, as the latency model sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -54,11 +68,14 @@ pub(crate) struct StepFeatures {
     pub(crate) deltas: f64,
     /// Tokens (rows) of requests with a delta.
     pub(crate) delta_tokens: f64,
+    /// 1 when the step runs eagerly, 0 when a captured graph replays it
+    /// ([`LatencyModel::runs_eager`]).
+    pub(crate) eager: f64,
 }
 
 impl StepFeatures {
     /// The values in [`FEATURES`] order (`const` first, always 1).
-    pub(crate) fn values(&self) -> [f64; 11] {
+    pub(crate) fn values(&self) -> [f64; NUM_FEATURES] {
         [
             1.0,
             self.tokens,
@@ -71,6 +88,7 @@ impl StepFeatures {
             self.lora_tokens,
             self.deltas,
             self.delta_tokens,
+            self.eager,
         ]
     }
 
@@ -83,10 +101,17 @@ impl StepFeatures {
 /// The linear step-time models and the tier bandwidths.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct LatencyModel {
-    /// Seconds per unit of each feature, decode-only steps ([`FEATURES`] order).
-    pub(crate) decode: [f64; 11],
-    /// Seconds per unit of each feature, steps with a prefill chunk.
-    pub(crate) prefill: [f64; 11],
+    /// Device seconds per unit of each feature, decode-only steps ([`FEATURES`] order).
+    pub(crate) decode: [f64; NUM_FEATURES],
+    /// Device seconds per unit of each feature, steps with a prefill chunk.
+    pub(crate) prefill: [f64; NUM_FEATURES],
+    /// Worker host seconds to launch a step, per unit of each feature: decode-only steps, then
+    /// steps with a prefill chunk (all 0: launches cost nothing, the model before host time).
+    pub(crate) host: [[f64; NUM_FEATURES]; 2],
+    /// Largest decode batch (requests) a captured graph replays; 0: no graphs, every step eager.
+    pub(crate) graph_max_batch: u32,
+    /// Largest step that prefills (tokens) a captured graph replays; 0: such steps run eagerly.
+    pub(crate) graph_max_tokens: u32,
     /// Disk -> host read bandwidth of a variant (bytes/s), `[lora, delta]`.
     pub(crate) disk_to_host_bps: [f64; 2],
     /// Host -> GPU copy bandwidth of a variant (bytes/s), `[lora, delta]`.
@@ -94,6 +119,20 @@ pub(crate) struct LatencyModel {
 }
 
 impl LatencyModel {
+    /// A model with the given device coefficients, no host time and no graphs.
+    #[cfg(test)]
+    pub(crate) fn device_only(decode: [f64; NUM_FEATURES], prefill: [f64; NUM_FEATURES]) -> Self {
+        LatencyModel {
+            decode,
+            prefill,
+            host: [[0.0; NUM_FEATURES]; 2],
+            graph_max_batch: 0,
+            graph_max_tokens: 0,
+            disk_to_host_bps: [1e9, 1e9],
+            host_to_gpu_bps: [1e10, 1e10],
+        }
+    }
+
     /// Seconds the step takes on the device (never negative).
     pub(crate) fn step_s(&self, f: &StepFeatures) -> f64 {
         let coef = if f.prefills() {
@@ -101,8 +140,23 @@ impl LatencyModel {
         } else {
             &self.decode
         };
-        let t: f64 = coef.iter().zip(f.values()).map(|(c, x)| c * x).sum();
-        t.max(0.0)
+        dot(coef, f)
+    }
+
+    /// Seconds the worker's host spends launching the step (never negative).
+    pub(crate) fn host_s(&self, f: &StepFeatures) -> f64 {
+        dot(&self.host[usize::from(f.prefills())], f)
+    }
+
+    /// Whether the step runs eagerly (no captured graph takes it; module docstring).
+    pub(crate) fn runs_eager(&self, f: &StepFeatures) -> bool {
+        let graphed = f.seqs <= f64::from(self.graph_max_batch)
+            && if f.prefills() {
+                f.tokens <= f64::from(self.graph_max_tokens) && f.delta_tokens == 0.0
+            } else {
+                true
+            };
+        !graphed
     }
 
     /// Seconds to read `bytes` of a variant of `kind` from disk into host memory.
@@ -116,12 +170,79 @@ impl LatencyModel {
     }
 }
 
+/// `max(0, coef · features)`.
+fn dot(coef: &[f64; NUM_FEATURES], f: &StepFeatures) -> f64 {
+    let t: f64 = coef.iter().zip(f.values()).map(|(c, x)| c * x).sum();
+    t.max(0.0)
+}
+
 /// Index of a kind in the bandwidth pairs: `[lora, delta]`.
 pub(crate) fn kind_index(kind: VariantKind) -> usize {
     match kind {
         VariantKind::Lora => 0,
         VariantKind::Delta => 1,
     }
+}
+
+/// The latency features of `step` (`eager` left 0: the model's graph rule sets it) and its
+/// `(request, tokens)` entries in plan order, updating each request's `cached` length.
+pub(crate) fn step_features(
+    cached: &mut HashMap<u64, u32>,
+    step: &ScheduledStep,
+    requests: &[SimRequest],
+    variants: &[SimVariant],
+) -> (StepFeatures, Vec<(u64, u32)>) {
+    let mut f = StepFeatures::default();
+    let mut loras = BTreeSet::new();
+    let mut deltas = BTreeSet::new();
+    let mut entries = Vec::with_capacity(step.num_requests());
+    let new = step
+        .new
+        .iter()
+        .map(|n| (n.id, n.num_computed_tokens, n.num_scheduled_tokens, true));
+    let running = step.running.iter().map(|r| {
+        let from = cached.get(&r.id).copied().unwrap_or(0);
+        (
+            r.id,
+            from,
+            r.num_scheduled_tokens,
+            r.num_scheduled_tokens > 1,
+        )
+    });
+    let chunks: Vec<_> = new.chain(running).collect();
+    for (id, from, n, prefill) in chunks {
+        let to = from + n;
+        cached.insert(id, to);
+        entries.push((id, n));
+        let (n, to) = (f64::from(n), f64::from(to));
+        f.tokens += n;
+        f.seqs += 1.0;
+        f.context_tokens += to;
+        if prefill {
+            f.prefill_tokens += n;
+            f.prefill_attention += n * to;
+        }
+        let variant = requests[id as usize].variant;
+        if variant == 0 {
+            continue;
+        }
+        let v = &variants[variant as usize - 1];
+        match v.kind {
+            VariantKind::Lora => {
+                f.lora_tokens += n;
+                if loras.insert(variant) {
+                    f.lora_rank_sum += f64::from(v.rank);
+                }
+            }
+            VariantKind::Delta => {
+                f.delta_tokens += n;
+                deltas.insert(variant);
+            }
+        }
+    }
+    f.lora_segments = loras.len() as f64;
+    f.deltas = deltas.len() as f64;
+    (f, entries)
 }
 
 /// A seeded generator (SplitMix64) for the step-time noise: no dependency, the same numbers on
@@ -158,17 +279,16 @@ mod tests {
 
     #[test]
     fn the_step_kind_picks_the_model_and_time_is_never_negative() {
-        let mut decode = [0.0; 11];
+        let mut decode = [0.0; NUM_FEATURES];
         decode[0] = 0.01;
         decode[2] = 0.001;
-        let mut prefill = [0.0; 11];
+        let mut prefill = [0.0; NUM_FEATURES];
         prefill[0] = -1.0;
         prefill[3] = 0.5;
         let m = LatencyModel {
-            decode,
-            prefill,
             disk_to_host_bps: [1e9, 2e9],
             host_to_gpu_bps: [1e10, 2e10],
+            ..LatencyModel::device_only(decode, prefill)
         };
         let step = StepFeatures {
             seqs: 4.0,
@@ -186,5 +306,48 @@ mod tests {
         assert!((m.to_host_s(VariantKind::Delta, 2_000_000_000) - 1.0).abs() < 1e-12);
         assert!((m.to_gpu_s(VariantKind::Delta, 2_000_000_000) - 0.1).abs() < 1e-12);
         assert_eq!(FEATURES.len(), step.values().len());
+        assert_eq!(m.host_s(&step), 0.0, "no host model: launches are free");
+    }
+
+    #[test]
+    fn the_graph_rule_decides_eager_and_host_time_follows_the_kind() {
+        let mut m = LatencyModel::device_only([0.0; NUM_FEATURES], [0.0; NUM_FEATURES]);
+        let decode = StepFeatures {
+            seqs: 8.0,
+            tokens: 8.0,
+            ..Default::default()
+        };
+        let mixed = StepFeatures {
+            prefill_tokens: 100.0,
+            tokens: 107.0,
+            ..decode
+        };
+        assert!(m.runs_eager(&decode) && m.runs_eager(&mixed), "no graphs");
+        m.graph_max_batch = 8;
+        assert!(!m.runs_eager(&decode) && m.runs_eager(&mixed));
+        m.graph_max_batch = 7;
+        assert!(m.runs_eager(&decode), "past the largest bucket");
+        m.graph_max_batch = 128;
+        m.graph_max_tokens = 106;
+        assert!(m.runs_eager(&mixed), "past the largest token bucket");
+        m.graph_max_tokens = 512;
+        assert!(!m.runs_eager(&mixed), "mixed steps captured");
+        let delta = StepFeatures {
+            delta_tokens: 3.0,
+            ..mixed
+        };
+        assert!(
+            m.runs_eager(&delta),
+            "mixed steps with delta rows run eagerly"
+        );
+        m.host[0][0] = 0.001;
+        m.host[1][11] = 0.004; // eager prefill steps
+        let eager = StepFeatures {
+            eager: 1.0,
+            ..mixed
+        };
+        assert!((m.host_s(&decode) - 0.001).abs() < 1e-12);
+        assert!((m.host_s(&eager) - 0.004).abs() < 1e-12);
+        assert_eq!(m.host_s(&mixed), 0.0);
     }
 }

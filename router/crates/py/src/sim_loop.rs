@@ -6,21 +6,25 @@
 //! # The actor's call sequence, replayed
 //!
 //! ```text
-//! arrival of request i at t   route it by the router's placement policy (`sim_placement.rs`;
+//! arrival of request i at t   (t = its trace arrival + ingress_s: HTTP and the command queue)
+//!                             route it by the router's placement policy (`sim_placement.rs`;
 //!                             least-loaded: the fewest live requests, ties the lowest index),
 //!                             add_request, keep_busy
 //! output of step N at t       host_copies_ready(reads finished by t), update(N's tokens),
-//!                             keep_busy, then count tokens (first token: TTFT; finish)
+//!                             keep_busy, then count tokens, each seen by its client at
+//!                             t + deliver_s (streaming out; first token: TTFT; finish)
 //! keep_busy                   no step in flight: schedule(); overlap_steps and one in flight:
 //!                             schedule_ahead()   (both skipped when nothing is unfinished)
 //! ```
 //!
 //! # Time
 //!
-//! A step sent at `t` starts on the device at `max(t + router_gap_s, the previous step's end,
-//! the host copies its ToGpu ops wait for)` and lasts the model's `step_s` (times a seeded
-//! log-normal factor when `noise > 0`, or the given `step_times`) plus its `ToGpu` copies. Its
-//! output reaches the router at its end. A `ToHost` read starts when its step is sent, on the
+//! A step sent at `t` reaches the worker at `t + router_gap_s`; its device work lasts the
+//! model's `step_s` (times a seeded log-normal factor when `noise > 0`, or the given
+//! `step_times`) plus its `ToGpu` copies, and the worker's launch the model's `host_s`.
+//! `sim_pipeline.rs` times the two on the worker's host and device as the overlapped worker
+//! loop runs them: an output leaves at its step's device end, or after the next step's launch
+//! when that plan came while the step ran. A `ToHost` read starts when its step is sent, on the
 //! first of its kind's [`READERS`] readers to be free (the worker's pools each read with that
 //! many threads: `adapters/host_tier.py`'s `LOAD_THREADS`), and is reported with the first output
 //! after it finished, as the worker's `host_ready` does. Every request samples a token each
@@ -30,13 +34,14 @@
 //! Events at the same instant: step outputs before arrivals, arrivals in trace order.
 
 use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 
 use deltaserve_sched::{
-    ScheduledStep, Scheduler, SchedulerConfig, SeqRequest, VariantKind, VariantOpKind, VariantSpec,
+    Scheduler, SchedulerConfig, SeqRequest, VariantKind, VariantOpKind, VariantSpec,
 };
 
-use crate::sim_latency::{LatencyModel, SplitMix, StepFeatures};
+use crate::sim_latency::{step_features, LatencyModel, SplitMix};
+use crate::sim_pipeline::{Previous, WorkerClock};
 use crate::sim_placement::SimPlacer;
 use deltaserve_server::engine::Placer;
 
@@ -73,8 +78,12 @@ pub(crate) struct SimOptions {
     pub(crate) workers: usize,
     /// The daemon's `--overlap-steps`: a step is formed ahead while one is in flight.
     pub(crate) overlap_steps: bool,
-    /// Seconds from a plan being sent to its step starting (router + IPC), when not hidden.
+    /// Seconds from a plan being sent to the worker receiving it (router + IPC).
     pub(crate) router_gap_s: f64,
+    /// Seconds from a request's arrival to the engine adding it (HTTP, tokenizer, command queue).
+    pub(crate) ingress_s: f64,
+    /// Seconds from a step's output leaving the worker to its tokens reaching the clients.
+    pub(crate) deliver_s: f64,
     /// Standard deviation of the log of a multiplicative step-time noise (0: none).
     pub(crate) noise: f64,
     /// Seed of the noise.
@@ -113,8 +122,10 @@ pub(crate) struct StepRecord {
 /// Everything a run measured; per-request vectors are indexed like the trace.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct SimOutcome {
-    /// When each request's first token reached the router (NaN: never).
+    /// When each request's first token reached its client (NaN: never).
     pub(crate) first_token_s: Vec<f64>,
+    /// When each request was first sent to a worker in a plan (NaN: never).
+    pub(crate) scheduled_s: Vec<f64>,
     /// When each request finished (NaN: rejected).
     pub(crate) finish_s: Vec<f64>,
     /// Output tokens each request received.
@@ -134,8 +145,12 @@ pub(crate) struct SimOutcome {
 
 /// A step sent and not answered yet.
 struct InFlight {
-    /// When its output reaches the router.
-    end_s: f64,
+    /// When its device work ends.
+    device_end_s: f64,
+    /// When its output reaches the router (a later launch may postpone it).
+    out_s: f64,
+    /// The sequence number of its current entry in the output queue (older ones are stale).
+    due_seq: u64,
     /// The requests it scheduled.
     ids: Vec<u64>,
 }
@@ -147,8 +162,8 @@ pub const READERS: usize = 4;
 struct WorkerSim {
     sched: Scheduler,
     in_flight: VecDeque<InFlight>,
-    /// When the device finishes the last step sent.
-    device_free_s: f64,
+    /// When the worker's thread and its device are free.
+    clock: WorkerClock,
     /// When each reader of each variant kind (lora, delta) finishes the reads queued on it.
     readers_free_s: [[f64; READERS]; 2],
     /// Variant -> when its host copy is (or was) complete, while it has one.
@@ -240,7 +255,7 @@ pub(crate) fn simulate(
         workers.push(WorkerSim {
             sched,
             in_flight: VecDeque::new(),
-            device_free_s: 0.0,
+            clock: WorkerClock::default(),
             readers_free_s: [[0.0; READERS]; 2],
             host_done_s: HashMap::new(),
             unreported: BTreeMap::new(),
@@ -264,6 +279,7 @@ pub(crate) fn simulate(
         launched: 0,
         out: SimOutcome {
             first_token_s: vec![f64::NAN; n],
+            scheduled_s: vec![f64::NAN; n],
             finish_s: vec![f64::NAN; n],
             output_tokens: vec![0; n],
             worker_of: vec![-1; n],
@@ -274,7 +290,9 @@ pub(crate) fn simulate(
     order.sort_by(|&a, &b| requests[a].arrival_s.total_cmp(&requests[b].arrival_s));
     let mut next = 0;
     loop {
-        let arrival = order.get(next).map(|&i| requests[i].arrival_s);
+        let arrival = order
+            .get(next)
+            .map(|&i| requests[i].arrival_s + opts.ingress_s);
         match (arrival, sim.outputs.peek().copied()) {
             (None, None) => break,
             (Some(t), Some(due)) if due.t > t => {
@@ -287,7 +305,10 @@ pub(crate) fn simulate(
             }
             (_, Some(due)) => {
                 sim.outputs.pop();
-                sim.output(due.worker, due.t)?;
+                let current = sim.workers[due.worker].in_flight.front();
+                if current.is_some_and(|step| step.due_seq == due.seq) {
+                    sim.output(due.worker, due.t)?;
+                } // else postponed: a later entry answers it
             }
         }
     }
@@ -309,6 +330,7 @@ impl Sim<'_> {
         let w = self
             .placer
             .choose(&loads, self.opts.max_queued_per_worker, &r);
+        let t = r.arrival_s + self.opts.ingress_s;
         let worker = &mut self.workers[w];
         if self
             .opts
@@ -334,7 +356,7 @@ impl Sim<'_> {
         worker.next_stamp += 1;
         worker.live += 1;
         self.out.worker_of[i] = w as i64;
-        self.keep_busy(w, r.arrival_s)
+        self.keep_busy(w, t)
     }
 
     /// The oldest step in flight on worker `w` answers at `t` (the actor's `on_step_output`).
@@ -344,7 +366,7 @@ impl Sim<'_> {
             .in_flight
             .pop_front()
             .expect("an output answers a sent step");
-        debug_assert_eq!(step.end_s, t);
+        debug_assert_eq!(step.out_s, t);
         let ready: Vec<u32> = worker
             .unreported
             .iter()
@@ -358,14 +380,15 @@ impl Sim<'_> {
         let sampled: Vec<(u64, Option<u32>)> = step.ids.iter().map(|&id| (id, Some(1))).collect();
         let updates = worker.sched.update(&sampled);
         self.keep_busy(w, t)?;
+        let seen = t + self.opts.deliver_s;
         for u in updates {
             let i = u.id as usize;
             if self.out.output_tokens[i] == 0 {
-                self.out.first_token_s[i] = t;
+                self.out.first_token_s[i] = seen;
             }
             self.out.output_tokens[i] += 1;
             if u.finished.is_some() {
-                self.out.finish_s[i] = t;
+                self.out.finish_s[i] = seen;
                 let worker = &mut self.workers[w];
                 worker.live -= 1;
                 worker.cached.remove(&u.id);
@@ -401,8 +424,13 @@ impl Sim<'_> {
         if step.is_empty() {
             return Ok(());
         }
-        let (features, entries) = features(worker, &step, self.requests, self.variants);
-        let mut start = (t + self.opts.router_gap_s).max(worker.device_free_s);
+        for id in &step.released {
+            worker.cached.remove(id);
+        }
+        let (mut features, entries) =
+            step_features(&mut worker.cached, &step, self.requests, self.variants);
+        features.eager = f64::from(u8::from(self.model.runs_eager(&features)));
+        let mut ready_s = t;
         let mut copy_s = 0.0;
         for op in &step.adapter_ops {
             let id = op.adapter_id;
@@ -420,7 +448,7 @@ impl Sim<'_> {
                     worker.unreported.insert(id, done);
                 }
                 VariantOpKind::ToGpu { .. } => {
-                    start = start.max(worker.host_done_s.get(&id).copied().unwrap_or(t));
+                    ready_s = ready_s.max(worker.host_done_s.get(&id).copied().unwrap_or(t));
                     copy_s += self.model.to_gpu_s(kind, bytes);
                 }
                 VariantOpKind::DropHost => {
@@ -441,19 +469,45 @@ impl Sim<'_> {
             None => self.model.step_s(&features) * self.rng.log_normal(self.opts.noise),
         };
         self.launched += 1;
-        let end = start + compute_s + copy_s;
-        worker.device_free_s = end;
+        let previous = worker.in_flight.back().map(|p| Previous {
+            device_end_s: p.device_end_s,
+            out_s: p.out_s,
+        });
+        let arrive = t + self.opts.router_gap_s;
+        let host_s = self.model.host_s(&features);
+        let timed = worker
+            .clock
+            .launch(arrive, host_s, compute_s + copy_s, ready_s, previous);
+        let (start, end) = (timed.device_start_s, timed.device_end_s);
+        if let (Some(out), Some(p)) = (timed.previous_out_s, worker.in_flight.back_mut()) {
+            self.seq += 1;
+            p.out_s = out;
+            p.due_seq = self.seq;
+            self.outputs.push(Due {
+                t: out,
+                seq: self.seq,
+                worker: w,
+            });
+        }
         worker.busy_s += compute_s + copy_s;
+        self.seq += 1;
         worker.in_flight.push_back(InFlight {
-            end_s: end,
+            device_end_s: end,
+            out_s: end,
+            due_seq: self.seq,
             ids: entries.iter().map(|&(id, _)| id).collect(),
         });
-        self.seq += 1;
         self.outputs.push(Due {
             t: end,
             seq: self.seq,
             worker: w,
         });
+        for &(id, _) in &entries {
+            let first = &mut self.out.scheduled_s[id as usize];
+            if first.is_nan() {
+                *first = t;
+            }
+        }
         let s = worker.sched.stats();
         for (name, value) in [
             ("kv_blocks", u64::from(s.used_blocks)),
@@ -513,68 +567,4 @@ impl Sim<'_> {
         self.out.busy_s = self.workers.iter().map(|w| w.busy_s).collect();
         Ok(self.out)
     }
-}
-
-/// The latency features of `step` and its `(request, tokens)` entries in plan order, updating
-/// each request's cached length on `worker`.
-fn features(
-    worker: &mut WorkerSim,
-    step: &ScheduledStep,
-    requests: &[SimRequest],
-    variants: &[SimVariant],
-) -> (StepFeatures, Vec<(u64, u32)>) {
-    for id in &step.released {
-        worker.cached.remove(id);
-    }
-    let mut f = StepFeatures::default();
-    let mut loras = BTreeSet::new();
-    let mut deltas = BTreeSet::new();
-    let mut entries = Vec::with_capacity(step.num_requests());
-    let new = step
-        .new
-        .iter()
-        .map(|n| (n.id, n.num_computed_tokens, n.num_scheduled_tokens, true));
-    let running = step.running.iter().map(|r| {
-        let from = worker.cached.get(&r.id).copied().unwrap_or(0);
-        (
-            r.id,
-            from,
-            r.num_scheduled_tokens,
-            r.num_scheduled_tokens > 1,
-        )
-    });
-    let chunks: Vec<_> = new.chain(running).collect();
-    for (id, from, n, prefill) in chunks {
-        let to = from + n;
-        worker.cached.insert(id, to);
-        entries.push((id, n));
-        let (n, to) = (f64::from(n), f64::from(to));
-        f.tokens += n;
-        f.seqs += 1.0;
-        f.context_tokens += to;
-        if prefill {
-            f.prefill_tokens += n;
-            f.prefill_attention += n * to;
-        }
-        let variant = requests[id as usize].variant;
-        if variant == 0 {
-            continue;
-        }
-        let v = &variants[variant as usize - 1];
-        match v.kind {
-            VariantKind::Lora => {
-                f.lora_tokens += n;
-                if loras.insert(variant) {
-                    f.lora_rank_sum += f64::from(v.rank);
-                }
-            }
-            VariantKind::Delta => {
-                f.delta_tokens += n;
-                deltas.insert(variant);
-            }
-        }
-    }
-    f.lora_segments = loras.len() as f64;
-    f.deltas = deltas.len() as f64;
-    (f, entries)
 }
