@@ -1,35 +1,55 @@
 """Validates the simulator (``deltaserve.sim``) against the daemon on the same GPU: for the S-LoRA
 S2 trace and the DeltaZip trace, one daemon start each, whose worker records every step
-(``deltaserve.sim.record``):
+(``deltaserve.sim.record``: plans, outputs, the executor's launch and finish times, graph replays
+and CUDA-event device spans):
 
-    1. profile   a trace of the same workload (seed 1, 1.5x the rate) replayed open-loop; its
-                 recorded steps fit a latency model (LatencyModel.fit over sliding windows of
-                 FIT_WINDOW steps; steps that copied a variant to the GPU left out)
-    2. measure   the validation trace (seed 0) replayed open-loop (bench/replay.py), on the same
-                 daemon right after
-    3. simulate  the profile trace, then the validation trace once it is done, as the daemon
-                 saw them (the profile leaves variants resident), in the simulator: the fitted
-                 model, the daemon's own scheduler config (its KV pages from /metrics, the
-                 experiment's flags), the variants' footprints from their files; the figures
-                 are the validation requests'
-    4. compare   predicted vs measured throughput (req/s) and mean TTFT; target: within 15%
+    1. profile   one trace per validated rate (seeds 100, 101, ...; ``PROFILE_RATE`` x the rate,
+                 ``--profile-duration`` s) replayed open-loop; the recording fits the model:
+                 device time per step from the device spans (steps launched behind a running
+                 one, whose spans hold no launch gaps), the worker's host launch time per step
+                 (``LatencyModel.fit_host``), the graph rule (which steps replayed a graph), the
+                 plans' trip from the router (``router_gap_s``), and from the profile's own
+                 client records on the same clock (``bench/sim_timeline.py``) the delivery of a
+                 token to its client (median) and the ingress of a request (5th percentile of
+                 its wait for a plan, less the plan's trip); on the CPU (no device spans) the
+                 output periods in sliding windows of ``FIT_WINDOW`` steps alone
+    2. measure   per rate, ``--seeds`` validation traces (seeds 0, 1, ...) replayed open-loop
+                 (bench/replay.py) on the same daemon, one after another
+    3. simulate  every replay, profile included, at the clients' own send times in one run of
+                 the simulator (the daemon keeps variants resident from one replay to the next):
+                 the fitted model, the daemon's scheduler config (its KV pages from /metrics, the
+                 experiment's flags), the variants' footprints from their files
+    4. compare   per replay and per rate (requests pooled over its seeds): predicted vs measured
+                 throughput and mean TTFT (target: within 15 %), the measured spread of the mean
+                 TTFT over the seeds beside the error, and each TTFT split into wait / steps /
+                 deliver, measured (worker recording + client) and simulated
+
+TTFT is the first token event (``--protocol ws``, the default): over SSE the client counts the
+first chunk with text, and a token that decodes to no text yet (an incomplete UTF-8 character, a
+special token: common with the random-weight models here) moves it to a later step, which the
+simulator, counting tokens, does not see (the results before the ws default were over SSE).
 
 Variant transfer bandwidths (disk -> host -> GPU) are measured from the profile recording
-(``deltaserve.sim.record.transfer_bandwidths``: each ``to_host`` read to its ``host_ready`` report,
-each ``to_gpu`` copy as its step's worker time outside the forward pass beyond that of steps
-without copies); a kind the profile never
-moved keeps the bundled model's figure (H200 measurements, ``deltaserve/sim/models.py``). Writes
-``bench/results/sim_validate-<device>-<date>.json``. On an H100 (about 5-7 minutes, most of it
-writing the DeltaZip experiment's delta files and starting its daemon):
+(``deltaserve.sim.record.transfer_bandwidths``); a kind the profile never moved keeps the bundled
+model's figure (H200 measurements, ``deltaserve/sim/models.py``). Writes
+``bench/results/sim_validate-<experiments>-<device>-<date>.json``. On an H100 or H200, each under
+four minutes of wall time plus the model and variant files' writing:
 
-    python -m bench.sim_validate
-    python -m bench.sim_validate --smoke           # tiny CPU models, a few requests (~1 min)
+    python -m bench.sim_validate --experiments slora-s2          # rates 8 and 28, 2 seeds each
+    python -m bench.sim_validate --experiments deltazip --seeds 3 --profile-duration 30
+    python -m bench.sim_validate --smoke           # tiny CPU models, a few requests (~2 min)
+
+``--save-recording DIR`` keeps the raw material (the step recording, every replay's requests and
+client records, the run's flags and file sizes); ``--from-recording DIR`` fits, simulates and
+compares again from it on any machine, so a change to the model is checked without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import gzip
 import json
 import sys
 import time
@@ -48,12 +68,25 @@ from bench.serving.experiments import WORKLOADS, experiment
 from bench.serving.runner import detect_devices, work_directory
 from bench.serving.servers import SERVERS, merge_flags
 from bench.serving.variants import prepare_variants
+from bench.sim_timeline import StartClock, measured_split, simulated_split
 from deltaserve import _native, sim
-from deltaserve.sim.record import read_steps, recording_python, steps_to_samples, transfer_bandwidths
+from deltaserve.sim.record import (
+    graph_rule,
+    host_samples,
+    read_steps,
+    recording_python,
+    router_gap_s,
+    steps_to_samples,
+    transfer_bandwidths,
+)
 from deltaserve.sim.trace import from_requests
 
 TARGET = 0.15
 """Largest relative error accepted for throughput and mean TTFT."""
+PROFILE_RATE = 1.25
+"""Each profile trace offers this times its validation rate (batches a little past the measured)."""
+LEAD_S = 0.1
+"""Seconds between a replay's call and its trace's time 0."""
 FIT_WINDOW = 2
 """Steps per sliding latency-fit window: two steps are in flight under overlapped steps, and a
 step's host work lands in its neighbour's output-to-output period (per-step fits of the S-LoRA S2
@@ -61,7 +94,9 @@ profile had R² 0.05 and priced most prefill steps at 0.2 ms). A modelling choic
 sensitivity: on that profile (H200, fe8b6b8), windows of 1 / 2 / 4 / 8 steps put the validation's
 mean TTFT at -38 / -6 / +15 / +26 % of measured. Longer windows price each step more fully (the
 edge error shrinks as 1 / window: tests/sim), and the simulator then over-predicts; its TPOT is
-also 7-9 % over at every window: a mechanism of the daemon it does not model yet."""
+also 7-9 % over at every window. Used only where the recording has no device spans (the CPU):
+on a GPU the spans and the launch times separate the two, and the simulator's worker pipeline
+(``router/crates/py/src/sim_pipeline.rs``) puts the host work where the worker loop does."""
 
 
 @contextlib.contextmanager
@@ -95,19 +130,17 @@ def _flag(flags: list[str], name: str, default: int) -> int:
     return default
 
 
-def _footprints(model: sim.LatencyModel, files: Any, trace: Any, kv_bytes_per_token: int) -> None:
-    """Sets ``model.memory``'s variant sizes from the files the daemon serves."""
-    mem = model.memory
-    mem.kv_bytes_per_token = kv_bytes_per_token
-    page = kv_bytes_per_token * 16
+def _footprints(files: Any, trace: Any) -> dict[str, Any]:
+    """``Memory`` fields of the variants' sizes, from the files the daemon serves."""
+    out: dict[str, Any] = {}
     lora = next((v for v in trace.variants if v.kind == "lora"), None)
     if lora is not None and files.lora_dir is not None:
         size = sum(p.stat().st_size for p in (Path(files.lora_dir) / lora.name).rglob("*.safetensors"))
-        mem.lora_bytes_per_rank = max(1, size // lora.rank)
-        mem.lora_pages_per_rank = mem.lora_bytes_per_rank / page
+        out["lora_bytes_per_rank"] = max(1, size // lora.rank)
     if files.deltas:
         d = next(iter(files.deltas.values()))
-        mem.delta_bytes = sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())
+        out["delta_bytes"] = sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())
+    return out
 
 
 def _variant_bytes(files: Any, variants: list[Any]) -> dict[int, tuple[str, int]]:
@@ -136,23 +169,51 @@ def _kv_bytes_per_token(model_dir: Path | None, devices: str) -> int:
     return cfg["num_hidden_layers"] * 2 * kv_heads * head * (4 if devices == "cpu" else 2)
 
 
-def validate(name: str, args: argparse.Namespace, work: Path, devices: str, device: str) -> dict[str, Any]:
-    """Profile, measure, simulate and compare one experiment (module docstring) on ``devices``
-    (``cpu`` or CUDA ids), the GPU named ``device``."""
+def _phase_traces(name: str, args: argparse.Namespace) -> tuple[Any, Any, list[Any], list[tuple[str, float, int, Any]]]:
+    """The experiment, its point, the profile traces and the validation phases ``(label, rate,
+    seed, trace)``: per rate, seeds 0..``--seeds``-1 (the profile's seeds are 100 + its rate's
+    index, at ``PROFILE_RATE`` x the rate)."""
     overrides: dict[str, Any] = {"smoke": args.smoke}
     if not args.smoke:
         overrides["duration"] = args.duration
         if name == "slora-s2":
-            overrides.update(n=[args.n], rate=[args.rate_s2])
-        else:
-            overrides.update(rate=[args.rate_deltazip])
+            overrides["n"] = [args.n]
     exp = experiment(name, **overrides)
     exp = replace(exp, points=exp.points[:1])
     point = exp.points[0]
     make = WORKLOADS[point.workload]
-    valid = make(**point.trace)
-    profile = make(**{**point.trace, "seed": 1, "rate": point.trace["rate"] * 1.5})
-    variants = list({v.name: v for v in valid.variants + profile.variants}.values())
+    rates = [point.trace["rate"]] if args.smoke else _rates(args, name)
+    profile_s = point.trace["duration"] if args.smoke else args.profile_duration
+    profiles = [make(**{**point.trace, "seed": 100 + j, "rate": r * PROFILE_RATE, "duration": profile_s})
+                for j, r in enumerate(rates)]  # fmt: skip
+    phases = [(f"rate {r:g} seed {k}", r, k, make(**{**point.trace, "seed": k, "rate": r}))
+              for r in rates for k in range(1 if args.smoke else args.seeds)]  # fmt: skip
+    return exp, point, profiles, phases
+
+
+def _rates(args: argparse.Namespace, name: str) -> list[float]:
+    text = args.rates_s2 if name == "slora-s2" else args.rates_deltazip
+    return [float(x) for x in text.split(",") if x]
+
+
+def _replay(trace: Any, url: str, point: Any, timeout_s: float) -> tuple[list[Any], float]:
+    """Replays ``trace`` open-loop; returns its records and its absolute start (CLOCK_MONOTONIC)."""
+    clock = StartClock()
+    real, rp.time = rp.time, clock  # type: ignore[assignment]
+    try:
+        records = rp.run_replay(trace, url, protocol=point.protocol, timeout_s=timeout_s, lead_s=LEAD_S)
+    finally:
+        rp.time = real
+    assert clock.first is not None
+    return records, clock.first + LEAD_S
+
+
+def validate(name: str, args: argparse.Namespace, work: Path, devices: str, device: str) -> dict[str, Any]:
+    """Profile, measure, simulate and compare one experiment (module docstring) on ``devices``
+    (``cpu`` or CUDA ids), the GPU named ``device``."""
+    exp, point, profiles, phases = _phase_traces(name, args)
+    point = replace(point, protocol=args.protocol)
+    variants = list({v.name: v for t in [*profiles, *(p[3] for p in phases)] for v in t.variants}.values())
     files = prepare_variants(exp, "deltaserve", variants, work, devices)
     (args.out_dir or RESULTS).mkdir(parents=True, exist_ok=True)
     record = work / f"{name}-steps.jsonl"
@@ -161,67 +222,215 @@ def validate(name: str, args: argparse.Namespace, work: Path, devices: str, devi
     flags = merge_flags(exp.server_flags.get("deltaserve", ()), [])
     spec = ServerSpec(model_dir=files.model_dir, lora_dir=files.lora_dir, devices=devices, deltas=files.deltas,
                       flags=flags, daemon=args.daemon, log=(args.out_dir or RESULTS) / f"sim_validate-{name}-server.log")  # fmt: skip
+    ran: list[tuple[str, float, int, Any, list[Any], float]] = []
     t0 = time.perf_counter()
     with recording_interpreter(script), SERVERS["deltaserve"](spec) as endpoint:
         ready_s = time.perf_counter() - t0
-        print(f"[{name}] profile: {len(profile.requests)} requests over {profile.duration:.1f} s", flush=True)
-        rp.run_replay(profile, endpoint.url, protocol=point.protocol, timeout_s=exp.timeout_s)
-        split = time.monotonic()
-        print(f"[{name}] measure: {len(valid.requests)} requests over {valid.duration:.1f} s", flush=True)
-        records = rp.run_replay(valid, endpoint.url, protocol=point.protocol, timeout_s=exp.timeout_s)
+        for j, trace in enumerate(profiles):
+            print(f"[{name}] profile {j}: {len(trace.requests)} requests over {trace.duration:.1f} s", flush=True)
+            ran.append(
+                ("profile", trace.params["rate"], 100 + j, trace, *_replay(trace, endpoint.url, point, exp.timeout_s))
+            )
+        for label, rate, seed, trace in phases:
+            print(f"[{name}] measure {label}: {len(trace.requests)} requests over {trace.duration:.1f} s", flush=True)
+            ran.append((label, rate, seed, trace, *_replay(trace, endpoint.url, point, exp.timeout_s)))
         num_blocks = int(_metric(endpoint.url, "deltaserve_kv_blocks_total") or 0)
-    measured = rp.summarize(records)
-    steps = read_steps(record)
-    ranks = {i + 1: v.rank or 0 for i, v in enumerate(variants)}
-    delta_ids = {i + 1 for i, v in enumerate(variants) if v.kind == "full"}
-    # The daemon numbers variants in registration order; the harness registers them in trace order.
+    context = {
+        "experiment": name, "protocol": point.protocol, "trace": point.trace, "server_flags": flags,
+        "server_ready_s": ready_s, "num_blocks": num_blocks, "device": device,
+        "variants": [{"name": v.name, "kind": v.kind, "rank": v.rank} for v in variants],
+        "variant_bytes": {str(k): list(v) for k, v in _variant_bytes(files, variants).items()},
+        "footprints": _footprints(files, phases[0][3]),
+        "kv_bytes_per_token": _kv_bytes_per_token(files.model_dir, devices),
+    }  # fmt: skip
+    replays = [{"label": label, "rate": rate, "seed": seed, "start": start, "trace": trace.params,
+                "requests": [{"t": q.t, "variant": q.variant, "prompt_len": len(q.prompt), "output_len": q.output_len}
+                             for q in trace.requests],
+                "records": [r.row() for r in recs]} for label, rate, seed, trace, recs, start in ran]  # fmt: skip
+    if args.save_recording is not None:  # the raw material, for --from-recording
+        args.save_recording.mkdir(parents=True, exist_ok=True)
+        with gzip.open(args.save_recording / f"{name}-steps.jsonl.gz", "wt") as f:
+            f.write(record.read_text())
+        (args.save_recording / f"{name}-replays.json").write_text(json.dumps({"context": context, "replays": replays}))
+    return analyse(context, read_steps(record), replays)
+
+
+def from_recording(name: str, where: Path) -> dict[str, Any]:
+    """:func:`analyse` of what ``--save-recording`` kept of a run of experiment ``name``."""
+    saved = json.loads((where / f"{name}-replays.json").read_text())
+    with gzip.open(where / f"{name}-steps.jsonl.gz", "rt") as f:
+        steps = sorted((json.loads(line) for line in f if line.strip()), key=lambda s: s["sent"])
+    return analyse(saved["context"], steps, saved["replays"])
+
+
+def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[dict[str, Any]]) -> dict[str, Any]:
+    """Steps 1 (fit), 3 (simulate) and 4 (compare) of the module docstring, from one daemon's step
+    recording, its replays (``requests``: the trace's; ``records``: the client's rows) and the
+    run's ``context`` (flags, pool, variants and their file sizes)."""
+    name, device, flags = context["experiment"], context["device"], context["server_flags"]
+    variants = context["variants"]
+    fields = {f.name for f in dataclasses.fields(rp.Record)}
+    ran = [(r["label"], r["rate"], r["seed"], r["requests"], [rp.Record(**{k: v for k, v in row.items() if k in fields})
+                                                              for row in r["records"]], r["start"])
+           for r in replays]  # fmt: skip
+    ids = {v["name"]: i + 1 for i, v in enumerate(variants)}  # the harness registers variants in this order
+    variant_id = lambda v: ids.get(v, 0)  # noqa: E731 (the base model: 0)
+    ranks = {i + 1: v["rank"] or 0 for i, v in enumerate(variants)}
+    delta_ids = {i + 1 for i, v in enumerate(variants) if v["kind"] == "full"}
+    n_profiles = sum(1 for r in ran if r[0] == "profile")
+    split = ran[n_profiles][5] - LEAD_S  # the first validation replay's start
     profiled = [s for s in steps if s["sent"] <= split]
-    like = sim.default_model()
-    for skip_loads in (True, False):  # steps that copied a variant in only when the others lack a kind
-        samples = steps_to_samples(profiled, ranks, delta_ids, skip_loads=skip_loads)
-        try:
-            model = sim.LatencyModel.fit(samples, window=FIT_WINDOW, disk_to_host_bps=like.disk_to_host_bps,
-                                         host_to_gpu_bps=like.host_to_gpu_bps, memory=like.memory, device=device,
-                                         source=f"{name} profile, {len(samples)} steps")  # fmt: skip
-            break
-        except ValueError:
-            if not skip_loads:
-                raise
-    _footprints(model, files, valid, _kv_bytes_per_token(files.model_dir, devices))
-    sizes = _variant_bytes(files, variants)
+    model = _fit(name, profiled, ranks, delta_ids, device)
+    model.memory.kv_bytes_per_token = context["kv_bytes_per_token"]
+    for key, value in context["footprints"].items():
+        setattr(model.memory, key, value)
+    if "lora_bytes_per_rank" in context["footprints"]:
+        model.memory.lora_pages_per_rank = model.memory.lora_bytes_per_rank / (context["kv_bytes_per_token"] * 16)
+    sizes = {int(k): (v[0], int(v[1])) for k, v in context["variant_bytes"].items()}
     moved = transfer_bandwidths(profiled, sizes)
+    like = sim.default_model()
     model.disk_to_host_bps = {**like.disk_to_host_bps, **moved["disk_to_host_bps"]}
     model.host_to_gpu_bps = {**like.host_to_gpu_bps, **moved["host_to_gpu_bps"]}
+    # The daemon's pipeline around the device, measured on the profile (validation data unseen).
+    model.graph_max_batch, model.graph_max_tokens = graph_rule(profiled)
+    model.router_gap_s = router_gap_s(profiled) or 0.0
+    prof_splits = [measured_split(recs, start, steps, variant_id) for *_, recs, start in ran[:n_profiles]]
+    prof_rows = np.array([r[2:] for sp in prof_splits for r in sp["per_request"]]).reshape(-1, 3)
+    if len(prof_rows):
+        model.deliver_s = max(0.0, float(np.median(prof_rows[:, 2])))
+        model.ingress_s = max(0.0, float(np.percentile(prof_rows[:, 0], 5)) - model.router_gap_s)
+    num_blocks = context["num_blocks"]
     cfg = _native.SchedulerConfig(16, num_blocks, min(4096, num_blocks * 16))
     cfg.max_num_seqs = _flag(flags, "--max-num-seqs", cfg.max_num_seqs)
     cfg.max_num_batched_tokens = _flag(flags, "--max-num-batched-tokens", cfg.max_num_batched_tokens)
     cfg.max_deltas = _flag(flags, "--max-deltas", cfg.max_deltas)
     cfg.host_adapter_bytes = _flag(flags, "--variant-host-bytes", cfg.host_adapter_bytes)
     cfg.host_copy_reports = True
-    # The daemon served the profile first: replay it, then the validation trace after it ends.
-    warm_up = from_requests(profile.requests, variants)
-    offset = float(np.nanmax(sim.replay(warm_up, cfg, model).finish_s))
-    both = from_requests(list(profile.requests) + [replace(q, t=q.t + offset) for q in valid.requests], variants)
-    predicted = sim.replay(both, cfg, model).last(len(valid.requests)).summary()
-    err_thr = predicted["throughput_req_s"] / measured["throughput_req_s"] - 1 if measured["throughput_req_s"] else None
-    m_ttft, p_ttft = measured["ttft_s"]["mean"], predicted["ttft_s"]["mean"]
-    err_ttft = p_ttft / m_ttft - 1 if m_ttft and p_ttft is not None else None
-    ok = all(e is not None and abs(e) <= TARGET for e in (err_thr, err_ttft))
-    print(f"[{name}] throughput measured {measured['throughput_req_s']:.3f} predicted {predicted['throughput_req_s']:.3f} "
-          f"req/s ({_pct(err_thr)}); mean TTFT measured {_fmt(m_ttft)} predicted {_fmt(p_ttft)} s ({_pct(err_ttft)}); "
-          f"latency fit R2 {model.r2}; {'within' if ok else 'NOT within'} {TARGET:.0%}", flush=True)  # fmt: skip
+    # Every replay as the daemon saw it, at the clients' own send times, in one simulated run:
+    # each phase starts with the variants and state the ones before left.
+    origin = ran[0][5]
+    reqs: list[dict[str, Any]] = []
+    spans = []
+    for _, _, _, requests, recs, start in ran:
+        lo = len(reqs)
+        for q, r in zip(requests, recs):
+            sent = r.sent if r.sent == r.sent else q["t"]
+            reqs.append({**q, "t": start + sent - origin})
+        spans.append((lo, len(reqs)))
+    order = np.argsort([q["t"] for q in reqs], kind="stable")
+    result = sim.replay(from_requests([reqs[i] for i in order], variants), cfg, model)
+    where = np.empty(len(order), dtype=np.int64)
+    where[order] = np.arange(len(order))
+    points = []
+    for (label, rate, seed, requests, recs, start), (lo, hi) in zip(ran, spans):
+        if label != "profile":
+            points.append(_compare(label, rate, seed, len(requests), recs, start, steps, variant_id, result,
+                                   where[lo:hi], model))  # fmt: skip
+    by_rate = _by_rate(points)
+    ok = all(r["within_target"] for r in by_rate)
+    for r in by_rate:
+        print(f"[{name}] rate {r['rate']:g}: mean TTFT measured {_fmt(r['ttft_mean_s']['measured'])} s "
+              f"(spread over {r['runs']} runs {_pct(r['ttft_mean_s']['measured_spread'])}) predicted "
+              f"{_fmt(r['ttft_mean_s']['predicted'])} s ({_pct(r['error']['ttft_mean_s'])}); throughput "
+              f"{_pct(r['error']['throughput_req_s'])}", flush=True)  # fmt: skip
     return {
-        "experiment": name, "trace": valid.params, "profile_trace": profile.params, "server_flags": flags,
-        "server_ready_s": ready_s, "steps_recorded": len(steps), "profile_samples": len(samples),
-        "transfers_measured": moved,
-        "latency_model": model.to_dict(), "scheduler_config": cfg.as_dict(),
-        "measured": {k: measured[k] for k in ("requests", "completed", "failed", "makespan_s", "throughput_req_s",
-                                              "throughput_out_tok_s", "ttft_s", "tpot_s", "e2e_s")},
-        "predicted": {k: predicted[k] for k in ("requests", "completed", "makespan_s", "throughput_req_s",
-                                                "throughput_out_tok_s", "ttft_s", "tpot_s", "e2e_s", "preemptions",
-                                                "adapter_gpu_loads", "adapter_host_loads", "peak")},
-        "error": {"throughput_req_s": err_thr, "ttft_mean_s": err_ttft}, "within_target": ok,
+        **{k: context[k] for k in ("experiment", "protocol", "trace", "server_flags", "server_ready_s")},
+        "steps_recorded": len(steps), "profile_traces": [r["trace"] for r in replays[:n_profiles]],
+        "profile_split": [{k: v for k, v in sp.items() if k != "per_request"} for sp in prof_splits],
+        "transfers_measured": moved, "latency_model": model.to_dict(), "scheduler_config": cfg.as_dict(),
+        "points": points, "by_rate": by_rate, "within_target": ok,
     }  # fmt: skip
+
+
+def _fit(name: str, profiled: list[dict[str, Any]], ranks: dict[int, int], delta_ids: set[int],
+         device: str) -> sim.LatencyModel:  # fmt: skip
+    """The profile's latency model: device time per step from the recorded device spans where the
+    worker had them (CUDA), with host launch time from the recorded launches; else (the CPU, whose
+    launch computes the step) sliding windows of output periods (``FIT_WINDOW``) alone."""
+    like = sim.default_model()
+    spans = any(s.get("device_s") for s in profiled)
+    for skip_loads in (True, False):  # steps that copied a variant in only when the others lack a kind
+        samples = steps_to_samples(profiled, ranks, delta_ids, skip_loads=skip_loads)
+        try:
+            model = sim.LatencyModel.fit(samples, window=1 if spans else FIT_WINDOW, memory=like.memory, device=device,
+                                         source=f"{name} profile, {len(samples)} steps, "
+                                                f"{'device spans' if spans else f'windows of {FIT_WINDOW}'}")  # fmt: skip
+            break
+        except ValueError:
+            if not skip_loads:
+                raise
+    host = host_samples(profiled, ranks, delta_ids)
+    if host and spans:  # on the CPU a launch computes the whole step: the periods already hold it
+        model.fit_host(host)
+    return model
+
+
+def _compare(label: str, rate: float, seed: int, n: int, recs: list[Any], start: float,
+             steps: list[dict[str, Any]], variant_id: Any, result: Any, rows: np.ndarray,
+             model: sim.LatencyModel) -> dict[str, Any]:  # fmt: skip
+    """Measured vs predicted figures of one validation replay of ``n`` requests (its requests at
+    ``rows`` of the simulated run)."""
+    measured = rp.summarize(recs)
+    t = result.trace
+
+    def pick(xs: Any) -> tuple[Any, ...]:
+        return tuple(np.asarray(xs)[rows].tolist())
+
+    sub = replace(result, trace=replace(t, arrival_s=pick(t.arrival_s), prompt_len=pick(t.prompt_len),
+                                        output_len=pick(t.output_len), variant=pick(t.variant)),
+                  first_token_s=result.first_token_s[rows], finish_s=result.finish_s[rows],
+                  scheduled_s=result.scheduled_s[rows], output_tokens=result.output_tokens[rows],
+                  worker_of=result.worker_of[rows])  # fmt: skip
+    predicted = sub.summary()
+    err = {k: _rel(predicted[k], measured[k]) for k in ("throughput_req_s",)}
+    err["ttft_mean_s"] = _rel(predicted["ttft_s"]["mean"], measured["ttft_s"]["mean"])
+    err["tpot_mean_s"] = _rel(predicted["tpot_s"]["mean"], measured["tpot_s"]["mean"])
+    return {
+        "label": label, "rate": rate, "seed": seed, "requests": n,
+        "measured": {k: measured[k] for k in ("completed", "failed", "makespan_s", "throughput_req_s", "ttft_s",
+                                              "tpot_s", "e2e_s")},
+        "predicted": {k: predicted[k] for k in ("completed", "makespan_s", "throughput_req_s", "ttft_s", "tpot_s",
+                                                "e2e_s", "preemptions", "adapter_gpu_loads", "adapter_host_loads")},
+        "error": err,
+        "ttft_split": {
+            "measured": {k: v for k, v in measured_split(recs, start, steps, variant_id).items() if k != "per_request"},
+            "predicted": simulated_split(np.asarray(sub.trace.arrival_s), sub.scheduled_s, sub.first_token_s,
+                                         model.router_gap_s, model.deliver_s),
+        },
+    }  # fmt: skip
+
+
+def _by_rate(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rate: mean TTFT and throughput over its runs (requests pooled), the measured spread
+    (standard deviation of the runs' means over their mean) and the prediction's error."""
+    out = []
+    for rate in sorted({p["rate"] for p in points}):
+        runs = [p for p in points if p["rate"] == rate]
+
+        def pooled(side: str, key: str, runs: list[dict[str, Any]] = runs) -> float | None:
+            vals = [(p[side][key]["mean"], p[side]["completed"]) for p in runs if p[side][key]["mean"] is not None]
+            total = sum(c for _, c in vals)
+            return sum(m * c for m, c in vals) / total if total else None
+
+        m_ttft, p_ttft = pooled("measured", "ttft_s"), pooled("predicted", "ttft_s")
+        m_thr = float(np.mean([p["measured"]["throughput_req_s"] for p in runs]))
+        p_thr = float(np.mean([p["predicted"]["throughput_req_s"] for p in runs]))
+        means = [p["measured"]["ttft_s"]["mean"] for p in runs if p["measured"]["ttft_s"]["mean"] is not None]
+        spread = float(np.std(means, ddof=1) / np.mean(means)) if len(means) > 1 else None
+        per_run = [p["error"]["ttft_mean_s"] for p in runs]
+        err = {"throughput_req_s": _rel(p_thr, m_thr), "ttft_mean_s": _rel(p_ttft, m_ttft)}
+        out.append({
+            "rate": rate, "runs": len(runs),
+            "ttft_mean_s": {"measured": m_ttft, "predicted": p_ttft, "measured_spread": spread,
+                            "per_run_error": per_run},
+            "throughput_req_s": {"measured": m_thr, "predicted": p_thr},
+            "error": err, "within_target": all(e is not None and abs(e) <= TARGET for e in err.values()),
+        })  # fmt: skip
+    return out
+
+
+def _rel(predicted: float | None, measured: float | None) -> float | None:
+    return predicted / measured - 1 if predicted is not None and measured else None
 
 
 def _fmt(x: float | None) -> str:
@@ -236,11 +445,37 @@ def main(argv: list[str] | None = None) -> Path:
     """The command line (module docstring); returns the result file."""
     p = argparse.ArgumentParser(prog="python -m bench.sim_validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--experiments", default="slora-s2,deltazip", help="comma-separated: slora-s2, deltazip")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per trace (default 30)")
+    p.add_argument("--duration", type=float, default=25.0, help="seconds of arrivals per validation trace (default 25)")
+    p.add_argument("--profile-duration", type=float, default=15.0, help="seconds of each profile trace (default 15)")
+    p.add_argument("--seeds", type=int, default=2, help="validation traces (seeds 0..N-1) per rate (default 2)")
     p.add_argument("--n", type=int, default=100, help="slora-s2 adapters (default 100)")
-    p.add_argument("--rate-s2", type=float, default=8.0, help="slora-s2 req/s (default 8)")
-    p.add_argument("--rate-deltazip", type=float, default=1.0, help="deltazip req/s (default 1)")
+    p.add_argument(
+        "--rates-s2",
+        default="8,28",
+        help="slora-s2 req/s, comma-separated (default 8, the paper's, and 28, near where the H200 "
+        "model's batch reaches --max-num-seqs 256)",
+    )
+    p.add_argument("--rates-deltazip", default="1", help="deltazip req/s, comma-separated (default 1)")
+    p.add_argument(
+        "--protocol",
+        default="ws",
+        choices=("ws", "sse"),
+        help="ws (default): TTFT is the first token event, what the simulator predicts; sse: the "
+        "first chunk with text (a token may decode to no text yet)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny CPU models, a few requests")
+    p.add_argument(
+        "--save-recording",
+        type=Path,
+        default=None,
+        help="also write the worker's step recording (gzipped JSONL) and every replay's client records (JSON) here",
+    )
+    p.add_argument(
+        "--from-recording",
+        type=Path,
+        default=None,
+        help="no GPU: fit, simulate and compare again from what --save-recording wrote there",
+    )
     p.add_argument("--devices", help="`cpu` or a CUDA id (default: 0 when CUDA is available)")
     p.add_argument("--daemon", type=Path, help="deltaserve binary (default: $DELTASERVE_BIN, target/release)")
     p.add_argument("--work-dir", type=Path, help="keep the model and variant files here (default: a temporary dir)")
@@ -250,13 +485,17 @@ def main(argv: list[str] | None = None) -> Path:
     devices = "cpu" if a.smoke else (a.devices or auto)
     if devices == "cpu":
         device = "cpu"
-    runs = []
-    with work_directory(a.work_dir) as work:
-        for name in [x for x in a.experiments.split(",") if x]:
-            runs.append(validate(name, a, work, devices, device))
+    names = [x for x in a.experiments.split(",") if x]
+    if a.from_recording is not None:  # offline: what --save-recording kept, fitted and simulated again
+        runs = [from_recording(name, a.from_recording) for name in names]
+        device = json.loads((a.from_recording / f"{names[0]}-replays.json").read_text())["context"]["device"]
+    else:
+        with work_directory(a.work_dir) as work:
+            runs = [validate(name, a, work, devices, device) for name in names]
     payload = {"device": device, "commit": git_commit(), "target": TARGET, "smoke": a.smoke, "runs": runs,
                "within_target": all(r["within_target"] for r in runs)}  # fmt: skip
-    path = write_result("sim_validate" + ("-smoke" if a.smoke else ""), payload, a.out_dir)
+    name = "sim_validate-" + a.experiments.replace(",", "-") + ("-smoke" if a.smoke else "")
+    path = write_result(name, payload, a.out_dir)
     print(path)
     return path
 
