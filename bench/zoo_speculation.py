@@ -23,6 +23,7 @@ fine-tunes, and every speculation is recomputed unless bit-equal, so tokens are 
 
     python -m bench.zoo_speculation [--prompts 128,512] [--reps 3] [--device cuda:0]
     python -m bench.zoo_speculation --smoke          # the tiny shape on the CPU: a check
+    python -m bench.zoo_speculation --device cpu --base DEMO_DIR --prompts 64   # a real base on the CPU
 
 Result: ``bench/results/zoo_speculation-<device>-<date>.json`` (device, commit, shapes, per-mode
 medians, counts and cosines).
@@ -31,6 +32,7 @@ medians, counts and cosines).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -137,6 +139,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--keep-cache", action="store_true", help="read the payloads from the page cache")
     ap.add_argument("--work-dir", type=Path, default=None, help="where the model and zoo go (reused)")
+    ap.add_argument("--base", type=Path, default=None, help="an existing model directory as the base (e.g. the demo)")
     ap.add_argument("--smoke", action="store_true", help="the tiny shape (8 layers) on the CPU, 1 rep")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
@@ -144,14 +147,16 @@ def main() -> None:
     shape, layers, device, dtype, reps = a.shape, a.layers, a.device, "float16", a.reps
     if a.smoke:
         shape, layers, device, dtype, reps, prompts = SMOKE_SHAPE, 8, "cpu", "float32", 1, [16]
+    elif device == "cpu":
+        dtype = "float32"
     elif not torch.cuda.is_available():
-        raise SystemExit("zoo_speculation needs a CUDA device (or --smoke)")
-    config = shape_config(shape, layers)
+        raise SystemExit("zoo_speculation: no CUDA device (--device cpu, or --smoke)")
+    config = json.loads((a.base / "config.json").read_text()) if a.base else shape_config(shape, layers)
     n = config["num_hidden_layers"]
     work = a.work_dir or Path(tempfile.mkdtemp(prefix="zoo-spec-"))
-    root = work / f"{shape}-{n}l"
+    root = work / (f"{a.base.name}-{n}l" if a.base else f"{shape}-{n}l")
     t0 = time.perf_counter()
-    base = write_base_checkpoint(root, config, "cpu" if a.smoke else "cuda")
+    base = a.base or write_base_checkpoint(root, config, "cpu" if device == "cpu" else "cuda")
     payload = root / "payload"
     if not (payload / "manifest.json").is_file():
         write_random_delta_dir(base, payload, 4, True, 64, seed=400)
@@ -199,7 +204,7 @@ def main() -> None:
                   flush=True)  # fmt: skip
     payload_bytes = sum(f.stat().st_size for f in (zoo / "blocks").iterdir())
     result = {
-        "device": device_name(ex.device), "shape": shape, "config": config, "dtype": dtype, "reps": reps,
+        "device": device_name(ex.device), "shape": str(a.base) if a.base else shape, "config": config, "dtype": dtype, "reps": reps,
         "page_cache": "kept" if a.keep_cache else "dropped before each cold prefill",
         "zoo_block_bytes": payload_bytes, "rows": rows, "wall_s": time.perf_counter() - t0,
         "note": "random weights: the acceptance rate says little about real fine-tunes; tokens are exact in every mode",

@@ -394,6 +394,9 @@ impl Actor {
         self.counters.cpu_assisted_prefills += u64::from(out.cpu_assisted_prefills);
         self.counters.cpu_assist_fallbacks += u64::from(out.cpu_assist_fallbacks);
         self.counters.cpu_assist_declined += u64::from(out.cpu_assist_declined);
+        self.counters.speculated_prefills += u64::from(out.speculated_prefills);
+        self.counters.speculation_accepted += u64::from(out.speculation_accepted);
+        self.counters.speculation_recomputed_layers += u64::from(out.speculation_recomputed_layers);
         // Before the next plan: requests whose adapter was being read may be admitted now.
         self.sched.host_copies_ready(&out.host_ready);
         // A variant the worker quarantined fails only its own requests (none has an output).

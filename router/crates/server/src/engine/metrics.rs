@@ -221,6 +221,12 @@ engine_metrics! {
         "CPU-assisted prefills where a helper failed or stalled, so the worker computed its rows itself.";
     cpu_assist_declined_total: Counter, Sum, |w| w.actor.cpu_assist_declined,
         "Cold prefills the CPU helpers did not take (none free, predicted no faster than the load, one-token prefill).";
+    zoo_speculated_prefills_total: Counter, Sum, |w| w.actor.speculated_prefills,
+        "Cold delta prefills that ran a surrogate block while the delta loaded (DELTASERVE_BLOCK_SPECULATION; tokens stay exact).";
+    zoo_speculation_accepted_total: Counter, Sum, |w| w.actor.speculation_accepted,
+        "Speculated prefills whose real block's output had cosine >= 0.95 with the surrogate's (BlockLLM's criterion).";
+    zoo_speculation_recomputed_layers_total: Counter, Sum, |w| w.actor.speculation_recomputed_layers,
+        "Layers rerun (their KV rewritten) after speculated blocks, summed over prefills.";
     admission_refused_ttft_total: Counter, Sum, |w| w.admission.refused_ttft,
         "Requests refused at once (429) because their predicted time to first token exceeded the TTFT SLO (--ttft-slo-ms).";
     admission_refused_queue_full_total: Counter, Sum, |w| w.admission.refused_queue_full,
@@ -420,6 +426,12 @@ pub(super) struct ActorCounters {
     pub cpu_assist_fallbacks: u64,
     /// Sum of the worker's `cpu_assist_declined`.
     pub cpu_assist_declined: u64,
+    /// Sum of the worker's `speculated_prefills`.
+    pub speculated_prefills: u64,
+    /// Sum of the worker's `speculation_accepted`.
+    pub speculation_accepted: u64,
+    /// Sum of the worker's `speculation_recomputed_layers`.
+    pub speculation_recomputed_layers: u64,
     /// Queued requests aborted because they waited past the TTFT SLO (`actor/expired.rs`).
     pub expired_in_queue: u64,
 }
@@ -489,6 +501,9 @@ mod tests {
         ("cpu_assisted_prefills_total", "counter"),
         ("cpu_assist_fallbacks_total", "counter"),
         ("cpu_assist_declined_total", "counter"),
+        ("zoo_speculated_prefills_total", "counter"),
+        ("zoo_speculation_accepted_total", "counter"),
+        ("zoo_speculation_recomputed_layers_total", "counter"),
         ("admission_refused_ttft_total", "counter"),
         ("admission_refused_queue_full_total", "counter"),
         ("admission_expired_in_queue_total", "counter"),
