@@ -30,7 +30,8 @@ special token: common with the random-weight models here) moves it to a later st
 simulator, counting tokens, does not see (the results before the ws default were over SSE).
 
 Variant transfer bandwidths (disk -> host -> GPU) are measured from the profile recording
-(``deltaserve.sim.record.transfer_bandwidths``); a kind the profile never moved keeps the bundled
+(``deltaserve.sim.record.transfer_bandwidths``; on a GPU the copies from the device spans,
+``span_copy_bandwidths``: they queue on the compute stream, out of the host's sight); a kind the profile never moved keeps the bundled
 model's figure (H200 measurements, ``deltaserve/sim/models.py``). Writes
 ``bench/results/sim_validate-<experiments>-<device>-<date>.json``. On an H100 or H200, each under
 four minutes of wall time plus the model and variant files' writing:
@@ -76,6 +77,7 @@ from deltaserve.sim.record import (
     read_steps,
     recording_python,
     router_gap_s,
+    span_copy_bandwidths,
     steps_to_samples,
     transfer_bandwidths,
 )
@@ -288,6 +290,8 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
         model.memory.lora_pages_per_rank = model.memory.lora_bytes_per_rank / (context["kv_bytes_per_token"] * 16)
     sizes = {int(k): (v[0], int(v[1])) for k, v in context["variant_bytes"].items()}
     moved = transfer_bandwidths(profiled, sizes)
+    if any(s.get("device_s") for s in profiled):  # a GPU's copies are on the device: its spans time them
+        moved["host_to_gpu_bps"].update(span_copy_bandwidths(profiled, ranks, delta_ids, sizes, model.predict))
     like = sim.default_model()
     model.disk_to_host_bps = {**like.disk_to_host_bps, **moved["disk_to_host_bps"]}
     model.host_to_gpu_bps = {**like.host_to_gpu_bps, **moved["host_to_gpu_bps"]}

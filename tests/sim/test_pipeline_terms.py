@@ -14,7 +14,7 @@ import pytest
 
 from bench.sim_timeline import first_tokens, measured_split, simulated_split
 from deltaserve import sim
-from deltaserve.sim.record import graph_rule, host_samples, router_gap_s, steps_to_samples
+from deltaserve.sim.record import graph_rule, host_samples, router_gap_s, span_copy_bandwidths, steps_to_samples
 from tests.sim.test_sim import make_trace
 
 
@@ -123,6 +123,10 @@ def test_a_recording_gives_host_samples_spans_graph_rule_and_router_gap():
     # Plans 3 and 4 came ahead (before outputs 2 and 3): formed at outputs 1 and 2.
     assert router_gap_s(steps) == pytest.approx(np.median([10.0112 - 10.010, 10.0163 - 10.016]))
     assert router_gap_s(steps[:2]) is None
+    # A step that copied variant 3 (2 MB) to the GPU spent 2 ms past the model's price of it.
+    copying = [{**steps[1], "ops": [[3, 1, 0]], "device_s": 0.008}]
+    bw = span_copy_bandwidths(copying, {3: 8}, set(), {3: ("lora", 2_000_000)}, lambda f: 0.006)
+    assert bw == {"lora": pytest.approx(1e9)}
 
 
 def test_time_to_first_token_splits_into_wait_steps_and_delivery():

@@ -22,7 +22,8 @@ device time alone; otherwise the span includes launch-bound gaps.
 ``steps_to_samples`` turns a recording into latency-model samples (:mod:`deltaserve.sim.latency`
 features; ``step_s`` the device span where the events recorded it, else the output-to-output
 period ``sent[N] - max(recv[N], sent[N - 1])``), ``host_samples`` into host-launch samples, and
-``router_gap_s`` measures a plan's trip from the router's scheduling to the worker. ``transfer_bandwidths`` measures
+``router_gap_s`` measures a plan's trip from the router's scheduling to the worker,
+``span_copy_bandwidths`` the variant copies to the GPU from the device spans. ``transfer_bandwidths`` measures
 the variant tiers the way the simulator prices them: a ``to_host`` read from its plan's arrival to
 the output that reports it in ``host_ready``; a ``to_gpu`` copy as its step's worker time outside
 the forward pass beyond that of steps without copies.
@@ -310,6 +311,32 @@ def transfer_bandwidths(
         "disk_to_host_bps": {k: read_b[k] / read_s[k] for k in read_s},
         "host_to_gpu_bps": {k: copy_b[k] / copy_s[k] for k in copy_s},
     }
+
+
+def span_copy_bandwidths(
+    steps: list[dict[str, Any]],
+    ranks: Mapping[int, int],
+    deltas: set[int],
+    variants: Mapping[int, tuple[str, int]],
+    predict: Any,
+) -> dict[str, float]:
+    """Host -> GPU bandwidth per variant kind from the device spans (where recorded): a step's
+    copies take its span beyond ``predict(features)`` (the device model's time for the step without
+    them), shared by bytes among its copies, total bytes over total seconds per kind. Copies queue
+    on the compute stream (``non_blocking``), so the host times of :func:`transfer_bandwidths` do
+    not see them on a GPU."""
+    secs: dict[str, float] = {}
+    size: dict[str, float] = {}
+    for s, f, _ in step_features(steps, ranks, deltas):
+        copies = [variants[v] for v, op, _kind in s["ops"] if op == TO_GPU and v in variants]
+        if not copies or not s.get("device_s"):
+            continue
+        extra = s["device_s"] - predict(f)
+        if extra > 1e-6:
+            for kind, n in copies:
+                secs[kind] = secs.get(kind, 0.0) + extra * n / sum(b for _, b in copies)
+                size[kind] = size.get(kind, 0.0) + n
+    return {k: size[k] / secs[k] for k in secs}
 
 
 def _outside_forward_s(step: Mapping[str, Any]) -> float:
