@@ -446,16 +446,17 @@ class Executor:
         gate: ColdPrefill | None,
     ) -> LaunchedStep:  # fmt: skip
         """The runner's launch, through ``gate`` when a cold delta's prefill speculates: an eager forward
-        (no graph), the gate placing the delta mid-forward; a read failing there quarantines the delta
-        and its requests leave the step (their rows ran on the surrogate)."""
+        (no decode or mixed graph replayed or captured), the gate placing the delta mid-forward; a read
+        failing there quarantines the delta and its requests leave the step (their rows ran on the
+        surrogate)."""
         if gate is None:
             return self.runner.launch(step_id, scheduled, in_flight)
-        graphs, self.runner.graphs = self.runner.graphs, None
-        self.model.layer_gate = gate
+        graphs, mixed = self.runner.graphs, self.runner.mixed  # no replay, no capture: the gate must run
+        self.runner.graphs, self.runner.mixed, self.model.layer_gate = None, None, gate
         try:
             launched = self.runner.launch(step_id, scheduled, in_flight)
         finally:
-            self.model.layer_gate, self.runner.graphs = None, graphs
+            self.model.layer_gate, self.runner.graphs, self.runner.mixed = None, graphs, mixed
         failure = gate.close()
         if failure is not None:
             self._quarantine(gate.op, failure)
