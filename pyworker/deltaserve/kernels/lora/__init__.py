@@ -9,7 +9,8 @@ The package::
 
     layout.py     LoraWeights (one projection's adapters as rank rows in flat pools), LoraSlice,
                   LoraStack (a fused module's slices), make_weights
-    meta.py       LoraMeta: which tokens use which adapter in one step (SGMV segments, MBGMV rows)
+    meta.py       LoraMeta: which tokens use which adapter in one step (SGMV segments, MBGMV rows,
+                  or both: a mixed step)
     checks.py     what every entry point checks of a call
     ref.py        lora_shrink_ref, lora_expand_ref: the torch references, the CPU path
     tables.py     what every launch passes of its weights (one slice or a stack), ALIGN
@@ -50,6 +51,12 @@ projections, CUDA graphs) 1 adapter cost 1.16x the base step split and 1.40x fus
 1.21x and 1.58x. The fused kernel recomputes a row block's x·A for every column chunk and launches
 slots x row blocks x chunks programs, most of which exit at once.
 
+Mixed steps (``LoraMeta.mixed_step``, a prefill chunk next to decodes): the one-token segments run
+on MBGMV over the meta's row list (the split decode path's kernels, whatever ``set_decode_path``
+says) and the other segments on SGMV (tiles for them only), so a decode row costs what it costs in a
+decode step rather than a 16-token SGMV tile. ``lora_shrink`` / ``lora_expand`` of a mixed meta
+compute the same v and out as of its plain SGMV twin (up to summation order).
+
 Entry points ``lora_delta`` / ``lora_delta_stacked`` / ``lora_shrink`` / ``lora_expand`` run the Triton kernels on CUDA
 tensors (or when ``use_triton=True``: CPU tensors then need ``TRITON_INTERPRET=1``) and the torch
 references ``*_ref`` (a loop per adapter over gathered rows; the CPU path) otherwise. Metadata is
@@ -68,7 +75,7 @@ from .checks import check_call, check_out
 from .fused import FUSED_LAUNCH, fused_decode
 from .layout import DTYPES, LoraSlice, LoraStack, LoraWeights, make_weights
 from .mbgmv import MB_EXPAND_LAUNCH, MB_SHRINK_LAUNCH, mbgmv_expand, mbgmv_shrink, mbgmv_shrink_partials
-from .meta import SGMV_TILE, LoraMeta, sgmv_tiles
+from .meta import SGMV_TILE, LoraMeta, has_single_rows, sgmv_tiles, single_rows
 from .ref import lora_expand_ref, lora_shrink_ref
 from .sgmv import sgmv_expand, sgmv_shrink
 
@@ -76,6 +83,7 @@ __all__ = [
     "DECODE_PATHS", "DTYPES", "FUSED_LAUNCH", "MB_EXPAND_LAUNCH", "MB_SHRINK_LAUNCH", "SGMV_TILE", "LoraMeta", "LoraSlice", "LoraStack",
     "LoraWeights", "get_decode_path", "lora_delta", "lora_delta_stacked", "lora_delta_stacked_ref", "lora_expand", "lora_expand_ref",
     "lora_expand_triton", "lora_shrink", "lora_shrink_ref", "lora_shrink_triton", "make_weights", "set_decode_path", "sgmv_tiles",
+    "has_single_rows", "single_rows",
 ]  # fmt: skip
 
 DECODE_PATHS = ("fused", "split")
@@ -102,7 +110,8 @@ def get_decode_path() -> str:
 
 
 def lora_shrink_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch.Tensor:
-    """Triton kernel for ``lora_shrink`` (no dispatch): MBGMV if ``meta.decode`` else SGMV."""
+    """Triton kernel for ``lora_shrink`` (no dispatch): MBGMV if ``meta.decode``, SGMV and MBGMV's row
+    list if ``meta.mixed``, else SGMV."""
     check_call("lora_shrink", x, w, meta, w.in_dim, "in_dim")
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -113,11 +122,14 @@ def lora_shrink_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch
     if meta.max_adapter < 0 or t == 0:
         return v
     sgmv_shrink(x, w, meta, v)
+    if meta.num_rows:
+        mbgmv_shrink(x, w, meta, v)
     return v
 
 
 def lora_expand_triton(v: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: torch.Tensor) -> torch.Tensor:
-    """Triton kernel for ``lora_expand`` (no dispatch), in place on ``out``: MBGMV if ``meta.decode`` else SGMV."""
+    """Triton kernel for ``lora_expand`` (no dispatch), in place on ``out``: MBGMV if ``meta.decode``,
+    SGMV and MBGMV's row list (v's rows gathered) if ``meta.mixed``, else SGMV."""
     check_call("lora_expand", v, w, meta, w.r_max, "r_max")
     check_out("lora_expand", out, w, meta)
     if v.stride(-1) != 1:
@@ -130,13 +142,17 @@ def lora_expand_triton(v: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: tor
     if meta.max_adapter < 0:
         return out
     sgmv_expand(v, w, meta, out)
+    if meta.num_rows:
+        assert meta.rows is not None
+        mbgmv_expand(v.index_select(0, meta.rows), w, meta, out)
     return out
 
 
 def _lora_delta_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: torch.Tensor) -> None:
     """One slice on the Triton path. Decode, fused: one launch; split: the expand reads the shrink's
-    float32 partials directly (two launches, no zero fill, no finished v); prefill: SGMV shrink then expand."""
-    if not meta.decode:
+    float32 partials directly (two launches, no zero fill, no finished v); prefill: SGMV shrink then
+    expand; mixed: the chunk's SGMV, then the split decode path over the row list."""
+    if not meta.mixed and not meta.decode:
         lora_expand_triton(lora_shrink_triton(x, w, meta), w, meta, out)
         return
     check_call("lora_shrink", x, w, meta, w.in_dim, "in_dim")
@@ -144,6 +160,14 @@ def _lora_delta_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: tor
     if x.stride(-1) != 1:
         x = x.contiguous()
     if not x.shape[0]:
+        return
+    if meta.mixed:
+        if meta.num_tiles:
+            v = torch.zeros(x.shape[0], w.r_max, dtype=x.dtype, device=x.device)
+            sgmv_shrink(x, w, meta, v)
+            sgmv_expand(v, w, meta, out)
+        if meta.num_rows:
+            mbgmv_expand(mbgmv_shrink_partials(x, w, meta), w, meta, out)
         return
     if _decode_path == "fused":
         fused_decode(x, w, meta, out)
@@ -233,8 +257,8 @@ def _check_stacked(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: L
 def _lora_delta_stacked_triton(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta) -> None:
     """All slices on the Triton path. Decode, fused: one launch (fused.py); split: MBGMV shrink over
     (T, SPLIT, n_slices) into float32 partials, MBGMV expand over (T, column tiles, n_slices);
-    prefill: SGMV shrink into v [n_slices, T, r_max], SGMV expand. Each program computes what the
-    per-slice path's does."""
+    prefill: SGMV shrink into v [n_slices, T, r_max], SGMV expand; mixed: that over the chunk's tiles,
+    then the split decode path over the row list. Each program computes what the per-slice path's does."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     t = x.shape[0]
@@ -248,6 +272,9 @@ def _lora_delta_stacked_triton(x: torch.Tensor, out: torch.Tensor, stack: LoraSt
         return
     if meta.max_adapter < 0:
         return
-    v = torch.zeros(stack.num_slices, t, stack.r_max, dtype=x.dtype, device=x.device)
-    sgmv_shrink(x, stack, meta, v)
-    sgmv_expand(v, stack, meta, out)
+    if meta.num_tiles:
+        v = torch.zeros(stack.num_slices, t, stack.r_max, dtype=x.dtype, device=x.device)
+        sgmv_shrink(x, stack, meta, v)
+        sgmv_expand(v, stack, meta, out)
+    if meta.num_rows:
+        mbgmv_expand(mbgmv_shrink_partials(x, stack, meta), stack, meta, out)

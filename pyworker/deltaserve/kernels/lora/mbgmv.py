@@ -21,6 +21,12 @@ Stacked (one module, n slices; each kernel is the per-slice one with a slice gri
 
 The grids depend only on T, in_dim, r_max, n_slices and the widest slice (shapes), never on the
 tables: the slices' widths and first columns come from small static device tensors (CUDA graphs).
+
+Mixed steps (``LoraMeta.mixed``): the kernels run over the meta's row list instead of every token
+(GATHER): MBGMV row i is token ``rows[i]`` of x / out / v, with adapter ``row_adapter[i]``, and the
+partials are indexed by i. Every row's program computes what it computes in a decode step of the
+same launch; the launch is the any-size entry of each table whatever R, so an eager mixed step (R =
+its rows) and a replayed one (R = the graph's static bound, padding rows of -1) agree bit for bit.
 """
 
 from __future__ import annotations
@@ -70,14 +76,19 @@ def _block_row_offsets(off_rows, rs, r_ok, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(row_adapter_ptr, T, BLOCK_T: tl.constexpr):
-    """This program's row block (axis 0): its rows ``ts`` (int64), which exist (``t_ok``), which
-    have an adapter (``has``) and their adapter slots (0 where none). One dependent load."""
+def _block_rows(row_adapter_ptr, rows_ptr, T, BLOCK_T: tl.constexpr, GATHER: tl.constexpr):
+    """This program's row block (axis 0): its rows ``ts`` (int64; the partials' index), their token
+    rows ``tok`` (of x / out / v: ``rows_ptr[ts]`` when GATHER, else ``ts``), which exist
+    (``t_ok``), which have an adapter (``has``) and their adapter slots (0 where none). One
+    dependent load."""
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = ts < T
     ts = ts.to(tl.int64)
     adapter = tl.load(row_adapter_ptr + ts, mask=t_ok, other=-1)
-    return ts, t_ok, adapter >= 0, tl.maximum(adapter, 0).to(tl.int64)
+    tok = ts
+    if GATHER:
+        tok = tl.load(rows_ptr + ts, mask=t_ok, other=0).to(tl.int64)
+    return ts, tok, t_ok, adapter >= 0, tl.maximum(adapter, 0).to(tl.int64)
 
 
 @triton.jit
@@ -101,6 +112,7 @@ def _mbgmv_shrink_kernel(
     a_ptr,
     part_ptr,
     row_adapter_ptr,
+    rows_ptr,
     a_off_ptr,
     rank_ptr,
     T,
@@ -117,6 +129,7 @@ def _mbgmv_shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ALIGN: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     """Program (row block, s, slice): for each of the block's BLOCK_T rows, its partial dot products
     over input columns s*BLOCK_K .. +BLOCK_K for every rank row up to the row's own rank in that
@@ -129,10 +142,10 @@ def _mbgmv_shrink_kernel(
     [BLOCK_T, BLOCK_R, BLOCK_K] gather. Rank tiles past the first (ranks above BLOCK_R) loop after."""
     s = tl.program_id(1)
     sl = tl.program_id(2).to(tl.int64)
-    ts, t_ok, has, slot = _block_rows(row_adapter_ptr, T, BLOCK_T)
+    ts, tok, t_ok, has, slot = _block_rows(row_adapter_ptr, rows_ptr, T, BLOCK_T, GATHER)
     ks = s * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < K
-    xk = tl.load(x_ptr + ts[:, None] * x_stride + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(
+    xk = tl.load(x_ptr + tok[:, None] * x_stride + ks[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(
         tl.float32
     )
     off_rows = a_off_ptr + sl * off_slice_stride + slot * off_stride
@@ -166,6 +179,7 @@ def _mbgmv_expand_kernel(
     b_ptr,
     out_ptr,
     row_adapter_ptr,
+    rows_ptr,
     b_off_ptr,
     rank_ptr,
     scale_ptr,
@@ -190,6 +204,7 @@ def _mbgmv_expand_kernel(
     ALIGN: tl.constexpr,
     RNE: tl.constexpr,
     STACKED: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
     """Program (row block, n, slice): for each of the block's BLOCK_T rows t,
     ``out[t, n tile] += scale * round(sum_s v[s, t, :rank]) B^T[:rank, n tile]``.
@@ -212,10 +227,10 @@ def _mbgmv_expand_kernel(
         col0 = tl.load(cols_ptr + sl)
     if n0 >= width:
         return
-    ts, t_ok, has, slot = _block_rows(row_adapter_ptr, T, BLOCK_T)
+    ts, tok, t_ok, has, slot = _block_rows(row_adapter_ptr, rows_ptr, T, BLOCK_T, GATHER)
     ns = n0 + tl.arange(0, BLOCK_N)
     n_ok = ns < width
-    o_ptrs = out_ptr + col0 + ts[:, None] * out_stride + ns[None, :]
+    o_ptrs = out_ptr + col0 + tok[:, None] * out_stride + ns[None, :]
     o = tl.load(o_ptrs, mask=t_ok[:, None] & n_ok[None, :], other=0.0)
     ss = tl.arange(0, BLOCK_S)
     s_ok = ss < SPLIT
@@ -250,6 +265,7 @@ def _mbgmv_finish_kernel(
     part_ptr,
     v_ptr,
     row_adapter_ptr,
+    rows_ptr,
     rank_ptr,
     R_MAX,
     SPLIT,
@@ -259,8 +275,10 @@ def _mbgmv_finish_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
     RNE: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
-    """``v[t, r tile] = round(sum_s part[s, t, r tile])``, 0 past the row's rank and for rows of -1."""
+    """``v[t, r tile] = round(sum_s part[s, t, r tile])``, 0 past the row's rank and for rows of -1.
+    GATHER: into v's row ``rows[t]``, and only for rows with an adapter (padding rows write nothing)."""
     t = tl.program_id(0).to(tl.int64)
     rs = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     adapter = tl.load(row_adapter_ptr + t)
@@ -273,7 +291,11 @@ def _mbgmv_finish_kernel(
     )
     acc = tl.sum(parts, axis=0)
     ty = v_ptr.dtype.element_ty
-    tl.store(v_ptr + t * v_stride + rs, round_to(acc, ty, RNE).to(ty), mask=rs < R_MAX)
+    if GATHER:
+        tok = tl.load(rows_ptr + t).to(tl.int64)
+        tl.store(v_ptr + tok * v_stride + rs, round_to(acc, ty, RNE).to(ty), mask=rs < tl.where(adapter >= 0, R_MAX, 0))
+    else:
+        tl.store(v_ptr + t * v_stride + rs, round_to(acc, ty, RNE).to(ty), mask=rs < R_MAX)
 
 
 def _mb_launch(table: tuple[tuple[int, tuple[int, int, int, int]], ...], tokens: int) -> tuple[int, int, int, int]:
@@ -281,12 +303,23 @@ def _mb_launch(table: tuple[tuple[int, tuple[int, int, int, int]], ...], tokens:
     return next(cfg for bound, cfg in table if tokens <= bound)
 
 
+def _mb_rows(meta: LoraMeta, tokens: int) -> tuple[int, torch.Tensor, torch.Tensor, bool, int]:
+    """(R rows, row_adapter, rows (any int32 tensor when not gathering), GATHER, rows the launch is
+    picked for): a decode meta's rows are its tokens; a mixed meta's its row list, launched with the
+    any-size entry (module docstring: eager and replayed mixed steps agree)."""
+    if meta.rows is None:
+        return tokens, meta.seg_adapter, meta.seg_adapter, False, tokens
+    assert meta.row_adapter is not None
+    return meta.num_rows, meta.row_adapter, meta.rows, True, 1 << 30
+
+
 def mbgmv_shrink_partials(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta) -> torch.Tensor:
     """Launches the MBGMV shrink, grid (row blocks, SPLIT, n_slices); returns its float32 partials
     [n_slices, SPLIT, T, r_max] (only the entries of rows with an adapter and columns below their
-    rank in that slice are written). A ``LoraWeights`` is one slice."""
-    t = x.shape[0]
-    bt, br, bk, warps = _mb_launch(MB_SHRINK_LAUNCH, t)
+    rank in that slice are written). A ``LoraWeights`` is one slice. Mixed meta: T is R, the meta's
+    row list (``num_rows``)."""
+    t, row_adapter, rows, gather, launch_rows = _mb_rows(meta, x.shape[0])
+    bt, br, bk, warps = _mb_launch(MB_SHRINK_LAUNCH, launch_rows)
     split = triton.cdiv(w.in_dim, bk)
     tab = LaunchTables.of(w)
     part = torch.empty(tab.n, split, t, w.r_max, dtype=torch.float32, device=x.device)
@@ -294,7 +327,8 @@ def mbgmv_shrink_partials(x: torch.Tensor, w: LoraWeights | LoraStack, meta: Lor
         x,
         w.a_pool,
         part,
-        meta.seg_adapter,
+        row_adapter,
+        rows,
         tab.a_off,
         tab.rank,
         t,
@@ -311,6 +345,7 @@ def mbgmv_shrink_partials(x: torch.Tensor, w: LoraWeights | LoraStack, meta: Lor
         BLOCK_R=br,
         BLOCK_K=bk,
         ALIGN=align(w, w.a_pool),
+        GATHER=gather,
         num_warps=warps,
     )
     return part
@@ -320,16 +355,20 @@ def mbgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, ou
     """Launches the MBGMV expand, grid (row blocks, column tiles of the widest slice, n_slices), over
     ``v`` = partials [n_slices, SPLIT, T, r_max] float32 or a finished [T, r_max] (one slice).
     ``out`` is the slice's columns (``LoraWeights``) or the whole output (``LoraStack``: columns
-    from out_offsets)."""
+    from out_offsets). Mixed meta: over its R rows, ``v`` indexed by the row (partials of R rows,
+    or a finished [R, r_max])."""
     part = v if v.dim() == 4 else v[None, None]
     tab = LaunchTables.of(w)
-    t = out.shape[0]
-    bt, br, bn, warps = _mb_launch(MB_EXPAND_LAUNCH, t)
+    t, row_adapter, rows, gather, launch_rows = _mb_rows(meta, out.shape[0])
+    if not t:
+        return
+    bt, br, bn, warps = _mb_launch(MB_EXPAND_LAUNCH, launch_rows)
     _mbgmv_expand_kernel[(triton.cdiv(t, bt), triton.cdiv(tab.max_width, bn), tab.n)](
         part,
         w.b_pool,
         out,
-        meta.seg_adapter,
+        row_adapter,
+        rows,
         tab.b_off,
         tab.rank,
         tab.scale,
@@ -354,21 +393,25 @@ def mbgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, ou
         ALIGN=align(w, w.b_pool),
         RNE=needs_rne_by_hand(out),
         STACKED=tab.stacked,
+        GATHER=gather,
         num_warps=warps,
     )
 
 
-def mbgmv_shrink(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch.Tensor:
+def mbgmv_shrink(x: torch.Tensor, w: LoraWeights, meta: LoraMeta, v: torch.Tensor | None = None) -> torch.Tensor:
     """``lora_shrink`` at decode (after its checks): the shrink's partials, summed and rounded into
-    v [T, r_max] (x's dtype) by ``_mbgmv_finish_kernel``; launched whatever the rows' adapters."""
-    t = x.shape[0]
-    v = torch.empty(t, w.r_max, dtype=x.dtype, device=x.device)
+    v [T, r_max] (x's dtype) by ``_mbgmv_finish_kernel``; launched whatever the rows' adapters.
+    Mixed meta: into the rows of ``v`` (given: [T, r_max], the SGMV shrink's) its row list names."""
+    t, row_adapter, rows, gather, _ = _mb_rows(meta, x.shape[0])
+    if v is None:
+        v = torch.empty(x.shape[0], w.r_max, dtype=x.dtype, device=x.device)
     if t:
         part = mbgmv_shrink_partials(x, w, meta)[0]
         _mbgmv_finish_kernel[(t, triton.cdiv(w.r_max, _FINISH["BLOCK_R"]))](
             part,
             v,
-            meta.seg_adapter,
+            row_adapter,
+            rows,
             w.rank,
             w.r_max,
             part.shape[0],
@@ -378,6 +421,7 @@ def mbgmv_shrink(x: torch.Tensor, w: LoraWeights, meta: LoraMeta) -> torch.Tenso
             BLOCK_R=_FINISH["BLOCK_R"],
             BLOCK_S=triton.next_power_of_2(part.shape[0]),
             RNE=needs_rne_by_hand(v),
+            GATHER=gather,
             num_warps=_FINISH["num_warps"],
         )
     return v

@@ -10,6 +10,14 @@ Built once per step and reused by every layer and projection, on the step's segm
                                   an adapter: the launch grid (never segments x longest segment)
     MBGMV (decode): one token per row, rows of any adapters in any order
         row_adapter [T] int32     stored as seg_adapter with seg_start = 0, 1, ..., T
+    mixed (a prefill chunk next to decodes): the SGMV segments as above, but tiles only for the
+        segments of several tokens; the one-token segments with an adapter go to MBGMV as a row list
+        rows [R] int32            token row of each MBGMV row
+        row_adapter [R] int32     its adapter (-1: a padding entry of a CUDA graph's static list)
+
+A mixed step thus pays the decode step's MBGMV for its decode rows plus SGMV for its chunk, instead
+of a whole 16-token SGMV tile per decode row. ``seg_start`` / ``seg_adapter`` still describe every
+token (the reference reads them), so a mixed meta and its plain SGMV twin compute the same delta.
 """
 
 from __future__ import annotations
@@ -53,6 +61,18 @@ class LoraMeta:
     program per real tile, not segments x the longest segment's tiles. None for MBGMV."""
     num_tiles: int = 0
     """Rows of ``tiles``."""
+    rows: torch.Tensor | None = None
+    """Mixed steps: [R] int32 on the device, the token row of each MBGMV row (the one-token segments
+    with an adapter; ``tiles`` then leave them out). None: no MBGMV row list (prefill, decode)."""
+    row_adapter: torch.Tensor | None = None
+    """Mixed steps: [R] int32 on the device, the adapter slot of each of ``rows`` (-1: padding)."""
+    num_rows: int = 0
+    """R: entries of ``rows`` (a CUDA graph's static bound; eager steps: exactly the rows)."""
+
+    @property
+    def mixed(self) -> bool:
+        """Whether one-token segments go to MBGMV over ``rows`` and the rest to SGMV over ``tiles``."""
+        return self.rows is not None
 
     @classmethod
     def sgmv(cls, seg_lens: Sequence[int], seg_adapter: Sequence[int], device: torch.device | str) -> LoraMeta:
@@ -63,6 +83,23 @@ class LoraMeta:
     def mbgmv(cls, row_adapter: Sequence[int], device: torch.device | str) -> LoraMeta:
         """Decode metadata: token t uses adapter ``row_adapter[t]`` (-1: none), in any order."""
         return cls._build(Segments.from_rows(row_adapter, SLOT_NAMES), device)
+
+    @classmethod
+    def mixed_step(cls, seg_lens: Sequence[int], seg_adapter: Sequence[int], device: torch.device | str) -> LoraMeta:
+        """Mixed-step metadata (module docstring): segments as ``sgmv``, the one-token segments with an
+        adapter on MBGMV rows, SGMV tiles for the others."""
+        seg = Segments.from_lengths(seg_lens, seg_adapter, SLOT_NAMES)
+        rows, row_adapter = single_rows(seg.start, seg.slot)
+        tiles = sgmv_tiles(seg.start, seg.slot, skip_single=True)
+        seg_start, seg_adapter_dev = seg.on_device(device)
+        return cls(
+            seg_start=seg_start, seg_adapter=seg_adapter_dev,
+            seg_start_host=seg.start, seg_adapter_host=seg.slot, num_tokens=seg.num_tokens,
+            max_adapter=max(seg.slot, default=-1), decode=False,
+            tiles=torch.tensor(tiles, dtype=torch.int32, device=device).view(-1, 2), num_tiles=len(tiles) // 2,
+            rows=torch.tensor(rows, dtype=torch.int32, device=device),
+            row_adapter=torch.tensor(row_adapter, dtype=torch.int32, device=device), num_rows=len(rows),
+        )  # fmt: skip
 
     @classmethod
     def _build(cls, seg: Segments, device: torch.device | str) -> LoraMeta:
@@ -77,13 +114,31 @@ class LoraMeta:
         )  # fmt: skip
 
 
-def sgmv_tiles(seg_start: Sequence[int], seg_adapter: Sequence[int]) -> list[int]:
+def sgmv_tiles(seg_start: Sequence[int], seg_adapter: Sequence[int], *, skip_single: bool = False) -> list[int]:
     """The SGMV launch's token tiles, flattened ``[seg, first token, seg, first token, ...]``: every
     ``SGMV_TILE`` tokens of every segment with an adapter (segments of base tokens, adapter -1, get
-    none). ``LoraMeta.tiles`` holds them on the device."""
+    none; with ``skip_single`` neither do one-token segments, a mixed step's MBGMV rows).
+    ``LoraMeta.tiles`` holds them on the device."""
     tiles: list[int] = []
     for seg, adapter in enumerate(seg_adapter):
-        if adapter >= 0:
+        if adapter >= 0 and not (skip_single and seg_start[seg + 1] - seg_start[seg] == 1):
             for m0 in range(seg_start[seg], seg_start[seg + 1], SGMV_TILE):
                 tiles += (seg, m0)
     return tiles
+
+
+def single_rows(seg_start: Sequence[int], seg_adapter: Sequence[int]) -> tuple[list[int], list[int]]:
+    """A mixed step's MBGMV rows: (token row, adapter) of every one-token segment with an adapter,
+    in token order (``LoraMeta.rows`` / ``row_adapter``)."""
+    rows: list[int] = []
+    adapters: list[int] = []
+    for seg, adapter in enumerate(seg_adapter):
+        if adapter >= 0 and seg_start[seg + 1] - seg_start[seg] == 1:
+            rows.append(seg_start[seg])
+            adapters.append(adapter)
+    return rows, adapters
+
+
+def has_single_rows(seg_start: Sequence[int], seg_adapter: Sequence[int]) -> bool:
+    """Whether some one-token segment has an adapter (a step that wants a mixed meta)."""
+    return any(a >= 0 and seg_start[s + 1] - seg_start[s] == 1 for s, a in enumerate(seg_adapter))
