@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from deltaserve.adapters.variants import StepRows
+from deltaserve.kernels.lora import LoraMeta
 from deltaserve.model import ForwardBatch
 from deltaserve.worker.mixed_graphs import MixedGraphs, token_buckets_up_to
 from deltaserve.worker.plan_check import PlanLimits
@@ -82,16 +83,62 @@ def lora_dirs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 def test_static_steps_with_lora_rows_give_eager_tokens(tiny_llama: Path, lora_dirs: dict[int, Path]) -> None:
     """Prefill chunks and decodes of two adapters and the base in the same steps (SGMV over the static
-    segment and tile tables, the pool's slots) give the eager tokens."""
+    segment and tile tables, MBGMV over the static row list, the pool's slots) give the eager tokens;
+    eager and static steps lay their LoRA rows out as ``LoraMeta.mixed_step`` does."""
     n = 5
     reqs = {i: (p, 2) for i, p in enumerate(prompts(n, 64, seed=5, lo=3, hi=24))}
     arrivals = {i: i for i in range(n)}
     adapter_of = {i: i % 3 for i in range(n)}
-    want = _run(make_executor(tiny_llama, max_model_len=128), reqs, arrivals, lora_dirs, adapter_of)
+    eager_ex = make_executor(tiny_llama, max_model_len=128)
+    eager_metas = recorded_lora_metas(eager_ex)
+    want = _run(eager_ex, reqs, arrivals, lora_dirs, adapter_of)
     ex = make_executor(tiny_llama, max_model_len=128)
     mixed = static_steps(ex, 64, 8)
+    static_metas = recorded_lora_metas(ex)
     assert _run(ex, reqs, arrivals, lora_dirs, adapter_of) == want
     assert mixed.replays > 0
+    # Eager and static steps alike: decode rows on MBGMV, chunks on SGMV, laid out as LoraMeta.mixed_step does.
+    for metas in (eager_metas, static_metas):
+        assert any(rows and tiles for (rows, tiles), _ in metas), "mixed steps with LoRA decode rows ran"
+        for got, want_tables in metas:
+            assert got == want_tables
+
+
+def recorded_lora_metas(ex) -> list[tuple[tuple[list, list], tuple[list, list]]]:
+    """Per forward ``ex`` runs with adapter rows (filled as they run, decode steps left out): what
+    its LoRA metadata holds (static buffers, refilled by the next step) and what
+    ``LoraMeta.mixed_step`` lays out for the same segments (``meta_tables``)."""
+    metas: list[tuple[tuple[list, list], tuple[list, list]]] = []
+    forward = ex.runner.model.forward
+
+    def recording(batch, kv):
+        meta = ex.lora_pool.step.meta
+        if meta is not None and not meta.decode:
+            metas.append((meta_tables(meta), meta_tables(LoraMeta.mixed_step(*real_segments(meta), "cpu"))))
+        return forward(batch, kv)
+
+    ex.runner.model.forward = recording
+    return metas
+
+
+def real_segments(meta: LoraMeta) -> tuple[list[int], list[int]]:
+    """The segments of a meta's host copies, less the empty ones (a static meta's, after its padding)."""
+    starts, slots = meta.seg_start_host, meta.seg_adapter_host
+    lens = [starts[i + 1] - starts[i] for i in range(len(slots))]
+    keep = [i for i, n in enumerate(lens) if n]
+    return [lens[i] for i in keep], [slots[i] for i in keep]
+
+
+def meta_tables(meta: LoraMeta) -> tuple[list, list]:
+    """What the kernels compute over: MBGMV (row, slot) pairs with an adapter, SGMV tiles of real tokens."""
+    rows = [] if meta.rows is None else meta.rows.tolist()[: meta.num_rows]
+    slots = [] if meta.row_adapter is None else meta.row_adapter.tolist()[: meta.num_rows]
+    assert meta.tiles is not None
+    ends = meta.seg_start_host[1:]
+    tiles = [
+        (s, m0) for s, m0 in meta.tiles.tolist()[: meta.num_tiles] if meta.seg_adapter_host[s] >= 0 and m0 < ends[s]
+    ]
+    return [(r, a) for r, a in zip(rows, slots) if a >= 0], tiles
 
 
 def test_padding_writes_only_the_scratch_page(tiny_llama: Path) -> None:

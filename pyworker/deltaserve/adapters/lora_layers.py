@@ -6,7 +6,8 @@
     out = x @ W.T + bias                                  the base, once for all tokens
     if step.meta is not None:                             the step has adapter tokens
         kernels.lora.lora_delta_stacked(x, out, stack, step.meta)     decode: two launches per module
-                                                                       (MBGMV; fused.py: one); prefill: two (SGMV)
+                                                                       (MBGMV; fused.py: one); prefill: two (SGMV);
+                                                                       mixed: SGMV for the chunk, MBGMV for decode rows
             for each output slice (q|k|v, o, gate|up, down) of the module (``linear_slots``):
                 out[t, slice] += scale[a, l, s] * (x[t] A_a^T) B_a^T      for token t of slot a
 

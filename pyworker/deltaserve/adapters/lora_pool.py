@@ -33,11 +33,14 @@ Per-step tables (static: allocated once, filled in place, so captured CUDA graph
         the slices of one module (qkv, gate_up) are consecutive rows of the tables (linear_slots order), so
         ``attach_lora`` stacks them into one ``LoraStack`` view per (layer, module): two launches per module
     seg_start [max_tokens + 1], seg_adapter [max_tokens], seg_tiles [max_tokens, 2] int32: the step's LoraMeta
+    seg_rows [2, max_tokens] int32: a mixed step's MBGMV row list (token rows, their slots)
 
 ``begin_segments(segments, decode)`` maps the step's adapters to slots (sticky: an adapter keeps its
 slot while it stays on the GPU, so steady decode rewrites no table; a new one takes a free slot or
 one whose adapter this step does not use), fills the metadata and sets ``step.meta`` (MBGMV, one
-row per token, for decode steps; SGMV, one segment per run, otherwise); ``end_step`` clears it.
+row per token, for decode steps; SGMV, one segment per run, otherwise; a step of several-token runs
+next to one-token runs with adapters is mixed: its one-token runs are MBGMV rows, ``LoraMeta.mixed_step``);
+``end_step`` clears it.
 A step without adapter tokens sets nothing: every adapted linear is then its base alone.
 ``begin_step(rows)`` is the same for a step's ``StepRows`` (rows of other kinds count as base).
 """
@@ -52,7 +55,7 @@ from pathlib import Path
 import torch
 
 from .. import wire
-from ..kernels.lora import LoraMeta, LoraWeights, sgmv_tiles
+from ..kernels.lora import LoraMeta, LoraWeights, has_single_rows, sgmv_tiles, single_rows
 from ..kernels.region_copy import copy_regions
 from ..model.arch import ModelConfig
 from ..model.batch import copy_from_host, host_to_device
@@ -192,6 +195,8 @@ class LoraPool:
         """Static ``LoraMeta.seg_adapter`` buffer."""
         self.seg_tiles = torch.zeros(self.max_tokens, 2, dtype=torch.int32, device=dev)
         """Static ``LoraMeta.tiles`` buffer (a tile holds at least one token, so at most one per token)."""
+        self.seg_rows = torch.zeros(2, self.max_tokens, dtype=torch.int32, device=dev)
+        """Static ``LoraMeta.rows`` / ``row_adapter`` buffer of mixed steps."""
         self.step = LoraStep()
         """What the adapted linears read: the current step's LoraMeta, None when inactive."""
         self._upload_buf: torch.Tensor | None = None
@@ -511,7 +516,8 @@ class LoraPool:
         """Sets the step's adapter metadata from its token runs ``(adapter_id, n_tokens)`` (0 = base),
         in batch order; returns whether the step has adapter tokens (False: nothing was set).
 
-        ``decode``: every run is one token (MBGMV metadata); else one SGMV segment per run.
+        ``decode``: every run is one token (MBGMV metadata); else one SGMV segment per run, and if some
+        one-token runs have adapters (decodes next to a chunk) those go to MBGMV (a mixed meta).
         Raises ValueError for an adapter not on the GPU (the executor validates first).
         """
         adapters = [a for a, n in segments if a != 0 and n > 0]
@@ -535,18 +541,25 @@ class LoraPool:
             self.seg_start = torch.zeros(total + 1, dtype=torch.int32, device=self.device)
             self.seg_adapter = torch.zeros(total, dtype=torch.int32, device=self.device)
             self.seg_tiles = torch.zeros(total, 2, dtype=torch.int32, device=self.device)
+            self.seg_rows = torch.zeros(2, total, dtype=torch.int32, device=self.device)
         S = len(seg_adapter)
-        tiles = [] if decode else sgmv_tiles(starts, seg_adapter)
+        mixed = not decode and has_single_rows(starts, seg_adapter)
+        tiles = [] if decode else sgmv_tiles(starts, seg_adapter, skip_single=mixed)
         n_tiles = len(tiles) // 2
         copy_from_host(self.seg_start[: S + 1], torch.tensor(starts, dtype=torch.int32))
         copy_from_host(self.seg_adapter[:S], torch.tensor(seg_adapter, dtype=torch.int32))
         if n_tiles:
             copy_from_host(self.seg_tiles[:n_tiles], torch.tensor(tiles, dtype=torch.int32).view(-1, 2))
+        rows, row_slots = single_rows(starts, seg_adapter) if mixed else ([], [])
+        if rows:
+            copy_from_host(self.seg_rows[:, : len(rows)], torch.tensor([rows, row_slots], dtype=torch.int32))
         self.step.meta = LoraMeta(
             seg_start=self.seg_start[: S + 1], seg_adapter=self.seg_adapter[:S],
             seg_start_host=tuple(starts), seg_adapter_host=tuple(seg_adapter), num_tokens=total,
             max_adapter=max(seg_adapter), decode=decode,
             tiles=None if decode else self.seg_tiles[:n_tiles], num_tiles=n_tiles,
+            rows=self.seg_rows[0, : len(rows)] if mixed else None,
+            row_adapter=self.seg_rows[1, : len(rows)] if mixed else None, num_rows=len(rows),
         )  # fmt: skip
         return True
 

@@ -16,7 +16,8 @@ Layout (static, sized for the largest bucket T tokens and S = min(T, max_seqs) s
 
     int64: input_ids, positions, slot_mapping [T] | logits_indices [S]        one host-to-device copy
     int32: query_start_loc [S + 2] | seq_lens [S + 1] | attention tiles [cdiv(T, BQ) + S + 1, 2]
-           | LoRA seg_adapter [S + 1] | LoRA SGMV tiles [cdiv(T, SGMV_TILE) + S, 2]   one copy
+           | LoRA seg_adapter [S + 1] | LoRA SGMV tiles [cdiv(T, SGMV_TILE) + S, 2]
+           | LoRA MBGMV rows [S] | their slots [S]                              one copy
     block_tables [S + 1, max_blocks] int32                                    rows [0, n) copied
     logits [S, vocab] float32: every graph copies its logits here (one buffer, not one per graph)
 
@@ -28,9 +29,11 @@ Layout (static, sized for the largest bucket T tokens and S = min(T, max_seqs) s
       logits rows [0, m)    the step's logits_indices; rows [m, Sb) read row 0 and are dropped
       max_query_len = Tb, max_seq_len = the static maximum (as the decode graphs)
 
-LoRA rows: each bucket has a second graph captured with the adapted linears active over static SGMV
-metadata (segments = the sequences, seg_start = query_start_loc; SGMV tiles as ``sgmv_tiles`` gives
-them for the step, then idle tiles of the padding segment). The pool's slot tables are static
+LoRA rows: each bucket has a second graph captured with the adapted linears active over static mixed
+metadata (``LoraMeta.mixed_step``'s layout: segments = the sequences, seg_start = query_start_loc;
+SGMV tiles as ``sgmv_tiles`` gives them for the sequences of several tokens, then idle tiles of the
+padding segment; the one-token sequences with an adapter on MBGMV's row list, then padding rows of
+slot -1), as the eager step's ``LoraPool.begin_segments`` builds it. The pool's slot tables are static
 (``LoraPool.assign_rows``), as for the LoRA decode graphs. Every real program computes what the
 eager step's program of the same tile computes (one-token sequences: the decode attention kernel,
 one split, in both), so attention and LoRA match the eager step bit for bit; the dense matmuls see
@@ -54,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deltaserve.kernels.lora import SGMV_TILE, LoraMeta, sgmv_tiles
+from deltaserve.kernels.lora import SGMV_TILE, LoraMeta, sgmv_tiles, single_rows
 from deltaserve.kernels.paged_attention import prefill_block_q, prefill_tiles
 from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
 from deltaserve.model.batch import copy_from_host
@@ -138,6 +141,8 @@ class MixedGraphs:
             "attn_tiles": 2 * self._attn_tiles(T),
             "seg_adapter": S + 1,
             "lora_tiles": 2 * self._lora_tiles(T),
+            "lora_rows": S,
+            "lora_row_slots": S,
         }
         self.host64 = torch.zeros(sum(regions64.values()), dtype=torch.long)
         self.host32 = torch.zeros(sum(regions32.values()), dtype=torch.int32)
@@ -207,8 +212,8 @@ class MixedGraphs:
         )
 
     def _lora_meta(self, tb: int, seg_start: tuple[int, ...], seg_adapter: tuple[int, ...]) -> LoraMeta:
-        """SGMV metadata over the static buffers of bucket ``tb``: the grid is its tile bound; ``seg_*``
-        (the host copies the reference path reads) describe what the buffers hold now."""
+        """Mixed-step metadata over the static buffers of bucket ``tb``: the grids are its tile and row
+        bounds; ``seg_*`` (the host copies the reference path reads) describe what the buffers hold now."""
         s = self._seqs(tb)
         tiles = self._lora_tiles(tb)
         return LoraMeta(
@@ -216,6 +221,7 @@ class MixedGraphs:
             seg_start_host=seg_start, seg_adapter_host=seg_adapter, num_tokens=tb,
             max_adapter=max(0, *seg_adapter), decode=False,
             tiles=self._view("lora_tiles", 2 * tiles).view(-1, 2), num_tiles=tiles,
+            rows=self._view("lora_rows", s), row_adapter=self._view("lora_row_slots", s), num_rows=s,
         )  # fmt: skip
 
     def _fill(
@@ -257,11 +263,14 @@ class MixedGraphs:
         seg_adapter = tuple((slots or [-1] * n) + [-1] * (s + 1 - n))
         if slots is not None:
             self._host("seg_adapter")[: s + 1] = torch.tensor(seg_adapter, dtype=torch.int32)
-            lora_tiles = sgmv_tiles(starts[: n + 1], slots)
+            lora_tiles = sgmv_tiles(starts[: n + 1], slots, skip_single=True)
             buf = self._host("lora_tiles")[: 2 * self._lora_tiles(tb)]
             buf.view(-1, 2)[:, 0] = s  # idle tiles: the last segment, never an adapter's
             buf.view(-1, 2)[:, 1] = 0
             buf[: len(lora_tiles)] = torch.tensor(lora_tiles, dtype=torch.int32)
+            rows, row_slots = single_rows(starts[: n + 1], slots)  # the decodes: MBGMV rows
+            self._host("lora_rows")[:s] = torch.tensor(rows + [0] * (s - len(rows)), dtype=torch.int32)
+            self._host("lora_row_slots")[:s] = torch.tensor(row_slots + [-1] * (s - len(rows)), dtype=torch.int32)
         return tuple(starts), seg_adapter
 
     def _upload(self, tb: int, step: ForwardBatch | None) -> None:
