@@ -14,7 +14,10 @@ build, forward, sampling, tokens back), median of ``--reps`` after warm-up; the 
 own (``StepTiming.floor_us``).
 The mixed graphs are captured here (after the decode graphs, in their pool) to time the capture and
 measure the memory it takes. Exactness at 7B scale: after each case, its step is run eagerly and
-replayed from the same state (``logits_gap``: max |logit difference|, arg-max agreement).
+replayed from the same state (``logits_gap``: max |logit difference|, arg-max agreement). LoRA rows
+report what they add to the same step without them (``lora_added_{eager,graph}_ms``): a mixed
+step's decode rows run on MBGMV and its chunk on SGMV, so this should be about the decode step's
+LoRA cost plus the chunk's.
 
     python3 -m bench.mixed_step [--chunks 32,128,512] [--decodes 64] [--ctx 512] [--out DIR]
 """
@@ -204,6 +207,9 @@ def main() -> None:
                     row["floor_ms"] = floor_us / 1e3
                     row[f"{mode}_ratio_to_floor"] = t * 1e6 / floor_us if floor_us else None
                 row["speedup"] = row["eager_ms"] / row["graph_ms"]
+                if lora:  # what the LoRA rows add to the same step without them (rows[-1])
+                    for mode in ("eager", "graph"):
+                        row[f"lora_added_{mode}_ms"] = row[f"{mode}_ms"] - rows[-1][f"{mode}_ms"]
                 rows.append(row)
                 print(
                     f"{decodes:3d} decodes + {chunk:4d} tokens (cached {computed:4d}){' LoRA' if lora else '     '}: "
@@ -212,6 +218,10 @@ def main() -> None:
                     f"{row['eager_ratio_to_floor'] or 0:.2f}x, graph {row['graph_ratio_to_floor'] or 0:.2f}x",
                     flush=True,
                 )
+                if lora:
+                    print(
+                        f"    LoRA rows add: eager {row['lora_added_eager_ms']:+.2f} ms, graph {row['lora_added_graph_ms']:+.2f} ms"
+                    )
                 if "argmax_equal" in row:
                     print(
                         f"    replay vs eager: max |logit diff| {row['max_abs_logit_diff']:.3g}, arg-max equal {row['argmax_equal']}"
@@ -224,6 +234,7 @@ def main() -> None:
             "dtype": "float16",
             "decode_ctx": args.ctx,
             "lora": f"{N_ADAPTERS} adapters, rank 16, seven projections; decode row i on adapter 1 + i % 8",
+            "lora_kernels": "decode steps: MBGMV; mixed steps: decode rows MBGMV (row list), chunk SGMV (tiles)",
             "timed_steps": args.reps,
             "capture": capture,
             "rows": rows,
