@@ -19,7 +19,7 @@ block, the base's elsewhere), greedy, exact match on held-out words (``demo_adap
 in transformers; serving reproduces those tokens exactly (tests/zoo/test_serving.py).
 
 The logit lens runs on ``--nsamples`` x ``--seqlen`` tokens of the task's training text (small by
-default: four lens passes per fine-tune on a CPU). Writes ``bench/results/zoo_quality-cpu-<date>.json``.
+default), once per fine-tune: its four adds share it (``lens_once``). Writes ``bench/results/zoo_quality-cpu-<date>.json``.
 """
 
 from __future__ import annotations
@@ -57,12 +57,35 @@ def train_partial(task: str, base: Path, out: Path, steps: int) -> float:
     secs = fit(model, tok, task, [p for p in model.parameters() if p.requires_grad], steps, PARTIAL_LR)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.eval().save_pretrained(tmp, safe_serialization=True)
+    # In the base's dtype, as its checkpoint: the frozen tensors then equal the base's byte for byte, so
+    # `zoo add` finds their blocks identical (its content hash covers the dtype: saved in float32 from a
+    # bfloat16 base, every block differs and none is shared as identical).
+    from deltaserve.zoo.blocks import Checkpoint
+
+    stored = Checkpoint(base).get("model.embed_tokens.weight").dtype  # the config may not name it
+    model.to(stored).eval().save_pretrained(tmp, safe_serialization=True)
     for fname in COPIED_FILES:
         if (base / fname).is_file():
             shutil.copyfile(base / fname, tmp / fname)
     tmp.rename(out)
     return secs
+
+
+def lens_once() -> None:
+    """Every mode of one fine-tune runs the same logit lens (same base, fine-tune, calibration and
+    components): ``zoo add``'s lens is wrapped so that it runs once per fine-tune in this process."""
+    from deltaserve.zoo import add
+
+    lens = add.lens_similarities
+    done: dict[tuple[str, str, str], dict[str, float]] = {}
+
+    def cached(base_dir, finetuned_dir, samples, wanted):  # type: ignore[no-untyped-def]
+        key = (str(base_dir), str(finetuned_dir), ",".join(sorted(wanted)))  # one calibration per run
+        if key not in done:
+            done[key] = lens(base_dir, finetuned_dir, samples, wanted)
+        return dict(done[key])
+
+    add.lens_similarities = cached  # type: ignore[assignment]
 
 
 def chain_model(base: Path, finetuned: Path, entry: dict[str, Any]):
@@ -122,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     if "partial" in finetunes and not (finetunes["partial"] / "config.json").is_file():
         trained["partial"] = train_partial(args.task, base, finetunes["partial"], args.steps)
     opts = AddOptions(dense=True, calib=str(calib), nsamples=args.nsamples, seqlen=args.seqlen)
+    lens_once()
     rows: dict[str, dict[str, Any]] = {}
     for kind, ft in finetunes.items():
         from transformers import AutoModelForCausalLM
