@@ -51,6 +51,11 @@ projections, CUDA graphs) 1 adapter cost 1.16x the base step split and 1.40x fus
 1.21x and 1.58x. The fused kernel recomputes a row block's x·A for every column chunk and launches
 slots x row blocks x chunks programs, most of which exit at once.
 
+Prefill (SGMV): a short chunk's shrink splits its input columns over programs (``sgmv.sgmv_split``,
+from shapes only; float32 partials of fixed column chunks, summed in chunk order by the expand);
+the unsplit shrink sums the same chunks in the same order, so the delta is bit for bit the same
+for every SPLIT. ``lora_shrink`` returns the unsplit v (out's dtype).
+
 Mixed steps (``LoraMeta.mixed_step``, a prefill chunk next to decodes): the one-token segments run
 on MBGMV over the meta's row list (the split decode path's kernels, whatever ``set_decode_path``
 says) and the other segments on SGMV (tiles for them only), so a decode row costs what it costs in a
@@ -77,7 +82,7 @@ from .layout import DTYPES, LoraSlice, LoraStack, LoraWeights, make_weights
 from .mbgmv import MB_EXPAND_LAUNCH, MB_SHRINK_LAUNCH, mbgmv_expand, mbgmv_shrink, mbgmv_shrink_partials
 from .meta import SGMV_TILE, LoraMeta, has_single_rows, sgmv_tiles, single_rows
 from .ref import lora_expand_ref, lora_shrink_ref
-from .sgmv import sgmv_expand, sgmv_shrink
+from .sgmv import sgmv_delta, sgmv_expand, sgmv_shrink
 
 __all__ = [
     "DECODE_PATHS", "DTYPES", "FUSED_LAUNCH", "MB_EXPAND_LAUNCH", "MB_SHRINK_LAUNCH", "SGMV_TILE", "LoraMeta", "LoraSlice", "LoraStack",
@@ -151,21 +156,18 @@ def lora_expand_triton(v: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: tor
 def _lora_delta_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: torch.Tensor) -> None:
     """One slice on the Triton path. Decode, fused: one launch; split: the expand reads the shrink's
     float32 partials directly (two launches, no zero fill, no finished v); prefill: SGMV shrink then
-    expand; mixed: the chunk's SGMV, then the split decode path over the row list."""
-    if not meta.mixed and not meta.decode:
-        lora_expand_triton(lora_shrink_triton(x, w, meta), w, meta, out)
-        return
+    expand (``sgmv_delta``: split-K for short chunks, the same result); mixed: the chunk's SGMV, then
+    the split decode path over the row list."""
     check_call("lora_shrink", x, w, meta, w.in_dim, "in_dim")
     check_out("lora_expand", out, w, meta)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if not x.shape[0]:
         return
-    if meta.mixed:
-        if meta.num_tiles:
-            v = torch.zeros(x.shape[0], w.r_max, dtype=x.dtype, device=x.device)
-            sgmv_shrink(x, w, meta, v)
-            sgmv_expand(v, w, meta, out)
+    if not meta.decode:
+        if meta.max_adapter < 0:
+            return
+        sgmv_delta(x, w, meta, out)
         if meta.num_rows:
             mbgmv_expand(mbgmv_shrink_partials(x, w, meta), w, meta, out)
         return
@@ -257,7 +259,8 @@ def _check_stacked(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: L
 def _lora_delta_stacked_triton(x: torch.Tensor, out: torch.Tensor, stack: LoraStack, meta: LoraMeta) -> None:
     """All slices on the Triton path. Decode, fused: one launch (fused.py); split: MBGMV shrink over
     (T, SPLIT, n_slices) into float32 partials, MBGMV expand over (T, column tiles, n_slices);
-    prefill: SGMV shrink into v [n_slices, T, r_max], SGMV expand; mixed: that over the chunk's tiles,
+    prefill: SGMV shrink into v [n_slices, T, r_max] (or split-K partials), SGMV expand
+    (``sgmv_delta``); mixed: that over the chunk's tiles,
     then the split decode path over the row list. Each program computes what the per-slice path's does."""
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -272,9 +275,6 @@ def _lora_delta_stacked_triton(x: torch.Tensor, out: torch.Tensor, stack: LoraSt
         return
     if meta.max_adapter < 0:
         return
-    if meta.num_tiles:
-        v = torch.zeros(stack.num_slices, t, stack.r_max, dtype=x.dtype, device=x.device)
-        sgmv_shrink(x, stack, meta, v)
-        sgmv_expand(v, stack, meta, out)
+    sgmv_delta(x, stack, meta, out)
     if meta.num_rows:
         mbgmv_expand(mbgmv_shrink_partials(x, stack, meta), stack, meta, out)

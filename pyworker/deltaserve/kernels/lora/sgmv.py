@@ -9,9 +9,22 @@ dot is wrong); fp32 inputs use IEEE precision, not TF32. Launch configs: configs
 
 Stacked (one module, n slices)::
 
-    shrink grid (token tiles, n_slices * rank tiles) -> v [n_slices, T, r_max]
+    shrink grid (token tiles, n_slices * rank tiles, SPLIT) -> v [n_slices, T, r_max] (SPLIT = 1)
+                                              or float32 partials [n_slices, CHUNKS, T, r_max]
     expand grid (token tiles, n_slices * column tiles of the widest slice); a tile past its slice's
     width (GQA k / v next to q) or a slice of rank 0 for the segment's adapter exits at once
+
+Split-K (``sgmv_delta``): a short chunk has a handful of tiles, and each shrink program would loop
+over the whole input width (64 steps of BLOCK_K at K = 4096) alone. The input columns are cut into
+CHUNKS = cdiv(K, CHUNK_K) fixed chunks; a program of split s computes chunks s, s + SPLIT, ... and
+writes each chunk's float32 sum on its own (no atomics), and the expand sums a row's CHUNKS partials
+in chunk order, rounds v to the out dtype and applies it. The unsplit shrink (SPLIT = 1, v in the
+out dtype) accumulates in the same chunks and adds them in the same order, so **v, and the delta,
+are bit for bit the same whatever SPLIT is**: an eager step and its graph bucket may pick different
+SPLITs (their tile counts differ) and still agree. ``sgmv_split`` picks SPLIT from shapes only
+(CUDA-graph safe): the chunk's tiles (at most cdiv(tokens, SGMV_TILE), the static bound of a graph's
+tile list overcounts) times the slices; 1 from ``min_programs_per_sm`` x SMs programs up (the chunk
+fills the GPU; no partials), else enough splits to reach that many, at most CHUNKS.
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import needs_rne_by_hand, read_launch_configs, round_to
+from ..common import needs_rne_by_hand, read_launch_configs, round_to, sm_count
 from .layout import LoraStack, LoraWeights
 from .meta import SGMV_TILE, LoraMeta
 from .tables import LaunchTables, align
@@ -29,6 +42,10 @@ _SHRINK = read_launch_configs(__file__)["sgmv_shrink"]
 """SGMV shrink launch: BLOCK_R rank rows per tile, BLOCK_K input columns per reduction step, num_warps."""
 _EXPAND = read_launch_configs(__file__)["sgmv_expand"]
 """SGMV expand launch: BLOCK_R rank rows per step of the rank loop, BLOCK_N output columns per program."""
+SGMV_SPLIT: dict = read_launch_configs(__file__)["sgmv_split"]
+"""Split-K of the SGMV shrink (module docstring): CHUNK_K input columns per chunk (a multiple of
+BLOCK_K), min_programs_per_sm, cpu_sms (the SM count assumed off the GPU, for the interpreter)."""
+assert SGMV_SPLIT["CHUNK_K"] % _SHRINK["BLOCK_K"] == 0, "launch.json: CHUNK_K must be a multiple of BLOCK_K"
 
 
 @triton.jit
@@ -38,6 +55,21 @@ def _row_offsets(off_row_ptr, rs, r_ok, ALIGN: tl.constexpr):
     if ALIGN > 1:
         off = tl.multiple_of(off, ALIGN)
     return off
+
+
+@triton.jit
+def _shrink_step(
+    x_rows, a_rows, k0, K, row_ok, r_ok, acc, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr
+):
+    """One BLOCK_K step of the shrink: ``acc += x[rows, k0 ..] A[rs, k0 ..]^T``."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    xt = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    at = tl.load(a_rows + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 tiles everywhere there
+        xt = xt.to(tl.float32)
+        at = at.to(tl.float32)
+    return tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -53,8 +85,11 @@ def _sgmv_shrink_kernel(
     K,
     R_MAX,
     R_TILES,
+    SPLIT,
+    CHUNKS,
     x_stride,
     v_slice_stride,
+    v_chunk_stride,
     v_stride,
     off_slice_stride,
     off_stride,
@@ -62,13 +97,17 @@ def _sgmv_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CHUNK_K: tl.constexpr,
     ALIGN: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     RNE: tl.constexpr,
+    PARTIALS: tl.constexpr,
 ):
-    """Program (token tile, slice * R_TILES + r tile): ``v[slice, rows, r tile] = x[rows] A^T``, the
-    tile's (segment, first row) from ``tiles_ptr``."""
+    """Program (token tile, slice * R_TILES + r tile, s): ``v[slice, rows, r tile] = x[rows] A^T``,
+    the tile's (segment, first row) from ``tiles_ptr``, summed over CHUNK_K-column chunks in chunk
+    order. PARTIALS: chunks s, s + SPLIT, ... each into its float32 partial
+    ``v[slice, chunk, rows, r tile]``; else (SPLIT = 1) the chunks' sum rounded into v (v's dtype)."""
     seg = tl.load(tiles_ptr + 2 * tl.program_id(0))
     m0 = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
     sl = tl.program_id(1) // R_TILES
@@ -86,19 +125,24 @@ def _sgmv_shrink_kernel(
     off = _row_offsets(off_row, rs, r_ok, ALIGN)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
     a_rows = a_ptr + off[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        xt = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        at = tl.load(a_rows + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 tiles everywhere there
-            xt = xt.to(tl.float32)
-            at = at.to(tl.float32)
-        acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PREC)
-    ty = v_ptr.dtype.element_ty
     v_ptrs = v_ptr + sl.to(tl.int64) * v_slice_stride + rows.to(tl.int64)[:, None] * v_stride + rs[None, :]
-    tl.store(v_ptrs, round_to(acc, ty, RNE).to(ty), mask=row_ok[:, None] & r_ok[None, :])
+    mask = row_ok[:, None] & r_ok[None, :]
+    if PARTIALS:
+        for c in range(tl.program_id(2), CHUNKS, SPLIT):
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(c * CHUNK_K, tl.minimum(c * CHUNK_K + CHUNK_K, K), BLOCK_K):
+                acc = _shrink_step(x_rows, a_rows, k0, K, row_ok, r_ok, acc, BLOCK_K, UPCAST, DOT_PREC)
+            tl.store(v_ptrs + c * v_chunk_stride, acc, mask=mask)
+    else:  # one flat loop (pipelined); a chunk's sum joins the total at the chunk's last step
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = _shrink_step(x_rows, a_rows, k0, K, row_ok, r_ok, acc, BLOCK_K, UPCAST, DOT_PREC)
+            flush = ((k0 + BLOCK_K) % CHUNK_K == 0) | (k0 + BLOCK_K >= K)
+            total = tl.where(flush, total + acc, total)
+            acc = tl.where(flush, 0.0, acc)
+        ty = v_ptr.dtype.element_ty
+        tl.store(v_ptrs, round_to(total, ty, RNE).to(ty), mask=mask)
 
 
 @triton.jit
@@ -117,7 +161,9 @@ def _sgmv_expand_kernel(
     N,
     R_MAX,
     N_TILES,
+    CHUNKS,
     v_slice_stride,
+    v_chunk_stride,
     v_stride,
     out_stride,
     off_slice_stride,
@@ -132,11 +178,14 @@ def _sgmv_expand_kernel(
     DOT_PREC: tl.constexpr,
     RNE: tl.constexpr,
     STACKED: tl.constexpr,
+    PARTIALS: tl.constexpr,
 ):
     """Program (token tile, slice * N_TILES + n tile): ``out[rows, slice's n tile] += scale v B^T``,
     the tile's (segment, first row) from ``tiles_ptr``. STACKED: the slice's width and first column
     of out come from ``dims_ptr`` / ``cols_ptr`` (tiles past a narrower slice's width exit at once);
-    else one slice of N columns at column 0."""
+    else one slice of N columns at column 0. PARTIALS: ``v`` is the split shrink's float32 partials
+    [slice, chunk, T, r_max], each rank tile's v summed over the CHUNKS in chunk order and rounded to
+    out's dtype (what the unsplit shrink stores); else v itself (out's dtype)."""
     seg = tl.load(tiles_ptr + 2 * tl.program_id(0))
     m0 = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
     sl = tl.program_id(1) // N_TILES
@@ -160,18 +209,25 @@ def _sgmv_expand_kernel(
     n_ok = ns < width
     v_rows = v_ptr + sl.to(tl.int64) * v_slice_stride + rows.to(tl.int64)[:, None] * v_stride
     off_row = b_off_ptr + sl.to(tl.int64) * off_slice_stride + adapter.to(tl.int64) * off_stride
+    ty = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):  # the segment's own rank, in tiles of BLOCK_R
         rs = r0 + tl.arange(0, BLOCK_R)
         r_ok = rs < rank
         off = _row_offsets(off_row, rs, r_ok, ALIGN)
-        vt = tl.load(v_rows + rs[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        v_mask = row_ok[:, None] & r_ok[None, :]
+        if PARTIALS:
+            vf = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for c in range(0, CHUNKS):  # chunk order, as the unsplit shrink adds them
+                vf += tl.load(v_rows + c * v_chunk_stride + rs[None, :], mask=v_mask, other=0.0)
+            vt = round_to(vf, ty, RNE).to(ty)
+        else:
+            vt = tl.load(v_rows + rs[None, :], mask=v_mask, other=0.0)
         bt = tl.load(b_ptr + off[:, None] + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             vt = vt.to(tl.float32)
             bt = bt.to(tl.float32)
         acc = tl.dot(vt, bt, acc, input_precision=DOT_PREC)
-    ty = out_ptr.dtype.element_ty
     o_ptrs = out_ptr + col0 + rows.to(tl.int64)[:, None] * out_stride + ns[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -184,17 +240,30 @@ def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:
     return upcast, "ieee" if upcast or t.dtype == torch.float32 else "tf32"
 
 
-def sgmv_shrink(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, v: torch.Tensor) -> None:
-    """Launches the SGMV shrink into ``v`` ([T, r_max] for one slice, [n_slices, T, r_max] stacked),
-    grid (token tiles with an adapter, n_slices * rank tiles)."""
-    if not meta.num_tiles:
-        return
+def sgmv_chunks(in_dim: int) -> int:
+    """CHUNKS of the split shrink's partials: the input columns in chunks of CHUNK_K."""
+    return triton.cdiv(in_dim, SGMV_SPLIT["CHUNK_K"])
+
+
+def sgmv_split(in_dim: int, num_tiles: int, num_tokens: int, n_slices: int, device: torch.device) -> int:
+    """SPLIT of the SGMV shrink from shapes only (module docstring): 1 once the chunk's tiles (at
+    most ``cdiv(num_tokens, SGMV_TILE)``: a graph's static tile list is mostly idle) times
+    ``n_slices`` reach ``min_programs_per_sm`` x the SMs, else enough splits to reach them, at most
+    ``sgmv_chunks(in_dim)``. The result never depends on it (chunked sums, fixed order)."""
+    sms = sm_count(device) if device.type == "cuda" else SGMV_SPLIT["cpu_sms"]
+    want = SGMV_SPLIT["min_programs_per_sm"] * sms
+    work = max(1, min(num_tiles, triton.cdiv(num_tokens, SGMV_TILE)) * n_slices)
+    return 1 if work >= want else min(sgmv_chunks(in_dim), triton.cdiv(want, work))
+
+
+def _shrink_launch(
+    x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, v: torch.Tensor, split: int, partials: bool
+) -> None:
     tab = LaunchTables.of(w)
     upcast, prec = _dot_flags(x)
     r_tiles = triton.cdiv(w.r_max, _SHRINK["BLOCK_R"])
-    vs = v if v.dim() == 3 else v[None]
-    grid = (meta.num_tiles, tab.n * r_tiles)
-    _sgmv_shrink_kernel[grid](
+    vs = v if partials else (v if v.dim() == 3 else v[None])[:, None]  # [n_slices, chunks or 1, T, r_max]
+    _sgmv_shrink_kernel[(meta.num_tiles, tab.n * r_tiles, split)](
         x,
         w.a_pool,
         vs,
@@ -206,33 +275,74 @@ def sgmv_shrink(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, v: 
         w.in_dim,
         w.r_max,
         r_tiles,
+        split,
+        sgmv_chunks(w.in_dim),
         x.stride(0),
         vs.stride(0),
         vs.stride(1),
+        vs.stride(2),
         tab.a_off_slice,
         tab.a_off_row,
         tab.rank_slice,
         BLOCK_M=SGMV_TILE,
         BLOCK_R=_SHRINK["BLOCK_R"],
         BLOCK_K=_SHRINK["BLOCK_K"],
+        CHUNK_K=SGMV_SPLIT["CHUNK_K"],
         ALIGN=align(w, w.a_pool),
         UPCAST=upcast,
         DOT_PREC=prec,
         RNE=needs_rne_by_hand(v),
+        PARTIALS=partials,
         num_warps=_SHRINK["num_warps"],
     )
 
 
+def sgmv_shrink(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, v: torch.Tensor) -> None:
+    """Launches the unsplit SGMV shrink (SPLIT = 1) into ``v`` ([T, r_max] for one slice,
+    [n_slices, T, r_max] stacked), grid (token tiles with an adapter, n_slices * rank tiles, 1)."""
+    if meta.num_tiles:
+        _shrink_launch(x, w, meta, v, 1, False)
+
+
+def sgmv_shrink_partials(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, split: int) -> torch.Tensor:
+    """Launches the split SGMV shrink, grid (token tiles with an adapter, n_slices * rank tiles,
+    ``split``); returns its float32 partials [n_slices, CHUNKS, T, r_max] (only the entries of the
+    tiles' rows below their adapter's rank in that slice are written; ``sgmv_expand`` reads those)."""
+    n = w.num_slices if isinstance(w, LoraStack) else 1
+    part = torch.empty(n, sgmv_chunks(w.in_dim), x.shape[0], w.r_max, dtype=torch.float32, device=x.device)
+    if meta.num_tiles:
+        _shrink_launch(x, w, meta, part, split, True)
+    return part
+
+
+def sgmv_delta(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out: torch.Tensor) -> None:
+    """Shrink then expand of the meta's tiles into ``out`` (the slice's columns, or the whole output
+    for a stack), split-K as ``sgmv_split`` picks: the same result for every SPLIT. The unsplit v
+    needs no zero fill: the expand reads only what the shrink wrote (the same tiles and ranks)."""
+    if not meta.num_tiles:
+        return
+    n = w.num_slices if isinstance(w, LoraStack) else 1
+    split = sgmv_split(w.in_dim, meta.num_tiles, x.shape[0], n, x.device)
+    if split > 1:
+        sgmv_expand(sgmv_shrink_partials(x, w, meta, split), w, meta, out)
+        return
+    v = torch.empty(n, x.shape[0], w.r_max, dtype=x.dtype, device=x.device)
+    sgmv_shrink(x, w, meta, v)
+    sgmv_expand(v, w, meta, out)
+
+
 def sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out: torch.Tensor) -> None:
-    """Launches the SGMV expand from ``v`` (as ``sgmv_shrink`` writes it) into ``out`` (the slice's
-    columns, or the whole output for a stack), grid (token tiles with an adapter, n_slices * column
-    tiles of the widest slice)."""
+    """Launches the SGMV expand from ``v`` (as ``sgmv_shrink`` writes it, in out's dtype, or the
+    float32 partials [n_slices, CHUNKS, T, r_max] of ``sgmv_shrink_partials``) into ``out`` (the
+    slice's columns, or the whole output for a stack), grid (token tiles with an adapter, n_slices *
+    column tiles of the widest slice)."""
     if not meta.num_tiles:
         return
     tab = LaunchTables.of(w)
-    upcast, prec = _dot_flags(v)
+    upcast, prec = _dot_flags(out)
     n_tiles = triton.cdiv(tab.max_width, _EXPAND["BLOCK_N"])
-    vs = v if v.dim() == 3 else v[None]
+    partials = v.dim() == 4
+    vs = v if partials else (v if v.dim() == 3 else v[None])[:, None]
     grid = (meta.num_tiles, tab.n * n_tiles)
     _sgmv_expand_kernel[grid](
         vs,
@@ -249,8 +359,10 @@ def sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out
         tab.max_width,
         w.r_max,
         n_tiles,
+        vs.shape[1],
         vs.stride(0),
         vs.stride(1),
+        vs.stride(2),
         out.stride(0),
         tab.b_off_slice,
         tab.b_off_row,
@@ -264,5 +376,6 @@ def sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out
         DOT_PREC=prec,
         RNE=needs_rne_by_hand(out),
         STACKED=tab.stacked,
+        PARTIALS=partials,
         num_warps=_EXPAND["num_warps"],
     )
