@@ -29,6 +29,8 @@ fills the GPU; no partials), else enough splits to reach that many, at most CHUN
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -46,6 +48,11 @@ SGMV_SPLIT: dict = read_launch_configs(__file__)["sgmv_split"]
 """Split-K of the SGMV shrink (module docstring): CHUNK_K input columns per chunk (a multiple of
 BLOCK_K), min_programs_per_sm, cpu_sms (the SM count assumed off the GPU, for the interpreter)."""
 assert SGMV_SPLIT["CHUNK_K"] % _SHRINK["BLOCK_K"] == 0, "launch.json: CHUNK_K must be a multiple of BLOCK_K"
+_FORCED = os.environ.get("DELTASERVE_SGMV_SPLIT", "auto")
+"""``auto`` (the rule) or a SPLIT every launch takes (capped at the chunks; 1: never split), for
+benchmarks comparing splits (read at import)."""
+if _FORCED != "auto" and not (_FORCED.isdigit() and int(_FORCED) >= 1):
+    raise ValueError(f"DELTASERVE_SGMV_SPLIT={_FORCED!r}: want auto or a positive integer")
 
 
 @triton.jit
@@ -249,7 +256,10 @@ def sgmv_split(in_dim: int, num_tiles: int, num_tokens: int, n_slices: int, devi
     """SPLIT of the SGMV shrink from shapes only (module docstring): 1 once the chunk's tiles (at
     most ``cdiv(num_tokens, SGMV_TILE)``: a graph's static tile list is mostly idle) times
     ``n_slices`` reach ``min_programs_per_sm`` x the SMs, else enough splits to reach them, at most
-    ``sgmv_chunks(in_dim)``. The result never depends on it (chunked sums, fixed order)."""
+    ``sgmv_chunks(in_dim)``; ``DELTASERVE_SGMV_SPLIT=N`` forces N. The result never depends on it
+    (chunked sums, fixed order)."""
+    if _FORCED != "auto":
+        return min(int(_FORCED), sgmv_chunks(in_dim))
     sms = sm_count(device) if device.type == "cuda" else SGMV_SPLIT["cpu_sms"]
     want = SGMV_SPLIT["min_programs_per_sm"] * sms
     work = max(1, min(num_tiles, triton.cdiv(num_tokens, SGMV_TILE)) * n_slices)
