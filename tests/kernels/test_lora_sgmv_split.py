@@ -151,15 +151,19 @@ def test_split_mixed_step_and_static_tiles(monkeypatch) -> None:
 
 
 def test_split_rule() -> None:
-    """SPLIT from shapes: 1 once tiles x slices reach 2 x the SMs (132 off the GPU), else enough
-    splits for that many programs, at most the chunk count (64-column chunks here)."""
+    """SPLIT from shapes: 1 once tiles x slices reach 2 x the SMs (132 off the GPU) or the partials
+    would pass 16 MB, else enough splits for that many programs, at most the chunk count (64-column
+    chunks here)."""
     cpu = torch.device("cpu")
     rule = sgmv_kernels.sgmv_split
-    assert rule(4096, 2, 32, 3, cpu) == 44  # a 32-token chunk, qkv: cdiv(264, 6) of 64 chunks
-    assert rule(4096, 2, 32, 1, cpu) == 64  # every chunk its own program
-    assert rule(IN_DIM, 2, 32, 1, cpu) == 4  # capped at the chunks
-    assert rule(4096, 10, 160, 3, cpu) == 9  # cdiv(264, 30)
-    assert rule(4096, 88, 1408, 3, cpu) == 1  # 264 programs: the chunk fills the GPU
-    assert rule(4096, 300, 4800, 1, cpu) == 1
+    assert rule(4096, 2, 32, 3, 16, cpu) == 44  # a 32-token chunk, qkv: cdiv(264, 6) of 64 chunks
+    assert rule(4096, 2, 32, 1, 16, cpu) == 64  # every chunk its own program
+    assert rule(IN_DIM, 2, 32, 1, 16, cpu) == 4  # capped at the chunks
+    assert rule(4096, 10, 160, 3, 16, cpu) == 9  # cdiv(264, 30)
+    assert rule(4096, 88, 1408, 3, 16, cpu) == 1  # 264 programs: the chunk fills the GPU
+    assert rule(4096, 300, 4800, 1, 16, cpu) == 1
+    assert rule(4096, 200, 3200, 1, 16, cpu) == 2  # partials of 64 x 3200 x 16 x 4 bytes (13 MB)
+    assert rule(4096, 200, 3200, 1, 128, cpu) == 1  # ... of 64 x 3200 x 128 x 4 bytes pass 16 MB
+    assert rule(4096, 2, 32, 3, 0, cpu) == 44  # (a pool without ranks)
     # A graph bucket's static tile list (cdiv(T, 16) + sequences, mostly idle) counts as its tokens' tiles.
-    assert rule(4096, 2 + 32, 32, 3, cpu) == rule(4096, 2, 32, 3, cpu)
+    assert rule(4096, 2 + 32, 32, 3, 16, cpu) == rule(4096, 2, 32, 3, 16, cpu)

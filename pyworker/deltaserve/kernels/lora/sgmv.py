@@ -46,8 +46,10 @@ _EXPAND = read_launch_configs(__file__)["sgmv_expand"]
 """SGMV expand launch: BLOCK_R rank rows per step of the rank loop, BLOCK_N output columns per program."""
 SGMV_SPLIT: dict = read_launch_configs(__file__)["sgmv_split"]
 """Split-K of the SGMV shrink (module docstring): CHUNK_K input columns per chunk (a multiple of
-BLOCK_K), min_programs_per_sm, cpu_sms (the SM count assumed off the GPU, for the interpreter)."""
-assert SGMV_SPLIT["CHUNK_K"] % _SHRINK["BLOCK_K"] == 0, "launch.json: CHUNK_K must be a multiple of BLOCK_K"
+BLOCK_K), min_programs_per_sm, max_partials_mb (no split whose partials would take more),
+cpu_sms (the SM count assumed off the GPU, for the interpreter)."""
+if SGMV_SPLIT["CHUNK_K"] % _SHRINK["BLOCK_K"]:
+    raise ValueError("kernels/lora/configs/launch.json: sgmv_split CHUNK_K must be a multiple of BLOCK_K")
 _FORCED = os.environ.get("DELTASERVE_SGMV_SPLIT", "auto")
 """``auto`` (the rule) or a SPLIT every launch takes (capped at the chunks; 1: never split), for
 benchmarks comparing splits (read at import)."""
@@ -252,14 +254,18 @@ def sgmv_chunks(in_dim: int) -> int:
     return triton.cdiv(in_dim, SGMV_SPLIT["CHUNK_K"])
 
 
-def sgmv_split(in_dim: int, num_tiles: int, num_tokens: int, n_slices: int, device: torch.device) -> int:
+def sgmv_split(in_dim: int, num_tiles: int, num_tokens: int, n_slices: int, r_max: int, device: torch.device) -> int:
     """SPLIT of the SGMV shrink from shapes only (module docstring): 1 once the chunk's tiles (at
     most ``cdiv(num_tokens, SGMV_TILE)``: a graph's static tile list is mostly idle) times
     ``n_slices`` reach ``min_programs_per_sm`` x the SMs, else enough splits to reach them, at most
-    ``sgmv_chunks(in_dim)``; ``DELTASERVE_SGMV_SPLIT=N`` forces N. The result never depends on it
-    (chunked sums, fixed order)."""
+    ``sgmv_chunks(in_dim)``; 1 as well where the float32 partials [n_slices, CHUNKS, tokens, r_max]
+    would pass ``max_partials_mb`` (a long eager prefill next to a wide r_max: memory the worker's
+    profile run may not have seen). ``DELTASERVE_SGMV_SPLIT=N`` forces N. The result never depends
+    on it (chunked sums, fixed order)."""
     if _FORCED != "auto":
         return min(int(_FORCED), sgmv_chunks(in_dim))
+    if n_slices * sgmv_chunks(in_dim) * num_tokens * r_max * 4 > SGMV_SPLIT["max_partials_mb"] << 20:
+        return 1
     sms = sm_count(device) if device.type == "cuda" else SGMV_SPLIT["cpu_sms"]
     want = SGMV_SPLIT["min_programs_per_sm"] * sms
     work = max(1, min(num_tiles, triton.cdiv(num_tokens, SGMV_TILE)) * n_slices)
@@ -332,7 +338,7 @@ def sgmv_delta(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out:
     if not meta.num_tiles:
         return
     n = w.num_slices if isinstance(w, LoraStack) else 1
-    split = sgmv_split(w.in_dim, meta.num_tiles, x.shape[0], n, x.device)
+    split = sgmv_split(w.in_dim, meta.num_tiles, x.shape[0], n, w.r_max, x.device)
     if split > 1:
         sgmv_expand(sgmv_shrink_partials(x, w, meta, split), w, meta, out)
         return
