@@ -18,7 +18,11 @@ and CUDA-event device spans):
     3. simulate  every replay, profile included, at the clients' own send times in one run of
                  the simulator (the daemon keeps variants resident from one replay to the next):
                  the fitted model, the daemon's scheduler config (its KV pages from /metrics, the
-                 experiment's flags), the variants' footprints from their files
+                 experiment's flags), the variants' footprints from their files, and each
+                 prompt's identity (the replay's trace regenerated from its seed), so the
+                 simulated scheduler's prefix cache hits where the daemon's did (on by default:
+                 the workloads draw prompts from the seed alone, so seed k at two rates repeats
+                 its prompts)
     4. compare   per replay and per rate (requests pooled over its seeds): predicted vs measured
                  throughput and mean TTFT (target: within 15 %), the measured spread of the mean
                  TTFT over the seeds beside the error, and each TTFT split into wait / steps /
@@ -51,6 +55,8 @@ import argparse
 import contextlib
 import dataclasses
 import gzip
+import hashlib
+import inspect
 import json
 import sys
 import time
@@ -311,15 +317,18 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
     cfg.host_adapter_bytes = _flag(flags, "--variant-host-bytes", cfg.host_adapter_bytes)
     cfg.host_copy_reports = True
     # Every replay as the daemon saw it, at the clients' own send times, in one simulated run:
-    # each phase starts with the variants and state the ones before left.
+    # each phase starts with the variants and state the ones before left, its KV prefix cache
+    # included (prompts keyed by content: seed k at two rates repeats its prompts).
     origin = ran[0][5]
     reqs: list[dict[str, Any]] = []
     spans = []
-    for _, _, _, requests, recs, start in ran:
+    keys = [_prompt_keys(r) for r in replays] if _prefix_caching(flags) else []
+    for k, (_, _, _, requests, recs, start) in enumerate(ran):
         lo = len(reqs)
-        for q, r in zip(requests, recs):
+        for j, (q, r) in enumerate(zip(requests, recs)):
             sent = r.sent if r.sent == r.sent else q["t"]
-            reqs.append({**q, "t": start + sent - origin})
+            key = {"prompt_key": keys[k][j]} if keys and all(x is not None for x in keys) else {}
+            reqs.append({**q, "t": start + sent - origin, **key})
         spans.append((lo, len(reqs)))
     order = np.argsort([q["t"] for q in reqs], kind="stable")
     result = sim.replay(from_requests([reqs[i] for i in order], variants), cfg, model)
@@ -342,8 +351,46 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
         "steps_recorded": len(steps), "profile_traces": [r["trace"] for r in replays[:n_profiles]],
         "profile_split": [{k: v for k, v in sp.items() if k != "per_request"} for sp in prof_splits],
         "transfers_measured": moved, "latency_model": model.to_dict(), "scheduler_config": cfg.as_dict(),
+        "prefix_caching": {"simulated": result.trace.prompt_key is not None,
+                           "hit_tokens_simulated": int(result.counters.get("prefix_hit_tokens", 0)),
+                           "hit_tokens_measured": sum(n[2] for s in steps for n in s["new"])},
         "points": points, "by_rate": by_rate, "within_target": ok,
     }  # fmt: skip
+
+
+def _prefix_caching(flags: list[str]) -> bool:
+    """Whether the daemon ran with prefix caching (on by default; ``--no-enable-prefix-caching`` or
+    ``--enable-prefix-caching false`` turn it off, the last one given winning)."""
+    on = True
+    for i, f in enumerate(flags):
+        if f == "--no-enable-prefix-caching":
+            on = False
+        elif f.startswith("--enable-prefix-caching"):
+            value = f.split("=", 1)[1] if "=" in f else (flags[i + 1] if i + 1 < len(flags) else "true")
+            on = value.lower() not in ("false", "0", "no", "off")
+    return on
+
+
+def _prompt_keys(replay: dict[str, Any]) -> list[int] | None:
+    """Each request's prompt identity (64 bits of a BLAKE2b digest of its token ids), from the
+    replay's trace regenerated from its parameters (the workloads draw prompts from the seed
+    alone: seed k at two rates repeats the same prompts, which the daemon's prefix cache then
+    serves); None when the trace cannot be regenerated as recorded."""
+    params = dict(replay.get("trace") or {})
+    make = WORKLOADS.get(params.get("kind", ""))
+    if make is None:
+        return None
+    accepted = inspect.signature(make).parameters
+    try:
+        trace = make(**{k: v for k, v in params.items() if k in accepted})
+    except (TypeError, ValueError):
+        return None
+    got = [(len(q.prompt), q.variant, q.output_len) for q in trace.requests]
+    want = [(q["prompt_len"], q["variant"], q["output_len"]) for q in replay["requests"]]
+    if got != want:
+        return None
+    digest = lambda p: hashlib.blake2b(np.asarray(p, dtype=np.int64).tobytes(), digest_size=8).digest()  # noqa: E731
+    return [int.from_bytes(digest(q.prompt), "little") for q in trace.requests]
 
 
 def _fit(name: str, profiled: list[dict[str, Any]], ranks: dict[int, int], delta_ids: set[int],
@@ -381,7 +428,8 @@ def _compare(label: str, rate: float, seed: int, n: int, recs: list[Any], start:
         return tuple(np.asarray(xs)[rows].tolist())
 
     sub = replace(result, trace=replace(t, arrival_s=pick(t.arrival_s), prompt_len=pick(t.prompt_len),
-                                        output_len=pick(t.output_len), variant=pick(t.variant)),
+                                        output_len=pick(t.output_len), variant=pick(t.variant),
+                                        prompt_key=None if t.prompt_key is None else pick(t.prompt_key)),
                   first_token_s=result.first_token_s[rows], finish_s=result.finish_s[rows],
                   scheduled_s=result.scheduled_s[rows], output_tokens=result.output_tokens[rows],
                   worker_of=result.worker_of[rows])  # fmt: skip

@@ -354,6 +354,7 @@ def simulate(
     graphs: tuple[int, int] | None = None,
     ingress_s: float = 0.0,
     deliver_s: float = 0.0,
+    prompt_keys: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Replays ``requests`` (``(arrival_s, prompt_len, output_len, variant)``, variant 0 = the
     base model, ``i`` = ``variants[i - 1]``) through ``workers`` copies of the real scheduler on a
@@ -366,12 +367,14 @@ def simulate(
     reads; None: the daemon's default) and ``tpot_slo_s`` (``--tpot-slo-ms``). ``host`` (decode,
     prefill coefficients) prices the worker's launch of each step, ``graphs`` (``graph_max_batch``,
     ``graph_max_tokens``; None: no graphs) decides which steps run eagerly (feature ``eager``), ``ingress_s`` delays each
-    arrival and ``deliver_s`` each token reaching its client; all off by default.
+    arrival and ``deliver_s`` each token reaching its client; all off by default. ``prompt_keys``
+    (one per request, 0 <= key < 2**64: equal keys, equal prompts) turns the scheduler's prefix
+    caching on, as the daemon's default; None: off, every prompt all zeros.
 
     Returns ``first_token_s``, ``finish_s`` (NaN where never), ``scheduled_s`` (when each request
     was first sent to a worker), ``output_tokens``, ``worker_of``
     (-1: refused by ``max_queued_per_worker``), ``busy_s`` per worker, ``counters`` (scheduler
-    counters summed over workers), ``peaks`` (largest on one worker) and ``steps`` (with
+    counters summed over workers, ``prefix_hit_tokens`` included), ``peaks`` (largest on one worker) and ``steps`` (with
     ``record_steps``: ``(worker, step_id, ahead, start_s, end_s, [(request, tokens)],
     prefill_tokens)``). Bad input raises ``ValueError`` naming it. Use ``deltaserve.sim.replay``.
     """

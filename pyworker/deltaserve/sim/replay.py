@@ -118,7 +118,8 @@ class SimResult:
         keep = slice(len(self.trace) - n, None)
         t = self.trace
         trace = replace(t, arrival_s=t.arrival_s[keep], prompt_len=t.prompt_len[keep],
-                        output_len=t.output_len[keep], variant=t.variant[keep])  # fmt: skip
+                        output_len=t.output_len[keep], variant=t.variant[keep],
+                        prompt_key=None if t.prompt_key is None else t.prompt_key[keep])  # fmt: skip
         return replace(self, trace=trace, first_token_s=self.first_token_s[keep], finish_s=self.finish_s[keep],
                        scheduled_s=self.scheduled_s[keep], output_tokens=self.output_tokens[keep],
                        worker_of=self.worker_of[keep])  # fmt: skip
@@ -210,7 +211,9 @@ def replay(
     ``step_times`` replaces the model's device time of each step in launch order (one worker).
     ``placement`` picks each arrival's worker (module docstring). The model's daemon terms
     (host launch time, graph rule, ``ingress_s``, ``deliver_s``, ``router_gap_s`` unless given)
-    time the pipeline around the device (``deltaserve.sim.latency``). Bad input raises
+    time the pipeline around the device (``deltaserve.sim.latency``) A trace with prompt keys
+    (``SimTrace.prompt_key``) runs with the daemon's prefix caching (on by default there); one
+    without, as before them, without. Bad input raises
     ``ValueError`` naming it."""
     from deltaserve.sim.models import default_model
 
@@ -224,7 +227,8 @@ def replay(
         overlap_steps=overlap_steps, router_gap_s=model.router_gap_s if router_gap_s is None else router_gap_s,
         noise=noise, seed=seed, max_queued_per_worker=max_queued_per_worker, step_times=step_times,
         record_steps=record_steps, placement=placement, latency_profile=json.dumps(model.to_dict()),
-        tpot_slo_s=slo_tpot_s, **model.native_options(),
+        tpot_slo_s=slo_tpot_s, prompt_keys=None if sim_trace.prompt_key is None else list(sim_trace.prompt_key),
+        **model.native_options(),
     )  # fmt: skip
     return SimResult(
         trace=sim_trace,

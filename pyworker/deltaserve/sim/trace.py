@@ -3,7 +3,9 @@ of every request, plus the variants' kinds and ranks (:class:`SimTrace`).
 
 Sources (:func:`load_trace`): a JSONL file in the format of ``bench/workload.py`` (a header line
 ``{"trace": {..., "variants": [{"name", "kind", "rank"}, ...]}}`` then one request per line:
-``{"t", "variant", "prompt" (token ids) or "prompt_len", "output_len"}``), any object with
+``{"t", "variant", "prompt" (token ids) or "prompt_len", "output_len"}``, optionally
+``"prompt_key"``: an integer naming the prompt's contents, equal for equal prompts, given for
+every request or none; with keys the simulator runs the daemon's prefix caching), any object with
 ``requests`` and ``variants`` attributes in that shape (``bench.workload.Trace``), or a
 :class:`SimTrace`. Variant kinds: ``"lora"`` (with a rank), ``"full"`` or ``"delta"`` (a
 compressed full fine-tune); a request names its variant, or ``None`` / ``""`` for the base model.
@@ -47,6 +49,9 @@ class SimTrace:
     """Each request's variant: 0 for the base model, ``i + 1`` for ``variants[i]``."""
     variants: tuple[SimVariant, ...] = ()
     """Every variant the trace defines."""
+    prompt_key: tuple[int, ...] | None = None
+    """Each request's prompt identity (equal keys: equal prompts; 0 <= key < 2**64), or None:
+    the prompts' contents are unknown and the simulator runs without prefix caching."""
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -70,8 +75,9 @@ class SimTrace:
 
     def head(self, n: int) -> SimTrace:
         """The first ``n`` requests."""
+        keys = None if self.prompt_key is None else self.prompt_key[:n]
         return replace(self, arrival_s=self.arrival_s[:n], prompt_len=self.prompt_len[:n],
-                       output_len=self.output_len[:n], variant=self.variant[:n])  # fmt: skip
+                       output_len=self.output_len[:n], variant=self.variant[:n], prompt_key=keys)  # fmt: skip
 
 
 def _variant(v: Any, where: str) -> SimVariant:
@@ -105,10 +111,19 @@ def from_requests(requests: list[Any], variants: list[Any], where: str = "trace"
                              f"got {plen!r} and {out!r}")  # fmt: skip
         if name not in (None, "") and name not in index:
             raise ValueError(f"{where}: request {k}: variant {name!r} is not among the trace's variants")
-        rows.append((float(t), plen, out, index.get(name, 0) if name else 0))
+        key = get("prompt_key")
+        if key is not None and not (isinstance(key, int) and 0 <= key < 2**64):
+            raise ValueError(f"{where}: request {k}: prompt_key must be an integer in [0, 2**64), got {key!r}")
+        rows.append((float(t), plen, out, index.get(name, 0) if name else 0, key))
+    keyed = sum(r[4] is not None for r in rows)
+    if 0 < keyed < len(rows):
+        raise ValueError(
+            f"{where}: {keyed} of {len(rows)} requests have a prompt_key: give it for every request or none"
+        )
     rows.sort(key=lambda row: row[0])
     return SimTrace(arrival_s=tuple(r[0] for r in rows), prompt_len=tuple(r[1] for r in rows),
-                    output_len=tuple(r[2] for r in rows), variant=tuple(r[3] for r in rows), variants=vs)  # fmt: skip
+                    output_len=tuple(r[2] for r in rows), variant=tuple(r[3] for r in rows), variants=vs,
+                    prompt_key=tuple(r[4] for r in rows if r[4] is not None) if keyed else None)  # fmt: skip
 
 
 def read_jsonl(path: str | Path) -> SimTrace:

@@ -64,7 +64,7 @@ impl From<Config> for PySchedulerConfig {
             prefetch_window,
             max_deltas,
             host_copy_reports,
-            // Off in the simulator: its requests have no token contents (all zeros).
+            // Set per run: on when `simulate` is given the prompts' identities (`prompt_keys`).
             enable_prefix_caching: _,
         } = c;
         PySchedulerConfig {
@@ -217,14 +217,16 @@ type LatencyTuple = (Vec<f64>, Vec<f64>, (f64, f64), (f64, f64));
 /// `tpot_slo_s` (`--tpot-slo-ms`). `host` (decode, prefill coefficients) prices the worker's
 /// launch of each step and `graphs` (`graph_max_batch`, `graph_max_tokens`; `None`: none)
 /// decides which steps run eagerly (`sim_latency.rs`); `ingress_s` delays each arrival and
-/// `deliver_s` each token seen (`sim_loop.rs`). Returns plain lists and counters (`deltaserve.sim` summarizes them).
+/// `deliver_s` each token seen (`sim_loop.rs`). `prompt_keys` (one per request: equal keys,
+/// equal prompts) turns the scheduler's prefix caching on, as the daemon's default; `None`:
+/// off, prompts of zeros. Returns plain lists and counters (`deltaserve.sim` summarizes them).
 /// Bad input raises `ValueError` naming it; the run itself releases the GIL.
 #[pyfunction]
 #[pyo3(signature = (
     config, requests, variants, latency, *, workers = 1, overlap_steps = true,
     router_gap_s = 0.0, noise = 0.0, seed = 0, max_queued_per_worker = None, step_times = None,
     record_steps = false, placement = "least-loaded", latency_profile = None, tpot_slo_s = None,
-    host = None, graphs = None, ingress_s = 0.0, deliver_s = 0.0,
+    host = None, graphs = None, ingress_s = 0.0, deliver_s = 0.0, prompt_keys = None,
 ))]
 #[allow(clippy::too_many_arguments)] // one keyword per option
 #[allow(clippy::type_complexity)] // plain tuples are the conversion
@@ -249,8 +251,18 @@ pub(crate) fn simulate<'py>(
     graphs: Option<(u32, u32)>,
     ingress_s: f64,
     deliver_s: f64,
+    prompt_keys: Option<Vec<u64>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let cfg = Config::from(config);
+    let mut cfg = Config::from(config);
+    if let Some(keys) = prompt_keys.as_ref().filter(|k| k.len() != requests.len()) {
+        return Err(PyValueError::new_err(format!(
+            "prompt_keys: want one per request ({}), got {}",
+            requests.len(),
+            keys.len()
+        )));
+    }
+    // Prompt identities make the daemon's prefix caching (on by default) meaningful.
+    cfg.enable_prefix_caching = prompt_keys.is_some();
     let policy = placement_named(placement).map_err(PyValueError::new_err)?;
     let profile = match latency_profile {
         Some(json) => LatencyProfile::from_json(json)
@@ -283,6 +295,7 @@ pub(crate) fn simulate<'py>(
                 prompt_len,
                 output_len,
                 variant,
+                prompt_key: prompt_keys.as_ref().map(|k| k[i]),
             })
         })
         .collect::<PyResult<Vec<_>>>()?;

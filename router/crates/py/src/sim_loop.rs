@@ -56,6 +56,27 @@ pub(crate) struct SimRequest {
     pub(crate) output_len: u32,
     /// Its variant: 0 for the base model, else `i + 1` for `variants[i]`.
     pub(crate) variant: u32,
+    /// Its prompt's identity: requests with equal keys have equal prompts ([`Self::prompt`]),
+    /// so the scheduler's prefix cache shares their pages; None: a prompt of zeros (prefix
+    /// caching is then off, or every prompt would hit every other).
+    pub(crate) prompt_key: Option<u64>,
+}
+
+impl SimRequest {
+    /// The prompt's tokens: SplitMix64 of (key, position) when it has a key, else zeros.
+    fn prompt(&self) -> Vec<u32> {
+        let Some(key) = self.prompt_key else {
+            return vec![0; self.prompt_len as usize];
+        };
+        (0..u64::from(self.prompt_len))
+            .map(|j| {
+                let mut z = key ^ j.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                ((z ^ (z >> 31)) >> 33) as u32
+            })
+            .collect()
+    }
 }
 
 /// One variant of the trace, registered with every worker's scheduler.
@@ -341,7 +362,7 @@ impl Sim<'_> {
         }
         let req = SeqRequest {
             id: i as u64,
-            prompt: vec![0; r.prompt_len as usize],
+            prompt: r.prompt(),
             max_tokens: r.output_len,
             eos_token_ids: Vec::new(),
             ignore_eos: true,
@@ -559,6 +580,7 @@ impl Sim<'_> {
                 ("delta_skips", s.delta_skips),
                 ("delta_skip_preemptions", s.delta_skip_preemptions),
                 ("host_deferrals", s.host_deferrals),
+                ("prefix_hit_tokens", s.prefix_hit_tokens),
             ] {
                 *counters.entry(name).or_insert(0) += value;
             }
