@@ -13,7 +13,10 @@ and CUDA-event device spans):
                  token to its client (median) and the ingress of a request (5th percentile of
                  its wait for a plan, less the plan's trip); on the CPU (no device spans) the
                  output periods in sliding windows of ``FIT_WINDOW`` steps alone
-    2. measure   per rate, ``--seeds`` validation traces (seeds 0, 1, ...) replayed open-loop
+    2. measure   per rate, ``--seeds`` validation traces (seeds ``SEED_STRIDE`` x the rate's index
+                 + 0, 1, ...: the workloads draw prompts from the seed alone, and a seed shared by
+                 two rates would repeat its prompts, served the second time from the daemon's
+                 prefix cache) replayed open-loop
                  (bench/replay.py) on the same daemon, one after another
     3. simulate  every replay, profile included, at the clients' own send times in one run of
                  the simulator (the daemon keeps variants resident from one replay to the next):
@@ -93,6 +96,10 @@ TARGET = 0.15
 """Largest relative error accepted for throughput and mean TTFT."""
 PROFILE_RATE = 1.25
 """Each profile trace offers this times its validation rate (batches a little past the measured)."""
+SEED_STRIDE = 1000
+"""Validation seeds of the rate of index j start at ``SEED_STRIDE`` x j: no two rates share a seed,
+so none repeats another's prompts (the H200 run at 5c0e161 used seeds 0, 1 at both rates; its
+rate-28 seed-0 replay got 29 % of its prompt tokens from the prefix cache)."""
 LEAD_S = 0.1
 """Seconds between a replay's call and its trace's time 0."""
 FIT_WINDOW = 2
@@ -179,8 +186,8 @@ def _kv_bytes_per_token(model_dir: Path | None, devices: str) -> int:
 
 def _phase_traces(name: str, args: argparse.Namespace) -> tuple[Any, Any, list[Any], list[tuple[str, float, int, Any]]]:
     """The experiment, its point, the profile traces and the validation phases ``(label, rate,
-    seed, trace)``: per rate, seeds 0..``--seeds``-1 (the profile's seeds are 100 + its rate's
-    index, at ``PROFILE_RATE`` x the rate)."""
+    seed, trace)``: rate ``j``, seeds ``SEED_STRIDE`` j + 0..``--seeds``-1 (the profile's seeds are
+    100 + its rate's index, at ``PROFILE_RATE`` x the rate)."""
     overrides: dict[str, Any] = {"smoke": args.smoke}
     if not args.smoke:
         overrides["duration"] = args.duration
@@ -194,8 +201,9 @@ def _phase_traces(name: str, args: argparse.Namespace) -> tuple[Any, Any, list[A
     profile_s = point.trace["duration"] if args.smoke else args.profile_duration
     profiles = [make(**{**point.trace, "seed": 100 + j, "rate": r * PROFILE_RATE, "duration": profile_s})
                 for j, r in enumerate(rates)]  # fmt: skip
-    phases = [(f"rate {r:g} seed {k}", r, k, make(**{**point.trace, "seed": k, "rate": r}))
-              for r in rates for k in range(1 if args.smoke else args.seeds)]  # fmt: skip
+    seeds = [(r, SEED_STRIDE * j + k) for j, r in enumerate(rates) for k in range(1 if args.smoke else args.seeds)]
+    phases = [(f"rate {r:g} seed {seed}", r, seed, make(**{**point.trace, "seed": seed, "rate": r}))
+              for r, seed in seeds]  # fmt: skip
     return exp, point, profiles, phases
 
 
@@ -499,7 +507,12 @@ def main(argv: list[str] | None = None) -> Path:
     p.add_argument("--experiments", default="slora-s2,deltazip", help="comma-separated: slora-s2, deltazip")
     p.add_argument("--duration", type=float, default=25.0, help="seconds of arrivals per validation trace (default 25)")
     p.add_argument("--profile-duration", type=float, default=15.0, help="seconds of each profile trace (default 15)")
-    p.add_argument("--seeds", type=int, default=2, help="validation traces (seeds 0..N-1) per rate (default 2)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=2,
+        help="validation traces per rate (default 2; seeds 1000 x the rate's index + 0..N-1)",
+    )
     p.add_argument("--n", type=int, default=100, help="slora-s2 adapters (default 100)")
     p.add_argument(
         "--rates-s2",

@@ -75,3 +75,16 @@ def test_validation_keys_regenerate_the_recorded_prompts():
     assert not _prefix_caching(["--enable-prefix-caching", "false"]) and _prefix_caching(
         ["--enable-prefix-caching=true"]
     )
+
+
+def test_no_two_rates_share_a_validation_seed():
+    from argparse import Namespace
+
+    from bench.sim_validate import _phase_traces
+
+    args = Namespace(smoke=False, duration=5.0, n=8, rates_s2="8,28", rates_deltazip="1", profile_duration=2.0, seeds=2)
+    _, _, profiles, phases = _phase_traces("slora-s2", args)
+    seeds = [seed for _, _, seed, _ in phases]
+    assert len(set(seeds)) == len(seeds) == 4 and not {100, 101} & set(seeds)
+    firsts = {tuple(trace.requests[0].prompt) for *_, trace in phases}
+    assert len(firsts) == 4, "every validation replay draws its own prompts"
