@@ -246,7 +246,7 @@ class Executor:
         self.runner = ForwardRunner(self.model, self.kv, self.sampler, self.pools, self.graphs, block_size)
         """Queues each step's forward and sampling."""
         # Prefill and mixed steps by token bucket, up to ``cuda_graph_max_tokens`` tokens (None: the env
-        # DELTASERVE_CUDA_GRAPH_MAX_TOKENS, default 512; 0: eager), never more than a step computes.
+        # DELTASERVE_CUDA_GRAPH_MAX_TOKENS, default 2048; 0: eager), never more than a step computes.
         if cuda_graph_max_tokens is None:
             cuda_graph_max_tokens = max_tokens_from_env()
         graph_tokens = min(cuda_graph_max_tokens, max_num_batched_tokens)
