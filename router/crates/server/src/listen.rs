@@ -55,7 +55,7 @@ pub async fn serve(
     loop {
         let stream = tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok((stream, _)) => without_nagle(stream),
                 Err(e) => {
                     on_accept_error(e).await;
                     continue;
@@ -153,6 +153,19 @@ impl Body for StallGuardBody {
     }
 }
 
+/// `stream` with Nagle's algorithm off (`TCP_NODELAY`). Token events are small writes; with it
+/// on, a write behind an unacknowledged one waits for the client's delayed ACK (40 ms on Linux).
+/// Measured on an H200 (S-LoRA S2, 8 req/s over 4 WebSockets): of the first tokens the worker
+/// sent within 35 ms of their request's send, 90-93 % reached the client 40-55 ms after it
+/// (+12 ms of mean TTFT; a request's last token, 0.7 ms). A socket that refuses the option is
+/// served as it is.
+fn without_nagle(stream: tokio::net::TcpStream) -> tokio::net::TcpStream {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!("could not set TCP_NODELAY on a connection: {e}");
+    }
+    stream
+}
+
 /// An accept that failed: a connection reset before it was accepted is skipped; anything else
 /// (out of file descriptors) is logged and retried a moment later, as `axum::serve` does.
 async fn on_accept_error(e: std::io::Error) {
@@ -192,6 +205,16 @@ mod tests {
         let mut got = Vec::new();
         let _ = conn.read_to_end(&mut got).await;
         got
+    }
+
+    #[tokio::test]
+    async fn accepted_connections_write_without_nagle() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap());
+        let ((accepted, _), _client) =
+            tokio::join!(async { listener.accept().await.unwrap() }, client);
+        assert!(!accepted.nodelay().unwrap(), "the OS default: Nagle on");
+        assert!(without_nagle(accepted).nodelay().unwrap());
     }
 
     #[tokio::test]
