@@ -100,8 +100,10 @@ pub const ROBUST_START: u32 = 3;
 /// A request is admitted while its predicted TTFT is within this share of the SLO. The
 /// prediction is a mean: admitting up to the SLO itself let about half of the requests admitted
 /// at the margin miss it (45 % of the admitted kept both SLOs on an H200 at 2× saturation, at
-/// bda874f).
-pub const TTFT_HEADROOM: f64 = 0.8;
+/// bda874f). With prefill and mixed steps replayed from CUDA graphs, 0.8 kept goodput at the
+/// saturated throughput but only 78 % of the admitted within both SLOs (H200, 5c0e161); 0.7 kept
+/// 91 %, goodput 1.28× the closed loop's saturation (H100, 862154c; `bench/README.md`).
+pub const TTFT_HEADROOM: f64 = 0.7;
 /// Mixed steps measured before their line (fixed part and slope) is trusted.
 const MIN_MIXED_SAMPLES: u32 = 16;
 /// The line needs token counts that vary: a standard deviation of at least this share of
@@ -980,8 +982,10 @@ mod tests {
         );
         assert_eq!(adm.refused_ttft, 2);
         let wait = adm.predicted_queue_wait_us();
-        // Refused past TTFT_HEADROOM of the 50 ms SLO, 40 ms: the queue ahead is about that.
-        assert!(wait > 37_000.0 && wait <= 40_000.0 + 3_000.0, "{wait}");
+        // Refused past TTFT_HEADROOM of the 50 ms SLO: the queue ahead is about that (within one
+        // 3 ms request).
+        let bound = TTFT_HEADROOM * 50_000.0;
+        assert!(wait > bound - 3_000.0 && wait <= bound + 3_000.0, "{wait}");
         // The queue drains: requests are admitted again.
         adm.dequeued(admitted, 100 * admitted as u64);
         assert_eq!(adm.predicted_queue_wait_us(), 0.0);
