@@ -61,10 +61,12 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
-def buckets_up_to(max_batch: int) -> list[int]:
-    """The capture sizes for decode batches of at most ``max_batch`` rows (it is always one)."""
-    sizes = [b for b in BUCKETS if b < max_batch]
-    return sizes + [max_batch] if max_batch > 0 else []
+def buckets_up_to(largest: int, table: tuple[int, ...] = BUCKETS) -> list[int]:
+    """The capture sizes of ``table`` below ``largest``, then ``largest`` itself (none if it is 0):
+    decode batches of at most ``largest`` rows by default (the mixed graphs pass their token
+    buckets)."""
+    sizes = [b for b in table if b < largest]
+    return sizes + [largest] if largest > 0 else []
 
 
 class DecodeGraphs:

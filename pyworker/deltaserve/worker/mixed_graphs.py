@@ -63,6 +63,8 @@ from deltaserve.kernels.paged_attention import prefill_block_q, prefill_tiles
 from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
 from deltaserve.model.batch import copy_from_host
 
+from .cuda_graphs import buckets_up_to
+
 if TYPE_CHECKING:
     from deltaserve.adapters.lora_pool import LoraPool
     from deltaserve.adapters.variants import StepRows
@@ -92,8 +94,7 @@ def max_tokens_from_env() -> int:
 
 def token_buckets_up_to(max_tokens: int) -> list[int]:
     """The capture sizes for steps of at most ``max_tokens`` tokens (it is always one)."""
-    sizes = [b for b in TOKEN_BUCKETS if b < max_tokens]
-    return sizes + [max_tokens] if max_tokens > 0 else []
+    return buckets_up_to(max_tokens, TOKEN_BUCKETS)
 
 
 class MixedGraphs:
