@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from .. import wire
-from ..kernels.lora import LoraMeta, LoraWeights, has_single_rows, sgmv_tiles, single_rows
+from ..kernels.lora import LoraMeta, LoraWeights, sgmv_tiles, single_rows
 from ..kernels.region_copy import copy_regions
 from ..model.arch import ModelConfig
 from ..model.batch import copy_from_host, host_to_device
@@ -543,14 +543,14 @@ class LoraPool:
             self.seg_tiles = torch.zeros(total, 2, dtype=torch.int32, device=self.device)
             self.seg_rows = torch.zeros(2, total, dtype=torch.int32, device=self.device)
         S = len(seg_adapter)
-        mixed = not decode and has_single_rows(starts, seg_adapter)
+        rows, row_slots = ([], []) if decode else single_rows(starts, seg_adapter)
+        mixed = bool(rows)
         tiles = [] if decode else sgmv_tiles(starts, seg_adapter, skip_single=mixed)
         n_tiles = len(tiles) // 2
         copy_from_host(self.seg_start[: S + 1], torch.tensor(starts, dtype=torch.int32))
         copy_from_host(self.seg_adapter[:S], torch.tensor(seg_adapter, dtype=torch.int32))
         if n_tiles:
             copy_from_host(self.seg_tiles[:n_tiles], torch.tensor(tiles, dtype=torch.int32).view(-1, 2))
-        rows, row_slots = single_rows(starts, seg_adapter) if mixed else ([], [])
         if rows:
             copy_from_host(self.seg_rows[:, : len(rows)], torch.tensor([rows, row_slots], dtype=torch.int32))
         self.step.meta = LoraMeta(

@@ -137,8 +137,3 @@ def single_rows(seg_start: Sequence[int], seg_adapter: Sequence[int]) -> tuple[l
             rows.append(seg_start[seg])
             adapters.append(adapter)
     return rows, adapters
-
-
-def has_single_rows(seg_start: Sequence[int], seg_adapter: Sequence[int]) -> bool:
-    """Whether some one-token segment has an adapter (a step that wants a mixed meta)."""
-    return any(a >= 0 and seg_start[s + 1] - seg_start[s] == 1 for s, a in enumerate(seg_adapter))
