@@ -76,6 +76,15 @@ class SpeculationStats:
     cosines: list[float] = field(default_factory=list)
     """The measured cosine of each speculated prefill, in order."""
 
+    def add(self, other: SpeculationStats) -> None:
+        """Adds ``other``'s counts (and cosines, after these) to these."""
+        self.speculated += other.speculated
+        self.accepted += other.accepted
+        self.exact += other.exact
+        self.recomputed_layers += other.recomputed_layers
+        self.waited += other.waited
+        self.cosines.extend(other.cosines)
+
 
 @dataclass(frozen=True)
 class GatePlan:
@@ -228,7 +237,8 @@ class BlockSpeculation:
         self.pool, self.mode = pool, mode
         self.num_layers = pool.config.num_layers
         self.stats = SpeculationStats()
-        """Counted in place by the gates; ``take_stats`` hands out a copy and zeroes it."""
+        """What the gates of this step count into (each gate lives within one launch); ``take_stats``
+        hands it out and starts a fresh one."""
         self.totals = SpeculationStats()
         """Everything taken so far (benchmarks read it; the wire gets ``take_stats``')."""
 
@@ -268,19 +278,9 @@ class BlockSpeculation:
         return None if embed or not own else gate_plan(own, self.num_layers)
 
     def take_stats(self) -> SpeculationStats:
-        """The counts since the last call (a copy; the gates keep counting into ``stats``)."""
-        s = self.stats
-        taken = SpeculationStats(s.speculated, s.accepted, s.exact, s.recomputed_layers, s.waited, list(s.cosines))
-        s.speculated = s.accepted = s.exact = s.recomputed_layers = s.waited = 0
-        s.cosines.clear()
-        t = self.totals
-        t.speculated, t.accepted, t.exact = (
-            t.speculated + taken.speculated,
-            t.accepted + taken.accepted,
-            t.exact + taken.exact,
-        )
-        t.recomputed_layers, t.waited = t.recomputed_layers + taken.recomputed_layers, t.waited + taken.waited
-        t.cosines.extend(taken.cosines)
+        """The counts since the last call (later gates count into a fresh ``stats``)."""
+        taken, self.stats = self.stats, SpeculationStats()
+        self.totals.add(taken)
         return taken
 
 
