@@ -31,7 +31,6 @@ the forward pass beyond that of steps without copies.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import runpy
@@ -62,7 +61,7 @@ def instrument_executor() -> None:
     host launch, finish, graph use and device span land in :data:`STEP_TIMES` (module docstring)."""
     import torch
 
-    from deltaserve.worker import cuda_graphs
+    from deltaserve.worker import cuda_graphs, mixed_graphs
     from deltaserve.worker.executor import Executor
 
     launch, finish = Executor.launch, Executor.finish
@@ -100,12 +99,7 @@ def instrument_executor() -> None:
 
     Executor.launch = timed_launch  # type: ignore[method-assign]
     Executor.finish = timed_finish  # type: ignore[method-assign]
-    kinds: list[type] = [cuda_graphs.DecodeGraphs]
-    with contextlib.suppress(ImportError):  # prefill and mixed steps' token-bucket graphs
-        from deltaserve.worker import mixed_graphs
-
-        kinds.append(mixed_graphs.MixedGraphs)
-    for graphs in kinds:
+    for graphs in (cuda_graphs.DecodeGraphs, mixed_graphs.MixedGraphs):
         for name in ("run_rows", "run"):  # whichever replays a captured step
             real = getattr(graphs, name, None)
             if callable(real):
