@@ -7,8 +7,10 @@ and per layer, decode rows (``DeltaMeta.rows`` with the worker's 16-token tiles)
 float16 with integral zeros (the half2 dequantisation), each timed replayed from a CUDA graph
 (``triton.testing.do_bench_cudagraph``, median) as decode steps run. Bytes are the packed bytes of the
 deltas the step reads; the fraction is of the device-to-device copy bandwidth measured in the same run.
+``--layouts plain,repacked`` times the fused launch over pools of each slot layout (``DeltaWeights.layout``:
+the format's words, or kernels/sbmm/repack.py's fragment order), old against new in one run.
 
-    python3 -m bench.sbmm_fused [--points 64x8,64x1,8x8,16x8,1x1] [--out DIR]
+    python3 -m bench.sbmm_fused [--points 64x8,64x1,8x8,16x8,1x1] [--layouts repacked] [--per-slice] [--out DIR]
 """
 
 from __future__ import annotations
@@ -37,15 +39,20 @@ SLOTS = 8
 """Delta slots per pool (each its own memory; the first ``deltas`` of a point are read)."""
 
 
-def pool(out_f: int, in_f: int, seed: int):
+def unique_deltas(out_f: int, in_f: int, seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
-    unique = [random_packed_linear(out_f, in_f, 4, True, 64, g) for _ in range(4)]
-    return make_delta_weights([unique[s % 4].to("cuda") for s in range(SLOTS)])
+    return [random_packed_linear(out_f, in_f, 4, True, 64, g).to("cuda") for _ in range(4)]
+
+
+def pool(unique: list, layout: str):
+    return make_delta_weights([unique[s % 4] for s in range(SLOTS)], layout=layout)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", default="64x8,64x1,16x8,8x8,1x1", help="ROWSxDELTAS, comma-separated")
+    p.add_argument("--layouts", default="repacked", help="slot layouts to time, comma-separated: plain, repacked")
+    p.add_argument("--per-slice", action="store_true", help="also time one launch per projection")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     import triton.testing
@@ -55,73 +62,88 @@ def main() -> None:
     lib = S.cuda_ext.library("sbmm")
     if lib is None:
         raise SystemExit(f"the CUDA SBMM op is unavailable: {S.cuda_ext.unavailable('sbmm')}")
-    pools = {
-        m: [pool(o, i, 31 * k + j) for j, o in enumerate(outs)] for k, (m, (i, outs)) in enumerate(MODULES.items())
+    layouts = args.layouts.split(",")
+    uniques = {
+        m: [unique_deltas(o, i, 31 * k + j) for j, o in enumerate(outs)]
+        for k, (m, (i, outs)) in enumerate(MODULES.items())
     }
+    pools = {lay: {m: [pool(u, lay) for u in us] for m, us in uniques.items()} for lay in layouts}
+    for lay in layouts:
+        assert all(w.layout == lay for ws in pools[lay].values() for w in ws), f"pools did not take layout {lay}"
     rows = []
     for point in args.points.split(","):
         n_rows, n_deltas = (int(v) for v in point.split("x"))
         meta = DeltaMeta.rows(sorted(i % n_deltas for i in range(n_rows)), dev, max_block_m=16)
-        layer = {"per_slice": 0.0, "fused": 0.0}
-        for m, (in_f, outs) in MODULES.items():
-            ws = pools[m]
-            x = torch.randn(n_rows, in_f, device=dev).half()
-            out = torch.randn(n_rows, sum(outs), device=dev).half()
-            slices = [(w, sum(outs[:j])) for j, w in enumerate(ws)]
-            fused = S.sbmm_stacked_cuda(x, out.clone(), slices, meta)
-            apart = out.clone()
-            for w, c in slices:
-                S.sbmm_cuda(x, apart[:, c : c + w.out_features], w, meta)
-            torch.testing.assert_close(fused, apart, rtol=2e-3, atol=2e-3)  # split sums may differ in order
-
-            def per_slice() -> None:
+        for lay in layouts:
+            layer = {"per_slice": 0.0, "fused": 0.0}
+            for m, (in_f, outs) in MODULES.items():
+                ws = pools[lay][m]
+                x = torch.randn(n_rows, in_f, device=dev).half()
+                out = torch.randn(n_rows, sum(outs), device=dev).half()
+                slices = [(w, sum(outs[:j])) for j, w in enumerate(ws)]
+                fused = S.sbmm_stacked_cuda(x, out.clone(), slices, meta)
+                ref = out.clone()
                 for w, c in slices:
-                    S.launch_cuda(lib, x, out[:, c : c + w.out_features], [(w, 0)], meta)
+                    S.sbmm_ref(x, ref[:, c : c + w.out_features], w, meta)
+                torch.testing.assert_close(fused, ref, rtol=2e-3, atol=2e-3)  # the reference's sum order differs
 
-            torch.cuda.synchronize()
-            t_apart = triton.testing.do_bench_cudagraph(per_slice, rep=60, return_mode="median") * 1e3
-            t_fused = (
-                triton.testing.do_bench_cudagraph(
-                    lambda: S.launch_cuda(lib, x, out, slices, meta), rep=60, return_mode="median"
+                def per_slice() -> None:
+                    for w, c in slices:
+                        S.launch_cuda(lib, x, out[:, c : c + w.out_features], [(w, 0)], meta)
+
+                torch.cuda.synchronize()
+                t_apart = (
+                    triton.testing.do_bench_cudagraph(per_slice, rep=60, return_mode="median") * 1e3
+                    if args.per_slice
+                    else float("nan")
                 )
-                * 1e3
+                t_fused = (
+                    triton.testing.do_bench_cudagraph(
+                        lambda: S.launch_cuda(lib, x, out, slices, meta), rep=60, return_mode="median"
+                    )
+                    * 1e3
+                )
+                nbytes = (
+                    n_deltas
+                    * sum(w.qvalues.numel() * 4 + w.qindices.numel() * 4 + 2 * w.scales.numel() * 2 for w in ws)
+                    // SLOTS
+                )
+                row = {
+                    "layout": lay,
+                    "module": m,
+                    "rows": n_rows,
+                    "deltas": n_deltas,
+                    "per_slice_us": t_apart,
+                    "fused_us": t_fused,
+                    "bytes": nbytes,
+                    "fused_fraction_of_copy_bw": nbytes / (t_fused * 1e-6) / bw,
+                }
+                rows.append(row)
+                layer["per_slice"] += t_apart
+                layer["fused"] += t_fused
+                print(
+                    f"{lay:8s} {m:8s} {n_rows:3d} rows x {n_deltas} deltas: per slice {t_apart:7.1f} us, fused "
+                    f"{t_fused:7.1f} us ({row['fused_fraction_of_copy_bw']:.2f} of copy bw)",
+                    flush=True,
+                )
+            layer_bytes = sum(r["bytes"] for r in rows[-len(MODULES) :])
+            rows.append(
+                {
+                    "layout": lay,
+                    "module": "layer",
+                    "rows": n_rows,
+                    "deltas": n_deltas,
+                    "per_slice_us": layer["per_slice"],
+                    "fused_us": layer["fused"],
+                    "bytes": layer_bytes,
+                    "fused_fraction_of_copy_bw": layer_bytes / (layer["fused"] * 1e-6) / bw,
+                }
             )
-            nbytes = (
-                n_deltas
-                * sum(w.qvalues.numel() * 4 + w.qindices.numel() * 4 + 2 * w.scales.numel() * 2 for w in ws)
-                // SLOTS
-            )
-            row = {
-                "module": m,
-                "rows": n_rows,
-                "deltas": n_deltas,
-                "per_slice_us": t_apart,
-                "fused_us": t_fused,
-                "bytes": nbytes,
-                "fused_fraction_of_copy_bw": nbytes / (t_fused * 1e-6) / bw,
-            }
-            rows.append(row)
-            layer["per_slice"] += t_apart
-            layer["fused"] += t_fused
             print(
-                f"{m:8s} {n_rows:3d} rows x {n_deltas} deltas: per slice {t_apart:7.1f} us, fused {t_fused:7.1f} us "
-                f"({row['fused_fraction_of_copy_bw']:.2f} of copy bw)",
+                f"{lay:8s} layer    {n_rows:3d} rows x {n_deltas} deltas: per slice {layer['per_slice']:7.1f} us, "
+                f"fused {layer['fused']:7.1f} us ({rows[-1]['fused_fraction_of_copy_bw']:.2f} of copy bw)",
                 flush=True,
             )
-        rows.append(
-            {
-                "module": "layer",
-                "rows": n_rows,
-                "deltas": n_deltas,
-                "per_slice_us": layer["per_slice"],
-                "fused_us": layer["fused"],
-            }
-        )
-        print(
-            f"layer    {n_rows:3d} rows x {n_deltas} deltas: per slice {layer['per_slice']:7.1f} us, "
-            f"fused {layer['fused']:7.1f} us",
-            flush=True,
-        )
     path = write_result(
         "sbmm_fused",
         {
@@ -131,6 +153,7 @@ def main() -> None:
             "sparsity": "2:4",
             "group_size": 64,
             "copy_bandwidth_GBps": bw / 1e9,
+            "layouts": layouts,
             "modules": MODULES,
             "rows": rows,
         },

@@ -32,6 +32,14 @@
 //          ws[split, p, row] = acc; the split of the (tile, row block) that arrives last (an atomic
 //          counter, reset by it) adds the splits in a fixed order to out: one rounding, deterministic.
 //
+// Repacked pools (``layout`` 1; kernels/sbmm/repack.py owns the permutation, done once at upload): a
+// block's stage is one contiguous run of each kind, in the order the lanes read it, copied in 16-byte
+// pieces with no padding; lane (g, t) reads one word per row tile and k-step (2-bit: per two k-steps)
+// whose fields are its four A registers' code pairs at bits s and s + 16, so a register is a shift and a
+// LOP3 (| 0x6400: the half2 path) before the same hsub2 / hmul2 (or fp32 fma) as above: the same values,
+// bit for bit. Its 2:4 metadata is one word as the MMA takes it, its rows' scales / zeros one 8-byte
+// word per group. Every slice of such a call has out % 128 == 0 (no rows past N).
+//
 // Nothing is read for padding tiles (slot -1): their blocks return at once. The grid and the
 // arguments depend on the step's metadata tensors only, so the launch can be captured in a graph: a
 // captured grid has the most K splits any step takes, and its blocks recompute the split from the
@@ -111,6 +119,22 @@ template <int BITS, bool SPARSE, int NT> struct Layout {
   static constexpr int BYTES = STAGES * STAGE;
   static constexpr int KSTEP = SPARSE ? 32 : 16;                    // input columns per MMA
   static constexpr int WK = KSTEP / (SPARSE ? 2 : 1) * BITS / 32;   // qvalues words per row and k-step (2 or 1)
+};
+
+// Shared-memory layout of one block over a repacked pool (kernels/sbmm/repack.py), per stage: the block's
+// words exactly as global memory holds them (one contiguous run per kind, lanes read consecutive words:
+// no padding, no bank conflicts), then the tile's x columns as above.
+template <int BITS, bool SPARSE, int NT, int G> struct FragLayout {
+  static constexpr int TM = 8 * NT;
+  static constexpr int QB = (SPARSE ? KS / 2 : KS) * BITS / 8;      // qvalues bytes per row and stage
+  static constexpr int IB = SPARSE ? KS / 2 * 2 / 8 : 0;            // qindices bytes per row and stage
+  static constexpr int GB = KS / G * 2;                             // scale bytes per row and stage
+  static constexpr int Q_OFF = 0, I_OFF = ROWS * QB, S_OFF = I_OFF + ROWS * IB, Z_OFF = S_OFF + ROWS * GB;
+  static constexpr int X_OFF = Z_OFF + ROWS * GB;
+  static constexpr int STAGE = X_OFF + TM * LDX * 2;
+  static constexpr int BYTES = STAGES * STAGE;
+  static constexpr int KSTEP = SPARSE ? 32 : 16;
+  static constexpr int WPW = 32 * QB / 4;                           // qvalues words per warp and stage
 };
 
 // The codes of one row in lane t's A registers for one k-step (``w``: the row's k-step words), each
@@ -368,10 +392,118 @@ __device__ __forceinline__ void sbmm_mainloop(const Call<T>& c, const Slice& sl,
   cp_async_wait<0>();
 }
 
+// sbmm_mainloop over a repacked pool (kernels/sbmm/repack.py: out % 128 == 0, so no row is past N): a
+// stage of the block is one contiguous run of each kind in global memory, copied in 16-byte pieces
+// (consecutive threads, consecutive pieces), and lane (g, t)'s A registers of a k-step and row tile are
+// the fields of one word: register j = (w >> (s + BITS j)) & mask, field pairs at bits 0 and 16 (4-bit:
+// s = 0; 2-bit: two k-steps a word, s = 0 / 8), dequantised as RowScale does (half2: | 0x6400 then one
+// hsub2 and one hmul2; fp32 otherwise). The 2:4 metadata of lane t = 0 / 1 is one word as it is; the
+// scales / zeros of its four rows for a group are one 8-byte word each.
+template <typename T, int BITS, bool SPARSE, int NT, int G, bool HALF2>
+__device__ __forceinline__ void sbmm_mainloop_frag(const Call<T>& c, const Slice& sl, int slot, int row0, int first,
+                                                   int end, int s_lo, int s_hi, float (&acc)[2][NT][4]) {
+  using L = FragLayout<BITS, SPARSE, NT, G>;
+  constexpr int TM = L::TM, KSTEP = L::KSTEP, BREGS = KSTEP / 8, GS = KS / G, STEPS = KS / KSTEP;
+  constexpr uint32_t MASK2 = BITS == 4 ? 0x000F000Fu : 0x00030003u;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int stages = c.K / KS, tid = threadIdx.x;
+  const int64_t rb = row0 / ROWS;
+  // Words (halves) of one (row block, stage) chunk of each kind; the row block's chunks follow each other.
+  constexpr int QW = ROWS * L::QB / 4, IW = ROWS * L::IB / 4, GH = ROWS * GS;
+  const uint32_t* qv = sl.qv + sl.qv_off[slot] + rb * stages * QW + tid * 4;
+  const uint32_t* qi = SPARSE ? sl.qi + sl.qi_off[slot] + rb * stages * IW + tid * 4 : nullptr;
+  const __half* sc = sl.sc + sl.g_off[slot] + rb * stages * GH + tid * 8;
+  const __half* zr = sl.zr + sl.g_off[slot] + rb * stages * GH + tid * 8;
+  constexpr int QN = L::QB / 16, IN = L::IB / 16, GP = GH * 2 / 16;  // pieces per thread (qv, qi); scale pieces
+  static_assert(GP <= ROWS, "one scale piece per thread at most");
+  constexpr int XP = KS / 8, XN = TM * XP / ROWS;
+  const T* x_src[XN];
+  bool x_ok[XN];
+#pragma unroll
+  for (int i = 0; i < XN; ++i) {
+    const int m = tid / XP + i * (ROWS / XP);
+    x_ok[i] = first + m < end;
+    x_src[i] = c.x + (x_ok[i] ? static_cast<int64_t>(c.order[first + m]) * c.x_stride : 0) + (tid % XP) * 8;
+  }
+  auto issue = [&](int s) {
+    if (s < s_hi) {
+      unsigned char* buf = smem + (s % STAGES) * L::STAGE;
+#pragma unroll
+      for (int i = 0; i < QN; ++i)
+        cp_async<16>(buf + L::Q_OFF + (tid + i * ROWS) * 16, qv + s * QW + i * ROWS * 4, true);
+      if constexpr (SPARSE) {
+#pragma unroll
+        for (int i = 0; i < IN; ++i)
+          cp_async<16>(buf + L::I_OFF + (tid + i * ROWS) * 16, qi + s * IW + i * ROWS * 4, true);
+      }
+      if (GP == ROWS || tid < GP) {
+        cp_async<16>(buf + L::S_OFF + tid * 16, sc + s * GH, true);
+        cp_async<16>(buf + L::Z_OFF + tid * 16, zr + s * GH, true);
+      }
+#pragma unroll
+      for (int i = 0; i < XN; ++i) {
+        const int m = tid / XP + i * (ROWS / XP);
+        cp_async<16>(buf + L::X_OFF + (m * LDX + (tid % XP) * 8) * 2, x_ok[i] ? x_src[i] + s * KS : c.x, x_ok[i]);
+      }
+    }
+    cp_async_commit();
+  };
+
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) issue(s_lo + i);
+
+  for (int s = s_lo; s < s_hi; ++s) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    issue(s + STAGES - 1);
+    const unsigned char* buf = smem + (s % STAGES) * L::STAGE;
+    const T* x_s = reinterpret_cast<const T*>(buf + L::X_OFF);
+    const uint32_t* q_s = reinterpret_cast<const uint32_t*>(buf + L::Q_OFF) + warp * L::WPW + lane;
+    const uint32_t* i_s = reinterpret_cast<const uint32_t*>(buf + L::I_OFF) + warp * (STEPS * 32) + g * 2 + (t & 1);
+    const uint2* sc_s = reinterpret_cast<const uint2*>(buf + L::S_OFF) + warp * GS * 8 + g;
+    const uint2* zr_s = reinterpret_cast<const uint2*>(buf + L::Z_OFF) + warp * GS * 8 + g;
+#ifdef SBMM_NO_COMPUTE
+    if (buf[threadIdx.x] == 0xFF && buf[threadIdx.x + 1] == 0xFE) acc[0][0][0] += 1.f;
+    continue;
+#endif
+#pragma unroll
+    for (int ks = 0; ks < STEPS; ++ks) {
+      const int kk = ks * KSTEP, gi = kk / G;
+      uint32_t b[NT][BREGS];
+#pragma unroll
+      for (int f = 0; f < NT; ++f)
+#pragma unroll
+        for (int r = 0; r < BREGS; ++r)
+          b[f][r] = *reinterpret_cast<const uint32_t*>(x_s + (f * 8 + g) * LDX + kk + 2 * t + 8 * r);
+      const uint2 sv = sc_s[gi * 8], zv = zr_s[gi * 8];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        const uint32_t sp = mt ? sv.y : sv.x, zp = mt ? zv.y : zv.x;  // rows g (low half), g + 8 (high)
+        RowScale<T, HALF2> rs[2];
+        rs[0].set(__ushort_as_half(static_cast<unsigned short>(sp & 0xFFFFu)),
+                  __ushort_as_half(static_cast<unsigned short>(zp & 0xFFFFu)));
+        rs[1].set(__ushort_as_half(static_cast<unsigned short>(sp >> 16)),
+                  __ushort_as_half(static_cast<unsigned short>(zp >> 16)));
+        const uint32_t w = BITS == 4 ? q_s[(ks * 2 + mt) * 32] : q_s[((ks / 2) * 2 + mt) * 32];
+        const int base = BITS == 4 ? 0 : (ks % 2) * 8;
+        uint32_t a[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[j] = rs[j & 1]((w >> (base + j * BITS)) & MASK2);
+        uint32_t e = 0;
+        if constexpr (SPARSE) e = i_s[(ks * 2 + mt) * 16];
+#pragma unroll
+        for (int f = 0; f < NT; ++f) mma<T, SPARSE>(acc[mt][f], a, b[f], e);
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
 // Block (row block of some slice, work tile, K split). With one split it adds its products to out (the op's
 // one rounding); with several it writes its float32 partials to the workspace, and the split that arrives
 // last adds all of them, in split order, to out (deterministic; the counter is zero again after it).
-template <typename T, int BITS, bool SPARSE, int NT, int G>
+template <typename T, int BITS, bool SPARSE, int NT, int G, bool FRAG>
 __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(const __grid_constant__ Call<T> c) {
   const int tile = blockIdx.y;
   const int slot = c.tiles[tile * 3 + 2];
@@ -398,7 +530,16 @@ __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(const __gri
     for (int f = 0; f < NT; ++f)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[mt][f][j] = 0.f;
-  if constexpr (std::is_same<T, __half>::value) {
+  if constexpr (FRAG) {
+    if constexpr (std::is_same<T, __half>::value) {
+      if (sl.half2 != nullptr && sl.half2[slot])
+        sbmm_mainloop_frag<T, BITS, SPARSE, NT, G, true>(c, sl, slot, row0, first, end, s_lo, s_hi, acc);
+      else
+        sbmm_mainloop_frag<T, BITS, SPARSE, NT, G, false>(c, sl, slot, row0, first, end, s_lo, s_hi, acc);
+    } else {
+      sbmm_mainloop_frag<T, BITS, SPARSE, NT, G, false>(c, sl, slot, row0, first, end, s_lo, s_hi, acc);
+    }
+  } else if constexpr (std::is_same<T, __half>::value) {
     if (sl.half2 != nullptr && sl.half2[slot])
       sbmm_mainloop<T, BITS, SPARSE, NT, G, true>(c, sl, slot, row0, first, end, s_lo, s_hi, acc);
     else
@@ -462,26 +603,28 @@ __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(const __gri
   }
 }
 
-template <typename T, int BITS, bool SPARSE, int NT, int G>
+template <typename T, int BITS, bool SPARSE, int NT, int G, bool FRAG>
 cudaError_t launch(const Call<T>& c, int row_blocks, int grid_tiles, int splits, cudaStream_t stream) {
-  constexpr int bytes = Layout<BITS, SPARSE, NT>::BYTES;
+  constexpr int bytes = FRAG ? FragLayout<BITS, SPARSE, NT, G>::BYTES : Layout<BITS, SPARSE, NT>::BYTES;
   static bool configured = false;  // once per instantiation: shared memory above the 48 KB default
   if (!configured) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(sbmm_kernel<T, BITS, SPARSE, NT, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    const cudaError_t e = cudaFuncSetAttribute(sbmm_kernel<T, BITS, SPARSE, NT, G, FRAG>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
     configured = true;
   }
   const dim3 grid(row_blocks, grid_tiles, splits);
-  sbmm_kernel<T, BITS, SPARSE, NT, G><<<grid, ROWS, bytes, stream>>>(c);
+  sbmm_kernel<T, BITS, SPARSE, NT, G, FRAG><<<grid, ROWS, bytes, stream>>>(c);
   return cudaGetLastError();
 }
 
-// The launch for the call's token fragments (nt) and group size (G).
+// The launch for the call's token fragments (nt), group size (G) and pool layout (frag: repacked).
 template <typename T, int BITS, bool SPARSE>
-cudaError_t by_tile(int nt, int G, const Call<T>& c, int row_blocks, int grid_tiles, int splits, cudaStream_t st) {
-#define DS_SBMM_LAUNCH(V, GS) \
-  if (nt == V && G == GS) return launch<T, BITS, SPARSE, V, GS>(c, row_blocks, grid_tiles, splits, st);
+cudaError_t by_tile(int nt, int G, bool frag, const Call<T>& c, int row_blocks, int grid_tiles, int splits,
+                    cudaStream_t st) {
+#define DS_SBMM_LAUNCH(V, GS)                                                                       \
+  if (nt == V && G == GS && frag) return launch<T, BITS, SPARSE, V, GS, true>(c, row_blocks, grid_tiles, splits, st); \
+  if (nt == V && G == GS) return launch<T, BITS, SPARSE, V, GS, false>(c, row_blocks, grid_tiles, splits, st);
   DS_SBMM_LAUNCH(1, 32) DS_SBMM_LAUNCH(1, 64) DS_SBMM_LAUNCH(1, 128)
   DS_SBMM_LAUNCH(2, 32) DS_SBMM_LAUNCH(2, 64) DS_SBMM_LAUNCH(2, 128)
 #undef DS_SBMM_LAUNCH
@@ -576,23 +719,25 @@ extern "C" {
 // max_splits: the grid's K splits (``deltaserve_sbmm_split``); > 1 needs ws of [max_splits, ws_rows, ws_cols]
 // float32 (ws_rows = the length of ``order``, ws_cols >= every col + n) and counters of [grid_tiles, row
 // blocks] int32, zero. tile_count: the step's real tiles on the device (the blocks recompute the split from it;
-// null: max_splits is the split). slots: blocks the device runs at once. Returns a cudaError_t.
+// null: max_splits is the split). slots: blocks the device runs at once. layout: 0 the format's (plain), 1
+// repacked (kernels/sbmm/repack.py; every n a multiple of 128). Returns a cudaError_t.
 int deltaserve_sbmm(const void* x, void* out, float* ws, int* counters, const int32_t* order, const int32_t* tiles,
                     const int32_t* tile_count, const void* const* qv, const void* const* qi, const void* const* sc,
                     const void* const* zr, const int64_t* const* qv_off, const int64_t* const* qi_off,
                     const int64_t* const* g_off, const uint8_t* const* half2, const int* n, const int* col,
                     int slices, int K, int G, int64_t x_stride, int64_t out_stride, int bits, int sparse, int dtype,
-                    int block_m, int grid_tiles, int max_splits, int ws_rows, int ws_cols, int slots, void* stream) {
+                    int block_m, int grid_tiles, int max_splits, int ws_rows, int ws_cols, int slots, int layout,
+                    void* stream) {
   if (K % KS != 0 || (G != 32 && G != 64 && G != 128) || block_m < 1 || block_m > 16 || max_splits < 1 ||
       max_splits > 16 || grid_tiles < 0 || slices < 1 || slices > MAX_SLICES || slots < 1 ||
-      (max_splits > 1 && (ws == nullptr || counters == nullptr))) {
+      (max_splits > 1 && (ws == nullptr || counters == nullptr)) || (layout != 0 && layout != 1)) {
     return cudaErrorInvalidValue;
   }
   if (grid_tiles == 0) return cudaSuccess;
   int row_blocks = 0;
   Slice sl[MAX_SLICES] = {};
   for (int i = 0; i < slices; ++i) {
-    if (n[i] < 1 || col[i] < 0) return cudaErrorInvalidValue;
+    if (n[i] < 1 || col[i] < 0 || (layout == 1 && n[i] % ROWS != 0)) return cudaErrorInvalidValue;
     sl[i] = Slice{static_cast<const uint32_t*>(qv[i]), static_cast<const uint32_t*>(qi[i]),
                   static_cast<const __half*>(sc[i]), static_cast<const __half*>(zr[i]), qv_off[i], qi_off[i],
                   g_off[i], dtype == 0 ? half2[i] : nullptr, n[i], col[i], row_blocks};
@@ -618,7 +763,7 @@ int deltaserve_sbmm(const void* x, void* out, float* ws, int* counters, const in
     c.ws_rows = ws_rows;                                                                                         \
     c.ws_cols = ws_cols;                                                                                         \
     c.slots = slots;                                                                                             \
-    return static_cast<int>(by_tile<TY, B, SP>(nt, G, c, row_blocks, grid_tiles, max_splits, st));              \
+    return static_cast<int>(by_tile<TY, B, SP>(nt, G, layout == 1, c, row_blocks, grid_tiles, max_splits, st)); \
   }
   DS_BY_CONFIG(DS_SBMM_CFG)
 #undef DS_SBMM_CFG

@@ -9,6 +9,7 @@ stream the packed words, dequantise and expand 2:4 in registers, and multiply.
 The package::
 
     layout.py       DeltaWeights: one linear's delta pool (slots in flat buffers); make_delta_weights
+    repack.py       the repacked (fragment-order) slot layout the CUDA op reads: repack, unpack, fits
     meta.py         DeltaMeta: which tokens use which slot in one step, cut into work tiles
     checks.py       DTYPES, and what every entry point checks of a call
     ref.py          sbmm_ref: the torch reference, the CPU path
@@ -109,8 +110,10 @@ def launch_config(meta: DeltaMeta, w: DeltaWeights) -> dict[str, int]:
 
 def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
     """Triton kernels for ``sbmm`` (no dispatch), in place on ``out``: one launch for all deltas (plus a
-    reduction launch when FMA tiles split K)."""
+    reduction launch when FMA tiles split K). They read the format's layout: over a repacked pool, a
+    plain copy of it (``DeltaWeights.plain_copy``: the tests' and forced runs' path, not a fast one)."""
     check_call(x, out, w, meta)
+    w = w.plain_copy()
     if meta.block_m not in LAUNCH:
         raise ValueError(
             f"sbmm_triton: work tiles of {meta.block_m} tokens (the Triton kernels take "
@@ -162,6 +165,7 @@ def sbmm_stacked(
             lib is not None
             and len(slices) <= CUDA_MAX_SLICES
             and all(cuda_supports(x, w, meta) is None for w, _ in slices)
+            and len({w.layout for w, _ in slices}) == 1
         ):
             return launch_cuda(lib, x, out, slices, meta)
     for w, col in slices:

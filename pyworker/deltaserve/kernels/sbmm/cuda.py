@@ -8,7 +8,10 @@ for the module. When too few blocks would fill the SMs it splits K, and the spli
 adds the partials (in split order: deterministic). It reads its per-slot half2 flags
 (``DeltaWeights.half2_ok``) and, inside a CUDA-graph capture, the step's tile count
 (``DeltaMeta.tile_count``) on the device, so one captured launch serves any later step as an eager
-launch of that step would. Its third entry point, ``deltaserve_dequant``, is ``dequant.py``'s.
+launch of that step would. It reads either slot layout (``DeltaWeights.layout``: the repacked one, one
+contiguous run per block and stage, fields a lane turns into A registers with a shift and a LOP3, is what
+pools that fit get by default; ``DELTASERVE_SBMM_LAYOUT=plain`` keeps the format's for A/B runs). Its
+third entry point, ``deltaserve_dequant``, is ``dequant.py``'s (over a repacked pool: the slot unpacked).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ _CUDA_ARGS = (
     + [ctypes.POINTER(ctypes.c_int)] * 2
     + [ctypes.c_int] * 3
     + [ctypes.c_int64] * 2
-    + [ctypes.c_int] * 9
+    + [ctypes.c_int] * 10
     + [_P]
 )
 """``deltaserve_sbmm``'s C signature (csrc/sbmm.cu)."""
@@ -76,8 +79,9 @@ def cuda_shape_problem(x: torch.Tensor, w: DeltaWeights) -> str | None:
             f"(want one of {_CUDA_GROUPS})"
         )
     qv_align, qi_align, group_align = w.offset_alignment
-    if qv_align < 4 or qi_align < 4 or group_align < 2:
-        return f"slot blocks aligned to {w.offset_alignment} elements (want 4, 4, 2)"
+    want_group = 8 if w.repacked else 2  # the repacked layout copies scales in 16-byte pieces
+    if qv_align < 4 or qi_align < 4 or group_align < want_group:
+        return f"slot blocks aligned to {w.offset_alignment} elements (want 4, 4, {want_group})"
     return None
 
 
@@ -141,6 +145,8 @@ def sbmm_stacked_cuda(
     """csrc/sbmm.cu for ``sbmm_stacked`` (no dispatch): every slice in one launch. Raises when the op is
     unavailable or does not fit the call."""
     check_stacked(x, out, slices, meta)
+    if len({w.layout for w, _ in slices}) > 1:
+        raise ValueError("sbmm_cuda: slices of one launch must share a layout (all plain or all repacked)")
     if len(slices) > CUDA_MAX_SLICES:
         raise ValueError(f"sbmm_cuda: {len(slices)} slices (one launch takes at most {CUDA_MAX_SLICES})")
     for w, _ in slices:
@@ -199,7 +205,7 @@ def launch_cuda(
         (ctypes.c_int * n)(*[w.out_features for w, _ in slices]), (ctypes.c_int * n)(*[col for _, col in slices]), n,
         w0.in_features, w0.group_size, x.stride(0), out.stride(0), w0.bits, int(w0.sparse), _CUDA_DTYPES[x.dtype],
         max(meta.tile_tokens, 1), meta.grid_tiles, split, rows, cols, _CUDA_BLOCKS_PER_SM * sm_count(x.device),
-        torch.cuda.current_stream(x.device).cuda_stream,
+        int(w0.repacked), torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     cuda_ext.check(lib, code, "sbmm_cuda")
     return out

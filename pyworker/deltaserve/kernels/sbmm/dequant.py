@@ -202,24 +202,32 @@ def dequantize_slot(
     elif tuple(out.shape) != shape or out.dtype != dtype or out.device != w.device or not out.is_contiguous():
         raise ValueError(f"sbmm: dequantize_slot out {list(out.shape)} {out.dtype} on {out.device}: want a contiguous "
                          f"{list(shape)} {dtype} on {w.device}")  # fmt: skip
+    # The format's tensors of the slot: the pool's buffers, or the slot unpacked from the repacked layout.
+    qv_buf, qi_buf, qi_row = w.qvalues, *qindices_arg(w)
+    sc_buf, zr_buf, offs, at = w.scales, w.zeros, (w.qvalues_offsets, w.qindices_offsets, w.group_offsets), slot
+    if w.repacked:
+        p = w.packed(slot)
+        qv_buf, sc_buf, zr_buf = p.qvalues.reshape(-1), p.scales.reshape(-1), p.zeros.reshape(-1)
+        qi_buf = p.qindices.reshape(-1) if p.qindices is not None else qv_buf
+        zero = torch.zeros(1, dtype=torch.int64, device=w.device)
+        offs, at = (zero, zero, zero), 0
     cuda = use_triton is None and out.is_cuda and dtype in cuda_ext.DTYPE_CODES
     lib = cuda_ext.library("sbmm") if cuda else None
     if lib is not None:
         fn = lib.deltaserve_dequant
         if fn.argtypes is None:
             fn.argtypes, fn.restype = _CUDA_DEQUANT_ARGS, ctypes.c_int
-        code = fn(out.data_ptr(), w.qvalues.data_ptr(), w.qindices.data_ptr() if w.sparse else None,
-                  w.scales.data_ptr(), w.zeros.data_ptr(), w.qvalues_offsets.data_ptr(), w.qindices_offsets.data_ptr(),
-                  w.group_offsets.data_ptr(), slot, w.out_features, w.in_features, w.group_size, w.bits, int(w.sparse),
+        code = fn(out.data_ptr(), qv_buf.data_ptr(), qi_buf.data_ptr() if w.sparse else None,
+                  sc_buf.data_ptr(), zr_buf.data_ptr(), *(o.data_ptr() for o in offs),
+                  at, w.out_features, w.in_features, w.group_size, w.bits, int(w.sparse),
                   cuda_ext.DTYPE_CODES[dtype], torch.cuda.current_stream(out.device).cuda_stream)  # fmt: skip
         cuda_ext.check(lib, code, "dequantize_slot")
         return out
     cfg = _DEQUANT
     block_n, block_k = cfg["BLOCK_N"], max(cfg["BLOCK_K"], w.group_size)
     qv, _, g = w.slot_shapes()
-    qi_buf, qi_row = qindices_arg(w)
     _dequant_kernel[(triton.cdiv(w.out_features, block_n), triton.cdiv(w.in_features, block_k))](
-        out, w.qvalues, qi_buf, w.scales, w.zeros, w.qvalues_offsets, w.qindices_offsets, w.group_offsets, slot,
+        out, qv_buf, qi_buf, sc_buf, zr_buf, *offs, at,
         w.out_features, w.in_features, out.stride(0), qv[1], qi_row, g[1], **tile_constexprs(w, block_k),
         BLOCK_N=block_n, RNE=needs_rne_by_hand(out), num_warps=cfg["num_warps"])  # fmt: skip
     return out

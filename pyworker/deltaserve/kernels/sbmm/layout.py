@@ -14,18 +14,35 @@ has one flat buffer, and a slot's tensor is a row-major block at an element offs
     qvalues | slot 0 codes | slot 1 (zeros) | slot 2 codes |     offsets 0, R, 2R (R = out*kept*bits/32)
 
 bits, sparse, group size and the linear's [out, in] are fixed per pool (the kernels specialise on
-them); a model whose deltas mix configs holds one pool per config. Slot ids are shared by all linears
+them); a model whose deltas mix configs holds one pool per config.
+
+**Layout of a slot's words** (``DeltaWeights.layout``): ``"plain"``, the format's row-major blocks above,
+or ``"repacked"``, the same words permuted at ``store`` into the order csrc/sbmm.cu's lanes consume them
+(``repack.py``, which owns the permutation; same sizes, same offsets). ``packed(slot)`` gives the
+format's tensors back either way (``repack.unpack``), which is what the reference, the Triton kernels
+and the dense dequantiser read. The layout is picked at construction: ``layout="auto"`` (the default)
+reads ``DELTASERVE_SBMM_LAYOUT`` (``plain`` | ``repacked`` | ``auto``, default ``auto``); auto repacks
+a CUDA pool whose shape fits (``repack.fits``) when the CUDA op is built, and keeps every other pool
+plain; ``repacked`` repacks any pool that fits (CPU too: the tests); ``plain`` keeps the old layout
+for A/B runs. Slot ids are shared by all linears
 of a model; ``-1`` means "no delta" (base-only tokens, LoRA tokens).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ...formats.packed_delta import PackedLinear, check_layout, dequantize
+from .. import cuda_ext
+from . import repack as fragments
+
+LAYOUT_ENV = "DELTASERVE_SBMM_LAYOUT"
+"""The environment variable that picks new pools' layout (module docstring): plain, repacked, auto."""
+LAYOUTS = ("plain", "repacked")
 
 
 @dataclass(frozen=True)
@@ -71,9 +88,12 @@ class DeltaWeights:
     (csrc/sbmm.cu RowScale), for float16 slots so flagged: no host check per call, no sync per ``store``,
     and a captured launch stays right whatever deltas come later."""
     offset_alignment: tuple[int, int, int] = field(default=(0, 0, 0), init=False, repr=False, compare=False)
-    """(qvalues, qindices, scales / zeros): the largest power of two up to 4 dividing every slot block's
-    start address, in elements (buffer address plus slot offset; set by the offset check, the buffers
-    never move); the CUDA op copies 16- and 4-byte pieces."""
+    """(qvalues, qindices, scales / zeros): the largest power of two up to 4 (scales / zeros: 8) dividing
+    every slot block's start address, in elements (buffer address plus slot offset; set by the offset
+    check, the buffers never move); the CUDA op copies 16- and 4-byte pieces."""
+    layout: str = field(default="auto", compare=False)
+    """How a slot's words are ordered: ``"plain"`` (the format's) or ``"repacked"`` (``repack.py``); ``"auto"``
+    at construction picks one (module docstring) and the field then holds the pick."""
     ref_cache: dict[tuple[int, torch.dtype], torch.Tensor] | None = field(default=None, repr=False, compare=False)
     """(slot, dtype) -> ``dequantize`` of that slot for ``sbmm_ref``, when enabled (``cache_reference``:
     the CPU serving path, which would otherwise dequantise every delta at every call); None: off.
@@ -113,6 +133,37 @@ class DeltaWeights:
                 "on the pool's device"
             )
         self._check_offsets()
+        object.__setattr__(self, "layout", self._pick_layout())
+
+    def _pick_layout(self) -> str:
+        """The layout this pool takes (module docstring); raises when ``repacked`` is asked and cannot be."""
+        want = self.layout
+        if want == "auto":
+            want = os.environ.get(LAYOUT_ENV, "auto").strip().lower() or "auto"
+            if want not in (*LAYOUTS, "auto"):
+                raise ValueError(f"sbmm: {LAYOUT_ENV}={want!r}: want plain, repacked or auto")
+            if want == "auto":  # only where the CUDA op will read it: it copies 16-byte pieces of every kind
+                aligned = (
+                    self.offset_alignment[0] >= 4 and self.offset_alignment[1] >= 4 and self.offset_alignment[2] >= 8
+                )
+                fits_cuda = self.device.type == "cuda" and aligned and self._repack_problem() is None
+                return "repacked" if fits_cuda and cuda_ext.library("sbmm") is not None else "plain"
+        if want not in LAYOUTS:
+            raise ValueError(f"sbmm: pool layout {want!r}: want one of {LAYOUTS} or auto")
+        if want == "repacked":
+            why = self._repack_problem()
+            if why is not None and self.layout == "repacked":
+                raise ValueError(f"sbmm: this pool cannot take the repacked layout: {why}")
+            return "plain" if why is not None else want
+        return want
+
+    def _repack_problem(self) -> str | None:
+        return fragments.fits(self.bits, self.sparse, self.group_size, self.out_features, self.in_features)
+
+    @property
+    def repacked(self) -> bool:
+        """Whether the slots hold the repacked layout (``repack.py``) rather than the format's."""
+        return self.layout == "repacked"
 
     @property
     def half2_flags(self) -> torch.Tensor:
@@ -134,7 +185,7 @@ class DeltaWeights:
                   ("zeros", self.group_offsets, g, self.zeros)]  # fmt: skip
         if qi is not None:
             checks.append(("qindices", self.qindices_offsets, qi, self.qindices))
-        align = {"qvalues": 4, "qindices": 4, "scales": 4, "zeros": 4}
+        align = {"qvalues": 4, "qindices": 4, "scales": 8, "zeros": 8}
         for name, offs, shape, buf in checks:
             size = shape[0] * shape[1]
             for slot, o in enumerate(offs.tolist()):
@@ -165,9 +216,29 @@ class DeltaWeights:
             )
 
     def packed(self, slot: int) -> PackedLinear:
-        """Slot ``slot``'s delta as a ``PackedLinear`` of views into the pool (for ``dequantize``)."""
+        """Slot ``slot``'s delta as a ``PackedLinear`` in the format's layout (for ``dequantize``): views into
+        the pool when it is plain, new tensors (``repack.unpack``) when it is repacked."""
         self.check_loaded(slot)
-        return self._views(slot)
+        return fragments.unpack(self._views(slot)) if self.repacked else self._views(slot)
+
+    def plain_copy(self) -> DeltaWeights:
+        """This pool with every slot in the format's layout (new buffers, same offsets): what the Triton
+        kernels read over a repacked pool. The pool itself when it is plain."""
+        if not self.repacked:
+            return self
+        w = DeltaWeights(
+            qvalues=self.qvalues.clone(), qindices=self.qindices.clone(), scales=self.scales.clone(),
+            zeros=self.zeros.clone(), qvalues_offsets=self.qvalues_offsets, qindices_offsets=self.qindices_offsets,
+            group_offsets=self.group_offsets, bits=self.bits, sparse=self.sparse, group_size=self.group_size,
+            out_features=self.out_features, in_features=self.in_features, loaded=list(self.loaded),
+            half2_ok=self.half2_flags, layout="plain",
+        )  # fmt: skip
+        for slot, ok in enumerate(self.loaded):  # each buffer is read at its own offsets only: aliases may part
+            if ok:
+                dst = w._views(slot)
+                for name, t in self.packed(slot).tensors().items():
+                    getattr(dst, name).copy_(t)
+        return w
 
     def _views(self, slot: int) -> PackedLinear:
         """Slot ``slot``'s region as a ``PackedLinear`` of views, loaded or not."""
@@ -209,6 +280,8 @@ class DeltaWeights:
             raise ValueError(f"sbmm: delta slot {slot} out of range (the pool has {self.num_slots} slots)")
         _check_same_config(f"slot {slot}", p, self)
         dst = self._views(slot)
+        if self.repacked:
+            p = fragments.repack(p.to(self.device))
         for name, t in p.tensors().items():
             getattr(dst, name).copy_(t)
         self._forget(slot)
@@ -233,8 +306,11 @@ def _check_same_config(what: str, p: PackedLinear, ref: PackedLinear | DeltaWeig
             )
 
 
-def make_delta_weights(packed: Sequence[PackedLinear | None], device: torch.device | str | None = None) -> DeltaWeights:
-    """A pool with one slot per entry (None: an empty slot, its region reserved and zero-filled).
+def make_delta_weights(
+    packed: Sequence[PackedLinear | None], device: torch.device | str | None = None, *, layout: str = "auto"
+) -> DeltaWeights:
+    """A pool with one slot per entry (None: an empty slot, its region reserved and zero-filled), in
+    ``layout`` (``DeltaWeights.layout``: auto, plain or repacked).
 
     Every delta must share bits, sparsity, group size and shape; the pool goes to ``device`` (default:
     the first delta's). Slot s's blocks sit at s times the slot size in each buffer.
@@ -260,7 +336,7 @@ def make_delta_weights(packed: Sequence[PackedLinear | None], device: torch.devi
         qindices_offsets=torch.arange(n, dtype=torch.int64, device=dev) * qi_size,
         group_offsets=torch.arange(n, dtype=torch.int64, device=dev) * sizes["scales"],
         bits=first.bits, sparse=first.sparse, group_size=first.group_size,
-        out_features=first.out_features, in_features=first.in_features, loaded=[False] * n,
+        out_features=first.out_features, in_features=first.in_features, loaded=[False] * n, layout=layout,
     )  # fmt: skip
     for s, p in present:
         w.store(s, p)
