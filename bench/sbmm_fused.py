@@ -7,10 +7,16 @@ and per layer, decode rows (``DeltaMeta.rows`` with the worker's 16-token tiles)
 float16 with integral zeros (the half2 dequantisation), each timed replayed from a CUDA graph
 (``triton.testing.do_bench_cudagraph``, median) as decode steps run. Bytes are the packed bytes of the
 deltas the step reads; the fraction is of the device-to-device copy bandwidth measured in the same run.
-``--layouts plain,repacked`` times the fused launch over pools of each slot layout (``DeltaWeights.layout``:
-the format's words, or kernels/sbmm/repack.py's fragment order), old against new in one run.
+``--variants plain@16,repacked@16,repacked@64`` times the fused launch over pools of each slot layout
+(``DeltaWeights.layout``: the format's words, or kernels/sbmm/repack.py's fragment order) with work tiles
+of at most that many tokens (``max_block_m``; the worker's captured decode steps use 8), old against new
+in one run.
 
-    python3 -m bench.sbmm_fused [--points 64x8,64x1,8x8,16x8,1x1] [--layouts repacked] [--per-slice] [--out DIR]
+``--copies-only`` builds the op with its math compiled out (``-DSBMM_NO_COMPUTE``; no result check): what the
+memory side of each layout reaches alone.
+
+    python3 -m bench.sbmm_fused [--points 64x8,64x1,8x8,16x8,1x1] [--variants repacked@16] [--per-slice]
+        [--copies-only] [--out DIR]
 """
 
 from __future__ import annotations
@@ -51,18 +57,22 @@ def pool(unique: list, layout: str):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", default="64x8,64x1,16x8,8x8,1x1", help="ROWSxDELTAS, comma-separated")
-    p.add_argument("--layouts", default="repacked", help="slot layouts to time, comma-separated: plain, repacked")
+    p.add_argument("--variants", default="repacked@16", help="LAYOUT@TILE_CAP, comma-separated (plain / repacked)")
     p.add_argument("--per-slice", action="store_true", help="also time one launch per projection")
+    p.add_argument("--copies-only", action="store_true", help="the op built without its math (-DSBMM_NO_COMPUTE)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     import triton.testing
 
     dev = torch.device("cuda:0")
     bw = copy_bandwidth(dev)
+    if args.copies_only:
+        S.cuda_ext.NVCC_FLAGS = (*S.cuda_ext.NVCC_FLAGS, "-DSBMM_NO_COMPUTE")
     lib = S.cuda_ext.library("sbmm")
     if lib is None:
         raise SystemExit(f"the CUDA SBMM op is unavailable: {S.cuda_ext.unavailable('sbmm')}")
-    layouts = args.layouts.split(",")
+    variants = [(v.split("@")[0], int(v.split("@")[1])) for v in args.variants.split(",")]
+    layouts = sorted({lay for lay, _ in variants})
     uniques = {
         m: [unique_deltas(o, i, 31 * k + j) for j, o in enumerate(outs)]
         for k, (m, (i, outs)) in enumerate(MODULES.items())
@@ -73,8 +83,8 @@ def main() -> None:
     rows = []
     for point in args.points.split(","):
         n_rows, n_deltas = (int(v) for v in point.split("x"))
-        meta = DeltaMeta.rows(sorted(i % n_deltas for i in range(n_rows)), dev, max_block_m=16)
-        for lay in layouts:
+        for lay, cap in variants:
+            meta = DeltaMeta.rows(sorted(i % n_deltas for i in range(n_rows)), dev, max_block_m=cap)
             layer = {"per_slice": 0.0, "fused": 0.0}
             for m, (in_f, outs) in MODULES.items():
                 ws = pools[lay][m]
@@ -85,7 +95,8 @@ def main() -> None:
                 ref = out.clone()
                 for w, c in slices:
                     S.sbmm_ref(x, ref[:, c : c + w.out_features], w, meta)
-                torch.testing.assert_close(fused, ref, rtol=2e-3, atol=2e-3)  # the reference's sum order differs
+                if not args.copies_only:  # the reference's sum order differs: close, not equal
+                    torch.testing.assert_close(fused, ref, rtol=2e-3, atol=2e-3)
 
                 def per_slice() -> None:
                     for w, c in slices:
@@ -110,6 +121,7 @@ def main() -> None:
                 )
                 row = {
                     "layout": lay,
+                    "tile_cap": cap,
                     "module": m,
                     "rows": n_rows,
                     "deltas": n_deltas,
@@ -122,7 +134,7 @@ def main() -> None:
                 layer["per_slice"] += t_apart
                 layer["fused"] += t_fused
                 print(
-                    f"{lay:8s} {m:8s} {n_rows:3d} rows x {n_deltas} deltas: per slice {t_apart:7.1f} us, fused "
+                    f"{lay:8s}@{cap:<2d} {m:8s} {n_rows:3d} rows x {n_deltas} deltas: per slice {t_apart:7.1f} us, fused "
                     f"{t_fused:7.1f} us ({row['fused_fraction_of_copy_bw']:.2f} of copy bw)",
                     flush=True,
                 )
@@ -130,6 +142,7 @@ def main() -> None:
             rows.append(
                 {
                     "layout": lay,
+                    "tile_cap": cap,
                     "module": "layer",
                     "rows": n_rows,
                     "deltas": n_deltas,
@@ -140,7 +153,7 @@ def main() -> None:
                 }
             )
             print(
-                f"{lay:8s} layer    {n_rows:3d} rows x {n_deltas} deltas: per slice {layer['per_slice']:7.1f} us, "
+                f"{lay:8s}@{cap:<2d} layer    {n_rows:3d} rows x {n_deltas} deltas: per slice {layer['per_slice']:7.1f} us, "
                 f"fused {layer['fused']:7.1f} us ({rows[-1]['fused_fraction_of_copy_bw']:.2f} of copy bw)",
                 flush=True,
             )
@@ -153,7 +166,8 @@ def main() -> None:
             "sparsity": "2:4",
             "group_size": 64,
             "copy_bandwidth_GBps": bw / 1e9,
-            "layouts": layouts,
+            "variants": [f"{lay}@{cap}" for lay, cap in variants],
+            "copies_only": args.copies_only,
             "modules": MODULES,
             "rows": rows,
         },

@@ -70,7 +70,7 @@ def test_fields_are_the_lanes_fragments(config: tuple[int, bool]) -> None:
     4 (j >> 1), or dense column 16 ks + 2t + 8 (j >> 1) + h (ks the stage's k-step 2 kp + ko, 2-bit)."""
     bits, sparse = config
     out_f, in_f, group = 256, 512, 64
-    p = random_packed(out_f, in_f, bits, sparse, group, seed=7)
+    p = random_packed(out_f, in_f, bits, sparse, group, seed=7).to("cpu")
     r = repack(p)
     codes = plain_codes(p)
     ko_n = 2 if bits == 2 else 1
@@ -86,7 +86,7 @@ def test_fields_are_the_lanes_fragments(config: tuple[int, bool]) -> None:
         torch.arange(0, 32, bits).reshape(1, -1)
     )
     want = codes[row, kept].reshape(-1, 32 // bits)
-    assert torch.equal(fields.cpu() & ((1 << bits) - 1), want.cpu())
+    assert torch.equal(fields & ((1 << bits) - 1), want)
     # scales: (rb, stage, warp, gi, g, mt, jrow) halves
     gs = 256 // group
     rb, st, warp, gi, g, mt, jrow = torch.meshgrid(
@@ -183,13 +183,14 @@ def pools(bits: int, sparse: bool, out_f: int, in_f: int, group: int, integral: 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_cuda_op_over_repacked_equals_reference(config, group: int, dtype: torch.dtype, zeros: str) -> None:
     """Every config: the op over the repacked layout = ``sbmm_ref`` and, bit for bit, the op over the plain
-    layout (same arithmetic, same order); decode rows (8- and 16-token tiles) and short segments."""
+    layout (same arithmetic, same order); decode rows and short segments, tiles of 8 and 16 tokens."""
     cuda_or_skip()
     bits, sparse = config
     plain, frag = pools(bits, sparse, 256, 512, group, zeros == "integral")
     gen = torch.Generator().manual_seed(zlib.crc32(f"{config}{group}{dtype}{zeros}".encode()))
-    for meta in (DeltaMeta.rows([0, 1, -1, 2, 3, 3, 0, 2, 1, 1], DEVICE),
-                 DeltaMeta.segments([3, 16, 1, 5], [2, 0, -1, 3], DEVICE)):  # fmt: skip
+    for meta in (DeltaMeta.rows([0, 1, -1, 2, 3, 3, 0, 2, 1, 1], DEVICE),  # one 8-token fragment
+                 DeltaMeta.segments([3, 16, 1, 5], [2, 0, -1, 3], DEVICE),  # two
+                 DeltaMeta.rows([2] * 20 + [-1, 0, 0], DEVICE, max_block_m=16)):  # fmt: skip
         x = torch.randn(meta.num_tokens, 512, generator=gen).to(dtype).to(DEVICE)
         base = torch.randn(meta.num_tokens, 256, generator=gen).to(dtype).to(DEVICE)
         want = sbmm_ref(x, base.clone(), plain, meta)
