@@ -28,6 +28,8 @@ dequantiser read over a repacked pool (this module is the one owner of the permu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ...formats.packed_delta import PackedLinear
@@ -48,6 +50,11 @@ def fits(bits: int, sparse: bool, group_size: int, out_features: int, in_feature
             f"out % {ROWS} == 0, in % {KS} == 0, group size in {GROUPS})"
         )
     return None
+
+
+_CHUNK_ROWS = 8 * ROWS
+"""Rows repacked at a time: the row-block axis is outermost in both layouts, so row blocks repack on their
+own, and a large linear's temporaries stay a few MB (a delta is stored on a GPU already full of KV)."""
 
 
 def _codes_view(bits: int, sparse: bool, out: int, inf: int) -> tuple[int, ...]:
@@ -72,69 +79,71 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [n] -> int64 [n, 32/bits] fields, bit 0 first."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=words.device)
-    return (words.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-
-
-def _words(fields: torch.Tensor, bits: int) -> torch.Tensor:
-    """int64 [n, 32/bits] fields -> int32 [n] words (two's complement), inverse of ``_fields``."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=fields.device)
-    w = (fields << shifts).sum(dim=-1)
-    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
-
-
-def _permute_codes(qv: torch.Tensor, p: PackedLinear, order: tuple[int, ...], to_frag: bool) -> torch.Tensor:
-    view = _codes_view(p.bits, p.sparse, p.out_features, p.in_features)
-    codes = _fields(qv.reshape(-1), p.bits)
+def _permute(view: tuple[int, ...], order: tuple[int, ...], to_frag: bool, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (any shape, ``prod(view)`` elements) permuted: plain -> repacked (``to_frag``) or back."""
     if to_frag:
-        moved = codes.reshape(view).permute(order)
-    else:
-        moved = codes.reshape(tuple(view[d] for d in _CODE_ORDER)).permute(order)
-    return _words(moved.reshape(-1, 32 // p.bits), p.bits).reshape(qv.shape)
+        return t.reshape(view).permute(order)
+    return t.reshape(tuple(view[d] for d in order)).permute(_inverse(order))
 
 
-def _permute_halves(t: torch.Tensor, view: tuple[int, ...], order: tuple[int, ...], to_frag: bool) -> torch.Tensor:
-    """A 16-bit-element permutation of ``t`` (int32 words viewed as halves, or float16)."""
-    halves = t.contiguous().view(torch.int16) if t.dtype == torch.int32 else t.contiguous()
-    shape = view if to_frag else tuple(view[d] for d in order)
-    moved = halves.reshape(shape).permute(order if to_frag else _inverse(order)).contiguous()
-    return moved.view(t.dtype).reshape(t.shape) if t.dtype == torch.int32 else moved.reshape(t.shape)
+def _by_rows(src: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn`` over ``_CHUNK_ROWS``-row pieces of ``src`` ([out, n]), into a new tensor of its shape."""
+    dst = torch.empty_like(src)
+    for r0 in range(0, src.shape[0], _CHUNK_ROWS):
+        piece = src[r0 : r0 + _CHUNK_ROWS]
+        dst[r0 : r0 + piece.shape[0]] = fn(piece).reshape(piece.shape)
+    return dst
 
 
-def _groups_view(p: PackedLinear) -> tuple[int, ...]:
-    return (p.out_features // ROWS, 4, 2, 2, 8, p.in_features // KS, KS // p.group_size)
+def _codes(p: PackedLinear, to_frag: bool) -> torch.Tensor:
+    """qvalues permuted code by code (int32 throughout)."""
+    bits, per = p.bits, 32 // p.bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=p.qvalues.device)
+
+    def piece(words: torch.Tensor) -> torch.Tensor:
+        fields = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # arithmetic shift, masked: exact
+        view = _codes_view(bits, p.sparse, words.shape[0], p.in_features)
+        moved = _permute(view, _CODE_ORDER, to_frag, fields).reshape(-1, per)
+        out = torch.zeros(moved.shape[0], dtype=torch.int32, device=words.device)
+        for i in range(per):  # disjoint fields: | builds the word (the top field wraps to the sign bit)
+            out |= moved[:, i] << (i * bits)
+        return out
+
+    return _by_rows(p.qvalues, piece)
 
 
-def _qi_view(p: PackedLinear) -> tuple[int, ...]:
-    return (p.out_features // ROWS, 4, 2, 2, 8, p.in_features // KS, 8, 2)
+def _halves(
+    t: torch.Tensor, p: PackedLinear, view_tail: tuple[int, ...], order: tuple[int, ...], to_frag: bool
+) -> torch.Tensor:
+    """A 16-bit-element permutation of ``t`` ([out, n] int32 words viewed as halves, or float16)."""
+
+    def piece(rows: torch.Tensor) -> torch.Tensor:
+        halves = rows.contiguous().view(torch.int16) if rows.dtype == torch.int32 else rows
+        view = (rows.shape[0] // ROWS, 4, 2, 2, 8, p.in_features // KS, *view_tail)
+        moved = _permute(view, order, to_frag, halves).contiguous().reshape(halves.shape)
+        return moved.view(torch.int32) if rows.dtype == torch.int32 else moved
+
+    return _by_rows(t, piece)
+
+
+def _convert(p: PackedLinear, to_frag: bool, what: str) -> PackedLinear:
+    why = fits(p.bits, p.sparse, p.group_size, p.out_features, p.in_features)
+    if why is not None:
+        raise ValueError(f"sbmm {what}: {why}")
+    groups = (KS // p.group_size,)
+    return PackedLinear(
+        p.bits, p.sparse, p.group_size, p.out_features, p.in_features, _codes(p, to_frag),
+        None if p.qindices is None else _halves(p.qindices, p, (8, 2), _QI_ORDER, to_frag),
+        _halves(p.scales, p, groups, _G_ORDER, to_frag), _halves(p.zeros, p, groups, _G_ORDER, to_frag),
+    )  # fmt: skip
 
 
 def repack(p: PackedLinear) -> PackedLinear:
-    """``p`` in the repacked layout (module docstring): same config, shapes and dtypes, words permuted.
-    Raises ``ValueError`` when the shape does not fit it (``fits``)."""
-    why = fits(p.bits, p.sparse, p.group_size, p.out_features, p.in_features)
-    if why is not None:
-        raise ValueError(f"sbmm repack: {why}")
-    gv = _groups_view(p)
-    return PackedLinear(
-        p.bits, p.sparse, p.group_size, p.out_features, p.in_features,
-        _permute_codes(p.qvalues, p, _CODE_ORDER, True),
-        None if p.qindices is None else _permute_halves(p.qindices, _qi_view(p), _QI_ORDER, True),
-        _permute_halves(p.scales, gv, _G_ORDER, True), _permute_halves(p.zeros, gv, _G_ORDER, True),
-    )  # fmt: skip
+    """``p`` in the repacked layout (module docstring): same config, shapes and dtypes, words permuted (new
+    tensors). Raises ``ValueError`` when the shape does not fit it (``fits``)."""
+    return _convert(p, True, "repack")
 
 
 def unpack(p: PackedLinear) -> PackedLinear:
     """The inverse of ``repack``: the format's tensors of a repacked ``p`` (new tensors)."""
-    why = fits(p.bits, p.sparse, p.group_size, p.out_features, p.in_features)
-    if why is not None:
-        raise ValueError(f"sbmm unpack: {why}")
-    gv = _groups_view(p)
-    return PackedLinear(
-        p.bits, p.sparse, p.group_size, p.out_features, p.in_features,
-        _permute_codes(p.qvalues, p, _inverse(_CODE_ORDER), False),
-        None if p.qindices is None else _permute_halves(p.qindices, _qi_view(p), _QI_ORDER, False),
-        _permute_halves(p.scales, gv, _G_ORDER, False), _permute_halves(p.zeros, gv, _G_ORDER, False),
-    )  # fmt: skip
+    return _convert(p, False, "unpack")
