@@ -111,9 +111,10 @@ def launch_config(meta: DeltaMeta, w: DeltaWeights) -> dict[str, int]:
 def sbmm_triton(x: torch.Tensor, out: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> torch.Tensor:
     """Triton kernels for ``sbmm`` (no dispatch), in place on ``out``: one launch for all deltas (plus a
     reduction launch when FMA tiles split K). They read the format's layout: over a repacked pool, a
-    plain copy of it (``DeltaWeights.plain_copy``: the tests' and forced runs' path, not a fast one)."""
+    plain copy of the slots the call uses (``DeltaWeights.plain_copy``: the tests' and forced runs'
+    path, not a fast one)."""
     check_call(x, out, w, meta)
-    w = w.plain_copy()
+    w = w.plain_copy({d for d, _ in meta.slot_tokens} | {d for _, _, d in meta.dense})
     if meta.block_m not in LAUNCH:
         raise ValueError(
             f"sbmm_triton: work tiles of {meta.block_m} tokens (the Triton kernels take "

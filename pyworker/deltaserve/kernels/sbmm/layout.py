@@ -31,7 +31,7 @@ of a model; ``-1`` means "no delta" (base-only tokens, LoRA tokens).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -221,23 +221,35 @@ class DeltaWeights:
         self.check_loaded(slot)
         return fragments.unpack(self._views(slot)) if self.repacked else self._views(slot)
 
-    def plain_copy(self) -> DeltaWeights:
-        """This pool with every slot in the format's layout (new buffers, same offsets): what the Triton
-        kernels read over a repacked pool. The pool itself when it is plain."""
+    def plain_copy(self, slots: Iterable[int] | None = None) -> DeltaWeights:
+        """This pool in the format's layout: what the Triton kernels read over a repacked pool (the pool
+        itself when it is plain). A new pool holding only ``slots`` (default: every loaded one), unpacked,
+        under the same slot ids; the others are empty. One host sync; not a fast path."""
         if not self.repacked:
             return self
+        keep = sorted({s for s in (range(self.num_slots) if slots is None else slots) if self.loaded[s]})
+        dev, n = self.device, self.num_slots
+        qv, qi, g = (0 if shape is None else shape[0] * shape[1] for shape in self.slot_shapes())
+        at = {s: i for i, s in enumerate(keep)}
+        size = max(len(keep), 1)
+
+        def offsets(elems: int) -> torch.Tensor:
+            return torch.tensor([at.get(s, 0) * elems for s in range(n)], dtype=torch.int64, device=dev)
+
         w = DeltaWeights(
-            qvalues=self.qvalues.clone(), qindices=self.qindices.clone(), scales=self.scales.clone(),
-            zeros=self.zeros.clone(), qvalues_offsets=self.qvalues_offsets, qindices_offsets=self.qindices_offsets,
-            group_offsets=self.group_offsets, bits=self.bits, sparse=self.sparse, group_size=self.group_size,
-            out_features=self.out_features, in_features=self.in_features, loaded=list(self.loaded),
-            half2_ok=self.half2_flags, layout="plain",
+            qvalues=torch.zeros(size * qv, dtype=torch.int32, device=dev),
+            qindices=torch.zeros(size * qi, dtype=torch.int32, device=dev),
+            scales=torch.zeros(size * g, dtype=torch.float16, device=dev),
+            zeros=torch.zeros(size * g, dtype=torch.float16, device=dev),
+            qvalues_offsets=offsets(qv), qindices_offsets=offsets(qi), group_offsets=offsets(g),
+            bits=self.bits, sparse=self.sparse, group_size=self.group_size, out_features=self.out_features,
+            in_features=self.in_features, loaded=[s in at for s in range(n)], half2_ok=self.half2_flags.clone(),
+            layout="plain",
         )  # fmt: skip
-        for slot, ok in enumerate(self.loaded):  # each buffer is read at its own offsets only: aliases may part
-            if ok:
-                dst = w._views(slot)
-                for name, t in self.packed(slot).tensors().items():
-                    getattr(dst, name).copy_(t)
+        for s in keep:
+            dst = w._views(s)
+            for name, t in self.packed(s).tensors().items():
+                getattr(dst, name).copy_(t)
         return w
 
     def _views(self, slot: int) -> PackedLinear:
