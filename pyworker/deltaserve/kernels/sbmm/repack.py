@@ -54,7 +54,7 @@ def fits(bits: int, sparse: bool, group_size: int, out_features: int, in_feature
 
 _CHUNK_ROWS = 8 * ROWS
 """Rows repacked at a time: the row-block axis is outermost in both layouts, so row blocks repack on their
-own, and a large linear's temporaries stay a few MB (a delta is stored on a GPU already full of KV)."""
+own, and a large linear's temporaries stay tens of MB (a delta is stored on a GPU already full of KV)."""
 
 
 def _codes_view(bits: int, sparse: bool, out: int, inf: int) -> tuple[int, ...]:
@@ -96,18 +96,18 @@ def _by_rows(src: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> t
 
 
 def _codes(p: PackedLinear, to_frag: bool) -> torch.Tensor:
-    """qvalues permuted code by code (int32 throughout)."""
+    """qvalues permuted code by code (a chunk's words rebuilt in int64)."""
     bits, per = p.bits, 32 // p.bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=p.qvalues.device)
 
     def piece(words: torch.Tensor) -> torch.Tensor:
         fields = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # arithmetic shift, masked: exact
         view = _codes_view(bits, p.sparse, words.shape[0], p.in_features)
-        moved = _permute(view, _CODE_ORDER, to_frag, fields).reshape(-1, per)
-        out = torch.zeros(moved.shape[0], dtype=torch.int32, device=words.device)
-        for i in range(per):  # disjoint fields: | builds the word (the top field wraps to the sign bit)
+        moved = _permute(view, _CODE_ORDER, to_frag, fields).reshape(-1, per).to(torch.int64)
+        out = torch.zeros(moved.shape[0], dtype=torch.int64, device=words.device)
+        for i in range(per):  # disjoint fields: | builds the word, < 2^32 in int64 (no signed overflow)
             out |= moved[:, i] << (i * bits)
-        return out
+        return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)  # two's complement view
 
     return _by_rows(p.qvalues, piece)
 
