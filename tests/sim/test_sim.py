@@ -221,7 +221,7 @@ def test_a_recording_becomes_latency_samples():
 
 
 def test_transfer_bandwidths_are_measured_as_the_simulator_prices_them():
-    from deltaserve.sim.record import transfer_bandwidths
+    from deltaserve.sim.record import copies_waited, transfer_bandwidths
 
     MB = 1_000_000
 
@@ -239,8 +239,16 @@ def test_transfer_bandwidths_are_measured_as_the_simulator_prices_them():
         # steps without ops: shared by bytes
         step(0.010, 0.020, ops=[[2, 1, 0], [4, 1, 0]], outside_us=6500),
         step(0.020, 0.022, ops=[[3, 1, 1]], outside_us=500),  # hidden: measures nothing
+        # 5 read and copied in one step, 6 copied while its read still runs: the worker waited for
+        # the reads inside those steps, whose time is not the copies'
+        step(0.022, 0.100, ops=[[5, 0, 0], [5, 1, 0]], ready=[5], outside_us=78000),
+        step(0.100, 0.102, ops=[[6, 0, 0]]),
+        step(0.102, 0.200, ops=[[6, 1, 0]], ready=[6], outside_us=98000),
     ]
+    variants |= {5: ("lora", 8 * MB), 6: ("lora", 8 * MB)}
+    assert copies_waited(steps) == [False, False, False, False, False, True, False, True]
     bw = transfer_bandwidths(steps, variants)
-    assert bw["disk_to_host_bps"]["lora"] == pytest.approx(8 * MB / 0.004)
+    # per kind the median over reads: 8 MB in 4, 78 and 100 ms
+    assert bw["disk_to_host_bps"]["lora"] == pytest.approx(8 * MB / 0.078)
     assert bw["disk_to_host_bps"]["delta"] == pytest.approx(100 * MB / 0.010)
     assert bw["host_to_gpu_bps"] == pytest.approx({"lora": 12 * MB / 0.006})

@@ -262,26 +262,42 @@ TO_HOST, TO_GPU = 0, 1
 """``TierOp`` values in a recording's ``ops``."""
 
 
+def copies_waited(steps: list[dict[str, Any]]) -> list[bool]:
+    """Per recorded step: whether one of its copies to the GPU waited for its variant's read (a
+    ``to_host`` in that step or earlier whose ``host_ready`` came in no earlier step). The worker
+    blocks on the read inside the step, so such a step's time holds the read's rest as well as the
+    copy, and a copy priced from it comes out many times too slow: on an H100 DeltaZip recording
+    (7debbdc) the steps whose read was done took 0.06-0.54 s with their copy, those that waited
+    0.67-3.07 s, and the copies priced from all of them 3.05 GB/s instead of ~25."""
+    reading: set[int] = set()
+    waited = []
+    for s in steps:
+        reading |= {v for v, op, _kind in s["ops"] if op == TO_HOST}
+        waited.append(any(op == TO_GPU and v in reading for v, op, _kind in s["ops"]))
+        reading -= set(s.get("host_ready", ()))
+    return waited
+
+
 def transfer_bandwidths(
     steps: list[dict[str, Any]], variants: Mapping[int, tuple[str, int]]
 ) -> dict[str, dict[str, float]]:
     """Measured tier bandwidths of a recording (module docstring): ``{"disk_to_host_bps": {kind:
-    B/s}, "host_to_gpu_bps": {kind: B/s}}``, total bytes over total seconds per kind, for the
-    kinds with a measurement. ``variants`` maps a variant id to ``(kind, host bytes)``.
+    B/s}, "host_to_gpu_bps": {kind: B/s}}``, per kind the median over its reads (copies: over the
+    steps that copied it) of bytes per second, for the kinds with a measurement: a one-off (the
+    first read, a copy in a step that also compiled a kernel) is one sample, not a weight on the
+    rest. ``variants`` maps a variant id to ``(kind, host bytes)``.
 
     A read's time is its ``to_host`` plan's arrival to the output reporting it in ``host_ready``
     (the worker runs several reads at once, as the simulator does: each is one reader's time).
     A copy's time is its step's worker time outside the forward pass (``busy_us - forward_us``)
     beyond the median of that over the steps without tier ops, shared by bytes among the
-    step's copies."""
-    read_s: dict[str, float] = {}
-    read_b: dict[str, float] = {}
+    step's copies; steps whose copies waited for a read (:func:`copies_waited`) measure none."""
+    reads: dict[str, list[float]] = {}
+    copies_bps: dict[str, list[float]] = {}
     started: dict[int, float] = {}
-    copy_s: dict[str, float] = {}
-    copy_b: dict[str, float] = {}
     outside = [_outside_forward_s(s) for s in steps if not s["ops"] and "timing" in s]
     baseline = float(np.median(outside)) if outside else 0.0
-    for s in steps:
+    for s, waited in zip(steps, copies_waited(steps)):
         for v, op, _kind in s["ops"]:
             if op == TO_HOST and v in variants:
                 started.setdefault(v, s["recv"])
@@ -290,20 +306,17 @@ def transfer_bandwidths(
                 kind, size = variants[v]
                 took = s["sent"] - started.pop(v)
                 if took > 0:
-                    read_s[kind] = read_s.get(kind, 0.0) + took
-                    read_b[kind] = read_b.get(kind, 0.0) + size
+                    reads.setdefault(kind, []).append(size / took)
         copies = [variants[v] for v, op, _kind in s["ops"] if op == TO_GPU and v in variants]
-        if not copies or "timing" not in s:
+        if not copies or waited or "timing" not in s:
             continue
         extra = _outside_forward_s(s) - baseline
         if extra > 1e-6:  # a copy hidden under the step (or noise) measures nothing
-            for kind, size in copies:
-                share = extra * size / sum(b for _, b in copies)
-                copy_s[kind] = copy_s.get(kind, 0.0) + share
-                copy_b[kind] = copy_b.get(kind, 0.0) + size
+            for kind in {k for k, _ in copies}:
+                copies_bps.setdefault(kind, []).append(sum(b for _, b in copies) / extra)
     return {
-        "disk_to_host_bps": {k: read_b[k] / read_s[k] for k in read_s},
-        "host_to_gpu_bps": {k: copy_b[k] / copy_s[k] for k in copy_s},
+        "disk_to_host_bps": {k: float(np.median(v)) for k, v in reads.items()},
+        "host_to_gpu_bps": {k: float(np.median(v)) for k, v in copies_bps.items()},
     }
 
 
@@ -316,21 +329,21 @@ def span_copy_bandwidths(
 ) -> dict[str, float]:
     """Host -> GPU bandwidth per variant kind from the device spans (where recorded): a step's
     copies take its span beyond ``predict(features)`` (the device model's time for the step without
-    them), shared by bytes among its copies, total bytes over total seconds per kind. Copies queue
-    on the compute stream (``non_blocking``), so the host times of :func:`transfer_bandwidths` do
-    not see them on a GPU."""
-    secs: dict[str, float] = {}
-    size: dict[str, float] = {}
-    for s, f, _ in step_features(steps, ranks, deltas):
+    them), shared by bytes among its copies, per kind the median over the steps that copied it of
+    bytes per second (as :func:`transfer_bandwidths`); steps whose
+    copies waited for a read (:func:`copies_waited`) measure none. Copies queue on the compute
+    stream (``non_blocking``), so the host times of :func:`transfer_bandwidths` do not see them on
+    a GPU."""
+    rates: dict[str, list[float]] = {}
+    for (s, f, _), waited in zip(step_features(steps, ranks, deltas), copies_waited(steps)):
         copies = [variants[v] for v, op, _kind in s["ops"] if op == TO_GPU and v in variants]
-        if not copies or not s.get("device_s"):
+        if not copies or waited or not s.get("device_s"):
             continue
         extra = s["device_s"] - predict(f)
         if extra > 1e-6:
-            for kind, n in copies:
-                secs[kind] = secs.get(kind, 0.0) + extra * n / sum(b for _, b in copies)
-                size[kind] = size.get(kind, 0.0) + n
-    return {k: size[k] / secs[k] for k in secs}
+            for kind in {k for k, _ in copies}:
+                rates.setdefault(kind, []).append(sum(b for _, b in copies) / extra)
+    return {k: float(np.median(v)) for k, v in rates.items()}
 
 
 def _outside_forward_s(step: Mapping[str, Any]) -> float:
