@@ -15,8 +15,10 @@ delta's load host -> GPU slot (DeltaZip's decoupled forward: the base once, plus
 Deltas are random packed codes (``common.write_random_delta_dir``: a valid delta directory, no
 compressor run); the base is a random fp16 checkpoint on disk (``common.write_random_checkpoint``;
 a delta's lineage check reads the base's safetensors). Step times do not depend on the values.
-Delta directories beyond ``--distinct-weights`` link to the same payload (disk); each delta id
-still gets its own host copy and its own GPU slot. Ops go through ``Executor.step`` as the
+Delta directories beyond ``--distinct-weights`` link to the same payload (disk); the executor runs
+with ``DELTASERVE_DELTA_PIECE_SHARING=off``, so each delta id still gets its own host copy, its own
+GPU slot and its own SBMM group (with sharing on, 8 ids over 2 payloads ran as 2 deltas: the results
+before 2026-11-26 17:00 that name ``distinct_weights`` 2 and no ``piece_sharing`` measured that). Ops go through ``Executor.step`` as the
 router sends them (``VariantOp`` to_host / to_gpu). LoRA is off (``--max-lora-rank 0``) unless asked.
 
     python3 -m bench.delta_decode_step [--shape llama-2-7b] [--batch 64] [--deltas 8] [--ctx 512]
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shutil
 import statistics
 import tempfile
@@ -51,6 +54,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.decode_step import bench_batch  # noqa: E402
 from deltaserve import wire  # noqa: E402
+from deltaserve.adapters.delta_blocks import SHARING_ENV  # noqa: E402
 from deltaserve.adapters.delta_pool import delta_gpu_bytes  # noqa: E402
 from deltaserve.compress.delta_dir import MANIFEST, read_manifest  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
@@ -183,6 +187,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
+    os.environ[SHARING_ENV] = "off"  # linked payloads save disk only: every delta id is its own delta
     if args.smoke:
         device, dtype, bw = torch.device("cpu"), "float32", None
         sync = lambda: None  # noqa: E731
@@ -335,6 +340,7 @@ def main(argv: list[str] | None = None) -> Path:
             "batch": args.batch,
             "deltas": args.deltas,
             "distinct_weights": args.distinct_weights,
+            "piece_sharing": os.environ[SHARING_ENV],
             "bits": args.bits,
             "sparsity": args.sparsity,
             "group_size": args.group_size,

@@ -49,6 +49,8 @@ class ServerSpec:
     """Where the server's output goes."""
     deltas: dict[str, Path] = field(default_factory=dict)
     """Compressed deltas the daemon serves (``--delta NAME=DIR``), by name."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment the daemon (and so its workers) gets on top of this process's."""
 
 
 @dataclass(frozen=True)
@@ -159,5 +161,5 @@ def deltaserve_server(spec: ServerSpec) -> Iterator[Endpoint]:
         cmd += ["--delta", f"{name}={d}"]
     if spec.model_dir is not None:
         cmd += ["--model", str(spec.model_dir)]
-    with launch(cmd, f"http://127.0.0.1:{port}", spec.log) as url:
+    with launch(cmd, f"http://127.0.0.1:{port}", spec.log, env={**os.environ, **spec.env}) as url:
         yield Endpoint(url)

@@ -236,7 +236,7 @@ def validate(name: str, args: argparse.Namespace, work: Path, devices: str, devi
     record.unlink(missing_ok=True)
     script = recording_python(work / f"{name}-python", record)
     flags = merge_flags(exp.server_flags.get("deltaserve", ()), [])
-    spec = ServerSpec(model_dir=files.model_dir, lora_dir=files.lora_dir, devices=devices, deltas=files.deltas,
+    spec = ServerSpec(model_dir=files.model_dir, lora_dir=files.lora_dir, devices=devices, deltas=files.deltas, env=files.env,
                       flags=flags, daemon=args.daemon, log=(args.out_dir or RESULTS) / f"sim_validate-{name}-server.log")  # fmt: skip
     ran: list[tuple[str, float, int, Any, list[Any], float]] = []
     t0 = time.perf_counter()

@@ -134,7 +134,7 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
         files = prepare_variants(exp, server, list(all_variants.values()), work, devices, distinct_weights,
                                  distinct_checkpoints)  # fmt: skip
         prepare_s = time.perf_counter() - t0
-        spec = ServerSpec(model_dir=files.model_dir, lora_dir=files.lora_dir, devices=devices, deltas=files.deltas,
+        spec = ServerSpec(model_dir=files.model_dir, lora_dir=files.lora_dir, devices=devices, deltas=files.deltas, env=files.env,
                           flags=merge_flags(exp.server_flags.get(server, ()), server_flags or []), daemon=daemon,
                           log=log)  # fmt: skip
         payload: dict[str, Any] = {

@@ -13,7 +13,10 @@ Full fine-tunes (deltazip, :func:`write_full_variants`): the base is
 baseline read real files) plus a word-level tokenizer (the daemon needs a tokenizer.json). For
 deltaserve, ``--distinct-weights`` delta payloads (``common.write_random_delta_dir``: random 4-bit
 2:4 codes, a valid delta of this base) are written; each variant gets its own directory with a
-copy of one payload's manifest and a link to its payload (``--delta NAME=DIR``). For swap,
+copy of one payload's manifest and a link to its payload (``--delta NAME=DIR``), and the daemon runs
+with ``DELTASERVE_DELTA_PIECE_SHARING=off`` (``VariantFiles.env``): it would otherwise hold the
+variants that link one payload as one delta (BlockLLM's sharing of identical pieces,
+adapters/delta_blocks.py), which the distinct fine-tunes they stand for would not allow. For swap,
 ``--distinct-checkpoints`` real full checkpoints (the base itself and base + 1 % noise per further
 one: a 7B fp16 checkpoint is 13.5 GB) back the variants' model directories (``--models-dir``),
 each variant a link to one of them. Either way every variant is read and loaded on its own; only
@@ -128,6 +131,8 @@ class VariantFiles:
     """``--lora-dir`` of LoRA variants, or the swap baseline's ``--models-dir`` of full models."""
     deltas: dict[str, Path] = field(default_factory=dict)
     """Compressed delta directories by variant name (``--delta NAME=DIR``)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment the server needs for these files (``ServerSpec.env``)."""
 
 
 def write_base_checkpoint(work: Path, config: dict, gen_device: str) -> Path:
@@ -174,6 +179,7 @@ def write_full_variants(work: Path, out: Path, server: str, variants: list[wl.Va
     base = write_base_checkpoint(work, config, gen_device)
     out = _fresh_dir(out)
     if server == "deltaserve":
+        from deltaserve.adapters.delta_blocks import SHARING_ENV
         from deltaserve.compress.delta_dir import MANIFEST, read_manifest
 
         for k, d in enumerate(payloads):
@@ -192,7 +198,7 @@ def write_full_variants(work: Path, out: Path, server: str, variants: list[wl.Va
             payload = read_manifest(src)["payload"]["file"]
             (d / payload).symlink_to(src / payload)
             deltas[v.name] = d
-        return VariantFiles(model_dir=base, lora_dir=None, deltas=deltas)
+        return VariantFiles(model_dir=base, lora_dir=None, deltas=deltas, env={SHARING_ENV: "off"})
     checkpoints = [base]  # swap
     for d in finetunes:
         if not d.exists():

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from deltaserve import wire
+from deltaserve.adapters.delta_blocks import SHARING_ENV
 from deltaserve.worker.config import ConfigError, validate
 from deltaserve.worker.executor import Executor, PlanError
 
@@ -144,6 +145,28 @@ def test_one_delta_under_two_ids_is_held_once_and_batched_as_one(executor_factor
     assert pool is not None and sorted(pool.slot_of) == [D4, 9]
     assert pool.blocks.held_counts() == [1] * (pool.num_pieces + 2)  # embedding and lm_head included
     assert pool.piece_slots[D4] == pool.piece_slots[9]
+
+
+def test_with_piece_sharing_off_one_delta_under_two_ids_is_held_twice(
+    executor_factory, variants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``DELTASERVE_DELTA_PIECE_SHARING=off`` (benchmarks whose variants link a few payload files):
+    the same payload under two ids is two deltas, each piece held and read on its own, with the same
+    tokens; a value other than on / off stops the pool at construction."""
+    monkeypatch.setenv(SHARING_ENV, "off")
+    ex = executor_factory()
+    d4 = variants[D4][0]
+    router = AdapterRouter(ex, {D4: d4, 9: d4}, {0: D4, 1: 9})
+    prompt = prompts(1, ex.config.vocab_size, seed=12, lo=9, hi=9)[0]
+    alone = router.run({0: (prompt, 4)})[0]
+    assert router.run({0: (prompt, 4), 1: (prompt, 4)}) == {0: alone, 1: alone}
+    pool = ex.delta_pool
+    assert pool is not None and sorted(pool.slot_of) == [D4, 9]
+    assert pool.blocks.held_counts() == [2] * (pool.num_pieces + 2)
+    assert set(pool.piece_slots[D4]).isdisjoint(pool.piece_slots[9])
+    monkeypatch.setenv(SHARING_ENV, "sometimes")
+    with pytest.raises(ValueError, match="DELTASERVE_DELTA_PIECE_SHARING='sometimes': want on or off"):
+        executor_factory()
 
 
 @pytest.mark.parametrize("arena", [0, 64 << 20], ids=["no-arena", "arena"])

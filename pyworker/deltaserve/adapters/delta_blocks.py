@@ -21,6 +21,11 @@ written once and replaced, never changed in place (``os.replace``), so the same 
 size and time holds the same bytes. A compressed payload (one file) or a payload whose files cannot
 be stat'ed identifies its pieces by the host copy alone (shared with nobody).
 
+``DELTASERVE_DELTA_PIECE_SHARING=off`` (default ``on``) identifies every piece by its host copy alone:
+every delta is held, copied and computed on its own, as DeltaZip serves distinct fine-tunes. For
+benchmarks whose variants link a few payload files to spare disk (bench/serving/variants.py): with
+sharing on, 32 variants over 4 payloads would load and run as 4 deltas, not the 32 they stand for.
+
 Slot choice: the delta's own slot (the router's ``VariantOp.slot``) where it is free at that piece,
 else the lowest free one. A free slot always exists: the router keeps at most N deltas resident and
 each holds at most one piece per index, so at most N - 1 distinct pieces are held there when one more
@@ -44,6 +49,9 @@ from safetensors import safe_open
 from ..formats.packed_delta import PackedLinear, pack
 from ..model.arch import ModelConfig
 from ..model.decoder import linear_slots
+
+SHARING_ENV = "DELTASERVE_DELTA_PIECE_SHARING"
+"""``on`` (default) or ``off``: whether pieces read from the same payload files are shared (module docstring)."""
 
 ATTN, MLP = 0, 1
 """Part of a layer: the attention linears, the FFN linears."""
@@ -72,11 +80,20 @@ def dense_piece_names(cfg: ModelConfig) -> dict[str, int]:
     return {"model.embed_tokens.weight": embed, **({} if cfg.tie_word_embeddings else {"lm_head.weight": head})}
 
 
+def piece_sharing() -> bool:
+    """Whether pieces of the same payload files are shared (``DELTASERVE_DELTA_PIECE_SHARING``: on, off)."""
+    value = os.environ.get(SHARING_ENV, "on").strip().lower()
+    if value not in ("on", "off"):
+        raise ValueError(f"{SHARING_ENV}={value!r}: want on or off")
+    return value == "on"
+
+
 def payload_identities(delta_dir: Path, files: Sequence[str], codec: str, cfg: ModelConfig) -> dict[int, Hashable]:
     """Piece index -> identity of the payload file(s) holding its packed tensors (module docstring);
     ``{}`` where files cannot identify pieces (a compressed payload; a file that cannot be read),
-    and the caller then gives each piece an identity of its own."""
-    if codec != "none":
+    and the caller then gives each piece an identity of its own; also ``{}`` for every payload when
+    ``DELTASERVE_DELTA_PIECE_SHARING=off``."""
+    if codec != "none" or not piece_sharing():
         return {}
     proj_part = {proj: part_of(cfg, proj) for proj in linear_slots(cfg)}
     dense = dense_piece_names(cfg)

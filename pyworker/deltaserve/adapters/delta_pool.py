@@ -70,6 +70,7 @@ from .delta_blocks import (
     part_of,
     payload_identities,
     piece_index,
+    piece_sharing,
     zero_delta,
 )
 from .delta_graphs import DeltaGraphRows
@@ -130,6 +131,7 @@ class DeltaPool:
     ) -> None:
         if max_deltas < 1:
             raise ValueError(f"DeltaPool: max_deltas {max_deltas} must be >= 1")
+        piece_sharing()  # a bad DELTASERVE_DELTA_PIECE_SHARING stops the worker at start, not a load
         self.config = model.config
         self.base_dir = Path(base_dir)
         """The base model directory every delta's lineage is checked against."""
