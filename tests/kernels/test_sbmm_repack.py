@@ -245,3 +245,51 @@ def test_cuda_op_over_repacked_in_a_cuda_graph() -> None:
         graph.replay()
         torch.testing.assert_close(out, sbmm_ref(x, torch.zeros_like(out), plain, new), rtol=2e-3, atol=2e-3)
         assert torch.equal(out, sbmm_mod.sbmm_cuda(x, torch.zeros_like(out), frag, new))
+
+
+# ---- the repack at store: one row range or several, straight into the slot ----
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_repack_by_row_ranges_and_into_a_slot(config: tuple[int, bool], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``repack`` a row block at a time (no temporaries budget) and ``store`` straight into a slot of a
+    repacked pool give the words of one whole-linear ``repack`` (which the lane-field check above pins
+    down); ``unpack`` a row block at a time inverts them; a non-contiguous ``out`` is refused."""
+    from deltaserve.kernels.sbmm import repack as repack_mod
+
+    bits, sparse = config
+    p = random_packed(384, 512, bits, sparse, 64, seed=11).to("cpu")
+    whole = repack(p)
+    slot = make_delta_weights([None, p], "cpu", layout="repacked")._views(1)
+    monkeypatch.setattr(repack_mod, "TEMP_BUDGET", 0)
+    by_blocks = repack(p)
+    back = unpack(by_blocks)
+    for name, t in whole.tensors().items():
+        assert torch.equal(by_blocks.tensors()[name], t), name
+        assert torch.equal(slot.tensors()[name], t), name
+        assert torch.equal(back.tensors()[name], p.tensors()[name]), name
+    strided = PackedLinear(p.bits, p.sparse, p.group_size, p.out_features, p.in_features,
+                           p.qvalues.t().contiguous().t(), p.qindices, p.scales.clone(), p.zeros.clone())  # fmt: skip
+    with pytest.raises(ValueError, match="out's qvalues must be a contiguous"):
+        repack(p, out=strided)
+
+
+def test_store_on_cuda_equals_cpu_repack_with_bounded_temporaries() -> None:
+    """On CUDA, ``store`` into a repacked pool writes the CPU ``repack``'s words, and the caching allocator
+    sees at most ``TEMP_BUDGET`` times the linear's bytes of temporaries (a GPU full of KV)."""
+    if DEVICE.type != "cuda":
+        pytest.skip("CUDA only (DELTASERVE_TEST_GPU=1)")
+    from deltaserve.kernels.sbmm import repack as repack_mod
+
+    for bits, sparse in CONFIGS:
+        p = random_packed(1024, 2048, bits, sparse, 64, seed=bits + sparse)
+        want = repack(p.to("cpu"))
+        w = make_delta_weights([None, p], layout="repacked")
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        w.store(0, p)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - base <= repack_mod.TEMP_BUDGET * p.nbytes() + (1 << 20)
+        for name, t in want.tensors().items():
+            assert torch.equal(w._views(0).tensors()[name].cpu(), t), (bits, sparse, name)

@@ -247,9 +247,7 @@ class DeltaWeights:
             layout="plain",
         )  # fmt: skip
         for s in keep:
-            dst = w._views(s)
-            for name, t in self.packed(s).tensors().items():
-                getattr(dst, name).copy_(t)
+            fragments.unpack(self._views(s), out=w._views(s))
         return w
 
     def _views(self, slot: int) -> PackedLinear:
@@ -292,10 +290,11 @@ class DeltaWeights:
             raise ValueError(f"sbmm: delta slot {slot} out of range (the pool has {self.num_slots} slots)")
         _check_same_config(f"slot {slot}", p, self)
         dst = self._views(slot)
-        if self.repacked:
-            p = fragments.repack(p.to(self.device))
-        for name, t in p.tensors().items():
-            getattr(dst, name).copy_(t)
+        if self.repacked:  # straight into the slot: no copy of the repacked words, temporaries bounded
+            fragments.repack(p.to(self.device), out=dst)
+        else:
+            for name, t in p.tensors().items():
+                getattr(dst, name).copy_(t)
         self._forget(slot)
         self.loaded[slot] = True
         z = dst.zeros

@@ -28,7 +28,8 @@ dequantiser read over a repacked pool (this module is the one owner of the permu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import sys
 
 import torch
 
@@ -52,98 +53,103 @@ def fits(bits: int, sparse: bool, group_size: int, out_features: int, in_feature
     return None
 
 
-_CHUNK_ROWS = 8 * ROWS
-"""Rows repacked at a time: the row-block axis is outermost in both layouts, so row blocks repack on their
-own, and a large linear's temporaries stay tens of MB (a delta is stored on a GPU already full of KV)."""
-
-
 def _codes_view(bits: int, sparse: bool, out: int, inf: int) -> tuple[int, ...]:
-    """The shape that splits a plain [out, kept] code matrix into (rb, warp, mt, jrow, g, stage, KP, KO, jhi, t, h)."""
+    """The shape that splits a plain [out, kept] code matrix into (rb, warp, mt, jrow, g, stage, KP, KO, jhi,
+    t2, t1, h): the format's order, code by code (lane t = 2 t2 + t1)."""
     steps = KS // (32 if sparse else 16)  # k-steps per stage
     ko = 2 if bits == 2 else 1
-    return (out // ROWS, 4, 2, 2, 8, inf // KS, steps // ko, ko, 2, 4, 2)
+    return (out // ROWS, 4, 2, 2, 8, inf // KS, steps // ko, ko, 2, 2, 2, 2)
 
 
-_CODE_ORDER = (0, 5, 1, 6, 2, 4, 9, 10, 7, 8, 3)
-"""(rb, stage, warp, KP, mt, g, t | h, KO, jhi, jrow): words, then the fields of a word from bit 0."""
+_CODE_ORDER = (0, 5, 1, 6, 2, 4, 9, 10, 11, 7, 8, 3)
+"""(rb, stage, warp, KP, mt, g, t2, t1 | h, KO, jhi, jrow): words, then the fields of a word from bit 0."""
 _QI_ORDER = (0, 5, 1, 6, 2, 4, 7, 3)
 """qindices halves (rb, warp, mt, jrow, g, stage, ks, t01) -> (rb, stage, warp, ks, mt, g, t01 | jrow)."""
 _G_ORDER = (0, 5, 1, 6, 4, 2, 3)
 """scales (rb, warp, mt, jrow, g, stage, gi) -> (rb, stage, warp, gi, g, mt, jrow)."""
 
-
-def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
-    inv = [0] * len(order)
-    for i, d in enumerate(order):
-        inv[d] = i
-    return tuple(inv)
+TEMP_BUDGET = 2
+"""``repack`` / ``unpack`` hold at most this many times the linear's own bytes in temporaries (one byte per
+code, a row range at a time when a whole linear's codes would exceed it: 2-bit dense): a delta is stored on a
+GPU whose KV pool already took most of the memory."""
 
 
-def _permute(view: tuple[int, ...], order: tuple[int, ...], to_frag: bool, t: torch.Tensor) -> torch.Tensor:
-    """``t`` (any shape, ``prod(view)`` elements) permuted: plain -> repacked (``to_frag``) or back."""
-    if to_frag:
-        return t.reshape(view).permute(order)
-    return t.reshape(tuple(view[d] for d in order)).permute(_inverse(order))
+def _orders(order: tuple[int, ...], to_frag: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(source, destination) orders of a view's dims: plain (identity) -> ``order`` or back."""
+    plain = tuple(range(len(order)))
+    return (plain, order) if to_frag else (order, plain)
 
 
-def _by_rows(src: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``fn`` over ``_CHUNK_ROWS``-row pieces of ``src`` ([out, n]), into a new tensor of its shape."""
-    dst = torch.empty_like(src)
-    for r0 in range(0, src.shape[0], _CHUNK_ROWS):
-        piece = src[r0 : r0 + _CHUNK_ROWS]
-        dst[r0 : r0 + piece.shape[0]] = fn(piece).reshape(piece.shape)
-    return dst
+def _move_halves(src: torch.Tensor, dst: torch.Tensor, view: tuple[int, ...], order: tuple[int, ...], to_frag: bool):
+    """``dst`` = the 16-bit elements of ``src`` (int32 words as halves, or float16) permuted: one strided copy."""
+    s_order, d_order = _orders(order, to_frag)
+    halves = src.contiguous().view(torch.int16)
+    moved = halves.reshape([view[d] for d in s_order]).permute([s_order.index(d) for d in d_order])
+    dst.view(torch.int16).view([view[d] for d in d_order]).copy_(moved)
 
 
-def _codes(p: PackedLinear, to_frag: bool) -> torch.Tensor:
-    """qvalues permuted code by code (a chunk's words rebuilt in int64)."""
-    bits, per = p.bits, 32 // p.bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=p.qvalues.device)
+def _move_codes(src: torch.Tensor, dst: torch.Tensor, bits: int, view: tuple[int, ...], to_frag: bool) -> None:
+    """``dst`` (int32 words, contiguous) = the codes of ``src`` (int32 words) permuted, ``8 / bits`` per byte.
 
-    def piece(words: torch.Tensor) -> torch.Tensor:
-        fields = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # arithmetic shift, masked: exact
-        view = _codes_view(bits, p.sparse, words.shape[0], p.in_features)
-        moved = _permute(view, _CODE_ORDER, to_frag, fields).reshape(-1, per).to(torch.int64)
-        out = torch.zeros(moved.shape[0], dtype=torch.int64, device=words.device)
-        for i in range(per):  # disjoint fields: | builds the word, < 2^32 in int64 (no signed overflow)
-            out |= moved[:, i] << (i * bits)
-        return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)  # two's complement view
-
-    return _by_rows(p.qvalues, piece)
-
-
-def _halves(
-    t: torch.Tensor, p: PackedLinear, view_tail: tuple[int, ...], order: tuple[int, ...], to_frag: bool
-) -> torch.Tensor:
-    """A 16-bit-element permutation of ``t`` ([out, n] int32 words viewed as halves, or float16)."""
-
-    def piece(rows: torch.Tensor) -> torch.Tensor:
-        halves = rows.contiguous().view(torch.int16) if rows.dtype == torch.int32 else rows
-        view = (rows.shape[0] // ROWS, 4, 2, 2, 8, p.in_features // KS, *view_tail)
-        moved = _permute(view, order, to_frag, halves).contiguous().reshape(halves.shape)
-        return moved.view(torch.int32) if rows.dtype == torch.int32 else moved
-
-    return _by_rows(t, piece)
+    The byte view is little-endian (code i of a word at bits i * bits: byte i // (8 / bits)). One strided
+    shift writes every code into its own byte in the destination's order (each source byte broadcast over
+    its codes, shifted by the code's position in it), a mask keeps the code, and ``8 / bits - 1`` shift /
+    or pairs fold each destination byte's codes together: a fixed handful of launches per linear, exact."""
+    per_byte = 8 // bits
+    s_order, d_order = _orders(_CODE_ORDER, to_frag)
+    s_shape, d_shape = [view[d] for d in s_order], [view[d] for d in d_order]
+    inner = next(k for k in range(1, len(s_shape) + 1) if math.prod(s_shape[-k:]) == per_byte)
+    src_bytes = src.contiguous().view(torch.uint8).reshape(s_shape[:-inner] + [1] * inner).expand(s_shape)
+    shifts = (torch.arange(per_byte, dtype=torch.uint8, device=src.device) * bits).reshape(s_shape[-inner:])
+    to_dst = [s_order.index(d) for d in d_order]
+    codes = torch.empty(d_shape, dtype=torch.uint8, device=src.device)
+    torch.bitwise_right_shift(src_bytes.permute(to_dst), shifts.expand(s_shape).permute(to_dst), out=codes)
+    codes &= (1 << bits) - 1
+    fields = codes.view(-1, per_byte)
+    out = dst.view(torch.uint8).view(-1)
+    torch.bitwise_left_shift(fields[:, 1], bits, out=out)
+    out |= fields[:, 0]
+    for i in range(2, per_byte):  # 2-bit: disjoint fields, | builds the byte
+        fields[:, i] <<= i * bits
+        out |= fields[:, i]
 
 
-def _convert(p: PackedLinear, to_frag: bool, what: str) -> PackedLinear:
+def _convert(p: PackedLinear, to_frag: bool, what: str, out: PackedLinear | None) -> PackedLinear:
     why = fits(p.bits, p.sparse, p.group_size, p.out_features, p.in_features)
     if why is not None:
         raise ValueError(f"sbmm {what}: {why}")
-    groups = (KS // p.group_size,)
-    return PackedLinear(
-        p.bits, p.sparse, p.group_size, p.out_features, p.in_features, _codes(p, to_frag),
-        None if p.qindices is None else _halves(p.qindices, p, (8, 2), _QI_ORDER, to_frag),
-        _halves(p.scales, p, groups, _G_ORDER, to_frag), _halves(p.zeros, p, groups, _G_ORDER, to_frag),
+    if sys.byteorder != "little":
+        raise RuntimeError(f"sbmm {what}: reads int32 words as bytes, which needs a little-endian host")
+    dst = out if out is not None else PackedLinear(
+        p.bits, p.sparse, p.group_size, p.out_features, p.in_features, torch.empty_like(p.qvalues),
+        None if p.qindices is None else torch.empty_like(p.qindices), torch.empty_like(p.scales),
+        torch.empty_like(p.zeros),
     )  # fmt: skip
+    for name, t in p.tensors().items():
+        d = dst.tensors().get(name)
+        if d is None or d.shape != t.shape or d.dtype != t.dtype or d.device != t.device or not d.is_contiguous():
+            raise ValueError(f"sbmm {what}: out's {name} must be a contiguous {list(t.shape)} {t.dtype} on {t.device}")
+    out_f, inf, kept = p.out_features, p.in_features, p.kept
+    rows = max(ROWS, TEMP_BUDGET * p.nbytes() // kept // ROWS * ROWS)  # one byte per code of a row range
+    for r0 in range(0, out_f, rows):  # row blocks are outermost in both layouts
+        r1 = min(out_f, r0 + rows)
+        _move_codes(p.qvalues[r0:r1], dst.qvalues[r0:r1], p.bits, _codes_view(p.bits, p.sparse, r1 - r0, inf), to_frag)
+    head = (out_f // ROWS, 4, 2, 2, 8, inf // KS)
+    if p.qindices is not None:
+        assert dst.qindices is not None
+        _move_halves(p.qindices, dst.qindices, (*head, 8, 2), _QI_ORDER, to_frag)
+    for name in ("scales", "zeros"):
+        _move_halves(getattr(p, name), getattr(dst, name), (*head, KS // p.group_size), _G_ORDER, to_frag)
+    return dst
 
 
-def repack(p: PackedLinear) -> PackedLinear:
-    """``p`` in the repacked layout (module docstring): same config, shapes and dtypes, words permuted (new
-    tensors). Raises ``ValueError`` when the shape does not fit it (``fits``)."""
-    return _convert(p, True, "repack")
+def repack(p: PackedLinear, out: PackedLinear | None = None) -> PackedLinear:
+    """``p`` in the repacked layout (module docstring): same config, shapes and dtypes, words permuted, into
+    ``out`` (contiguous tensors of ``p``'s shapes on its device, not overlapping it: a pool slot's views) or
+    new tensors. Raises ``ValueError`` when the shape does not fit it (``fits``)."""
+    return _convert(p, True, "repack", out)
 
 
-def unpack(p: PackedLinear) -> PackedLinear:
-    """The inverse of ``repack``: the format's tensors of a repacked ``p`` (new tensors)."""
-    return _convert(p, False, "unpack")
+def unpack(p: PackedLinear, out: PackedLinear | None = None) -> PackedLinear:
+    """The inverse of ``repack``: the format's tensors of a repacked ``p``, into ``out`` or new tensors."""
+    return _convert(p, False, "unpack", out)
