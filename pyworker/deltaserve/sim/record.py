@@ -11,7 +11,8 @@ appended to a JSONL file, one line per step::
      "launch": [t0, t1], "finish": [t0, t1],    the executor's launch and finish of the step (host)
      "graph": false, "behind": true,            a captured graph replayed it; its launch returned
                                                 before the step ahead of it ended on the device
-     "device_s": 0.0071}                        CUDA events around its work (None on the CPU)
+     "device_s": 0.0071,                        CUDA events around its work (None on the CPU)
+     "host_wait_s": 0.0}                        the launch's time blocked on variants' host reads
 
 The executor's ``launch`` and ``finish`` are wrapped too (:func:`instrument_executor`): the
 launch is the worker thread's host time for a step (under overlapped steps the output of the
@@ -54,6 +55,7 @@ STEP_TIMES: dict[int, dict[str, Any]] = {}
 """Step id -> what the wrapped executor measured of it (launch, finish, graph, behind, events),
 until its output is recorded."""
 _graph_replayed = [False]
+_host_wait_s = [0.0]
 
 
 def instrument_executor() -> None:
@@ -61,14 +63,16 @@ def instrument_executor() -> None:
     host launch, finish, graph use and device span land in :data:`STEP_TIMES` (module docstring)."""
     import torch
 
+    from deltaserve.adapters.host_tier import HostTier
     from deltaserve.worker import cuda_graphs, mixed_graphs
     from deltaserve.worker.executor import Executor
 
-    launch, finish = Executor.launch, Executor.finish
+    launch, finish, host_wait = Executor.launch, Executor.finish, HostTier.wait
 
     def timed_launch(self: Any, plan: Any, in_flight: Any) -> Any:
         cuda = self.device.type == "cuda"
         _graph_replayed[0] = False
+        _host_wait_s[0] = 0.0
         start = end = None
         if cuda:
             start = torch.cuda.Event(enable_timing=True)
@@ -81,8 +85,15 @@ def instrument_executor() -> None:
             end.record()
         behind = in_flight is not None and not in_flight.is_done()
         STEP_TIMES[plan.step_id] = {"launch": [t0, t1], "graph": _graph_replayed[0], "behind": behind,
-                                    "events": (start, end)}  # fmt: skip
+                                    "host_wait_s": _host_wait_s[0], "events": (start, end)}  # fmt: skip
         return out
+
+    def timed_host_wait(self: Any, variant_id: int) -> Any:
+        t0 = time.monotonic()
+        try:
+            return host_wait(self, variant_id)
+        finally:
+            _host_wait_s[0] += time.monotonic() - t0
 
     def timed_finish(self: Any, launched: Any) -> Any:
         t0 = time.monotonic()
@@ -99,6 +110,7 @@ def instrument_executor() -> None:
 
     Executor.launch = timed_launch  # type: ignore[method-assign]
     Executor.finish = timed_finish  # type: ignore[method-assign]
+    HostTier.wait = timed_host_wait  # type: ignore[method-assign]
     for graphs in (cuda_graphs.DecodeGraphs, mixed_graphs.MixedGraphs):
         for name in ("run_rows", "run"):  # whichever replays a captured step
             real = getattr(graphs, name, None)
@@ -264,18 +276,27 @@ TO_HOST, TO_GPU = 0, 1
 
 def copies_waited(steps: list[dict[str, Any]]) -> list[bool]:
     """Per recorded step: whether one of its copies to the GPU waited for its variant's read (a
-    ``to_host`` in that step or earlier whose ``host_ready`` came in no earlier step). The worker
+    ``to_host`` in that step or earlier whose ``host_ready`` came in no earlier step) and the
+    recording does not say for how long (``host_wait_s``, recorded since 2026-11-26). The worker
     blocks on the read inside the step, so such a step's time holds the read's rest as well as the
     copy, and a copy priced from it comes out many times too slow: on an H100 DeltaZip recording
     (7debbdc) the steps whose read was done took 0.06-0.54 s with their copy, those that waited
-    0.67-3.07 s, and the copies priced from all of them 3.05 GB/s instead of ~25."""
+    0.67-3.07 s, and the copies priced from all of them 3.05 GB/s instead of ~25. Where the wait
+    is recorded, :func:`copy_time_s` takes it out instead."""
     reading: set[int] = set()
     waited = []
     for s in steps:
         reading |= {v for v, op, _kind in s["ops"] if op == TO_HOST}
-        waited.append(any(op == TO_GPU and v in reading for v, op, _kind in s["ops"]))
+        unknown = "host_wait_s" not in s
+        waited.append(unknown and any(op == TO_GPU and v in reading for v, op, _kind in s["ops"]))
         reading -= set(s.get("host_ready", ()))
     return waited
+
+
+def copy_time_s(step: Mapping[str, Any], beyond_s: float) -> float:
+    """A step's time left to its copies: ``beyond_s`` (its time beyond what it computes) less the
+    launch's recorded wait for host reads."""
+    return beyond_s - step.get("host_wait_s", 0.0)
 
 
 def transfer_bandwidths(
@@ -310,7 +331,7 @@ def transfer_bandwidths(
         copies = [variants[v] for v, op, _kind in s["ops"] if op == TO_GPU and v in variants]
         if not copies or waited or "timing" not in s:
             continue
-        extra = _outside_forward_s(s) - baseline
+        extra = copy_time_s(s, _outside_forward_s(s) - baseline)
         if extra > 1e-6:  # a copy hidden under the step (or noise) measures nothing
             for kind in {k for k, _ in copies}:
                 copies_bps.setdefault(kind, []).append(sum(b for _, b in copies) / extra)
@@ -339,7 +360,7 @@ def span_copy_bandwidths(
         copies = [variants[v] for v, op, _kind in s["ops"] if op == TO_GPU and v in variants]
         if not copies or waited or not s.get("device_s"):
             continue
-        extra = s["device_s"] - predict(f)
+        extra = copy_time_s(s, s["device_s"] - predict(f))
         if extra > 1e-6:
             for kind in {k for k, _ in copies}:
                 rates.setdefault(kind, []).append(sum(b for _, b in copies) / extra)
