@@ -291,7 +291,7 @@ class DeltaWeights:
         _check_same_config(f"slot {slot}", p, self)
         dst = self._views(slot)
         if self.repacked:  # straight into the slot: no copy of the repacked words, temporaries bounded
-            fragments.repack(p.to(self.device), out=dst)
+            fragments.repack(p if p.qvalues.device == self.device else p.to(self.device), out=dst)
         else:
             for name, t in p.tensors().items():
                 getattr(dst, name).copy_(t)

@@ -88,6 +88,17 @@ def _move_halves(src: torch.Tensor, dst: torch.Tensor, view: tuple[int, ...], or
     dst.view(torch.int16).view([view[d] for d in d_order]).copy_(moved)
 
 
+_SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+"""(bits, device) -> [8 / bits] uint8: each code's shift in its byte (made once: a store is launch-bound)."""
+
+
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    key = (bits, device)
+    if key not in _SHIFTS:
+        _SHIFTS[key] = torch.arange(0, 8, bits, dtype=torch.uint8).to(device)
+    return _SHIFTS[key]
+
+
 def _move_codes(src: torch.Tensor, dst: torch.Tensor, bits: int, view: tuple[int, ...], to_frag: bool) -> None:
     """``dst`` (int32 words, contiguous) = the codes of ``src`` (int32 words) permuted, ``8 / bits`` per byte.
 
@@ -100,7 +111,7 @@ def _move_codes(src: torch.Tensor, dst: torch.Tensor, bits: int, view: tuple[int
     s_shape, d_shape = [view[d] for d in s_order], [view[d] for d in d_order]
     inner = next(k for k in range(1, len(s_shape) + 1) if math.prod(s_shape[-k:]) == per_byte)
     src_bytes = src.contiguous().view(torch.uint8).reshape(s_shape[:-inner] + [1] * inner).expand(s_shape)
-    shifts = (torch.arange(per_byte, dtype=torch.uint8, device=src.device) * bits).reshape(s_shape[-inner:])
+    shifts = _shifts(bits, src.device).reshape(s_shape[-inner:])
     to_dst = [s_order.index(d) for d in d_order]
     codes = torch.empty(d_shape, dtype=torch.uint8, device=src.device)
     torch.bitwise_right_shift(src_bytes.permute(to_dst), shifts.expand(s_shape).permute(to_dst), out=codes)
@@ -125,8 +136,9 @@ def _convert(p: PackedLinear, to_frag: bool, what: str, out: PackedLinear | None
         None if p.qindices is None else torch.empty_like(p.qindices), torch.empty_like(p.scales),
         torch.empty_like(p.zeros),
     )  # fmt: skip
+    wanted = dst.tensors()
     for name, t in p.tensors().items():
-        d = dst.tensors().get(name)
+        d = wanted.get(name)
         if d is None or d.shape != t.shape or d.dtype != t.dtype or d.device != t.device or not d.is_contiguous():
             raise ValueError(f"sbmm {what}: out's {name} must be a contiguous {list(t.shape)} {t.dtype} on {t.device}")
     out_f, inf, kept = p.out_features, p.in_features, p.kept
