@@ -451,12 +451,11 @@ class Executor:
         surrogate)."""
         if gate is None:
             return self.runner.launch(step_id, scheduled, in_flight)
-        graphs, mixed = self.runner.graphs, self.runner.mixed  # no replay, no capture: the gate must run
-        self.runner.graphs, self.runner.mixed, self.model.layer_gate = None, None, gate
+        self.model.layer_gate = gate
         try:
-            launched = self.runner.launch(step_id, scheduled, in_flight)
+            launched = self.runner.launch(step_id, scheduled, in_flight, eager=True)  # the gate must run
         finally:
-            self.model.layer_gate, self.runner.graphs, self.runner.mixed = None, graphs, mixed
+            self.model.layer_gate = None
         failure = gate.close()
         if failure is not None:
             self._quarantine(gate.op, failure)

@@ -105,9 +105,14 @@ class ForwardRunner:
         """Captured prefill and mixed steps by token bucket (``mixed_graphs.py``), set by the executor."""
 
     def launch(
-        self, step_id: int, scheduled: list[tuple[RequestState, int]], in_flight: LaunchedStep | None
+        self,
+        step_id: int,
+        scheduled: list[tuple[RequestState, int]],
+        in_flight: LaunchedStep | None,
+        eager: bool = False,
     ) -> LaunchedStep:
-        """Queues the forward and sampling of ``scheduled`` (requests already updated by the plan)."""
+        """Queues the forward and sampling of ``scheduled`` (requests already updated by the plan);
+        ``eager``: no captured graph replays (or is captured for) the step (``forward``)."""
         launched = LaunchedStep(step_id=step_id, scheduled=scheduled, samplers=[], started=time.perf_counter())
         if not scheduled:
             return launched
@@ -143,7 +148,7 @@ class ForwardRunner:
         logit_ids = [s.variant_id for s in samplers] + (prompt.variant_ids if prompt else [])
         rows = StepRows([(s.variant_id, n) for s, n in scheduled], logit_ids, decode)
         with torch.inference_mode():
-            logits = self.forward(seqs, rows, pending_inputs, prompt.rows if prompt else None)
+            logits = self.forward(seqs, rows, pending_inputs, prompt.rows if prompt else None, eager)
             if prompt is not None:
                 launched.prompt = prompt_logprobs.launch(prompt, logits[len(samplers) :])
                 logits = logits[: len(samplers)]
@@ -206,14 +211,17 @@ class ForwardRunner:
         rows: StepRows,
         pending_inputs: tuple[torch.Tensor, torch.Tensor] | None,
         extra_logit_rows: list[int] | None = None,
+        eager: bool = False,
     ) -> torch.Tensor:
         """Logits of the rows that want them (then of ``extra_logit_rows``, prompt logprobs'): a
-        captured graph's replay when one takes the step, else an eager forward with every variant
-        pool's step state set (pools without rows of the step set nothing)."""
-        if not extra_logit_rows and rows.decode and self.graphs is not None and self.graphs.takes(rows):
+        captured graph's replay when one takes the step (unless ``eager``: a step whose model hooks
+        must run, as a speculated prefill's gate), else an eager forward with every variant pool's
+        step state set (pools without rows of the step set nothing)."""
+        graphed = not eager and not extra_logit_rows
+        if graphed and rows.decode and self.graphs is not None and self.graphs.takes(rows):
             return self.graphs.run_rows(ForwardBatch.build(seqs, self.block_size, "cpu"), rows, pending_inputs)
         mixed = self.mixed
-        if not extra_logit_rows and mixed is not None and not (self.assist and self.assist.cold) and mixed.takes(rows):
+        if graphed and mixed is not None and not (self.assist and self.assist.cold) and mixed.takes(rows):
             return mixed.run_rows(ForwardBatch.build(seqs, self.block_size, "cpu"), rows, pending_inputs)
         batch = ForwardBatch.build(seqs, self.block_size, self.device)
         if extra_logit_rows:
