@@ -91,6 +91,12 @@ class DeltaWeights:
     """(qvalues, qindices, scales / zeros): the largest power of two up to 4 (scales / zeros: 8) dividing
     every slot block's start address, in elements (buffer address plus slot offset; set by the offset
     check, the buffers never move); the CUDA op copies 16- and 4-byte pieces."""
+    slot_offsets: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] = field(
+        default=((), (), ()), init=False, repr=False, compare=False
+    )
+    """Host copies of (qvalues, qindices, group) offsets, taken by the offset check (the tables, like the
+    buffers, never change after it): ``store`` and ``packed`` find a slot without a device read (no sync
+    per store: a delta's load enqueues its linears' copies back to back)."""
     layout: str = field(default="auto", compare=False)
     """How a slot's words are ordered: ``"plain"`` (the format's) or ``"repacked"`` (``repack.py``); ``"auto"``
     at construction picks one (module docstring) and the field then holds the pick."""
@@ -198,6 +204,8 @@ class DeltaWeights:
                 while at % align[name]:
                     align[name] //= 2
         object.__setattr__(self, "offset_alignment", (align["qvalues"], align["qindices"], align["scales"]))
+        tables = (self.qvalues_offsets, self.qindices_offsets, self.group_offsets)
+        object.__setattr__(self, "slot_offsets", tuple(tuple(t.tolist()) for t in tables))
 
     @property
     def num_slots(self) -> int:
@@ -254,15 +262,14 @@ class DeltaWeights:
         """Slot ``slot``'s region as a ``PackedLinear`` of views, loaded or not."""
         qv, qi, g = self.slot_shapes()
 
-        def view(buf: torch.Tensor, offs: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-            o = int(offs[slot])
+        qv_at, qi_at, g_at = (offs[slot] for offs in self.slot_offsets)
+
+        def view(buf: torch.Tensor, o: int, shape: tuple[int, int]) -> torch.Tensor:
             return buf[o : o + shape[0] * shape[1]].view(shape)
 
         return PackedLinear(self.bits, self.sparse, self.group_size, self.out_features, self.in_features,
-                            view(self.qvalues, self.qvalues_offsets, qv),
-                            None if qi is None else view(self.qindices, self.qindices_offsets, qi),
-                            view(self.scales, self.group_offsets, g),
-                            view(self.zeros, self.group_offsets, g))  # fmt: skip
+                            view(self.qvalues, qv_at, qv), None if qi is None else view(self.qindices, qi_at, qi),
+                            view(self.scales, g_at, g), view(self.zeros, g_at, g))  # fmt: skip
 
     def cache_reference(self) -> None:
         """Lets ``sbmm_ref`` keep each slot's dequantised delta (more memory, no repeated unpacking)."""
