@@ -12,10 +12,11 @@ the words at ``store``; this times, per Llama-2-7B linear shape and delta config
 
 Each figure is the median wall clock of one ``store`` from the host's call to the GPU's finish
 (synchronised: the store is launch-bound, so host time is what a load waits for), and the peak of
-temporaries the CUDA caching allocator saw above the pool. The old and new repacks' slots are checked
-equal word for word at every shape, and ``unpack`` (``DeltaWeights.packed``: the Triton path's
-``plain_copy``) is timed against the old one. ``per_7b_delta_s`` sums a Llama-2-7B delta (32 layers of
-q, k, v, o 4096x4096, gate, up 11008x4096, down 4096x11008).
+temporaries the CUDA caching allocator saw above the pool. ``*_back_to_back_ms``: per store of ``--runs``
+stores enqueued one after another, synchronised once (a delta's load: ``store`` reads nothing back from the
+device). The old and new repacks' slots are checked equal word for word at every shape; ``unpack``
+(``DeltaWeights.packed``: the Triton path's ``plain_copy``) is timed against the old one. ``per_7b_delta_s``
+sums a Llama-2-7B delta (32 layers of q, k, v, o 4096x4096, gate, up 11008x4096, down 4096x11008).
 
     python3 -m bench.sbmm_store [--configs 4b-2:4,2b-2:4,2b] [--runs 30] [--out DIR]
     python3 -m bench.sbmm_store --smoke      # CPU, small shapes: checks the script runs
@@ -114,6 +115,16 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def back_to_back(fn, dev: torch.device, runs: int) -> float:
+    """Seconds per call of ``runs`` calls enqueued one after another, synchronised once (a delta's load)."""
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        fn()
+    sync(dev)
+    return (time.perf_counter() - t0) / runs
+
+
 def timed(fn, dev: torch.device, runs: int) -> tuple[float, int]:
     """(median seconds per call, synchronised, after 3 warm-ups; peak bytes allocated above the start)."""
     for _ in range(3):
@@ -163,6 +174,7 @@ def main() -> None:
                 finally:
                     layout_mod.fragments.repack = saved
                 row[f"{variant}_ms"], row[f"{variant}_temp_bytes"] = t * 1e3, peak
+                row[f"{variant}_back_to_back_ms"] = back_to_back(lambda w=w, p=p: w.store(0, p), dev, runs) * 1e3
                 slots[variant] = {k: v.clone() for k, v in w._views(0).tensors().items()}
                 if variant == "repacked":
                     row["unpack_ms"], row["unpack_temp_bytes"] = timed(lambda w=w: w.packed(0), dev, runs)
@@ -182,7 +194,8 @@ def main() -> None:
             row["old_over_new"] = row["repacked_old_ms"] / row["repacked_ms"]
             print(
                 f"{cname:7s} {sname:8s} [{out_f}x{in_f}] plain {row['plain_ms']:.3f} ms  repacked {row['repacked_ms']:.3f} "
-                f"({row['repacked_over_plain']:.2f}x plain, temps {row['repacked_temp_bytes'] / 2**20:.1f} MiB of "
+                f"({row['repacked_over_plain']:.2f}x plain; back to back {row['plain_back_to_back_ms']:.3f} / "
+                f"{row['repacked_back_to_back_ms']:.3f}; temps {row['repacked_temp_bytes'] / 2**20:.1f} MiB of "
                 f"{p.nbytes() / 2**20:.1f})  old {row['repacked_old_ms']:.3f} (temps {row['repacked_old_temp_bytes'] / 2**20:.1f}"
                 f" MiB)  identical {row['old_new_identical']}  unpack {row['unpack_ms']:.3f} vs old {row['unpack_old_ms']:.3f}",
                 flush=True,
@@ -196,7 +209,7 @@ def main() -> None:
         by = {r["linear"]: r for r in rows if r["config"] == cname}
         per_delta[cname] = {
             v: LAYERS * sum(n * by[s][f"{v}_ms"] for s, n in PER_LAYER.items()) / 1e3
-            for v in ("plain", "repacked", "repacked_old")
+            for v in ("plain", "repacked", "repacked_old", "plain_back_to_back", "repacked_back_to_back")
         }
         print(f"{cname}: per 7B delta (s) {per_delta[cname]}")
     if not all(r["old_new_identical"] and r["unpack_roundtrip_exact"] for r in rows):
