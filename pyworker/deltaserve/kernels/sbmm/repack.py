@@ -69,9 +69,9 @@ _G_ORDER = (0, 5, 1, 6, 4, 2, 3)
 """scales (rb, warp, mt, jrow, g, stage, gi) -> (rb, stage, warp, gi, g, mt, jrow)."""
 
 TEMP_BUDGET = 2
-"""``repack`` / ``unpack`` hold at most this many times the linear's own bytes in temporaries (its codes'
-words reordered, and a byte per code; a row range at a time when a whole linear's would exceed it: 2-bit
-dense): a delta is stored on a GPU whose KV pool already took most of the memory."""
+"""``repack`` / ``unpack`` hold at most this many times the linear's own bytes in temporaries (one byte per
+code, a row range at a time when a whole linear's codes would exceed it: 2-bit dense): a delta is stored on a
+GPU whose KV pool already took most of the memory."""
 
 
 def _orders(order: tuple[int, ...], to_frag: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -99,35 +99,22 @@ def _shifts(bits: int, device: torch.device) -> torch.Tensor:
     return _SHIFTS[key]
 
 
-def _inner(shape: list[int], count: int) -> int:
-    """How many trailing dims of ``shape`` hold ``count`` elements together (a word's or a byte's codes)."""
-    return next(k for k in range(1, len(shape) + 1) if math.prod(shape[-k:]) == count)
-
-
 def _move_codes(src: torch.Tensor, dst: torch.Tensor, bits: int, view: tuple[int, ...], to_frag: bool) -> None:
     """``dst`` (int32 words, contiguous) = the codes of ``src`` (int32 words) permuted, ``8 / bits`` per byte.
 
-    Two steps, each a fixed handful of launches per linear, exact: the source words are first put in the
-    destination's order (one int32 permuted copy: the words a destination word draws from then sit
-    together), then every code is moved within its group of words with bytes: one strided shift writes each
-    code into its own byte in the destination's order (each source byte broadcast over its codes, shifted by
-    the code's place in it; the byte view is little-endian), a mask keeps the code, and ``8 / bits - 1``
-    shift / or pairs fold each destination byte's codes together."""
-    per_byte, per_word = 8 // bits, 32 // bits
+    The byte view is little-endian (code i of a word at bits i * bits: byte i // (8 / bits)). One strided
+    shift writes every code into its own byte in the destination's order (each source byte broadcast over
+    its codes, shifted by the code's position in it), a mask keeps the code, and ``8 / bits - 1`` shift /
+    or pairs fold each destination byte's codes together: a fixed handful of launches per linear, exact."""
+    per_byte = 8 // bits
     s_order, d_order = _orders(_CODE_ORDER, to_frag)
-    in_word = s_order[-_inner([view[d] for d in s_order], per_word) :]
-    words_order = [d for d in d_order if d not in in_word]  # the source words, in the destination's order
-    words = src.contiguous().reshape([view[d] for d in s_order[: -len(in_word)]])
-    words = words.permute([s_order.index(d) for d in words_order]).contiguous()
-    m_order = (*words_order, *in_word)  # the codes' order now
-    m_shape, d_shape = [view[d] for d in m_order], [view[d] for d in d_order]
-    inner = _inner(m_shape, per_byte)
-    src_bytes = words.view(torch.uint8).reshape(m_shape[:-inner] + [1] * inner).expand(m_shape)
-    shifts = _shifts(bits, src.device).reshape(m_shape[-inner:])
-    to_dst = [m_order.index(d) for d in d_order]
+    s_shape, d_shape = [view[d] for d in s_order], [view[d] for d in d_order]
+    inner = next(k for k in range(1, len(s_shape) + 1) if math.prod(s_shape[-k:]) == per_byte)
+    src_bytes = src.contiguous().view(torch.uint8).reshape(s_shape[:-inner] + [1] * inner).expand(s_shape)
+    shifts = _shifts(bits, src.device).reshape(s_shape[-inner:])
+    to_dst = [s_order.index(d) for d in d_order]
     codes = torch.empty(d_shape, dtype=torch.uint8, device=src.device)
-    torch.bitwise_right_shift(src_bytes.permute(to_dst), shifts.expand(m_shape).permute(to_dst), out=codes)
-    del words, src_bytes
+    torch.bitwise_right_shift(src_bytes.permute(to_dst), shifts.expand(s_shape).permute(to_dst), out=codes)
     codes &= (1 << bits) - 1
     fields = codes.view(-1, per_byte)
     out = dst.view(torch.uint8).view(-1)
@@ -155,8 +142,7 @@ def _convert(p: PackedLinear, to_frag: bool, what: str, out: PackedLinear | None
         if d is None or d.shape != t.shape or d.dtype != t.dtype or d.device != t.device or not d.is_contiguous():
             raise ValueError(f"sbmm {what}: out's {name} must be a contiguous {list(t.shape)} {t.dtype} on {t.device}")
     out_f, inf, kept = p.out_features, p.in_features, p.kept
-    row_temps = kept + kept * p.bits // 8  # a row's codes, a byte each, and its words in the destination's order
-    rows = max(ROWS, TEMP_BUDGET * p.nbytes() // row_temps // ROWS * ROWS)
+    rows = max(ROWS, TEMP_BUDGET * p.nbytes() // kept // ROWS * ROWS)  # one byte per code of a row range
     for r0 in range(0, out_f, rows):  # row blocks are outermost in both layouts
         r1 = min(out_f, r0 + rows)
         _move_codes(p.qvalues[r0:r1], dst.qvalues[r0:r1], p.bits, _codes_view(p.bits, p.sparse, r1 - r0, inf), to_frag)
