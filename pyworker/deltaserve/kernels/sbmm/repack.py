@@ -131,10 +131,13 @@ def _convert(p: PackedLinear, to_frag: bool, what: str, out: PackedLinear | None
         raise ValueError(f"sbmm {what}: {why}")
     if sys.byteorder != "little":
         raise RuntimeError(f"sbmm {what}: reads int32 words as bytes, which needs a little-endian host")
+
+    def new(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
     dst = out if out is not None else PackedLinear(
-        p.bits, p.sparse, p.group_size, p.out_features, p.in_features, torch.empty_like(p.qvalues),
-        None if p.qindices is None else torch.empty_like(p.qindices), torch.empty_like(p.scales),
-        torch.empty_like(p.zeros),
+        p.bits, p.sparse, p.group_size, p.out_features, p.in_features, new(p.qvalues),
+        None if p.qindices is None else new(p.qindices), new(p.scales), new(p.zeros),
     )  # fmt: skip
     wanted = dst.tensors()
     for name, t in p.tensors().items():
