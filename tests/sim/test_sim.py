@@ -105,6 +105,25 @@ def test_latency_model_fit_recovers_its_coefficients(tmp_path):
     assert loaded == m
 
 
+def test_one_off_slow_steps_are_left_out_of_the_fit_and_counted():
+    """Two prefill steps that also compiled a kernel (1.5 s among ~0.1 s steps) would set the
+    attention term; they are left out, the costs recovered, and counted. Slow steps that are more
+    than a tenth of the samples are a cost the features miss, and stay in."""
+    rng = np.random.default_rng(3)
+    samples = [{"seqs": 8, "step_s": 0.01 + 1e-4 * (i % 5)} for i in range(12)]
+    for _ in range(20):
+        n = int(rng.integers(16, 512))
+        samples.append({"prefill_tokens": n, "prefill_attention": n * n, "step_s": 0.05 + 2e-4 * n})
+    slow = [{**samples[12 + i], "step_s": 1.5} for i in range(2)]
+    m = sim.LatencyModel.fit(samples[:12] + slow + samples[14:])
+    assert m.samples["prefill_outliers"] == 2 and "decode_outliers" not in m.samples
+    assert m.prefill["const"] == pytest.approx(0.05) and m.prefill["prefill_tokens"] == pytest.approx(2e-4)
+    assert m.prefill["prefill_attention"] == pytest.approx(0.0, abs=1e-12)
+    many = [{**s, "step_s": 1.5} if i % 4 == 0 else s for i, s in enumerate(samples[12:])]
+    kept = sim.LatencyModel.fit(samples[:12] + many)
+    assert "prefill_outliers" not in kept.samples and kept.prefill["const"] > 0.2
+
+
 def test_windowed_fit_recovers_costs_that_overlap_moved_into_a_neighbours_period():
     """Half of each prefill step's cost shows up in the period of the step before it (its host
     work runs while the earlier step's output waits): a per-step fit prices prefill at half its

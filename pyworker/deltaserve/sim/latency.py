@@ -32,7 +32,11 @@ Features of one step (``const`` is always 1)::
 Fitting (:meth:`LatencyModel.fit`): ordinary least squares (numpy) per step kind, on the
 features that vary in the samples of that kind (the others keep coefficient 0, so an unprofiled
 cost is not invented); a feature whose fitted coefficient comes out negative is dropped and the
-fit repeated, so every cost stays non-negative. R² is reported per kind. A profile is a JSON
+fit repeated, so every cost stays non-negative. Then the slow outliers (a step that also compiled
+a kernel: 1.4-1.7 s among 0.04-0.28 s prefill steps of an H100 DeltaZip profile, which alone set the
+quadratic attention term) are left out and the fit repeated, once (:func:`_fit_trimmed`: residuals
+beyond 6 robust standard deviations and a twentieth of the median step above the median, at most a
+tenth of the samples, from 10 samples up), their count under ``samples[f"{kind}_outliers"]``. R² is reported per kind. A profile is a JSON
 list of measured steps: ``{"step_s": 0.0123, "tokens": 64, "seqs": 64, ...}``, features absent
 from a sample count 0.
 """
@@ -153,8 +157,10 @@ class LatencyModel:
         for kind in KINDS:
             x = np.stack([r[0] for r in rows[kind]])
             y = np.array([r[1] for r in rows[kind]])
-            c, r2[kind] = _fit_nonnegative(x, y)
+            c, r2[kind], dropped = _fit_trimmed(x, y)
             coefs[kind] = {f: float(v) for f, v in zip(FEATURES, c)}
+            if dropped:
+                counts[f"{kind}_outliers"] = dropped
         return cls(decode=coefs["decode"], prefill=coefs["prefill"], r2=r2, samples=counts, **kw)
 
     @classmethod
@@ -196,10 +202,12 @@ class LatencyModel:
         for kind in KINDS:
             if not rows[kind]:
                 continue
-            c, r2 = _fit_nonnegative(np.stack([r[0] for r in rows[kind]]), np.array([r[1] for r in rows[kind]]))
+            c, r2, dropped = _fit_trimmed(np.stack([r[0] for r in rows[kind]]), np.array([r[1] for r in rows[kind]]))
             setattr(self, f"host_{kind}", {f: float(v) for f, v in zip(FEATURES, c)})
             self.r2[f"host_{kind}"] = r2
             self.samples[f"host_{kind}"] = len(rows[kind])
+            if dropped:
+                self.samples[f"host_{kind}_outliers"] = dropped
         return self
 
     def predict(self, step: Mapping[str, float]) -> float:
@@ -276,6 +284,31 @@ class LatencyModel:
 def features_vector(step: Mapping[str, Any]) -> np.ndarray:
     """The step's features in :data:`FEATURES` order (``const`` = 1, absent ones 0)."""
     return np.array([1.0] + [float(step.get(f, 0.0)) for f in FEATURES[1:]])
+
+
+OUTLIER_SIGMAS = 6.0
+"""A sample whose residual lies this many robust standard deviations (1.4826 x the median absolute
+deviation) above the median residual is an outlier (:func:`_fit_trimmed`)."""
+MAX_OUTLIERS = 0.1
+"""At most this fraction of a kind's samples are left out as outliers; more that far off are not
+one-offs but a cost the features miss, and all are kept."""
+
+
+def _fit_trimmed(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float | None, int]:
+    """:func:`_fit_nonnegative`, then again without the slow outliers of its residuals (module
+    docstring); returns ``c``, R² (of the samples fitted) and how many samples were left out."""
+    c, r2 = _fit_nonnegative(x, y)
+    if len(y) < 10:
+        return c, r2, 0
+    residual = y - x @ c
+    mid = float(np.median(residual))
+    spread = 1.4826 * float(np.median(np.abs(residual - mid)))
+    # at least a twentieth of the median step beyond the median: an exact fit's rounding is no outlier
+    slow = residual > mid + max(OUTLIER_SIGMAS * spread, 0.05 * float(np.median(y)))
+    if not 0 < slow.sum() <= MAX_OUTLIERS * len(y):
+        return c, r2, 0
+    c, r2 = _fit_nonnegative(x[~slow], y[~slow])
+    return c, r2, int(slow.sum())
 
 
 def _fit_nonnegative(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float | None]:
