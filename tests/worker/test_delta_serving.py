@@ -131,10 +131,14 @@ def test_mixed_batch_matches_each_alone(executor_factory, variants) -> None:
     assert len({tuple(alone[i]) for i in range(4)}) == 4
 
 
-def test_one_delta_under_two_ids_is_held_once_and_batched_as_one(executor_factory, variants) -> None:
+@pytest.mark.parametrize("sharing", ["on", "off"])
+def test_one_delta_under_two_ids(executor_factory, variants, sharing: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two ids registered from the same delta directory read the same payload file: every piece
     (each layer's attention and FFN linears, the embedding and the lm_head delta) is held once
-    (``delta_blocks``), and in one batch each row gets the tokens it gets alone."""
+    (``delta_blocks``), and in one batch each row gets the tokens it gets alone. With
+    ``DELTASERVE_DELTA_PIECE_SHARING=off`` (benchmarks whose variants link a few payload files) they
+    are two deltas, each piece held and read on its own, with the same tokens."""
+    monkeypatch.setenv(SHARING_ENV, sharing)
     ex = executor_factory()
     d4 = variants[D4][0]
     router = AdapterRouter(ex, {D4: d4, 9: d4}, {0: D4, 1: 9})
@@ -143,27 +147,15 @@ def test_one_delta_under_two_ids_is_held_once_and_batched_as_one(executor_factor
     assert router.run({0: (prompt, 4), 1: (prompt, 4)}) == {0: alone, 1: alone}
     pool = ex.delta_pool
     assert pool is not None and sorted(pool.slot_of) == [D4, 9]
-    assert pool.blocks.held_counts() == [1] * (pool.num_pieces + 2)  # embedding and lm_head included
-    assert pool.piece_slots[D4] == pool.piece_slots[9]
+    if sharing == "on":
+        assert pool.blocks.held_counts() == [1] * (pool.num_pieces + 2)  # embedding and lm_head included
+        assert pool.piece_slots[D4] == pool.piece_slots[9]
+    else:
+        assert pool.blocks.held_counts() == [2] * (pool.num_pieces + 2)
+        assert set(pool.piece_slots[D4]).isdisjoint(pool.piece_slots[9])
 
 
-def test_with_piece_sharing_off_one_delta_under_two_ids_is_held_twice(
-    executor_factory, variants, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``DELTASERVE_DELTA_PIECE_SHARING=off`` (benchmarks whose variants link a few payload files):
-    the same payload under two ids is two deltas, each piece held and read on its own, with the same
-    tokens; a value other than on / off stops the pool at construction."""
-    monkeypatch.setenv(SHARING_ENV, "off")
-    ex = executor_factory()
-    d4 = variants[D4][0]
-    router = AdapterRouter(ex, {D4: d4, 9: d4}, {0: D4, 1: 9})
-    prompt = prompts(1, ex.config.vocab_size, seed=12, lo=9, hi=9)[0]
-    alone = router.run({0: (prompt, 4)})[0]
-    assert router.run({0: (prompt, 4), 1: (prompt, 4)}) == {0: alone, 1: alone}
-    pool = ex.delta_pool
-    assert pool is not None and sorted(pool.slot_of) == [D4, 9]
-    assert pool.blocks.held_counts() == [2] * (pool.num_pieces + 2)
-    assert set(pool.piece_slots[D4]).isdisjoint(pool.piece_slots[9])
+def test_a_bad_piece_sharing_value_stops_the_delta_pool(executor_factory, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SHARING_ENV, "sometimes")
     with pytest.raises(ValueError, match="DELTASERVE_DELTA_PIECE_SHARING='sometimes': want on or off"):
         executor_factory()
