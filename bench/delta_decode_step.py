@@ -36,6 +36,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -187,7 +188,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
-    os.environ[SHARING_ENV] = "off"  # linked payloads save disk only: every delta id is its own delta
+    # Linked payloads save disk only: every delta id is its own delta, for this run alone (a test runs
+    # main in its process, whose later tests must keep the default).
+    with mock.patch.dict(os.environ, {SHARING_ENV: "off"}):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> Path:
+    """The benchmark (module docstring) with parsed ``args``; returns the result file."""
     if args.smoke:
         device, dtype, bw = torch.device("cpu"), "float32", None
         sync = lambda: None  # noqa: E731

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 from bench import common
 from bench.decode_step import bench_batch
 from deltaserve import wire  # noqa: E402
+from deltaserve.adapters.delta_blocks import SHARING_ENV  # noqa: E402
 from deltaserve.compress.delta_dir import check_lineage, load_delta, materialize  # noqa: E402
 from deltaserve.formats.packed_delta import unpack  # noqa: E402
 from deltaserve.model.loader import load_model  # noqa: E402
@@ -113,8 +115,11 @@ def _positive(x) -> bool:
 def test_delta_decode_step_smoke(tmp_path: Path) -> None:
     from bench import delta_decode_step
 
+    before = os.environ.get(SHARING_ENV)
     path = delta_decode_step.main(["--smoke", "--out", str(tmp_path / "out"), "--workdir", str(tmp_path / "w")])
+    assert os.environ.get(SHARING_ENV) == before, "the run's piece-sharing setting does not outlive it"
     r = json.loads(Path(path).read_text())
+    assert r["piece_sharing"] == "off"
     for key in (
         "experiment",
         "commit",
