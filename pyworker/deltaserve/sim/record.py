@@ -328,13 +328,9 @@ def transfer_bandwidths(
                 took = s["sent"] - started.pop(v)
                 if took > 0:
                     reads.setdefault(kind, []).append(size / took)
-        copies = [variants[v] for v, op, _kind in s["ops"] if op == TO_GPU and v in variants]
-        if not copies or waited or "timing" not in s:
-            continue
-        extra = copy_time_s(s, _outside_forward_s(s) - baseline)
-        if extra > 1e-6:  # a copy hidden under the step (or noise) measures nothing
-            for kind in {k for k, _ in copies}:
-                copies_bps.setdefault(kind, []).append(sum(b for _, b in copies) / extra)
+        copies = _copies(s, variants)
+        if copies and not waited and "timing" in s:
+            _add_copy_rate(copies_bps, s, copies, _outside_forward_s(s) - baseline)
     return {
         "disk_to_host_bps": {k: float(np.median(v)) for k, v in reads.items()},
         "host_to_gpu_bps": {k: float(np.median(v)) for k, v in copies_bps.items()},
@@ -357,14 +353,27 @@ def span_copy_bandwidths(
     a GPU."""
     rates: dict[str, list[float]] = {}
     for (s, f, _), waited in zip(step_features(steps, ranks, deltas), copies_waited(steps)):
-        copies = [variants[v] for v, op, _kind in s["ops"] if op == TO_GPU and v in variants]
-        if not copies or waited or not s.get("device_s"):
-            continue
-        extra = copy_time_s(s, s["device_s"] - predict(f))
-        if extra > 1e-6:
-            for kind in {k for k, _ in copies}:
-                rates.setdefault(kind, []).append(sum(b for _, b in copies) / extra)
+        copies = _copies(s, variants)
+        if copies and not waited and s.get("device_s"):
+            _add_copy_rate(rates, s, copies, s["device_s"] - predict(f))
     return {k: float(np.median(v)) for k, v in rates.items()}
+
+
+def _copies(step: Mapping[str, Any], variants: Mapping[int, tuple[str, int]]) -> list[tuple[str, int]]:
+    """``(kind, host bytes)`` of each variant the step copied to the GPU."""
+    return [variants[v] for v, op, _kind in step["ops"] if op == TO_GPU and v in variants]
+
+
+def _add_copy_rate(
+    rates: dict[str, list[float]], step: Mapping[str, Any], copies: list[tuple[str, int]], beyond_s: float
+) -> None:
+    """One step's copies as one sample per kind copied: their bytes over the step's time left to them
+    (:func:`copy_time_s` of ``beyond_s``); none where that is not positive (a copy hidden under the
+    step, or noise)."""
+    extra = copy_time_s(step, beyond_s)
+    if extra > 1e-6:
+        for kind in {k for k, _ in copies}:
+            rates.setdefault(kind, []).append(sum(b for _, b in copies) / extra)
 
 
 def _outside_forward_s(step: Mapping[str, Any]) -> float:
