@@ -355,6 +355,7 @@ def simulate(
     ingress_s: float = 0.0,
     deliver_s: float = 0.0,
     prompt_keys: Sequence[int] | None = None,
+    dense_min_m: int | None = None,
 ) -> dict[str, Any]:
     """Replays ``requests`` (``(arrival_s, prompt_len, output_len, variant)``, variant 0 = the
     base model, ``i`` = ``variants[i - 1]``) through ``workers`` copies of the real scheduler on a
@@ -366,7 +367,9 @@ def simulate(
     ``--placement``) puts it, priced with ``latency_profile`` (the JSON text ``--latency-profile``
     reads; None: the daemon's default) and ``tpot_slo_s`` (``--tpot-slo-ms``). ``host`` (decode,
     prefill coefficients) prices the worker's launch of each step, ``graphs`` (``graph_max_batch``,
-    ``graph_max_tokens``; None: no graphs) decides which steps run eagerly (feature ``eager``), ``ingress_s`` delays each
+    ``graph_max_tokens``; None: no graphs) decides which steps run eagerly (feature ``eager``),
+    ``dense_min_m`` (at least 2; None: no dense path) is the fewest tokens of a delta's prefill
+    chunk the worker runs dense (feature ``dense_delta_segments``), ``ingress_s`` delays each
     arrival and ``deliver_s`` each token reaching its client; all off by default. ``prompt_keys``
     (one per request, 0 <= key < 2**64: equal keys, equal prompts) turns the scheduler's prefix
     caching on, as the daemon's default; None: off, every prompt all zeros.
@@ -376,7 +379,7 @@ def simulate(
     (-1: refused by ``max_queued_per_worker``), ``busy_s`` per worker, ``counters`` (scheduler
     counters summed over workers, ``prefix_hit_tokens`` included), ``peaks`` (largest on one worker) and ``steps`` (with
     ``record_steps``: ``(worker, step_id, ahead, start_s, end_s, [(request, tokens)],
-    prefill_tokens)``). Bad input raises ``ValueError`` naming it. Use ``deltaserve.sim.replay``.
+    prefill_tokens, features)``, ``features`` a dict of the step's ``SIM_FEATURES``). Bad input raises ``ValueError`` naming it. Use ``deltaserve.sim.replay``.
     """
 
 def run_cli(argv: list[str], python: str | os.PathLike[str] | None = None) -> int:

@@ -117,5 +117,5 @@ def test_simulated_batches_equal_the_daemons(recorded):
     cfg = _native.SchedulerConfig(BLOCK, BLOCKS, 128)
     cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.host_copy_reports = SEQS, BUDGET, True
     res = sim.replay(trace, cfg, sim.default_model(), step_times=step_periods(steps), record_steps=True)
-    simulated = [list(entries) for *_, entries, _prefill in res.steps]
+    simulated = [list(entries) for *_, entries, _prefill, _features in res.steps]
     assert simulated == daemon

@@ -19,8 +19,9 @@ from tests.sim.test_sim import make_trace
 
 
 def same(a: sim.SimResult, b: sim.SimResult) -> bool:
+    """The same times and steps (their features aside: a graph rule changes ``eager``, not the time)."""
     return (np.array_equal(a.first_token_s, b.first_token_s) and np.array_equal(a.finish_s, b.finish_s)
-            and a.steps == b.steps)  # fmt: skip
+            and [s[:-1] for s in a.steps] == [s[:-1] for s in b.steps])  # fmt: skip
 
 
 def test_zero_terms_are_the_simulator_before_them():

@@ -58,7 +58,7 @@ def test_every_request_finishes_once_with_its_tokens():
     assert (res.first_token_s >= np.asarray(trace.arrival_s)).all() and (res.finish_s >= res.first_token_s).all()
     assert res.counters["num_finished"] == len(trace) and res.counters["num_preemptions"] == 0
     computed = np.zeros(len(trace), dtype=np.int64)
-    for _worker, _step, _ahead, start, end, entries, _prefill in res.steps:
+    for _worker, _step, _ahead, start, end, entries, _prefill, _features in res.steps:
         assert end >= start
         for req, tokens in entries:
             computed[req] += tokens

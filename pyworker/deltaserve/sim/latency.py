@@ -28,6 +28,10 @@ Features of one step (``const`` is always 1)::
     lora_segments      distinct LoRA adapters      lora_tokens   tokens of LoRA requests
     deltas             distinct deltas             delta_tokens  tokens (rows) of delta requests
     eager              1 when the step runs eagerly, 0 when a captured graph replays it
+    dense_delta_segments  distinct deltas with a prefill chunk of at least ``dense_min_m`` tokens:
+                       the worker runs such a chunk with its whole delta dequantised (once per
+                       delta in the step) plus one matmul, shorter ones through SBMM work tiles
+                       (``kernels/sbmm/meta.py``); 0 where ``dense_min_m`` is None (the CPU)
 
 Fitting (:meth:`LatencyModel.fit`): ordinary least squares (numpy) per step kind, on the
 features that vary in the samples of that kind (the others keep coefficient 0, so an unprofiled
@@ -107,6 +111,10 @@ class LatencyModel:
     """Largest decode batch a captured CUDA graph replays (0: no graphs, every step eager)."""
     graph_max_tokens: int = 0
     """Largest step that prefills (tokens) a captured graph replays (0: every such step eager)."""
+    dense_min_m: int | None = None
+    """Fewest tokens of a delta's prefill chunk the worker runs dense (``sbmm.dense_min_m`` of the
+    profiled device: 64 on CUDA; at least 2), feature ``dense_delta_segments``; None: no dense path
+    (the CPU, and models from before the feature, whose coefficient is then 0)."""
     router_gap_s: float = 0.0
     """Seconds from the router forming a plan to the worker receiving it."""
     ingress_s: float = 0.0
@@ -227,7 +235,8 @@ class LatencyModel:
         if self.host_decode or self.host_prefill:
             host = ([self.host_decode.get(f, 0.0) for f in FEATURES], [self.host_prefill.get(f, 0.0) for f in FEATURES])
         return {"host": host, "graphs": (int(self.graph_max_batch), int(self.graph_max_tokens)),
-                "ingress_s": float(self.ingress_s), "deliver_s": float(self.deliver_s)}  # fmt: skip
+                "ingress_s": float(self.ingress_s), "deliver_s": float(self.deliver_s),
+                "dense_min_m": self.dense_min_m}  # fmt: skip
 
     def native(self) -> tuple[list[float], list[float], tuple[float, float], tuple[float, float]]:
         """The form ``_native.simulate`` takes."""
@@ -266,6 +275,9 @@ class LatencyModel:
             x = getattr(model, name)
             if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
                 raise ValueError(f"{name}: want a number >= 0, got {x!r}")
+        m = model.dense_min_m
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 2):
+            raise ValueError(f"dense_min_m: want None or tokens >= 2 (a one-token chunk is a decode row), got {m!r}")
         for name in ("disk_to_host_bps", "host_to_gpu_bps"):
             bw = getattr(model, name)
             if set(bw) != {"lora", "delta"} or not all(v > 0 for v in bw.values()):

@@ -212,9 +212,11 @@ def steps_to_samples(
     deltas: set[int],
     skip_loads: bool = True,
     device_spans: bool = True,
+    dense_min_m: int | None = None,
 ) -> list[dict[str, Any]]:
     """Latency-model samples of a recording; ``ranks`` gives each LoRA variant id's rank,
-    ``deltas`` the variant ids that are deltas. With ``skip_loads``, steps that loaded a variant
+    ``deltas`` the variant ids that are deltas, ``dense_min_m`` the worker's dense-prefill
+    threshold (:func:`step_features`). With ``skip_loads``, steps that loaded a variant
     to the GPU are left out (their time includes the copy, which the model prices apart). Each
     sample's ``run`` counts the steps left out before it: samples of one run are consecutive
     steps (``LatencyModel.fit``'s windows stay within a run). With ``device_spans`` and a
@@ -222,7 +224,7 @@ def steps_to_samples(
     a running one only (``behind``: spans without launch gaps, which the host-launch model prices)
     for each step kind that has some; else the output-to-output period."""
     spans = device_spans and any(s.get("device_s") for s in steps)
-    rows = step_features(steps, ranks, deltas)
+    rows = step_features(steps, ranks, deltas, dense_min_m)
     clean = {_kind(f) for s, f, _ in rows if spans and s.get("device_s") and s.get("behind")}
     samples = []
     run = 0
@@ -241,12 +243,14 @@ def _kind(features: Mapping[str, float]) -> str:
     return "prefill" if features["prefill_tokens"] > 0 else "decode"
 
 
-def host_samples(steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int]) -> list[dict[str, Any]]:
-    """Host-launch samples (``LatencyModel.fit_host``): each recorded step's features with
-    ``host_s``, its launch's seconds; steps that copied a variant to the GPU are left out (the
-    copy is priced apart), as are recordings without launch times."""
+def host_samples(
+    steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int], dense_min_m: int | None = None
+) -> list[dict[str, Any]]:
+    """Host-launch samples (``LatencyModel.fit_host``): each recorded step's features
+    (:func:`step_features`) with ``host_s``, its launch's seconds; steps that copied a variant to
+    the GPU are left out (the copy is priced apart), as are recordings without launch times."""
     return [{**f, "host_s": s["launch"][1] - s["launch"][0]}
-            for s, f, _ in step_features(steps, ranks, deltas)
+            for s, f, _ in step_features(steps, ranks, deltas, dense_min_m)
             if "launch" in s and not any(op[1] == TO_GPU for op in s["ops"])]  # fmt: skip
 
 
@@ -343,16 +347,17 @@ def span_copy_bandwidths(
     deltas: set[int],
     variants: Mapping[int, tuple[str, int]],
     predict: Any,
+    dense_min_m: int | None = None,
 ) -> dict[str, float]:
     """Host -> GPU bandwidth per variant kind from the device spans (where recorded): a step's
     copies take its span beyond ``predict(features)`` (the device model's time for the step without
-    them), shared by bytes among its copies, per kind the median over the steps that copied it of
+    them; features as :func:`step_features`'s), shared by bytes among its copies, per kind the median over the steps that copied it of
     bytes per second (as :func:`transfer_bandwidths`); steps whose
     copies waited for a read (:func:`copies_waited`) measure none. Copies queue on the compute
     stream (``non_blocking``), so the host times of :func:`transfer_bandwidths` do not see them on
     a GPU."""
     rates: dict[str, list[float]] = {}
-    for (s, f, _), waited in zip(step_features(steps, ranks, deltas), copies_waited(steps)):
+    for (s, f, _), waited in zip(step_features(steps, ranks, deltas, dense_min_m), copies_waited(steps)):
         copies = _copies(s, variants)
         if copies and not waited and s.get("device_s"):
             _add_copy_rate(rates, s, copies, s["device_s"] - predict(f))
@@ -385,9 +390,12 @@ def _outside_forward_s(step: Mapping[str, Any]) -> float:
 
 
 def step_features(
-    steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int]
+    steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int], dense_min_m: int | None = None
 ) -> list[tuple[dict[str, Any], dict[str, float], float]]:
-    """``(step, latency-model features, device seconds)`` of every recorded step, in order."""
+    """``(step, latency-model features, device seconds)`` of every recorded step, in order: the
+    features the simulator computes for a step it schedules (``step_features`` in
+    ``router/crates/py/src/sim_latency.rs``, tests/sim checks they agree), with prefill chunks of a
+    delta of at least ``dense_min_m`` tokens run dense (``LatencyModel.dense_min_m``; None: none)."""
     cached: dict[int, int] = {}
     variant: dict[int, int] = {}
     out = []
@@ -398,6 +406,7 @@ def step_features(
                               "lora_tokens", "delta_tokens")}  # fmt: skip
         loras: set[int] = set()
         used_deltas: set[int] = set()
+        dense: set[int] = set()
         chunks = [(r, n, c, True) for r, n, c, _p, v in s["new"]]
         for r, _n, _c, _p, v in s["new"]:
             variant[r] = v
@@ -414,12 +423,15 @@ def step_features(
             if v in deltas:
                 f["delta_tokens"] += n
                 used_deltas.add(v)
+                if prefill and dense_min_m is not None and n >= dense_min_m:
+                    dense.add(v)
             elif v:
                 f["lora_tokens"] += n
                 loras.add(v)
         f["lora_segments"] = len(loras)
         f["lora_rank_sum"] = sum(ranks.get(v, 0) for v in loras)
         f["deltas"] = len(used_deltas)
+        f["dense_delta_segments"] = len(dense)
         f["eager"] = 0.0 if s.get("graph") else 1.0
         out.append((s, f, period))
     return out

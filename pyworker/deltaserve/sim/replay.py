@@ -105,9 +105,12 @@ class SimResult:
     """TTFT SLO of the attainment figures."""
     slo_tpot_s: float | None = None
     """TPOT SLO (None: not judged)."""
-    steps: list[tuple[int, int, bool, float, float, list[tuple[int, int]], int]] = field(default_factory=list)
+    steps: list[tuple[int, int, bool, float, float, list[tuple[int, int]], int, dict[str, float]]] = field(
+        default_factory=list
+    )
     """With ``record_steps``: ``(worker, step_id, ahead, start_s, end_s, [(request, tokens)],
-    prefill_tokens)`` per step in launch order; requests listed new first, then running."""
+    prefill_tokens, features)`` per step in launch order; requests listed new first, then running;
+    ``features`` the latency model's (``deltaserve.sim.latency``), by name."""
     scheduled_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """When each request was first sent to a worker in a plan (NaN: never): ``scheduled_s -
     arrival`` is its wait for a step, ``first_token_s - scheduled_s`` its steps' time."""

@@ -4,6 +4,8 @@
 //! `sim_placement.rs` places its arrivals with the router's `--placement` policies). Conversion
 //! only: plain values in, a dict of plain values out; `deltaserve.sim` builds the public API.
 
+use std::collections::BTreeMap;
+
 use deltaserve_ipc::wire;
 use deltaserve_sched::SchedulerConfig as Config;
 use pyo3::exceptions::PyValueError;
@@ -156,12 +158,18 @@ impl PySchedulerConfig {
 }
 
 /// A latency model from its device and host coefficient lists ([`FEATURES`] order; host:
-/// decode then prefill), graph rule and bandwidths.
+/// decode then prefill), graph rule, dense-prefill threshold and bandwidths.
 fn latency_model(
     (decode, prefill, disk_to_host_bps, host_to_gpu_bps): LatencyTuple,
     host: Option<(Vec<f64>, Vec<f64>)>,
     (graph_max_batch, graph_max_tokens): (u32, u32),
+    dense_min_m: Option<u32>,
 ) -> PyResult<LatencyModel> {
+    if let Some(m) = dense_min_m.filter(|m| *m < 2) {
+        return Err(PyValueError::new_err(format!(
+            "dense_min_m must be at least 2 tokens (a one-token chunk is a decode row), got {m}"
+        )));
+    }
     let coefs = |name: &str, v: Vec<f64>| -> PyResult<[f64; NUM_FEATURES]> {
         if v.iter().any(|c| !c.is_finite()) {
             return Err(PyValueError::new_err(format!(
@@ -201,6 +209,7 @@ fn latency_model(
         graph_max_tokens,
         disk_to_host_bps: [disk_to_host_bps.0, disk_to_host_bps.1],
         host_to_gpu_bps: [host_to_gpu_bps.0, host_to_gpu_bps.1],
+        dense_min_m,
     })
 }
 
@@ -216,7 +225,9 @@ type LatencyTuple = (Vec<f64>, Vec<f64>, (f64, f64), (f64, f64));
 /// JSON `--latency-profile` reads, the same model's; `None`: the daemon's default) and
 /// `tpot_slo_s` (`--tpot-slo-ms`). `host` (decode, prefill coefficients) prices the worker's
 /// launch of each step and `graphs` (`graph_max_batch`, `graph_max_tokens`; `None`: none)
-/// decides which steps run eagerly (`sim_latency.rs`); `ingress_s` delays each arrival and
+/// decides which steps run eagerly (`sim_latency.rs`); `dense_min_m` is the fewest tokens of
+/// a delta's prefill chunk the worker runs dense (`None`: none, the CPU; feature
+/// `dense_delta_segments`); `ingress_s` delays each arrival and
 /// `deliver_s` each token seen (`sim_loop.rs`). `prompt_keys` (one per request: equal keys,
 /// equal prompts) turns the scheduler's prefix caching on, as the daemon's default; `None`:
 /// off, prompts of zeros. Returns plain lists and counters (`deltaserve.sim` summarizes them).
@@ -227,6 +238,7 @@ type LatencyTuple = (Vec<f64>, Vec<f64>, (f64, f64), (f64, f64));
     router_gap_s = 0.0, noise = 0.0, seed = 0, max_queued_per_worker = None, step_times = None,
     record_steps = false, placement = "least-loaded", latency_profile = None, tpot_slo_s = None,
     host = None, graphs = None, ingress_s = 0.0, deliver_s = 0.0, prompt_keys = None,
+    dense_min_m = None,
 ))]
 #[allow(clippy::too_many_arguments)] // one keyword per option
 #[allow(clippy::type_complexity)] // plain tuples are the conversion
@@ -252,6 +264,7 @@ pub(crate) fn simulate<'py>(
     ingress_s: f64,
     deliver_s: f64,
     prompt_keys: Option<Vec<u64>>,
+    dense_min_m: Option<u32>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut cfg = Config::from(config);
     if let Some(keys) = prompt_keys.as_ref().filter(|k| k.len() != requests.len()) {
@@ -280,7 +293,7 @@ pub(crate) fn simulate<'py>(
         tpot_slo_us: tpot_slo_s.map(|s| s * 1e6),
         max_num_seqs: cfg.max_num_seqs,
     };
-    let model = latency_model(latency, host, graphs.unwrap_or((0, 0)))?;
+    let model = latency_model(latency, host, graphs.unwrap_or((0, 0)), dense_min_m)?;
     let requests = requests
         .into_iter()
         .enumerate()
@@ -374,6 +387,11 @@ pub(crate) fn simulate<'py>(
                 s.end_s,
                 s.entries,
                 s.prefill_tokens,
+                FEATURES
+                    .iter()
+                    .copied()
+                    .zip(s.features)
+                    .collect::<BTreeMap<_, _>>(),
             )
         })
         .collect();

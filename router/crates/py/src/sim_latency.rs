@@ -16,7 +16,16 @@
 //! ```
 //!
 //! The graph rule and `eager` are model inputs, not today's worker baked in: the limits are read
-//! from a recording (which steps replayed a graph), and a refit prices each kind.
+//! from a recording (which steps replayed a graph), and a refit prices each kind. So is the dense
+//! path of delta prefill (`dense_delta_segments`, [`LatencyModel::dense_min_m`]): on CUDA the
+//! worker runs a delta's prefill chunk of at least that many tokens as its whole delta
+//! dequantised plus one matmul (`kernels/sbmm/meta.py`, `DeltaMeta.segments(dense_min_m=)`), one
+//! dequantisation per delta however many of its chunks the step holds, and shorter chunks through
+//! the SBMM work tiles:
+//!
+//! ```text
+//! dense_delta_segments = |{ delta of c : c a prefill chunk of a delta request, tokens(c) >= dense_min_m }|
+//! ```
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -39,10 +48,11 @@ pub(crate) const FEATURES: [&str; NUM_FEATURES] = [
     "deltas",
     "delta_tokens",
     "eager",
+    "dense_delta_segments",
 ];
 
 /// How many features a step has ([`FEATURES`]).
-pub(crate) const NUM_FEATURES: usize = 12;
+pub(crate) const NUM_FEATURES: usize = 13;
 
 /// What one step computes, as the latency model sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -71,6 +81,9 @@ pub(crate) struct StepFeatures {
     /// 1 when the step runs eagerly, 0 when a captured graph replays it
     /// ([`LatencyModel::runs_eager`]).
     pub(crate) eager: f64,
+    /// Distinct deltas with a prefill chunk the worker runs dense (module docstring): each is
+    /// dequantised whole once, a fixed cost the token counts do not carry.
+    pub(crate) dense_delta_segments: f64,
 }
 
 impl StepFeatures {
@@ -89,6 +102,7 @@ impl StepFeatures {
             self.deltas,
             self.delta_tokens,
             self.eager,
+            self.dense_delta_segments,
         ]
     }
 
@@ -116,6 +130,10 @@ pub(crate) struct LatencyModel {
     pub(crate) disk_to_host_bps: [f64; 2],
     /// Host -> GPU copy bandwidth of a variant (bytes/s), `[lora, delta]`.
     pub(crate) host_to_gpu_bps: [f64; 2],
+    /// Fewest tokens of a delta's prefill chunk that the worker runs dense (module docstring;
+    /// at least 2, a one-token chunk being a decode row); `None`: no dense path (the CPU), and
+    /// `dense_delta_segments` is always 0.
+    pub(crate) dense_min_m: Option<u32>,
 }
 
 impl LatencyModel {
@@ -130,6 +148,7 @@ impl LatencyModel {
             graph_max_tokens: 0,
             disk_to_host_bps: [1e9, 1e9],
             host_to_gpu_bps: [1e10, 1e10],
+            dense_min_m: None,
         }
     }
 
@@ -185,16 +204,20 @@ pub(crate) fn kind_index(kind: VariantKind) -> usize {
 }
 
 /// The latency features of `step` (`eager` left 0: the model's graph rule sets it) and its
-/// `(request, tokens)` entries in plan order, updating each request's `cached` length.
+/// `(request, tokens)` entries in plan order, updating each request's `cached` length; prefill
+/// chunks of a delta of at least `dense_min_m` tokens run dense ([`LatencyModel::dense_min_m`]).
+/// `deltaserve.sim.record.step_features` computes the same from a recording (tests/sim).
 pub(crate) fn step_features(
     cached: &mut HashMap<u64, u32>,
     step: &ScheduledStep,
     requests: &[SimRequest],
     variants: &[SimVariant],
+    dense_min_m: Option<u32>,
 ) -> (StepFeatures, Vec<(u64, u32)>) {
     let mut f = StepFeatures::default();
     let mut loras = BTreeSet::new();
     let mut deltas = BTreeSet::new();
+    let mut dense = BTreeSet::new();
     let mut entries = Vec::with_capacity(step.num_requests());
     let new = step
         .new
@@ -214,6 +237,7 @@ pub(crate) fn step_features(
         let to = from + n;
         cached.insert(id, to);
         entries.push((id, n));
+        let runs_dense = prefill && dense_min_m.is_some_and(|m| n >= m);
         let (n, to) = (f64::from(n), f64::from(to));
         f.tokens += n;
         f.seqs += 1.0;
@@ -237,11 +261,15 @@ pub(crate) fn step_features(
             VariantKind::Delta => {
                 f.delta_tokens += n;
                 deltas.insert(variant);
+                if runs_dense {
+                    dense.insert(variant);
+                }
             }
         }
     }
     f.lora_segments = loras.len() as f64;
     f.deltas = deltas.len() as f64;
+    f.dense_delta_segments = dense.len() as f64;
     (f, entries)
 }
 
@@ -276,6 +304,77 @@ impl SplitMix {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use deltaserve_sched::{ScheduledNew, ScheduledRunning};
+
+    #[test]
+    fn dense_delta_segments_count_each_delta_with_a_long_prefill_chunk_once() {
+        let request = |variant| SimRequest {
+            arrival_s: 0.0,
+            prompt_len: 500,
+            output_len: 4,
+            variant,
+            prompt_key: None,
+        };
+        // Requests 0..=4: base, delta 1, delta 1, delta 2, LoRA 3.
+        let requests = [request(0), request(1), request(1), request(2), request(3)];
+        let delta = SimVariant {
+            kind: VariantKind::Delta,
+            num_blocks: 0,
+            host_bytes: 1,
+            rank: 0,
+        };
+        let lora = SimVariant {
+            kind: VariantKind::Lora,
+            num_blocks: 1,
+            host_bytes: 1,
+            rank: 8,
+        };
+        let variants = [delta.clone(), delta, lora];
+        let new = |id: u64, n: u32| ScheduledNew {
+            id,
+            token_ids: vec![0; 500],
+            num_prompt_tokens: 500,
+            num_computed_tokens: 0,
+            num_scheduled_tokens: n,
+            block_ids: vec![],
+            adapter_id: requests[id as usize].variant,
+        };
+        let running = |id: u64, n: u32| ScheduledRunning {
+            id,
+            num_scheduled_tokens: n,
+            new_block_ids: vec![],
+        };
+        // Delta 1: two chunks of 64 and more (one dequantisation); delta 2: a chunk of 63 (work
+        // tiles); the base's and the LoRA's long chunks do not count.
+        let step = ScheduledStep {
+            step_id: 1,
+            new: vec![
+                new(0, 300),
+                new(1, 64),
+                new(2, 200),
+                new(3, 63),
+                new(4, 100),
+            ],
+            ..Default::default()
+        };
+        let mut cached = HashMap::new();
+        let count = |cached: &mut HashMap<u64, u32>, step: &ScheduledStep, at| {
+            step_features(cached, step, &requests, &variants, at)
+                .0
+                .dense_delta_segments
+        };
+        assert_eq!(count(&mut cached.clone(), &step, Some(64)), 1.0);
+        assert_eq!(count(&mut cached.clone(), &step, Some(63)), 2.0);
+        assert_eq!(count(&mut cached, &step, None), 0.0, "no dense path");
+        // Next step: delta 2's second chunk of 64 runs dense; delta 1's decode rows never do.
+        let step = ScheduledStep {
+            step_id: 2,
+            running: vec![running(1, 1), running(2, 1), running(3, 64)],
+            ..Default::default()
+        };
+        assert_eq!(count(&mut cached, &step, Some(64)), 1.0);
+        assert_eq!(cached[&3], 127);
+    }
 
     #[test]
     fn the_step_kind_picks_the_model_and_time_is_never_negative() {

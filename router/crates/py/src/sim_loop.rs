@@ -40,7 +40,7 @@ use deltaserve_sched::{
     Scheduler, SchedulerConfig, SeqRequest, VariantKind, VariantOpKind, VariantSpec,
 };
 
-use crate::sim_latency::{step_features, LatencyModel, SplitMix};
+use crate::sim_latency::{step_features, LatencyModel, SplitMix, NUM_FEATURES};
 use crate::sim_pipeline::{Previous, WorkerClock};
 use crate::sim_placement::SimPlacer;
 use deltaserve_server::engine::Placer;
@@ -138,6 +138,9 @@ pub(crate) struct StepRecord {
     pub(crate) entries: Vec<(u64, u32)>,
     /// Its prefill tokens (the latency model's feature).
     pub(crate) prefill_tokens: u32,
+    /// Its latency-model features ([`crate::sim_latency::StepFeatures::values`] order, `eager` as the graph rule
+    /// set it): tests check them against the recording side's (`deltaserve.sim.record`).
+    pub(crate) features: [f64; NUM_FEATURES],
 }
 
 /// Everything a run measured; per-request vectors are indexed like the trace.
@@ -448,8 +451,13 @@ impl Sim<'_> {
         for id in &step.released {
             worker.cached.remove(id);
         }
-        let (mut features, entries) =
-            step_features(&mut worker.cached, &step, self.requests, self.variants);
+        let (mut features, entries) = step_features(
+            &mut worker.cached,
+            &step,
+            self.requests,
+            self.variants,
+            self.model.dense_min_m,
+        );
         features.eager = f64::from(u8::from(self.model.runs_eager(&features)));
         let mut ready_s = t;
         let mut copy_s = 0.0;
@@ -550,6 +558,7 @@ impl Sim<'_> {
                 end_s: end,
                 entries,
                 prefill_tokens: features.prefill_tokens as u32,
+                features: features.values(),
             });
         }
         Ok(())
