@@ -3,6 +3,12 @@ S2 trace and the DeltaZip trace, one daemon start each, whose worker records eve
 (``deltaserve.sim.record``: plans, outputs, the executor's launch and finish times, graph replays
 and CUDA-event device spans):
 
+    0. warm up   one trace per validated rate (seeds 200, 201, ...; ``PROFILE_RATE`` x the rate,
+                 ``--warmup-duration`` s) replayed open-loop and simulated, never fitted: the
+                 daemon's first uses of shapes (kernel compilation and tuning, allocator growth)
+                 made the profile's steps slower than the same steps later (an H100 DeltaZip
+                 recording: one-delta prefills of 380-415 tokens 0.17-0.22 s in the profile,
+                 0.11-0.16 s in the validation replays)
     1. profile   one trace per validated rate (seeds 100, 101, ...; ``PROFILE_RATE`` x the rate,
                  ``--profile-duration`` s) replayed open-loop; the recording fits the model:
                  device time per step from the device spans (steps launched behind a running
@@ -12,14 +18,16 @@ and CUDA-event device spans):
                  client records on the same clock (``bench/sim_timeline.py``) the delivery of a
                  token to its client (median) and the ingress of a request (5th percentile of
                  its wait for a plan, less the plan's trip); on the CPU (no device spans) the
-                 output periods in sliding windows of ``FIT_WINDOW`` steps alone
+                 output periods in sliding windows of ``FIT_WINDOW`` steps alone. The worker's
+                 dense-prefill threshold (``sbmm.dense_min_m`` of the device, kept in the
+                 recording) sets the feature ``dense_delta_segments``
     2. measure   per rate, ``--seeds`` validation traces (seeds ``SEED_STRIDE`` x the rate's index
                  + 0, 1, ...: the workloads draw prompts from the seed alone, and a seed shared by
                  two rates would repeat its prompts, served the second time from the daemon's
                  prefix cache) replayed open-loop
                  (bench/replay.py) on the same daemon, one after another
-    3. simulate  every replay, profile included, at the clients' own send times in one run of
-                 the simulator (the daemon keeps variants resident from one replay to the next):
+    3. simulate  every replay, warm-up and profile included, at the clients' own send times in one
+                 run of the simulator (the daemon keeps variants resident from one replay to the next):
                  the fitted model, the daemon's scheduler config (its KV pages from /metrics, the
                  experiment's flags), the variants' footprints from their files, and each
                  prompt's identity (the replay's trace regenerated from its seed), so the
@@ -41,15 +49,17 @@ Variant transfer bandwidths (disk -> host -> GPU) are measured from the profile 
 ``span_copy_bandwidths``: they queue on the compute stream, out of the host's sight); a kind the profile never moved keeps the bundled
 model's figure (H200 measurements, ``deltaserve/sim/models.py``). Writes
 ``bench/results/sim_validate-<experiments>-<device>-<date>.json``. On an H100 or H200, each under
-four minutes of wall time plus the model and variant files' writing:
+five minutes of wall time plus the model and variant files' writing:
 
     python -m bench.sim_validate --experiments slora-s2          # rates 8 and 28, 2 seeds each
-    python -m bench.sim_validate --experiments deltazip --seeds 3 --profile-duration 30
+    python -m bench.sim_validate --experiments deltazip          # rate 1, 2 seeds, a 60 s profile
     python -m bench.sim_validate --smoke           # tiny CPU models, a few requests (~2 min)
 
 ``--save-recording DIR`` keeps the raw material (the step recording, every replay's requests and
 client records, the run's flags and file sizes); ``--from-recording DIR`` fits, simulates and
-compares again from it on any machine, so a change to the model is checked without a GPU.
+compares again from it on any machine, so a change to the model is checked without a GPU
+(recordings from before the warm-up, or before the dense threshold was kept, refit as they ran:
+no warm-up, the threshold of the recording's device kind today).
 """
 
 from __future__ import annotations
@@ -102,6 +112,13 @@ so none repeats another's prompts (the H200 run at 5c0e161 used seeds 0, 1 at bo
 rate-28 seed-0 replay got 29 % of its prompt tokens from the prefix cache)."""
 LEAD_S = 0.1
 """Seconds between a replay's call and its trace's time 0."""
+PROFILE_S = {"slora-s2": 15.0, "deltazip": 60.0}
+"""Default ``--profile-duration`` per experiment: DeltaZip's 1 req/s makes few prefill steps (a 40 s
+profile on an H100 fitted 23), which its prefill model needs more of than S-LoRA S2's rates do."""
+WARMUP_S = 20.0
+"""Default ``--warmup-duration`` (0: none)."""
+UNSCORED = ("warmup", "profile")
+"""Labels of the replays simulated but not compared (the phases before the validation's)."""
 FIT_WINDOW = 2
 """Steps per sliding latency-fit window: two steps are in flight under overlapped steps, and a
 step's host work lands in its neighbour's output-to-output period (per-step fits of the S-LoRA S2
@@ -184,10 +201,12 @@ def _kv_bytes_per_token(model_dir: Path | None, devices: str) -> int:
     return cfg["num_hidden_layers"] * 2 * kv_heads * head * (4 if devices == "cpu" else 2)
 
 
-def _phase_traces(name: str, args: argparse.Namespace) -> tuple[Any, Any, list[Any], list[tuple[str, float, int, Any]]]:
-    """The experiment, its point, the profile traces and the validation phases ``(label, rate,
-    seed, trace)``: rate ``j``, seeds ``SEED_STRIDE`` j + 0..``--seeds``-1 (the profile's seeds are
-    100 + its rate's index, at ``PROFILE_RATE`` x the rate)."""
+def _phase_traces(name: str, args: argparse.Namespace) -> tuple[Any, Any, list[tuple[str, float, int, Any]]]:
+    """The experiment, its point and the phases ``(label, rate, seed, trace)`` in the order they
+    run: the warm-ups (label ``warmup``, seeds 200 + the rate's index; none for a
+    ``--warmup-duration`` of 0), the profiles (``profile``, seeds 100 + the index), both at
+    ``PROFILE_RATE`` x the rate, then the validation replays: rate ``j``, seeds ``SEED_STRIDE`` j +
+    0..``--seeds``-1."""
     overrides: dict[str, Any] = {"smoke": args.smoke}
     if not args.smoke:
         overrides["duration"] = args.duration
@@ -198,13 +217,25 @@ def _phase_traces(name: str, args: argparse.Namespace) -> tuple[Any, Any, list[A
     point = exp.points[0]
     make = WORKLOADS[point.workload]
     rates = [point.trace["rate"]] if args.smoke else _rates(args, name)
-    profile_s = point.trace["duration"] if args.smoke else args.profile_duration
-    profiles = [make(**{**point.trace, "seed": 100 + j, "rate": r * PROFILE_RATE, "duration": profile_s})
-                for j, r in enumerate(rates)]  # fmt: skip
+    profile_s = args.profile_duration or PROFILE_S.get(name, PROFILE_S["slora-s2"])
+    before = [("warmup", 200, min(args.warmup_duration, point.trace["duration"]) if args.smoke else args.warmup_duration),
+              ("profile", 100, point.trace["duration"] if args.smoke else profile_s)]  # fmt: skip
+    phases = [(label, r * PROFILE_RATE, seed + j,
+               make(**{**point.trace, "seed": seed + j, "rate": r * PROFILE_RATE, "duration": s}))
+              for label, seed, s in before if s > 0 for j, r in enumerate(rates)]  # fmt: skip
     seeds = [(r, SEED_STRIDE * j + k) for j, r in enumerate(rates) for k in range(1 if args.smoke else args.seeds)]
-    phases = [(f"rate {r:g} seed {seed}", r, seed, make(**{**point.trace, "seed": seed, "rate": r}))
-              for r, seed in seeds]  # fmt: skip
-    return exp, point, profiles, phases
+    phases += [(f"rate {r:g} seed {seed}", r, seed, make(**{**point.trace, "seed": seed, "rate": r}))
+               for r, seed in seeds]  # fmt: skip
+    return exp, point, phases
+
+
+def _dense_min_m(device: str) -> int | None:
+    """The worker's dense-prefill threshold on ``device`` (``cpu``, else CUDA): ``sbmm.dense_min_m``."""
+    import torch
+
+    from deltaserve.kernels.sbmm import dense_min_m
+
+    return dense_min_m(torch.device("cpu" if device == "cpu" else "cuda"))
 
 
 def _rates(args: argparse.Namespace, name: str) -> list[float]:
@@ -227,33 +258,29 @@ def _replay(trace: Any, url: str, point: Any, timeout_s: float) -> tuple[list[An
 def validate(name: str, args: argparse.Namespace, work: Path, devices: str, device: str) -> dict[str, Any]:
     """Profile, measure, simulate and compare one experiment (module docstring) on ``devices``
     (``cpu`` or CUDA ids), the GPU named ``device``."""
-    exp, point, profiles, phases = _phase_traces(name, args)
+    exp, point, phases = _phase_traces(name, args)
     point = replace(point, protocol=args.protocol)
-    variants = list({v.name: v for t in [*profiles, *(p[3] for p in phases)] for v in t.variants}.values())
+    variants = list({v.name: v for *_, t in phases for v in t.variants}.values())
     files = prepare_variants(exp, "deltaserve", variants, work, devices)
     (args.out_dir or RESULTS).mkdir(parents=True, exist_ok=True)
     record = work / f"{name}-steps.jsonl"
     record.unlink(missing_ok=True)
     script = recording_python(work / f"{name}-python", record)
     flags = merge_flags(exp.server_flags.get("deltaserve", ()), [])
+    dense = _dense_min_m(devices)  # what the worker will use
     spec = ServerSpec(model_dir=files.model_dir, lora_dir=files.lora_dir, devices=devices, deltas=files.deltas, env=files.env,
                       flags=flags, daemon=args.daemon, log=(args.out_dir or RESULTS) / f"sim_validate-{name}-server.log")  # fmt: skip
     ran: list[tuple[str, float, int, Any, list[Any], float]] = []
     t0 = time.perf_counter()
     with recording_interpreter(script), SERVERS["deltaserve"](spec) as endpoint:
         ready_s = time.perf_counter() - t0
-        for j, trace in enumerate(profiles):
-            print(f"[{name}] profile {j}: {len(trace.requests)} requests over {trace.duration:.1f} s", flush=True)
-            ran.append(
-                ("profile", trace.params["rate"], 100 + j, trace, *_replay(trace, endpoint.url, point, exp.timeout_s))
-            )
         for label, rate, seed, trace in phases:
-            print(f"[{name}] measure {label}: {len(trace.requests)} requests over {trace.duration:.1f} s", flush=True)
+            print(f"[{name}] {label}: {len(trace.requests)} requests over {trace.duration:.1f} s", flush=True)
             ran.append((label, rate, seed, trace, *_replay(trace, endpoint.url, point, exp.timeout_s)))
         num_blocks = int(_metric(endpoint.url, "deltaserve_kv_blocks_total") or 0)
     context = {
         "experiment": name, "protocol": point.protocol, "trace": point.trace, "server_flags": flags,
-        "server_ready_s": ready_s, "num_blocks": num_blocks, "device": device,
+        "server_ready_s": ready_s, "num_blocks": num_blocks, "device": device, "dense_min_m": dense,
         "variants": [{"name": v.name, "kind": v.kind, "rank": v.rank} for v in variants],
         "variant_bytes": {str(k): list(v) for k, v in _variant_bytes(files, variants).items()},
         "footprints": _footprints(files, phases[0][3]),
@@ -281,8 +308,9 @@ def from_recording(name: str, where: Path) -> dict[str, Any]:
 
 def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[dict[str, Any]]) -> dict[str, Any]:
     """Steps 1 (fit), 3 (simulate) and 4 (compare) of the module docstring, from one daemon's step
-    recording, its replays (``requests``: the trace's; ``records``: the client's rows) and the
-    run's ``context`` (flags, pool, variants and their file sizes)."""
+    recording, its replays (``requests``: the trace's; ``records``: the client's rows; warm-ups and
+    profiles first) and the run's ``context`` (flags, pool, variants and their file sizes, the
+    worker's dense-prefill threshold)."""
     name, device, flags = context["experiment"], context["device"], context["server_flags"]
     variants = context["variants"]
     fields = {f.name for f in dataclasses.fields(rp.Record)}
@@ -293,10 +321,13 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
     variant_id = lambda v: ids.get(v, 0)  # noqa: E731 (the base model: 0)
     ranks = {i + 1: v["rank"] or 0 for i, v in enumerate(variants)}
     delta_ids = {i + 1 for i, v in enumerate(variants) if v["kind"] == "full"}
-    n_profiles = sum(1 for r in ran if r[0] == "profile")
-    split = ran[n_profiles][5] - LEAD_S  # the first validation replay's start
-    profiled = [s for s in steps if s["sent"] <= split]
-    model = _fit(name, profiled, ranks, delta_ids, device)
+    profiles = [r for r in ran if r[0] == "profile"]
+    # The profile's steps: from its first replay's start to the first validation replay's (the
+    # warm-ups before it ran to completion: their steps all came earlier).
+    fit_from, fit_to = profiles[0][5] - LEAD_S, next(r[5] for r in ran if r[0] not in UNSCORED) - LEAD_S
+    profiled = [s for s in steps if fit_from <= s["sent"] <= fit_to]
+    dense = context["dense_min_m"] if "dense_min_m" in context else _dense_min_m(device)  # kept since 2026-11-26
+    model = _fit(name, profiled, ranks, delta_ids, device, dense)
     model.memory.kv_bytes_per_token = context["kv_bytes_per_token"]
     for key, value in context["footprints"].items():
         setattr(model.memory, key, value)
@@ -305,14 +336,14 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
     sizes = {int(k): (v[0], int(v[1])) for k, v in context["variant_bytes"].items()}
     moved = transfer_bandwidths(profiled, sizes)
     if any(s.get("device_s") for s in profiled):  # a GPU's copies are on the device: its spans time them
-        moved["host_to_gpu_bps"].update(span_copy_bandwidths(profiled, ranks, delta_ids, sizes, model.predict))
+        moved["host_to_gpu_bps"].update(span_copy_bandwidths(profiled, ranks, delta_ids, sizes, model.predict, dense))
     like = sim.default_model()
     model.disk_to_host_bps = {**like.disk_to_host_bps, **moved["disk_to_host_bps"]}
     model.host_to_gpu_bps = {**like.host_to_gpu_bps, **moved["host_to_gpu_bps"]}
     # The daemon's pipeline around the device, measured on the profile (validation data unseen).
     model.graph_max_batch, model.graph_max_tokens = graph_rule(profiled)
     model.router_gap_s = router_gap_s(profiled) or 0.0
-    prof_splits = [measured_split(recs, start, steps, variant_id) for *_, recs, start in ran[:n_profiles]]
+    prof_splits = [measured_split(recs, start, steps, variant_id) for *_, recs, start in profiles]
     prof_rows = np.array([r[2:] for sp in prof_splits for r in sp["per_request"]]).reshape(-1, 3)
     if len(prof_rows):
         model.deliver_s = max(0.0, float(np.median(prof_rows[:, 2])))
@@ -344,7 +375,7 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
     where[order] = np.arange(len(order))
     points = []
     for (label, rate, seed, requests, recs, start), (lo, hi) in zip(ran, spans):
-        if label != "profile":
+        if label not in UNSCORED:
             points.append(_compare(label, rate, seed, len(requests), recs, start, steps, variant_id, result,
                                    where[lo:hi], model))  # fmt: skip
     by_rate = _by_rate(points)
@@ -356,7 +387,8 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
               f"{_pct(r['error']['throughput_req_s'])}", flush=True)  # fmt: skip
     return {
         **{k: context[k] for k in ("experiment", "protocol", "trace", "server_flags", "server_ready_s")},
-        "steps_recorded": len(steps), "profile_traces": [r["trace"] for r in replays[:n_profiles]],
+        "steps_recorded": len(steps), "steps_fitted": len(profiled),
+        **{f"{label}_traces": [r["trace"] for r in replays if r["label"] == label] for label in UNSCORED},
         "profile_split": [{k: v for k, v in sp.items() if k != "per_request"} for sp in prof_splits],
         "transfers_measured": moved, "latency_model": model.to_dict(), "scheduler_config": cfg.as_dict(),
         "prefix_caching": {"simulated": result.trace.prompt_key is not None,
@@ -402,23 +434,25 @@ def _prompt_keys(replay: dict[str, Any]) -> list[int] | None:
 
 
 def _fit(name: str, profiled: list[dict[str, Any]], ranks: dict[int, int], delta_ids: set[int],
-         device: str) -> sim.LatencyModel:  # fmt: skip
+         device: str, dense: int | None) -> sim.LatencyModel:  # fmt: skip
     """The profile's latency model: device time per step from the recorded device spans where the
     worker had them (CUDA), with host launch time from the recorded launches; else (the CPU, whose
-    launch computes the step) sliding windows of output periods (``FIT_WINDOW``) alone."""
+    launch computes the step) sliding windows of output periods (``FIT_WINDOW``) alone. ``dense``:
+    the worker's dense-prefill threshold (``LatencyModel.dense_min_m``)."""
     like = sim.default_model()
     spans = any(s.get("device_s") for s in profiled)
     for skip_loads in (True, False):  # steps that copied a variant in only when the others lack a kind
-        samples = steps_to_samples(profiled, ranks, delta_ids, skip_loads=skip_loads)
+        samples = steps_to_samples(profiled, ranks, delta_ids, skip_loads=skip_loads, dense_min_m=dense)
         try:
             model = sim.LatencyModel.fit(samples, window=1 if spans else FIT_WINDOW, memory=like.memory, device=device,
+                                         dense_min_m=dense,
                                          source=f"{name} profile, {len(samples)} steps, "
                                                 f"{'device spans' if spans else f'windows of {FIT_WINDOW}'}")  # fmt: skip
             break
         except ValueError:
             if not skip_loads:
                 raise
-    host = host_samples(profiled, ranks, delta_ids)
+    host = host_samples(profiled, ranks, delta_ids, dense)
     if host and spans:  # on the CPU a launch computes the whole step: the periods already hold it
         model.fit_host(host)
     return model
@@ -506,13 +540,16 @@ def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(prog="python -m bench.sim_validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--experiments", default="slora-s2,deltazip", help="comma-separated: slora-s2, deltazip")
     p.add_argument("--duration", type=float, default=25.0, help="seconds of arrivals per validation trace (default 25)")
-    p.add_argument("--profile-duration", type=float, default=15.0, help="seconds of each profile trace (default 15)")
     p.add_argument(
-        "--seeds",
-        type=int,
-        default=2,
-        help="validation traces per rate (default 2; seeds 1000 x the rate's index + 0..N-1)",
+        "--profile-duration", type=float, help="seconds of a profile trace (default 15 slora-s2, 60 deltazip)"
     )
+    p.add_argument(
+        "--warmup-duration",
+        type=float,
+        default=WARMUP_S,
+        help=f"seconds of a warm-up trace, before the profile: simulated, not fitted (default {WARMUP_S:g}; 0: none)",
+    )
+    p.add_argument("--seeds", type=int, default=2, help="validation traces per rate (default 2; seeds 1000 j + 0..N-1)")
     p.add_argument("--n", type=int, default=100, help="slora-s2 adapters (default 100)")
     p.add_argument(
         "--rates-s2",
@@ -529,18 +566,8 @@ def main(argv: list[str] | None = None) -> Path:
         "first chunk with text (a token may decode to no text yet)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny CPU models, a few requests")
-    p.add_argument(
-        "--save-recording",
-        type=Path,
-        default=None,
-        help="also write the worker's step recording (gzipped JSONL) and every replay's client records (JSON) here",
-    )
-    p.add_argument(
-        "--from-recording",
-        type=Path,
-        default=None,
-        help="no GPU: fit, simulate and compare again from what --save-recording wrote there",
-    )
+    p.add_argument("--save-recording", type=Path, help="also write the worker's steps and the clients' records here")
+    p.add_argument("--from-recording", type=Path, help="no GPU: fit, simulate and compare from a --save-recording")
     p.add_argument("--devices", help="`cpu` or a CUDA id (default: 0 when CUDA is available)")
     p.add_argument("--daemon", type=Path, help="deltaserve binary (default: $DELTASERVE_BIN, target/release)")
     p.add_argument("--work-dir", type=Path, help="keep the model and variant files here (default: a temporary dir)")

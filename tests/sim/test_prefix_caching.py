@@ -77,14 +77,20 @@ def test_validation_keys_regenerate_the_recorded_prompts():
     )
 
 
-def test_no_two_rates_share_a_validation_seed():
+def test_no_two_replays_share_a_seed():
     from argparse import Namespace
 
     from bench.sim_validate import _phase_traces
 
-    args = Namespace(smoke=False, duration=5.0, n=8, rates_s2="8,28", rates_deltazip="1", profile_duration=2.0, seeds=2)
-    _, _, profiles, phases = _phase_traces("slora-s2", args)
+    args = Namespace(smoke=False, duration=5.0, n=8, rates_s2="8,28", rates_deltazip="1", profile_duration=2.0, seeds=2,
+                     warmup_duration=1.0)  # fmt: skip
+    _, _, phases = _phase_traces("slora-s2", args)
+    labels = [label for label, *_ in phases]
+    assert labels[:4] == ["warmup", "warmup", "profile", "profile"], "warm-ups, then profiles, then validation"
     seeds = [seed for _, _, seed, _ in phases]
-    assert len(set(seeds)) == len(seeds) == 4 and not {100, 101} & set(seeds)
+    assert seeds[:4] == [200, 201, 100, 101] and len(set(seeds)) == len(seeds) == 8
     firsts = {tuple(trace.requests[0].prompt) for *_, trace in phases}
-    assert len(firsts) == 4, "every validation replay draws its own prompts"
+    assert len(firsts) == 8, "every replay draws its own prompts"
+    assert [t.params["duration"] for *_, t in phases[:4]] == [1.0, 1.0, 2.0, 2.0]
+    _, _, phases = _phase_traces("slora-s2", Namespace(**{**vars(args), "warmup_duration": 0.0}))
+    assert [label for label, *_ in phases][:2] == ["profile", "profile"], "no warm-up"
