@@ -7,9 +7,10 @@
 - a repacked pool: ``packed`` gives the format back, ``sbmm_ref``, the Triton kernels (interpreter on
   CPU) and ``dequantize_slot`` over it equal the reference from the original ``PackedLinear``s; the
   layout is picked as ``DELTASERVE_SBMM_LAYOUT`` says;
-- on CUDA (``DELTASERVE_TEST_GPU=1``): csrc/sbmm.cu over a repacked pool equals the reference for every
-  config, float16 (half2 and fp32 dequantisation) and bfloat16, bit for bit the op over the plain
-  layout, split K, fused slices, and in a CUDA graph.
+- on CUDA (``DELTASERVE_TEST_GPU=1``): the dense dequantiser over a repacked pool equals ``dequantize``
+  bit for bit; csrc/sbmm.cu over a repacked pool equals the reference for every config, float16 (half2
+  and fp32 dequantisation) and bfloat16, bit for bit the op over the plain layout, split K, fused
+  slices, and in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ def test_fits_and_bad_shapes() -> None:
 def test_layout_is_picked_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
     p = random_packed(128, 256, 4, True, 64, seed=3)
     monkeypatch.delenv("DELTASERVE_SBMM_LAYOUT", raising=False)
-    assert make_delta_weights([p]).layout == "plain", "auto: the format's layout (layout.py says why)"
+    on_cuda_op = DEVICE.type == "cuda" and sbmm_mod.cuda_ext.library("sbmm") is not None
+    want = "repacked" if on_cuda_op else "plain"
+    assert make_delta_weights([p]).layout == want, "auto: repacked where the CUDA op reads it (layout.py)"
     monkeypatch.setenv("DELTASERVE_SBMM_LAYOUT", "plain")
     assert make_delta_weights([p]).layout == "plain"
     monkeypatch.setenv("DELTASERVE_SBMM_LAYOUT", "repacked")
@@ -174,6 +177,22 @@ def pools(bits: int, sparse: bool, out_f: int, in_f: int, group: int, integral: 
     frag = make_delta_weights(ps, layout="repacked")
     assert not plain.repacked and frag.repacked
     return plain, frag
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_cuda_dequant_over_repacked_equals_dequantize(config, group: int, dtype: torch.dtype) -> None:
+    """Every config: csrc/sbmm_dequant.cuh over the repacked words (every element written, NaN-filled ``out``)
+    = ``dequantize`` of the format's tensors bit for bit, and the Triton path (which unpacks the slot)."""
+    cuda_or_skip()
+    bits, sparse = config
+    plain, frag = pools(bits, sparse, 256, 512, group, integral=False)
+    for s in range(4):
+        want = dequantize(plain.packed(s), dtype)
+        got = torch.full_like(want, float("nan"))
+        assert dequantize_slot(frag, s, dtype, out=got) is got and torch.equal(got, want), s
+        assert torch.equal(dequantize_slot(frag, s, dtype, use_triton=True), want), s
 
 
 @pytest.mark.parametrize("zeros", ["fractional", "integral"])

@@ -99,7 +99,9 @@ def build(name: str) -> Path:
     if compiler is None:
         raise FileNotFoundError("cuda op: nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
     arch = _arch()
-    digest = hashlib.sha256(src.read_bytes() + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    # The source and every header beside it (``*.cuh``: the ops include theirs), so a header's change rebuilds.
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.cuh")))
+    digest = hashlib.sha256(src.read_bytes() + headers + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{digest}-{arch}.so"
     if target.is_file():
         return target

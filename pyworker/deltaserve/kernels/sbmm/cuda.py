@@ -10,8 +10,8 @@ adds the partials (in split order: deterministic). It reads its per-slot half2 f
 (``DeltaMeta.tile_count``) on the device, so one captured launch serves any later step as an eager
 launch of that step would. It reads either slot layout (``DeltaWeights.layout``: the repacked one, one
 contiguous run per block and stage, fields a lane turns into A registers with a shift and a LOP3, is what
-pools that fit get with ``DELTASERVE_SBMM_LAYOUT=repacked``; the format's is the default: layout.py says why). Its
-third entry point, ``deltaserve_dequant``, is ``dequant.py``'s (over a repacked pool: the slot unpacked).
+pools that fit get on CUDA by default; layout.py says why). Its third entry point, ``deltaserve_dequant``,
+is ``dequant.py``'s, over either layout too (csrc/sbmm_dequant.cuh).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
 ``_dequant_kernel`` writes it out): ``(code - zero) * scale`` in float32 where kept, else 0, as
 ``formats.packed_delta.dequantize`` computes it. ``dequantize_slot`` writes one slot's whole delta
 ``[out, in]`` in the activation dtype: csrc/sbmm.cu's ``deltaserve_dequant`` where it is built
-(float16 / bfloat16 on CUDA; bound here, next to the Triton kernel it replaces), else
-``_dequant_kernel``.
+(float16 / bfloat16 on CUDA, either slot layout: csrc/sbmm_dequant.cuh; bound here, next to the Triton
+kernel it replaces), else ``_dequant_kernel`` (over a repacked pool, on the slot unpacked first).
 
 **Dense segments** (``DeltaMeta.dense``, prefill only: ``segments(dense_min_m=)``; the worker sets it
 on CUDA, ``dense_min_m``). A segment of at least that many tokens of one delta is in no work tile:
@@ -181,7 +181,7 @@ def tile_constexprs(w: DeltaWeights, block_k: int) -> dict[str, int | bool]:
 
 _DEQUANT = read_launch_configs(__file__)["dequant"]
 """Launch config of ``_dequant_kernel`` (BLOCK_K a power of two >= 32 and >= G), from configs/launch.json."""
-_CUDA_DEQUANT_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+_CUDA_DEQUANT_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
 """``deltaserve_dequant``'s C signature (csrc/sbmm.cu)."""
 
 
@@ -202,7 +202,20 @@ def dequantize_slot(
     elif tuple(out.shape) != shape or out.dtype != dtype or out.device != w.device or not out.is_contiguous():
         raise ValueError(f"sbmm: dequantize_slot out {list(out.shape)} {out.dtype} on {out.device}: want a contiguous "
                          f"{list(shape)} {dtype} on {w.device}")  # fmt: skip
-    # The format's tensors of the slot: the pool's buffers, or the slot unpacked from the repacked layout.
+    cuda = use_triton is None and out.is_cuda and dtype in cuda_ext.DTYPE_CODES
+    lib = cuda_ext.library("sbmm") if cuda else None
+    if lib is not None:  # either layout: csrc/sbmm_dequant.cuh reads the repacked words as they are
+        fn = lib.deltaserve_dequant
+        if fn.argtypes is None:
+            fn.argtypes, fn.restype = _CUDA_DEQUANT_ARGS, ctypes.c_int
+        code = fn(out.data_ptr(), w.qvalues.data_ptr(), w.qindices.data_ptr() if w.sparse else None,
+                  w.scales.data_ptr(), w.zeros.data_ptr(), w.qvalues_offsets.data_ptr(),
+                  w.qindices_offsets.data_ptr(), w.group_offsets.data_ptr(), slot, w.out_features, w.in_features,
+                  w.group_size, w.bits, int(w.sparse), cuda_ext.DTYPE_CODES[dtype], int(w.repacked),
+                  torch.cuda.current_stream(out.device).cuda_stream)  # fmt: skip
+        cuda_ext.check(lib, code, "dequantize_slot")
+        return out
+    # The Triton kernel reads the format's layout: the pool's buffers, or the slot unpacked from the repacked one.
     qv_buf, qi_buf, qi_row = w.qvalues, *qindices_arg(w)
     sc_buf, zr_buf, offs, at = w.scales, w.zeros, (w.qvalues_offsets, w.qindices_offsets, w.group_offsets), slot
     if w.repacked:
@@ -211,18 +224,6 @@ def dequantize_slot(
         qi_buf = p.qindices.reshape(-1) if p.qindices is not None else qv_buf
         zero = torch.zeros(1, dtype=torch.int64, device=w.device)
         offs, at = (zero, zero, zero), 0
-    cuda = use_triton is None and out.is_cuda and dtype in cuda_ext.DTYPE_CODES
-    lib = cuda_ext.library("sbmm") if cuda else None
-    if lib is not None:
-        fn = lib.deltaserve_dequant
-        if fn.argtypes is None:
-            fn.argtypes, fn.restype = _CUDA_DEQUANT_ARGS, ctypes.c_int
-        code = fn(out.data_ptr(), qv_buf.data_ptr(), qi_buf.data_ptr() if w.sparse else None,
-                  sc_buf.data_ptr(), zr_buf.data_ptr(), *(o.data_ptr() for o in offs),
-                  at, w.out_features, w.in_features, w.group_size, w.bits, int(w.sparse),
-                  cuda_ext.DTYPE_CODES[dtype], torch.cuda.current_stream(out.device).cuda_stream)  # fmt: skip
-        cuda_ext.check(lib, code, "dequantize_slot")
-        return out
     cfg = _DEQUANT
     block_n, block_k = cfg["BLOCK_N"], max(cfg["BLOCK_K"], w.group_size)
     qv, _, g = w.slot_shapes()

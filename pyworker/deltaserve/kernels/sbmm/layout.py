@@ -19,16 +19,17 @@ them); a model whose deltas mix configs holds one pool per config.
 **Layout of a slot's words** (``DeltaWeights.layout``): ``"plain"``, the format's row-major blocks above,
 or ``"repacked"``, the same words permuted at ``store`` into the order csrc/sbmm.cu's lanes consume them
 (``repack.py``, which owns the permutation; same sizes, same offsets). ``packed(slot)`` gives the
-format's tensors back either way (``repack.unpack``), which is what the reference, the Triton kernels
-and the dense dequantiser read. The layout is picked at construction: ``layout="auto"`` (the default)
-reads ``DELTASERVE_SBMM_LAYOUT`` (``plain`` | ``repacked`` | ``auto``, default ``auto``); ``repacked``
-repacks any pool whose shape fits (``repack.fits``; CPU too: the tests) and keeps the others plain;
-``plain`` and ``auto`` keep the format's layout. Auto stays plain while the dense dequantiser (long
-prefill segments, ``dequant.py``) reads the format's layout only: over a repacked pool it unpacks
-each linear first, and on an H100 a one-delta prefill step of ~400 tokens took 0.21-0.22 s against
-0.06 s plain (two DeltaZip recordings, bench/README), more than the repack saves a decode step
-(27.4 against 39.9 ms for 8 deltas at batch 64). Slot ids are shared by all linears
-of a model; ``-1`` means "no delta" (base-only tokens, LoRA tokens).
+format's tensors back either way (``repack.unpack``), which is what the reference and the Triton kernels
+read (csrc/sbmm.cu's SBMM and dense dequantiser read the repacked words as they
+are). The layout is picked at construction: ``layout="auto"`` (the default) reads ``DELTASERVE_SBMM_LAYOUT``
+(``plain`` | ``repacked`` | ``auto``, default ``auto``); ``repacked`` repacks any pool whose shape fits
+(``repack.fits``; CPU too: the tests) and keeps the others plain; ``plain`` keeps the format's layout;
+``auto`` repacks a pool that fits where the CUDA op serves it (a CUDA pool, csrc/sbmm.cu built), since its
+decode SBMM reads the repacked words at up to 0.84 of the copy bandwidth against 0.49 plain (H100,
+bench/README), and keeps the format's layout elsewhere (the CPU reference and the Triton kernels would
+unpack a repacked slot at every call). Until the dense dequantiser read the repacked words (it unpacked each
+linear first), auto stayed plain: a one-delta prefill step of ~400 tokens took 0.21 s against 0.06 s.
+Slot ids are shared by all linears of a model; ``-1`` means "no delta" (base-only tokens, LoRA tokens).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...formats.packed_delta import PackedLinear, check_layout, dequantize
+from .. import cuda_ext
 from . import repack as fragments
 
 LAYOUT_ENV = "DELTASERVE_SBMM_LAYOUT"
@@ -150,8 +152,9 @@ class DeltaWeights:
             want = os.environ.get(LAYOUT_ENV, "auto").strip().lower() or "auto"
             if want not in (*LAYOUTS, "auto"):
                 raise ValueError(f"sbmm: {LAYOUT_ENV}={want!r}: want plain, repacked or auto")
-            if want == "auto":  # plain while the dense dequantiser unpacks a repacked slot (module docstring)
-                return "plain"
+            if want == "auto":  # repacked where csrc/sbmm.cu reads it (module docstring)
+                on_cuda_op = self.qvalues.is_cuda and cuda_ext.library("sbmm") is not None
+                return "repacked" if on_cuda_op and self._repack_problem() is None else "plain"
         if want not in LAYOUTS:
             raise ValueError(f"sbmm: pool layout {want!r}: want one of {LAYOUTS} or auto")
         if want == "repacked":
