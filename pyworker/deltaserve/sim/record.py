@@ -26,7 +26,7 @@ period ``sent[N] - max(recv[N], sent[N - 1])``), ``host_samples`` into host-laun
 ``router_gap_s`` measures a plan's trip from the router's scheduling to the worker,
 ``span_copy_bandwidths`` the variant copies to the GPU from the device spans. ``transfer_bandwidths`` measures
 the variant tiers the way the simulator prices them: a ``to_host`` read from its plan's arrival to
-the output that reports it in ``host_ready``; a ``to_gpu`` copy as its step's worker time outside
+its end (a launch's wait for it, or between the outputs around its ``host_ready``); a ``to_gpu`` copy as its step's worker time outside
 the forward pass beyond that of steps without copies.
 """
 
@@ -303,6 +303,33 @@ def copy_time_s(step: Mapping[str, Any], beyond_s: float) -> float:
     return beyond_s - step.get("host_wait_s", 0.0)
 
 
+READ_END_SLACK = 0.25
+"""A read whose end a recording knows only to within more than this fraction of its duration (half
+the gap between two outputs: :func:`read_end_s`) is left out of the disk bandwidth when a kind has
+reads known better."""
+
+
+def read_end_s(step: dict[str, Any], variant: int, last_sent: float | None) -> tuple[float, float]:
+    """When variant ``variant``'s host read ended, and within how many seconds, from the step whose
+    output reports it in ``host_ready`` (``last_sent``: the output before it). A step whose launch
+    blocked on the read (it copies the variant: the router sends the read, the copy and the prefill
+    in one plan) ended its wait then: the launch's start plus its ``host_wait_s`` (the wait comes
+    first in a launch), exact. Such a step's output leaves after the copy and the prefill too: on an
+    H200 DeltaZip recording those reads measured 0.95-1.19 s to the output and 0.68-0.90 s to the
+    wait's end, so pricing reads to the output made every cold request pay its copy and prefill
+    twice in the simulator. A read that ended while other steps ran (or the worker idled) is
+    reported by the first output after it: the midpoint of that output and the one before, within
+    half their gap."""
+    launch = step.get("launch")
+    copies = any(v == variant and op == TO_GPU for v, op, _kind in step["ops"])
+    if copies and launch and step.get("host_wait_s", 0.0) > 0:
+        return float(launch[0]) + float(step["host_wait_s"]), 0.0
+    sent = float(step["sent"])
+    if last_sent is None:
+        return sent, 0.0
+    return (last_sent + sent) / 2, (sent - last_sent) / 2
+
+
 def transfer_bandwidths(
     steps: list[dict[str, Any]], variants: Mapping[int, tuple[str, int]]
 ) -> dict[str, dict[str, float]]:
@@ -312,16 +339,20 @@ def transfer_bandwidths(
     first read, a copy in a step that also compiled a kernel) is one sample, not a weight on the
     rest. ``variants`` maps a variant id to ``(kind, host bytes)``.
 
-    A read's time is its ``to_host`` plan's arrival to the output reporting it in ``host_ready``
-    (the worker runs several reads at once, as the simulator does: each is one reader's time).
+    A read's time is its ``to_host`` plan's arrival to its end (:func:`read_end_s`: the end of the
+    wait of a step that blocked on it, else the midpoint between the output reporting it in
+    ``host_ready`` and the one before; reads known to within ``READ_END_SLACK`` of their time when a
+    kind has any) (the worker runs several reads at once, as the simulator does: each is one
+    reader's time).
     A copy's time is its step's worker time outside the forward pass (``busy_us - forward_us``)
     beyond the median of that over the steps without tier ops, shared by bytes among the
     step's copies; steps whose copies waited for a read (:func:`copies_waited`) measure none."""
-    reads: dict[str, list[float]] = {}
+    reads: dict[str, list[tuple[float, bool]]] = {}  # (B/s, end known within READ_END_SLACK)
     copies_bps: dict[str, list[float]] = {}
     started: dict[int, float] = {}
     outside = [_outside_forward_s(s) for s in steps if not s["ops"] and "timing" in s]
     baseline = float(np.median(outside)) if outside else 0.0
+    last_sent: float | None = None
     for s, waited in zip(steps, copies_waited(steps)):
         for v, op, _kind in s["ops"]:
             if op == TO_HOST and v in variants:
@@ -329,14 +360,18 @@ def transfer_bandwidths(
         for v in s.get("host_ready", []):
             if v in started and v in variants:
                 kind, size = variants[v]
-                took = s["sent"] - started.pop(v)
+                end, within = read_end_s(s, v, last_sent)
+                took = end - started.pop(v)
                 if took > 0:
-                    reads.setdefault(kind, []).append(size / took)
+                    reads.setdefault(kind, []).append((size / took, within <= READ_END_SLACK * took))
+        last_sent = s["sent"]
         copies = _copies(s, variants)
         if copies and not waited and "timing" in s:
             _add_copy_rate(copies_bps, s, copies, _outside_forward_s(s) - baseline)
     return {
-        "disk_to_host_bps": {k: float(np.median(v)) for k, v in reads.items()},
+        "disk_to_host_bps": {
+            k: float(np.median([b for b, ok in v if ok] or [b for b, _ in v])) for k, v in reads.items()
+        },
         "host_to_gpu_bps": {k: float(np.median(v)) for k, v in copies_bps.items()},
     }
 
