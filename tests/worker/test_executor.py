@@ -8,6 +8,8 @@ the tests exercise the plans the router sends.
 from __future__ import annotations
 
 import copy
+import inspect
+import weakref
 from pathlib import Path
 
 import pytest
@@ -556,3 +558,30 @@ def test_worker_process_reports_a_bad_config_and_exits(tiny_llama: Path, tmp_pat
     assert isinstance(err, wire.WorkerError) and err.fatal, err
     assert "max_deltas 65: expected 0..64" in err.message, err.message
     assert proc.returncode == 2 and "max_deltas 65" in proc.stderr, proc.stderr
+
+
+def test_the_worker_freezes_its_loaded_heap() -> None:
+    """``serve`` freezes what the load left alive before serving (``freeze_loaded_objects``): later
+    collections skip it, and what is made afterwards is still collected."""
+    import gc
+
+    from deltaserve.worker import loop
+
+    assert "freeze_loaded_objects()" in inspect.getsource(loop.serve)
+    gc.unfreeze()
+    try:
+        loop.freeze_loaded_objects()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000
+        node = _Node()
+        node.me = node  # a cycle made after the freeze: only the collector can free it
+        ref = weakref.ref(node)
+        del node
+        gc.collect()
+        assert ref() is None and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+class _Node:
+    me: object = None

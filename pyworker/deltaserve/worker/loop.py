@@ -47,6 +47,7 @@ and the previous step's output (a step launched behind the one in flight waits f
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -307,6 +308,19 @@ def receive_config(link: Link) -> WorkerConfig | int:
         return EXIT_CONFIG
 
 
+def freeze_loaded_objects() -> None:
+    """Collects once, then moves every object alive after the load (modules, the model, the caches:
+    ~236 k objects with torch, triton and the worker imported) out of the garbage collector's
+    generations (``gc.freeze``), so the collections that a serving worker's per-step objects trigger
+    no longer scan them. A full collection of that heap took 150-205 ms on this project's CPU
+    machine, the size of the stalls an H200 S-LoRA S2 recording shows every 48-60 steps at ~250
+    running requests (0.11-0.18 s in a step's finish or before its output: bench/README, simulator
+    section); frozen, it takes ~0 ms. Objects made later are collected as usual (vLLM's worker
+    freezes its start-up heap the same way)."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(ipc_dir: Path) -> int:
     """The whole worker process: open the link, receive the config, load, Hello, serve. Returns the
     exit code."""
@@ -332,6 +346,7 @@ def serve(ipc_dir: Path) -> int:
             except Exception as send_error:  # noqa: BLE001
                 log.error("could not report the load failure: %s", send_error)
             return EXIT_FATAL
+        freeze_loaded_objects()  # the worker process only (in-process tests keep their collector as it is)
         return WorkerLoop(executor, link, on_iteration=on_iteration).run()
 
     if cfg.profile_path:
