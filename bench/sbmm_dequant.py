@@ -33,16 +33,11 @@ from bench import script_env
 
 script_env.prepare()  # deltaserve importable from pyworker/
 
-from bench.common import device_name, random_packed_linear, write_result  # noqa: E402
+from bench.common import copy_bandwidth, device_name, random_packed_linear, write_result  # noqa: E402
+from bench.sbmm_store import CONFIGS, GROUP, LAYERS, PER_LAYER, SHAPES  # noqa: E402 (one owner of the shapes)
 from deltaserve.formats.packed_delta import dequantize  # noqa: E402
 from deltaserve.kernels.sbmm import DeltaMeta, dequantize_slot, make_delta_weights, sbmm  # noqa: E402
 
-SHAPES = {"qkvo": (4096, 4096), "gate_up": (11008, 4096), "down": (4096, 11008)}
-"""Llama-2-7B linears: name -> (out_features, in_features)."""
-PER_LAYER = {"qkvo": 4, "gate_up": 2, "down": 1}
-LAYERS = 32
-CONFIGS = {"4b-2:4": (4, True), "2b-2:4": (2, True), "4b": (4, False), "2b": (2, False)}
-GROUP = 64
 LAYOUTS = ("plain", "repacked")
 
 
@@ -66,16 +61,6 @@ def timed_ms(fn, dev: torch.device, runs: int) -> float:
     return statistics.median(times)
 
 
-def copy_gbps(dev: torch.device, runs: int) -> float | None:
-    """Device-to-device copy bandwidth (bytes read + written per second, GB/s) of a 1 GiB buffer."""
-    if dev.type != "cuda":
-        return None
-    src = torch.empty(2**30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    ms = timed_ms(lambda: dst.copy_(src), dev, runs)
-    return 2 * 2**30 / (ms * 1e-3) / 1e9
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="4b-2:4,2b-2:4", help=f"comma-separated, of {', '.join(CONFIGS)}")
@@ -91,7 +76,7 @@ def main() -> None:
     shapes = {k: (256, 512) for k in SHAPES} if args.smoke else SHAPES
     runs = 2 if args.smoke else args.runs
     tokens = 8 if args.smoke else args.tokens
-    copy = copy_gbps(dev, runs)
+    copy = copy_bandwidth(dev) / 1e9 if dev.type == "cuda" else None  # GB/s, read + write
     rows = []
     for cname in args.configs.split(","):
         bits, sparse = CONFIGS[cname]
