@@ -14,7 +14,8 @@ and CUDA-event device spans):
                  device time per step from the device spans (steps launched behind a running
                  one, whose spans hold no launch gaps), the worker's host launch time per step
                  (``LatencyModel.fit_host``), the graph rule (which steps replayed a graph), the
-                 plans' trip from the router (``router_gap_s``), and from the profile's own
+                 plans' trip from the router (``router_gap_s``), the worker's stalls
+                 (``worker_stall_s_per_seq``), and from the profile's own
                  client records on the same clock (``bench/sim_timeline.py``) the delivery of a
                  token to its client (median) and the ingress of a request (5th percentile of
                  its wait for a plan, less the plan's trip); on the CPU (no device spans) the
@@ -99,6 +100,7 @@ from deltaserve.sim.record import (
     span_copy_bandwidths,
     steps_to_samples,
     transfer_bandwidths,
+    worker_stall_s_per_seq,
 )
 from deltaserve.sim.trace import from_requests
 
@@ -343,6 +345,7 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
     # The daemon's pipeline around the device, measured on the profile (validation data unseen).
     model.graph_max_batch, model.graph_max_tokens = graph_rule(profiled)
     model.router_gap_s = router_gap_s(profiled) or 0.0
+    model.stall_s_per_seq = worker_stall_s_per_seq(profiled)
     prof_splits = [measured_split(recs, start, steps, variant_id) for *_, recs, start in profiles]
     prof_rows = np.array([r[2:] for sp in prof_splits for r in sp["per_request"]]).reshape(-1, 3)
     if len(prof_rows):

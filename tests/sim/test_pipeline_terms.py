@@ -147,3 +147,31 @@ def test_time_to_first_token_splits_into_wait_steps_and_delivery():
     sim_split = simulated_split(np.array([0.0, 1.0]), np.array([0.001, 1.004]), np.array([0.02, 1.03]), 0.0005,
                                 0.002)  # fmt: skip
     assert sim_split["mean_s"]["wait"] == pytest.approx(0.003) and sim_split["mean_s"]["deliver"] == 0.002
+
+
+def test_worker_stalls_are_outputs_later_than_their_span_and_the_next_launch():
+    """``worker_stall_s_per_seq``: an output of a step launched behind another that comes more than
+    ``STALL_MIN_S`` after both its device span and the next launch is a stall, priced per request of
+    those steps; the model folds it into both kinds' ``seqs`` coefficient for the simulator."""
+    from deltaserve.sim.latency import FEATURES
+    from deltaserve.sim.record import worker_stall_s_per_seq
+
+    steps = recording()
+    assert worker_stall_s_per_seq(steps) == 0.0, "periods of 6-14 ms over spans of 6-11 ms"
+    late = [*steps[:3], {**steps[3], "sent": 10.136}]  # output 4 came 106 ms after 3, its span 6 ms
+    # behind steps 2, 3, 4 hold 1 + 2 + 2 requests; the stall is 100 ms
+    assert worker_stall_s_per_seq(late) == pytest.approx(0.100 / 5)
+    waited = [*late, {**steps[3], "step_id": 5, "sent": 10.142, "launch": [10.030, 10.134]}]
+    assert worker_stall_s_per_seq(waited) == 0.0, "output 4 waited for launch 5 (104 ms): the host model's"
+    assert worker_stall_s_per_seq([*late[:3], {**late[3], "behind": False}]) == 0.0, "spans with launch gaps"
+    model = sim.default_model()
+    model.stall_s_per_seq = 0.02
+    decode, prefill, *_ = model.native()
+    seqs = FEATURES.index("seqs")
+    assert decode[seqs] == pytest.approx(model.decode.get("seqs", 0.0) + 0.02)
+    assert prefill[seqs] == pytest.approx(model.prefill.get("seqs", 0.0) + 0.02)
+    assert model.predict({"seqs": 4}) == sim.default_model().predict({"seqs": 4}), "the device model is unchanged"
+    old = {k: v for k, v in model.to_dict().items() if k != "stall_s_per_seq"}
+    assert sim.LatencyModel.from_dict(old).stall_s_per_seq == 0.0
+    with pytest.raises(ValueError, match="stall_s_per_seq"):
+        sim.LatencyModel.from_dict({**model.to_dict(), "stall_s_per_seq": -1.0})

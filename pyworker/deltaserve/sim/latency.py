@@ -16,6 +16,10 @@ simulator's loop times them, ``router/crates/py/src/sim_pipeline.rs``)::
     router_gap_s                a plan's trip from the router's scheduling to the worker
     ingress_s                   a request's arrival (client send) to the engine adding it
     deliver_s                   a step's output leaving the worker to its tokens reaching clients
+    stall_s_per_seq             the worker's stalls outside any launch and device span (host pauses:
+                                on an H200 S-LoRA S2 recording 0.1-0.2 s every 48-60 steps at ~250
+                                requests), as expected seconds per request of a step: priced as
+                                device time (``native`` adds it to both kinds' ``seqs`` coefficient)
 
 Features of one step (``const`` is always 1)::
 
@@ -121,6 +125,9 @@ class LatencyModel:
     """Seconds from a request's send to the engine adding it (HTTP, tokenizer, command queue)."""
     deliver_s: float = 0.0
     """Seconds from a step's output leaving the worker to its tokens reaching the clients."""
+    stall_s_per_seq: float = 0.0
+    """Expected seconds of worker stall per request of a step (``sim.record.worker_stall_s_per_seq``:
+    outputs later than both their device span and the next launch); 0: none measured."""
     device: str = ""
     """The GPU the samples were measured on."""
     source: str = ""
@@ -239,10 +246,11 @@ class LatencyModel:
                 "dense_min_m": self.dense_min_m}  # fmt: skip
 
     def native(self) -> tuple[list[float], list[float], tuple[float, float], tuple[float, float]]:
-        """The form ``_native.simulate`` takes."""
+        """The form ``_native.simulate`` takes: the coefficients with ``stall_s_per_seq`` on ``seqs``."""
+        stall = {"seqs": self.stall_s_per_seq}
         return (
-            [self.decode.get(f, 0.0) for f in FEATURES],
-            [self.prefill.get(f, 0.0) for f in FEATURES],
+            [self.decode.get(f, 0.0) + stall.get(f, 0.0) for f in FEATURES],
+            [self.prefill.get(f, 0.0) + stall.get(f, 0.0) for f in FEATURES],
             (self.disk_to_host_bps["lora"], self.disk_to_host_bps["delta"]),
             (self.host_to_gpu_bps["lora"], self.host_to_gpu_bps["delta"]),
         )
@@ -271,7 +279,8 @@ class LatencyModel:
             bad = set(getattr(model, kind)) - set(FEATURES)
             if bad:
                 raise ValueError(f"{kind}: unknown features {sorted(bad)}; known: {', '.join(FEATURES)}")
-        for name in ("router_gap_s", "ingress_s", "deliver_s", "graph_max_batch", "graph_max_tokens"):
+        terms = ("router_gap_s", "ingress_s", "deliver_s", "stall_s_per_seq", "graph_max_batch", "graph_max_tokens")
+        for name in terms:
             x = getattr(model, name)
             if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:
                 raise ValueError(f"{name}: want a number >= 0, got {x!r}")

@@ -424,6 +424,37 @@ def _outside_forward_s(step: Mapping[str, Any]) -> float:
     return (t.get("busy_us") or t["total_us"]) / 1e6 - t["forward_us"] / 1e6
 
 
+STALL_MIN_S = 0.05
+"""An output later than its step's device span and the next step's launch by more than this is a
+stall (:func:`worker_stall_s_per_seq`); shorter gaps are the pipeline's own (encode, send)."""
+
+
+def worker_stall_s_per_seq(steps: list[dict[str, Any]]) -> float:
+    """Expected seconds the worker stalls per request of a step (``LatencyModel.stall_s_per_seq``),
+    from the steps launched behind a running one that have a device span: there an output follows
+    the one before it by the step's span, or by the next step's launch when the loop launched that
+    first (its host time, which the host model prices). What comes later than both by more than
+    ``STALL_MIN_S`` is a stall: a pause of the worker's host outside any launch (on an H200 S-LoRA S2
+    recording, 0.11-0.18 s every 48-60 steps at ~250 running requests, in a step's ``finish`` or
+    before its output). Their total over the requests of those steps; 0 without spans."""
+    stalled = 0.0
+    seqs = 0
+    nxt = {s["step_id"]: s for s in steps}
+    previous: float | None = None
+    for s in steps:
+        period = None if previous is None else s["sent"] - previous
+        previous = s["sent"]
+        if period is None or not s.get("device_s") or not s.get("behind"):
+            continue
+        seqs += len(s["new"]) + len(s["running"])
+        after = nxt.get(s["step_id"] + 1)
+        launch = after["launch"][1] - after["launch"][0] if after and after.get("launch") else 0.0
+        late = period - max(float(s["device_s"]), launch)
+        if late > STALL_MIN_S:
+            stalled += late
+    return stalled / seqs if seqs else 0.0
+
+
 def step_features(
     steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int], dense_min_m: int | None = None
 ) -> list[tuple[dict[str, Any], dict[str, float], float]]:
