@@ -36,6 +36,10 @@ from bench.fake_server import FakeServer
 from bench.serving import runner
 
 JITTER = 0.040
+EARLY = 0.001
+"""How much earlier than the fake server's scheduled latency a time may be measured: the server sleeps
+on its event loop's timer, and a CI run (stop 36's, this 2-core machine) once measured a first token
+16 µs before its scheduled 50 ms. The bounds above a latency stay JITTER."""
 
 # The latency checks above hold on an idle core, not beside other test processes: `make test` runs
 # this module after the parallel ones, alone (see the `serial` marker in pyproject.toml).
@@ -113,7 +117,7 @@ def test_known_latencies(fake, protocol):
         ttft, tpot = LATENCY[r.variant]
         assert r.error is None, r
         assert r.n_out == r.output_len
-        assert ttft <= r.ttft <= ttft + JITTER, r
+        assert ttft - EARLY <= r.ttft <= ttft + JITTER, r
         assert r.tpot == pytest.approx(tpot, abs=JITTER / (r.n_out - 1)), r
         assert r.e2e == pytest.approx(ttft + (r.n_out - 1) * tpot, abs=JITTER)
         assert r.lag < JITTER
@@ -254,14 +258,15 @@ def test_cancelled_replay_keeps_the_records_so_far(stalling, protocol):
     for r in (fast, fast2):  # completed: exact, as in an uninterrupted replay
         ttft, tpot = STALL_LATENCY["fast"]
         assert r.error is None and r.interrupted_at is None and r.n_out == r.output_len == 5, r
-        assert ttft <= r.ttft <= ttft + JITTER, r
+        assert ttft - EARLY <= r.ttft <= ttft + JITTER, r
         assert r.e2e == pytest.approx(ttft + 4 * tpot, abs=JITTER), r
     stopped = stall.interrupted_at
     assert stopped is not None and hang.interrupted_at == stopped
     assert fast2.sent + fast2.e2e < stopped < fast2.sent + fast2.e2e + 1.0
     for r in (stall, hang):  # in flight: interrupted, not completed
         assert r.error == rp.INTERRUPTED and r.e2e is None and r.tpot is None and r.status == 200, r
-    assert STALL_LATENCY["stall"][0] <= stall.ttft <= STALL_LATENCY["stall"][0] + JITTER  # its first token is kept
+    first = STALL_LATENCY["stall"][0]
+    assert first - EARLY <= stall.ttft <= first + JITTER  # its first token is kept
     assert len(stall.chunk_times) == 1 and hang.ttft is None and hang.chunk_times == []
     s = rp.summarize(records)
     assert (s["requests"], s["completed"], s["failed"], s["interrupted"]) == (4, 2, 2, 2)
