@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 
@@ -130,6 +131,23 @@ def test_layout_is_picked_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DELTASERVE_SBMM_LAYOUT", "tiled")
     with pytest.raises(ValueError, match="want plain, repacked or auto"):
         make_delta_weights([p])
+
+
+def test_cuda_alignment_is_judged_per_layout() -> None:
+    """``cuda_alignment_problem``: scales / zeros aligned to 2 elements suit the CUDA op over the plain
+    layout (4-byte pieces) but not over the repacked one (16-byte pieces, 8-byte dequantiser loads), so
+    ``auto`` keeps such a pool plain and the op refuses it repacked."""
+    w = make_delta_weights([random_packed(128, 256, 4, True, 64, seed=5)], layout="plain")
+    assert w.cuda_alignment_problem(repacked=False) is None and w.cuda_alignment_problem(repacked=True) is None
+
+    def shifted(t: torch.Tensor) -> torch.Tensor:  # the same values, 4 bytes past an aligned allocation
+        return torch.cat([t.new_zeros(2), t])[2:]
+
+    odd = dataclasses.replace(w, scales=shifted(w.scales), zeros=shifted(w.zeros), layout="plain")
+    assert odd.offset_alignment[2] == 2
+    assert odd.cuda_alignment_problem(repacked=False) is None
+    assert "want 4, 4, 8" in (odd.cuda_alignment_problem(repacked=True) or "")
+    assert dataclasses.replace(w, scales=shifted(w.scales), zeros=shifted(w.zeros), layout="auto").layout == "plain"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)

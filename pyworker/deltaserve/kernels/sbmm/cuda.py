@@ -78,11 +78,7 @@ def cuda_shape_problem(x: torch.Tensor, w: DeltaWeights) -> str | None:
             f"in_features {w.in_features} (want a multiple of {_CUDA_KS}) / group size {w.group_size} "
             f"(want one of {_CUDA_GROUPS})"
         )
-    qv_align, qi_align, group_align = w.offset_alignment
-    want_group = 8 if w.repacked else 2  # the repacked layout copies scales in 16-byte pieces
-    if qv_align < 4 or qi_align < 4 or group_align < want_group:
-        return f"slot blocks aligned to {w.offset_alignment} elements (want 4, 4, {want_group})"
-    return None
+    return w.cuda_alignment_problem()
 
 
 def cuda_tile_cap(device: torch.device) -> int | None:

@@ -203,7 +203,8 @@ def dequantize_slot(
         raise ValueError(f"sbmm: dequantize_slot out {list(out.shape)} {out.dtype} on {out.device}: want a contiguous "
                          f"{list(shape)} {dtype} on {w.device}")  # fmt: skip
     cuda = use_triton is None and out.is_cuda and dtype in cuda_ext.DTYPE_CODES
-    lib = cuda_ext.library("sbmm") if cuda else None
+    readable = not w.repacked or w.cuda_alignment_problem() is None  # repacked scales: 8-byte loads
+    lib = cuda_ext.library("sbmm") if cuda and readable else None
     if lib is not None:  # either layout: csrc/sbmm_dequant.cuh reads the repacked words as they are
         fn = lib.deltaserve_dequant
         if fn.argtypes is None:

@@ -24,7 +24,8 @@ read (csrc/sbmm.cu's SBMM and dense dequantiser read the repacked words as they
 are). The layout is picked at construction: ``layout="auto"`` (the default) reads ``DELTASERVE_SBMM_LAYOUT``
 (``plain`` | ``repacked`` | ``auto``, default ``auto``); ``repacked`` repacks any pool whose shape fits
 (``repack.fits``; CPU too: the tests) and keeps the others plain; ``plain`` keeps the format's layout;
-``auto`` repacks a pool that fits where the CUDA op serves it (a CUDA pool, csrc/sbmm.cu built), since its
+``auto`` repacks a pool that fits where the CUDA op serves it (a CUDA pool whose slot blocks are aligned
+as it reads them, ``cuda_alignment_problem``, csrc/sbmm.cu built), since its
 decode SBMM reads the repacked words at up to 0.84 of the copy bandwidth against 0.49 plain (H100,
 bench/README), and keeps the format's layout elsewhere (the CPU reference and the Triton kernels would
 unpack a repacked slot at every call). Until the dense dequantiser read the repacked words (it unpacked each
@@ -153,7 +154,8 @@ class DeltaWeights:
             if want not in (*LAYOUTS, "auto"):
                 raise ValueError(f"sbmm: {LAYOUT_ENV}={want!r}: want plain, repacked or auto")
             if want == "auto":  # repacked where csrc/sbmm.cu reads it (module docstring)
-                on_cuda_op = self.qvalues.is_cuda and cuda_ext.library("sbmm") is not None
+                readable = self.qvalues.is_cuda and self.cuda_alignment_problem(repacked=True) is None
+                on_cuda_op = readable and cuda_ext.library("sbmm") is not None
                 return "repacked" if on_cuda_op and self._repack_problem() is None else "plain"
         if want not in LAYOUTS:
             raise ValueError(f"sbmm: pool layout {want!r}: want one of {LAYOUTS} or auto")
@@ -166,6 +168,18 @@ class DeltaWeights:
 
     def _repack_problem(self) -> str | None:
         return fragments.fits(self.bits, self.sparse, self.group_size, self.out_features, self.in_features)
+
+    def cuda_alignment_problem(self, repacked: bool | None = None) -> str | None:
+        """Why csrc/sbmm.cu cannot read this pool's slot blocks, or None: it copies qvalues and qindices in
+        16-byte pieces, and scales / zeros in 4-byte pieces over the plain layout, 16-byte ones over the
+        repacked one (whose dense dequantiser also loads them as 8-byte words). ``repacked``: judge for
+        that layout (default: the pool's)."""
+        repacked = self.repacked if repacked is None else repacked
+        qv, qi, group = self.offset_alignment
+        want_group = 8 if repacked else 2
+        if qv < 4 or qi < 4 or group < want_group:
+            return f"slot blocks aligned to {self.offset_alignment} elements (want 4, 4, {want_group})"
+        return None
 
     @property
     def repacked(self) -> bool:
