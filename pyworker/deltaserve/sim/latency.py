@@ -44,9 +44,9 @@ fit repeated, so every cost stays non-negative. Then the slow outliers (a step t
 a kernel: 1.4-1.7 s among 0.04-0.28 s prefill steps of an H100 DeltaZip profile, which alone set the
 quadratic attention term) are left out and the fit repeated, once (:func:`_fit_trimmed`: residuals
 beyond 6 robust standard deviations and a twentieth of the median step above the median, at most a
-tenth of the samples, from 10 samples up), their count under ``samples[f"{kind}_outliers"]``. R² is reported per kind. A profile is a JSON
-list of measured steps: ``{"step_s": 0.0123, "tokens": 64, "seqs": 64, ...}``, features absent
-from a sample count 0.
+tenth of the samples, from 10 samples up), their count under ``samples[f"{kind}_outliers"]``. R² is
+reported per kind. A profile is a JSON list of measured steps: ``{"step_s": 0.0123, "tokens": 64,
+"seqs": 64, ...}``, features absent from a sample count 0.
 """
 
 from __future__ import annotations

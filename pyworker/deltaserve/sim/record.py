@@ -24,10 +24,11 @@ device time alone; otherwise the span includes launch-bound gaps.
 features; ``step_s`` the device span where the events recorded it, else the output-to-output
 period ``sent[N] - max(recv[N], sent[N - 1])``), ``host_samples`` into host-launch samples, and
 ``router_gap_s`` measures a plan's trip from the router's scheduling to the worker,
-``span_copy_bandwidths`` the variant copies to the GPU from the device spans. ``transfer_bandwidths`` measures
+``span_copy_bandwidths`` the variant copies to the GPU from the device spans, and
+``worker_stall_s_per_seq`` the worker's pauses outside any launch. ``transfer_bandwidths`` measures
 the variant tiers the way the simulator prices them: a ``to_host`` read from its plan's arrival to
-its end (a launch's wait for it, or between the outputs around its ``host_ready``); a ``to_gpu`` copy as its step's worker time outside
-the forward pass beyond that of steps without copies.
+its end (a launch's wait for it, or between the outputs around its ``host_ready``); a ``to_gpu``
+copy as its step's worker time outside the forward pass beyond that of steps without copies.
 """
 
 from __future__ import annotations
@@ -386,9 +387,9 @@ def span_copy_bandwidths(
 ) -> dict[str, float]:
     """Host -> GPU bandwidth per variant kind from the device spans (where recorded): a step's
     copies take its span beyond ``predict(features)`` (the device model's time for the step without
-    them; features as :func:`step_features`'s), shared by bytes among its copies, per kind the median over the steps that copied it of
-    bytes per second (as :func:`transfer_bandwidths`); steps whose
-    copies waited for a read (:func:`copies_waited`) measure none. Copies queue on the compute
+    them; features as :func:`step_features`'s), shared by bytes among its copies, per kind the
+    median over the steps that copied it of bytes per second (as :func:`transfer_bandwidths`); steps
+    whose copies waited for a read (:func:`copies_waited`) measure none. Copies queue on the compute
     stream (``non_blocking``), so the host times of :func:`transfer_bandwidths` do not see them on
     a GPU."""
     rates: dict[str, list[float]] = {}
@@ -439,7 +440,7 @@ def worker_stall_s_per_seq(steps: list[dict[str, Any]]) -> float:
     before its output). Their total over the requests of those steps; 0 without spans."""
     stalled = 0.0
     seqs = 0
-    nxt = {s["step_id"]: s for s in steps}
+    by_id = {s["step_id"]: s for s in steps}
     previous: float | None = None
     for s in steps:
         period = None if previous is None else s["sent"] - previous
@@ -447,7 +448,7 @@ def worker_stall_s_per_seq(steps: list[dict[str, Any]]) -> float:
         if period is None or not s.get("device_s") or not s.get("behind"):
             continue
         seqs += len(s["new"]) + len(s["running"])
-        after = nxt.get(s["step_id"] + 1)
+        after = by_id.get(s["step_id"] + 1)
         launch = after["launch"][1] - after["launch"][0] if after and after.get("launch") else 0.0
         late = period - max(float(s["device_s"]), launch)
         if late > STALL_MIN_S:
