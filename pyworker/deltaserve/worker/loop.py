@@ -312,8 +312,8 @@ def freeze_loaded_objects() -> None:
     """Collects once, then moves every object alive after the load (modules, the model, the caches:
     ~236 k objects with torch, triton and the worker imported) out of the garbage collector's
     generations (``gc.freeze``), so the collections that a serving worker's per-step objects trigger
-    no longer scan them. A full collection of that heap took 150-205 ms on this project's CPU
-    machine, the size of the stalls an H200 S-LoRA S2 recording shows every 48-60 steps at ~250
+    no longer scan them. A full collection of that heap took 106-113 ms on this project's idle CPU
+    machine (``bench/gc_pause.py``), the size of the stalls an H200 S-LoRA S2 recording shows every 48-60 steps at ~250
     running requests (0.11-0.18 s in a step's finish or before its output: bench/README, simulator
     section); frozen, it takes ~0 ms. Objects made later are collected as usual (vLLM's worker
     freezes its start-up heap the same way)."""
