@@ -329,3 +329,82 @@ def test_store_on_cuda_equals_cpu_repack_with_bounded_temporaries() -> None:
         assert torch.cuda.max_memory_allocated() - base <= repack_mod.TEMP_BUDGET * p.nbytes() + (1 << 20)
         for name, t in want.tensors().items():
             assert torch.equal(w._views(0).tensors()[name].cpu(), t), (bits, sparse, name)
+
+
+# ---- the Triton kernel (kernels/sbmm/repack_triton.py): one launch, the torch path's words ----
+
+
+def slot_of(like: PackedLinear, fill: int) -> tuple[PackedLinear, dict[str, torch.Tensor]]:
+    """Views of ``like``'s shapes in the middle third of buffers three times their size, every word
+    ``fill`` (so each word the kernel leaves unwritten, or writes outside the slot, shows)."""
+    bufs, views = {}, {}
+    for name, t in like.tensors().items():
+        buf = torch.full((3 * t.numel(),), fill, dtype=torch.int32 if t.dtype == torch.int32 else torch.int16,
+                         device=t.device)  # fmt: skip
+        bufs[name] = buf
+        views[name] = buf[t.numel() : 2 * t.numel()].view(t.dtype).view(t.shape)
+    slot = PackedLinear(like.bits, like.sparse, like.group_size, like.out_features, like.in_features,
+                        views["qvalues"], views.get("qindices"), views["scales"], views["zeros"])  # fmt: skip
+    return slot, bufs
+
+
+def assert_only_the_slot_written(bufs: dict[str, torch.Tensor], fill: int) -> None:
+    for name, buf in bufs.items():
+        n = buf.numel() // 3
+        assert bool((buf[:n] == fill).all()) and bool((buf[2 * n :] == fill).all()), f"{name}: wrote outside the slot"
+
+
+@pytest.mark.parametrize("shape", [(128, 512), (256, 768)], ids=["128x512", "256x768"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_triton_repack_equals_torch(config: tuple[int, bool], group: int, shape: tuple[int, int]) -> None:
+    """``repack`` / ``unpack`` through the Triton kernel (interpreted on CPU), into a slot's views of bigger
+    buffers, write the torch path's words, every word of the slot and nothing outside it."""
+    bits, sparse = config
+    p = random_packed(*shape, bits, sparse, group, seed=zlib.crc32(f"{config}{group}{shape}".encode()))
+    want = repack(p, use_triton=False)
+    fill = -0x5A5B  # a 16-bit pattern the codes are unlikely to hold word for word
+    slot, bufs = slot_of(p, fill)
+    assert repack(p, out=slot, use_triton=True) is slot
+    for name, t in want.tensors().items():
+        assert torch.equal(slot.tensors()[name], t), name
+    assert_only_the_slot_written(bufs, fill)
+    back, back_bufs = slot_of(p, fill)
+    unpack(slot, out=back, use_triton=True)
+    for name, t in p.tensors().items():
+        assert torch.equal(back.tensors()[name], t), name
+    assert_only_the_slot_written(back_bufs, fill)
+
+
+def test_repack_dispatch_follows_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``repack`` / ``unpack`` launch the Triton kernel where ``kernels.common`` says Triton runs (CUDA by
+    default; the ``triton`` backend on CPU, interpreted) and run the torch code otherwise; a pool's
+    ``store`` and ``packed`` go through them."""
+    from deltaserve.kernels import common as kernel_common
+    from deltaserve.kernels.sbmm import repack_triton
+
+    calls: list[bool] = []
+    real = repack_triton.convert_triton
+
+    def counted(p: PackedLinear, dst: PackedLinear, to_frag: bool) -> PackedLinear:
+        calls.append(to_frag)
+        return real(p, dst, to_frag)
+
+    monkeypatch.setattr(repack_triton, "convert_triton", counted)
+    p = random_packed(128, 256, 4, True, 64, seed=21)
+    for backend, want in (("auto", DEVICE.type == "cuda"), ("torch", False), ("triton", True)):
+        previous = kernel_common.set_backend(backend)
+        try:
+            calls.clear()
+            w = make_delta_weights([None, p], layout="repacked")
+            got = w.packed(1)
+        finally:
+            kernel_common.set_backend(previous)
+        assert calls == ([True, False] if want else []), backend
+        for name, t in p.tensors().items():
+            assert torch.equal(got.tensors()[name], t), (backend, name)
+    strided = dataclasses.replace(p, qvalues=p.qvalues.t().contiguous().t(), scales=p.scales.t().contiguous().t())
+    assert not strided.qvalues.is_contiguous()
+    want_words = repack(p, use_triton=False)
+    for name, t in repack(strided, use_triton=True).tensors().items():
+        assert torch.equal(t, want_words.tensors()[name]), name

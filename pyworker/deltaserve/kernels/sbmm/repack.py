@@ -24,16 +24,23 @@ G in 32 / 64 / 128); the words are a permutation of the format's, same sizes, so
 worker's arenas are unchanged. ``unpack`` is the exact inverse: ``DeltaWeights.packed`` gives the
 format's tensors back, which is what the reference (``dequantize``), the Triton kernels and the dense
 dequantiser read over a repacked pool (this module is the one owner of the permutation).
+
+Where Triton runs (``kernels.common``: CUDA tensors by default) ``repack`` and ``unpack`` are one launch
+of ``repack_triton.py`` per linear (a ``store`` into a repacked pool was launch-bound); the torch code
+here (the reshapes of ``_codes_view`` by ``_CODE_ORDER``, ``_QI_ORDER``, ``_G_ORDER``) is the CPU path
+and the reference that kernel is tested against word for word.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
 import torch
 
 from ...formats.packed_delta import PackedLinear
+from ..common import want_triton
 
 ROWS = 128
 """Output rows per block of csrc/sbmm.cu (its ``ROWS``)."""
@@ -125,7 +132,9 @@ def _move_codes(src: torch.Tensor, dst: torch.Tensor, bits: int, view: tuple[int
         out |= fields[:, i]
 
 
-def _convert(p: PackedLinear, to_frag: bool, what: str, out: PackedLinear | None) -> PackedLinear:
+def _convert(
+    p: PackedLinear, to_frag: bool, what: str, out: PackedLinear | None, use_triton: bool | None
+) -> PackedLinear:
     why = fits(p.bits, p.sparse, p.group_size, p.out_features, p.in_features)
     if why is not None:
         raise ValueError(f"sbmm {what}: {why}")
@@ -144,6 +153,15 @@ def _convert(p: PackedLinear, to_frag: bool, what: str, out: PackedLinear | None
         d = wanted.get(name)
         if d is None or d.shape != t.shape or d.dtype != t.dtype or d.device != t.device or not d.is_contiguous():
             raise ValueError(f"sbmm {what}: out's {name} must be a contiguous {list(t.shape)} {t.dtype} on {t.device}")
+    if want_triton(f"sbmm {what}", p.qvalues, use_triton):
+        from .repack_triton import convert_triton  # imports this module: the layout's one owner
+
+        if not all(t.is_contiguous() for t in p.tensors().values()):
+            qi = None if p.qindices is None else p.qindices.contiguous()
+            p = dataclasses.replace(
+                p, qvalues=p.qvalues.contiguous(), qindices=qi, scales=p.scales.contiguous(), zeros=p.zeros.contiguous()
+            )
+        return convert_triton(p, dst, to_frag)
     out_f, inf, kept = p.out_features, p.in_features, p.kept
     rows = max(ROWS, TEMP_BUDGET * p.nbytes() // kept // ROWS * ROWS)  # one byte per code of a row range
     for r0 in range(0, out_f, rows):  # row blocks are outermost in both layouts
@@ -158,13 +176,16 @@ def _convert(p: PackedLinear, to_frag: bool, what: str, out: PackedLinear | None
     return dst
 
 
-def repack(p: PackedLinear, out: PackedLinear | None = None) -> PackedLinear:
+def repack(p: PackedLinear, out: PackedLinear | None = None, *, use_triton: bool | None = None) -> PackedLinear:
     """``p`` in the repacked layout (module docstring): same config, shapes and dtypes, words permuted, into
     ``out`` (contiguous tensors of ``p``'s shapes on its device, not overlapping it: a pool slot's views) or
-    new tensors. Raises ``ValueError`` when the shape does not fit it (``fits``)."""
-    return _convert(p, True, "repack", out)
+    new tensors. Raises ``ValueError`` when the shape does not fit it (``fits``). Where Triton runs
+    (``kernels.common``: CUDA tensors by default; ``use_triton`` forces it or this module's torch code for
+    one call) one launch writes it (``repack_triton.py``); the torch code here is its reference."""
+    return _convert(p, True, "repack", out, use_triton)
 
 
-def unpack(p: PackedLinear, out: PackedLinear | None = None) -> PackedLinear:
-    """The inverse of ``repack``: the format's tensors of a repacked ``p``, into ``out`` or new tensors."""
-    return _convert(p, False, "unpack", out)
+def unpack(p: PackedLinear, out: PackedLinear | None = None, *, use_triton: bool | None = None) -> PackedLinear:
+    """The inverse of ``repack``: the format's tensors of a repacked ``p``, into ``out`` or new tensors (one
+    Triton launch or torch, as ``repack`` picks)."""
+    return _convert(p, False, "unpack", out, use_triton)
