@@ -596,7 +596,8 @@ def test_cuda_op_split_k_and_strided_out(split: int | None, monkeypatch: pytest.
     for slots in ([1], [2, -1, 0, 2]):
         meta = DeltaMeta.rows(slots, DEVICE)
         if split is None:
-            assert sbmm_cuda_mod._cuda_split(lib, 2, meta.num_tiles, shape[0], DEVICE) > 1
+            slots = sbmm_cuda_mod.cuda_slots(lib, w, meta.tile_tokens, torch.float16)
+            assert sbmm_cuda_mod._cuda_split(lib, 2, meta.num_tiles, shape[0], slots) > 1
         x = randn(meta.num_tokens, 2 * shape[0], dtype=torch.float16, seed=1)[:, ::2]
         wide = randn(meta.num_tokens, shape[1] + 40, dtype=torch.float16, seed=2)
         want = sbmm_ref(x, wide[:, 8 : 8 + shape[1]].clone(), w, meta)
@@ -650,17 +651,25 @@ def test_cuda_op_in_a_cuda_graph() -> None:
 
 def test_cuda_split_rule() -> None:
     """csrc/sbmm.cu's split rule (the one copy; ``_cuda_split`` asks the library): the fewest splits that
-    give every SM its ``_CUDA_BLOCKS_PER_SM`` blocks, each split keeping at least two stages of 256 columns."""
+    give the device its ``cuda_slots`` blocks, each split keeping at least two stages of 256 columns. The
+    slots are the kernel's blocks per SM (the CUDA runtime's occupancy) x SMs: fewer for 64-token tiles,
+    whose stages hold 8 times the x rows."""
     cuda_op_or_skip()
     lib = sbmm_mod.cuda_ext.library("sbmm")
-    split = functools.partial(sbmm_cuda_mod._cuda_split, lib)
-    slots = sbmm_cuda_mod._CUDA_BLOCKS_PER_SM * sm_count(DEVICE)
-    assert split(1, 1, 4096, DEVICE) == 8  # one block: split while each split keeps >= 2 stages (16 / 8)
-    assert split(1, 1, 512, DEVICE) == 1  # two stages: no split leaves each >= 2
-    assert split(slots, 1, 4096, DEVICE) == 1  # the SMs are full already
-    assert split(slots // 2, 1, 4096, DEVICE) == 2 and split(slots // 2 - 1, 1, 4096, DEVICE) == 4
+    w = pool(4, True, CUDA_SHAPES[0])
+    slots = sbmm_cuda_mod.cuda_slots(lib, w, 1, torch.float16)
+    assert slots % sm_count(DEVICE) == 0 and slots >= 2 * sm_count(DEVICE)
+    assert sbmm_cuda_mod.cuda_slots(lib, w, 64, torch.float16) < slots
+
+    def split(rb: int, tiles: int, k: int) -> int:
+        return sbmm_cuda_mod._cuda_split(lib, rb, tiles, k, slots)
+
+    assert split(1, 1, 4096) == 8  # one block: split while each split keeps >= 2 stages (16 / 8)
+    assert split(1, 1, 512) == 1  # two stages: no split leaves each >= 2
+    assert split(slots, 1, 4096) == 1  # the SMs are full already
+    assert split(slots // 2, 1, 4096) == 2 and split(slots // 2 - 1, 1, 4096) == 4
     for rb, tiles in ((86, 8), (32, 8), (32, 1), (172, 8)):
-        s = split(rb, tiles, 4096, DEVICE)
+        s = split(rb, tiles, 4096)
         assert rb * tiles * s >= slots or s == 8
         assert s == 1 or rb * tiles * (s // 2) < slots
 
@@ -761,7 +770,8 @@ def test_cuda_graph_split_follows_the_step() -> None:
     ):
         slots = slots + [-1] * (rows - len(slots))
         new = DeltaMeta.rows(slots, DEVICE, max_block_m=2)
-        seen.add(sbmm_cuda_mod._cuda_split(lib, 40, new.num_tiles, in_f, DEVICE))
+        slots = sbmm_cuda_mod.cuda_slots(lib, ws[0], 2, torch.float16)
+        seen.add(sbmm_cuda_mod._cuda_split(lib, 40, new.num_tiles, in_f, slots))
         for name in ("order", "tiles", "tile_count"):
             getattr(meta, name).copy_(getattr(new, name))
         x.copy_(randn(rows, in_f, dtype=torch.float16, seed=10 + seed))
@@ -770,6 +780,82 @@ def test_cuda_graph_split_follows_the_step() -> None:
         eager = sbmm_mod.sbmm_stacked_cuda(x, torch.zeros_like(out), slices, dataclasses.replace(new, tile_tokens=2))
         assert torch.equal(out, eager)
     assert seen == {1, 2, 4}, f"the steps should want every split: {seen}"
+
+
+WIDE_RUNS = (64, 40, 23, 9, 1)
+"""Rows of each delta in a wide-tile step: tiles of 8, 5, 3, 2 and 1 fragments of one 64-token kernel."""
+WIDE_SHAPE = (768, 256, 64)
+"""(in, out, group) of the wide-tile tests: three stages, two row blocks, a shape both layouts take."""
+
+
+def wide_rows(seed: int) -> list[int]:
+    """Decode rows of a step whose deltas hold ``WIDE_RUNS`` rows each (slots 0, 1, 2, 3, 5), shuffled, with
+    base-only rows mixed in."""
+    slots = [s for s in range(NUM_SLOTS) if s != EMPTY_SLOT]
+    rows = [slots[i] for i, n in enumerate(WIDE_RUNS) for _ in range(n)] + [-1] * 7
+    return [rows[int(i)] for i in np.random.default_rng(seed).permutation(len(rows))]
+
+
+@pytest.mark.parametrize("layout", ["plain", "repacked"])
+@pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
+def test_cuda_op_wide_tiles_equal_reference(config: tuple[int, bool], layout: str) -> None:
+    """Work tiles of up to 64 tokens (``cuda_tile_cap``): one block computes a tile's 8-token fragments from
+    one dequantisation of its rows, and only the fragments the tile fills (8, 5, 3, 2, 1 here; decode rows and
+    prefill segments of 17..64 tokens); every output equals ``sbmm_ref``, base-only rows stay as they are,
+    float16 (half2 and fp32 dequantisation) and bfloat16, both slot layouts."""
+    cuda_op_or_skip()
+    bits, sparse = config
+    shape = WIDE_SHAPE
+    for integral in (False, True):
+        w = make_delta_weights(deltas(bits, sparse, shape, integral), layout=layout)
+        assert w.layout == layout
+        seed = zlib.crc32(f"wide/{config}/{layout}/{integral}".encode()) % 10_000
+        rows = DeltaMeta.rows(wide_rows(seed), DEVICE, max_block_m=sbmm_mod.cuda_tile_cap(DEVICE))
+        segs = DeltaMeta.segments([33, 3, 64, 17, 2], [0, -1, 1, 0, 5], DEVICE, max_block_m=64)
+        assert sorted(e - s for s, e, _ in rows.tiles.tolist()[: rows.num_tiles]) == sorted(WIDE_RUNS)
+        assert rows.tile_tokens == 64 and segs.tile_tokens == 64
+        for meta in (rows, segs):
+            for dtype in (torch.float16, torch.bfloat16):
+                x = randn(meta.num_tokens, shape[0], dtype=dtype, seed=seed + 1)
+                base = randn(meta.num_tokens, shape[1], dtype=dtype, seed=seed + 2)
+                assert sbmm_mod.cuda_supports(x, w, meta) is None
+                got = sbmm_mod.sbmm_cuda(x, base.clone(), w, meta)
+                close(got, sbmm_ref(x, base.clone(), w, meta))
+                ids = torch.tensor(token_deltas(meta), device=DEVICE)
+                assert torch.equal(got[ids < 0], base[ids < 0]), "tokens without a delta must keep out unchanged"
+
+
+def test_cuda_wide_tiles_in_a_cuda_graph() -> None:
+    """A decode step captured with 64-token tiles (``GRAPH_TILE``: the widest, fixed at capture), replayed for
+    steps of one delta on every row, 5 deltas of 8 rows, and the mixed runs of ``WIDE_RUNS``: bit for bit
+    an eager launch of the same step (same tiles, same split), and the reference."""
+    cuda_op_or_skip()
+    from deltaserve.adapters.delta_pool import GRAPH_TILE
+
+    shape = WIDE_SHAPE
+    rows = len(wide_rows(0))
+    w = make_delta_weights(deltas(4, True, shape, True), layout="repacked")
+    x = randn(rows, shape[0], dtype=torch.float16, seed=1)
+    out = torch.zeros(rows, shape[1], dtype=torch.float16, device=DEVICE)
+    meta = dataclasses.replace(DeltaMeta.rows([-1] * rows, DEVICE, max_block_m=GRAPH_TILE), tile_tokens=GRAPH_TILE)
+    sbmm_mod.sbmm_cuda(x, out, w, meta)  # eager warm-up (the split counters, the kernel's attributes)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sbmm_mod.sbmm_cuda(x, out, w, meta)
+    one = [2] * rows
+    eight = [[0, 1, 2, 3, 5][i % 5] for i in range(40)] + [-1] * (rows - 40)
+    for seed, slots in enumerate((one, eight, wide_rows(3))):
+        new = DeltaMeta.rows(slots, DEVICE, max_block_m=GRAPH_TILE)
+        assert new.grid_tiles == meta.grid_tiles
+        for name in ("order", "tiles", "tile_count"):
+            getattr(meta, name).copy_(getattr(new, name))
+        x.copy_(randn(rows, shape[0], dtype=torch.float16, seed=10 + seed))
+        out.zero_()
+        graph.replay()
+        eager = sbmm_mod.sbmm_cuda(x, torch.zeros_like(out), w, dataclasses.replace(new, tile_tokens=GRAPH_TILE))
+        assert torch.equal(out, eager)
+        close(out, sbmm_ref(x, torch.zeros_like(out), w, new))
 
 
 def test_cuda_op_refuses_what_it_cannot_run() -> None:
@@ -783,10 +869,10 @@ def test_cuda_op_refuses_what_it_cannot_run() -> None:
         sbmm_mod.sbmm_cuda(x, randn(2, 80, dtype=torch.float16, seed=2), w, meta)
     w = pool(4, True, CUDA_SHAPES[0])
     x32 = randn(2, CUDA_SHAPES[0][0], dtype=torch.float32, seed=1)
-    long_runs = DeltaMeta.rows([0] * 17, DEVICE)
+    long_runs = dataclasses.replace(DeltaMeta.rows([0] * 17, DEVICE), block_m=72)  # past the widest tile
     if DEVICE.type == "cuda":
         assert "float32" in sbmm_mod.cuda_supports(x32, w, meta)
-        assert "work tiles of 64 tokens" in sbmm_mod.cuda_supports(x32.half().repeat(9, 1)[:17], w, long_runs)
+        assert "work tiles of 72 tokens" in sbmm_mod.cuda_supports(x32.half().repeat(9, 1)[:17], w, long_runs)
         assert "group size 96" in sbmm_mod.cuda_supports(x32.half(), pool(4, True, (384, 24, 96)), meta)
 
 
@@ -819,7 +905,7 @@ def test_cuda_tile_cap() -> None:
         want = sbmm_ref(x, base.clone(), w, meta)
         close(sbmm_triton(x, base.clone(), w, meta), want)
         if DEVICE.type == "cuda" and sbmm_mod.cuda_ext.library("sbmm") is not None:
-            assert sbmm_mod.cuda_tile_cap(DEVICE) == 16
+            assert sbmm_mod.cuda_tile_cap(DEVICE) == 64
             close(sbmm_mod.sbmm_cuda(x, base.clone(), w, meta), want)
         elif DEVICE.type == "cpu":
             assert sbmm_mod.cuda_tile_cap(DEVICE) is None

@@ -28,7 +28,7 @@ GPU storage, per slot s (N slots):
 CUDA graphs (``DecodeGraphs``): ``graph_state(b, keys)`` points the step at static buffers (token
 index, per-config work tiles, the lm_head's tiles) sized for ``b`` rows while a decode bucket is
 captured; ``fill_graph_rows`` writes a decode step's rows into them before a replay. Graph work tiles
-hold at most ``GRAPH_TILE`` tokens (the CUDA op's one 8-token fragment, fixed at capture).
+hold at most ``GRAPH_TILE`` tokens (the CUDA op's widest tile, fixed at capture).
 
 Only deltas made for this base are accepted (``check_lineage`` against the base directory), in
 mode ``delta`` (a ``--full-weights`` directory is the compressed fine-tune itself, not a delta),
@@ -84,9 +84,10 @@ from .variants import StepRows, VariantCost, VariantKind
 log = logging.getLogger("deltaserve.worker")
 
 _PACKED_RE = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)$")
-GRAPH_TILE = 8
-"""Most tokens of one delta per SBMM work tile in a captured decode step: one 8-token MMA fragment
-(csrc/sbmm.cu NT = 1), fixed when the graph is captured; more rows of one delta take more tiles."""
+GRAPH_TILE = 64
+"""Most tokens of one delta per SBMM work tile in a captured decode step, fixed when the graph is captured:
+the CUDA op's widest tile (csrc/sbmm.cu ``MAX_NT`` fragments of 8 tokens; a tile computes only the
+fragments its rows fill), so up to 64 rows of one delta dequantise it once per step; more take more tiles."""
 HEAD_TILE = 16
 """Most logits rows of one delta per work tile of the lm_head delta (``kernels.dense_delta``)."""
 

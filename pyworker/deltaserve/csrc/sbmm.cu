@@ -2,12 +2,14 @@
 //
 // The op, its format and its semantics are kernels/sbmm/'s (__init__.py and layout.py); the packed
 // format is formats/packed_delta.py's. This file is a faster implementation of the same op for work
-// tiles of at most 16 tokens (decode, short prefill runs), used on CUDA where it builds
+// tiles of at most 64 tokens (decode, short prefill runs), used on CUDA where it builds
 // (kernels/cuda_ext.py) and the call fits it (``sbmm.cuda_supports``); ``sbmm_ref`` is the reference
 // it is tested against.
 //
 // Work split: block (row block, work tile, K split) computes ROWS = 128 output rows of one tile's
-// tokens (8 * NT, NT = 1 or 2 fragments of 8) over its share of K, in stages of KS = 256 columns. A call
+// tokens (up to 8 * NT: NT = 1, 2 or MAX_NT = 8 fragments of 8, the instantiation the call's fullest tile
+// needs; a block computes only the nf fragments its own tile fills, from one dequantisation of its rows, so
+// up to 64 rows of one delta read it once) over its share of K, in stages of KS = 256 columns. A call
 // may hold up to three linears of one fused module (``Slice``: q, k, v or gate, up, each its own pool and
 // columns of out): their row blocks follow each other along the grid's x, one launch for the module.
 //
@@ -15,7 +17,8 @@
 //       raw words   [ROWS][qvalues bytes + 16]   (4-bit 2:4: 64 + 16 bytes per row; +16: no bank conflicts)
 //                   [ROWS][qindices bytes + 16]  (2:4 only: 32 + 16)
 //       scales      [ROWS][16 bytes], zeros [ROWS][16 bytes]   (KS / G per row: G = 32, 64 or 128)
-//       x           [8 * NT tokens][KS + 8]      (the tile's rows through ``order``; past its end zeros)
+//       x           [8 * NT tokens][KS + 8]      (the tile's rows through ``order``; past its end zeros, past
+//                                                  its nf fragments not copied)
 //     warp = 32 rows = two MMA row tiles of 16; per k-step (2:4: 32 columns, dense: 16), per row tile:
 //       A (the delta, 16 rows) is built in registers, straight in the MMA's fragment layout: lane
 //         (g = lane / 4, t = lane % 4) holds rows g and g + 8, 2:4 chunks t and t + 4 (dense: columns
@@ -26,7 +29,8 @@
 //       2:4: the qindices word of the k-step is the MMA's sparsity metadata as it is (2 bits a kept
 //         value, chunk c at nibble c): lane t = 0 passes the low halves of rows g and g + 8, lane 1
 //         the high halves; ``mma.sp::ordered_metadata.m16n8k32`` then skips the pruned columns in
-//         hardware. Dense: ``mma.m16n8k16``. B (x) fragments come from shared memory; fp32 accumulators.
+//         hardware. Dense: ``mma.m16n8k16``. B (x) fragments come from shared memory (one ldmatrix each),
+//         one fragment at a time through both row tiles' A; fp32 accumulators.
 //     The half2 or the fp32 dequantisation is picked per block from the slot's flag (``Slice::half2``).
 //     end: out[order[p], row] = dtype(out + acc)  (one split: the op's one rounding), or
 //          ws[split, p, row] = acc; the split of the (tile, row block) that arrives last (an atomic
@@ -98,8 +102,8 @@ template <typename T> struct Call {
 };
 
 // K splits of a launch with ``row_blocks`` x ``tiles`` blocks per split, ``stages`` stages of KS columns: the
-// fewest of 1, 2, 4, .. up to ``cap`` that give ``slots`` blocks (SBMM_MIN_BLOCKS per SM, all of them
-// resident), each split keeping >= 2 stages. The kernel is bound by its dequantising instructions, so an SM
+// fewest of 1, 2, 4, .. up to ``cap`` that give ``slots`` blocks (the kernel's blocks per SM x SMs,
+// ``deltaserve_sbmm_blocks_per_sm``: all of them resident), each split keeping >= 2 stages. The kernel is bound by its dequantising instructions, so an SM
 // wants its full complement of blocks; splitting further only adds partials (measured on an H200: a split
 // by wave quantisation lost 10-25 % against this rule). The host sizes the grid with it
 // (``deltaserve_sbmm_split``); the blocks of a captured launch recompute it from the step's real tile
@@ -139,13 +143,14 @@ __device__ __forceinline__ void sbmm_mainloop(const Call<T>& c, const Slice& sl,
   const uint32_t* q_src = qv + (row0 + tid / QP) * qv_row + (tid % QP) * 4;
   const uint32_t* i_src = qi + (row0 + tid / IP) * qi_row + (tid % IP) * 4;
   const int64_t g_at = (row0 + tid / GP) * g_row + (tid % GP) * 2;
-  const T* x_src[XN];
-  bool x_ok[XN];
+  // The tile's fragments (nf of NT: its tokens rounded up to 8) and the x rows they read; rows of the last
+  // fragment past the tile are zero-filled, rows past the last fragment never copied nor read.
+  const int nf = min(NT, (end - first + 7) / 8);
+  int x_row[XN];  // token of each x piece the thread copies (-1: zero-filled)
 #pragma unroll
   for (int i = 0; i < XN; ++i) {
     const int m = tid / XP + i * (ROWS / XP);
-    x_ok[i] = first + m < end;
-    x_src[i] = c.x + (x_ok[i] ? static_cast<int64_t>(c.order[first + m]) * c.x_stride : 0) + (tid % XP) * 8;
+    x_row[i] = first + m < end ? c.order[first + m] : -1;
   }
   auto issue = [&](int s) {
     if (s < s_hi) {
@@ -177,7 +182,11 @@ __device__ __forceinline__ void sbmm_mainloop(const Call<T>& c, const Slice& sl,
 #pragma unroll
       for (int i = 0; i < XN; ++i) {
         const int m = tid / XP + i * (ROWS / XP);
-        cp_async<16>(buf + L::X_OFF + (m * LDX + (tid % XP) * 8) * 2, x_ok[i] ? x_src[i] + s * KS : c.x, x_ok[i]);
+        if (m < nf * 8) {
+          const bool ok = x_row[i] >= 0;
+          const T* src = ok ? c.x + static_cast<int64_t>(x_row[i]) * c.x_stride + (tid % XP) * 8 + s * KS : c.x;
+          cp_async<16>(buf + L::X_OFF + (m * LDX + (tid % XP) * 8) * 2, src, ok);
+        }
       }
     }
     cp_async_commit();
@@ -209,12 +218,7 @@ __device__ __forceinline__ void sbmm_mainloop(const Call<T>& c, const Slice& sl,
 #pragma unroll
     for (int ks = 0; ks < KS / KSTEP; ++ks) {
       const int kk = ks * KSTEP, gi = kk / G;
-      uint32_t b[NT][BREGS];  // B fragment: k = 2t + 8r (+1), token g of fragment f
-#pragma unroll
-      for (int f = 0; f < NT; ++f)
-#pragma unroll
-        for (int r = 0; r < BREGS; ++r)
-          b[f][r] = *reinterpret_cast<const uint32_t*>(x_s + (f * 8 + g) * LDX + kk + 2 * t + 8 * r);
+      uint32_t a[2][4], e[2] = {0, 0};  // per row tile: A, 2:4 metadata
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
         const int ra = warp * 32 + mt * 16 + g, rb = ra + 8;
@@ -226,16 +230,14 @@ __device__ __forceinline__ void sbmm_mainloop(const Call<T>& c, const Slice& sl,
                reinterpret_cast<const __half*>(buf + L::Z_OFF + ra * L::GS)[gi]);
         sb.set(reinterpret_cast<const __half*>(buf + L::S_OFF + rb * L::GS)[gi],
                reinterpret_cast<const __half*>(buf + L::Z_OFF + rb * L::GS)[gi]);
-        const uint32_t a[4] = {sa(lo_a), sb(lo_b), sa(hi_a), sb(hi_b)};
-        uint32_t e = 0;
+        a[mt][0] = sa(lo_a), a[mt][1] = sb(lo_b), a[mt][2] = sa(hi_a), a[mt][3] = sb(hi_b);
         if constexpr (SPARSE) {
           const uint32_t ia = reinterpret_cast<const uint32_t*>(buf + L::I_OFF + ra * L::IS)[ks];
           const uint32_t ib = reinterpret_cast<const uint32_t*>(buf + L::I_OFF + rb * L::IS)[ks];
-          e = __byte_perm(ia, ib, meta_sel) | meta_fix[mt];
+          e[mt] = __byte_perm(ia, ib, meta_sel) | meta_fix[mt];
         }
-#pragma unroll
-        for (int f = 0; f < NT; ++f) mma<T, SPARSE>(acc[mt][f], a, b[f], e);
       }
+      mma_fragments<T, SPARSE, NT, BREGS>(acc, a, e, x_s + kk, nf, lane);
     }
   }
   cp_async_wait<0>();
@@ -267,13 +269,14 @@ __device__ __forceinline__ void sbmm_mainloop_frag(const Call<T>& c, const Slice
   constexpr int QN = L::QB / 16, IN = L::IB / 16, GP = GH * 2 / 16;  // pieces per thread (qv, qi); scale pieces
   static_assert(GP <= ROWS, "one scale piece per thread at most");
   constexpr int XP = KS / 8, XN = TM * XP / ROWS;
-  const T* x_src[XN];
-  bool x_ok[XN];
+  // The tile's fragments (nf of NT: its tokens rounded up to 8) and the x rows they read; rows of the last
+  // fragment past the tile are zero-filled, rows past the last fragment never copied nor read.
+  const int nf = min(NT, (end - first + 7) / 8);
+  int x_row[XN];  // token of each x piece the thread copies (-1: zero-filled)
 #pragma unroll
   for (int i = 0; i < XN; ++i) {
     const int m = tid / XP + i * (ROWS / XP);
-    x_ok[i] = first + m < end;
-    x_src[i] = c.x + (x_ok[i] ? static_cast<int64_t>(c.order[first + m]) * c.x_stride : 0) + (tid % XP) * 8;
+    x_row[i] = first + m < end ? c.order[first + m] : -1;
   }
   auto issue = [&](int s) {
     if (s < s_hi) {
@@ -293,7 +296,11 @@ __device__ __forceinline__ void sbmm_mainloop_frag(const Call<T>& c, const Slice
 #pragma unroll
       for (int i = 0; i < XN; ++i) {
         const int m = tid / XP + i * (ROWS / XP);
-        cp_async<16>(buf + L::X_OFF + (m * LDX + (tid % XP) * 8) * 2, x_ok[i] ? x_src[i] + s * KS : c.x, x_ok[i]);
+        if (m < nf * 8) {
+          const bool ok = x_row[i] >= 0;
+          const T* src = ok ? c.x + static_cast<int64_t>(x_row[i]) * c.x_stride + (tid % XP) * 8 + s * KS : c.x;
+          cp_async<16>(buf + L::X_OFF + (m * LDX + (tid % XP) * 8) * 2, src, ok);
+        }
       }
     }
     cp_async_commit();
@@ -319,12 +326,7 @@ __device__ __forceinline__ void sbmm_mainloop_frag(const Call<T>& c, const Slice
 #pragma unroll
     for (int ks = 0; ks < STEPS; ++ks) {
       const int kk = ks * KSTEP, gi = kk / G;
-      uint32_t b[NT][BREGS];
-#pragma unroll
-      for (int f = 0; f < NT; ++f)
-#pragma unroll
-        for (int r = 0; r < BREGS; ++r)
-          b[f][r] = *reinterpret_cast<const uint32_t*>(x_s + (f * 8 + g) * LDX + kk + 2 * t + 8 * r);
+      uint32_t a[2][4], e[2] = {0, 0};
       const uint2 sv = sc_s[gi * 8], zv = zr_s[gi * 8];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
@@ -336,14 +338,11 @@ __device__ __forceinline__ void sbmm_mainloop_frag(const Call<T>& c, const Slice
                   __ushort_as_half(static_cast<unsigned short>(zp >> 16)));
         const uint32_t w = BITS == 4 ? q_s[(ks * 2 + mt) * 32] : q_s[((ks / 2) * 2 + mt) * 32];
         const int base = BITS == 4 ? 0 : (ks % 2) * 8;
-        uint32_t a[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) a[j] = rs[j & 1]((w >> (base + j * BITS)) & MASK2);
-        uint32_t e = 0;
-        if constexpr (SPARSE) e = i_s[(ks * 2 + mt) * 16];
-#pragma unroll
-        for (int f = 0; f < NT; ++f) mma<T, SPARSE>(acc[mt][f], a, b[f], e);
+        for (int j = 0; j < 4; ++j) a[mt][j] = rs[j & 1]((w >> (base + j * BITS)) & MASK2);
+        if constexpr (SPARSE) e[mt] = i_s[(ks * 2 + mt) * 16];
       }
+      mma_fragments<T, SPARSE, NT, BREGS>(acc, a, e, x_s + kk, nf, lane);
     }
   }
   cp_async_wait<0>();
@@ -352,8 +351,11 @@ __device__ __forceinline__ void sbmm_mainloop_frag(const Call<T>& c, const Slice
 // Block (row block of some slice, work tile, K split). With one split it adds its products to out (the op's
 // one rounding); with several it writes its float32 partials to the workspace, and the split that arrives
 // last adds all of them, in split order, to out (deterministic; the counter is zero again after it).
+template <int BITS, bool SPARSE, int NT, int G, bool FRAG>
+constexpr int SMEM_BYTES = FRAG ? FragLayout<BITS, SPARSE, NT, G>::BYTES : Layout<BITS, SPARSE, NT>::BYTES;
+
 template <typename T, int BITS, bool SPARSE, int NT, int G, bool FRAG>
-__global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(const __grid_constant__ Call<T> c) {
+__global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, G, FRAG>)) sbmm_kernel(const __grid_constant__ Call<T> c) {
   const int tile = blockIdx.y;
   const int slot = c.tiles[tile * 3 + 2];
   if (slot < 0) return;  // a padding row of the tile table
@@ -452,31 +454,56 @@ __global__ void __launch_bounds__(ROWS, SBMM_MIN_BLOCKS) sbmm_kernel(const __gri
   }
 }
 
-template <typename T, int BITS, bool SPARSE, int NT, int G, bool FRAG>
-cudaError_t launch(const Call<T>& c, int row_blocks, int grid_tiles, int splits, cudaStream_t stream) {
-  constexpr int bytes = FRAG ? FragLayout<BITS, SPARSE, NT, G>::BYTES : Layout<BITS, SPARSE, NT>::BYTES;
-  static bool configured = false;  // once per instantiation: shared memory above the 48 KB default
+// The kernel's shared memory above the 48 KB default, once per instantiation; its bytes per block.
+template <typename T, int BITS, bool SPARSE, int NT, int G, bool FRAG> cudaError_t configure(int* bytes) {
+  constexpr int need = SMEM_BYTES<BITS, SPARSE, NT, G, FRAG>;
+  static bool configured = false;
   if (!configured) {
     const cudaError_t e = cudaFuncSetAttribute(sbmm_kernel<T, BITS, SPARSE, NT, G, FRAG>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, need);
     if (e != cudaSuccess) return e;
     configured = true;
   }
-  const dim3 grid(row_blocks, grid_tiles, splits);
-  sbmm_kernel<T, BITS, SPARSE, NT, G, FRAG><<<grid, ROWS, bytes, stream>>>(c);
-  return cudaGetLastError();
+  *bytes = need;
+  return cudaSuccess;
 }
 
-// The launch for the call's token fragments (nt), group size (G) and pool layout (frag: repacked).
-template <typename T, int BITS, bool SPARSE>
-cudaError_t by_tile(int nt, int G, bool frag, const Call<T>& c, int row_blocks, int grid_tiles, int splits,
-                    cudaStream_t st) {
-#define DS_SBMM_LAUNCH(V, GS)                                                                       \
-  if (nt == V && G == GS && frag) return launch<T, BITS, SPARSE, V, GS, true>(c, row_blocks, grid_tiles, splits, st); \
-  if (nt == V && G == GS) return launch<T, BITS, SPARSE, V, GS, false>(c, row_blocks, grid_tiles, splits, st);
-  DS_SBMM_LAUNCH(1, 32) DS_SBMM_LAUNCH(1, 64) DS_SBMM_LAUNCH(1, 128)
-  DS_SBMM_LAUNCH(2, 32) DS_SBMM_LAUNCH(2, 64) DS_SBMM_LAUNCH(2, 128)
-#undef DS_SBMM_LAUNCH
+struct Launch {
+  template <typename T, int BITS, bool SPARSE, int NT, int G, bool FRAG>
+  static cudaError_t run(const Call<T>& c, int row_blocks, int grid_tiles, int splits, cudaStream_t stream) {
+    int bytes = 0;
+    const cudaError_t e = configure<T, BITS, SPARSE, NT, G, FRAG>(&bytes);
+    if (e != cudaSuccess) return e;
+    const dim3 grid(row_blocks, grid_tiles, splits);
+    sbmm_kernel<T, BITS, SPARSE, NT, G, FRAG><<<grid, ROWS, bytes, stream>>>(c);
+    return cudaGetLastError();
+  }
+};
+
+// Blocks of the kernel one SM holds at once (its registers and shared memory): the split rule's wave per SM.
+struct Occupancy {
+  template <typename T, int BITS, bool SPARSE, int NT, int G, bool FRAG> static cudaError_t run(int* blocks) {
+    int bytes = 0;
+    const cudaError_t e = configure<T, BITS, SPARSE, NT, G, FRAG>(&bytes);
+    if (e != cudaSuccess) return e;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, sbmm_kernel<T, BITS, SPARSE, NT, G, FRAG>, ROWS, bytes);
+  }
+};
+
+// 8-token fragments of the instantiation that takes work tiles of up to ``block_m`` tokens (1, 2 or MAX_NT).
+inline int fragments_for(int block_m) { return block_m <= 8 ? 1 : block_m <= 16 ? 2 : MAX_NT; }
+
+// OP::run<T, BITS, SPARSE, NT, G, FRAG>(args) for the call's token fragments (nt), group size (G) and pool
+// layout (frag: repacked).
+template <typename OP, typename T, int BITS, bool SPARSE, typename... A>
+cudaError_t by_tile(int nt, int G, bool frag, A... args) {
+#define DS_SBMM_AT(V, GS)                                                       \
+  if (nt == V && G == GS && frag) return OP::template run<T, BITS, SPARSE, V, GS, true>(args...); \
+  if (nt == V && G == GS) return OP::template run<T, BITS, SPARSE, V, GS, false>(args...);
+  DS_SBMM_AT(1, 32) DS_SBMM_AT(1, 64) DS_SBMM_AT(1, 128)
+  DS_SBMM_AT(2, 32) DS_SBMM_AT(2, 64) DS_SBMM_AT(2, 128)
+  DS_SBMM_AT(MAX_NT, 32) DS_SBMM_AT(MAX_NT, 64) DS_SBMM_AT(MAX_NT, 128)
+#undef DS_SBMM_AT
   return cudaErrorInvalidValue;
 }
 
@@ -502,7 +529,7 @@ extern "C" {
 // One SBMM call (kernels/sbmm/cuda.py ``launch_cuda`` passes the arguments) over ``slices`` linears (1 to 3: a
 // fused module's projections, each its own pool, writing columns col[i] .. + n[i] of out). Per slice i:
 // qv[i] .. g_off[i] its pool's buffers and offset tables, half2[i] its per-slot half2 flags (null: fp32
-// dequantisation). dtype: 0 float16, 1 bfloat16; block_m: the most tokens of any work tile (<= 16);
+// dequantisation). dtype: 0 float16, 1 bfloat16; block_m: the most tokens of any work tile (<= 64);
 // max_splits: the grid's K splits (``deltaserve_sbmm_split``); > 1 needs ws of [max_splits, ws_rows, ws_cols]
 // float32 (ws_rows = the length of ``order``, ws_cols >= every col + n) and counters of [grid_tiles, row
 // blocks] int32, zero. tile_count: the step's real tiles on the device (the blocks recompute the split from it;
@@ -515,7 +542,7 @@ int deltaserve_sbmm(const void* x, void* out, float* ws, int* counters, const in
                     int slices, int K, int G, int64_t x_stride, int64_t out_stride, int bits, int sparse, int dtype,
                     int block_m, int grid_tiles, int max_splits, int ws_rows, int ws_cols, int slots, int layout,
                     void* stream) {
-  if (K % KS != 0 || (G != 32 && G != 64 && G != 128) || block_m < 1 || block_m > 16 || max_splits < 1 ||
+  if (K % KS != 0 || (G != 32 && G != 64 && G != 128) || block_m < 1 || block_m > 8 * MAX_NT || max_splits < 1 ||
       max_splits > 16 || grid_tiles < 0 || slices < 1 || slices > MAX_SLICES || slots < 1 ||
       (max_splits > 1 && (ws == nullptr || counters == nullptr)) || (layout != 0 && layout != 1)) {
     return cudaErrorInvalidValue;
@@ -530,7 +557,7 @@ int deltaserve_sbmm(const void* x, void* out, float* ws, int* counters, const in
                   g_off[i], dtype == 0 ? half2[i] : nullptr, n[i], col[i], row_blocks};
     row_blocks += (n[i] + ROWS - 1) / ROWS;
   }
-  const int nt = block_m <= 8 ? 1 : 2;
+  const int nt = fragments_for(block_m);
   auto st = static_cast<cudaStream_t>(stream);
 #define DS_SBMM_CFG(TY, B, SP)                                                                                   \
   {                                                                                                              \
@@ -550,7 +577,8 @@ int deltaserve_sbmm(const void* x, void* out, float* ws, int* counters, const in
     c.ws_rows = ws_rows;                                                                                         \
     c.ws_cols = ws_cols;                                                                                         \
     c.slots = slots;                                                                                             \
-    return static_cast<int>(by_tile<TY, B, SP>(nt, G, layout == 1, c, row_blocks, grid_tiles, max_splits, st)); \
+    return static_cast<int>(                                                                                     \
+        by_tile<Launch, TY, B, SP>(nt, G, layout == 1, c, row_blocks, grid_tiles, max_splits, st));            \
   }
   DS_BY_CONFIG(DS_SBMM_CFG)
 #undef DS_SBMM_CFG
@@ -562,6 +590,20 @@ int deltaserve_sbmm(const void* x, void* out, float* ws, int* counters, const in
 // most any step takes (a captured launch's grid).
 int deltaserve_sbmm_split(int row_blocks, int tiles, int K, int slots) {
   return split_for(row_blocks, tiles, K / KS, slots > 0 ? slots : 1, 16);
+}
+
+// Blocks per SM of the launch deltaserve_sbmm makes for work tiles of up to ``block_m`` tokens with this
+// config, group size and layout (its ``slots`` is this x the SMs), into *blocks. Returns a cudaError_t.
+int deltaserve_sbmm_blocks_per_sm(int bits, int sparse, int dtype, int block_m, int G, int layout, int* blocks) {
+  if (block_m < 1 || block_m > 8 * MAX_NT || (G != 32 && G != 64 && G != 128) || (layout != 0 && layout != 1) ||
+      blocks == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const int nt = fragments_for(block_m);
+#define DS_OCC(TY, B, SP) return static_cast<int>(by_tile<Occupancy, TY, B, SP>(nt, G, layout == 1, blocks));
+  DS_BY_CONFIG(DS_OCC)
+#undef DS_OCC
+  return static_cast<int>(cudaErrorInvalidValue);
 }
 
 // One slot's delta, dense, into dst [N, K] (contiguous, 16-byte aligned) of dtype 0 float16 / 1 bfloat16

@@ -24,6 +24,16 @@ constexpr int STAGES = SBMM_STAGES;  // stages in flight (cp.async)
 #ifndef SBMM_MIN_BLOCKS
 #define SBMM_MIN_BLOCKS 4
 #endif
+constexpr int MAX_NT = 8;  // most 8-token fragments of one work tile (64 tokens)
+constexpr int SMEM_PER_SM = 228 * 1024;  // sm_90's shared memory per SM (sm_80 holds fewer blocks: 164 KB)
+// Blocks per SM a kernel's launch bounds ask registers for: as many as its ``smem`` bytes of shared memory per
+// block (+ 1 KB the runtime reserves) let an SM hold, at most SBMM_MIN_BLOCKS. A wide tile's stages hold 8 NT x
+// rows, so fewer blocks fit and each gets more registers: its accumulators never spill.
+__host__ __device__ constexpr int min_blocks(int smem) {
+  return SMEM_PER_SM / (smem + 1024) < 1 ? 1
+         : SMEM_PER_SM / (smem + 1024) < SBMM_MIN_BLOCKS ? SMEM_PER_SM / (smem + 1024)
+                                                          : SBMM_MIN_BLOCKS;
+}
 
 __device__ __forceinline__ float to_float(__half h) { return __half2float(h); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 h) { return __bfloat162float(h); }
@@ -137,6 +147,23 @@ template <> struct RowScale<__half, true> {
   }
 };
 
+// B fragment of one k-step (KSTEP = 8 BREGS columns from ``x``, the fragment's 8 token rows in shared memory,
+// LDX apart): lane (g, t) gets token g's columns 2t + 8r, 2t + 8r + 1 in register r (the MMA's B layout),
+// one ldmatrix for all of them: lane i names row i % 8 of matrix i / 8 (columns 8 (i / 8) ..).
+template <int BREGS, typename T>
+__device__ __forceinline__ void load_b(uint32_t (&b)[BREGS], const T* x, int lane) {
+  const unsigned a =
+      static_cast<unsigned>(__cvta_generic_to_shared(x + (lane & 7) * LDX + 8 * ((lane >> 3) % BREGS)));
+  if constexpr (BREGS == 4) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                 : "r"(a));
+  } else {
+    static_assert(BREGS == 2, "k-steps of 16 or 32 columns");
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(b[0]), "=r"(b[1]) : "r"(a));
+  }
+}
+
 // d += A (16 x KSTEP) B (KSTEP x 8): 2:4 ``mma.sp`` with metadata ``e`` (b: 4 registers), dense ``mma`` (b: 2).
 // TY: the PTX type of A and B ("f16" / "bf16"); one instruction text for both dtypes.
 #define DS_MMA_SP(TY)                                                                                            \
@@ -164,6 +191,22 @@ template <typename T, bool SPARSE> __device__ __forceinline__ void mma(float* d,
 }
 #undef DS_MMA_SP
 #undef DS_MMA_DENSE
+
+// One k-step of a block's warp over the tile's nf real fragments (of NT): acc[mt][f] += A[mt] B[f], B[f] loaded
+// from ``x`` (the k-step's first column of fragment 0's rows) as it is used, so one fragment's B is live at a time.
+template <typename T, bool SPARSE, int NT, int BREGS>
+__device__ __forceinline__ void mma_fragments(float (&acc)[2][NT][4], const uint32_t (&a)[2][4], const uint32_t (&e)[2],
+                                              const T* x, int nf, int lane) {
+#pragma unroll
+  for (int f = 0; f < NT; ++f) {
+    if (f < nf) {
+      uint32_t b[BREGS];  // k = 2t + 8r (+1), token g of fragment f
+      load_b(b, x + f * 8 * LDX, lane);
+      mma<T, SPARSE>(acc[0][f], a[0], b, e[0]);
+      mma<T, SPARSE>(acc[1][f], a[1], b, e[1]);
+    }
+  }
+}
 
 
 }  // namespace

@@ -1,7 +1,8 @@
 """SBMM's CUDA C++ op, csrc/sbmm.cu, through ctypes (built by ``kernels.cuda_ext``; optional everywhere).
 
 Tensor cores, packed words copied ahead with cp.async, coalesced (drawn in the .cu file's header):
-work tiles of at most 16 tokens, float16 / bfloat16, in_features % 256 == 0, group size 32 / 64 / 128
+work tiles of at most 64 tokens (a block computes the tile's 8-token fragments from one dequantisation of
+its rows, so one delta's decode rows read it once), float16 / bfloat16, in_features % 256 == 0, group size 32 / 64 / 128
 (``cuda_supports`` says why a call does not fit; the Triton kernels run then). It also takes up to
 three pools at once (``sbmm_stacked_cuda``: q, k, v of a fused qkv module, gate and up), one launch
 for the module. When too few blocks would fill the SMs it splits K, and the split that finishes last
@@ -37,11 +38,8 @@ _CUDA_KS = 256
 """Input columns per pipelined stage of csrc/sbmm.cu (its ``KS``): K must be a multiple."""
 _CUDA_GROUPS = (32, 64, 128)
 """Group sizes csrc/sbmm.cu takes (a stage's scales are copied as 4-byte pieces)."""
-_CUDA_MAX_M = 16
-"""Largest work tile csrc/sbmm.cu takes (two 8-token MMA fragments)."""
-_CUDA_BLOCKS_PER_SM = 4
-"""Blocks of csrc/sbmm.cu one SM runs at once (its SBMM_MIN_BLOCKS: what its registers and two stages of
-shared memory allow): K is split until a launch has this many blocks per SM."""
+_CUDA_MAX_M = 64
+"""Largest work tile csrc/sbmm.cu takes (its ``MAX_NT`` 8-token MMA fragments)."""
 CUDA_MAX_SLICES = 3
 """Most linears one CUDA launch takes (csrc/sbmm.cu ``MAX_SLICES``: q, k, v of a fused qkv)."""
 _P = ctypes.c_void_p
@@ -57,6 +55,8 @@ _CUDA_ARGS = (
 """``deltaserve_sbmm``'s C signature (csrc/sbmm.cu)."""
 _CUDA_SPLIT_ARGS = [ctypes.c_int] * 4
 """``deltaserve_sbmm_split``'s C signature."""
+_CUDA_OCCUPANCY_ARGS = [ctypes.c_int] * 6 + [ctypes.POINTER(ctypes.c_int)]
+"""``deltaserve_sbmm_blocks_per_sm``'s C signature."""
 
 
 def cuda_supports(x: torch.Tensor, w: DeltaWeights, meta: DeltaMeta) -> str | None:
@@ -83,31 +83,57 @@ def cuda_shape_problem(x: torch.Tensor, w: DeltaWeights) -> str | None:
 
 def cuda_tile_cap(device: torch.device) -> int | None:
     """``DeltaMeta``'s ``max_block_m`` on ``device``, for decode and prefill steps alike: the CUDA op's
-    largest tile where that op runs, else None. A run of one delta then takes several CUDA tiles
-    instead of Triton tiles of 64 tokens, which is faster though each 16-token tile reads the delta
-    again (bench/README.md)."""
+    largest tile (64 tokens, one dequantisation of the delta for all of them) where that op runs, else
+    None (the Triton kernels' own tile sizes)."""
     if device.type != "cuda" or not use_triton_for(device) or cuda_ext.library("sbmm") is None:
         return None
     return _CUDA_MAX_M
 
 
-def _cuda_split(lib: ctypes.CDLL, row_blocks: int, tiles: int, in_features: int, device: torch.device) -> int:
-    """K splits of a CUDA launch of ``row_blocks`` x ``tiles`` blocks (csrc/sbmm.cu ``split_for``, the one copy
-    of the rule: the fewest that fill every SM with ``_CUDA_BLOCKS_PER_SM`` blocks, each split >= 2 stages)."""
+_slots: dict[tuple, int] = {}
+
+
+def cuda_slots(lib: ctypes.CDLL, w: DeltaWeights, tile_tokens: int, dtype: torch.dtype) -> int:
+    """Blocks of csrc/sbmm.cu's launch over pool ``w`` for work tiles of up to ``tile_tokens`` tokens that the
+    device runs at once: the kernel's blocks per SM (its registers and shared memory, asked of the CUDA
+    runtime once per kernel: a 64-token tile's stages hold 8 times the x rows, so fewer blocks fit) x SMs.
+    K is split until a launch has this many blocks (``_cuda_split``)."""
+    device = w.qvalues.device
+    key = (w.bits, w.sparse, dtype, max(tile_tokens, 1), w.group_size, w.repacked, device)
+    if key not in _slots:
+        fn = lib.deltaserve_sbmm_blocks_per_sm
+        if fn.argtypes is None:
+            fn.argtypes, fn.restype = _CUDA_OCCUPANCY_ARGS, ctypes.c_int
+        blocks = ctypes.c_int(0)
+        with torch.cuda.device(device):
+            code = fn(
+                w.bits, int(w.sparse), _CUDA_DTYPES[dtype], key[3], w.group_size, int(w.repacked), ctypes.byref(blocks)
+            )
+        cuda_ext.check(lib, code, "sbmm_cuda occupancy")
+        _slots[key] = max(blocks.value, 1) * sm_count(device)
+    return _slots[key]
+
+
+def _cuda_split(lib: ctypes.CDLL, row_blocks: int, tiles: int, in_features: int, slots: int) -> int:
+    """K splits of a CUDA launch of ``row_blocks`` x ``tiles`` blocks when ``slots`` blocks run at once
+    (csrc/sbmm.cu ``split_for``, the one copy of the rule: the fewest that give ``slots`` blocks, each split
+    >= 2 stages)."""
     fn = lib.deltaserve_sbmm_split
     if fn.argtypes is None:
         fn.argtypes, fn.restype = _CUDA_SPLIT_ARGS, ctypes.c_int
-    return fn(row_blocks, tiles, in_features, _CUDA_BLOCKS_PER_SM * sm_count(device))
+    return fn(row_blocks, tiles, in_features, slots)
 
 
-def cuda_split(meta: DeltaMeta, w: DeltaWeights) -> int | None:
-    """K splits of ``sbmm_cuda``'s eager launch of ``meta`` over pool ``w`` (what a benchmark records
-    with its timings); None where the CUDA op is unavailable (no CUDA device, no nvcc, turned off)."""
+def cuda_split(meta: DeltaMeta, w: DeltaWeights, dtype: torch.dtype = torch.float16) -> int | None:
+    """K splits of ``sbmm_cuda``'s eager launch of ``meta`` over pool ``w`` with ``dtype`` activations (what a
+    benchmark records with its timings); None where the CUDA op is unavailable (no CUDA device, no nvcc,
+    turned off)."""
     device = w.qvalues.device
     lib = cuda_ext.library("sbmm") if device.type == "cuda" else None
     if lib is None:
         return None
-    return _cuda_split(lib, triton.cdiv(w.out_features, _CUDA_ROWS), meta.num_tiles, w.in_features, device)
+    slots = cuda_slots(lib, w, meta.tile_tokens, dtype)
+    return _cuda_split(lib, triton.cdiv(w.out_features, _CUDA_ROWS), meta.num_tiles, w.in_features, slots)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -172,11 +198,13 @@ def launch_cuda(
         return out
     if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
+    block_m = max(meta.tile_tokens, 1)
+    slots = cuda_slots(lib, w0, block_m, x.dtype)
     if capturing:  # the most splits any step takes (one tile); the blocks split as the step wants
-        split = _cuda_split(lib, row_blocks, 1, w0.in_features, x.device)
+        split = _cuda_split(lib, row_blocks, 1, w0.in_features, slots)
         tile_count = meta.tile_count
     else:
-        split = _cuda_split(lib, row_blocks, meta.num_tiles, w0.in_features, x.device)
+        split = _cuda_split(lib, row_blocks, meta.num_tiles, w0.in_features, slots)
         tile_count = None  # the grid's split is the step's
     rows = meta.order.shape[0]  # partial sums by position in ``order``: a shape that depends on T only
     cols = max(col + w.out_features for w, col in slices)
@@ -200,7 +228,7 @@ def launch_cuda(
         ptrs([w.half2_flags.data_ptr() if half2 else None for w, _ in slices]),
         (ctypes.c_int * n)(*[w.out_features for w, _ in slices]), (ctypes.c_int * n)(*[col for _, col in slices]), n,
         w0.in_features, w0.group_size, x.stride(0), out.stride(0), w0.bits, int(w0.sparse), _CUDA_DTYPES[x.dtype],
-        max(meta.tile_tokens, 1), meta.grid_tiles, split, rows, cols, _CUDA_BLOCKS_PER_SM * sm_count(x.device),
+        block_m, meta.grid_tiles, split, rows, cols, slots,
         int(w0.repacked), torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     cuda_ext.check(lib, code, "sbmm_cuda")

@@ -13,7 +13,8 @@ and cuts each slot's run into *work tiles* of at most ``block_m`` tokens, so all
 share tiles and read the delta once per tile, wherever they sit in the batch. One program computes
 one tile x ``BLOCK_N`` output columns over the whole reduction, reading x rows and writing out rows
 through ``order``. ``block_m`` follows the longest run of one slot: 1, 2 or 4 (FMA tiles, up to
-``FMA_MAX_M``), else 16 or 64 (tl.dot tiles), capped by ``max_block_m`` (the CUDA op's 16, or 8).
+``FMA_MAX_M``), else 16 or 64 (tl.dot tiles), capped by ``max_block_m`` where a caller asks for
+shorter tiles.
 
 Prefill segments of at least ``dense_min_m`` tokens of one delta go to ``dense`` instead (its delta
 dequantised once, one matmul: ``dequant.py``).
@@ -116,9 +117,9 @@ class DeltaMeta:
     def rows(cls, row_delta: Sequence[int], device: torch.device | str, max_block_m: int | None = None) -> DeltaMeta:
         """Decode metadata: token t uses slot ``row_delta[t]`` (-1: none), in any order (the rows of one
         slot share work tiles wherever they are). ``max_block_m`` caps the tokens per work tile
-        (``cuda_tile_cap``: the CUDA op's 16), cutting a longer run of one slot into several tiles. A cap
-        that is not one of the Triton kernels' tile sizes (1, 2, 4, 16, 64; e.g. 8, one CUDA MMA fragment,
-        as captured decode steps use) makes metadata only the CUDA op takes."""
+        (``cuda_tile_cap``: the CUDA op's 64), cutting a longer run of one slot into several tiles. A cap
+        that is not one of the Triton kernels' tile sizes (1, 2, 4, 16, 64; e.g. 8, one CUDA MMA fragment)
+        makes metadata only the CUDA op takes."""
         return cls._build(Segments.from_rows(row_delta, SLOT_NAMES), device, max_block_m)
 
     @classmethod
