@@ -22,7 +22,7 @@ before 2026-11-26 17:00 that name ``distinct_weights`` 2 and no ``piece_sharing`
 router sends them (``VariantOp`` to_host / to_gpu). LoRA is off (``--max-lora-rank 0``) unless asked.
 
     python3 -m bench.delta_decode_step [--shape llama-2-7b] [--batch 64] [--deltas 8] [--ctx 512]
-        [--bits 4] [--sparsity 2:4] [--no-graphs] [--workdir DIR] [--out DIR]
+        [--bits 4] [--sparsity 2:4] [--no-graphs] [--graph-tile N] [--workdir DIR] [--out DIR]
     python3 -m bench.delta_decode_step --smoke [--out DIR]    # tiny shape on the CPU: checks the script
 """
 
@@ -55,6 +55,7 @@ from bench.common import (  # noqa: E402
 )
 from bench.decode_step import bench_batch  # noqa: E402
 from deltaserve import wire  # noqa: E402
+from deltaserve.adapters import delta_pool  # noqa: E402
 from deltaserve.adapters.delta_blocks import SHARING_ENV  # noqa: E402
 from deltaserve.adapters.delta_pool import delta_gpu_bytes  # noqa: E402
 from deltaserve.compress.delta_dir import MANIFEST, read_manifest  # noqa: E402
@@ -172,6 +173,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     p.add_argument("--no-graphs", action="store_true", help="skip the steps replayed from CUDA graphs")
     p.add_argument(
+        "--graph-tile", type=int, default=None,
+        help="captured decode steps' SBMM tile cap (default: the worker's delta_pool.GRAPH_TILE): tilings compared",
+    )  # fmt: skip
+    p.add_argument(
         "--workdir", type=Path, default=None, help="where the checkpoint and deltas go (default: a temp dir)"
     )
     p.add_argument("--smoke", action="store_true", help="tiny shape and batch on the CPU (checks the script runs)")
@@ -190,7 +195,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     # Linked payloads save disk only: every delta id is its own delta, for this run alone (a test runs
     # main in its process, whose later tests must keep the default).
-    with mock.patch.dict(os.environ, {SHARING_ENV: "off"}):
+    tile = delta_pool.GRAPH_TILE if args.graph_tile is None else args.graph_tile
+    with mock.patch.dict(os.environ, {SHARING_ENV: "off"}), mock.patch.object(delta_pool, "GRAPH_TILE", tile):
         return run(args)
 
 
@@ -349,6 +355,7 @@ def run(args: argparse.Namespace) -> Path:
             "deltas": args.deltas,
             "distinct_weights": args.distinct_weights,
             "piece_sharing": os.environ[SHARING_ENV],
+            "graph_tile": delta_pool.GRAPH_TILE,
             "bits": args.bits,
             "sparsity": args.sparsity,
             "group_size": args.group_size,

@@ -3,25 +3,26 @@
 The delta-aware linears of a Llama layer (``adapters/delta_layers.py``) hold fused modules: qkv (three
 4096-row projections of Llama-2-7B), o, gate_up (two of 11008 rows) and down. ``sbmm_stacked`` runs a
 module's slices in one launch of csrc/sbmm.cu; this times that against one launch per slice, per module
-and per layer, decode rows (``DeltaMeta.rows`` with the worker's 16-token tiles), 4-bit 2:4 group 64,
+and per layer, decode rows (``DeltaMeta.rows``, captured over the step's real work tiles), 4-bit 2:4 group 64,
 float16 with integral zeros (the half2 dequantisation), each timed replayed from a CUDA graph
 (``triton.testing.do_bench_cudagraph``, median) as decode steps run. Bytes are the packed bytes of the
 deltas the step reads; the fraction is of the device-to-device copy bandwidth measured in the same run.
 ``--variants plain@16,repacked@16,repacked@64`` times the fused launch over pools of each slot layout
 (``DeltaWeights.layout``: the format's words, or kernels/sbmm/repack.py's fragment order) with work tiles
-of at most that many tokens (``max_block_m``; the worker's captured decode steps use 8), old against new
+of at most that many tokens (``max_block_m``; the worker's captured decode steps use 64, ``GRAPH_TILE``), old against new
 in one run.
 
 ``--copies-only`` builds the op with its math compiled out (``-DSBMM_NO_COMPUTE``; no result check): what the
 memory side of each layout reaches alone.
 
-    python3 -m bench.sbmm_fused [--points 64x8,64x1,8x8,16x8,1x1] [--variants repacked@16] [--per-slice]
+    python3 -m bench.sbmm_fused [--points 64x8,64x1,8x8,16x8,1x1] [--variants repacked@64] [--per-slice]
         [--copies-only] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -57,7 +58,7 @@ def pool(unique: list, layout: str):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", default="64x8,64x1,16x8,8x8,1x1", help="ROWSxDELTAS, comma-separated")
-    p.add_argument("--variants", default="repacked@16", help="LAYOUT@TILE_CAP, comma-separated (plain / repacked)")
+    p.add_argument("--variants", default="repacked@64", help="LAYOUT@TILE_CAP, comma-separated (plain / repacked)")
     p.add_argument("--per-slice", action="store_true", help="also time one launch per projection")
     p.add_argument("--copies-only", action="store_true", help="the op built without its math (-DSBMM_NO_COMPUTE)")
     p.add_argument("--out", type=Path, default=None)
@@ -85,6 +86,10 @@ def main() -> None:
         n_rows, n_deltas = (int(v) for v in point.split("x"))
         for lay, cap in variants:
             meta = DeltaMeta.rows(sorted(i % n_deltas for i in range(n_rows)), dev, max_block_m=cap)
+            # Captured with the step's real tiles only, as the worker's graphs nearly are (their tables hold at
+            # most max-deltas + rows / tile rows, ``DeltaPool.graph_tiles``); not ``rows``' T, whose padding
+            # blocks each read their tile and exit.
+            meta = dataclasses.replace(meta, tiles=meta.tiles[: meta.num_tiles], grid_tiles=meta.num_tiles)
             layer = {"per_slice": 0.0, "fused": 0.0}
             for m, (in_f, outs) in MODULES.items():
                 ws = pools[lay][m]

@@ -652,14 +652,14 @@ def test_cuda_op_in_a_cuda_graph() -> None:
 def test_cuda_split_rule() -> None:
     """csrc/sbmm.cu's split rule (the one copy; ``_cuda_split`` asks the library): the fewest splits that
     give the device its ``cuda_slots`` blocks, each split keeping at least two stages of 256 columns. The
-    slots are the kernel's blocks per SM (the CUDA runtime's occupancy) x SMs: fewer for 64-token tiles,
-    whose stages hold 8 times the x rows."""
+    slots are the kernel's blocks per SM (the CUDA runtime's occupancy) x SMs: fewer for 16-token tiles
+    over a plain-layout pool, whose stages hold twice the x rows."""
     cuda_op_or_skip()
     lib = sbmm_mod.cuda_ext.library("sbmm")
     w = pool(4, True, CUDA_SHAPES[0])
     slots = sbmm_cuda_mod.cuda_slots(lib, w, 1, torch.float16)
     assert slots % sm_count(DEVICE) == 0 and slots >= 2 * sm_count(DEVICE)
-    assert sbmm_cuda_mod.cuda_slots(lib, w, 64, torch.float16) < slots
+    assert not w.repacked and sbmm_cuda_mod.cuda_slots(lib, w, 16, torch.float16) < slots  # plain: 3 per SM, not 4
 
     def split(rb: int, tiles: int, k: int) -> int:
         return sbmm_cuda_mod._cuda_split(lib, rb, tiles, k, slots)
@@ -782,38 +782,41 @@ def test_cuda_graph_split_follows_the_step() -> None:
     assert seen == {1, 2, 4}, f"the steps should want every split: {seen}"
 
 
-WIDE_RUNS = (64, 40, 23, 9, 1)
-"""Rows of each delta in a wide-tile step: tiles of 8, 5, 3, 2 and 1 fragments of one 64-token kernel."""
-WIDE_SHAPE = (768, 256, 64)
-"""(in, out, group) of the wide-tile tests: three stages, two row blocks, a shape both layouts take."""
+PART_RUNS = (40, 11, 9, 3, 1)
+"""Rows of each delta in a step of 16-token tiles: 16, 16, 8 (two, two and one fragment of the 2-fragment
+kernel), 11, 9 (two), 3, 1 (one)."""
+PART_TILES = [16, 16, 8, 11, 9, 3, 1]
+PART_SHAPE = (768, 256, 64)
+"""(in, out, group) of the partly filled tile tests: three stages, two row blocks, a shape both layouts take."""
 
 
-def wide_rows(seed: int) -> list[int]:
-    """Decode rows of a step whose deltas hold ``WIDE_RUNS`` rows each (slots 0, 1, 2, 3, 5), shuffled, with
+def part_rows(seed: int) -> list[int]:
+    """Decode rows of a step whose deltas hold ``PART_RUNS`` rows each (slots 0, 1, 2, 3, 5), shuffled, with
     base-only rows mixed in."""
     slots = [s for s in range(NUM_SLOTS) if s != EMPTY_SLOT]
-    rows = [slots[i] for i, n in enumerate(WIDE_RUNS) for _ in range(n)] + [-1] * 7
+    rows = [slots[i] for i, n in enumerate(PART_RUNS) for _ in range(n)] + [-1] * 7
     return [rows[int(i)] for i in np.random.default_rng(seed).permutation(len(rows))]
 
 
 @pytest.mark.parametrize("layout", ["plain", "repacked"])
 @pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
-def test_cuda_op_wide_tiles_equal_reference(config: tuple[int, bool], layout: str) -> None:
-    """Work tiles of up to 64 tokens (``cuda_tile_cap``): one block computes a tile's 8-token fragments from
-    one dequantisation of its rows, and only the fragments the tile fills (8, 5, 3, 2, 1 here; decode rows and
-    prefill segments of 17..64 tokens); every output equals ``sbmm_ref``, base-only rows stay as they are,
-    float16 (half2 and fp32 dequantisation) and bfloat16, both slot layouts."""
+def test_cuda_op_partly_filled_tiles_equal_reference(config: tuple[int, bool], layout: str) -> None:
+    """Work tiles of up to 16 tokens (``cuda_tile_cap``): one block computes a tile's 8-token fragments from
+    one dequantisation of its rows, and only the fragments the tile fills (two or one here, in one launch of
+    the 2-fragment kernel; decode rows and prefill segments, runs longer than a tile cut); every output
+    equals ``sbmm_ref``, base-only rows stay as they are, float16 (half2 and fp32 dequantisation) and
+    bfloat16, both slot layouts."""
     cuda_op_or_skip()
     bits, sparse = config
-    shape = WIDE_SHAPE
+    shape = PART_SHAPE
     for integral in (False, True):
         w = make_delta_weights(deltas(bits, sparse, shape, integral), layout=layout)
         assert w.layout == layout
-        seed = zlib.crc32(f"wide/{config}/{layout}/{integral}".encode()) % 10_000
-        rows = DeltaMeta.rows(wide_rows(seed), DEVICE, max_block_m=sbmm_mod.cuda_tile_cap(DEVICE))
-        segs = DeltaMeta.segments([33, 3, 64, 17, 2], [0, -1, 1, 0, 5], DEVICE, max_block_m=64)
-        assert sorted(e - s for s, e, _ in rows.tiles.tolist()[: rows.num_tiles]) == sorted(WIDE_RUNS)
-        assert rows.tile_tokens == 64 and segs.tile_tokens == 64
+        seed = zlib.crc32(f"part/{config}/{layout}/{integral}".encode()) % 10_000
+        rows = DeltaMeta.rows(part_rows(seed), DEVICE, max_block_m=sbmm_mod.cuda_tile_cap(DEVICE))
+        segs = DeltaMeta.segments([33, 3, 9, 17, 2], [0, -1, 1, 0, 5], DEVICE, max_block_m=16)
+        assert sorted(e - s for s, e, _ in rows.tiles.tolist()[: rows.num_tiles]) == sorted(PART_TILES)
+        assert rows.tile_tokens == 16 and segs.tile_tokens == 16
         for meta in (rows, segs):
             for dtype in (torch.float16, torch.bfloat16):
                 x = randn(meta.num_tokens, shape[0], dtype=dtype, seed=seed + 1)
@@ -825,15 +828,15 @@ def test_cuda_op_wide_tiles_equal_reference(config: tuple[int, bool], layout: st
                 assert torch.equal(got[ids < 0], base[ids < 0]), "tokens without a delta must keep out unchanged"
 
 
-def test_cuda_wide_tiles_in_a_cuda_graph() -> None:
-    """A decode step captured with 64-token tiles (``GRAPH_TILE``: the widest, fixed at capture), replayed for
-    steps of one delta on every row, 5 deltas of 8 rows, and the mixed runs of ``WIDE_RUNS``: bit for bit
+def test_cuda_partly_filled_tiles_in_a_cuda_graph() -> None:
+    """A decode step captured with 16-token tiles (``GRAPH_TILE``: the widest, fixed at capture), replayed for
+    steps of one delta on every row, 5 deltas of 8 rows, and the mixed runs of ``PART_RUNS``: bit for bit
     an eager launch of the same step (same tiles, same split), and the reference."""
     cuda_op_or_skip()
     from deltaserve.adapters.delta_pool import GRAPH_TILE
 
-    shape = WIDE_SHAPE
-    rows = len(wide_rows(0))
+    shape = PART_SHAPE
+    rows = len(part_rows(0))
     w = make_delta_weights(deltas(4, True, shape, True), layout="repacked")
     x = randn(rows, shape[0], dtype=torch.float16, seed=1)
     out = torch.zeros(rows, shape[1], dtype=torch.float16, device=DEVICE)
@@ -845,7 +848,7 @@ def test_cuda_wide_tiles_in_a_cuda_graph() -> None:
         sbmm_mod.sbmm_cuda(x, out, w, meta)
     one = [2] * rows
     eight = [[0, 1, 2, 3, 5][i % 5] for i in range(40)] + [-1] * (rows - 40)
-    for seed, slots in enumerate((one, eight, wide_rows(3))):
+    for seed, slots in enumerate((one, eight, part_rows(3))):
         new = DeltaMeta.rows(slots, DEVICE, max_block_m=GRAPH_TILE)
         assert new.grid_tiles == meta.grid_tiles
         for name in ("order", "tiles", "tile_count"):
@@ -905,7 +908,7 @@ def test_cuda_tile_cap() -> None:
         want = sbmm_ref(x, base.clone(), w, meta)
         close(sbmm_triton(x, base.clone(), w, meta), want)
         if DEVICE.type == "cuda" and sbmm_mod.cuda_ext.library("sbmm") is not None:
-            assert sbmm_mod.cuda_tile_cap(DEVICE) == 64
+            assert sbmm_mod.cuda_tile_cap(DEVICE) == 16
             close(sbmm_mod.sbmm_cuda(x, base.clone(), w, meta), want)
         elif DEVICE.type == "cpu":
             assert sbmm_mod.cuda_tile_cap(DEVICE) is None

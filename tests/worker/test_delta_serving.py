@@ -435,5 +435,5 @@ def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
         assert got_tiles.tolist() == want.tiles[:grid].tolist(), key
         assert count[p].item() == want.num_tiles <= grid and max(e - s for s, e, _ in want.tiles.tolist()) <= cap
         assert all(t[2] == -1 for t in want.tiles[grid:].tolist())  # what the graph leaves out is padding
-    assert GRAPH_TILE == 64  # 11 rows of one delta: one tile (the CUDA op's widest, dequantising the delta once)
+    assert GRAPH_TILE == 16  # 11 rows of one delta: one tile (the CUDA op's widest, dequantising the delta once)
     assert g.metas[(4, True, 64)][2].tolist() == [1] * pool.num_pieces

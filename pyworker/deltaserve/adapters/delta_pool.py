@@ -84,10 +84,11 @@ from .variants import StepRows, VariantCost, VariantKind
 log = logging.getLogger("deltaserve.worker")
 
 _PACKED_RE = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)$")
-GRAPH_TILE = 64
+GRAPH_TILE = 16
 """Most tokens of one delta per SBMM work tile in a captured decode step, fixed when the graph is captured:
-the CUDA op's widest tile (csrc/sbmm.cu ``MAX_NT`` fragments of 8 tokens; a tile computes only the
-fragments its rows fill), so up to 64 rows of one delta dequantise it once per step; more take more tiles."""
+the CUDA op's widest tile (csrc/sbmm.cu ``MAX_NT`` = 2 fragments of 8 tokens; a tile computes only the
+fragments its rows fill, so 8 rows of a delta cost what an 8-token tile did), so 16 rows of one delta
+dequantise it once; more take more tiles."""
 HEAD_TILE = 16
 """Most logits rows of one delta per work tile of the lm_head delta (``kernels.dense_delta``)."""
 

@@ -2,14 +2,17 @@
 //
 // The op, its format and its semantics are kernels/sbmm/'s (__init__.py and layout.py); the packed
 // format is formats/packed_delta.py's. This file is a faster implementation of the same op for work
-// tiles of at most 64 tokens (decode, short prefill runs), used on CUDA where it builds
+// tiles of at most 16 tokens (decode, short prefill runs), used on CUDA where it builds
 // (kernels/cuda_ext.py) and the call fits it (``sbmm.cuda_supports``); ``sbmm_ref`` is the reference
 // it is tested against.
 //
 // Work split: block (row block, work tile, K split) computes ROWS = 128 output rows of one tile's
-// tokens (up to 8 * NT: NT = 1, 2 or MAX_NT = 8 fragments of 8, the instantiation the call's fullest tile
-// needs; a block computes only the nf fragments its own tile fills, from one dequantisation of its rows, so
-// up to 64 rows of one delta read it once) over its share of K, in stages of KS = 256 columns. A call
+// tokens (up to 8 * NT: NT = 1 or MAX_NT = 2 fragments of 8, the instantiation the call's fullest tile needs;
+// a block computes only the nf fragments its own tile fills, from one dequantisation of its rows) over its
+// share of K, in stages of KS = 256 columns. Wider tiles lose: a 64-token instantiation (8 fragments, tried on
+// an H200) holds 8x the x rows per stage, so 2 blocks fit an SM instead of 4, and with 2 warps per scheduler
+// its dequantisation's dependent instructions stall it (64 rows of one delta: 243 us per Llama-2-7B layer
+// against 162 us as four 16-token tiles). A call
 // may hold up to three linears of one fused module (``Slice``: q, k, v or gate, up, each its own pool and
 // columns of out): their row blocks follow each other along the grid's x, one launch for the module.
 //
@@ -399,37 +402,55 @@ __global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, 
     sbmm_mainloop<T, BITS, SPARSE, NT, G, false>(c, sl, slot, row0, first, end, s_lo, s_hi, acc);
   }
 
-  // Accumulator j of (mt, f): row g (+ 8 for j >= 2) of row tile mt, token f * 8 + 2t (+ 1 for odd j).
+  // The accumulators go through shared memory (the stages are done) as a [tokens][ROWS + 4] float tile
+  // (+ 4: the lanes' stores hit 32 banks), then thread r writes row row0 + r of every token, FIX tokens at a
+  // time: coalesced, and a loop whatever the tile's width. Accumulator j of (mt, f): row g (+ 8 for j >= 2) of
+  // row tile mt, token f * 8 + 2t (+ 1 for odd j).
+  constexpr int FIX = 8, ACC_LD = ROWS + 4;
+  static_assert(8 * NT * ACC_LD * 4 <= SMEM_BYTES<BITS, SPARSE, NT, G, FRAG>, "the accumulator tile fits");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int N = sl.n;
+  const int N = sl.n, nf = min(NT, (end - first + 7) / 8), r = threadIdx.x, tokens = end - first;
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* acc_s = reinterpret_cast<float*>(smem);
+  __syncthreads();  // every warp is done reading the last stage
 #pragma unroll
   for (int f = 0; f < NT; ++f) {
+    if (f < nf) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int p = first + f * 8 + 2 * t + j;
-      if (p >= end) continue;
-      const int64_t o_row = static_cast<int64_t>(c.order[p]) * c.out_stride + sl.col;
-      const int64_t w_row = (static_cast<int64_t>(blockIdx.z) * c.ws_rows + p) * c.ws_cols + sl.col;
+      for (int e = 0; e < 8; ++e) {  // e = (j, mt, h)
+        const int j = e >> 2, mt = (e >> 1) & 1, h = e & 1;
+        acc_s[(f * 8 + 2 * t + j) * ACC_LD + warp * 32 + mt * 16 + g + 8 * h] = acc[mt][f][2 * h + j];
+      }
+    }
+  }
+  __syncthreads();
+  if (row0 + r < N) {  // blockDim.x == ROWS: thread r owns row row0 + r
+    for (int m0 = 0; m0 < tokens; m0 += FIX) {
+      if (splits == 1) {
+        T* o[FIX];
+        float old[FIX];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = row0 + warp * 32 + mt * 16 + g + 8 * h;
-          if (row >= N) continue;
-          const float v = acc[mt][f][2 * h + j];
-          if (splits == 1) {
-            T* o = c.out + o_row + row;
-            *o = from_float<T>(to_float(*o) + v);
-          } else {
-            c.ws[w_row + row] = v;
-          }
+        for (int u = 0; u < FIX; ++u) {
+          if (m0 + u >= tokens) continue;
+          o[u] = c.out + static_cast<int64_t>(c.order[first + m0 + u]) * c.out_stride + sl.col + row0 + r;
+          old[u] = to_float(*o[u]);
         }
+#pragma unroll
+        for (int u = 0; u < FIX; ++u)
+          if (m0 + u < tokens) *o[u] = from_float<T>(old[u] + acc_s[(m0 + u) * ACC_LD + r]);
+      } else {
+        float* w = c.ws + (static_cast<int64_t>(blockIdx.z) * c.ws_rows + first + m0) * c.ws_cols + sl.col + row0 + r;
+#pragma unroll
+        for (int u = 0; u < FIX; ++u)
+          if (m0 + u < tokens) w[static_cast<int64_t>(u) * c.ws_cols] = acc_s[(m0 + u) * ACC_LD + r];
       }
     }
   }
   if (splits == 1) return;
 
-  // Split-K fixup: the last of the tile's splits of this row block to arrive sums them (threadFenceReduction).
+  // Split-K fixup: the last of the tile's splits of this row block to arrive sums them (threadFenceReduction):
+  // thread r adds row row0 + r of the tile's tokens, FIX tokens at a time (their loads in flight together),
+  // each token's splits in split order.
   __shared__ int last;
   __threadfence();
   __syncthreads();
@@ -441,16 +462,27 @@ __global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, 
   __syncthreads();
   if (!last) return;
   __threadfence();
-  const int rows = min(ROWS, N - row0), tokens = end - first;
-  for (int i = threadIdx.x; i < tokens * ROWS; i += blockDim.x) {
-    const int m = i / ROWS, r = i % ROWS;
-    if (r >= rows) continue;
-    const int p = first + m;
-    float total = 0.f;
-    for (int z = 0; z < splits; ++z)
-      total += __ldcg(c.ws + (static_cast<int64_t>(z) * c.ws_rows + p) * c.ws_cols + sl.col + row0 + r);
-    T* o = c.out + static_cast<int64_t>(c.order[p]) * c.out_stride + sl.col + row0 + r;
-    *o = from_float<T>(to_float(*o) + total);
+  if (row0 + r >= N) return;
+  for (int m0 = 0; m0 < tokens; m0 += FIX) {
+    float total[FIX], old[FIX];
+    T* o[FIX];
+#pragma unroll
+    for (int u = 0; u < FIX; ++u) total[u] = 0.f;
+    for (int z = 0; z < splits; ++z) {
+      const float* wz = c.ws + static_cast<int64_t>(z) * c.ws_rows * c.ws_cols + sl.col + row0 + r;
+#pragma unroll
+      for (int u = 0; u < FIX; ++u)
+        if (m0 + u < tokens) total[u] += __ldcg(wz + static_cast<int64_t>(first + m0 + u) * c.ws_cols);
+    }
+#pragma unroll
+    for (int u = 0; u < FIX; ++u) {
+      if (m0 + u >= tokens) continue;
+      o[u] = c.out + static_cast<int64_t>(c.order[first + m0 + u]) * c.out_stride + sl.col + row0 + r;
+      old[u] = to_float(*o[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < FIX; ++u)
+      if (m0 + u < tokens) *o[u] = from_float<T>(old[u] + total[u]);
   }
 }
 
@@ -490,8 +522,8 @@ struct Occupancy {
   }
 };
 
-// 8-token fragments of the instantiation that takes work tiles of up to ``block_m`` tokens (1, 2 or MAX_NT).
-inline int fragments_for(int block_m) { return block_m <= 8 ? 1 : block_m <= 16 ? 2 : MAX_NT; }
+// 8-token fragments of the instantiation that takes work tiles of up to ``block_m`` tokens (1 or MAX_NT = 2).
+inline int fragments_for(int block_m) { return block_m <= 8 ? 1 : MAX_NT; }
 
 // OP::run<T, BITS, SPARSE, NT, G, FRAG>(args) for the call's token fragments (nt), group size (G) and pool
 // layout (frag: repacked).
@@ -502,7 +534,6 @@ cudaError_t by_tile(int nt, int G, bool frag, A... args) {
   if (nt == V && G == GS) return OP::template run<T, BITS, SPARSE, V, GS, false>(args...);
   DS_SBMM_AT(1, 32) DS_SBMM_AT(1, 64) DS_SBMM_AT(1, 128)
   DS_SBMM_AT(2, 32) DS_SBMM_AT(2, 64) DS_SBMM_AT(2, 128)
-  DS_SBMM_AT(MAX_NT, 32) DS_SBMM_AT(MAX_NT, 64) DS_SBMM_AT(MAX_NT, 128)
 #undef DS_SBMM_AT
   return cudaErrorInvalidValue;
 }
@@ -529,7 +560,7 @@ extern "C" {
 // One SBMM call (kernels/sbmm/cuda.py ``launch_cuda`` passes the arguments) over ``slices`` linears (1 to 3: a
 // fused module's projections, each its own pool, writing columns col[i] .. + n[i] of out). Per slice i:
 // qv[i] .. g_off[i] its pool's buffers and offset tables, half2[i] its per-slot half2 flags (null: fp32
-// dequantisation). dtype: 0 float16, 1 bfloat16; block_m: the most tokens of any work tile (<= 64);
+// dequantisation). dtype: 0 float16, 1 bfloat16; block_m: the most tokens of any work tile (<= 16);
 // max_splits: the grid's K splits (``deltaserve_sbmm_split``); > 1 needs ws of [max_splits, ws_rows, ws_cols]
 // float32 (ws_rows = the length of ``order``, ws_cols >= every col + n) and counters of [grid_tiles, row
 // blocks] int32, zero. tile_count: the step's real tiles on the device (the blocks recompute the split from it;

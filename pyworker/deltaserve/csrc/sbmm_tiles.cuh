@@ -24,11 +24,11 @@ constexpr int STAGES = SBMM_STAGES;  // stages in flight (cp.async)
 #ifndef SBMM_MIN_BLOCKS
 #define SBMM_MIN_BLOCKS 4
 #endif
-constexpr int MAX_NT = 8;  // most 8-token fragments of one work tile (64 tokens)
+constexpr int MAX_NT = 2;  // most 8-token fragments of one work tile (16 tokens)
 constexpr int SMEM_PER_SM = 228 * 1024;  // sm_90's shared memory per SM (sm_80 holds fewer blocks: 164 KB)
 // Blocks per SM a kernel's launch bounds ask registers for: as many as its ``smem`` bytes of shared memory per
-// block (+ 1 KB the runtime reserves) let an SM hold, at most SBMM_MIN_BLOCKS. A wide tile's stages hold 8 NT x
-// rows, so fewer blocks fit and each gets more registers: its accumulators never spill.
+// block (+ 1 KB the runtime reserves) let an SM hold, at most SBMM_MIN_BLOCKS (a plain-layout 16-token tile
+// fits 3, and gets the registers of 3).
 __host__ __device__ constexpr int min_blocks(int smem) {
   return SMEM_PER_SM / (smem + 1024) < 1 ? 1
          : SMEM_PER_SM / (smem + 1024) < SBMM_MIN_BLOCKS ? SMEM_PER_SM / (smem + 1024)

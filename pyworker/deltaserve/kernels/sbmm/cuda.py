@@ -1,8 +1,8 @@
 """SBMM's CUDA C++ op, csrc/sbmm.cu, through ctypes (built by ``kernels.cuda_ext``; optional everywhere).
 
 Tensor cores, packed words copied ahead with cp.async, coalesced (drawn in the .cu file's header):
-work tiles of at most 64 tokens (a block computes the tile's 8-token fragments from one dequantisation of
-its rows, so one delta's decode rows read it once), float16 / bfloat16, in_features % 256 == 0, group size 32 / 64 / 128
+work tiles of at most 16 tokens (a block computes the 8-token fragments its tile fills from one
+dequantisation of its rows), float16 / bfloat16, in_features % 256 == 0, group size 32 / 64 / 128
 (``cuda_supports`` says why a call does not fit; the Triton kernels run then). It also takes up to
 three pools at once (``sbmm_stacked_cuda``: q, k, v of a fused qkv module, gate and up), one launch
 for the module. When too few blocks would fill the SMs it splits K, and the split that finishes last
@@ -38,8 +38,8 @@ _CUDA_KS = 256
 """Input columns per pipelined stage of csrc/sbmm.cu (its ``KS``): K must be a multiple."""
 _CUDA_GROUPS = (32, 64, 128)
 """Group sizes csrc/sbmm.cu takes (a stage's scales are copied as 4-byte pieces)."""
-_CUDA_MAX_M = 64
-"""Largest work tile csrc/sbmm.cu takes (its ``MAX_NT`` 8-token MMA fragments)."""
+_CUDA_MAX_M = 16
+"""Largest work tile csrc/sbmm.cu takes (its ``MAX_NT`` 8-token MMA fragments; why not more: its header)."""
 CUDA_MAX_SLICES = 3
 """Most linears one CUDA launch takes (csrc/sbmm.cu ``MAX_SLICES``: q, k, v of a fused qkv)."""
 _P = ctypes.c_void_p
@@ -83,8 +83,9 @@ def cuda_shape_problem(x: torch.Tensor, w: DeltaWeights) -> str | None:
 
 def cuda_tile_cap(device: torch.device) -> int | None:
     """``DeltaMeta``'s ``max_block_m`` on ``device``, for decode and prefill steps alike: the CUDA op's
-    largest tile (64 tokens, one dequantisation of the delta for all of them) where that op runs, else
-    None (the Triton kernels' own tile sizes)."""
+    largest tile where that op runs, else None (the Triton kernels' own tile sizes). A run of one delta
+    then takes several CUDA tiles instead of Triton tiles of 64 tokens, which is faster though each
+    16-token tile reads the delta again (bench/README.md)."""
     if device.type != "cuda" or not use_triton_for(device) or cuda_ext.library("sbmm") is None:
         return None
     return _CUDA_MAX_M
@@ -96,7 +97,8 @@ _slots: dict[tuple, int] = {}
 def cuda_slots(lib: ctypes.CDLL, w: DeltaWeights, tile_tokens: int, dtype: torch.dtype) -> int:
     """Blocks of csrc/sbmm.cu's launch over pool ``w`` for work tiles of up to ``tile_tokens`` tokens that the
     device runs at once: the kernel's blocks per SM (its registers and shared memory, asked of the CUDA
-    runtime once per kernel: a 64-token tile's stages hold 8 times the x rows, so fewer blocks fit) x SMs.
+    runtime once per kernel: a 16-token tile's stages hold twice the x rows, so over a plain-layout pool 3
+    blocks fit an SM instead of 4) x SMs.
     K is split until a launch has this many blocks (``_cuda_split``)."""
     device = w.qvalues.device
     key = (w.bits, w.sparse, dtype, max(tile_tokens, 1), w.group_size, w.repacked, device)
@@ -185,8 +187,9 @@ def launch_cuda(
     lib: ctypes.CDLL, x: torch.Tensor, out: torch.Tensor, slices: Sequence[tuple[DeltaWeights, int]], meta: DeltaMeta
 ) -> torch.Tensor:
     """The launch of ``sbmm_stacked_cuda``, for callers that checked the call, ``cuda_supports`` and the
-    library. Eagerly the grid has the step's split; inside a CUDA-graph capture it has the most splits any
-    tile count could want, and the blocks recompute the split from ``meta.tile_count`` at every replay."""
+    library. Eagerly the grid has the step's real tiles (the table lists them first) and its split; inside a
+    CUDA-graph capture it has every row of the tile table and the most splits any tile count could want, and
+    the blocks recompute the split from ``meta.tile_count`` at every replay (padding rows' blocks exit)."""
     for w, col in slices:
         if meta.dense:
             dense_segments(x, out[:, col : col + w.out_features], w, meta)
@@ -228,7 +231,7 @@ def launch_cuda(
         ptrs([w.half2_flags.data_ptr() if half2 else None for w, _ in slices]),
         (ctypes.c_int * n)(*[w.out_features for w, _ in slices]), (ctypes.c_int * n)(*[col for _, col in slices]), n,
         w0.in_features, w0.group_size, x.stride(0), out.stride(0), w0.bits, int(w0.sparse), _CUDA_DTYPES[x.dtype],
-        block_m, meta.grid_tiles, split, rows, cols, slots,
+        block_m, meta.grid_tiles if capturing else meta.num_tiles, split, rows, cols, slots,
         int(w0.repacked), torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     cuda_ext.check(lib, code, "sbmm_cuda")

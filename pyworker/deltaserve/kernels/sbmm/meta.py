@@ -117,7 +117,7 @@ class DeltaMeta:
     def rows(cls, row_delta: Sequence[int], device: torch.device | str, max_block_m: int | None = None) -> DeltaMeta:
         """Decode metadata: token t uses slot ``row_delta[t]`` (-1: none), in any order (the rows of one
         slot share work tiles wherever they are). ``max_block_m`` caps the tokens per work tile
-        (``cuda_tile_cap``: the CUDA op's 64), cutting a longer run of one slot into several tiles. A cap
+        (``cuda_tile_cap``: the CUDA op's 16), cutting a longer run of one slot into several tiles. A cap
         that is not one of the Triton kernels' tile sizes (1, 2, 4, 16, 64; e.g. 8, one CUDA MMA fragment)
         makes metadata only the CUDA op takes."""
         return cls._build(Segments.from_rows(row_delta, SLOT_NAMES), device, max_block_m)
