@@ -10,6 +10,7 @@ The package::
 
     layout.py       DeltaWeights: one linear's delta pool (slots in flat buffers); make_delta_weights
     repack.py       the repacked (fragment-order) slot layout the CUDA op reads: repack, unpack, fits
+    repack_triton.py  repack / unpack in one Triton launch per linear (on CUDA; repack.py's torch code is its reference)
     meta.py         DeltaMeta: which tokens use which slot in one step, cut into work tiles
     checks.py       DTYPES, and what every entry point checks of a call
     ref.py          sbmm_ref: the torch reference, the CPU path
