@@ -123,7 +123,7 @@ template <typename T, int BITS, bool SPARSE, int NT, int G, bool HALF2>
 __device__ __forceinline__ void sbmm_mainloop(const Call<T>& c, const Slice& sl, int slot, int row0, int first,
                                               int end, int s_lo, int s_hi, float (&acc)[2][NT][4]) {
   using L = Layout<BITS, SPARSE, NT>;
-  constexpr int TM = L::TM, KSTEP = L::KSTEP, BREGS = KSTEP / 8;
+  constexpr int KSTEP = L::KSTEP, BREGS = KSTEP / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int N = sl.n, K = c.K;
@@ -139,22 +139,15 @@ __device__ __forceinline__ void sbmm_mainloop(const Call<T>& c, const Slice& sl,
   // empty past the split). Consecutive threads copy consecutive 16 bytes of a row: coalesced. A
   // thread copies the same pieces of every stage, so their sources are set up once: piece i of a
   // kind is row (thread / pieces per row) + i * (ROWS / pieces per row), at the thread's column.
-  constexpr int QP = L::QB / 16, IP = SPARSE ? L::IB / 16 : 1, GP = gb / 4, XP = KS / 8;  // pieces per row (token)
-  static_assert(ROWS % QP == 0 && ROWS % IP == 0 && ROWS % GP == 0 && ROWS % XP == 0, "piece split");
-  constexpr int QN = QP, IN = SPARSE ? IP : 0, GN = GP, XN = TM * XP / ROWS;  // pieces per thread and stage
+  constexpr int QP = L::QB / 16, IP = SPARSE ? L::IB / 16 : 1, GP = gb / 4;  // pieces per row
+  static_assert(ROWS % QP == 0 && ROWS % IP == 0 && ROWS % GP == 0, "piece split");
+  constexpr int QN = QP, IN = SPARSE ? IP : 0, GN = GP;  // pieces per thread and stage
   const int tid = threadIdx.x;
   const uint32_t* q_src = qv + (row0 + tid / QP) * qv_row + (tid % QP) * 4;
   const uint32_t* i_src = qi + (row0 + tid / IP) * qi_row + (tid % IP) * 4;
   const int64_t g_at = (row0 + tid / GP) * g_row + (tid % GP) * 2;
-  // The tile's fragments (nf of NT: its tokens rounded up to 8) and the x rows they read; rows of the last
-  // fragment past the tile are zero-filled, rows past the last fragment never copied nor read.
-  const int nf = min(NT, (end - first + 7) / 8);
-  int x_row[XN];  // token of each x piece the thread copies (-1: zero-filled)
-#pragma unroll
-  for (int i = 0; i < XN; ++i) {
-    const int m = tid / XP + i * (ROWS / XP);
-    x_row[i] = first + m < end ? c.order[first + m] : -1;
-  }
+  const XTile<T, NT> xt(c.order, first, end);  // the tile's x rows, nf fragments of them
+  const int nf = xt.nf;
   auto issue = [&](int s) {
     if (s < s_hi) {
       unsigned char* buf = smem + (s % STAGES) * L::STAGE;
@@ -182,15 +175,7 @@ __device__ __forceinline__ void sbmm_mainloop(const Call<T>& c, const Slice& sl,
         cp_async<4>(buf + L::S_OFF + r * L::GS + (tid % GP) * 4, ok ? sc + at : sc, ok);
         cp_async<4>(buf + L::Z_OFF + r * L::GS + (tid % GP) * 4, ok ? zr + at : zr, ok);
       }
-#pragma unroll
-      for (int i = 0; i < XN; ++i) {
-        const int m = tid / XP + i * (ROWS / XP);
-        if (m < nf * 8) {
-          const bool ok = x_row[i] >= 0;
-          const T* src = ok ? c.x + static_cast<int64_t>(x_row[i]) * c.x_stride + (tid % XP) * 8 + s * KS : c.x;
-          cp_async<16>(buf + L::X_OFF + (m * LDX + (tid % XP) * 8) * 2, src, ok);
-        }
-      }
+      xt.issue(buf + L::X_OFF, c.x, c.x_stride, s);
     }
     cp_async_commit();
   };
@@ -257,7 +242,7 @@ template <typename T, int BITS, bool SPARSE, int NT, int G, bool HALF2>
 __device__ __forceinline__ void sbmm_mainloop_frag(const Call<T>& c, const Slice& sl, int slot, int row0, int first,
                                                    int end, int s_lo, int s_hi, float (&acc)[2][NT][4]) {
   using L = FragLayout<BITS, SPARSE, NT, G>;
-  constexpr int TM = L::TM, KSTEP = L::KSTEP, BREGS = KSTEP / 8, GS = KS / G, STEPS = KS / KSTEP;
+  constexpr int KSTEP = L::KSTEP, BREGS = KSTEP / 8, GS = KS / G, STEPS = KS / KSTEP;
   constexpr uint32_t MASK2 = BITS == 4 ? 0x000F000Fu : 0x00030003u;
   extern __shared__ __align__(128) unsigned char smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -271,16 +256,8 @@ __device__ __forceinline__ void sbmm_mainloop_frag(const Call<T>& c, const Slice
   const __half* zr = sl.zr + sl.g_off[slot] + rb * stages * GH + tid * 8;
   constexpr int QN = L::QB / 16, IN = L::IB / 16, GP = GH * 2 / 16;  // pieces per thread (qv, qi); scale pieces
   static_assert(GP <= ROWS, "one scale piece per thread at most");
-  constexpr int XP = KS / 8, XN = TM * XP / ROWS;
-  // The tile's fragments (nf of NT: its tokens rounded up to 8) and the x rows they read; rows of the last
-  // fragment past the tile are zero-filled, rows past the last fragment never copied nor read.
-  const int nf = min(NT, (end - first + 7) / 8);
-  int x_row[XN];  // token of each x piece the thread copies (-1: zero-filled)
-#pragma unroll
-  for (int i = 0; i < XN; ++i) {
-    const int m = tid / XP + i * (ROWS / XP);
-    x_row[i] = first + m < end ? c.order[first + m] : -1;
-  }
+  const XTile<T, NT> xt(c.order, first, end);  // the tile's x rows, nf fragments of them
+  const int nf = xt.nf;
   auto issue = [&](int s) {
     if (s < s_hi) {
       unsigned char* buf = smem + (s % STAGES) * L::STAGE;
@@ -296,15 +273,7 @@ __device__ __forceinline__ void sbmm_mainloop_frag(const Call<T>& c, const Slice
         cp_async<16>(buf + L::S_OFF + tid * 16, sc + s * GH, true);
         cp_async<16>(buf + L::Z_OFF + tid * 16, zr + s * GH, true);
       }
-#pragma unroll
-      for (int i = 0; i < XN; ++i) {
-        const int m = tid / XP + i * (ROWS / XP);
-        if (m < nf * 8) {
-          const bool ok = x_row[i] >= 0;
-          const T* src = ok ? c.x + static_cast<int64_t>(x_row[i]) * c.x_stride + (tid % XP) * 8 + s * KS : c.x;
-          cp_async<16>(buf + L::X_OFF + (m * LDX + (tid % XP) * 8) * 2, src, ok);
-        }
-      }
+      xt.issue(buf + L::X_OFF, c.x, c.x_stride, s);
     }
     cp_async_commit();
   };
@@ -354,6 +323,23 @@ __device__ __forceinline__ void sbmm_mainloop_frag(const Call<T>& c, const Slice
 // Block (row block of some slice, work tile, K split). With one split it adds its products to out (the op's
 // one rounding); with several it writes its float32 partials to the workspace, and the split that arrives
 // last adds all of them, in split order, to out (deterministic; the counter is zero again after it).
+// out[order[at + u], col] = T(out + v[u]) for u < min(F, n), the op's one rounding: the F loads are issued
+// before any store, so their latencies overlap.
+template <typename T, int F>
+__device__ __forceinline__ void add_to_out(const Call<T>& c, int64_t col, int at, int n, const float (&v)[F]) {
+  T* o[F];
+  float old[F];
+#pragma unroll
+  for (int u = 0; u < F; ++u) {
+    if (u >= n) continue;
+    o[u] = c.out + static_cast<int64_t>(c.order[at + u]) * c.out_stride + col;
+    old[u] = to_float(*o[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < F; ++u)
+    if (u < n) *o[u] = from_float<T>(old[u] + v[u]);
+}
+
 template <int BITS, bool SPARSE, int NT, int G, bool FRAG>
 constexpr int SMEM_BYTES = FRAG ? FragLayout<BITS, SPARSE, NT, G>::BYTES : Layout<BITS, SPARSE, NT>::BYTES;
 
@@ -427,17 +413,10 @@ __global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, 
   if (row0 + r < N) {  // blockDim.x == ROWS: thread r owns row row0 + r
     for (int m0 = 0; m0 < tokens; m0 += FIX) {
       if (splits == 1) {
-        T* o[FIX];
-        float old[FIX];
+        float v[FIX];
 #pragma unroll
-        for (int u = 0; u < FIX; ++u) {
-          if (m0 + u >= tokens) continue;
-          o[u] = c.out + static_cast<int64_t>(c.order[first + m0 + u]) * c.out_stride + sl.col + row0 + r;
-          old[u] = to_float(*o[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < FIX; ++u)
-          if (m0 + u < tokens) *o[u] = from_float<T>(old[u] + acc_s[(m0 + u) * ACC_LD + r]);
+        for (int u = 0; u < FIX; ++u) v[u] = m0 + u < tokens ? acc_s[(m0 + u) * ACC_LD + r] : 0.f;
+        add_to_out<T, FIX>(c, sl.col + row0 + r, first + m0, tokens - m0, v);
       } else {
         float* w = c.ws + (static_cast<int64_t>(blockIdx.z) * c.ws_rows + first + m0) * c.ws_cols + sl.col + row0 + r;
 #pragma unroll
@@ -464,8 +443,7 @@ __global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, 
   __threadfence();
   if (row0 + r >= N) return;
   for (int m0 = 0; m0 < tokens; m0 += FIX) {
-    float total[FIX], old[FIX];
-    T* o[FIX];
+    float total[FIX];
 #pragma unroll
     for (int u = 0; u < FIX; ++u) total[u] = 0.f;
     for (int z = 0; z < splits; ++z) {
@@ -474,15 +452,7 @@ __global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, 
       for (int u = 0; u < FIX; ++u)
         if (m0 + u < tokens) total[u] += __ldcg(wz + static_cast<int64_t>(first + m0 + u) * c.ws_cols);
     }
-#pragma unroll
-    for (int u = 0; u < FIX; ++u) {
-      if (m0 + u >= tokens) continue;
-      o[u] = c.out + static_cast<int64_t>(c.order[first + m0 + u]) * c.out_stride + sl.col + row0 + r;
-      old[u] = to_float(*o[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < FIX; ++u)
-      if (m0 + u < tokens) *o[u] = from_float<T>(old[u] + total[u]);
+    add_to_out<T, FIX>(c, sl.col + row0 + r, first + m0, tokens - m0, total);
   }
 }
 

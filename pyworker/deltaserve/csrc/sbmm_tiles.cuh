@@ -97,6 +97,37 @@ template <int BITS, bool SPARSE, int NT, int G> struct FragLayout {
   static constexpr int WPW = 32 * QB / 4;                           // qvalues words per warp and stage
 };
 
+// The x rows of one work tile that a block copies each stage (both mainloops' share of a stage): thread tid
+// copies 16-byte pieces i of rows tid / XP + i * (ROWS / XP), XP pieces a row. The tile's nf fragments (its
+// tokens rounded up to 8) are copied, rows past the tile's end zero-filled; rows past the last fragment are
+// never copied (nor read: the MMAs take only nf fragments).
+template <typename T, int NT> struct XTile {
+  static constexpr int XP = KS / 8, XN = 8 * NT * XP / ROWS;
+  static_assert(ROWS % XP == 0 && XN >= 1, "x piece split");
+  int row[XN];  // token of each piece's row (-1: zero-filled)
+  int nf;
+  __device__ __forceinline__ XTile(const int32_t* order, int first, int end) : nf(min(NT, (end - first + 7) / 8)) {
+#pragma unroll
+    for (int i = 0; i < XN; ++i) {
+      const int m = threadIdx.x / XP + i * (ROWS / XP);
+      row[i] = first + m < end ? order[first + m] : -1;
+    }
+  }
+  // Stage s (columns s * KS ..) of x (x_stride elements a token) into x_s (LDX elements a row).
+  __device__ __forceinline__ void issue(unsigned char* x_s, const T* x, int64_t x_stride, int s) const {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < XN; ++i) {
+      const int m = tid / XP + i * (ROWS / XP);
+      if (m < nf * 8) {
+        const bool ok = row[i] >= 0;
+        const T* src = ok ? x + static_cast<int64_t>(row[i]) * x_stride + (tid % XP) * 8 + s * KS : x;
+        cp_async<16>(x_s + (m * LDX + (tid % XP) * 8) * 2, src, ok);
+      }
+    }
+  }
+};
+
 // The codes of one row in lane t's A registers for one k-step (``w``: the row's k-step words), each
 // pair spread to bits 0 and 16: ``lo`` the pair of its first register (2:4 chunk t / dense columns
 // 2t, 2t + 1), ``hi`` of its second (chunk t + 4 / columns 2t + 8, 2t + 9).
