@@ -320,9 +320,6 @@ __device__ __forceinline__ void sbmm_mainloop_frag(const Call<T>& c, const Slice
   cp_async_wait<0>();
 }
 
-// Block (row block of some slice, work tile, K split). With one split it adds its products to out (the op's
-// one rounding); with several it writes its float32 partials to the workspace, and the split that arrives
-// last adds all of them, in split order, to out (deterministic; the counter is zero again after it).
 // out[order[at + u], col] = T(out + v[u]) for u < min(F, n), the op's one rounding: the F loads are issued
 // before any store, so their latencies overlap.
 template <typename T, int F>
@@ -340,11 +337,16 @@ __device__ __forceinline__ void add_to_out(const Call<T>& c, int64_t col, int at
     if (u < n) *o[u] = from_float<T>(old[u] + v[u]);
 }
 
+// Dynamic shared memory of one block of the kernel below: its STAGES stages over the plain or repacked pool.
 template <int BITS, bool SPARSE, int NT, int G, bool FRAG>
 constexpr int SMEM_BYTES = FRAG ? FragLayout<BITS, SPARSE, NT, G>::BYTES : Layout<BITS, SPARSE, NT>::BYTES;
 
+// Block (row block of some slice, work tile, K split). With one split it adds its products to out (the op's
+// one rounding); with several it writes its float32 partials to the workspace, and the split that arrives
+// last adds all of them, in split order, to out (deterministic; the counter is zero again after it).
 template <typename T, int BITS, bool SPARSE, int NT, int G, bool FRAG>
-__global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, G, FRAG>)) sbmm_kernel(const __grid_constant__ Call<T> c) {
+__global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, G, FRAG>))
+    sbmm_kernel(const __grid_constant__ Call<T> c) {
   const int tile = blockIdx.y;
   const int slot = c.tiles[tile * 3 + 2];
   if (slot < 0) return;  // a padding row of the tile table
@@ -395,7 +397,7 @@ __global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, 
   constexpr int FIX = 8, ACC_LD = ROWS + 4;
   static_assert(8 * NT * ACC_LD * 4 <= SMEM_BYTES<BITS, SPARSE, NT, G, FRAG>, "the accumulator tile fits");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int N = sl.n, nf = min(NT, (end - first + 7) / 8), r = threadIdx.x, tokens = end - first;
+  const int N = sl.n, nf = filled_fragments<NT>(end - first), r = threadIdx.x, tokens = end - first;
   extern __shared__ __align__(128) unsigned char smem[];
   float* acc_s = reinterpret_cast<float*>(smem);
   __syncthreads();  // every warp is done reading the last stage

@@ -101,12 +101,16 @@ template <int BITS, bool SPARSE, int NT, int G> struct FragLayout {
 // copies 16-byte pieces i of rows tid / XP + i * (ROWS / XP), XP pieces a row. The tile's nf fragments (its
 // tokens rounded up to 8) are copied, rows past the tile's end zero-filled; rows past the last fragment are
 // never copied (nor read: the MMAs take only nf fragments).
+// The 8-token fragments a work tile of ``tokens`` tokens fills, at most NT (the kernel's instantiation): the
+// MMAs, the x copies and the epilogue all stop there.
+template <int NT> __device__ __forceinline__ int filled_fragments(int tokens) { return min(NT, (tokens + 7) / 8); }
+
 template <typename T, int NT> struct XTile {
   static constexpr int XP = KS / 8, XN = 8 * NT * XP / ROWS;
   static_assert(ROWS % XP == 0 && XN >= 1, "x piece split");
   int row[XN];  // token of each piece's row (-1: zero-filled)
   int nf;
-  __device__ __forceinline__ XTile(const int32_t* order, int first, int end) : nf(min(NT, (end - first + 7) / 8)) {
+  __device__ __forceinline__ XTile(const int32_t* order, int first, int end) : nf(filled_fragments<NT>(end - first)) {
 #pragma unroll
     for (int i = 0; i < XN; ++i) {
       const int m = threadIdx.x / XP + i * (ROWS / XP);
