@@ -29,6 +29,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,13 +72,15 @@ def bench_batch(
     overlap: bool = False,
     floors: list[int] | None = None,
     stats: dict | None = None,
+    after_step: Callable[[int], None] | None = None,
 ) -> list[float]:
     """Times decode steps of ``batch`` requests at KV length ``ctx``; request i uses LoRA adapter
     ``adapter_ids[i]`` (already GPU-resident; 0 or None: the base). KV pages from ``first_block``.
     ``overlap``: each step is launched before the previous one is finished (see the module doc).
     ``floors``: gets the worker's floor of each timed step (``StepTiming.floor_us``, from
     ``deltaserve.worker.step_floor``), microseconds. ``stats["kv_sets"]``: how many distinct
-    context page sets the requests read (see ``kv_page_sets``)."""
+    context page sets the requests read (see ``kv_page_sets``). ``after_step(i)``: called after the
+    i-th step (0 admits the requests, then ``warmup`` steps, then the timed ones; one at a time only)."""
     bs = ex.block_size
     blocks_per_req = (ctx + steps + warmup + 1 + bs - 1) // bs
     kv_sets = kv_page_sets(batch, ctx, blocks_per_req, bs, ex.num_blocks - first_block)
@@ -107,7 +110,11 @@ def bench_batch(
         )
     ids = [r.req_id for r in new]
     step_id = first_id * 1000
+    if overlap and after_step is not None:
+        raise ValueError("bench_batch: after_step needs steps run one at a time")
     ex.step(wire.StepPlan(step_id=step_id, new_requests=new, running=[], released=[]))
+    if after_step is not None:
+        after_step(0)
     times = []
     plans = [
         wire.StepPlan(
@@ -143,6 +150,8 @@ def bench_batch(
             times.append(t1 - t0)
             if floors is not None:
                 floors.append(out.timing.floor_us)
+        if after_step is not None:
+            after_step(s + 1)
     ex.step(wire.StepPlan(step_id=step_id + warmup + steps + 1, new_requests=[], running=[], released=ids))
     return times
 

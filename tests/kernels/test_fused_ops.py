@@ -115,6 +115,57 @@ def test_rmsnorm_kernel_leading_dims_and_mixed_weight_dtype() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [0, 3])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rmsnorm_row_delta_kernel_matches_reference(tokens: int, heads: int, dtype: torch.dtype) -> None:
+    """Per-row weights ``w + table[index[t]]`` (a compressed delta's norm deltas), gathered in the
+    kernel: [rows, N] rows and [rows, heads, N] q / k norms (one weight per row for all its heads),
+    with and without the residual; index 0 is the table's zero row (a row without a delta)."""
+    hidden = 96
+    shape = (tokens, heads, hidden) if heads else (tokens, hidden)
+    x = randn(*shape, dtype=dtype, seed=tokens + heads, scale=3.0)
+    res = randn(*shape, dtype=dtype, seed=tokens + heads + 1)
+    w = (1 + randn(hidden, dtype=torch.float32, seed=hidden, scale=0.2)).to(dtype)
+    table = randn(4, hidden, dtype=dtype, seed=7, scale=0.1)
+    table[0] = 0
+    index = torch.tensor([t % 4 for t in range(tokens)], dtype=torch.int64, device=DEVICE)
+    delta = (table, index)
+    close(rmsnorm(x, w, 1e-5, delta, use_triton=True), rmsnorm_ref(x, w, 1e-5, delta))
+    normed, new_res = fused_add_rmsnorm(x, res, w, 1e-6, delta, use_triton=True)
+    want_normed, want_res = fused_add_rmsnorm_ref(x, res, w, 1e-6, delta)
+    assert torch.equal(new_res, want_res)
+    close(normed, want_normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_row_delta_reference_is_the_row_s_own_weight(dtype: torch.dtype) -> None:
+    """The reference's row t equals the plain norm with weight ``w + table[index[t]]`` (HF's
+    ``weight * x_normed`` with that weight), bit for bit; rows of index 0 equal the base norm."""
+    hidden = 64
+    x = randn(5, hidden, dtype=dtype, seed=11, scale=2.0)
+    w = (1 + randn(hidden, dtype=torch.float32, seed=12, scale=0.2)).to(dtype)
+    table = randn(3, hidden, dtype=dtype, seed=13, scale=0.1)
+    table[0] = 0
+    index = torch.tensor([0, 2, 1, 0, 2], dtype=torch.int64, device=DEVICE)
+    got = rmsnorm_ref(x, w, 1e-5, (table, index))
+    for t in range(5):
+        assert torch.equal(got[t], rmsnorm_ref(x[t : t + 1], w + table[index[t]], 1e-5)[0])
+    assert torch.equal(got[0], rmsnorm_ref(x[:1], w, 1e-5)[0])
+
+
+def test_rmsnorm_row_delta_bad_shapes_are_refused() -> None:
+    x = randn(4, 64, dtype=torch.float32, seed=1)
+    w = torch.ones(64, device=DEVICE)
+    table = torch.zeros(3, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="index"):
+        rmsnorm(x, w, 1e-5, (table, torch.zeros(3, dtype=torch.int64, device=DEVICE)), use_triton=True)
+    with pytest.raises(ValueError, match="index"):
+        rmsnorm(x, w, 1e-5, (table, torch.zeros(4, dtype=torch.int32, device=DEVICE)), use_triton=True)
+    with pytest.raises(ValueError, match="table"):
+        rmsnorm(x, w, 1e-5, (table[:, :32], torch.zeros(4, dtype=torch.int64, device=DEVICE)), use_triton=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rmsnorm_reference_is_hf(dtype: torch.dtype) -> None:
     hidden = 576
     hf = LlamaRMSNorm(hidden, eps=1e-5).to(DEVICE, dtype)

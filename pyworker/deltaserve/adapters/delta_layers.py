@@ -14,7 +14,8 @@ compress``) is ``W_base + Δ̃`` for every tensor it changed, and ``W_base + Δ�
                                                             deltas sharing the block are one group
         out[:, slice] += bias_table[index]                  dense bias deltas (Qwen2's qkv biases)
     model.embed_tokens -> DeltaEmbedding   out += embed_table[d(t) * V + ids]   (a zero row for no delta)
-    layer norms        -> DeltaRMSNorm     out[r] = norm(x)[r] * (w + norm_table[index[r]])  (HF's order)
+    layer norms        -> DeltaRMSNorm     out[r] = norm(x)[r] * (w + norm_table[index[r]])  (HF's order;
+                                                                           gathered in the norm kernel)
     model.norm         -> DeltaRMSNorm over the logits rows (the final norm runs on them only)
     lm_head            -> DeltaLmHead      out[r] += x[r] Δhead_{d(r)}^T   (kernels.dense_delta; tied:
                                                                            the embedding delta)
@@ -44,6 +45,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..kernels.dense_delta import dense_delta_rows
+from ..kernels.rmsnorm import RowDelta
 from ..kernels.sbmm import DeltaMeta, DeltaWeights, sbmm_stacked
 from ..model.decoder import DecoderLM, RMSNorm, linear_slots
 from .delta_blocks import part_of, piece_index
@@ -192,15 +194,16 @@ class DeltaRMSNorm(RMSNorm):
         """True for the final norm, which runs on the logits rows only."""
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, row_weight: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, row_delta: RowDelta | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if not self.step.active or row_weight is not None:
-            return super().forward(x, residual, row_weight)
+        if not self.step.active or row_delta is not None:
+            return super().forward(x, residual, row_delta)
         # Row r: norm(x)[r] with weight w + Δw_{d(r)}; Δw is the zero row without a delta: the base
-        # norm's value. ``RMSNorm`` applies a per-row weight in its own convention (Gemma's 1 + w).
+        # norm's value. ``RMSNorm`` applies a per-row weight in its own convention (Gemma's 1 + w);
+        # Llama's gathers and adds it in the norm kernel (one launch, as the base norm).
         index = self.step.logit_index if self.logits else self.step.token_index
         assert index is not None  # active: both are set
-        return super().forward(x, residual, self.weight + self.step.tables.norms[self.name].index_select(0, index))
+        return super().forward(x, residual, (self.step.tables.norms[self.name], index))
 
 
 class DeltaLmHead(nn.Linear):

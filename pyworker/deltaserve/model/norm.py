@@ -5,8 +5,9 @@
 - Gemma (``unit_offset``): ``GemmaRMSNorm``: normalise in float32, multiply by ``1 + weight`` in
   float32, round once. The stored weight is HF's (zero-centred); torch ops on every device.
 
-Both take an optional ``row_weight`` ``[rows, N]``: a per-row weight used instead of ``weight``
-(the delta wrappers' ``w + Δw``), broadcast over heads when ``x`` is ``[rows, heads, N]`` (q/k norms).
+Both take an optional ``row_delta`` ``(table [S, N], index [rows])``: row t's weight is
+``weight + table[index[t]]`` (the delta wrappers' ``w + Δw``), broadcast over heads when ``x`` is
+``[rows, heads, N]`` (q/k norms); Llama's convention gathers and adds it inside the norm kernel.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+from ..kernels.rmsnorm import RowDelta, fused_add_rmsnorm, rmsnorm, row_weights
 
 
 class RMSNorm(nn.Module):
@@ -28,26 +29,17 @@ class RMSNorm(nn.Module):
         """Gemma's ``x * (1 + weight)`` in float32 (module docstring)."""
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, row_weight: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, row_delta: RowDelta | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
         if not self.unit_offset:
-            weight = self.weight if row_weight is None else torch.ones_like(self.weight)
             if residual is None:
-                normed = rmsnorm(x, weight, self.eps)
-            else:
-                normed, residual = fused_add_rmsnorm(x, residual, weight, self.eps)
-            if row_weight is None:
-                return normed if residual is None else (normed, residual)
-            # 1 * x_normed is exact: then the per-row weight, as HF multiplies (weight * x_normed).
-            out = normed * (row_weight.unsqueeze(-2) if x.dim() == row_weight.dim() + 1 else row_weight)
-            return out if residual is None else (out, residual)
+                return rmsnorm(x, self.weight, self.eps, row_delta)
+            return fused_add_rmsnorm(x, residual, self.weight, self.eps, row_delta)
         if residual is not None:
             residual = x + residual  # in the model dtype, as HF adds
             x = residual
-        weight = self.weight if row_weight is None else row_weight
-        if row_weight is not None and x.dim() == row_weight.dim() + 1:
-            weight = row_weight.unsqueeze(-2)  # [rows, N] over [rows, heads, N]
+        weight = self.weight if row_delta is None else row_weights(self.weight, row_delta, x)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = (xf * (1.0 + weight.float())).to(x.dtype)

@@ -1,0 +1,63 @@
+"""``bench/profile_step.py`` runs end to end in ``--smoke`` mode (CPU operators in place of kernels):
+every case is profiled, its time splits into kinds that add up to the total, and each variant case
+is set against the base step of its batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import profile_step
+
+
+def test_profile_step_smoke(tmp_path: Path) -> None:
+    r = json.loads(profile_step.main(["--smoke", "--out", str(tmp_path)]).read_text())
+    assert r["experiment"] == "profile_step" and r["mode"] == "eager" and r["device"] == "cpu"
+    cases = {row["case"]: row for row in r["rows"]}
+    assert set(cases) == {"base-b2", "delta2-b2", "lora2-b2"}
+    for row in cases.values():
+        assert row["device_us_per_step"] > 0 and row["step_ms"] > 0 and row["kernels"]
+        kinds = sum(k["us"] for k in row["by_kind"].values())
+        assert kinds == pytest.approx(row["device_us_per_step"])
+        assert sum(k["us"] for k in row["kernels"]) == pytest.approx(row["device_us_per_step"])
+    assert "added_by_kind" not in cases["base-b2"]
+    for name in ("delta2-b2", "lora2-b2"):
+        row = cases[name]
+        added = sum(row["added_by_kind"].values())
+        assert added == pytest.approx(row["added_us"])
+        assert row["added_us"] == pytest.approx(row["device_us_per_step"] - cases["base-b2"]["device_us_per_step"])
+
+
+@pytest.mark.parametrize(
+    "spec,kind,variants,batch",
+    [("base-b1", "base", 0, 1), ("delta8-b64", "delta", 8, 64), ("lora64-b64", "lora", 64, 64)],
+)
+def test_case_specs(spec: str, kind: str, variants: int, batch: int) -> None:
+    case = profile_step.parse_case(spec)
+    assert (case.kind, case.variants, case.batch) == (kind, variants, batch)
+    assert len(case.rows(5)) == batch and (kind == "base" or set(case.rows(5)) <= set(range(5, 5 + variants)))
+
+
+@pytest.mark.parametrize("spec", ["lora-b4", "delta0-b4", "base-b0", "base", "zoo1-b2"])
+def test_bad_case_specs_are_refused(spec: str) -> None:
+    with pytest.raises(SystemExit, match="--cases"):
+        profile_step.parse_case(spec)
+
+
+@pytest.mark.parametrize(
+    "name,kind",
+    [
+        ("void (anonymous namespace)::sbmm_kernel<__half, 4, true, 2, 64, true>", "sbmm"),
+        ("_mbgmv_expand_kernel", "lora"),
+        ("nvjet_sm90_hsh_168x64_64x7_2x1_v_bz_TNN", "gemm"),
+        ("paged_decode_kernel", "attention"),
+        ("_rmsnorm_kernel", "norm"),
+        ("_dense_delta_kernel", "lm_head delta"),
+        ("void at::native::vectorized_gather_kernel<16, long>", "gather / index"),
+        ("something_new", "other"),
+    ],
+)
+def test_kernel_kinds(name: str, kind: str) -> None:
+    assert profile_step.kind_of(name) == kind
