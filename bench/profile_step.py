@@ -277,18 +277,20 @@ def run(args: argparse.Namespace) -> Path:
             if deltas
             else {}
         )
-        weights = write_random_lora_dir(root / "w", SHAPES[args.shape], LORA_RANK, SEVEN, seed=1)
         lora_base = 1 + deltas  # variant ids: deltas 1..deltas, then the adapters
-        lora_dirs = {
-            lora_base + k: write_random_lora_dir(
-                root / "loras" / f"a{k}",
-                SHAPES[args.shape],
-                LORA_RANK,
-                SEVEN,
-                weights=weights / "adapter_model.safetensors",
-            )
-            for k in range(loras)
-        }
+        lora_dirs: dict[int, Path] = {}
+        if loras:  # every adapter links one random weight file
+            weights = write_random_lora_dir(root / "w", SHAPES[args.shape], LORA_RANK, SEVEN, seed=1)
+            lora_dirs = {
+                lora_base + k: write_random_lora_dir(
+                    root / "loras" / f"a{k}",
+                    SHAPES[args.shape],
+                    LORA_RANK,
+                    SEVEN,
+                    weights=weights / "adapter_model.safetensors",
+                )
+                for k in range(loras)
+            }
         ex = build_executor(base, device, dtype, cases, args.eager, kv_bytes)
         t0 = time.perf_counter()
         if delta_dirs:
