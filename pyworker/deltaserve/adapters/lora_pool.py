@@ -38,7 +38,7 @@ Per-step tables (static: allocated once, filled in place, so captured CUDA graph
 ``begin_segments(segments, decode)`` maps the step's adapters to slots (sticky: an adapter keeps its
 slot while it stays on the GPU, so steady decode rewrites no table; a new one takes a free slot or
 one whose adapter this step does not use), fills the metadata and sets ``step.meta`` (MBGMV, one
-row per token, for decode steps, with the rows grouped by adapter when the decode path is ``tiles``; SGMV, one segment per run, otherwise; a step of several-token runs
+row per token, for decode steps; SGMV, one segment per run, otherwise; a step of several-token runs
 next to one-token runs with adapters is mixed: its one-token runs are MBGMV rows, ``LoraMeta.mixed_step``);
 ``end_step`` clears it.
 A step without adapter tokens sets nothing: every adapted linear is then its base alone.
@@ -55,15 +55,7 @@ from pathlib import Path
 import torch
 
 from .. import wire
-from ..kernels.lora import (
-    LoraMeta,
-    LoraWeights,
-    get_decode_path,
-    group_buffer,
-    grouped_view,
-    sgmv_tiles,
-    single_rows,
-)
+from ..kernels.lora import LoraMeta, LoraWeights, sgmv_tiles, single_rows
 from ..kernels.region_copy import copy_regions
 from ..model.arch import ModelConfig
 from ..model.batch import copy_from_host, host_to_device
@@ -561,17 +553,13 @@ class LoraPool:
             copy_from_host(self.seg_tiles[:n_tiles], torch.tensor(tiles, dtype=torch.int32).view(-1, 2))
         if rows:
             copy_from_host(self.seg_rows[:, : len(rows)], torch.tensor([rows, row_slots], dtype=torch.int32))
-        groups = None
-        if decode and get_decode_path() == "tiles":  # an eager decode step: exact tiles, a fresh buffer
-            flat = torch.tensor(group_buffer(seg_adapter, total, None), dtype=torch.int32)
-            groups = grouped_view(host_to_device(flat, self.device), seg_adapter, None)
         self.step.meta = LoraMeta(
             seg_start=self.seg_start[: S + 1], seg_adapter=self.seg_adapter[:S],
             seg_start_host=tuple(starts), seg_adapter_host=tuple(seg_adapter), num_tokens=total,
             max_adapter=max(seg_adapter), decode=decode,
             tiles=None if decode else self.seg_tiles[:n_tiles], num_tiles=n_tiles,
             rows=self.seg_rows[0, : len(rows)] if mixed else None,
-            row_adapter=self.seg_rows[1, : len(rows)] if mixed else None, num_rows=len(rows), groups=groups,
+            row_adapter=self.seg_rows[1, : len(rows)] if mixed else None, num_rows=len(rows),
         )  # fmt: skip
         return True
 

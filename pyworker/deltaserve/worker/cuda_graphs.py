@@ -25,9 +25,7 @@ slot, -1 for base rows and padding) and ``row_start = arange(B + 1)`` form the M
 and the pool's slot tables (offsets, ranks, scales) are static too. A decode step with adapter
 rows fills its slots' tables (``LoraPool.assign_rows``) and ``row_slot``, then replays that
 graph; the MBGMV launch grid depends on the bucket only, so adapters coming and going never
-invalidate a graph. On the ``tiles`` LoRA decode path (``kernels.lora``) the graph also reads a static
-adapter-group buffer per bucket (``row_groups``: the rows sorted by slot, their groups and a tile list
-padded to the bucket's bound), rewritten with ``row_slot`` before each replay. Base-only steps keep replaying the plain graphs, which contain no LoRA work. Padding rows write their K/V into ``scratch_slot``, a KV slot the executor
+invalidate a graph. Base-only steps keep replaying the plain graphs, which contain no LoRA work. Padding rows write their K/V into ``scratch_slot``, a KV slot the executor
 keeps out of the router's pool. Only the Triton attention path is capturable (the torch reference
 shapes its tensors by each step's lengths), so graphs need CUDA and the Triton kernels.
 
@@ -48,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.kernels.lora import LoraMeta, get_decode_path, group_buffer, group_tile_bound, grouped_view
+from deltaserve.kernels.lora import LoraMeta
 from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
 from deltaserve.model.batch import copy_from_host
 
@@ -118,11 +116,6 @@ class DecodeGraphs:
         """Static MBGMV metadata: row r is segment r."""
         self.lora_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         """Bucket size -> (its graph with the adapted linears active, its logits)."""
-        self.lora_path = get_decode_path()
-        """The LoRA decode path the LoRA graphs are captured with (``kernels.lora.set_decode_path``)."""
-        self.row_groups: dict[int, torch.Tensor] = {}
-        """``tiles`` path: bucket size -> its static adapter-group buffer (``kernels.lora.group_buffer``'s
-        layout for the bucket's rows and tile bound), rewritten before each LoRA replay."""
         self.deltas = deltas
         """The delta pool whose static buffers the delta graphs read; None: steps with deltas run eagerly
         (as do steps whose configs the CUDA SBMM op does not take: ``takes_deltas``)."""
@@ -213,23 +206,11 @@ class DecodeGraphs:
         """MBGMV metadata over the static row buffers for a bucket of ``b`` rows. Its host fields
         only size the launch (decode grids depend on ``b`` alone); the rows' slots are read from
         ``row_slot`` when the graph replays."""
-        groups = None
-        if self.lora_path == "tiles":
-            if b not in self.row_groups:
-                self.row_groups[b] = torch.zeros(
-                    len(group_buffer([], b, self._group_tiles(b))), dtype=torch.int32, device=self.kv.device
-                )
-            groups = grouped_view(self.row_groups[b], None, self._group_tiles(b), rows=b)
         return LoraMeta(
             seg_start=self.row_start[: b + 1], seg_adapter=self.row_slot[:b],
             seg_start_host=tuple(range(b + 1)), seg_adapter_host=(0,) * b, num_tokens=b,
-            max_adapter=0, decode=True, groups=groups,
+            max_adapter=0, decode=True,
         )  # fmt: skip
-
-    def _group_tiles(self, b: int) -> int:
-        """The static tile bound of bucket ``b``'s adapter groups (``tiles`` path)."""
-        assert self.lora is not None
-        return group_tile_bound(b, self.lora.max_slots)
 
     def takes_deltas(self, delta_ids: list[int]) -> bool:
         """Whether a decode step whose rows use ``delta_ids`` can replay a delta graph: the runner has the
@@ -321,9 +302,6 @@ class DecodeGraphs:
                 raise ValueError(f"DecodeGraphs.run: no LoRA graph for {n} rows with {len(row_slots)} slots")
             slots = torch.tensor(row_slots + [-1] * (b - n), dtype=torch.int32)
             copy_from_host(self.row_slot[:b], slots)
-            if self.lora_path == "tiles":
-                flat = torch.tensor(group_buffer(row_slots, b, self._group_tiles(b)), dtype=torch.int32)
-                copy_from_host(self.row_groups[b], flat)
             graphs = self.lora_graphs
         if variant is not None:
             assert self.deltas is not None and delta_ids is not None  # a variant means both

@@ -44,15 +44,12 @@ program computes exactly what the per-slice path's does, and the results are equ
 mbgmv.py draw the grids).
 
 Decode path of ``lora_delta`` / ``lora_delta_stacked`` (``set_decode_path``, env ``DELTASERVE_LORA_DECODE``):
-``split`` (MBGMV shrink then expand, two launches per module), ``fused`` (one launch per module,
-fused.py) or ``tiles`` (the rows grouped by adapter, ``LoraMeta.groups``, and run as SGMV tiles of 16
-rows gathered through the group order: two launches per module, each adapter's A and B read once per
-tile instead of once per row). ``bench/lora_decode_step.py --paths tiles,split,fused`` compares them.
-On an H100 (5602284, Llama-2-7B shape, b64, rank 16, seven projections, CUDA graphs) 1 adapter cost
-1.16x the base step split and 1.40x fused, 64 distinct 1.21x and 1.58x: the fused kernel recomputes a
-row block's x·A for every column chunk and launches slots x row blocks x chunks programs, most of
-which exit at once. The decode metadata builders (``LoraMeta.mbgmv``, the adapter pool, the decode
-graphs) add ``groups`` when the path is ``tiles``.
+``split`` (the default: MBGMV shrink then expand, two launches per module) or ``fused`` (one launch
+per module, fused.py; ``bench/lora_decode_step.py --paths fused,split`` compares them). Split stays
+the default because it measured faster: on an H100 (5602284, Llama-2-7B shape, b64, rank 16, seven
+projections, CUDA graphs) 1 adapter cost 1.16x the base step split and 1.40x fused, 64 distinct
+1.21x and 1.58x. The fused kernel recomputes a row block's x·A for every column chunk and launches
+slots x row blocks x chunks programs, most of which exit at once.
 
 Prefill (SGMV): a short chunk's shrink splits its input columns over programs (``sgmv.sgmv_split``,
 from shapes only; float32 partials of fixed column chunks, summed in chunk order by the expand);
@@ -83,18 +80,18 @@ from .checks import check_call, check_out
 from .fused import FUSED_LAUNCH, fused_decode
 from .layout import DTYPES, LoraSlice, LoraStack, LoraWeights, make_weights
 from .mbgmv import MB_EXPAND_LAUNCH, MB_SHRINK_LAUNCH, mbgmv_expand, mbgmv_shrink, mbgmv_shrink_partials
-from .meta import SGMV_TILE, LoraMeta, group_buffer, group_tile_bound, grouped_view, sgmv_tiles, single_rows
+from .meta import SGMV_TILE, LoraMeta, sgmv_tiles, single_rows
 from .ref import lora_expand_ref, lora_shrink_ref
 from .sgmv import sgmv_delta, sgmv_expand, sgmv_shrink
 
 __all__ = [
     "DECODE_PATHS", "DTYPES", "FUSED_LAUNCH", "MB_EXPAND_LAUNCH", "MB_SHRINK_LAUNCH", "SGMV_TILE", "LoraMeta", "LoraSlice", "LoraStack",
-    "LoraWeights", "get_decode_path", "group_buffer", "group_tile_bound", "grouped_view", "lora_delta", "lora_delta_stacked", "lora_delta_stacked_ref", "lora_expand", "lora_expand_ref",
+    "LoraWeights", "get_decode_path", "lora_delta", "lora_delta_stacked", "lora_delta_stacked_ref", "lora_expand", "lora_expand_ref",
     "lora_expand_triton", "lora_shrink", "lora_shrink_ref", "lora_shrink_triton", "make_weights", "set_decode_path", "sgmv_tiles",
     "single_rows",
 ]  # fmt: skip
 
-DECODE_PATHS = ("fused", "split", "tiles")
+DECODE_PATHS = ("fused", "split")
 """Accepted values of ``set_decode_path``."""
 _decode_path = os.environ.get("DELTASERVE_LORA_DECODE", "split")
 if _decode_path not in DECODE_PATHS:
@@ -103,8 +100,8 @@ if _decode_path not in DECODE_PATHS:
 
 def set_decode_path(name: str) -> str:
     """Selects the decode kernels of ``lora_delta`` / ``lora_delta_stacked``: ``fused`` (one launch per
-    module), ``split`` (MBGMV shrink then expand) or ``tiles`` (SGMV over the rows grouped by adapter);
-    returns the previous setting. CUDA graphs keep the path they were captured with."""
+    module) or ``split`` (shrink then expand); returns the previous setting. CUDA graphs keep the
+    path they were captured with."""
     global _decode_path
     if name not in DECODE_PATHS:
         raise ValueError(f"lora decode path {name!r}: want one of {', '.join(DECODE_PATHS)}")
@@ -113,7 +110,7 @@ def set_decode_path(name: str) -> str:
 
 
 def get_decode_path() -> str:
-    """The current decode path (``fused``, ``split`` or ``tiles``)."""
+    """The current decode path (``fused`` or ``split``)."""
     return _decode_path
 
 
@@ -158,8 +155,7 @@ def lora_expand_triton(v: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: tor
 
 def _lora_delta_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: torch.Tensor) -> None:
     """One slice on the Triton path. Decode, fused: one launch; split: the expand reads the shrink's
-    float32 partials directly (two launches, no zero fill, no finished v); tiles: SGMV over the
-    adapter groups (``sgmv_delta``, split-K as it picks); prefill: SGMV shrink then
+    float32 partials directly (two launches, no zero fill, no finished v); prefill: SGMV shrink then
     expand (``sgmv_delta``: split-K for short chunks, the same result); mixed: the chunk's SGMV, then
     the split decode path over the row list."""
     check_call("lora_shrink", x, w, meta, w.in_dim, "in_dim")
@@ -175,18 +171,8 @@ def _lora_delta_triton(x: torch.Tensor, w: LoraWeights, meta: LoraMeta, out: tor
         if meta.num_rows:
             mbgmv_expand(mbgmv_shrink_partials(x, w, meta), w, meta, out)
         return
-    _decode(x, w, meta, out)
-
-
-def _decode(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out: torch.Tensor) -> None:
-    """A decode step's launches on the current decode path (``set_decode_path``), whatever the rows'
-    adapters: every grid depends on shapes only (CUDA graphs)."""
     if _decode_path == "fused":
         fused_decode(x, w, meta, out)
-    elif _decode_path == "tiles":
-        if meta.groups is None:
-            raise ValueError("lora decode path 'tiles': the decode meta has no adapter groups (LoraMeta.groups)")
-        sgmv_delta(x, w, meta.groups, out)
     else:
         mbgmv_expand(mbgmv_shrink_partials(x, w, meta), w, meta, out)
 
@@ -281,8 +267,11 @@ def _lora_delta_stacked_triton(x: torch.Tensor, out: torch.Tensor, stack: LoraSt
     t = x.shape[0]
     if t == 0:
         return
-    if meta.decode:
-        _decode(x, stack, meta, out)
+    if meta.decode:  # launched whatever the rows' adapters: the grid depends on shapes only
+        if _decode_path == "fused":
+            fused_decode(x, stack, meta, out)
+        else:
+            mbgmv_expand(mbgmv_shrink_partials(x, stack, meta), stack, meta, out)
         return
     if meta.max_adapter < 0:
         return

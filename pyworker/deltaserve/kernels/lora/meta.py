@@ -15,11 +15,6 @@ Built once per step and reused by every layer and projection, on the step's segm
         rows [R] int32            token row of each MBGMV row
         row_adapter [R] int32     its adapter (-1: a padding entry of a CUDA graph's static list)
 
-    grouped (decode, the ``tiles`` decode path): the decode rows sorted by adapter, as SGMV segments
-        over positions of that order (``LoraMeta.groups``, an SGMV meta with ``order``)
-        order [T'] int32          token row of each position (rows of adapter -1 left out)
-        seg_start / seg_adapter / tiles   as SGMV, over positions: tile rows are order[m0 ..]
-
 A mixed step thus pays the decode step's MBGMV for its decode rows plus SGMV for its chunk, instead
 of a whole 16-token SGMV tile per decode row. ``seg_start`` / ``seg_adapter`` still describe every
 token (the reference reads them), so a mixed meta and its plain SGMV twin compute the same delta.
@@ -27,7 +22,6 @@ token (the reference reads them), so a mixed meta and its plain SGMV twin comput
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,15 +68,6 @@ class LoraMeta:
     """Mixed steps: [R] int32 on the device, the adapter slot of each of ``rows`` (-1: padding)."""
     num_rows: int = 0
     """R: entries of ``rows`` (a CUDA graph's static bound; eager steps: exactly the rows)."""
-    order: torch.Tensor | None = None
-    """SGMV over gathered rows: [T'] int32 on the device, the token row of each position; segments and
-    tiles then count positions, and x / out rows are ``order[position]`` (v stays by position). None:
-    segments are token rows."""
-    groups: LoraMeta | None = None
-    """Decode: the same rows grouped by adapter (``adapter_groups``), an SGMV meta with ``order``, run
-    by the ``tiles`` decode path (a 16-row tile per adapter group reads the adapter's weights once);
-    its ``num_tiles`` may be a CUDA graph's static bound (padding tiles name a group of adapter -1).
-    None: MBGMV only."""
 
     @property
     def mixed(self) -> bool:
@@ -96,17 +81,8 @@ class LoraMeta:
 
     @classmethod
     def mbgmv(cls, row_adapter: Sequence[int], device: torch.device | str) -> LoraMeta:
-        """Decode metadata: token t uses adapter ``row_adapter[t]`` (-1: none), in any order; with the
-        rows grouped by adapter for the ``tiles`` decode path (``groups``)."""
-        meta = cls._build(Segments.from_rows(row_adapter, SLOT_NAMES), device)
-        return dataclasses.replace(meta, groups=cls.grouped(row_adapter, device))
-
-    @classmethod
-    def grouped(cls, row_adapter: Sequence[int], device: torch.device | str, num_tiles: int | None = None) -> LoraMeta:
-        """The ``groups`` meta of decode rows ``row_adapter`` (``adapter_groups``); ``num_tiles``: pad
-        the tile list to that many (a CUDA graph's static bound) with tiles of a group of adapter -1."""
-        flat = group_buffer(row_adapter, len(row_adapter), num_tiles)
-        return grouped_view(torch.tensor(flat, dtype=torch.int32, device=device), row_adapter, num_tiles)
+        """Decode metadata: token t uses adapter ``row_adapter[t]`` (-1: none), in any order."""
+        return cls._build(Segments.from_rows(row_adapter, SLOT_NAMES), device)
 
     @classmethod
     def mixed_step(cls, seg_lens: Sequence[int], seg_adapter: Sequence[int], device: torch.device | str) -> LoraMeta:
@@ -161,69 +137,3 @@ def single_rows(seg_start: Sequence[int], seg_adapter: Sequence[int]) -> tuple[l
             rows.append(seg_start[seg])
             adapters.append(adapter)
     return rows, adapters
-
-
-def adapter_groups(row_adapter: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
-    """Decode rows grouped by adapter (the ``tiles`` decode path): ``(order, starts, adapters)``, the
-    rows with an adapter sorted by adapter slot (stable: token order within a group), the first
-    position of each group and one past the last (``starts``, G + 1 entries) and each group's slot.
-    Rows of adapter -1 are left out."""
-    order = sorted((t for t, a in enumerate(row_adapter) if a >= 0), key=lambda t: row_adapter[t])
-    starts: list[int] = [0]
-    adapters: list[int] = []
-    for i, t in enumerate(order):
-        if not adapters or row_adapter[t] != adapters[-1]:
-            if adapters:
-                starts.append(i)
-            adapters.append(row_adapter[t])
-    if adapters:
-        starts.append(len(order))
-    return order, starts, adapters
-
-
-def group_tile_bound(rows: int, slots: int) -> int:
-    """Most ``SGMV_TILE``-row tiles ``rows`` decode rows over at most ``slots`` adapters make: a
-    partial tile at most per adapter (a CUDA graph's static tile list)."""
-    return min(rows, slots + rows // SGMV_TILE)
-
-
-def group_buffer(row_adapter: Sequence[int], rows: int, num_tiles: int | None) -> list[int]:
-    """``adapter_groups`` of ``row_adapter`` as one int32 list laid out for ``grouped_view``, sized for
-    ``rows`` rows (``len(row_adapter) <= rows``) and ``num_tiles`` tiles (None: exactly the real ones):
-
-        order [rows] | starts [rows + 2] | adapters [rows + 1] | tiles [num_tiles, 2]
-
-    Past the real groups comes one group of adapter -1 (empty), which padding tiles name; unused
-    order entries are 0. Raises ValueError if the real tiles pass ``num_tiles``."""
-    order, starts, adapters = adapter_groups(row_adapter)
-    tiles = sgmv_tiles(starts, adapters)
-    real = len(tiles) // 2
-    n = real if num_tiles is None else num_tiles
-    if real > n:
-        raise ValueError(f"adapter groups: {real} tiles exceed the static bound of {n}")
-    g = len(adapters)
-    end = starts[-1] if adapters else 0
-    starts = starts + [end] * (rows + 2 - len(starts))
-    adapters = adapters + [-1] * (rows + 1 - g)
-    tiles = tiles + [g, end] * (n - real)
-    return order + [0] * (rows - len(order)) + starts + adapters + tiles
-
-
-def grouped_view(
-    buf: torch.Tensor, row_adapter: Sequence[int] | None, num_tiles: int | None, rows: int | None = None
-) -> LoraMeta:
-    """The ``groups`` meta over ``buf`` (``group_buffer``'s layout, on the device) for ``rows`` rows
-    (default ``len(row_adapter)``). Host fields: from ``row_adapter`` where given (eager steps: exact
-    tiles); a CUDA graph's capture passes None (its tiles are the static bound, filled before replays)."""
-    if rows is None:
-        assert row_adapter is not None
-        rows = len(row_adapter)
-    order, starts, adapters = adapter_groups(row_adapter) if row_adapter is not None else ([], [0], [])
-    n = len(sgmv_tiles(starts, adapters)) // 2 if num_tiles is None else num_tiles
-    o, s, a = rows, rows + 2, rows + 1
-    return LoraMeta(
-        seg_start=buf[o : o + s], seg_adapter=buf[o + s : o + s + a],
-        seg_start_host=tuple(starts), seg_adapter_host=tuple(adapters), num_tokens=rows,
-        max_adapter=max(adapters, default=-1), decode=False,
-        tiles=buf[o + s + a : o + s + a + 2 * n].view(n, 2), num_tiles=n, order=buf[:o],
-    )  # fmt: skip

@@ -67,14 +67,6 @@ def _row_offsets(off_row_ptr, rs, r_ok, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _token_rows(order_ptr, rows, row_ok, GATHER: tl.constexpr):
-    """int64 token rows of a tile's ``rows``: ``order[rows]`` when GATHER (0 where masked), else rows."""
-    if GATHER:
-        return tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    return rows.to(tl.int64)
-
-
-@triton.jit
 def _shrink_step(
     x_rows, a_rows, k0, K, row_ok, r_ok, acc, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr
 ):
@@ -97,7 +89,6 @@ def _sgmv_shrink_kernel(
     seg_start_ptr,
     seg_adapter_ptr,
     tiles_ptr,
-    order_ptr,
     a_off_ptr,
     rank_ptr,
     K,
@@ -121,13 +112,11 @@ def _sgmv_shrink_kernel(
     DOT_PREC: tl.constexpr,
     RNE: tl.constexpr,
     PARTIALS: tl.constexpr,
-    GATHER: tl.constexpr,
 ):
     """Program (token tile, slice * R_TILES + r tile, s): ``v[slice, rows, r tile] = x[rows] A^T``,
     the tile's (segment, first row) from ``tiles_ptr``, summed over CHUNK_K-column chunks in chunk
     order. PARTIALS: chunks s, s + SPLIT, ... each into its float32 partial
-    ``v[slice, chunk, rows, r tile]``; else (SPLIT = 1) the chunks' sum rounded into v (v's dtype).
-    GATHER: rows are positions of ``order_ptr`` (``LoraMeta.order``): x row ``order[row]``, v by position."""
+    ``v[slice, chunk, rows, r tile]``; else (SPLIT = 1) the chunks' sum rounded into v (v's dtype)."""
     seg = tl.load(tiles_ptr + 2 * tl.program_id(0))
     m0 = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
     sl = tl.program_id(1) // R_TILES
@@ -143,7 +132,7 @@ def _sgmv_shrink_kernel(
     r_ok = rs < rank
     off_row = a_off_ptr + sl.to(tl.int64) * off_slice_stride + adapter.to(tl.int64) * off_stride
     off = _row_offsets(off_row, rs, r_ok, ALIGN)
-    x_rows = x_ptr + _token_rows(order_ptr, rows, row_ok, GATHER)[:, None] * x_stride
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * x_stride
     a_rows = a_ptr + off[:, None]
     v_ptrs = v_ptr + sl.to(tl.int64) * v_slice_stride + rows.to(tl.int64)[:, None] * v_stride + rs[None, :]
     mask = row_ok[:, None] & r_ok[None, :]
@@ -173,7 +162,6 @@ def _sgmv_expand_kernel(
     seg_start_ptr,
     seg_adapter_ptr,
     tiles_ptr,
-    order_ptr,
     b_off_ptr,
     rank_ptr,
     scale_ptr,
@@ -200,15 +188,13 @@ def _sgmv_expand_kernel(
     RNE: tl.constexpr,
     STACKED: tl.constexpr,
     PARTIALS: tl.constexpr,
-    GATHER: tl.constexpr,
 ):
     """Program (token tile, slice * N_TILES + n tile): ``out[rows, slice's n tile] += scale v B^T``,
     the tile's (segment, first row) from ``tiles_ptr``. STACKED: the slice's width and first column
     of out come from ``dims_ptr`` / ``cols_ptr`` (tiles past a narrower slice's width exit at once);
     else one slice of N columns at column 0. PARTIALS: ``v`` is the split shrink's float32 partials
     [slice, chunk, T, r_max], each rank tile's v summed over the CHUNKS in chunk order and rounded to
-    out's dtype (what the unsplit shrink stores); else v itself (out's dtype). GATHER: rows are
-    positions of ``order_ptr``: out row ``order[row]``, v by position."""
+    out's dtype (what the unsplit shrink stores); else v itself (out's dtype)."""
     seg = tl.load(tiles_ptr + 2 * tl.program_id(0))
     m0 = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
     sl = tl.program_id(1) // N_TILES
@@ -251,7 +237,7 @@ def _sgmv_expand_kernel(
             vt = vt.to(tl.float32)
             bt = bt.to(tl.float32)
         acc = tl.dot(vt, bt, acc, input_precision=DOT_PREC)
-    o_ptrs = out_ptr + col0 + _token_rows(order_ptr, rows, row_ok, GATHER)[:, None] * out_stride + ns[None, :]
+    o_ptrs = out_ptr + col0 + rows.to(tl.int64)[:, None] * out_stride + ns[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
     o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, round_to(o + scale * acc, ty, RNE).to(ty), mask=mask)
@@ -268,31 +254,21 @@ def sgmv_chunks(in_dim: int) -> int:
     return triton.cdiv(in_dim, SGMV_SPLIT["CHUNK_K"])
 
 
-def sgmv_split(
-    in_dim: int,
-    num_tiles: int,
-    num_tokens: int,
-    n_slices: int,
-    r_max: int,
-    device: torch.device,
-    gathered: bool = False,
-) -> int:
+def sgmv_split(in_dim: int, num_tiles: int, num_tokens: int, n_slices: int, r_max: int, device: torch.device) -> int:
     """SPLIT of the SGMV shrink from shapes only (module docstring): 1 once the chunk's tiles (at
     most ``cdiv(num_tokens, SGMV_TILE)``: a graph's static tile list is mostly idle) times
     ``n_slices`` reach ``min_programs_per_sm`` x the SMs, else enough splits to reach them, at most
     ``sgmv_chunks(in_dim)``; 1 as well where the float32 partials [n_slices, CHUNKS, tokens, r_max]
     would pass ``max_partials_mb`` (a long eager prefill next to a wide r_max: memory the worker's
     profile run may not have seen). ``DELTASERVE_SGMV_SPLIT=N`` forces N. The result never depends
-    on it (chunked sums, fixed order). ``gathered`` (grouped decode rows): up to a tile per row, so
-    ``num_tiles`` counts as it is."""
+    on it (chunked sums, fixed order)."""
     if _FORCED != "auto":
         return min(int(_FORCED), sgmv_chunks(in_dim))
     if n_slices * sgmv_chunks(in_dim) * num_tokens * r_max * 4 > SGMV_SPLIT["max_partials_mb"] << 20:
         return 1
     sms = sm_count(device) if device.type == "cuda" else SGMV_SPLIT["cpu_sms"]
     want = SGMV_SPLIT["min_programs_per_sm"] * sms
-    tiles = num_tiles if gathered else min(num_tiles, triton.cdiv(num_tokens, SGMV_TILE))
-    work = max(1, tiles * n_slices)
+    work = max(1, min(num_tiles, triton.cdiv(num_tokens, SGMV_TILE)) * n_slices)
     return 1 if work >= want else min(sgmv_chunks(in_dim), triton.cdiv(want, work))
 
 
@@ -310,7 +286,6 @@ def _shrink_launch(
         meta.seg_start,
         meta.seg_adapter,
         meta.tiles,
-        meta.seg_start if meta.order is None else meta.order,
         tab.a_off,
         tab.rank,
         w.in_dim,
@@ -334,7 +309,6 @@ def _shrink_launch(
         DOT_PREC=prec,
         RNE=needs_rne_by_hand(v),
         PARTIALS=partials,
-        GATHER=meta.order is not None,
         num_warps=_SHRINK["num_warps"],
     )
 
@@ -364,7 +338,7 @@ def sgmv_delta(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out:
     if not meta.num_tiles:
         return
     n = w.num_slices if isinstance(w, LoraStack) else 1
-    split = sgmv_split(w.in_dim, meta.num_tiles, x.shape[0], n, w.r_max, x.device, meta.order is not None)
+    split = sgmv_split(w.in_dim, meta.num_tiles, x.shape[0], n, w.r_max, x.device)
     if split > 1:
         sgmv_expand(sgmv_shrink_partials(x, w, meta, split), w, meta, out)
         return
@@ -393,7 +367,6 @@ def sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out
         meta.seg_start,
         meta.seg_adapter,
         meta.tiles,
-        meta.seg_start if meta.order is None else meta.order,
         tab.b_off,
         tab.rank,
         tab.scale,
@@ -420,6 +393,5 @@ def sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out
         RNE=needs_rne_by_hand(out),
         STACKED=tab.stacked,
         PARTIALS=partials,
-        GATHER=meta.order is not None,
         num_warps=_EXPAND["num_warps"],
     )
