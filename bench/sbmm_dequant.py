@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -37,28 +36,15 @@ from bench.common import copy_bandwidth, device_name, random_packed_linear, writ
 from bench.sbmm_store import CONFIGS, GROUP, LAYERS, PER_LAYER, SHAPES  # noqa: E402 (one owner of the shapes)
 from deltaserve.formats.packed_delta import dequantize  # noqa: E402
 from deltaserve.kernels.sbmm import DeltaMeta, dequantize_slot, make_delta_weights, sbmm  # noqa: E402
+from deltaserve.worker.step_floor import device_seconds  # noqa: E402
 
 LAYOUTS = ("plain", "repacked")
 
 
 def timed_ms(fn, dev: torch.device, runs: int) -> float:
-    """Median milliseconds per call after 3 warm-ups: CUDA events around each call on CUDA, else wall clock."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median milliseconds per call after 3 warm-ups (``step_floor.device_seconds``: CUDA events on
+    CUDA, else the wall clock)."""
+    return statistics.median(device_seconds(fn, dev, runs, warmup=3)) * 1e3
 
 
 def main() -> None:

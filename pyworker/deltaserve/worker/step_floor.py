@@ -82,23 +82,30 @@ def parse_roofline(text: str) -> Roofline:
     return Roofline(gbps * 1e9, tflops * 1e12, f"${ROOFLINE_ENV}")
 
 
-def _best_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """The fastest of ``reps`` timed runs of ``fn`` (after one warm-up)."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
+def device_seconds(fn: Callable[[], object], device: torch.device, runs: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``runs`` calls of ``fn`` after ``warmup`` untimed ones: CUDA events around
+    each call on a CUDA ``device`` (its device time), the wall clock elsewhere."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
             end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
+            times.append(start.elapsed_time(end) / 1e3)
         else:
             t0 = time.perf_counter()
             fn()
-            best = min(best, time.perf_counter() - t0)
-    return best
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _best_seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """The fastest of ``reps`` timed runs of ``fn`` (after one warm-up)."""
+    return min(device_seconds(fn, device, reps))
 
 
 def _copy_seconds(device: torch.device, nbytes: int, reps: int) -> float:
