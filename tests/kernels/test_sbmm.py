@@ -63,6 +63,17 @@ RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
+def retarget(static: DeltaMeta, new: DeltaMeta) -> None:
+    """A step's device metadata copied into the static tensors a captured launch reads (the same grid):
+    what a replay of another step's rows does (``adapters.delta_graphs`` for the worker's graphs)."""
+    assert new.grid_tiles == static.grid_tiles, "a captured launch keeps its grid"
+    assert static.order is not None and static.tiles is not None and static.tile_count is not None
+    assert new.order is not None and new.tiles is not None and new.tile_count is not None
+    static.order.copy_(new.order)
+    static.tiles.copy_(new.tiles)
+    static.tile_count.copy_(new.tile_count)
+
+
 def random_packed(
     out_f: int, in_f: int, bits: int, sparse: bool, group: int, seed: int, integral_zeros: bool = False
 ) -> PackedLinear:
@@ -639,10 +650,8 @@ def test_cuda_op_in_a_cuda_graph() -> None:
         sbmm_mod.sbmm_cuda(x, out, w, meta)
     for seed, slots in ((5, [3, 3, 3, 3, 1, 1, 0, 2]), (6, [0, 0, 1, 0, 3, 5, 5, 0])):
         new = DeltaMeta.rows(slots, DEVICE)
-        assert new.block_m == meta.block_m and new.grid_tiles == meta.grid_tiles
-        meta.order.copy_(new.order)
-        meta.tiles.copy_(new.tiles)
-        meta.tile_count.copy_(new.tile_count)
+        assert new.block_m == meta.block_m
+        retarget(meta, new)
         x.copy_(randn(8, shape[0], dtype=torch.bfloat16, seed=seed))
         out.zero_()
         graph.replay()
@@ -772,8 +781,7 @@ def test_cuda_graph_split_follows_the_step() -> None:
         new = DeltaMeta.rows(slots, DEVICE, max_block_m=2)
         slots = sbmm_cuda_mod.cuda_slots(lib, ws[0], 2, torch.float16)
         seen.add(sbmm_cuda_mod._cuda_split(lib, 40, new.num_tiles, in_f, slots))
-        for name in ("order", "tiles", "tile_count"):
-            getattr(meta, name).copy_(getattr(new, name))
+        retarget(meta, new)
         x.copy_(randn(rows, in_f, dtype=torch.float16, seed=10 + seed))
         out.zero_()
         graph.replay()
@@ -850,9 +858,7 @@ def test_cuda_partly_filled_tiles_in_a_cuda_graph() -> None:
     eight = [[0, 1, 2, 3, 5][i % 5] for i in range(40)] + [-1] * (rows - 40)
     for seed, slots in enumerate((one, eight, part_rows(3))):
         new = DeltaMeta.rows(slots, DEVICE, max_block_m=GRAPH_TILE)
-        assert new.grid_tiles == meta.grid_tiles
-        for name in ("order", "tiles", "tile_count"):
-            getattr(meta, name).copy_(getattr(new, name))
+        retarget(meta, new)
         x.copy_(randn(rows, shape[0], dtype=torch.float16, seed=10 + seed))
         out.zero_()
         graph.replay()

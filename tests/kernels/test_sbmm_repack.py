@@ -26,6 +26,7 @@ from deltaserve.formats.packed_delta import PackedLinear, dequantize, pack
 from deltaserve.kernels import sbmm as sbmm_mod
 from deltaserve.kernels.sbmm import DeltaMeta, dequantize_slot, make_delta_weights, sbmm_ref, sbmm_triton
 from deltaserve.kernels.sbmm.repack import fits, repack, unpack
+from kernels.test_sbmm import retarget
 
 pytestmark = pytest.mark.gpu_sbmm
 
@@ -272,10 +273,8 @@ def test_cuda_op_over_repacked_in_a_cuda_graph() -> None:
         sbmm_mod.sbmm_cuda(x, out, frag, meta)
     for seed, slots in ((5, [3, 3, 3, 3, 1, 1, 0, 2]), (6, [0, 0, 1, 0, 3, 2, 2, 0])):
         new = DeltaMeta.rows(slots, DEVICE)
-        assert new.block_m == meta.block_m and new.grid_tiles == meta.grid_tiles
-        meta.order.copy_(new.order)
-        meta.tiles.copy_(new.tiles)
-        meta.tile_count.copy_(new.tile_count)
+        assert new.block_m == meta.block_m
+        retarget(meta, new)
         x.copy_(torch.randn(8, 1024, generator=torch.Generator().manual_seed(seed)).half())
         out.zero_()
         graph.replay()
