@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from deltaserve.kernels import common as kernel_common
 from deltaserve.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm, rmsnorm_ref
-from deltaserve.kernels.rope import rotary_embedding, rotary_embedding_ref
+from deltaserve.kernels.rope import rotary_embedding, rotary_embedding_ref, rotary_embedding_write_kv
 from deltaserve.kernels.silu_mul import silu_and_mul, silu_and_mul_ref
 from deltaserve.model.arch import ModelConfig
 from deltaserve.model.decoder import rope_cos_sin_cache, rope_inv_freq
@@ -221,6 +221,63 @@ def test_rope_kernel_matches_reference(tokens: int, heads: int, kv_heads: int, h
     # v (the last columns of the qkv buffer) is untouched.
     split = (heads + kv_heads) * head_dim
     assert torch.equal(q._base[:, split:], qkv_before[:, split:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 64), (6, 1, 128)])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rope_write_kv_kernel(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype) -> None:
+    """The fused launch (decoder layers call it): q and k rotated exactly as ``rotary_embedding``'s
+    kernel rotates them, and the cache slots of ``slot_mapping`` then hold that k and v bit for bit
+    (``write_kv``), scattered over blocks in any order; every other slot is untouched. The reference
+    path (rope reference, then ``write_kv``) agrees within the rotation's 2 ulps."""
+    cfg = rope_config(head_dim, "llama3")
+    cache = rope_cos_sin_cache(rope_inv_freq(cfg).to(DEVICE), 5000, dtype)
+    g = torch.Generator().manual_seed(tokens + 1)
+    positions = torch.randint(0, 5000, (tokens,), generator=g).to(DEVICE)
+    q, k = qk_views(tokens, heads, kv_heads, head_dim, dtype, seed=tokens + heads + 7)
+    split = (heads + kv_heads) * head_dim
+    v = q._base[:, split:].view(tokens, kv_heads, head_dim)  # the qkv buffer's v columns, as the decoder passes them
+    blocks, block_size = 2 * tokens // 16 + 3, 16
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens].to(DEVICE)
+    cache_k = torch.full((blocks, block_size, kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
+    cache_v = torch.full_like(cache_k, -7.0)
+    q_sep, k_sep, v_in = q.clone(), k.clone(), v.clone()
+    q_in, k_in = q.clone(), k.clone()
+    rotary_embedding(positions, q_sep, k_sep, cache, use_triton=True)
+    out = rotary_embedding_write_kv(positions, q, k, v, cache, cache_k, cache_v, slots, use_triton=True)
+    assert out[0] is q and out[1] is k
+    assert torch.equal(q, q_sep) and torch.equal(k, k_sep), "the same rotation as the unfused kernel"
+    flat_k, flat_v = cache_k.view(-1, kv_heads, head_dim), cache_v.view(-1, kv_heads, head_dim)
+    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v_in)
+    others = torch.ones(flat_k.shape[0], dtype=torch.bool, device=DEVICE)
+    others[slots] = False
+    assert bool((flat_k[others] == 7.0).all()) and bool((flat_v[others] == -7.0).all()), "other slots untouched"
+    ref_k, ref_v = torch.zeros_like(cache_k), torch.zeros_like(cache_v)
+    q_ref, k_ref = q_in.clone(), k_in.clone()
+    rotary_embedding_write_kv(positions, q_ref, k_ref, v_in.clone(), cache, ref_k, ref_v, slots, use_triton=False)
+    close_rotation(q, q_ref, q_in)
+    close_rotation(k, k_ref, k_in)
+    close_rotation(flat_k[slots], ref_k.view(-1, kv_heads, head_dim)[slots], k_in)
+    assert torch.equal(ref_v.view(-1, kv_heads, head_dim)[slots], v_in)
+
+
+def test_rope_write_kv_refusals() -> None:
+    cfg = rope_config(32, "default")
+    cache = rope_cos_sin_cache(rope_inv_freq(cfg).to(DEVICE), 64, torch.float32)
+    q, k = qk_views(3, 4, 2, 32, torch.float32, seed=5)
+    v = k.clone()
+    pos = torch.tensor([0, 1, 2], device=DEVICE)
+    slots = torch.tensor([4, 0, 9], device=DEVICE)
+    ck = torch.zeros(2, 8, 2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="v "):
+        rotary_embedding_write_kv(pos, q, k, v[:, :1], cache, ck, ck.clone(), slots)
+    with pytest.raises(ValueError, match="cache_v"):
+        rotary_embedding_write_kv(pos, q, k, v, cache, ck, torch.zeros(2, 8, 2, 16, device=DEVICE), slots)
+    with pytest.raises(ValueError, match="cache_k"):
+        rotary_embedding_write_kv(pos, q, k, v, cache, ck.transpose(0, 1), ck.clone(), slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rotary_embedding_write_kv(pos, q, k, v, cache, ck, ck.clone(), slots.int())
 
 
 def test_rope_kernel_int32_positions_and_refusals() -> None:

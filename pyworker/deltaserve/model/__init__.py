@@ -8,13 +8,14 @@ Layout (the data flow of one step):
 - ``batch``      ``ForwardBatch``: one step's ragged batch, flattened, plus its builder
 - ``rope``       RoPE tables per kind (plain / scaled, Gemma 3's local table, LongRoPE's short | long rows)
 - ``norm``       ``RMSNorm`` in Llama's and Gemma's (``1 + weight``) conventions
-- ``attention``  ``write_kv`` and ``paged_attention_ref`` (per-layer window, soft-cap), the reference
-                 every kernel is tested against
+- ``attention``  ``paged_attention_ref`` (per-layer window, soft-cap), the reference
+                 every kernel is tested against; ``write_kv`` (the cache store) is ``kernels.rope``'s
 - ``decoder``    ``DecoderLM.forward(batch, kv) -> logits`` for the rows that sample
 """
 
+from ..kernels.rope import write_kv
 from .arch import ARCH_TABLE, ArchSpec, ModelConfig
-from .attention import paged_attention_ref, write_kv
+from .attention import paged_attention_ref
 from .batch import ForwardBatch
 from .decoder import DecoderLM
 from .kv_cache import PagedKVCache

@@ -211,19 +211,6 @@ def paged_attention(
     return paged_attention_ref(q, cache_k, cache_v, batch, scale, meta=meta, sliding_window=window, softcap=softcap)
 
 
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store this step's keys/values at their flat slots.
-
-    Semantics: ``cache_k.view(-1, H_kv, D)[slot_mapping[t]] = k[t]`` (same for v), for every t.
-    Shapes: k, v [T, H_kv, D]; cache_k, cache_v [num_blocks, block_size, H_kv, D]; slot_mapping [T].
-    """
-    heads, dim = cache_k.shape[-2], cache_k.shape[-1]
-    cache_k.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(cache_k.dtype))
-    cache_v.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(cache_v.dtype))
-
-
 def paged_attention_ref(
     q: torch.Tensor,
     cache_k: torch.Tensor,

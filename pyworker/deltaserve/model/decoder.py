@@ -8,8 +8,8 @@ Per step (a ``ForwardBatch`` of ragged sequences over a ``PagedKVCache``)::
         x, residual = add_rmsnorm(h, residual)           kernels.rmsnorm: residual += h; x = norm(residual)
         q | k | v = qkv_proj(x)                          one matmul (+ bias for Qwen2 / attention_bias)
         q, k = q_norm(q), k_norm(k)                      per head (Qwen3, Gemma 3)
-        rotary_embedding(rope rows, q, k, table of l)    kernels.rope: in place, HF rotate_half convention
-        write_kv(k, v -> cache slots)                    then attend over the paged context with l's
+        rotary_embedding(rope rows, q, k, table of l)    kernels.rope: in place, HF rotate_half convention,
+        write_kv(k, v -> cache slots)                    one launch for both; then attend over the paged context with l's
         h = o_proj(paged_attention(q, cache))            window, scale and soft-cap (attention.py)
         Llama-style:  x, residual = add_rmsnorm(h, residual)              post_attention_layernorm
                       h = down_proj(act(gate) * up)                       act: silu | gelu_tanh
@@ -43,10 +43,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..kernels.rope import rotary_embedding
+from ..kernels.rope import rotary_embedding_write_kv
 from ..kernels.silu_mul import silu_and_mul
 from .arch import ModelConfig
-from .attention import AttentionMeta, attention_metadata, paged_attention, write_kv
+from .attention import AttentionMeta, attention_metadata, paged_attention
 from .batch import ForwardBatch
 from .kv_cache import PagedKVCache
 from .norm import RMSNorm
@@ -189,8 +189,7 @@ class Attention(nn.Module):
             table, rows = rope, batch.positions
         else:
             table, rows = rope.tables[self.rope], rope.positions(batch, meta.step_cache)
-        rotary_embedding(rows, q, k, table)  # in place
-        write_kv(k, v, cache_k, cache_v, batch.slot_mapping)
+        rotary_embedding_write_kv(rows, q, k, v, table, cache_k, cache_v, batch.slot_mapping)  # q, k in place
         out = paged_attention(
             q, cache_k, cache_v, batch, self.scale, meta=meta, sliding_window=self.window, softcap=self.softcap
         )
