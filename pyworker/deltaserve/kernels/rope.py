@@ -157,10 +157,8 @@ def rotary_embedding_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton kernel for ``rotary_embedding`` (no dispatch); positions are not range-checked here."""
     _check(positions, q, k, cos_sin_cache)
-    t, h, d = q.shape
-    if t == 0:
-        return q, k
-    _launch(positions, q, k, cos_sin_cache, None)
+    if q.shape[0]:
+        _launch(positions, q, k, cos_sin_cache, None)
     return q, k
 
 
@@ -171,7 +169,7 @@ def _launch(
     cos_sin_cache: torch.Tensor,
     kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
 ) -> None:
-    """The kernel over ``t`` tokens; ``kv`` = (v, cache_k, cache_v, slot_mapping) also stores them."""
+    """The kernel, one program per token; ``kv`` = (v, cache_k, cache_v, slot_mapping): it also stores them."""
     t, h, d = q.shape
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     half = d // 2
