@@ -211,10 +211,14 @@ def report(r: dict, top: int) -> None:
         print(f"    {k['us']:9.1f} us {k['launches']:5.0f}x  {k['name'][:110]}")
 
 
+def most_variants(cases: list[Case], kind: str) -> int:
+    """The most variants of ``kind`` (``delta`` / ``lora``) any case uses: what the executor holds."""
+    return max((c.variants for c in cases if c.kind == kind), default=0)
+
+
 def build_executor(base: Path, device: torch.device, dtype: str, cases: list[Case], eager: bool, kv_bytes: int):
     batch = max(c.batch for c in cases)
-    loras = max((c.variants for c in cases if c.kind == "lora"), default=0)
-    deltas = max((c.variants for c in cases if c.kind == "delta"), default=0)
+    loras, deltas = most_variants(cases, "lora"), most_variants(cases, "delta")
     return Executor(
         base,
         device=str(device),
@@ -266,8 +270,7 @@ def run(args: argparse.Namespace) -> Path:
             raise SystemExit("profile_step.py needs a CUDA device (or --smoke for a CPU check of the script)")
         device, dtype, kv_bytes = torch.device("cuda:0"), "float16", 0
     config = shape_config(args.shape)
-    deltas = max((c.variants for c in cases if c.kind == "delta"), default=0)
-    loras = max((c.variants for c in cases if c.kind == "lora"), default=0)
+    deltas, loras = most_variants(cases, "delta"), most_variants(cases, "lora")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
