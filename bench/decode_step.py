@@ -73,6 +73,8 @@ def bench_batch(
     floors: list[int] | None = None,
     stats: dict | None = None,
     after_step: Callable[[int], None] | None = None,
+    chunk: int = 0,
+    chunk_adapter: int = 0,
 ) -> list[float]:
     """Times decode steps of ``batch`` requests at KV length ``ctx``; request i uses LoRA adapter
     ``adapter_ids[i]`` (already GPU-resident; 0 or None: the base). KV pages from ``first_block``.
@@ -80,8 +82,13 @@ def bench_batch(
     ``floors``: gets the worker's floor of each timed step (``StepTiming.floor_us``, from
     ``deltaserve.worker.step_floor``), microseconds. ``stats["kv_sets"]``: how many distinct
     context page sets the requests read (see ``kv_page_sets``). ``after_step(i)``: called after the
-    i-th step (0 admits the requests, then ``warmup`` steps, then the timed ones; one at a time only)."""
+    i-th step (0 admits the requests, then ``warmup`` steps, then the timed ones; one at a time only).
+    ``chunk``: every step after the first also prefills a new ``chunk``-token prompt on adapter
+    ``chunk_adapter`` beside the decodes (a mixed step, as continuous batching forms them), and the next
+    step releases it (one at a time only)."""
     bs = ex.block_size
+    chunk_pages = -(-(chunk + 1) // bs) if chunk else 0
+    first_block += 2 * chunk_pages  # two page ranges for the chunks, taken in turn
     blocks_per_req = (ctx + steps + warmup + 1 + bs - 1) // bs
     kv_sets = kv_page_sets(batch, ctx, blocks_per_req, bs, ex.num_blocks - first_block)
     shared = ctx // bs  # whole pages of context: read, never written (decode writes from ctx on)
@@ -110,8 +117,8 @@ def bench_batch(
         )
     ids = [r.req_id for r in new]
     step_id = first_id * 1000
-    if overlap and after_step is not None:
-        raise ValueError("bench_batch: after_step needs steps run one at a time")
+    if overlap and (after_step is not None or chunk):
+        raise ValueError("bench_batch: after_step and chunk need steps run one at a time")
     ex.step(wire.StepPlan(step_id=step_id, new_requests=new, running=[], released=[]))
     if after_step is not None:
         after_step(0)
@@ -125,6 +132,21 @@ def bench_batch(
         )
         for s in range(warmup + steps)
     ]
+    for s, plan in enumerate(plans if chunk else []):
+        pages = first_block - 2 * chunk_pages + (s % 2) * chunk_pages
+        plan.new_requests = [
+            wire.NewRequest(
+                req_id=first_id + batch + s,
+                token_ids=torch.randint(3, ex.config.vocab_size, (chunk,), generator=g).tolist(),
+                num_prompt_tokens=chunk,
+                num_computed_tokens=0,
+                num_scheduled_tokens=chunk,
+                block_ids=list(range(pages, pages + chunk_pages)),
+                sampling=greedy,
+                adapter_id=chunk_adapter,
+            )
+        ]
+        plan.released = [first_id + batch + s - 1] if s else []
     if overlap:
         in_flight, last_finish = None, None
         for s, plan in enumerate(plans):
@@ -150,9 +172,12 @@ def bench_batch(
             times.append(t1 - t0)
             if floors is not None:
                 floors.append(out.timing.floor_us)
+            if stats is not None:
+                stats.setdefault("outputs_per_step", []).append(len(out.outputs))
         if after_step is not None:
             after_step(s + 1)
-    ex.step(wire.StepPlan(step_id=step_id + warmup + steps + 1, new_requests=[], running=[], released=ids))
+    last_chunk = [first_id + batch + warmup + steps - 1] if chunk else []
+    ex.step(wire.StepPlan(step_id=step_id + warmup + steps + 1, new_requests=[], running=[], released=ids + last_chunk))
     return times
 
 

@@ -5,14 +5,18 @@ replayed from CUDA graphs (``--eager``: run eagerly). Each case's kernels are gr
 into its parts: the SBMM, the lm_head delta, the norm and embedding deltas' gathers, LoRA's shrink and
 expand, and what the base kernels themselves lose beside them.
 
-Cases (``--cases``, comma-separated), each ``<rows>-b<batch>``:
+Cases (``--cases``, comma-separated), each ``<rows>-b<batch>`` or ``<rows>-b<batch>-c<chunk>``:
 
 - ``base-bN``: every row on the base model;
 - ``deltaK-bN``: row i on compressed delta ``1 + i % K`` (4-bit 2:4, group 64, on every block linear,
   plus dense embedding / lm_head / norm deltas: what ``deltaserve compress`` writes; each delta its own
   GPU slot, as ``bench.delta_decode_step``);
 - ``loraK-bN``: row i on LoRA adapter ``1 + i % K`` (rank 16 on all seven projections, as
-  ``bench.lora_decode_step``).
+  ``bench.lora_decode_step``);
+- ``-cM`` after any of them: a mixed step, as continuous batching forms them under load: every step
+  also prefills a new M-token prompt (on the first variant of the case's kind) beside the decodes,
+  replayed from the mixed graphs' token buckets (``--eager``: eagerly). It is set against
+  ``base-bN-cM`` when the run has that case.
 
 Device time per step is the sum of the kernels' durations over the profiled steps divided by their
 number; ``step_ms`` is the wall clock of the same steps (profiled, so a little above the plain
@@ -76,7 +80,7 @@ KINDS: tuple[tuple[str, str], ...] = (
 LORA_RANK = 16
 DELTA_CONFIG = {"bits": 4, "sparse": True, "group_size": 64}
 DEFAULT_CASES = "base-b1,base-b64,delta1-b64,delta8-b64,lora1-b64,lora64-b64"
-SMOKE = {"cases": "base-b2,delta2-b2,lora2-b2", "steps": 2, "warmup": 1, "ctx": 16}
+SMOKE = {"cases": "base-b2,delta2-b2,lora2-b2,base-b2-c5,lora2-b2-c5", "steps": 2, "warmup": 1, "ctx": 16}
 """``--smoke`` overrides (with ``SMOKE_SHAPE``, float32 on the CPU, CPU operators instead of kernels)."""
 
 
@@ -87,6 +91,8 @@ class Case:
     """``base``, ``delta`` or ``lora``."""
     variants: int
     batch: int
+    chunk: int = 0
+    """Prompt tokens prefilled beside the decodes each step (0: a decode step)."""
 
     def rows(self, first_id: int) -> list[int]:
         """The variant id of each row (0: the base)."""
@@ -96,15 +102,15 @@ class Case:
 
 
 def parse_case(spec: str) -> Case:
-    m = re.fullmatch(r"(base|delta(\d+)|lora(\d+))-b(\d+)", spec.strip())
+    m = re.fullmatch(r"(base|delta(\d+)|lora(\d+))-b(\d+)(?:-c(\d+))?", spec.strip())
     if m is None:
-        raise SystemExit(f"--cases: {spec!r} is not base-bN, deltaK-bN or loraK-bN")
+        raise SystemExit(f"--cases: {spec!r} is not base-bN, deltaK-bN or loraK-bN (then -cM for a mixed step)")
     kind = m.group(1).rstrip("0123456789")
     variants = int(m.group(2) or m.group(3) or 0)
-    batch = int(m.group(4))
-    if batch < 1 or (kind != "base" and variants < 1):
-        raise SystemExit(f"--cases: {spec!r} needs a batch >= 1 and at least one variant")
-    return Case(spec.strip(), kind, variants, batch)
+    batch, chunk = int(m.group(4)), int(m.group(5) or 0)
+    if batch < 1 or (kind != "base" and variants < 1) or (m.group(5) is not None and chunk < 1):
+        raise SystemExit(f"--cases: {spec!r} needs a batch >= 1, at least one variant and a chunk >= 1")
+    return Case(spec.strip(), kind, variants, batch, chunk)
 
 
 def kind_of(kernel: str) -> str:
@@ -153,7 +159,12 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
                 torch.cuda.synchronize(ex.device)
             prof.stop()
 
-    replays = ex.graphs.replays if ex.graphs is not None else 0
+    def replays() -> int:  # decode and mixed graphs
+        mixed = ex.runner.mixed
+        return (ex.graphs.replays if ex.graphs is not None else 0) + (mixed.replays if mixed is not None else 0)
+
+    before = replays()
+    stats: dict = {}
     times = bench_batch(
         ex,
         case.batch,
@@ -164,13 +175,18 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
         adapter_ids=case.rows(variant_base),
         first_block=first_block,
         after_step=after_step,
+        stats=stats,
+        chunk=case.chunk,
+        chunk_adapter=case.rows(variant_base)[0],
     )
-    replayed = (ex.graphs.replays if ex.graphs is not None else 0) - replays
+    replayed = replays() - before
     kernels = kernel_times(prof, args.steps, device_kernels=on_gpu)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     return {
         "case": case.name,
         "batch": case.batch,
+        "chunk": case.chunk,
+        "requests_per_step": statistics.median(stats["outputs_per_step"]),
         "rows": case.kind,
         "variants": case.variants,
         "step_ms": statistics.median(times) * 1e3,
@@ -183,10 +199,11 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
 
 
 def against_base(rows: list[dict]) -> None:
-    """Adds each variant case's device time minus its batch's base step, per kind (``added_by_kind``)."""
-    base = {r["batch"]: r for r in rows if r["rows"] == "base"}
+    """Adds each variant case's device time minus the base step of its batch and chunk, per kind
+    (``added_by_kind``)."""
+    base = {(r["batch"], r["chunk"]): r for r in rows if r["rows"] == "base"}
     for r in rows:
-        b = base.get(r["batch"])
+        b = base.get((r["batch"], r["chunk"]))
         if r["rows"] == "base" or b is None:
             continue
         kinds = set(r["by_kind"]) | set(b["by_kind"])
@@ -217,7 +234,7 @@ def most_variants(cases: list[Case], kind: str) -> int:
 
 
 def build_executor(base: Path, device: torch.device, dtype: str, cases: list[Case], eager: bool, kv_bytes: int):
-    batch = max(c.batch for c in cases)
+    batch = max(c.batch + (c.chunk > 0) for c in cases)
     loras, deltas = most_variants(cases, "lora"), most_variants(cases, "delta")
     return Executor(
         base,

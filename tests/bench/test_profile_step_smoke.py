@@ -1,6 +1,6 @@
 """``bench/profile_step.py`` runs end to end in ``--smoke`` mode (CPU operators in place of kernels):
-every case is profiled, its time splits into kinds that add up to the total, and each variant case
-is set against the base step of its batch."""
+every case (decode and mixed steps) is profiled, its time splits into kinds that add up to the total,
+and each variant case is set against the base step of its batch and chunk."""
 
 from __future__ import annotations
 
@@ -16,31 +16,39 @@ def test_profile_step_smoke(tmp_path: Path) -> None:
     r = json.loads(profile_step.main(["--smoke", "--out", str(tmp_path)]).read_text())
     assert r["experiment"] == "profile_step" and r["mode"] == "eager" and r["device"] == "cpu"
     cases = {row["case"]: row for row in r["rows"]}
-    assert set(cases) == {"base-b2", "delta2-b2", "lora2-b2"}
+    assert set(cases) == {"base-b2", "delta2-b2", "lora2-b2", "base-b2-c5", "lora2-b2-c5"}
     for row in cases.values():
         assert row["device_us_per_step"] > 0 and row["step_ms"] > 0 and row["kernels"]
         kinds = sum(k["us"] for k in row["by_kind"].values())
         assert kinds == pytest.approx(row["device_us_per_step"])
         assert sum(k["us"] for k in row["kernels"]) == pytest.approx(row["device_us_per_step"])
-    assert "added_by_kind" not in cases["base-b2"]
-    for name in ("delta2-b2", "lora2-b2"):
+    assert "added_by_kind" not in cases["base-b2"] and "added_by_kind" not in cases["base-b2-c5"]
+    for name, base in (("delta2-b2", "base-b2"), ("lora2-b2", "base-b2"), ("lora2-b2-c5", "base-b2-c5")):
         row = cases[name]
         added = sum(row["added_by_kind"].values())
         assert added == pytest.approx(row["added_us"])
-        assert row["added_us"] == pytest.approx(row["device_us_per_step"] - cases["base-b2"]["device_us_per_step"])
+        assert row["added_us"] == pytest.approx(row["device_us_per_step"] - cases[base]["device_us_per_step"])
+    # a mixed step answers the chunk's new request beside the decodes
+    assert [cases[c]["chunk"] for c in ("base-b2", "base-b2-c5", "lora2-b2-c5")] == [0, 5, 5]
+    assert [cases[c]["requests_per_step"] for c in ("base-b2", "base-b2-c5", "lora2-b2-c5")] == [2, 3, 3]
 
 
 @pytest.mark.parametrize(
-    "spec,kind,variants,batch",
-    [("base-b1", "base", 0, 1), ("delta8-b64", "delta", 8, 64), ("lora64-b64", "lora", 64, 64)],
+    "spec,kind,variants,batch,chunk",
+    [
+        ("base-b1", "base", 0, 1, 0),
+        ("delta8-b64", "delta", 8, 64, 0),
+        ("lora64-b64", "lora", 64, 64, 0),
+        ("lora8-b128-c256", "lora", 8, 128, 256),
+    ],
 )
-def test_case_specs(spec: str, kind: str, variants: int, batch: int) -> None:
+def test_case_specs(spec: str, kind: str, variants: int, batch: int, chunk: int) -> None:
     case = profile_step.parse_case(spec)
-    assert (case.kind, case.variants, case.batch) == (kind, variants, batch)
+    assert (case.kind, case.variants, case.batch, case.chunk) == (kind, variants, batch, chunk)
     assert len(case.rows(5)) == batch and (kind == "base" or set(case.rows(5)) <= set(range(5, 5 + variants)))
 
 
-@pytest.mark.parametrize("spec", ["lora-b4", "delta0-b4", "base-b0", "base", "zoo1-b2"])
+@pytest.mark.parametrize("spec", ["lora-b4", "delta0-b4", "base-b0", "base", "zoo1-b2", "base-b2-c0", "lora2-b2-c"])
 def test_bad_case_specs_are_refused(spec: str) -> None:
     with pytest.raises(SystemExit, match="--cases"):
         profile_step.parse_case(spec)
