@@ -27,6 +27,7 @@ with ``DELTASERVE_TEST_GPU=1`` on CUDA.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import zlib
@@ -48,6 +49,7 @@ from deltaserve.kernels.lora import (
     lora_shrink_ref,
     lora_shrink_triton,
     make_weights,
+    tables,
 )
 from deltaserve.kernels.lora import mbgmv as mbgmv_kernels
 
@@ -816,3 +818,26 @@ def test_stack_bad_input() -> None:
         lora_delta_stacked(x, torch.zeros(3, 128, dtype=torch.float16), good, meta)
     with pytest.raises(ValueError, match=r"input has 32 columns"):
         lora_delta_stacked(x[:, :32], torch.zeros(3, 128), good, meta)
+
+
+@pytest.mark.parametrize(
+    "dims,want_fp16,want_fp32",
+    [((64, 32, 32), 8, 4), ((4096, 1024, 1024), 8, 4), ((12, 20), 4, 4), ((10, 6), 2, 2), ((7, 8), 1, 1)],
+)
+def test_stacked_column_alignment_promise(dims: tuple[int, ...], want_fp16: int, want_fp32: int) -> None:
+    """The stacked expands promise (``tl.multiple_of``) that every slice's width and first column are
+    multiples of ``col_align``: the gcd of the widths and first columns, capped at one 16-byte vector.
+    A false promise would be a misaligned vector access on the GPU (the interpreter ignores it), so
+    the promise is checked against the slices' own columns."""
+    dtype = torch.float16
+    dense = stacked_dense(32, dims, dtype, 7)
+    stack = embedded_stack(
+        *stacked_tables(dense, 32, dims, dtype, 7), 32, dims, tuple(itertools.accumulate((0,) + dims[:-1]))
+    )
+    tab = tables.LaunchTables.of(stack)
+    for out_dtype, want in ((torch.float16, want_fp16), (torch.float32, want_fp32)):
+        got = tables.col_align(tab, torch.empty(1, sum(dims), dtype=out_dtype))
+        assert got == want
+        assert all(d % got == 0 for d in stack.out_dims) and all(c % got == 0 for c in stack.out_offsets)
+    single = tables.LaunchTables.of(stack.slice_weights[0])
+    assert not single.stacked and tables.col_align(single, torch.empty(1, 8, dtype=dtype)) == 1

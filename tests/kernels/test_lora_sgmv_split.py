@@ -9,7 +9,10 @@
 - mixed steps (decode rows on MBGMV next to the chunk on SGMV) and a graph bucket's static tile list
   (idle tiles of the padding segment) give the eager step's output whatever SPLIT each picks;
 - ``sgmv_split``: 1 for a chunk that fills the GPU, capped at the chunk count, the graph's static
-  tile bound counted by tokens.
+  tile bound counted by tokens;
+- the expand's column loop (``sgmv_col_steps`` tiles of BLOCK_N columns a program): 1 to 4 steps,
+  ragged groups, groups past a narrower slice, ranks over several rank tiles, with and without the
+  split shrink's partials, give the same bits, equal to the reference; and its rule.
 """
 
 from __future__ import annotations
@@ -167,3 +170,44 @@ def test_split_rule() -> None:
     assert rule(4096, 2, 32, 3, 0, cpu) == 44  # (a pool without ranks)
     # A graph bucket's static tile list (cdiv(T, 16) + sequences, mostly idle) counts as its tokens' tiles.
     assert rule(4096, 2 + 32, 32, 3, 16, cpu) == rule(4096, 2, 32, 3, 16, cpu)
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_expand_column_steps_give_the_same_bits(popularity: str, monkeypatch) -> None:
+    """BLOCK_N 16 over the GQA stack (q 4 column tiles, k / v 2): 3 steps leave q a ragged second
+    group and k / v a group past their width; rank 64 (RANKS) takes the loop over further rank tiles."""
+    monkeypatch.setitem(sgmv_kernels._EXPAND, "BLOCK_N", 16)
+    dtype = torch.float16
+    seed = zlib.crc32(f"sgmv-cols/{popularity}".encode()) % 1000
+    lens, ids = chunk_lens(popularity, seed)
+    meta = LoraMeta.sgmv(lens, ids, DEVICE)
+    dense = stacked_dense(IN_DIM, GQA, dtype, seed)
+    stack = embedded_stack(*stacked_tables(dense, IN_DIM, GQA, dtype, seed), IN_DIM, GQA, (0, 64, 96))
+    x = randn(meta.num_tokens, IN_DIM, dtype=dtype, seed=seed + 1)
+    base = randn(meta.num_tokens, 128, dtype=dtype, seed=seed + 2)
+    want = lora_delta_stacked(x, base.clone(), stack, meta, use_triton=False)
+    first = None
+    for split in (1, 3):
+        forced(monkeypatch, split)
+        for steps in (1, 2, 3, 4):
+            monkeypatch.setattr(sgmv_kernels, "sgmv_col_steps", lambda *_, n=steps: n)
+            got = lora_delta_stacked(x, base.clone(), stack, meta, use_triton=True)
+            close(got, want)
+            first = got if first is None else first
+            assert torch.equal(got, first), f"split {split}, {steps} column steps"
+
+
+def test_column_steps_rule(monkeypatch) -> None:
+    """The most column steps (a power of two, at most max_col_steps, 8 here, never more than the
+    tiles) that keep min_programs_per_sm x the SMs programs (4 x 132 off the GPU: 528), the chunk's
+    tiles counted by tokens."""
+    monkeypatch.setitem(sgmv_kernels._EXPAND, "max_col_steps", 8)
+    monkeypatch.setitem(sgmv_kernels._EXPAND, "min_programs_per_sm", 4)
+    cpu = torch.device("cpu")
+    rule = sgmv_kernels.sgmv_col_steps
+    assert rule(64, 32, 512, 3, cpu) == 8  # a 512-token qkv chunk: 96 x 8 groups = 768 programs
+    assert rule(172, 32, 512, 2, cpu) == 8  # gate_up: 64 x 22 groups
+    assert rule(64, 8, 128, 3, cpu) == 2  # 24 token-slices: 24 x 32 = 768 >= 528, 24 x 16 short
+    assert rule(64, 2, 32, 3, cpu) == 1  # a 32-token chunk cannot fill the GPU: one tile a program
+    assert rule(3, 300, 4800, 1, cpu) == 2  # never more steps than the tiles (a power of two)
+    assert rule(64, 8 + 40, 128, 3, cpu) == rule(64, 8, 128, 3, cpu)  # a graph's static tile bound

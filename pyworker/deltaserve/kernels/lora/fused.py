@@ -35,7 +35,7 @@ import triton.language as tl
 from ..common import needs_rne_by_hand, read_launch_configs, round_to
 from .layout import LoraStack, LoraWeights
 from .meta import LoraMeta
-from .tables import LaunchTables, align
+from .tables import LaunchTables, align, col_align
 
 FUSED_LAUNCH: dict[str, int] = read_launch_configs(__file__)["fused_decode"]
 """The fused launch: BLOCK_M rows per block, BLOCK_R rank rows per step, BLOCK_K input columns per
@@ -127,6 +127,7 @@ def _fused_decode_kernel(
     DOT_PREC: tl.constexpr,
     RNE: tl.constexpr,
     STACKED: tl.constexpr,
+    COL_ALIGN: tl.constexpr,
 ):
     """Program (slot * ROW_BLOCKS + row block, chunk, slice): the module docstring's program.
     STACKED: the slice's width and first column of out from ``dims_ptr`` / ``cols_ptr``; else one
@@ -138,8 +139,8 @@ def _fused_decode_kernel(
     width = N
     col0 = 0
     if STACKED:
-        width = tl.load(dims_ptr + sl)
-        col0 = tl.load(cols_ptr + sl)
+        width = tl.multiple_of(tl.load(dims_ptr + sl), COL_ALIGN)  # vector loads and stores of out
+        col0 = tl.multiple_of(tl.load(cols_ptr + sl), COL_ALIGN)
     n_start = chunk * (SUB_TILES * BLOCK_N)
     rank = tl.minimum(tl.load(rank_ptr + sl * rank_slice_stride + slot), R_MAX)
     if n_start >= width or rank <= 0:  # past this slice's columns, or the slice not adapted by the slot
@@ -254,5 +255,6 @@ def fused_decode(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, ou
         DOT_PREC="ieee" if upcast or x.dtype == torch.float32 else "tf32",
         RNE=needs_rne_by_hand(out),
         STACKED=tab.stacked,
+        COL_ALIGN=col_align(tab, out),
         num_warps=cfg["num_warps"],
     )

@@ -38,7 +38,7 @@ import triton.language as tl
 from ..common import needs_rne_by_hand, read_launch_configs, round_to
 from .layout import LoraStack, LoraWeights
 from .meta import LoraMeta
-from .tables import LaunchTables, align
+from .tables import LaunchTables, align, col_align
 
 
 def _launch_table(entries: list[dict], width: str) -> tuple[tuple[int, tuple[int, int, int, int]], ...]:
@@ -204,6 +204,7 @@ def _mbgmv_expand_kernel(
     ALIGN: tl.constexpr,
     RNE: tl.constexpr,
     STACKED: tl.constexpr,
+    COL_ALIGN: tl.constexpr,
     GATHER: tl.constexpr,
 ):
     """Program (row block, n, slice): for each of the block's BLOCK_T rows t,
@@ -223,8 +224,8 @@ def _mbgmv_expand_kernel(
     width = N
     col0 = 0
     if STACKED:
-        width = tl.load(dims_ptr + sl)
-        col0 = tl.load(cols_ptr + sl)
+        width = tl.multiple_of(tl.load(dims_ptr + sl), COL_ALIGN)  # vector loads and stores of out
+        col0 = tl.multiple_of(tl.load(cols_ptr + sl), COL_ALIGN)
     if n0 >= width:
         return
     ts, tok, t_ok, has, slot = _block_rows(row_adapter_ptr, rows_ptr, T, BLOCK_T, GATHER)
@@ -393,6 +394,7 @@ def mbgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, ou
         ALIGN=align(w, w.b_pool),
         RNE=needs_rne_by_hand(out),
         STACKED=tab.stacked,
+        COL_ALIGN=col_align(tab, out),
         GATHER=gather,
         num_warps=warps,
     )

@@ -1,7 +1,8 @@
 """SGMV (prefill): the LoRA shrink and expand over segments, one program per token tile with an adapter.
 
 The grid runs over ``LoraMeta.tiles`` (``SGMV_TILE`` tokens of one segment each), times rank tiles
-(shrink) or output column tiles (expand), times the slices of a stack. The kernels use ``tl.dot`` on
+(shrink) or output column groups (expand: ``sgmv_col_steps`` column tiles a program), times the
+slices of a stack. The kernels use ``tl.dot`` on
 [16+, 16+] tiles (Tensor Cores on the GPU). Compute is never padded to the largest rank in the batch:
 every program loops to (in tiles of BLOCK_R) its own adapter's rank, and shrink programs whose rank
 tile lies past the rank exit at once. Under the interpreter the tiles are fp32 (its low-precision
@@ -11,7 +12,7 @@ Stacked (one module, n slices)::
 
     shrink grid (token tiles, n_slices * rank tiles, SPLIT) -> v [n_slices, T, r_max] (SPLIT = 1)
                                               or float32 partials [n_slices, CHUNKS, T, r_max]
-    expand grid (token tiles, n_slices * column tiles of the widest slice); a tile past its slice's
+    expand grid (token tiles, n_slices * column groups of the widest slice); a group past its slice's
     width (GQA k / v next to q) or a slice of rank 0 for the segment's adapter exits at once
 
 Split-K (``sgmv_delta``): a short chunk has a handful of tiles, and each shrink program would loop
@@ -38,12 +39,14 @@ import triton.language as tl
 from ..common import needs_rne_by_hand, read_launch_configs, round_to, sm_count
 from .layout import LoraStack, LoraWeights
 from .meta import SGMV_TILE, LoraMeta
-from .tables import LaunchTables, align
+from .tables import LaunchTables, align, col_align
 
 _SHRINK = read_launch_configs(__file__)["sgmv_shrink"]
 """SGMV shrink launch: BLOCK_R rank rows per tile, BLOCK_K input columns per reduction step, num_warps."""
 _EXPAND = read_launch_configs(__file__)["sgmv_expand"]
-"""SGMV expand launch: BLOCK_R rank rows per step of the rank loop, BLOCK_N output columns per program."""
+"""SGMV expand launch: BLOCK_R rank rows per step of the rank loop, BLOCK_N output columns per step of
+a program's column loop, at most max_col_steps steps a program (``sgmv_col_steps``), fewer where the
+grid would fall below min_programs_per_sm x the SMs."""
 SGMV_SPLIT: dict = read_launch_configs(__file__)["sgmv_split"]
 """Split-K of the SGMV shrink (module docstring): CHUNK_K input columns per chunk (a multiple of
 BLOCK_K), min_programs_per_sm, max_partials_mb (no split whose partials would take more),
@@ -55,6 +58,11 @@ _FORCED = os.environ.get("DELTASERVE_SGMV_SPLIT", "auto")
 benchmarks comparing splits (read at import)."""
 if _FORCED != "auto" and not (_FORCED.isdigit() and int(_FORCED) >= 1):
     raise ValueError(f"DELTASERVE_SGMV_SPLIT={_FORCED!r}: want auto or a positive integer")
+_FORCED_COLS = os.environ.get("DELTASERVE_SGMV_COL_STEPS", "auto")
+"""``auto`` (``sgmv_col_steps``) or the column steps every expand program takes (1: one BLOCK_N tile a
+program, the layout before the column loop), for benchmarks (read at import)."""
+if _FORCED_COLS != "auto" and not (_FORCED_COLS.isdigit() and int(_FORCED_COLS) >= 1):
+    raise ValueError(f"DELTASERVE_SGMV_COL_STEPS={_FORCED_COLS!r}: want auto or a positive integer")
 
 
 @triton.jit
@@ -155,6 +163,21 @@ def _sgmv_shrink_kernel(
 
 
 @triton.jit
+def _expand_v(
+    v_rows, rs, v_mask, CHUNKS, v_chunk_stride, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTIALS: tl.constexpr
+):
+    """One rank tile of v for the expand: v itself (out's dtype), or (PARTIALS) the split shrink's
+    float32 partials summed over the CHUNKS in chunk order (the caller rounds it to out's dtype, as
+    the unsplit shrink stores it)."""
+    if PARTIALS:
+        vf = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for c in range(0, CHUNKS):
+            vf += tl.load(v_rows + c * v_chunk_stride + rs[None, :], mask=v_mask, other=0.0)
+        return vf
+    return tl.load(v_rows + rs[None, :], mask=v_mask, other=0.0)
+
+
+@triton.jit
 def _sgmv_expand_kernel(
     v_ptr,
     b_ptr,
@@ -169,7 +192,8 @@ def _sgmv_expand_kernel(
     cols_ptr,
     N,
     R_MAX,
-    N_TILES,
+    N_GROUPS,
+    COL_STEPS,
     CHUNKS,
     v_slice_stride,
     v_chunk_stride,
@@ -187,60 +211,73 @@ def _sgmv_expand_kernel(
     DOT_PREC: tl.constexpr,
     RNE: tl.constexpr,
     STACKED: tl.constexpr,
+    COL_ALIGN: tl.constexpr,
     PARTIALS: tl.constexpr,
 ):
-    """Program (token tile, slice * N_TILES + n tile): ``out[rows, slice's n tile] += scale v B^T``,
-    the tile's (segment, first row) from ``tiles_ptr``. STACKED: the slice's width and first column
-    of out come from ``dims_ptr`` / ``cols_ptr`` (tiles past a narrower slice's width exit at once);
-    else one slice of N columns at column 0. PARTIALS: ``v`` is the split shrink's float32 partials
-    [slice, chunk, T, r_max], each rank tile's v summed over the CHUNKS in chunk order and rounded to
-    out's dtype (what the unsplit shrink stores); else v itself (out's dtype)."""
+    """Program (token tile, slice * N_GROUPS + column group): ``out[rows, cols] += scale v B^T`` over
+    the group's COL_STEPS tiles of BLOCK_N columns of the slice, the tile's (segment, first row) from
+    ``tiles_ptr``. The first rank tile of v (and of B's row offsets) is loaded once for the group;
+    ranks past BLOCK_R load theirs per column tile. STACKED: the slice's width and first column of out
+    come from ``dims_ptr`` / ``cols_ptr`` (groups past a narrower slice's width exit at once); else
+    one slice of N columns at column 0. PARTIALS: ``v`` is the split shrink's float32 partials
+    [slice, chunk, T, r_max] (``_expand_v``); else v itself (out's dtype). Every output element is
+    the same sum in the same order whatever COL_STEPS is."""
     seg = tl.load(tiles_ptr + 2 * tl.program_id(0))
     m0 = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
-    sl = tl.program_id(1) // N_TILES
+    sl = tl.program_id(1) // N_GROUPS
     adapter = tl.load(seg_adapter_ptr + seg)
     end = tl.load(seg_start_ptr + seg + 1)
     if adapter < 0 or m0 >= end:
         return
-    n0 = (tl.program_id(1) % N_TILES) * BLOCK_N
+    n_first = (tl.program_id(1) % N_GROUPS) * COL_STEPS * BLOCK_N
     width = N
     col0 = 0
     if STACKED:
-        width = tl.load(dims_ptr + sl)
-        col0 = tl.load(cols_ptr + sl)
+        width = tl.multiple_of(tl.load(dims_ptr + sl), COL_ALIGN)  # vector loads and stores of out
+        col0 = tl.multiple_of(tl.load(cols_ptr + sl), COL_ALIGN)
     rank = tl.minimum(tl.load(rank_ptr + sl * rank_slice_stride + adapter), R_MAX)
-    if n0 >= width or rank <= 0:  # past this slice's columns, or the slice not adapted by this adapter
+    if n_first >= width or rank <= 0:  # past this slice's columns, or the slice not adapted by this adapter
         return
     scale = tl.load(scale_ptr + sl * scale_slice_stride + adapter)
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < end
-    ns = n0 + tl.arange(0, BLOCK_N)
-    n_ok = ns < width
     v_rows = v_ptr + sl.to(tl.int64) * v_slice_stride + rows.to(tl.int64)[:, None] * v_stride
     off_row = b_off_ptr + sl.to(tl.int64) * off_slice_stride + adapter.to(tl.int64) * off_stride
     ty = out_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):  # the segment's own rank, in tiles of BLOCK_R
-        rs = r0 + tl.arange(0, BLOCK_R)
-        r_ok = rs < rank
-        off = _row_offsets(off_row, rs, r_ok, ALIGN)
-        v_mask = row_ok[:, None] & r_ok[None, :]
-        if PARTIALS:
-            vf = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for c in range(0, CHUNKS):  # chunk order, as the unsplit shrink adds them
-                vf += tl.load(v_rows + c * v_chunk_stride + rs[None, :], mask=v_mask, other=0.0)
-            vt = round_to(vf, ty, RNE).to(ty)
-        else:
-            vt = tl.load(v_rows + rs[None, :], mask=v_mask, other=0.0)
-        bt = tl.load(b_ptr + off[:, None] + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    rs0 = tl.arange(0, BLOCK_R)
+    r0_ok = rs0 < rank
+    off0 = _row_offsets(off_row, rs0, r0_ok, ALIGN)
+    v0 = _expand_v(v_rows, rs0, row_ok[:, None] & r0_ok[None, :], CHUNKS, v_chunk_stride, BLOCK_M, BLOCK_R, PARTIALS)
+    if PARTIALS:
+        v0 = round_to(v0, ty, RNE).to(ty)
+    if UPCAST:
+        v0 = v0.to(tl.float32)
+    o_rows = out_ptr + col0 + rows.to(tl.int64)[:, None] * out_stride
+    for n0 in range(n_first, tl.minimum(n_first + COL_STEPS * BLOCK_N, width), BLOCK_N):
+        ns = n0 + tl.arange(0, BLOCK_N)
+        n_ok = ns < width
+        mask = row_ok[:, None] & n_ok[None, :]
+        o_ptrs = o_rows + ns[None, :]
+        o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)  # issued with B's load, not after the dot
+        bt = tl.load(b_ptr + off0[:, None] + ns[None, :], mask=r0_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
-            vt = vt.to(tl.float32)
             bt = bt.to(tl.float32)
-        acc = tl.dot(vt, bt, acc, input_precision=DOT_PREC)
-    o_ptrs = out_ptr + col0 + rows.to(tl.int64)[:, None] * out_stride + ns[None, :]
-    mask = row_ok[:, None] & n_ok[None, :]
-    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, round_to(o + scale * acc, ty, RNE).to(ty), mask=mask)
+        acc = tl.dot(v0, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=DOT_PREC)
+        for r0 in range(BLOCK_R, rank, BLOCK_R):  # the segment's own rank, in tiles of BLOCK_R
+            rs = r0 + tl.arange(0, BLOCK_R)
+            r_ok = rs < rank
+            off = _row_offsets(off_row, rs, r_ok, ALIGN)
+            vt = _expand_v(
+                v_rows, rs, row_ok[:, None] & r_ok[None, :], CHUNKS, v_chunk_stride, BLOCK_M, BLOCK_R, PARTIALS
+            )
+            if PARTIALS:
+                vt = round_to(vt, ty, RNE).to(ty)
+            bt = tl.load(b_ptr + off[:, None] + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            if UPCAST:
+                vt = vt.to(tl.float32)
+                bt = bt.to(tl.float32)
+            acc = tl.dot(vt, bt, acc, input_precision=DOT_PREC)
+        tl.store(o_ptrs, round_to(o + scale * acc, ty, RNE).to(ty), mask=mask)
 
 
 def _dot_flags(t: torch.Tensor) -> tuple[bool, str]:
@@ -270,6 +307,23 @@ def sgmv_split(in_dim: int, num_tiles: int, num_tokens: int, n_slices: int, r_ma
     want = SGMV_SPLIT["min_programs_per_sm"] * sms
     work = max(1, min(num_tiles, triton.cdiv(num_tokens, SGMV_TILE)) * n_slices)
     return 1 if work >= want else min(sgmv_chunks(in_dim), triton.cdiv(want, work))
+
+
+def sgmv_col_steps(col_tiles: int, num_tiles: int, num_tokens: int, n_slices: int, device: torch.device) -> int:
+    """Column tiles (of BLOCK_N) per SGMV expand program, from shapes only (CUDA-graph safe): the most,
+    a power of two up to ``max_col_steps``, that keeps the grid at ``min_programs_per_sm`` x the SMs
+    programs or more, counting the chunk's token tiles as ``sgmv_split`` does; 1 for a chunk too short
+    to fill the GPU even so. Longer column loops read v, the tile's metadata and B's row offsets once
+    for more columns. ``DELTASERVE_SGMV_COL_STEPS=N`` forces N. The result never depends on it."""
+    if _FORCED_COLS != "auto":
+        return min(int(_FORCED_COLS), max(1, col_tiles))
+    sms = sm_count(device) if device.type == "cuda" else SGMV_SPLIT["cpu_sms"]
+    want = _EXPAND["min_programs_per_sm"] * sms
+    work = max(1, min(num_tiles, triton.cdiv(num_tokens, SGMV_TILE)) * n_slices)
+    steps = 1
+    while steps * 2 <= min(_EXPAND["max_col_steps"], col_tiles) and work * triton.cdiv(col_tiles, steps * 2) >= want:
+        steps *= 2
+    return steps
 
 
 def _shrink_launch(
@@ -351,15 +405,17 @@ def sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out
     """Launches the SGMV expand from ``v`` (as ``sgmv_shrink`` writes it, in out's dtype, or the
     float32 partials [n_slices, CHUNKS, T, r_max] of ``sgmv_shrink_partials``) into ``out`` (the
     slice's columns, or the whole output for a stack), grid (token tiles with an adapter, n_slices *
-    column tiles of the widest slice)."""
+    column groups of the widest slice: ``sgmv_col_steps`` tiles of BLOCK_N columns each)."""
     if not meta.num_tiles:
         return
     tab = LaunchTables.of(w)
     upcast, prec = _dot_flags(out)
-    n_tiles = triton.cdiv(tab.max_width, _EXPAND["BLOCK_N"])
+    col_tiles = triton.cdiv(tab.max_width, _EXPAND["BLOCK_N"])
+    col_steps = sgmv_col_steps(col_tiles, meta.num_tiles, out.shape[0], tab.n, out.device)
+    n_groups = triton.cdiv(col_tiles, col_steps)
     partials = v.dim() == 4
     vs = v if partials else (v if v.dim() == 3 else v[None])[:, None]
-    grid = (meta.num_tiles, tab.n * n_tiles)
+    grid = (meta.num_tiles, tab.n * n_groups)
     _sgmv_expand_kernel[grid](
         vs,
         w.b_pool,
@@ -374,7 +430,8 @@ def sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out
         tab.cols,
         tab.max_width,
         w.r_max,
-        n_tiles,
+        n_groups,
+        col_steps,
         vs.shape[1],
         vs.stride(0),
         vs.stride(1),
@@ -392,6 +449,7 @@ def sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out
         DOT_PREC=prec,
         RNE=needs_rne_by_hand(out),
         STACKED=tab.stacked,
+        COL_ALIGN=col_align(tab, out),
         PARTIALS=partials,
         num_warps=_EXPAND["num_warps"],
     )

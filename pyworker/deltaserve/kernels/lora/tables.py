@@ -2,7 +2,8 @@
 
 Every kernel reads a rank row at ``pool + offset + k`` with the int64 offset loaded from the
 adapter's row of the offsets table; ``tl.multiple_of(offset, ALIGN)`` (``LoraWeights.offset_align``,
-capped by ``align``) lets the compiler use vector loads. Ranks are clamped to r_max, so a bad rank in
+capped by ``align``) lets the compiler use vector loads, as ``col_align`` does for a stacked slice's
+width and first column in out. Ranks are clamped to r_max, so a bad rank in
 an unchecked table never reads past the offsets row. A ``LoraWeights`` launches as one slice (slice
 strides 0); a ``LoraStack`` adds a slice grid axis, and each program computes exactly what the
 per-slice path's does.
@@ -10,6 +11,7 @@ per-slice path's does.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,10 @@ class LaunchTables:
     cols: torch.Tensor
     max_width: int
     stacked: bool
+    col_align: int = 1
+    """What every slice's width and first column are multiples of (a stack; 1 for one slice, whose
+    width is a launch argument): the expand promises it (``col_align``) so out's row segments load and
+    store as vectors, not element by element."""
 
     @staticmethod
     def of(w: LoraWeights | LoraStack) -> LaunchTables:
@@ -58,6 +64,7 @@ class LaunchTables:
                 w.out_offsets_dev,
                 max(w.out_dims),
                 True,
+                math.gcd(*w.out_dims, *w.out_offsets),
             )
         # One slice: slice strides 0; dims / cols are never read (STACKED false), any pointer will do.
         return LaunchTables(
@@ -77,6 +84,11 @@ class LaunchTables:
             w.out_dim,
             False,
         )
+
+
+def col_align(tab: LaunchTables, out: torch.Tensor) -> int:
+    """COL_ALIGN for the stacked expands: ``tab.col_align`` capped at one 16-byte vector of out."""
+    return max(1, min(tab.col_align, 16 // out.element_size()))
 
 
 def align(w: LoraWeights | LoraStack, pool: torch.Tensor) -> int:
