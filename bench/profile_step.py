@@ -19,7 +19,9 @@ Cases (``--cases``, comma-separated), each ``<rows>-b<batch>`` or ``<rows>-b<bat
   ``base-bN-cM`` when the run has that case.
 
 Device time per step is the sum of the kernels' durations over the profiled steps divided by their
-number; ``step_ms`` is the wall clock of the same steps (profiled, so a little above the plain
+number, set against the worker's floor of the step (``floor_us``, ``worker/step_floor.py``: the
+bytes it reads at the copy bandwidth or its FLOPs at the matmul peak, the larger; 0 on the CPU,
+which measures none); ``step_ms`` is the wall clock of the same steps (profiled, so a little above the plain
 benchmarks' figures).
 
     python3 -m bench.profile_step [--cases base-b1,base-b64,delta1-b64,delta8-b64,lora1-b64,lora64-b64]
@@ -165,6 +167,7 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
 
     before = replays()
     stats: dict = {}
+    floors: list[int] = []
     times = bench_batch(
         ex,
         case.batch,
@@ -176,6 +179,7 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
         first_block=first_block,
         after_step=after_step,
         stats=stats,
+        floors=floors,
         chunk=case.chunk,
         chunk_adapter=case.rows(variant_base)[0],
     )
@@ -192,6 +196,8 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
         "step_ms": statistics.median(times) * 1e3,
         "graph_replays": replayed,
         "device_us_per_step": sum(us for us, _ in kernels.values()),
+        "floor_us": statistics.median(floors),
+        "device_over_floor": sum(us for us, _ in kernels.values()) / statistics.median(floors) if any(floors) else None,
         "launches_per_step": sum(n for _, n in kernels.values()),
         "by_kind": by_kind(kernels),
         "kernels": [{"name": name, "us": us, "launches": n} for name, (us, n) in ranked],
@@ -214,9 +220,14 @@ def against_base(rows: list[dict]) -> None:
 
 
 def report(r: dict, top: int) -> None:
+    floor = (
+        f", {r['device_over_floor']:.2f}x the worker's floor {r['floor_us'] / 1e3:.2f} ms"
+        if r["device_over_floor"]
+        else ""
+    )
     print(
         f"\n{r['case']}: step {r['step_ms']:.2f} ms, device {r['device_us_per_step'] / 1e3:.2f} ms in "
-        f"{r['launches_per_step']:.0f} kernels ({r['graph_replays']} graph replays)"
+        f"{r['launches_per_step']:.0f} kernels ({r['graph_replays']} graph replays){floor}"
     )
     for kind, v in r["by_kind"].items():
         added = r.get("added_by_kind", {}).get(kind)

@@ -22,6 +22,7 @@ def test_profile_step_smoke(tmp_path: Path) -> None:
         kinds = sum(k["us"] for k in row["by_kind"].values())
         assert kinds == pytest.approx(row["device_us_per_step"])
         assert sum(k["us"] for k in row["kernels"]) == pytest.approx(row["device_us_per_step"])
+        assert row["floor_us"] >= 0 and (row["device_over_floor"] is None) == (row["floor_us"] == 0)
     assert "added_by_kind" not in cases["base-b2"] and "added_by_kind" not in cases["base-b2-c5"]
     for name, base in (("delta2-b2", "base-b2"), ("lora2-b2", "base-b2"), ("lora2-b2-c5", "base-b2-c5")):
         row = cases[name]
