@@ -224,6 +224,15 @@ def time_host(fn: Callable[[], object], graph: bool = False, runs: int = 3) -> f
 # ---------------------------------------------------------------- checkpoints and deltas on disk
 # (compressed-delta benchmarks: a delta's lineage check and the compressor read real safetensors)
 
+LLAMA2_7B_MODULES: dict[str, tuple[int, tuple[int, ...]]] = {
+    "qkv": (4096, (4096, 4096, 4096)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (11008, 11008)),
+    "down": (11008, (4096,)),
+}
+"""Llama-2-7B's fused modules as the worker stacks them: (in_features, out_features of each HF
+projection), for the per-module kernel benchmarks."""
+
 SMOKE_SHAPE = "smoke-llama"
 """A tiny Llama shape for ``--smoke`` runs on the CPU (every linear fits the packed delta format)."""
 SHAPES[SMOKE_SHAPE] = {

@@ -35,15 +35,10 @@ from bench import script_env
 script_env.prepare()  # deltaserve importable from pyworker/
 
 from bench.bench_lora import StackPoint  # noqa: E402
+from bench.common import LLAMA2_7B_MODULES as MODULES  # noqa: E402
 from bench.common import copy_bandwidth, device_name, git_commit, time_cuda, write_result  # noqa: E402
 from deltaserve.kernels.lora import mbgmv, sgmv  # noqa: E402
 
-MODULES = {
-    "qkv": (4096, (4096, 4096, 4096)),
-    "o": (4096, (4096,)),
-    "gate_up": (4096, (11008, 11008)),
-    "down": (11008, (4096,)),
-}
 RANK = 16
 
 

@@ -31,17 +31,11 @@ from bench import script_env
 
 script_env.prepare()  # deltaserve importable from pyworker/
 
+from bench.common import LLAMA2_7B_MODULES as MODULES  # noqa: E402
 from bench.common import copy_bandwidth, device_name, random_packed_linear, write_result  # noqa: E402
 from deltaserve.kernels import sbmm as S  # noqa: E402
 from deltaserve.kernels.sbmm import DeltaMeta, make_delta_weights  # noqa: E402
 
-MODULES = {
-    "qkv": (4096, (4096, 4096, 4096)),
-    "o": (4096, (4096,)),
-    "gate_up": (4096, (11008, 11008)),
-    "down": (11008, (4096,)),
-}
-"""Llama-2-7B's fused modules: (in_features, out_features of each HF projection)."""
 SLOTS = 8
 """Delta slots per pool (each its own memory; the first ``deltas`` of a point are read)."""
 

@@ -25,6 +25,7 @@ import torch
 from deltaserve.kernels.lora import (
     LoraMeta,
     LoraSlice,
+    LoraStack,
     lora_delta,
     lora_delta_stacked,
     lora_expand_triton,
@@ -71,17 +72,23 @@ def chunk_lens(popularity: str, seed: int) -> tuple[list[int], list[int]]:
     return [18, 3, 9, 5], ids
 
 
-@pytest.mark.parametrize("popularity", POPULARITY)
-def test_split_stacked_equals_reference_for_every_split(popularity: str, monkeypatch) -> None:
+def gqa_chunks(popularity: str, tag: str) -> tuple[LoraMeta, LoraStack, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``chunk_lens``' four chunks over the GQA stack (fp16, seeded by ``tag`` and the popularity):
+    (meta, stack, x, out before, the reference's out after)."""
     dtype = torch.float16
-    seed = zlib.crc32(f"sgmv-split/{popularity}".encode()) % 1000
+    seed = zlib.crc32(f"{tag}/{popularity}".encode()) % 1000
     lens, ids = chunk_lens(popularity, seed)
     meta = LoraMeta.sgmv(lens, ids, DEVICE)
     dense = stacked_dense(IN_DIM, GQA, dtype, seed)
     stack = embedded_stack(*stacked_tables(dense, IN_DIM, GQA, dtype, seed), IN_DIM, GQA, (0, 64, 96))
     x = randn(meta.num_tokens, IN_DIM, dtype=dtype, seed=seed + 1)
     base = randn(meta.num_tokens, 128, dtype=dtype, seed=seed + 2)
-    want = lora_delta_stacked(x, base.clone(), stack, meta, use_triton=False)
+    return meta, stack, x, base, lora_delta_stacked(x, base.clone(), stack, meta, use_triton=False)
+
+
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_split_stacked_equals_reference_for_every_split(popularity: str, monkeypatch) -> None:
+    meta, stack, x, base, want = gqa_chunks(popularity, "sgmv-split")
     got = {}
     for split in SPLITS:
         forced(monkeypatch, split)
@@ -177,15 +184,7 @@ def test_expand_column_steps_give_the_same_bits(popularity: str, monkeypatch) ->
     """BLOCK_N 16 over the GQA stack (q 4 column tiles, k / v 2): 3 steps leave q a ragged second
     group and k / v a group past their width; rank 64 (RANKS) takes the loop over further rank tiles."""
     monkeypatch.setitem(sgmv_kernels._EXPAND, "BLOCK_N", 16)
-    dtype = torch.float16
-    seed = zlib.crc32(f"sgmv-cols/{popularity}".encode()) % 1000
-    lens, ids = chunk_lens(popularity, seed)
-    meta = LoraMeta.sgmv(lens, ids, DEVICE)
-    dense = stacked_dense(IN_DIM, GQA, dtype, seed)
-    stack = embedded_stack(*stacked_tables(dense, IN_DIM, GQA, dtype, seed), IN_DIM, GQA, (0, 64, 96))
-    x = randn(meta.num_tokens, IN_DIM, dtype=dtype, seed=seed + 1)
-    base = randn(meta.num_tokens, 128, dtype=dtype, seed=seed + 2)
-    want = lora_delta_stacked(x, base.clone(), stack, meta, use_triton=False)
+    meta, stack, x, base, want = gqa_chunks(popularity, "sgmv-cols")
     first = None
     for split in (1, 3):
         forced(monkeypatch, split)
