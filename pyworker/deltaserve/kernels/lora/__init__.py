@@ -46,9 +46,9 @@ mbgmv.py draw the grids).
 Decode path of ``lora_delta`` / ``lora_delta_stacked`` (``set_decode_path``, env ``DELTASERVE_LORA_DECODE``):
 ``split`` (the default: MBGMV shrink then expand, two launches per module) or ``fused`` (one launch
 per module, fused.py; ``bench/lora_decode_step.py --paths fused,split`` compares them). Split stays
-the default because it measured faster: on an H100 (5602284, Llama-2-7B shape, b64, rank 16, seven
-projections, CUDA graphs) 1 adapter cost 1.16x the base step split and 1.40x fused, 64 distinct
-1.21x and 1.58x. The fused kernel recomputes a row block's x·A for every column chunk and launches
+the default because it measured faster: on an H100 (d105e0d, Llama-2-7B shape, b64, rank 16, seven
+projections, CUDA graphs) 1 adapter cost 1.10x the base step split and 1.28x fused, 64 distinct
+1.21x and 1.40x. The fused kernel recomputes a row block's x·A for every column chunk and launches
 slots x row blocks x chunks programs, most of which exit at once.
 
 Prefill (SGMV): a short chunk's shrink splits its input columns over programs (``sgmv.sgmv_split``,
