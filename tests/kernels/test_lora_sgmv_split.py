@@ -17,6 +17,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -210,3 +213,27 @@ def test_column_steps_rule(monkeypatch) -> None:
     assert rule(64, 2, 32, 3, cpu) == 1  # a 32-token chunk cannot fill the GPU: one tile a program
     assert rule(3, 300, 4800, 1, cpu) == 2  # never more steps than the tiles (a power of two)
     assert rule(64, 8 + 40, 128, 3, cpu) == rule(64, 8, 128, 3, cpu)  # a graph's static tile bound
+
+
+@pytest.mark.parametrize(
+    "env,value,ok",
+    [
+        ("DELTASERVE_SGMV_COL_STEPS", "3", True),
+        ("DELTASERVE_SGMV_COL_STEPS", "0", False),
+        ("DELTASERVE_SGMV_COL_STEPS", "wide", False),
+        ("DELTASERVE_SGMV_SPLIT", "-1", False),
+    ],
+)
+def test_benchmark_overrides_are_checked_at_import(env: str, value: str, ok: bool) -> None:
+    """The benchmarks' launch overrides: a positive integer is taken (the column steps capped at the
+    column tiles); anything else stops the import with the variable's name, before any launch."""
+    code = (
+        "import torch; from deltaserve.kernels.lora import sgmv; "
+        "print(sgmv.sgmv_col_steps(64, 32, 512, 3, torch.device('cpu')), sgmv.sgmv_col_steps(2, 32, 512, 3, torch.device('cpu')))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, env: value}, capture_output=True, text=True)
+    if ok:
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split() == ["3", "2"]
+    else:
+        assert run.returncode != 0 and f"{env}={value!r}" in run.stderr
