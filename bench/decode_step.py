@@ -88,7 +88,7 @@ def bench_batch(
     step releases it (one at a time only)."""
     bs = ex.block_size
     chunk_pages = -(-(chunk + 1) // bs) if chunk else 0
-    first_block += 2 * chunk_pages  # two page ranges for the chunks, taken in turn
+    chunk_first, first_block = first_block, first_block + 2 * chunk_pages  # two chunk page ranges, taken in turn
     blocks_per_req = (ctx + steps + warmup + 1 + bs - 1) // bs
     kv_sets = kv_page_sets(batch, ctx, blocks_per_req, bs, ex.num_blocks - first_block)
     shared = ctx // bs  # whole pages of context: read, never written (decode writes from ctx on)
@@ -133,7 +133,7 @@ def bench_batch(
         for s in range(warmup + steps)
     ]
     for s, plan in enumerate(plans if chunk else []):
-        pages = first_block - 2 * chunk_pages + (s % 2) * chunk_pages
+        pages = chunk_first + (s % 2) * chunk_pages
         plan.new_requests = [
             wire.NewRequest(
                 req_id=first_id + batch + s,

@@ -164,17 +164,32 @@ def _sgmv_shrink_kernel(
 
 @triton.jit
 def _expand_v(
-    v_rows, rs, v_mask, CHUNKS, v_chunk_stride, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, PARTIALS: tl.constexpr
+    v_rows,
+    rs,
+    v_mask,
+    CHUNKS,
+    v_chunk_stride,
+    out_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    RNE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PARTIALS: tl.constexpr,
 ):
-    """One rank tile of v for the expand: v itself (out's dtype), or (PARTIALS) the split shrink's
-    float32 partials summed over the CHUNKS in chunk order (the caller rounds it to out's dtype, as
-    the unsplit shrink stores it)."""
+    """One rank tile of v for the expand's dot, in out's dtype: v itself, or (PARTIALS) the split
+    shrink's float32 partials summed over the CHUNKS in chunk order and rounded, as the unsplit shrink
+    stores it; float32 under the interpreter (UPCAST)."""
     if PARTIALS:
         vf = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for c in range(0, CHUNKS):
             vf += tl.load(v_rows + c * v_chunk_stride + rs[None, :], mask=v_mask, other=0.0)
-        return vf
-    return tl.load(v_rows + rs[None, :], mask=v_mask, other=0.0)
+        ty = out_ptr.dtype.element_ty
+        vt = round_to(vf, ty, RNE).to(ty)
+    else:
+        vt = tl.load(v_rows + rs[None, :], mask=v_mask, other=0.0)
+    if UPCAST:
+        vt = vt.to(tl.float32)
+    return vt
 
 
 @triton.jit
@@ -247,11 +262,19 @@ def _sgmv_expand_kernel(
     rs0 = tl.arange(0, BLOCK_R)
     r0_ok = rs0 < rank
     off0 = _row_offsets(off_row, rs0, r0_ok, ALIGN)
-    v0 = _expand_v(v_rows, rs0, row_ok[:, None] & r0_ok[None, :], CHUNKS, v_chunk_stride, BLOCK_M, BLOCK_R, PARTIALS)
-    if PARTIALS:
-        v0 = round_to(v0, ty, RNE).to(ty)
-    if UPCAST:
-        v0 = v0.to(tl.float32)
+    v0 = _expand_v(
+        v_rows,
+        rs0,
+        row_ok[:, None] & r0_ok[None, :],
+        CHUNKS,
+        v_chunk_stride,
+        out_ptr,
+        BLOCK_M,
+        BLOCK_R,
+        RNE,
+        UPCAST,
+        PARTIALS,
+    )
     o_rows = out_ptr + col0 + rows.to(tl.int64)[:, None] * out_stride
     for n0 in range(n_first, tl.minimum(n_first + COL_STEPS * BLOCK_N, width), BLOCK_N):
         ns = n0 + tl.arange(0, BLOCK_N)
@@ -267,14 +290,10 @@ def _sgmv_expand_kernel(
             rs = r0 + tl.arange(0, BLOCK_R)
             r_ok = rs < rank
             off = _row_offsets(off_row, rs, r_ok, ALIGN)
-            vt = _expand_v(
-                v_rows, rs, row_ok[:, None] & r_ok[None, :], CHUNKS, v_chunk_stride, BLOCK_M, BLOCK_R, PARTIALS
-            )
-            if PARTIALS:
-                vt = round_to(vt, ty, RNE).to(ty)
+            v_mask = row_ok[:, None] & r_ok[None, :]
+            vt = _expand_v(v_rows, rs, v_mask, CHUNKS, v_chunk_stride, out_ptr, BLOCK_M, BLOCK_R, RNE, UPCAST, PARTIALS)
             bt = tl.load(b_ptr + off[:, None] + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
             if UPCAST:
-                vt = vt.to(tl.float32)
                 bt = bt.to(tl.float32)
             acc = tl.dot(vt, bt, acc, input_precision=DOT_PREC)
         tl.store(o_ptrs, round_to(o + scale * acc, ty, RNE).to(ty), mask=mask)
