@@ -75,6 +75,7 @@ def bench_batch(
     after_step: Callable[[int], None] | None = None,
     chunk: int = 0,
     chunk_adapter: int = 0,
+    chunk_cached: int = 0,
 ) -> list[float]:
     """Times decode steps of ``batch`` requests at KV length ``ctx``; request i uses LoRA adapter
     ``adapter_ids[i]`` (already GPU-resident; 0 or None: the base). KV pages from ``first_block``.
@@ -85,9 +86,11 @@ def bench_batch(
     i-th step (0 admits the requests, then ``warmup`` steps, then the timed ones; one at a time only).
     ``chunk``: every step after the first also prefills a new ``chunk``-token prompt on adapter
     ``chunk_adapter`` beside the decodes (a mixed step, as continuous batching forms them), and the next
-    step releases it (one at a time only)."""
+    step releases it (one at a time only). ``chunk_cached``: that prompt's first ``chunk_cached`` tokens
+    are already computed (a prefix-cache hit: the chunk attends to their pages, which hold whatever KV
+    is there), so the step computes its last ``chunk`` tokens."""
     bs = ex.block_size
-    chunk_pages = -(-(chunk + 1) // bs) if chunk else 0
+    chunk_pages = -(-(chunk_cached + chunk + 1) // bs) if chunk else 0
     chunk_first, first_block = first_block, first_block + 2 * chunk_pages  # two chunk page ranges, taken in turn
     blocks_per_req = (ctx + steps + warmup + 1 + bs - 1) // bs
     kv_sets = kv_page_sets(batch, ctx, blocks_per_req, bs, ex.num_blocks - first_block)
@@ -137,9 +140,9 @@ def bench_batch(
         plan.new_requests = [
             wire.NewRequest(
                 req_id=first_id + batch + s,
-                token_ids=torch.randint(3, ex.config.vocab_size, (chunk,), generator=g).tolist(),
-                num_prompt_tokens=chunk,
-                num_computed_tokens=0,
+                token_ids=torch.randint(3, ex.config.vocab_size, (chunk_cached + chunk,), generator=g).tolist(),
+                num_prompt_tokens=chunk_cached + chunk,
+                num_computed_tokens=chunk_cached,
                 num_scheduled_tokens=chunk,
                 block_ids=list(range(pages, pages + chunk_pages)),
                 sampling=greedy,

@@ -10,7 +10,11 @@ followed by a ``--user-tokens`` question distinct per request. Per daemon and va
 - ``first``: the first request (with caching: a miss that fills the cache);
 - ``ttft``: ``--trials`` more requests, one at a time, each ``max_tokens: 1`` (its latency is its
   TTFT): with caching they hit every whole page of the system prompt;
-- greedy: one ``--gen-tokens`` completion at temperature 0, compared between the two daemons.
+- greedy: one ``--gen-tokens`` completion at temperature 0, compared between the two daemons;
+- ``split``: where the TTFT trials' time went, from the daemon's ``/metrics`` over them: the
+  worker's mean step (``busy_us`` of its own work, ``forward_us`` of the model, ``floor_us`` of the
+  step's bytes and FLOPs), the router's mean TTFT, and the rest of the client's TTFT (HTTP, router,
+  both IPC hops, the worker's host work outside the step).
 
 The result has the median TTFTs, their ratio per variant and over all, whether every greedy
 completion was identical, and the caching daemon's ``/metrics`` prefix counters.
@@ -35,9 +39,11 @@ from bench import script_env
 script_env.prepare()
 
 from bench.common import write_random_lora_dir, write_random_served_model, write_result  # noqa: E402
-from bench.launch import ServerSpec, deltaserve_server, demo_model_dir  # noqa: E402
+from bench.launch import Endpoint, ServerSpec, deltaserve_server, demo_model_dir  # noqa: E402
+from bench.serving.runner import metrics_delta, server_metrics  # noqa: E402
 
 SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TTFT_HISTOGRAM = ("deltaserve_time_to_first_token_seconds_sum", "deltaserve_time_to_first_token_seconds_count")
 PREFIX_METRICS = ("queried_tokens_total", "hit_tokens_total", "cached_pages", "evicted_pages_total")
 
 
@@ -63,10 +69,34 @@ def prefix_metrics(url: str) -> dict[str, float]:
     return {k: out.get(k, 0.0) for k in PREFIX_METRICS}
 
 
+def ttft_split(before: dict | None, after: dict | None, client_s: list[float]) -> dict[str, float] | None:
+    """Where the trials' mean TTFT went, in ms per request, from the daemon's ``/metrics`` before
+    and after them (each request is ``max_tokens: 1`` and runs alone), or None without metrics."""
+    delta = metrics_delta(before, after)
+    if before is None or after is None or not delta or not delta.get("deltaserve_steps_total"):
+        return None
+    steps = delta["deltaserve_steps_total"]
+    per_step = {
+        k: delta.get(f"deltaserve_worker_{k}_us_total", 0.0) / steps / 1e3 for k in ("busy", "forward", "floor")
+    }
+    # The TTFT histogram's _sum and _count are cumulative, so their increase is taken here.
+    ttft_sum, ttft_n = (after.get(k, 0.0) - before.get(k, 0.0) for k in TTFT_HISTOGRAM)
+    client_ms = statistics.fmean(client_s) * 1e3
+    return {
+        "steps_per_request": steps / len(client_s),
+        "client_ttft_ms": client_ms,
+        "router_ttft_ms": ttft_sum / max(ttft_n, 1.0) * 1e3,
+        "worker_busy_ms": per_step["busy"],
+        "worker_forward_ms": per_step["forward"],
+        "worker_floor_ms": per_step["floor"],
+        "outside_step_ms": client_ms - per_step["busy"] * steps / len(client_s),
+    }
+
+
 def run_daemon(spec: ServerSpec, variants: list[str], prompts: dict, args) -> dict:
     """One daemon's numbers: per variant the first request's latency, the TTFT samples and the
     greedy text; plus its prefix-cache counters."""
-    out: dict = {"first_s": {}, "ttft_s": {}, "greedy": {}}
+    out: dict = {"first_s": {}, "ttft_s": {}, "greedy": {}, "split": {}}
     with deltaserve_server(spec) as ep:
         base = json.loads(urllib.request.urlopen(f"{ep.url}/v1/models").read())["data"][0]["id"]
         name = {v: base if v == "base" else f"{base}:{v}" for v in variants}
@@ -75,9 +105,11 @@ def run_daemon(spec: ServerSpec, variants: list[str], prompts: dict, args) -> di
         for v in variants:
             system = prompts["system"][v]
             out["first_s"][v] = complete(ep.url, name[v], system + prompts["user"][0], 1)[0]
+            before = server_metrics(Endpoint(ep.url))
             out["ttft_s"][v] = [
                 complete(ep.url, name[v], system + prompts["user"][t], 1)[0] for t in range(1, args.trials + 1)
             ]
+            out["split"][v] = ttft_split(before, server_metrics(Endpoint(ep.url)), out["ttft_s"][v])
             out["greedy"][v] = complete(ep.url, name[v], system + prompts["user"][-1], args.gen_tokens)[1]
         out["metrics"] = prefix_metrics(ep.url)
     return out
@@ -142,6 +174,9 @@ def main() -> None:
     for v in variants:
         print(f"{v:>8}: TTFT cached {median_ms['cached'][v]:8.1f} ms, uncached {median_ms['uncached'][v]:8.1f} ms, "
               f"{speedup[v]:5.2f}x; greedy identical: {identical[v]}")  # fmt: skip
+        for mode, r in runs.items():
+            if (split := r["split"][v]) is not None:
+                print(f"{'':>10}{mode:>8}: " + ", ".join(f"{k} {x:.2f}" for k, x in split.items()))
     overall = all_ms["uncached"] / all_ms["cached"]
     print(f"all variants: {all_ms['cached']:.1f} vs {all_ms['uncached']:.1f} ms: {overall:.2f}x (target >= 5x)")
     print(f"prefix cache counters (cached daemon): {runs['cached']['metrics']}")
@@ -166,6 +201,7 @@ def main() -> None:
         "greedy_identical": identical,
         "all_greedy_identical": all(identical.values()),
         "prefix_metrics": {m: r["metrics"] for m, r in runs.items()},
+        "ttft_split": {m: r["split"] for m, r in runs.items()},
     }
     print(write_result("prefix_caching", payload, args.out))
 

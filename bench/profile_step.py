@@ -5,7 +5,8 @@ replayed from CUDA graphs (``--eager``: run eagerly). Each case's kernels are gr
 into its parts: the SBMM, the lm_head delta, the norm and embedding deltas' gathers, LoRA's shrink and
 expand, and what the base kernels themselves lose beside them.
 
-Cases (``--cases``, comma-separated), each ``<rows>-b<batch>`` or ``<rows>-b<batch>-c<chunk>``:
+Cases (``--cases``, comma-separated), each ``<rows>-b<batch>``, ``<rows>-b<batch>-c<chunk>`` or
+``<rows>-b<batch>-c<chunk>-p<cached>``:
 
 - ``base-bN``: every row on the base model;
 - ``deltaK-bN``: row i on compressed delta ``1 + i % K`` (4-bit 2:4, group 64, on every block linear,
@@ -16,7 +17,10 @@ Cases (``--cases``, comma-separated), each ``<rows>-b<batch>`` or ``<rows>-b<bat
 - ``-cM`` after any of them: a mixed step, as continuous batching forms them under load: every step
   also prefills a new M-token prompt (on the first variant of the case's kind) beside the decodes,
   replayed from the mixed graphs' token buckets (``--eager``: eagerly). It is set against
-  ``base-bN-cM`` when the run has that case.
+  ``base-bN-cM`` when the run has that case. ``b0`` with a chunk: the chunk alone.
+- ``-pP`` after ``-cM``: the prompt's first P tokens are cached (a prefix-cache hit), so the step
+  computes its last M beside the decodes: ``base-b0-c32-p992`` is the step behind TTFT with a warm
+  1,000-token system prompt (``bench.prefix_caching``).
 
 Device time per step is the sum of the kernels' durations over the profiled steps divided by their
 number, set against the worker's floor of the step (``floor_us``, ``worker/step_floor.py``: the
@@ -82,7 +86,12 @@ KINDS: tuple[tuple[str, str], ...] = (
 LORA_RANK = 16
 DELTA_CONFIG = {"bits": 4, "sparse": True, "group_size": 64}
 DEFAULT_CASES = "base-b1,base-b64,delta1-b64,delta8-b64,lora1-b64,lora64-b64"
-SMOKE = {"cases": "base-b2,delta2-b2,lora2-b2,base-b2-c5,lora2-b2-c5", "steps": 2, "warmup": 1, "ctx": 16}
+SMOKE = {
+    "cases": "base-b2,delta2-b2,lora2-b2,base-b2-c5,lora2-b2-c5,base-b0-c5-p16,lora2-b0-c5-p16",
+    "steps": 2,
+    "warmup": 1,
+    "ctx": 16,
+}
 """``--smoke`` overrides (with ``SMOKE_SHAPE``, float32 on the CPU, CPU operators instead of kernels)."""
 
 
@@ -95,6 +104,8 @@ class Case:
     batch: int
     chunk: int = 0
     """Prompt tokens prefilled beside the decodes each step (0: a decode step)."""
+    cached: int = 0
+    """Tokens of that prompt already cached ahead of the chunk (a prefix-cache hit)."""
 
     def rows(self, first_id: int) -> list[int]:
         """The variant id of each row (0: the base)."""
@@ -102,17 +113,24 @@ class Case:
             return [0] * self.batch
         return [first_id + i % self.variants for i in range(self.batch)]
 
+    def chunk_row(self, first_id: int) -> int:
+        """The chunk's variant id: the case's first."""
+        return 0 if self.kind == "base" else first_id
+
 
 def parse_case(spec: str) -> Case:
-    m = re.fullmatch(r"(base|delta(\d+)|lora(\d+))-b(\d+)(?:-c(\d+))?", spec.strip())
+    m = re.fullmatch(r"(base|delta(\d+)|lora(\d+))-b(\d+)(?:-c(\d+)(?:-p(\d+))?)?", spec.strip())
     if m is None:
-        raise SystemExit(f"--cases: {spec!r} is not base-bN, deltaK-bN or loraK-bN (then -cM for a mixed step)")
+        raise SystemExit(
+            f"--cases: {spec!r} is not base-bN, deltaK-bN or loraK-bN (then -cM for a mixed step, then -pP "
+            "for a cached prefix)"
+        )
     kind = m.group(1).rstrip("0123456789")
     variants = int(m.group(2) or m.group(3) or 0)
-    batch, chunk = int(m.group(4)), int(m.group(5) or 0)
-    if batch < 1 or (kind != "base" and variants < 1) or (m.group(5) is not None and chunk < 1):
-        raise SystemExit(f"--cases: {spec!r} needs a batch >= 1, at least one variant and a chunk >= 1")
-    return Case(spec.strip(), kind, variants, batch, chunk)
+    batch, chunk, cached = int(m.group(4)), int(m.group(5) or 0), int(m.group(6) or 0)
+    if batch + chunk < 1 or (kind != "base" and variants < 1) or (m.group(5) is not None and chunk < 1):
+        raise SystemExit(f"--cases: {spec!r} needs a batch >= 1 (or a chunk), at least one variant and a chunk >= 1")
+    return Case(spec.strip(), kind, variants, batch, chunk, cached)
 
 
 def kind_of(kernel: str) -> str:
@@ -181,7 +199,8 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
         stats=stats,
         floors=floors,
         chunk=case.chunk,
-        chunk_adapter=case.rows(variant_base)[0],
+        chunk_adapter=case.chunk_row(variant_base),
+        chunk_cached=case.cached,
     )
     replayed = replays() - before
     kernels = kernel_times(prof, args.steps, device_kernels=on_gpu)
@@ -190,6 +209,7 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
         "case": case.name,
         "batch": case.batch,
         "chunk": case.chunk,
+        "cached_prefix": case.cached,
         "requests_per_step": statistics.median(stats["outputs_per_step"]),
         "rows": case.kind,
         "variants": case.variants,
@@ -207,9 +227,9 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
 def against_base(rows: list[dict]) -> None:
     """Adds each variant case's device time minus the base step of its batch and chunk, per kind
     (``added_by_kind``)."""
-    base = {(r["batch"], r["chunk"]): r for r in rows if r["rows"] == "base"}
+    base = {(r["batch"], r["chunk"], r["cached_prefix"]): r for r in rows if r["rows"] == "base"}
     for r in rows:
-        b = base.get((r["batch"], r["chunk"]))
+        b = base.get((r["batch"], r["chunk"], r["cached_prefix"]))
         if r["rows"] == "base" or b is None:
             continue
         kinds = set(r["by_kind"]) | set(b["by_kind"])
