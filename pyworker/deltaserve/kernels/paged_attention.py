@@ -33,12 +33,19 @@ sequence's keys in tiles of BLOCK_N positions, looking each position's page up i
 (so pages may sit anywhere in the pool, in any order, and BLOCK_N need not equal block_size),
 and keeps an online softmax in float32 (flash attention). Decode optionally splits the context
 over NUM_SPLITS programs (flash-decoding) and merges the partial results in a second kernel.
+Prefill does the same for small steps (``prefill_num_splits``): a prefix-cache hit's few query
+tokens over a long cached context are one query tile per head group, too few programs to read the
+context at the device's bandwidth, so each tile's keys are split over up to NUM_SPLITS programs
+(at least ``PREFILL_SPLIT_MIN_TILES`` key tiles each: a short context keeps one) and a merge
+kernel combines them.
 
 Decode is CUDA-graph capturable: no host synchronisation, and the grid depends only on
 (num_seqs, num_kv_heads, num_splits); lengths and block tables are read on the device. Prefill is
-too when given ``tiles`` ([N, 2] int32, ``prefill_tiles``): one program per (sequence, query tile)
-row, rows with sequence -1 exit at once, so a graph's grid is N x H_kv whatever the step's lengths
-(``worker/mixed_graphs.py`` sizes N for its token and sequence bounds).
+too when given ``tiles`` ([N, 2] int32, ``prefill_tiles``: the (sequence, query tile) rows, real
+ones first, then idle rows of sequence -1) and ``tile_count`` (how many are real, on the device):
+the grid follows the step's token bound (q's rows) and each program loops over the real tiles' work
+items, so a graph's grid is fixed whatever the step's lengths (``worker/mixed_graphs.py`` sizes N
+for its token and sequence bounds) and idle rows cost no program.
 
 Under ``TRITON_INTERPRET=1`` (CPU tensors) the tiles are upcast to float32 before ``tl.dot`` (the
 interpreter's bf16 dot is wrong); on CUDA fp16/bf16 tiles go to the tensor cores as they are and
@@ -53,7 +60,12 @@ import os
 import torch
 import triton
 
-from .paged_attention_kernels import paged_decode_kernel, paged_decode_reduce_kernel, paged_prefill_kernel
+from .paged_attention_kernels import (
+    paged_decode_kernel,
+    paged_decode_reduce_kernel,
+    paged_prefill_kernel,
+    paged_prefill_merge_kernel,
+)
 
 _LOG2E = 1.4426950408889634  # the kernels work in base 2: qk_scale = scale * log2(e), exp2
 
@@ -275,6 +287,29 @@ def paged_decode(
     return out
 
 
+PREFILL_SPLIT_TOKENS = (64, 128, 256)
+"""Step sizes (tokens) up to which prefill splits keys, each a bound of ``prefill_num_splits``'s
+ranges. Each is a mixed-graph token bucket (``worker/mixed_graphs.TOKEN_BUCKETS``), so a step and the
+bucket it replays in get the same split count: replay and eager agree bit for bit."""
+PREFILL_SPLIT_MIN_TILES = 2
+"""Fewest key tiles (BLOCK_N keys each) one prefill split takes."""
+
+
+def prefill_num_splits(num_tokens: int, num_kv_heads: int, block_q: int, num_sms: int) -> int:
+    """Key splits per query tile for a prefill launch over ``num_tokens`` query rows (a power of two,
+    1..16): enough programs to fill the device twice over when every token sits in as few query tiles
+    as possible, 1 above the last ``PREFILL_SPLIT_TOKENS`` bound. Constant over each range between
+    those bounds, so it depends on the step's token bucket only (see there)."""
+    bound = next((t for t in PREFILL_SPLIT_TOKENS if num_tokens <= t), None)
+    if bound is None or num_kv_heads < 1:
+        return 1
+    want = min(2 * num_sms // (-(-bound // block_q) * num_kv_heads), 16)
+    splits = 1
+    while splits * 2 <= want:
+        splits *= 2
+    return splits
+
+
 def prefill_block_q(num_heads: int, num_kv_heads: int, interpreting: bool) -> int:
     """Query tokens per prefill program (``paged_prefill``'s default ``block_q``): 64 rows of
     tokens x next_pow2(H / H_kv) heads on GPUs (at least 16 rows), 16 rows when interpreted."""
@@ -285,11 +320,14 @@ def prefill_block_q(num_heads: int, num_kv_heads: int, interpreting: bool) -> in
     return block_q
 
 
-def prefill_tiles(q_lens: list[int], block_q: int) -> list[int]:
+def prefill_tiles(q_lens: list[int], block_q: int, skip_single: bool = False) -> list[int]:
     """The (sequence, query tile) rows of a tiled prefill launch, flattened ``[b, tile, b, tile, ...]``:
-    ``ceil(q_len / block_q)`` per sequence, in order; at most ``sum(q_lens) / block_q + len(q_lens)``."""
+    ``ceil(q_len / block_q)`` per sequence, in order; at most ``sum(q_lens) / block_q + len(q_lens)``.
+    ``skip_single``: none for sequences of one token (``paged_prefill``'s ``skip_single``)."""
     tiles: list[int] = []
     for b, n in enumerate(q_lens):
+        if skip_single and n == 1:
+            continue
         for k in range(-(-n // block_q)):
             tiles += (b, k)
     return tiles
@@ -311,6 +349,8 @@ def paged_prefill(
     softcap: float | None = None,
     tiles: torch.Tensor | None = None,
     skip_single: bool = False,
+    num_splits: int | None = None,
+    tile_count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Ragged prefill / mixed batch (any q_len per sequence, causal over the paged context).
 
@@ -319,10 +359,15 @@ def paged_prefill(
     max_query_len >= every q_len (sizes the grid); out [T, H, D].
     ``block_q`` query tokens x next_pow2(H / H_kv) heads form one program's rows.
     ``tiles``: [N, 2] int32 on q's device, (sequence, query tile) of each program (``prefill_tiles``
-    with the default ``block_q``; rows of sequence -1 exit): the grid is N x H_kv, whatever
-    ``max_query_len``; every tile of every sequence must be listed (a CUDA graph's fixed grid).
+    with the default ``block_q``; rows of sequence -1 are idle): every tile of every sequence must be
+    listed, real rows first. ``tile_count`` ([1] int32 on q's device): how many rows are real (None:
+    all N). The grid then follows q's rows, not ``max_query_len`` or the step's sequences (a CUDA
+    graph's fixed grid), and its programs loop over the real tiles' work.
     ``skip_single``: sequences of one token are left out (their rows untouched: ``paged_decode``
     with ``query_start_loc`` computes them).
+    ``num_splits``: most key splits per query tile (each tile uses as many as its keys fill,
+    ``PREFILL_SPLIT_MIN_TILES`` key tiles each); None: ``prefill_num_splits`` of q's rows on GPUs, 1
+    when interpreted. Two launches with the same value give the same bits.
     """
     _check(q, cache_k, cache_v, block_tables, seq_lens, query_start_loc)
     consts, interp = _common(q, cache_k, scale, sliding_window, softcap)
@@ -341,6 +386,10 @@ def paged_prefill(
     if block_q * block_g < 16 and not interp:
         block_q = 16 // block_g  # tl.dot wants >= 16 rows on GPUs
     block_n = _block_n(block_n, interp)
+    if num_splits is None:
+        num_splits = 1 if interp else prefill_num_splits(q.shape[0], kv_heads, block_q, _num_sms(q.device.index or 0))
+    if num_splits < 1:
+        raise ValueError(f"paged_prefill: num_splits must be >= 1, got {num_splits}")
     extra = {} if interp else {"num_warps": 4, "num_stages": 2}
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
     if tiles is not None:
@@ -350,28 +399,69 @@ def paged_prefill(
             )
         if not tiles.is_contiguous():
             raise ValueError("paged_prefill: tiles must be contiguous")
-        grid = (tiles.shape[0], 1, kv_heads)
         if tiles.shape[0] == 0:
             return out
-    paged_prefill_kernel[grid](
+        if tile_count is None:
+            tile_count = torch.full((1,), tiles.shape[0], dtype=torch.int32, device=q.device)
+        elif tile_count.dtype != torch.int32 or tile_count.shape != (1,) or tile_count.device != q.device:
+            raise ValueError(f"paged_prefill: tile_count must be [1] int32 on {q.device}, got {tile_count.dtype} "
+                             f"{tuple(tile_count.shape)} on {tile_count.device}")  # fmt: skip
+        # Programs for the tiles q's rows fill, plus two partial ones; each loops if there are more.
+        grid = (min(tiles.shape[0], triton.cdiv(q.shape[0], block_q) + 2), 1, kv_heads)
+    if num_splits > 1:
+        part_acc = torch.empty((q.shape[0], q.shape[1], num_splits, consts["BLOCK_D"]), dtype=torch.float32,
+                               device=q.device)  # fmt: skip
+        part_ml = torch.empty((q.shape[0], q.shape[1], num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused: every tile writes out itself
+    tile_args = dict(TILED=tiles is not None, SKIP_SINGLE=skip_single, NUM_SPLITS=num_splits,
+                     SPLIT_MIN_TILES=PREFILL_SPLIT_MIN_TILES)  # fmt: skip
+    tile_table = query_start_loc if tiles is None else tiles
+    count = query_start_loc if tile_count is None else tile_count  # unused untiled
+    paged_prefill_kernel[(grid[0] * num_splits, grid[1], grid[2])](
         out,
+        part_acc,
+        part_ml,
         q,
         cache_k,
         cache_v,
         block_tables,
         seq_lens,
         query_start_loc,
-        query_start_loc if tiles is None else tiles,
+        tile_table,
+        count,
         **_strides(q, out, cache_k, cache_v, block_tables),
         **consts,
         BLOCK_G=block_g,
         BLOCK_Q=block_q,
         BLOCK_M=block_q * block_g,
         BLOCK_N=block_n,
-        TILED=tiles is not None,
-        SKIP_SINGLE=skip_single,
+        **tile_args,
         **extra,
     )
+    if num_splits > 1:
+        paged_prefill_merge_kernel[grid](
+            out,
+            part_acc,
+            part_ml,
+            tile_table,
+            count,
+            query_start_loc,
+            seq_lens,
+            out.stride(0),
+            out.stride(1),
+            consts["window"],
+            GROUP=consts["GROUP"],
+            BLOCK_G=block_g,
+            BLOCK_Q=block_q,
+            BLOCK_M=block_q * block_g,
+            HEAD_DIM=consts["HEAD_DIM"],
+            BLOCK_D=consts["BLOCK_D"],
+            BLOCK_N=block_n,
+            HAS_WINDOW=consts["HAS_WINDOW"],
+            **tile_args,
+            **({} if interp else {"num_warps": 4}),
+        )
     return out
 
 
@@ -390,6 +480,7 @@ def paged_attention(
     softcap: float | None = None,
     tiles: torch.Tensor | None = None,
     single_rows: bool = True,
+    tile_count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention of one step: ``paged_decode`` when every sequence has one query token
     (``max_query_len == 1``), else ``paged_prefill`` for the sequences of several tokens and, when
@@ -398,8 +489,8 @@ def paged_attention(
     Semantics and shapes: the module docstring.
 
     ``max_seq_len`` (optional upper bound on seq_lens) only tunes decode's split count; ``softcap``
-    caps the scores (``cap * tanh(s / cap)``, Gemma 2); ``tiles`` (``paged_prefill``'s) always
-    selects the tiled prefill kernel.
+    caps the scores (``cap * tanh(s / cap)``, Gemma 2); ``tiles`` and ``tile_count``
+    (``paged_prefill``'s) always select the tiled prefill kernel.
     """
     if tiles is None and max_query_len == 1 and q.shape[0] == seq_lens.shape[0]:
         return paged_decode(
@@ -428,6 +519,7 @@ def paged_attention(
         softcap=softcap,
         tiles=tiles,
         skip_single=single_rows,
+        tile_count=tile_count,
     )
     if single_rows:
         paged_decode(
@@ -451,5 +543,6 @@ __all__ = [
     "paged_decode",
     "paged_prefill",
     "prefill_block_q",
+    "prefill_num_splits",
     "prefill_tiles",
 ]

@@ -1,5 +1,6 @@
 """The Triton programs of paged attention (device code only): one tile walk (``_attend``), the decode
-kernel with its split-merge kernel (flash-decoding), and the ragged prefill kernel. Their semantics,
+kernel with its split-merge kernel (flash-decoding), and the ragged prefill kernel with its own
+merge kernel for query tiles whose keys are split over programs. Their semantics,
 shapes and the way they tile the work are in ``kernels/paged_attention.py``, which validates the
 inputs and launches them.
 """
@@ -240,8 +241,92 @@ def paged_decode_reduce_kernel(
 
 
 @triton.jit
-def paged_prefill_kernel(
+def _prefill_program(
+    unit,
+    tiles,
+    query_start_loc,
+    seq_lens,
+    window,
+    TILED: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The (sequence, query tile) a prefill program computes and the keys it attends to, as the
+    prefill and merge kernels both see them: ``(q_start, q_len, qtile, first, lo, hi, live, b)``.
+    ``unit`` is the program's row of ``tiles`` (TILED) or its query tile (untiled: the sequence is
+    program_id(1)). ``first`` is the tile's first position; its keys are [lo, hi) (lo aligned down to
+    BLOCK_N); ``live`` is False for programs with nothing to compute: idle tile rows (sequence -1),
+    tiles past the sequence's tokens and, with SKIP_SINGLE, sequences of one token (the decode
+    kernel's, ``RAGGED``)."""
+    if TILED:
+        b = tl.load(tiles + 2 * unit)  # the table's rows are few: int32 offsets
+        qtile = tl.load(tiles + 2 * unit + 1)
+    else:
+        b = tl.program_id(1)
+        qtile = unit
+    live = b >= 0
+    b = tl.maximum(b, 0)
+    q_start = tl.load(query_start_loc + b)
+    q_len = tl.load(query_start_loc + b + 1) - q_start
+    live = live & (qtile * BLOCK_Q < q_len)
+    if SKIP_SINGLE:
+        live = live & (q_len != 1)
+    seq_len = tl.load(seq_lens + b)
+    first = seq_len - q_len + qtile * BLOCK_Q
+    hi = tl.minimum(first + BLOCK_Q, seq_len)  # one past the tile's last real position
+    lo = first * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first - window + 1, 0)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    return q_start, q_len, qtile, first, lo, hi, live, b
+
+
+@triton.jit
+def _prefill_rows(
+    q_start,
+    q_len,
+    qtile,
+    first,
+    kvh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """A tile's BLOCK_M rows, BLOCK_Q tokens x BLOCK_G query heads of kv head ``kvh``:
+    ``(tok, heads, pos, r_ok, tile_ok)``, each row's token row in q / out, query head and position,
+    and the masks of real rows and of their [rows, BLOCK_D] elements."""
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qi = qtile * BLOCK_Q + offs_r // BLOCK_G  # query token within the sequence
+    g = offs_r % BLOCK_G
+    r_ok = (qi < q_len) & (g < GROUP)
+    tile_ok = r_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    return (q_start + qi).to(tl.int64), kvh * GROUP + g, first + offs_r // BLOCK_G, r_ok, tile_ok
+
+
+@triton.jit
+def _split_keys(lo, hi, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """How many of the launch's NUM_SPLITS key splits a query tile uses (each at least MIN_TILES key
+    tiles, so a short context stays in one program) and split ``split``'s keys [s_lo, s_hi): whole
+    BLOCK_N tiles from lo (a split past the end gets none). One split keeps [lo, hi) as it is."""
+    used = tl.maximum(tl.minimum(tl.cdiv(hi - lo, MIN_TILES * BLOCK_N), NUM_SPLITS), 1)
+    per = tl.cdiv(tl.cdiv(hi - lo, used), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * per
+    return used, s_lo, tl.minimum(hi, s_lo + per)
+
+
+@triton.jit
+def _prefill_work(
+    unit,
+    split,
     out,
+    part_acc,
+    part_ml,
     q,
     cache_k,
     cache_v,
@@ -278,87 +363,244 @@ def paged_prefill_kernel(
     PRECISION: tl.constexpr,
     TILED: tl.constexpr,
     SKIP_SINGLE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_MIN_TILES: tl.constexpr,
 ):
-    """Grid (cdiv(max_query_len, BLOCK_Q), B, H_kv): BLOCK_Q tokens of sequence b x one head group.
-    TILED: grid (N, 1, H_kv), program t's (b, query tile) read from ``tiles[t]`` (b < 0: none, exits),
-    so a CUDA graph's grid is fixed by its token and sequence bounds; each real tile computes exactly
-    what the untiled program of the same (b, tile) does. SKIP_SINGLE: sequences of one token exit (the
-    decode kernel takes their rows, ``RAGGED``)."""
-    if TILED:
-        t = tl.program_id(0).to(tl.int64)
-        b = tl.load(tiles + 2 * t)
-        qtile = tl.load(tiles + 2 * t + 1)
-        if b < 0:
-            return
-    else:
-        qtile = tl.program_id(0)
-        b = tl.program_id(1)
-    kvh = tl.program_id(2)
-    q_start = tl.load(query_start_loc + b)
-    q_len = tl.load(query_start_loc + b + 1) - q_start
-    if qtile * BLOCK_Q >= q_len:
-        return
-    if SKIP_SINGLE:
-        if q_len == 1:
-            return
-    seq_len = tl.load(seq_lens + b)
-    ctx0 = seq_len - q_len  # position of the sequence's first query token
+    """One work item of the prefill kernel: key split ``split`` of query tile ``unit`` (a row of
+    ``tiles``, or the untiled grid's query tile), for kv head program_id(2)."""
+    q_start, q_len, qtile, first, lo, hi, live, b = _prefill_program(
+        unit, tiles, query_start_loc, seq_lens, window, TILED, SKIP_SINGLE, HAS_WINDOW, BLOCK_Q, BLOCK_N
+    )
+    used, s_lo, s_hi = _split_keys(lo, hi, split, NUM_SPLITS, BLOCK_N, SPLIT_MIN_TILES)
+    if live & (split < used):
+        kvh = tl.program_id(2)
+        tok, heads, pos, r_ok, tile_ok = _prefill_rows(
+            q_start, q_len, qtile, first, kvh, GROUP, BLOCK_G, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D
+        )
+        offs_d = tl.arange(0, BLOCK_D)
+        qt = tl.load(
+            q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=tile_ok, other=0.0
+        )
+        if UPCAST:
+            qt = qt.to(tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _NEG
+        acc, l_i, m_i = _attend(
+            qt,
+            acc,
+            l_i,
+            m_i,
+            pos,
+            cache_k,
+            cache_v,
+            block_tables + b.to(tl.int64) * stride_bt,
+            max_blocks,
+            kvh,
+            s_lo,
+            s_hi,
+            window,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            qk_scale,
+            cap_log2,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            BLOCK_SIZE,
+            BLOCK_N,
+            HEAD_DIM,
+            BLOCK_D,
+            UPCAST,
+            PRECISION,
+        )
+        if used == 1:
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(
+                out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                o.to(out.dtype.element_ty),
+                mask=tile_ok,
+            )
+        else:
+            rows = (tok * (tl.num_programs(2) * GROUP) + heads) * NUM_SPLITS + split
+            tl.store(part_acc + rows[:, None] * BLOCK_D + offs_d[None, :], acc, mask=tile_ok)
+            tl.store(part_ml + rows * 2, m_i, mask=r_ok)
+            tl.store(part_ml + rows * 2 + 1, l_i, mask=r_ok)
 
-    offs_r = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    qi = qtile * BLOCK_Q + offs_r // BLOCK_G  # query token within the sequence
-    g = offs_r % BLOCK_G
-    heads = kvh * GROUP + g
-    r_ok = (qi < q_len) & (g < GROUP)
-    tile_ok = r_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    tok = (q_start + qi).to(tl.int64)
-    qt = tl.load(q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=tile_ok, other=0.0)
-    if UPCAST:
-        qt = qt.to(tl.float32)
-    pos = ctx0 + qi
-    first = ctx0 + qtile * BLOCK_Q
-    hi = tl.minimum(first + BLOCK_Q, seq_len)  # one past the tile's last real position
-    lo = first * 0
-    if HAS_WINDOW:
-        lo = tl.maximum(first - window + 1, 0)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _NEG
-    acc, l_i, m_i = _attend(
-        qt,
-        acc,
-        l_i,
-        m_i,
-        pos,
-        cache_k,
-        cache_v,
-        block_tables + b.to(tl.int64) * stride_bt,
-        max_blocks,
-        kvh,
-        lo,
-        hi,
-        window,
-        stride_kb,
-        stride_kt,
-        stride_kh,
-        stride_vb,
-        stride_vt,
-        stride_vh,
-        qk_scale,
-        cap_log2,
-        HAS_WINDOW,
-        HAS_SOFTCAP,
-        BLOCK_SIZE,
-        BLOCK_N,
-        HEAD_DIM,
-        BLOCK_D,
-        UPCAST,
-        PRECISION,
+
+@triton.jit
+def paged_prefill_kernel(
+    out,
+    part_acc,
+    part_ml,
+    q,
+    cache_k,
+    cache_v,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    tiles,
+    tile_count,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    max_blocks,
+    qk_scale,
+    cap_log2,
+    window,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TILED: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_MIN_TILES: tl.constexpr,
+):
+    """Grid (cdiv(max_query_len, BLOCK_Q) * NUM_SPLITS, B, H_kv): BLOCK_Q tokens of sequence b x one
+    head group x one key split. TILED: grid (G, 1, H_kv) over the work items (tile, split) of the
+    first ``tile_count[0]`` rows of ``tiles`` (each a (b, query tile); b < 0: none), program p taking
+    items p, p + G, ...: the grid is fixed by the step's token bound (a CUDA graph's) while only real
+    tiles cost a program, and each computes exactly what the untiled program of the same (b, tile,
+    split) does. SKIP_SINGLE: sequences of one token are skipped (the decode kernel takes their rows,
+    ``RAGGED``). A tile that uses one split (``_split_keys``) writes its rows of out; one that uses
+    several writes each split's unnormalised partial softmax to part_acc / part_ml
+    ([T, H, NUM_SPLITS, BLOCK_D] and [T, H, NUM_SPLITS, 2], float32) for the merge kernel."""
+    if TILED:
+        for w in range(tl.program_id(0), tl.load(tile_count) * NUM_SPLITS, tl.num_programs(0)):
+            _prefill_work(
+                w // NUM_SPLITS, w % NUM_SPLITS, out, part_acc, part_ml, q, cache_k, cache_v, block_tables,
+                seq_lens, query_start_loc, tiles, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb,
+                stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, max_blocks, qk_scale,
+                cap_log2, window, GROUP, BLOCK_G, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                HAS_WINDOW, HAS_SOFTCAP, UPCAST, PRECISION, TILED, SKIP_SINGLE, NUM_SPLITS, SPLIT_MIN_TILES,
+            )  # fmt: skip
+    else:
+        _prefill_work(
+            tl.program_id(0) // NUM_SPLITS, tl.program_id(0) % NUM_SPLITS, out, part_acc, part_ml, q, cache_k,
+            cache_v, block_tables, seq_lens, query_start_loc, tiles, stride_qt, stride_qh, stride_ot, stride_oh,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, max_blocks, qk_scale,
+            cap_log2, window, GROUP, BLOCK_G, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+            HAS_WINDOW, HAS_SOFTCAP, UPCAST, PRECISION, TILED, SKIP_SINGLE, NUM_SPLITS, SPLIT_MIN_TILES,
+        )  # fmt: skip
+
+
+@triton.jit
+def _merge_work(
+    unit,
+    out,
+    part_acc,
+    part_ml,
+    tiles,
+    query_start_loc,
+    seq_lens,
+    stride_ot,
+    stride_oh,
+    window,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    TILED: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_MIN_TILES: tl.constexpr,
+):
+    """Query tile ``unit``'s rows of out from its splits' partial softmaxes, merged in split order,
+    when it used several (else the prefill program wrote them)."""
+    q_start, q_len, qtile, first, lo, hi, live, _b = _prefill_program(
+        unit, tiles, query_start_loc, seq_lens, window, TILED, SKIP_SINGLE, HAS_WINDOW, BLOCK_Q, BLOCK_N
     )
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-        o.to(out.dtype.element_ty),
-        mask=tile_ok,
-    )
+    used, _s_lo, _s_hi = _split_keys(lo, hi, 0, NUM_SPLITS, BLOCK_N, SPLIT_MIN_TILES)
+    if live & (used > 1):
+        tok, heads, _pos, r_ok, tile_ok = _prefill_rows(
+            q_start, q_len, qtile, first, tl.program_id(2), GROUP, BLOCK_G, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D
+        )
+        offs_d = tl.arange(0, BLOCK_D)
+        rows = (tok * (tl.num_programs(2) * GROUP) + heads) * NUM_SPLITS
+        m = tl.zeros([BLOCK_M], dtype=tl.float32) + _NEG
+        for s in range(NUM_SPLITS):
+            ok = r_ok & (used > s + tl.zeros([BLOCK_M], dtype=tl.int32))
+            m = tl.maximum(m, tl.load(part_ml + (rows + s) * 2, mask=ok, other=_NEG))
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        o = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for s in range(NUM_SPLITS):
+            ok = r_ok & (used > s + tl.zeros([BLOCK_M], dtype=tl.int32))
+            w = tl.exp2(tl.load(part_ml + (rows + s) * 2, mask=ok, other=_NEG) - m)
+            total += w * tl.load(part_ml + (rows + s) * 2 + 1, mask=ok, other=0.0)
+            acc = tl.load(
+                part_acc + (rows + s)[:, None] * BLOCK_D + offs_d[None, :], mask=ok[:, None] & tile_ok, other=0.0
+            )
+            o += w[:, None] * acc
+        o = o / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(
+            out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out.dtype.element_ty),
+            mask=tile_ok,
+        )
+
+
+@triton.jit
+def paged_prefill_merge_kernel(
+    out,
+    part_acc,
+    part_ml,
+    tiles,
+    tile_count,
+    query_start_loc,
+    seq_lens,
+    stride_ot,
+    stride_oh,
+    window,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    TILED: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_MIN_TILES: tl.constexpr,
+):
+    """Grid (cdiv(max_query_len, BLOCK_Q), B, H_kv), or (G, 1, H_kv) looping over the first
+    ``tile_count[0]`` rows of ``tiles`` (TILED): the prefill kernel's tiles without their splits
+    (``_merge_work``)."""
+    if TILED:
+        for u in range(tl.program_id(0), tl.load(tile_count), tl.num_programs(0)):
+            _merge_work(
+                u, out, part_acc, part_ml, tiles, query_start_loc, seq_lens, stride_ot, stride_oh, window, GROUP,
+                BLOCK_G, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW, TILED, SKIP_SINGLE,
+                NUM_SPLITS, SPLIT_MIN_TILES,
+            )  # fmt: skip
+    else:
+        _merge_work(
+            tl.program_id(0), out, part_acc, part_ml, tiles, query_start_loc, seq_lens, stride_ot, stride_oh,
+            window, GROUP, BLOCK_G, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW, TILED, SKIP_SINGLE,
+            NUM_SPLITS, SPLIT_MIN_TILES,
+        )  # fmt: skip

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.common import use_triton_for
-from .batch import ForwardBatch
+from .batch import ForwardBatch, to_device
 
 _TORCH_HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -193,6 +193,9 @@ def paged_attention(
         # Imported here: triton reads TRITON_INTERPRET at import, and the CPU path never needs it.
         from ..kernels.paged_attention import paged_attention as triton_paged_attention
 
+        tiles, count = batch.attn_tiles, batch.attn_tile_count
+        if tiles is None and batch.max_query_len > 1 and batch.host_q_lens is not None:
+            tiles, count = _prefill_tile_table(meta, q.shape[1], cache_k.shape[2])
         return triton_paged_attention(
             q,
             cache_k,
@@ -205,10 +208,31 @@ def paged_attention(
             window,
             max_seq_len=batch.max_seq_len,
             softcap=softcap,
-            tiles=batch.attn_tiles,
+            tiles=tiles,
             single_rows=batch.single_rows,
+            tile_count=count,
         )
     return paged_attention_ref(q, cache_k, cache_v, batch, scale, meta=meta, sliding_window=window, softcap=softcap)
+
+
+def _prefill_tile_table(meta: AttentionMeta, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager step's prefill tile table and its row count (``kernels.paged_attention.prefill_tiles``
+    over the batch's host token counts), built once per forward: the tiled launch gives the step a
+    program per real tile, where the untiled grid would give one per (query tile, sequence), every
+    one-token sequence included."""
+    from ..kernels.paged_attention import prefill_block_q, prefill_tiles
+
+    batch = meta.batch
+    device = batch.query_start_loc.device
+    key = ("prefill_tiles", num_heads, num_kv_heads)
+    if key not in meta.step_cache:
+        assert batch.host_q_lens is not None
+        block_q = prefill_block_q(num_heads, num_kv_heads, device.type != "cuda")
+        tiles = prefill_tiles(list(batch.host_q_lens), block_q, skip_single=batch.single_rows)
+        flat = to_device([len(tiles) // 2, 0, *tiles], torch.int32, device)
+        meta.step_cache[key] = flat
+    flat = meta.step_cache[key]
+    return flat[2:].view(-1, 2), flat[:1]
 
 
 def paged_attention_ref(

@@ -152,6 +152,11 @@ class ForwardBatch:
     single_rows: bool = True
     """Whether some sequence may have one token this step (the Triton attention then computes those
     rows with its decode kernel); False only when none has (``build`` knows)."""
+    attn_tile_count: torch.Tensor | None = None
+    """IntTensor [1] or None: how many rows of ``attn_tiles`` are real ones, first (None: all)."""
+    host_q_lens: tuple[int, ...] | None = None
+    """Tokens per sequence this step, on the host (``build`` knows them; None: unknown): the Triton
+    attention builds its tile table from them once per forward when ``attn_tiles`` is None."""
 
     @property
     def num_tokens(self) -> int:
@@ -218,4 +223,5 @@ class ForwardBatch:
             max_seq_len=max(seq_lens),
             max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seqs))),
             single_rows=any(qsl[i + 1] - qsl[i] == 1 for i in range(len(seqs))),
+            host_q_lens=tuple(qsl[i + 1] - qsl[i] for i in range(len(seqs))),
         )

@@ -16,6 +16,7 @@ Layout (static, sized for the largest bucket T tokens and S = min(T, max_seqs) s
 
     int64: input_ids, positions, slot_mapping [T] | logits_indices [S]        one host-to-device copy
     int32: query_start_loc [S + 2] | seq_lens [S + 1] | attention tiles [cdiv(T, BQ) + S + 1, 2]
+           | how many attention tiles are real [1]
            | LoRA seg_adapter [S + 1] | LoRA SGMV tiles [cdiv(T, SGMV_TILE) + S, 2]
            | LoRA MBGMV rows [S] | their slots [S]                              one copy
     block_tables [S + 1, max_blocks] int32                                    rows [0, n) copied
@@ -36,7 +37,9 @@ padding segment; the one-token sequences with an adapter on MBGMV's row list, th
 slot -1), as the eager step's ``LoraPool.begin_segments`` builds it. The pool's slot tables are static
 (``LoraPool.assign_rows``), as for the LoRA decode graphs. Every real program computes what the
 eager step's program of the same tile computes (one-token sequences: the decode attention kernel,
-one split, in both), so attention and LoRA match the eager step bit for bit; the dense matmuls see
+one split, in both; prefill tiles split their keys over as many programs in both, since the split
+count depends only on the step's token bucket: ``kernels.paged_attention.PREFILL_SPLIT_TOKENS``), so
+attention and LoRA match the eager step bit for bit; the dense matmuls see
 Tb rows instead of t, and cuBLAS may pick another kernel, as for the decode graphs' padded buckets
 (Llama-2-7B shape, fp16, H100: identical logits at 192 of 192 and 576 of 640 tokens, up to 0.034
 apart at 96 of 128; ``bench/mixed_step.py``): tests compare tokens. Steps with rows of another variant kind (compressed
@@ -141,6 +144,7 @@ class MixedGraphs:
             "query_start_loc": S + 2,
             "seq_lens": S + 1,
             "attn_tiles": 2 * self._attn_tiles(T),
+            "attn_tile_count": 1,
             "seg_adapter": S + 1,
             "lora_tiles": 2 * self._lora_tiles(T),
             "lora_rows": S,
@@ -211,6 +215,7 @@ class MixedGraphs:
             max_seq_len=self.max_seq_len,
             max_query_len=tb,
             attn_tiles=self._view("attn_tiles", 2 * self._attn_tiles(tb)).view(-1, 2),
+            attn_tile_count=self._view("attn_tile_count", 1),
         )
 
     def _lora_meta(self, tb: int, seg_start: tuple[int, ...], seg_adapter: tuple[int, ...]) -> LoraMeta:
@@ -258,10 +263,11 @@ class MixedGraphs:
         lens[n : s + 1] = 0
         # Sequences of one token (decodes, maybe the padding) are the decode kernel's: no tiles.
         q_lens = [starts[i + 1] - starts[i] for i in range(n + 1)]
-        tiles = prefill_tiles([k if k > 1 else 0 for k in q_lens], self.block_q)
+        tiles = prefill_tiles(q_lens, self.block_q, skip_single=True)
         attn = self._host("attn_tiles")[: 2 * self._attn_tiles(tb)]
         attn.fill_(-1)
         attn[: len(tiles)] = torch.tensor(tiles, dtype=torch.int32)
+        self._host("attn_tile_count")[0] = len(tiles) // 2  # the kernel's programs loop over these
         seg_adapter = tuple((slots or [-1] * n) + [-1] * (s + 1 - n))
         if slots is not None:
             self._host("seg_adapter")[: s + 1] = torch.tensor(seg_adapter, dtype=torch.int32)
