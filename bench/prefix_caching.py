@@ -10,7 +10,9 @@ followed by a ``--user-tokens`` question distinct per request. Per daemon and va
 - ``first``: the first request (with caching: a miss that fills the cache);
 - ``ttft``: ``--trials`` more requests, one at a time, each ``max_tokens: 1`` (its latency is its
   TTFT): with caching they hit every whole page of the system prompt;
-- greedy: one ``--gen-tokens`` completion at temperature 0, compared between the two daemons;
+- greedy: one ``--gen-tokens`` completion at temperature 0, compared between the two daemons (and
+  where they part, ``greedy_first_difference``, with how close the choice was there in each:
+  ``greedy_top2_gap_where_parted``, the best minus the second-best logprob);
 - ``split``: where the TTFT trials' time went, from the daemon's ``/metrics`` over them: the
   worker's mean step (``busy_us`` of its own work, ``forward_us`` of the model, ``floor_us`` of the
   step's bytes and FLOPs), the router's mean TTFT, and the rest of the client's TTFT (HTTP, router,
@@ -47,16 +49,19 @@ TTFT_HISTOGRAM = ("deltaserve_time_to_first_token_seconds_sum", "deltaserve_time
 PREFIX_METRICS = ("queried_tokens_total", "hit_tokens_total", "cached_pages", "evicted_pages_total")
 
 
-def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, str]:
-    """(seconds, text) of one greedy completion."""
+def complete(url: str, model: str, prompt: list[int], max_tokens: int, logprobs: int = 0) -> tuple[float, dict]:
+    """(seconds, the first choice) of one greedy completion; ``logprobs``: the choice's ``logprobs``
+    with that many alternatives per token."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if logprobs:
+        body["logprobs"] = logprobs
     req = urllib.request.Request(
         f"{url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
     )
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=600) as r:
         answer = json.loads(r.read())
-    return time.perf_counter() - t0, answer["choices"][0]["text"]
+    return time.perf_counter() - t0, answer["choices"][0]
 
 
 def prefix_metrics(url: str) -> dict[str, float]:
@@ -67,6 +72,20 @@ def prefix_metrics(url: str) -> dict[str, float]:
         if name.startswith("deltaserve_prefix_cache_"):
             out[name.removeprefix("deltaserve_prefix_cache_")] = float(value)
     return {k: out.get(k, 0.0) for k in PREFIX_METRICS}
+
+
+def first_difference(a: list[str], b: list[str]) -> int | None:
+    """Index of the first generated token where two completions differ, or None when they are the same."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def top2_gap(logprobs: dict, i: int) -> float | None:
+    """How far the best token's logprob at generated token ``i`` sits above the second best (a
+    near-tie when tiny), from a completion's ``logprobs`` with two alternatives per token."""
+    top = sorted((logprobs.get("top_logprobs") or [])[i].values(), reverse=True) if i < len(logprobs["tokens"]) else []
+    return top[0] - top[1] if len(top) >= 2 else None
 
 
 def ttft_split(before: dict | None, after: dict | None, client_s: list[float]) -> dict[str, float] | None:
@@ -110,7 +129,9 @@ def run_daemon(spec: ServerSpec, variants: list[str], prompts: dict, args) -> di
                 complete(ep.url, name[v], system + prompts["user"][t], 1)[0] for t in range(1, args.trials + 1)
             ]
             out["split"][v] = ttft_split(before, server_metrics(Endpoint(ep.url)), out["ttft_s"][v])
-            out["greedy"][v] = complete(ep.url, name[v], system + prompts["user"][-1], args.gen_tokens)[1]
+            out["greedy"][v] = complete(ep.url, name[v], system + prompts["user"][-1], args.gen_tokens, 2)[1][
+                "logprobs"
+            ]
         out["metrics"] = prefix_metrics(ep.url)
     return out
 
@@ -170,10 +191,18 @@ def main() -> None:
     median_ms = {mode: {v: statistics.median(r["ttft_s"][v]) * 1e3 for v in variants} for mode, r in runs.items()}
     speedup = {v: median_ms["uncached"][v] / median_ms["cached"][v] for v in variants}
     all_ms = {mode: statistics.median(x * 1e3 for v in variants for x in r["ttft_s"][v]) for mode, r in runs.items()}
-    identical = {v: runs["cached"]["greedy"][v] == runs["uncached"]["greedy"][v] for v in variants}
+    greedy = {mode: {v: r["greedy"][v] for v in variants} for mode, r in runs.items()}
+    first_diff = {v: first_difference(greedy["cached"][v]["tokens"], greedy["uncached"][v]["tokens"]) for v in variants}
+    identical = {v: first_diff[v] is None for v in variants}
+    # Where two completions part, how close the choice was in each (fp16 rounding flips near-ties)
+    parting = {
+        v: {mode: top2_gap(greedy[mode][v], i) for mode in greedy} for v, i in first_diff.items() if i is not None
+    }
     for v in variants:
         print(f"{v:>8}: TTFT cached {median_ms['cached'][v]:8.1f} ms, uncached {median_ms['uncached'][v]:8.1f} ms, "
-              f"{speedup[v]:5.2f}x; greedy identical: {identical[v]}")  # fmt: skip
+              f"{speedup[v]:5.2f}x; greedy identical: {identical[v]}"
+              + ("" if first_diff[v] is None else f" (from token {first_diff[v]} of {args.gen_tokens}; top-2 "
+                 f"logprob gap there {parting[v]})"))  # fmt: skip
         for mode, r in runs.items():
             if (split := r["split"][v]) is not None:
                 print(f"{'':>10}{mode:>8}: " + ", ".join(f"{k} {x:.2f}" for k, x in split.items()))
@@ -200,6 +229,8 @@ def main() -> None:
         "samples_ms": {m: {v: [round(x * 1e3, 2) for x in r["ttft_s"][v]] for v in variants} for m, r in runs.items()},
         "greedy_identical": identical,
         "all_greedy_identical": all(identical.values()),
+        "greedy_first_difference": first_diff,
+        "greedy_top2_gap_where_parted": parting,
         "prefix_metrics": {m: r["metrics"] for m, r in runs.items()},
         "ttft_split": {m: r["split"] for m, r in runs.items()},
     }

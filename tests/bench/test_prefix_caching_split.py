@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.prefix_caching import ttft_split
+from bench.prefix_caching import first_difference, top2_gap, ttft_split
 
 
 def test_split_takes_each_counter_and_histogram_over_the_trials() -> None:
@@ -45,3 +45,12 @@ def test_split_takes_each_counter_and_histogram_over_the_trials() -> None:
 )
 def test_no_metrics_or_no_steps_give_no_split(before, after) -> None:
     assert ttft_split(before, after, [0.01]) is None
+
+
+def test_first_difference_and_the_gap_there() -> None:
+    assert first_difference(["a", "b", "c"], ["a", "b", "c"]) is None
+    assert first_difference(["a", "b", "c"], ["a", "x", "c"]) == 1
+    assert first_difference(["a", "b"], ["a", "b", "c"]) == 2
+    lp = {"tokens": ["a", "b"], "top_logprobs": [{"a": -0.1, "z": -3.0}, {"b": -1.0, "x": -1.002}]}
+    assert top2_gap(lp, 1) == pytest.approx(0.002)
+    assert top2_gap(lp, 2) is None  # past the completion
