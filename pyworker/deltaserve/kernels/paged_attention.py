@@ -291,6 +291,10 @@ PREFILL_SPLIT_TOKENS = (64, 128, 256)
 """Step sizes (tokens) up to which prefill splits keys, each a bound of ``prefill_num_splits``'s
 ranges. Each is a mixed-graph token bucket (``worker/mixed_graphs.TOKEN_BUCKETS``), so a step and the
 bucket it replays in get the same split count: replay and eager agree bit for bit."""
+PREFILL_WARPS = 4
+"""Warps per prefill program on GPUs."""
+PREFILL_STAGES = 2
+"""Software-pipeline stages of the prefill program's key loop on GPUs."""
 PREFILL_SPLIT_MIN_TILES = 2
 """Fewest key tiles (BLOCK_N keys each) one prefill split takes."""
 
@@ -351,6 +355,8 @@ def paged_prefill(
     skip_single: bool = False,
     num_splits: int | None = None,
     tile_count: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Ragged prefill / mixed batch (any q_len per sequence, causal over the paged context).
 
@@ -368,6 +374,8 @@ def paged_prefill(
     ``num_splits``: most key splits per query tile (each tile uses as many as its keys fill,
     ``PREFILL_SPLIT_MIN_TILES`` key tiles each); None: ``prefill_num_splits`` of q's rows on GPUs, 1
     when interpreted. Two launches with the same value give the same bits.
+    ``num_warps`` / ``num_stages``: the prefill program's launch (None: ``PREFILL_WARPS`` /
+    ``PREFILL_STAGES``; ``bench.prefill_attention_sweep`` tries others).
     """
     _check(q, cache_k, cache_v, block_tables, seq_lens, query_start_loc)
     consts, interp = _common(q, cache_k, scale, sliding_window, softcap)
@@ -390,7 +398,7 @@ def paged_prefill(
         num_splits = 1 if interp else prefill_num_splits(q.shape[0], kv_heads, block_q, _num_sms(q.device.index or 0))
     if num_splits < 1:
         raise ValueError(f"paged_prefill: num_splits must be >= 1, got {num_splits}")
-    extra = {} if interp else {"num_warps": 4, "num_stages": 2}
+    extra = {} if interp else {"num_warps": num_warps or PREFILL_WARPS, "num_stages": num_stages or PREFILL_STAGES}
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kv_heads)
     if tiles is not None:
         if tiles.dtype != torch.int32 or tiles.dim() != 2 or tiles.shape[1] != 2 or tiles.device != q.device:
