@@ -21,6 +21,7 @@ def _attend(
     l_i,
     m_i,
     pos,
+    first,
     cache_k,
     cache_v,
     bt_row,
@@ -45,15 +46,53 @@ def _attend(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    UNMASKED_FIRST: tl.constexpr,
 ):
-    """Online softmax of the rows of ``q`` (positions ``pos``) over keys [lo, hi) of one sequence.
+    """Online softmax of the rows of ``q`` (positions ``pos``, the smallest ``first``) over keys
+    [lo, hi) of one sequence.
 
     Scores in log2 units: ``qk_scale * q.k`` (qk_scale = scale * log2 e), or with a soft-cap
-    ``cap_log2 * tanh(qk_scale * q.k)`` (qk_scale = scale / cap, cap_log2 = cap * log2 e)."""
+    ``cap_log2 * tanh(qk_scale * q.k)`` (qk_scale = scale / cap, cap_log2 = cap * log2 e).
+
+    UNMASKED_FIRST (the prefill kernel): key tiles that every row sees whole (all keys <= ``first``,
+    no window) skip the causal mask and the bounds checks, in a loop before the masked tiles. It
+    computes what the masked loop would for those tiles (the mask would select every score). The
+    decode kernel keeps the one masked loop (a second loop would restart its memory pipeline for
+    the last tile, and its scores are few)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    for start in range(lo, hi, BLOCK_N):
+    whole = lo
+    if UNMASKED_FIRST:  # compiled out of the decode kernel
+        if not HAS_WINDOW:
+            whole = tl.maximum(tl.minimum(lo + tl.maximum(first + 1 - lo, 0) // BLOCK_N * BLOCK_N, hi), lo)
+        for start in range(lo, whole, BLOCK_N):
+            keys = start + offs_n
+            page = tl.load(bt_row + keys // BLOCK_SIZE).to(tl.int64)
+            within = (keys % BLOCK_SIZE).to(tl.int64)
+            k = tl.load(
+                cache_k + page[:, None] * stride_kb + within[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                mask=d_ok[None, :],
+                other=0.0,
+            )
+            v = tl.load(
+                cache_v + page[:, None] * stride_vb + within[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                mask=d_ok[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 domain
+            if HAS_SOFTCAP:
+                s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+    for start in range(whole, hi, BLOCK_N):
         keys = start + offs_n
         col = keys // BLOCK_SIZE
         k_ok = (keys < hi) & (col < max_blocks)
@@ -171,6 +210,7 @@ def paged_decode_kernel(
         l_i,
         m_i,
         pos,
+        p_last,
         cache_k,
         cache_v,
         block_tables + b64 * stride_bt,
@@ -195,6 +235,7 @@ def paged_decode_kernel(
         BLOCK_D,
         UPCAST,
         PRECISION,
+        False,  # UNMASKED_FIRST
     )
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -392,6 +433,7 @@ def _prefill_work(
             l_i,
             m_i,
             pos,
+            first,
             cache_k,
             cache_v,
             block_tables + b.to(tl.int64) * stride_bt,
@@ -416,6 +458,7 @@ def _prefill_work(
             BLOCK_D,
             UPCAST,
             PRECISION,
+            True,  # UNMASKED_FIRST
         )
         if used == 1:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
