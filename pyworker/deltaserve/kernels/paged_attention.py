@@ -314,6 +314,14 @@ def prefill_num_splits(num_tokens: int, num_kv_heads: int, block_q: int, num_sms
     return splits
 
 
+def _default_prefill_splits(q: torch.Tensor, num_kv_heads: int, block_q: int, interpreting: bool) -> int:
+    """``paged_prefill``'s split count when the caller names none: ``prefill_num_splits`` over q's rows
+    on GPUs; 1 under the interpreter (tests that want the rule there patch this function)."""
+    if interpreting:
+        return 1
+    return prefill_num_splits(q.shape[0], num_kv_heads, block_q, _num_sms(q.device.index or 0))
+
+
 def prefill_block_q(num_heads: int, num_kv_heads: int, interpreting: bool) -> int:
     """Query tokens per prefill program (``paged_prefill``'s default ``block_q``): 64 rows of
     tokens x next_pow2(H / H_kv) heads on GPUs (at least 16 rows), 16 rows when interpreted."""
@@ -395,7 +403,7 @@ def paged_prefill(
         block_q = 16 // block_g  # tl.dot wants >= 16 rows on GPUs
     block_n = _block_n(block_n, interp)
     if num_splits is None:
-        num_splits = 1 if interp else prefill_num_splits(q.shape[0], kv_heads, block_q, _num_sms(q.device.index or 0))
+        num_splits = _default_prefill_splits(q, kv_heads, block_q, interp)
     if num_splits < 1:
         raise ValueError(f"paged_prefill: num_splits must be >= 1, got {num_splits}")
     extra = {} if interp else {"num_warps": num_warps or PREFILL_WARPS, "num_stages": num_stages or PREFILL_STAGES}
