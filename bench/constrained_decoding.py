@@ -37,6 +37,7 @@ from bench import script_env
 script_env.prepare()  # deltaserve importable from pyworker/
 
 from bench.common import SHAPES, device_name, write_random_model_dir, write_result  # noqa: E402
+from bench.plans import new_request  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
@@ -84,18 +85,9 @@ def run_case(ex: Executor, batch: int, constrained: int, ctx: int, steps: int, w
     new = []
     for i in range(batch):
         sampling = wire.SamplingParams(temperature=0.0, top_p=1.0, grammar=GRAMMAR if i < constrained else None)
-        new.append(
-            wire.NewRequest(
-                req_id=first_id + i,
-                token_ids=torch.randint(3, ex.config.vocab_size, (ctx + 1,), generator=g).tolist(),
-                num_prompt_tokens=ctx + 1,
-                num_computed_tokens=ctx,
-                num_scheduled_tokens=1,
-                block_ids=list(range(i * blocks_per_req, (i + 1) * blocks_per_req)),
-                sampling=sampling,
-                adapter_id=0,
-            )
-        )
+        tokens = torch.randint(3, ex.config.vocab_size, (ctx + 1,), generator=g).tolist()
+        blocks = range(i * blocks_per_req, (i + 1) * blocks_per_req)
+        new.append(new_request(first_id + i, tokens, blocks, ctx, 1, sampling=sampling))
     ids = [r.req_id for r in new]
     step_id = first_id * 1000
     out = ex.step(wire.StepPlan(step_id=step_id, new_requests=new))

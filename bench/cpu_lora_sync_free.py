@@ -37,11 +37,11 @@ from bench.common import (  # noqa: E402
     write_random_served_model,
     write_result,
 )
+from bench.plans import new_request  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
 QKV = ("q_proj", "k_proj", "v_proj")
-GREEDY = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=None)
 ADAPTER = 1
 
 
@@ -71,8 +71,7 @@ class Cold:
         self.req += 1
         blocks = list(range(self.kv0, self.kv0 + -(-(tokens + 1) // ex.block_size)))
         ids = torch.randint(3, ex.config.vocab_size, (tokens,)).tolist()
-        new = wire.NewRequest(req_id=self.req, token_ids=ids, num_prompt_tokens=tokens, num_computed_tokens=0,
-                              num_scheduled_tokens=tokens, block_ids=blocks, sampling=GREEDY, adapter_id=ADAPTER)  # fmt: skip
+        new = new_request(self.req, ids, blocks, adapter_id=ADAPTER)
         plan = self._plan(adapter_ops=[to_gpu] if cold else [], new_requests=[new])
         if ex.device.type == "cuda":
             torch.cuda.synchronize(ex.device)

@@ -39,6 +39,7 @@ from bench import script_env
 script_env.prepare()  # deltaserve importable from pyworker/
 
 from bench.common import copy_bandwidth, device_name, write_random_model_dir, write_result  # noqa: E402
+from bench.plans import new_request  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
@@ -98,7 +99,6 @@ def bench_batch(
     tail = blocks_per_req - shared
     if stats is not None:
         stats["kv_sets"] = kv_sets
-    greedy = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=None)
     g = torch.Generator().manual_seed(batch)
     new = []
     for i in range(batch):
@@ -106,18 +106,7 @@ def bench_batch(
         context = first_block + (i % kv_sets) * shared
         own = first_block + kv_sets * shared + i * tail
         blocks = list(range(context, context + shared)) + list(range(own, own + tail))
-        new.append(
-            wire.NewRequest(
-                req_id=first_id + i,
-                token_ids=tokens,
-                num_prompt_tokens=ctx + 1,
-                num_computed_tokens=ctx,
-                num_scheduled_tokens=1,
-                block_ids=blocks,
-                sampling=greedy,
-                adapter_id=adapter_ids[i] if adapter_ids else 0,
-            )
-        )
+        new.append(new_request(first_id + i, tokens, blocks, ctx, 1, adapter_ids[i] if adapter_ids else 0))
     ids = [r.req_id for r in new]
     step_id = first_id * 1000
     if overlap and (after_step is not None or chunk):
@@ -137,17 +126,10 @@ def bench_batch(
     ]
     for s, plan in enumerate(plans if chunk else []):
         pages = chunk_first + (s % 2) * chunk_pages
+        tokens = torch.randint(3, ex.config.vocab_size, (chunk_cached + chunk,), generator=g).tolist()
+        pages_of_chunk = range(pages, pages + chunk_pages)
         plan.new_requests = [
-            wire.NewRequest(
-                req_id=first_id + batch + s,
-                token_ids=torch.randint(3, ex.config.vocab_size, (chunk_cached + chunk,), generator=g).tolist(),
-                num_prompt_tokens=chunk_cached + chunk,
-                num_computed_tokens=chunk_cached,
-                num_scheduled_tokens=chunk,
-                block_ids=list(range(pages, pages + chunk_pages)),
-                sampling=greedy,
-                adapter_id=chunk_adapter,
-            )
+            new_request(first_id + batch + s, tokens, pages_of_chunk, chunk_cached, chunk, chunk_adapter)
         ]
         plan.released = [first_id + batch + s - 1] if s else []
     if overlap:

@@ -30,12 +30,12 @@ script_env.prepare()  # deltaserve importable from pyworker/
 from bench.common import SHAPES, device_name, write_random_lora_dir, write_random_model_dir, write_result  # noqa: E402
 from bench.decode_step import bench_batch  # noqa: E402
 from bench.lora_decode_step import place  # noqa: E402
+from bench.plans import new_request  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 RANKS = (64, 32, 16, 8)
-GREEDY = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=None)
 
 
 def prefill_steps(ex: Executor, ids: list[int], length: int, first_block: int, first_id: int, reps: int) -> list[float]:
@@ -46,15 +46,8 @@ def prefill_steps(ex: Executor, ids: list[int], length: int, first_block: int, f
     for rep in range(reps):
         req0 = first_id + rep * len(ids)
         new = [
-            wire.NewRequest(
-                req_id=req0 + i,
-                token_ids=list(range(3, 3 + length)),
-                num_prompt_tokens=length,
-                num_computed_tokens=0,
-                num_scheduled_tokens=length,
-                block_ids=list(range(first_block + i * nb, first_block + (i + 1) * nb)),
-                sampling=GREEDY,
-                adapter_id=a,
+            new_request(
+                req0 + i, range(3, 3 + length), range(first_block + i * nb, first_block + (i + 1) * nb), adapter_id=a
             )
             for i, a in enumerate(ids)
         ]
@@ -71,16 +64,7 @@ def start_decoding(ex: Executor, ids: list[int], first_block: int, first_id: int
     more tokens; returns them (pages from ``first_block`` on, ``ceil((17 + steps) / block_size)`` each)."""
     per = -(-(17 + steps) // ex.block_size)
     dec = [
-        wire.NewRequest(
-            req_id=first_id + i,
-            token_ids=list(range(3, 19)),
-            num_prompt_tokens=16,
-            num_computed_tokens=0,
-            num_scheduled_tokens=16,
-            block_ids=list(range(first_block + i * per, first_block + (i + 1) * per)),
-            sampling=GREEDY,
-            adapter_id=a,
-        )
+        new_request(first_id + i, range(3, 19), range(first_block + i * per, first_block + (i + 1) * per), adapter_id=a)
         for i, a in enumerate(ids)
     ]
     ex.step(wire.StepPlan(step_id=first_id, new_requests=dec, running=[], released=[]))
@@ -96,15 +80,8 @@ def mixed_steps(
     nb = -(-length // ex.block_size)
     times = []
     for rep in range(reps):
-        new = wire.NewRequest(
-            req_id=first_id + rep,
-            token_ids=list(range(3, 3 + length)),
-            num_prompt_tokens=length,
-            num_computed_tokens=0,
-            num_scheduled_tokens=length,
-            block_ids=list(range(first_block, first_block + nb)),
-            sampling=GREEDY,
-            adapter_id=prefill_id,
+        new = new_request(
+            first_id + rep, range(3, 3 + length), range(first_block, first_block + nb), adapter_id=prefill_id
         )
         running = [wire.RunningRequest(req_id=r.req_id, num_scheduled_tokens=1, new_block_ids=[]) for r in dec]
         torch.cuda.synchronize()

@@ -38,28 +38,22 @@ script_env.prepare()  # deltaserve importable from pyworker/
 
 from bench.common import SHAPES, device_name, write_random_lora_dir, write_random_model_dir, write_result  # noqa: E402
 from bench.lora_decode_step import place  # noqa: E402
+from bench.plans import new_request  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.adapters.variants import StepRows  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 from deltaserve.worker.mixed_graphs import MixedGraphs  # noqa: E402
 
 SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GREEDY = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=None)
 N_ADAPTERS = 8
 
 
-def new_request(req_id: int, tokens: int, computed: int, scheduled: int, first_block: int, bs: int, adapter: int):
+def case_request(req_id: int, tokens: int, computed: int, scheduled: int, first_block: int, bs: int, adapter: int):
+    """A ``tokens``-token request (ids from its req_id) on pages from ``first_block``, and how many pages
+    it takes (room for two more tokens)."""
     need = -(-(tokens + 2) // bs)
-    return wire.NewRequest(
-        req_id=req_id,
-        token_ids=[3 + (req_id * 7 + j) % 1000 for j in range(tokens)],
-        num_prompt_tokens=tokens,
-        num_computed_tokens=computed,
-        num_scheduled_tokens=scheduled,
-        block_ids=list(range(first_block, first_block + need)),
-        sampling=GREEDY,
-        adapter_id=adapter,
-    ), need
+    ids = [3 + (req_id * 7 + j) % 1000 for j in range(tokens)]
+    return new_request(req_id, ids, range(first_block, first_block + need), computed, scheduled, adapter), need
 
 
 def logits_gap(ex: Executor, mixed: MixedGraphs, dec: list, chunk: int, computed: int, page: int, lora: bool):
@@ -103,7 +97,7 @@ def run_case(
     page, steps = first_page, args.warmup + args.reps
     dec = []
     for i in range(decodes):
-        r, need = new_request(first_id + i, args.ctx + 1, args.ctx, 1, page, bs, 1 + i % N_ADAPTERS if lora else 0)
+        r, need = case_request(first_id + i, args.ctx + 1, args.ctx, 1, page, bs, 1 + i % N_ADAPTERS if lora else 0)
         r.block_ids = list(range(page, page + -(-(args.ctx + steps + 2) // bs)))
         page += len(r.block_ids)
         dec.append(r)
@@ -112,7 +106,7 @@ def run_case(
         ex.step(wire.StepPlan(step_id=step_id, new_requests=dec, running=[], released=[]))
     times, floors = [], []
     for s in range(steps):
-        new, _ = new_request(first_id + 100_000 + s, computed + chunk, computed, chunk, page, bs, 1 if lora else 0)
+        new, _ = case_request(first_id + 100_000 + s, computed + chunk, computed, chunk, page, bs, 1 if lora else 0)
         adds = [new] if chunk else []  # chunk 0: the decodes alone (the decode graphs' step, for reference)
         running = [wire.RunningRequest(req_id=r.req_id, num_scheduled_tokens=1, new_block_ids=[]) for r in dec]
         torch.cuda.synchronize()

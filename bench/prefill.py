@@ -24,6 +24,7 @@ from bench import script_env
 script_env.prepare()  # deltaserve importable from pyworker/
 
 from bench.common import device_name, write_random_model_dir, write_result  # noqa: E402
+from bench.plans import new_request  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
@@ -62,20 +63,15 @@ def prefill_flops(ex: Executor, num_seqs: int, length: int) -> float:
 
 
 def time_prefill(ex: Executor, num_seqs: int, length: int, repeats: int) -> list[float]:
-    greedy = wire.SamplingParams(temperature=0.0, top_p=1.0)
     blocks_per = -(-(length + 1) // ex.block_size)
     g = torch.Generator().manual_seed(length)
     times, step_id = [], 1
     for _ in range(repeats):
         new = [
-            wire.NewRequest(
-                req_id=step_id * 1000 + i,
-                token_ids=torch.randint(3, ex.config.vocab_size, (length,), generator=g).tolist(),
-                num_prompt_tokens=length,
-                num_computed_tokens=0,
-                num_scheduled_tokens=length,
-                block_ids=list(range(i * blocks_per, (i + 1) * blocks_per)),
-                sampling=greedy,
+            new_request(
+                step_id * 1000 + i,
+                torch.randint(3, ex.config.vocab_size, (length,), generator=g).tolist(),
+                range(i * blocks_per, (i + 1) * blocks_per),
             )
             for i in range(num_seqs)
         ]

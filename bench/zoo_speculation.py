@@ -47,13 +47,13 @@ script_env.prepare()
 import torch  # noqa: E402
 
 from bench.common import SMOKE_SHAPE, device_name, shape_config, write_random_delta_dir, write_result  # noqa: E402
+from bench.plans import new_request  # noqa: E402
 from bench.serving.variants import write_base_checkpoint  # noqa: E402
 from bench.zoo_mix import write_zoo  # noqa: E402
 from deltaserve import wire  # noqa: E402
 from deltaserve.adapters.block_speculation import BlockSpeculation, gate_plan  # noqa: E402
 from deltaserve.worker.executor import Executor  # noqa: E402
 
-GREEDY = wire.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, seed=None, logprobs=None)
 DELTA = wire.VariantKind.DELTA
 MODES = ("off", "on", "always")
 
@@ -94,8 +94,7 @@ class ColdPrefills:
         blocks = list(range(-(-(tokens + 1) // self.ex.block_size)))
         gen = torch.Generator().manual_seed(self.req)
         ids = torch.randint(3, self.ex.config.vocab_size, (tokens,), generator=gen).tolist()
-        return wire.NewRequest(req_id=self.req, token_ids=ids, num_prompt_tokens=tokens, num_computed_tokens=0,
-                               num_scheduled_tokens=tokens, block_ids=blocks, sampling=GREEDY, adapter_id=aid)  # fmt: skip
+        return new_request(self.req, ids, blocks, adapter_id=aid)
 
     def _timed(self, plan: wire.StepPlan) -> float:
         if self.ex.device.type == "cuda":
