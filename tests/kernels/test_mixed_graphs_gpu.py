@@ -59,6 +59,19 @@ def test_mixed_steps_replay_and_equal_eager(tiny_llama, pipelined: bool) -> None
     assert all(t > 64 or s > 16 for t, s in eager_steps), f"only steps beyond the bounds run eagerly: {eager_steps}"
 
 
+def test_long_prompt_chunks_split_attention_in_replay_and_eager(tiny_llama) -> None:
+    """Chunks of 150-400-token prompts attend over several 64-key tiles, so small steps split their
+    keys (``kernels.paged_attention.prefill_num_splits``) in the graphs and in the eager steps alike:
+    the tokens match."""
+    n = 6
+    reqs = {i: (p, 6) for i, p in enumerate(prompts(n, 500, seed=5, lo=150, hi=400))}
+    arrivals = {i: i for i in range(n)}
+    eager, graphs = _executor(tiny_llama, False), _executor(tiny_llama, True)
+    want = _run(eager, reqs, arrivals)
+    assert _run(graphs, reqs, arrivals) == want
+    assert graphs.runner.mixed.replays > 0
+
+
 def test_lora_mixed_steps_replay_and_equal_eager(tiny_llama, tmp_path) -> None:
     pytest.importorskip("peft")
     from helpers.peft_adapters import SEVEN, make_peft_adapter
