@@ -15,6 +15,88 @@ _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked tile nev
 
 
 @triton.jit
+def _key_tile(
+    q,
+    acc,
+    l_i,
+    m_i,
+    pos,
+    start,
+    hi,
+    window,
+    cache_k,
+    cache_v,
+    bt_row,
+    max_blocks,
+    kvh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    qk_scale,
+    cap_log2,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """``_attend``'s online-softmax update by the key tile at ``start``: MASKED, keys past ``hi`` or the
+    block table and keys a row may not see (causal, window) get no weight; unmasked, every key of the
+    tile is in range and visible to every row (``_attend`` says which tiles)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    keys = start + offs_n
+    col = keys // BLOCK_SIZE
+    if MASKED:
+        k_ok = (keys < hi) & (col < max_blocks)
+        page = tl.load(bt_row + col, mask=k_ok, other=0).to(tl.int64)
+        kv_ok = k_ok[:, None] & d_ok[None, :]
+    else:
+        page = tl.load(bt_row + col).to(tl.int64)
+        kv_ok = d_ok[None, :]
+    within = (keys % BLOCK_SIZE).to(tl.int64)
+    k = tl.load(
+        cache_k + page[:, None] * stride_kb + within[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+        mask=kv_ok,
+        other=0.0,
+    )
+    v = tl.load(
+        cache_v + page[:, None] * stride_vb + within[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+        mask=kv_ok,
+        other=0.0,
+    )
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 domain
+    if HAS_SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1, no tanh intrinsic needed.
+        s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))
+    if MASKED:
+        visible = (keys[None, :] <= pos[:, None]) & k_ok[None, :]
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, _NEG)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    if MASKED:
+        p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
+    else:
+        p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend(
     q,
     acc,
@@ -59,73 +141,22 @@ def _attend(
     computes what the masked loop would for those tiles (the mask would select every score). The
     decode kernel keeps the one masked loop (a second loop would restart its memory pipeline for
     the last tile, and its scores are few)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
     whole = lo
     if UNMASKED_FIRST:  # compiled out of the decode kernel
         if not HAS_WINDOW:
             whole = tl.maximum(tl.minimum(lo + tl.maximum(first + 1 - lo, 0) // BLOCK_N * BLOCK_N, hi), lo)
         for start in range(lo, whole, BLOCK_N):
-            keys = start + offs_n
-            page = tl.load(bt_row + keys // BLOCK_SIZE).to(tl.int64)
-            within = (keys % BLOCK_SIZE).to(tl.int64)
-            k = tl.load(
-                cache_k + page[:, None] * stride_kb + within[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                mask=d_ok[None, :],
-                other=0.0,
-            )
-            v = tl.load(
-                cache_v + page[:, None] * stride_vb + within[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                mask=d_ok[None, :],
-                other=0.0,
-            )
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 domain
-            if HAS_SOFTCAP:
-                s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            acc, l_i, m_i = _key_tile(
+                q, acc, l_i, m_i, pos, start, hi, window, cache_k, cache_v, bt_row, max_blocks, kvh, stride_kb,
+                stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale, cap_log2, HAS_WINDOW, HAS_SOFTCAP,
+                BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, PRECISION, False,
+            )  # fmt: skip
     for start in range(whole, hi, BLOCK_N):
-        keys = start + offs_n
-        col = keys // BLOCK_SIZE
-        k_ok = (keys < hi) & (col < max_blocks)
-        page = tl.load(bt_row + col, mask=k_ok, other=0).to(tl.int64)
-        within = (keys % BLOCK_SIZE).to(tl.int64)
-        kv_ok = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(
-            cache_k + page[:, None] * stride_kb + within[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-            mask=kv_ok,
-            other=0.0,
-        )
-        v = tl.load(
-            cache_v + page[:, None] * stride_vb + within[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=kv_ok,
-            other=0.0,
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 domain
-        if HAS_SOFTCAP:
-            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits +-1, no tanh intrinsic needed.
-            s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))
-        visible = (keys[None, :] <= pos[:, None]) & k_ok[None, :]
-        if HAS_WINDOW:
-            visible = visible & (keys[None, :] > pos[:, None] - window)
-        s = tl.where(visible, s, _NEG)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.where(visible, tl.exp2(s - m_new[:, None]), 0.0)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _key_tile(
+            q, acc, l_i, m_i, pos, start, hi, window, cache_k, cache_v, bt_row, max_blocks, kvh, stride_kb,
+            stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, qk_scale, cap_log2, HAS_WINDOW, HAS_SOFTCAP,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, UPCAST, PRECISION, True,
+        )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -529,21 +560,16 @@ def paged_prefill_kernel(
     several writes each split's unnormalised partial softmax to part_acc / part_ml
     ([T, H, NUM_SPLITS, BLOCK_D] and [T, H, NUM_SPLITS, 2], float32) for the merge kernel."""
     if TILED:
-        for w in range(tl.program_id(0), tl.load(tile_count) * NUM_SPLITS, tl.num_programs(0)):
-            _prefill_work(
-                w // NUM_SPLITS, w % NUM_SPLITS, out, part_acc, part_ml, q, cache_k, cache_v, block_tables,
-                seq_lens, query_start_loc, tiles, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb,
-                stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, max_blocks, qk_scale,
-                cap_log2, window, GROUP, BLOCK_G, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                HAS_WINDOW, HAS_SOFTCAP, UPCAST, PRECISION, TILED, SKIP_SINGLE, NUM_SPLITS, SPLIT_MIN_TILES,
-            )  # fmt: skip
+        end, step = tl.load(tile_count) * NUM_SPLITS, tl.num_programs(0)
     else:
+        end, step = tl.program_id(0) + 1, 1  # the program's own item
+    for w in range(tl.program_id(0), end, step):
         _prefill_work(
-            tl.program_id(0) // NUM_SPLITS, tl.program_id(0) % NUM_SPLITS, out, part_acc, part_ml, q, cache_k,
-            cache_v, block_tables, seq_lens, query_start_loc, tiles, stride_qt, stride_qh, stride_ot, stride_oh,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt, max_blocks, qk_scale,
-            cap_log2, window, GROUP, BLOCK_G, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-            HAS_WINDOW, HAS_SOFTCAP, UPCAST, PRECISION, TILED, SKIP_SINGLE, NUM_SPLITS, SPLIT_MIN_TILES,
+            w // NUM_SPLITS, w % NUM_SPLITS, out, part_acc, part_ml, q, cache_k, cache_v, block_tables, seq_lens,
+            query_start_loc, tiles, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
+            stride_vb, stride_vt, stride_vh, stride_bt, max_blocks, qk_scale, cap_log2, window, GROUP, BLOCK_G,
+            BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, HAS_WINDOW, HAS_SOFTCAP, UPCAST, PRECISION,
+            TILED, SKIP_SINGLE, NUM_SPLITS, SPLIT_MIN_TILES,
         )  # fmt: skip
 
 
@@ -635,15 +661,11 @@ def paged_prefill_merge_kernel(
     ``tile_count[0]`` rows of ``tiles`` (TILED): the prefill kernel's tiles without their splits
     (``_merge_work``)."""
     if TILED:
-        for u in range(tl.program_id(0), tl.load(tile_count), tl.num_programs(0)):
-            _merge_work(
-                u, out, part_acc, part_ml, tiles, query_start_loc, seq_lens, stride_ot, stride_oh, window, GROUP,
-                BLOCK_G, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW, TILED, SKIP_SINGLE,
-                NUM_SPLITS, SPLIT_MIN_TILES,
-            )  # fmt: skip
+        end, step = tl.load(tile_count), tl.num_programs(0)
     else:
+        end, step = tl.program_id(0) + 1, 1  # the program's own tile
+    for u in range(tl.program_id(0), end, step):
         _merge_work(
-            tl.program_id(0), out, part_acc, part_ml, tiles, query_start_loc, seq_lens, stride_ot, stride_oh,
-            window, GROUP, BLOCK_G, BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW, TILED, SKIP_SINGLE,
-            NUM_SPLITS, SPLIT_MIN_TILES,
+            u, out, part_acc, part_ml, tiles, query_start_loc, seq_lens, stride_ot, stride_oh, window, GROUP, BLOCK_G,
+            BLOCK_Q, BLOCK_M, HEAD_DIM, BLOCK_D, BLOCK_N, HAS_WINDOW, TILED, SKIP_SINGLE, NUM_SPLITS, SPLIT_MIN_TILES,
         )  # fmt: skip
