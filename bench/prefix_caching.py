@@ -64,14 +64,10 @@ def complete(url: str, model: str, prompt: list[int], max_tokens: int, logprobs:
     return time.perf_counter() - t0, answer["choices"][0]
 
 
-def prefix_metrics(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name.startswith("deltaserve_prefix_cache_"):
-            out[name.removeprefix("deltaserve_prefix_cache_")] = float(value)
-    return {k: out.get(k, 0.0) for k in PREFIX_METRICS}
+def prefix_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
+    """The prefix cache's counters (``PREFIX_METRICS``) from the daemon's ``/metrics`` samples."""
+    metrics = metrics or {}
+    return {k: metrics.get(f"deltaserve_prefix_cache_{k}", 0.0) for k in PREFIX_METRICS}
 
 
 def first_difference(a: list[str], b: list[str]) -> int | None:
@@ -132,7 +128,7 @@ def run_daemon(spec: ServerSpec, variants: list[str], prompts: dict, args) -> di
             out["greedy"][v] = complete(ep.url, name[v], system + prompts["user"][-1], args.gen_tokens, 2)[1][
                 "logprobs"
             ]
-        out["metrics"] = prefix_metrics(ep.url)
+        out["metrics"] = prefix_metrics(server_metrics(Endpoint(ep.url)))
     return out
 
 
