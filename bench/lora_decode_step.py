@@ -6,14 +6,16 @@ adapter loads host -> GPU pool.
    from CUDA graphs and run eagerly. Target: 64 distinct <= 1.10x the base-only step.
    Each decode path of the LoRA kernels (``--paths``: ``fused``, one launch per module, and ``split``,
    MBGMV shrink then expand) gets its own executors in the same process, so their ratios to the base
-   step come from one run (``rows_by_path``; ``rows_graphs`` / ``rows_eager`` are the first path's).
+   step come from one run (``rows_by_path``; ``rows_graphs`` / ``rows_eager`` are the first path's);
+   ``--overlap on,off`` times each path's graphs captured with and without each module's shrinks
+   running beside its base matmul (``kernels.lora.set_overlap``).
 2. Adapter load time from host memory into pool pages (``to_gpu`` after the host copy is ready) for
    ranks 8..128 on all seven projections, and the disk -> host read for reference.
 
 Adapters are PEFT directories of random weights (bench/common.py) placed through the same
 ``VariantOp``s the router sends.
 
-    python3 -m bench.lora_decode_step [--batch 64] [--adapters 64] [--rank 16] [--paths fused,split] [--out DIR]
+    python3 -m bench.lora_decode_step [--batch 64] [--adapters 64] [--rank 16] [--paths fused,split] [--overlap on,off] [--out DIR]
 """
 
 from __future__ import annotations
@@ -140,12 +142,23 @@ def main() -> None:
     p.add_argument("--load-ranks", default="8,16,32,64,128")
     p.add_argument("--max-lora-rank", type=int, default=128)
     p.add_argument("--paths", default="fused,split", help="LoRA decode paths to time, the first one also loads")
+    p.add_argument(
+        "--overlap",
+        default="on",
+        help="on / off / on,off (repeats allowed: on,off,on,off): graphs captured with each module's shrinks "
+        "beside its base matmul (kernels.lora.set_overlap); each path is timed with each setting",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     paths = args.paths.split(",")
     for path in paths:
         if path not in lora_kernels.DECODE_PATHS:
             p.error(f"--paths: {path!r} is not one of {', '.join(lora_kernels.DECODE_PATHS)}")
+    overlaps = []
+    for word in args.overlap.split(","):
+        if word not in ("on", "off"):
+            p.error(f"--overlap: {word!r} is not on or off")
+        overlaps.append(word == "on")
     device = torch.device("cuda:0")
     bw = copy_bandwidth(device)
     cfg = SHAPES[args.shape]
@@ -164,9 +177,14 @@ def main() -> None:
             )
             for aid in range(1, args.adapters + 1)
         }
-        runs = [(path, mode, b) for path in paths for mode, b in (("graphs", args.batch), ("eager", 0))]
-        for path, mode, graph_batch in runs:
+        # Eager steps never overlap (kernels.lora.lora_linear_stacked): timed once per path.
+        runs = [(path, ov, "graphs", args.batch) for path in paths for ov in overlaps]
+        runs += [(path, overlaps[0], "eager", 0) for path in paths]
+        for path, ov, mode, graph_batch in runs:
             lora_kernels.set_decode_path(path)  # graphs are captured with it, in the Executor
+            lora_kernels.set_overlap(ov)
+            label = f"{path}, overlap {'on' if ov else 'off'}" if mode == "graphs" else path
+            label += f" #{sum(k.startswith(label) for k in by_path) + 1}" if label in by_path else ""
             ex = Executor(
                 model_dir,
                 device="cuda:0",
@@ -182,7 +200,7 @@ def main() -> None:
             first_page = place(ex, dirs, 0)
             times = decode_rows(ex, args, args.adapters, first_page)
             base = times["base"][0]
-            rows = by_path.setdefault(path, {})[mode] = [
+            rows = by_path.setdefault(label, {})[mode] = [
                 {
                     "case": k,
                     "step_ms": v * 1e3,
@@ -192,16 +210,16 @@ def main() -> None:
                 }
                 for k, (v, f) in times.items()
             ]
-            if path == paths[0]:
+            if mode not in results:
                 results[mode] = rows
             for row in rows:
                 print(
-                    f"{path:5s} {mode:6s} batch {args.batch} {row['case']:12s}: {row['step_ms']:7.2f} ms "
+                    f"{label:18s} {mode:6s} batch {args.batch} {row['case']:12s}: {row['step_ms']:7.2f} ms "
                     f"({row['ratio_to_base']:.3f}x base, {row['ratio_to_step_floor']:.2f}x its floor "
                     f"{row['step_floor_ms']:.2f} ms)",
                     flush=True,
                 )
-            if mode == "graphs" and path == paths[0]:
+            if "load" not in results:
                 results["load"] = load_times(
                     ex, cfg, tmp, [int(r) for r in args.load_ranks.split(",")], first_page + 64
                 )
@@ -222,6 +240,7 @@ def main() -> None:
             "copy_bandwidth_GBps": bw / 1e9,
             "timed_steps": args.steps,
             "decode_paths": paths,
+            "overlap": [("on" if ov else "off") for ov in overlaps],
             "rows_by_path": by_path,
             "rows_graphs": results["graphs"],
             "rows_eager": results["eager"],

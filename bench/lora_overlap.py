@@ -12,8 +12,9 @@ projections (r_max 128, as the worker's pool), adapter rows at scattered offsets
     ov_full    shrink + expand into a zeroed buffer on the side stream while the base matmul runs, then
                one add (an upper bound on what overlap can hide; rounds differently)
 
-for Punica's distinct (64 adapters) and identical (one adapter) popularity. The answer decides whether
-``LoraLinear`` should fork a stream (it does not: see bench/README.md).
+for Punica's distinct (64 adapters) and identical (one adapter) popularity. The worker's adapted
+linears run ``ov_shrink`` in their CUDA graphs (``kernels.lora.lora_linear_stacked``); whole steps
+gain more from it than this layer does (bench/README.md).
 
     python3 -m bench.lora_overlap [--out DIR]
 """

@@ -66,6 +66,35 @@ def test_lora_decode_steps_replay_from_graphs_and_equal_eager(tiny_llama, tmp_pa
     assert router.adapter_decode_steps > 0 and graphs.graphs.replays >= router.adapter_decode_steps
 
 
+def test_lora_graphs_with_and_without_overlap_equal_eager(tiny_llama, tmp_path) -> None:
+    """LoRA decode graphs captured with the overlap (each module's shrinks on a side stream beside
+    its base matmul: two branches per module in the graph) and without it give exactly the eager
+    tokens."""
+    from worker.test_lora_serving import SPECS, AdapterRouter
+
+    from deltaserve.kernels import lora as lora_kernels
+    from helpers.peft_adapters import make_peft_adapter
+
+    dirs = {
+        aid: make_peft_adapter(tiny_llama, tmp_path / f"a{aid}", seed=20 + aid, **kw)[1] for aid, kw in SPECS.items()
+    }
+    n = 12
+    adapter_of = {i: i % 4 for i in range(n)}
+    eager = _executor(tiny_llama, 0)
+    reqs = {i: (p, 10) for i, p in enumerate(prompts(n, eager.config.vocab_size, seed=5))}
+    want = AdapterRouter(eager, dirs, adapter_of).run(reqs)
+    previous = lora_kernels.get_overlap()
+    try:
+        for on in (True, False):
+            lora_kernels.set_overlap(on)  # graphs keep what they were captured with
+            graphs = _executor(tiny_llama, 32)
+            router = AdapterRouter(graphs, dirs, adapter_of)
+            assert router.run(reqs) == want, f"overlap {on}"
+            assert router.adapter_decode_steps > 0 and graphs.graphs.replays >= router.adapter_decode_steps
+    finally:
+        lora_kernels.set_overlap(previous)
+
+
 @pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2"])
 def test_delta_decode_steps_replay_from_graphs_and_equal_eager(arch: str, tmp_path) -> None:
     """Decode steps with rows of two compressed deltas of different packed configs (4-bit and 2-bit

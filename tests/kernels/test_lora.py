@@ -841,3 +841,39 @@ def test_stacked_column_alignment_promise(dims: tuple[int, ...], want_fp16: int,
         assert all(d % got == 0 for d in stack.out_dims) and all(c % got == 0 for c in stack.out_offsets)
     single = tables.LaunchTables.of(stack.slice_weights[0])
     assert not single.stacked and tables.col_align(single, torch.empty(1, 8, dtype=dtype)) == 1
+
+
+@pytest.mark.parametrize("mode", ["sgmv", "mbgmv", "mixed"])
+@pytest.mark.parametrize("popularity", POPULARITY)
+def test_linear_stacked_overlap_equals_plain(popularity: str, mode: str) -> None:
+    """``lora_linear_stacked`` overlapped (on a GPU: the shrinks on a side stream beside the base
+    matmul, the expands after the join) gives exactly the plain base-then-delta result, for decode,
+    prefill and mixed steps: only the device's order of work changes, not a bit of out. A missing
+    join would let an expand read unfinished partials. On the CPU both are the plain path."""
+    seed = zlib.crc32(f"overlap/{popularity}/{mode}".encode()) % 1000
+    in_dim, dtype = 64, torch.float16
+    adapters = request_adapters(popularity, 6 if mode != "mbgmv" else 12, seed)
+    if mode == "mixed":  # decode rows, a 16-token chunk of adapter 2, a 3-token chunk of the base
+        meta = LoraMeta.mixed_step([1, 1, 16, 1, 1, 1, 3], adapters[:2] + [2] + adapters[2:5] + [-1], DEVICE)
+    else:
+        meta = make_meta(mode, adapters, seed)
+    dense = stacked_dense(in_dim, GQA, dtype, seed)
+    stack = embedded_stack(*stacked_tables(dense, in_dim, GQA, dtype, seed), in_dim, GQA, (0, 64, 96))
+    x = randn(meta.num_tokens, in_dim, dtype=dtype, seed=seed + 1)
+    weight = randn(128, in_dim, dtype=dtype, seed=seed + 2) / 8
+    bias = randn(128, dtype=dtype, seed=seed + 3)
+    want = lora_delta_stacked(x, torch.nn.functional.linear(x, weight, bias), stack, meta, use_triton=True)
+    assert not torch.equal(want, torch.nn.functional.linear(x, weight, bias)), "some rows have an adapter"
+    for _ in range(3):  # back to back: each call's buffers are freed while the next is in flight
+        got = lora_kernels.lora_linear_stacked(x, weight, bias, stack, meta, use_triton=True, overlap=True)
+        assert torch.equal(got, want)
+    assert torch.equal(lora_kernels.lora_linear_stacked(x, weight, bias, stack, meta, use_triton=True), want)
+
+
+def test_overlap_setting() -> None:
+    previous = lora_kernels.set_overlap(False)
+    try:
+        assert lora_kernels.get_overlap() is False
+        assert lora_kernels.set_overlap(True) is False and lora_kernels.get_overlap() is True
+    finally:
+        lora_kernels.set_overlap(previous)

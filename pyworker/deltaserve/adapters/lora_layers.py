@@ -8,6 +8,8 @@
         kernels.lora.lora_delta_stacked(x, out, stack, step.meta)     decode: two launches per module
                                                                        (MBGMV; fused.py: one); prefill: two (SGMV);
                                                                        mixed: SGMV for the chunk, MBGMV for decode rows
+    (both lines are ``kernels.lora.lora_linear_stacked``: in a CUDA graph being captured it runs
+    the shrinks on a side stream beside the base matmul, the same bits)
             for each output slice (q|k|v, o, gate|up, down) of the module (``linear_slots``):
                 out[t, slice] += scale[a, l, s] * (x[t] A_a^T) B_a^T      for token t of slot a
 
@@ -42,7 +44,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..kernels.lora import LoraMeta, LoraSlice, LoraStack, LoraWeights, lora_delta_stacked
+from ..kernels.lora import LoraMeta, LoraSlice, LoraStack, LoraWeights, lora_linear_stacked
 from ..model.decoder import DecoderLM, linear_slots
 
 
@@ -98,12 +100,13 @@ class LoraLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assist = self.step.assist
         pending = None if assist is None else assist.send(self.layer, self.module_path, x)
-        out = F.linear(x, self.weight, self.bias)
         meta = self.step.meta
-        if meta is not None:
+        if meta is None:
+            out = F.linear(x, self.weight, self.bias)
+        else:
             if x.dim() != 2:
                 raise ValueError(f"LoraLinear: expected [tokens, {self.in_features}] input, got {list(x.shape)}")
-            out = lora_delta_stacked(x, out, self.stack, meta)
+            out = lora_linear_stacked(x, self.weight, self.bias, self.stack, meta)
         if pending is not None:
             assert assist is not None
             out = assist.add(pending, out)

@@ -15,7 +15,7 @@ Stacked (one module, n slices)::
     expand grid (token tiles, n_slices * column groups of the widest slice); a group past its slice's
     width (GQA k / v next to q) or a slice of rank 0 for the segment's adapter exits at once
 
-Split-K (``sgmv_delta``): a short chunk has a handful of tiles, and each shrink program would loop
+Split-K (``sgmv_delta_shrink``): a short chunk has a handful of tiles, and each shrink program would loop
 over the whole input width (64 steps of BLOCK_K at K = 4096) alone. The input columns are cut into
 CHUNKS = cdiv(K, CHUNK_K) fixed chunks; a program of split s computes chunks s, s + SPLIT, ... and
 writes each chunk's float32 sum on its own (no atomics), and the expand sums a row's CHUNKS partials
@@ -404,20 +404,20 @@ def sgmv_shrink_partials(x: torch.Tensor, w: LoraWeights | LoraStack, meta: Lora
     return part
 
 
-def sgmv_delta(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out: torch.Tensor) -> None:
-    """Shrink then expand of the meta's tiles into ``out`` (the slice's columns, or the whole output
-    for a stack), split-K as ``sgmv_split`` picks: the same result for every SPLIT. The unsplit v
-    needs no zero fill: the expand reads only what the shrink wrote (the same tiles and ranks)."""
+def sgmv_delta_shrink(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta) -> torch.Tensor | None:
+    """The shrink of a delta: launches the meta's tiles' shrink, split-K as ``sgmv_split`` picks,
+    and returns what ``sgmv_expand`` reads (the float32 partials, or the unsplit v; the expand gives
+    the same out for every SPLIT); None when the meta has no tiles. The unsplit v needs no zero fill: the expand reads
+    only what the shrink wrote (the same tiles and ranks)."""
     if not meta.num_tiles:
-        return
+        return None
     n = w.num_slices if isinstance(w, LoraStack) else 1
     split = sgmv_split(w.in_dim, meta.num_tiles, x.shape[0], n, w.r_max, x.device)
     if split > 1:
-        sgmv_expand(sgmv_shrink_partials(x, w, meta, split), w, meta, out)
-        return
+        return sgmv_shrink_partials(x, w, meta, split)
     v = torch.empty(n, x.shape[0], w.r_max, dtype=x.dtype, device=x.device)
     sgmv_shrink(x, w, meta, v)
-    sgmv_expand(v, w, meta, out)
+    return v
 
 
 def sgmv_expand(v: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, out: torch.Tensor) -> None:
