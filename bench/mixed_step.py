@@ -170,7 +170,7 @@ def main() -> None:
         )
         capture = {
             "seconds": mixed.capture_seconds,
-            "graphs": len(mixed.graphs) + len(mixed.lora_graphs),
+            "graphs": len(mixed.graphs) + len(mixed.lora_graphs) + len(mixed.chunk_lora_graphs),
             "token_buckets": mixed.sizes,
             "max_seqs": mixed.max_seqs,
             "reserved_bytes": torch.cuda.memory_reserved() - reserved,

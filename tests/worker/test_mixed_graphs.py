@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from deltaserve.adapters.variants import StepRows
+from deltaserve.kernels import common as kernel_common
 from deltaserve.kernels.lora import LoraMeta
 from deltaserve.model import ForwardBatch
 from deltaserve.worker.mixed_graphs import MixedGraphs, token_buckets_up_to
@@ -102,6 +103,31 @@ def test_static_steps_with_lora_rows_give_eager_tokens(tiny_llama: Path, lora_di
         assert any(rows and tiles for (rows, tiles), _ in metas), "mixed steps with LoRA decode rows ran"
         for got, want_tables in metas:
             assert got == want_tables
+
+
+def test_steps_without_adapter_rows_skip_the_row_list(
+    tiny_llama: Path, lora_dirs: dict[int, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps whose one-token sequences have no adapter (a lone prompt of an adapter; an adapter's chunk
+    next to a base decode) run the chunk-only LoRA metadata (no MBGMV row list: the graph without
+    the row kernels) and give the eager tokens; a step with an adapter's decode row keeps the list.
+    The Triton kernels run (interpreted): they read the tiles and rows, where the torch reference
+    reads every segment and would hide a dropped row."""
+    monkeypatch.setattr(kernel_common, "_backend", "triton")
+    reqs = {i: (p, k) for i, (p, k) in enumerate(zip(prompts(4, 64, seed=9, lo=5, hi=20), (2, 6, 2, 3)))}
+    arrivals = {0: 0, 1: 4, 2: 6, 3: 7}  # 0 alone; 2's chunk beside 1's base decodes; 3 beside 2's decode
+    adapter_of = {0: 2, 1: 0, 2: 1, 3: 2}
+    want = _run(make_executor(tiny_llama, max_model_len=128), reqs, arrivals, lora_dirs, adapter_of)
+    ex = make_executor(tiny_llama, max_model_len=128)
+    mixed = static_steps(ex, 64, 8)
+    metas: list[LoraMeta] = []
+    forward = ex.runner.model.forward
+    ex.runner.model.forward = lambda batch, kv: metas.append(ex.lora_pool.step.meta) or forward(batch, kv)
+    assert _run(ex, reqs, arrivals, lora_dirs, adapter_of) == want
+    chunk_only = [m for m in metas if m is not None and not m.decode and m.rows is None]
+    assert mixed.chunk_lora_replays == len(chunk_only) >= 2, "the lone prompt and the chunk beside a base decode"
+    assert mixed.lora_replays > mixed.chunk_lora_replays, "the step with an adapter's decode row keeps the list"
+    assert all(m.num_rows == 0 and m.tiles is not None for m in chunk_only)
 
 
 def recorded_lora_metas(ex) -> list[tuple[tuple[list, list], tuple[list, list]]]:

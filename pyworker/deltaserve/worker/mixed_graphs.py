@@ -34,7 +34,10 @@ LoRA rows: each bucket has a second graph captured with the adapted linears acti
 metadata (``LoraMeta.mixed_step``'s layout: segments = the sequences, seg_start = query_start_loc;
 SGMV tiles as ``sgmv_tiles`` gives them for the sequences of several tokens, then idle tiles of the
 padding segment; the one-token sequences with an adapter on MBGMV's row list, then padding rows of
-slot -1), as the eager step's ``LoraPool.begin_segments`` builds it. The pool's slot tables are static
+slot -1), as the eager step's ``LoraPool.begin_segments`` builds it. Buckets of at most
+``CHUNK_LORA_MAX_TOKENS`` tokens have a third graph, captured without the MBGMV row list: a step
+whose one-token sequences have no adapter (a lone prompt, a prefix-cache hit) replays it and skips
+the row kernels' launches over padding rows, which compute nothing (the same bits). The pool's slot tables are static
 (``LoraPool.assign_rows``), as for the LoRA decode graphs. Every real program computes what the
 eager step's program of the same tile computes (one-token sequences: the decode attention kernel,
 one split, in both; prefill tiles split their keys over as many programs in both, since the split
@@ -79,6 +82,10 @@ TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 1024, 1536, 2048
 MAX_TOKENS_ENV = "DELTASERVE_CUDA_GRAPH_MAX_TOKENS"
 #: Largest bucket unless ``DELTASERVE_CUDA_GRAPH_MAX_TOKENS`` says otherwise.
 DEFAULT_MAX_TOKENS = 2048
+#: Buckets up to this many tokens also get a LoRA graph without MBGMV rows (module docstring): the
+#: steps behind a lone request's TTFT, where 128 row launches over padding are a few percent of the
+#: step. Larger buckets would add capture time for a share that shrinks with the step.
+CHUNK_LORA_MAX_TOKENS = 256
 
 
 def max_tokens_from_env() -> int:
@@ -162,10 +169,14 @@ class MixedGraphs:
         """Every graph's logits rows land here (the step's first m are returned)."""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.chunk_lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        """LoRA graphs without the MBGMV row list, for buckets up to ``CHUNK_LORA_MAX_TOKENS``."""
         self.replays = 0
         """Steps served here so far (tests and logs check the graphs are really used)."""
         self.lora_replays = 0
         """Of those, steps with LoRA rows."""
+        self.chunk_lora_replays = 0
+        """Of those, steps whose one-token sequences had no adapter, run without the row list."""
         self.capture_seconds = 0.0
         self.pool = pool
         """The memory pool handle the graphs share (``torch.cuda.graph_pool_handle``: the decode graphs');
@@ -218,9 +229,12 @@ class MixedGraphs:
             attn_tile_count=self._view("attn_tile_count", 1),
         )
 
-    def _lora_meta(self, tb: int, seg_start: tuple[int, ...], seg_adapter: tuple[int, ...]) -> LoraMeta:
+    def _lora_meta(
+        self, tb: int, seg_start: tuple[int, ...], seg_adapter: tuple[int, ...], rows: bool = True
+    ) -> LoraMeta:
         """Mixed-step metadata over the static buffers of bucket ``tb``: the grids are its tile and row
-        bounds; ``seg_*`` (the host copies the reference path reads) describe what the buffers hold now."""
+        bounds; ``seg_*`` (the host copies the reference path reads) describe what the buffers hold now.
+        ``rows`` False: no MBGMV row list (the chunk-only graph; every one-token sequence is base)."""
         s = self._seqs(tb)
         tiles = self._lora_tiles(tb)
         return LoraMeta(
@@ -228,14 +242,16 @@ class MixedGraphs:
             seg_start_host=seg_start, seg_adapter_host=seg_adapter, num_tokens=tb,
             max_adapter=max(0, *seg_adapter), decode=False,
             tiles=self._view("lora_tiles", 2 * tiles).view(-1, 2), num_tiles=tiles,
-            rows=self._view("lora_rows", s), row_adapter=self._view("lora_row_slots", s), num_rows=s,
+            rows=self._view("lora_rows", s) if rows else None,
+            row_adapter=self._view("lora_row_slots", s) if rows else None, num_rows=s if rows else 0,
         )  # fmt: skip
 
     def _fill(
         self, tb: int, step: ForwardBatch | None, slots: list[int] | None
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    ) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
         """Writes bucket ``tb``'s host buffers for ``step`` (None: every row padding, for capture) and
-        the LoRA rows' ``slots`` (one per sequence, -1: base); returns the LoRA segments on the host."""
+        the LoRA rows' ``slots`` (one per sequence, -1: base); returns the LoRA segments on the host
+        and whether some one-token sequence has an adapter (an MBGMV row)."""
         s = self._seqs(tb)
         if step is None:
             n = t = m = 0
@@ -269,6 +285,7 @@ class MixedGraphs:
         attn[: len(tiles)] = torch.tensor(tiles, dtype=torch.int32)
         self._host("attn_tile_count")[0] = len(tiles) // 2  # the kernel's programs loop over these
         seg_adapter = tuple((slots or [-1] * n) + [-1] * (s + 1 - n))
+        rows: list[int] = []
         if slots is not None:
             self._host("seg_adapter")[: s + 1] = torch.tensor(seg_adapter, dtype=torch.int32)
             lora_tiles = sgmv_tiles(starts[: n + 1], slots, skip_single=True)
@@ -279,7 +296,7 @@ class MixedGraphs:
             rows, row_slots = single_rows(starts[: n + 1], slots)  # the decodes: MBGMV rows
             self._host("lora_rows")[:s] = torch.tensor(rows + [0] * (s - len(rows)), dtype=torch.int32)
             self._host("lora_row_slots")[:s] = torch.tensor(row_slots + [-1] * (s - len(rows)), dtype=torch.int32)
-        return tuple(starts), seg_adapter
+        return tuple(starts), seg_adapter, bool(rows)
 
     def _upload(self, tb: int, step: ForwardBatch | None) -> None:
         """Copies the host buffers (and the step's block tables) to the device buffers."""
@@ -295,14 +312,15 @@ class MixedGraphs:
         logits = self.model.forward(self._batch(tb), self.kv)
         self.logits[: logits.shape[0]].copy_(logits)
 
-    def _capture_one(self, tb: int, lora: bool) -> torch.cuda.CUDAGraph:
-        """Bucket ``tb``'s graph (LoRA active over the static metadata when ``lora``). Two eager
-        forwards first compile the kernels and allocate workspaces; every row is padding meanwhile."""
-        seg_start, seg_adapter = self._fill(tb, None, [] if lora else None)
+    def _capture_one(self, tb: int, lora: bool, rows: bool = True) -> torch.cuda.CUDAGraph:
+        """Bucket ``tb``'s graph (LoRA active over the static metadata when ``lora``, with the MBGMV
+        row list when ``rows``). Two eager forwards first compile the kernels and allocate
+        workspaces; every row is padding meanwhile."""
+        seg_start, seg_adapter, _ = self._fill(tb, None, [] if lora else None)
         self._upload(tb, None)
         if lora:
             assert self.lora is not None
-            self.lora.step.meta = self._lora_meta(tb, seg_start, seg_adapter)
+            self.lora.step.meta = self._lora_meta(tb, seg_start, seg_adapter, rows)
         try:
             for _ in range(2):
                 self._forward_into_logits(tb)
@@ -324,11 +342,13 @@ class MixedGraphs:
                 self.graphs[tb] = self._capture_one(tb, False)
                 if self.lora is not None:
                     self.lora_graphs[tb] = self._capture_one(tb, True)
+                    if tb <= CHUNK_LORA_MAX_TOKENS:
+                        self.chunk_lora_graphs[tb] = self._capture_one(tb, True, rows=False)
         torch.cuda.synchronize(self.kv.device)
         self.capture_seconds = time.monotonic() - started
         log.info(
             "captured %d mixed-step CUDA graphs (tokens %s, up to %d sequences%s) in %.1f s",
-            len(self.graphs) + len(self.lora_graphs),
+            len(self.graphs) + len(self.lora_graphs) + len(self.chunk_lora_graphs),
             ",".join(map(str, sorted(self.sizes))),
             self.max_seqs,
             ", each also with LoRA" if self.lora_graphs else "",
@@ -372,17 +392,19 @@ class MixedGraphs:
             ids = [v if v in gpu else 0 for v, _ in rows.runs]
             if any(ids):
                 slots = self.lora.assign_rows(ids)
-        seg_start, seg_adapter = self._fill(tb, step, slots)
+        seg_start, seg_adapter, has_rows = self._fill(tb, step, slots)
         self._upload(tb, step)
         if device_inputs is not None:
             self._view("input_ids", tb).index_copy_(0, *device_inputs)
         m = int(step.logits_indices.shape[0])
+        chunk_only = slots is not None and not has_rows and tb <= CHUNK_LORA_MAX_TOKENS
         if self.capture:
-            (self.graphs if slots is None else self.lora_graphs)[tb].replay()
+            graphs = self.graphs if slots is None else self.chunk_lora_graphs if chunk_only else self.lora_graphs
+            graphs[tb].replay()
         else:
             if slots is not None:
                 assert self.lora is not None
-                self.lora.step.meta = self._lora_meta(tb, seg_start, seg_adapter)
+                self.lora.step.meta = self._lora_meta(tb, seg_start, seg_adapter, rows=not chunk_only)
             try:
                 self._forward_into_logits(tb)
             finally:
@@ -390,6 +412,7 @@ class MixedGraphs:
                     self.lora.step.meta = None
         self.replays += 1
         self.lora_replays += slots is not None
+        self.chunk_lora_replays += chunk_only
         return self.logits[:m]
 
 
@@ -402,6 +425,7 @@ def _offsets(regions: dict[str, int]) -> dict[str, tuple[int, int]]:
 
 
 __all__ = [
+    "CHUNK_LORA_MAX_TOKENS",
     "DEFAULT_MAX_TOKENS",
     "MAX_TOKENS_ENV",
     "TOKEN_BUCKETS",
