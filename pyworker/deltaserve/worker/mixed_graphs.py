@@ -34,12 +34,13 @@ LoRA rows: each bucket has a second graph captured with the adapted linears acti
 metadata (``LoraMeta.mixed_step``'s layout: segments = the sequences, seg_start = query_start_loc;
 SGMV tiles as ``sgmv_tiles`` gives them for the sequences of several tokens, then idle tiles of the
 padding segment; the one-token sequences with an adapter on MBGMV's row list, then padding rows of
-slot -1), as the eager step's ``LoraPool.begin_segments`` builds it. Buckets of at most
+slot -1), as the eager step's ``LoraPool.begin_segments`` builds it. The pool's slot tables are
+static (``LoraPool.assign_rows``), as for the LoRA decode graphs. Buckets of at most
 ``CHUNK_LORA_MAX_TOKENS`` tokens have a third graph, captured without the MBGMV row list: a step
 whose one-token sequences have no adapter (a lone prompt, a prefix-cache hit) replays it and skips
-the row kernels' launches over padding rows, which compute nothing (the same bits). The pool's slot tables are static
-(``LoraPool.assign_rows``), as for the LoRA decode graphs. Every real program computes what the
-eager step's program of the same tile computes (one-token sequences: the decode attention kernel,
+the row kernels' launches over padding rows, which compute nothing (the same bits).
+
+Every real program computes what the eager step's program of the same tile computes (one-token sequences: the decode attention kernel,
 one split, in both; prefill tiles split their keys over as many programs in both, since the split
 count depends only on the step's token bucket: ``kernels.paged_attention.PREFILL_SPLIT_TOKENS``), so
 attention and LoRA match the eager step bit for bit; the dense matmuls see

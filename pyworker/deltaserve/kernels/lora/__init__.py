@@ -89,23 +89,16 @@ from ..common import want_triton
 from .checks import check_call, check_out
 from .fused import FUSED_LAUNCH, fused_decode
 from .layout import DTYPES, LoraSlice, LoraStack, LoraWeights, make_weights
-from .mbgmv import (
-    MB_EXPAND_LAUNCH,
-    MB_SHRINK_LAUNCH,
-    mbgmv_expand,
-    mbgmv_shrink,
-    mbgmv_shrink_partials,
-)
+from .mbgmv import MB_EXPAND_LAUNCH, MB_SHRINK_LAUNCH, mbgmv_expand, mbgmv_shrink, mbgmv_shrink_partials
 from .meta import SGMV_TILE, LoraMeta, sgmv_tiles, single_rows
 from .ref import lora_expand_ref, lora_shrink_ref
 from .sgmv import sgmv_delta_shrink, sgmv_expand, sgmv_shrink
 
 __all__ = [
     "DECODE_PATHS", "DTYPES", "FUSED_LAUNCH", "MB_EXPAND_LAUNCH", "MB_SHRINK_LAUNCH", "SGMV_TILE", "LoraMeta", "LoraSlice", "LoraStack",
-    "LoraWeights", "get_decode_path", "lora_delta", "lora_delta_stacked", "lora_delta_stacked_ref", "lora_expand", "lora_expand_ref",
-    "get_overlap", "lora_linear_stacked", "set_overlap",
-    "lora_expand_triton", "lora_shrink", "lora_shrink_ref", "lora_shrink_triton", "make_weights", "set_decode_path", "sgmv_tiles",
-    "single_rows",
+    "LoraWeights", "get_decode_path", "get_overlap", "lora_delta", "lora_delta_stacked", "lora_delta_stacked_ref", "lora_expand",
+    "lora_expand_ref", "lora_expand_triton", "lora_linear_stacked", "lora_shrink", "lora_shrink_ref", "lora_shrink_triton",
+    "make_weights", "set_decode_path", "set_overlap", "sgmv_tiles", "single_rows",
 ]  # fmt: skip
 
 DECODE_PATHS = ("fused", "split")

@@ -407,8 +407,8 @@ def sgmv_shrink_partials(x: torch.Tensor, w: LoraWeights | LoraStack, meta: Lora
 def sgmv_delta_shrink(x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta) -> torch.Tensor | None:
     """The shrink of a delta: launches the meta's tiles' shrink, split-K as ``sgmv_split`` picks,
     and returns what ``sgmv_expand`` reads (the float32 partials, or the unsplit v; the expand gives
-    the same out for every SPLIT); None when the meta has no tiles. The unsplit v needs no zero fill: the expand reads
-    only what the shrink wrote (the same tiles and ranks)."""
+    the same out for every SPLIT); None when the meta has no tiles. The unsplit v needs no zero
+    fill: the expand reads only what the shrink wrote (the same tiles and ranks)."""
     if not meta.num_tiles:
         return None
     n = w.num_slices if isinstance(w, LoraStack) else 1
