@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.prefix_caching import first_difference, top2_gap, ttft_split
+from bench.prefix_caching import first_difference, router_speedup, top2_gap, ttft_split
 
 
 def test_split_takes_each_counter_and_histogram_over_the_trials() -> None:
@@ -54,3 +54,10 @@ def test_first_difference_and_the_gap_there() -> None:
     lp = {"tokens": ["a", "b"], "top_logprobs": [{"a": -0.1, "z": -3.0}, {"b": -1.0, "x": -1.002}]}
     assert top2_gap(lp, 1) == pytest.approx(0.002)
     assert top2_gap(lp, 2) is None  # past the completion
+
+
+def test_router_speedup_compares_the_router_clocks() -> None:
+    cached = {"router_ttft_ms": 6.5, "client_ttft_ms": 7.5}
+    uncached = {"router_ttft_ms": 26.0, "client_ttft_ms": 27.0}
+    assert router_speedup(cached, uncached) == pytest.approx(4.0)
+    assert router_speedup(None, uncached) is None and router_speedup(cached, None) is None
