@@ -30,6 +30,8 @@ import dataclasses
 import itertools
 import math
 import os
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -877,3 +879,17 @@ def test_overlap_setting() -> None:
         assert lora_kernels.set_overlap(True) is False and lora_kernels.get_overlap() is True
     finally:
         lora_kernels.set_overlap(previous)
+
+
+@pytest.mark.parametrize("value,ok", [("1", True), ("0", True), ("yes", False), ("", False)])
+def test_overlap_env_is_checked_at_import(value: str, ok: bool) -> None:
+    """``DELTASERVE_LORA_OVERLAP``: 1 (the default) or 0 is taken; anything else stops the import
+    with the variable's name."""
+    code = "from deltaserve.kernels import lora; print(lora.get_overlap())"
+    env = {**os.environ, "DELTASERVE_LORA_OVERLAP": value}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if ok:
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split() == [str(value == "1")]
+    else:
+        assert run.returncode != 0 and f"DELTASERVE_LORA_OVERLAP={value!r}" in run.stderr
