@@ -21,6 +21,7 @@ Adapters are PEFT directories of random weights (bench/common.py) placed through
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import tempfile
 import time
@@ -180,11 +181,13 @@ def main() -> None:
         # Eager steps never overlap (kernels.lora.lora_linear_stacked): timed once per path.
         runs = [(path, ov, "graphs", args.batch) for path in paths for ov in overlaps]
         runs += [(path, overlaps[0], "eager", 0) for path in paths]
+        repeats: collections.Counter[str] = collections.Counter()
         for path, ov, mode, graph_batch in runs:
             lora_kernels.set_decode_path(path)  # graphs are captured with it, in the Executor
             lora_kernels.set_overlap(ov)
             label = f"{path}, overlap {'on' if ov else 'off'}" if mode == "graphs" else path
-            label += f" #{sum(k.startswith(label) for k in by_path) + 1}" if label in by_path else ""
+            repeats[label] += 1
+            label += f" #{repeats[label]}" if repeats[label] > 1 else ""  # a repeated setting
             ex = Executor(
                 model_dir,
                 device="cuda:0",
