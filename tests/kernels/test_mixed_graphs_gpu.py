@@ -72,42 +72,41 @@ def test_long_prompt_chunks_split_attention_in_replay_and_eager(tiny_llama) -> N
     assert graphs.runner.mixed.replays > 0
 
 
-def test_lora_mixed_steps_replay_and_equal_eager(tiny_llama, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def lora_dirs(tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two PEFT adapters of different ranks and targets (q/v at rank 8; all seven at rank 16)."""
     pytest.importorskip("peft")
     from helpers.peft_adapters import SEVEN, make_peft_adapter
 
-    dirs = {
-        1: make_peft_adapter(tiny_llama, tmp_path / "a1", seed=11, target_modules=["q_proj", "v_proj"], r=8)[1],
-        2: make_peft_adapter(tiny_llama, tmp_path / "a2", seed=12, target_modules=SEVEN, r=16, lora_alpha=8)[1],
+    root = tmp_path_factory.mktemp("mixed_graphs_gpu")
+    return {
+        1: make_peft_adapter(tiny_llama, root / "a1", seed=11, target_modules=["q_proj", "v_proj"], r=8)[1],
+        2: make_peft_adapter(tiny_llama, root / "a2", seed=12, target_modules=SEVEN, r=16, lora_alpha=8)[1],
     }
+
+
+def test_lora_mixed_steps_replay_and_equal_eager(tiny_llama, lora_dirs) -> None:
     n = 12
     reqs = {i: (p, 6) for i, p in enumerate(prompts(n, 500, seed=3, lo=2, hi=40))}
     arrivals = {i: i // 2 for i in range(n)}
     adapter_of = {i: i % 3 for i in range(n)}
     eager, graphs = _executor(tiny_llama, False), _executor(tiny_llama, True)
     assert graphs.runner.mixed is not None and graphs.runner.mixed.lora_graphs, "LoRA graphs are captured"
-    want = _run(eager, reqs, arrivals, dirs, adapter_of)
-    assert _run(graphs, reqs, arrivals, dirs, adapter_of) == want
+    want = _run(eager, reqs, arrivals, lora_dirs, adapter_of)
+    assert _run(graphs, reqs, arrivals, lora_dirs, adapter_of) == want
     assert graphs.runner.mixed.lora_replays > 0, "steps with LoRA rows should replay the LoRA graphs"
 
 
-def test_lora_steps_without_adapter_rows_replay_the_chunk_only_graphs(tiny_llama, tmp_path) -> None:
+def test_lora_steps_without_adapter_rows_replay_the_chunk_only_graphs(tiny_llama, lora_dirs) -> None:
     """Lone prompts of adapters, and adapters' chunks next to base decodes, replay the LoRA graphs
     captured without the MBGMV row list; steps with adapters' decode rows the full ones: the eager
     tokens either way."""
-    pytest.importorskip("peft")
-    from helpers.peft_adapters import SEVEN, make_peft_adapter
-
-    dirs = {
-        1: make_peft_adapter(tiny_llama, tmp_path / "a1", seed=11, target_modules=["q_proj", "v_proj"], r=8)[1],
-        2: make_peft_adapter(tiny_llama, tmp_path / "a2", seed=12, target_modules=SEVEN, r=16, lora_alpha=8)[1],
-    }
     reqs = {i: (p, k) for i, (p, k) in enumerate(zip(prompts(6, 500, seed=8, lo=5, hi=40), (2, 8, 2, 3, 2, 2)))}
     arrivals = {0: 0, 1: 4, 2: 6, 3: 7, 4: 20, 5: 24}
     adapter_of = {0: 2, 1: 0, 2: 1, 3: 2, 4: 1, 5: 2}
     eager, graphs = _executor(tiny_llama, False), _executor(tiny_llama, True)
     mixed = graphs.runner.mixed
     assert mixed is not None and mixed.chunk_lora_graphs, "chunk-only LoRA graphs are captured"
-    want = _run(eager, reqs, arrivals, dirs, adapter_of)
-    assert _run(graphs, reqs, arrivals, dirs, adapter_of) == want
+    want = _run(eager, reqs, arrivals, lora_dirs, adapter_of)
+    assert _run(graphs, reqs, arrivals, lora_dirs, adapter_of) == want
     assert mixed.chunk_lora_replays >= 3 and mixed.lora_replays > mixed.chunk_lora_replays
