@@ -218,8 +218,8 @@ bench-gpu: ## (CUDA machine) benchmarks; each writes bench/results/*.json
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.bench_fused_ops
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.bench_lora --modes decode --cudagraph
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.lora_decode_step
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.lora_expand_sweep --kernel sgmv
-	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.lora_expand_sweep --kernel mbgmv
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.lora_launch_sweep --kernel sgmv
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.lora_launch_sweep --kernel mbgmv
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.mixed_step
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.profile_step --cases base-b64,lora1-b64,lora64-b64,delta1-b64,base-b128-c256,lora8-b128-c256
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.bench_sbmm

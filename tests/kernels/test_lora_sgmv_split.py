@@ -60,8 +60,9 @@ SPLITS = (1, 2, 3)
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch) -> None:
-    """Chunks of 64 columns (one BLOCK_K step), so a small width has several."""
+    """Chunks of 64 columns (two BLOCK_K steps of 32), so a small width has several."""
     monkeypatch.setitem(sgmv_kernels.SGMV_SPLIT, "CHUNK_K", 64)
+    monkeypatch.setitem(sgmv_kernels._SHRINK, "BLOCK_K", 32)
     assert sgmv_kernels.sgmv_chunks(IN_DIM) == 4
 
 
@@ -163,10 +164,11 @@ def test_split_mixed_step_and_static_tiles(monkeypatch) -> None:
         assert torch.equal(replayed[:t], got) and torch.equal(replayed[t:], base[t:])
 
 
-def test_split_rule() -> None:
-    """SPLIT from shapes: 1 once tiles x slices reach 2 x the SMs (132 off the GPU) or the partials
-    would pass 16 MB, else enough splits for that many programs, at most the chunk count (64-column
-    chunks here)."""
+def test_split_rule(monkeypatch) -> None:
+    """SPLIT from shapes: 1 once tiles x slices reach min_programs_per_sm (2 here, as configured) x
+    the SMs (132 off the GPU) or the partials would pass 16 MB, else enough splits for that many
+    programs, at most the chunk count (64-column chunks here)."""
+    monkeypatch.setitem(sgmv_kernels.SGMV_SPLIT, "min_programs_per_sm", 2)
     cpu = torch.device("cpu")
     rule = sgmv_kernels.sgmv_split
     assert rule(4096, 2, 32, 3, 16, cpu) == 44  # a 32-token chunk, qkv: cdiv(264, 6) of 64 chunks
@@ -237,3 +239,12 @@ def test_benchmark_overrides_are_checked_at_import(env: str, value: str, ok: boo
         assert run.stdout.split() == ["3", "2"]
     else:
         assert run.returncode != 0 and f"{env}={value!r}" in run.stderr
+
+
+def test_shrink_refuses_chunks_that_are_not_whole_block_k_steps(monkeypatch) -> None:
+    """A tuning run that swaps BLOCK_K or CHUNK_K into a pair whose chunks are not whole BLOCK_K steps
+    gets an error naming both, not partial sums cut at the wrong columns."""
+    monkeypatch.setitem(sgmv_kernels._SHRINK, "BLOCK_K", 48)
+    meta, stack, x, base, _ = gqa_chunks("identical", "sgmv-split")
+    with pytest.raises(ValueError, match="CHUNK_K 64 is not a multiple of BLOCK_K 48"):
+        lora_delta_stacked(x, base.clone(), stack, meta, use_triton=True)

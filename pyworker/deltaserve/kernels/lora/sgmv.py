@@ -51,8 +51,20 @@ SGMV_SPLIT: dict = read_launch_configs(__file__)["sgmv_split"]
 """Split-K of the SGMV shrink (module docstring): CHUNK_K input columns per chunk (a multiple of
 BLOCK_K), min_programs_per_sm, max_partials_mb (no split whose partials would take more),
 cpu_sms (the SM count assumed off the GPU, for the interpreter)."""
-if SGMV_SPLIT["CHUNK_K"] % _SHRINK["BLOCK_K"]:
-    raise ValueError("kernels/lora/configs/launch.json: sgmv_split CHUNK_K must be a multiple of BLOCK_K")
+
+
+def _check_chunk_k() -> None:
+    """The split shrink's chunk sums need whole BLOCK_K steps a chunk (at import, for launch.json, and
+    at every launch, for a tuning run that swaps either)."""
+    if SGMV_SPLIT["CHUNK_K"] % _SHRINK["BLOCK_K"]:
+        raise ValueError(
+            f"SGMV shrink: CHUNK_K {SGMV_SPLIT['CHUNK_K']} is not a multiple of BLOCK_K {_SHRINK['BLOCK_K']} "
+            "(kernels/lora/configs/launch.json)"
+        )
+
+
+_check_chunk_k()
+
 _FORCED = os.environ.get("DELTASERVE_SGMV_SPLIT", "auto")
 """``auto`` (the rule) or a SPLIT every launch takes (capped at the chunks; 1: never split), for
 benchmarks comparing splits (read at import)."""
@@ -348,6 +360,7 @@ def sgmv_col_steps(col_tiles: int, num_tiles: int, num_tokens: int, n_slices: in
 def _shrink_launch(
     x: torch.Tensor, w: LoraWeights | LoraStack, meta: LoraMeta, v: torch.Tensor, split: int, partials: bool
 ) -> None:
+    _check_chunk_k()
     tab = LaunchTables.of(w)
     upcast, prec = _dot_flags(x)
     r_tiles = triton.cdiv(w.r_max, _SHRINK["BLOCK_R"])
