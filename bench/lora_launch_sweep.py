@@ -47,11 +47,14 @@ from deltaserve.kernels.lora import mbgmv, sgmv  # noqa: E402
 RANK = 16
 
 
+def chunk_points(tokens: int, device: torch.device) -> dict[str, StackPoint]:
+    """The modules' points of one chunk of ``tokens`` tokens on one adapter (one segment)."""
+    return {m: StackPoint(i, o, str(RANK), 1, "identical", "prefill", tokens, device) for m, (i, o) in MODULES.items()}
+
+
 def sgmv_points(tokens: int, device: torch.device) -> tuple[dict, dict]:
     """The modules' points of one chunk and the v each expand reads."""
-    points = {
-        m: StackPoint(i, o, str(RANK), 1, "identical", "prefill", tokens, device) for m, (i, o) in MODULES.items()
-    }
+    points = chunk_points(tokens, device)
     vs = {}
     for m, pt in points.items():
         st, meta = pt.stack, pt.meta
@@ -106,9 +109,7 @@ def sweep(
 def shrink_sweep(tokens: int, configs: list[dict], bw: float, device: torch.device) -> list[dict]:
     """Times the SGMV shrink alone and shrink + expand over the modules under each (BLOCK_K,
     min_programs_per_sm), each from the same out for the equality check."""
-    points = {
-        m: StackPoint(i, o, str(RANK), 1, "identical", "prefill", tokens, device) for m, (i, o) in MODULES.items()
-    }
+    points = chunk_points(tokens, device)
     start = [pt.out.clone() for pt in points.values()]
     nbytes = 2 * tokens * sum(i for i, _ in MODULES.values())
     rows, want = [], None

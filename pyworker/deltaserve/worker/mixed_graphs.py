@@ -40,15 +40,15 @@ static (``LoraPool.assign_rows``), as for the LoRA decode graphs. Buckets of at 
 whose one-token sequences have no adapter (a lone prompt, a prefix-cache hit) replays it and skips
 the row kernels' launches over padding rows, which compute nothing (the same bits).
 
-Every real program computes what the eager step's program of the same tile computes (one-token sequences: the decode attention kernel,
-one split, in both; prefill tiles split their keys over as many programs in both, since the split
-count depends only on the step's token bucket: ``kernels.paged_attention.PREFILL_SPLIT_TOKENS``), so
-attention and LoRA match the eager step bit for bit; the dense matmuls see
-Tb rows instead of t, and cuBLAS may pick another kernel, as for the decode graphs' padded buckets
-(Llama-2-7B shape, fp16, H100: identical logits at 192 of 192 and 576 of 640 tokens, up to 0.034
-apart at 96 of 128; ``bench/mixed_step.py``): tests compare tokens. Steps with rows of another variant kind (compressed
-deltas, whose prefill SBMM metadata is not static yet), prompt logprobs, or CPU-assisted cold
-prefills run eagerly (``ForwardRunner.forward``).
+Every real program computes what the eager step's program of the same tile computes (one-token
+sequences: the decode attention kernel, one split, in both; prefill tiles split their keys over as
+many programs in both, since the split count depends only on the step's token bucket:
+``kernels.paged_attention.PREFILL_SPLIT_TOKENS``), so attention and LoRA match the eager step bit
+for bit; the dense matmuls see Tb rows instead of t, and cuBLAS may pick another kernel, as for the
+decode graphs' padded buckets (Llama-2-7B shape, fp16, H100: identical logits at 192 of 192 and 576
+of 640 tokens, up to 0.034 apart at 96 of 128; ``bench/mixed_step.py``): tests compare tokens. Steps
+with rows of another variant kind (compressed deltas, whose prefill SBMM metadata is not static
+yet), prompt logprobs, or CPU-assisted cold prefills run eagerly (``ForwardRunner.forward``).
 
 ``capture=False`` runs the same static-buffer forward eagerly (CPU tests: the padding logic against
 today's path). The graphs share the decode graphs' memory pool; ``DELTASERVE_CUDA_GRAPH_MAX_TOKENS``
@@ -81,7 +81,8 @@ log = logging.getLogger(__name__)
 #: Step token counts that get a graph (a step runs in the smallest bucket that holds it). Every
 #: padding row costs the step's dense matmuls a row, and from a few hundred tokens those matmuls are
 #: compute-bound, so the buckets are 32 tokens apart up to 256, 64 up to 768, then 128 and 256:
-#: a step pads by at most 20 % above 256 tokens (it was up to 50 %, 257 -> 384 and 1,025 -> 1,536).
+#: from 256 tokens to the default largest bucket (2,048) a step pads by at most 20 % (it was up to
+#: 50 %, 257 -> 384 and 1,025 -> 1,536).
 TOKEN_BUCKETS = (
     16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 576, 640, 704, 768, 896, 1024,
     1152, 1280, 1408, 1536, 1792, 2048, 3072, 4096,
