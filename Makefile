@@ -227,6 +227,7 @@ bench-gpu: ## (CUDA machine) benchmarks; each writes bench/results/*.json
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.bench_dense_delta
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.delta_decode_step
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.lora_overlap
+	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.eager_first_steps
 	PYTHONPATH=$(abspath pyworker) $(GPU_PY) -m bench.router_overhead --daemon target/release/deltaserve --device 0
 
 eval-quality: ## (slow, CPU) train the demo full fine-tunes, compress them, measure accuracy through the daemon

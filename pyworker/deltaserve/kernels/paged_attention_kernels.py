@@ -12,6 +12,10 @@ import triton.language as tl
 
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked tile never makes exp(-inf - -inf) = NaN
 # (a constexpr: compiled Triton refuses plain Python globals inside @triton.jit functions)
+_PER_STEP_INTS = ("stride_bt", "max_blocks")
+"""The block table's width, which an eager step sizes to its longest sequence: not compile-time
+specialised (Triton would otherwise compile a variant per class of it, 1 / a multiple of 16 / other,
+inside the step that first meets one; ``worker/eager_warmup.py``)."""
 
 
 @triton.jit
@@ -160,7 +164,7 @@ def _attend(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP_INTS)
 def paged_decode_kernel(
     out,
     part_acc,
@@ -505,7 +509,7 @@ def _prefill_work(
             tl.store(part_ml + rows * 2 + 1, l_i, mask=r_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP_INTS)
 def paged_prefill_kernel(
     out,
     part_acc,

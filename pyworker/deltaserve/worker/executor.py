@@ -59,6 +59,7 @@ from deltaserve.model.loader import load_model
 from . import requests as request_diffs
 from .config import WorkerConfig
 from .cuda_graphs import DecodeGraphs
+from .eager_warmup import warm_eager_kernels
 from .guidance import GrammarGate
 from .memory import kv_budget
 from .mixed_graphs import MixedGraphs, max_tokens_from_env
@@ -170,6 +171,8 @@ class Executor:
             self.config.num_layers, block_size, self.config.num_kv_heads, self.config.head_dim, self.dtype
         )
         """Bytes of one page across all layers (reported in Hello)."""
+        if self.device.type == "cuda" and kernel_common.use_triton_for(self.device):
+            warm_eager_kernels(self.model, device=self.device, dtype=self.dtype, block_size=block_size)
         use_graphs = (
             cuda_graph_max_batch > 0
             and self.device.type == "cuda"
