@@ -119,3 +119,12 @@ def test_simulated_batches_equal_the_daemons(recorded):
     res = sim.replay(trace, cfg, sim.default_model(), step_times=step_periods(steps), record_steps=True)
     simulated = [list(entries) for *_, entries, _prefill, _features in res.steps]
     assert simulated == daemon
+
+
+def test_each_recorded_step_carries_the_workers_timing_and_floor(recorded):
+    _, steps = recorded
+    for s in steps:
+        t = s["timing"]
+        assert set(t) == {"gap_us", "forward_us", "total_us", "busy_us", "floor_us"}, t
+        assert t["busy_us"] <= t["total_us"] and t["floor_us"] >= 0
+    assert sum(s["timing"]["floor_us"] for s in steps) > 0, "the CPU worker measures its roofline too"

@@ -7,7 +7,8 @@ appended to a JSONL file, one line per step::
     {"step_id": 7, "recv": 1234.5671, "sent": 1234.5893,      time.monotonic() (CLOCK_MONOTONIC,
      "new": [[req_id, tokens, computed, prompt_len, variant]],  shared by processes on one host)
      "running": [[req_id, tokens]], "released": [...], "ops": [[variant, op, kind]],
-     "host_ready": [variant, ...], "timing": {"gap_us", "forward_us", "total_us", "busy_us"},
+     "host_ready": [variant, ...],
+     "timing": {"gap_us", "forward_us", "total_us", "busy_us", "floor_us"},   the worker's StepTiming
      "launch": [t0, t1], "finish": [t0, t1],    the executor's launch and finish of the step (host)
      "graph": false, "behind": true,            a captured graph replayed it; its launch returned
                                                 before the step ahead of it ended on the device
@@ -170,7 +171,7 @@ class RecordingLink:
             rec["sent"] = now
             t = msg.timing
             rec["timing"] = {"gap_us": t.gap_us, "forward_us": t.forward_us, "total_us": t.total_us,
-                             "busy_us": t.busy_us}  # fmt: skip
+                             "busy_us": t.busy_us, "floor_us": t.floor_us}  # fmt: skip
             rec["host_ready"] = list(msg.host_ready)
             rec.update({k: v for k, v in STEP_TIMES.pop(msg.step_id, {}).items() if k != "events"})
             self._out.write(json.dumps(rec, separators=(",", ":")) + "\n")
