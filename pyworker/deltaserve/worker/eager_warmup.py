@@ -2,11 +2,12 @@
 
 A step that runs eagerly (any step with a compressed delta's prompt, prompt logprobs, a step beyond
 the largest token bucket, every step with graphs off) launches the paged-attention kernels with
-other compile-time arguments than the captured graphs do: the untiled prefill variant, a key-split
-count per token range (``kernels.paged_attention.PREFILL_SPLIT_TOKENS``), and whether one-token rows
-are left to the decode kernel. Triton compiles each variant at its first launch, inside that step:
-1.3-3.4 s a step on an H200 with an empty Triton cache (``bench/README.md``, "First eager steps"), during
-which every running request waits.
+compile-time arguments the captured graphs need not have used: whether one-token rows are left to
+the decode kernel, the key-split count of its token range
+(``kernels.paged_attention.PREFILL_SPLIT_TOKENS``), and the class of its block table's width, which
+it sizes to its longest sequence. Triton compiles each new combination at its first launch, inside
+that step: 1.3-3.4 s a step on an H200 with an empty Triton cache (``bench/README.md``, "First eager
+steps"), during which every running request waits.
 
 :func:`warm_eager_kernels` runs one eager forward pass per such variant over a scratch KV pool
 before the worker serves: a prompt in each split range, alone and beside two one-token rows. The
