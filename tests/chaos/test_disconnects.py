@@ -4,8 +4,9 @@ not yet admitted when their clients go.
 
 ``N_CLIENTS`` streaming clients (SSE completions, SSE chat, WebSocket) each disconnect at a random
 point: half-way through sending the request, right after sending it, or after a random number of
-streamed tokens (by closing the socket, or by resetting it), or when its streams end first: a chat
-request is sampled without `ignore_eos` and may stop early (1 in 300 stopped within 30 tokens). Afterwards the KV pages in use
+streamed tokens (by closing the socket, or by resetting it), or when its streams end first (a chat
+request is sampled without `ignore_eos` and may stop early: on the tiny model 1 in 300 stopped
+within 30 tokens). Afterwards the KV pages in use
 (``deltaserve_kv_blocks_total - deltaserve_kv_blocks_free``) and the running and waiting requests
 go back to 0 within ``SETTLE_S``, and the daemon answers a greedy request as before. The figures
 (clients per leaving point, seconds until idle) are printed (``pytest -s``).
