@@ -51,6 +51,9 @@ class ServerSpec:
     """Compressed deltas the daemon serves (``--delta NAME=DIR``), by name."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment the daemon (and so its workers) gets on top of this process's."""
+    python: str | None = None
+    """The daemon's ``--python`` (None: this interpreter); a ``deltaserve.sim.record.recording_python``
+    script records every step its worker runs (``bench.serving --record``, bench/sim_validate.py)."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,8 @@ def deltaserve_server(spec: ServerSpec) -> Iterator[Endpoint]:
     delta of ``spec.deltas``."""
     daemon = spec.daemon or default_daemon()
     port = free_port()
-    cmd = [str(daemon), "--port", str(port), "--python", sys.executable, "--devices", spec.devices, *spec.flags]
+    python = spec.python or sys.executable
+    cmd = [str(daemon), "--port", str(port), "--python", python, "--devices", spec.devices, *spec.flags]
     if spec.lora_dir is not None:
         cmd += ["--lora-dir", str(spec.lora_dir)]
     for name, d in spec.deltas.items():

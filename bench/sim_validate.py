@@ -66,16 +66,13 @@ no warm-up, the threshold of the recording's device kind today).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gzip
 import hashlib
 import inspect
 import json
-import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -131,18 +128,6 @@ edge error shrinks as 1 / window: tests/sim), and the simulator then over-predic
 also 7-9 % over at every window. Used only where the recording has no device spans (the CPU):
 on a GPU the spans and the launch times separate the two, and the simulator's worker pipeline
 (``router/crates/py/src/sim_pipeline.rs``) puts the host work where the worker loop does."""
-
-
-@contextlib.contextmanager
-def recording_interpreter(script: Path) -> Iterator[None]:
-    """bench/launch.py starts the daemon with ``--python sys.executable``: point it at the
-    recording wrapper while the server starts."""
-    real = sys.executable
-    sys.executable = str(script)
-    try:
-        yield
-    finally:
-        sys.executable = real
 
 
 def _metric(url: str, name: str) -> float | None:
@@ -271,10 +256,11 @@ def validate(name: str, args: argparse.Namespace, work: Path, devices: str, devi
     flags = merge_flags(exp.server_flags.get("deltaserve", ()), [])
     dense = _dense_min_m(devices)  # what the worker will use
     spec = ServerSpec(model_dir=files.model_dir, lora_dir=files.lora_dir, devices=devices, deltas=files.deltas, env=files.env,
-                      flags=flags, daemon=args.daemon, log=(args.out_dir or RESULTS) / f"sim_validate-{name}-server.log")  # fmt: skip
+                      flags=flags, daemon=args.daemon, log=(args.out_dir or RESULTS) / f"sim_validate-{name}-server.log",
+                      python=str(script))  # fmt: skip
     ran: list[tuple[str, float, int, Any, list[Any], float]] = []
     t0 = time.perf_counter()
-    with recording_interpreter(script), SERVERS["deltaserve"](spec) as endpoint:
+    with SERVERS["deltaserve"](spec) as endpoint:
         ready_s = time.perf_counter() - t0
         for label, rate, seed, trace in phases:
             print(f"[{name}] {label}: {len(trace.requests)} requests over {trace.duration:.1f} s", flush=True)

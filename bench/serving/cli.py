@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> Path | None:
     p.add_argument("--suffix", default="", help="appended to the experiment name in the result file name")
     p.add_argument("--out-dir", type=Path, default=None, help=f"where results go (default {RESULTS})")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--record", action="store_true",
+                   help="deltaserve: record every step its worker runs (<name>-steps.jsonl.gz beside the result) "
+                        "and report where the worker's time went, by kind of step (bench/step_breakdown.py)")  # fmt: skip
     a = p.parse_args(argv)
     if a.experiment == "plot":
         if not a.files:
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> Path | None:
             path = run(exp, server=server, out_dir=a.out_dir, devices=a.devices, daemon=a.daemon,
                        server_flags=flags_for(server, a.server_flag), distinct_weights=a.distinct_weights,
                        distinct_checkpoints=a.distinct_checkpoints, plots=not a.no_plots, suffix=suffix + tag,
-                       work_dir=work)  # fmt: skip
+                       work_dir=work, record=a.record and server == "deltaserve")  # fmt: skip
             print(path, f"(commit {git_commit()})", flush=True)
             paths.append(path)
     if len(paths) > 1 and not a.no_plots:

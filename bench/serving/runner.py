@@ -30,6 +30,7 @@ experiments.Experiment   one trace spec per point (n, rate, cv, popularity, ...)
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import signal
 import tempfile
@@ -111,12 +112,14 @@ def probe_variants(endpoint: Endpoint, names: list[str], vocab: tuple[int, int],
 def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = None, devices: str | None = None,
         daemon: Path | None = None, server_flags: list[str] | None = None, distinct_weights: int | None = None,
         distinct_checkpoints: int | None = None, plots: bool = True, suffix: str = "",
-        work_dir: Path | None = None) -> Path:  # fmt: skip
+        work_dir: Path | None = None, record: bool = False) -> Path:  # fmt: skip
     """Runs every point of ``exp`` against ``server``; returns the result file (plots beside it).
     The model and variant files go to ``work_dir`` (kept and reused; default: a temporary
     directory); the result file is rewritten after every point, and once more with the partial
     point (``"interrupted": true``) when KeyboardInterrupt or SystemExit stops a point's replay,
-    which is then re-raised (the file keeps ``"complete": false``)."""
+    which is then re-raised (the file keeps ``"complete": false``). ``record`` (deltaserve only):
+    the worker records every step (``deltaserve.sim.record``) to ``<name>-steps.jsonl.gz`` beside
+    the result, whose ``step_breakdown`` says where the worker's time went (bench/step_breakdown.py)."""
     if server not in SERVERS:
         raise SystemExit(f"--server {server!r}: want one of {', '.join(sorted(SERVERS))}")
     auto_devices, device = detect_devices()
@@ -129,6 +132,9 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
     name = exp.name + suffix
     log = (out_dir or RESULTS) / f"{name}-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    if record and server != "deltaserve":
+        raise SystemExit(f"--record: only deltaserve's worker records its steps, not {server}'s")
+    steps_file = (out_dir or RESULTS) / f"{name}-steps.jsonl"
     with work_directory(work_dir) as work:
         t0 = time.perf_counter()
         files = prepare_variants(exp, server, list(all_variants.values()), work, devices, distinct_weights,
@@ -137,6 +143,11 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
         spec = ServerSpec(model_dir=files.model_dir, lora_dir=files.lora_dir, devices=devices, deltas=files.deltas, env=files.env,
                           flags=merge_flags(exp.server_flags.get(server, ()), server_flags or []), daemon=daemon,
                           log=log)  # fmt: skip
+        if record:
+            from deltaserve.sim.record import recording_python
+
+            steps_file.unlink(missing_ok=True)
+            spec.python = str(recording_python(work / "recording-python", steps_file))
         payload: dict[str, Any] = {
             "device": device,
             "server": server,
@@ -203,10 +214,27 @@ def run(exp: Experiment, *, server: str = "deltaserve", out_dir: Path | None = N
                       f"{pr['distinct_logprobs']} distinct logprob sequences"
                       f"{', errors: ' + str(pr['errors']) if pr['errors'] else ''}", flush=True)  # fmt: skip
     payload["complete"] = True
+    if record:
+        payload["step_breakdown"] = _finish_recording(steps_file)
     path = write_result(name, payload, out_dir)
     if plots:
         plot([path])
     return path
+
+
+def _finish_recording(steps_file: Path) -> dict[str, Any]:
+    """Compresses the worker's recording (``.jsonl`` -> ``.jsonl.gz``), prints and returns its
+    breakdown by kind of step."""
+    from bench.step_breakdown import breakdown, read_recording, report
+
+    packed = steps_file.with_name(steps_file.name + ".gz")
+    with steps_file.open("rb") as src, gzip.open(packed, "wb") as dst:
+        dst.writelines(src)
+    steps_file.unlink()
+    result = breakdown(read_recording(packed))
+    print(f"    worker recording: {packed}")
+    report(result)
+    return {"recording": packed.name, **result}
 
 
 METRICS_SHOWN = (

@@ -43,3 +43,21 @@ def test_smoke_experiment_end_to_end(tmp_path):
         assert 0 < busy_us <= m["deltaserve_worker_step_us_total"]  # a step's own time is within its span
         assert point["served_step_efficiency"] == busy_us / floor_us
         assert point["makespan_per_floor"] == s["makespan_s"] * 1e6 / floor_us
+
+
+def test_smoke_experiment_records_the_workers_steps(tmp_path):
+    """``--record``: the worker's steps land beside the result, and their breakdown adds up to the
+    daemon's own counters over the points."""
+    devices = os.environ.get("DELTASERVE_TEST_DEVICES", "cpu")
+    path = serving.main(["smoke", "--daemon", str(daemon_binary()), "--devices", devices, "--out-dir", str(tmp_path),
+                         "--no-plots", "--record", "--suffix=-rec"])  # fmt: skip
+    result = json.loads(path.read_text())
+    b = result["step_breakdown"]
+    assert (tmp_path / b["recording"]).is_file() and b["recording"] == "smoke-rec-steps.jsonl.gz"
+    assert not (tmp_path / "smoke-rec-steps.jsonl").exists()
+    metrics = [p["server_metrics"] for p in result["points"]]
+    assert b["steps"] == sum(m["deltaserve_steps_total"] for m in metrics) > 0
+    assert round(b["busy_s"] * 1e6) == sum(m["deltaserve_worker_busy_us_total"] for m in metrics)
+    assert round(b["floor_s"] * 1e6) == sum(m["deltaserve_worker_floor_us_total"] for m in metrics)
+    assert sum(k["steps"] for k in b["kinds"].values()) == b["steps"]
+    assert set(b["kinds"]) <= {"loads", "eager", "mixed", "decode (graph)", "decode (eager)"}
