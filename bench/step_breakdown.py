@@ -91,8 +91,7 @@ def breakdown(steps: Iterable[dict[str, Any]], top: int = 8) -> dict[str, Any]:
         r["own_s"] += own_s
         r["floor_s"] += s["timing"].get("floor_us", 0) / 1e6
         r["device_s"] += s.get("device_s") or 0.0
-        launch = s.get("launch")
-        r["launch_s"] += (launch[1] - launch[0]) if launch else 0.0
+        r["launch_s"] += _launch_s(s)
     total_own = sum(r["own_s"] for r in rows.values())
     for r in rows.values():
         r["share_of_own"] = r["own_s"] / total_own if total_own else 0.0
@@ -113,7 +112,7 @@ def breakdown(steps: Iterable[dict[str, Any]], top: int = 8) -> dict[str, Any]:
                 "own_ms": own_s * 1e3,
                 "busy_ms": s["timing"]["busy_us"] / 1e3,
                 "device_ms": (s.get("device_s") or 0.0) * 1e3,
-                "launch_ms": (s["launch"][1] - s["launch"][0]) * 1e3 if s.get("launch") else None,
+                "launch_ms": _launch_s(s) * 1e3 if s.get("launch") else None,
                 "prompt_tokens": [n[1] for n in s["new"]],
                 "running": len(s["running"]),
             }

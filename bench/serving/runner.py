@@ -227,11 +227,11 @@ def _finish_recording(steps_file: Path) -> dict[str, Any]:
     breakdown by kind of step."""
     from bench.step_breakdown import breakdown, read_recording, report
 
+    result = breakdown(read_recording(steps_file))
     packed = steps_file.with_name(steps_file.name + ".gz")
     with steps_file.open("rb") as src, gzip.open(packed, "wb") as dst:
         dst.writelines(src)
     steps_file.unlink()
-    result = breakdown(read_recording(packed))
     print(f"    worker recording: {packed}")
     report(result)
     return {"recording": packed.name, **result}

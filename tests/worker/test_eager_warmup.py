@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deltaserve.kernels.paged_attention import PREFILL_SPLIT_TOKENS
-from deltaserve.model.batch import ForwardBatch
+from deltaserve.model.batch import ForwardBatch, scratch_sequences
 from deltaserve.model.kv_cache import PagedKVCache
 from deltaserve.worker.eager_warmup import DECODE_ROWS, warm_eager_kernels, warmup_prompt_lengths, warmup_steps
 
@@ -79,12 +79,7 @@ def test_eager_steps_compile_no_attention_kernel_after_start_up(tiny_llama) -> N
                            ex.dtype, ex.device)  # fmt: skip
     for prompt in (3, 16, 37, 64, 90, 128, 200, 256, 300, 700):
         for decodes, context in ((0, 0), (1, 15), (3, 40), (5, 255)):
-            lengths = [(prompt, 0)] + [(1, context)] * decodes
-            seqs, first = [], 0
-            for n, computed in lengths:
-                pages = -(-(computed + n) // 16)
-                seqs.append(([1] * n, computed, list(range(first, first + pages)), True))
-                first += pages
+            seqs, _ = scratch_sequences([(prompt, 0)] + [(1, context)] * decodes, 16)
             ex.model.forward(ForwardBatch.build(seqs, 16, ex.device), scratch)
     torch.cuda.synchronize()
     assert [_compiled(f) for f in kernels] == before, "an eager step compiled an attention kernel"

@@ -122,6 +122,21 @@ def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
     dst.copy_(host, non_blocking=True)
 
 
+def scratch_sequences(
+    lengths: list[tuple[int, int]], block_size: int
+) -> tuple[list[tuple[list[int], int, list[int], bool]], int]:
+    """``ForwardBatch.build`` sequences for forward passes whose results are thrown away (start-up
+    profiling and warm-up): sequence i schedules ``lengths[i][0]`` tokens (id 0) after
+    ``lengths[i][1]`` computed ones, on its own pages, numbered from 0 in sequence order; every row
+    wants logits. Returns the sequences and how many pages they take."""
+    seqs, first = [], 0
+    for tokens, computed in lengths:
+        pages = -(-(computed + tokens) // block_size)
+        seqs.append(([0] * tokens, computed, list(range(first, first + pages)), True))
+        first += pages
+    return seqs, first
+
+
 @dataclass
 class ForwardBatch:
     """Flattened ragged batch of one forward step (see the module docstring for the layout)."""

@@ -26,7 +26,7 @@ import time
 import torch
 
 from deltaserve.kernels.paged_attention import PREFILL_SPLIT_TOKENS
-from deltaserve.model.batch import ForwardBatch
+from deltaserve.model.batch import ForwardBatch, scratch_sequences
 from deltaserve.model.decoder import DecoderLM
 from deltaserve.model.kv_cache import PagedKVCache
 
@@ -47,19 +47,13 @@ def warmup_prompt_lengths() -> tuple[int, ...]:
 
 
 def warmup_steps(block_size: int) -> list[list[tuple[list[int], int, list[int], bool]]]:
-    """The passes' batches (``ForwardBatch.build`` sequences over pages numbered from 0): each prompt
-    length alone, then beside ``DECODE_ROWS`` one-token rows; every row wants logits."""
-    steps = []
-    for n in warmup_prompt_lengths():
-        for rows in (0, DECODE_ROWS):
-            lengths = [(n, 0)] + [(1, DECODE_CONTEXT)] * rows
-            seqs, first = [], 0
-            for tokens, computed in lengths:
-                pages = -(-(computed + tokens) // block_size)
-                seqs.append(([0] * tokens, computed, list(range(first, first + pages)), True))
-                first += pages
-            steps.append(seqs)
-    return steps
+    """The passes' batches (``scratch_sequences``): each prompt length alone, then beside
+    ``DECODE_ROWS`` one-token rows."""
+    return [
+        scratch_sequences([(n, 0)] + [(1, DECODE_CONTEXT)] * rows, block_size)[0]
+        for n in warmup_prompt_lengths()
+        for rows in (0, DECODE_ROWS)
+    ]
 
 
 @torch.inference_mode()

@@ -20,7 +20,7 @@ import logging
 import torch
 
 from deltaserve import wire
-from deltaserve.model.batch import ForwardBatch
+from deltaserve.model.batch import ForwardBatch, scratch_sequences
 from deltaserve.model.decoder import DecoderLM
 from deltaserve.model.kv_cache import PagedKVCache
 
@@ -106,20 +106,8 @@ def profile_activation_bytes(
     ]
     peak = 0
     for lengths in shapes:
-        blocks_per_seq = [-(-n // block_size) for n in lengths]
-        scratch = PagedKVCache(
-            cfg.num_layers,
-            sum(blocks_per_seq),
-            block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype,
-            device,
-        )
-        seqs, first = [], 0
-        for n, nb in zip(lengths, blocks_per_seq):
-            seqs.append(([0] * n, 0, list(range(first, first + nb)), True))
-            first += nb
+        seqs, pages = scratch_sequences([(n, 0) for n in lengths], block_size)
+        scratch = PagedKVCache(cfg.num_layers, pages, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
