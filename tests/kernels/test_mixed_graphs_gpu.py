@@ -110,3 +110,35 @@ def test_lora_steps_without_adapter_rows_replay_the_chunk_only_graphs(tiny_llama
     want = _run(eager, reqs, arrivals, lora_dirs, adapter_of)
     assert _run(graphs, reqs, arrivals, lora_dirs, adapter_of) == want
     assert mixed.chunk_lora_replays >= 3 and mixed.lora_replays > mixed.chunk_lora_replays
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_delta_mixed_steps_replay_and_equal_eager(tmp_path, pipelined: bool) -> None:
+    """Prefill chunks and decodes of two compressed deltas of different packed configs (4-bit and 2-bit
+    2:4), a LoRA adapter and the base share steps: steps of at most 64 tokens replay delta graphs
+    (captured at the first such step, one per delta bucket, configs and LoRA) whose SBMM tiles, gathers
+    and lm_head delta read the delta pool's mixed-step buffers, and give exactly the eager tokens
+    (whose long prompts ran as dense segments). A model the CUDA SBMM op takes, float16."""
+    from helpers.deltas import make_delta
+    from helpers.peft_adapters import make_peft_adapter
+    from helpers.tiny_models import make_tiny_model
+
+    kw = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    base = make_tiny_model(tmp_path, "llama", seed=5, **kw)
+    dirs = {
+        1: make_peft_adapter(base, tmp_path / "lora", seed=3, target_modules=["q_proj", "v_proj"], r=8)[1],
+        2: make_delta(base, tmp_path / "d4", seed=21, bits=4)[0],
+        3: make_delta(base, tmp_path / "d2", seed=22, bits=2)[0],
+    }
+    n = 12
+    reqs = {i: (p, 6) for i, p in enumerate(prompts(n, 500, seed=4, lo=2, hi=70))}
+    arrivals = {i: i // 2 for i in range(n)}
+    adapter_of = {i: (2, 3, 1, 0, 2)[i % 5] for i in range(n)}
+    eager, graphs = _executor(base, False, "float16"), _executor(base, True, "float16")
+    want = _run(eager, reqs, arrivals, dirs, adapter_of, pipelined=pipelined)
+    assert _run(graphs, reqs, arrivals, dirs, adapter_of, pipelined=pipelined) == want
+    mixed = graphs.runner.mixed
+    assert mixed is not None and mixed.delta_replays > 0, "steps with delta rows should replay delta graphs"
+    keys = {k for _, _, k in mixed.delta_graphs}
+    assert any(len(k) == 2 for k in keys), f"a step with both packed configs replayed: {keys}"
+    assert any(lora for _, lora, _ in mixed.delta_graphs), "a step with LoRA and delta rows replayed"

@@ -37,6 +37,7 @@ def static_steps(ex, max_tokens: int, max_seqs: int) -> MixedGraphs:
         scratch_slot=ex.num_blocks * ex.block_size,
         lora=ex.lora_pool,
         capture=False,
+        deltas=ex.delta_pool,
     )
     ex.runner.mixed = mixed
     return mixed
@@ -131,6 +132,57 @@ def test_steps_without_adapter_rows_skip_the_row_list(
     assert mixed.chunk_lora_replays == len(chunk_only) >= 2, "the lone prompt and the chunk beside a base decode"
     assert mixed.lora_replays > mixed.chunk_lora_replays, "the step with an adapter's decode row keeps the list"
     assert all(m.num_rows == 0 and m.tiles is not None for m in chunk_only)
+
+
+@pytest.fixture(scope="module")
+def delta_dirs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    from helpers.deltas import make_delta
+
+    root = tmp_path_factory.mktemp("mixed_graph_deltas")
+    return {
+        3: make_delta(tiny_llama, root / "d4", seed=21, bits=4)[0],
+        4: make_delta(tiny_llama, root / "d2", seed=22, bits=2)[0],
+    }
+
+
+def test_static_steps_with_delta_rows_give_eager_tokens(
+    tiny_llama: Path, lora_dirs: dict[int, Path], delta_dirs: dict[int, Path]
+) -> None:
+    """Prefill chunks and decodes of two compressed deltas (4-bit and 2-bit: two packed configs), a LoRA
+    adapter and the base in the same steps go through the static buffers with every token a row of the
+    SBMM metadata and the logits rows their own (``DeltaPool.begin_step`` over token rows, what the
+    captured step's buffers hold) and give the eager tokens, whose deltas' prompts ran as segments.
+    Steps beyond the largest delta bucket (32 tokens here) run eagerly."""
+    n = 6
+    reqs = {i: (p, 3) for i, p in enumerate(prompts(n, 64, seed=6, lo=3, hi=40))}
+    arrivals = {i: i for i in range(n)}
+    adapter_of = {i: (3, 4, 1, 0)[i % 4] for i in range(n)}
+    variants = {**lora_dirs, **delta_dirs}
+    want = _run(make_executor(tiny_llama, max_model_len=128, max_deltas=2), reqs, arrivals, variants, adapter_of)
+    base = _run(make_executor(tiny_llama, max_model_len=128), reqs, arrivals)
+    assert any(want[i] != base[i] for i in range(n) if adapter_of[i] in delta_dirs), "the deltas change tokens"
+    ex = make_executor(tiny_llama, max_model_len=128, max_deltas=2)
+    mixed = static_steps(ex, 32, 8)
+    assert mixed.delta_sizes == [32]
+    token_rows: list[tuple[int, int]] = []
+    eager_tokens: list[int] = []
+    forward = ex.runner.model.forward
+
+    def recording(batch, kv):
+        step = ex.delta_pool.step
+        if step.active and batch.attn_tiles is not None:  # a static-buffer step with delta rows
+            assert step.token_index is not None and step.logit_index is not None
+            token_rows.append((step.token_index.shape[0], step.logit_index.shape[0]))
+        elif step.active:
+            eager_tokens.append(batch.num_tokens)
+        return forward(batch, kv)
+
+    ex.runner.model.forward = recording
+    assert _run(ex, reqs, arrivals, variants, adapter_of) == want
+    assert mixed.delta_replays == len(token_rows) > 0, "steps with delta rows went through the static buffers"
+    assert all(t == 32 and r == 8 for t, r in token_rows), "every token of the bucket a row; a logits row per sequence"
+    assert mixed.lora_replays > 0
+    assert eager_tokens and all(t > 32 for t in eager_tokens), f"only steps beyond the delta bucket: {eager_tokens}"
 
 
 def recorded_lora_metas(ex) -> list[tuple[tuple[list, list], tuple[list, list]]]:

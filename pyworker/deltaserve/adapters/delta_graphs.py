@@ -14,6 +14,11 @@ A graph captured for bucket ``b`` holds views at its own offsets; a replay of th
 first ``P * b`` / ``P * grid * 3`` / ``P`` entries. The row index (slot + 1 of each row, for the dense
 tables), the embedding block slot + 1 of each row and the lm_head delta's tiles (by its block slot)
 are one buffer each.
+
+A captured mixed step (``worker/mixed_graphs.py``) reads a second set, made with ``max_logits``: its
+"rows" are the bucket's tokens (each token its own row of the SBMM metadata, as a decode row is, so a
+prompt's tokens share their delta's work tiles of ``GRAPH_TILE`` tokens), and its logits rows (fewer:
+one per sequence that samples) have their own index and lm_head tiles.
 """
 
 from __future__ import annotations
@@ -34,18 +39,32 @@ Tiles = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class DeltaGraphRows:
     """The static buffers (module docstring), (re)made for ``max_batch`` rows, configs added as seen."""
 
-    def __init__(self, device: torch.device, num_pieces: int, max_batch: int, grid: Callable[[int, int], int]) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        num_pieces: int,
+        max_batch: int,
+        grid: Callable[[int, int], int],
+        max_logits: int | None = None,
+    ) -> None:
         self.device, self.num_pieces, self.max_batch = device, num_pieces, max_batch
+        self.max_logits = max_logits
+        """Most logits rows (mixed steps); None: every row is one (decode)."""
         self.grid = grid
         """(rows b, tile cap) -> the work tiles a captured step of ``b`` rows launches."""
         self.index = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        """[B] int64: slot + 1 of each row (0: none); the token and logits index alike (decode)."""
+        """[B] int64: slot + 1 of each row (0: none); the logits index too for decode."""
+        self.logit_index = (
+            self.index if max_logits is None else torch.zeros(max_logits, dtype=torch.int64, device=device)
+        )
+        """[L] int64: slot + 1 of each logits row (decode: ``index`` itself)."""
         self.embed_index = torch.zeros(max_batch, dtype=torch.int64, device=device)
         """[B] int64: the block slot + 1 of each row's embedding delta (0: none)."""
         self.metas: dict[ConfigKey, Tiles] = {}
         """Config -> the flat per-piece buffers."""
-        self.head: Tiles = self._zeros(max_batch, max_batch * 3, 1)
-        """The lm_head delta's (order [B], tiles [B * 3], count [1])."""
+        logits = max_batch if max_logits is None else max_logits
+        self.head: Tiles = self._zeros(logits, logits * 3, 1)
+        """The lm_head delta's (order [L], tiles [L * 3], count [1])."""
 
     def _zeros(self, *sizes: int) -> Tiles:
         a, b, c = (torch.zeros(n, dtype=torch.int32, device=self.device) for n in sizes)
@@ -72,10 +91,17 @@ class DeltaGraphRows:
             tile_tokens=cap,
         )
 
-    def write_index(self, b: int, slots: Sequence[int], embed_slots: Sequence[int]) -> None:
+    def write_index(
+        self, b: int, slots: Sequence[int], embed_slots: Sequence[int], logit_slots: Sequence[int] | None = None
+    ) -> None:
+        """Slot + 1 of ``b`` rows and of their embedding deltas; of the logits rows too where they have
+        their own index (``max_logits``)."""
         both = torch.tensor([list(slots), list(embed_slots)], dtype=torch.int64) + 1
         copy_from_host(self.index[:b], both[0])
         copy_from_host(self.embed_index[:b], both[1])
+        if logit_slots is not None:
+            assert self.max_logits is not None, "decode rows are their own logits rows"
+            copy_from_host(self.logit_index[: len(logit_slots)], torch.tensor(list(logit_slots), dtype=torch.int64) + 1)
 
     def host_tiles(self, rows: Sequence[int], b: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(order [b], tiles [grid, 3], count [1]) of rows ``rows`` (slot per row), built on the host."""

@@ -154,6 +154,8 @@ class DeltaPool:
         """The dense delta lm_head adds (the embedding's when tied)."""
         self.graph_rows: DeltaGraphRows | None = None
         """Static buffers of captured decode steps (``graph_state``); None until graphs ask for them."""
+        self.mixed_rows: DeltaGraphRows | None = None
+        """Static buffers of captured prefill and mixed steps (``mixed_graph_state``), one row per token."""
         self.arena = arena
         """Host memory the payloads are read into (pinned at start-up on CUDA, shared with the adapter
         pool; ``pinned_arena.py``), or None: each payload is allocated (and pinned on CUDA) on its own."""
@@ -553,11 +555,18 @@ class DeltaPool:
         uses: the delta part of its graph's key."""
         return tuple(sorted({self.key_of[v] for v in delta_ids if v in self.slot_of}))
 
-    def _graph_buffers(self, max_batch: int, keys: Sequence[ConfigKey]) -> DeltaGraphRows:
-        """The static buffers, (re)made for ``max_batch`` rows; per-config ones added as configs appear."""
-        g = self.graph_rows
-        if g is None or g.max_batch != max_batch:
-            g = self.graph_rows = DeltaGraphRows(self.device, self.num_pieces, max_batch, self.graph_tiles)
+    def _graph_buffers(
+        self, max_batch: int, keys: Sequence[ConfigKey], max_logits: int | None = None
+    ) -> DeltaGraphRows:
+        """The static buffers of decode graphs (``max_logits`` None) or of mixed-step graphs, (re)made for
+        ``max_batch`` rows (and ``max_logits`` logits rows); per-config ones added as configs appear."""
+        g = self.graph_rows if max_logits is None else self.mixed_rows
+        if g is None or g.max_batch != max_batch or g.max_logits != max_logits:
+            g = DeltaGraphRows(self.device, self.num_pieces, max_batch, self.graph_tiles, max_logits)
+            if max_logits is None:
+                self.graph_rows = g
+            else:
+                self.mixed_rows = g
         g.add_keys(keys)
         return g
 
@@ -569,14 +578,35 @@ class DeltaPool:
         self._write_rows(g, b, [0] * b, keys)
         self.step.token_index = self.step.logit_index = g.index[:b]
         self.step.embed_index = g.embed_index[:b]
-        self.step.piece_metas = [
-            tuple((key, g.static(g.metas[key], b, GRAPH_TILE, p)) for key in keys) for p in range(self.num_pieces)
-        ]
+        self._static_metas(g, b, keys)
         self.step.head_meta = g.static(g.head, b, HEAD_TILE)
         try:
             yield
         finally:
             self.end_step()
+
+    @contextmanager
+    def mixed_graph_state(
+        self, tokens: int, logits: int, max_tokens: int, max_logits: int, keys: Sequence[ConfigKey]
+    ) -> Iterator[None]:
+        """While a prefill / mixed bucket of ``tokens`` tokens and ``logits`` logits rows is captured: as
+        ``graph_state``, over the mixed steps' buffers, each token a row of the SBMM metadata."""
+        g = self._graph_buffers(max_tokens, keys, max_logits)
+        self._write_rows(g, tokens, [0] * tokens, keys, [0] * logits)
+        self.step.token_index = g.index[:tokens]
+        self.step.logit_index = g.logit_index[:logits]
+        self.step.embed_index = g.embed_index[:tokens]
+        self._static_metas(g, tokens, keys)
+        self.step.head_meta = g.static(g.head, logits, HEAD_TILE)
+        try:
+            yield
+        finally:
+            self.end_step()
+
+    def _static_metas(self, g: DeltaGraphRows, b: int, keys: Sequence[ConfigKey]) -> None:
+        self.step.piece_metas = [
+            tuple((key, g.static(g.metas[key], b, GRAPH_TILE, p)) for key in keys) for p in range(self.num_pieces)
+        ]
 
     def fill_graph_rows(self, delta_ids: Sequence[int], b: int, keys: Sequence[ConfigKey]) -> None:
         """Writes a decode step's rows (variant id per row, ``len <= b``; padding up to ``b``) into the
@@ -585,17 +615,37 @@ class DeltaPool:
         assert g is not None and all(k in g.metas for k in keys), "graph_state first"
         self._write_rows(g, b, list(delta_ids) + [0] * (b - len(delta_ids)), keys)
 
-    def _write_rows(self, g: DeltaGraphRows, b: int, ids: list[int], keys: Sequence[ConfigKey]) -> None:
-        """Row index, each config's per-piece tiles and the lm_head's tiles of rows ``ids`` (variant ids)."""
+    def fill_mixed_rows(
+        self, token_ids: Sequence[int], logit_ids: Sequence[int], tokens: int, logits: int, keys: Sequence[ConfigKey]
+    ) -> None:
+        """Writes a prefill / mixed step's variant id per token and per logits row (padding up to
+        ``tokens`` / ``logits``) into the buffers a graph captured with ``mixed_graph_state`` reads."""
+        g = self.mixed_rows
+        assert g is not None and all(k in g.metas for k in keys), "mixed_graph_state first"
+        pad = list(token_ids) + [0] * (tokens - len(token_ids))
+        self._write_rows(g, tokens, pad, keys, list(logit_ids) + [0] * (logits - len(logit_ids)))
+
+    def _write_rows(
+        self,
+        g: DeltaGraphRows,
+        b: int,
+        ids: list[int],
+        keys: Sequence[ConfigKey],
+        logit_ids: list[int] | None = None,
+    ) -> None:
+        """Row index, each config's per-piece tiles and the lm_head's tiles of rows ``ids`` (variant ids);
+        ``logit_ids``: the logits rows' variant ids where they are not the rows themselves (mixed steps)."""
         slots = [self.slot_of.get(v, -1) for v in ids]
-        g.write_index(b, slots, [self._piece_slot(v, self.embed_piece) for v in ids])
+        logit_slots = None if logit_ids is None else [self.slot_of.get(v, -1) for v in logit_ids]
+        g.write_index(b, slots, [self._piece_slot(v, self.embed_piece) for v in ids], logit_slots)
         by_key: dict[ConfigKey, list[tuple[list[int], list[int]]]] = {key: [] for key in keys}
         for pieces, per_key in self._piece_rows(ids):
             for key, at in per_key:
                 by_key.setdefault(key, []).append((pieces, at))
         for key in keys:
             g.write_pieces(key, b, GRAPH_TILE, by_key[key])
-        g.write_head(b, self._head_rows(ids), HEAD_TILE)
+        head_ids = ids if logit_ids is None else logit_ids
+        g.write_head(len(head_ids), self._head_rows(head_ids), HEAD_TILE)
 
     def close(self) -> None:
         self.host.close()

@@ -263,6 +263,7 @@ class Executor:
                 scratch_slot=self.num_blocks * block_size,
                 lora=self.lora_pool,
                 pool=self.graphs.pool,
+                deltas=self.delta_pool,
             )
         self.runner.guidance = self.guidance
         self.cpu_assist: CpuAssist | None = None

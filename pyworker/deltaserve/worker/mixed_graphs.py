@@ -47,8 +47,17 @@ many programs in both, since the split count depends only on the step's token bu
 for bit; the dense matmuls see Tb rows instead of t, and cuBLAS may pick another kernel, as for the
 decode graphs' padded buckets (Llama-2-7B shape, fp16, H100: identical logits at 192 of 192 and 576
 of 640 tokens, up to 0.034 apart at 96 of 128; ``bench/mixed_step.py``): tests compare tokens. Steps
-with rows of another variant kind (compressed deltas, whose prefill SBMM metadata is not static
-yet), prompt logprobs, or CPU-assisted cold prefills run eagerly (``ForwardRunner.forward``).
+with prompt logprobs or CPU-assisted cold prefills run eagerly (``ForwardRunner.forward``).
+
+Compressed-delta rows: a step of at most ``DELTA_MAX_TOKENS`` tokens whose deltas' packed configs the
+CUDA SBMM op takes replays a graph of its *delta bucket* (``DELTA_TOKEN_BUCKETS``), its packed
+configs and whether it has LoRA rows, captured the first time such a step comes (as the delta decode
+graphs are). The delta-aware modules read the delta pool's mixed-step buffers
+(``DeltaPool.mixed_graph_state`` / ``fill_mixed_rows``): every token is a row of the SBMM metadata,
+so a prompt's tokens share their delta's work tiles of ``GRAPH_TILE`` tokens (the eager step
+instead dequantises a long prompt's delta once and runs cuBLAS: the graph's sums are the same
+products in another order, so tests compare tokens); the logits rows have their own index and
+lm_head tiles.
 
 ``capture=False`` runs the same static-buffer forward eagerly (CPU tests: the padding logic against
 today's path). The graphs share the decode graphs' memory pool; ``DELTASERVE_CUDA_GRAPH_MAX_TOKENS``
@@ -61,10 +70,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deltaserve.adapters.variants import StepRows
 from deltaserve.kernels.lora import SGMV_TILE, LoraMeta, sgmv_tiles, single_rows
 from deltaserve.kernels.paged_attention import prefill_block_q, prefill_tiles
 from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
@@ -73,8 +84,8 @@ from deltaserve.model.batch import copy_from_host
 from .cuda_graphs import buckets_up_to
 
 if TYPE_CHECKING:
+    from deltaserve.adapters.delta_pool import DeltaPool
     from deltaserve.adapters.lora_pool import LoraPool
-    from deltaserve.adapters.variants import StepRows
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +105,16 @@ DEFAULT_MAX_TOKENS = 2048
 #: steps behind a lone request's TTFT, where 128 row launches over padding are a few percent of the
 #: step. Larger buckets would add capture time for a share that shrinks with the step.
 CHUNK_LORA_MAX_TOKENS = 256
+#: Token buckets of steps with compressed-delta rows (``DELTA_MAX_TOKENS`` at most; module docstring).
+#: Coarser than ``TOKEN_BUCKETS``: each (bucket, packed configs, LoRA) graph is captured when a step
+#: first needs it, in that step, and a padding token costs a delta step less than the SBMM work tiles.
+DELTA_TOKEN_BUCKETS = (32, 64, 128, 256, 384, 512)
+DELTA_MAX_TOKENS = 512
+"""Most tokens of a step with delta rows replayed from a graph. A captured step runs a delta's prompt
+through the SBMM work tiles of ``GRAPH_TILE`` tokens, each reading the delta again (Llama-2-7B shape,
+4-bit 2:4, H200: ~1.3 ms a tile); an eager step dequantises a long prompt's delta once, but pays the
+launching thread for its ~550-1,000 kernels (70-90 ms a step on the same machine, ``bench/README.md``).
+Up to 512 tokens the graph wins by that measure; beyond it the step runs eagerly."""
 
 
 def max_tokens_from_env() -> int:
@@ -130,6 +151,7 @@ class MixedGraphs:
         lora: LoraPool | None = None,
         pool: Any = None,
         capture: bool = True,
+        deltas: DeltaPool | None = None,
     ) -> None:
         if max_tokens < 1 or max_seqs < 1:
             raise ValueError(f"MixedGraphs: max_tokens and max_seqs must be >= 1, got {max_tokens}, {max_seqs}")
@@ -139,9 +161,13 @@ class MixedGraphs:
         self.kv = kv
         self.lora = lora
         """The adapter pool whose slot tables the LoRA graphs read; None: base graphs only."""
+        self.deltas = deltas
+        """The delta pool whose static buffers the delta graphs read; None: steps with deltas run eagerly."""
         self.capture = capture
         """False: ``run`` runs the static forward eagerly (no graphs; CPU tests)."""
         self.sizes = token_buckets_up_to(max_tokens)
+        self.delta_sizes = buckets_up_to(min(max_tokens, DELTA_MAX_TOKENS), DELTA_TOKEN_BUCKETS)
+        """Token buckets of steps with delta rows (``DELTA_TOKEN_BUCKETS``)."""
         self.max_tokens = max_tokens
         """Most tokens a step replayed here may have."""
         self.max_seqs = min(max_seqs, max_tokens)
@@ -179,6 +205,11 @@ class MixedGraphs:
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.chunk_lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         """LoRA graphs without the MBGMV row list, for buckets up to ``CHUNK_LORA_MAX_TOKENS``."""
+        self.delta_graphs: dict[tuple[int, bool, tuple], torch.cuda.CUDAGraph] = {}
+        """(delta bucket, with LoRA rows, the step's packed configs) -> its graph with the deltas active,
+        captured the first time such a step comes (which configs serve is known only once deltas load)."""
+        self.delta_replays = 0
+        """Steps with delta rows served here."""
         self.replays = 0
         """Steps served here so far (tests and logs check the graphs are really used)."""
         self.lora_replays = 0
@@ -320,28 +351,38 @@ class MixedGraphs:
         logits = self.model.forward(self._batch(tb), self.kv)
         self.logits[: logits.shape[0]].copy_(logits)
 
-    def _capture_one(self, tb: int, lora: bool, rows: bool = True) -> torch.cuda.CUDAGraph:
+    def _capture_one(self, tb: int, lora: bool, rows: bool = True, keys: tuple | None = None) -> torch.cuda.CUDAGraph:
         """Bucket ``tb``'s graph (LoRA active over the static metadata when ``lora``, with the MBGMV
-        row list when ``rows``). Two eager forwards first compile the kernels and allocate
-        workspaces; every row is padding meanwhile."""
+        row list when ``rows``; the deltas of packed configs ``keys`` over the delta pool's static
+        buffers when given). Two eager forwards first compile the kernels and allocate workspaces;
+        every row is padding meanwhile."""
         seg_start, seg_adapter, _ = self._fill(tb, None, [] if lora else None)
         self._upload(tb, None)
         if lora:
             assert self.lora is not None
             self.lora.step.meta = self._lora_meta(tb, seg_start, seg_adapter, rows)
         try:
-            for _ in range(2):
-                self._forward_into_logits(tb)
-            torch.cuda.synchronize(self.kv.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._forward_into_logits(tb)
+            with self._delta_state(tb, keys):
+                for _ in range(2):
+                    self._forward_into_logits(tb)
+                torch.cuda.synchronize(self.kv.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._forward_into_logits(tb)
         finally:
             if lora and self.lora is not None:
                 self.lora.step.meta = None
         if self.pool is None:
             self.pool = graph.pool()
         return graph
+
+    def _delta_state(self, tb: int, keys: tuple | None) -> AbstractContextManager[None]:
+        """The delta pool's static buffers of bucket ``tb`` and configs ``keys`` while a graph is captured
+        (``DeltaPool.mixed_graph_state``); nothing when ``keys`` is None."""
+        if keys is None:
+            return nullcontext()
+        assert self.deltas is not None
+        return self.deltas.mixed_graph_state(tb, self._seqs(tb), self.delta_sizes[-1], self.max_seqs, keys)
 
     def _capture_all(self) -> None:
         started = time.monotonic()
@@ -365,19 +406,35 @@ class MixedGraphs:
 
     # ------------------------------------------------------------------ steps
 
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
-        """The smallest bucket holding a step of ``num_tokens`` tokens in ``num_seqs`` sequences (None: eager)."""
+    def bucket_for(self, num_tokens: int, num_seqs: int, deltas: bool = False) -> int | None:
+        """The smallest bucket (of ``delta_sizes`` when the step has ``deltas`` rows) holding a step of
+        ``num_tokens`` tokens in ``num_seqs`` sequences (None: eager)."""
         if num_seqs > self.max_seqs:
             return None
-        return next((tb for tb in self.sizes if tb >= num_tokens), None)
+        return next((tb for tb in (self.delta_sizes if deltas else self.sizes) if tb >= num_tokens), None)
+
+    def _delta_ids(self, rows: StepRows) -> set[int]:
+        """The step's variant ids that are compressed deltas on the GPU."""
+        held = self.deltas.slot_of if self.deltas is not None else {}
+        return {v for v in rows.variant_ids if v in held}
 
     def takes(self, rows: StepRows) -> bool:
         """Whether the step of ``rows`` replays here: a bucket holds it and its variant rows (if any)
-        are LoRA adapters on the GPU (other kinds run eagerly)."""
-        if self.bucket_for(sum(n for _, n in rows.runs), len(rows.runs)) is None:
+        are LoRA adapters on the GPU or compressed deltas whose packed configs the CUDA SBMM op takes
+        (``DeltaPool.graphable``) in a step of at most ``DELTA_MAX_TOKENS`` (other kinds run eagerly)."""
+        delta_ids = self._delta_ids(rows)
+        if self.bucket_for(sum(n for _, n in rows.runs), len(rows.runs), bool(delta_ids)) is None:
             return False
-        ids = rows.variant_ids
-        return not ids or (self.lora is not None and all(v in self.lora.gpu for v in ids))
+        others = rows.variant_ids - delta_ids
+        if others and (self.lora is None or not all(v in self.lora.gpu for v in others)):
+            return False
+        if not delta_ids:
+            return True
+        # Captured, the CUDA SBMM op must take every packed config; with capture off (CPU tests) the
+        # step's metadata is built on the host and any config runs.
+        return self.deltas is not None and (
+            not self.capture or self.deltas.graphable(self.deltas.graph_keys(sorted(delta_ids)))
+        )
 
     def run_rows(
         self, step: ForwardBatch, rows: StepRows, device_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -386,7 +443,8 @@ class MixedGraphs:
         or the LoRA one with the rows' adapters in the pool's slot tables. ``device_inputs``: (rows,
         token ids) on the device replacing those input ids (tokens the step before is still sampling).
         Returns float32 logits [len(logits_indices), vocab], a view valid until the next run."""
-        tb = self.bucket_for(step.num_tokens, step.num_seqs)
+        delta_ids = self._delta_ids(rows)
+        tb = self.bucket_for(step.num_tokens, step.num_seqs, bool(delta_ids))
         if tb is None or len(rows.runs) != step.num_seqs:
             raise ValueError(
                 f"MixedGraphs.run_rows: no bucket for {step.num_tokens} tokens in {step.num_seqs} sequences"
@@ -400,27 +458,53 @@ class MixedGraphs:
             ids = [v if v in gpu else 0 for v, _ in rows.runs]
             if any(ids):
                 slots = self.lora.assign_rows(ids)
+        keys = None
+        if delta_ids:
+            assert self.deltas is not None  # ``takes`` said yes
+            keys = self.deltas.graph_keys(sorted(delta_ids))
+            variant = (tb, slots is not None, keys)
+            if self.capture and variant not in self.delta_graphs:  # before the step's inputs go in: capture pads
+                with torch.inference_mode():
+                    started = time.monotonic()
+                    self.delta_graphs[variant] = self._capture_one(tb, slots is not None, keys=keys)
+                    log.info("captured the mixed-step graph of %d tokens with deltas %s%s in %.2f s", tb,
+                             list(keys), " and LoRA" if slots is not None else "", time.monotonic() - started)  # fmt: skip
         seg_start, seg_adapter, has_rows = self._fill(tb, step, slots)
         self._upload(tb, step)
         if device_inputs is not None:
             self._view("input_ids", tb).index_copy_(0, *device_inputs)
         m = int(step.logits_indices.shape[0])
-        chunk_only = slots is not None and not has_rows and tb <= CHUNK_LORA_MAX_TOKENS
+        chunk_only = slots is not None and not has_rows and tb <= CHUNK_LORA_MAX_TOKENS and keys is None
+        token_ids = [v for v, n in rows.runs for _ in range(n)]
         if self.capture:
-            graphs = self.graphs if slots is None else self.chunk_lora_graphs if chunk_only else self.lora_graphs
-            graphs[tb].replay()
+            if keys is not None:
+                assert self.deltas is not None
+                self.deltas.fill_mixed_rows(token_ids, rows.logit_ids, tb, self._seqs(tb), keys)
+                graph = self.delta_graphs[(tb, slots is not None, keys)]
+            else:
+                graphs = self.graphs if slots is None else self.chunk_lora_graphs if chunk_only else self.lora_graphs
+                graph = graphs[tb]
+            graph.replay()
         else:
             if slots is not None:
                 assert self.lora is not None
                 self.lora.step.meta = self._lora_meta(tb, seg_start, seg_adapter, rows=not chunk_only)
             try:
+                if keys is not None:  # the same token rows and logits rows, as host-built metadata
+                    assert self.deltas is not None
+                    pad_tokens = token_ids + [0] * (tb - len(token_ids))
+                    pad_logits = list(rows.logit_ids) + [0] * (self._seqs(tb) - len(rows.logit_ids))
+                    self.deltas.begin_step(StepRows([(v, 1) for v in pad_tokens], pad_logits, decode=True))
                 self._forward_into_logits(tb)
             finally:
                 if self.lora is not None:
                     self.lora.step.meta = None
+                if self.deltas is not None:
+                    self.deltas.end_step()
         self.replays += 1
         self.lora_replays += slots is not None
         self.chunk_lora_replays += chunk_only
+        self.delta_replays += keys is not None
         return self.logits[:m]
 
 
@@ -435,6 +519,8 @@ def _offsets(regions: dict[str, int]) -> dict[str, tuple[int, int]]:
 __all__ = [
     "CHUNK_LORA_MAX_TOKENS",
     "DEFAULT_MAX_TOKENS",
+    "DELTA_MAX_TOKENS",
+    "DELTA_TOKEN_BUCKETS",
     "MAX_TOKENS_ENV",
     "TOKEN_BUCKETS",
     "MixedGraphs",

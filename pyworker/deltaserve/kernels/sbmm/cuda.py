@@ -139,12 +139,14 @@ def cuda_split(meta: DeltaMeta, w: DeltaWeights, dtype: torch.dtype = torch.floa
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
+_outgrown: list[torch.Tensor] = []
+"""Counter buffers replaced by larger ones: graphs captured over them still replay, so they stay allocated."""
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     """The CUDA op's split-K arrival counters on ``device`` (int32, at least ``n``; zero between launches:
-    the last split of each block resets its counter). One buffer kept per device, so captured graphs keep
-    its address; grown only outside a capture."""
+    the last split of each block resets its counter). One buffer per device, so captured graphs keep its
+    address; grown only outside a capture (the old one is kept for the graphs that read it)."""
     buf = _counters.get(device)
     if buf is None or buf.numel() < n:
         if torch.cuda.is_current_stream_capturing():
@@ -153,6 +155,8 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
                 f"sbmm_cuda: split-K counters of {n} entries do not fit the {kept} kept; run the "
                 "launch once before capturing it"
             )
+        if buf is not None:
+            _outgrown.append(buf)
         buf = _counters[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
     return buf
 
