@@ -361,7 +361,9 @@ class DeltaPool:
             elif new:
                 layer, part = divmod(p, 2)
                 for proj in self.projs_of_part[part]:
-                    pools[(layer, proj)].store(at[p], copy.packed[(layer, proj)].to(self.device))
+                    # Queued, not waited for: the payload is pinned, and ``drop_host`` fences its
+                    # region (``pinned_arena.give_back``) until the copies have run.
+                    pools[(layer, proj)].store(at[p], copy.packed[(layer, proj)].to(self.device, non_blocking=True))
         self.slot_of[delta_id] = slot
         self.key_of[delta_id] = copy.key
         self.piece_slots[delta_id] = tuple(at)

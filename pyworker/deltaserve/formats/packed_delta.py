@@ -131,12 +131,17 @@ class PackedLinear:
         """Bytes of all stored tensors (what the delta costs in memory / on disk before lossless coding)."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
-    def to(self, device: torch.device | str) -> PackedLinear:
-        """The same delta with every tensor on ``device``."""
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedLinear:
+        """The same delta with every tensor on ``device`` (``non_blocking``: as ``Tensor.to``; from pinned
+        memory the copies are queued on the current stream and the caller keeps the source until they ran)."""
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
         return PackedLinear(
             self.bits, self.sparse, self.group_size, self.out_features, self.in_features,
-            self.qvalues.to(device), None if self.qindices is None else self.qindices.to(device),
-            self.scales.to(device), self.zeros.to(device),
+            moved(self.qvalues), None if self.qindices is None else moved(self.qindices),
+            moved(self.scales), moved(self.zeros),
         )  # fmt: skip
 
 
