@@ -27,7 +27,9 @@ GPU storage, per slot s (N slots):
 
 CUDA graphs (``DecodeGraphs``): ``graph_state(b, keys)`` points the step at static buffers (token
 index, per-config work tiles, the lm_head's tiles) sized for ``b`` rows while a decode bucket is
-captured; ``fill_graph_rows`` writes a decode step's rows into them before a replay. Graph work tiles
+captured; ``fill_graph_rows`` writes a decode step's rows into them before a replay. Prefill and
+mixed steps (``MixedGraphs``) have their own set (``mixed_graph_state`` / ``fill_mixed_rows``): each
+token of the bucket a row of the SBMM metadata, and the logits rows apart. Graph work tiles
 hold at most ``GRAPH_TILE`` tokens (the CUDA op's widest tile, fixed at capture).
 
 Only deltas made for this base are accepted (``check_lineage`` against the base directory), in
