@@ -1,8 +1,11 @@
 """The first eager steps of a fresh worker: does a served step wait for a Triton compile?
 
-A step with a compressed delta's prompt runs eagerly, and its attention kernels take compile-time
-arguments the captured graphs do not (``worker/eager_warmup.py``). This builds the executor as the
-worker does (Llama-2-7B shape, random weights, one 4-bit 2:4 delta, CUDA graphs on) with an empty
+A step that runs eagerly (with a compressed delta's prompt: beyond the delta buckets of the mixed-step
+graphs, ``DELTA_MAX_TOKENS``) launches attention kernels with compile-time arguments the captured graphs
+do not (``worker/eager_warmup.py``). This builds the executor as the worker does (Llama-2-7B shape,
+random weights, one 4-bit 2:4 delta, decode graphs on), its mixed-step graphs off so that the cases'
+prompt steps run eagerly whatever their size (with them on, those of at most 512 tokens would replay a
+graph, captured at the first such step: that is not what this measures), with an empty
 Triton cache (``--warm-cache``: the machine's), reports its start-up time (the eager warm-up
 included), then runs each case (``<decodes>x<prompt tokens>``: the decodes on the delta, beside a
 new prompt on the delta every step) for a few steps and reports each step's wall time and the Triton
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> Path:
         t0 = time.perf_counter()
         ex = Executor(base, device=str(device), dtype=dtype, block_size=16, kv_cache_bytes=kv_bytes,
                       gpu_memory_utilization=0.92, cuda_graph_max_batch=batch if device.type == "cuda" else 0,
-                      max_lora_rank=0, max_deltas=1)  # fmt: skip
+                      cuda_graph_max_tokens=0, max_lora_rank=0, max_deltas=1)  # fmt: skip
         start_s = time.perf_counter() - t0
         place_deltas(ex, dirs, step_id=999_998)
         at_start = entries()

@@ -329,7 +329,7 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
     model.disk_to_host_bps = {**like.disk_to_host_bps, **moved["disk_to_host_bps"]}
     model.host_to_gpu_bps = {**like.host_to_gpu_bps, **moved["host_to_gpu_bps"]}
     # The daemon's pipeline around the device, measured on the profile (validation data unseen).
-    model.graph_max_batch, model.graph_max_tokens = graph_rule(profiled)
+    model.graph_max_batch, model.graph_max_tokens, model.graph_max_delta_tokens = graph_rule(profiled, delta_ids)
     model.router_gap_s = router_gap_s(profiled) or 0.0
     model.stall_s_per_seq = worker_stall_s_per_seq(profiled)
     prof_splits = [measured_split(recs, start, steps, variant_id) for *_, recs, start in profiles]

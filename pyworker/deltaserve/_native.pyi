@@ -351,7 +351,7 @@ def simulate(
     latency_profile: str | None = None,
     tpot_slo_s: float | None = None,
     host: tuple[Sequence[float], Sequence[float]] | None = None,
-    graphs: tuple[int, int] | None = None,
+    graphs: tuple[int, int, int] | None = None,
     ingress_s: float = 0.0,
     deliver_s: float = 0.0,
     prompt_keys: Sequence[int] | None = None,
@@ -367,7 +367,8 @@ def simulate(
     ``--placement``) puts it, priced with ``latency_profile`` (the JSON text ``--latency-profile``
     reads; None: the daemon's default) and ``tpot_slo_s`` (``--tpot-slo-ms``). ``host`` (decode,
     prefill coefficients) prices the worker's launch of each step, ``graphs`` (``graph_max_batch``,
-    ``graph_max_tokens``; None: no graphs) decides which steps run eagerly (feature ``eager``),
+    ``graph_max_tokens``, ``graph_max_delta_tokens``; None: no graphs) decides which steps run eagerly
+    (feature ``eager``; a replayed step has no ``dense_delta_segments``),
     ``dense_min_m`` (at least 2; None: no dense path) is the fewest tokens of a delta's prefill
     chunk the worker runs dense (feature ``dense_delta_segments``), ``ingress_s`` delays each
     arrival and ``deliver_s`` each token reaching its client; all off by default. ``prompt_keys``

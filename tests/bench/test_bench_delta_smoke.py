@@ -149,7 +149,10 @@ def test_delta_decode_step_smoke(tmp_path: Path) -> None:
     t = r["target"]
     assert t["max_ratio"] == 1.6 and t["ratio"] == cases[(t["case"], "eager")]["ratio_to_base"]
     assert t["met"] == (t["ratio"] <= 1.6)
-    assert all(_positive(r["load"][k]) for k in ("bytes", "disk_to_host_ms", "host_to_gpu_ms", "host_to_gpu_GBps", "host_to_gpu_launch_ms"))
+    assert all(
+        _positive(r["load"][k])
+        for k in ("bytes", "disk_to_host_ms", "host_to_gpu_ms", "host_to_gpu_GBps", "host_to_gpu_launch_ms")
+    )
     assert _positive(r["delta_payload_bytes"]) and r["delta_slot_gpu_bytes"] >= r["load"]["bytes"] // 2
     assert list((tmp_path / "w").iterdir()) == []  # the temp checkpoint and deltas are gone
 

@@ -51,13 +51,22 @@ def as_recording(trace: sim.SimTrace, steps: list) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("dense_min_m", [DENSE_MIN_M, None])
-def test_simulated_and_recorded_steps_have_the_same_features(dense_min_m):
+@pytest.mark.parametrize(("dense_min_m", "delta_graphs"), [(DENSE_MIN_M, 0), (None, 0), (DENSE_MIN_M, 384)])
+def test_simulated_and_recorded_steps_have_the_same_features(dense_min_m, delta_graphs):
+    """The simulator's features of the steps it schedules equal those the recorder's reading of the same
+    steps gives; with graphs that take delta rows (``delta_graphs`` tokens; bigger graph buckets so that
+    some such step fits) a replayed step has no dense segments, an eager one keeps them."""
     trace = mixed_trace()
     cfg = sim.daemon_config(sim.default_model())
     cfg.max_num_batched_tokens = 512  # long prompts prefill in chunks, some of a delta past the threshold
     cfg.max_deltas, cfg.host_adapter_bytes = 4, 64 << 30  # every delta held: none preempts another's requests
-    model = replace(sim.default_model(), dense_min_m=dense_min_m, graph_max_batch=16, graph_max_tokens=256)
+    model = replace(
+        sim.default_model(),
+        dense_min_m=dense_min_m,
+        graph_max_batch=128 if delta_graphs else 16,
+        graph_max_tokens=512 if delta_graphs else 256,
+        graph_max_delta_tokens=delta_graphs,
+    )
     res = sim.replay(trace, cfg, model, record_steps=True)
     assert res.completed.all() and res.counters["num_preemptions"] == 0
     deltas = {i + 1 for i, v in enumerate(trace.variants) if v.kind != "lora"}
@@ -69,6 +78,12 @@ def test_simulated_and_recorded_steps_have_the_same_features(dense_min_m):
         assert {f: py[f] for f in sim.FEATURES[1:]} == {f: rust[f] for f in sim.FEATURES[1:]}, f"step {i}"
         assert rust["const"] == 1.0
     dense = [rust["dense_delta_segments"] for rust in simulated]
+    graphed_delta_prefills = [r for r in simulated if r["delta_tokens"] and r["prefill_tokens"] and not r["eager"]]
+    if delta_graphs:  # a replayed step runs every delta token through the work tiles
+        assert graphed_delta_prefills and all(r["tokens"] <= delta_graphs for r in graphed_delta_prefills)
+        assert not any(r["dense_delta_segments"] for r in graphed_delta_prefills)
+    else:
+        assert not graphed_delta_prefills, "steps with delta rows that prefill run eagerly"
     if dense_min_m is None:
         assert not any(dense), "no dense path, no dense segments"
     else:

@@ -119,8 +119,12 @@ def test_a_recording_gives_host_samples_spans_graph_rule_and_router_gap():
     assert len(periods) == 4 and periods[0]["step_s"] == pytest.approx(0.010)
     host = host_samples(steps, ranks={3: 8}, deltas=set())
     assert [h["host_s"] for h in host] == pytest.approx([0.002] * 4)
-    assert graph_rule(steps) == (2, 0)
-    assert graph_rule([{**s, "graph": True} for s in steps]) == (2, 40), "mixed steps: tokens"
+    assert graph_rule(steps) == (2, 0, 0)
+    graphed = [{**s, "graph": True} for s in steps]
+    assert graph_rule(graphed) == (2, 40, 0), "mixed steps: tokens"
+    assert graph_rule(graphed, deltas={3}) == (2, 40, 40), "request 1 is on variant 3: a delta step"
+    assert graph_rule(steps[:1] + graphed[1:], deltas={3}) == (2, 21, 21), "its decode beside request 2's prompt"
+    assert graph_rule(graphed, deltas={7}) == (2, 40, 0)
     # Plans 3 and 4 came ahead (before outputs 2 and 3): formed at outputs 1 and 2.
     assert router_gap_s(steps) == pytest.approx(np.median([10.0112 - 10.010, 10.0163 - 10.016]))
     assert router_gap_s(steps[:2]) is None

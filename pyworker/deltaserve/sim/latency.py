@@ -10,9 +10,10 @@ simulator's loop times them, ``router/crates/py/src/sim_pipeline.rs``)::
     host_decode / host_prefill  the worker thread's launch of a step (linear, same features): under
                                 overlapped steps the output of the step in flight waits for it
     graph_max_batch,            which steps a captured CUDA graph replays (feature ``eager`` is 1
-    graph_max_tokens            for the others): decode steps of up to graph_max_batch requests,
-                                steps that prefill of up to graph_max_tokens tokens (and that
-                                many requests) without delta rows; 0: none
+    graph_max_tokens,           for the others): decode steps of up to graph_max_batch requests,
+    graph_max_delta_tokens      steps that prefill of up to graph_max_tokens tokens (and that
+                                many requests), with delta rows up to graph_max_delta_tokens
+                                tokens; 0: none
     router_gap_s                a plan's trip from the router's scheduling to the worker
     ingress_s                   a request's arrival (client send) to the engine adding it
     deliver_s                   a step's output leaving the worker to its tokens reaching clients
@@ -35,7 +36,8 @@ Features of one step (``const`` is always 1)::
     dense_delta_segments  distinct deltas with a prefill chunk of at least ``dense_min_m`` tokens:
                        the worker runs such a chunk with its whole delta dequantised (once per
                        delta in the step) plus one matmul, shorter ones through SBMM work tiles
-                       (``kernels/sbmm/meta.py``); 0 where ``dense_min_m`` is None (the CPU)
+                       (``kernels/sbmm/meta.py``); 0 where ``dense_min_m`` is None (the CPU),
+                       and in a step a graph replays (every delta token through the tiles)
 
 Fitting (:meth:`LatencyModel.fit`): ordinary least squares (numpy) per step kind, on the
 features that vary in the samples of that kind (the others keep coefficient 0, so an unprofiled
@@ -115,6 +117,9 @@ class LatencyModel:
     """Largest decode batch a captured CUDA graph replays (0: no graphs, every step eager)."""
     graph_max_tokens: int = 0
     """Largest step that prefills (tokens) a captured graph replays (0: every such step eager)."""
+    graph_max_delta_tokens: int = 0
+    """Largest step with delta rows that prefills (tokens) a captured graph replays (0: every such step
+    eager, as the worker ran them before its mixed graphs took delta rows)."""
     dense_min_m: int | None = None
     """Fewest tokens of a delta's prefill chunk the worker runs dense (``sbmm.dense_min_m`` of the
     profiled device: 64 on CUDA; at least 2), feature ``dense_delta_segments``; None: no dense path
@@ -241,7 +246,8 @@ class LatencyModel:
         host = None
         if self.host_decode or self.host_prefill:
             host = ([self.host_decode.get(f, 0.0) for f in FEATURES], [self.host_prefill.get(f, 0.0) for f in FEATURES])
-        return {"host": host, "graphs": (int(self.graph_max_batch), int(self.graph_max_tokens)),
+        return {"host": host, "graphs": (int(self.graph_max_batch), int(self.graph_max_tokens),
+                                           int(self.graph_max_delta_tokens)),
                 "ingress_s": float(self.ingress_s), "deliver_s": float(self.deliver_s),
                 "dense_min_m": self.dense_min_m}  # fmt: skip
 
@@ -279,7 +285,8 @@ class LatencyModel:
             bad = set(getattr(model, kind)) - set(FEATURES)
             if bad:
                 raise ValueError(f"{kind}: unknown features {sorted(bad)}; known: {', '.join(FEATURES)}")
-        terms = ("router_gap_s", "ingress_s", "deliver_s", "stall_s_per_seq", "graph_max_batch", "graph_max_tokens")
+        terms = ("router_gap_s", "ingress_s", "deliver_s", "stall_s_per_seq", "graph_max_batch", "graph_max_tokens",
+                 "graph_max_delta_tokens")  # fmt: skip
         for name in terms:
             x = getattr(model, name)
             if not isinstance(x, int | float) or not math.isfinite(x) or x < 0:

@@ -40,7 +40,7 @@ import runpy
 import stat
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -266,14 +266,25 @@ def router_gap_s(steps: list[dict[str, Any]]) -> float | None:
     return float(np.median(gaps)) if gaps else None
 
 
-def graph_rule(steps: list[dict[str, Any]]) -> tuple[int, int]:
-    """``(graph_max_batch, graph_max_tokens)`` as the recording shows them: the most requests of a
-    step a graph replayed, and the most tokens of a replayed step that prefilled (0: none seen)."""
-    graphed = [s for s in steps if s.get("graph")]
-    prefills = [s for s in graphed if s["new"] or any(n > 1 for _, n in s["running"])]
-    most = max((len(s["new"]) + len(s["running"]) for s in graphed), default=0)
-    tokens = (sum(n[1] for n in s["new"]) + sum(n for _, n in s["running"]) for s in prefills)
-    return most, max(tokens, default=0)
+def graph_rule(steps: list[dict[str, Any]], deltas: Collection[int] = ()) -> tuple[int, int, int]:
+    """``(graph_max_batch, graph_max_tokens, graph_max_delta_tokens)`` as the recording shows them: the
+    most requests of a step a graph replayed, the most tokens of a replayed step that prefilled, and of
+    one of those with rows of ``deltas`` (variant ids; 0: none seen)."""
+    variant: dict[int, int] = {}
+    most = tokens = delta_tokens = 0
+    for s in steps:
+        for rid, _n, _c, _p, v in s["new"]:
+            variant[rid] = v
+        if not s.get("graph"):
+            continue
+        most = max(most, len(s["new"]) + len(s["running"]))
+        if s["new"] or any(n > 1 for _, n in s["running"]):
+            t = sum(n[1] for n in s["new"]) + sum(n for _, n in s["running"])
+            tokens = max(tokens, t)
+            rids = [n[0] for n in s["new"]] + [rid for rid, _ in s["running"]]
+            if any(variant.get(rid, 0) in deltas for rid in rids):
+                delta_tokens = max(delta_tokens, t)
+    return most, tokens, delta_tokens
 
 
 TO_HOST, TO_GPU = 0, 1
@@ -499,8 +510,8 @@ def step_features(
         f["lora_segments"] = len(loras)
         f["lora_rank_sum"] = sum(ranks.get(v, 0) for v in loras)
         f["deltas"] = len(used_deltas)
-        f["dense_delta_segments"] = len(dense)
         f["eager"] = 0.0 if s.get("graph") else 1.0
+        f["dense_delta_segments"] = len(dense) if f["eager"] else 0  # a graph: every delta token on the tiles
         out.append((s, f, period))
     return out
 

@@ -162,7 +162,7 @@ impl PySchedulerConfig {
 fn latency_model(
     (decode, prefill, disk_to_host_bps, host_to_gpu_bps): LatencyTuple,
     host: Option<(Vec<f64>, Vec<f64>)>,
-    (graph_max_batch, graph_max_tokens): (u32, u32),
+    (graph_max_batch, graph_max_tokens, graph_max_delta_tokens): (u32, u32, u32),
     dense_min_m: Option<u32>,
 ) -> PyResult<LatencyModel> {
     if let Some(m) = dense_min_m.filter(|m| *m < 2) {
@@ -207,6 +207,7 @@ fn latency_model(
         host,
         graph_max_batch,
         graph_max_tokens,
+        graph_max_delta_tokens,
         disk_to_host_bps: [disk_to_host_bps.0, disk_to_host_bps.1],
         host_to_gpu_bps: [host_to_gpu_bps.0, host_to_gpu_bps.1],
         dense_min_m,
@@ -224,7 +225,8 @@ type LatencyTuple = (Vec<f64>, Vec<f64>, (f64, f64), (f64, f64));
 /// daemon's `--placement` policy `placement` (`PLACEMENTS`), pricing with `latency_profile` (the
 /// JSON `--latency-profile` reads, the same model's; `None`: the daemon's default) and
 /// `tpot_slo_s` (`--tpot-slo-ms`). `host` (decode, prefill coefficients) prices the worker's
-/// launch of each step and `graphs` (`graph_max_batch`, `graph_max_tokens`; `None`: none)
+/// launch of each step and `graphs` (`graph_max_batch`, `graph_max_tokens`,
+/// `graph_max_delta_tokens`; `None`: none)
 /// decides which steps run eagerly (`sim_latency.rs`); `dense_min_m` is the fewest tokens of
 /// a delta's prefill chunk the worker runs dense (`None`: none, the CPU; feature
 /// `dense_delta_segments`); `ingress_s` delays each arrival and
@@ -260,7 +262,7 @@ pub(crate) fn simulate<'py>(
     latency_profile: Option<&str>,
     tpot_slo_s: Option<f64>,
     host: Option<(Vec<f64>, Vec<f64>)>,
-    graphs: Option<(u32, u32)>,
+    graphs: Option<(u32, u32, u32)>,
     ingress_s: f64,
     deliver_s: f64,
     prompt_keys: Option<Vec<u64>>,
@@ -293,7 +295,7 @@ pub(crate) fn simulate<'py>(
         tpot_slo_us: tpot_slo_s.map(|s| s * 1e6),
         max_num_seqs: cfg.max_num_seqs,
     };
-    let model = latency_model(latency, host, graphs.unwrap_or((0, 0)), dense_min_m)?;
+    let model = latency_model(latency, host, graphs.unwrap_or((0, 0, 0)), dense_min_m)?;
     let requests = requests
         .into_iter()
         .enumerate()

@@ -8,7 +8,8 @@
 //! ```text
 //! step kind  = "prefill" if any chunk prefills (a new request, or more than 1 token) else "decode"
 //! eager      = 1 unless a captured CUDA graph replays the step: decode, seqs <= graph_max_batch;
-//!              prefill (mixed), tokens <= graph_max_tokens, seqs <= graph_max_batch, no delta rows
+//!              prefill (mixed), tokens <= graph_max_tokens, seqs <= graph_max_batch, and with
+//!              delta rows tokens <= graph_max_delta_tokens (0: such steps eager)
 //! step_s     = max(0, Σ_f coef[kind][f] · feature[f])          device time
 //! host_s     = max(0, Σ_f host_coef[kind][f] · feature[f])     the worker's launch (0: none modelled)
 //! to_host_s  = host_bytes / disk_to_host_Bps[kind]   (one read; a worker runs READERS at once)
@@ -25,6 +26,8 @@
 //!
 //! ```text
 //! dense_delta_segments = |{ delta of c : c a prefill chunk of a delta request, tokens(c) >= dense_min_m }|
+//!                        in an eager step; 0 in a replayed one (a graph runs every delta token
+//!                        through the work tiles: `worker/mixed_graphs.py`)
 //! ```
 
 use std::collections::{BTreeSet, HashMap};
@@ -126,6 +129,9 @@ pub(crate) struct LatencyModel {
     pub(crate) graph_max_batch: u32,
     /// Largest step that prefills (tokens) a captured graph replays; 0: such steps run eagerly.
     pub(crate) graph_max_tokens: u32,
+    /// Largest step with delta rows that prefills (tokens) a captured graph replays; 0: such
+    /// steps run eagerly (the worker before its mixed graphs took delta rows).
+    pub(crate) graph_max_delta_tokens: u32,
     /// Disk -> host read bandwidth of a variant (bytes/s), `[lora, delta]`.
     pub(crate) disk_to_host_bps: [f64; 2],
     /// Host -> GPU copy bandwidth of a variant (bytes/s), `[lora, delta]`.
@@ -146,6 +152,7 @@ impl LatencyModel {
             host: [[0.0; NUM_FEATURES]; 2],
             graph_max_batch: 0,
             graph_max_tokens: 0,
+            graph_max_delta_tokens: 0,
             disk_to_host_bps: [1e9, 1e9],
             host_to_gpu_bps: [1e10, 1e10],
             dense_min_m: None,
@@ -171,7 +178,8 @@ impl LatencyModel {
     pub(crate) fn runs_eager(&self, f: &StepFeatures) -> bool {
         let graphed = f.seqs <= f64::from(self.graph_max_batch)
             && if f.prefills() {
-                f.tokens <= f64::from(self.graph_max_tokens) && f.delta_tokens == 0.0
+                f.tokens <= f64::from(self.graph_max_tokens)
+                    && (f.delta_tokens == 0.0 || f.tokens <= f64::from(self.graph_max_delta_tokens))
             } else {
                 true
             };
@@ -437,8 +445,12 @@ mod tests {
         };
         assert!(
             m.runs_eager(&delta),
-            "mixed steps with delta rows run eagerly"
+            "mixed steps with delta rows run eagerly without delta graphs"
         );
+        m.graph_max_delta_tokens = 107;
+        assert!(!m.runs_eager(&delta), "delta rows in a delta bucket");
+        m.graph_max_delta_tokens = 106;
+        assert!(m.runs_eager(&delta), "past the largest delta bucket");
         m.host[0][0] = 0.001;
         m.host[1][11] = 0.004; // eager prefill steps
         let eager = StepFeatures {

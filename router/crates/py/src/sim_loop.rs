@@ -459,6 +459,9 @@ impl Sim<'_> {
             self.model.dense_min_m,
         );
         features.eager = f64::from(u8::from(self.model.runs_eager(&features)));
+        if features.eager == 0.0 {
+            features.dense_delta_segments = 0.0; // a graph runs every delta token through the tiles
+        }
         let mut ready_s = t;
         let mut copy_s = 0.0;
         for op in &step.adapter_ops {
