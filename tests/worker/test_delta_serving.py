@@ -437,3 +437,54 @@ def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
         assert all(t[2] == -1 for t in want.tiles[grid:].tolist())  # what the graph leaves out is padding
     assert GRAPH_TILE == 16  # 11 rows of one delta: one tile (the CUDA op's widest, dequantising the delta once)
     assert g.metas[(4, True, 64)][2].tolist() == [1] * pool.num_pieces
+
+
+def test_mixed_graph_buffers_hold_each_token_and_logits_row(executor_factory, variants) -> None:
+    """The mixed steps' static buffers (``mixed_graph_state`` / ``fill_mixed_rows``, what a captured
+    prefill or mixed step reads): every token of the bucket is a row of the SBMM metadata, so a prompt's
+    tokens share their delta's work tiles; the logits rows (one per sampling sequence) have their own
+    index and lm_head tiles. The decode buffers are left alone."""
+    from deltaserve.adapters.delta_pool import GRAPH_TILE, HEAD_TILE
+    from deltaserve.kernels.sbmm import DeltaMeta
+
+    ex = executor_factory()
+    ex.step(
+        wire.StepPlan(
+            step_id=1,
+            adapter_ops=[
+                delta_op(aid, move, str(variants[aid][0]) if move is TO_HOST else "", slot=slot)
+                for slot, aid in enumerate((D4, D2))
+                for move in (TO_HOST, TO_GPU)
+            ],
+        )
+    )
+    pool = ex.delta_pool
+    assert pool is not None
+    keys = pool.graph_keys([D4, D2])
+    with pool.mixed_graph_state(32, 8, 64, 16, keys):
+        assert pool.step.token_index.tolist() == [0] * 32 and pool.step.logit_index.tolist() == [0] * 8
+        assert pool.step.piece_metas[0][0][1].grid_tiles == pool.graph_tiles(32, GRAPH_TILE)
+        assert pool.step.head_meta.grid_tiles == pool.graph_tiles(8, HEAD_TILE)
+    assert not pool.step.active and pool.graph_rows is None, "the decode buffers are not made"
+    s4, s2 = pool.slot_of[D4], pool.slot_of[D2]
+    # A 20-token prompt of D4, a base decode, a 5-token prompt of D2 and a D2 decode: 27 of 32 tokens.
+    tokens = [D4] * 20 + [0] + [D2] * 5 + [D2]
+    logits = [D4, 0, D2, D2]  # one logits row per sequence that samples
+    pool.fill_mixed_rows(tokens, logits, 32, 8, keys)
+    g = pool.mixed_rows
+    assert g is not None and g.max_batch == 64 and g.max_logits == 16
+    token_slots = [s4] * 20 + [-1] + [s2] * 6 + [-1] * 5
+    logit_slots = [s4, -1, s2, s2] + [-1] * 4
+    assert g.index[:32].tolist() == [s + 1 for s in token_slots]
+    assert g.logit_index[:8].tolist() == [s + 1 for s in logit_slots]
+    for key, slot in (((4, True, 64), s4), ((2, True, 64), s2)):
+        rows = [s if s == slot else -1 for s in token_slots]
+        want = DeltaMeta.rows(rows, "cpu", max_block_m=GRAPH_TILE)
+        order, tiles, count = g.metas[key]
+        grid = pool.graph_tiles(32, GRAPH_TILE)
+        assert order[:32].tolist() == want.order.tolist(), key
+        assert tiles[: grid * 3].view(grid, 3).tolist() == want.tiles[:grid].tolist(), key
+        assert count[0].item() == want.num_tiles == (2 if slot == s4 else 1)  # 20 tokens: two 16-token tiles
+    want = DeltaMeta.rows(logit_slots, "cpu", max_block_m=HEAD_TILE)
+    order, tiles, count = g.head
+    assert order[:8].tolist() == want.order.tolist() and count.item() == want.num_tiles

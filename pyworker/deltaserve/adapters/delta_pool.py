@@ -578,16 +578,8 @@ class DeltaPool:
     def graph_state(self, b: int, max_batch: int, keys: Sequence[ConfigKey]) -> Iterator[None]:
         """While a decode bucket of ``b`` rows is captured: the step reads the static buffers (configs
         ``keys``, one metadata per piece), with no delta row yet (slot -1 everywhere); inactive after."""
-        g = self._graph_buffers(max_batch, keys)
-        self._write_rows(g, b, [0] * b, keys)
-        self.step.token_index = self.step.logit_index = g.index[:b]
-        self.step.embed_index = g.embed_index[:b]
-        self._static_metas(g, b, keys)
-        self.step.head_meta = g.static(g.head, b, HEAD_TILE)
-        try:
+        with self._static_state(self._graph_buffers(max_batch, keys), b, b, keys):
             yield
-        finally:
-            self.end_step()
 
     @contextmanager
     def mixed_graph_state(
@@ -595,22 +587,24 @@ class DeltaPool:
     ) -> Iterator[None]:
         """While a prefill / mixed bucket of ``tokens`` tokens and ``logits`` logits rows is captured: as
         ``graph_state``, over the mixed steps' buffers, each token a row of the SBMM metadata."""
-        g = self._graph_buffers(max_tokens, keys, max_logits)
-        self._write_rows(g, tokens, [0] * tokens, keys, [0] * logits)
-        self.step.token_index = g.index[:tokens]
-        self.step.logit_index = g.logit_index[:logits]
-        self.step.embed_index = g.embed_index[:tokens]
-        self._static_metas(g, tokens, keys)
+        with self._static_state(self._graph_buffers(max_tokens, keys, max_logits), tokens, logits, keys):
+            yield
+
+    @contextmanager
+    def _static_state(self, g: DeltaGraphRows, b: int, logits: int, keys: Sequence[ConfigKey]) -> Iterator[None]:
+        """The step reads ``g``'s first ``b`` rows and ``logits`` logits rows (all padding for now)."""
+        self._write_rows(g, b, [0] * b, keys, None if g.max_logits is None else [0] * logits)
+        self.step.token_index = g.index[:b]
+        self.step.logit_index = g.logit_index[:logits]  # decode: the row index itself
+        self.step.embed_index = g.embed_index[:b]
+        self.step.piece_metas = [
+            tuple((key, g.static(g.metas[key], b, GRAPH_TILE, p)) for key in keys) for p in range(self.num_pieces)
+        ]
         self.step.head_meta = g.static(g.head, logits, HEAD_TILE)
         try:
             yield
         finally:
             self.end_step()
-
-    def _static_metas(self, g: DeltaGraphRows, b: int, keys: Sequence[ConfigKey]) -> None:
-        self.step.piece_metas = [
-            tuple((key, g.static(g.metas[key], b, GRAPH_TILE, p)) for key in keys) for p in range(self.num_pieces)
-        ]
 
     def fill_graph_rows(self, delta_ids: Sequence[int], b: int, keys: Sequence[ConfigKey]) -> None:
         """Writes a decode step's rows (variant id per row, ``len <= b``; padding up to ``b``) into the
