@@ -932,3 +932,25 @@ def test_cuda_op_is_optional(monkeypatch: pytest.MonkeyPatch) -> None:
         cuda_ext.build("sbmm")
     with pytest.raises(FileNotFoundError, match="no source"):
         cuda_ext.build("no_such_op")
+
+
+def test_split_counters_grow_without_freeing_what_graphs_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA op's split-K counters are one buffer per device that captured graphs hold by address:
+    a launch wanting more replaces it (outside a capture) and keeps the old one allocated, since graphs
+    captured over it still replay (a mixed-step graph of a large bucket captured after the decode graphs)."""
+    from deltaserve.kernels.sbmm import cuda as sbmm_cuda
+
+    monkeypatch.setattr(sbmm_cuda, "_counters", {})
+    monkeypatch.setattr(sbmm_cuda, "_outgrown", [])
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    dev = torch.device("cpu")  # the bookkeeping is the device's; its memory need not be
+    first = sbmm_cuda._split_counters(dev, 10)
+    assert first.numel() == 1 << 16 and sbmm_cuda._split_counters(dev, 1 << 16) is first
+    grown = sbmm_cuda._split_counters(dev, (1 << 16) + 1)
+    assert grown.numel() == (1 << 16) + 1 and grown.data_ptr() != first.data_ptr()
+    assert sbmm_cuda._outgrown == [first] and sbmm_cuda._split_counters(dev, 5) is grown
+    capturing[0] = True  # inside a capture the buffer cannot move: the launch must have run once before
+    with pytest.raises(RuntimeError, match="run the launch once before capturing it"):
+        sbmm_cuda._split_counters(dev, 1 << 20)
+    assert sbmm_cuda._split_counters(dev, 7) is grown and sbmm_cuda._outgrown == [first]
