@@ -1,7 +1,7 @@
 """The first eager steps of a fresh worker: does a served step wait for a Triton compile?
 
 A step that runs eagerly (with a compressed delta's prompt: beyond the delta buckets of the mixed-step
-graphs, ``DELTA_MAX_TOKENS``) launches attention kernels with compile-time arguments the captured graphs
+graphs, ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS``) launches attention kernels with compile-time arguments the captured graphs
 do not (``worker/eager_warmup.py``). This builds the executor as the worker does (Llama-2-7B shape,
 random weights, one 4-bit 2:4 delta, decode graphs on), its mixed-step graphs off so that the cases'
 prompt steps run eagerly whatever their size (with them on, those of at most 512 tokens would replay a

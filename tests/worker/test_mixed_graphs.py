@@ -16,13 +16,20 @@ from deltaserve.adapters.variants import StepRows
 from deltaserve.kernels import common as kernel_common
 from deltaserve.kernels.lora import LoraMeta
 from deltaserve.model import ForwardBatch
-from deltaserve.worker.mixed_graphs import MixedGraphs, token_buckets_up_to
+from deltaserve.worker.mixed_graphs import (
+    DELTA_MAX_TOKENS_ENV,
+    MAX_TOKENS_ENV,
+    MixedGraphs,
+    delta_max_tokens_from_env,
+    max_tokens_from_env,
+    token_buckets_up_to,
+)
 from deltaserve.worker.plan_check import PlanLimits
 from helpers.executors import make_executor, prompts
 from helpers.sched_driver import SchedDriver
 
 
-def static_steps(ex, max_tokens: int, max_seqs: int) -> MixedGraphs:
+def static_steps(ex, max_tokens: int, max_seqs: int, max_delta_tokens: int | None = None) -> MixedGraphs:
     """Gives a CPU executor ``MixedGraphs(capture=False)`` and, as with graphs on CUDA, keeps its last
     page from the router for the padding tokens' K/V."""
     ex.num_blocks -= 1
@@ -38,6 +45,7 @@ def static_steps(ex, max_tokens: int, max_seqs: int) -> MixedGraphs:
         lora=ex.lora_pool,
         capture=False,
         deltas=ex.delta_pool,
+        max_delta_tokens=max_delta_tokens,
     )
     ex.runner.mixed = mixed
     return mixed
@@ -54,6 +62,22 @@ def test_buckets() -> None:
     # From 256 tokens to 2,048 a step pads by at most 20 % (the dense matmuls are compute-bound there).
     sizes = token_buckets_up_to(4096)
     assert all((b - a) / b <= 0.2 for a, b in zip(sizes, sizes[1:]) if a >= 256 and b <= 2048)
+
+
+def test_graph_token_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DELTASERVE_CUDA_GRAPH_MAX_TOKENS`` and ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS``: defaults 2048
+    and 512, 0 turns the graphs off (for delta rows: such steps run eagerly), a bad value stops the worker."""
+    for name in (MAX_TOKENS_ENV, DELTA_MAX_TOKENS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert (max_tokens_from_env(), delta_max_tokens_from_env()) == (2048, 512)
+    monkeypatch.setenv(DELTA_MAX_TOKENS_ENV, " 0 ")
+    assert delta_max_tokens_from_env() == 0
+    monkeypatch.setenv(DELTA_MAX_TOKENS_ENV, "1024")
+    assert delta_max_tokens_from_env() == 1024
+    for bad, why in (("lots", "want a token count 0..4096"), ("-1", "want 0..4096"), ("5000", "want 0..4096")):
+        monkeypatch.setenv(DELTA_MAX_TOKENS_ENV, bad)
+        with pytest.raises(ValueError, match=f"{DELTA_MAX_TOKENS_ENV}=.*{why}"):
+            delta_max_tokens_from_env()
 
 
 def test_static_steps_give_eager_tokens(tiny_llama: Path) -> None:
@@ -183,6 +207,13 @@ def test_static_steps_with_delta_rows_give_eager_tokens(
     assert all(t == 32 and r == 8 for t, r in token_rows), "every token of the bucket a row; a logits row per sequence"
     assert mixed.lora_replays > 0
     assert eager_tokens and all(t > 32 for t in eager_tokens), f"only steps beyond the delta bucket: {eager_tokens}"
+
+    # DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS=0: every step with delta rows runs eagerly, the same tokens.
+    off = make_executor(tiny_llama, max_model_len=128, max_deltas=2)
+    no_deltas = static_steps(off, 32, 8, max_delta_tokens=0)
+    assert no_deltas.delta_sizes == []
+    assert _run(off, reqs, arrivals, variants, adapter_of) == want
+    assert no_deltas.delta_replays == 0 and no_deltas.replays == 0, "every step of this run has delta rows"
 
 
 def recorded_lora_metas(ex) -> list[tuple[tuple[list, list], tuple[list, list]]]:

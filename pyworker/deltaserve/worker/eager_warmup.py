@@ -1,7 +1,7 @@
 """Compiling the eager step's attention kernels at start-up, so that no request waits for a compile.
 
 A step that runs eagerly (a step with compressed-delta rows beyond the delta buckets'
-``DELTA_MAX_TOKENS``, prompt logprobs, a step beyond the largest token bucket, every step with
+``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS``, prompt logprobs, a step beyond the largest token bucket, every step with
 graphs off) launches the paged-attention kernels with
 compile-time arguments the captured graphs need not have used: whether one-token rows are left to
 the decode kernel, the key-split count of its token range

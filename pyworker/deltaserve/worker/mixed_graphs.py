@@ -49,7 +49,8 @@ decode graphs' padded buckets (Llama-2-7B shape, fp16, H100: identical logits at
 of 640 tokens, up to 0.034 apart at 96 of 128; ``bench/mixed_step.py``): tests compare tokens. Steps
 with prompt logprobs or CPU-assisted cold prefills run eagerly (``ForwardRunner.forward``).
 
-Compressed-delta rows: a step of at most ``DELTA_MAX_TOKENS`` tokens whose deltas' packed configs the
+Compressed-delta rows: a step of at most ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS`` tokens (default 512;
+0: eager) whose deltas' packed configs the
 CUDA SBMM op takes replays a graph of its *delta bucket* (``DELTA_TOKEN_BUCKETS``), its packed
 configs and whether it has LoRA rows, captured the first time such a step comes (as the delta decode
 graphs are). The delta-aware modules read the delta pool's mixed-step buffers
@@ -105,30 +106,43 @@ DEFAULT_MAX_TOKENS = 2048
 #: steps behind a lone request's TTFT, where 128 row launches over padding are a few percent of the
 #: step. Larger buckets would add capture time for a share that shrinks with the step.
 CHUNK_LORA_MAX_TOKENS = 256
-#: Token buckets of steps with compressed-delta rows (``DELTA_MAX_TOKENS`` at most; module docstring).
-#: Coarser than ``TOKEN_BUCKETS``: each (bucket, packed configs, LoRA) graph is captured when a step
-#: first needs it, in that step, and a padding token costs a delta step less than the SBMM work tiles.
-DELTA_TOKEN_BUCKETS = (32, 64, 128, 256, 384, 512)
-DELTA_MAX_TOKENS = 512
-"""Most tokens of a step with delta rows replayed from a graph. A captured step runs a delta's prompt
-through the SBMM work tiles of ``GRAPH_TILE`` tokens, each reading the delta again (Llama-2-7B shape,
-4-bit 2:4, H200: ~1.3 ms a tile); an eager step dequantises a long prompt's delta once, but pays the
-launching thread for its ~550-1,000 kernels (70-90 ms a step on the same machine, ``bench/README.md``).
-Up to 512 tokens the graph wins by that measure; beyond it the step runs eagerly."""
+#: Token buckets of steps with compressed-delta rows (up to ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS``;
+#: module docstring). Coarser than ``TOKEN_BUCKETS``: each (bucket, packed configs, LoRA) graph is
+#: captured when a step first needs it, in that step, and a padding token costs a delta step less than
+#: the SBMM work tiles.
+DELTA_TOKEN_BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+DELTA_MAX_TOKENS_ENV = "DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS"
+DEFAULT_DELTA_MAX_TOKENS = 512
+"""Most tokens of a step with delta rows replayed from a graph unless ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS``
+says otherwise (0: such steps run eagerly). A captured step runs a delta's prompt through the SBMM
+work tiles of ``GRAPH_TILE`` tokens, each reading the delta again (Llama-2-7B shape, 4-bit 2:4, H200:
+~1.3 ms a tile); an eager step dequantises a long prompt's delta once, but pays the launching thread
+for its ~550-1,000 kernels (70-90 ms a step on the same machine, ``bench/README.md``). Up to 512
+tokens, the largest measured, the graph won; beyond the limit the step runs eagerly."""
+
+
+def _tokens_from_env(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: want a token count 0..{TOKEN_BUCKETS[-1]}") from None
+    if not 0 <= value <= TOKEN_BUCKETS[-1]:
+        raise ValueError(f"{name}={value}: want 0..{TOKEN_BUCKETS[-1]}")
+    return value
 
 
 def max_tokens_from_env() -> int:
     """``DELTASERVE_CUDA_GRAPH_MAX_TOKENS`` (0: no mixed-step graphs), default ``DEFAULT_MAX_TOKENS``."""
-    text = os.environ.get(MAX_TOKENS_ENV, "").strip()
-    if not text:
-        return DEFAULT_MAX_TOKENS
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{MAX_TOKENS_ENV}={text!r}: want a token count 0..{TOKEN_BUCKETS[-1]}") from None
-    if not 0 <= value <= TOKEN_BUCKETS[-1]:
-        raise ValueError(f"{MAX_TOKENS_ENV}={value}: want 0..{TOKEN_BUCKETS[-1]}")
-    return value
+    return _tokens_from_env(MAX_TOKENS_ENV, DEFAULT_MAX_TOKENS)
+
+
+def delta_max_tokens_from_env() -> int:
+    """``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS`` (0: steps with delta rows run eagerly), default
+    ``DEFAULT_DELTA_MAX_TOKENS``."""
+    return _tokens_from_env(DELTA_MAX_TOKENS_ENV, DEFAULT_DELTA_MAX_TOKENS)
 
 
 def token_buckets_up_to(max_tokens: int) -> list[int]:
@@ -152,6 +166,7 @@ class MixedGraphs:
         pool: Any = None,
         capture: bool = True,
         deltas: DeltaPool | None = None,
+        max_delta_tokens: int | None = None,
     ) -> None:
         if max_tokens < 1 or max_seqs < 1:
             raise ValueError(f"MixedGraphs: max_tokens and max_seqs must be >= 1, got {max_tokens}, {max_seqs}")
@@ -166,8 +181,11 @@ class MixedGraphs:
         self.capture = capture
         """False: ``run`` runs the static forward eagerly (no graphs; CPU tests)."""
         self.sizes = token_buckets_up_to(max_tokens)
-        self.delta_sizes = buckets_up_to(min(max_tokens, DELTA_MAX_TOKENS), DELTA_TOKEN_BUCKETS)
-        """Token buckets of steps with delta rows (``DELTA_TOKEN_BUCKETS``)."""
+        if max_delta_tokens is None:
+            max_delta_tokens = delta_max_tokens_from_env()
+        self.delta_sizes = buckets_up_to(min(max_tokens, max_delta_tokens), DELTA_TOKEN_BUCKETS)
+        """Token buckets of steps with delta rows (``DELTA_TOKEN_BUCKETS`` up to ``max_delta_tokens``, None:
+        the env's ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS``; none: such steps run eagerly)."""
         self.max_tokens = max_tokens
         """Most tokens a step replayed here may have."""
         self.max_seqs = min(max_seqs, max_tokens)
@@ -421,7 +439,7 @@ class MixedGraphs:
     def takes(self, rows: StepRows) -> bool:
         """Whether the step of ``rows`` replays here: a bucket holds it and its variant rows (if any)
         are LoRA adapters on the GPU or compressed deltas whose packed configs the CUDA SBMM op takes
-        (``DeltaPool.graphable``) in a step of at most ``DELTA_MAX_TOKENS`` (other kinds run eagerly)."""
+        (``DeltaPool.graphable``) in a step of a delta bucket (``delta_sizes``; other kinds run eagerly)."""
         delta_ids = self._delta_ids(rows)
         if self.bucket_for(sum(n for _, n in rows.runs), len(rows.runs), bool(delta_ids)) is None:
             return False
@@ -519,11 +537,13 @@ def _offsets(regions: dict[str, int]) -> dict[str, tuple[int, int]]:
 __all__ = [
     "CHUNK_LORA_MAX_TOKENS",
     "DEFAULT_MAX_TOKENS",
-    "DELTA_MAX_TOKENS",
+    "DEFAULT_DELTA_MAX_TOKENS",
+    "DELTA_MAX_TOKENS_ENV",
     "DELTA_TOKEN_BUCKETS",
     "MAX_TOKENS_ENV",
     "TOKEN_BUCKETS",
     "MixedGraphs",
+    "delta_max_tokens_from_env",
     "max_tokens_from_env",
     "token_buckets_up_to",
 ]

@@ -14,7 +14,7 @@ LoRA on, a graph captured with the adapted linears active over static metadata; 
 delta rows replay a graph of the step's delta configs (and LoRA rows, if any), captured the first
 time such a step comes, where the CUDA SBMM op runs (else they run eagerly). Prefill and mixed steps
 whose tokens fit a token bucket replay a graph of that bucket (``mixed_graphs.py``; LoRA rows
-included; delta rows in steps of at most ``DELTA_MAX_TOKENS`` tokens, a graph per delta bucket and
+included; delta rows in steps of at most ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS`` tokens, a graph per delta bucket and
 configs captured at the first such step); beyond it, or with prompt logprobs or CPU-assisted
 prefills, they run eagerly.
 
