@@ -379,16 +379,8 @@ def test_a_failed_delta_read_gives_its_arena_region_back(executor_factory, varia
     assert ex.host_arena.free_bytes == ex.host_arena.capacity, "the failed read kept its region"
 
 
-def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
-    """The delta pool's static decode buffers, what a captured delta graph reads: ``graph_state`` points
-    the step at them with no delta row yet; ``fill_graph_rows`` writes each row's slot and, per packed
-    config and piece (each layer's attention and FFN: ``delta_blocks``) and for the lm_head delta, the
-    work tiles of the same rows built directly (graph tiles of at most ``GRAPH_TILE`` tokens); on the
-    CPU no config is graphable (the CUDA SBMM op is not there)."""
-    from deltaserve.adapters.delta_pool import GRAPH_TILE, HEAD_TILE
-    from deltaserve.kernels.sbmm import DeltaMeta
-
-    ex = executor_factory()
+def _both_deltas_on_the_gpu(ex, variants):
+    """``ex``'s delta pool after one plan loads D4 into slot 0 and D2 into slot 1 (host, then GPU)."""
     ex.step(
         wire.StepPlan(
             step_id=1,
@@ -399,8 +391,20 @@ def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
             ],
         )
     )
-    pool = ex.delta_pool
-    assert pool is not None
+    assert ex.delta_pool is not None
+    return ex.delta_pool
+
+
+def test_graph_buffers_hold_the_steps_rows(executor_factory, variants) -> None:
+    """The delta pool's static decode buffers, what a captured delta graph reads: ``graph_state`` points
+    the step at them with no delta row yet; ``fill_graph_rows`` writes each row's slot and, per packed
+    config and piece (each layer's attention and FFN: ``delta_blocks``) and for the lm_head delta, the
+    work tiles of the same rows built directly (graph tiles of at most ``GRAPH_TILE`` tokens); on the
+    CPU no config is graphable (the CUDA SBMM op is not there)."""
+    from deltaserve.adapters.delta_pool import GRAPH_TILE, HEAD_TILE
+    from deltaserve.kernels.sbmm import DeltaMeta
+
+    pool = _both_deltas_on_the_gpu(executor_factory(), variants)
     keys = pool.graph_keys([D4, 0, D2, LORA])
     assert keys == ((2, True, 64), (4, True, 64)) and pool.graph_keys([0, LORA]) == ()
     assert not pool.graphable(keys)
@@ -447,19 +451,7 @@ def test_mixed_graph_buffers_hold_each_token_and_logits_row(executor_factory, va
     from deltaserve.adapters.delta_pool import GRAPH_TILE, HEAD_TILE
     from deltaserve.kernels.sbmm import DeltaMeta
 
-    ex = executor_factory()
-    ex.step(
-        wire.StepPlan(
-            step_id=1,
-            adapter_ops=[
-                delta_op(aid, move, str(variants[aid][0]) if move is TO_HOST else "", slot=slot)
-                for slot, aid in enumerate((D4, D2))
-                for move in (TO_HOST, TO_GPU)
-            ],
-        )
-    )
-    pool = ex.delta_pool
-    assert pool is not None
+    pool = _both_deltas_on_the_gpu(executor_factory(), variants)
     keys = pool.graph_keys([D4, D2])
     with pool.mixed_graph_state(32, 8, 64, 16, keys):
         assert pool.step.token_index.tolist() == [0] * 32 and pool.step.logit_index.tolist() == [0] * 8
