@@ -462,7 +462,7 @@ def test_mixed_graph_buffers_hold_each_token_and_logits_row(executor_factory, va
     # A 20-token prompt of D4, a base decode, a 5-token prompt of D2 and a D2 decode: 27 of 32 tokens.
     tokens = [D4] * 20 + [0] + [D2] * 5 + [D2]
     logits = [D4, 0, D2, D2]  # one logits row per sequence that samples
-    pool.fill_mixed_rows(tokens, logits, 32, 8, keys)
+    pool.fill_mixed_rows(tokens + [0] * (32 - len(tokens)), logits + [0] * (8 - len(logits)), keys)
     g = pool.mixed_rows
     assert g is not None and g.max_batch == 64 and g.max_logits == 16
     token_slots = [s4] * 20 + [-1] + [s2] * 6 + [-1] * 5

@@ -613,15 +613,12 @@ class DeltaPool:
         assert g is not None and all(k in g.metas for k in keys), "graph_state first"
         self._write_rows(g, b, list(delta_ids) + [0] * (b - len(delta_ids)), keys)
 
-    def fill_mixed_rows(
-        self, token_ids: Sequence[int], logit_ids: Sequence[int], tokens: int, logits: int, keys: Sequence[ConfigKey]
-    ) -> None:
-        """Writes a prefill / mixed step's variant id per token and per logits row (padding up to
-        ``tokens`` / ``logits``) into the buffers a graph captured with ``mixed_graph_state`` reads."""
+    def fill_mixed_rows(self, token_ids: Sequence[int], logit_ids: Sequence[int], keys: Sequence[ConfigKey]) -> None:
+        """Writes a prefill / mixed step's variant id per token of its bucket and per logits row of it
+        (padding included: 0) into the buffers a graph captured with ``mixed_graph_state`` reads."""
         g = self.mixed_rows
         assert g is not None and all(k in g.metas for k in keys), "mixed_graph_state first"
-        pad = list(token_ids) + [0] * (tokens - len(token_ids))
-        self._write_rows(g, tokens, pad, keys, list(logit_ids) + [0] * (logits - len(logit_ids)))
+        self._write_rows(g, len(token_ids), list(token_ids), keys, list(logit_ids))
 
     def _write_rows(
         self,

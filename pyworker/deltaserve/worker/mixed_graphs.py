@@ -477,9 +477,14 @@ class MixedGraphs:
             if any(ids):
                 slots = self.lora.assign_rows(ids)
         keys = None
+        # With delta rows: the variant id of each token of the bucket and of each of its logits rows (padding 0).
+        delta_rows: tuple[list[int], list[int]] | None = None
         if delta_ids:
             assert self.deltas is not None  # ``takes`` said yes
             keys = self.deltas.graph_keys(sorted(delta_ids))
+            tokens = [v for v, n in rows.runs for _ in range(n)]
+            logit_ids = list(rows.logit_ids)
+            delta_rows = (tokens + [0] * (tb - len(tokens)), logit_ids + [0] * (self._seqs(tb) - len(logit_ids)))
             variant = (tb, slots is not None, keys)
             if self.capture and variant not in self.delta_graphs:  # before the step's inputs go in: capture pads
                 with torch.inference_mode():
@@ -493,11 +498,10 @@ class MixedGraphs:
             self._view("input_ids", tb).index_copy_(0, *device_inputs)
         m = int(step.logits_indices.shape[0])
         chunk_only = slots is not None and not has_rows and tb <= CHUNK_LORA_MAX_TOKENS and keys is None
-        token_ids = [v for v, n in rows.runs for _ in range(n)]
         if self.capture:
             if keys is not None:
-                assert self.deltas is not None
-                self.deltas.fill_mixed_rows(token_ids, rows.logit_ids, tb, self._seqs(tb), keys)
+                assert self.deltas is not None and delta_rows is not None
+                self.deltas.fill_mixed_rows(*delta_rows, keys)
                 graph = self.delta_graphs[(tb, slots is not None, keys)]
             else:
                 graphs = self.graphs if slots is None else self.chunk_lora_graphs if chunk_only else self.lora_graphs
@@ -508,11 +512,10 @@ class MixedGraphs:
                 assert self.lora is not None
                 self.lora.step.meta = self._lora_meta(tb, seg_start, seg_adapter, rows=not chunk_only)
             try:
-                if keys is not None:  # the same token rows and logits rows, as host-built metadata
+                if delta_rows is not None:  # the same token rows and logits rows, as host-built metadata
                     assert self.deltas is not None
-                    pad_tokens = token_ids + [0] * (tb - len(token_ids))
-                    pad_logits = list(rows.logit_ids) + [0] * (self._seqs(tb) - len(rows.logit_ids))
-                    self.deltas.begin_step(StepRows([(v, 1) for v in pad_tokens], pad_logits, decode=True))
+                    token_ids, logit_ids = delta_rows
+                    self.deltas.begin_step(StepRows([(v, 1) for v in token_ids], logit_ids, decode=True))
                 self._forward_into_logits(tb)
             finally:
                 if self.lora is not None:
