@@ -112,13 +112,17 @@ def test_lora_steps_without_adapter_rows_replay_the_chunk_only_graphs(tiny_llama
     assert mixed.chunk_lora_replays >= 3 and mixed.lora_replays > mixed.chunk_lora_replays
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_delta_mixed_steps_replay_and_equal_eager(tmp_path, pipelined: bool) -> None:
+@pytest.mark.parametrize(("pipelined", "lane"), [(False, False), (True, False), (False, True)])
+def test_delta_mixed_steps_replay_and_equal_eager(tmp_path, pipelined: bool, lane: bool, monkeypatch) -> None:
     """Prefill chunks and decodes of two compressed deltas of different packed configs (4-bit and 2-bit
     2:4), a LoRA adapter and the base share steps: steps of at most 64 tokens replay delta graphs
     (captured at the first such step, one per delta bucket, configs and LoRA) whose SBMM tiles, gathers
     and lm_head delta read the delta pool's mixed-step buffers, and give exactly the eager tokens
-    (whose long prompts ran as dense segments). A model the CUDA SBMM op takes, float16."""
+    (whose long prompts ran as dense segments). A model the CUDA SBMM op takes, float16. ``lane``: the
+    dense lane's threshold lowered to these prompts (a third of the bucket), so the delta with the most
+    tokens of a step runs in the graph's dense lane (dequantised from device-side offsets, one masked
+    matmul) beside the other's tiles."""
+    from deltaserve.adapters import delta_graphs
     from helpers.deltas import make_delta
     from helpers.peft_adapters import make_peft_adapter
     from helpers.tiny_models import make_tiny_model
@@ -134,11 +138,18 @@ def test_delta_mixed_steps_replay_and_equal_eager(tmp_path, pipelined: bool) -> 
     reqs = {i: (p, 6) for i, p in enumerate(prompts(n, 500, seed=4, lo=2, hi=70))}
     arrivals = {i: i // 2 for i in range(n)}
     adapter_of = {i: (2, 3, 1, 0, 2)[i % 5] for i in range(n)}
+    if lane:
+        monkeypatch.setattr(delta_graphs, "DENSE_LANE_BASE_TOKENS", 0)
     eager, graphs = _executor(base, False, "float16"), _executor(base, True, "float16")
     want = _run(eager, reqs, arrivals, dirs, adapter_of, pipelined=pipelined)
     assert _run(graphs, reqs, arrivals, dirs, adapter_of, pipelined=pipelined) == want
     mixed = graphs.runner.mixed
     assert mixed is not None and mixed.delta_replays > 0, "steps with delta rows should replay delta graphs"
-    keys = {k for _, _, k in mixed.delta_graphs}
+    keys = {k for _, _, k, _ in mixed.delta_graphs}
     assert any(len(k) == 2 for k in keys), f"a step with both packed configs replayed: {keys}"
-    assert any(lora for _, lora, _ in mixed.delta_graphs), "a step with LoRA and delta rows replayed"
+    assert any(lora for _, lora, _, _ in mixed.delta_graphs), "a step with LoRA and delta rows replayed"
+    lanes = {lane_key for *_, lane_key in mixed.delta_graphs if lane_key is not None}
+    if lane:
+        assert mixed.lane_replays > 0 and lanes, "steps with a long prompt of a delta replayed a lane graph"
+    else:
+        assert mixed.lane_replays == 0 and not lanes, "these prompts are too short for the lane"

@@ -37,6 +37,7 @@ from deltaserve.kernels.common import sm_count
 from deltaserve.kernels.sbmm import (
     DeltaMeta,
     DeltaWeights,
+    dequantize_at,
     dequantize_slot,
     make_delta_weights,
     sbmm,
@@ -189,8 +190,8 @@ def test_shapes_and_long_segments(config: tuple[int, bool], shape: tuple[int, in
 @pytest.mark.parametrize("config", [(2, False), (2, True), (4, False), (4, True)], ids=["2b", "2b-2:4", "4b", "4b-2:4"])
 def test_dequantize_slot_equals_dequantize(config: tuple[int, bool], dtype: torch.dtype) -> None:
     """Every loaded slot of every shape (each scale path, partial column tiles), bit for bit, by the CUDA
-    op (on CUDA, float16 / bfloat16) and the Triton kernel; into a reused ``out``; an empty slot and a
-    wrong ``out`` are refused."""
+    op (on CUDA, float16 / bfloat16) and the Triton kernel; into a reused ``out``; named by its offsets
+    on the device (``dequantize_at``) too; an empty slot, a wrong ``out`` and wrong offsets are refused."""
     bits, sparse = config
     for shape in SHAPES:
         w = pool(bits, sparse, shape)
@@ -205,6 +206,18 @@ def test_dequantize_slot_equals_dequantize(config: tuple[int, bool], dtype: torc
                 assert torch.equal(dequantize_slot(w, s, dtype, **kw), want), (shape, s, kw)
                 scratch.fill_(float("nan"))
                 assert dequantize_slot(w, s, dtype, out=scratch, **kw) is scratch and torch.equal(scratch, want)
+            # The same slot named by its offsets on the device (a captured dense lane's device-side slot).
+            offsets = torch.tensor([o[s] for o in w.slot_offsets], dtype=torch.int64, device=DEVICE)
+            for kw in ({}, {"use_triton": True}):
+                scratch.fill_(float("nan"))
+                if kw and w.repacked:  # the Triton kernel reads a repacked slot only once unpacked on the host
+                    with pytest.raises(ValueError, match="repacked pool needs csrc"):
+                        dequantize_at(w, offsets, dtype, scratch, **kw)
+                    continue
+                assert dequantize_at(w, offsets, dtype, scratch, **kw) is scratch, (shape, s, kw)
+                assert torch.equal(scratch, want), (shape, s, kw)
+        with pytest.raises(ValueError, match="dequantize_at offsets"):
+            dequantize_at(w, offsets[:2], dtype, scratch)
     with pytest.raises(ValueError, match="dequantize_slot out"):
         dequantize_slot(w, 0, dtype, out=scratch[:, :-1])
     with pytest.raises(ValueError, match="dequantize_slot dtype"):

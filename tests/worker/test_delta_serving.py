@@ -480,3 +480,45 @@ def test_mixed_graph_buffers_hold_each_token_and_logits_row(executor_factory, va
     want = DeltaMeta.rows(logit_slots, "cpu", max_block_m=HEAD_TILE)
     order, tiles, count = g.head
     assert order[:8].tolist() == want.order.tolist() and count.item() == want.num_tiles
+
+
+def test_dense_lane_buffers_and_rule(executor_factory, variants, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dense lane of a captured mixed step (``delta_graphs``): the delta with the most tokens takes it
+    when it has ``dense_lane_tokens(bucket)`` of them and a piece at every layer; its rows are the lane's
+    mask and in no work tile, and the lane's offsets are its slot's in every linear's pool."""
+    from deltaserve.adapters import delta_graphs
+    from deltaserve.adapters.delta_pool import GRAPH_TILE
+    from deltaserve.kernels.sbmm import DeltaMeta
+
+    pool = _both_deltas_on_the_gpu(executor_factory(), variants)
+    runs = [(D4, 20), (0, 1), (D2, 5), (D2, 1)]
+    assert delta_graphs.dense_lane_tokens(32) == 74 and pool.dense_lane_for(runs, 32) is None, "too few tokens"
+    monkeypatch.setattr(delta_graphs, "DENSE_LANE_BASE_TOKENS", 0)  # 10 tokens of a 32-token bucket
+    assert pool.dense_lane_for(runs, 32) == D4
+    assert pool.dense_lane_for([(D4, 5), (D2, 12)], 32) == D2
+    assert pool.dense_lane_for([(D4, 9), (0, 20)], 32) is None
+    at = pool.piece_slots[D4]
+    monkeypatch.setitem(pool.piece_slots, D4, (-1, *at[1:]))  # as a partial (zoo) delta: no piece at layer 0
+    assert pool.dense_lane_for(runs, 32) is None, "a partial delta stays on the work tiles"
+    monkeypatch.setitem(pool.piece_slots, D4, at)
+
+    keys = pool.graph_keys([D4, D2])
+    key4 = pool.key_of[D4]
+    with pool.mixed_graph_state(32, 8, 64, 16, keys, lane_key=key4):
+        lane = pool.step.dense_lane
+        assert lane is not None and lane.key == key4 and not lane.mask.any()
+        assert lane.scratch.numel() == max(w.out_features * w.in_features for w in pool.step.weights[key4].values())
+    assert pool.step.dense_lane is None
+    tokens = [D4] * 20 + [0] + [D2] * 6
+    pool.fill_mixed_rows(tokens + [0] * 5, [D4, 0, D2, D2] + [0] * 4, keys, dense_lane=D4)
+    g = pool.mixed_rows
+    s4, s2 = pool.slot_of[D4], pool.slot_of[D2]
+    assert g.lane_mask[:32, 0].tolist() == [v == D4 for v in tokens + [0] * 5]
+    assert g.index[:32].tolist()[:20] == [s4 + 1] * 20, "the lane's rows keep their index (norms, biases)"
+    pools = pool.step.weights[key4]
+    want = [[offs[s4] for offs in pools[lin].slot_offsets] for lin in sorted(pools)]
+    assert g.lane_offsets[key4].tolist() == want
+    for key, rows in ((key4, [-1] * 32), (pool.key_of[D2], [-1] * 21 + [s2] * 6 + [-1] * 5)):
+        order, _, count = g.metas[key]
+        meta = DeltaMeta.rows(rows, "cpu", max_block_m=GRAPH_TILE)
+        assert count[0].item() == meta.num_tiles and order[:32].tolist() == meta.order.tolist(), key

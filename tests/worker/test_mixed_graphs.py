@@ -216,6 +216,44 @@ def test_static_steps_with_delta_rows_give_eager_tokens(
     assert no_deltas.delta_replays == 0 and no_deltas.replays == 0, "every step of this run has delta rows"
 
 
+def test_static_steps_with_a_dense_lane_give_eager_tokens(
+    tiny_llama: Path, lora_dirs: dict[int, Path], delta_dirs: dict[int, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the dense lane's threshold lowered to a tiny model's prompts (``dense_lane_tokens``: 10 tokens
+    of a 32-token bucket), the delta with the most tokens of a step runs in the lane (its delta
+    dequantised from offsets on the device, one masked matmul over the bucket; its tokens in no work
+    tile) beside the other delta's tiles, LoRA rows and base rows, and the tokens are the eager ones."""
+    from deltaserve.adapters import delta_graphs
+
+    n = 6
+    reqs = {i: (p, 3) for i, p in enumerate(prompts(n, 64, seed=6, lo=3, hi=40))}
+    arrivals = {i: i for i in range(n)}
+    adapter_of = {i: (3, 4, 1, 0)[i % 4] for i in range(n)}
+    variants = {**lora_dirs, **delta_dirs}
+    want = _run(make_executor(tiny_llama, max_model_len=128, max_deltas=2), reqs, arrivals, variants, adapter_of)
+    monkeypatch.setattr(delta_graphs, "DENSE_LANE_BASE_TOKENS", 0)
+    assert delta_graphs.dense_lane_tokens(32) == 10
+    ex = make_executor(tiny_llama, max_model_len=128, max_deltas=2)
+    mixed = static_steps(ex, 32, 8)
+    lanes: list[tuple[int, int]] = []  # (lane rows, the lane delta's rows left on the work tiles)
+    forward = ex.runner.model.forward
+
+    def recording(batch, kv):
+        step = ex.delta_pool.step
+        lane = step.dense_lane
+        if lane is not None:
+            on_tiles = {s for metas in step.piece_metas for _, meta in metas for s, _ in meta.slot_tokens}
+            lane_slot = step.token_index[lane.mask[:, 0]].unique().tolist()
+            assert len(lane_slot) == 1, lane_slot
+            lanes.append((int(lane.mask.sum()), int(lane_slot[0] - 1 in on_tiles)))
+        return forward(batch, kv)
+
+    ex.runner.model.forward = recording
+    assert _run(ex, reqs, arrivals, variants, adapter_of) == want
+    assert mixed.lane_replays == len(lanes) > 0 and mixed.delta_replays > mixed.lane_replays
+    assert all(rows >= 10 and not left for rows, left in lanes), lanes
+
+
 def recorded_lora_metas(ex) -> list[tuple[tuple[list, list], tuple[list, list]]]:
     """Per forward ``ex`` runs with adapter rows (filled as they run, decode steps left out): what
     its LoRA metadata holds (static buffers, refilled by the next step) and what

@@ -18,7 +18,16 @@ are one buffer each.
 A captured mixed step (``worker/mixed_graphs.py``) reads a second set, made with ``max_logits``: its
 "rows" are the bucket's tokens (each token its own row of the SBMM metadata, as a decode row is, so a
 prompt's tokens share their delta's work tiles of ``GRAPH_TILE`` tokens), and its logits rows (fewer:
-one per sequence that samples) have their own index and lm_head tiles.
+one per sequence that samples) have their own index and lm_head tiles. It may also have a *dense
+lane* (``delta_layers.DenseLane``): the delta with the most tokens of a long prompt runs dense, each
+linear's delta dequantised once from offsets the replay wrote (``lane_offsets``: per config, one
+``[3]`` int64 row per linear, in ``DeltaPool``'s linear order) and one masked matmul over the bucket
+(``lane_mask``), instead of a work tile per ``GRAPH_TILE`` tokens that each read the delta again.
+
+When a delta takes the lane (``dense_lane_tokens``; Llama-2-7B shape, 4-bit 2:4, fp16, H200,
+``bench/README.md``): a work tile costs ~1 ms (~0.061 ms a token: the tile reads the whole delta), the
+lane ~3.5 ms (the dequantisations) plus ~0.021 ms a token of the *bucket* (its matmuls run over every
+row, masked), so the lane wins from ~57 + 0.34 x bucket tokens of its delta.
 """
 
 from __future__ import annotations
@@ -30,10 +39,20 @@ import torch
 
 from ..kernels.sbmm import DeltaMeta
 from ..model.batch import copy_from_host
-from .delta_layers import ConfigKey
+from .delta_layers import ConfigKey, DenseLane
 
 Tiles = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """(order, tiles, tile count) int32: a ``DeltaMeta``'s device tensors."""
+
+
+DENSE_LANE_BASE_TOKENS = 64
+"""``dense_lane_tokens``' constant term (module docstring: the lane's fixed cost in a tile's tokens)."""
+
+
+def dense_lane_tokens(bucket: int) -> int:
+    """Fewest tokens of one delta that run in the dense lane of a captured step of ``bucket`` tokens
+    (module docstring): its fixed cost, plus a third of the bucket its masked matmuls run over."""
+    return DENSE_LANE_BASE_TOKENS + bucket // 3
 
 
 class DeltaGraphRows:
@@ -65,6 +84,10 @@ class DeltaGraphRows:
         logits = max_batch if max_logits is None else max_logits
         self.head: Tiles = self._zeros(logits, logits * 3, 1)
         """The lm_head delta's (order [L], tiles [L * 3], count [1])."""
+        self.lane_mask = torch.zeros(max_batch, 1, dtype=torch.bool, device=device)
+        """[B, 1] bool: the dense lane's rows (mixed steps)."""
+        self.lane_offsets: dict[ConfigKey, torch.Tensor] = {}
+        """Config -> [linears, 3] int64: the lane delta's offsets in each linear's pool."""
 
     def _zeros(self, *sizes: int) -> Tiles:
         a, b, c = (torch.zeros(n, dtype=torch.int32, device=self.device) for n in sizes)
@@ -102,6 +125,21 @@ class DeltaGraphRows:
         if logit_slots is not None:
             assert self.max_logits is not None, "decode rows are their own logits rows"
             copy_from_host(self.logit_index[: len(logit_slots)], torch.tensor(list(logit_slots), dtype=torch.int64) + 1)
+
+    def lane(self, b: int, key: ConfigKey, linears: Sequence[tuple[int, str]], scratch: torch.Tensor) -> DenseLane:
+        """The dense lane of a ``b``-row bucket whose lane delta is of config ``key``, over the static
+        buffers (``linears``: the (layer, proj) of each offsets row)."""
+        offsets = self.lane_offsets.get(key)
+        if offsets is None:
+            offsets = self.lane_offsets[key] = torch.zeros(len(linears), 3, dtype=torch.int64, device=self.device)
+        return DenseLane(key, self.lane_mask[:b], dict(zip(linears, offsets.unbind(0))), scratch)
+
+    def write_lane(self, b: int, mask: Sequence[bool], key: ConfigKey | None, offsets: torch.Tensor | None) -> None:
+        """The lane's rows among ``b`` (all False: no lane) and, with a lane, its delta's offsets
+        (``[linears, 3]`` int64 on the host) in config ``key``'s buffer."""
+        copy_from_host(self.lane_mask[:b, 0], torch.tensor(list(mask), dtype=torch.bool))
+        if key is not None and offsets is not None:
+            copy_from_host(self.lane_offsets[key], offsets)
 
     def host_tiles(self, rows: Sequence[int], b: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(order [b], tiles [grid, 3], count [1]) of rows ``rows`` (slot per row), built on the host."""

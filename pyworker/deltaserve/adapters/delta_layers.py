@@ -12,6 +12,8 @@ compress``) is ``W_base + Δ̃`` for every tensor it changed, and ``W_base + Δ�
                                                             d(t) = the block slot of t's delta at this
                                                             layer's part (``delta_blocks``): rows of
                                                             deltas sharing the block are one group
+        the step's dense lane, if any (captured mixed steps; ``DenseLane``):
+            out[:, slice] += (x * lane.mask) @ dequantize_at(pool, lane.offsets)^T
         out[:, slice] += bias_table[index]                  dense bias deltas (Qwen2's qkv biases)
     model.embed_tokens -> DeltaEmbedding   out += embed_table[d(t) * V + ids]   (a zero row for no delta)
     layer norms        -> DeltaRMSNorm     out[r] = norm(x)[r] * (w + norm_table[index[r]])  (HF's order;
@@ -46,7 +48,7 @@ from torch.nn import functional as F
 
 from ..kernels.dense_delta import dense_delta_rows
 from ..kernels.rmsnorm import RowDelta
-from ..kernels.sbmm import DeltaMeta, DeltaWeights, sbmm_stacked
+from ..kernels.sbmm import DeltaMeta, DeltaWeights, dequantize_at, sbmm_stacked
 from ..model.decoder import DecoderLM, RMSNorm, linear_slots
 from .delta_blocks import part_of, piece_index
 from .lora import hf_module_name
@@ -78,6 +80,36 @@ class DeltaTables:
     """``[slots, vocab, hidden]``: each slot's lm_head delta (tied embeddings: a view of ``embed``)."""
 
 
+@dataclass
+class DenseLane:
+    """One delta of a captured mixed step that runs dense instead of on the SBMM work tiles: per linear its
+    delta is dequantised once into ``scratch`` from the slot offsets the step wrote into ``offsets``
+    (``kernels.sbmm.dequantize_at``: a device-side slot), and one matmul over the step's rows, masked to
+    its tokens, adds ``x[t] Δ̃^T`` to them (other rows add an exact 0). What the eager step's dense
+    segments compute (one dequantisation, fp32 accumulation, one rounding), with shapes fixed by the
+    bucket. ``DeltaPool`` owns the buffers and says which delta takes the lane (``dense_lane_for``); its
+    tokens are in no work tile."""
+
+    key: ConfigKey
+    """The packed config of the lane's delta (fixed at capture: which pools the lane reads)."""
+    mask: torch.Tensor
+    """[T, 1] bool: the lane delta's tokens."""
+    offsets: dict[tuple[int, str], torch.Tensor]
+    """(layer, HF proj) -> [3] int64 on the device: the lane delta's (qvalues, qindices, group) offsets in
+    that linear's pool (its block slot at the linear's piece)."""
+    scratch: torch.Tensor
+    """1-D, the model dtype: room for the widest linear's dense delta."""
+
+    def add(self, x: torch.Tensor, out: torch.Tensor, slices: list[tuple[DeltaWeights, int, tuple[int, str]]]) -> None:
+        """``out[:, col : col + w.out_features] += (x masked) @ Δ̃^T`` for every ``(w, col, (layer, proj))``
+        of ``slices`` (a module's HF linears in the lane's pools)."""
+        xm = x.masked_fill(~self.mask, 0)  # masked_fill, not a product: a padding row's inf stays out
+        for w, col, at in slices:
+            n, k = w.out_features, w.in_features
+            d = dequantize_at(w, self.offsets[at], x.dtype, self.scratch[: n * k].view(n, k))
+            out[:, col : col + n].addmm_(xm, d.t())
+
+
 class DeltaStep:
     """The current step's delta rows and the slot-indexed delta pools (module docstring)."""
 
@@ -100,6 +132,8 @@ class DeltaStep:
         """Config -> (layer, HF proj) -> the packed pool (owned by ``DeltaPool``, filled in place)."""
         self.tables = DeltaTables()
         """The dense deltas by slot (owned by ``DeltaPool``, filled in place)."""
+        self.dense_lane: DenseLane | None = None
+        """The step's dense lane (captured mixed steps with a long prompt of one delta), or None."""
         self.rows: StepRows | None = None
         """The rows of the last ``DeltaPool.begin_step`` (kept after it: ``block_speculation`` begins
         the step again when a delta lands mid-forward)."""
@@ -145,6 +179,11 @@ class DeltaLinear(nn.Linear):
             slices = [(w, start) for proj, start, _ in self.slices if (w := pools.get((self.layer, proj))) is not None]
             if slices:
                 sbmm_stacked(x, out, slices, meta)
+        lane = step.dense_lane
+        if lane is not None:
+            pools = step.weights[lane.key]
+            lane.add(x, out, [(pools[at], start, at) for proj, start, _ in self.slices
+                              if (at := (self.layer, proj)) in lane.offsets])  # fmt: skip
         for (_, start, size), name in zip(self.slices, self.bias_names):
             table = step.tables.biases.get(name)
             if table is not None:

@@ -29,7 +29,8 @@ CUDA graphs (``DecodeGraphs``): ``graph_state(b, keys)`` points the step at stat
 index, per-config work tiles, the lm_head's tiles) sized for ``b`` rows while a decode bucket is
 captured; ``fill_graph_rows`` writes a decode step's rows into them before a replay. Prefill and
 mixed steps (``MixedGraphs``) have their own set (``mixed_graph_state`` / ``fill_mixed_rows``): each
-token of the bucket a row of the SBMM metadata, and the logits rows apart. Graph work tiles
+token of the bucket a row of the SBMM metadata, and the logits rows apart; a long prompt's delta may
+run in the step's dense lane instead (``dense_lane_for``; ``delta_graphs``). Graph work tiles
 hold at most ``GRAPH_TILE`` tokens (the CUDA op's widest tile, fixed at capture).
 
 Only deltas made for this base are accepted (``check_lineage`` against the base directory), in
@@ -75,8 +76,8 @@ from .delta_blocks import (
     piece_sharing,
     zero_delta,
 )
-from .delta_graphs import DeltaGraphRows
-from .delta_layers import ConfigKey, DeltaEmbedding, DeltaStep, dense_delta_names, norm_delta_names
+from .delta_graphs import DeltaGraphRows, dense_lane_tokens
+from .delta_layers import ConfigKey, DeltaEmbedding, DeltaStep, DenseLane, dense_delta_names, norm_delta_names
 from .delta_placements import DeltaPlacements
 from .delta_slots import DeltaSlots, delta_gpu_bytes
 from .host_tier import HostTier
@@ -186,6 +187,10 @@ class DeltaPool:
         """Most tokens per SBMM work tile: the CUDA op's largest where it runs (builds it now), else None."""
         self.dense_min_m = dense_min_m(device)
         """Prefill segments of a delta this long or longer: dequantised once and one matmul (CUDA only)."""
+        self.lane_scratch: torch.Tensor | None = None
+        """The dense lane's dequantised delta (room for the widest linear), made at the first lane."""
+        self._lane_rows: dict[int, torch.Tensor] = {}
+        """GPU-resident delta id -> its dense-lane offsets ``[linears, 3]`` on the host (``_lane_offsets``)."""
 
     # ------------------------------------------------------------------ inspect / validation
 
@@ -391,6 +396,7 @@ class DeltaPool:
         """Frees the delta's slot (its dense deltas released) and its pieces' block slots that no other
         resident delta uses (their regions zeroed in place)."""
         self.slot_of.pop(delta_id)
+        self._lane_rows.pop(delta_id, None)
         key = self.key_of.pop(delta_id)
         self.costs.pop(delta_id, None)
         pools = self.step.weights.get(key, {})
@@ -467,10 +473,12 @@ class DeltaPool:
 
     # ------------------------------------------------------------------ steps
 
-    def begin_step(self, rows: StepRows) -> bool:
+    def begin_step(self, rows: StepRows, dense_lane: int | None = None) -> bool:
         """Sets the step's delta rows from its token runs ``(variant id, n_tokens)`` in batch order and
         the variant id of each logits row (ids not in this pool count as "no delta"); returns whether
-        the step has delta tokens (False: nothing was set)."""
+        the step has delta tokens (False: nothing was set). ``dense_lane``: a resident delta whose
+        tokens run in the dense lane instead of the work tiles (``dense_lane_for``; a captured mixed
+        step's path, run eagerly where capture is off)."""
         logit_ids, decode, self.step.rows = rows.logit_ids, rows.decode, rows
         runs = [(v, n) for v, n in rows.runs if n > 0]
         if not any(v in self.slot_of for v, _ in runs):
@@ -490,7 +498,7 @@ class DeltaPool:
         self.step.embed_index = host_to_device(torch.tensor(embed_slot, dtype=torch.int64) + 1, dev)
         lens = [n for _, n in runs]
         piece_metas: list[tuple[tuple[ConfigKey, DeltaMeta], ...]] = [()] * self.num_pieces
-        for pieces, per_key in self._piece_rows([v for v, _ in runs]):
+        for pieces, per_key in self._piece_rows([0 if v == dense_lane else v for v, _ in runs]):
             metas = tuple(
                 (key, DeltaMeta.rows(at, dev, max_block_m=self.tile_cap) if decode
                  else DeltaMeta.segments(lens, at, dev, self.tile_cap, self.dense_min_m))
@@ -500,7 +508,58 @@ class DeltaPool:
                 piece_metas[p] = metas
         self.step.piece_metas = piece_metas
         self.step.head_meta = DeltaMeta.rows(self._head_rows(logit_ids), dev, max_block_m=HEAD_TILE)
+        if dense_lane is not None:
+            key = self.key_of[dense_lane]
+            mask = torch.tensor([v == dense_lane for v, n in runs for _ in range(n)], dtype=torch.bool)
+            offsets = host_to_device(self._lane_offsets(dense_lane), dev)
+            linears = self._lane_linears(key)
+            self.step.dense_lane = DenseLane(key, host_to_device(mask, dev)[:, None],
+                                             dict(zip(linears, offsets.unbind(0))), self._scratch())  # fmt: skip
         return True
+
+    # ------------------------------------------------------------------ the dense lane (``delta_graphs``)
+
+    def dense_lane_for(self, runs: Sequence[tuple[int, int]], bucket: int) -> int | None:
+        """The resident delta whose tokens a captured step of token runs ``runs`` in a ``bucket``-token
+        graph runs in its dense lane: the one with the most tokens, if it has at least
+        ``dense_lane_tokens(bucket)`` and a piece at every layer (a partial zoo delta stays on the
+        tiles: the lane runs every linear); else None."""
+        counts: dict[int, int] = {}
+        for v, n in runs:
+            if v in self.slot_of:
+                counts[v] = counts.get(v, 0) + n
+        if not counts:
+            return None
+        lane = max(counts, key=counts.__getitem__)
+        if counts[lane] < dense_lane_tokens(bucket) or min(self.piece_slots[lane][: self.num_pieces]) < 0:
+            return None
+        return lane
+
+    def _lane_linears(self, key: ConfigKey) -> list[tuple[int, str]]:
+        """The (layer, proj) of config ``key``'s pools, in the order of the lane's offsets rows."""
+        return sorted(self.step.weights[key])
+
+    def _lane_offsets(self, delta_id: int) -> torch.Tensor:
+        """``[linears, 3]`` int64 on the host: the resident delta's (qvalues, qindices, group) offsets in
+        each linear's pool, at the block slot of the linear's piece (cached while it is resident)."""
+        rows = self._lane_rows.get(delta_id)
+        if rows is None:
+            key, at = self.key_of[delta_id], self.piece_slots[delta_id]
+            pools = self.step.weights[key]
+            table = []
+            for layer, proj in self._lane_linears(key):
+                slot = at[piece_index(layer, part_of(self.config, proj))]
+                w = pools[(layer, proj)]
+                table.append([offs[slot] for offs in w.slot_offsets])
+            rows = self._lane_rows[delta_id] = torch.tensor(table, dtype=torch.int64)
+        return rows
+
+    def _scratch(self) -> torch.Tensor:
+        """The lane's scratch (``lane_scratch``), made at the first call."""
+        if self.lane_scratch is None:
+            size = max(w.out_features * w.in_features for pools in self.step.weights.values() for w in pools.values())
+            self.lane_scratch = torch.empty(size, dtype=self.dtype, device=self.device)
+        return self.lane_scratch
 
     def _piece_slot(self, variant_id: int, p: int) -> int:
         """The block slot of the variant's piece ``p``; -1 when it has none (or is not a resident delta)."""
@@ -531,6 +590,7 @@ class DeltaPool:
         """Back to inactive: the delta-aware modules compute their base alone."""
         self.step.piece_metas = []
         self.step.head_meta = None
+        self.step.dense_lane = None
         self.step.token_index = self.step.logit_index = self.step.embed_index = None
 
     # ------------------------------------------------------------------ CUDA graphs (``delta_graphs``)
@@ -583,11 +643,23 @@ class DeltaPool:
 
     @contextmanager
     def mixed_graph_state(
-        self, tokens: int, logits: int, max_tokens: int, max_logits: int, keys: Sequence[ConfigKey]
+        self,
+        tokens: int,
+        logits: int,
+        max_tokens: int,
+        max_logits: int,
+        keys: Sequence[ConfigKey],
+        lane_key: ConfigKey | None = None,
     ) -> Iterator[None]:
         """While a prefill / mixed bucket of ``tokens`` tokens and ``logits`` logits rows is captured: as
-        ``graph_state``, over the mixed steps' buffers, each token a row of the SBMM metadata."""
-        with self._static_state(self._graph_buffers(max_tokens, keys, max_logits), tokens, logits, keys):
+        ``graph_state``, over the mixed steps' buffers, each token a row of the SBMM metadata; with a dense
+        lane for a delta of config ``lane_key`` when given (``delta_graphs``)."""
+        g = self._graph_buffers(max_tokens, keys, max_logits)
+        with self._static_state(g, tokens, logits, keys):
+            if lane_key is not None:  # no row in the lane yet; offsets of a resident delta of the config
+                self.step.dense_lane = g.lane(tokens, lane_key, self._lane_linears(lane_key), self._scratch())
+                like = next(v for v, k in self.key_of.items() if k == lane_key)
+                g.write_lane(tokens, [False] * tokens, lane_key, self._lane_offsets(like))
             yield
 
     @contextmanager
@@ -613,12 +685,26 @@ class DeltaPool:
         assert g is not None and all(k in g.metas for k in keys), "graph_state first"
         self._write_rows(g, b, list(delta_ids) + [0] * (b - len(delta_ids)), keys)
 
-    def fill_mixed_rows(self, token_ids: Sequence[int], logit_ids: Sequence[int], keys: Sequence[ConfigKey]) -> None:
+    def fill_mixed_rows(
+        self,
+        token_ids: Sequence[int],
+        logit_ids: Sequence[int],
+        keys: Sequence[ConfigKey],
+        dense_lane: int | None = None,
+    ) -> None:
         """Writes a prefill / mixed step's variant id per token of its bucket and per logits row of it
-        (padding included: 0) into the buffers a graph captured with ``mixed_graph_state`` reads."""
+        (padding included: 0) into the buffers a graph captured with ``mixed_graph_state`` reads; with
+        ``dense_lane`` (a delta id; the graph was captured with its config as ``lane_key``) its tokens go
+        to the lane, not the work tiles."""
         g = self.mixed_rows
         assert g is not None and all(k in g.metas for k in keys), "mixed_graph_state first"
-        self._write_rows(g, len(token_ids), list(token_ids), keys, list(logit_ids))
+        ids = list(token_ids)
+        tile_ids = ids if dense_lane is None else [0 if v == dense_lane else v for v in ids]
+        self._write_rows(g, len(ids), ids, keys, list(logit_ids), tile_ids)
+        if dense_lane is not None:
+            key = self.key_of[dense_lane]
+            assert key in g.lane_offsets, "mixed_graph_state with the lane's config first"
+            g.write_lane(len(ids), [v == dense_lane for v in ids], key, self._lane_offsets(dense_lane))
 
     def _write_rows(
         self,
@@ -627,14 +713,16 @@ class DeltaPool:
         ids: list[int],
         keys: Sequence[ConfigKey],
         logit_ids: list[int] | None = None,
+        tile_ids: list[int] | None = None,
     ) -> None:
         """Row index, each config's per-piece tiles and the lm_head's tiles of rows ``ids`` (variant ids);
-        ``logit_ids``: the logits rows' variant ids where they are not the rows themselves (mixed steps)."""
+        ``logit_ids``: the logits rows' variant ids where they are not the rows themselves (mixed steps);
+        ``tile_ids``: the rows' ids for the work tiles where they differ (a dense lane's rows are 0)."""
         slots = [self.slot_of.get(v, -1) for v in ids]
         logit_slots = None if logit_ids is None else [self.slot_of.get(v, -1) for v in logit_ids]
         g.write_index(b, slots, [self._piece_slot(v, self.embed_piece) for v in ids], logit_slots)
         by_key: dict[ConfigKey, list[tuple[list[int], list[int]]]] = {key: [] for key in keys}
-        for pieces, per_key in self._piece_rows(ids):
+        for pieces, per_key in self._piece_rows(ids if tile_ids is None else tile_ids):
             for key, at in per_key:
                 by_key.setdefault(key, []).append((pieces, at))
         for key in keys:

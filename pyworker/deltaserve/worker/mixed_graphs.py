@@ -58,7 +58,10 @@ graphs are). The delta-aware modules read the delta pool's mixed-step buffers
 so a prompt's tokens share their delta's work tiles of ``GRAPH_TILE`` tokens (the eager step
 instead dequantises a long prompt's delta once and runs cuBLAS: the graph's sums are the same
 products in another order, so tests compare tokens); the logits rows have their own index and
-lm_head tiles.
+lm_head tiles. A prompt long enough for the bucket (``adapters.delta_graphs.dense_lane_tokens``) runs
+its delta in the graph's *dense lane* instead: one dequantisation per linear from offsets written
+before the replay, and one matmul over the bucket masked to its rows, as the eager step's dense
+segments compute it; such a step replays a graph captured with a lane for its delta's config.
 
 ``capture=False`` runs the same static-buffer forward eagerly (CPU tests: the padding logic against
 today's path). The graphs share the decode graphs' memory pool; ``DELTASERVE_CUDA_GRAPH_MAX_TOKENS``
@@ -223,11 +226,14 @@ class MixedGraphs:
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.chunk_lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         """LoRA graphs without the MBGMV row list, for buckets up to ``CHUNK_LORA_MAX_TOKENS``."""
-        self.delta_graphs: dict[tuple[int, bool, tuple], torch.cuda.CUDAGraph] = {}
-        """(delta bucket, with LoRA rows, the step's packed configs) -> its graph with the deltas active,
-        captured the first time such a step comes (which configs serve is known only once deltas load)."""
+        self.delta_graphs: dict[tuple[int, bool, tuple, tuple | None], torch.cuda.CUDAGraph] = {}
+        """(delta bucket, with LoRA rows, the step's packed configs, the dense lane's config or None) -> its
+        graph with the deltas active, captured the first time such a step comes (which configs serve is
+        known only once deltas load)."""
         self.delta_replays = 0
         """Steps with delta rows served here."""
+        self.lane_replays = 0
+        """Of those, steps with a dense lane."""
         self.replays = 0
         """Steps served here so far (tests and logs check the graphs are really used)."""
         self.lora_replays = 0
@@ -369,18 +375,20 @@ class MixedGraphs:
         logits = self.model.forward(self._batch(tb), self.kv)
         self.logits[: logits.shape[0]].copy_(logits)
 
-    def _capture_one(self, tb: int, lora: bool, rows: bool = True, keys: tuple | None = None) -> torch.cuda.CUDAGraph:
+    def _capture_one(
+        self, tb: int, lora: bool, rows: bool = True, keys: tuple | None = None, lane: tuple | None = None
+    ) -> torch.cuda.CUDAGraph:
         """Bucket ``tb``'s graph (LoRA active over the static metadata when ``lora``, with the MBGMV
         row list when ``rows``; the deltas of packed configs ``keys`` over the delta pool's static
-        buffers when given). Two eager forwards first compile the kernels and allocate workspaces;
-        every row is padding meanwhile."""
+        buffers when given, with a dense lane for config ``lane`` when given). Two eager forwards first
+        compile the kernels and allocate workspaces; every row is padding meanwhile."""
         seg_start, seg_adapter, _ = self._fill(tb, None, [] if lora else None)
         self._upload(tb, None)
         if lora:
             assert self.lora is not None
             self.lora.step.meta = self._lora_meta(tb, seg_start, seg_adapter, rows)
         try:
-            with self._delta_state(tb, keys):
+            with self._delta_state(tb, keys, lane):
                 for _ in range(2):
                     self._forward_into_logits(tb)
                 torch.cuda.synchronize(self.kv.device)
@@ -394,13 +402,13 @@ class MixedGraphs:
             self.pool = graph.pool()
         return graph
 
-    def _delta_state(self, tb: int, keys: tuple | None) -> AbstractContextManager[None]:
-        """The delta pool's static buffers of bucket ``tb`` and configs ``keys`` while a graph is captured
-        (``DeltaPool.mixed_graph_state``); nothing when ``keys`` is None."""
+    def _delta_state(self, tb: int, keys: tuple | None, lane: tuple | None = None) -> AbstractContextManager[None]:
+        """The delta pool's static buffers of bucket ``tb`` and configs ``keys`` (a dense lane for config
+        ``lane``) while a graph is captured (``DeltaPool.mixed_graph_state``); nothing when ``keys`` is None."""
         if keys is None:
             return nullcontext()
         assert self.deltas is not None
-        return self.deltas.mixed_graph_state(tb, self._seqs(tb), self.delta_sizes[-1], self.max_seqs, keys)
+        return self.deltas.mixed_graph_state(tb, self._seqs(tb), self.delta_sizes[-1], self.max_seqs, keys, lane)
 
     def _capture_all(self) -> None:
         started = time.monotonic()
@@ -476,22 +484,25 @@ class MixedGraphs:
             ids = [v if v in gpu else 0 for v, _ in rows.runs]
             if any(ids):
                 slots = self.lora.assign_rows(ids)
-        keys = None
+        keys = lane_key = lane = None
         # With delta rows: the variant id of each token of the bucket and of each of its logits rows (padding 0).
         delta_rows: tuple[list[int], list[int]] | None = None
         if delta_ids:
             assert self.deltas is not None  # ``takes`` said yes
             keys = self.deltas.graph_keys(sorted(delta_ids))
+            lane = self.deltas.dense_lane_for(rows.runs, tb)
+            lane_key = None if lane is None else self.deltas.key_of[lane]
             tokens = [v for v, n in rows.runs for _ in range(n)]
             logit_ids = list(rows.logit_ids)
             delta_rows = (tokens + [0] * (tb - len(tokens)), logit_ids + [0] * (self._seqs(tb) - len(logit_ids)))
-            variant = (tb, slots is not None, keys)
+            variant = (tb, slots is not None, keys, lane_key)
             if self.capture and variant not in self.delta_graphs:  # before the step's inputs go in: capture pads
                 with torch.inference_mode():
                     started = time.monotonic()
-                    self.delta_graphs[variant] = self._capture_one(tb, slots is not None, keys=keys)
-                    log.info("captured the mixed-step graph of %d tokens with deltas %s%s in %.2f s", tb,
-                             list(keys), " and LoRA" if slots is not None else "", time.monotonic() - started)  # fmt: skip
+                    self.delta_graphs[variant] = self._capture_one(tb, slots is not None, keys=keys, lane=lane_key)
+                    log.info("captured the mixed-step graph of %d tokens with deltas %s%s%s in %.2f s", tb, list(keys),
+                             "" if lane_key is None else f", a dense lane of {lane_key}",
+                             " and LoRA" if slots is not None else "", time.monotonic() - started)  # fmt: skip
         seg_start, seg_adapter, has_rows = self._fill(tb, step, slots)
         self._upload(tb, step)
         if device_inputs is not None:
@@ -501,8 +512,8 @@ class MixedGraphs:
         if self.capture:
             if keys is not None:
                 assert self.deltas is not None and delta_rows is not None
-                self.deltas.fill_mixed_rows(*delta_rows, keys)
-                graph = self.delta_graphs[(tb, slots is not None, keys)]
+                self.deltas.fill_mixed_rows(*delta_rows, keys, lane)
+                graph = self.delta_graphs[(tb, slots is not None, keys, lane_key)]
             else:
                 graphs = self.graphs if slots is None else self.chunk_lora_graphs if chunk_only else self.lora_graphs
                 graph = graphs[tb]
@@ -515,7 +526,7 @@ class MixedGraphs:
                 if delta_rows is not None:  # the same token rows and logits rows, as host-built metadata
                     assert self.deltas is not None
                     token_ids, logit_ids = delta_rows
-                    self.deltas.begin_step(StepRows([(v, 1) for v in token_ids], logit_ids, decode=True))
+                    self.deltas.begin_step(StepRows([(v, 1) for v in token_ids], logit_ids, decode=True), lane)
                 self._forward_into_logits(tb)
             finally:
                 if self.lora is not None:
@@ -526,6 +537,7 @@ class MixedGraphs:
         self.lora_replays += slots is not None
         self.chunk_lora_replays += chunk_only
         self.delta_replays += keys is not None
+        self.lane_replays += lane is not None
         return self.logits[:m]
 
 

@@ -17,7 +17,8 @@ The package::
     tiles.py        what the Triton kernels share: a program's work tile, its tokens, a slot's rows
     triton_fma.py   FMA tiles (runs of at most 4 tokens of one delta: decode), split-K
     triton_dot.py   tl.dot tiles (16 or 64 tokens)
-    dequant.py      a slot's delta as a dense tensor; dense prefill segments (one dequantisation + cuBLAS)
+    dequant.py      a slot's delta as a dense tensor (by slot, or by offsets on the device); dense prefill
+                    segments (one dequantisation + cuBLAS)
     cuda.py         csrc/sbmm.cu through ctypes: sbmm_cuda, sbmm_stacked_cuda, cuda_supports, cuda_split
     configs/launch.json   the Triton kernels' tuned launch configs (``LAUNCH``, the dequant kernel's)
     __init__.py     the entry points (below), ``launch_config``
@@ -64,7 +65,7 @@ from .cuda import (
     sbmm_cuda,
     sbmm_stacked_cuda,
 )
-from .dequant import dense_min_m, dense_segments, dequantize_slot
+from .dequant import dense_min_m, dense_segments, dequantize_at, dequantize_slot
 from .layout import DeltaWeights, make_delta_weights
 from .meta import FMA_MAX_M, DeltaMeta
 from .ref import sbmm_ref
@@ -73,7 +74,7 @@ from .triton_fma import fma_step, launch_fma
 
 __all__ = [
     "DTYPES", "LAUNCH", "DeltaMeta", "DeltaWeights", "FMA_MAX_M", "cuda_shape_problem", "cuda_split", "cuda_supports",
-    "cuda_tile_cap", "dense_min_m", "dequantize_slot", "launch_config", "launch_cuda", "make_delta_weights",
+    "cuda_tile_cap", "dense_min_m", "dequantize_at", "dequantize_slot", "launch_config", "launch_cuda", "make_delta_weights",
     "sbmm", "sbmm_cuda", "sbmm_ref", "sbmm_stacked", "sbmm_stacked_cuda", "sbmm_triton",
 ]  # fmt: skip
 

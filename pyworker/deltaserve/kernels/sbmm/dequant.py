@@ -6,6 +6,8 @@
 ``[out, in]`` in the activation dtype: csrc/sbmm.cu's ``deltaserve_dequant`` where it is built
 (float16 / bfloat16 on CUDA, either slot layout: csrc/sbmm_dequant.cuh; bound here, next to the Triton
 kernel it replaces), else ``_dequant_kernel`` (over a repacked pool, on the slot unpacked first).
+``dequantize_at`` does the same for a slot named by its offsets in a device tensor (a CUDA graph's
+replay dequantises the slot the step wrote there: the dense lane of captured mixed steps).
 
 **Dense segments** (``DeltaMeta.dense``, prefill only: ``segments(dense_min_m=)``; the worker sets it
 on CUDA, ``dense_min_m``). A segment of at least that many tokens of one delta is in no work tile:
@@ -194,13 +196,43 @@ def dequantize_slot(
     scratch). csrc/sbmm.cu's ``deltaserve_dequant`` where it is built (float16 / bfloat16 on CUDA),
     else the Triton ``_dequant_kernel`` (``use_triton=True`` forces it)."""
     w.check_loaded(slot)
+    offsets = (w.qvalues_offsets, w.qindices_offsets, w.group_offsets)
+    return _dequantize(w, offsets, slot, dtype, out, use_triton, "dequantize_slot")
+
+
+def dequantize_at(
+    w: DeltaWeights, offsets: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, *, use_triton: bool | None = None
+) -> torch.Tensor:
+    """``dequantize_slot`` of the slot whose (qvalues, qindices, group) offsets ``offsets`` holds on the
+    device (``[3]`` int64, contiguous; a row of ``w``'s ``slot_offsets``): a *device-side slot*. The kernels
+    read the offsets when they run, so a CUDA graph captured over ``offsets`` dequantises whichever loaded
+    slot the step wrote there before the replay (``adapters/delta_graphs.py``'s dense lane). The caller
+    vouches that the offsets are a loaded slot's (no host read here). Over a repacked pool only csrc's
+    ``deltaserve_dequant`` runs (the Triton kernel would need the slot on the host to unpack it)."""
+    if offsets.shape != (3,) or offsets.dtype != torch.int64 or offsets.device != w.device or offsets.stride(0) != 1:
+        raise ValueError(f"sbmm: dequantize_at offsets {list(offsets.shape)} {offsets.dtype} on {offsets.device}: "
+                         f"want a contiguous [3] int64 on {w.device}")  # fmt: skip
+    return _dequantize(w, (offsets[0:1], offsets[1:2], offsets[2:3]), 0, dtype, out, use_triton, "dequantize_at")
+
+
+def _dequantize(
+    w: DeltaWeights,
+    offsets: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    slot: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None,
+    use_triton: bool | None,
+    what: str,
+) -> torch.Tensor:
+    """Entry ``slot`` of the (qvalues, qindices, group) offset tables ``offsets`` of pool ``w`` as a dense
+    tensor: csrc's ``deltaserve_dequant`` where it runs, else the Triton kernel."""
     if dtype not in DTYPES:
-        raise ValueError(f"sbmm: dequantize_slot dtype {dtype}: want one of float32, float16, bfloat16")
+        raise ValueError(f"sbmm: {what} dtype {dtype}: want one of float32, float16, bfloat16")
     shape = (w.out_features, w.in_features)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=w.device)
     elif tuple(out.shape) != shape or out.dtype != dtype or out.device != w.device or not out.is_contiguous():
-        raise ValueError(f"sbmm: dequantize_slot out {list(out.shape)} {out.dtype} on {out.device}: want a contiguous "
+        raise ValueError(f"sbmm: {what} out {list(out.shape)} {out.dtype} on {out.device}: want a contiguous "
                          f"{list(shape)} {dtype} on {w.device}")  # fmt: skip
     cuda = use_triton is None and out.is_cuda and dtype in cuda_ext.DTYPE_CODES
     readable = not w.repacked or w.cuda_alignment_problem() is None  # repacked scales: 8-byte loads
@@ -209,27 +241,30 @@ def dequantize_slot(
         fn = lib.deltaserve_dequant
         if fn.argtypes is None:
             fn.argtypes, fn.restype = _CUDA_DEQUANT_ARGS, ctypes.c_int
+        qv_off, qi_off, g_off = (t.data_ptr() for t in offsets)
         code = fn(out.data_ptr(), w.qvalues.data_ptr(), w.qindices.data_ptr() if w.sparse else None,
-                  w.scales.data_ptr(), w.zeros.data_ptr(), w.qvalues_offsets.data_ptr(),
-                  w.qindices_offsets.data_ptr(), w.group_offsets.data_ptr(), slot, w.out_features, w.in_features,
-                  w.group_size, w.bits, int(w.sparse), cuda_ext.DTYPE_CODES[dtype], int(w.repacked),
+                  w.scales.data_ptr(), w.zeros.data_ptr(), qv_off, qi_off, g_off, slot, w.out_features,
+                  w.in_features, w.group_size, w.bits, int(w.sparse), cuda_ext.DTYPE_CODES[dtype], int(w.repacked),
                   torch.cuda.current_stream(out.device).cuda_stream)  # fmt: skip
-        cuda_ext.check(lib, code, "dequantize_slot")
+        cuda_ext.check(lib, code, what)
         return out
     # The Triton kernel reads the format's layout: the pool's buffers, or the slot unpacked from the repacked one.
     qv_buf, qi_buf, qi_row = w.qvalues, *qindices_arg(w)
-    sc_buf, zr_buf, offs, at = w.scales, w.zeros, (w.qvalues_offsets, w.qindices_offsets, w.group_offsets), slot
+    sc_buf, zr_buf, at = w.scales, w.zeros, slot
     if w.repacked:
+        if offsets[0] is not w.qvalues_offsets:
+            raise ValueError(f"sbmm: {what} over a repacked pool needs csrc's deltaserve_dequant (float16 / "
+                             "bfloat16 on CUDA, the op built)")  # fmt: skip
         p = w.packed(slot)
         qv_buf, sc_buf, zr_buf = p.qvalues.reshape(-1), p.scales.reshape(-1), p.zeros.reshape(-1)
         qi_buf = p.qindices.reshape(-1) if p.qindices is not None else qv_buf
         zero = torch.zeros(1, dtype=torch.int64, device=w.device)
-        offs, at = (zero, zero, zero), 0
+        offsets, at = (zero, zero, zero), 0
     cfg = _DEQUANT
     block_n, block_k = cfg["BLOCK_N"], max(cfg["BLOCK_K"], w.group_size)
     qv, _, g = w.slot_shapes()
     _dequant_kernel[(triton.cdiv(w.out_features, block_n), triton.cdiv(w.in_features, block_k))](
-        out, qv_buf, qi_buf, sc_buf, zr_buf, *offs, at,
+        out, qv_buf, qi_buf, sc_buf, zr_buf, *offsets, at,
         w.out_features, w.in_features, out.stride(0), qv[1], qi_row, g[1], **tile_constexprs(w, block_k),
         BLOCK_N=block_n, RNE=needs_rne_by_hand(out), num_warps=cfg["num_warps"])  # fmt: skip
     return out
