@@ -145,8 +145,8 @@ def test_delta_mixed_steps_replay_and_equal_eager(tmp_path, pipelined: bool, lan
     assert _run(graphs, reqs, arrivals, dirs, adapter_of, pipelined=pipelined) == want
     mixed = graphs.runner.mixed
     assert mixed is not None and mixed.delta_replays > 0, "steps with delta rows should replay delta graphs"
-    keys = {k for _, _, k, _ in mixed.delta_graphs}
-    assert any(len(k) == 2 for k in keys), f"a step with both packed configs replayed: {keys}"
+    configs = [{*k, *([lane_key] if lane_key else [])} for _, _, k, lane_key in mixed.delta_graphs]
+    assert any(len(c) == 2 for c in configs), f"a step with both packed configs replayed: {configs}"
     assert any(lora for _, lora, _, _ in mixed.delta_graphs), "a step with LoRA and delta rows replayed"
     lanes = {lane_key for *_, lane_key in mixed.delta_graphs if lane_key is not None}
     if lane:

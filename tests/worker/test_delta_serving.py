@@ -506,14 +506,14 @@ def test_dense_lane_buffers_and_rule(executor_factory, variants, monkeypatch: py
     key4 = pool.key_of[D4]
     with pool.mixed_graph_state(32, 8, 64, 16, keys, lane_key=key4):
         lane = pool.step.dense_lane
-        assert lane is not None and lane.key == key4 and not lane.mask.any()
+        assert lane is not None and lane.key == key4 and lane.others.all()
         assert lane.scratch.numel() == max(w.out_features * w.in_features for w in pool.step.weights[key4].values())
     assert pool.step.dense_lane is None
     tokens = [D4] * 20 + [0] + [D2] * 6
     pool.fill_mixed_rows(tokens + [0] * 5, [D4, 0, D2, D2] + [0] * 4, keys, dense_lane=D4)
     g = pool.mixed_rows
     s4, s2 = pool.slot_of[D4], pool.slot_of[D2]
-    assert g.lane_mask[:32, 0].tolist() == [v == D4 for v in tokens + [0] * 5]
+    assert g.lane_others[:32, 0].tolist() == [v != D4 for v in tokens + [0] * 5]
     assert g.index[:32].tolist()[:20] == [s4 + 1] * 20, "the lane's rows keep their index (norms, biases)"
     pools = pool.step.weights[key4]
     want = [[offs[s4] for offs in pools[lin].slot_offsets] for lin in sorted(pools)]

@@ -243,9 +243,9 @@ def test_static_steps_with_a_dense_lane_give_eager_tokens(
         lane = step.dense_lane
         if lane is not None:
             on_tiles = {s for metas in step.piece_metas for _, meta in metas for s, _ in meta.slot_tokens}
-            lane_slot = step.token_index[lane.mask[:, 0]].unique().tolist()
+            lane_slot = step.token_index[~lane.others[:, 0]].unique().tolist()
             assert len(lane_slot) == 1, lane_slot
-            lanes.append((int(lane.mask.sum()), int(lane_slot[0] - 1 in on_tiles)))
+            lanes.append((int((~lane.others).sum()), int(lane_slot[0] - 1 in on_tiles)))
         return forward(batch, kv)
 
     ex.runner.model.forward = recording

@@ -22,7 +22,7 @@ one per sequence that samples) have their own index and lm_head tiles. It may al
 lane* (``delta_layers.DenseLane``): the delta with the most tokens of a long prompt runs dense, each
 linear's delta dequantised once from offsets the replay wrote (``lane_offsets``: per config, one
 ``[3]`` int64 row per linear, in ``DeltaPool``'s linear order) and one masked matmul over the bucket
-(``lane_mask``), instead of a work tile per ``GRAPH_TILE`` tokens that each read the delta again.
+(``lane_others``: the rows it zeroes), instead of a work tile per ``GRAPH_TILE`` tokens that each read the delta again.
 
 When a delta takes the lane (``dense_lane_tokens``; Llama-2-7B shape, 4-bit 2:4, fp16, H200,
 ``bench/README.md``): a work tile costs ~1 ms (~0.061 ms a token: the tile reads the whole delta), the
@@ -84,8 +84,8 @@ class DeltaGraphRows:
         logits = max_batch if max_logits is None else max_logits
         self.head: Tiles = self._zeros(logits, logits * 3, 1)
         """The lm_head delta's (order [L], tiles [L * 3], count [1])."""
-        self.lane_mask = torch.zeros(max_batch, 1, dtype=torch.bool, device=device)
-        """[B, 1] bool: the dense lane's rows (mixed steps)."""
+        self.lane_others = torch.ones(max_batch, 1, dtype=torch.bool, device=device)
+        """[B, 1] bool: the rows outside the dense lane (mixed steps)."""
         self.lane_offsets: dict[ConfigKey, torch.Tensor] = {}
         """Config -> [linears, 3] int64: the lane delta's offsets in each linear's pool."""
 
@@ -132,12 +132,12 @@ class DeltaGraphRows:
         offsets = self.lane_offsets.get(key)
         if offsets is None:
             offsets = self.lane_offsets[key] = torch.zeros(len(linears), 3, dtype=torch.int64, device=self.device)
-        return DenseLane(key, self.lane_mask[:b], dict(zip(linears, offsets.unbind(0))), scratch)
+        return DenseLane(key, self.lane_others[:b], dict(zip(linears, offsets.unbind(0))), scratch)
 
     def write_lane(self, b: int, mask: Sequence[bool], key: ConfigKey | None, offsets: torch.Tensor | None) -> None:
-        """The lane's rows among ``b`` (all False: no lane) and, with a lane, its delta's offsets
+        """The lane's rows among ``b`` (``mask``; all False: no lane) and, with a lane, its delta's offsets
         (``[linears, 3]`` int64 on the host) in config ``key``'s buffer."""
-        copy_from_host(self.lane_mask[:b, 0], torch.tensor(list(mask), dtype=torch.bool))
+        copy_from_host(self.lane_others[:b, 0], ~torch.tensor(list(mask), dtype=torch.bool))
         if key is not None and offsets is not None:
             copy_from_host(self.lane_offsets[key], offsets)
 

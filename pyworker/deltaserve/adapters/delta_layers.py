@@ -13,7 +13,7 @@ compress``) is ``W_base + Δ̃`` for every tensor it changed, and ``W_base + Δ�
                                                             layer's part (``delta_blocks``): rows of
                                                             deltas sharing the block are one group
         the step's dense lane, if any (captured mixed steps; ``DenseLane``):
-            out[:, slice] += (x * lane.mask) @ dequantize_at(pool, lane.offsets)^T
+            out[:, slice] += (x, its rows zeroed but the lane's) @ dequantize_at(pool, lane.offsets)^T
         out[:, slice] += bias_table[index]                  dense bias deltas (Qwen2's qkv biases)
     model.embed_tokens -> DeltaEmbedding   out += embed_table[d(t) * V + ids]   (a zero row for no delta)
     layer norms        -> DeltaRMSNorm     out[r] = norm(x)[r] * (w + norm_table[index[r]])  (HF's order;
@@ -92,8 +92,8 @@ class DenseLane:
 
     key: ConfigKey
     """The packed config of the lane's delta (fixed at capture: which pools the lane reads)."""
-    mask: torch.Tensor
-    """[T, 1] bool: the lane delta's tokens."""
+    others: torch.Tensor
+    """[T, 1] bool: the rows that are *not* the lane delta's tokens (the ones its matmuls zero)."""
     offsets: dict[tuple[int, str], torch.Tensor]
     """(layer, HF proj) -> [3] int64 on the device: the lane delta's (qvalues, qindices, group) offsets in
     that linear's pool (its block slot at the linear's piece)."""
@@ -103,7 +103,7 @@ class DenseLane:
     def add(self, x: torch.Tensor, out: torch.Tensor, slices: list[tuple[DeltaWeights, int, tuple[int, str]]]) -> None:
         """``out[:, col : col + w.out_features] += (x masked) @ Δ̃^T`` for every ``(w, col, (layer, proj))``
         of ``slices`` (a module's HF linears in the lane's pools)."""
-        xm = x.masked_fill(~self.mask, 0)  # masked_fill, not a product: a padding row's inf stays out
+        xm = x.masked_fill(self.others, 0)  # masked_fill, not a product: a padding row's inf stays out
         for w, col, at in slices:
             n, k = w.out_features, w.in_features
             d = dequantize_at(w, self.offsets[at], x.dtype, self.scratch[: n * k].view(n, k))

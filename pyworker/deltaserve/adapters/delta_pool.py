@@ -510,10 +510,10 @@ class DeltaPool:
         self.step.head_meta = DeltaMeta.rows(self._head_rows(logit_ids), dev, max_block_m=HEAD_TILE)
         if dense_lane is not None:
             key = self.key_of[dense_lane]
-            mask = torch.tensor([v == dense_lane for v, n in runs for _ in range(n)], dtype=torch.bool)
+            others = torch.tensor([v != dense_lane for v, n in runs for _ in range(n)], dtype=torch.bool)
             offsets = host_to_device(self._lane_offsets(dense_lane), dev)
             linears = self._lane_linears(key)
-            self.step.dense_lane = DenseLane(key, host_to_device(mask, dev)[:, None],
+            self.step.dense_lane = DenseLane(key, host_to_device(others, dev)[:, None],
                                              dict(zip(linears, offsets.unbind(0))), self._scratch())  # fmt: skip
         return True
 

@@ -227,7 +227,7 @@ class MixedGraphs:
         self.chunk_lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         """LoRA graphs without the MBGMV row list, for buckets up to ``CHUNK_LORA_MAX_TOKENS``."""
         self.delta_graphs: dict[tuple[int, bool, tuple, tuple | None], torch.cuda.CUDAGraph] = {}
-        """(delta bucket, with LoRA rows, the step's packed configs, the dense lane's config or None) -> its
+        """(delta bucket, with LoRA rows, the packed configs on the work tiles, the dense lane's config or None) -> its
         graph with the deltas active, captured the first time such a step comes (which configs serve is
         known only once deltas load)."""
         self.delta_replays = 0
@@ -489,9 +489,10 @@ class MixedGraphs:
         delta_rows: tuple[list[int], list[int]] | None = None
         if delta_ids:
             assert self.deltas is not None  # ``takes`` said yes
-            keys = self.deltas.graph_keys(sorted(delta_ids))
             lane = self.deltas.dense_lane_for(rows.runs, tb)
             lane_key = None if lane is None else self.deltas.key_of[lane]
+            # The configs of the deltas on the work tiles (none beside a lone lane delta: no SBMM launch).
+            keys = self.deltas.graph_keys(sorted(delta_ids - {lane}))
             tokens = [v for v, n in rows.runs for _ in range(n)]
             logit_ids = list(rows.logit_ids)
             delta_rows = (tokens + [0] * (tb - len(tokens)), logit_ids + [0] * (self._seqs(tb) - len(logit_ids)))
