@@ -66,10 +66,10 @@ def test_buckets() -> None:
 
 def test_graph_token_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """``DELTASERVE_CUDA_GRAPH_MAX_TOKENS`` and ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS``: defaults 2048
-    and 1024, 0 turns the graphs off (for delta rows: such steps run eagerly), a bad value stops the worker."""
+    and 512, 0 turns the graphs off (for delta rows: such steps run eagerly), a bad value stops the worker."""
     for name in (MAX_TOKENS_ENV, DELTA_MAX_TOKENS_ENV):
         monkeypatch.delenv(name, raising=False)
-    assert (max_tokens_from_env(), delta_max_tokens_from_env()) == (2048, 1024)
+    assert (max_tokens_from_env(), delta_max_tokens_from_env()) == (2048, 512)
     monkeypatch.setenv(DELTA_MAX_TOKENS_ENV, " 0 ")
     assert delta_max_tokens_from_env() == 0
     monkeypatch.setenv(DELTA_MAX_TOKENS_ENV, "1024")

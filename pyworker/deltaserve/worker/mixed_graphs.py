@@ -49,7 +49,7 @@ decode graphs' padded buckets (Llama-2-7B shape, fp16, H100: identical logits at
 of 640 tokens, up to 0.034 apart at 96 of 128; ``bench/mixed_step.py``): tests compare tokens. Steps
 with prompt logprobs or CPU-assisted cold prefills run eagerly (``ForwardRunner.forward``).
 
-Compressed-delta rows: a step of at most ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS`` tokens (default 1024;
+Compressed-delta rows: a step of at most ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS`` tokens (default 512;
 0: eager) whose deltas' packed configs the
 CUDA SBMM op takes replays a graph of its *delta bucket* (``DELTA_TOKEN_BUCKETS``), its packed
 configs and whether it has LoRA rows, captured the first time such a step comes (as the delta decode
@@ -115,15 +115,15 @@ CHUNK_LORA_MAX_TOKENS = 256
 #: the SBMM work tiles.
 DELTA_TOKEN_BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 DELTA_MAX_TOKENS_ENV = "DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS"
-DEFAULT_DELTA_MAX_TOKENS = 1024
+DEFAULT_DELTA_MAX_TOKENS = 512
 """Most tokens of a step with delta rows replayed from a graph unless ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS``
 says otherwise (0: such steps run eagerly). An eager delta step pays the launching thread for its
 ~800-1,000 kernels; a captured one runs a short delta run on the SBMM work tiles of ``GRAPH_TILE``
 tokens (each reading the delta again) and a long prompt's delta in the dense lane
 (``adapters.delta_graphs``). Llama-2-7B shape, 4-bit 2:4, H200, one prompt of one delta
-(``bench/README.md``): replayed 31.8 ms at 512 tokens against 53.8 eager, 55.2 against 56.9 at 1,024
-(the device time there is 50.0 against 45.5 ms: the lane's matmuls over the masked bucket and its
-masking). Beyond the limit the step runs eagerly."""
+(``bench/README.md``): replayed 31.8 ms at 512 tokens against 53.8 eager; at 1,024 55.2 against 56.9,
+a tie that does not pay for the graphs of two more buckets captured mid-serving (a 30 s DeltaZip run
+with the limit at 1,024 captured 14). Beyond the limit the step runs eagerly."""
 
 
 def _tokens_from_env(name: str, default: int) -> int:
