@@ -188,7 +188,7 @@ class DeltaPool:
         self.dense_min_m = dense_min_m(device)
         """Prefill segments of a delta this long or longer: dequantised once and one matmul (CUDA only)."""
         self.lane_scratch: torch.Tensor | None = None
-        """The dense lane's dequantised delta (room for the widest linear), made at the first lane."""
+        """The dense lane's dequantised delta (room for the widest linear), made with the first pools."""
         self._lane_rows: dict[int, torch.Tensor] = {}
         """GPU-resident delta id -> its dense-lane offsets ``[linears, 3]`` on the host (``_lane_offsets``)."""
 
@@ -321,11 +321,18 @@ class DeltaPool:
 
     @property
     def gpu_bytes(self) -> int:
-        """Device bytes the pool holds: the slot arenas and the dense tables, each storage once (after
-        the first ``to_gpu``, ``delta_slots.reserve_bytes``; the CPU path's dequantised reference
-        caches are not device memory and not counted)."""
+        """Device bytes the pool holds: the slot arenas, the dense tables and the dense lane's scratch,
+        each storage once (after the first ``to_gpu``, ``delta_slots.reserve_bytes``; the CPU path's
+        dequantised reference caches are not device memory and not counted)."""
         t = self.step.tables
-        tensors = [*self.slots.arenas.values(), *t.norms.values(), *t.biases.values(), t.embed, t.head]
+        tensors = [
+            *self.slots.arenas.values(),
+            *t.norms.values(),
+            *t.biases.values(),
+            t.embed,
+            t.head,
+            self.lane_scratch,
+        ]
         storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors if x is not None}
         return sum(storages.values())
 
@@ -359,6 +366,7 @@ class DeltaPool:
                 for w in pools.values():
                     w.cache_reference()
             self.step.weights[copy.key] = pools
+        self._scratch()  # with the first pools, as reserved (``delta_slots.reserve_bytes``)
         self._fill_tables(slot, copy.dense)
         at = [-1] * (self.num_pieces + 2)
         for p, identity in copy.pieces.items():
@@ -555,7 +563,7 @@ class DeltaPool:
         return rows
 
     def _scratch(self) -> torch.Tensor:
-        """The lane's scratch (``lane_scratch``), made at the first call."""
+        """The lane's scratch (``lane_scratch``), made at the first call (the first ``to_gpu``)."""
         if self.lane_scratch is None:
             size = max(w.out_features * w.in_features for pools in self.step.weights.values() for w in pools.values())
             self.lane_scratch = torch.empty(size, dtype=self.dtype, device=self.device)

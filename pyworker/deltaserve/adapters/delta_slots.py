@@ -73,10 +73,13 @@ def dense_table_bytes(model: DecoderLM, dtype: torch.dtype, max_deltas: int) -> 
 
 
 def reserve_bytes(model: DecoderLM, dtype: torch.dtype, max_deltas: int) -> int:
-    """GPU bytes ``max_deltas`` delta slots take: the packed arenas plus the dense tables."""
+    """GPU bytes ``max_deltas`` delta slots take: the packed arenas plus the dense tables, and the dense
+    lane's scratch (one dequantised linear, ``DeltaPool.lane_scratch``) once there are slots."""
     cfg = model.config
     packed = sum(slot_bytes(o, i) for i, o in projection_features(cfg).values()) * cfg.num_layers
-    return max_deltas * packed + dense_table_bytes(model, dtype, max_deltas)
+    item = torch.empty((), dtype=dtype).element_size()
+    scratch = max(o * i for i, o in projection_features(cfg).values()) * item if max_deltas > 0 else 0
+    return max_deltas * packed + dense_table_bytes(model, dtype, max_deltas) + scratch
 
 
 def delta_gpu_bytes(
