@@ -169,22 +169,30 @@ def delta_dirs(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     }
 
 
-def test_static_steps_with_delta_rows_give_eager_tokens(
-    tiny_llama: Path, lora_dirs: dict[int, Path], delta_dirs: dict[int, Path]
-) -> None:
-    """Prefill chunks and decodes of two compressed deltas (4-bit and 2-bit: two packed configs), a LoRA
-    adapter and the base in the same steps go through the static buffers with every token a row of the
-    SBMM metadata and the logits rows their own (``DeltaPool.begin_step`` over token rows, what the
-    captured step's buffers hold) and give the eager tokens, whose deltas' prompts ran as segments.
-    Steps beyond the largest delta bucket (32 tokens here) run eagerly."""
+@pytest.fixture(scope="module")
+def delta_workload(tiny_llama: Path, lora_dirs: dict[int, Path], delta_dirs: dict[int, Path]) -> tuple:
+    """Six requests of two compressed deltas (4-bit and 2-bit: two packed configs), a LoRA adapter and the
+    base, and their eager tokens: (requests, arrivals, variant dirs, variant of each request, tokens)."""
     n = 6
     reqs = {i: (p, 3) for i, p in enumerate(prompts(n, 64, seed=6, lo=3, hi=40))}
     arrivals = {i: i for i in range(n)}
     adapter_of = {i: (3, 4, 1, 0)[i % 4] for i in range(n)}
     variants = {**lora_dirs, **delta_dirs}
     want = _run(make_executor(tiny_llama, max_model_len=128, max_deltas=2), reqs, arrivals, variants, adapter_of)
+    return reqs, arrivals, variants, adapter_of, want
+
+
+def test_static_steps_with_delta_rows_give_eager_tokens(
+    tiny_llama: Path, delta_dirs: dict[int, Path], delta_workload: tuple
+) -> None:
+    """Prefill chunks and decodes of two compressed deltas (4-bit and 2-bit: two packed configs), a LoRA
+    adapter and the base in the same steps go through the static buffers with every token a row of the
+    SBMM metadata and the logits rows their own (``DeltaPool.begin_step`` over token rows, what the
+    captured step's buffers hold) and give the eager tokens, whose deltas' prompts ran as segments.
+    Steps beyond the largest delta bucket (32 tokens here) run eagerly."""
+    reqs, arrivals, variants, adapter_of, want = delta_workload
     base = _run(make_executor(tiny_llama, max_model_len=128), reqs, arrivals)
-    assert any(want[i] != base[i] for i in range(n) if adapter_of[i] in delta_dirs), "the deltas change tokens"
+    assert any(want[i] != base[i] for i in want if adapter_of[i] in delta_dirs), "the deltas change tokens"
     ex = make_executor(tiny_llama, max_model_len=128, max_deltas=2)
     mixed = static_steps(ex, 32, 8)
     assert mixed.delta_sizes == [32]
@@ -217,7 +225,7 @@ def test_static_steps_with_delta_rows_give_eager_tokens(
 
 
 def test_static_steps_with_a_dense_lane_give_eager_tokens(
-    tiny_llama: Path, lora_dirs: dict[int, Path], delta_dirs: dict[int, Path], monkeypatch: pytest.MonkeyPatch
+    tiny_llama: Path, delta_workload: tuple, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the dense lane's threshold lowered to a tiny model's prompts (``dense_lane_tokens``: 10 tokens
     of a 32-token bucket), the delta with the most tokens of a step runs in the lane (its delta
@@ -225,12 +233,7 @@ def test_static_steps_with_a_dense_lane_give_eager_tokens(
     tile) beside the other delta's tiles, LoRA rows and base rows, and the tokens are the eager ones."""
     from deltaserve.adapters import delta_graphs
 
-    n = 6
-    reqs = {i: (p, 3) for i, p in enumerate(prompts(n, 64, seed=6, lo=3, hi=40))}
-    arrivals = {i: i for i in range(n)}
-    adapter_of = {i: (3, 4, 1, 0)[i % 4] for i in range(n)}
-    variants = {**lora_dirs, **delta_dirs}
-    want = _run(make_executor(tiny_llama, max_model_len=128, max_deltas=2), reqs, arrivals, variants, adapter_of)
+    reqs, arrivals, variants, adapter_of, want = delta_workload
     monkeypatch.setattr(delta_graphs, "DENSE_LANE_BASE_TOKENS", 0)
     assert delta_graphs.dense_lane_tokens(32) == 10
     ex = make_executor(tiny_llama, max_model_len=128, max_deltas=2)
