@@ -132,7 +132,7 @@ class DeltaGraphRows:
         offsets = self.lane_offsets.get(key)
         if offsets is None:
             offsets = self.lane_offsets[key] = torch.zeros(len(linears), 3, dtype=torch.int64, device=self.device)
-        return DenseLane(key, self.lane_others[:b], dict(zip(linears, offsets.unbind(0))), scratch)
+        return DenseLane.over(key, self.lane_others[:b], linears, offsets, scratch)
 
     def write_lane(self, b: int, mask: Sequence[bool], key: ConfigKey | None, offsets: torch.Tensor | None) -> None:
         """The lane's rows among ``b`` (``mask``; all False: no lane) and, with a lane, its delta's offsets

@@ -40,6 +40,7 @@ called through ``DeltaLinear.inner`` (kept out of the module tree, so it is not 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +100,19 @@ class DenseLane:
     that linear's pool (its block slot at the linear's piece)."""
     scratch: torch.Tensor
     """1-D, the model dtype: room for the widest linear's dense delta."""
+
+    @classmethod
+    def over(
+        cls,
+        key: ConfigKey,
+        others: torch.Tensor,
+        linears: Sequence[tuple[int, str]],
+        offsets: torch.Tensor,
+        scratch: torch.Tensor,
+    ) -> DenseLane:
+        """The lane whose offsets are the rows of ``offsets`` (``[linears, 3]`` int64 on the device), one
+        per (layer, proj) of ``linears`` in that order."""
+        return cls(key, others, dict(zip(linears, offsets.unbind(0))), scratch)
 
     def add(self, x: torch.Tensor, out: torch.Tensor, slices: list[tuple[DeltaWeights, int, tuple[int, str]]]) -> None:
         """``out[:, col : col + w.out_features] += (x masked) @ Δ̃^T`` for every ``(w, col, (layer, proj))``

@@ -520,9 +520,8 @@ class DeltaPool:
             key = self.key_of[dense_lane]
             others = torch.tensor([v != dense_lane for v, n in runs for _ in range(n)], dtype=torch.bool)
             offsets = host_to_device(self._lane_offsets(dense_lane), dev)
-            linears = self._lane_linears(key)
-            self.step.dense_lane = DenseLane(key, host_to_device(others, dev)[:, None],
-                                             dict(zip(linears, offsets.unbind(0))), self._scratch())  # fmt: skip
+            self.step.dense_lane = DenseLane.over(key, host_to_device(others, dev)[:, None], self._lane_linears(key),
+                                                  offsets, self._scratch())  # fmt: skip
         return True
 
     # ------------------------------------------------------------------ the dense lane (``delta_graphs``)

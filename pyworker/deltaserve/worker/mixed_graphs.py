@@ -486,7 +486,7 @@ class MixedGraphs:
             ids = [v if v in gpu else 0 for v, _ in rows.runs]
             if any(ids):
                 slots = self.lora.assign_rows(ids)
-        keys = lane_key = lane = None
+        keys = lane = variant = None
         # With delta rows: the variant id of each token of the bucket and of each of its logits rows (padding 0).
         delta_rows: tuple[list[int], list[int]] | None = None
         if delta_ids:
@@ -498,7 +498,7 @@ class MixedGraphs:
             tokens = [v for v, n in rows.runs for _ in range(n)]
             logit_ids = list(rows.logit_ids)
             delta_rows = (tokens + [0] * (tb - len(tokens)), logit_ids + [0] * (self._seqs(tb) - len(logit_ids)))
-            variant = (tb, slots is not None, keys, lane_key)
+            variant = (tb, slots is not None, keys, lane_key)  # the step's delta graph
             if self.capture and variant not in self.delta_graphs:  # before the step's inputs go in: capture pads
                 with torch.inference_mode():
                     started = time.monotonic()
@@ -513,10 +513,10 @@ class MixedGraphs:
         m = int(step.logits_indices.shape[0])
         chunk_only = slots is not None and not has_rows and tb <= CHUNK_LORA_MAX_TOKENS and keys is None
         if self.capture:
-            if keys is not None:
-                assert self.deltas is not None and delta_rows is not None
+            if variant is not None:
+                assert self.deltas is not None and delta_rows is not None and keys is not None
                 self.deltas.fill_mixed_rows(*delta_rows, keys, lane)
-                graph = self.delta_graphs[(tb, slots is not None, keys, lane_key)]
+                graph = self.delta_graphs[variant]
             else:
                 graphs = self.graphs if slots is None else self.chunk_lora_graphs if chunk_only else self.lora_graphs
                 graph = graphs[tb]

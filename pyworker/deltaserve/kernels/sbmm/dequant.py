@@ -197,7 +197,7 @@ def dequantize_slot(
     else the Triton ``_dequant_kernel`` (``use_triton=True`` forces it)."""
     w.check_loaded(slot)
     offsets = (w.qvalues_offsets, w.qindices_offsets, w.group_offsets)
-    return _dequantize(w, offsets, slot, dtype, out, use_triton, "dequantize_slot")
+    return _dequantize(w, offsets, slot, dtype, out, use_triton, "dequantize_slot", host_slot=slot)
 
 
 def dequantize_at(
@@ -212,7 +212,8 @@ def dequantize_at(
     if offsets.shape != (3,) or offsets.dtype != torch.int64 or offsets.device != w.device or offsets.stride(0) != 1:
         raise ValueError(f"sbmm: dequantize_at offsets {list(offsets.shape)} {offsets.dtype} on {offsets.device}: "
                          f"want a contiguous [3] int64 on {w.device}")  # fmt: skip
-    return _dequantize(w, (offsets[0:1], offsets[1:2], offsets[2:3]), 0, dtype, out, use_triton, "dequantize_at")
+    return _dequantize(w, (offsets[0:1], offsets[1:2], offsets[2:3]), 0, dtype, out, use_triton, "dequantize_at",
+                       host_slot=None)  # fmt: skip
 
 
 def _dequantize(
@@ -223,9 +224,12 @@ def _dequantize(
     out: torch.Tensor | None,
     use_triton: bool | None,
     what: str,
+    host_slot: int | None,
 ) -> torch.Tensor:
     """Entry ``slot`` of the (qvalues, qindices, group) offset tables ``offsets`` of pool ``w`` as a dense
-    tensor: csrc's ``deltaserve_dequant`` where it runs, else the Triton kernel."""
+    tensor: csrc's ``deltaserve_dequant`` where it runs, else the Triton kernel. ``host_slot``: the pool
+    slot this is, where the host knows it (None: a device-side slot), which the Triton kernel needs over a
+    repacked pool (the slot is unpacked on the host first)."""
     if dtype not in DTYPES:
         raise ValueError(f"sbmm: {what} dtype {dtype}: want one of float32, float16, bfloat16")
     shape = (w.out_features, w.in_features)
@@ -252,10 +256,10 @@ def _dequantize(
     qv_buf, qi_buf, qi_row = w.qvalues, *qindices_arg(w)
     sc_buf, zr_buf, at = w.scales, w.zeros, slot
     if w.repacked:
-        if offsets[0] is not w.qvalues_offsets:
+        if host_slot is None:
             raise ValueError(f"sbmm: {what} over a repacked pool needs csrc's deltaserve_dequant (float16 / "
                              "bfloat16 on CUDA, the op built)")  # fmt: skip
-        p = w.packed(slot)
+        p = w.packed(host_slot)
         qv_buf, sc_buf, zr_buf = p.qvalues.reshape(-1), p.scales.reshape(-1), p.zeros.reshape(-1)
         qi_buf = p.qindices.reshape(-1) if p.qindices is not None else qv_buf
         zero = torch.zeros(1, dtype=torch.int64, device=w.device)
