@@ -37,7 +37,9 @@ Features of one step (``const`` is always 1)::
                        the worker runs such a chunk with its whole delta dequantised (once per
                        delta in the step) plus one matmul, shorter ones through SBMM work tiles
                        (``kernels/sbmm/meta.py``); 0 where ``dense_min_m`` is None (the CPU),
-                       and in a step a graph replays (every delta token through the tiles)
+                       and in a step a graph replays (priced as if every delta token ran through the
+                       tiles; the worker's dense lane for a long prompt, ``adapters/delta_graphs.py``,
+                       is not modelled)
 
 Fitting (:meth:`LatencyModel.fit`): ordinary least squares (numpy) per step kind, on the
 features that vary in the samples of that kind (the others keep coefficient 0, so an unprofiled

@@ -511,7 +511,7 @@ def step_features(
         f["lora_rank_sum"] = sum(ranks.get(v, 0) for v in loras)
         f["deltas"] = len(used_deltas)
         f["eager"] = 0.0 if s.get("graph") else 1.0
-        f["dense_delta_segments"] = len(dense) if f["eager"] else 0  # a graph: every delta token on the tiles
+        f["dense_delta_segments"] = len(dense) if f["eager"] else 0  # a graph: priced as tiles (no dense lane)
         out.append((s, f, period))
     return out
 

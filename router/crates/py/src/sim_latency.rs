@@ -26,8 +26,9 @@
 //!
 //! ```text
 //! dense_delta_segments = |{ delta of c : c a prefill chunk of a delta request, tokens(c) >= dense_min_m }|
-//!                        in an eager step; 0 in a replayed one (a graph runs every delta token
-//!                        through the work tiles: `worker/mixed_graphs.py`)
+//!                        in an eager step; 0 in a replayed one (priced as if a graph ran every delta
+//!                        token through the work tiles; the worker's dense lane, which runs a long
+//!                        prompt's delta dense in a graph, `adapters/delta_graphs.py`, is not modelled)
 //! ```
 
 use std::collections::{BTreeSet, HashMap};

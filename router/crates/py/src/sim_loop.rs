@@ -460,7 +460,7 @@ impl Sim<'_> {
         );
         features.eager = f64::from(u8::from(self.model.runs_eager(&features)));
         if features.eager == 0.0 {
-            features.dense_delta_segments = 0.0; // a graph runs every delta token through the tiles
+            features.dense_delta_segments = 0.0; // priced as tiles (the dense lane is not modelled)
         }
         let mut ready_s = t;
         let mut copy_s = 0.0;
