@@ -21,7 +21,8 @@ and CUDA-event device spans):
                  its wait for a plan, less the plan's trip); on the CPU (no device spans) the
                  output periods in sliding windows of ``FIT_WINDOW`` steps alone. The worker's
                  dense-prefill threshold (``sbmm.dense_min_m`` of the device, kept in the
-                 recording) sets the feature ``dense_delta_segments``
+                 recording) and on CUDA its graphs' dense lane (``delta_graphs.DENSE_LANE_BASE_TOKENS``,
+                 kept too) set the feature ``dense_delta_segments``
     2. measure   per rate, ``--seeds`` validation traces (seeds ``SEED_STRIDE`` x the rate's index
                  + 0, 1, ...: the workloads draw prompts from the seed alone, and a seed shared by
                  two rates would repeat its prompts, served the second time from the daemon's
@@ -60,7 +61,8 @@ five minutes of wall time plus the model and variant files' writing:
 client records, the run's flags and file sizes); ``--from-recording DIR`` fits, simulates and
 compares again from it on any machine, so a change to the model is checked without a GPU
 (recordings from before the warm-up, or before the dense threshold was kept, refit as they ran:
-no warm-up, the threshold of the recording's device kind today).
+no warm-up, the threshold of the recording's device kind today; recordings from before the dense
+lane was kept refit without a lane).
 """
 
 from __future__ import annotations
@@ -225,6 +227,15 @@ def _dense_min_m(device: str) -> int | None:
     return dense_min_m(torch.device("cpu" if device == "cpu" else "cuda"))
 
 
+def _dense_lane_base_tokens(device: str) -> int | None:
+    """The worker's dense-lane threshold base on ``device`` (``LatencyModel.dense_lane_base_tokens``):
+    ``delta_graphs.DENSE_LANE_BASE_TOKENS`` where the dense path runs (:func:`_dense_min_m`, CUDA),
+    else None."""
+    from deltaserve.adapters.delta_graphs import DENSE_LANE_BASE_TOKENS
+
+    return DENSE_LANE_BASE_TOKENS if _dense_min_m(device) is not None else None
+
+
 def _rates(args: argparse.Namespace, name: str) -> list[float]:
     text = args.rates_s2 if name == "slora-s2" else args.rates_deltazip
     return [float(x) for x in text.split(",") if x]
@@ -254,7 +265,7 @@ def validate(name: str, args: argparse.Namespace, work: Path, devices: str, devi
     record.unlink(missing_ok=True)
     script = recording_python(work / f"{name}-python", record)
     flags = merge_flags(exp.server_flags.get("deltaserve", ()), [])
-    dense = _dense_min_m(devices)  # what the worker will use
+    dense, lane = _dense_min_m(devices), _dense_lane_base_tokens(devices)  # what the worker will use
     spec = ServerSpec(model_dir=files.model_dir, lora_dir=files.lora_dir, devices=devices, deltas=files.deltas, env=files.env,
                       flags=flags, daemon=args.daemon, log=(args.out_dir or RESULTS) / f"sim_validate-{name}-server.log",
                       python=str(script))  # fmt: skip
@@ -269,6 +280,7 @@ def validate(name: str, args: argparse.Namespace, work: Path, devices: str, devi
     context = {
         "experiment": name, "protocol": point.protocol, "trace": point.trace, "server_flags": flags,
         "server_ready_s": ready_s, "num_blocks": num_blocks, "device": device, "dense_min_m": dense,
+        "dense_lane_base_tokens": lane,
         "variants": [{"name": v.name, "kind": v.kind, "rank": v.rank} for v in variants],
         "variant_bytes": {str(k): list(v) for k, v in _variant_bytes(files, variants).items()},
         "footprints": _footprints(files, phases[0][3]),
@@ -298,7 +310,7 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
     """Steps 1 (fit), 3 (simulate) and 4 (compare) of the module docstring, from one daemon's step
     recording, its replays (``requests``: the trace's; ``records``: the client's rows; warm-ups and
     profiles first) and the run's ``context`` (flags, pool, variants and their file sizes, the
-    worker's dense-prefill threshold)."""
+    worker's dense-prefill threshold and dense lane)."""
     name, device, flags = context["experiment"], context["device"], context["server_flags"]
     variants = context["variants"]
     fields = {f.name for f in dataclasses.fields(rp.Record)}
@@ -315,7 +327,8 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
     fit_from, fit_to = profiles[0][5] - LEAD_S, next(r[5] for r in ran if r[0] not in UNSCORED) - LEAD_S
     profiled = [s for s in steps if fit_from <= s["sent"] <= fit_to]
     dense = context["dense_min_m"] if "dense_min_m" in context else _dense_min_m(device)  # kept since 2026-11-26
-    model = _fit(name, profiled, ranks, delta_ids, device, dense)
+    lane = context.get("dense_lane_base_tokens")  # kept since the simulator models the lane; before: none
+    model = _fit(name, profiled, ranks, delta_ids, device, dense, lane)
     model.memory.kv_bytes_per_token = context["kv_bytes_per_token"]
     for key, value in context["footprints"].items():
         setattr(model.memory, key, value)
@@ -324,7 +337,9 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
     sizes = {int(k): (v[0], int(v[1])) for k, v in context["variant_bytes"].items()}
     moved = transfer_bandwidths(profiled, sizes)
     if any(s.get("device_s") for s in profiled):  # a GPU's copies are on the device: its spans time them
-        moved["host_to_gpu_bps"].update(span_copy_bandwidths(profiled, ranks, delta_ids, sizes, model.predict, dense))
+        moved["host_to_gpu_bps"].update(
+            span_copy_bandwidths(profiled, ranks, delta_ids, sizes, model.predict, dense, lane)
+        )
     like = sim.default_model()
     model.disk_to_host_bps = {**like.disk_to_host_bps, **moved["disk_to_host_bps"]}
     model.host_to_gpu_bps = {**like.host_to_gpu_bps, **moved["host_to_gpu_bps"]}
@@ -423,25 +438,28 @@ def _prompt_keys(replay: dict[str, Any]) -> list[int] | None:
 
 
 def _fit(name: str, profiled: list[dict[str, Any]], ranks: dict[int, int], delta_ids: set[int],
-         device: str, dense: int | None) -> sim.LatencyModel:  # fmt: skip
+         device: str, dense: int | None, lane: int | None) -> sim.LatencyModel:  # fmt: skip
     """The profile's latency model: device time per step from the recorded device spans where the
     worker had them (CUDA), with host launch time from the recorded launches; else (the CPU, whose
     launch computes the step) sliding windows of output periods (``FIT_WINDOW``) alone. ``dense``:
-    the worker's dense-prefill threshold (``LatencyModel.dense_min_m``)."""
+    the worker's dense-prefill threshold (``LatencyModel.dense_min_m``), ``lane`` its dense lane's
+    (``LatencyModel.dense_lane_base_tokens``)."""
     like = sim.default_model()
     spans = any(s.get("device_s") for s in profiled)
     for skip_loads in (True, False):  # steps that copied a variant in only when the others lack a kind
-        samples = steps_to_samples(profiled, ranks, delta_ids, skip_loads=skip_loads, dense_min_m=dense)
+        samples = steps_to_samples(
+            profiled, ranks, delta_ids, skip_loads=skip_loads, dense_min_m=dense, dense_lane_base_tokens=lane
+        )
         try:
             model = sim.LatencyModel.fit(samples, window=1 if spans else FIT_WINDOW, memory=like.memory, device=device,
-                                         dense_min_m=dense,
+                                         dense_min_m=dense, dense_lane_base_tokens=lane,
                                          source=f"{name} profile, {len(samples)} steps, "
                                                 f"{'device spans' if spans else f'windows of {FIT_WINDOW}'}")  # fmt: skip
             break
         except ValueError:
             if not skip_loads:
                 raise
-    host = host_samples(profiled, ranks, delta_ids, dense)
+    host = host_samples(profiled, ranks, delta_ids, dense, lane)
     if host and spans:  # on the CPU a launch computes the whole step: the periods already hold it
         model.fit_host(host)
     return model

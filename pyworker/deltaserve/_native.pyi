@@ -356,6 +356,7 @@ def simulate(
     deliver_s: float = 0.0,
     prompt_keys: Sequence[int] | None = None,
     dense_min_m: int | None = None,
+    dense_lane: Sequence[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """Replays ``requests`` (``(arrival_s, prompt_len, output_len, variant)``, variant 0 = the
     base model, ``i`` = ``variants[i - 1]``) through ``workers`` copies of the real scheduler on a
@@ -368,9 +369,13 @@ def simulate(
     reads; None: the daemon's default) and ``tpot_slo_s`` (``--tpot-slo-ms``). ``host`` (decode,
     prefill coefficients) prices the worker's launch of each step, ``graphs`` (``graph_max_batch``,
     ``graph_max_tokens``, ``graph_max_delta_tokens``; None: no graphs) decides which steps run eagerly
-    (feature ``eager``; a replayed step has no ``dense_delta_segments``),
+    (feature ``eager``),
     ``dense_min_m`` (at least 2; None: no dense path) is the fewest tokens of a delta's prefill
-    chunk the worker runs dense (feature ``dense_delta_segments``), ``ingress_s`` delays each
+    chunk the worker runs dense (feature ``dense_delta_segments`` of an eager step), ``dense_lane``
+    the delta token buckets of the worker's mixed graphs, strictly ascending, each ``(tokens,
+    lane_min_tokens)``: the fewest tokens of one delta in a step of that bucket that run in its dense
+    lane (``deltaserve.sim.latency.dense_lane_buckets``; None: no lane; feature
+    ``dense_delta_segments`` of a replayed step), ``ingress_s`` delays each
     arrival and ``deliver_s`` each token reaching its client; all off by default. ``prompt_keys``
     (one per request, 0 <= key < 2**64: equal keys, equal prompts) turns the scheduler's prefix
     caching on, as the daemon's default; None: off, every prompt all zeros.

@@ -49,10 +49,11 @@ DENSE_LANE_BASE_TOKENS = 64
 """``dense_lane_tokens``' constant term (module docstring: the lane's fixed cost in a tile's tokens)."""
 
 
-def dense_lane_tokens(bucket: int) -> int:
+def dense_lane_tokens(bucket: int, base: int | None = None) -> int:
     """Fewest tokens of one delta that run in the dense lane of a captured step of ``bucket`` tokens
-    (module docstring): its fixed cost, plus a third of the bucket its masked matmuls run over."""
-    return DENSE_LANE_BASE_TOKENS + bucket // 3
+    (module docstring): its fixed cost ``base`` (None: ``DENSE_LANE_BASE_TOKENS``; the simulator
+    passes a latency model's), plus a third of the bucket its masked matmuls run over."""
+    return (DENSE_LANE_BASE_TOKENS if base is None else base) + bucket // 3
 
 
 class DeltaGraphRows:

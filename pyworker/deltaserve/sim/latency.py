@@ -33,13 +33,17 @@ Features of one step (``const`` is always 1)::
     lora_segments      distinct LoRA adapters      lora_tokens   tokens of LoRA requests
     deltas             distinct deltas             delta_tokens  tokens (rows) of delta requests
     eager              1 when the step runs eagerly, 0 when a captured graph replays it
-    dense_delta_segments  distinct deltas with a prefill chunk of at least ``dense_min_m`` tokens:
-                       the worker runs such a chunk with its whole delta dequantised (once per
-                       delta in the step) plus one matmul, shorter ones through SBMM work tiles
-                       (``kernels/sbmm/meta.py``); 0 where ``dense_min_m`` is None (the CPU),
-                       and in a step a graph replays (priced as if every delta token ran through the
-                       tiles; the worker's dense lane for a long prompt, ``adapters/delta_graphs.py``,
-                       is not modelled)
+    dense_delta_segments  in an eager step, distinct deltas with a prefill chunk of at least
+                       ``dense_min_m`` tokens: the worker runs such a chunk with its whole delta
+                       dequantised (once per delta in the step) plus one matmul, shorter ones through
+                       SBMM work tiles (``kernels/sbmm/meta.py``); 0 where ``dense_min_m`` is None
+                       (the CPU). In a step a graph replays, 1 when a delta takes the graph's dense
+                       lane (``adapters/delta_graphs.py``: one dequantisation and one masked matmul
+                       over the bucket per linear, as an eager dense segment), else 0 (every delta
+                       token on the tiles): in a step that prefills, padded to the smallest delta
+                       bucket holding its tokens, the delta with the most tokens (ties: the first in
+                       row order) if it has at least ``dense_lane_tokens(bucket)``
+                       (:func:`dense_lane_buckets`); 0 where ``dense_lane_base_tokens`` is None
 
 Fitting (:meth:`LatencyModel.fit`): ordinary least squares (numpy) per step kind, on the
 features that vary in the samples of that kind (the others keep coefficient 0, so an unprofiled
@@ -59,6 +63,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +131,11 @@ class LatencyModel:
     """Fewest tokens of a delta's prefill chunk the worker runs dense (``sbmm.dense_min_m`` of the
     profiled device: 64 on CUDA; at least 2), feature ``dense_delta_segments``; None: no dense path
     (the CPU, and models from before the feature, whose coefficient is then 0)."""
+    dense_lane_base_tokens: int | None = None
+    """The constant term of the worker's dense-lane threshold (``delta_graphs.DENSE_LANE_BASE_TOKENS``
+    of the profiled worker, on CUDA; :func:`dense_lane_buckets`), feature ``dense_delta_segments`` of a
+    replayed step; None: no lane modelled (the CPU, and models from before the lane: a replayed step
+    then has no dense segment)."""
     router_gap_s: float = 0.0
     """Seconds from the router forming a plan to the worker receiving it."""
     ingress_s: float = 0.0
@@ -251,7 +261,9 @@ class LatencyModel:
         return {"host": host, "graphs": (int(self.graph_max_batch), int(self.graph_max_tokens),
                                            int(self.graph_max_delta_tokens)),
                 "ingress_s": float(self.ingress_s), "deliver_s": float(self.deliver_s),
-                "dense_min_m": self.dense_min_m}  # fmt: skip
+                "dense_min_m": self.dense_min_m,
+                "dense_lane": None if self.dense_lane_base_tokens is None
+                              else list(dense_lane_buckets(self.dense_lane_base_tokens))}  # fmt: skip
 
     def native(self) -> tuple[list[float], list[float], tuple[float, float], tuple[float, float]]:
         """The form ``_native.simulate`` takes: the coefficients with ``stall_s_per_seq`` on ``seqs``."""
@@ -296,6 +308,9 @@ class LatencyModel:
         m = model.dense_min_m
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 2):
             raise ValueError(f"dense_min_m: want None or tokens >= 2 (a one-token chunk is a decode row), got {m!r}")
+        lane = model.dense_lane_base_tokens
+        if lane is not None and (not isinstance(lane, int) or isinstance(lane, bool) or lane < 0):
+            raise ValueError(f"dense_lane_base_tokens: want None or tokens >= 0, got {lane!r}")
         for name in ("disk_to_host_bps", "host_to_gpu_bps"):
             bw = getattr(model, name)
             if set(bw) != {"lora", "delta"} or not all(v > 0 for v in bw.values()):
@@ -309,6 +324,19 @@ class LatencyModel:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+@cache
+def dense_lane_buckets(base_tokens: int) -> tuple[tuple[int, int], ...]:
+    """The worker's dense lane with threshold base ``base_tokens`` (``LatencyModel.dense_lane_base_tokens``):
+    ``(bucket, fewest tokens of one delta in its lane)`` for each delta token bucket of the mixed graphs
+    (``worker.mixed_graphs.DELTA_TOKEN_BUCKETS``, ascending; ``adapters.delta_graphs.dense_lane_tokens``),
+    ``_native.simulate``'s ``dense_lane``. Both worker modules import torch, so they are imported here, when
+    a model has a lane, and not with the simulator."""
+    from deltaserve.adapters.delta_graphs import dense_lane_tokens
+    from deltaserve.worker.mixed_graphs import DELTA_TOKEN_BUCKETS
+
+    return tuple((b, dense_lane_tokens(b, base_tokens)) for b in DELTA_TOKEN_BUCKETS)
 
 
 def features_vector(step: Mapping[str, Any]) -> np.ndarray:

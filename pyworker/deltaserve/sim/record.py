@@ -40,11 +40,13 @@ import runpy
 import stat
 import sys
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from deltaserve.sim.latency import dense_lane_buckets
 
 RECORD_ENV = "DELTASERVE_SIM_RECORD"
 """Where the wrapped worker appends its steps (set by the script :func:`recording_python` writes)."""
@@ -215,18 +217,19 @@ def steps_to_samples(
     skip_loads: bool = True,
     device_spans: bool = True,
     dense_min_m: int | None = None,
+    dense_lane_base_tokens: int | None = None,
 ) -> list[dict[str, Any]]:
     """Latency-model samples of a recording; ``ranks`` gives each LoRA variant id's rank,
     ``deltas`` the variant ids that are deltas, ``dense_min_m`` the worker's dense-prefill
-    threshold (:func:`step_features`). With ``skip_loads``, steps that loaded a variant
-    to the GPU are left out (their time includes the copy, which the model prices apart). Each
-    sample's ``run`` counts the steps left out before it: samples of one run are consecutive
-    steps (``LatencyModel.fit``'s windows stay within a run). With ``device_spans`` and a
+    threshold and ``dense_lane_base_tokens`` its dense lane's (:func:`step_features`). With
+    ``skip_loads``, steps that loaded a variant to the GPU are left out (their time includes the
+    copy, which the model prices apart). Each sample's ``run`` counts the steps left out before it:
+    samples of one run are consecutive steps (``LatencyModel.fit``'s windows stay within a run). With ``device_spans`` and a
     recording that has them, ``step_s`` is each step's device span, of the steps launched behind
     a running one only (``behind``: spans without launch gaps, which the host-launch model prices)
     for each step kind that has some; else the output-to-output period."""
     spans = device_spans and any(s.get("device_s") for s in steps)
-    rows = step_features(steps, ranks, deltas, dense_min_m)
+    rows = step_features(steps, ranks, deltas, dense_min_m, dense_lane_base_tokens)
     clean = {_kind(f) for s, f, _ in rows if spans and s.get("device_s") and s.get("behind")}
     samples = []
     run = 0
@@ -246,13 +249,17 @@ def _kind(features: Mapping[str, float]) -> str:
 
 
 def host_samples(
-    steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int], dense_min_m: int | None = None
+    steps: list[dict[str, Any]],
+    ranks: Mapping[int, int],
+    deltas: set[int],
+    dense_min_m: int | None = None,
+    dense_lane_base_tokens: int | None = None,
 ) -> list[dict[str, Any]]:
     """Host-launch samples (``LatencyModel.fit_host``): each recorded step's features
     (:func:`step_features`) with ``host_s``, its launch's seconds; steps that copied a variant to
     the GPU are left out (the copy is priced apart), as are recordings without launch times."""
     return [{**f, "host_s": s["launch"][1] - s["launch"][0]}
-            for s, f, _ in step_features(steps, ranks, deltas, dense_min_m)
+            for s, f, _ in step_features(steps, ranks, deltas, dense_min_m, dense_lane_base_tokens)
             if "launch" in s and not any(op[1] == TO_GPU for op in s["ops"])]  # fmt: skip
 
 
@@ -396,6 +403,7 @@ def span_copy_bandwidths(
     variants: Mapping[int, tuple[str, int]],
     predict: Any,
     dense_min_m: int | None = None,
+    dense_lane_base_tokens: int | None = None,
 ) -> dict[str, float]:
     """Host -> GPU bandwidth per variant kind from the device spans (where recorded): a step's
     copies take its span beyond ``predict(features)`` (the device model's time for the step without
@@ -405,7 +413,8 @@ def span_copy_bandwidths(
     stream (``non_blocking``), so the host times of :func:`transfer_bandwidths` do not see them on
     a GPU."""
     rates: dict[str, list[float]] = {}
-    for (s, f, _), waited in zip(step_features(steps, ranks, deltas, dense_min_m), copies_waited(steps)):
+    rows = step_features(steps, ranks, deltas, dense_min_m, dense_lane_base_tokens)
+    for (s, f, _), waited in zip(rows, copies_waited(steps)):
         copies = _copies(s, variants)
         if copies and not waited and s.get("device_s"):
             _add_copy_rate(rates, s, copies, s["device_s"] - predict(f))
@@ -469,12 +478,19 @@ def worker_stall_s_per_seq(steps: list[dict[str, Any]]) -> float:
 
 
 def step_features(
-    steps: list[dict[str, Any]], ranks: Mapping[int, int], deltas: set[int], dense_min_m: int | None = None
+    steps: list[dict[str, Any]],
+    ranks: Mapping[int, int],
+    deltas: set[int],
+    dense_min_m: int | None = None,
+    dense_lane_base_tokens: int | None = None,
 ) -> list[tuple[dict[str, Any], dict[str, float], float]]:
     """``(step, latency-model features, device seconds)`` of every recorded step, in order: the
     features the simulator computes for a step it schedules (``step_features`` in
-    ``router/crates/py/src/sim_latency.rs``, tests/sim checks they agree), with prefill chunks of a
-    delta of at least ``dense_min_m`` tokens run dense (``LatencyModel.dense_min_m``; None: none)."""
+    ``router/crates/py/src/sim_latency.rs``, tests/sim checks they agree). In an eager step, prefill
+    chunks of a delta of at least ``dense_min_m`` tokens run dense (``LatencyModel.dense_min_m``; None:
+    none); in a replayed one (``graph``), the delta in the dense lane does (:func:`dense_lane_delta`,
+    threshold base ``dense_lane_base_tokens``, ``LatencyModel.dense_lane_base_tokens``; None: none)."""
+    lane = None if dense_lane_base_tokens is None else dense_lane_buckets(dense_lane_base_tokens)
     cached: dict[int, int] = {}
     variant: dict[int, int] = {}
     out = []
@@ -484,7 +500,7 @@ def step_features(
         f = {k: 0.0 for k in ("tokens", "seqs", "prefill_tokens", "context_tokens", "prefill_attention",
                               "lora_tokens", "delta_tokens")}  # fmt: skip
         loras: set[int] = set()
-        used_deltas: set[int] = set()
+        tokens_by_delta: dict[int, int] = {}  # in the order of each delta's first row
         dense: set[int] = set()
         chunks = [(r, n, c, True) for r, n, c, _p, v in s["new"]]
         for r, _n, _c, _p, v in s["new"]:
@@ -501,7 +517,7 @@ def step_features(
             v = variant.get(rid, 0)
             if v in deltas:
                 f["delta_tokens"] += n
-                used_deltas.add(v)
+                tokens_by_delta[v] = tokens_by_delta.get(v, 0) + n
                 if prefill and dense_min_m is not None and n >= dense_min_m:
                     dense.add(v)
             elif v:
@@ -509,11 +525,30 @@ def step_features(
                 loras.add(v)
         f["lora_segments"] = len(loras)
         f["lora_rank_sum"] = sum(ranks.get(v, 0) for v in loras)
-        f["deltas"] = len(used_deltas)
+        f["deltas"] = len(tokens_by_delta)
         f["eager"] = 0.0 if s.get("graph") else 1.0
-        f["dense_delta_segments"] = len(dense) if f["eager"] else 0  # a graph: priced as tiles (no dense lane)
+        if f["eager"]:
+            f["dense_delta_segments"] = len(dense)
+        else:  # a graph: the deltas on the work tiles, but for one in the dense lane
+            f["dense_delta_segments"] = float(dense_lane_delta(f, tokens_by_delta, lane) is not None)
         out.append((s, f, period))
     return out
+
+
+def dense_lane_delta(
+    features: Mapping[str, float], tokens_by_delta: Mapping[int, int], lane: Sequence[tuple[int, int]] | None
+) -> int | None:
+    """The delta the worker runs in the dense lane of a replayed step of ``features`` (``DeltaPool.dense_lane_for``;
+    ``LatencyModel::dense_lane_delta`` in ``router/crates/py/src/sim_latency.rs`` is the simulator's): in a
+    step that prefills, padded to the smallest ``(bucket, fewest lane tokens)`` of ``lane``
+    (``latency.dense_lane_buckets``) holding its tokens, the delta of ``tokens_by_delta`` (its rows' tokens,
+    in row order) with the most tokens, the first of those tied, if it has at least the bucket's fewest.
+    None in a decode step (the decode graphs have no lane), past the largest bucket and without ``lane``."""
+    if lane is None or not features["prefill_tokens"] or not tokens_by_delta:
+        return None
+    fewest = next((least for bucket, least in lane if bucket >= features["tokens"]), None)
+    most = max(tokens_by_delta, key=tokens_by_delta.__getitem__)
+    return most if fewest is not None and tokens_by_delta[most] >= fewest else None
 
 
 def main() -> None:

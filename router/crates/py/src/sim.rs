@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::scheduler::SchedError;
-use crate::sim_latency::{LatencyModel, FEATURES, NUM_FEATURES};
+use crate::sim_latency::{LaneBucket, LatencyModel, FEATURES, NUM_FEATURES};
 use crate::sim_loop::{simulate as run, SimOptions, SimRequest, SimVariant};
 use crate::sim_placement::placement_named;
 use deltaserve_sched::wire::sched_kind;
@@ -158,18 +158,20 @@ impl PySchedulerConfig {
 }
 
 /// A latency model from its device and host coefficient lists ([`FEATURES`] order; host:
-/// decode then prefill), graph rule, dense-prefill threshold and bandwidths.
+/// decode then prefill), graph rule, dense-prefill threshold, dense lane and bandwidths.
 fn latency_model(
     (decode, prefill, disk_to_host_bps, host_to_gpu_bps): LatencyTuple,
     host: Option<(Vec<f64>, Vec<f64>)>,
     (graph_max_batch, graph_max_tokens, graph_max_delta_tokens): (u32, u32, u32),
     dense_min_m: Option<u32>,
+    dense_lane: Option<Vec<(u32, u32)>>,
 ) -> PyResult<LatencyModel> {
     if let Some(m) = dense_min_m.filter(|m| *m < 2) {
         return Err(PyValueError::new_err(format!(
             "dense_min_m must be at least 2 tokens (a one-token chunk is a decode row), got {m}"
         )));
     }
+    let dense_lane = lane_buckets(dense_lane)?;
     let coefs = |name: &str, v: Vec<f64>| -> PyResult<[f64; NUM_FEATURES]> {
         if v.iter().any(|c| !c.is_finite()) {
             return Err(PyValueError::new_err(format!(
@@ -211,7 +213,38 @@ fn latency_model(
         disk_to_host_bps: [disk_to_host_bps.0, disk_to_host_bps.1],
         host_to_gpu_bps: [host_to_gpu_bps.0, host_to_gpu_bps.1],
         dense_min_m,
+        dense_lane,
     })
+}
+
+/// The dense lane's `(bucket tokens, lane_min_tokens)` pairs as [`LaneBucket`]s (`None`: no lane,
+/// an empty list); `ValueError` unless there is at least one, the buckets ascend strictly from 1
+/// token and every threshold is at least 1 token.
+fn lane_buckets(pairs: Option<Vec<(u32, u32)>>) -> PyResult<Vec<LaneBucket>> {
+    let Some(pairs) = pairs else {
+        return Ok(Vec::new());
+    };
+    let bad = |why: &str| {
+        PyValueError::new_err(format!(
+            "dense_lane: want (bucket tokens, lane_min_tokens) pairs, {why}; got {pairs:?}"
+        ))
+    };
+    if pairs.is_empty() {
+        return Err(bad("at least one (None: no lane)"));
+    }
+    if pairs.iter().any(|&(tokens, min)| tokens == 0 || min == 0) {
+        return Err(bad("each at least 1 token"));
+    }
+    if pairs.windows(2).any(|w| w[0].0 >= w[1].0) {
+        return Err(bad("buckets in strictly ascending order"));
+    }
+    Ok(pairs
+        .iter()
+        .map(|&(tokens, lane_min_tokens)| LaneBucket {
+            tokens,
+            lane_min_tokens,
+        })
+        .collect())
 }
 
 /// `(decode, prefill, disk_to_host_bps, host_to_gpu_bps)` as Python passes them.
@@ -229,7 +262,10 @@ type LatencyTuple = (Vec<f64>, Vec<f64>, (f64, f64), (f64, f64));
 /// `graph_max_delta_tokens`; `None`: none)
 /// decides which steps run eagerly (`sim_latency.rs`); `dense_min_m` is the fewest tokens of
 /// a delta's prefill chunk the worker runs dense (`None`: none, the CPU; feature
-/// `dense_delta_segments`); `ingress_s` delays each arrival and
+/// `dense_delta_segments` of an eager step); `dense_lane` the delta token buckets of the
+/// worker's mixed graphs, ascending, each `(tokens, lane_min_tokens)`: the fewest tokens of one
+/// delta that run in that bucket's dense lane (`None`: no lane; `dense_delta_segments` of a
+/// replayed step); `ingress_s` delays each arrival and
 /// `deliver_s` each token seen (`sim_loop.rs`). `prompt_keys` (one per request: equal keys,
 /// equal prompts) turns the scheduler's prefix caching on, as the daemon's default; `None`:
 /// off, prompts of zeros. Returns plain lists and counters (`deltaserve.sim` summarizes them).
@@ -240,7 +276,7 @@ type LatencyTuple = (Vec<f64>, Vec<f64>, (f64, f64), (f64, f64));
     router_gap_s = 0.0, noise = 0.0, seed = 0, max_queued_per_worker = None, step_times = None,
     record_steps = false, placement = "least-loaded", latency_profile = None, tpot_slo_s = None,
     host = None, graphs = None, ingress_s = 0.0, deliver_s = 0.0, prompt_keys = None,
-    dense_min_m = None,
+    dense_min_m = None, dense_lane = None,
 ))]
 #[allow(clippy::too_many_arguments)] // one keyword per option
 #[allow(clippy::type_complexity)] // plain tuples are the conversion
@@ -267,6 +303,7 @@ pub(crate) fn simulate<'py>(
     deliver_s: f64,
     prompt_keys: Option<Vec<u64>>,
     dense_min_m: Option<u32>,
+    dense_lane: Option<Vec<(u32, u32)>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let mut cfg = Config::from(config);
     if let Some(keys) = prompt_keys.as_ref().filter(|k| k.len() != requests.len()) {
@@ -295,7 +332,13 @@ pub(crate) fn simulate<'py>(
         tpot_slo_us: tpot_slo_s.map(|s| s * 1e6),
         max_num_seqs: cfg.max_num_seqs,
     };
-    let model = latency_model(latency, host, graphs.unwrap_or((0, 0, 0)), dense_min_m)?;
+    let model = latency_model(
+        latency,
+        host,
+        graphs.unwrap_or((0, 0, 0)),
+        dense_min_m,
+        dense_lane,
+    )?;
     let requests = requests
         .into_iter()
         .enumerate()

@@ -22,13 +22,21 @@
 //! worker runs a delta's prefill chunk of at least that many tokens as its whole delta
 //! dequantised plus one matmul (`kernels/sbmm/meta.py`, `DeltaMeta.segments(dense_min_m=)`), one
 //! dequantisation per delta however many of its chunks the step holds, and shorter chunks through
-//! the SBMM work tiles:
+//! the SBMM work tiles. A replayed step that prefills with delta rows pads to a delta bucket of
+//! the worker's mixed graphs and runs its deltas on the work tiles, but for at most one: the
+//! delta in the graph's *dense lane* (`adapters/delta_graphs.py`; one dequantisation and one
+//! masked matmul over the bucket per linear, the cost of an eager dense segment), chosen by
+//! [`LatencyModel::dense_lane_delta`] from the lane's buckets ([`LatencyModel::dense_lane`]):
 //!
 //! ```text
 //! dense_delta_segments = |{ delta of c : c a prefill chunk of a delta request, tokens(c) >= dense_min_m }|
-//!                        in an eager step; 0 in a replayed one (priced as if a graph ran every delta
-//!                        token through the work tiles; the worker's dense lane, which runs a long
-//!                        prompt's delta dense in a graph, `adapters/delta_graphs.py`, is not modelled)
+//!                          in an eager step;
+//!                        1 if a delta takes the dense lane, else 0, in a replayed step
+//! lane delta           = in a replayed step that prefills (the decode graphs have no lane), of
+//!                        bucket = the smallest lane bucket >= tokens: the delta with the most
+//!                        tokens in the step, all its rows (ties: the first in row order), if it
+//!                        has at least lane_min_tokens(bucket)
+//!                        (`delta_graphs.dense_lane_tokens`, `DeltaPool.dense_lane_for`)
 //! ```
 
 use std::collections::{BTreeSet, HashMap};
@@ -139,8 +147,24 @@ pub(crate) struct LatencyModel {
     pub(crate) host_to_gpu_bps: [f64; 2],
     /// Fewest tokens of a delta's prefill chunk that the worker runs dense (module docstring;
     /// at least 2, a one-token chunk being a decode row); `None`: no dense path (the CPU), and
-    /// `dense_delta_segments` is always 0.
+    /// `dense_delta_segments` is 0 in every eager step.
     pub(crate) dense_min_m: Option<u32>,
+    /// The delta token buckets of the worker's mixed graphs, ascending, each with its dense-lane
+    /// threshold (module docstring; Python passes `mixed_graphs.DELTA_TOKEN_BUCKETS` and
+    /// `delta_graphs.dense_lane_tokens`, this side keeps no copy); empty: no lane modelled (the
+    /// CPU, models from before the lane), and `dense_delta_segments` is 0 in every replayed step.
+    /// The table's buckets, not the worker's limit: a limit off the table is the worker's last
+    /// bucket, which a recording does not show (the default, 512 tokens, is on it).
+    pub(crate) dense_lane: Vec<LaneBucket>,
+}
+
+/// One delta token bucket of the worker's mixed graphs and its dense lane's threshold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LaneBucket {
+    /// Tokens the bucket's graph runs: a step pads to the smallest bucket holding its tokens.
+    pub(crate) tokens: u32,
+    /// Fewest tokens of one delta in a step of this bucket that run in the dense lane.
+    pub(crate) lane_min_tokens: u32,
 }
 
 impl LatencyModel {
@@ -157,6 +181,7 @@ impl LatencyModel {
             disk_to_host_bps: [1e9, 1e9],
             host_to_gpu_bps: [1e10, 1e10],
             dense_min_m: None,
+            dense_lane: Vec::new(),
         }
     }
 
@@ -187,6 +212,36 @@ impl LatencyModel {
         !graphed
     }
 
+    /// The delta the worker runs in the dense lane of step `f` when a graph replays it (module
+    /// docstring), from the step's tokens per delta in row order (`tokens_by_delta` of
+    /// [`step_features`]): in a step that prefills, padded to the smallest of [`Self::dense_lane`]
+    /// holding its tokens, the delta with the most tokens (the first of those tied, as Python's
+    /// `max` over the worker's insertion-ordered counts gives) if it has at least the bucket's
+    /// `lane_min_tokens`. None in a decode step (the decode graphs have no lane), past the largest
+    /// bucket, and with no lane modelled. Every delta counts as whole: the simulator does not
+    /// model partial (zoo) deltas ([`SimVariant`]), which the worker keeps off the lane.
+    pub(crate) fn dense_lane_delta(
+        &self,
+        f: &StepFeatures,
+        tokens_by_delta: &[(u32, u32)],
+    ) -> Option<u32> {
+        if !f.prefills() {
+            return None;
+        }
+        let bucket = self
+            .dense_lane
+            .iter()
+            .find(|b| f64::from(b.tokens) >= f.tokens)?;
+        let mut most: Option<(u32, u32)> = None;
+        for &(delta, n) in tokens_by_delta {
+            if most.is_none_or(|(_, m)| n > m) {
+                most = Some((delta, n));
+            }
+        }
+        most.filter(|&(_, n)| n >= bucket.lane_min_tokens)
+            .map(|(delta, _)| delta)
+    }
+
     /// Seconds to read `bytes` of a variant of `kind` from disk into host memory.
     pub(crate) fn to_host_s(&self, kind: VariantKind, bytes: u64) -> f64 {
         bytes as f64 / self.disk_to_host_bps[kind_index(kind)]
@@ -212,9 +267,22 @@ pub(crate) fn kind_index(kind: VariantKind) -> usize {
     }
 }
 
-/// The latency features of `step` (`eager` left 0: the model's graph rule sets it) and its
-/// `(request, tokens)` entries in plan order, updating each request's `cached` length; prefill
-/// chunks of a delta of at least `dense_min_m` tokens run dense ([`LatencyModel::dense_min_m`]).
+/// What [`step_features`] reads off one scheduled step.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct StepComposition {
+    /// Its latency features (`eager` 0 until the model's graph rule sets it, and with it the
+    /// dense segments of a replayed step).
+    pub(crate) features: StepFeatures,
+    /// `(request, tokens)` in plan order: new requests, then running ones.
+    pub(crate) entries: Vec<(u64, u32)>,
+    /// `(delta, tokens of all its rows)` of each delta in the step, in the order of its first
+    /// row: what a replayed step's dense lane is chosen from ([`LatencyModel::dense_lane_delta`]).
+    pub(crate) tokens_by_delta: Vec<(u32, u32)>,
+}
+
+/// The features, entries and tokens per delta of `step` ([`StepComposition`]), updating each
+/// request's `cached` length; prefill chunks of a delta of at least `dense_min_m` tokens run
+/// dense ([`LatencyModel::dense_min_m`]: the eager step's `dense_delta_segments`).
 /// `deltaserve.sim.record.step_features` computes the same from a recording (tests/sim).
 pub(crate) fn step_features(
     cached: &mut HashMap<u64, u32>,
@@ -222,11 +290,11 @@ pub(crate) fn step_features(
     requests: &[SimRequest],
     variants: &[SimVariant],
     dense_min_m: Option<u32>,
-) -> (StepFeatures, Vec<(u64, u32)>) {
+) -> StepComposition {
     let mut f = StepFeatures::default();
     let mut loras = BTreeSet::new();
-    let mut deltas = BTreeSet::new();
     let mut dense = BTreeSet::new();
+    let mut tokens_by_delta: Vec<(u32, u32)> = Vec::new();
     let mut entries = Vec::with_capacity(step.num_requests());
     let new = step
         .new
@@ -247,6 +315,7 @@ pub(crate) fn step_features(
         cached.insert(id, to);
         entries.push((id, n));
         let runs_dense = prefill && dense_min_m.is_some_and(|m| n >= m);
+        let tokens = n;
         let (n, to) = (f64::from(n), f64::from(to));
         f.tokens += n;
         f.seqs += 1.0;
@@ -269,7 +338,10 @@ pub(crate) fn step_features(
             }
             VariantKind::Delta => {
                 f.delta_tokens += n;
-                deltas.insert(variant);
+                match tokens_by_delta.iter_mut().find(|(d, _)| *d == variant) {
+                    Some((_, t)) => *t += tokens,
+                    None => tokens_by_delta.push((variant, tokens)),
+                }
                 if runs_dense {
                     dense.insert(variant);
                 }
@@ -277,9 +349,13 @@ pub(crate) fn step_features(
         }
     }
     f.lora_segments = loras.len() as f64;
-    f.deltas = deltas.len() as f64;
+    f.deltas = tokens_by_delta.len() as f64;
     f.dense_delta_segments = dense.len() as f64;
-    (f, entries)
+    StepComposition {
+        features: f,
+        entries,
+        tokens_by_delta,
+    }
 }
 
 /// A seeded generator (SplitMix64) for the step-time noise: no dependency, the same numbers on
@@ -369,11 +445,18 @@ mod tests {
         let mut cached = HashMap::new();
         let count = |cached: &mut HashMap<u64, u32>, step: &ScheduledStep, at| {
             step_features(cached, step, &requests, &variants, at)
-                .0
+                .features
                 .dense_delta_segments
         };
         assert_eq!(count(&mut cached.clone(), &step, Some(64)), 1.0);
         assert_eq!(count(&mut cached.clone(), &step, Some(63)), 2.0);
+        let by_delta = step_features(&mut cached.clone(), &step, &requests, &variants, None);
+        assert_eq!(
+            by_delta.tokens_by_delta,
+            [(1, 264), (2, 63)],
+            "first rows' order"
+        );
+        assert_eq!(by_delta.features.deltas, 2.0);
         assert_eq!(count(&mut cached, &step, None), 0.0, "no dense path");
         // Next step: delta 2's second chunk of 64 runs dense; delta 1's decode rows never do.
         let step = ScheduledStep {
@@ -381,8 +464,83 @@ mod tests {
             running: vec![running(1, 1), running(2, 1), running(3, 64)],
             ..Default::default()
         };
+        let by_delta = step_features(&mut cached.clone(), &step, &requests, &variants, None);
+        assert_eq!(
+            by_delta.tokens_by_delta,
+            [(1, 2), (2, 64)],
+            "decode rows count too"
+        );
         assert_eq!(count(&mut cached, &step, Some(64)), 1.0);
         assert_eq!(cached[&3], 127);
+    }
+
+    #[test]
+    fn the_dense_lane_takes_the_delta_with_the_most_tokens_at_its_buckets_threshold() {
+        let mut m = LatencyModel::device_only([0.0; NUM_FEATURES], [0.0; NUM_FEATURES]);
+        let prefill = |tokens: f64| StepFeatures {
+            tokens,
+            seqs: 3.0,
+            prefill_tokens: tokens - 2.0,
+            ..Default::default()
+        };
+        let lane = |f: &StepFeatures, by_delta: &[(u32, u32)]| m.dense_lane_delta(f, by_delta);
+        assert_eq!(lane(&prefill(128.0), &[(1, 128)]), None, "no lane modelled");
+        // As `dense_lane_tokens` gives them with a base of 64 tokens.
+        m.dense_lane = [(64, 85), (128, 106), (256, 149)]
+            .map(|(tokens, lane_min_tokens)| LaneBucket {
+                tokens,
+                lane_min_tokens,
+            })
+            .to_vec();
+        let lane = |f: &StepFeatures, by_delta: &[(u32, u32)]| m.dense_lane_delta(f, by_delta);
+        let step = prefill(128.0); // bucket 128 (106 tokens), not 256 (149)
+        assert_eq!(
+            lane(&step, &[(1, 105), (2, 23)]),
+            None,
+            "below the threshold"
+        );
+        assert_eq!(
+            lane(&step, &[(1, 106), (2, 22)]),
+            Some(1),
+            "at the threshold"
+        );
+        assert_eq!(
+            lane(&step, &[(1, 20), (2, 108)]),
+            Some(2),
+            "the delta with most tokens"
+        );
+        assert_eq!(
+            lane(&prefill(129.0), &[(1, 129)]),
+            None,
+            "bucket 256: 149 tokens"
+        );
+        assert_eq!(
+            lane(&prefill(257.0), &[(1, 257)]),
+            None,
+            "past the largest bucket"
+        );
+        m.dense_lane[2].lane_min_tokens = 100;
+        let lane = |f: &StepFeatures, by_delta: &[(u32, u32)]| m.dense_lane_delta(f, by_delta);
+        let step = prefill(240.0);
+        assert_eq!(
+            lane(&step, &[(3, 120), (1, 120)]),
+            Some(3),
+            "a tie: the first"
+        );
+        assert_eq!(
+            lane(&step, &[(1, 120), (3, 120)]),
+            Some(1),
+            "a tie: the first"
+        );
+        let decode = StepFeatures {
+            prefill_tokens: 0.0,
+            ..prefill(128.0)
+        };
+        assert_eq!(
+            lane(&decode, &[(1, 128)]),
+            None,
+            "the decode graphs have no lane"
+        );
     }
 
     #[test]

@@ -451,16 +451,21 @@ impl Sim<'_> {
         for id in &step.released {
             worker.cached.remove(id);
         }
-        let (mut features, entries) = step_features(
+        let composition = step_features(
             &mut worker.cached,
             &step,
             self.requests,
             self.variants,
             self.model.dense_min_m,
         );
+        let (mut features, entries) = (composition.features, composition.entries);
         features.eager = f64::from(u8::from(self.model.runs_eager(&features)));
         if features.eager == 0.0 {
-            features.dense_delta_segments = 0.0; // priced as tiles (the dense lane is not modelled)
+            // A replayed step runs its deltas on the work tiles, but for one in the dense lane.
+            let lane = self
+                .model
+                .dense_lane_delta(&features, &composition.tokens_by_delta);
+            features.dense_delta_segments = f64::from(u8::from(lane.is_some()));
         }
         let mut ready_s = t;
         let mut copy_s = 0.0;
@@ -600,5 +605,126 @@ impl Sim<'_> {
         self.out.counters = counters;
         self.out.busy_s = self.workers.iter().map(|w| w.busy_s).collect();
         Ok(self.out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim_latency::{LaneBucket, FEATURES};
+    use deltaserve_server::engine::{LatencyProfile, Placement};
+
+    /// `(eager, dense_delta_segments)` under `model` of the step that prefills `prompts`
+    /// (`(delta 1 or 2, tokens)`): they arrive while a base request's one-token prompt runs, and
+    /// go in the next step together, beside its decode row (one token more).
+    fn prefill_step(model: &LatencyModel, prompts: &[(u32, u32)]) -> (f64, f64) {
+        let request = |variant, prompt_len| SimRequest {
+            arrival_s: 0.0,
+            prompt_len,
+            output_len: 4,
+            variant,
+            prompt_key: None,
+        };
+        let mut requests = vec![request(0, 1)];
+        requests.extend(prompts.iter().map(|&(variant, n)| request(variant, n)));
+        let delta = SimVariant {
+            kind: VariantKind::Delta,
+            num_blocks: 0,
+            host_bytes: 1,
+            rank: 0,
+        };
+        let cfg = SchedulerConfig::new(16, 256, 4096);
+        let opts = SimOptions {
+            workers: 1,
+            overlap_steps: false,
+            router_gap_s: 0.0,
+            ingress_s: 0.0,
+            deliver_s: 0.0,
+            noise: 0.0,
+            seed: 0,
+            max_queued_per_worker: None,
+            step_times: None,
+            record_steps: true,
+            placer: Placer {
+                policy: Placement::LeastLoaded,
+                profile: LatencyProfile::default(),
+                tpot_slo_us: None,
+                max_num_seqs: cfg.max_num_seqs,
+            },
+        };
+        let out = simulate(&cfg, &requests, &[delta.clone(), delta], model, &opts).unwrap();
+        let feature = |step: &StepRecord, name| {
+            step.features[FEATURES.iter().position(|f| *f == name).unwrap()]
+        };
+        let step = &out.steps[1];
+        assert_eq!(
+            step.entries.len(),
+            prompts.len() + 1,
+            "every prompt in one step"
+        );
+        assert_eq!(
+            feature(step, "prefill_tokens"),
+            feature(step, "tokens") - 1.0
+        );
+        (
+            feature(step, "eager"),
+            feature(step, "dense_delta_segments"),
+        )
+    }
+
+    #[test]
+    fn a_replayed_step_has_a_dense_segment_when_its_largest_delta_takes_the_lane() {
+        let mut model = LatencyModel {
+            graph_max_batch: 8,
+            graph_max_tokens: 512,
+            graph_max_delta_tokens: 512,
+            dense_min_m: Some(64),
+            ..LatencyModel::device_only([1e-3; NUM_FEATURES], [1e-3; NUM_FEATURES])
+        };
+        // `dense_lane_tokens` with a base of 64 tokens; a step of 107 tokens pads to bucket 128.
+        assert_eq!(
+            prefill_step(&model, &[(1, 106)]),
+            (0.0, 0.0),
+            "no lane modelled"
+        );
+        model.dense_lane = vec![
+            LaneBucket {
+                tokens: 64,
+                lane_min_tokens: 85,
+            },
+            LaneBucket {
+                tokens: 128,
+                lane_min_tokens: 106,
+            },
+            LaneBucket {
+                tokens: 512,
+                lane_min_tokens: 234,
+            },
+        ];
+        assert_eq!(
+            prefill_step(&model, &[(1, 106)]),
+            (0.0, 1.0),
+            "at the threshold"
+        );
+        assert_eq!(prefill_step(&model, &[(1, 105)]), (0.0, 0.0), "below it");
+        assert_eq!(
+            prefill_step(&model, &[(2, 12), (1, 108)]),
+            (0.0, 1.0),
+            "the largest"
+        );
+        assert_eq!(
+            prefill_step(&model, &[(1, 60), (2, 66)]),
+            (0.0, 0.0),
+            "both below"
+        );
+        assert_eq!(
+            prefill_step(&model, &[(1, 240), (2, 240)]),
+            (0.0, 1.0),
+            "one lane"
+        );
+        // Eager steps keep their rule: one dense segment per delta with a chunk of dense_min_m.
+        model.graph_max_delta_tokens = 0;
+        assert_eq!(prefill_step(&model, &[(1, 64), (2, 64)]), (1.0, 2.0));
+        assert_eq!(prefill_step(&model, &[(1, 63)]), (1.0, 0.0));
     }
 }
