@@ -141,27 +141,73 @@ def test_delta_mixed_steps_replay_and_equal_eager(tmp_path, pipelined: bool, lan
     if lane:
         monkeypatch.setattr(delta_graphs, "DENSE_LANE_BASE_TOKENS", 0)
     eager, graphs = _executor(base, False, "float16"), _executor(base, True, "float16")
+    pool = graphs.delta_pool
+    assert pool is not None
+    lanes = set()  # the configs of the deltas that ran in a dense lane
+    fill = pool.fill_mixed_rows
+    pool.fill_mixed_rows = lambda *a, dense_lane=None, **kw: (  # type: ignore[method-assign]
+        lanes.add(pool.key_of[dense_lane]) if dense_lane is not None else None,
+        fill(*a, dense_lane=dense_lane, **kw),
+    )[1]
     chunk = 40 if lane else 80  # 40: prompts come in chunks, so steps of <= 64 tokens hold long delta runs
     want = _run(eager, reqs, arrivals, dirs, adapter_of, pipelined=pipelined, max_num_batched_tokens=chunk)
     got = _run(graphs, reqs, arrivals, dirs, adapter_of, pipelined=pipelined, max_num_batched_tokens=chunk)
-    if not lane:
-        assert got == want
-    else:
-        # Lowered here to runs of 10-40 tokens, the lane's sums (one cuBLAS matmul over the masked bucket)
-        # are not the eager step's (SBMM work tiles: the eager step runs segments of < 64 tokens there), so
-        # a near-tie of this random model's logits may flip late; a wrong slot or mask changes most tokens.
-        # (CPU: the lane gives the eager tokens exactly, tests/worker/test_mixed_graphs.py.)
-        late = {
-            i: next(k for k, (a, b) in enumerate(zip(got[i], want[i])) if a != b) for i in want if got[i] != want[i]
-        }
-        assert len(late) <= 1 and all(k >= len(want[i]) // 2 for i, k in late.items()), (late, got, want)
+    _assert_tokens(got, want, lane)
     mixed = graphs.runner.mixed
     assert mixed is not None and mixed.delta_replays > 0, "steps with delta rows should replay delta graphs"
     configs = [{*k, *([lane_key] if lane_key else [])} for _, _, k, lane_key in mixed.delta_graphs]
     assert any(len(c) == 2 for c in configs), f"a step with both packed configs replayed: {configs}"
     assert any(lora for _, lora, _, _ in mixed.delta_graphs), "a step with LoRA and delta rows replayed"
-    lanes = {lane_key for *_, lane_key in mixed.delta_graphs if lane_key is not None}
     if lane:
         assert mixed.lane_replays > 0 and len(lanes) == 2, f"both configs took the lane: {lanes}"
     else:
         assert mixed.lane_replays == 0 and not lanes, "these prompts are too short for the lane"
+
+
+def _assert_tokens(got: dict[int, list[int]], want: dict[int, list[int]], lane: bool) -> None:
+    """The replayed run's tokens are the eager run's; with the dense lane's threshold lowered to runs of
+    10-40 tokens, but for one request's second half: the lane's sums (one cuBLAS matmul over the masked
+    bucket) are not the eager step's (SBMM work tiles: the eager step runs segments of < 64 tokens there),
+    so a near-tie of these random models' logits may flip late; a wrong slot or mask changes most tokens.
+    (CPU: the lane gives the eager tokens exactly, tests/worker/test_mixed_graphs.py.)"""
+    if not lane:
+        assert got == want
+        return
+    late = {i: next(k for k, (a, b) in enumerate(zip(got[i], want[i])) if a != b) for i in want if got[i] != want[i]}
+    assert len(late) <= 1 and all(k >= len(want[i]) // 2 for i, k in late.items()), (late, got, want)
+
+
+@pytest.mark.parametrize("lane", [False, True])
+def test_delta_graphs_are_captured_at_registration(tmp_path, lane: bool, monkeypatch) -> None:
+    """Registering (inspecting) the first delta of a packed config captures that config's delta graphs
+    (``Executor._capture_delta_config``): the decode graph of every batch bucket and the mixed-step graphs
+    of every delta bucket (``MixedGraphs.config_variants``, with the dense lanes where a bucket holds one).
+    Serving two deltas of that config beside the base then captures nothing and gives the eager tokens;
+    ``lane``: the lane's threshold lowered, so lane graphs captured before any delta was resident (slot
+    0's offsets) replay with each step's own."""
+    from deltaserve.adapters import delta_graphs
+    from helpers.deltas import make_delta
+    from helpers.tiny_models import make_tiny_model
+
+    kw = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    base = make_tiny_model(tmp_path, "llama", seed=5, **kw)
+    dirs = {2: make_delta(base, tmp_path / "a", seed=21)[0], 3: make_delta(base, tmp_path / "b", seed=23)[0]}
+    n = 10
+    reqs = {i: (p, 6) for i, p in enumerate(prompts(n, 500, seed=7, lo=2, hi=70))}
+    arrivals = {i: i // 2 for i in range(n)}
+    adapter_of = {i: (2, 3, 0)[i % 3] for i in range(n)}
+    if lane:
+        monkeypatch.setattr(delta_graphs, "DENSE_LANE_BASE_TOKENS", 0)
+    eager, graphs = _executor(base, False, "float16"), _executor(base, True, "float16")
+    want = _run(eager, reqs, arrivals, dirs, adapter_of, max_num_batched_tokens=40)
+    router = MiniRouter(graphs, dirs, adapter_of, max_num_batched_tokens=40)  # inspects both deltas
+    decode, mixed, pool = graphs.graphs, graphs.runner.mixed, graphs.delta_pool
+    assert decode is not None and mixed is not None and pool is not None and not pool.slot_of
+    key = pool.config_key(dirs[2])
+    assert set(decode.delta_graphs) == {(b, False, (key,)) for b in decode.graphs}
+    assert set(mixed.delta_graphs) == set(mixed.config_variants(key))
+    assert any(lane_key is not None for *_, lane_key in mixed.delta_graphs) == lane
+    captured = (dict(decode.delta_graphs), dict(mixed.delta_graphs))
+    _assert_tokens(router.run(reqs, arrivals), want, lane)
+    assert (decode.delta_graphs, mixed.delta_graphs) == captured, "no graph captured while serving"
+    assert mixed.delta_replays > 0 and (mixed.lane_replays > 0) == lane

@@ -32,6 +32,7 @@ pytest.importorskip("peft")
 from helpers.deltas import make_delta  # noqa: E402
 from helpers.executors import KV_BYTES, hf_greedy, prompts  # noqa: E402
 from helpers.peft_adapters import make_peft_adapter  # noqa: E402
+from helpers.sched_driver import SchedDriver  # noqa: E402
 from helpers.worker_config import cpu_worker_config  # noqa: E402
 from worker.test_lora_serving import AdapterRouter  # noqa: E402
 
@@ -480,6 +481,39 @@ def test_mixed_graph_buffers_hold_each_token_and_logits_row(executor_factory, va
     want = DeltaMeta.rows(logit_slots, "cpu", max_block_m=HEAD_TILE)
     order, tiles, count = g.head
     assert order[:8].tolist() == want.order.tolist() and count.item() == want.num_tiles
+
+
+def test_a_config_prepared_before_its_first_load(executor_factory, variants) -> None:
+    """``prepare_config`` (the executor's, when the first delta of a config is registered on CUDA: its
+    graphs are captured then) makes the config's pools before any load, and the loads then fill those
+    same pools with the tokens of an executor that never prepared; a dense lane captured before any
+    delta of the config is resident reads block slot 0's offsets. On CPU ``inspect_variant`` prepares
+    nothing (no graphs to capture) and changes no state."""
+    ex = executor_factory()
+    pool = ex.delta_pool
+    assert pool is not None
+    d4 = str(variants[D4][0])
+    assert ex.inspect_variant(d4, DELTA).error is None
+    assert not pool.step.weights and pool.lane_scratch is None, "no graphs on CPU: inspection changes no state"
+    key4 = pool.config_key(d4)
+    assert key4 == (4, True, 64)
+    assert pool.prepare_config(key4) is False, "no CUDA SBMM op here: steps of the config are not captured"
+    pools = dict(pool.step.weights[key4])
+    assert pool.lane_scratch is not None and not any(any(w.loaded) for w in pools.values())
+    with pool.mixed_graph_state(32, 8, 64, 16, (key4,), lane_key=key4):
+        assert pool.step.dense_lane is not None and pool.step.dense_lane.key == key4
+    assert pool.mixed_rows is not None
+    want = [[offs[0] for offs in pools[lin].slot_offsets] for lin in sorted(pools)]
+    assert pool.mixed_rows.lane_offsets[key4].tolist() == want
+
+    reqs = {i: (p, 6) for i, p in enumerate(prompts(4, ex.config.vocab_size, seed=8, lo=3, hi=20))}
+    adapter_of = {i: (D4, 0)[i % 2] for i in reqs}
+    arrivals = dict.fromkeys(reqs, 0)
+    dirs = {D4: variants[D4][0]}
+    got = SchedDriver(ex, dirs, adapter_of).run(reqs, arrivals)
+    assert got == SchedDriver(executor_factory(), dirs, adapter_of).run(reqs, arrivals)
+    assert all(pool.step.weights[key4][lin] is w for lin, w in pools.items()), "the load filled the prepared pools"
+    assert any(any(w.loaded) for w in pools.values())
 
 
 def test_dense_lane_buffers_and_rule(executor_factory, variants, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -64,6 +64,25 @@ def test_buckets() -> None:
     assert all((b - a) / b <= 0.2 for a, b in zip(sizes, sizes[1:]) if a >= 256 and b <= 2048)
 
 
+def test_config_variants_cover_each_delta_bucket_and_its_lanes(executor_factory) -> None:
+    """What the executor captures when the first delta of a packed config is registered
+    (``MixedGraphs.capture_config``): each delta bucket's work tiles for the config alone, and the lane
+    beside them and alone in every bucket that can hold a dense lane; nothing with capture off."""
+    from deltaserve.adapters.delta_graphs import dense_lane_tokens
+
+    mixed = static_steps(executor_factory(), 512, 16, max_delta_tokens=512)
+    key = (4, True, 64)
+    got = mixed.config_variants(key)
+    assert len(got) == len(set(got))
+    assert [v for v in got if v[3] is None] == [(tb, False, (key,), None) for tb in mixed.delta_sizes]
+    lanes = sorted({tb for tb, _, _, lane in got if lane is not None})
+    assert lanes == [tb for tb in mixed.delta_sizes if dense_lane_tokens(tb) <= tb] == [128, 256, 384, 512]
+    assert sorted(v for v in got if v[3] is not None) == sorted(
+        (tb, False, keys, key) for tb in lanes for keys in ((key,), ())
+    )
+    assert mixed.capture_config(key) == 0 and not mixed.delta_graphs, "capture off (CPU): nothing captured"
+
+
 def test_graph_token_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """``DELTASERVE_CUDA_GRAPH_MAX_TOKENS`` and ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS``: defaults 2048
     and 512, 0 turns the graphs off (for delta rows: such steps run eagerly), a bad value stops the worker."""

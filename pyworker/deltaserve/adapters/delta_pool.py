@@ -62,7 +62,7 @@ import torch
 from .. import wire
 from ..compress.delta_dir import check_lineage, load_delta, read_manifest
 from ..formats.packed_delta import PackedLinear
-from ..kernels.sbmm import DeltaMeta, cuda_shape_problem, cuda_tile_cap, dense_min_m
+from ..kernels.sbmm import DeltaMeta, DeltaWeights, cuda_shape_problem, cuda_tile_cap, dense_min_m
 from ..model.batch import host_to_device
 from ..model.decoder import DecoderLM, linear_slots
 from .delta_blocks import (
@@ -269,8 +269,7 @@ class DeltaPool:
             for b in bufs:
                 give_back(self.arena, b, may_be_queued=False, device=self.device)
             raise
-        comp = manifest["compression"]
-        key: ConfigKey = (int(comp["bits"]), comp["sparsity"] == "2:4", int(comp["group_size"]))
+        key = _config_key(manifest)
         packed = {}
         for name, linear in packed_by_name.items():
             m = _PACKED_RE.match(name)
@@ -355,18 +354,7 @@ class DeltaPool:
         if holder is not None:
             raise ValueError(f"delta {delta_id}: delta slot {slot} holds delta {holder}")
         copy = self.wait_host(delta_id)
-        pools = self.step.weights.get(copy.key)
-        if pools is None:
-            like = {
-                (layer, proj): copy.packed.get((layer, proj), zero_delta(copy.key, self.slots.features[proj]))
-                for layer in range(self.config.num_layers) for proj in self.linear_names
-            }  # fmt: skip
-            pools = self.slots.pools(copy.key, like)
-            if self.device.type == "cpu":  # sbmm_ref serves: dequantise each delta once, not every step
-                for w in pools.values():
-                    w.cache_reference()
-            self.step.weights[copy.key] = pools
-        self._scratch()  # with the first pools, as reserved (``delta_slots.reserve_bytes``)
+        pools = self._config_pools(copy.key)
         self._fill_tables(slot, copy.dense)
         at = [-1] * (self.num_pieces + 2)
         for p, identity in copy.pieces.items():
@@ -383,6 +371,35 @@ class DeltaPool:
         self.key_of[delta_id] = copy.key
         self.piece_slots[delta_id] = tuple(at)
         self.costs[delta_id] = self._cost(copy)
+
+    def _config_pools(self, key: ConfigKey) -> dict[tuple[int, str], DeltaWeights]:
+        """Config ``key``'s pool of every linear: the config's views of the slot arenas, made the first time
+        it is seen (the arenas and the lane's scratch with the first config, as reserved:
+        ``delta_slots.reserve_bytes``)."""
+        pools = self.step.weights.get(key)
+        if pools is None:
+            like = {
+                (layer, proj): zero_delta(key, self.slots.features[proj])
+                for layer in range(self.config.num_layers) for proj in self.linear_names
+            }  # fmt: skip
+            pools = self.slots.pools(key, like)
+            if self.device.type == "cpu":  # sbmm_ref serves: dequantise each delta once, not every step
+                for w in pools.values():
+                    w.cache_reference()
+            self.step.weights[key] = pools
+        self._scratch()
+        return pools
+
+    def config_key(self, path: str | Path) -> ConfigKey:
+        """The packed config of the delta at ``path`` (its manifest's compression; ``inspect`` validated it)."""
+        return _config_key(read_manifest(Path(path)))
+
+    def prepare_config(self, key: ConfigKey) -> bool:
+        """Makes config ``key``'s pools ahead of its first delta's ``to_gpu`` (the executor, when a delta of
+        a new config is registered: its graphs are captured then, not in the first step that needs them);
+        returns whether captured steps take the config (``graphable``)."""
+        self._config_pools(key)
+        return self.graphable([key])
 
     def _cost(self, copy: DeltaHostCopy) -> VariantCost:
         """What a step reads for the delta: each piece's packed linears (a piece's zero ones too: the
@@ -546,19 +563,26 @@ class DeltaPool:
         """The (layer, proj) of config ``key``'s pools, in the order of the lane's offsets rows."""
         return sorted(self.step.weights[key])
 
-    def _lane_offsets(self, delta_id: int) -> torch.Tensor:
+    def _lane_offsets(self, delta_id: int | None, key: ConfigKey | None = None) -> torch.Tensor:
         """``[linears, 3]`` int64 on the host: the resident delta's (qvalues, qindices, group) offsets in
-        each linear's pool, at the block slot of the linear's piece (cached while it is resident)."""
-        rows = self._lane_rows.get(delta_id)
-        if rows is None:
+        each linear's pool, at the block slot of the linear's piece (cached while it is resident); with
+        ``delta_id`` None, config ``key``'s block slot 0 (a graph captured before any delta of the config
+        is resident: every row is padding, and each replay writes its own delta's offsets)."""
+        if delta_id is not None and delta_id in self._lane_rows:
+            return self._lane_rows[delta_id]
+        if delta_id is not None:
             key, at = self.key_of[delta_id], self.piece_slots[delta_id]
-            pools = self.step.weights[key]
-            table = []
-            for layer, proj in self._lane_linears(key):
-                slot = at[piece_index(layer, part_of(self.config, proj))]
-                w = pools[(layer, proj)]
-                table.append([offs[slot] for offs in w.slot_offsets])
-            rows = self._lane_rows[delta_id] = torch.tensor(table, dtype=torch.int64)
+        else:
+            assert key is not None, "a config without a resident delta"
+            at = (0,) * (self.num_pieces + 2)
+        pools = self.step.weights[key]
+        table = []
+        for layer, proj in self._lane_linears(key):
+            w = pools[(layer, proj)]
+            table.append([offs[at[piece_index(layer, part_of(self.config, proj))]] for offs in w.slot_offsets])
+        rows = torch.tensor(table, dtype=torch.int64)
+        if delta_id is not None:
+            self._lane_rows[delta_id] = rows
         return rows
 
     def _scratch(self) -> torch.Tensor:
@@ -665,8 +689,8 @@ class DeltaPool:
         with self._static_state(g, tokens, logits, keys):
             if lane_key is not None:  # no row in the lane yet; offsets of a resident delta of the config
                 self.step.dense_lane = g.lane(tokens, lane_key, self._lane_linears(lane_key), self._scratch())
-                like = next(v for v, k in self.key_of.items() if k == lane_key)
-                g.write_lane(tokens, [False] * tokens, lane_key, self._lane_offsets(like))
+                like = next((v for v, k in self.key_of.items() if k == lane_key), None)
+                g.write_lane(tokens, [False] * tokens, lane_key, self._lane_offsets(like, lane_key))
             yield
 
     @contextmanager
@@ -742,3 +766,9 @@ class DeltaPool:
 
 
 __all__ = ["DeltaError", "DeltaHostCopy", "DeltaPlacements", "DeltaPool", "GRAPH_TILE", "HEAD_TILE", "delta_gpu_bytes"]
+
+
+def _config_key(manifest: dict[str, Any]) -> ConfigKey:
+    """A delta's packed config (bits, 2:4 or not, group size) from its validated manifest."""
+    comp = manifest["compression"]
+    return (int(comp["bits"]), comp["sparsity"] == "2:4", int(comp["group_size"]))

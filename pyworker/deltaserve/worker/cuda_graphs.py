@@ -32,8 +32,11 @@ shapes its tensors by each step's lengths), so graphs need CUDA and the Triton k
 With compressed deltas (``deltas``: the executor's ``DeltaPool``, where the CUDA SBMM op runs) a
 decode step with delta rows replays a graph captured with the delta-aware modules active over the
 pool's static buffers (``DeltaPool.graph_state``: each row's slot, per-config work tiles, the lm_head
-delta's tiles), one per (bucket, LoRA rows or not, the step's packed configs), captured the first time
-such a step comes: which configs a step needs is known only once deltas arrive. Before a replay the
+delta's tiles), one per (bucket, LoRA rows or not, the step's packed configs). Which configs serve is
+known only once deltas are registered: when the first delta of a config is (its ``InspectVariant``),
+the executor captures every bucket's graph for that config alone (``capture_config``), so that no
+served step stalls on a capture; other combinations (LoRA rows, several configs) are captured the
+first time such a step comes. Before a replay the
 pool writes the step's rows into those buffers (``fill_graph_rows``); the captured SBMM launches split
 K from the step's tile count on the device, as an eager launch would.
 """
@@ -245,6 +248,17 @@ class DecodeGraphs:
             if any(lora_ids):
                 row_slots = self.lora.assign_rows(lora_ids)
         return self.run(step, row_slots, device_inputs, self._delta_ids(rows))
+
+    def capture_config(self, key: tuple) -> int:
+        """Captures the decode graph of every batch bucket for rows of deltas of packed config ``key`` (no
+        LoRA rows) not captured yet: the executor, when the first delta of the config is registered, so
+        that no served step stalls on them. Returns how many."""
+        missing = [
+            (b, False, (key,)) for b in sorted(self.graphs, reverse=True) if (b, False, (key,)) not in self.delta_graphs
+        ]
+        for variant in missing:
+            self.delta_graphs[variant] = self._capture_delta(*variant)
+        return len(missing)
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest captured batch size that holds ``n`` rows (None: run eagerly)."""

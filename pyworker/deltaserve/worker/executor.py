@@ -331,7 +331,34 @@ class Executor:
         pool = self.pools.get(kind)
         if kind == VariantKind.LORA and self.cpu_assist is not None:
             self.cpu_assist.pool.start()  # lazily, at the first adapter: ready before its first request
-        return refused_as_off(kind, path) if pool is None else pool.inspect(path)
+        info = refused_as_off(kind, path) if pool is None else pool.inspect(path)
+        if info.error is None and kind == VariantKind.DELTA:
+            self._capture_delta_config(path)
+        return info
+
+    def _capture_delta_config(self, path: str) -> None:
+        """Captures the delta graphs of the packed config of the delta at ``path`` (valid) when it is the
+        first of its config: every decode bucket's and every delta bucket's mixed-step graph (with its
+        dense lanes) for that config alone, now, at its registration, instead of in the first served
+        steps that need them (each capture stalls the whole batch for 0.1-0.3 s on an H200). The pool
+        makes the config's slot views first, as its first ``to_gpu`` would have."""
+        deltas = self.delta_pool
+        if self.graphs is None or deltas is None:
+            return
+        key = deltas.config_key(path)
+        if key in deltas.step.weights or not deltas.prepare_config(key):
+            return  # seen before (captured then, or its steps run eagerly), or the CUDA op does not take it
+        started = time.monotonic()
+        try:
+            n = self.graphs.capture_config(key)
+            if self.runner.mixed is not None:
+                n += self.runner.mixed.capture_config(key)
+        except RuntimeError as e:  # out of memory too; the steps capture what is missing, as before
+            log.warning("capturing the delta graphs of config %s at its registration failed (%s): "
+                        "its steps capture them when they come", key, e)  # fmt: skip
+            return
+        log.info("captured %d delta graphs of config %s at its first registration in %.1f s", n, key,
+                 time.monotonic() - started)  # fmt: skip
 
     @property
     def variant_host_bytes(self) -> int:

@@ -52,8 +52,10 @@ with prompt logprobs or CPU-assisted cold prefills run eagerly (``ForwardRunner.
 Compressed-delta rows: a step of at most ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS`` tokens (default 512;
 0: eager) whose deltas' packed configs the
 CUDA SBMM op takes replays a graph of its *delta bucket* (``DELTA_TOKEN_BUCKETS``), its packed
-configs and whether it has LoRA rows, captured the first time such a step comes (as the delta decode
-graphs are). The delta-aware modules read the delta pool's mixed-step buffers
+configs, its dense lane's config and whether it has LoRA rows. When the first delta of a config is
+registered the executor captures that config's graphs without LoRA (``capture_config``: each bucket's
+tiles, and its lanes where the bucket can hold one), as it does the delta decode graphs; other
+combinations are captured the first time such a step comes. The delta-aware modules read the delta pool's mixed-step buffers
 (``DeltaPool.mixed_graph_state`` / ``fill_mixed_rows``): every token is a row of the SBMM metadata,
 so a prompt's tokens share their delta's work tiles of ``GRAPH_TILE`` tokens (the eager step
 instead dequantises a long prompt's delta once and runs cuBLAS: the graph's sums are the same
@@ -79,6 +81,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deltaserve.adapters.delta_graphs import dense_lane_tokens
 from deltaserve.adapters.variants import StepRows
 from deltaserve.kernels.lora import SGMV_TILE, LoraMeta, sgmv_tiles, single_rows
 from deltaserve.kernels.paged_attention import prefill_block_q, prefill_tiles
@@ -230,8 +233,8 @@ class MixedGraphs:
         """LoRA graphs without the MBGMV row list, for buckets up to ``CHUNK_LORA_MAX_TOKENS``."""
         self.delta_graphs: dict[tuple[int, bool, tuple, tuple | None], torch.cuda.CUDAGraph] = {}
         """(delta bucket, with LoRA rows, the packed configs on the work tiles, the dense lane's config or None) -> its
-        graph with the deltas active, captured the first time such a step comes (which configs serve is
-        known only once deltas load)."""
+        graph with the deltas active, captured when the config's first delta is registered (``capture_config``)
+        or else the first time such a step comes (which configs serve is known only once deltas do)."""
         self.delta_replays = 0
         """Steps with delta rows served here."""
         self.lane_replays = 0
@@ -432,6 +435,35 @@ class MixedGraphs:
             self.capture_seconds,
         )
 
+    def _capture_delta(self, variant: tuple[int, bool, tuple, tuple | None]) -> None:
+        """Captures the delta graph ``variant`` (``delta_graphs``' key)."""
+        tb, lora, keys, lane_key = variant
+        with torch.inference_mode():
+            started = time.monotonic()
+            self.delta_graphs[variant] = self._capture_one(tb, lora, keys=keys, lane=lane_key)
+            log.info("captured the mixed-step graph of %d tokens with deltas %s%s%s in %.2f s", tb, list(keys),
+                     "" if lane_key is None else f", a dense lane of {lane_key}",
+                     " and LoRA" if lora else "", time.monotonic() - started)  # fmt: skip
+
+    def config_variants(self, key: tuple) -> list[tuple[int, bool, tuple, tuple | None]]:
+        """The delta graphs (``delta_graphs``' keys) a step whose deltas are all of packed config ``key``, with
+        no LoRA row, can replay: per delta bucket its work tiles; and where the bucket can hold a dense lane
+        (``dense_lane_tokens(tb) <= tb``), the lane beside tiles and the lane alone."""
+        out: list[tuple[int, bool, tuple, tuple | None]] = []
+        for tb in self.delta_sizes:
+            out.append((tb, False, (key,), None))
+            if dense_lane_tokens(tb) <= tb:
+                out += [(tb, False, (key,), key), (tb, False, (), key)]
+        return out
+
+    def capture_config(self, key: tuple) -> int:
+        """Captures ``config_variants(key)`` not captured yet (the executor, when the first delta of config
+        ``key`` is registered, so that no served step stalls on them); returns how many."""
+        missing = [v for v in self.config_variants(key) if v not in self.delta_graphs] if self.capture else []
+        for variant in sorted(missing, key=lambda v: -v[0]):  # largest first, as at start-up
+            self._capture_delta(variant)
+        return len(missing)
+
     # ------------------------------------------------------------------ steps
 
     def bucket_for(self, num_tokens: int, num_seqs: int, deltas: bool = False) -> int | None:
@@ -500,12 +532,7 @@ class MixedGraphs:
             delta_rows = (tokens + [0] * (tb - len(tokens)), logit_ids + [0] * (self._seqs(tb) - len(logit_ids)))
             variant = (tb, slots is not None, keys, lane_key)  # the step's delta graph
             if self.capture and variant not in self.delta_graphs:  # before the step's inputs go in: capture pads
-                with torch.inference_mode():
-                    started = time.monotonic()
-                    self.delta_graphs[variant] = self._capture_one(tb, slots is not None, keys=keys, lane=lane_key)
-                    log.info("captured the mixed-step graph of %d tokens with deltas %s%s%s in %.2f s", tb, list(keys),
-                             "" if lane_key is None else f", a dense lane of {lane_key}",
-                             " and LoRA" if slots is not None else "", time.monotonic() - started)  # fmt: skip
+                self._capture_delta(variant)
         seg_start, seg_adapter, has_rows = self._fill(tb, step, slots)
         self._upload(tb, step)
         if device_inputs is not None:
