@@ -145,10 +145,13 @@ def test_delta_mixed_steps_replay_and_equal_eager(tmp_path, pipelined: bool, lan
     assert pool is not None
     lanes = set()  # the configs of the deltas that ran in a dense lane
     fill = pool.fill_mixed_rows
-    pool.fill_mixed_rows = lambda *a, dense_lane=None, **kw: (  # type: ignore[method-assign]
-        lanes.add(pool.key_of[dense_lane]) if dense_lane is not None else None,
-        fill(*a, dense_lane=dense_lane, **kw),
-    )[1]
+
+    def fill_mixed_rows(token_ids, logit_ids, keys, dense_lane=None):
+        if dense_lane is not None:
+            lanes.add(pool.key_of[dense_lane])
+        return fill(token_ids, logit_ids, keys, dense_lane)
+
+    pool.fill_mixed_rows = fill_mixed_rows  # type: ignore[method-assign]
     chunk = 40 if lane else 80  # 40: prompts come in chunks, so steps of <= 64 tokens hold long delta runs
     want = _run(eager, reqs, arrivals, dirs, adapter_of, pipelined=pipelined, max_num_batched_tokens=chunk)
     got = _run(graphs, reqs, arrivals, dirs, adapter_of, pipelined=pipelined, max_num_batched_tokens=chunk)

@@ -374,8 +374,8 @@ class DeltaPool:
 
     def _config_pools(self, key: ConfigKey) -> dict[tuple[int, str], DeltaWeights]:
         """Config ``key``'s pool of every linear: the config's views of the slot arenas, made the first time
-        it is seen (the arenas and the lane's scratch with the first config, as reserved:
-        ``delta_slots.reserve_bytes``)."""
+        it is seen (the arenas, the embedding / lm_head / bias tables and the lane's scratch with the first
+        config, as reserved: ``delta_slots.reserve_bytes``)."""
         pools = self.step.weights.get(key)
         if pools is None:
             like = {
@@ -387,6 +387,7 @@ class DeltaPool:
                 for w in pools.values():
                     w.cache_reference()
             self.step.weights[key] = pools
+        self._make_tables()
         self._scratch()
         return pools
 
@@ -434,10 +435,9 @@ class DeltaPool:
                         w.clear(at)
             # an embedding / lm_head piece's rows stay: nothing reads them until a piece is stored there
 
-    def _fill_tables(self, slot: int, dense: dict[str, torch.Tensor]) -> None:
-        """Copies a delta's norm and bias deltas into slot ``slot``'s blocks of the tables (allocated
-        for every slot the first time, the embedding and lm_head tables too), zeroing the blocks of
-        tensors it does not change."""
+    def _make_tables(self) -> None:
+        """Allocates the embedding, lm_head and bias tables for every slot, with the first pools: a graph
+        captured before any delta is resident (``prepare_config``) must run the modules that read them."""
         tables = self.step.tables
         cfg, n = self.config, self.max_deltas
         if tables.embed is None:
@@ -451,6 +451,12 @@ class DeltaPool:
             for name in sorted(self.dense_names):
                 if name.endswith(".bias"):
                     tables.biases[name] = zeros(n + 1, self._bias_width(name))
+
+    def _fill_tables(self, slot: int, dense: dict[str, torch.Tensor]) -> None:
+        """Copies a delta's norm and bias deltas into slot ``slot``'s blocks of the tables (``_make_tables``),
+        zeroing the blocks of tensors it does not change."""
+        tables = self.step.tables
+        assert tables.embed is not None, "made with the first pools"
         blocks = {name: t[slot + 1] for name, t in (*tables.norms.items(), *tables.biases.items())}
         for name, block in blocks.items():
             d = dense.get(name)
@@ -462,7 +468,7 @@ class DeltaPool:
     def _store_dense_piece(self, p: int, at: int, dense: dict[str, torch.Tensor]) -> None:
         """The embedding (``p == embed_piece``) or untied lm_head delta into block slot ``at`` of its table."""
         tables, v = self.step.tables, self.config.vocab_size
-        assert tables.embed is not None and tables.head is not None  # _fill_tables allocated them
+        assert tables.embed is not None and tables.head is not None  # _make_tables allocated them
         name, block = (
             (DeltaEmbedding.NAME, tables.embed[at * v : (at + 1) * v]) if p == self.embed_piece
             else ("lm_head.weight", tables.head[at])
