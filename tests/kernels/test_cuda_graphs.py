@@ -96,16 +96,20 @@ def test_lora_graphs_with_and_without_overlap_equal_eager(tiny_llama, tmp_path) 
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2"])
-def test_delta_decode_steps_replay_from_graphs_and_equal_eager(arch: str, tmp_path) -> None:
+def test_delta_decode_steps_replay_from_graphs_and_equal_eager(arch: str, tmp_path, monkeypatch) -> None:
     """Decode steps with rows of two compressed deltas of different packed configs (4-bit and 2-bit
     2:4), a LoRA adapter and the base replay delta graphs (captured at the first such step, one per
     config set) and give exactly the eager tokens: the SBMM tiles, the embedding / norm / bias gathers
     and the lm_head delta all read the static buffers. A model the CUDA SBMM op takes (in_features a
     multiple of 256), float16; tied embeddings (the embedding delta moves lm_head) and Qwen2 (bias
     deltas). Two ids of one delta directory share every block (held once, per-piece block slots in the
-    graph's buffers)."""
+    graph's buffers). The prompts' mixed steps replay graphs too, with the dense lane off: one delta's
+    short prompts (under 64 tokens each, so SBMM tiles in the eager step) can fill a bucket's lane, whose
+    one cuBLAS matmul sums in another order, and these random weights' near-ties then flip (the lane's
+    tokens are checked in tests/kernels/test_mixed_graphs_gpu.py)."""
     from worker.test_lora_serving import AdapterRouter
 
+    from deltaserve.adapters import delta_graphs
     from helpers.deltas import make_delta
     from helpers.peft_adapters import make_peft_adapter
     from helpers.tiny_models import make_tiny_model
@@ -133,6 +137,7 @@ def test_delta_decode_steps_replay_from_graphs_and_equal_eager(arch: str, tmp_pa
             cuda_graph_max_batch=graph_batch,
         )
 
+    monkeypatch.setattr(delta_graphs, "DENSE_LANE_BASE_TOKENS", 1 << 20)
     n = 14
     seen: set = set()
     for adapter_of in (

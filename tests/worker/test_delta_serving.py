@@ -516,6 +516,22 @@ def test_a_config_prepared_before_its_first_load(executor_factory, variants) -> 
     assert any(any(w.loaded) for w in pools.values())
 
 
+def test_graphs_at_registration_from_the_environment(executor_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DELTASERVE_DELTA_GRAPHS_AT_REGISTRATION``: which delta graphs a new config captures when its first
+    delta is registered (both kinds by default, ``off`` none); a bad value stops the executor, naming it."""
+    from deltaserve.worker.executor import CAPTURE_AT_REGISTRATION_ENV, graphs_at_registration
+
+    monkeypatch.delenv(CAPTURE_AT_REGISTRATION_ENV, raising=False)
+    assert graphs_at_registration() == {"decode", "mixed"}
+    for text, want in (("off", set()), ("mixed", {"mixed"}), (" Decode, mixed", {"decode", "mixed"}), ("", None)):
+        monkeypatch.setenv(CAPTURE_AT_REGISTRATION_ENV, text)
+        assert graphs_at_registration() == (want if want is not None else {"decode", "mixed"}), text
+    for bad in ("on", "decode,off", ","):
+        monkeypatch.setenv(CAPTURE_AT_REGISTRATION_ENV, bad)
+        with pytest.raises(ValueError, match=CAPTURE_AT_REGISTRATION_ENV):
+            executor_factory()
+
+
 def test_dense_lane_buffers_and_rule(executor_factory, variants, monkeypatch: pytest.MonkeyPatch) -> None:
     """The dense lane of a captured mixed step (``delta_graphs``): the delta with the most tokens takes it
     when it has ``dense_lane_tokens(bucket)`` of them and a piece at every layer; its rows are the lane's

@@ -72,6 +72,22 @@ from .step_floor import ModelCosts, measure_roofline, scheduled_floor
 
 log = logging.getLogger("deltaserve.worker")
 
+CAPTURE_AT_REGISTRATION_ENV = "DELTASERVE_DELTA_GRAPHS_AT_REGISTRATION"
+"""Which delta graphs the first delta of a packed config captures when it is registered
+(``Executor._capture_delta_config``): ``decode,mixed`` (the default), one of them, or ``off`` (every
+delta graph is captured at the first step that needs it)."""
+
+
+def graphs_at_registration() -> frozenset[str]:
+    """``CAPTURE_AT_REGISTRATION_ENV`` as the graph kinds it names (empty: off); ValueError names a bad value."""
+    text = (os.environ.get(CAPTURE_AT_REGISTRATION_ENV) or "decode,mixed").replace(" ", "").lower()
+    kinds = frozenset(text.split(",")) - {""}
+    if kinds == {"off"}:
+        return frozenset()
+    if not kinds or not kinds <= {"decode", "mixed"}:
+        raise ValueError(f"{CAPTURE_AT_REGISTRATION_ENV}={text!r}: want decode, mixed, decode,mixed or off")
+    return kinds
+
 
 def resolve_device(name: str) -> torch.device:
     """``cpu`` / ``cuda`` / ``cuda:N`` -> a concrete torch.device (``cuda`` gets its index)."""
@@ -232,6 +248,8 @@ class Executor:
             limits.append(max_model_len)
         self.max_model_len = min(limits)
         """Longest prompt + output a request may reach on this worker."""
+        self.graphs_at_registration = graphs_at_registration()
+        """Which delta graphs a new packed config captures when its first delta is registered."""
         self.graphs: DecodeGraphs | None = None
         """Captured decode steps, when enabled (CUDA with the Triton kernels)."""
         if use_graphs:
@@ -345,13 +363,16 @@ class Executor:
         deltas = self.delta_pool
         if self.graphs is None or deltas is None:
             return
+        which = self.graphs_at_registration
+        if not which:
+            return
         key = deltas.config_key(path)
         if key in deltas.step.weights or not deltas.prepare_config(key):
             return  # seen before (captured then, or its steps run eagerly), or the CUDA op does not take it
         started = time.monotonic()
         try:
-            n = self.graphs.capture_config(key)
-            if self.runner.mixed is not None:
+            n = self.graphs.capture_config(key) if "decode" in which else 0
+            if self.runner.mixed is not None and "mixed" in which:
                 n += self.runner.mixed.capture_config(key)
         except RuntimeError as e:  # out of memory too; the steps capture what is missing, as before
             log.warning("capturing the delta graphs of config %s at its registration failed (%s): "
