@@ -345,7 +345,9 @@ class Executor:
 
     def inspect_variant(self, path: str, kind: VariantKind = VariantKind.LORA) -> wire.VariantInfo:
         """The answer to ``InspectVariant`` (``inspect_id`` left 0 for the caller to set): ``path`` validated
-        as a variant of ``kind`` (the router tells the kind; its default is the wire's); no state change."""
+        as a variant of ``kind`` (the router tells the kind; its default is the wire's). Nothing a request
+        sees changes; the first valid delta of a packed config captures that config's graphs on CUDA
+        (``_capture_delta_config``)."""
         pool = self.pools.get(kind)
         if kind == VariantKind.LORA and self.cpu_assist is not None:
             self.cpu_assist.pool.start()  # lazily, at the first adapter: ready before its first request
