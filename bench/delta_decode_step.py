@@ -5,7 +5,7 @@ delta's load host -> GPU slot (DeltaZip's decoupled forward: the base once, plus
    block linear plus dense fp16 embedding / lm_head / norm deltas (what ``deltaserve compress``
    writes): base only vs every row on 1 delta vs the batch spread over 8 deltas (row i on delta
    i % 8), each run eagerly (an executor without graphs) and replayed from CUDA graphs (a second
-   executor; delta decode steps replay the delta graphs, captured at the first such step).
+   executor; delta decode steps replay the delta graphs, captured when the delta is inspected).
    Target: 8 deltas <= 1.6x the base-only step, both eager (``target.ratio``: the cost the deltas
    add to the same execution path), and the same with both from graphs (``target.ratio_graphs``:
    what serving deltas costs against serving the base alone, as the worker runs decode).

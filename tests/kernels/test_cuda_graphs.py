@@ -98,7 +98,7 @@ def test_lora_graphs_with_and_without_overlap_equal_eager(tiny_llama, tmp_path) 
 @pytest.mark.parametrize("arch", ["llama", "llama-tied", "qwen2"])
 def test_delta_decode_steps_replay_from_graphs_and_equal_eager(arch: str, tmp_path, monkeypatch) -> None:
     """Decode steps with rows of two compressed deltas of different packed configs (4-bit and 2-bit
-    2:4), a LoRA adapter and the base replay delta graphs (captured at the first such step, one per
+    2:4), a LoRA adapter and the base replay delta graphs (one per
     config set) and give exactly the eager tokens: the SBMM tiles, the embedding / norm / bias gathers
     and the lm_head delta all read the static buffers. A model the CUDA SBMM op takes (in_features a
     multiple of 256), float16; tied embeddings (the embedding delta moves lm_head) and Qwen2 (bias

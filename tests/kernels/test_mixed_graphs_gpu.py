@@ -116,7 +116,8 @@ def test_lora_steps_without_adapter_rows_replay_the_chunk_only_graphs(tiny_llama
 def test_delta_mixed_steps_replay_and_equal_eager(tmp_path, pipelined: bool, lane: bool, monkeypatch) -> None:
     """Prefill chunks and decodes of two compressed deltas of different packed configs (4-bit and 2-bit
     2:4), a LoRA adapter and the base share steps: steps of at most 64 tokens replay delta graphs
-    (captured at the first such step, one per delta bucket, configs and LoRA) whose SBMM tiles, gathers
+    (one per delta bucket, configs and LoRA: each config's own at its registration, the rest at the first
+    such step) whose SBMM tiles, gathers
     and lm_head delta read the delta pool's mixed-step buffers, and give exactly the eager tokens
     (whose long prompts ran as dense segments). A model the CUDA SBMM op takes, float16. ``lane``: the
     dense lane's threshold lowered to these prompts (a third of the bucket), so the delta with the most

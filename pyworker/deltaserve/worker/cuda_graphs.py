@@ -124,7 +124,8 @@ class DecodeGraphs:
         (as do steps whose configs the CUDA SBMM op does not take: ``takes_deltas``)."""
         self.delta_graphs: dict[tuple[int, bool, tuple], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         """(bucket, with LoRA rows, the step's packed configs) -> its graph with the deltas active and its
-        logits; captured at the first step that needs it."""
+        logits; captured when the config's first delta is registered (``capture_config``: one config, no
+        LoRA rows), else at the first step that needs it."""
         self.replays = 0
         """Steps served by a graph so far (tests and logs check graphs are really used)."""
         self.pool = torch.cuda.graph_pool_handle()

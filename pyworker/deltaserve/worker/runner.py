@@ -11,11 +11,11 @@ tokens; a partial prefill chunk does not), picks how to run them and queues the 
 
 CUDA graphs: each decode bucket has a plain graph (no LoRA work, for base-only steps) and, with
 LoRA on, a graph captured with the adapted linears active over static metadata; decode steps with
-delta rows replay a graph of the step's delta configs (and LoRA rows, if any), captured the first
-time such a step comes, where the CUDA SBMM op runs (else they run eagerly). Prefill and mixed steps
+delta rows replay a graph of the step's delta configs (and LoRA rows, if any), captured when a
+config's first delta is registered or else the first time such a step comes, where the CUDA SBMM op runs (else they run eagerly). Prefill and mixed steps
 whose tokens fit a token bucket replay a graph of that bucket (``mixed_graphs.py``; LoRA rows
 included; delta rows in steps of at most ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS`` tokens, a graph per delta bucket and
-configs captured at the first such step); beyond it, or with prompt logprobs or CPU-assisted
+configs, captured likewise); beyond it, or with prompt logprobs or CPU-assisted
 prefills, they run eagerly.
 
 A running request whose last sampled token is still on the device (the step before is in flight)
