@@ -5,7 +5,7 @@ graphs, ``DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS``) launches attention kernels w
 do not (``worker/eager_warmup.py``). This builds the executor as the worker does (Llama-2-7B shape,
 random weights, one 4-bit 2:4 delta, decode graphs on), its mixed-step graphs off so that the cases'
 prompt steps run eagerly whatever their size (with them on, those of at most 512 tokens would replay a
-graph, captured at the first such step: that is not what this measures), with an empty
+graph, captured when the delta is registered: that is not what this measures), with an empty
 Triton cache (``--warm-cache``: the machine's), reports its start-up time (the eager warm-up
 included), then runs each case (``<decodes>x<prompt tokens>``: the decodes on the delta, beside a
 new prompt on the delta every step) for a few steps and reports each step's wall time and the Triton
