@@ -387,8 +387,8 @@ class DeltaPool:
                 for w in pools.values():
                     w.cache_reference()
             self.step.weights[key] = pools
-        self._make_tables()
-        self._scratch()
+            self._make_tables()
+            self._scratch()
         return pools
 
     def config_key(self, path: str | Path) -> ConfigKey:
@@ -569,30 +569,25 @@ class DeltaPool:
         """The (layer, proj) of config ``key``'s pools, in the order of the lane's offsets rows."""
         return sorted(self.step.weights[key])
 
-    def _lane_offsets(self, delta_id: int | None, key: ConfigKey | None = None) -> torch.Tensor:
-        """``[linears, 3]`` int64 on the host: the resident delta's (qvalues, qindices, group) offsets in
-        each linear's pool, at the block slot of the linear's piece (cached while it is resident); with
-        ``delta_id`` None, config ``key``'s block slot 0 (a graph captured before any delta of the config
-        is resident: every row is padding, and each replay writes its own delta's offsets)."""
-        if delta_id is not None and delta_id in self._lane_rows:
-            return self._lane_rows[delta_id]
-        if delta_id is not None:
-            key, at = self.key_of[delta_id], self.piece_slots[delta_id]
-        else:
-            assert key is not None, "a config without a resident delta"
-            at = (0,) * (self.num_pieces + 2)
+    def _lane_offsets(self, delta_id: int) -> torch.Tensor:
+        """The resident delta's ``_offsets_at`` its pieces' block slots (cached while it is resident)."""
+        rows = self._lane_rows.get(delta_id)
+        if rows is None:
+            rows = self._lane_rows[delta_id] = self._offsets_at(self.key_of[delta_id], self.piece_slots[delta_id])
+        return rows
+
+    def _offsets_at(self, key: ConfigKey, at: Sequence[int]) -> torch.Tensor:
+        """``[linears, 3]`` int64 on the host: the (qvalues, qindices, group) offsets in each linear of config
+        ``key``'s pools (``_lane_linears`` order) of block slot ``at[piece]`` of the linear's piece."""
         pools = self.step.weights[key]
         table = []
         for layer, proj in self._lane_linears(key):
             w = pools[(layer, proj)]
             table.append([offs[at[piece_index(layer, part_of(self.config, proj))]] for offs in w.slot_offsets])
-        rows = torch.tensor(table, dtype=torch.int64)
-        if delta_id is not None:
-            self._lane_rows[delta_id] = rows
-        return rows
+        return torch.tensor(table, dtype=torch.int64)
 
     def _scratch(self) -> torch.Tensor:
-        """The lane's scratch (``lane_scratch``), made at the first call (the first ``to_gpu``)."""
+        """The lane's scratch (``lane_scratch``), made with the first pools (``_config_pools``)."""
         if self.lane_scratch is None:
             size = max(w.out_features * w.in_features for pools in self.step.weights.values() for w in pools.values())
             self.lane_scratch = torch.empty(size, dtype=self.dtype, device=self.device)
@@ -693,10 +688,10 @@ class DeltaPool:
         lane for a delta of config ``lane_key`` when given (``delta_graphs``)."""
         g = self._graph_buffers(max_tokens, keys, max_logits)
         with self._static_state(g, tokens, logits, keys):
-            if lane_key is not None:  # no row in the lane yet; offsets of a resident delta of the config
+            if lane_key is not None:  # no row in the lane yet: block slot 0 (each replay writes its delta's)
                 self.step.dense_lane = g.lane(tokens, lane_key, self._lane_linears(lane_key), self._scratch())
-                like = next((v for v, k in self.key_of.items() if k == lane_key), None)
-                g.write_lane(tokens, [False] * tokens, lane_key, self._lane_offsets(like, lane_key))
+                slot0 = self._offsets_at(lane_key, [0] * (self.num_pieces + 2))
+                g.write_lane(tokens, [False] * tokens, lane_key, slot0)
             yield
 
     @contextmanager
