@@ -193,8 +193,32 @@ def test_bad_input_is_refused_by_name():
 
 
 def test_the_bundled_default_is_fitted_from_the_committed_results():
+    """Every field of the bundled model is what fitting the committed results gives: the same keys,
+    strings and counts, and each coefficient to 1e-6 relative or 1e-12 s absolute. The least squares
+    solve is not bit-stable across BLAS and NumPy builds in the directions the data hardly constrain
+    (decode ``tokens`` and ``seqs`` are the same count in pure decode steps; torch 2.15 moved that
+    split by 1e-14 s a token), so bit equality would test the library, not the fit."""
     committed = json.loads((MODELS_DIR / f"{DEFAULT_MODEL}.json").read_text())
-    assert fit_default(REPO / "bench" / "results").to_dict() == committed
+    _assert_same_model(fit_default(REPO / "bench" / "results").to_dict(), committed, "model")
+
+
+def _assert_same_model(got: object, want: object, where: str) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key, value in want.items():
+            _assert_same_model(got[key], value, f"{where}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _assert_same_model(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) and not isinstance(got, bool):
+        assert isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12), (
+            where,
+            got,
+            want,
+        )
+    else:
+        assert got == want, (where, got, want)
 
 
 def test_replay_and_plan_commands_run_on_a_tiny_trace(tmp_path, capsys):
