@@ -244,6 +244,7 @@ METRICS_SHOWN = (
     "deltaserve_adapter_gpu_loads_total",
     "deltaserve_adapter_gpu_evictions_total",
     "deltaserve_adapter_host_deferrals_total",
+    "deltaserve_adapter_gpu_load_deferrals_total",
     "deltaserve_worker_step_us_total",
     "deltaserve_worker_forward_us_total",
     "deltaserve_worker_floor_us_total",

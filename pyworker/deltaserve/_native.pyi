@@ -170,6 +170,7 @@ class Scheduler:
         prefetch_window: int = 64,
         max_deltas: int = 3,
         host_copy_reports: bool = False,
+        gpu_load_reports: bool = False,
         enable_prefix_caching: bool = False,
     ) -> Self:
         """A scheduler over an empty queue and ``num_blocks`` free pages of ``block_size`` tokens.
@@ -181,7 +182,11 @@ class Scheduler:
         into host memory ahead (0: off); ``max_deltas``: the worker's delta slots (0: deltas off);
         ``host_copy_reports``: the worker reports finished host reads (``StepOutput.host_ready``)
         and requests whose variant is still being read wait (the router turns it on; off, a host
-        copy counts as ready once its ``to_host`` is sent); ``enable_prefix_caching``: reuse the KV
+        copy counts as ready once its ``to_host`` is sent); ``gpu_load_reports``: the worker copies a
+        delta's ``to_gpu`` beside the steps and reports finished copies (``StepOutput.gpu_ready``), and
+        while others run a delta is loaded ahead and its requests wait for the report (the router
+        turns it on; off, a delta's ``to_gpu`` goes out with its request's admission and that step
+        waits for the copy); ``enable_prefix_caching``: reuse the KV
         pages of prompt prefixes per variant registration (the router's ``--enable-prefix-caching``;
         a new request's ``num_computed_tokens`` is then its hit, whole pages shared with other
         requests). ``SchedError`` for a value out of range.
@@ -234,7 +239,7 @@ class Scheduler:
 
     def update(self, output: bytes) -> list[tuple[int, int, Literal["length", "eos"] | None]]:
         """Applies an encoded ``wire.StepOutput`` frame answering the oldest outstanding step: its
-        ``host_ready`` first, then its tokens. Returns the tokens appended, as ``(req_id, token,
+        ``host_ready`` and ``gpu_ready`` first, then its tokens. Returns the tokens appended, as ``(req_id, token,
         finish_reason)``; a request that finished is released in the next step. A request the step
         scheduled to sample but the output gives no token for is scheduled again, or, when a later
         outstanding step builds on that token, preempted (released, then sent again in full).
@@ -243,6 +248,11 @@ class Scheduler:
     def host_copies_ready(self, adapter_ids: Sequence[int]) -> int:
         """The worker finished reading these variants' host copies (``update`` applies
         ``StepOutput.host_ready`` itself); returns how many pending reads this settled."""
+
+    def gpu_copies_ready(self, adapter_ids: Sequence[int]) -> int:
+        """The worker finished copying these deltas onto the GPU (``update`` applies
+        ``StepOutput.gpu_ready`` itself); returns how many loads ahead this settled (ids with none
+        pending are ignored)."""
 
     def abort(self, req_id: int) -> bool:
         """Ends a request (its client went away); a running one is released in the next step.
@@ -284,8 +294,8 @@ class Scheduler:
         ``pending_released``, ``num_finished``, ``num_aborted``, the variants' tiers and loads
         (``adapters_registered``, ``adapters_on_gpu``, ``deltas_on_gpu``, ``adapters_on_host``,
         ``adapter_blocks``, ``host_adapter_bytes``, ``adapter_gpu_loads``, ``adapter_host_loads``,
-        ``adapter_gpu_evictions``), ``delta_skips``, ``delta_skip_preemptions`` and
-        ``host_deferrals``."""
+        ``adapter_gpu_evictions``), ``delta_skips``, ``delta_skip_preemptions``,
+        ``host_deferrals`` and ``gpu_load_deferrals``."""
 
     def check_invariants(self) -> None:
         """Raises ``AssertionError`` naming the first broken internal invariant (for tests)."""

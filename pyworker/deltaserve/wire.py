@@ -72,7 +72,7 @@ SCHEMA_TEXT = (
     "StepTiming=0{gap_us:u64,forward_us:u64,total_us:u64,floor_us:u64,busy_us:u64}\n"
     "FailedVariant=0{variant_id:u32,message:String}\n"
     "RefusedRequest=0{req_id:u64,message:String}\n"
-    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,cpu_assisted_prefills:u32,cpu_assist_fallbacks:u32,cpu_assist_declined:u32,speculated_prefills:u32,speculation_accepted:u32,speculation_recomputed_layers:u32,failed_variants:Vec<FailedVariant>,refused_requests:Vec<RefusedRequest>}\n"
+    "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,cpu_assisted_prefills:u32,cpu_assist_fallbacks:u32,cpu_assist_declined:u32,speculated_prefills:u32,speculation_accepted:u32,speculation_recomputed_layers:u32,failed_variants:Vec<FailedVariant>,refused_requests:Vec<RefusedRequest>,gpu_ready:Vec<u32>}\n"
     "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
     "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
     "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
@@ -739,17 +739,23 @@ class StepOutput:
     #: New requests refused at admission in this step (each reported once); they have no
     #: output and the worker holds no state for them.
     refused_requests: list[RefusedRequest] = field(default_factory=list)
+    #: Deltas whose `to_gpu` copy finished on the device since the previous `StepOutput`
+    #: (the worker copies a delta beside the steps; a failed load is reported too: the
+    #: step that needs it says why). With `gpu_load_reports` the router admits requests for
+    #: a delta still being copied only when nothing else would run, since that step would
+    #: wait for the copy.
+    gpu_ready: list[int] = field(default_factory=list)
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes, self.host_ready, self.cpu_assisted_prefills, self.cpu_assist_fallbacks, self.cpu_assist_declined, self.speculated_prefills, self.speculation_accepted, self.speculation_recomputed_layers, [x0.to_wire() for x0 in self.failed_variants], [x0.to_wire() for x0 in self.refused_requests]]
+        return [self.step_id, [x0.to_wire() for x0 in self.outputs], self.timing.to_wire(), self.adapter_host_bytes, self.host_ready, self.cpu_assisted_prefills, self.cpu_assist_fallbacks, self.cpu_assist_declined, self.speculated_prefills, self.speculation_accepted, self.speculation_recomputed_layers, [x0.to_wire() for x0 in self.failed_variants], [x0.to_wire() for x0 in self.refused_requests], self.gpu_ready]
 
     @classmethod
     def from_wire(cls, a: list) -> StepOutput:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 13:
-            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], [FailedVariant.from_wire(x0) for x0 in a[11]], [RefusedRequest.from_wire(x0) for x0 in a[12]])
+        if n >= 14:
+            return cls(a[0], [RequestOutput.from_wire(x0) for x0 in a[1]], StepTiming.from_wire(a[2]), a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10], [FailedVariant.from_wire(x0) for x0 in a[11]], [RefusedRequest.from_wire(x0) for x0 in a[12]], a[13])
         m = cls()
         if n > 0:
             m.step_id = a[0]
@@ -777,6 +783,8 @@ class StepOutput:
             m.failed_variants = [FailedVariant.from_wire(x0) for x0 in a[11]]
         if n > 12:
             m.refused_requests = [RefusedRequest.from_wire(x0) for x0 in a[12]]
+        if n > 13:
+            m.gpu_ready = a[13]
         return m
 
 

@@ -39,6 +39,8 @@ class SchedDriver:
     ``evict``). ``adapter_of[req_id]`` names a request's variant (absent: the base model).
     ``max_num_batched_tokens`` is the scheduler's token budget per step, which chunks prefills;
     ``enable_prefix_caching`` lets new requests start on cached prefix pages (the router's default).
+    ``gpu_load_reports``: a delta's ``to_gpu`` goes out ahead of its requests while others run, which
+    are admitted once the worker reports the copy (``StepOutput.gpu_ready``), as the router does.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class SchedDriver:
         *,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = False,
+        gpu_load_reports: bool = False,
     ) -> None:
         self.ex = executor
         self.variants = dict(variants or {})
@@ -69,11 +72,14 @@ class SchedDriver:
             max_num_batched_tokens=max_num_batched_tokens,
             max_deltas=0 if executor.delta_pool is None else executor.delta_pool.max_deltas,
             enable_prefix_caching=enable_prefix_caching,
+            gpu_load_reports=gpu_load_reports,
         )
         self.outputs: dict[int, list[int]] = {}
         """Output tokens of each request added, as the scheduler appended them."""
         self.step_id = 0
         """Id of the last plan formed."""
+        self.plans: list[wire.StepPlan] = []
+        """Every plan formed, in order."""
         self.clock = 0
         """Steps answered so far: the arrival stamp of requests added now."""
         self.mixed_steps = 0
@@ -184,6 +190,7 @@ class SchedDriver:
         plan = wire.decode(frame)
         assert isinstance(plan, wire.StepPlan)
         self.step_id = plan.step_id
+        self.plans.append(plan)
         for rid in plan.released:
             self._on_worker.pop(rid, None)
         rows = []

@@ -100,6 +100,7 @@ def test_golden_values_decode_into_the_right_fields() -> None:
     assert out.refused_requests == [
         wire.RefusedRequest(req_id=11, message="response_format: Pointer '/nope' does not exist")
     ]
+    assert out.gpu_ready == [12, 3_000_000_000]
 
     hello = wire.decode((GOLDEN / "Hello.msgpack").read_bytes())
     assert isinstance(hello, wire.Hello)

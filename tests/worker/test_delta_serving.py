@@ -25,6 +25,7 @@ import torch
 
 from deltaserve import wire
 from deltaserve.adapters.delta_blocks import SHARING_ENV
+from deltaserve.adapters.delta_loads import DeltaLoads
 from deltaserve.worker.config import ConfigError, validate
 from deltaserve.worker.executor import Executor, PlanError
 
@@ -514,6 +515,43 @@ def test_a_config_prepared_before_its_first_load(executor_factory, variants) -> 
     assert got == SchedDriver(executor_factory(), dirs, adapter_of).run(reqs, arrivals)
     assert all(pool.step.weights[key4][lin] is w for lin, w in pools.items()), "the load filled the prepared pools"
     assert any(any(w.loaded) for w in pools.values())
+
+
+def test_deltas_load_beside_the_steps_of_running_requests(executor_factory, variants) -> None:
+    """With ``gpu_load_reports`` (the router's setting) a delta's ``to_gpu`` goes out in a step that runs
+    other requests, without the request that needs it; the worker copies it on its loader thread
+    (threaded here on the CPU, as on CUDA) beside the following steps, reports it in ``gpu_ready``, and
+    only then is the request admitted, with no second ``to_gpu``. The tokens are those of loads made
+    inside the step, and steps overlapped as the engine runs them change nothing."""
+    dirs = {D4: variants[D4][0], D2: variants[D2][0]}
+    reqs = {i: (p, 8) for i, p in enumerate(prompts(4, 256, seed=12, lo=4, hi=14))}
+    adapter_of = {1: D4, 2: D2, 3: D4}
+    arrivals = {0: 0, 1: 2, 2: 3, 3: 3}  # request 0 (the base) runs while the deltas are wanted
+    want = SchedDriver(executor_factory(max_deltas=2), dirs, adapter_of).run(reqs, arrivals)
+
+    ex = executor_factory(max_deltas=2)
+    assert ex.delta_pool is not None and not ex.delta_pool.loads.threaded  # the CPU worker's default
+    ex.delta_pool.loads = DeltaLoads(ex.device, threaded=True)
+    reported: list[int] = []
+    take = ex.delta_pool.take_gpu_ready
+
+    def take_and_note() -> list[int]:
+        ready = take()
+        reported.extend(ready)
+        return ready
+
+    ex.delta_pool.take_gpu_ready = take_and_note  # type: ignore[method-assign]
+    driver = SchedDriver(ex, dirs, adapter_of, gpu_load_reports=True)
+    assert driver.run_pipelined(reqs, arrivals) == want
+    assert sorted(reported) == sorted([D2, D4])
+    for delta, first_req in ((D4, 1), (D2, 2)):
+        loads = [i for i, p in enumerate(driver.plans) if any(op.adapter_id == delta and op.op == TO_GPU
+                                                              for op in p.adapter_ops)]  # fmt: skip
+        admits = [i for i, p in enumerate(driver.plans) if any(r.req_id == first_req for r in p.new_requests)]
+        assert len(loads) == 1 and len(admits) == 1, (delta, loads, admits)
+        assert loads[0] < admits[0], f"delta {delta}: its request came in the step of its to_gpu"
+        assert driver.plans[loads[0]].running, "a load ahead goes out in a step that runs others"
+    assert driver.sched.stats()["gpu_load_deferrals"] >= 2
 
 
 def test_graphs_at_registration_from_the_environment(executor_factory, monkeypatch: pytest.MonkeyPatch) -> None:

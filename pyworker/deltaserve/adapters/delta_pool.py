@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from collections.abc import Collection, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +78,7 @@ from .delta_blocks import (
 )
 from .delta_graphs import DeltaGraphRows, dense_lane_tokens
 from .delta_layers import ConfigKey, DeltaEmbedding, DeltaStep, DenseLane, dense_delta_names, norm_delta_names
+from .delta_loads import DeltaLoads
 from .delta_placements import DeltaPlacements
 from .delta_slots import DeltaSlots, delta_gpu_bytes
 from .host_tier import HostTier
@@ -191,6 +192,9 @@ class DeltaPool:
         """The dense lane's dequantised delta (room for the widest linear), made with the first pools."""
         self._lane_rows: dict[int, torch.Tensor] = {}
         """GPU-resident delta id -> its dense-lane offsets ``[linears, 3]`` on the host (``_lane_offsets``)."""
+        self.loads = DeltaLoads(device)
+        """The ``to_gpu`` ops' device work, beside the steps (``delta_loads.py``: a loader thread and its
+        own stream on CUDA)."""
 
     # ------------------------------------------------------------------ inspect / validation
 
@@ -300,7 +304,8 @@ class DeltaPool:
         self.host.load(delta_id, p, self._read_host_copy, expected)
 
     def drop_host(self, delta_id: int) -> None:
-        self.host.drop(delta_id)
+        with self.loads.host_fence(delta_id):  # a load beside the steps may still be copying from it
+            self.host.drop(delta_id)
 
     @property
     def host_bytes(self) -> int:
@@ -341,11 +346,26 @@ class DeltaPool:
         return set(self.slot_of)
 
     def to_gpu(self, delta_id: int, slot: int) -> None:
-        """Takes slot ``slot`` (the router's pick) for the delta: its dense deltas go to the slot's rows of
-        the tables; each of its pieces to a block slot of that piece (``delta_blocks``: a piece another
-        resident delta holds already gains a user and is not copied again; a new one goes to ``slot``
-        where free) of every pool of its config (the config's views of the slot arenas made the first
-        time it is seen). ValueError for a slot out of range or taken, or a delta already on the GPU."""
+        """Takes slot ``slot`` (the router's pick) for the delta and copies it there on the current
+        stream, in the step being run (the block speculation gate's landing; ``apply`` runs a
+        ``to_gpu`` op beside the steps instead: ``load_beside_steps``). ValueError for a slot out of
+        range or taken, or a delta already on the GPU; AdapterLoadError for a failed host read."""
+        work = self._place(delta_id, slot)
+        self.loads.after_all()  # a piece it shares may still be copying for another delta
+        work()
+
+    def load_beside_steps(self, delta_id: int, slot: int) -> None:
+        """``to_gpu`` with the copies run beside the steps (``delta_loads.py``): a step that uses the
+        delta waits for them (``wait_gpu``), and ``take_gpu_ready`` reports them finished."""
+        self.loads.start(delta_id, self._place(delta_id, slot))
+
+    def _place(self, delta_id: int, slot: int) -> Callable[[], None]:
+        """Takes slot ``slot`` for the delta (the bookkeeping, at once) and returns the device work that
+        fills it: its dense deltas go to the slot's rows of the tables; each of its pieces to a block
+        slot of that piece (``delta_blocks``: a piece another resident delta holds already gains a
+        user and is not copied again; a new one goes to ``slot`` where free) of every pool of its
+        config (the config's views of the slot arenas made the first time it is seen). Waits for the
+        host read: ValueError / AdapterLoadError as ``to_gpu`` says."""
         if delta_id in self.slot_of:
             raise ValueError(f"delta {delta_id} is already on the GPU")
         if not 0 <= slot < self.max_deltas:
@@ -355,22 +375,30 @@ class DeltaPool:
             raise ValueError(f"delta {delta_id}: delta slot {slot} holds delta {holder}")
         copy = self.wait_host(delta_id)
         pools = self._config_pools(copy.key)
-        self._fill_tables(slot, copy.dense)
         at = [-1] * (self.num_pieces + 2)
+        stores: list[int] = []
         for p, identity in copy.pieces.items():
             at[p], new = self.blocks.acquire(p, identity, preferred=slot)
-            if new and p >= self.num_pieces:
-                self._store_dense_piece(p, at[p], copy.dense)
-            elif new:
+            if new:
+                stores.append(p)
+        self.slot_of[delta_id] = slot
+        self.key_of[delta_id] = copy.key
+        self.piece_slots[delta_id] = tuple(at)
+        self.costs[delta_id] = self._cost(copy)
+
+        def work() -> None:
+            self._fill_tables(slot, copy.dense)
+            for p in stores:
+                if p >= self.num_pieces:
+                    self._store_dense_piece(p, at[p], copy.dense)
+                    continue
                 layer, part = divmod(p, 2)
                 for proj in self.projs_of_part[part]:
                     # Queued, not waited for: the payload is pinned, and ``drop_host`` fences its
                     # region (``pinned_arena.give_back``) until the copies have run.
                     pools[(layer, proj)].store(at[p], copy.packed[(layer, proj)].to(self.device, non_blocking=True))
-        self.slot_of[delta_id] = slot
-        self.key_of[delta_id] = copy.key
-        self.piece_slots[delta_id] = tuple(at)
-        self.costs[delta_id] = self._cost(copy)
+
+        return work
 
     def _config_pools(self, key: ConfigKey) -> dict[tuple[int, str], DeltaWeights]:
         """Config ``key``'s pool of every linear: the config's views of the slot arenas, made the first time
@@ -421,6 +449,7 @@ class DeltaPool:
     def drop_gpu(self, delta_id: int) -> None:
         """Frees the delta's slot (its dense deltas released) and its pieces' block slots that no other
         resident delta uses (their regions zeroed in place)."""
+        self.loads.forget(delta_id)
         self.slot_of.pop(delta_id)
         self._lane_rows.pop(delta_id, None)
         key = self.key_of.pop(delta_id)
@@ -496,7 +525,7 @@ class DeltaPool:
             self.to_host(op.adapter_id, op.path)
         elif move is wire.TierOp.TO_GPU:
             assert op.slot is not None  # the plan check refused a delta's to_gpu without a slot
-            self.to_gpu(op.adapter_id, op.slot)
+            self.load_beside_steps(op.adapter_id, op.slot)
         elif move is wire.TierOp.DROP_GPU:
             self.drop_gpu(op.adapter_id)
         else:
@@ -762,7 +791,17 @@ class DeltaPool:
         head_ids = ids if logit_ids is None else logit_ids
         g.write_head(len(head_ids), self._head_rows(head_ids), HEAD_TILE)
 
+    def wait_gpu(self, variant_ids: Collection[int]) -> None:
+        """Makes the step's stream wait for the copies of those of ``variant_ids`` still loading beside
+        the steps (a step the router admitted with its delta's ``to_gpu``, nothing else to run)."""
+        self.loads.wait([v for v in variant_ids if v in self.slot_of])
+
+    def take_gpu_ready(self) -> list[int]:
+        """Deltas whose ``to_gpu`` copies finished since the last call (``StepOutput.gpu_ready``)."""
+        return self.loads.take_ready()
+
     def close(self) -> None:
+        self.loads.close()
         self.host.close()
 
 

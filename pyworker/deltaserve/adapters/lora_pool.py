@@ -373,6 +373,13 @@ class LoraPool:
     def take_finished(self) -> list[int]:
         return self.host.take_finished()
 
+    def wait_gpu(self, variant_ids: Collection[int]) -> None:
+        """Nothing: an adapter's ``to_gpu`` copies its pages in the step that carries it."""
+
+    def take_gpu_ready(self) -> list[int]:
+        """None: an adapter's ``to_gpu`` copies in its step (the router does not wait for a report)."""
+        return []
+
     def wait_host(self, adapter_id: int) -> HostCopy:
         """The host copy, after its load finishes; AdapterLoadError if the load failed."""
         return self.host.wait(adapter_id)

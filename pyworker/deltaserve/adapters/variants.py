@@ -13,8 +13,10 @@ step's forward reads. The executor holds one ``VariantPool`` per kind that is on
     InspectVariant(path, kind) ──> pools[kind].inspect(path)           (or "kind is off" when absent)
     StepPlan.adapter_ops       ──> plan check: the tier replay over every pool's ``placements()``
                                ──> pools[op.kind].apply(op), in order
+    scheduled requests         ──> pool.wait_gpu(their variant ids): copies still running beside the steps
     forward                    ──> pool.begin_step(StepRows) for every pool ... pool.end_step()
-    StepOutput                 ──> sum of pool.host_bytes, concat of pool.take_finished()
+    StepOutput                 ──> sum of pool.host_bytes, concat of pool.take_finished() (host_ready)
+                                   and of pool.take_gpu_ready() (gpu_ready)
 
 A third kind is one more implementation of ``VariantPool`` plus one entry where the executor builds
 its pools, not a branch in each of these places.
@@ -157,6 +159,16 @@ class VariantPool(Protocol):
 
     def take_finished(self) -> list[int]:
         """Ids whose host reads finished since the last call (``StepOutput.host_ready``)."""
+        ...
+
+    def wait_gpu(self, variant_ids: Collection[int]) -> None:
+        """Makes the step wait for the ``to_gpu`` copies of those of ``variant_ids`` that still run beside
+        the steps (a pool whose ``to_gpu`` copies in the step itself has none)."""
+        ...
+
+    def take_gpu_ready(self) -> list[int]:
+        """Ids whose ``to_gpu`` copies, run beside the steps, finished since the last call
+        (``StepOutput.gpu_ready``); a pool that copies in the step itself reports none."""
         ...
 
     def close(self) -> None:

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deltaserve.adapters.delta_loads import LAUNCH_LOCK
 from deltaserve.kernels.lora import LoraMeta
 from deltaserve.model import DecoderLM, ForwardBatch, PagedKVCache
 from deltaserve.model.batch import copy_from_host
@@ -153,7 +154,7 @@ class DecodeGraphs:
             self.model.forward(batch, self.kv)
         torch.cuda.synchronize(self.kv.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with LAUNCH_LOCK, torch.cuda.graph(graph, pool=self.pool):  # no delta load launches meanwhile
             logits = self.model.forward(batch, self.kv)
         return graph, logits
 

@@ -8,8 +8,9 @@ It wires the worker's parts and owns nothing the router decides (policy is the r
         │      ─ admit new requests (full state) ─ append running.new_block_ids
         ├─ ForwardRunner.launch (runner.py): rows, graph or eager forward, sampling queued
         └─ finish: the sampled tokens ──> StepOutput (token_id None for partial prefill chunks),
-               timing.forward_us, timing.floor_us (the step's roofline floor, ``step_floor.py``), and the
-               variant pools' host tier (adapter_host_bytes, host_ready)
+               timing.forward_us, timing.floor_us (the step's roofline floor, ``step_floor.py``), the
+               variant pools' host tier (adapter_host_bytes, host_ready) and the deltas copied to the
+               GPU beside the steps (gpu_ready: ``adapters/delta_loads.py``)
 
 Its parts: ``requests.py`` (per-request state and the plan's diffs), ``plan_check.py`` (validation,
 with the replay of the variant ops), ``memory.py`` (the KV budget), ``runner.py`` (forward and
@@ -391,8 +392,10 @@ class Executor:
 
     def _step_output(self, step_id: int, outputs: list[wire.RequestOutput], timing: wire.StepTiming) -> wire.StepOutput:
         """A ``StepOutput`` with the host tier's state: its bytes, and the variants (every kind) whose
-        host reads finished since the previous output."""
+        host reads finished since the previous output; and the deltas whose copies to the GPU, beside
+        the steps, finished since (``gpu_ready``)."""
         ready = [aid for pool in self.pools.values() for aid in pool.take_finished()]
+        gpu_ready = [aid for pool in self.pools.values() for aid in pool.take_gpu_ready()]
         assist = self.take_assist_stats()
         spec = self.speculation.take_stats() if self.speculation is not None else SpeculationStats()
         return wire.StepOutput(
@@ -403,6 +406,7 @@ class Executor:
             timing=timing,
             adapter_host_bytes=self.variant_host_bytes,
             host_ready=ready,
+            gpu_ready=gpu_ready,
             cpu_assisted_prefills=assist.assisted,
             cpu_assist_fallbacks=assist.fallbacks,
             cpu_assist_declined=sum(assist.declined.values()),
@@ -487,6 +491,9 @@ class Executor:
         if assist is not None:
             assist.start_landing()
         scheduled = request_diffs.admit(self.requests, plan)
+        used = {state.variant_id for state, _ in scheduled}
+        for pool in self.pools.values():  # a delta admitted with its to_gpu: its copies, still running
+            pool.wait_gpu(used)
         for req_id, grammar in grammars.items():
             if req_id in self.requests:
                 self.requests[req_id].grammar = grammar

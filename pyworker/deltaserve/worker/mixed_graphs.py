@@ -82,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deltaserve.adapters.delta_graphs import dense_lane_tokens
+from deltaserve.adapters.delta_loads import LAUNCH_LOCK
 from deltaserve.adapters.variants import StepRows
 from deltaserve.kernels.lora import SGMV_TILE, LoraMeta, sgmv_tiles, single_rows
 from deltaserve.kernels.paged_attention import prefill_block_q, prefill_tiles
@@ -398,7 +399,7 @@ class MixedGraphs:
                     self._forward_into_logits(tb)
                 torch.cuda.synchronize(self.kv.device)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with LAUNCH_LOCK, torch.cuda.graph(graph, pool=self.pool):  # no delta load launches meanwhile
                     self._forward_into_logits(tb)
         finally:
             if lora and self.lora is not None:

@@ -192,6 +192,7 @@ pub fn step_output() -> StepOutput {
             req_id: 11,
             message: "response_format: Pointer '/nope' does not exist".into(),
         }],
+        gpu_ready: vec![12, 3_000_000_000],
     }
 }
 

@@ -465,6 +465,12 @@ wire_structs! {
         /// New requests refused at admission in this step (each reported once); they have no
         /// output and the worker holds no state for them.
         refused_requests: Vec<RefusedRequest>,
+        /// Deltas whose `to_gpu` copy finished on the device since the previous `StepOutput`
+        /// (the worker copies a delta beside the steps; a failed load is reported too: the
+        /// step that needs it says why). With `gpu_load_reports` the router admits requests for
+        /// a delta still being copied only when nothing else would run, since that step would
+        /// wait for the copy.
+        gpu_ready: Vec<u32>,
     }
 
     /// What the router needs to know about the loaded model.

@@ -97,13 +97,15 @@ impl Scheduler {
         prefetch_window = DEFAULT_PREFETCH_WINDOW,
         max_deltas = DEFAULT_MAX_DELTAS,
         host_copy_reports = false,
+        gpu_load_reports = false,
         enable_prefix_caching = false,
     ),
     // The defaults spelled out for `help()` and stubtest (`...` otherwise); the asserts above
     // keep them equal to the constants (before `impl Scheduler`).
     text_signature = "(block_size, num_blocks, max_model_len, *, max_num_seqs=256, \
         max_num_batched_tokens=2048, host_adapter_bytes=4294967296, prefetch_window=64, \
-        max_deltas=3, host_copy_reports=False, enable_prefix_caching=False)"
+        max_deltas=3, host_copy_reports=False, gpu_load_reports=False, \
+        enable_prefix_caching=False)"
     )]
     #[allow(clippy::too_many_arguments)] // one keyword per config field
     fn new(
@@ -117,6 +119,7 @@ impl Scheduler {
         prefetch_window: usize,
         max_deltas: usize,
         host_copy_reports: bool,
+        gpu_load_reports: bool,
         enable_prefix_caching: bool,
     ) -> PyResult<Self> {
         let cfg = SchedulerConfig {
@@ -129,6 +132,7 @@ impl Scheduler {
             prefetch_window,
             max_deltas,
             host_copy_reports,
+            gpu_load_reports,
             enable_prefix_caching,
         };
         let sched = deltaserve_sched::Scheduler::new(cfg).map_err(|e| sched_err(py, e))?;
@@ -237,8 +241,8 @@ impl Scheduler {
     }
 
     /// Applies an encoded `StepOutput` frame answering the oldest outstanding step, as the
-    /// router does: its `host_ready` first, then its sampled tokens. Returns the tokens appended,
-    /// `(req_id, token, finish_reason)` with `"length"`, `"eos"` or `None`.
+    /// router does: its `host_ready` and `gpu_ready` first, then its sampled tokens. Returns the
+    /// tokens appended, `(req_id, token, finish_reason)` with `"length"`, `"eos"` or `None`.
     fn update(&mut self, output: &[u8]) -> PyResult<Vec<(u64, u32, Option<&'static str>)>> {
         let out = match codec::decode_from_worker(output).map_err(frame_err)? {
             FromWorker::StepOutput(out) => out,
@@ -265,6 +269,7 @@ impl Scheduler {
         }
         self.outstanding.pop_front();
         self.sched.host_copies_ready(&out.host_ready);
+        self.sched.gpu_copies_ready(&out.gpu_ready);
         let sampled: Vec<(u64, Option<u32>)> =
             out.outputs.iter().map(|o| (o.req_id, o.token_id)).collect();
         let updates = self.sched.update(&sampled);
@@ -282,6 +287,11 @@ impl Scheduler {
     /// The worker finished reading these variants' host copies; returns how many reads settled.
     fn host_copies_ready(&mut self, adapter_ids: Vec<u32>) -> usize {
         self.sched.host_copies_ready(&adapter_ids)
+    }
+
+    /// The worker finished copying these deltas onto the GPU; returns how many loads settled.
+    fn gpu_copies_ready(&mut self, adapter_ids: Vec<u32>) -> usize {
+        self.sched.gpu_copies_ready(&adapter_ids)
     }
 
     /// Ends a request (the client went away); its id goes out in the next step's `released`.
@@ -383,6 +393,7 @@ fn stats_by_name(s: SchedStats) -> BTreeMap<&'static str, u64> {
         delta_skips,
         delta_skip_preemptions,
         host_deferrals,
+        gpu_load_deferrals,
         prefix_queried_tokens,
         prefix_hit_tokens,
         prefix_cached_blocks,
@@ -412,6 +423,7 @@ fn stats_by_name(s: SchedStats) -> BTreeMap<&'static str, u64> {
         ("delta_skips", delta_skips),
         ("delta_skip_preemptions", delta_skip_preemptions),
         ("host_deferrals", host_deferrals),
+        ("gpu_load_deferrals", gpu_load_deferrals),
         ("prefix_queried_tokens", prefix_queried_tokens),
         ("prefix_hit_tokens", prefix_hit_tokens),
         ("prefix_cached_blocks", prefix_cached_blocks.into()),

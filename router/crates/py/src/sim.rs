@@ -68,6 +68,8 @@ impl From<Config> for PySchedulerConfig {
             host_copy_reports,
             // Set per run: on when `simulate` is given the prompts' identities (`prompt_keys`).
             enable_prefix_caching: _,
+            // Always off in the simulator, which models a delta's copy inside its step.
+            gpu_load_reports: _,
         } = c;
         PySchedulerConfig {
             block_size,
@@ -95,6 +97,9 @@ impl From<&PySchedulerConfig> for Config {
             prefetch_window: c.prefetch_window,
             max_deltas: c.max_deltas,
             host_copy_reports: c.host_copy_reports,
+            // The simulator models a delta's `ToGpu` copy inside the step that sends it (it
+            // reports no `gpu_ready`), so the scheduler must not load deltas ahead.
+            gpu_load_reports: false,
             enable_prefix_caching: false,
         }
     }

@@ -597,6 +597,7 @@ impl Sim<'_> {
                 ("delta_skips", s.delta_skips),
                 ("delta_skip_preemptions", s.delta_skip_preemptions),
                 ("host_deferrals", s.host_deferrals),
+                ("gpu_load_deferrals", s.gpu_load_deferrals),
                 ("prefix_hit_tokens", s.prefix_hit_tokens),
             ] {
                 *counters.entry(name).or_insert(0) += value;

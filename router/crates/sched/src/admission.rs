@@ -27,6 +27,17 @@
 //!   running requests anyway, a waiting request whose adapter's copy is still being read is
 //!   passed over (its read started if need be) and keeps its place. A `ToGpu` counts its read
 //!   as finished (the worker waited for it).
+//! - So do GPU copies of deltas (a few GB each): with `gpu_load_reports` the worker copies a
+//!   delta's `ToGpu` beside the steps and reports it finished ([`Scheduler::gpu_copies_ready`]).
+//!   In a step that computes running requests anyway, a waiting request whose delta is not
+//!   GPU-resident gets it loaded ahead (a slot taken, its `ToGpu` sent in this step, the delta
+//!   marked `gpu_loading`) and is passed over, as is one whose delta is still loading; it keeps
+//!   its place, under the prefetch-window rule of host reads. A loading delta is not evicted
+//!   while requests run, so the load is not undone before its request runs. With nothing else
+//!   to run, a request is admitted with its delta's `ToGpu` (or while its delta is loading) and
+//!   the step waits for the copy, as without reports: admission counts the copy as finished, and
+//!   a loading delta may then be evicted, last, for the slot the head needs (no report could
+//!   come back before a step is sent, so holding the slot could stall the queue).
 //!
 //! - Prefix cache (`prefix.rs`): a request's cached prefix pages are reused, not allocated; those
 //!   no request holds count as free pages until then, so taking them counts against the free
@@ -47,12 +58,15 @@
 //! Head-of-line blocking is kept with LoRA adapters: a request whose adapter is cold waits at
 //! the front even when requests behind it have theirs on the GPU. This keeps admission FCFS
 //! and starvation-free; prefetch hides most of the cold start by loading the host copy while
-//! the request is still queued. With host copy reports, the one request passed over is one
-//! whose read is under way: ready requests behind it go first only until its read is reported,
-//! and then it is ahead of them again; with nothing running it is admitted at once (the worker
-//! waits for the read), so a report that never comes delays it but cannot strand it. Deltas
-//! relax it only through skip-the-line (`skip_line.rs`), whose parent-based preemption keeps
-//! it starvation-free.
+//! the request is still queued. With host copy or GPU load reports, the one request passed
+//! over is one whose read (or its delta's GPU copy) is under way: ready requests behind it go first only
+//! until its read (copy) is reported, and then it is ahead of them again; with nothing running
+//! it is admitted at once (the worker waits for the read or the copy), so a report that never
+//! comes delays it but cannot strand it. Deltas relax it only through skip-the-line
+//! (`skip_line.rs`), whose parent-based preemption keeps it starvation-free. Skip-the-line only
+//! admits requests of deltas that run, and a delta that runs is never loading (admission
+//! cleared the mark, and a resident delta is not loaded again), so it never admits a request
+//! whose step would wait for a copy.
 
 use crate::block::PageOwner;
 use crate::inflight::{record_chunk, Chunk};
@@ -91,6 +105,13 @@ impl Scheduler {
     ///           if it has no host copy: DropHost.. ToHost(w.adapter), with the room rule
     ///               below for the head and prefetch's for the others, else stop
     ///           continue with the next waiting request; w keeps its place
+    ///     if gpu_load_reports and phase 1 scheduled someone and w.adapter is a delta that is
+    ///           not on the GPU or still loading (its copy not reported):   # pass w over
+    ///           stop if w is past the prefetch window (the head never is)
+    ///           if it is not on the GPU: take a slot (a free one, else evict the LRU idle
+    ///               delta that is not loading, DropGpu; with no host copy, DropHost..
+    ///               ToHost as for reads), else stop; ToGpu(w.adapter, slot), mark it loading
+    ///           continue with the next waiting request; w keeps its place
     ///     hits = w's cached prefix pages (`prefix.rs`); if a running request is computing
     ///           w's next prefix page: pass w over (it keeps its place; at most
     ///           MAX_PREFIX_DEFERRALS a step) and continue
@@ -98,7 +119,7 @@ impl Scheduler {
     ///     need = pages(hits * block_size + n) - hits + hits no request holds + watermark
     ///            (+ w.adapter's pages unless it is on the GPU)
     ///     delta: if w.delta is not on the GPU and all max_deltas slots are taken, evict the
-    ///           LRU idle delta (DropGpu), else stop
+    ///           LRU idle delta (DropGpu; one loading ahead last), else stop
     ///     host: if w.adapter must go to the GPU and has no host copy, it needs host room:
     ///           drop LRU host copies not loaded in this step (outside the prefetch window
     ///           first) until it fits, else stop
@@ -106,7 +127,8 @@ impl Scheduler {
     ///     (nothing is dropped or evicted unless w is then admitted)   # FCFS
     ///     ops: DropHost.., ToHost(w.adapter), DropGpu.., ToGpu(w.adapter, pages or a slot)
     ///     admit w (sent in `new` with all its tokens and num_computed = hits * block_size),
-    ///     hits held, w.adapter pinned, budget -= n
+    ///     hits held, w.adapter pinned (no longer loading: the step waits for a copy under
+    ///     way), budget -= n
     /// if the loop stopped because a w could not be admitted: skip-the-line (`skip_line.rs`)
     ///     for the requests of selected deltas behind it, in queue order
     /// ```
@@ -118,6 +140,7 @@ impl Scheduler {
     pub(crate) fn admit_waiting(&mut self, draft: &mut StepDraft, skip_preempted: &[u64]) {
         let (_, window) = self.window_adapters();
         let defer_reads = self.cfg.host_copy_reports && !draft.step.running.is_empty();
+        let defer_loads = self.cfg.gpu_load_reports && !draft.step.running.is_empty();
         let mut head_blocked = false;
         let mut deferred = 0;
         let mut pos = 0;
@@ -144,6 +167,24 @@ impl Scheduler {
                 pos += 1;
                 continue;
             }
+            if defer_loads && self.adapters.gpu_load_pending(adapter_id) {
+                // The delta is loaded ahead and w passed over (it keeps its place) while the
+                // copy runs beside the steps; only inside the prefetch window (the head always).
+                if pos > 0 && pos >= self.cfg.prefetch_window {
+                    break;
+                }
+                if self.adapters.get(adapter_id).gpu_blocks.is_none() {
+                    let Some(plan) = self.load_ahead_plan(adapter_id, &window, pos == 0) else {
+                        head_blocked = true;
+                        break;
+                    };
+                    self.apply_admission(adapter_id, plan, &mut draft.ops);
+                    self.adapters.start_gpu_load(adapter_id);
+                }
+                self.gpu_load_deferrals += 1;
+                pos += 1;
+                continue;
+            }
             let Some(prefix) = self.plan_prefix(id, draft.budget) else {
                 // A running request is computing its next prefix page: take it once published.
                 self.prefix_deferrals += 1;
@@ -154,9 +195,12 @@ impl Scheduler {
                 pos += 1;
                 continue;
             };
-            let Some(plan) =
-                self.admission_plan(adapter_id, prefix.pages + draft.watermark, &window)
-            else {
+            let Some(plan) = self.admission_plan(
+                adapter_id,
+                prefix.pages + draft.watermark,
+                &window,
+                !defer_loads,
+            ) else {
                 head_blocked = true;
                 break;
             };
@@ -224,13 +268,15 @@ impl Scheduler {
     /// pages (its KV plus the watermark) must be free after its adapter is placed: a host copy
     /// (dropping LRU host copies this step does not load, those outside the prefetch `window`
     /// first) and the adapter's pages (evicting LRU idle LoRA adapters) or, for a delta, a
-    /// delta slot (evicting the LRU idle delta when all `max_deltas` are taken).
-    /// `None`, changing nothing, when that cannot be had.
+    /// delta slot (evicting the LRU idle delta when all `max_deltas` are taken; one loading
+    /// ahead only if `take_loading`, and last). `None`, changing nothing, when that cannot be
+    /// had.
     fn admission_plan(
         &self,
         adapter_id: u32,
         kv_pages: u64,
         window: &[u32],
+        take_loading: bool,
     ) -> Option<AdmissionPlan> {
         let mut plan = AdmissionPlan::default();
         let mut pages = kv_pages;
@@ -242,7 +288,8 @@ impl Scheduler {
                     VariantKind::Lora => pages += a.spec.num_blocks as u64,
                     VariantKind::Delta => {
                         if !self.adapters.delta_slot_free(self.cfg.max_deltas) {
-                            plan.delta_eviction = Some(self.adapters.lru_idle_delta(adapter_id)?);
+                            plan.delta_eviction =
+                                Some(self.adapters.lru_idle_delta(adapter_id, take_loading)?);
                         }
                     }
                 }
@@ -255,6 +302,32 @@ impl Scheduler {
         let free = self.blocks.num_free() as u64;
         if pages > free {
             plan.gpu_evictions = self.adapters.gpu_eviction_plan(pages - free, adapter_id)?;
+        }
+        Some(plan)
+    }
+
+    /// What loading delta `adapter_id` (not GPU-resident) ahead of its request takes
+    /// (`gpu_load_reports`, in a step with running requests): a delta slot (a free one, else the
+    /// LRU idle delta's, never one still loading ahead) and, should it have no host copy, host
+    /// room (the head's rule when `head`, else prefetch's). It takes no pages, and the step does
+    /// not wait for the `ToGpu`: the worker copies beside it. `None`, changing nothing, when that
+    /// cannot be had.
+    fn load_ahead_plan(
+        &self,
+        adapter_id: u32,
+        window: &[u32],
+        head: bool,
+    ) -> Option<AdmissionPlan> {
+        let mut plan = AdmissionPlan {
+            to_gpu: true,
+            ..AdmissionPlan::default()
+        };
+        if !self.adapters.delta_slot_free(self.cfg.max_deltas) {
+            plan.delta_eviction = Some(self.adapters.lru_idle_delta(adapter_id, false)?);
+        }
+        if !self.adapters.get(adapter_id).on_host {
+            plan.to_host = true;
+            plan.host_drops = self.host_room(adapter_id, window, head)?;
         }
         Some(plan)
     }
@@ -283,8 +356,9 @@ impl Scheduler {
         })
     }
 
-    /// Carries out an [`AdmissionPlan`] for `adapter_id`: host drops, `ToHost`, GPU evictions
-    /// (LoRA pages, a delta slot), `ToGpu` (the ops sort drops before loads).
+    /// Carries out an [`AdmissionPlan`] for `adapter_id` (or a [`Self::load_ahead_plan`]): host
+    /// drops, `ToHost`, GPU evictions (LoRA pages, a delta slot), `ToGpu` (the ops sort drops
+    /// before loads).
     fn apply_admission(&mut self, adapter_id: u32, plan: AdmissionPlan, ops: &mut StepOps) {
         if plan.to_host {
             self.adapters

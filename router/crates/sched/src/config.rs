@@ -50,6 +50,16 @@ pub struct SchedulerConfig {
     /// requests behind it in the prefetch window go first. Off: a host copy counts as ready once
     /// its `ToHost` is sent (the worker's `ToGpu` waits for the read).
     pub host_copy_reports: bool,
+    /// The worker copies a delta's `ToGpu` beside the steps (on a side stream) and reports each
+    /// finished copy ([`crate::Scheduler::gpu_copies_ready`]). Then, in a step that computes
+    /// running requests anyway, a waiting request whose delta is not GPU-resident is not
+    /// admitted with its `ToGpu` (the whole step would wait for the copy): the delta is loaded
+    /// ahead (a slot taken, its `ToGpu` sent) and the request keeps its place until the copy is
+    /// reported, while ready requests behind it in the prefetch window go first. Meant to go
+    /// with `host_copy_reports` (as the router runs it), so that a delta is loaded ahead only once
+    /// its host copy is read. Off: a delta's `ToGpu` goes out in the step that admits its
+    /// request, which waits for the copy.
+    pub gpu_load_reports: bool,
     /// Reuse the KV pages of a prompt prefix across requests of the same variant registration
     /// (`prefix.rs`): full pages are published as they are computed and kept, while no request
     /// holds them, until their pages are needed. Off: every request computes its whole prompt.
@@ -60,7 +70,7 @@ impl SchedulerConfig {
     /// A config with the pool geometry and context limit given, and default per-step limits
     /// ([`DEFAULT_MAX_NUM_SEQS`], [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]) and host tier
     /// ([`DEFAULT_HOST_ADAPTER_BYTES`], [`DEFAULT_PREFETCH_WINDOW`]) and delta slots
-    /// ([`DEFAULT_MAX_DELTAS`]), without host copy reports or prefix caching.
+    /// ([`DEFAULT_MAX_DELTAS`]), without host copy reports, GPU load reports or prefix caching.
     pub fn new(block_size: u32, num_blocks: u32, max_model_len: u32) -> Self {
         Self {
             block_size,
@@ -72,6 +82,7 @@ impl SchedulerConfig {
             prefetch_window: DEFAULT_PREFETCH_WINDOW,
             max_deltas: DEFAULT_MAX_DELTAS,
             host_copy_reports: false,
+            gpu_load_reports: false,
             enable_prefix_caching: false,
         }
     }
@@ -186,6 +197,7 @@ mod tests {
         assert_eq!(c.host_adapter_bytes, 4 * 1024 * 1024 * 1024);
         assert_eq!(c.prefetch_window, 64);
         assert_eq!(c.max_deltas, 3);
+        assert!(!c.host_copy_reports && !c.gpu_load_reports);
         let off = SchedulerConfig {
             prefetch_window: 0,
             max_deltas: 0,

@@ -24,7 +24,8 @@ impl Scheduler {
     ///   their published ones;
     /// - adapters: totals match, host bytes within budget, at most `max_deltas` deltas on the
     ///   GPU, every live request's adapter is registered and counts it as a user (a running one
-    ///   also as running, and is on the GPU: pages for LoRA, a slot for a delta); pending
+    ///   also as running, and is on the GPU: pages for LoRA, a slot for a delta); a delta
+    ///   loading ahead (`gpu_load_reports`) is GPU-resident with no running request; pending
     ///   adapter ops are drops only;
     /// - skip-the-line: only running requests of deltas are skippers; every skipper's parent is
     ///   a running non-skipper of the same delta; an orphaned skipper's delta has no running

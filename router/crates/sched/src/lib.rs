@@ -55,9 +55,13 @@
 //! memory, possibly in the background), `ToGpu{pages}` (copy the host copy into pool pages, or
 //! into a delta slot with no pages; always after a `ToHost` with no `DropHost` since),
 //! `DropGpu`, `DropHost`. With `host_copy_reports` the worker reports finished host reads
-//! ([`Scheduler::host_copies_ready`], sent with step outputs). With one step outstanding,
-//! [`Scheduler::schedule_ahead`] may form the next one before the first's `update`; the worker
-//! feeds a request the token it sampled in the step before.
+//! ([`Scheduler::host_copies_ready`], sent with step outputs). With `gpu_load_reports` it copies a
+//! delta's `ToGpu` beside the steps (a step waits for the copy only when it runs a request of that
+//! delta) and reports finished copies ([`Scheduler::gpu_copies_ready`]); the scheduler sends such a
+//! `ToGpu` ahead of the request's admission while other requests run. A `DropGpu` (or `DropHost`)
+//! of a delta whose copy is still under way is the worker's to order after the copy. With one
+//! step outstanding, [`Scheduler::schedule_ahead`] may form the next one before the first's
+//! `update`; the worker feeds a request the token it sampled in the step before.
 
 pub mod block;
 pub mod config;

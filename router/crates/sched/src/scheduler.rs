@@ -73,6 +73,8 @@ pub struct Scheduler {
     pub(crate) delta_skip_preemptions: u64,
     /// Times a waiting request was passed over because its adapter's host copy was loading.
     pub(crate) host_deferrals: u64,
+    /// Times a waiting request was passed over because its delta was loading onto the GPU.
+    pub(crate) gpu_load_deferrals: u64,
     /// Full pages running requests are computing and have not published yet (`prefix.rs`).
     pub(crate) pending: PendingPages,
     /// Tokens looked up in the prefix cache at admission.
@@ -123,6 +125,7 @@ impl Scheduler {
             delta_skips: 0,
             delta_skip_preemptions: 0,
             host_deferrals: 0,
+            gpu_load_deferrals: 0,
             pending: PendingPages::default(),
             prefix_queried: 0,
             prefix_hits: 0,
@@ -183,6 +186,16 @@ impl Scheduler {
     pub fn host_copies_ready(&mut self, ids: &[u32]) -> usize {
         ids.iter()
             .filter(|&&id| self.adapters.host_loaded(id))
+            .count()
+    }
+
+    /// The worker finished copying these deltas onto the GPU (`StepOutput::gpu_ready`): with
+    /// `gpu_load_reports`, requests waiting for them may be admitted now. Ids with no copy
+    /// pending (unknown, not loaded ahead, admitted or dropped since, already reported) are
+    /// ignored. Returns how many loads this settled.
+    pub fn gpu_copies_ready(&mut self, ids: &[u32]) -> usize {
+        ids.iter()
+            .filter(|&&id| self.adapters.gpu_loaded(id))
             .count()
     }
 
@@ -425,6 +438,7 @@ impl Scheduler {
             delta_skips: self.delta_skips,
             delta_skip_preemptions: self.delta_skip_preemptions,
             host_deferrals: self.host_deferrals,
+            gpu_load_deferrals: self.gpu_load_deferrals,
             prefix_queried_tokens: self.prefix_queried,
             prefix_hit_tokens: self.prefix_hits,
             prefix_cached_blocks: self.blocks.num_cached(),

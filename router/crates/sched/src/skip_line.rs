@@ -91,7 +91,9 @@ impl Scheduler {
     /// ```
     ///
     /// A request that does not fit is passed over, and the scan goes on. A skipper's delta is
-    /// already resident, so it needs no adapter op. `not_again` (skippers preempted in this
+    /// already resident, so it needs no adapter op; and since it runs, it is not loading ahead
+    /// (`gpu_load_reports`: admitting a request clears that mark, and a resident delta is not
+    /// loaded again), so no skipper's step waits for a delta copy. `not_again` (skippers preempted in this
     /// call) are left for FCFS admission.
     pub(crate) fn skip_the_line(&mut self, draft: &mut StepDraft, not_again: &[u64]) {
         if self.adapters.num_deltas_on_gpu() == 0 {

@@ -194,6 +194,10 @@ pub struct SchedStats {
     /// Times a waiting request was passed over in a step because its adapter's host copy was
     /// still being read (`host_copy_reports`; cumulative, one per request per step).
     pub host_deferrals: u64,
+    /// Times a waiting request was passed over in a step because its delta was being copied
+    /// onto the GPU beside the steps (`gpu_load_reports`; cumulative, one per request per step;
+    /// the step that sends the delta's `ToGpu` counts too).
+    pub gpu_load_deferrals: u64,
     /// Prompt (and recomputed) tokens of admitted requests looked up in the prefix cache
     /// (cumulative; with prefix caching on).
     pub prefix_queried_tokens: u64,

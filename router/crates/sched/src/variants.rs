@@ -149,6 +149,12 @@ pub(crate) struct Adapter {
     /// ([`VariantTable::host_loaded`]) nor waited for it in a `ToGpu`; only consulted with
     /// `host_copy_reports`.
     pub(crate) host_loading: bool,
+    /// A delta whose `ToGpu` went out ahead of its requests' admission (`gpu_load_reports`, in
+    /// a step with running requests) and whose copy the worker has not reported finished
+    /// ([`VariantTable::gpu_loaded`]). Cleared by that report, by the admission of a request
+    /// using it (that step waits for the copy) and by `DropGpu`. While set and requests run, its
+    /// requests are passed over and it is not evicted (see `admission.rs`).
+    pub(crate) gpu_loading: bool,
     /// Its pool pages while GPU-resident (an empty list for a delta in its slot).
     pub(crate) gpu_blocks: Option<Vec<u32>>,
     /// Its delta slot while it is a GPU-resident delta.
@@ -277,6 +283,7 @@ impl VariantTable {
                 spec,
                 on_host: false,
                 host_loading: false,
+                gpu_loading: false,
                 gpu_blocks: None,
                 delta_slot: None,
                 users: 0,
@@ -352,13 +359,15 @@ impl VariantTable {
         a.users -= 1;
     }
 
-    /// A request naming `id` was admitted (it must be GPU-resident now).
+    /// A request naming `id` was admitted (it must be GPU-resident now). A copy of it still
+    /// under way counts as finished: the worker's step waits for it before running the request.
     pub(crate) fn start_running(&mut self, id: u32) {
         let a = self.get_mut(id);
         debug_assert!(
             a.gpu_blocks.is_some(),
             "adapter {id} runs but is not on the GPU"
         );
+        a.gpu_loading = false;
         a.running += 1;
         self.touch(id);
     }
@@ -421,8 +430,9 @@ impl VariantTable {
 
     /// Table-level invariants: totals match the entries, the host budget holds, every
     /// GPU-resident adapter owns exactly its `num_blocks` pages in `blocks` (none for a delta),
-    /// every GPU-resident delta (and only those) holds its own slot below `max_deltas`, and a
-    /// running user implies GPU residency.
+    /// every GPU-resident delta (and only those) holds its own slot below `max_deltas`, a
+    /// running user implies GPU residency, and a delta loading onto the GPU ahead of its requests
+    /// is GPU-resident with no running user (only with `gpu_load_reports`).
     /// Returns the number of pages adapters own.
     pub(crate) fn check(
         &self,
@@ -441,6 +451,22 @@ impl VariantTable {
                     "adapter {id}: {} running users > {} users",
                     a.running, a.users
                 ));
+            }
+            if a.gpu_loading {
+                if a.spec.kind != VariantKind::Delta || a.gpu_blocks.is_none() || a.running > 0 {
+                    return Err(format!(
+                        "adapter {id} is marked as loading onto the GPU but is not an idle \
+                         GPU-resident delta ({:?}, resident {}, {} running)",
+                        a.spec.kind,
+                        a.gpu_blocks.is_some(),
+                        a.running
+                    ));
+                }
+                if !cfg.gpu_load_reports {
+                    return Err(format!(
+                        "delta {id} is loading ahead without gpu_load_reports"
+                    ));
+                }
             }
             if a.on_host {
                 host += a.spec.host_bytes;

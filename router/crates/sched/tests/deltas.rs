@@ -1,7 +1,8 @@
 //! Scenario and randomized tests of compressed deltas (DeltaZip) in the scheduler: registration
 //! rules, the `max_deltas` GPU slots with LRU eviction of idle deltas only, skip-the-line for
 //! requests of deltas that already run (never for base or LoRA requests), parent-based
-//! preemption and re-parenting, and no starvation of a blocked head (the randomized mix of base,
+//! preemption and re-parenting, no starvation of a blocked head, and deltas loaded onto the GPU
+//! ahead of their requests with `gpu_load_reports` (the randomized mix of base,
 //! LoRA and delta requests is `deltas_random.rs`). Every plan goes through the fake worker in
 //! `common`, which also checks that no step puts more than `max_deltas` deltas on the GPU.
 
@@ -27,6 +28,8 @@ struct Rig {
     s: Scheduler,
     w: FakeWorker,
     ids: Vec<u32>,
+    /// Loads ahead that the worker's reports settled (`gpu_copies_ready`, summed).
+    settled: usize,
 }
 
 impl Rig {
@@ -36,6 +39,7 @@ impl Rig {
             s: Scheduler::new(c.clone()).unwrap(),
             w: FakeWorker::new(c.clone()),
             ids: Vec::new(),
+            settled: 0,
         };
         let specs = loras
             .iter()
@@ -54,12 +58,18 @@ impl Rig {
         self.s.add_request(r).unwrap();
     }
 
-    /// Schedules one step, runs it on the worker, applies the outputs and checks everything.
+    /// Schedules one step, runs it on the worker, applies the outputs (with reports of every
+    /// host read, which take one step here, and of the delta copies finished) and checks
+    /// everything.
     fn step(&mut self) -> ScheduledStep {
         let st = self.s.schedule();
         assert!(!st.is_empty(), "expected work: {:?}", self.s.stats());
         let outs = self.w.run(&st, &mut common::sample_token);
         self.w.assert_matches(&self.s, self.ids.iter().copied());
+        let read = self.w.finish_reads(|_| true);
+        self.s.host_copies_ready(&read);
+        let copied = self.w.gpu_ready();
+        self.settled += self.s.gpu_copies_ready(&copied);
         self.s.update(&outs);
         self.s.check_invariants().unwrap();
         st
@@ -409,5 +419,206 @@ fn a_stream_of_requests_for_the_running_delta_cannot_starve_the_head() {
         rig.step();
         guard += 1;
         assert!(guard < 200, "not drained: {:?}", rig.s.stats());
+    }
+}
+
+/// [`dcfg`] as the router runs it: host reads and delta copies reported by the worker
+/// (`host_copy_reports`, `gpu_load_reports`), 64 pages, and a prefetch window of 4 (so requests
+/// behind the head may be passed over too).
+fn gcfg(max_deltas: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        host_copy_reports: true,
+        gpu_load_reports: true,
+        prefetch_window: 4,
+        ..dcfg(64, max_deltas)
+    }
+}
+
+/// The step's `to_gpu` ops as `"to_gpu:id"` labels (prefetched `to_host`s left out).
+fn to_gpus(st: &ScheduledStep) -> Vec<String> {
+    ops(st)
+        .into_iter()
+        .filter(|o| o.starts_with("to_gpu"))
+        .collect()
+}
+
+/// Steps until `id` has left (finished), asserting that no step admits a request or loads a
+/// delta meanwhile.
+fn step_until_gone(rig: &mut Rig, id: u64) {
+    let mut guard = 0;
+    while rig.s.contains(id) {
+        let st = rig.step();
+        assert!(new_ids(&st).is_empty(), "admitted {:?}", new_ids(&st));
+        assert!(to_gpus(&st).is_empty(), "loaded {:?}", to_gpus(&st));
+        guard += 1;
+        assert!(guard < 50, "request {id} never finished");
+    }
+}
+
+#[test]
+fn with_gpu_load_reports_a_delta_is_loaded_beside_the_steps_before_its_requests_run() {
+    let c = gcfg(2);
+    let mut rig = Rig::new(&c, &[], &[1, 2]);
+    rig.w.copy_steps = u32::MAX; // copies finish only when the test says so
+    rig.add(req(1, 4, 30));
+    assert_eq!(new_ids(&rig.step()), [1]);
+    // Request 1 runs. 2 and 3 need delta 1, which is not even on the host: its read starts and
+    // both are passed over (host deferrals); base request 4 behind them goes first.
+    rig.add(areq(2, 4, 3, 1));
+    rig.add(areq(3, 4, 3, 1));
+    rig.add(req(4, 4, 30));
+    let st = rig.step();
+    assert_eq!(
+        (ops(&st), new_ids(&st)),
+        (vec!["to_host:1".to_string()], vec![4])
+    );
+    assert_eq!(rig.s.stats().host_deferrals, 2);
+    assert_eq!(rig.s.stats().gpu_load_deferrals, 0);
+
+    // The read is reported. The delta's copy goes out in this step, beside requests 1 and 4,
+    // and neither 2 nor 3 is admitted: both wait for the copy, keeping their places.
+    let st = rig.step();
+    assert_eq!(ops(&st), ["to_gpu:1"]);
+    assert!(new_ids(&st).is_empty(), "admitted {:?}", new_ids(&st));
+    assert_eq!(st.running.len(), 2);
+    let loaded = rig.s.adapter_residency(1).unwrap();
+    assert_eq!(loaded.delta_slot, Some(0), "the slot is taken at once");
+    assert_eq!(rig.s.stats().gpu_load_deferrals, 2, "2 and 3, one each");
+    assert_eq!(rig.s.stats().adapter_gpu_loads, 1);
+    assert_eq!(rig.s.stats().waiting, 2);
+    assert!(rig.w.is_copying(1));
+
+    // No report yet: they wait again, and no op is repeated.
+    let st = rig.step();
+    assert!(st.adapter_ops.is_empty() && new_ids(&st).is_empty());
+    assert_eq!(rig.s.stats().gpu_load_deferrals, 4);
+
+    // The copy finishes and is reported: reports of it again, of a delta not loading and of an
+    // unknown id change nothing.
+    rig.w.finish_copies(|_| true);
+    let ready = rig.w.gpu_ready();
+    assert_eq!(ready, [1]);
+    assert_eq!(rig.s.gpu_copies_ready(&ready), 1);
+    let before = rig.s.stats();
+    assert_eq!(rig.s.gpu_copies_ready(&[1, 2, 99]), 0);
+    assert_eq!(rig.s.stats(), before);
+    rig.s.check_invariants().unwrap();
+
+    // Both are admitted in the next step, with no second `to_gpu`.
+    let st = rig.step();
+    assert_eq!(new_ids(&st), [2, 3]);
+    assert!(st.adapter_ops.is_empty(), "ops {:?}", ops(&st));
+    assert_eq!(rig.s.stats().gpu_load_deferrals, 4);
+    assert_eq!(rig.s.stats().adapter_gpu_loads, 1);
+    assert_eq!(rig.w.copy_waits, 0, "no step waited for the copy");
+    while rig.s.has_unfinished() {
+        rig.step();
+    }
+    assert_eq!(rig.w.copy_waits, 0);
+}
+
+#[test]
+fn with_gpu_load_reports_and_nothing_running_a_request_is_admitted_with_its_delta_copy() {
+    let c = gcfg(2);
+    let mut rig = Rig::new(&c, &[], &[1, 2]);
+    rig.w.copy_steps = u32::MAX;
+    // Nothing runs: the request goes out with its delta's read and copy, and that step waits
+    // for both (there is nothing else to compute, and no report could come back otherwise).
+    rig.add(areq(1, 4, 3, 1));
+    let st = rig.step();
+    assert_eq!(
+        (ops(&st), new_ids(&st)),
+        (
+            vec!["to_host:1".to_string(), "to_gpu:1".to_string()],
+            vec![1]
+        )
+    );
+    assert_eq!((rig.w.read_waits, rig.w.copy_waits), (1, 1));
+    assert_eq!(rig.s.stats().gpu_load_deferrals, 0);
+    assert_eq!(
+        rig.settled, 0,
+        "the copy was never pending: its report settles nothing"
+    );
+    while rig.s.has_unfinished() {
+        rig.step();
+    }
+
+    // A delta loaded ahead whose copy is still unreported once the requests that ran beside it
+    // are gone: with nothing else to run its request is admitted (the step waits for the copy),
+    // and the late report settles nothing.
+    rig.add(req(2, 4, 3));
+    assert_eq!(new_ids(&rig.step()), [2]);
+    rig.add(areq(3, 4, 3, 2));
+    assert_eq!(ops(&rig.step()), ["to_host:2"]);
+    let st = rig.step();
+    assert_eq!(
+        (ops(&st), new_ids(&st)),
+        (vec!["to_gpu:2".to_string()], vec![])
+    );
+    assert!(!rig.s.contains(2), "request 2 is done");
+    let st = rig.step();
+    assert_eq!(new_ids(&st), [3]);
+    assert!(st.running.is_empty() && st.adapter_ops.is_empty());
+    assert_eq!(rig.w.copy_waits, 2, "this step waited for the copy");
+    assert_eq!(rig.s.stats().gpu_load_deferrals, 1);
+    assert_eq!(rig.s.gpu_copies_ready(&[2]), 0);
+    assert_eq!(rig.settled, 0);
+    while rig.s.has_unfinished() {
+        rig.step();
+    }
+}
+
+#[test]
+fn a_delta_loading_ahead_keeps_its_slot_while_requests_run_and_gives_it_up_when_none_do() {
+    // One slot. Delta 1 is loaded ahead for request 2; request 3 (delta 2) then needs the slot.
+    let c = gcfg(1);
+    let mut rig = Rig::new(&c, &[], &[1, 2]);
+    rig.w.copy_steps = u32::MAX;
+    rig.add(req(1, 4, 30));
+    rig.step();
+    rig.add(areq(2, 4, 3, 1));
+    rig.add(areq(3, 4, 3, 2));
+    assert_eq!(ops(&rig.step()), ["to_host:1", "to_host:2"]);
+    let st = rig.step();
+    assert_eq!(
+        ops(&st),
+        ["to_gpu:1"],
+        "delta 2 is not given delta 1's slot"
+    );
+    assert!(new_ids(&st).is_empty());
+    let st = rig.step();
+    assert!(st.adapter_ops.is_empty(), "ops {:?}", ops(&st));
+    assert!(rig.s.adapter_residency(1).unwrap().delta_slot.is_some());
+    assert!(rig.s.adapter_residency(2).unwrap().delta_slot.is_none());
+
+    // The copy is reported: 2 runs on delta 1, 3 waits for the slot until 2 is done, and then
+    // delta 2 is loaded ahead in its place (delta 1 idle and copied: evictable).
+    rig.w.finish_copies(|_| true);
+    let ready = rig.w.gpu_ready();
+    assert_eq!(rig.s.gpu_copies_ready(&ready), 1);
+    assert_eq!(new_ids(&rig.step()), [2]);
+    step_until_gone(&mut rig, 2);
+    let st = rig.step();
+    assert_eq!(ops(&st), ["drop_gpu:1", "to_gpu:2"]);
+    assert!(new_ids(&st).is_empty());
+
+    // Delta 2 is loading and its request is aborted; request 4 (delta 1) cannot have the slot
+    // while request 1 runs. Once nothing runs, the loading delta gives the slot up: the queue's
+    // head must not wait for a report that only a step sent could bring.
+    rig.s.abort(3);
+    rig.add(areq(4, 4, 3, 1));
+    let st = rig.step();
+    assert!(st.adapter_ops.is_empty() && new_ids(&st).is_empty());
+    rig.s.finish(1);
+    let st = rig.step();
+    assert_eq!(new_ids(&st), [4]);
+    assert_eq!(ops(&st), ["drop_gpu:2", "to_gpu:1"]);
+    assert!(
+        rig.w.copying.is_empty(),
+        "the dropped copy was not waited for"
+    );
+    rig.w.copy_steps = 1;
+    while rig.s.has_unfinished() {
+        rig.step();
     }
 }

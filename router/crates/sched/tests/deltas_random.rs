@@ -1,8 +1,9 @@
 //! The randomized test of compressed deltas (DeltaZip) in the scheduler: a mix of base, LoRA and
 //! delta requests with aborts, worker resets and lost outputs, every invariant checked after every
-//! operation, and every request finishing in the drain. The fake worker in `common` checks every
-//! plan it applies (no more than `max_deltas` deltas on the GPU, each in a free slot the plan
-//! names). The scenario tests are in `deltas.rs`.
+//! operation, and every request finishing in the drain, with and without the worker's reports of
+//! host reads and of delta copies beside the steps. The fake worker in `common` checks every plan
+//! it applies (no more than `max_deltas` deltas on the GPU, each in a free slot the plan names; no
+//! step with running requests waits for a read or a copy). The scenario tests are in `deltas.rs`.
 
 mod common;
 
@@ -28,6 +29,13 @@ struct Coverage {
     delta_evictions: u64,
     delta_tokens_finished: u64,
     full_slots: u64,
+    /// Waiting requests passed over for a delta copy beside the steps (`gpu_load_reports`).
+    gpu_load_deferrals: u64,
+    /// Loads ahead settled by the worker's reports.
+    copies_settled: u64,
+    /// Steps that waited for a delta copy (only with nothing else running; the fake worker
+    /// checks that).
+    copy_waits: u64,
 }
 
 /// LoRA adapters are ids 1..=3, deltas 4..=7 (0 = base).
@@ -36,11 +44,15 @@ const DELTAS: [u32; 4] = [4, 5, 6, 7];
 
 /// One random scenario: adds (base, LoRA and delta requests), aborts, finishes, worker resets,
 /// lost outputs and steps; every invariant after every operation; then a drain in which every
-/// request must finish.
+/// request must finish. The seed also picks, without drawing from the stream, whether the
+/// worker reports host reads and delta copies (as the router runs it: both; or one, or none)
+/// and how many steps a delta copy takes.
 fn scenario(seed: u64, ops: usize, cov: &mut Coverage) {
     let mut rng = Rng(seed);
     let bs = rng.range(1, 4) as u32;
     let c = SchedulerConfig {
+        host_copy_reports: seed % 4 >= 2,
+        gpu_load_reports: seed % 2 == 1,
         host_adapter_bytes: rng.range(20, 60),
         prefetch_window: rng.range(0, 4) as usize,
         max_deltas: rng.range(1, 3) as usize,
@@ -54,6 +66,7 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) {
     };
     let mut s = Scheduler::new(c.clone()).unwrap();
     let mut w = FakeWorker::new(c.clone());
+    w.copy_steps = 1 + (seed / 4 % 3) as u32;
     let mut specs: BTreeMap<u32, VariantSpec> = BTreeMap::new();
     for id in LORAS {
         specs.insert(id, adapter(id, 0, rng.range(1, 2) as u32, rng.range(1, 20)));
@@ -96,12 +109,26 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) {
         }
         let mut outs = w.run(&st, &mut |_, _| sample_rng.range(1, 50) as u32);
         w.assert_matches(s, specs_ids());
+        // The worker reports the reads (all done after one step here) and the copies finished.
+        let read = w.finish_reads(|_| true);
+        s.host_copies_ready(&read);
+        let copied = w.gpu_ready();
+        let settled = s.gpu_copies_ready(&copied);
+        assert!(settled <= copied.len());
+        cov.copies_settled += settled as u64;
         let after = s.stats();
         cov.skips += after.delta_skips - before.delta_skips;
         let skip_preempted = after.delta_skip_preemptions - before.delta_skip_preemptions;
         cov.skip_preemptions += skip_preempted;
         cov.memory_preemptions += st.preempted.len() as u64 - skip_preempted;
         cov.full_slots += u64::from(after.deltas_on_gpu == c.max_deltas);
+        cov.gpu_load_deferrals += after.gpu_load_deferrals - before.gpu_load_deferrals;
+        if !c.gpu_load_reports {
+            assert_eq!(
+                after.gpu_load_deferrals, 0,
+                "seed {seed}: deferred without reports"
+            );
+        }
         if rng.pct(3) && !outs.is_empty() {
             let k = rng.range(0, outs.len() as u64 - 1) as usize;
             let (id, _) = outs.remove(k);
@@ -190,6 +217,7 @@ fn scenario(seed: u64, ops: usize, cov: &mut Coverage) {
     }
     assert!(live.is_empty());
     assert!(w.max_deltas_seen <= c.max_deltas);
+    cov.copy_waits += w.copy_waits;
     let st = s.stats();
     assert_eq!(st.used_blocks, 0, "seed {seed}: KV pages leaked");
 }
@@ -216,5 +244,9 @@ fn random_mixes_of_base_lora_and_delta_requests_keep_every_invariant_and_all_fin
     assert!(
         cov.delta_tokens_finished > 0,
         "delta requests finish: {cov:?}"
+    );
+    assert!(
+        cov.gpu_load_deferrals > 0 && cov.copies_settled > 0 && cov.copy_waits > 0,
+        "deltas loaded ahead, reported, and waited for with nothing else running: {cov:?}"
     );
 }

@@ -51,6 +51,42 @@ impl VariantTable {
         }
     }
 
+    /// Marks delta `id`, placed on the GPU by the step being formed, as loading ahead of its
+    /// requests (`gpu_load_reports`): its requests wait for [`VariantTable::gpu_loaded`] while
+    /// others run, and it is not evicted meanwhile.
+    pub(crate) fn start_gpu_load(&mut self, id: u32) {
+        let a = self.get_mut(id);
+        debug_assert!(
+            a.spec.kind == VariantKind::Delta && a.gpu_blocks.is_some() && a.running == 0,
+            "only an idle GPU-resident delta loads ahead"
+        );
+        a.gpu_loading = true;
+    }
+
+    /// The worker reported `id`'s GPU copy finished (or failed: the step that needs it reports
+    /// that). Returns whether a load ahead was pending; unknown ids, and deltas not loading
+    /// (admitted since, dropped since, or never loaded ahead), change nothing.
+    pub(crate) fn gpu_loaded(&mut self, id: u32) -> bool {
+        match self.map.get_mut(&id) {
+            Some(a) if a.gpu_loading => {
+                a.gpu_loading = false;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether running a request of `id` (0 = base) now would wait for a GPU copy of a delta
+    /// (`gpu_load_reports`): it is a delta not GPU-resident (its `ToGpu` is still to be sent) or
+    /// loading ahead (the copy not reported finished). LoRA adapters: never (their `ToGpu` goes
+    /// out with their request's admission).
+    pub(crate) fn gpu_load_pending(&self, id: u32) -> bool {
+        id != 0 && {
+            let a = self.get(id);
+            a.spec.kind == VariantKind::Delta && (a.gpu_blocks.is_none() || a.gpu_loading)
+        }
+    }
+
     /// Whether placing `id` (0 = base) on the GPU would wait for a host read: it is not
     /// GPU-resident and its host copy is missing or, with `reports`, still loading.
     pub(crate) fn host_copy_pending(&self, id: u32, reports: bool) -> bool {
@@ -136,6 +172,8 @@ impl VariantTable {
             "adapter {id} evicted while running requests use it"
         );
         let pages = a.gpu_blocks.take().expect("adapter is GPU-resident");
+        // A copy still under way is the worker's to finish or cancel before the slot is reused.
+        a.gpu_loading = false;
         let variant = a.spec.kind;
         match a.delta_slot.take() {
             None => self.on_gpu -= 1,
@@ -169,23 +207,30 @@ impl VariantTable {
     }
 
     /// The least recently used evictable GPU-resident adapter of kind `kind` other than `keep`.
-    fn lru_idle(&self, keep: u32, kind: VariantKind) -> Option<u32> {
+    /// A delta still loading ahead of its requests (`gpu_loading`) only when `take_loading`, and
+    /// then only when no other will do.
+    fn lru_idle(&self, keep: u32, kind: VariantKind, take_loading: bool) -> Option<u32> {
         self.map
             .iter()
-            .filter(|&(&id, a)| self.evictable(id, a, keep, kind))
-            .min_by_key(|&(&id, a)| (a.last_use, id))
+            .filter(|&(&id, a)| {
+                self.evictable(id, a, keep, kind) && (take_loading || !a.gpu_loading)
+            })
+            .min_by_key(|&(&id, a)| (a.gpu_loading, a.last_use, id))
             .map(|(&id, _)| id)
     }
 
     /// The least recently used evictable LoRA adapter other than `keep` (evicting it frees
     /// pages; deltas hold none, so they never go for pages).
     pub(crate) fn lru_idle_gpu(&self, keep: u32) -> Option<u32> {
-        self.lru_idle(keep, VariantKind::Lora)
+        self.lru_idle(keep, VariantKind::Lora, false)
     }
 
     /// The least recently used evictable delta other than `keep` (evicting it frees a slot).
-    pub(crate) fn lru_idle_delta(&self, keep: u32) -> Option<u32> {
-        self.lru_idle(keep, VariantKind::Delta)
+    /// A delta loading ahead of its requests is skipped, unless `take_loading` (a step in which
+    /// nothing else runs: no report could come back before the step is sent, so a loading
+    /// delta must not hold a slot the queue's head needs); then it goes last.
+    pub(crate) fn lru_idle_delta(&self, keep: u32, take_loading: bool) -> Option<u32> {
+        self.lru_idle(keep, VariantKind::Delta, take_loading)
     }
 
     /// Whether one more delta may be placed on the GPU without evicting one.
@@ -245,6 +290,7 @@ impl VariantTable {
             }
             a.on_host = false;
             a.host_loading = false;
+            a.gpu_loading = false;
             a.delta_slot = None;
         }
         self.host_bytes = 0;
@@ -340,11 +386,11 @@ mod tests {
         assert_eq!(t.lru_idle_gpu(0), Some(1));
         assert_eq!(t.gpu_eviction_plan(1, 0), Some(vec![1]));
         assert_eq!(t.gpu_eviction_plan(3, 0), None);
-        assert_eq!(t.lru_idle_delta(0), Some(2));
-        assert_eq!(t.lru_idle_delta(2), Some(3));
+        assert_eq!(t.lru_idle_delta(0, false), Some(2));
+        assert_eq!(t.lru_idle_delta(2, false), Some(3));
         t.add_user(2);
         t.start_running(2);
-        assert_eq!(t.lru_idle_delta(0), Some(3), "a running delta stays");
+        assert_eq!(t.lru_idle_delta(0, false), Some(3), "a running delta stays");
         let mut drops = StepOps::default();
         t.evict_gpu(3, &mut blocks, &mut drops);
         assert!(t.delta_slot_free(2));
@@ -368,6 +414,72 @@ mod tests {
             .check(&blocks, &no_slots)
             .unwrap_err()
             .contains("max_deltas"));
+    }
+
+    #[test]
+    fn a_delta_loading_ahead_is_evicted_only_when_allowed_and_last() {
+        let cfg = SchedulerConfig {
+            max_deltas: 3,
+            gpu_load_reports: true,
+            ..SchedulerConfig::new(4, 8, 64)
+        };
+        let mut blocks = BlockAllocator::new(8);
+        let mut t = VariantTable::default();
+        let mut ops = StepOps::default();
+        for id in 1..=3 {
+            let delta = VariantSpec {
+                kind: VariantKind::Delta,
+                ..spec(0, 10)
+            };
+            t.register(id, delta, &cfg).unwrap();
+            t.load_host(id, &mut ops);
+            t.load_gpu(id, &mut blocks, &mut ops);
+        }
+        // Delta 1 is the least recently used; it loads ahead, and so does 3.
+        t.start_gpu_load(1);
+        t.start_gpu_load(3);
+        assert!(t.gpu_load_pending(1) && !t.gpu_load_pending(2));
+        assert_eq!(t.check(&blocks, &cfg), Ok(0));
+        t.begin_step();
+        assert_eq!(
+            t.lru_idle_delta(0, false),
+            Some(2),
+            "loading deltas are skipped"
+        );
+        assert_eq!(t.lru_idle_delta(2, false), None);
+        assert_eq!(t.lru_idle_delta(0, true), Some(2), "and taken last");
+        assert_eq!(
+            t.lru_idle_delta(2, true),
+            Some(1),
+            "least recently used first"
+        );
+        // The report settles a load once; unknown ids and deltas not loading change nothing.
+        assert!(t.gpu_loaded(1));
+        assert!(!t.gpu_loaded(1) && !t.gpu_loaded(2) && !t.gpu_loaded(99));
+        assert_eq!(t.lru_idle_delta(2, false), Some(1));
+        // Admission (the step waits for the copy) and a drop end a load too.
+        t.add_user(3);
+        t.start_running(3);
+        assert!(!t.get(3).gpu_loading && !t.gpu_loaded(3));
+        t.start_gpu_load(2);
+        t.evict_gpu(2, &mut blocks, &mut ops);
+        assert!(
+            !t.get(2).gpu_loading && t.gpu_load_pending(2),
+            "off the GPU: a load is due"
+        );
+        // Marked loading while running, or without reports, breaks the table's invariants.
+        t.map.get_mut(&3).unwrap().gpu_loading = true;
+        assert!(t.check(&blocks, &cfg).unwrap_err().contains("loading"));
+        t.map.get_mut(&3).unwrap().gpu_loading = false;
+        t.start_gpu_load(1);
+        let no_reports = SchedulerConfig {
+            gpu_load_reports: false,
+            ..cfg.clone()
+        };
+        assert!(t
+            .check(&blocks, &no_reports)
+            .unwrap_err()
+            .contains("gpu_load_reports"));
     }
 
     #[test]

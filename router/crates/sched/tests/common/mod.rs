@@ -6,7 +6,11 @@
 //! models host reads that take time: a `to_host` starts a read that the test finishes
 //! ([`FakeWorker::finish_reads`]) and reports, and a `to_gpu` of an adapter still being read
 //! (which would make the real worker's step wait) is allowed only in a step with no running
-//! request.
+//! request. With `gpu_load_reports` it likewise models delta copies beside the steps: a delta's
+//! `to_gpu` starts a copy that finishes [`FakeWorker::copy_steps`] steps later (or when the test
+//! finishes it, [`FakeWorker::finish_copies`]) and is then reported ([`FakeWorker::gpu_ready`]),
+//! and a request running with a delta still being copied (which would make the real worker's step
+//! wait) is allowed only in a step with no running request.
 
 #![allow(dead_code)]
 
@@ -35,6 +39,7 @@ pub fn cfg(
         prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
         max_deltas: deltaserve_sched::DEFAULT_MAX_DELTAS,
         host_copy_reports: false,
+        gpu_load_reports: false,
         enable_prefix_caching: false,
     }
 }
@@ -153,6 +158,18 @@ pub struct FakeWorker {
     pub reading: Vec<u32>,
     /// `to_gpu`s that had to wait for a read (cumulative; only in steps with nothing running).
     pub read_waits: u64,
+    /// Delta copies still running (only with `cfg.gpu_load_reports`): delta id -> steps left
+    /// (counting the one that sent its `to_gpu`), in `to_gpu` order.
+    pub copying: Vec<(u32, u32)>,
+    /// Steps a delta copy takes: it finishes at the end of the `copy_steps`-th step counting the
+    /// one that sent it (1: reported with that step's output; `u32::MAX`: only when the test
+    /// finishes it or a step waits for it).
+    pub copy_steps: u32,
+    /// Finished copies not reported yet (what the next `StepOutput::gpu_ready` lists).
+    pub copied: Vec<u32>,
+    /// Steps that ran a request whose delta was still being copied (cumulative; only in steps
+    /// with nothing running): the step waited for the copy.
+    pub copy_waits: u64,
 }
 
 impl FakeWorker {
@@ -170,6 +187,10 @@ impl FakeWorker {
             op_counts: [0; 4],
             reading: Vec::new(),
             read_waits: 0,
+            copying: Vec::new(),
+            copy_steps: 1,
+            copied: Vec::new(),
+            copy_waits: 0,
         }
     }
 
@@ -186,6 +207,8 @@ impl FakeWorker {
         self.gpu.clear();
         self.delta_slots.clear();
         self.reading.clear();
+        self.copying.clear();
+        self.copied.clear();
     }
 
     /// Finishes the reads `done` picks (given each adapter id, in `to_host` order) and returns
@@ -195,6 +218,36 @@ impl FakeWorker {
             self.reading.iter().partition(|&&id| done(id));
         self.reading = still;
         finished
+    }
+
+    /// Finishes the copies `done` picks (given each delta id, in `to_gpu` order) now; the next
+    /// [`FakeWorker::gpu_ready`] reports them.
+    pub fn finish_copies(&mut self, mut done: impl FnMut(u32) -> bool) {
+        self.finish_copies_by(|id, _| done(id));
+    }
+
+    /// Finishes the copies `done` picks, given each delta id and its steps left.
+    fn finish_copies_by(&mut self, mut done: impl FnMut(u32, u32) -> bool) {
+        let mut still = Vec::with_capacity(self.copying.len());
+        for (id, left) in std::mem::take(&mut self.copying) {
+            if done(id, left) {
+                self.copied.push(id);
+            } else {
+                still.push((id, left));
+            }
+        }
+        self.copying = still;
+    }
+
+    /// The copies finished since the last call, in the order they finished: what the real
+    /// worker reports in `StepOutput::gpu_ready`.
+    pub fn gpu_ready(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.copied)
+    }
+
+    /// Whether delta `id`'s copy is still running.
+    pub fn is_copying(&self, id: u32) -> bool {
+        self.copying.iter().any(|&(c, _)| c == id)
     }
 
     /// Bytes of host copies held.
@@ -307,6 +360,9 @@ impl FakeWorker {
                         }
                         self.delta_slots.insert(id, s);
                         self.max_deltas_seen = self.max_deltas_seen.max(self.delta_slots.len());
+                        if self.cfg.gpu_load_reports {
+                            self.copying.push((id, self.copy_steps));
+                        }
                     } else {
                         assert_eq!(
                             *slot, None,
@@ -335,6 +391,10 @@ impl FakeWorker {
                         assert_eq!(self.pages.remove(&p), Some(PageOwner::Adapter(id)));
                     }
                     self.delta_slots.remove(&id);
+                    // The real worker orders the drop after a copy still running (or cancels
+                    // it); a report of it would be stale, so none is made.
+                    self.copying.retain(|&(c, _)| c != id);
+                    self.copied.retain(|&c| c != id);
                     self.op_counts[2] += 1;
                 }
                 VariantOpKind::DropHost => {
@@ -394,6 +454,7 @@ impl FakeWorker {
         for r in self.reqs.values_mut() {
             r.last = None;
         }
+        self.wait_for_copies(step);
         let mut out = Vec::new();
         for n in &step.new {
             assert!(
@@ -431,7 +492,45 @@ impl FakeWorker {
             "{} requests on the worker",
             self.reqs.len()
         );
+        // The copies beside the step advance; those done are reported with its output.
+        for (_, left) in &mut self.copying {
+            *left = left.saturating_sub(1);
+        }
+        self.finish_copies_by(|_, left| left == 0);
         out
+    }
+
+    /// A step that runs a request (new or running) whose delta is still being copied waits for
+    /// the copy: allowed only when nothing else would have run (no `running` entry), as the
+    /// scheduler promises; the copy is then finished (and reported with the step's output).
+    fn wait_for_copies(&mut self, step: &ScheduledStep) {
+        if self.copying.is_empty() {
+            return;
+        }
+        let adapters = step.new.iter().map(|n| (n.id, n.adapter_id)).chain(
+            step.running
+                .iter()
+                .filter_map(|r| self.reqs.get(&r.id).map(|w| (r.id, w.adapter_id))),
+        );
+        let mut waited = Vec::new();
+        for (id, a) in adapters {
+            if a != 0 && self.is_copying(a) {
+                assert!(
+                    step.running.is_empty(),
+                    "step {}: request {id} runs with delta {a}, whose copy has not been reported, \
+                     stalling the {} running requests",
+                    step.step_id,
+                    step.running.len()
+                );
+                if !waited.contains(&a) {
+                    waited.push(a);
+                }
+            }
+        }
+        for a in waited {
+            self.copy_waits += 1;
+            self.finish_copies(|c| c == a);
+        }
     }
 
     fn claim(&mut self, id: u64, pages: &[u32]) {

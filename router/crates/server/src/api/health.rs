@@ -105,6 +105,8 @@ mod tests {
             "deltaserve_delta_skips_total 5",
             "deltaserve_delta_skip_preemptions_total 2",
             "deltaserve_adapter_host_deferrals_total 3",
+            "# TYPE deltaserve_adapter_gpu_load_deferrals_total counter",
+            "deltaserve_adapter_gpu_load_deferrals_total 4",
             "# TYPE deltaserve_worker_step_us_total counter",
             "deltaserve_worker_step_us_total 900",
             "deltaserve_worker_forward_us_total 800",

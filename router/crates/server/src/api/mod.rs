@@ -637,6 +637,7 @@ pub(crate) mod fake {
                 delta_skips_total: 5,
                 delta_skip_preemptions_total: 2,
                 adapter_host_deferrals_total: 3,
+                adapter_gpu_load_deferrals_total: 4,
                 worker_step_us_total: 900,
                 worker_forward_us_total: 800,
                 ..Default::default()

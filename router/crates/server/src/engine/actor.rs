@@ -397,8 +397,10 @@ impl Actor {
         self.counters.speculated_prefills += u64::from(out.speculated_prefills);
         self.counters.speculation_accepted += u64::from(out.speculation_accepted);
         self.counters.speculation_recomputed_layers += u64::from(out.speculation_recomputed_layers);
-        // Before the next plan: requests whose adapter was being read may be admitted now.
+        // Before the next plan: requests whose adapter was being read, or whose delta was being
+        // copied onto the GPU, may be admitted now.
         self.sched.host_copies_ready(&out.host_ready);
+        self.sched.gpu_copies_ready(&out.gpu_ready);
         // A variant the worker quarantined fails only its own requests (none has an output).
         self.variants_failed(&out.failed_variants);
         // A request whose grammar the worker refused fails alone (it has no output).

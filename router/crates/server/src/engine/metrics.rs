@@ -201,6 +201,8 @@ engine_metrics! {
         "Adapters evicted from the GPU to make room (LoRA pool pages or delta slots).";
     adapter_host_deferrals_total: Counter, Sum, |w| w.sched.host_deferrals,
         "Times a waiting request was passed over for a step because its adapter's host read was still running (it keeps its place).";
+    adapter_gpu_load_deferrals_total: Counter, Sum, |w| w.sched.gpu_load_deferrals,
+        "Times a waiting request was passed over for a step because its delta was still being copied onto the GPU beside the steps (it keeps its place).";
     worker_step_us_total: Counter, Sum, |w| w.actor.worker_step_us,
         "Worker time of the steps run (plan decoded to output encoded), microseconds.";
     worker_forward_us_total: Counter, Sum, |w| w.actor.worker_forward_us,
@@ -491,6 +493,7 @@ mod tests {
         ("adapter_host_loads_total", "counter"),
         ("adapter_gpu_evictions_total", "counter"),
         ("adapter_host_deferrals_total", "counter"),
+        ("adapter_gpu_load_deferrals_total", "counter"),
         ("worker_step_us_total", "counter"),
         ("worker_forward_us_total", "counter"),
         ("worker_floor_us_total", "counter"),
@@ -588,6 +591,7 @@ mod tests {
             total_blocks: 10,
             adapter_gpu_loads: 3,
             delta_skips: 1,
+            gpu_load_deferrals: 2,
             prefix_hit_tokens: 32,
             prefix_cached_blocks: 5,
             ..Default::default()
@@ -598,6 +602,7 @@ mod tests {
             free_blocks: 10,
             total_blocks: 10,
             adapter_gpu_loads: 4,
+            gpu_load_deferrals: 5,
             prefix_hit_tokens: 16,
             prefix_cached_blocks: 2,
             ..Default::default()
@@ -618,6 +623,7 @@ mod tests {
         assert_eq!(total.adapter_host_bytes_measured, 5);
         assert_eq!(total.adapter_gpu_loads_total, 7);
         assert_eq!(total.delta_skips_total, 1);
+        assert_eq!(total.adapter_gpu_load_deferrals_total, 7);
         assert_eq!(
             total.adapters_registered, 3,
             "the registry's, not the actors'"
@@ -627,6 +633,10 @@ mod tests {
         assert_eq!(total.step_router_us_p50, 9);
         let body = text(&families(&total));
         assert!(body.contains("\ndeltaserve_steps_total 13\n"), "{body}");
+        assert!(
+            body.contains("\ndeltaserve_adapter_gpu_load_deferrals_total 7\n"),
+            "{body}"
+        );
         assert!(
             body.contains("\ndeltaserve_prefix_cache_hit_tokens_total 48\n"),
             "{body}"

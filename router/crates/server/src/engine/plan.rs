@@ -41,6 +41,7 @@ pub(super) fn sched_config(worker: &WorkerProcess, limits: &SchedLimits) -> Sche
         prefetch_window: deltaserve_sched::DEFAULT_PREFETCH_WINDOW,
         max_deltas: limits.max_deltas,
         host_copy_reports: true,
+        gpu_load_reports: true,
         enable_prefix_caching: limits.enable_prefix_caching,
     }
 }
