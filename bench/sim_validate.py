@@ -31,7 +31,8 @@ and CUDA-event device spans):
     3. simulate  every replay, warm-up and profile included, at the clients' own send times in one
                  run of the simulator (the daemon keeps variants resident from one replay to the next):
                  the fitted model, the daemon's scheduler config (its KV pages from /metrics, the
-                 experiment's flags), the variants' footprints from their files, and each
+                 experiment's flags; delta loads beside the steps where the recording has the
+                 worker's ``gpu_ready`` reports), the variants' footprints from their files, and each
                  prompt's identity (the replay's trace regenerated from its seed), so the
                  simulated scheduler's prefix cache hits where the daemon's did (on by default:
                  the workloads draw prompts from the seed alone, so seed k at two rates repeats
@@ -95,6 +96,7 @@ from deltaserve.sim.record import (
     host_samples,
     read_steps,
     recording_python,
+    reports_gpu_loads,
     router_gap_s,
     span_copy_bandwidths,
     steps_to_samples,
@@ -359,6 +361,10 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
     cfg.max_deltas = _flag(flags, "--max-deltas", cfg.max_deltas)
     cfg.host_adapter_bytes = _flag(flags, "--variant-host-bytes", cfg.host_adapter_bytes)
     cfg.host_copy_reports = True
+    # The daemon loads deltas beside the steps when its worker reports the copies (``gpu_ready``, recorded
+    # with every step since 2026-11-27): an older recording, without the field, ran each copy inside the
+    # step that admitted its request, and replays so.
+    cfg.gpu_load_reports = reports_gpu_loads(steps)
     # Every replay as the daemon saw it, at the clients' own send times, in one simulated run:
     # each phase starts with the variants and state the ones before left, its KV prefix cache
     # included (prompts keyed by content: seed k at two rates repeats its prompts).

@@ -330,6 +330,10 @@ class SchedulerConfig:
     """GPU delta slots (default 3; 0: deltas off)."""
     host_copy_reports: bool
     """Whether the worker reports finished host reads (default False; the daemon sets True)."""
+    gpu_load_reports: bool
+    """Whether the worker copies a delta's ``to_gpu`` beside the steps and reports finished copies, its
+    requests admitted after the report while others run (default False; the daemon sets True). The
+    simulator then times those copies on the worker's load stream, outside the steps."""
 
     def __new__(cls, block_size: int, num_blocks: int, max_model_len: int) -> Self:
         """The scheduler's defaults around the pool geometry and context limit given."""

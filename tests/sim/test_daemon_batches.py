@@ -121,10 +121,11 @@ def test_simulated_batches_equal_the_daemons(recorded):
     assert simulated == daemon
 
 
-def test_each_recorded_step_carries_the_workers_timing_and_floor(recorded):
+def test_each_recorded_step_carries_the_workers_timing_floor_and_copy_reports(recorded):
     _, steps = recorded
     for s in steps:
         t = s["timing"]
         assert set(t) == {"gap_us", "forward_us", "total_us", "busy_us", "floor_us"}, t
         assert t["busy_us"] <= t["total_us"] and t["floor_us"] >= 0
+        assert s["host_ready"] == [] and s["gpu_ready"] == [], "no variant was read or loaded"
     assert sum(s["timing"]["floor_us"] for s in steps) > 0, "the CPU worker measures its roofline too"

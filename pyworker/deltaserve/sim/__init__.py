@@ -1,8 +1,9 @@
 """``deltaserve.sim``: the router's real scheduler (the Rust ``sched`` crate, through
 ``deltaserve._native``) as a capacity-planning simulator. Requests arrive at their trace times on
 a virtual clock; each step the scheduler forms the batch exactly as the daemon's engine actor
-asks it to (``schedule`` / ``schedule_ahead``, ``update``, ``host_copies_ready``); a linear
-step-latency model prices the step; variant reads and copies take their modelled transfer times.
+asks it to (``schedule`` / ``schedule_ahead``, ``update``, ``host_copies_ready``,
+``gpu_copies_ready``); a linear step-latency model prices the step; variant reads and copies take
+their modelled transfer times (a delta's copy to the GPU beside the steps, as the daemon's worker runs it).
 With several workers each arrival is placed by the router's own ``--placement`` policy
 (``replay(placement=...)``, default least-loaded).
 

@@ -7,7 +7,7 @@ appended to a JSONL file, one line per step::
     {"step_id": 7, "recv": 1234.5671, "sent": 1234.5893,      time.monotonic() (CLOCK_MONOTONIC,
      "new": [[req_id, tokens, computed, prompt_len, variant]],  shared by processes on one host)
      "running": [[req_id, tokens]], "released": [...], "ops": [[variant, op, kind]],
-     "host_ready": [variant, ...],
+     "host_ready": [variant, ...], "gpu_ready": [variant, ...],   (gpu_ready since 2026-11-27)
      "timing": {"gap_us", "forward_us", "total_us", "busy_us", "floor_us"},   the worker's StepTiming
      "launch": [t0, t1], "finish": [t0, t1],    the executor's launch and finish of the step (host)
      "graph": false, "behind": true,            a captured graph replayed it; its launch returned
@@ -30,6 +30,9 @@ period ``sent[N] - max(recv[N], sent[N - 1])``), ``host_samples`` into host-laun
 the variant tiers the way the simulator prices them: a ``to_host`` read from its plan's arrival to
 its end (a launch's wait for it, or between the outputs around its ``host_ready``); a ``to_gpu``
 copy as its step's worker time outside the forward pass beyond that of steps without copies.
+A recording whose steps have ``gpu_ready`` comes from a worker that copies a delta's ``to_gpu`` beside
+the steps (``adapters/delta_loads.py``) and reports it there: such a copy is in its step's time only
+when a request of the step uses the delta (:func:`copies_beside`).
 """
 
 from __future__ import annotations
@@ -175,6 +178,7 @@ class RecordingLink:
             rec["timing"] = {"gap_us": t.gap_us, "forward_us": t.forward_us, "total_us": t.total_us,
                              "busy_us": t.busy_us, "floor_us": t.floor_us}  # fmt: skip
             rec["host_ready"] = list(msg.host_ready)
+            rec["gpu_ready"] = list(msg.gpu_ready)
             rec.update({k: v for k, v in STEP_TIMES.pop(msg.step_id, {}).items() if k != "events"})
             self._out.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
@@ -222,9 +226,10 @@ def steps_to_samples(
     """Latency-model samples of a recording; ``ranks`` gives each LoRA variant id's rank,
     ``deltas`` the variant ids that are deltas, ``dense_min_m`` the worker's dense-prefill
     threshold and ``dense_lane_base_tokens`` its dense lane's (:func:`step_features`). With
-    ``skip_loads``, steps that loaded a variant to the GPU are left out (their time includes the
-    copy, which the model prices apart). Each sample's ``run`` counts the steps left out before it:
-    samples of one run are consecutive steps (``LatencyModel.fit``'s windows stay within a run). With ``device_spans`` and a
+    ``skip_loads``, steps that loaded a variant to the GPU or waited for a delta's copy beside the
+    steps (:func:`copy_waits`) are left out (their time includes the copy, which the model prices
+    apart). Each sample's ``run`` counts the steps left out before it: samples of one run are
+    consecutive steps (``LatencyModel.fit``'s windows stay within a run). With ``device_spans`` and a
     recording that has them, ``step_s`` is each step's device span, of the steps launched behind
     a running one only (``behind``: spans without launch gaps, which the host-launch model prices)
     for each step kind that has some; else the output-to-output period."""
@@ -233,8 +238,8 @@ def steps_to_samples(
     clean = {_kind(f) for s, f, _ in rows if spans and s.get("device_s") and s.get("behind")}
     samples = []
     run = 0
-    for s, f, period in rows:
-        loads = any(op[1] == TO_GPU for op in s["ops"])
+    for (s, f, period), waited in zip(rows, copy_waits(steps, deltas)):
+        loads = waited or any(op[1] == TO_GPU for op in s["ops"])
         t = s.get("device_s") if spans else period
         keep = t is not None and t > 0 and (s.get("behind") or _kind(f) not in clean)
         if keep and not (skip_loads and loads):
@@ -257,10 +262,12 @@ def host_samples(
 ) -> list[dict[str, Any]]:
     """Host-launch samples (``LatencyModel.fit_host``): each recorded step's features
     (:func:`step_features`) with ``host_s``, its launch's seconds; steps that copied a variant to
-    the GPU are left out (the copy is priced apart), as are recordings without launch times."""
+    the GPU or waited for a delta's copy beside the steps (:func:`copy_waits`) are left out (the copy is
+    priced apart), as are recordings without launch times."""
+    rows = step_features(steps, ranks, deltas, dense_min_m, dense_lane_base_tokens)
     return [{**f, "host_s": s["launch"][1] - s["launch"][0]}
-            for s, f, _ in step_features(steps, ranks, deltas, dense_min_m, dense_lane_base_tokens)
-            if "launch" in s and not any(op[1] == TO_GPU for op in s["ops"])]  # fmt: skip
+            for (s, f, _), waited in zip(rows, copy_waits(steps, deltas))
+            if "launch" in s and not waited and not any(op[1] == TO_GPU for op in s["ops"])]  # fmt: skip
 
 
 def router_gap_s(steps: list[dict[str, Any]]) -> float | None:
@@ -294,7 +301,7 @@ def graph_rule(steps: list[dict[str, Any]], deltas: Collection[int] = ()) -> tup
     return most, tokens, delta_tokens
 
 
-TO_HOST, TO_GPU = 0, 1
+TO_HOST, TO_GPU, DROP_GPU = 0, 1, 2
 """``TierOp`` values in a recording's ``ops``."""
 
 
@@ -366,13 +373,15 @@ def transfer_bandwidths(
     reader's time).
     A copy's time is its step's worker time outside the forward pass (``busy_us - forward_us``)
     beyond the median of that over the steps without tier ops, shared by bytes among the
-    step's copies; steps whose copies waited for a read (:func:`copies_waited`) measure none."""
+    step's copies; steps whose copies waited for a read (:func:`copies_waited`) measure none, nor do
+    copies beside the steps (:func:`copies_beside`)."""
     reads: dict[str, list[tuple[float, bool]]] = {}  # (B/s, end known within READ_END_SLACK)
     copies_bps: dict[str, list[float]] = {}
     started: dict[int, float] = {}
     outside = [_outside_forward_s(s) for s in steps if not s["ops"] and "timing" in s]
     baseline = float(np.median(outside)) if outside else 0.0
     last_sent: float | None = None
+    beside = reports_gpu_loads(steps)
     for s, waited in zip(steps, copies_waited(steps)):
         for v, op, _kind in s["ops"]:
             if op == TO_HOST and v in variants:
@@ -385,7 +394,7 @@ def transfer_bandwidths(
                 if took > 0:
                     reads.setdefault(kind, []).append((size / took, within <= READ_END_SLACK * took))
         last_sent = s["sent"]
-        copies = _copies(s, variants)
+        copies = _copies(s, variants, beside)
         if copies and not waited and "timing" in s:
             _add_copy_rate(copies_bps, s, copies, _outside_forward_s(s) - baseline)
     return {
@@ -409,21 +418,64 @@ def span_copy_bandwidths(
     copies take its span beyond ``predict(features)`` (the device model's time for the step without
     them; features as :func:`step_features`'s), shared by bytes among its copies, per kind the
     median over the steps that copied it of bytes per second (as :func:`transfer_bandwidths`); steps
-    whose copies waited for a read (:func:`copies_waited`) measure none. Copies queue on the compute
-    stream (``non_blocking``), so the host times of :func:`transfer_bandwidths` do not see them on
-    a GPU."""
+    whose copies waited for a read (:func:`copies_waited`) measure none, nor do copies beside the steps
+    (:func:`copies_beside`). Copies queue on the device (``non_blocking``; a delta's on its load stream,
+    which a step that admits its request waits for), so the host times of :func:`transfer_bandwidths`
+    do not see them on a GPU."""
     rates: dict[str, list[float]] = {}
     rows = step_features(steps, ranks, deltas, dense_min_m, dense_lane_base_tokens)
+    beside = reports_gpu_loads(steps)
     for (s, f, _), waited in zip(rows, copies_waited(steps)):
-        copies = _copies(s, variants)
+        copies = _copies(s, variants, beside)
         if copies and not waited and s.get("device_s"):
             _add_copy_rate(rates, s, copies, s["device_s"] - predict(f))
     return {k: float(np.median(v)) for k, v in rates.items()}
 
 
-def _copies(step: Mapping[str, Any], variants: Mapping[int, tuple[str, int]]) -> list[tuple[str, int]]:
-    """``(kind, host bytes)`` of each variant the step copied to the GPU."""
-    return [variants[v] for v, op, _kind in step["ops"] if op == TO_GPU and v in variants]
+def reports_gpu_loads(steps: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the recording comes from a worker that copies a delta's ``to_gpu`` beside the steps and
+    reports it (``StepOutput.gpu_ready``, recorded with every step since 2026-11-27; the router's
+    ``gpu_load_reports``). Older recordings have no ``gpu_ready``: their copies ran in their steps."""
+    return any("gpu_ready" in s for s in steps)
+
+
+def copies_beside(step: Mapping[str, Any], deltas: Collection[int]) -> set[int]:
+    """The deltas (of variant ids ``deltas``) whose copies to the GPU the recorded ``step`` sent beside
+    the steps, outside its time, in a recording that :func:`reports_gpu_loads`: a delta loaded ahead of
+    its requests, none of which the step admits (with nothing else to run the router admits a request
+    with its delta's ``to_gpu``, and the step waits for the copy: that one is in its time, as every
+    copy of a LoRA adapter)."""
+    used = {n[4] for n in step["new"]}
+    return {v for v, op, _kind in step["ops"] if op == TO_GPU and v in deltas and v not in used}
+
+
+def copy_waits(steps: list[dict[str, Any]], deltas: Collection[int]) -> list[bool]:
+    """Per recorded step: whether it waited for part of a copy beside the steps sent in an earlier step
+    (:func:`copies_beside`): it admits a request of a delta whose copy no earlier output reported in
+    ``gpu_ready`` (with nothing else to run, the router admits it while the delta loads, and the step
+    waits for the rest). All False for a recording that does not :func:`reports_gpu_loads`."""
+    if not reports_gpu_loads(steps):
+        return [False] * len(steps)
+    loading: set[int] = set()
+    waited = []
+    for s in steps:
+        used = {n[4] for n in s["new"]}
+        waited.append(bool(used & loading))
+        loading -= used  # copied once this step ran
+        loading -= {v for v, op, _kind in s["ops"] if op == DROP_GPU}
+        loading |= copies_beside(s, deltas)
+        loading -= set(s.get("gpu_ready", ()))
+    return waited
+
+
+def _copies(
+    step: Mapping[str, Any], variants: Mapping[int, tuple[str, int]], beside: bool = False
+) -> list[tuple[str, int]]:
+    """``(kind, host bytes)`` of each variant the step copied to the GPU within its time (``beside``: the
+    recording :func:`reports_gpu_loads`, and :func:`copies_beside` are left out)."""
+    deltas = {v for v, (kind, _) in variants.items() if kind == "delta"}
+    away = copies_beside(step, deltas) if beside else set()
+    return [variants[v] for v, op, _kind in step["ops"] if op == TO_GPU and v in variants and v not in away]
 
 
 def _add_copy_rate(

@@ -15,7 +15,8 @@ before placement existed), priced with the run's latency model (its JSON, as the
 
 ``daemon_config()`` builds the scheduler config the daemon would give one worker of the modelled
 GPU: the pool from the latency model's memory, the delta slots' bytes taken out of it, host copy
-reports on (as ``router/crates/server/src/engine/plan.rs``); every other limit is the
+and GPU load reports on (as ``router/crates/server/src/engine/plan.rs``: a delta's copy to the GPU
+runs beside the steps, its requests admitted once it is reported); every other limit is the
 scheduler's own default (``_native.SchedulerConfig``) unless given.
 """
 
@@ -58,6 +59,7 @@ def daemon_config(
     cfg = _native.SchedulerConfig(block_size, num_blocks, min(mem.max_model_len, num_blocks * block_size))
     cfg.max_deltas = slots
     cfg.host_copy_reports = True
+    cfg.gpu_load_reports = True
     if max_num_seqs is not None:
         cfg.max_num_seqs = max_num_seqs
     if max_num_batched_tokens is not None:
@@ -92,7 +94,7 @@ class SimResult:
     worker_of: np.ndarray
     """The worker each request went to (-1: refused, the queue limit was reached)."""
     busy_s: list[float]
-    """Device seconds each worker was busy."""
+    """Device seconds each worker was busy (its steps; delta copies beside them not counted)."""
     counters: dict[str, int]
     """Scheduler counters over all workers: steps, num_preemptions, adapter_gpu_loads,
     adapter_host_loads, adapter_gpu_evictions, delta_skips, host_deferrals, ..."""

@@ -52,6 +52,10 @@ pub(crate) struct PySchedulerConfig {
     max_deltas: usize,
     /// Whether the worker reports finished host reads (the daemon: on).
     host_copy_reports: bool,
+    /// Whether the worker copies a delta's `ToGpu` beside the steps and reports it finished, its
+    /// requests admitted after the report while others run (the daemon: on; `sim_loop.rs` times
+    /// the copies on the worker's load stream).
+    gpu_load_reports: bool,
 }
 
 impl From<Config> for PySchedulerConfig {
@@ -66,10 +70,9 @@ impl From<Config> for PySchedulerConfig {
             prefetch_window,
             max_deltas,
             host_copy_reports,
+            gpu_load_reports,
             // Set per run: on when `simulate` is given the prompts' identities (`prompt_keys`).
             enable_prefix_caching: _,
-            // Always off in the simulator, which models a delta's copy inside its step.
-            gpu_load_reports: _,
         } = c;
         PySchedulerConfig {
             block_size,
@@ -81,6 +84,7 @@ impl From<Config> for PySchedulerConfig {
             prefetch_window,
             max_deltas,
             host_copy_reports,
+            gpu_load_reports,
         }
     }
 }
@@ -97,9 +101,7 @@ impl From<&PySchedulerConfig> for Config {
             prefetch_window: c.prefetch_window,
             max_deltas: c.max_deltas,
             host_copy_reports: c.host_copy_reports,
-            // The simulator models a delta's `ToGpu` copy inside the step that sends it (it
-            // reports no `gpu_ready`), so the scheduler must not load deltas ahead.
-            gpu_load_reports: false,
+            gpu_load_reports: c.gpu_load_reports,
             enable_prefix_caching: false,
         }
     }
@@ -137,14 +139,16 @@ impl PySchedulerConfig {
         d.set_item("prefetch_window", self.prefetch_window)?;
         d.set_item("max_deltas", self.max_deltas)?;
         d.set_item("host_copy_reports", self.host_copy_reports)?;
+        d.set_item("gpu_load_reports", self.gpu_load_reports)?;
         Ok(d)
     }
 
     fn __repr__(&self) -> String {
+        let py_bool = |b: bool| if b { "True" } else { "False" };
         format!(
             "SchedulerConfig(block_size={}, num_blocks={}, max_num_seqs={}, \
              max_num_batched_tokens={}, max_model_len={}, host_adapter_bytes={}, \
-             prefetch_window={}, max_deltas={}, host_copy_reports={})",
+             prefetch_window={}, max_deltas={}, host_copy_reports={}, gpu_load_reports={})",
             self.block_size,
             self.num_blocks,
             self.max_num_seqs,
@@ -153,11 +157,8 @@ impl PySchedulerConfig {
             self.host_adapter_bytes,
             self.prefetch_window,
             self.max_deltas,
-            if self.host_copy_reports {
-                "True"
-            } else {
-                "False"
-            }
+            py_bool(self.host_copy_reports),
+            py_bool(self.gpu_load_reports),
         )
     }
 }

@@ -13,7 +13,9 @@
 //! step_s     = max(0, Σ_f coef[kind][f] · feature[f])          device time
 //! host_s     = max(0, Σ_f host_coef[kind][f] · feature[f])     the worker's launch (0: none modelled)
 //! to_host_s  = host_bytes / disk_to_host_Bps[kind]   (one read; a worker runs READERS at once)
-//! to_gpu_s   = host_bytes / host_to_gpu_Bps[kind]    (added to the step that carries the ToGpu)
+//! to_gpu_s   = host_bytes / host_to_gpu_Bps[kind]    (added to the step that carries the ToGpu;
+//!                                                     a delta's, with gpu_load_reports, runs on
+//!                                                     the load stream beside the steps instead)
 //! ```
 //!
 //! The graph rule and `eager` are model inputs, not today's worker baked in: the limits are read

@@ -10,7 +10,8 @@
 //!                             route it by the router's placement policy (`sim_placement.rs`;
 //!                             least-loaded: the fewest live requests, ties the lowest index),
 //!                             add_request, keep_busy
-//! output of step N at t       host_copies_ready(reads finished by t), update(N's tokens),
+//! output of step N at t       host_copies_ready(reads finished by t), gpu_copies_ready(delta
+//!                             copies beside the steps finished by t), update(N's tokens),
 //!                             keep_busy, then count tokens, each seen by its client at
 //!                             t + deliver_s (streaming out; first token: TTFT; finish)
 //! keep_busy                   no step in flight: schedule(); overlap_steps and one in flight:
@@ -21,15 +22,37 @@
 //!
 //! A step sent at `t` reaches the worker at `t + router_gap_s`; its device work lasts the
 //! model's `step_s` (times a seeded log-normal factor when `noise > 0`, or the given
-//! `step_times`) plus its `ToGpu` copies, and the worker's launch the model's `host_s`.
-//! `sim_pipeline.rs` times the two on the worker's host and device as the overlapped worker
+//! `step_times`) plus its `ToGpu` copies (`to_gpu_s`; but delta copies with `gpu_load_reports`,
+//! below), and the worker's launch the model's `host_s`. A step carrying a `ToGpu` does not
+//! start on the device before that variant's host read is done (the worker's thread waits for
+//! it). `sim_pipeline.rs` times the two on the worker's host and device as the overlapped worker
 //! loop runs them: an output leaves at its step's device end, or after the next step's launch
 //! when that plan came while the step ran. A `ToHost` read starts when its step is sent, on the
 //! first of its kind's [`READERS`] readers to be free (the worker's pools each read with that
 //! many threads: `adapters/host_tier.py`'s `LOAD_THREADS`), and is reported with the first output
-//! after it finished, as the worker's `host_ready` does. Every request samples a token each
-//! time its chunk reaches the end of its known tokens (the scheduler ignores the token given
-//! for a partial chunk), so output lengths are the trace's (`max_tokens`, `ignore_eos`).
+//! after it finished, as the worker's `host_ready` does.
+//!
+//! With the config's `gpu_load_reports` (the daemon's), a delta's `ToGpu` is copied beside the
+//! steps, on the worker's one load stream (`adapters/delta_loads.py`), and adds nothing to its
+//! step's device time:
+//!
+//! ```text
+//! copy start = max(launch start of its step: max(arrival at the worker, worker thread free),
+//!                  device end of the steps queued before it, its host read's end,
+//!                  the load stream free: the end of the copy queued before it)
+//! copy end   = copy start + to_gpu_s(delta, host bytes)    (the load stream is free then)
+//! ```
+//!
+//! A step whose scheduled requests use a delta whose copy has not ended starts on the device at
+//! the copy's end at the earliest (with nothing else running the scheduler admits a request with
+//! its delta's `ToGpu`, and that step waits so); the others run beside the copy. The copy is
+//! reported (`gpu_copies_ready`) with the first output at or after its end, as the worker's
+//! `gpu_ready` does; a `DropGpu` of the delta forgets it (a later `ToGpu` copies anew). Such
+//! copies are not in a worker's `busy_s`. LoRA copies stay in their steps.
+//!
+//! Every request samples a token each time its chunk reaches the end of its known tokens (the
+//! scheduler ignores the token given for a partial chunk), so output lengths are the trace's
+//! (`max_tokens`, `ignore_eos`).
 //!
 //! Events at the same instant: step outputs before arrivals, arrivals in trace order.
 
@@ -156,7 +179,8 @@ pub(crate) struct SimOutcome {
     pub(crate) output_tokens: Vec<u32>,
     /// The worker each request went to (-1: rejected, the queue limit was reached).
     pub(crate) worker_of: Vec<i64>,
-    /// Device seconds each worker was busy (steps and copies).
+    /// Device seconds each worker was busy: its steps, with the copies inside them (delta copies
+    /// beside the steps, with `gpu_load_reports`, run on the load stream and are not counted).
     pub(crate) busy_s: Vec<f64>,
     /// Scheduler counters summed over the workers, by `SchedStats` field name.
     pub(crate) counters: BTreeMap<&'static str, u64>,
@@ -194,13 +218,21 @@ struct WorkerSim {
     host_done_s: HashMap<u32, f64>,
     /// Reads not reported yet: variant -> completion time.
     unreported: BTreeMap<u32, f64>,
+    /// With `gpu_load_reports`: when the worker's load stream finishes the delta copies queued
+    /// on it (they run beside the steps, one after another).
+    load_free_s: f64,
+    /// With `gpu_load_reports`: delta -> when its copy beside the steps is (or was) complete,
+    /// while it is on the GPU (a step using it waits for it).
+    gpu_done_s: HashMap<u32, f64>,
+    /// Copies beside the steps not reported yet: delta -> completion time.
+    gpu_unreported: BTreeMap<u32, f64>,
     /// Each running request's cached length (tokens its scheduled chunks reached).
     cached: HashMap<u64, u32>,
     /// Requests routed here and not finished: the engine's load measure.
     live: usize,
     /// The actor's request counter (the scheduler's arrival stamp).
     next_stamp: u64,
-    /// Device seconds busy.
+    /// Device seconds busy (steps and the copies inside them).
     busy_s: f64,
 }
 
@@ -210,6 +242,8 @@ struct Sim<'a> {
     variants: &'a [SimVariant],
     model: &'a LatencyModel,
     opts: &'a SimOptions,
+    /// The config's `gpu_load_reports`: delta copies run beside the steps (module docs).
+    gpu_load_reports: bool,
     workers: Vec<WorkerSim>,
     /// Step outputs to come: (end time, sequence number) -> worker.
     outputs: BinaryHeap<Due>,
@@ -283,6 +317,9 @@ pub(crate) fn simulate(
             readers_free_s: [[0.0; READERS]; 2],
             host_done_s: HashMap::new(),
             unreported: BTreeMap::new(),
+            load_free_s: 0.0,
+            gpu_done_s: HashMap::new(),
+            gpu_unreported: BTreeMap::new(),
             cached: HashMap::new(),
             live: 0,
             next_stamp: 0,
@@ -295,6 +332,7 @@ pub(crate) fn simulate(
         variants,
         model,
         opts,
+        gpu_load_reports: cfg.gpu_load_reports,
         workers,
         outputs: BinaryHeap::new(),
         seq: 0,
@@ -401,6 +439,16 @@ impl Sim<'_> {
             worker.unreported.remove(id);
         }
         worker.sched.host_copies_ready(&ready);
+        let loaded: Vec<u32> = worker
+            .gpu_unreported
+            .iter()
+            .filter(|&(_, &done)| done <= t)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in &loaded {
+            worker.gpu_unreported.remove(id);
+        }
+        worker.sched.gpu_copies_ready(&loaded);
         let sampled: Vec<(u64, Option<u32>)> = step.ids.iter().map(|&id| (id, Some(1))).collect();
         let updates = worker.sched.update(&sampled);
         self.keep_busy(w, t)?;
@@ -467,6 +515,12 @@ impl Sim<'_> {
                 .dense_lane_delta(&features, &composition.tokens_by_delta);
             features.dense_delta_segments = f64::from(u8::from(lane.is_some()));
         }
+        let arrive = t + self.opts.router_gap_s;
+        // A delta copy beside the steps starts once the worker's thread takes the plan and after
+        // the steps queued before this one (`delta_loads.py` records its `after` event then).
+        let copy_after_s = arrive
+            .max(worker.clock.host_free_s)
+            .max(worker.clock.device_free_s);
         let mut ready_s = t;
         let mut copy_s = 0.0;
         for op in &step.adapter_ops {
@@ -485,14 +539,37 @@ impl Sim<'_> {
                     worker.unreported.insert(id, done);
                 }
                 VariantOpKind::ToGpu { .. } => {
-                    ready_s = ready_s.max(worker.host_done_s.get(&id).copied().unwrap_or(t));
-                    copy_s += self.model.to_gpu_s(kind, bytes);
+                    // The worker's thread waits for the host read before it places the variant.
+                    let host_done = worker.host_done_s.get(&id).copied().unwrap_or(t);
+                    ready_s = ready_s.max(host_done);
+                    if self.gpu_load_reports && kind == VariantKind::Delta {
+                        let start = copy_after_s.max(host_done).max(worker.load_free_s);
+                        let done = start + self.model.to_gpu_s(kind, bytes);
+                        worker.load_free_s = done;
+                        worker.gpu_done_s.insert(id, done);
+                        worker.gpu_unreported.insert(id, done);
+                    } else {
+                        copy_s += self.model.to_gpu_s(kind, bytes);
+                    }
                 }
                 VariantOpKind::DropHost => {
                     worker.host_done_s.remove(&id);
                     worker.unreported.remove(&id);
                 }
-                VariantOpKind::DropGpu => {}
+                VariantOpKind::DropGpu => {
+                    // Its copy (still on the load stream or not) is forgotten, not reported.
+                    worker.gpu_done_s.remove(&id);
+                    worker.gpu_unreported.remove(&id);
+                }
+            }
+        }
+        if self.gpu_load_reports {
+            // A step that runs a delta's requests waits for its copy beside the steps.
+            for &(id, _) in &entries {
+                let variant = self.requests[id as usize].variant;
+                if let Some(&done) = worker.gpu_done_s.get(&variant) {
+                    ready_s = ready_s.max(done);
+                }
             }
         }
         let compute_s = match &self.opts.step_times {
@@ -510,7 +587,6 @@ impl Sim<'_> {
             device_end_s: p.device_end_s,
             out_s: p.out_s,
         });
-        let arrive = t + self.opts.router_gap_s;
         let host_s = self.model.host_s(&features);
         let timed = worker
             .clock
@@ -671,6 +747,261 @@ mod tests {
             feature(step, "eager"),
             feature(step, "dense_delta_segments"),
         )
+    }
+
+    /// One worker, no router gap, ingress or delivery, placing by load.
+    fn one_worker(cfg: &SchedulerConfig, overlap_steps: bool) -> SimOptions {
+        SimOptions {
+            workers: 1,
+            overlap_steps,
+            router_gap_s: 0.0,
+            ingress_s: 0.0,
+            deliver_s: 0.0,
+            noise: 0.0,
+            seed: 0,
+            max_queued_per_worker: None,
+            step_times: None,
+            record_steps: true,
+            placer: Placer {
+                policy: Placement::LeastLoaded,
+                profile: LatencyProfile::default(),
+                tpot_slo_us: None,
+                max_num_seqs: cfg.max_num_seqs,
+            },
+        }
+    }
+
+    /// Steps of 10 ms whatever they hold; a delta of 1 GB reads in 5 ms and copies in 95 ms.
+    const STEP_S: f64 = 0.010;
+    const READ_S: f64 = 0.005;
+    const COPY_S: f64 = 0.095;
+
+    fn flat_model() -> LatencyModel {
+        let mut coefs = [0.0; NUM_FEATURES];
+        coefs[FEATURES.iter().position(|f| *f == "const").unwrap()] = STEP_S;
+        LatencyModel {
+            disk_to_host_bps: [1e9 / READ_S; 2],
+            host_to_gpu_bps: [1e9 / COPY_S; 2],
+            ..LatencyModel::device_only(coefs, coefs)
+        }
+    }
+
+    fn deltas(n: usize) -> Vec<SimVariant> {
+        let delta = SimVariant {
+            kind: VariantKind::Delta,
+            num_blocks: 0,
+            host_bytes: 1_000_000_000,
+            rank: 0,
+        };
+        vec![delta; n]
+    }
+
+    /// The daemon's reports (host reads; GPU loads as given), 3 delta slots.
+    fn reporting(gpu_load_reports: bool) -> SchedulerConfig {
+        SchedulerConfig {
+            host_copy_reports: true,
+            gpu_load_reports,
+            ..SchedulerConfig::new(16, 256, 4096)
+        }
+    }
+
+    fn request(arrival_s: f64, output_len: u32, variant: u32) -> SimRequest {
+        SimRequest {
+            arrival_s,
+            prompt_len: 4,
+            output_len,
+            variant,
+            prompt_key: None,
+        }
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    /// A base request decoding from 0 s and a request of delta 1 arriving at 0.105 s while it
+    /// runs: its read goes out in the step sent at 0.11 s (done at 0.115 s), its copy with the
+    /// one sent at 0.12 s.
+    fn delta_beside_a_running_request(gpu_load_reports: bool, overlap_steps: bool) -> SimOutcome {
+        let cfg = reporting(gpu_load_reports);
+        let requests = [request(0.0, 40, 0), request(0.105, 4, 1)];
+        let opts = one_worker(&cfg, overlap_steps);
+        let out = simulate(&cfg, &requests, &deltas(1), &flat_model(), &opts).unwrap();
+        assert!(
+            out.finish_s.iter().all(|t| t.is_finite()),
+            "the run finishes"
+        );
+        assert_eq!(out.output_tokens, vec![40, 4]);
+        out
+    }
+
+    #[test]
+    fn with_gpu_load_reports_a_delta_copies_beside_the_steps_and_its_request_waits_for_it() {
+        let out = delta_beside_a_running_request(true, false);
+        // The copy runs from 0.12 s (its step's start) to 0.215 s; the output at 0.22 s reports
+        // it and the request goes in the step sent then.
+        assert!(
+            close(out.scheduled_s[1], 0.22),
+            "admitted after the copy: {}",
+            out.scheduled_s[1]
+        );
+        for step in &out.steps {
+            assert!(
+                close(step.end_s - step.start_s, STEP_S),
+                "no step waits or grows for the copy: {step:?}"
+            );
+        }
+        let between = out
+            .steps
+            .iter()
+            .filter(|s| s.start_s > 0.12 - 1e-9 && s.start_s < 0.22 - 1e-9)
+            .count();
+        assert_eq!(
+            between, 10,
+            "the base request ran on while the delta copied"
+        );
+        assert!(out.counters["gpu_load_deferrals"] >= 10);
+        assert_eq!(out.counters["adapter_gpu_loads"], 1);
+        let steps = out.steps.len() as f64;
+        assert!(
+            close(out.busy_s[0], steps * STEP_S),
+            "the copy is not device busy time"
+        );
+    }
+
+    #[test]
+    fn a_copy_beside_the_steps_starts_after_the_steps_queued_before_its_own() {
+        // Overlapped steps: the step sent at the output at T runs from T + 10 ms (behind the
+        // one in flight). The copy sent at 0.12 s starts when the step before its own ends,
+        // 0.13 s, and ends at 0.225 s: the output at 0.22 s is too early to report it.
+        let out = delta_beside_a_running_request(true, true);
+        assert!(
+            close(out.scheduled_s[1], 0.23),
+            "admitted after the copy: {}",
+            out.scheduled_s[1]
+        );
+        assert!(out.steps.iter().all(|s| close(s.end_s - s.start_s, STEP_S)));
+        let first = out
+            .steps
+            .iter()
+            .find(|s| s.entries.iter().any(|&(id, _)| id == 1))
+            .unwrap();
+        assert!(first.ahead && close(first.start_s, 0.24));
+    }
+
+    #[test]
+    fn copies_beside_the_steps_run_one_after_another_on_the_load_stream() {
+        // Requests of delta 1 (copy 95 ms) and delta 2 (half its size: 47.5 ms) arrive together
+        // while a base request runs; both are read from 0.11 s and loaded ahead in the step sent
+        // at 0.12 s: delta 1 copies until 0.215 s, delta 2 after it, until 0.2625 s.
+        let cfg = reporting(true);
+        let mut variants = deltas(2);
+        variants[1].host_bytes /= 2;
+        let requests = [
+            request(0.0, 40, 0),
+            request(0.105, 4, 1),
+            request(0.105, 4, 2),
+        ];
+        let out = simulate(
+            &cfg,
+            &requests,
+            &variants,
+            &flat_model(),
+            &one_worker(&cfg, false),
+        )
+        .unwrap();
+        assert!(out.finish_s.iter().all(|t| t.is_finite()));
+        assert!(close(out.scheduled_s[1], 0.22), "{}", out.scheduled_s[1]);
+        assert!(close(out.scheduled_s[2], 0.27), "{}", out.scheduled_s[2]);
+    }
+
+    #[test]
+    fn without_gpu_load_reports_the_step_that_admits_a_delta_request_holds_its_copy() {
+        let out = delta_beside_a_running_request(false, false);
+        assert!(
+            close(out.scheduled_s[1], 0.12),
+            "admitted once read: {}",
+            out.scheduled_s[1]
+        );
+        let load = out
+            .steps
+            .iter()
+            .find(|s| s.entries.iter().any(|&(id, _)| id == 1))
+            .unwrap();
+        assert!(close(load.start_s, 0.12) && close(load.end_s - load.start_s, STEP_S + COPY_S));
+        let longer = out
+            .steps
+            .iter()
+            .filter(|s| !close(s.end_s - s.start_s, STEP_S))
+            .count();
+        assert_eq!(longer, 1, "only the step with the copy");
+        assert_eq!(out.counters["gpu_load_deferrals"], 0);
+        let steps = out.steps.len() as f64;
+        assert!(close(out.busy_s[0], steps * STEP_S + COPY_S));
+    }
+
+    #[test]
+    fn with_nothing_else_running_the_step_waits_for_the_copy_it_carries() {
+        let ends: Vec<(f64, f64)> = [false, true]
+            .into_iter()
+            .map(|reports| {
+                let cfg = reporting(reports);
+                let model = flat_model();
+                let opts = one_worker(&cfg, true);
+                let out = simulate(&cfg, &[request(0.0, 3, 1)], &deltas(1), &model, &opts).unwrap();
+                assert_eq!(
+                    out.counters["gpu_load_deferrals"], 0,
+                    "admitted with its ToGpu"
+                );
+                (out.steps[0].start_s, out.steps[0].end_s)
+            })
+            .collect();
+        // Inside the step: it starts once read and holds the copy; beside it: it starts once
+        // the copy (from the read's end) is done and holds its compute alone. Same end.
+        assert!(close(ends[0].0, READ_S) && close(ends[0].1, READ_S + COPY_S + STEP_S));
+        assert!(close(ends[1].0, READ_S + COPY_S) && close(ends[1].1, READ_S + COPY_S + STEP_S));
+    }
+
+    #[test]
+    fn overlapped_steps_with_many_deltas_and_few_slots_finish_and_never_hold_a_copy() {
+        // Six deltas through two slots, arrivals every 20 ms over base requests that keep the
+        // worker busy: loads ahead, evictions (DropGpu of deltas loaded ahead, then loaded
+        // again) and admissions with the ToGpu when nothing else runs.
+        let cfg = SchedulerConfig {
+            max_deltas: 2,
+            ..reporting(true)
+        };
+        let mut requests = Vec::new();
+        for i in 0..60u32 {
+            let variant = if i % 3 == 0 { 0 } else { 1 + (i * 7) % 6 };
+            requests.push(request(f64::from(i) * 0.02, 3 + i % 9, variant));
+        }
+        let model = flat_model();
+        let out = simulate(&cfg, &requests, &deltas(6), &model, &one_worker(&cfg, true)).unwrap();
+        assert!(out.finish_s.iter().all(|t| t.is_finite()));
+        let outputs: Vec<u32> = requests.iter().map(|r| r.output_len).collect();
+        assert_eq!(out.output_tokens, outputs);
+        assert!(out.counters["gpu_load_deferrals"] > 0);
+        assert!(out.counters["adapter_gpu_evictions"] > 0);
+        assert!(out.steps.iter().all(|s| close(s.end_s - s.start_s, STEP_S)));
+        let without = SchedulerConfig {
+            gpu_load_reports: false,
+            ..cfg
+        };
+        let off = simulate(
+            &without,
+            &requests,
+            &deltas(6),
+            &model,
+            &one_worker(&without, true),
+        );
+        let off = off.unwrap();
+        assert!(
+            off.steps
+                .iter()
+                .any(|s| s.end_s - s.start_s > STEP_S + 1e-9),
+            "without reports, steps hold copies"
+        );
     }
 
     #[test]
