@@ -711,24 +711,7 @@ mod tests {
             rank: 0,
         };
         let cfg = SchedulerConfig::new(16, 256, 4096);
-        let opts = SimOptions {
-            workers: 1,
-            overlap_steps: false,
-            router_gap_s: 0.0,
-            ingress_s: 0.0,
-            deliver_s: 0.0,
-            noise: 0.0,
-            seed: 0,
-            max_queued_per_worker: None,
-            step_times: None,
-            record_steps: true,
-            placer: Placer {
-                policy: Placement::LeastLoaded,
-                profile: LatencyProfile::default(),
-                tpot_slo_us: None,
-                max_num_seqs: cfg.max_num_seqs,
-            },
-        };
+        let opts = one_worker(&cfg, false);
         let out = simulate(&cfg, &requests, &[delta.clone(), delta], model, &opts).unwrap();
         let feature = |step: &StepRecord, name| {
             step.features[FEATURES.iter().position(|f| *f == name).unwrap()]
