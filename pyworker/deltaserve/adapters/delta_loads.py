@@ -75,13 +75,13 @@ class DeltaLoads:
         after = None
         if self.stream is not None:
             after = torch.cuda.Event()
-            after.record()  # the caller's stream: every step launched so far
+            after.record(torch.cuda.current_stream(self.device))  # the caller's: every step launched so far
 
         def run() -> torch.cuda.Event | None:
             interval = sys.getswitchinterval()
             sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
             try:
-                with LAUNCH_LOCK, torch.inference_mode(), self._on_stream():
+                with LAUNCH_LOCK, torch.inference_mode(), self._on_device(), self._on_stream():
                     if after is not None and self.stream is not None:
                         self.stream.wait_event(after)
                     work()
@@ -97,6 +97,10 @@ class DeltaLoads:
 
     def _on_stream(self) -> torch.cuda.StreamContext | nullcontext[None]:
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
+    def _on_device(self) -> torch.cuda.device | nullcontext[None]:
+        """The worker's device as the loader thread's current one (a thread starts on device 0)."""
+        return torch.cuda.device(self.device) if self.stream is not None else nullcontext()
 
     def loading(self, delta_id: int) -> bool:
         """Whether ``delta_id``'s load is not known finished yet (or failed and not forgotten)."""
