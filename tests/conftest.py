@@ -30,6 +30,9 @@ import pytest
 
 from helpers.executors import make_executor
 from helpers.tiny_models import make_tiny_model
+from helpers.triton_interpret import keep_language_patched
+
+keep_language_patched()  # interpreted kernels: triton.language patched once, not at every launch
 
 # The benchmarks are the `bench` package at the repository root (tests import `from bench import
 # replay`); appended, so nothing installed is shadowed by a directory of the checkout.
