@@ -7,7 +7,8 @@ and the lineage checks). The router decides where every variant lives (``sched``
 ``--max-deltas N`` deltas on the GPU, DeltaZip's N); this module executes its ``VariantOp``s for
 delta ids and answers ``InspectVariant`` for delta directories. Tiers: the router's state machine
 (drawn in ``router/crates/sched/src/adapters.rs``); a delta's ``to_gpu`` names no pages, it fills the
-slot s in [0, N) the router picked (``VariantOp.slot``; a slot taken here is refused); ``drop_gpu``
+slot s in [0, N) the router picked (``VariantOp.slot``; a slot taken here is refused), its copies run
+beside the steps and reported when done (``delta_loads.py``, ``StepOutput.gpu_ready``); ``drop_gpu``
 frees the slot; ``drop_host`` frees the host copy (a GPU copy stays valid without it).
 
 GPU storage, per slot s (N slots):
