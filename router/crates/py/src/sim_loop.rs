@@ -429,25 +429,9 @@ impl Sim<'_> {
             .pop_front()
             .expect("an output answers a sent step");
         debug_assert_eq!(step.out_s, t);
-        let ready: Vec<u32> = worker
-            .unreported
-            .iter()
-            .filter(|&(_, &done)| done <= t)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in &ready {
-            worker.unreported.remove(id);
-        }
+        let ready = take_done(&mut worker.unreported, t);
         worker.sched.host_copies_ready(&ready);
-        let loaded: Vec<u32> = worker
-            .gpu_unreported
-            .iter()
-            .filter(|&(_, &done)| done <= t)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in &loaded {
-            worker.gpu_unreported.remove(id);
-        }
+        let loaded = take_done(&mut worker.gpu_unreported, t);
         worker.sched.gpu_copies_ready(&loaded);
         let sampled: Vec<(u64, Option<u32>)> = step.ids.iter().map(|&id| (id, Some(1))).collect();
         let updates = worker.sched.update(&sampled);
@@ -683,6 +667,20 @@ impl Sim<'_> {
         self.out.busy_s = self.workers.iter().map(|w| w.busy_s).collect();
         Ok(self.out)
     }
+}
+
+/// Takes from `unreported` (variant id -> the time its read or copy ends) the ids done by `t`, in
+/// id order: what the worker's next output reports (`host_ready`, `gpu_ready`).
+fn take_done(unreported: &mut BTreeMap<u32, f64>, t: f64) -> Vec<u32> {
+    let done: Vec<u32> = unreported
+        .iter()
+        .filter(|&(_, &end)| end <= t)
+        .map(|(&id, _)| id)
+        .collect();
+    for id in &done {
+        unreported.remove(id);
+    }
+    done
 }
 
 #[cfg(test)]
