@@ -67,7 +67,7 @@ class DeltaLoads:
 
     def start(self, delta_id: int, work: Callable[[], None]) -> None:
         """Runs ``work`` (the delta's device copies) beside the steps; ``delta_id`` must not be loading."""
-        assert delta_id not in self._running and delta_id not in self._failed, f"delta {delta_id} is loading"
+        assert not self.loading(delta_id), f"delta {delta_id} is loading"
         if self._thread is None:
             work()
             self._ready.append(delta_id)
