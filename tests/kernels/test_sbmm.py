@@ -672,10 +672,10 @@ def test_cuda_op_in_a_cuda_graph() -> None:
 
 
 def test_cuda_split_rule() -> None:
-    """csrc/sbmm.cu's split rule (the one copy; ``_cuda_split`` asks the library): the fewest splits that
-    give the device its ``cuda_slots`` blocks, each split keeping at least two stages of 256 columns. The
-    slots are the kernel's blocks per SM (the CUDA runtime's occupancy) x SMs: fewer for 16-token tiles
-    over a plain-layout pool, whose stages hold twice the x rows."""
+    """csrc/sbmm.cu's split rule (the one copy; ``_cuda_split`` asks the library): the most splits (1, 2, 4 ..)
+    whose blocks all fit one wave of the device's ``cuda_slots``, each split keeping at least two stages of 256
+    columns. The slots are the kernel's blocks per SM (the CUDA runtime's occupancy) x SMs: fewer for 16-token
+    tiles over a plain-layout pool, whose stages hold twice the x rows."""
     cuda_op_or_skip()
     lib = sbmm_mod.cuda_ext.library("sbmm")
     w = pool(4, True, CUDA_SHAPES[0])
@@ -689,11 +689,12 @@ def test_cuda_split_rule() -> None:
     assert split(1, 1, 4096) == 8  # one block: split while each split keeps >= 2 stages (16 / 8)
     assert split(1, 1, 512) == 1  # two stages: no split leaves each >= 2
     assert split(slots, 1, 4096) == 1  # the SMs are full already
-    assert split(slots // 2, 1, 4096) == 2 and split(slots // 2 - 1, 1, 4096) == 4
-    for rb, tiles in ((86, 8), (32, 8), (32, 1), (172, 8)):
+    assert split(slots // 2 + 1, 1, 4096) == 1  # two splits would not fit one wave
+    assert split(slots // 2, 1, 4096) == 2 and split(slots // 4, 1, 4096) == 4
+    for rb, tiles in ((86, 8), (32, 8), (32, 1), (172, 8), (96, 1), (96, 4), (172, 1)):
         s = split(rb, tiles, 4096)
-        assert rb * tiles * s >= slots or s == 8
-        assert s == 1 or rb * tiles * (s // 2) < slots
+        assert s == 1 or rb * tiles * s <= slots, "a split launch fits one wave"
+        assert s == 8 or rb * tiles * s * 2 > slots, "one more split would not"
 
 
 def stacked_pools(
@@ -767,7 +768,7 @@ def test_cuda_graph_split_follows_the_step() -> None:
     eager launch of the same step bit for bit (same split, same summation order), for steps of 1 to many
     tiles, through one fused launch of two slices."""
     cuda_op_or_skip()
-    in_f, outs = 2048, (3072, 2048)  # 40 row blocks: 1 tile splits K by 4, 10 tiles by 2, 20 tiles not at all
+    in_f, outs = 2048, (3072, 2048)  # 40 row blocks: 1 tile splits K by 4, 4 tiles by 2, 10 or more not at all
     ws = stacked_pools(4, True, in_f, outs, 64, integral_zeros=True)
     slices = [(ws[0], 0), (ws[1], 3072)]
     rows = 40
@@ -785,6 +786,7 @@ def test_cuda_graph_split_follows_the_step() -> None:
     for seed, slots in enumerate(
         (
             [0],
+            [1] * 8 + [-1] * 4,
             [1] * 20 + [-1] * 4,
             [0, 1, 2, 3, 5] * 4 + [-1] * 4,
             [i % 6 if i % 6 != EMPTY_SLOT else -1 for i in range(rows)],

@@ -238,7 +238,7 @@ def test_cuda_op_over_repacked_equals_reference(config, group: int, dtype: torch
 
 @pytest.mark.parametrize("split", [None, 3])
 def test_cuda_op_over_repacked_split_k_and_stacked(split: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Split K (the fill rule's and an uneven 3), and three repacked slices in one launch (a fused qkv)."""
+    """Split K (the split rule's and an uneven 3), and three repacked slices in one launch (a fused qkv)."""
     cuda_or_skip()
     from deltaserve.kernels.sbmm import cuda as cuda_mod
 

@@ -47,10 +47,12 @@
 // bit for bit. Its 2:4 metadata is one word as the MMA takes it, its rows' scales / zeros one 8-byte
 // word per group. Every slice of such a call has out % 128 == 0 (no rows past N).
 //
-// Nothing is read for padding tiles (slot -1): their blocks return at once. The grid and the
-// arguments depend on the step's metadata tensors only, so the launch can be captured in a graph: a
-// captured grid has the most K splits any step takes, and its blocks recompute the split from the
-// step's tile count (``tile_count``, on the device), exactly as an eager launch of that step splits.
+// The grid is one dimension over (row block, real tile, split), and the arguments depend on the step's
+// metadata tensors only, so the launch can be captured in a graph: a captured grid has the most blocks any
+// tile count up to the table's takes, and its blocks recompute the tile count (``tile_count``, on the
+// device) and the split from it, exactly as an eager launch of that step splits; the blocks past the step's
+// work return at once. (A grid of table rows x the most splits made a block for every padding row and
+// unused split: on an H200, 16 decode rows of one delta paid 13 us a layer for them.)
 //
 // A second entry, ``deltaserve_dequant``, writes one slot's delta as a dense [N, K] tensor of the
 // activation dtype (kernels/sbmm/dequant.py ``dequantize_slot``: long prefill segments multiply it with one
@@ -65,6 +67,9 @@
 // Requirements (checked by the caller, kernels/sbmm/cuda.py ``cuda_supports``): float16 or bfloat16
 // activations, K % 256 == 0, G in {32, 64, 128}, x rows 16-byte aligned, slot offsets of qvalues /
 // qindices multiples of 4 words and of scales / zeros multiples of 2. sm_80 or newer (``mma.sp``).
+
+#include <algorithm>
+#include <climits>
 
 #include "sbmm_tiles.cuh"
 #include "sbmm_dequant.cuh"
@@ -102,20 +107,31 @@ template <typename T> struct Call {
   int64_t x_stride, out_stride;
   int ws_rows, ws_cols;
   int slots;                 // blocks the device runs at once (blocks per SM x SMs): the split rule's wave size
+  int row_blocks;            // of all slices
+  int grid_tiles;            // rows of the tile table the launch covers (eager: the step's real tiles)
+  int max_splits;            // the grid's K splits (captured: the most any tile count takes)
 };
 
 // K splits of a launch with ``row_blocks`` x ``tiles`` blocks per split, ``stages`` stages of KS columns: the
-// fewest of 1, 2, 4, .. up to ``cap`` that give ``slots`` blocks (the kernel's blocks per SM x SMs,
-// ``deltaserve_sbmm_blocks_per_sm``: all of them resident), each split keeping >= 2 stages. The kernel is bound by its dequantising instructions, so an SM
-// wants its full complement of blocks; splitting further only adds partials (measured on an H200: a split
-// by wave quantisation lost 10-25 % against this rule). The host sizes the grid with it
-// (``deltaserve_sbmm_split``); the blocks of a captured launch recompute it from the step's real tile
-// count, so a graph replay splits as an eager launch of the same step would.
+// most of 1, 2, 4, .. up to ``cap`` whose blocks all fit one wave of ``slots`` (the kernel's blocks per SM x
+// SMs, ``deltaserve_sbmm_blocks_per_sm``), each split keeping >= 2 stages. A launch of few tiles is a chain of
+// latencies per block (its tile, its stages, the split-K sum), so it wants every block resident at once: the
+// rule before (the fewest splits that reach ``slots`` blocks) made 1.45-1.94 waves of one tile's blocks, and
+// this one takes 6-14 % off what one to four deltas add to a layer's base matmuls (bench/README.md, H200). The
+// host sizes the grid with it (``deltaserve_sbmm_split``); the blocks of a captured launch recompute it from
+// the step's real tile count, so a graph replay splits as an eager launch of the same step would.
 __host__ __device__ inline int split_for(int row_blocks, int tiles, int stages, int slots, int cap) {
   const long long blocks = static_cast<long long>(row_blocks) * (tiles > 0 ? tiles : 1);
   int split = 1;
-  while (split < cap && split < 16 && blocks * split < slots && stages >= 4 * split) split *= 2;
+  while (split < cap && split < 16 && blocks * split * 2 <= slots && stages >= 4 * split) split *= 2;
   return split;
+}
+
+// Blocks of a launch over ``tiles`` work tiles (of a table of ``grid_tiles``): row blocks x tiles x their split.
+// A captured launch's grid is the most any tile count up to ``grid_tiles`` takes, so a replay with fewer real
+// tiles has no block per padding row (only the blocks past its own count, which exit at once).
+__host__ __device__ inline long long launch_blocks(int row_blocks, int tiles, int stages, int slots, int cap) {
+  return static_cast<long long>(row_blocks) * tiles * split_for(row_blocks, tiles, stages, slots, cap);
 }
 
 // The block's share of one tile x 128 rows of one slice, over stages [s_lo, s_hi): acc += delta x^T.
@@ -341,29 +357,33 @@ __device__ __forceinline__ void add_to_out(const Call<T>& c, int64_t col, int at
 template <int BITS, bool SPARSE, int NT, int G, bool FRAG>
 constexpr int SMEM_BYTES = FRAG ? FragLayout<BITS, SPARSE, NT, G>::BYTES : Layout<BITS, SPARSE, NT>::BYTES;
 
-// Block (row block of some slice, work tile, K split). With one split it adds its products to out (the op's
-// one rounding); with several it writes its float32 partials to the workspace, and the split that arrives
+// Block (row block of some slice, work tile, K split): the grid is one dimension, row blocks fastest, then the
+// step's real tiles (the table lists them first), then splits. With one split it adds its products to out (the
+// op's one rounding); with several it writes its float32 partials to the workspace, and the split that arrives
 // last adds all of them, in split order, to out (deterministic; the counter is zero again after it).
 template <typename T, int BITS, bool SPARSE, int NT, int G, bool FRAG>
 __global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, G, FRAG>))
     sbmm_kernel(const __grid_constant__ Call<T> c) {
-  const int tile = blockIdx.y;
+  const int stages = c.K / KS;
+  const int tiles = c.tile_count == nullptr ? c.grid_tiles : min(*c.tile_count, c.grid_tiles);
+  const int splits = c.tile_count == nullptr ? c.max_splits
+                                             : split_for(c.row_blocks, tiles, stages, c.slots, c.max_splits);
+  const long long id = blockIdx.x;
+  if (id >= static_cast<long long>(c.row_blocks) * tiles * splits) return;  // past this step's work
+  const int rb = static_cast<int>(id % c.row_blocks), tile = static_cast<int>(id / c.row_blocks % tiles);
+  const int split = static_cast<int>(id / (static_cast<long long>(c.row_blocks) * tiles));
   const int slot = c.tiles[tile * 3 + 2];
   if (slot < 0) return;  // a padding row of the tile table
   const int first = c.tiles[tile * 3], end = c.tiles[tile * 3 + 1];
 
-  Slice sl = c.sl[0];  // the slice whose row blocks hold blockIdx.x (constant indices: no local copy)
+  Slice sl = c.sl[0];  // the slice whose row blocks hold rb (constant indices: no local copy)
 #pragma unroll
   for (int i = 1; i < MAX_SLICES; ++i)
-    if (i < c.slices && static_cast<int>(blockIdx.x) >= c.sl[i].rb0) sl = c.sl[i];
-  const int row0 = (blockIdx.x - sl.rb0) * ROWS;
+    if (i < c.slices && rb >= c.sl[i].rb0) sl = c.sl[i];
+  const int row0 = (rb - sl.rb0) * ROWS;
 
-  const int stages = c.K / KS;
-  const int splits = c.tile_count == nullptr ? static_cast<int>(gridDim.z)
-                                             : split_for(gridDim.x, *c.tile_count, stages, c.slots, gridDim.z);
-  if (static_cast<int>(blockIdx.z) >= splits) return;
   const int per = (stages + splits - 1) / splits;
-  const int s_lo = min(stages, static_cast<int>(blockIdx.z) * per), s_hi = min(stages, s_lo + per);
+  const int s_lo = min(stages, split * per), s_hi = min(stages, s_lo + per);
 
   float acc[2][NT][4];
 #pragma unroll
@@ -420,7 +440,7 @@ __global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, 
         for (int u = 0; u < FIX; ++u) v[u] = m0 + u < tokens ? acc_s[(m0 + u) * ACC_LD + r] : 0.f;
         add_to_out<T, FIX>(c, sl.col + row0 + r, first + m0, tokens - m0, v);
       } else {
-        float* w = c.ws + (static_cast<int64_t>(blockIdx.z) * c.ws_rows + first + m0) * c.ws_cols + sl.col + row0 + r;
+        float* w = c.ws + (static_cast<int64_t>(split) * c.ws_rows + first + m0) * c.ws_cols + sl.col + row0 + r;
 #pragma unroll
         for (int u = 0; u < FIX; ++u)
           if (m0 + u < tokens) w[static_cast<int64_t>(u) * c.ws_cols] = acc_s[(m0 + u) * ACC_LD + r];
@@ -436,7 +456,7 @@ __global__ void __launch_bounds__(ROWS, min_blocks(SMEM_BYTES<BITS, SPARSE, NT, 
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* count = c.counters + static_cast<int64_t>(tile) * gridDim.x + blockIdx.x;
+    int* count = c.counters + static_cast<int64_t>(tile) * c.row_blocks + rb;
     last = atomicAdd(count, 1) == splits - 1;
     if (last) atomicExch(count, 0);  // ready for the next launch (graph replays reuse the buffer)
   }
@@ -474,12 +494,18 @@ template <typename T, int BITS, bool SPARSE, int NT, int G, bool FRAG> cudaError
 
 struct Launch {
   template <typename T, int BITS, bool SPARSE, int NT, int G, bool FRAG>
-  static cudaError_t run(const Call<T>& c, int row_blocks, int grid_tiles, int splits, cudaStream_t stream) {
+  static cudaError_t run(const Call<T>& c, cudaStream_t stream) {
     int bytes = 0;
     const cudaError_t e = configure<T, BITS, SPARSE, NT, G, FRAG>(&bytes);
     if (e != cudaSuccess) return e;
-    const dim3 grid(row_blocks, grid_tiles, splits);
-    sbmm_kernel<T, BITS, SPARSE, NT, G, FRAG><<<grid, ROWS, bytes, stream>>>(c);
+    long long blocks = static_cast<long long>(c.row_blocks) * c.grid_tiles * c.max_splits;  // eager: the step's
+    if (c.tile_count != nullptr) {  // captured: the most blocks any real tile count takes
+      blocks = 0;
+      for (int t = 1; t <= c.grid_tiles; ++t)
+        blocks = std::max(blocks, launch_blocks(c.row_blocks, t, c.K / KS, c.slots, c.max_splits));
+    }
+    if (blocks < 1 || blocks > INT_MAX) return cudaErrorInvalidValue;
+    sbmm_kernel<T, BITS, SPARSE, NT, G, FRAG><<<static_cast<unsigned>(blocks), ROWS, bytes, stream>>>(c);
     return cudaGetLastError();
   }
 };
@@ -580,8 +606,10 @@ int deltaserve_sbmm(const void* x, void* out, float* ws, int* counters, const in
     c.ws_rows = ws_rows;                                                                                         \
     c.ws_cols = ws_cols;                                                                                         \
     c.slots = slots;                                                                                             \
-    return static_cast<int>(                                                                                     \
-        by_tile<Launch, TY, B, SP>(nt, G, layout == 1, c, row_blocks, grid_tiles, max_splits, st));            \
+    c.row_blocks = row_blocks;                                                                                   \
+    c.grid_tiles = grid_tiles;                                                                                   \
+    c.max_splits = max_splits;                                                                                   \
+    return static_cast<int>(by_tile<Launch, TY, B, SP>(nt, G, layout == 1, c, st));                             \
   }
   DS_BY_CONFIG(DS_SBMM_CFG)
 #undef DS_SBMM_CFG

@@ -5,8 +5,8 @@ work tiles of at most 16 tokens (a block computes the 8-token fragments its tile
 dequantisation of its rows), float16 / bfloat16, in_features % 256 == 0, group size 32 / 64 / 128
 (``cuda_supports`` says why a call does not fit; the Triton kernels run then). It also takes up to
 three pools at once (``sbmm_stacked_cuda``: q, k, v of a fused qkv module, gate and up), one launch
-for the module. When too few blocks would fill the SMs it splits K, and the split that finishes last
-adds the partials (in split order: deterministic). It reads its per-slot half2 flags
+for the module. When its blocks would leave room in one wave it splits K, and the split that finishes
+last adds the partials (in split order: deterministic). It reads its per-slot half2 flags
 (``DeltaWeights.half2_ok``) and, inside a CUDA-graph capture, the step's tile count
 (``DeltaMeta.tile_count``) on the device, so one captured launch serves any later step as an eager
 launch of that step would. It reads either slot layout (``DeltaWeights.layout``: the repacked one, one
@@ -118,8 +118,8 @@ def cuda_slots(lib: ctypes.CDLL, w: DeltaWeights, tile_tokens: int, dtype: torch
 
 def _cuda_split(lib: ctypes.CDLL, row_blocks: int, tiles: int, in_features: int, slots: int) -> int:
     """K splits of a CUDA launch of ``row_blocks`` x ``tiles`` blocks when ``slots`` blocks run at once
-    (csrc/sbmm.cu ``split_for``, the one copy of the rule: the fewest that give ``slots`` blocks, each split
-    >= 2 stages)."""
+    (csrc/sbmm.cu ``split_for``, the one copy of the rule: the most whose blocks fit one wave of ``slots``, each
+    split >= 2 stages)."""
     fn = lib.deltaserve_sbmm_split
     if fn.argtypes is None:
         fn.argtypes, fn.restype = _CUDA_SPLIT_ARGS, ctypes.c_int
