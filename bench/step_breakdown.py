@@ -12,13 +12,17 @@ Per kind: steps, Σ busy (``timing.busy_us``, from the previous output to this s
 events around the step), Σ launch (the worker thread's host time launching it), and the slowest
 steps by own time.
 
+Decode steps replayed from graphs are also grouped by batch size and by how many variants other than
+the base their rows run (``--by-batch`` prints them): each group's median device span and median floor.
+Two trees' kernels compare there at matched shapes, whatever mix of steps each run happened to make.
+
 Own time re-attributes launches: with overlapped steps the worker launches step N + 1 before it
 finishes step N, so a slow launch of N + 1 (an eager step's ~2,000 kernel launches from Python, a
 kernel compiled on first use) delays N's output and lands in N's busy time. A step's own time is its
 busy time less the launch of the step after it (when that launch began before its output) plus its
 own launch (when that began before the previous output); the sum over a run is about the same.
 
-    python3 -m bench.step_breakdown RECORDING.jsonl[.gz] [--top 8]
+    python3 -m bench.step_breakdown RECORDING.jsonl[.gz] [--top 8] [--by-batch]
         [--out DIR --device "NVIDIA H200" --recorded-at COMMIT] [--name NAME]
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import statistics
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -39,6 +44,10 @@ from bench.common import write_result  # noqa: E402
 from deltaserve.wire import TierOp  # noqa: E402
 
 KINDS = ("loads", "eager", "mixed", "decode (graph)", "decode (eager)")
+BATCH_BINS = ((1, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 1 << 30))
+"""Batch sizes the decode groups take (first, last)."""
+BASE = 0
+"""The variant id of the base model in a recording's requests."""
 
 
 def read_recording(path: Path) -> list[dict[str, Any]]:
@@ -105,6 +114,7 @@ def breakdown(steps: Iterable[dict[str, Any]], top: int = 8) -> dict[str, Any]:
         "own_s": total_own,
         "floor_s": sum(s["timing"]["floor_us"] for s in steps) / 1e6 if has_floor else None,
         "kinds": {k: rows[k] for k in KINDS if k in rows},
+        "decode_groups": decode_groups(steps),
         "slowest": [
             {
                 "step_id": s["step_id"],
@@ -121,7 +131,37 @@ def breakdown(steps: Iterable[dict[str, Any]], top: int = 8) -> dict[str, Any]:
     }
 
 
-def report(result: dict[str, Any]) -> None:
+def decode_groups(steps: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Decode steps replayed from graphs, grouped by batch (``BATCH_BINS``) and by the number of variants other
+    than the base among their rows: steps, median device span and median floor (ms), and Σ device ÷ Σ floor.
+    A row whose request the recording never admitted (it began mid-run) makes its step's count unknown: such
+    steps are left out."""
+    variant_of: dict[int, int] = {}
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for s in steps:
+        for n in s["new"]:
+            variant_of[n[0]] = n[4]
+        if kind_of(s) != "decode (graph)" or not s.get("device_s") or "floor_us" not in s["timing"]:
+            continue
+        rows = [rid for rid, _ in s["running"]]
+        if any(r not in variant_of for r in rows):
+            continue
+        first = next(lo for lo, hi in BATCH_BINS if lo <= len(rows) <= hi)
+        groups.setdefault((first, len({variant_of[r] for r in rows} - {BASE})), []).append(s)
+    out = []
+    for (first, variants), group in sorted(groups.items()):
+        last = next(hi for lo, hi in BATCH_BINS if lo == first)
+        device = [s["device_s"] * 1e3 for s in group]
+        floor = [s["timing"]["floor_us"] / 1e3 for s in group]
+        out.append({
+            "batch": f"{first}+" if last == BATCH_BINS[-1][1] else f"{first}-{last}", "variants": variants,
+            "steps": len(group), "device_ms_p50": statistics.median(device), "floor_ms_p50": statistics.median(floor),
+            "device_over_floor": sum(device) / sum(floor),
+        })  # fmt: skip
+    return out
+
+
+def report(result: dict[str, Any], by_batch: bool = False) -> None:
     floor = result["floor_s"]
     print(f"{result['steps']} steps, busy {result['busy_s']:.2f} s, own {result['own_s']:.2f} s"
           + (f", floor {floor:.2f} s" if floor else ""))  # fmt: skip
@@ -129,6 +169,11 @@ def report(result: dict[str, Any]) -> None:
         ratio = f", {r['own_over_floor']:.2f}x its floor" if r.get("own_over_floor") else ""
         print(f"  {kind:15s} {r['steps']:5d} steps  own {r['own_s']:7.2f} s ({r['share_of_own']:5.1%})  "
               f"busy {r['busy_s']:7.2f} s  device {r['device_s']:7.2f} s  launch {r['launch_s']:7.2f} s{ratio}")  # fmt: skip
+    if by_batch:
+        print("  decode (graph) by batch and variants besides the base: steps, median device / floor (ms)")
+        for g in result["decode_groups"]:
+            print(f"    batch {g['batch']:>5s}, {g['variants']:2d} besides the base: {g['steps']:5d} steps  "
+                  f"{g['device_ms_p50']:6.2f} / {g['floor_ms_p50']:6.2f}  ({g['device_over_floor']:.2f}x)")  # fmt: skip
     for s in result["slowest"]:
         print(f"  step {s['step_id']}: {s['kind']}, own {s['own_ms']:.1f} ms (busy {s['busy_ms']:.1f}), "
               f"device {s['device_ms']:.1f} ms, prompts {s['prompt_tokens']}, {s['running']} running")  # fmt: skip
@@ -138,6 +183,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("recording", type=Path)
     p.add_argument("--top", type=int, default=8, help="how many of the slowest steps to list")
+    p.add_argument("--by-batch", action="store_true", help="also print the decode graph steps by batch and variants")
     p.add_argument("--out", type=Path, default=None, help="result directory (default bench/results); none: print only")
     p.add_argument("--name", default=None, help="experiment name of the result file (default: the recording's stem)")
     p.add_argument("--device", default=None, help="the card the recording was made on (needed with --out)")
@@ -146,7 +192,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     if args.out is not None and not (args.device and args.recorded_at):
         p.error("--out needs --device and --recorded-at: a recording does not say where or from which tree it came")
     result = breakdown(read_recording(args.recording), args.top)
-    report(result)
+    report(result, args.by_batch)
     if args.out is None:
         return None
     name = args.name or args.recording.name.split(".")[0]
