@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.step_breakdown import breakdown, kind_of, main, own_seconds, read_recording
+from bench.step_breakdown import breakdown, decode_groups, kind_of, main, own_seconds, read_recording
 
 
 def _step(step_id, sent, busy_ms, launch, new=(), running=(), ops=(), graph=True, floor_us=None):
@@ -62,3 +62,23 @@ def test_a_recording_without_floors_reports_none(tmp_path) -> None:
     assert all("floor_s" not in r and r["own_over_floor"] is None for r in result["kinds"].values())
     with pytest.raises(SystemExit):
         main([str(path), "--out", str(tmp_path)])  # a result file must say where the recording came from
+
+
+def test_decode_groups_by_batch_and_variants() -> None:
+    """Decode graph steps grouped by batch bin and by the variants besides the base their rows run (known from
+    the steps that admitted them); eager decodes, prompt steps and rows never admitted in the recording are
+    left out; medians of device span and floor, and the group's Σ device ÷ Σ floor."""
+    admit = _step(1, 0.1, 10, (0.0, 0.001), new=[(1, 8, 0, 8, 3), (2, 8, 0, 8, 0), (3, 8, 0, 8, 3), (4, 8, 0, 8, 5)])
+    steps = [
+        admit,
+        _step(2, 0.2, 4, (0.1, 0.101), running=[(1, 1), (2, 1)], floor_us=2000),  # batch 2, variant 3 only
+        _step(3, 0.3, 6, (0.2, 0.201), running=[(1, 1), (3, 1)], floor_us=2000),  # batch 2, variant 3 only
+        _step(4, 0.4, 9, (0.3, 0.301), running=[(1, 1), (2, 1), (3, 1), (4, 1)], floor_us=3000),  # batch 4: 3, 5
+        _step(5, 0.5, 9, (0.4, 0.401), running=[(1, 1), (4, 1)], graph=False, floor_us=3000),  # eager: out
+        _step(6, 0.6, 9, (0.5, 0.501), running=[(1, 1), (9, 1)], floor_us=3000),  # row 9 never admitted: out
+    ]
+    groups = decode_groups(steps)
+    assert [(g["batch"], g["variants"], g["steps"]) for g in groups] == [("1-3", 1, 2), ("4-7", 2, 1)]
+    assert groups[0]["device_ms_p50"] == pytest.approx(5.0) and groups[0]["floor_ms_p50"] == pytest.approx(2.0)
+    assert groups[0]["device_over_floor"] == pytest.approx(10 / 4)
+    assert breakdown(steps)["decode_groups"] == groups
