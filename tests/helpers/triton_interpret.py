@@ -19,20 +19,32 @@ from __future__ import annotations
 
 import inspect
 import os
+from typing import Any
 
 
-def keep_language_patched() -> bool:
-    """Installs the patch-once ``_patch_lang`` when kernels are interpreted; returns whether it did."""
+def _replaceable(name: str, marker: str) -> tuple[Any, Any, Any] | None:
+    """(triton.language, the interpreter module, its function ``name``) when kernels are interpreted and that
+    function exists and is not already this module's replacement (which carries attribute ``marker``); else
+    None: then nothing is patched."""
     if os.environ.get("TRITON_INTERPRET") != "1":
-        return False
+        return None
     try:
         import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
+        return None
+    original = getattr(interpreter, name, None)
+    if original is None or getattr(original, marker, False):
+        return None
+    return tl, interpreter, original
+
+
+def keep_language_patched() -> bool:
+    """Installs the patch-once ``_patch_lang`` when kernels are interpreted; returns whether it did."""
+    found = _replaceable("_patch_lang", "_keeps_language_patched")
+    if found is None:
         return False
-    original = getattr(interpreter, "_patch_lang", None)
-    if original is None or getattr(original, "_keeps_language_patched", False):
-        return False
+    tl, interpreter, original = found
     patched: set[tuple[int, ...]] = set()
 
     class _Kept:
@@ -56,16 +68,10 @@ def keep_language_patched() -> bool:
 def cache_np_dtypes() -> bool:
     """Installs the element-type cache over the interpreter's ``_get_np_dtype`` when kernels are interpreted;
     returns whether it did."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    found = _replaceable("_get_np_dtype", "_cached_by_element")
+    if found is None:
         return False
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
-    original = getattr(interpreter, "_get_np_dtype", None)
-    if original is None or getattr(original, "_cached_by_element", False):
-        return False
+    tl, interpreter, original = found
     by_element: dict[object, object] = {}
 
     def cached(tt_dtype):  # noqa: ANN001, ANN202 (the interpreter's signature)
