@@ -816,6 +816,14 @@ mod tests {
         out
     }
 
+    /// The first step that runs request `req`.
+    fn first_step_of(out: &SimOutcome, req: u64) -> &StepRecord {
+        out.steps
+            .iter()
+            .find(|s| s.entries.iter().any(|&(id, _)| id == req))
+            .unwrap()
+    }
+
     #[test]
     fn with_gpu_load_reports_a_delta_copies_beside_the_steps_and_its_request_waits_for_it() {
         let out = delta_beside_a_running_request(true, false);
@@ -862,11 +870,7 @@ mod tests {
             out.scheduled_s[1]
         );
         assert!(out.steps.iter().all(|s| close(s.end_s - s.start_s, STEP_S)));
-        let first = out
-            .steps
-            .iter()
-            .find(|s| s.entries.iter().any(|&(id, _)| id == 1))
-            .unwrap();
+        let first = first_step_of(&out, 1);
         assert!(first.ahead && close(first.start_s, 0.24));
     }
 
@@ -904,11 +908,7 @@ mod tests {
             "admitted once read: {}",
             out.scheduled_s[1]
         );
-        let load = out
-            .steps
-            .iter()
-            .find(|s| s.entries.iter().any(|&(id, _)| id == 1))
-            .unwrap();
+        let load = first_step_of(&out, 1);
         assert!(close(load.start_s, 0.12) && close(load.end_s - load.start_s, STEP_S + COPY_S));
         let longer = out
             .steps
