@@ -94,6 +94,7 @@ from deltaserve import _native, sim
 from deltaserve.sim.record import (
     graph_rule,
     host_samples,
+    keeps_delta_steps_within,
     read_steps,
     recording_python,
     reports_gpu_loads,
@@ -365,6 +366,10 @@ def analyse(context: dict[str, Any], steps: list[dict[str, Any]], replays: list[
     # with every step since 2026-11-27): an older recording, without the field, ran each copy inside the
     # step that admitted its request, and replays so.
     cfg.gpu_load_reports = reports_gpu_loads(steps)
+    # The router keeps the prompt chunks of steps with delta rows within the worker's delta graphs (its
+    # Hello's ``delta_graph_tokens``) since 2026-11-28; an older daemon's recording replays without it.
+    limit = model.graph_max_delta_tokens
+    cfg.delta_graph_tokens = limit if keeps_delta_steps_within(steps, delta_ids, limit) else 0
     # Every replay as the daemon saw it, at the clients' own send times, in one simulated run:
     # each phase starts with the variants and state the ones before left, its KV prefix cache
     # included (prompts keyed by content: seed k at two rates repeats its prompts).

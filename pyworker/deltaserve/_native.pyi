@@ -171,6 +171,7 @@ class Scheduler:
         max_deltas: int = 3,
         host_copy_reports: bool = False,
         gpu_load_reports: bool = False,
+        delta_graph_tokens: int = 0,
         enable_prefix_caching: bool = False,
     ) -> Self:
         """A scheduler over an empty queue and ``num_blocks`` free pages of ``block_size`` tokens.
@@ -186,7 +187,9 @@ class Scheduler:
         delta's ``to_gpu`` beside the steps and reports finished copies (``StepOutput.gpu_ready``), and
         while others run a delta is loaded ahead and its requests wait for the report (the router
         turns it on; off, a delta's ``to_gpu`` goes out with its request's admission and that step
-        waits for the copy); ``enable_prefix_caching``: reuse the KV
+        waits for the copy); ``delta_graph_tokens``: the most tokens of a step with delta rows the
+        worker replays from a CUDA graph (its ``Hello``'s), within which such a step takes prompt
+        chunks (0: no limit); ``enable_prefix_caching``: reuse the KV
         pages of prompt prefixes per variant registration (the router's ``--enable-prefix-caching``;
         a new request's ``num_computed_tokens`` is then its hit, whole pages shared with other
         requests). ``SchedError`` for a value out of range.
@@ -334,6 +337,9 @@ class SchedulerConfig:
     """Whether the worker copies a delta's ``to_gpu`` beside the steps and reports finished copies, its
     requests admitted after the report while others run (default False; the daemon sets True). The
     simulator then times those copies on the worker's load stream, outside the steps."""
+    delta_graph_tokens: int
+    """Most tokens of a step with delta rows the worker replays from a CUDA graph; prompt chunks of
+    such steps keep within it (default 0: no limit; the daemon takes the worker's ``Hello``'s)."""
 
     def __new__(cls, block_size: int, num_blocks: int, max_model_len: int) -> Self:
         """The scheduler's defaults around the pool geometry and context limit given."""

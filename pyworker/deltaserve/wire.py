@@ -75,7 +75,7 @@ SCHEMA_TEXT = (
     "StepOutput=3{step_id:u64,outputs:Vec<RequestOutput>,timing:StepTiming,adapter_host_bytes:u64,host_ready:Vec<u32>,cpu_assisted_prefills:u32,cpu_assist_fallbacks:u32,cpu_assist_declined:u32,speculated_prefills:u32,speculation_accepted:u32,speculation_recomputed_layers:u32,failed_variants:Vec<FailedVariant>,refused_requests:Vec<RefusedRequest>,gpu_ready:Vec<u32>}\n"
     "ModelInfo=0{architecture:String,vocab_size:u32,max_model_len:u32,num_layers:u32,hidden_size:u32,eos_token_ids:Vec<u32>,dtype:String,device:String,num_params:u64}\n"
     "KvCapacity=0{block_size:u32,num_blocks:u32,bytes_per_block:u64}\n"
-    "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity}\n"
+    "Hello=1{schema_hash:String,pid:u32,model:ModelInfo,kv:KvCapacity,delta_graph_tokens:u32}\n"
     "InspectVariant=6{inspect_id:u64,path:String,kind:VariantKind}\n"
     "VariantInfo=7{inspect_id:u64,error:Option<String>,num_blocks:u32,host_bytes:u64,max_rank:u32,target_modules:Vec<String>,kind:VariantKind,summary:String}\n"
     "WorkerConfig=8{schema_hash:String,model_dir:String,device:String,dtype:String,block_size:u32,kv_cache_bytes:u64,gpu_memory_utilization:f64,max_num_batched_tokens:u32,max_model_len:Option<u32>,seed:u64,kernels:KernelBackend,cuda_graph_max_batch:u32,recv_spin_us:u32,num_threads:u32,log_level:String,max_lora_rank:u32,max_loras_per_step:u32,host_arena_bytes:u64,max_deltas:u32,cuda_ops:bool,cache_dir:Option<String>,profile_path:Option<String>,profile_every_s:f64,cpu_lora_helpers:u32,cpu_lora_policy:String}\n"
@@ -886,17 +886,22 @@ class Hello:
     pid: int = 0
     model: ModelInfo = field(default_factory=ModelInfo)
     kv: KvCapacity = field(default_factory=KvCapacity)
+    #: Most tokens a step with compressed-delta rows may have and still replay from one of
+    #: the worker's CUDA graphs (its largest delta token bucket); a longer one runs eagerly,
+    #: launching each kernel from Python. 0: the worker captures no such steps. The router
+    #: keeps the prompt chunks of such steps within it.
+    delta_graph_tokens: int = 0
 
     def to_wire(self) -> list:
         """The positional array this struct is encoded as."""
-        return [self.schema_hash, self.pid, self.model.to_wire(), self.kv.to_wire()]
+        return [self.schema_hash, self.pid, self.model.to_wire(), self.kv.to_wire(), self.delta_graph_tokens]
 
     @classmethod
     def from_wire(cls, a: list) -> Hello:
         """Builds the struct from its positional array; missing trailing fields take their defaults."""
         n = len(a)
-        if n >= 4:
-            return cls(a[0], a[1], ModelInfo.from_wire(a[2]), KvCapacity.from_wire(a[3]))
+        if n >= 5:
+            return cls(a[0], a[1], ModelInfo.from_wire(a[2]), KvCapacity.from_wire(a[3]), a[4])
         m = cls()
         if n > 0:
             m.schema_hash = a[0]
@@ -906,6 +911,8 @@ class Hello:
             m.model = ModelInfo.from_wire(a[2])
         if n > 3:
             m.kv = KvCapacity.from_wire(a[3])
+        if n > 4:
+            m.delta_graph_tokens = a[4]
         return m
 
 

@@ -41,6 +41,8 @@ class SchedDriver:
     ``enable_prefix_caching`` lets new requests start on cached prefix pages (the router's default).
     ``gpu_load_reports``: a delta's ``to_gpu`` goes out ahead of its requests while others run, which
     are admitted once the worker reports the copy (``StepOutput.gpu_ready``), as the router does.
+    ``delta_graph_tokens``: prompt chunks of steps with delta rows keep within it (None: the Hello's,
+    as the router takes it: the executor's largest delta graph bucket, 0 without mixed graphs).
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class SchedDriver:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = False,
         gpu_load_reports: bool = False,
+        delta_graph_tokens: int | None = None,
     ) -> None:
         self.ex = executor
         self.variants = dict(variants or {})
@@ -73,6 +76,7 @@ class SchedDriver:
             max_deltas=0 if executor.delta_pool is None else executor.delta_pool.max_deltas,
             enable_prefix_caching=enable_prefix_caching,
             gpu_load_reports=gpu_load_reports,
+            delta_graph_tokens=hello.delta_graph_tokens if delta_graph_tokens is None else delta_graph_tokens,
         )
         self.outputs: dict[int, list[int]] = {}
         """Output tokens of each request added, as the scheduler appended them."""

@@ -6,6 +6,8 @@ traces: well under a second each."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -31,6 +33,18 @@ def test_gpu_load_reports_is_a_config_field_the_daemon_config_turns_on():
     cfg.validate()
     daemon = sim.daemon_config(sim.default_model())
     assert daemon.host_copy_reports and daemon.gpu_load_reports
+
+
+def test_delta_graph_tokens_is_a_config_field_the_daemon_config_takes_from_the_model():
+    cfg = _native.SchedulerConfig(16, 64, 512)
+    assert cfg.delta_graph_tokens == 0 and cfg.as_dict()["delta_graph_tokens"] == 0
+    cfg.delta_graph_tokens = 512
+    assert cfg.as_dict()["delta_graph_tokens"] == 512 and "delta_graph_tokens=512" in repr(cfg)
+    assert cfg != _native.SchedulerConfig(16, 64, 512), "the field takes part in equality"
+    cfg.validate()
+    assert sim.daemon_config(sim.default_model()).delta_graph_tokens == 0, "its model replays no delta step"
+    model = dataclasses.replace(sim.default_model(), graph_max_delta_tokens=384)
+    assert sim.daemon_config(model).delta_graph_tokens == 384
 
 
 def long_request_and_a_delta() -> sim.SimTrace:

@@ -14,7 +14,14 @@ import pytest
 
 from bench.sim_timeline import first_tokens, measured_split, simulated_split
 from deltaserve import sim
-from deltaserve.sim.record import graph_rule, host_samples, router_gap_s, span_copy_bandwidths, steps_to_samples
+from deltaserve.sim.record import (
+    graph_rule,
+    host_samples,
+    keeps_delta_steps_within,
+    router_gap_s,
+    span_copy_bandwidths,
+    steps_to_samples,
+)
 from tests.sim.test_sim import make_trace
 
 
@@ -132,6 +139,19 @@ def test_a_recording_gives_host_samples_spans_graph_rule_and_router_gap():
     copying = [{**steps[1], "ops": [[3, 1, 0]], "device_s": 0.008}]
     bw = span_copy_bandwidths(copying, {3: 8}, set(), {3: ("lora", 2_000_000)}, lambda f: 0.006)
     assert bw == {"lora": pytest.approx(1e9)}
+
+
+def test_a_recording_says_whether_its_router_kept_delta_steps_within_the_delta_graphs():
+    steps = recording()  # request 1 (variant 3) prefills 40 tokens; step 3: its decode beside a 20-token prompt
+    assert keeps_delta_steps_within(steps, {3}, 40), "no step with variant 3's rows passes 40 tokens"
+    assert not keeps_delta_steps_within(steps, {3}, 32), "step 1 prefills 40 tokens of variant 3"
+    short = [{**steps[0], "new": [[1, 10, 0, 10, 3]]}, *steps[1:]]  # a 10-token prompt instead
+    assert not keeps_delta_steps_within(short, {3}, 16), "step 3: 21 tokens with its decode"
+    assert keeps_delta_steps_within(short, {3}, 21)
+    assert keeps_delta_steps_within(steps, {7}, 16), "no delta rows: no limit to pass"
+    assert not keeps_delta_steps_within(steps, {3}, 0), "no limit"
+    decodes = [{**steps[3], "running": [[1, 1], [2, 1]]}]
+    assert keeps_delta_steps_within(decodes, {3}, 1), "decodes alone are never held back"
 
 
 def test_time_to_first_token_splits_into_wait_steps_and_delivery():

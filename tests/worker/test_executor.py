@@ -232,6 +232,7 @@ def test_hello_reports_model_and_kv(executor_factory, tiny_llama: Path) -> None:
     assert hello.model.device == "cpu" and hello.model.num_layers == ex.config.num_layers
     assert hello.model.num_params == sum(p.numel() for p in ex.model.parameters())
     assert hello.kv.block_size == 4
+    assert hello.delta_graph_tokens == 0, "no CUDA graphs on the CPU: no limit for the router to keep"
     assert (
         hello.kv.num_blocks * hello.kv.bytes_per_block
         <= KV_BYTES

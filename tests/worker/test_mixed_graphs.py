@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltaserve import wire
 from deltaserve.adapters.variants import StepRows
 from deltaserve.kernels import common as kernel_common
 from deltaserve.kernels.lora import LoraMeta
@@ -51,8 +52,8 @@ def static_steps(ex, max_tokens: int, max_seqs: int, max_delta_tokens: int | Non
     return mixed
 
 
-def _run(ex, reqs, arrivals, variants=None, adapter_of=None) -> dict[int, list[int]]:
-    return SchedDriver(ex, variants, adapter_of, max_num_batched_tokens=40).run(reqs, arrivals)
+def _run(ex, reqs, arrivals, variants=None, adapter_of=None, **driver) -> dict[int, list[int]]:
+    return SchedDriver(ex, variants, adapter_of, max_num_batched_tokens=40, **driver).run(reqs, arrivals)
 
 
 def test_buckets() -> None:
@@ -81,6 +82,18 @@ def test_config_variants_cover_each_delta_bucket_and_its_lanes(executor_factory)
         (tb, False, keys, key) for tb in lanes for keys in ((key,), ())
     )
     assert mixed.capture_config(key) == 0 and not mixed.delta_graphs, "capture off (CPU): nothing captured"
+
+
+def test_the_largest_delta_bucket_is_what_the_hello_tells_the_router(tiny_llama: Path) -> None:
+    """``Hello.delta_graph_tokens``: the most tokens a step with delta rows replays with, the largest
+    delta bucket (at most the largest bucket of all); 0 without delta buckets or a delta pool."""
+    mixed = static_steps(make_executor(tiny_llama, max_deltas=2), 2048, 16, max_delta_tokens=512)
+    assert mixed.delta_graph_tokens == mixed.delta_sizes[-1] == 512
+    assert (
+        static_steps(make_executor(tiny_llama, max_deltas=2), 300, 16, max_delta_tokens=512).delta_graph_tokens == 300
+    )
+    assert static_steps(make_executor(tiny_llama, max_deltas=2), 2048, 16, max_delta_tokens=0).delta_graph_tokens == 0
+    assert static_steps(make_executor(tiny_llama, max_deltas=0), 2048, 16, max_delta_tokens=512).delta_graph_tokens == 0
 
 
 def test_graph_token_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,20 +214,9 @@ def delta_workload(tiny_llama: Path, lora_dirs: dict[int, Path], delta_dirs: dic
     return reqs, arrivals, variants, adapter_of, want
 
 
-def test_static_steps_with_delta_rows_give_eager_tokens(
-    tiny_llama: Path, delta_dirs: dict[int, Path], delta_workload: tuple
-) -> None:
-    """Prefill chunks and decodes of two compressed deltas (4-bit and 2-bit: two packed configs), a LoRA
-    adapter and the base in the same steps go through the static buffers with every token a row of the
-    SBMM metadata and the logits rows their own (``DeltaPool.begin_step`` over token rows, what the
-    captured step's buffers hold) and give the eager tokens, whose deltas' prompts ran as segments.
-    Steps beyond the largest delta bucket (32 tokens here) run eagerly."""
-    reqs, arrivals, variants, adapter_of, want = delta_workload
-    base = _run(make_executor(tiny_llama, max_model_len=128), reqs, arrivals)
-    assert any(want[i] != base[i] for i in want if adapter_of[i] in delta_dirs), "the deltas change tokens"
-    ex = make_executor(tiny_llama, max_model_len=128, max_deltas=2)
-    mixed = static_steps(ex, 32, 8)
-    assert mixed.delta_sizes == [32]
+def _delta_step_tokens(ex) -> tuple[list[tuple[int, int]], list[int]]:
+    """Records the executor's steps with delta rows: (token rows, logits rows) of each that went through
+    the static buffers, and the tokens of each that ran eagerly."""
     token_rows: list[tuple[int, int]] = []
     eager_tokens: list[int] = []
     forward = ex.runner.model.forward
@@ -229,16 +231,43 @@ def test_static_steps_with_delta_rows_give_eager_tokens(
         return forward(batch, kv)
 
     ex.runner.model.forward = recording
+    return token_rows, eager_tokens
+
+
+def test_static_steps_with_delta_rows_give_eager_tokens(
+    tiny_llama: Path, delta_dirs: dict[int, Path], delta_workload: tuple
+) -> None:
+    """Prefill chunks and decodes of two compressed deltas (4-bit and 2-bit: two packed configs), a LoRA
+    adapter and the base in the same steps go through the static buffers with every token a row of the
+    SBMM metadata and the logits rows their own (``DeltaPool.begin_step`` over token rows, what the
+    captured step's buffers hold) and give the eager tokens, whose deltas' prompts ran as segments.
+    The scheduler keeps the prompt chunks of steps with delta rows within the largest delta bucket (32
+    tokens here; ``Hello.delta_graph_tokens``), so none runs eagerly; a scheduler told no limit makes
+    steps beyond it, which run eagerly, with the same tokens."""
+    reqs, arrivals, variants, adapter_of, want = delta_workload
+    base = _run(make_executor(tiny_llama, max_model_len=128), reqs, arrivals)
+    assert any(want[i] != base[i] for i in want if adapter_of[i] in delta_dirs), "the deltas change tokens"
+    ex = make_executor(tiny_llama, max_model_len=128, max_deltas=2)
+    mixed = static_steps(ex, 32, 8)
+    assert mixed.delta_sizes == [32] and ex.hello(wire.SCHEMA_HASH).delta_graph_tokens == 32
+    token_rows, eager_tokens = _delta_step_tokens(ex)
     assert _run(ex, reqs, arrivals, variants, adapter_of) == want
     assert mixed.delta_replays == len(token_rows) > 0, "steps with delta rows went through the static buffers"
     assert all(t == 32 and r == 8 for t, r in token_rows), "every token of the bucket a row; a logits row per sequence"
     assert mixed.lora_replays > 0
+    assert not eager_tokens, f"steps with delta rows beyond the delta graphs: {eager_tokens}"
+
+    # A scheduler without the limit (its 40-token budget): steps beyond the delta bucket run eagerly.
+    unlimited = make_executor(tiny_llama, max_model_len=128, max_deltas=2)
+    static_steps(unlimited, 32, 8)
+    _, eager_tokens = _delta_step_tokens(unlimited)
+    assert _run(unlimited, reqs, arrivals, variants, adapter_of, delta_graph_tokens=0) == want
     assert eager_tokens and all(t > 32 for t in eager_tokens), f"only steps beyond the delta bucket: {eager_tokens}"
 
     # DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS=0: every step with delta rows runs eagerly, the same tokens.
     off = make_executor(tiny_llama, max_model_len=128, max_deltas=2)
     no_deltas = static_steps(off, 32, 8, max_delta_tokens=0)
-    assert no_deltas.delta_sizes == []
+    assert no_deltas.delta_sizes == [] and off.hello(wire.SCHEMA_HASH).delta_graph_tokens == 0
     assert _run(off, reqs, arrivals, variants, adapter_of) == want
     assert no_deltas.delta_replays == 0 and no_deltas.replays == 0, "every step of this run has delta rows"
 

@@ -301,6 +301,27 @@ def graph_rule(steps: list[dict[str, Any]], deltas: Collection[int] = ()) -> tup
     return most, tokens, delta_tokens
 
 
+def keeps_delta_steps_within(steps: list[dict[str, Any]], deltas: Collection[int], limit: int) -> bool:
+    """Whether the recorded router kept the prompt chunks of steps with rows of ``deltas`` (variant ids)
+    within ``limit`` tokens, as it does since 2026-11-28 (``delta_graph_tokens``, the worker's largest
+    delta graph bucket): no recorded step with such rows and a prompt chunk passed it, unless its decodes
+    alone did. An older router whose steps never passed it formed the steps a limit would have."""
+    if limit <= 0:
+        return False
+    variant: dict[int, int] = {}
+    for s in steps:
+        for rid, _n, _c, _p, v in s["new"]:
+            variant[rid] = v
+        decodes = sum(n == 1 for _, n in s["running"])
+        if not s["new"] and decodes == len(s["running"]):
+            continue
+        rids = [n[0] for n in s["new"]] + [rid for rid, _ in s["running"]]
+        tokens = sum(n[1] for n in s["new"]) + sum(n for _, n in s["running"])
+        if tokens > limit and decodes < limit and any(variant.get(rid, 0) in deltas for rid in rids):
+            return False
+    return True
+
+
 TO_HOST, TO_GPU, DROP_GPU = 0, 1, 2
 """``TierOp`` values in a recording's ``ops``."""
 

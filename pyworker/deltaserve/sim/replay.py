@@ -60,6 +60,7 @@ def daemon_config(
     cfg.max_deltas = slots
     cfg.host_copy_reports = True
     cfg.gpu_load_reports = True
+    cfg.delta_graph_tokens = int(model.graph_max_delta_tokens)  # the worker's Hello: its largest delta graph
     if max_num_seqs is not None:
         cfg.max_num_seqs = max_num_seqs
     if max_num_batched_tokens is not None:

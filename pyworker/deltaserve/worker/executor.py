@@ -439,6 +439,7 @@ class Executor:
                 num_blocks=self.num_blocks,
                 bytes_per_block=self.bytes_per_block,
             ),
+            delta_graph_tokens=self.runner.mixed.delta_graph_tokens if self.runner.mixed is not None else 0,
         )
 
     # ------------------------------------------------------------------ steps

@@ -127,7 +127,8 @@ tokens (each reading the delta again) and a long prompt's delta in the dense lan
 (``adapters.delta_graphs``). Llama-2-7B shape, 4-bit 2:4, H200, one prompt of one delta
 (``bench/README.md``): replayed 31.8 ms at 512 tokens against 53.8 eager; at 1,024 55.2 against 56.9,
 a tie that does not pay for the graphs of two more buckets captured mid-serving (a 30 s DeltaZip run
-with the limit at 1,024 captured 14). Beyond the limit the step runs eagerly."""
+with the limit at 1,024 captured 14). Beyond the limit the step runs eagerly; the router keeps the
+prompt chunks of steps with delta rows within it (``MixedGraphs.delta_graph_tokens``, in the Hello)."""
 
 
 def _tokens_from_env(name: str, default: int) -> int:
@@ -466,6 +467,13 @@ class MixedGraphs:
         return len(missing)
 
     # ------------------------------------------------------------------ steps
+
+    @property
+    def delta_graph_tokens(self) -> int:
+        """Most tokens a step with delta rows may have and replay here (the largest delta bucket; 0: no
+        delta pool or no delta buckets). The worker's Hello says it, and the router keeps the prompt
+        chunks of such steps within it, so that they replay instead of running eagerly."""
+        return self.delta_sizes[-1] if self.deltas is not None and self.delta_sizes else 0
 
     def bucket_for(self, num_tokens: int, num_seqs: int, deltas: bool = False) -> int | None:
         """The smallest bucket (of ``delta_sizes`` when the step has ``deltas`` rows) holding a step of

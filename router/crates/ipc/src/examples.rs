@@ -217,6 +217,7 @@ pub fn hello() -> Hello {
             num_blocks: 70_000,
             bytes_per_block: 5_000_000_000,
         },
+        delta_graph_tokens: 512,
     }
 }
 

@@ -509,6 +509,11 @@ wire_structs! {
         pid: u32,
         model: ModelInfo,
         kv: KvCapacity,
+        /// Most tokens a step with compressed-delta rows may have and still replay from one of
+        /// the worker's CUDA graphs (its largest delta token bucket); a longer one runs eagerly,
+        /// launching each kernel from Python. 0: the worker captures no such steps. The router
+        /// keeps the prompt chunks of such steps within it.
+        delta_graph_tokens: u32,
     }
 
     /// Asks the worker to validate a variant directory against its model and report its

@@ -98,6 +98,7 @@ impl Scheduler {
         max_deltas = DEFAULT_MAX_DELTAS,
         host_copy_reports = false,
         gpu_load_reports = false,
+        delta_graph_tokens = 0,
         enable_prefix_caching = false,
     ),
     // The defaults spelled out for `help()` and stubtest (`...` otherwise); the asserts above
@@ -105,7 +106,7 @@ impl Scheduler {
     text_signature = "(block_size, num_blocks, max_model_len, *, max_num_seqs=256, \
         max_num_batched_tokens=2048, host_adapter_bytes=4294967296, prefetch_window=64, \
         max_deltas=3, host_copy_reports=False, gpu_load_reports=False, \
-        enable_prefix_caching=False)"
+        delta_graph_tokens=0, enable_prefix_caching=False)"
     )]
     #[allow(clippy::too_many_arguments)] // one keyword per config field
     fn new(
@@ -120,6 +121,7 @@ impl Scheduler {
         max_deltas: usize,
         host_copy_reports: bool,
         gpu_load_reports: bool,
+        delta_graph_tokens: usize,
         enable_prefix_caching: bool,
     ) -> PyResult<Self> {
         let cfg = SchedulerConfig {
@@ -133,6 +135,7 @@ impl Scheduler {
             max_deltas,
             host_copy_reports,
             gpu_load_reports,
+            delta_graph_tokens,
             enable_prefix_caching,
         };
         let sched = deltaserve_sched::Scheduler::new(cfg).map_err(|e| sched_err(py, e))?;

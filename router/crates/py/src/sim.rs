@@ -56,6 +56,9 @@ pub(crate) struct PySchedulerConfig {
     /// requests admitted after the report while others run (the daemon: on; `sim_loop.rs` times
     /// the copies on the worker's load stream).
     gpu_load_reports: bool,
+    /// Most tokens of a step with delta rows that the worker replays from a graph: prompt chunks
+    /// of such steps keep within it (the daemon: the worker's Hello; 0: no limit).
+    delta_graph_tokens: usize,
 }
 
 impl From<Config> for PySchedulerConfig {
@@ -71,6 +74,7 @@ impl From<Config> for PySchedulerConfig {
             max_deltas,
             host_copy_reports,
             gpu_load_reports,
+            delta_graph_tokens,
             // Set per run: on when `simulate` is given the prompts' identities (`prompt_keys`).
             enable_prefix_caching: _,
         } = c;
@@ -85,6 +89,7 @@ impl From<Config> for PySchedulerConfig {
             max_deltas,
             host_copy_reports,
             gpu_load_reports,
+            delta_graph_tokens,
         }
     }
 }
@@ -102,6 +107,7 @@ impl From<&PySchedulerConfig> for Config {
             max_deltas: c.max_deltas,
             host_copy_reports: c.host_copy_reports,
             gpu_load_reports: c.gpu_load_reports,
+            delta_graph_tokens: c.delta_graph_tokens,
             enable_prefix_caching: false,
         }
     }
@@ -140,6 +146,7 @@ impl PySchedulerConfig {
         d.set_item("max_deltas", self.max_deltas)?;
         d.set_item("host_copy_reports", self.host_copy_reports)?;
         d.set_item("gpu_load_reports", self.gpu_load_reports)?;
+        d.set_item("delta_graph_tokens", self.delta_graph_tokens)?;
         Ok(d)
     }
 
@@ -148,7 +155,8 @@ impl PySchedulerConfig {
         format!(
             "SchedulerConfig(block_size={}, num_blocks={}, max_num_seqs={}, \
              max_num_batched_tokens={}, max_model_len={}, host_adapter_bytes={}, \
-             prefetch_window={}, max_deltas={}, host_copy_reports={}, gpu_load_reports={})",
+             prefetch_window={}, max_deltas={}, host_copy_reports={}, gpu_load_reports={}, \
+             delta_graph_tokens={})",
             self.block_size,
             self.num_blocks,
             self.max_num_seqs,
@@ -159,6 +167,7 @@ impl PySchedulerConfig {
             self.max_deltas,
             py_bool(self.host_copy_reports),
             py_bool(self.gpu_load_reports),
+            self.delta_graph_tokens,
         )
     }
 }

@@ -115,7 +115,8 @@ impl Scheduler {
     ///     hits = w's cached prefix pages (`prefix.rs`); if a running request is computing
     ///           w's next prefix page: pass w over (it keeps its place; at most
     ///           MAX_PREFIX_DEFERRALS a step) and continue
-    ///     n = min(len(w.tokens) - hits * block_size, budget)   # chunked prefill
+    ///     n = min(len(w.tokens) - hits * block_size, prompt_budget)   # chunked prefill
+    ///     (prompt_budget 0: the step is as long as the worker's delta graphs: stop)
     ///     need = pages(hits * block_size + n) - hits + hits no request holds + watermark
     ///            (+ w.adapter's pages unless it is on the GPU)
     ///     delta: if w.delta is not on the GPU and all max_deltas slots are taken, evict the
@@ -185,7 +186,12 @@ impl Scheduler {
                 pos += 1;
                 continue;
             }
-            let Some(prefix) = self.plan_prefix(id, draft.budget) else {
+            let delta = self.adapters.is_delta(adapter_id);
+            let budget = self.prompt_budget(draft, delta);
+            if budget == 0 {
+                break; // the step is as long as the worker's delta graphs: the rest waits
+            }
+            let Some(prefix) = self.plan_prefix(id, budget) else {
                 // A running request is computing its next prefix page: take it once published.
                 self.prefix_deferrals += 1;
                 deferred += 1;
@@ -209,6 +215,7 @@ impl Scheduler {
             self.apply_admission(adapter_id, plan, &mut draft.ops);
             draft.watermark += self.admit(key, id, prefix.hits, prefix.n, &mut draft.step);
             draft.budget -= prefix.n as usize;
+            draft.delta_rows |= delta;
             debug_assert_eq!(computed, self.seqs[&id].num_computed);
         }
         if head_blocked {

@@ -60,6 +60,13 @@ pub struct SchedulerConfig {
     /// its host copy is read. Off: a delta's `ToGpu` goes out in the step that admits its
     /// request, which waits for the copy.
     pub gpu_load_reports: bool,
+    /// Most tokens a step with compressed-delta rows may have and still replay from one of the
+    /// worker's CUDA graphs (its Hello's `delta_graph_tokens`); 0: no such limit. A step with
+    /// delta rows (or about to get one) then takes prompt chunks only up to it, so that it replays
+    /// instead of launching its ~1,000 kernels one by one: the prompt's rest goes in the next
+    /// step. Decode tokens are never held back by it, and when the step's decodes alone exceed it
+    /// (the step runs eagerly whatever its prompts) prompts are not held back either.
+    pub delta_graph_tokens: usize,
     /// Reuse the KV pages of a prompt prefix across requests of the same variant registration
     /// (`prefix.rs`): full pages are published as they are computed and kept, while no request
     /// holds them, until their pages are needed. Off: every request computes its whole prompt.
@@ -70,7 +77,8 @@ impl SchedulerConfig {
     /// A config with the pool geometry and context limit given, and default per-step limits
     /// ([`DEFAULT_MAX_NUM_SEQS`], [`DEFAULT_MAX_NUM_BATCHED_TOKENS`]) and host tier
     /// ([`DEFAULT_HOST_ADAPTER_BYTES`], [`DEFAULT_PREFETCH_WINDOW`]) and delta slots
-    /// ([`DEFAULT_MAX_DELTAS`]), without host copy reports, GPU load reports or prefix caching.
+    /// ([`DEFAULT_MAX_DELTAS`]), without host copy reports, GPU load reports, a delta graph limit
+    /// or prefix caching.
     pub fn new(block_size: u32, num_blocks: u32, max_model_len: u32) -> Self {
         Self {
             block_size,
@@ -83,6 +91,7 @@ impl SchedulerConfig {
             max_deltas: DEFAULT_MAX_DELTAS,
             host_copy_reports: false,
             gpu_load_reports: false,
+            delta_graph_tokens: 0,
             enable_prefix_caching: false,
         }
     }

@@ -19,6 +19,7 @@ impl Scheduler {
     /// ```text
     /// for r in running (arrival order):
     ///     n = min(len(r.tokens) - r.num_computed, budget)      # 1 in decode, a chunk in prefill
+    ///                                           # (a chunk: within prompt_budget, not budget)
     ///     while pages for r.num_computed + n are not free:
     ///         if a LoRA adapter on the GPU has no running request: evict the LRU one (DropGpu)
     ///         else preempt the most recently arrived running request v   # free pages,
@@ -43,7 +44,16 @@ impl Scheduler {
                 seq.to_schedule() >= 1 || ahead,
                 "running request {id} has nothing left to compute"
             );
-            let (n, need) = self.next_chunk(seq, draft.budget);
+            let decode = seq.to_schedule() == 1;
+            let budget = if decode {
+                draft.budget
+            } else {
+                self.prompt_budget(draft, self.adapters.is_delta(seq.adapter_id))
+            };
+            let (n, need) = self.next_chunk(seq, budget);
+            if decode && self.cfg.delta_graph_tokens > 0 {
+                draft.decodes_ahead = draft.decodes_ahead.saturating_sub(1);
+            }
             if n == 0 {
                 // Out of budget, or (ahead) done unless its outstanding token ends it: it stays
                 // on the worker, unscheduled, and keeps its pages.

@@ -99,6 +99,13 @@ pub(crate) struct StepDraft {
     pub(crate) watermark: u64,
     /// Adapter of each `step.running` entry, in the same order (for grouping).
     pub(crate) running_adapters: Vec<u32>,
+    /// With a delta graph limit (`delta_graph_tokens`): whether the step has a row of a
+    /// compressed delta, from the running requests before phase 1, then from each admission.
+    pub(crate) delta_rows: bool,
+    /// With a delta graph limit: the step's decode tokens (running requests with one token to
+    /// compute), counted before phase 1, and how many of them phase 1 has still to schedule.
+    pub(crate) decodes: usize,
+    pub(crate) decodes_ahead: usize,
 }
 
 impl Scheduler {
@@ -304,7 +311,7 @@ impl Scheduler {
     /// The step algorithm, one call per phase (each phase's doc has its pseudo-code):
     ///
     /// ```text
-    /// budget = max_num_batched_tokens
+    /// budget = max_num_batched_tokens   (a prompt chunk: also prompt_budget's delta graph limit)
     /// 0. preempt every orphaned skipper: pages freed, back into waiting   preempt_orphans
     /// 1. for r in running (arrival order): schedule r's next chunk within the budget,
     ///    evicting idle LoRA adapters, then preempting the newest running requests, for
@@ -327,6 +334,14 @@ impl Scheduler {
         };
         let skip_preempted = self.preempt_orphans();
         draft.step.preempted.extend_from_slice(&skip_preempted);
+        if self.cfg.delta_graph_tokens > 0 {
+            for &(_, id) in &self.running {
+                let seq = &self.seqs[&id];
+                draft.delta_rows |= self.adapters.is_delta(seq.adapter_id);
+                draft.decodes += usize::from(seq.to_schedule() == 1);
+            }
+            draft.decodes_ahead = draft.decodes;
+        }
         let memory_preempted = self.schedule_running(&mut draft, ahead);
         if !memory_preempted {
             self.admit_waiting(&mut draft, &skip_preempted);
@@ -336,6 +351,25 @@ impl Scheduler {
         }
         self.prefetch(&mut draft.ops);
         self.assemble(draft)
+    }
+
+    /// The most tokens a prompt chunk (of a request of a delta when `delta`) may take in the
+    /// step being formed: the budget, and with a delta graph limit (`delta_graph_tokens`), in a
+    /// step with delta rows or getting its first, what keeps the step within the limit, its
+    /// decodes still to come included (0: the prompt waits for a later step):
+    ///
+    /// ```text
+    /// if limit and (step has delta rows or delta) and decodes < limit:
+    ///     min(budget, limit - tokens scheduled - decodes still to schedule)
+    /// else: budget         # no limit, no delta rows, or the decodes alone pass it (eager anyway)
+    /// ```
+    pub(crate) fn prompt_budget(&self, draft: &StepDraft, delta: bool) -> usize {
+        let limit = self.cfg.delta_graph_tokens;
+        if limit == 0 || !(draft.delta_rows || delta) || draft.decodes >= limit {
+            return draft.budget;
+        }
+        let held = self.cfg.max_num_batched_tokens - draft.budget + draft.decodes_ahead;
+        draft.budget.min(limit.saturating_sub(held))
     }
 
     /// Phase 4, for a step that schedules something:

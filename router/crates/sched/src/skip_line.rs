@@ -139,7 +139,11 @@ impl Scheduler {
                 break;
             }
             let delta = self.seqs[&id].adapter_id;
-            let Some(prefix) = self.plan_prefix(id, draft.budget) else {
+            let budget = self.prompt_budget(draft, true);
+            if budget == 0 {
+                break;
+            }
+            let Some(prefix) = self.plan_prefix(id, budget) else {
                 continue; // its next prefix page is being computed: it waits for it
             };
             if prefix.pages + draft.watermark > self.blocks.num_free() as u64 {

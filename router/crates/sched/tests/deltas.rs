@@ -622,3 +622,83 @@ fn a_delta_loading_ahead_keeps_its_slot_while_requests_run_and_gives_it_up_when_
         rig.step();
     }
 }
+
+/// [`dcfg`] (4-token pages, a 64-token budget) with 64 pages, 2 delta slots and the worker's
+/// delta graphs up to `limit` tokens.
+fn limit_cfg(limit: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        delta_graph_tokens: limit,
+        ..dcfg(64, 2)
+    }
+}
+
+/// Each scheduled request's tokens this step: `(id, tokens)`, new ones first.
+fn chunks(st: &ScheduledStep) -> Vec<(u64, u32)> {
+    let new = st.new.iter().map(|n| (n.id, n.num_scheduled_tokens));
+    new.chain(st.running.iter().map(|r| (r.id, r.num_scheduled_tokens)))
+        .collect()
+}
+
+#[test]
+fn with_a_delta_graph_limit_a_delta_prompt_is_chunked_to_fit_beside_the_decodes() {
+    let mut rig = Rig::new(&limit_cfg(16), &[], &[1]);
+    rig.add(areq(1, 4, 20, 1));
+    assert_eq!(chunks(&rig.step()), [(1, 4)]);
+    // A 30-token prompt of the same delta: 15 tokens beside request 1's decode, then 15 more.
+    rig.add(areq(2, 30, 3, 1));
+    let st = rig.step();
+    assert_eq!(chunks(&st), [(2, 15), (1, 1)]);
+    assert_eq!(st.num_scheduled_tokens(), 16);
+    assert_eq!(chunks(&rig.step()), [(1, 1), (2, 15)]);
+    assert_eq!(chunks(&rig.step()), [(1, 1), (2, 1)]);
+    // Without the limit the whole prompt goes at once (31 tokens, within the 64-token budget).
+    let mut off = Rig::new(&limit_cfg(0), &[], &[1]);
+    off.add(areq(1, 4, 20, 1));
+    off.step();
+    off.add(areq(2, 30, 3, 1));
+    assert_eq!(chunks(&off.step()), [(2, 30), (1, 1)]);
+    for r in [&mut rig, &mut off] {
+        while r.s.has_unfinished() {
+            r.step();
+        }
+    }
+}
+
+#[test]
+fn the_delta_graph_limit_holds_base_prompts_only_in_steps_with_delta_rows() {
+    let mut rig = Rig::new(&limit_cfg(16), &[], &[1]);
+    // No delta row: a base prompt takes the whole budget.
+    rig.add(req(1, 40, 20));
+    assert_eq!(chunks(&rig.step()), [(1, 40)]);
+    // A delta prompt behind a step already past the limit waits: admitting it would make the
+    // step run eagerly. The next step takes it within the limit beside the two decodes.
+    rig.add(req(2, 20, 3));
+    rig.add(areq(3, 30, 3, 1));
+    assert_eq!(chunks(&rig.step()), [(2, 20), (1, 1)]);
+    assert_eq!(chunks(&rig.step()), [(3, 14), (1, 1), (2, 1)]);
+    // With the delta running, a base prompt shares the limit too.
+    rig.add(req(4, 30, 3));
+    assert_eq!(chunks(&rig.step()), [(1, 1), (2, 1), (3, 14)]);
+    while rig.s.has_unfinished() {
+        rig.step();
+    }
+}
+
+#[test]
+fn when_the_decodes_alone_pass_the_delta_graph_limit_prompts_are_not_held_back() {
+    // Graphs up to 2 tokens: two one-token prompts fill the first step; then the decodes alone
+    // reach the limit (every step runs eagerly), and holding prompts back would only starve them.
+    let mut rig = Rig::new(&limit_cfg(2), &[], &[1]);
+    for id in 1..=3 {
+        rig.add(areq(id, 1, 20, 1));
+    }
+    assert_eq!(new_ids(&rig.step()), [1, 2]);
+    assert_eq!(new_ids(&rig.step()), [3]);
+    rig.add(areq(4, 10, 3, 1));
+    let st = rig.step();
+    assert_eq!(new_ids(&st), [4]);
+    assert_eq!(st.num_scheduled_tokens(), 13);
+    while rig.s.has_unfinished() {
+        rig.step();
+    }
+}

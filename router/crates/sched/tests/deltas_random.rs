@@ -45,14 +45,15 @@ const DELTAS: [u32; 4] = [4, 5, 6, 7];
 /// One random scenario: adds (base, LoRA and delta requests), aborts, finishes, worker resets,
 /// lost outputs and steps; every invariant after every operation; then a drain in which every
 /// request must finish. The seed also picks, without drawing from the stream, whether the
-/// worker reports host reads and delta copies (as the router runs it: both; or one, or none)
-/// and how many steps a delta copy takes.
+/// worker reports host reads and delta copies (as the router runs it: both; or one, or none),
+/// how many steps a delta copy takes, and the worker's delta graph limit (none, 3 or 12 tokens).
 fn scenario(seed: u64, ops: usize, cov: &mut Coverage) {
     let mut rng = Rng(seed);
     let bs = rng.range(1, 4) as u32;
     let c = SchedulerConfig {
         host_copy_reports: seed % 4 >= 2,
         gpu_load_reports: seed % 2 == 1,
+        delta_graph_tokens: [0, 3, 12][(seed / 12 % 3) as usize],
         host_adapter_bytes: rng.range(20, 60),
         prefetch_window: rng.range(0, 4) as usize,
         max_deltas: rng.range(1, 3) as usize,

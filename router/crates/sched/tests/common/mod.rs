@@ -40,6 +40,7 @@ pub fn cfg(
         max_deltas: deltaserve_sched::DEFAULT_MAX_DELTAS,
         host_copy_reports: false,
         gpu_load_reports: false,
+        delta_graph_tokens: 0,
         enable_prefix_caching: false,
     }
 }
@@ -417,6 +418,54 @@ impl FakeWorker {
         }
     }
 
+    /// With `cfg.delta_graph_tokens`: a step with a row of a delta and a prompt chunk (a new
+    /// request, or a running one computing more than one token) schedules at most that many
+    /// tokens, unless its decodes alone reach it (the worker's delta graphs: such a step would
+    /// otherwise run eagerly). A step that preempted may pass it: the scheduler counted its
+    /// decodes before phase 1 preempted some of them.
+    fn check_delta_graph_limit(&self, step: &ScheduledStep) {
+        let limit = self.cfg.delta_graph_tokens;
+        let adapter = |id: u64| {
+            step.new
+                .iter()
+                .find(|n| n.id == id)
+                .map(|n| n.adapter_id)
+                .unwrap_or_else(|| self.reqs[&id].adapter_id)
+        };
+        let ids = step
+            .new
+            .iter()
+            .map(|n| n.id)
+            .chain(step.running.iter().map(|r| r.id));
+        let delta_rows = ids
+            .clone()
+            .any(|id| self.delta_slots.contains_key(&adapter(id)));
+        let decodes = step
+            .running
+            .iter()
+            .filter(|r| r.num_scheduled_tokens == 1)
+            .count();
+        let prompts = !step.new.is_empty() || decodes < step.running.len();
+        if limit > 0 && delta_rows && prompts && decodes < limit && step.preempted.is_empty() {
+            assert!(
+                step.num_scheduled_tokens() <= limit,
+                "step {}: {} tokens with delta rows and a prompt chunk > the delta graph limit \
+                 {limit}: new {:?}, running {:?}, preempted {:?}",
+                step.step_id,
+                step.num_scheduled_tokens(),
+                step.new
+                    .iter()
+                    .map(|n| (n.id, n.adapter_id, n.num_scheduled_tokens))
+                    .collect::<Vec<_>>(),
+                step.running
+                    .iter()
+                    .map(|r| (r.id, adapter(r.id), r.num_scheduled_tokens))
+                    .collect::<Vec<_>>(),
+                step.preempted
+            );
+        }
+    }
+
     /// Runs one step: drops `released`, takes `new` in full, applies `running` diffs, computes
     /// each chunk and samples with `sample` where a chunk reaches the end. Panics on any
     /// contract violation.
@@ -451,6 +500,7 @@ impl FakeWorker {
             }
         }
         self.apply_adapter_ops(step);
+        self.check_delta_graph_limit(step);
         for r in self.reqs.values_mut() {
             r.last = None;
         }

@@ -42,6 +42,7 @@ pub(super) fn sched_config(worker: &WorkerProcess, limits: &SchedLimits) -> Sche
         max_deltas: limits.max_deltas,
         host_copy_reports: true,
         gpu_load_reports: true,
+        delta_graph_tokens: worker.hello.delta_graph_tokens as usize,
         enable_prefix_caching: limits.enable_prefix_caching,
     }
 }
