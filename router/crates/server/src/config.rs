@@ -55,7 +55,9 @@ pub struct ServerConfig {
     /// Most requests running in one step.
     #[arg(long, env = "DELTASERVE_MAX_NUM_SEQS", default_value_t = 256)]
     pub max_num_seqs: usize,
-    /// Token budget of one step (prefill chunks plus decode tokens).
+    /// Token budget of one step (prefill chunks plus decode tokens). A step with compressed-delta
+    /// rows also keeps its prompt chunks within the worker's delta CUDA graphs (512 tokens by
+    /// default, DELTASERVE_CUDA_GRAPH_MAX_DELTA_TOKENS on the worker), so that it replays.
     #[arg(
         long,
         env = "DELTASERVE_MAX_NUM_BATCHED_TOKENS",
