@@ -43,7 +43,7 @@ import runpy
 import stat
 import sys
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -280,23 +280,30 @@ def router_gap_s(steps: list[dict[str, Any]]) -> float | None:
     return float(np.median(gaps)) if gaps else None
 
 
+def _prompt_steps(steps: list[dict[str, Any]], deltas: Collection[int]) -> Iterator[tuple[dict[str, Any], int, bool]]:
+    """The recorded steps with a prompt chunk (a new request, or a running one computing more than one
+    token), each with its tokens and whether it has rows of ``deltas`` (variant ids; a request's variant
+    is known from the step that admitted it)."""
+    variant: dict[int, int] = {}
+    for s in steps:
+        for rid, _n, _c, _p, v in s["new"]:
+            variant[rid] = v
+        if s["new"] or any(n > 1 for _, n in s["running"]):
+            rids = [n[0] for n in s["new"]] + [rid for rid, _ in s["running"]]
+            tokens = sum(n[1] for n in s["new"]) + sum(n for _, n in s["running"])
+            yield s, tokens, any(variant.get(rid, 0) in deltas for rid in rids)
+
+
 def graph_rule(steps: list[dict[str, Any]], deltas: Collection[int] = ()) -> tuple[int, int, int]:
     """``(graph_max_batch, graph_max_tokens, graph_max_delta_tokens)`` as the recording shows them: the
     most requests of a step a graph replayed, the most tokens of a replayed step that prefilled, and of
     one of those with rows of ``deltas`` (variant ids; 0: none seen)."""
-    variant: dict[int, int] = {}
-    most = tokens = delta_tokens = 0
-    for s in steps:
-        for rid, _n, _c, _p, v in s["new"]:
-            variant[rid] = v
-        if not s.get("graph"):
-            continue
-        most = max(most, len(s["new"]) + len(s["running"]))
-        if s["new"] or any(n > 1 for _, n in s["running"]):
-            t = sum(n[1] for n in s["new"]) + sum(n for _, n in s["running"])
+    most = max((len(s["new"]) + len(s["running"]) for s in steps if s.get("graph")), default=0)
+    tokens = delta_tokens = 0
+    for s, t, delta_rows in _prompt_steps(steps, deltas):
+        if s.get("graph"):
             tokens = max(tokens, t)
-            rids = [n[0] for n in s["new"]] + [rid for rid, _ in s["running"]]
-            if any(variant.get(rid, 0) in deltas for rid in rids):
+            if delta_rows:
                 delta_tokens = max(delta_tokens, t)
     return most, tokens, delta_tokens
 
@@ -308,16 +315,9 @@ def keeps_delta_steps_within(steps: list[dict[str, Any]], deltas: Collection[int
     alone did. An older router whose steps never passed it formed the steps a limit would have."""
     if limit <= 0:
         return False
-    variant: dict[int, int] = {}
-    for s in steps:
-        for rid, _n, _c, _p, v in s["new"]:
-            variant[rid] = v
+    for s, tokens, delta_rows in _prompt_steps(steps, deltas):
         decodes = sum(n == 1 for _, n in s["running"])
-        if not s["new"] and decodes == len(s["running"]):
-            continue
-        rids = [n[0] for n in s["new"]] + [rid for rid, _ in s["running"]]
-        tokens = sum(n[1] for n in s["new"]) + sum(n for _, n in s["running"])
-        if tokens > limit and decodes < limit and any(variant.get(rid, 0) in deltas for rid in rids):
+        if delta_rows and tokens > limit and decodes < limit:
             return False
     return True
 

@@ -51,8 +51,8 @@ impl Scheduler {
                 self.prompt_budget(draft, self.adapters.is_delta(seq.adapter_id))
             };
             let (n, need) = self.next_chunk(seq, budget);
-            if decode && self.cfg.delta_graph_tokens > 0 {
-                draft.decodes_ahead = draft.decodes_ahead.saturating_sub(1);
+            if decode {
+                draft.decodes_ahead = draft.decodes_ahead.saturating_sub(1); // 0 without a limit
             }
             if n == 0 {
                 // Out of budget, or (ahead) done unless its outstanding token ends it: it stays

@@ -432,14 +432,12 @@ impl FakeWorker {
                 .map(|n| n.adapter_id)
                 .unwrap_or_else(|| self.reqs[&id].adapter_id)
         };
-        let ids = step
+        let mut ids = step
             .new
             .iter()
             .map(|n| n.id)
             .chain(step.running.iter().map(|r| r.id));
-        let delta_rows = ids
-            .clone()
-            .any(|id| self.delta_slots.contains_key(&adapter(id)));
+        let delta_rows = ids.any(|id| self.delta_slots.contains_key(&adapter(id)));
         let decodes = step
             .running
             .iter()
