@@ -30,10 +30,11 @@ import pytest
 
 from helpers.executors import make_executor
 from helpers.tiny_models import make_tiny_model
-from helpers.triton_interpret import cache_np_dtypes, keep_language_patched
+from helpers.triton_interpret import cache_np_dtypes, keep_language_patched, skip_discarded_overflow_checks
 
 keep_language_patched()  # interpreted kernels: triton.language patched once, not at every launch
 cache_np_dtypes()  # and their numpy dtypes looked up once per element type
+skip_discarded_overflow_checks()  # and no int64 overflow check whose verdict device_assert discards
 
 # The benchmarks are the `bench` package at the repository root (tests import `from bench import
 # replay`); appended, so nothing installed is shadowed by a directory of the checkout.
