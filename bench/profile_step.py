@@ -31,12 +31,19 @@ benchmarks' figures).
     python3 -m bench.profile_step [--cases base-b1,base-b64,delta1-b64,delta8-b64,lora1-b64,lora64-b64]
         [--steps 5] [--warmup 3] [--eager] [--top 12] [--out DIR]
     python3 -m bench.profile_step --smoke [--out DIR]   # tiny shape on the CPU (CPU ops): checks the script
+
+``--host-profile``: the launching thread's side instead. The timed steps run under ``cProfile`` (no
+torch profiler), and each case records the Python functions with the most own time per step
+(``host_functions``: own and cumulative µs per step, calls per step). The step's wall time is then
+inflated by cProfile's per-call cost, so read the shares, not the totals.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import re
 import statistics
 import tempfile
@@ -153,6 +160,18 @@ def kernel_times(prof: torch.profiler.profile, steps: int, device_kernels: bool)
     return {name: (us / steps, n / steps) for name, (us, n) in totals.items()}
 
 
+def host_functions(host: cProfile.Profile, steps: int, keep: int = 60) -> list[dict]:
+    """The ``keep`` Python functions with the most own time over the profiled steps, per step: own and
+    cumulative µs, calls."""
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in pstats.Stats(host).stats.items():  # type: ignore[attr-defined]
+        where = name if file == "~" else f"{Path(file).name}:{line}({name})"
+        rows.append(
+            {"function": where, "own_us": own / steps * 1e6, "cum_us": cum / steps * 1e6, "calls": calls / steps}
+        )
+    return sorted(rows, key=lambda r: -r["own_us"])[:keep]
+
+
 def by_kind(kernels: dict[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
     """Kind -> {"us": µs per step, "launches": per step}."""
     out: dict[str, dict[str, float]] = {}
@@ -170,14 +189,23 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
     if on_gpu:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     prof = torch.profiler.profile(activities=activities)
+    host = cProfile.Profile() if args.host_profile else None
 
     def after_step(index: int) -> None:  # index 0 admits the requests, then warm-up, then the timed steps
         if index == args.warmup:
-            prof.start()
+            if on_gpu:
+                torch.cuda.synchronize(ex.device)
+            if host is None:
+                prof.start()
+            else:
+                host.enable()
         elif index == args.warmup + args.steps:
             if on_gpu:
                 torch.cuda.synchronize(ex.device)
-            prof.stop()
+            if host is None:
+                prof.stop()
+            else:
+                host.disable()
 
     def replays() -> int:  # decode and mixed graphs
         mixed = ex.runner.mixed
@@ -203,6 +231,19 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
         chunk_cached=case.cached,
     )
     replayed = replays() - before
+    if host is not None:
+        return {
+            "case": case.name,
+            "batch": case.batch,
+            "chunk": case.chunk,
+            "cached_prefix": case.cached,
+            "rows": case.kind,
+            "variants": case.variants,
+            "step_ms": statistics.median(times) * 1e3,
+            "graph_replays": replayed,
+            "floor_us": statistics.median(floors),
+            "host_functions": host_functions(host, args.steps),
+        }
     kernels = kernel_times(prof, args.steps, device_kernels=on_gpu)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     return {
@@ -240,6 +281,12 @@ def against_base(rows: list[dict]) -> None:
 
 
 def report(r: dict, top: int) -> None:
+    if "host_functions" in r:
+        print(f"\n{r['case']}: step {r['step_ms']:.2f} ms under cProfile ({r['graph_replays']} graph replays)")
+        print(f"  {'own us':>9s} {'cum us':>9s} {'calls':>7s}  function")
+        for f in r["host_functions"][:top]:
+            print(f"  {f['own_us']:9.1f} {f['cum_us']:9.1f} {f['calls']:7.1f}  {f['function'][:100]}")
+        return
     floor = (
         f", {r['device_over_floor']:.2f}x the worker's floor {r['floor_us'] / 1e3:.2f} ms"
         if r["device_over_floor"]
@@ -291,6 +338,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=12, help="kernels printed per case (the JSON keeps all)")
     p.add_argument("--eager", action="store_true", help="run the steps eagerly (no CUDA graphs)")
     p.add_argument("--smoke", action="store_true", help="tiny shape on the CPU (checks the script runs)")
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="cProfile the launching thread over the timed steps instead of the kernels (module docstring)",
+    )
     p.add_argument("--out", type=Path, default=None, help="result directory (default bench/results)")
     p.add_argument("--suffix", default="", help="appended to the result's experiment name")
     args = p.parse_args(argv)
@@ -354,7 +406,8 @@ def run(args: argparse.Namespace) -> Path:
         for pool in (ex.delta_pool, ex.lora_pool):
             if pool is not None:
                 pool.close()
-    against_base(rows)
+    if not args.host_profile:
+        against_base(rows)
     for r in rows:
         report(r, args.top)
     payload = {
@@ -368,11 +421,12 @@ def run(args: argparse.Namespace) -> Path:
         "lora_rank": LORA_RANK,
         "lora_projections": list(SEVEN),
         "piece_sharing": "off",
-        "unit": "us per step (CUDA kernels; CPU operators' self time in --smoke)",
+        "unit": "us per step (CUDA kernels; CPU operators' self time in --smoke; --host-profile: Python functions)",
         "rows": rows,
         "source": "python3 -m bench.profile_step "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in (("cases", args.cases), ("steps", args.steps)))
-        + (" --eager" if args.eager else ""),
+        + (" --eager" if args.eager else "")
+        + (" --host-profile" if args.host_profile else ""),
     }
     path = write_result("profile_step" + args.suffix, payload, args.out)
     print(f"\nwrote {path}")

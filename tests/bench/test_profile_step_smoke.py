@@ -38,6 +38,21 @@ def test_profile_step_smoke(tmp_path: Path) -> None:
     assert [(cases[c]["requests_per_step"], cases[c]["cached_prefix"]) for c in hits] == [(1, 16), (1, 16)]
 
 
+def test_profile_step_host_profile_smoke(tmp_path: Path) -> None:
+    """``--host-profile``: the launching thread's Python functions per step instead of the kernels, sorted
+    by own time, the forward's among them."""
+    argv = ["--smoke", "--host-profile", "--out", str(tmp_path)]
+    r = json.loads(profile_step.main(argv).read_text())
+    assert r["source"].endswith("--host-profile")
+    for row in r["rows"]:
+        assert "kernels" not in row and row["step_ms"] > 0
+        functions = row["host_functions"]
+        own = [f["own_us"] for f in functions]
+        assert own == sorted(own, reverse=True) and own[0] > 0
+        assert all(f["cum_us"] >= f["own_us"] - 1e-6 and f["calls"] > 0 for f in functions)
+        assert any("linear" in f["function"] for f in functions), "the forward's matmuls ran under the profile"
+
+
 @pytest.mark.parametrize(
     "spec,kind,variants,batch,chunk,cached",
     [

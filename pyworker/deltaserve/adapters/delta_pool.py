@@ -187,6 +187,8 @@ class DeltaPool:
         """Part -> the HF projections of a layer's piece of that part."""
         self.tile_cap = cuda_tile_cap(device)
         """Most tokens per SBMM work tile: the CUDA op's largest where it runs (builds it now), else None."""
+        self._graphable: dict[ConfigKey, bool] = {}
+        """``_config_graphable`` of each config whose pools exist."""
         self.dense_min_m = dense_min_m(device)
         """Prefill segments of a delta this long or longer: dequantised once and one matmul (CUDA only)."""
         self.lane_scratch: torch.Tensor | None = None
@@ -663,12 +665,20 @@ class DeltaPool:
         are the CUDA op's only), and the dtype is one it takes."""
         if self.tile_cap is None or self.dtype not in (torch.float16, torch.bfloat16):
             return False
+        return all(self._config_graphable(key) for key in keys)
+
+    def _config_graphable(self, key: ConfigKey) -> bool:
+        """``graphable`` of one config, judged once its pools exist (they never change after: each step
+        asked it again for every linear, ~0.1 ms of the launching thread a delta step)."""
+        known = self._graphable.get(key)
+        if known is not None:
+            return known
+        pools = self.step.weights.get(key)
+        if not pools:
+            return False
         x = torch.empty(0, 0, dtype=self.dtype, device=self.device)
-        for key in keys:
-            pools = self.step.weights.get(key)
-            if not pools or any(cuda_shape_problem(x, w) for w in pools.values()):
-                return False
-        return True
+        self._graphable[key] = ok = not any(cuda_shape_problem(x, w) for w in pools.values())
+        return ok
 
     def graph_tiles(self, b: int, cap: int) -> int:
         """Rows of a captured step's tile table (its launches' grid): the most work tiles of ``cap`` tokens
