@@ -190,22 +190,13 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     prof = torch.profiler.profile(activities=activities)
     host = cProfile.Profile() if args.host_profile else None
+    start, stop = (prof.start, prof.stop) if host is None else (host.enable, host.disable)
 
     def after_step(index: int) -> None:  # index 0 admits the requests, then warm-up, then the timed steps
-        if index == args.warmup:
+        if index in (args.warmup, args.warmup + args.steps):
             if on_gpu:
                 torch.cuda.synchronize(ex.device)
-            if host is None:
-                prof.start()
-            else:
-                host.enable()
-        elif index == args.warmup + args.steps:
-            if on_gpu:
-                torch.cuda.synchronize(ex.device)
-            if host is None:
-                prof.stop()
-            else:
-                host.disable()
+            (start if index == args.warmup else stop)()
 
     def replays() -> int:  # decode and mixed graphs
         mixed = ex.runner.mixed
