@@ -14,6 +14,11 @@ the reference, counting 4·D·H FLOPs per visible (query, key) pair (QK^T and PV
 Each configuration is first checked: kernel vs reference, max |difference| in the JSON.
 
     python3 -m bench.bench_paged_attention [--batches 1,8,32,64,128,256] [--ctx 512,2048] [--out DIR]
+        [--splits 1,2,4,8,16]
+
+``--splits``: each decode row also replays the kernel from a CUDA graph at each of these split counts
+(``splits_graph_ms``; each one's max |difference| from the default launch's output in
+``splits_max_abs_diff``): the sweep behind ``decode_num_splits``.
 
 Needs a CUDA GPU, TRITON_INTERPRET unset. Writes bench/results/paged_attention-<device>-<date>.json.
 """
@@ -91,7 +96,24 @@ def run_kernel(q, ck, cv, batch, scale):
     )
 
 
-def bench_decode(shape: str, batch_size: int, ctx: int, bw: float, iters: int, device) -> dict:
+def graph_replay_ms(launch, iters: int) -> float:
+    """Median ms of ``launch`` captured once in a CUDA graph and replayed (warmed up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    graph.replay()
+    torch.cuda.synchronize()
+    return time_cuda(graph.replay, iters) * 1e3
+
+
+def bench_decode(
+    shape: str, batch_size: int, ctx: int, bw: float, iters: int, device, sweep: tuple[int, ...] = ()
+) -> dict:
     heads, kv_heads, dim = HEADS[shape]
     scale = dim**-0.5
     q, ck, cv, batch = make_step([(ctx - 1, 1)] * batch_size, heads, kv_heads, dim, device, seed=batch_size)
@@ -115,23 +137,22 @@ def bench_decode(shape: str, batch_size: int, ctx: int, bw: float, iters: int, d
     row["kernel_ms"] = time_cuda(lambda: run_kernel(q, ck, cv, batch, scale), iters) * 1e3
 
     # The same launch captured in a CUDA graph and replayed: kernel time without Python launch cost.
+    static_out = torch.empty_like(q)
+
+    def launch(n: int):
+        return lambda: paged_decode(q, ck, cv, batch.block_tables, batch.seq_lens, scale, num_splits=n, out=static_out)
+
     try:
-        static_out = torch.empty_like(q)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            paged_decode(q, ck, cv, batch.block_tables, batch.seq_lens, scale, num_splits=splits, out=static_out)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            paged_decode(q, ck, cv, batch.block_tables, batch.seq_lens, scale, num_splits=splits, out=static_out)
-        graph.replay()
-        torch.cuda.synchronize()
+        row["graph_ms"] = graph_replay_ms(launch(splits), iters)
         row["graph_matches_eager"] = bool(torch.equal(static_out, out))
-        row["graph_ms"] = time_cuda(graph.replay, iters) * 1e3
     except Exception as exc:  # noqa: BLE001 (a failed capture is a result to report, not a crash)
         row["graph_ms"] = None
         row["graph_error"] = f"{type(exc).__name__}: {exc}"
+    if sweep:
+        row["splits_graph_ms"], row["splits_max_abs_diff"] = {}, {}
+        for n in sweep:
+            row["splits_graph_ms"][n] = graph_replay_ms(launch(n), iters)
+            row["splits_max_abs_diff"][n] = (static_out.float() - out.float()).abs().max().item()
     best = row["graph_ms"] or row["kernel_ms"]
     row["kernel_GBps"] = kv_bytes / (best / 1e3) / 1e9
     row["kernel_vs_copy_bw"] = kv_bytes / (best / 1e3) / bw
@@ -165,8 +186,10 @@ def main() -> None:
     p.add_argument("--ctx", default="512,2048")
     p.add_argument("--prefill", default="1x2048,16x512", help="NUMxLEN prompts, comma separated ('' skips)")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--splits", default="", help="split counts each decode row also replays (module docstring)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    sweep = tuple(int(n) for n in args.splits.split(",") if n)
     if not torch.cuda.is_available():
         sys.exit("bench_paged_attention.py needs a CUDA GPU")
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -184,7 +207,7 @@ def main() -> None:
     for shape in shapes:
         for ctx in (int(c) for c in args.ctx.split(",")):
             for b in (int(x) for x in args.batches.split(",")):
-                row = bench_decode(shape, b, ctx, bw, args.iters, device)
+                row = bench_decode(shape, b, ctx, bw, args.iters, device, sweep)
                 torch.cuda.empty_cache()
                 decode_rows.append(row)
                 ref = f"{row['ref_ms']:.3f}" if row["ref_ms"] else "oom"
@@ -196,6 +219,8 @@ def main() -> None:
                     f"max diff {row.get('max_abs_diff', float('nan')):.1e}",
                     flush=True,
                 )
+                if sweep:
+                    print("  splits: " + ", ".join(f"{n}: {ms:.4f} ms" for n, ms in row["splits_graph_ms"].items()))
                 if "graph_error" in row:
                     print(f"  graph capture failed: {row['graph_error']}", flush=True)
 
@@ -214,7 +239,7 @@ def main() -> None:
             )
 
     path = write_result(
-        "paged_attention",
+        "paged_attention" + ("-splits" if sweep else ""),
         {
             "device": device_name(device),
             "dtype": "float16",
@@ -222,6 +247,7 @@ def main() -> None:
             "copy_bandwidth_GBps": bw / 1e9,
             "heads": HEADS,
             "iters": args.iters,
+            "splits_sweep": list(sweep),
             "triton": __import__("triton").__version__,
             "torch": torch.__version__,
             "decode": decode_rows,
