@@ -189,7 +189,12 @@ def main() -> None:
     p.add_argument("--splits", default="", help="split counts each decode row also replays (module docstring)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    sweep = tuple(int(n) for n in args.splits.split(",") if n)
+    try:
+        sweep = tuple(int(n) for n in args.splits.split(",") if n)
+    except ValueError:
+        sys.exit(f"--splits: want split counts like 1,2,4,8, got {args.splits!r}")
+    if any(n < 1 for n in sweep):
+        sys.exit(f"--splits: every split count must be >= 1, got {args.splits!r}")
     if not torch.cuda.is_available():
         sys.exit("bench_paged_attention.py needs a CUDA GPU")
     if os.environ.get("TRITON_INTERPRET") == "1":
