@@ -111,3 +111,21 @@ def _kv_bytes_of(daemon) -> int:
     """The KV budget the tiny_daemon fixture was started with (from its command line)."""
     args = daemon.proc.args
     return int(args[args.index("--kv-cache-bytes") + 1])
+
+
+def test_ctrl_c_in_a_terminal_stops_daemon_and_worker_quietly(tiny_llama):
+    """A terminal's Ctrl-C signals the whole foreground process group: the router and its worker. The
+    router drains and stops its worker; the worker leaves the shutdown to it, so the log shows no Python
+    traceback, and no interpreter-teardown noise from native extensions (nanobind's leak report)."""
+    d = Daemon(tiny_llama).wait_ready()
+    try:
+        r = httpx.post(f"{d.url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200, r.text
+        os.killpg(d.proc.pid, signal.SIGINT)  # the daemon leads its own process group (Daemon: new session)
+        assert d.wait_exit(60) == 0, d.logs()[-4000:]
+        logs = d.logs()
+        assert "shutting down" in logs
+        assert "Traceback" not in logs and "KeyboardInterrupt" not in logs, logs[-4000:]
+        assert "nanobind" not in logs, logs[-4000:]
+    finally:
+        d.stop()

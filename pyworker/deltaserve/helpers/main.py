@@ -177,4 +177,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from deltaserve.child_process import run_child
+
+    run_child(main)  # SIGINT left to the worker and router, no interpreter teardown (child_process)
