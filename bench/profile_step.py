@@ -221,23 +221,7 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
         chunk_adapter=case.chunk_row(variant_base),
         chunk_cached=case.cached,
     )
-    replayed = replays() - before
-    if host is not None:
-        return {
-            "case": case.name,
-            "batch": case.batch,
-            "chunk": case.chunk,
-            "cached_prefix": case.cached,
-            "rows": case.kind,
-            "variants": case.variants,
-            "step_ms": statistics.median(times) * 1e3,
-            "graph_replays": replayed,
-            "floor_us": statistics.median(floors),
-            "host_functions": host_functions(host, args.steps),
-        }
-    kernels = kernel_times(prof, args.steps, device_kernels=on_gpu)
-    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
-    return {
+    row = {
         "case": case.name,
         "batch": case.batch,
         "chunk": case.chunk,
@@ -246,10 +230,18 @@ def profile_case(ex: Executor, case: Case, args, first_id: int, first_block: int
         "rows": case.kind,
         "variants": case.variants,
         "step_ms": statistics.median(times) * 1e3,
-        "graph_replays": replayed,
-        "device_us_per_step": sum(us for us, _ in kernels.values()),
+        "graph_replays": replays() - before,
         "floor_us": statistics.median(floors),
-        "device_over_floor": sum(us for us, _ in kernels.values()) / statistics.median(floors) if any(floors) else None,
+    }
+    if host is not None:
+        return {**row, "host_functions": host_functions(host, args.steps)}
+    kernels = kernel_times(prof, args.steps, device_kernels=on_gpu)
+    device_us = sum(us for us, _ in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return {
+        **row,
+        "device_us_per_step": device_us,
+        "device_over_floor": device_us / row["floor_us"] if any(floors) else None,
         "launches_per_step": sum(n for _, n in kernels.values()),
         "by_kind": by_kind(kernels),
         "kernels": [{"name": name, "us": us, "launches": n} for name, (us, n) in ranked],
