@@ -30,17 +30,26 @@ import os
 from typing import Any
 
 
+def _interpreter() -> Any | None:
+    """Triton's interpreter module when kernels are interpreted (``TRITON_INTERPRET=1``), else None."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return None
+    return interpreter
+
+
 def _replaceable(name: str, marker: str) -> tuple[Any, Any, Any] | None:
     """(triton.language, the interpreter module, its function ``name``) when kernels are interpreted and that
     function exists and is not already this module's replacement (which carries attribute ``marker``); else
     None: then nothing is patched."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    interpreter = _interpreter()
+    if interpreter is None:
         return None
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter
-    except ImportError:
-        return None
+    import triton.language as tl
+
     original = getattr(interpreter, name, None)
     if original is None or getattr(original, marker, False):
         return None
@@ -99,13 +108,7 @@ def cache_np_dtypes() -> bool:
 def skip_discarded_overflow_checks() -> bool:
     """Switches the interpreter's overflow sanitising off where its checks are discarded (module docstring);
     returns whether it did."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
-    builder = getattr(interpreter, "interpreter_builder", None)
+    builder = getattr(_interpreter(), "interpreter_builder", None)
     options = getattr(builder, "options", None)
     if options is None or getattr(options, "debug", True) or not getattr(options, "sanitize_overflow", False):
         return False

@@ -11,12 +11,18 @@ import os
 import pytest
 
 
-def test_cached_np_dtypes_equal_the_interpreters() -> None:
+def _interpreted():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the patches apply to interpreted runs only")
-    import triton.language as tl
     from triton.runtime import interpreter
 
+    return interpreter
+
+
+def test_cached_np_dtypes_equal_the_interpreters() -> None:
+    import triton.language as tl
+
+    interpreter = _interpreted()
     cached = interpreter._get_np_dtype
     assert getattr(cached, "_cached_by_element", False), "conftest installs the cache"
     original = cached.original
@@ -27,14 +33,6 @@ def test_cached_np_dtypes_equal_the_interpreters() -> None:
         types += [tl.block_type(s, [4]), s, tl.pointer_type(s), tl.block_type(tl.pointer_type(s), [2, 8])]
     for t in types + types[::-1]:  # blocks first, then scalars first
         assert cached(t) == original(t), t
-
-
-def _interpreted():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the patches apply to interpreted runs only")
-    from triton.runtime import interpreter
-
-    return interpreter
 
 
 def test_overflow_checks_off_only_where_their_verdict_was_discarded(monkeypatch: pytest.MonkeyPatch) -> None:
